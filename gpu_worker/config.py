@@ -1,0 +1,28 @@
+"""The GPU worker's configuration, built once by the launcher."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What the worker loads and how much KV it allocates.
+
+    ``model_path`` is an HF-layout directory (config.json + safetensors);
+    ``gpu_worker.model_files.resolve_model`` turns any accepted --model into one.
+    """
+
+    model_path: str = ""
+    device: str = "auto"  # auto: cuda if present, else cpu
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 | float64
+    page_size: int = 16
+    kv_cache_tokens: int = 0  # 0: size the pool from kv_mem_fraction
+    kv_mem_fraction: float = 0.2  # of free device memory (CPU: available RAM)
+    max_running_requests: int = 128  # request slots in the page table
+    num_threads: int = 0  # torch threads on CPU; 0: all cores
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        assert self.page_size >= 1, "page_size must be >= 1"
+        assert 0.0 < self.kv_mem_fraction < 1.0, "kv_mem_fraction must be in (0, 1)"

@@ -1,0 +1,252 @@
+"""Every message that crosses a process boundary in rivulet.
+
+One ``msgspec.Struct`` per message and one tagged union per channel:
+
+    client        -> tokenizer_proc : ClientRequest  = GenerateRequest | AbortRequest
+    tokenizer_proc -> client        : ClientReply    = GenerateOutput
+    tokenizer_proc -> scheduler_proc: ToScheduler    = TokenizedRequest | AbortReq
+    scheduler_proc -> tokenizer_proc: ToTokenizer    = TokenBatch | RequestError
+    scheduler_proc -> gpu_worker    : ToWorker       = ForwardBatch
+    gpu_worker    -> scheduler_proc : FromWorker     = ForwardResult
+    every child   -> launcher       : ToLauncher     = Ready | WorkerReady
+
+Client messages are msgpack maps with unknown fields forbidden, so a client that
+misspells a field gets an error instead of a silently ignored option. Messages
+between our own processes are msgpack arrays (``array_like``): smaller and faster,
+and both ends are always the same version of this file.
+
+Only plain data travels: ints, floats, strings, ``list[int]``, enums. No tensors,
+no pickles, no config objects.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class FinishReason(enum.Enum):
+    """Why a request ended; every final reply carries one."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens or the model's context limit
+    ABORT = "abort"  # the client (or shutdown) aborted it
+    ERROR = "error"  # rejected or failed; GenerateOutput.error says why
+
+
+# --------------------------------------------------------------------------
+# client <-> tokenizer_proc (msgpack maps, unknown fields are an error)
+# --------------------------------------------------------------------------
+
+
+class ClientMsg(msgspec.Struct, tag=True, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of everything a client sends or receives."""
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    role: str
+    content: str
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a client may ask of sampling and stopping.
+
+    Checked by ``tokenizer_proc.validation``; defaults follow SGLang/OpenAI.
+    ``top_k <= 0`` means no top-k; ``temperature == 0`` means greedy.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+class GenerateRequest(ClientMsg, tag="generate"):
+    """Exactly one of ``prompt``, ``messages`` (chat template applied) or ``input_ids``."""
+
+    rid: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    input_ids: list[int] | None = None
+    sampling: SamplingParams = SamplingParams()
+    stream: bool = False
+    logprobs: bool = False
+
+
+class AbortRequest(ClientMsg, tag="abort"):
+    rid: str
+
+
+ClientRequest = GenerateRequest | AbortRequest
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class GenerateOutput(ClientMsg, tag="output"):
+    """One reply to a client: a delta when streaming, else the whole result.
+
+    The last reply of a request has ``finish_reason`` and ``usage`` set; an error
+    reply has ``finish_reason == ERROR`` and ``error`` set. ``rid`` is empty when
+    the request could not even be parsed far enough to know it.
+    """
+
+    rid: str
+    text: str = ""
+    token_ids: list[int] = []
+    logprobs: list[float] | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+
+ClientReply = GenerateOutput
+
+
+# --------------------------------------------------------------------------
+# between our own processes (msgpack arrays)
+# --------------------------------------------------------------------------
+
+
+class Msg(msgspec.Struct, tag=True, frozen=True, kw_only=True, array_like=True):
+    """Base of every message between rivulet's processes."""
+
+
+class SamplerParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """What the worker needs to sample one request's tokens.
+
+    ``seed`` is always set (the tokenizer draws one when the client gave none):
+    sampling noise is a pure function of (seed, position), so a request's tokens
+    do not depend on which other requests share its batch.
+    """
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+
+
+class TokenizedRequest(Msg):
+    """A validated request, ready to schedule. ``rid`` is the tokenizer's internal id."""
+
+    rid: int
+    input_ids: list[int]
+    max_new_tokens: int
+    stop_token_ids: list[int]  # EOS ids (unless ignore_eos) plus the client's own
+    sampler: SamplerParams
+
+
+class AbortReq(Msg):
+    """Finish ``rid`` now; ``reason`` is STOP when a stop string ended it."""
+
+    rid: int
+    reason: FinishReason = FinishReason.ABORT
+
+
+ToScheduler = TokenizedRequest | AbortReq
+
+
+class TokenBatch(Msg):
+    """One scheduler step's new tokens, one row per request that got a token.
+
+    ``finished[i]`` is set on the row of a request's last token; a request
+    aborted without a new token appears with ``token_ids[i] == -1``.
+    ``cached_tokens[i]`` counts the prompt tokens whose KV was reused.
+    """
+
+    rids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: list[FinishReason | None]
+    cached_tokens: list[int]
+
+
+class RequestError(Msg):
+    """The scheduler rejected or failed ``rid``; it holds no state for it any more."""
+
+    rid: int
+    message: str
+
+
+ToTokenizer = TokenBatch | RequestError
+
+
+class ForwardBatch(Msg):
+    """One forward pass: extend rows (prefill chunks) and decode rows alike.
+
+    Row ``i`` belongs to request slot ``slots[i]``; its ``extend_lens[i]`` new
+    tokens (``input_ids``, flattened over rows) sit at positions
+    ``prefix_lens[i] .. prefix_lens[i] + extend_lens[i] - 1``. A decode row is
+    an extend row of length 1.
+
+    Page-table deltas: row ``i`` appends ``page_counts[i]`` pages (taken in order
+    from the flat ``pages``) to its slot's page table at index ``page_starts[i]``.
+    A token at position p lives in KV slot
+    ``page_table[slot][p // page_size] * page_size + p % page_size``.
+
+    ``sample[i]`` is False for a chunk that is not the end of its prompt: its KV
+    is written but no token is drawn. ``sampler[i]`` is sent when a slot is
+    (re)assigned to a request and None afterwards; the worker keeps it per slot.
+    """
+
+    step: int
+    slots: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    input_ids: list[int]
+    page_starts: list[int]
+    page_counts: list[int]
+    pages: list[int]
+    sample: list[bool]
+    sampler: list[SamplerParams | None]
+
+
+ToWorker = ForwardBatch
+
+
+class ForwardResult(Msg):
+    """The tokens drawn for the rows of ``step`` whose ``sample`` was True, in row order.
+
+    ``error`` is set (and the lists empty) when the forward failed; the scheduler
+    then fails that batch's requests and keeps serving.
+    """
+
+    step: int
+    token_ids: list[int]
+    logprobs: list[float]
+    forward_s: float
+    error: str | None = None
+
+
+FromWorker = ForwardResult
+
+
+class Ready(Msg):
+    """A child process is up and serving."""
+
+    proc: str
+    pid: int
+
+
+class WorkerReady(Msg):
+    """The worker loaded its model and allocated ``num_pages`` KV pages of ``page_size`` tokens."""
+
+    pid: int
+    num_pages: int
+    page_size: int
+    context_len: int
+    device: str
+    dtype: str
+
+
+ToLauncher = Ready | WorkerReady

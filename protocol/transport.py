@@ -1,0 +1,74 @@
+"""ZMQ sockets that speak one channel of protocol/: one encoder, one typed decoder each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import zmq
+
+T = TypeVar("T")
+
+
+class Codec(Generic[T]):
+    """Encodes any protocol message; decodes only the channel's union ``T``.
+
+    ``decode`` raises ``msgspec.ValidationError`` / ``msgspec.DecodeError`` on a
+    malformed or unknown frame; callers turn that into an error reply or a logged drop.
+    """
+
+    def __init__(self, decode_type: Any) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(decode_type)
+
+    def encode(self, msg: msgspec.Struct) -> bytes:
+        return self._encoder.encode(msg)
+
+    def decode(self, frame: bytes | memoryview) -> T:
+        return self._decoder.decode(frame)
+
+
+def make_socket(ctx: zmq.Context, kind: int, endpoint: str, *, bind: bool) -> zmq.Socket:
+    """A socket that never blocks process exit (linger 0) and has no message cap."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    if bind:
+        sock.bind(endpoint)
+    else:
+        sock.connect(endpoint)
+    return sock
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where each channel lives. The launcher picks them; every process gets the same set.
+
+    ``client`` is bound by tokenizer_proc (ROUTER); every other channel is a
+    PUSH/PULL pair bound by its receiver.
+    """
+
+    client: str
+    to_scheduler: str  # tokenizer -> scheduler
+    to_tokenizer: str  # scheduler -> tokenizer
+    to_worker: str  # scheduler -> worker
+    from_worker: str  # worker -> scheduler
+    to_launcher: str  # every child -> launcher (Ready messages)
+
+    @classmethod
+    def in_dir(cls, run_dir: str, client: str | None = None) -> Endpoints:
+        """ipc:// sockets in ``run_dir`` (a fresh private temp dir)."""
+
+        def ipc(name: str) -> str:
+            return f"ipc://{run_dir}/{name}.sock"
+
+        return cls(
+            client=client or ipc("client"),
+            to_scheduler=ipc("to_scheduler"),
+            to_tokenizer=ipc("to_tokenizer"),
+            to_worker=ipc("to_worker"),
+            from_worker=ipc("from_worker"),
+            to_launcher=ipc("to_launcher"),
+        )
