@@ -1,0 +1,293 @@
+"""Start rivulet: the tokenizer, scheduler and GPU worker processes, then supervise them.
+
+    python launcher.py --chunked-prefill-size 256
+
+Order of start: the worker (loads weights, sizes the KV pool) and the tokenizer
+start together; once the worker reports how many KV pages it allocated, the
+scheduler starts with that number in its config. When all three said Ready the
+launcher prints the client endpoint and waits. If any child dies, the others are
+stopped and the launcher exits non-zero naming the child; SIGINT/SIGTERM stop
+everything within a few seconds. Children also die with the launcher
+(PR_SET_PDEATHSIG), so no process is ever orphaned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import msgspec
+import zmq
+
+from gpu_worker.config import WorkerConfig
+from protocol import Ready, ToLauncher, WorkerReady
+from protocol.transport import Codec, Endpoints, make_socket
+from scheduler_proc.config import SchedulerConfig
+from tokenizer_proc.config import TokenizerConfig
+
+logger = logging.getLogger("rivulet.launcher")
+
+DEFAULT_ENDPOINT = "ipc:///tmp/rivulet/client.sock"
+READY_TIMEOUT_S = 600.0  # a first start converts the GGUF (~40 s on 2 cores)
+STOP_GRACE_S = 4.0  # SIGTERM -> SIGKILL; the whole shutdown stays under 5 s
+LOG_FORMAT = "[%(asctime)s %(processName)s] %(message)s"
+
+
+class ChildDied(RuntimeError):
+    """A child process exited while the engine was starting or serving."""
+
+    def __init__(self, name: str, exitcode: int | None) -> None:
+        super().__init__(f"{name} exited with code {exitcode}")
+        self.name = name
+        self.exitcode = exitcode
+
+
+# --------------------------------------------------------------------------
+# command line
+# --------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag's default comes from the config dataclass that owns it."""
+    w, s = WorkerConfig(), SchedulerConfig()
+    p = argparse.ArgumentParser(description="rivulet: a multi-process LLM serving engine")
+    p.add_argument("--model", default=None, help="HF model dir or .gguf (default: embedded SmolLM2-135M)")
+    p.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help="client socket: ipc://PATH or tcp://127.0.0.1:PORT")
+    p.add_argument("--chunked-prefill-size", type=int, default=s.chunked_prefill_size, help="-1 disables")
+    p.add_argument("--max-prefill-tokens", type=int, default=s.max_prefill_tokens)
+    p.add_argument("--max-running-requests", type=int, default=s.max_running_requests)
+    p.add_argument("--page-size", type=int, default=s.page_size)
+    p.add_argument("--kv-cache-tokens", type=int, default=w.kv_cache_tokens, help="0: use --kv-mem-fraction")
+    p.add_argument("--kv-mem-fraction", type=float, default=w.kv_mem_fraction)
+    p.add_argument("--enable-mixed-chunk", action="store_true", default=s.enable_mixed_chunk)
+    p.add_argument("--device", default=w.device, help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default=w.dtype, help="auto | float32 | bfloat16 | float16 | float64")
+    p.add_argument("--num-threads", type=int, default=w.num_threads, help="worker torch threads; 0: all cores")
+    p.add_argument("--seed", type=int, default=w.seed)
+    p.add_argument("--decode-log-interval", type=int, default=s.decode_log_interval)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def check_endpoint(endpoint: str) -> str:
+    """The client socket stays on this machine: an ipc:// path or a loopback tcp:// address."""
+    if endpoint.startswith("ipc://"):
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+        if host in ("127.0.0.1", "localhost", "::1") or host.startswith("127."):
+            return endpoint
+        raise SystemExit(f"--endpoint {endpoint}: rivulet binds loopback only (127.0.0.1), not {host}")
+    raise SystemExit(f"--endpoint {endpoint}: expected ipc://PATH or tcp://127.0.0.1:PORT")
+
+
+def worker_config(args: argparse.Namespace, model_path: str) -> WorkerConfig:
+    return WorkerConfig(
+        model_path=model_path,
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        kv_cache_tokens=args.kv_cache_tokens,
+        kv_mem_fraction=args.kv_mem_fraction,
+        max_running_requests=args.max_running_requests,
+        num_threads=args.num_threads,
+        seed=args.seed,
+    )
+
+
+def scheduler_config(args: argparse.Namespace, ready: WorkerReady) -> SchedulerConfig:
+    return SchedulerConfig(
+        num_pages=ready.num_pages,
+        context_len=ready.context_len,
+        page_size=ready.page_size,
+        max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        enable_mixed_chunk=args.enable_mixed_chunk,
+        decode_log_interval=args.decode_log_interval,
+    )
+
+
+# --------------------------------------------------------------------------
+# children
+# --------------------------------------------------------------------------
+
+
+def _child_main(entry: str, config: Any, endpoints: Endpoints, log_level: str) -> None:
+    """Runs first in every child: die with the launcher, leave Ctrl-C to it, log alike.
+
+    ``entry`` is "module:function", imported here so the launcher never loads torch.
+    """
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format=LOG_FORMAT, stream=sys.stderr, force=True)
+    module_name, func_name = entry.split(":")
+    run: Callable[[Any, Endpoints], None] = getattr(importlib.import_module(module_name), func_name)
+    run(config, endpoints)
+
+
+def _die_with_parent() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the launcher died before prctl took effect
+        os._exit(1)
+
+
+ENTRIES = {
+    "gpu_worker": "gpu_worker.process:run_worker",
+    "tokenizer": "tokenizer_proc.process:run_tokenizer",
+    "scheduler": "scheduler_proc.process:run_scheduler",
+}
+
+
+class Engine:
+    """The launcher's view of the running processes."""
+
+    def __init__(self, endpoints: Endpoints, log_level: str) -> None:
+        self.endpoints = endpoints
+        self.log_level = log_level
+        self.children: dict[str, BaseProcess] = {}
+        self._mp = multiprocessing.get_context("spawn")
+        self._zmq = zmq.Context()
+        self._ready_sock = make_socket(self._zmq, zmq.PULL, endpoints.to_launcher, bind=True)
+        self._codec: Codec[ToLauncher] = Codec(ToLauncher)
+
+    def start(self, name: str, config: Any) -> None:
+        proc = self._mp.Process(
+            target=_child_main,
+            args=(ENTRIES[name], config, self.endpoints, self.log_level),
+            name=name,
+        )
+        proc.start()
+        self.children[name] = proc
+
+    def wait_ready(self, names: set[str], timeout_s: float) -> dict[str, ToLauncher]:
+        """Block until every child in ``names`` said Ready; raise ChildDied if one exits first."""
+        got: dict[str, ToLauncher] = {}
+        deadline = time.monotonic() + timeout_s
+        while names - got.keys():
+            self.raise_if_dead()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no Ready from {sorted(names - got.keys())} in {timeout_s:.0f} s")
+            if not self._ready_sock.poll(200):
+                continue
+            try:
+                msg = self._codec.decode(self._ready_sock.recv())
+            except msgspec.DecodeError as exc:
+                logger.warning("dropped a malformed frame on the launcher socket: %s", exc)
+                continue
+            got["gpu_worker" if isinstance(msg, WorkerReady) else msg.proc] = msg
+        return got
+
+    def raise_if_dead(self) -> None:
+        for name, proc in self.children.items():
+            if proc.exitcode is not None:
+                raise ChildDied(name, proc.exitcode)
+
+    def supervise(self, wakeup: socket.socket) -> None:
+        """Block until a child exits (raise ChildDied) or a signal byte arrives on ``wakeup``."""
+        sentinels = {proc.sentinel: name for name, proc in self.children.items()}
+        while True:
+            ready = multiprocessing.connection.wait([*sentinels, wakeup])
+            if wakeup in ready:
+                return
+            self.raise_if_dead()
+
+    def stop(self) -> None:
+        """SIGTERM everyone (the tokenizer first: it tells waiting clients), SIGKILL stragglers."""
+        order = [n for n in ("tokenizer", "scheduler", "gpu_worker") if n in self.children]
+        for name in order:
+            proc = self.children[name]
+            if proc.exitcode is None:
+                proc.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for name in order:
+            proc = self.children[name]
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.exitcode is None:
+                logger.warning("%s did not stop on SIGTERM; killing pid %s", name, proc.pid)
+                proc.kill()
+                proc.join(1.0)
+        self._ready_sock.close()
+        self._zmq.term()
+
+
+# --------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------
+
+
+def _signal_wakeup() -> socket.socket:
+    """SIGINT/SIGTERM write a byte to a socketpair that supervise() blocks on."""
+    rsock, wsock = socket.socketpair()
+    rsock.setblocking(False)
+    wsock.setblocking(False)
+    signal.set_wakeup_fd(wsock.fileno(), warn_on_full_buffer=False)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)  # the wakeup byte does the work
+    rsock._keep_alive = wsock  # type: ignore[attr-defined]  # wsock must outlive the handlers
+    return rsock
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Start the engine, print the endpoint, supervise until a signal or a child's death."""
+    from gpu_worker.model_files import resolve_model
+
+    endpoint = check_endpoint(args.endpoint)
+    if endpoint.startswith("ipc://"):
+        os.makedirs(os.path.dirname(endpoint[len("ipc://") :]) or ".", exist_ok=True)
+    model_path = str(resolve_model(args.model))
+    run_dir = tempfile.mkdtemp(prefix="rivulet-")
+    wakeup = _signal_wakeup()
+    engine = Engine(Endpoints.in_dir(run_dir, client=endpoint), args.log_level)
+    try:
+        engine.start("gpu_worker", worker_config(args, model_path))
+        engine.start("tokenizer", TokenizerConfig(model_path=model_path, seed=args.seed))
+        ready = engine.wait_ready({"gpu_worker", "tokenizer"}, READY_TIMEOUT_S)["gpu_worker"]
+        assert isinstance(ready, WorkerReady), "the worker must report its KV pool"
+        engine.start("scheduler", scheduler_config(args, ready))
+        engine.wait_ready({"scheduler"}, READY_TIMEOUT_S)
+        pids = " ".join(f"{n}={p.pid}" for n, p in engine.children.items())
+        logger.info(
+            "model %s on %s/%s: %d KV pages of %d tokens, context %d",
+            model_path, ready.device, ready.dtype, ready.num_pages, ready.page_size, ready.context_len,
+        )  # fmt: skip
+        print(f"rivulet ready: endpoint={endpoint} pids: {pids}", flush=True)
+        engine.supervise(wakeup)
+        logger.info("shutting down")
+        return 0
+    except (ChildDied, TimeoutError) as exc:
+        logger.error("%s; stopping the engine", exc)
+        return 1
+    finally:
+        engine.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format=LOG_FORMAT, stream=sys.stderr)
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
