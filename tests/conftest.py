@@ -1,0 +1,45 @@
+"""Models shared by the test suite: the embedded SmolLM2 and a tiny random Llama with its tokenizer."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct as an HF dir (converted from its GGUF once per machine)."""
+    from gpu_worker.model_files import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """A random 2-layer Llama with SmolLM2's vocabulary and tokenizer, so real text round-trips."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (smollm2_dir / name).is_file():
+            shutil.copy(smollm2_dir / name, out / name)
+    return out
