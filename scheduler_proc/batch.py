@@ -1,0 +1,64 @@
+"""A scheduled batch: its rows on the scheduler side, and the ForwardBatch the worker gets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.messages import ForwardBatch
+from scheduler_proc.request import Req
+
+
+@dataclass
+class Row:
+    """One request's part of a batch: extend ``extend_len`` tokens from position ``req.kv_len``."""
+
+    req: Req
+    extend_len: int
+    sample: bool  # the row reaches the end of fill_ids: the worker draws the next token
+    page_start: int  # index in the slot's page table where new_pages go
+    new_pages: list[int]
+    new_slot: bool  # the slot was (re)assigned this round: the worker gets the sampler
+
+    def __post_init__(self) -> None:
+        assert self.extend_len >= 1, f"rid {self.req.rid}: empty row"
+        assert self.req.slot is not None, f"rid {self.req.rid}: row without a slot"
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """What the log lines report about the last scheduled batch."""
+
+    step: int
+    num_prefill_rows: int
+    num_prefill_tokens: int
+    num_decode_rows: int
+    num_decoding: int  # running requests past prefill, in this batch or not
+
+    @classmethod
+    def of(cls, step: int, prefill: list[Row], decode: list[Row], num_decoding: int) -> BatchInfo:
+        return cls(step, len(prefill), sum(r.extend_len for r in prefill), len(decode), num_decoding)
+
+
+def build_forward_batch(step: int, rows: list[Row]) -> ForwardBatch:
+    """The wire form of ``rows``; must run before the rows' ``kv_len`` advance (on the result)."""
+    slots: list[int] = []
+    input_ids: list[int] = []
+    pages: list[int] = []
+    for row in rows:
+        assert row.req.slot is not None, f"rid {row.req.rid}: row without a slot"
+        slots.append(row.req.slot)
+        kv_len = row.req.kv_len
+        input_ids.extend(row.req.fill_slice(kv_len, kv_len + row.extend_len))
+        pages.extend(row.new_pages)
+    return ForwardBatch(
+        step=step,
+        slots=slots,
+        prefix_lens=[row.req.kv_len for row in rows],
+        extend_lens=[row.extend_len for row in rows],
+        input_ids=input_ids,
+        page_starts=[row.page_start for row in rows],
+        page_counts=[len(row.new_pages) for row in rows],
+        pages=pages,
+        sample=[row.sample for row in rows],
+        sampler=[row.req.sampler if row.new_slot else None for row in rows],
+    )

@@ -1,0 +1,73 @@
+"""KV bookkeeping on the scheduler side: which pages and request slots are free.
+
+The worker owns the memory; the scheduler owns the ids. A page id ``p`` names
+KV slots ``[p * page_size, (p + 1) * page_size)``; a request slot names one row
+of the worker's page table.
+"""
+
+from __future__ import annotations
+
+
+class PageAllocator:
+    """Free list of ``num_pages`` KV page ids; double frees are caught."""
+
+    def __init__(self, num_pages: int) -> None:
+        assert num_pages >= 0, "num_pages must be >= 0"
+        self.num_pages = num_pages
+        # Reversed so that the lowest ids come out first: easier to read in logs and tests.
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._is_free = bytearray(b"\x01") * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """``n`` page ids, or None (and nothing taken) when fewer are free."""
+        assert n >= 0, f"cannot allocate {n} pages"
+        if n > len(self._free):
+            return None
+        pages = self._free[len(self._free) - n :]
+        del self._free[len(self._free) - n :]
+        pages.reverse()
+        for page in pages:
+            self._is_free[page] = 0
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for page in pages:
+            assert 0 <= page < self.num_pages, f"page {page} out of range"
+            assert not self._is_free[page], f"page {page} freed twice"
+            self._is_free[page] = 1
+        self._free.extend(reversed(pages))
+
+
+class SlotPool:
+    """The ``max_running_requests`` rows of the worker's page table."""
+
+    def __init__(self, num_slots: int) -> None:
+        assert num_slots >= 1, "need at least one request slot"
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._is_free = [True] * num_slots
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._is_free[slot] = False
+        return slot
+
+    def free(self, slot: int) -> None:
+        assert 0 <= slot < self.num_slots, f"slot {slot} out of range"
+        assert not self._is_free[slot], f"slot {slot} freed twice"
+        self._is_free[slot] = True
+        self._free.append(slot)

@@ -1,0 +1,119 @@
+"""The scheduler process: a thin ZMQ loop around the pure ``Scheduler`` core."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import msgspec
+import zmq
+
+from protocol.messages import (
+    AbortReq,
+    ForwardResult,
+    FromWorker,
+    Ready,
+    TokenizedRequest,
+    ToScheduler,
+)
+from protocol.transport import Codec, Endpoints, make_socket
+from scheduler_proc.config import SchedulerConfig
+from scheduler_proc.scheduler import Scheduler
+from scheduler_proc.stats import SchedulerStats
+
+
+class SchedulerProcess:
+    """Owns the sockets; everything else is the core's business.
+
+    Binds PULL on ``to_scheduler`` and ``from_worker``; connects PUSH to
+    ``to_tokenizer``, ``to_worker`` and ``to_launcher``.
+    """
+
+    def __init__(self, config: SchedulerConfig, endpoints: Endpoints, ctx: zmq.Context) -> None:
+        self.log = logging.getLogger("rivulet.scheduler")
+        self.scheduler = Scheduler(config)
+        self.stats = SchedulerStats(config.decode_log_interval, self.log)
+        self._init_sockets(endpoints, ctx)
+
+    def _init_sockets(self, endpoints: Endpoints, ctx: zmq.Context) -> None:
+        self.from_tokenizer = make_socket(ctx, zmq.PULL, endpoints.to_scheduler, bind=True)
+        self.from_worker = make_socket(ctx, zmq.PULL, endpoints.from_worker, bind=True)
+        self.to_tokenizer = make_socket(ctx, zmq.PUSH, endpoints.to_tokenizer, bind=False)
+        self.to_worker = make_socket(ctx, zmq.PUSH, endpoints.to_worker, bind=False)
+        self.to_launcher = make_socket(ctx, zmq.PUSH, endpoints.to_launcher, bind=False)
+        self.tokenizer_codec: Codec[ToScheduler] = Codec(ToScheduler)
+        self.worker_codec: Codec[FromWorker] = Codec(FromWorker)
+        self.poller = zmq.Poller()
+        self.poller.register(self.from_tokenizer, zmq.POLLIN)
+        self.poller.register(self.from_worker, zmq.POLLIN)
+
+    def announce(self) -> None:
+        self.to_launcher.send(self.tokenizer_codec.encode(Ready(proc="scheduler", pid=os.getpid())))
+
+    def run_forever(self) -> None:
+        """Block only when idle (nothing runnable, or waiting on the worker); one batch per turn."""
+        idle = True
+        while True:
+            for sock in dict(self.poller.poll(None if idle else 0)):
+                self._drain(sock)
+            batch = self.scheduler.schedule()
+            if batch is not None:
+                self.to_worker.send(self.tokenizer_codec.encode(batch))
+                self.stats.on_batch(self.scheduler)
+            for out in self.scheduler.take_outputs():
+                self.to_tokenizer.send(self.tokenizer_codec.encode(out))
+            idle = batch is None
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if sock is self.from_worker:
+                self._on_worker_frame(frame)
+            else:
+                self._on_tokenizer_frame(frame)
+
+    def _on_tokenizer_frame(self, frame: bytes) -> None:
+        try:
+            msg = self.tokenizer_codec.decode(frame)
+        except msgspec.DecodeError as exc:
+            # No rid to answer to: the tokenizer only sends what it validated, so log and drop.
+            self.log.error("dropped a malformed frame from the tokenizer (%d bytes): %s", len(frame), exc)
+            return
+        match msg:
+            case TokenizedRequest():
+                error = self.scheduler.add(msg)
+                if error is not None:
+                    self.log.warning("rejected rid %d: %s", msg.rid, error.message)
+                    self.to_tokenizer.send(self.tokenizer_codec.encode(error))
+            case AbortReq():
+                self.scheduler.abort(msg.rid, msg.reason)
+            case _:
+                raise TypeError(f"unexpected message on to_scheduler: {type(msg).__name__}")
+
+    def _on_worker_frame(self, frame: bytes) -> None:
+        try:
+            msg = self.worker_codec.decode(frame)
+        except msgspec.DecodeError as exc:
+            # The batch it answered is lost with it: fail that batch's requests so no client waits forever.
+            self.log.error("malformed frame from the worker (%d bytes): %s", len(frame), exc)
+            self.scheduler.fail_in_flight(f"malformed worker reply: {exc}")
+            return
+        match msg:
+            case ForwardResult():
+                self.scheduler.on_result(msg)
+            case _:
+                raise TypeError(f"unexpected message on from_worker: {type(msg).__name__}")
+
+
+def run_scheduler(config: SchedulerConfig, endpoints: Endpoints) -> None:
+    """Entry point of the scheduler process: serve until the process is terminated."""
+    ctx = zmq.Context()
+    try:
+        proc = SchedulerProcess(config, endpoints, ctx)
+        proc.announce()
+        proc.run_forever()
+    finally:
+        ctx.destroy(linger=0)

@@ -1,0 +1,139 @@
+"""One request's scheduling state: its tokens, its KV pages and where it stands."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from protocol.messages import FinishReason, SamplerParams, TokenizedRequest
+from scheduler_proc.config import SchedulerConfig
+
+
+class ReqStatus(enum.Enum):
+    """Where a request stands.
+
+    WAITING: in the waiting queue, no slot, no pages, ``kv_len == 0``.
+    CHUNKED: the one ``chunked_req``; holds a slot and the pages of its first ``kv_len`` tokens.
+    RUNNING: prefill done (or its last chunk is in flight); decodes one token per step.
+    FINISHED: ended; its slot and pages are free (or freed when its in-flight batch returns).
+    """
+
+    WAITING = "waiting"
+    CHUNKED = "chunked"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    """A request inside the scheduler.
+
+    ``fill_ids`` (prompt + output so far) is what must eventually sit in the KV
+    cache; ``kv_len`` of them already do (SGLang's ``len(prefix_indices)``), so a
+    round extends ``fill_ids[kv_len:]``. The last output token never has KV yet:
+    it is the next decode step's input. ``page_table`` covers positions
+    ``[0, len(page_table) * page_size)``, always at least ``[0, kv_len)``.
+    """
+
+    rid: int
+    input_ids: list[int]
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    sampler: SamplerParams
+    output_ids: list[int] = field(default_factory=list)
+    slot: int | None = None
+    page_table: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    status: ReqStatus = ReqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    in_flight: bool = False  # part of the batch the worker is running now
+    num_retractions: int = 0
+
+    def __post_init__(self) -> None:
+        assert len(self.input_ids) >= 1, f"rid {self.rid}: empty prompt"
+        assert self.max_new_tokens >= 1, f"rid {self.rid}: max_new_tokens must be >= 1"
+        assert isinstance(self.stop_token_ids, frozenset), "stop_token_ids must be a frozenset"
+        assert 0 <= self.kv_len <= self.seq_len, f"rid {self.rid}: kv_len {self.kv_len} out of range"
+        assert self.status is ReqStatus.WAITING and self.slot is None and not self.page_table, (
+            f"rid {self.rid}: a new request starts waiting, without slot or pages"
+        )
+
+    @classmethod
+    def from_msg(cls, msg: TokenizedRequest) -> Req:
+        return cls(
+            rid=msg.rid,
+            input_ids=list(msg.input_ids),
+            max_new_tokens=msg.max_new_tokens,
+            stop_token_ids=frozenset(msg.stop_token_ids),
+            sampler=msg.sampler,
+        )
+
+    @property
+    def seq_len(self) -> int:
+        """len(fill_ids), without building the list."""
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def extend_input_len(self) -> int:
+        """Tokens of fill_ids whose KV is not computed yet."""
+        return self.seq_len - self.kv_len
+
+    @property
+    def is_decoding(self) -> bool:
+        """Only the last output token lacks KV: the next step is a 1-token decode."""
+        return bool(self.output_ids) and self.kv_len == self.seq_len - 1
+
+    def fill_slice(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end] without copying the whole sequence."""
+        n = len(self.input_ids)
+        head = self.input_ids[start:end] if start < n else []
+        return head + self.output_ids[max(start - n, 0) : max(end - n, 0)]
+
+    def reserve_tokens(self, clip_max_new_tokens: int) -> int:
+        """Output tokens still to come, capped (SGLang's CLIP_MAX_NEW_TOKENS)."""
+        return max(min(self.max_new_tokens - len(self.output_ids), clip_max_new_tokens), 0)
+
+    def finish_reason_after_token(self, context_len: int) -> FinishReason | None:
+        """Why the request ends with its newest output token, if it does."""
+        assert self.output_ids, f"rid {self.rid}: no output token yet"
+        if self.output_ids[-1] in self.stop_token_ids:
+            return FinishReason.STOP
+        if len(self.output_ids) >= self.max_new_tokens or self.seq_len >= context_len:
+            return FinishReason.LENGTH
+        return None
+
+
+def why_rejected(msg: TokenizedRequest, config: SchedulerConfig, *, duplicate: bool) -> str | None:
+    """Why ``msg`` could never run here, or None when it can.
+
+    KV is counted in whole pages, as the pool hands it out. ``prompt + max_new_tokens``
+    bounds what the request reserves when (re)admitted, even after a retraction
+    (fill_ids plus the output still to come), so a request passing this check
+    always fits an otherwise empty pool and can never deadlock the scheduler.
+    """
+    n, max_new = len(msg.input_ids), msg.max_new_tokens
+    pool_tokens = config.total_tokens
+
+    def pages_for(num_tokens: int) -> int:
+        return -(-num_tokens // config.page_size)
+
+    if duplicate:
+        return f"duplicate request id {msg.rid}"
+    if n == 0:
+        return "empty prompt"
+    if max_new < 1:
+        return f"max_new_tokens must be >= 1, got {max_new}"
+    if n + max_new > config.context_len:
+        return f"prompt ({n} tokens) + max_new_tokens ({max_new}) exceeds the context length {config.context_len}"
+    if pages_for(n + 1) > config.num_pages:
+        return f"prompt of {n} tokens does not fit the KV pool ({pool_tokens} tokens)"
+    if pages_for(n + max_new) > config.num_pages:
+        return (
+            f"prompt ({n} tokens) + max_new_tokens ({max_new}) needs more KV than the whole pool "
+            f"({pool_tokens} tokens)"
+        )
+    return None

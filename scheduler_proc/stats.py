@@ -1,0 +1,55 @@
+"""The scheduler's INFO log lines, in SGLang's format, kept out of the core's hot paths."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from scheduler_proc.scheduler import Scheduler
+
+
+class SchedulerStats:
+    """One line per prefill (or mixed) batch, and one every ``decode_log_interval`` decode batches."""
+
+    def __init__(
+        self,
+        decode_log_interval: int,
+        logger: logging.Logger,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.decode_log_interval = max(decode_log_interval, 1)
+        self.logger = logger
+        self.clock = clock
+        self.num_decode_batches = 0
+        self._last_log_s = clock()
+        self._last_generated = 0
+
+    def on_batch(self, sched: Scheduler) -> None:
+        """Call right after ``sched.schedule()`` returned a batch."""
+        info = sched.last_batch
+        assert info is not None, "on_batch called before any batch was scheduled"
+        if info.num_prefill_rows:
+            self.logger.info(
+                "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: 0, token usage: %.2f, "
+                "#running-req: %d, #queue-req: %d",
+                info.num_prefill_rows, info.num_prefill_tokens, sched.token_usage,
+                info.num_decoding, sched.num_waiting,
+            )
+            return
+        self.num_decode_batches += 1
+        if self.num_decode_batches % self.decode_log_interval == 0:
+            self.logger.info(
+                "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
+                "gen throughput (token/s): %.2f, #queue-req: %d",
+                info.num_decode_rows, sched.used_kv_tokens, sched.token_usage,
+                self._throughput(sched), sched.num_waiting,
+            )
+
+    def _throughput(self, sched: Scheduler) -> float:
+        """Tokens sampled per second since the previous decode line."""
+        now = self.clock()
+        tokens = sched.num_generated_tokens - self._last_generated
+        elapsed_s = now - self._last_log_s
+        self._last_log_s, self._last_generated = now, sched.num_generated_tokens
+        return tokens / elapsed_s if elapsed_s > 0 else 0.0

@@ -1,0 +1,223 @@
+"""Test helpers: a fake worker that checks the ForwardBatch contract, and a driver loop.
+
+The fake worker's tokens are a pure function of the token sequence already in a
+slot's KV (a rolling hash of fill_ids), so chunking, batching, retraction and
+recompute must all give the same tokens as ``reference_output``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from protocol.messages import (
+    FinishReason,
+    ForwardBatch,
+    ForwardResult,
+    RequestError,
+    SamplerParams,
+    TokenBatch,
+    TokenizedRequest,
+)
+from scheduler_proc.config import SchedulerConfig
+from scheduler_proc.request import ReqStatus
+from scheduler_proc.scheduler import Scheduler
+
+VOCAB = 1000
+HASH_MOD = (1 << 61) - 1
+
+
+def next_hash(h: int, token: int) -> int:
+    return (h * 1_000_003 + token + 7) % HASH_MOD
+
+
+def token_of(h: int) -> int:
+    return (h >> 11) % VOCAB
+
+
+def sampler(seed: int = 0) -> SamplerParams:
+    return SamplerParams(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=seed)
+
+
+def tokenized(rid: int, prompt: list[int], max_new: int, stop: Iterable[int] = ()) -> TokenizedRequest:
+    return TokenizedRequest(
+        rid=rid, input_ids=prompt, max_new_tokens=max_new, stop_token_ids=list(stop), sampler=sampler(rid)
+    )
+
+
+def reference_output(
+    prompt: list[int], max_new: int, stop: Iterable[int], context_len: int
+) -> tuple[list[int], FinishReason]:
+    """What the fake worker yields for a request run alone, start to end."""
+    stop_set = set(stop)
+    h = 0
+    for tok in prompt:
+        h = next_hash(h, tok)
+    out: list[int] = []
+    while True:
+        tok = token_of(h)
+        out.append(tok)
+        if tok in stop_set:
+            return out, FinishReason.STOP
+        if len(out) >= max_new or len(prompt) + len(out) >= context_len:
+            return out, FinishReason.LENGTH
+        h = next_hash(h, tok)
+
+
+class FakeWorker:
+    """Consumes ForwardBatch like the GPU worker would, asserting the contract on the way.
+
+    A page handed to one slot while another slot's table holds it marks the other
+    slot dead: its request lost KV, so that slot must be reassigned (sampler sent)
+    before it appears again. Live requests therefore never share a KV slot.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.page_size = config.page_size
+        self.num_pages = config.num_pages
+        self.num_slots = config.max_running_requests
+        self.tables: dict[int, list[int]] = {}
+        self.written: dict[int, int] = {}  # slot -> positions with KV
+        self.hashes: dict[int, int] = {}
+        self.owner: dict[int, int] = {}  # page -> slot whose table last got it
+        self.dead: set[int] = set()
+        self.fail_next: str | None = None
+
+    def _reset(self, slot: int) -> None:
+        self.tables[slot], self.written[slot], self.hashes[slot] = [], 0, 0
+        self.dead.discard(slot)
+
+    def _add_pages(self, slot: int, start: int, pages: list[int]) -> None:
+        table = self.tables[slot]
+        assert start == len(table), f"slot {slot}: pages start at {start}, table has {len(table)}"
+        for page in pages:
+            assert 0 <= page < self.num_pages, f"page {page} out of range"
+            prev = self.owner.get(page)
+            if prev is not None and page in self.tables.get(prev, []):
+                assert prev != slot, f"page {page} twice in slot {slot}'s table"
+                self.dead.add(prev)
+                self.tables[prev] = [p for p in self.tables[prev] if p != page]
+            self.owner[page] = slot
+            table.append(page)
+
+    def run(self, batch: ForwardBatch) -> ForwardResult:
+        n = len(batch.slots)
+        assert len(set(batch.slots)) == n, "a slot appears twice in one batch"
+        for field in (batch.prefix_lens, batch.extend_lens, batch.page_starts, batch.page_counts,
+                      batch.sample, batch.sampler):
+            assert len(field) == n, "ragged ForwardBatch"
+        assert sum(batch.extend_lens) == len(batch.input_ids), "input_ids do not match extend_lens"
+        assert sum(batch.page_counts) == len(batch.pages), "pages do not match page_counts"
+        tokens: list[int] = []
+        tok_off = page_off = 0
+        for i, slot in enumerate(batch.slots):
+            assert 0 <= slot < self.num_slots, f"slot {slot} out of range"
+            if batch.sampler[i] is not None:
+                self._reset(slot)
+            assert slot in self.tables, f"slot {slot} used before it got a sampler"
+            assert slot not in self.dead, f"slot {slot} used after its pages went to another slot"
+            self._add_pages(slot, batch.page_starts[i], batch.pages[page_off : page_off + batch.page_counts[i]])
+            page_off += batch.page_counts[i]
+            prefix, ext = batch.prefix_lens[i], batch.extend_lens[i]
+            assert ext >= 1, "empty row"
+            assert prefix == self.written[slot], f"slot {slot}: prefix {prefix}, but {self.written[slot]} written"
+            last_pos = prefix + ext - 1
+            assert last_pos // self.page_size < len(self.tables[slot]), f"slot {slot}: position {last_pos} has no page"
+            for tok in batch.input_ids[tok_off : tok_off + ext]:
+                self.hashes[slot] = next_hash(self.hashes[slot], tok)
+            tok_off += ext
+            self.written[slot] += ext
+            if batch.sample[i]:
+                tokens.append(token_of(self.hashes[slot]))
+        if self.fail_next is not None:
+            error, self.fail_next = self.fail_next, None
+            return ForwardResult(step=batch.step, token_ids=[], logprobs=[], forward_s=0.0, error=error)
+        return ForwardResult(step=batch.step, token_ids=tokens, logprobs=[-0.5] * len(tokens), forward_s=0.001)
+
+
+class Driver:
+    """Runs a Scheduler against a FakeWorker and records what a tokenizer would see."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.sched = Scheduler(config)
+        self.worker = FakeWorker(config)
+        self.tokens: dict[int, list[int]] = {}
+        self.finished: dict[int, FinishReason] = {}
+        self.errors: dict[int, str] = {}
+        self.batches: list[ForwardBatch] = []
+
+    def submit(self, rid: int, prompt: list[int], max_new: int, stop: Iterable[int] = ()) -> RequestError | None:
+        error = self.sched.add(tokenized(rid, prompt, max_new, stop))
+        if error is None:
+            self.tokens[rid] = []
+        return error
+
+    def step(self, in_flight_hook: Callable[[ForwardBatch], None] | None = None) -> ForwardBatch | None:
+        batch = self.sched.schedule()
+        if batch is None:
+            return None
+        assert self.sched.schedule() is None, "a second batch while one is in flight"
+        self.batches.append(batch)
+        result = self.worker.run(batch)
+        if in_flight_hook is not None:
+            in_flight_hook(batch)
+        self.sched.on_result(result)
+        self.collect()
+        check_invariants(self.sched)
+        return batch
+
+    def collect(self) -> None:
+        outs = self.sched.take_outputs()
+        assert sum(isinstance(o, TokenBatch) for o in outs) <= 1, "more than one TokenBatch per step"
+        for out in outs:
+            if isinstance(out, RequestError):
+                assert out.rid not in self.finished and out.rid not in self.errors, f"rid {out.rid} ended twice"
+                self.errors[out.rid] = out.message
+                continue
+            assert isinstance(out, TokenBatch)
+            for rid, tok, reason in zip(out.rids, out.token_ids, out.finished, strict=True):
+                assert rid not in self.finished and rid not in self.errors, f"row for rid {rid} after its end"
+                if tok != -1:
+                    self.tokens[rid].append(tok)
+                if reason is not None:
+                    self.finished[rid] = reason
+
+    def abort(self, rid: int, reason: FinishReason = FinishReason.ABORT) -> None:
+        self.sched.abort(rid, reason)
+        self.collect()
+
+    def run(self, max_steps: int = 100_000) -> None:
+        """Step until idle; the scheduler must always make progress while it has work."""
+        for _ in range(max_steps):
+            if not self.sched.has_work:
+                return
+            assert self.step() is not None, "scheduler stalled with work and nothing in flight"
+        raise AssertionError("did not finish")
+
+    def assert_no_leak(self) -> None:
+        assert not self.sched.has_work and not self.sched.reqs
+        assert self.sched.pages.num_free == self.config.num_pages, "pages leaked"
+        assert self.sched.slots.num_free == self.config.max_running_requests, "slots leaked"
+
+
+def check_invariants(sched: Scheduler) -> None:
+    """Structural invariants between steps (nothing in flight)."""
+    ps = sched.config.page_size
+    live = list(sched.waiting) + sched.running + ([sched.chunked_req] if sched.chunked_req else [])
+    assert sorted(r.rid for r in live) == sorted(sched.reqs), "a request is lost or in two places"
+    for req in sched.waiting:
+        assert req.status is ReqStatus.WAITING and req.slot is None and not req.page_table and req.kv_len == 0
+    for req in sched.running:
+        assert req.status is ReqStatus.RUNNING and req.is_decoding, f"rid {req.rid} running but not decoding"
+    if sched.chunked_req is not None:
+        req = sched.chunked_req
+        assert req.status is ReqStatus.CHUNKED and 0 < req.kv_len < req.seq_len
+    holders = [r for r in live if r.status is not ReqStatus.WAITING] + sched.in_flight_reqs()
+    pages = [p for r in holders for p in r.page_table]
+    assert len(pages) == len(set(pages)), "a page is held twice"
+    assert len(pages) + sched.pages.num_free == sched.pages.num_pages, "pages leaked"
+    slots = [r.slot for r in holders]
+    assert None not in slots and len(slots) == len(set(slots)), "slots broken"
+    assert len(slots) + sched.slots.num_free == sched.slots.num_slots, "slots leaked"
+    for req in holders:
+        assert len(req.page_table) == -(-req.kv_len // ps), f"rid {req.rid}: page table does not fit kv_len"
