@@ -1,0 +1,56 @@
+"""The scheduler core and the model runner joined in one process, without sockets.
+
+The same two objects the processes wrap, driven by the same step the scheduler
+loop runs: schedule -> execute -> on_result -> take_outputs.
+"""
+
+from __future__ import annotations
+
+from gpu_worker.model_runner import ModelRunner
+from protocol import RequestError, SamplerParams, TokenBatch, TokenizedRequest
+from scheduler_proc.config import SchedulerConfig
+from scheduler_proc.scheduler import Scheduler
+
+GREEDY = SamplerParams(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0)
+
+
+def generate(
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    new_tokens: int,
+    *,
+    chunked_prefill_size: int,
+    enable_mixed_chunk: bool,
+    max_prefill_tokens: int = 4096,
+    stop_token_ids: tuple[int, ...] = (),
+    sampler: SamplerParams = GREEDY,
+) -> tuple[list[list[int]], Scheduler]:
+    """Greedy outputs of every prompt, served together; returns the drained scheduler too."""
+    scheduler = Scheduler(
+        SchedulerConfig(
+            num_pages=runner.num_pages,
+            context_len=runner.context_len,
+            page_size=runner.config.page_size,
+            max_running_requests=runner.config.max_running_requests,
+            max_prefill_tokens=max_prefill_tokens,
+            chunked_prefill_size=chunked_prefill_size,
+            enable_mixed_chunk=enable_mixed_chunk,
+        )
+    )
+    for rid, prompt in enumerate(prompts):
+        req = TokenizedRequest(
+            rid=rid, input_ids=prompt, max_new_tokens=new_tokens, stop_token_ids=list(stop_token_ids), sampler=sampler
+        )
+        assert scheduler.add(req) is None, f"request {rid} rejected"
+    outputs: list[list[int]] = [[] for _ in prompts]
+    while scheduler.has_work:
+        batch = scheduler.schedule()
+        assert batch is not None, "work is pending but nothing was scheduled"
+        scheduler.on_result(runner.execute(batch))
+        for msg in scheduler.take_outputs():
+            assert not isinstance(msg, RequestError), msg.message
+            assert isinstance(msg, TokenBatch)
+            for rid, token in zip(msg.rids, msg.token_ids, strict=True):
+                if token >= 0:
+                    outputs[rid].append(token)
+    return outputs, scheduler
