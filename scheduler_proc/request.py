@@ -128,7 +128,10 @@ def why_rejected(msg: TokenizedRequest, config: SchedulerConfig, *, duplicate: b
     if max_new < 1:
         return f"max_new_tokens must be >= 1, got {max_new}"
     if n + max_new > config.context_len:
-        return f"prompt ({n} tokens) + max_new_tokens ({max_new}) exceeds the context length {config.context_len}"
+        return (
+            f"prompt ({n} tokens) + max_new_tokens ({max_new}) exceeds the context length "
+            f"{config.context_len}"
+        )
     if pages_for(n + 1) > config.num_pages:
         return f"prompt of {n} tokens does not fit the KV pool ({pool_tokens} tokens)"
     if pages_for(n + max_new) > config.num_pages:

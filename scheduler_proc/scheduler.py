@@ -239,7 +239,11 @@ class Scheduler:
         self._log.warning(
             "KV pool exhausted: retracted rid %d (%d output tokens kept, will recompute %d tokens); "
             "#running-req: %d, #queue-req: %d",
-            req.rid, len(req.output_ids), req.seq_len, len(self.running), len(self.waiting),
+            req.rid,
+            len(req.output_ids),
+            req.seq_len,
+            len(self.running),
+            len(self.waiting),
         )
 
     # ------------------------------------------------------------------ results

@@ -33,8 +33,11 @@ class SchedulerStats:
             self.logger.info(
                 "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: 0, token usage: %.2f, "
                 "#running-req: %d, #queue-req: %d",
-                info.num_prefill_rows, info.num_prefill_tokens, sched.token_usage,
-                info.num_decoding, sched.num_waiting,
+                info.num_prefill_rows,
+                info.num_prefill_tokens,
+                sched.token_usage,
+                info.num_decoding,
+                sched.num_waiting,
             )
             return
         self.num_decode_batches += 1
@@ -42,8 +45,11 @@ class SchedulerStats:
             self.logger.info(
                 "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
                 "gen throughput (token/s): %.2f, #queue-req: %d",
-                info.num_decode_rows, sched.used_kv_tokens, sched.token_usage,
-                self._throughput(sched), sched.num_waiting,
+                info.num_decode_rows,
+                sched.used_kv_tokens,
+                sched.token_usage,
+                self._throughput(sched),
+                sched.num_waiting,
             )
 
     def _throughput(self, sched: Scheduler) -> float:

@@ -102,8 +102,14 @@ class FakeWorker:
     def run(self, batch: ForwardBatch) -> ForwardResult:
         n = len(batch.slots)
         assert len(set(batch.slots)) == n, "a slot appears twice in one batch"
-        for field in (batch.prefix_lens, batch.extend_lens, batch.page_starts, batch.page_counts,
-                      batch.sample, batch.sampler):
+        for field in (
+            batch.prefix_lens,
+            batch.extend_lens,
+            batch.page_starts,
+            batch.page_counts,
+            batch.sample,
+            batch.sampler,
+        ):
             assert len(field) == n, "ragged ForwardBatch"
         assert sum(batch.extend_lens) == len(batch.input_ids), "input_ids do not match extend_lens"
         assert sum(batch.page_counts) == len(batch.pages), "pages do not match page_counts"
@@ -115,13 +121,19 @@ class FakeWorker:
                 self._reset(slot)
             assert slot in self.tables, f"slot {slot} used before it got a sampler"
             assert slot not in self.dead, f"slot {slot} used after its pages went to another slot"
-            self._add_pages(slot, batch.page_starts[i], batch.pages[page_off : page_off + batch.page_counts[i]])
+            self._add_pages(
+                slot, batch.page_starts[i], batch.pages[page_off : page_off + batch.page_counts[i]]
+            )
             page_off += batch.page_counts[i]
             prefix, ext = batch.prefix_lens[i], batch.extend_lens[i]
             assert ext >= 1, "empty row"
-            assert prefix == self.written[slot], f"slot {slot}: prefix {prefix}, but {self.written[slot]} written"
+            assert prefix == self.written[slot], (
+                f"slot {slot}: prefix {prefix}, but {self.written[slot]} written"
+            )
             last_pos = prefix + ext - 1
-            assert last_pos // self.page_size < len(self.tables[slot]), f"slot {slot}: position {last_pos} has no page"
+            assert last_pos // self.page_size < len(self.tables[slot]), (
+                f"slot {slot}: position {last_pos} has no page"
+            )
             for tok in batch.input_ids[tok_off : tok_off + ext]:
                 self.hashes[slot] = next_hash(self.hashes[slot], tok)
             tok_off += ext
@@ -131,7 +143,9 @@ class FakeWorker:
         if self.fail_next is not None:
             error, self.fail_next = self.fail_next, None
             return ForwardResult(step=batch.step, token_ids=[], logprobs=[], forward_s=0.0, error=error)
-        return ForwardResult(step=batch.step, token_ids=tokens, logprobs=[-0.5] * len(tokens), forward_s=0.001)
+        return ForwardResult(
+            step=batch.step, token_ids=tokens, logprobs=[-0.5] * len(tokens), forward_s=0.001
+        )
 
 
 class Driver:
@@ -146,7 +160,9 @@ class Driver:
         self.errors: dict[int, str] = {}
         self.batches: list[ForwardBatch] = []
 
-    def submit(self, rid: int, prompt: list[int], max_new: int, stop: Iterable[int] = ()) -> RequestError | None:
+    def submit(
+        self, rid: int, prompt: list[int], max_new: int, stop: Iterable[int] = ()
+    ) -> RequestError | None:
         error = self.sched.add(tokenized(rid, prompt, max_new, stop))
         if error is None:
             self.tokens[rid] = []
@@ -171,7 +187,9 @@ class Driver:
         assert sum(isinstance(o, TokenBatch) for o in outs) <= 1, "more than one TokenBatch per step"
         for out in outs:
             if isinstance(out, RequestError):
-                assert out.rid not in self.finished and out.rid not in self.errors, f"rid {out.rid} ended twice"
+                assert out.rid not in self.finished and out.rid not in self.errors, (
+                    f"rid {out.rid} ended twice"
+                )
                 self.errors[out.rid] = out.message
                 continue
             assert isinstance(out, TokenBatch)

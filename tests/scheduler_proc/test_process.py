@@ -1,0 +1,111 @@
+"""run_scheduler in a real child process; the test plays tokenizer, worker and launcher over ZMQ."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from protocol.messages import (
+    FinishReason,
+    ForwardBatch,
+    Ready,
+    RequestError,
+    TokenBatch,
+    ToLauncher,
+    ToTokenizer,
+    ToWorker,
+)
+from protocol.transport import Codec, Endpoints, make_socket
+from scheduler_proc.config import SchedulerConfig
+from scheduler_proc.process import run_scheduler
+from tests.scheduler_proc.harness import FakeWorker, reference_output, tokenized
+
+CONFIG = SchedulerConfig(num_pages=64, context_len=128, page_size=4, chunked_prefill_size=8)
+
+
+def recv(sock: zmq.Socket, codec: Codec[Any], timeout_s: float = 20.0) -> Any:
+    assert sock.poll(int(timeout_s * 1000)), "nothing arrived in time"
+    return codec.decode(sock.recv())
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.fixture
+def scheduler_child() -> Iterator[tuple[multiprocessing.process.BaseProcess, dict[str, zmq.Socket]]]:
+    run_dir = tempfile.mkdtemp(prefix="riv-sched-")
+    endpoints = Endpoints.in_dir(run_dir)
+    ctx = zmq.Context()
+    socks = {
+        "to_tokenizer": make_socket(ctx, zmq.PULL, endpoints.to_tokenizer, bind=True),
+        "to_worker": make_socket(ctx, zmq.PULL, endpoints.to_worker, bind=True),
+        "to_launcher": make_socket(ctx, zmq.PULL, endpoints.to_launcher, bind=True),
+        "to_scheduler": make_socket(ctx, zmq.PUSH, endpoints.to_scheduler, bind=False),
+        "from_worker": make_socket(ctx, zmq.PUSH, endpoints.from_worker, bind=False),
+    }
+    child = multiprocessing.get_context("spawn").Process(target=run_scheduler, args=(CONFIG, endpoints))
+    child.start()
+    try:
+        yield child, socks
+    finally:
+        if child.pid is not None and child.is_alive():
+            os.kill(child.pid, signal.SIGTERM)
+        child.join(5)
+        if child.pid is not None and child.is_alive():
+            os.kill(child.pid, signal.SIGKILL)
+            child.join(5)
+        ctx.destroy(linger=0)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_scheduler_process_serves_over_zmq(scheduler_child: Any) -> None:
+    child, socks = scheduler_child
+    ready = recv(socks["to_launcher"], Codec(ToLauncher))
+    assert ready == Ready(proc="scheduler", pid=child.pid)
+    codec: Codec[ToTokenizer] = Codec(ToTokenizer)
+    socks["to_scheduler"].send(b"\xc1 not msgpack")  # survived: logged and dropped
+    socks["to_scheduler"].send(codec.encode(tokenized(1, [7] * 200, 1)))  # beyond context_len
+    prompt = list(range(10, 30))
+    socks["to_scheduler"].send(codec.encode(tokenized(2, prompt, 6)))
+
+    rejected = recv(socks["to_tokenizer"], codec)
+    assert isinstance(rejected, RequestError) and rejected.rid == 1 and "context length" in rejected.message
+    worker = FakeWorker(CONFIG)
+    worker_codec: Codec[ToWorker] = Codec(ToWorker)
+    tokens: list[int] = []
+    finished: FinishReason | None = None
+    while finished is None:
+        batch = recv(socks["to_worker"], worker_codec)
+        assert isinstance(batch, ForwardBatch)
+        socks["from_worker"].send(codec.encode(worker.run(batch)))
+        if any(batch.sample):
+            out = recv(socks["to_tokenizer"], codec)
+            assert isinstance(out, TokenBatch) and out.rids == [2]
+            tokens += out.token_ids
+            finished = out.finished[0]
+    assert (tokens, finished) == reference_output(prompt, 6, [], CONFIG.context_len)
+
+    # A reply the scheduler cannot decode fails that batch's requests instead of hanging them.
+    socks["to_scheduler"].send(codec.encode(tokenized(3, prompt, 6)))
+    assert isinstance(recv(socks["to_worker"], worker_codec), ForwardBatch)
+    socks["from_worker"].send(b"\x93garbage")
+    failed = recv(socks["to_tokenizer"], codec)
+    assert isinstance(failed, RequestError) and failed.rid == 3 and "malformed" in failed.message
+
+    # Idle now: the loop must block on its sockets, not spin.
+    before = cpu_seconds(child.pid)
+    time.sleep(1.0)
+    assert cpu_seconds(child.pid) - before < 0.2, "an idle scheduler burns CPU"
+    assert child.is_alive()

@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from scheduler_proc.config import SchedulerConfig
+from scheduler_proc.stats import SchedulerStats
+from tests.scheduler_proc.harness import Driver
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def test_one_prefill_line_per_prefill_batch_and_a_decode_line_every_n(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cfg = SchedulerConfig(num_pages=100, context_len=64, page_size=1, decode_log_interval=3)
+    d, clock = Driver(cfg), FakeClock()
+    stats = SchedulerStats(cfg.decode_log_interval, logging.getLogger("rivulet.scheduler"), clock)
+    d.submit(0, [1, 2, 3, 4], 7)
+    d.submit(1, [5, 6], 7)
+    with caplog.at_level(logging.INFO, logger="rivulet.scheduler"):
+        while d.sched.has_work:
+            clock.now_s += 0.5
+            d.step()
+            stats.on_batch(d.sched)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == (
+        "Prefill batch. #new-seq: 2, #new-token: 6, #cached-token: 0, token usage: 0.06, "
+        "#running-req: 0, #queue-req: 0"
+    )
+    decode_lines = [line for line in lines if line.startswith("Decode batch.")]
+    assert len(lines) == 1 + len(decode_lines) and len(decode_lines) == 2, "6 decode steps, one line per 3"
+    # 2 prefill tokens + 3 decode steps x 2 tokens in 2.0 s since the stats were created.
+    assert decode_lines[0] == (
+        "Decode batch. #running-req: 2, #token: 12, token usage: 0.12, "
+        "gen throughput (token/s): 4.00, #queue-req: 0"
+    )
+    assert "gen throughput (token/s): 4.00" in decode_lines[1]
