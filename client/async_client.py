@@ -1,0 +1,152 @@
+"""The asyncio client: one DEALER socket, one receiver task, a queue per in-flight rid."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import cast
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.asyncio import Socket as AsyncSocket
+
+from client.common import EngineError, check_reply, default_endpoint, make_request
+from protocol.messages import AbortRequest, ClientReply, GenerateOutput, GenerateRequest
+from protocol.transport import Codec, make_socket
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncClient:
+    """Talks to a rivulet engine from asyncio; any number of concurrent requests.
+
+    A single receiver task reads every reply and routes it to its request's
+    queue by rid. Waiting longer than ``timeout_s`` for a reply raises
+    TimeoutError (and aborts the request); an error reply raises EngineError.
+    """
+
+    def __init__(self, endpoint: str | None = None, timeout_s: float = 300.0) -> None:
+        assert timeout_s > 0, f"timeout_s must be positive, got {timeout_s}"
+        self.endpoint = endpoint or default_endpoint()
+        self.timeout_s = timeout_s
+        self._ctx = zmq.asyncio.Context()
+        # make_socket is typed for sync sockets; an asyncio context makes an asyncio socket.
+        self._sock = cast(AsyncSocket, make_socket(self._ctx, zmq.DEALER, self.endpoint, bind=False))
+        self._codec: Codec[ClientReply] = Codec(ClientReply)
+        self._pending: dict[str, asyncio.Queue[GenerateOutput | EngineError]] = {}
+        self._receiver: asyncio.Task[None] | None = None
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        input_ids: list[int] | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 1.0,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
+        logprobs: bool = False,
+        stream: bool = False,
+        rid: str | None = None,
+    ) -> GenerateOutput | AsyncIterator[GenerateOutput]:
+        """Send a request. stream=False: the final reply; stream=True: an async iterator of deltas."""
+        req = make_request(
+            prompt, messages=messages, input_ids=input_ids, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, stream=stream, rid=rid,
+        )  # fmt: skip
+        await self._submit(req)
+        if stream:
+            return self._stream(req.rid)
+        try:
+            return await self._next(req.rid)
+        finally:
+            await self._forget(req.rid)
+
+    async def abort(self, rid: str) -> None:
+        """Ask the engine to stop ``rid``; its stream then ends with finish_reason ABORT."""
+        if rid in self._pending:
+            await self._sock.send(self._codec.encode(AbortRequest(rid=rid)))
+
+    async def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+            await asyncio.gather(self._receiver, return_exceptions=True)
+            self._receiver = None
+        self._pending.clear()
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def _submit(self, req: GenerateRequest) -> None:
+        if req.rid in self._pending:
+            raise ValueError(f"rid {req.rid!r} is already in flight on this client")
+        if self._receiver is None:
+            self._receiver = asyncio.create_task(self._receive_loop())
+        self._pending[req.rid] = asyncio.Queue()
+        await self._sock.send(self._codec.encode(req))
+
+    async def _stream(self, rid: str) -> AsyncIterator[GenerateOutput]:
+        try:
+            while True:
+                reply = await self._next(rid)
+                yield reply
+                if reply.finish_reason is not None:
+                    return
+        finally:
+            await self._forget(rid)
+
+    async def _next(self, rid: str) -> GenerateOutput:
+        try:
+            item = await asyncio.wait_for(self._pending[rid].get(), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no reply for request {rid!r} within {self.timeout_s} s") from None
+        if isinstance(item, EngineError):  # the receiver itself failed
+            self._pending.pop(rid, None)
+            raise item
+        if item.finish_reason is not None:
+            del self._pending[rid]  # finished: nothing to abort any more
+        return check_reply(item)
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frame = await self._sock.recv()
+            try:
+                reply = self._codec.decode(frame)
+            except msgspec.DecodeError as exc:
+                self._fail_all(EngineError(f"malformed reply from the engine: {exc}"))
+                continue
+            queue = self._pending.get(reply.rid)
+            if queue is not None:
+                queue.put_nowait(reply)
+            elif not reply.rid and reply.error:
+                # The engine could not read some request of ours: every waiter must hear it.
+                self._fail_all(EngineError(reply.error))
+            else:
+                logger.debug("dropping a reply for %r, which is no longer in flight", reply.rid)
+
+    def _fail_all(self, error: EngineError) -> None:
+        for queue in self._pending.values():
+            queue.put_nowait(error)
+
+    async def _forget(self, rid: str) -> None:
+        """Stop tracking ``rid``; if it is still running (abandoned, timed out), abort it."""
+        if rid in self._pending and not self._sock.closed:
+            await self._sock.send(self._codec.encode(AbortRequest(rid=rid)))
+        self._pending.pop(rid, None)

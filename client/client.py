@@ -1,0 +1,142 @@
+"""The synchronous client: one DEALER socket, any number of interleaved requests."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+from types import TracebackType
+
+import msgspec
+import zmq
+
+from client.common import EngineError, check_reply, default_endpoint, make_request
+from protocol.messages import AbortRequest, ClientReply, GenerateOutput, GenerateRequest
+from protocol.transport import Codec, make_socket
+
+logger = logging.getLogger(__name__)
+
+
+class Client:
+    """Talks to a rivulet engine over ZMQ; not thread-safe (use one per thread).
+
+    Replies are demultiplexed by rid: while one request waits, replies for the
+    others are buffered, so several streams can be consumed interleaved.
+    Waiting for a reply longer than ``timeout_s`` raises TimeoutError (and
+    aborts the request in the engine); an error reply raises EngineError.
+    """
+
+    def __init__(self, endpoint: str | None = None, timeout_s: float = 300.0) -> None:
+        assert timeout_s > 0, f"timeout_s must be positive, got {timeout_s}"
+        self.endpoint = endpoint or default_endpoint()
+        self.timeout_s = timeout_s
+        self._ctx = zmq.Context()
+        self._sock = make_socket(self._ctx, zmq.DEALER, self.endpoint, bind=False)
+        self._codec: Codec[ClientReply] = Codec(ClientReply)
+        self._pending: dict[str, deque[GenerateOutput]] = {}  # rid -> unread replies, while in flight
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        input_ids: list[int] | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 1.0,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
+        logprobs: bool = False,
+        stream: bool = False,
+        rid: str | None = None,
+    ) -> GenerateOutput | Iterator[GenerateOutput]:
+        """Send a request. stream=False: the final reply; stream=True: an iterator of deltas.
+
+        The last delta carries ``finish_reason`` and ``usage``. The request is sent
+        before this returns, so several streams can be started and read in any order.
+        """
+        req = make_request(
+            prompt, messages=messages, input_ids=input_ids, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, stream=stream, rid=rid,
+        )  # fmt: skip
+        self._submit(req)
+        if stream:
+            return self._stream(req.rid)
+        try:
+            return self._next(req.rid)
+        finally:
+            self._forget(req.rid)
+
+    def abort(self, rid: str) -> None:
+        """Ask the engine to stop ``rid``; its stream then ends with finish_reason ABORT."""
+        if rid in self._pending:
+            self._sock.send(self._codec.encode(AbortRequest(rid=rid)))
+
+    def close(self) -> None:
+        self._pending.clear()
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _submit(self, req: GenerateRequest) -> None:
+        if req.rid in self._pending:
+            raise ValueError(f"rid {req.rid!r} is already in flight on this client")
+        self._pending[req.rid] = deque()
+        self._sock.send(self._codec.encode(req))
+
+    def _stream(self, rid: str) -> Iterator[GenerateOutput]:
+        try:
+            while True:
+                reply = self._next(rid)
+                yield reply
+                if reply.finish_reason is not None:
+                    return
+        finally:
+            self._forget(rid)
+
+    def _next(self, rid: str) -> GenerateOutput:
+        """The next reply for ``rid``, receiving (and buffering others') until it comes."""
+        queue = self._pending[rid]
+        deadline = time.monotonic() + self.timeout_s
+        while not queue:
+            remaining_ms = (deadline - time.monotonic()) * 1000
+            if remaining_ms <= 0 or not self._sock.poll(max(1, int(remaining_ms))):
+                raise TimeoutError(f"no reply for request {rid!r} within {self.timeout_s} s")
+            self._dispatch(self._sock.recv())
+        reply = queue.popleft()
+        if reply.finish_reason is not None:
+            del self._pending[rid]  # finished: nothing to abort any more
+        return check_reply(reply)
+
+    def _dispatch(self, frame: bytes) -> None:
+        try:
+            reply = self._codec.decode(frame)
+        except msgspec.DecodeError as exc:
+            raise EngineError(f"malformed reply from the engine: {exc}") from exc
+        if reply.rid in self._pending:
+            self._pending[reply.rid].append(reply)
+        elif not reply.rid and reply.error:
+            # The engine could not read some request of ours: every waiter must hear it.
+            for queue in self._pending.values():
+                queue.append(reply)
+        else:
+            logger.debug("dropping a reply for %r, which is no longer in flight", reply.rid)
+
+    def _forget(self, rid: str) -> None:
+        """Stop tracking ``rid``; if it is still running (abandoned, timed out), abort it."""
+        if rid in self._pending and not self._sock.closed:
+            self._sock.send(self._codec.encode(AbortRequest(rid=rid)))
+        self._pending.pop(rid, None)

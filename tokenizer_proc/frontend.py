@@ -1,0 +1,96 @@
+"""The tokenizer process's logic without its sockets: frames in, an Outbox of messages out."""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from protocol.messages import (
+    AbortRequest,
+    ClientRequest,
+    GenerateRequest,
+    RequestError,
+    TokenBatch,
+    ToTokenizer,
+)
+from protocol.transport import Codec
+from tokenizer_proc.model_info import ModelInfo
+from tokenizer_proc.request_state import Outbox, RequestTable, error_output
+from tokenizer_proc.validation import RequestRejected, validate_generate
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_MESSAGE = "engine is shutting down"
+
+
+class Frontend:
+    """Validates client requests, tracks them, and turns scheduler tokens into replies.
+
+    ``seed`` seeds the generator of per-request sampling seeds, so a run with the
+    same requests in the same order samples the same tokens.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, info: ModelInfo, seed: int) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+        self.requests = RequestTable(tokenizer)
+        self._rng = random.Random(seed)
+        self._client_codec: Codec[ClientRequest] = Codec(ClientRequest)
+
+    def on_client_frames(self, frames: list[bytes]) -> Outbox:
+        """A ROUTER message: [client identity, msgpack payload]."""
+        if len(frames) != 2:
+            logger.warning("dropping a client message of %d frames (expected 2)", len(frames))
+            if len(frames) < 2:
+                return Outbox()
+            return Outbox(replies=[(frames[0], error_output("", "send each request as a single frame"))])
+        client_id, payload = frames
+        try:
+            msg = self._client_codec.decode(payload)
+        except msgspec.DecodeError as exc:
+            logger.info("malformed request from %r: %s", client_id, exc)
+            rid = _rid_of(payload)
+            return Outbox(replies=[(client_id, error_output(rid, f"malformed request: {exc}"))])
+        match msg:
+            case GenerateRequest():
+                return self._on_generate(client_id, msg)
+            case AbortRequest():
+                return self.requests.abort(client_id, msg.rid)
+            case _:
+                raise AssertionError(f"ClientRequest decoded to unexpected {type(msg).__name__}")
+
+    def on_scheduler_msg(self, msg: ToTokenizer) -> Outbox:
+        match msg:
+            case TokenBatch():
+                return self.requests.on_token_batch(msg)
+            case RequestError():
+                return self.requests.on_request_error(msg)
+            case _:
+                raise AssertionError(f"ToTokenizer decoded to unexpected {type(msg).__name__}")
+
+    def shutdown(self) -> Outbox:
+        return self.requests.fail_all(SHUTDOWN_MESSAGE)
+
+    def _on_generate(self, client_id: bytes, req: GenerateRequest) -> Outbox:
+        try:
+            self.requests.check_new_rid(client_id, req.rid)
+            valid = validate_generate(req, self.tokenizer, self.info, self._rng)
+        except RequestRejected as exc:
+            return Outbox(replies=[(client_id, error_output(req.rid, str(exc)))])
+        return Outbox(to_scheduler=[self.requests.add(client_id, valid)])
+
+
+def _rid_of(payload: bytes) -> str:
+    """The "rid" of a payload that is a msgpack map with a string rid, else ""."""
+    try:
+        data = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return ""
+    rid = data.get("rid") if isinstance(data, dict) else None
+    return rid if isinstance(rid, str) else ""

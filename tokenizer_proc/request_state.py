@@ -1,0 +1,209 @@
+"""Per-request bookkeeping of the tokenizer process: from scheduler rows to client replies.
+
+No sockets here: every method takes messages and returns what to send, so the
+whole request life cycle is unit-testable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.messages import (
+    AbortReq,
+    FinishReason,
+    GenerateOutput,
+    RequestError,
+    TokenBatch,
+    TokenizedRequest,
+    ToScheduler,
+    Usage,
+)
+from tokenizer_proc.detokenizer import IncrementalDetokenizer, TokenDecoder
+from tokenizer_proc.stop import StopMatcher
+from tokenizer_proc.validation import RequestRejected, ValidRequest
+
+Reply = tuple[bytes, GenerateOutput]  # (client identity, reply)
+
+
+@dataclass
+class Outbox:
+    """What one incoming message makes the process send."""
+
+    replies: list[Reply] = field(default_factory=list)
+    to_scheduler: list[ToScheduler] = field(default_factory=list)
+
+
+def error_output(rid: str, message: str) -> GenerateOutput:
+    return GenerateOutput(rid=rid, finish_reason=FinishReason.ERROR, error=message)
+
+
+@dataclass
+class RequestState:
+    """One in-flight request as the tokenizer process sees it.
+
+    ``incremental`` is False for a non-streaming request without stop strings:
+    nobody looks at its text before the end, so it is decoded once at finish.
+    """
+
+    rid: int
+    client_id: bytes
+    client_rid: str
+    prompt_tokens: int
+    stream: bool
+    want_logprobs: bool
+    detokenizer: IncrementalDetokenizer
+    stop: StopMatcher
+    incremental: bool
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""  # text emitted so far (kept for the non-streaming reply)
+    cached_tokens: int = 0
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.detokenizer.token_ids
+
+    def advance(self, new_ids: list[int], *, final: bool) -> str:
+        """Take new tokens; return the text now safe to show. ``stop.matched`` tells a stop string."""
+        if not self.incremental:
+            self.output_ids.extend(new_ids)
+            if final:
+                self.text = self.detokenizer.full_text()
+                return self.text
+            return ""
+        delta = self.detokenizer.add(new_ids)
+        if final:
+            delta += self.detokenizer.flush()
+        shown = self.stop.feed(delta)
+        if final and self.stop.matched is None:
+            shown += self.stop.flush()
+        self.text += shown
+        return shown
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=len(self.output_ids),
+            cached_tokens=self.cached_tokens,
+        )
+
+    def final_output(self, delta: str, new_ids: list[int], reason: FinishReason) -> GenerateOutput:
+        """The last reply: the delta when streaming, else the whole text and tokens."""
+        if self.stream:
+            return self._output(delta, new_ids, self.logprobs[len(self.logprobs) - len(new_ids) :], reason)
+        return self._output(self.text, list(self.output_ids), list(self.logprobs), reason)
+
+    def _output(
+        self, text: str, ids: list[int], logprobs: list[float], reason: FinishReason | None
+    ) -> GenerateOutput:
+        return GenerateOutput(
+            rid=self.client_rid,
+            text=text,
+            token_ids=ids,
+            logprobs=logprobs if self.want_logprobs else None,
+            finish_reason=reason,
+            usage=self.usage() if reason is not None else None,
+        )
+
+    def stream_output(self, delta: str, new_ids: list[int]) -> GenerateOutput:
+        return self._output(delta, new_ids, self.logprobs[len(self.logprobs) - len(new_ids) :], None)
+
+
+class RequestTable:
+    """All in-flight requests, keyed by the internal rid the scheduler knows them by."""
+
+    def __init__(self, tokenizer: TokenDecoder) -> None:
+        self._tokenizer = tokenizer
+        self._next_rid = 0
+        self._states: dict[int, RequestState] = {}
+        self._by_client: dict[tuple[bytes, str], int] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def check_new_rid(self, client_id: bytes, client_rid: str) -> None:
+        if (client_id, client_rid) in self._by_client:
+            raise RequestRejected(f"rid {client_rid!r} is already in flight on this connection")
+
+    def add(self, client_id: bytes, valid: ValidRequest) -> TokenizedRequest:
+        """Start tracking an accepted request; return what to send to the scheduler."""
+        self.check_new_rid(client_id, valid.client_rid)
+        rid = self._next_rid
+        self._next_rid += 1
+        self._states[rid] = RequestState(
+            rid=rid,
+            client_id=client_id,
+            client_rid=valid.client_rid,
+            prompt_tokens=len(valid.input_ids),
+            stream=valid.stream,
+            want_logprobs=valid.logprobs,
+            detokenizer=IncrementalDetokenizer(self._tokenizer),
+            stop=StopMatcher(valid.stop),
+            incremental=valid.stream or bool(valid.stop),
+        )
+        self._by_client[(client_id, valid.client_rid)] = rid
+        return TokenizedRequest(
+            rid=rid,
+            input_ids=valid.input_ids,
+            max_new_tokens=valid.max_new_tokens,
+            stop_token_ids=valid.stop_token_ids,
+            sampler=valid.sampler,
+        )
+
+    def abort(self, client_id: bytes, client_rid: str) -> Outbox:
+        """A client abort: answer ABORT at once and tell the scheduler; later rows are ignored."""
+        rid = self._by_client.get((client_id, client_rid))
+        if rid is None:
+            message = f"abort: no request {client_rid!r} in flight"
+            return Outbox(replies=[(client_id, error_output(client_rid, message))])
+        state = self._drop(rid)
+        reply = state.final_output("", [], FinishReason.ABORT)
+        return Outbox(replies=[(client_id, reply)], to_scheduler=[AbortReq(rid=rid)])
+
+    def on_token_batch(self, batch: TokenBatch) -> Outbox:
+        """One engine step's rows; only the rows' own requests are touched."""
+        out = Outbox()
+        for i, rid in enumerate(batch.rids):
+            state = self._states.get(rid)
+            if state is None:
+                continue  # aborted or stopped already; the scheduler had not heard yet
+            state.cached_tokens = max(state.cached_tokens, batch.cached_tokens[i])
+            self._on_row(state, batch.token_ids[i], batch.logprobs[i], batch.finished[i], out)
+        return out
+
+    def on_request_error(self, err: RequestError) -> Outbox:
+        if err.rid not in self._states:
+            return Outbox()
+        state = self._drop(err.rid)
+        return Outbox(replies=[(state.client_id, error_output(state.client_rid, err.message))])
+
+    def fail_all(self, message: str) -> Outbox:
+        """Error replies for every in-flight request (shutdown)."""
+        out = Outbox()
+        for rid in list(self._states):
+            state = self._drop(rid)
+            out.replies.append((state.client_id, error_output(state.client_rid, message)))
+        return out
+
+    def _on_row(
+        self, state: RequestState, token_id: int, logprob: float, finished: FinishReason | None, out: Outbox
+    ) -> None:
+        new_ids = [token_id] if token_id >= 0 else []
+        state.logprobs.extend([logprob] * len(new_ids))
+        if finished is None and not new_ids:
+            return  # nothing new (the protocol sends -1 only with finished set)
+        delta = state.advance(new_ids, final=finished is not None)
+        if state.stop.matched is not None:
+            if finished is None:  # the scheduler still runs it: stop it there too
+                out.to_scheduler.append(AbortReq(rid=state.rid, reason=FinishReason.STOP))
+            finished = FinishReason.STOP
+        if finished is None:
+            if state.stream:
+                out.replies.append((state.client_id, state.stream_output(delta, new_ids)))
+            return
+        self._drop(state.rid)
+        out.replies.append((state.client_id, state.final_output(delta, new_ids, finished)))
+
+    def _drop(self, rid: int) -> RequestState:
+        state = self._states.pop(rid)
+        del self._by_client[(state.client_id, state.client_rid)]
+        return state
