@@ -1,0 +1,195 @@
+"""Attention over the paged KV pool for one mixed batch.
+
+Rows come in two kinds, each attended in the cheapest shape:
+- decode rows (one new token): grouped into ONE batched call. Their KV is
+  gathered by slot index into [rows, max_len], padded, with a length mask. The
+  query heads of a KV head are laid along the "query length" axis, so GQA needs
+  no repeat of K/V.
+- extend rows (a prompt or a chunk of one): one call each, queries
+  [prefix_len, prefix_len + extend_len) over KV [0, prefix_len + extend_len),
+  causal. A row with no prefix reads its fresh K/V directly.
+
+Everything here is built once per batch (``AttentionMetadata``) and shared by
+all layers; the per-layer work is a write of the new K/V and the calls above.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ExtendRow:
+    """One extend row: its tokens are ``[start, start + length)`` of the flat batch."""
+
+    start: int
+    length: int
+    prefix_len: int
+    kv_locs: torch.Tensor | None  # [prefix_len + length] KV slots; None when prefix_len == 0
+    mask: torch.Tensor | None  # [length, prefix_len + length] bool; None: plain causal
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where this batch's K/V go and what each row's queries attend to."""
+
+    out_locs: torch.Tensor  # [T] KV slot of every new token
+    decode_tokens: torch.Tensor | None  # [B] flat indices of decode-row tokens; None: no decode rows
+    decode_kv_locs: torch.Tensor | None  # [B, L] KV slots (padded with a valid slot of the row)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool, True = attend
+    extends: tuple[ExtendRow, ...]
+    all_decode: bool  # every row is a decode row, in flat order
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """What a model's forward needs besides the token ids."""
+
+    positions: torch.Tensor  # [T] position of every token
+    attn: AttentionMetadata
+    k_cache: list[torch.Tensor]  # per layer [num_slots, kv_heads, head_dim]
+    v_cache: list[torch.Tensor]
+
+
+def paged_attention(
+    layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+) -> torch.Tensor:
+    """Write this layer's new K/V into the pool, then attend. q: [T, Hq, D], k/v: [T, Hkv, D]."""
+    meta = ctx.attn
+    k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
+    k_cache[meta.out_locs] = k
+    v_cache[meta.out_locs] = v
+    if meta.all_decode:
+        return _decode_attention(q, k_cache, v_cache, meta)
+    out = torch.empty_like(q)
+    if meta.decode_tokens is not None:
+        out[meta.decode_tokens] = _decode_attention(q[meta.decode_tokens], k_cache, v_cache, meta)
+    for row in meta.extends:
+        rows = slice(row.start, row.start + row.length)
+        if row.kv_locs is None:
+            row_k, row_v = k[rows], v[rows]
+        else:
+            row_k, row_v = k_cache[row.kv_locs], v_cache[row.kv_locs]
+        out[rows] = _extend_attention(q[rows], row_k, row_v, row.mask)
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    assert meta.decode_kv_locs is not None and meta.decode_mask is not None, "no decode rows"
+    rows, q_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    # [B, L, Hkv, D] -> [B, Hkv, L, D]; the G query heads sharing a KV head act as G queries.
+    k = k_cache[meta.decode_kv_locs].transpose(1, 2)
+    v = v_cache[meta.decode_kv_locs].transpose(1, 2)
+    q = q.view(rows, kv_heads, q_heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask)
+    return out.reshape(rows, q_heads, head_dim)
+
+
+def _extend_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    gqa = q.shape[1] != k.shape[1]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=mask is None,
+        enable_gqa=gqa,
+    )
+    return out.transpose(0, 1)
+
+
+def build_metadata(
+    page_table: torch.Tensor,
+    page_size: int,
+    slots: list[int],
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    device: torch.device,
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Positions [T] and the attention metadata of one batch, from its O(rows) lists."""
+    starts = _exclusive_cumsum(extend_lens)
+    total = starts[-1] + extend_lens[-1]
+    lens = torch.tensor(extend_lens, device=device)
+    row_of_token = torch.repeat_interleave(torch.arange(len(slots), device=device), lens, output_size=total)
+    row_start = torch.tensor(starts, device=device)[row_of_token]
+    prefix = torch.tensor(prefix_lens, device=device)
+    positions = prefix[row_of_token] + torch.arange(total, device=device) - row_start
+    slot_t = torch.tensor(slots, device=device)
+    out_locs = kv_locations(page_table, page_size, slot_t[row_of_token], positions)
+
+    decode_rows = [i for i, n in enumerate(extend_lens) if n == 1]
+    extends = tuple(
+        _extend_row(page_table, page_size, slots[i], starts[i], prefix_lens[i], n, device)
+        for i, n in enumerate(extend_lens)
+        if n > 1
+    )
+    decode = _decode_fields(page_table, page_size, slots, prefix_lens, starts, decode_rows, device)
+    meta = AttentionMetadata(
+        out_locs=out_locs,
+        decode_tokens=decode[0],
+        decode_kv_locs=decode[1],
+        decode_mask=decode[2],
+        extends=extends,
+        all_decode=len(decode_rows) == len(slots),
+    )
+    return positions, meta
+
+
+def kv_locations(
+    page_table: torch.Tensor, page_size: int, slots: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """KV slot of each (request slot, position): page_table[s, p // ps] * ps + p % ps."""
+    return page_table[slots, positions // page_size] * page_size + positions % page_size
+
+
+def _decode_fields(
+    page_table: torch.Tensor,
+    page_size: int,
+    slots: list[int],
+    prefix_lens: list[int],
+    starts: list[int],
+    rows: list[int],
+    device: torch.device,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    if not rows:
+        return None, None, None
+    kv_lens = torch.tensor([prefix_lens[i] + 1 for i in rows], device=device)
+    max_len = max(prefix_lens[i] for i in rows) + 1
+    grid = torch.arange(max_len, device=device)[None, :]
+    valid = grid < kv_lens[:, None]
+    # Padding reads the row's own last position: never unwritten memory (NaN * 0 is NaN).
+    positions = torch.minimum(grid, kv_lens[:, None] - 1)
+    row_slots = torch.tensor([slots[i] for i in rows], device=device)[:, None]
+    locs = kv_locations(page_table, page_size, row_slots, positions)
+    tokens = torch.tensor([starts[i] for i in rows], device=device)
+    return tokens, locs, valid[:, None, None, :]
+
+
+def _extend_row(
+    page_table: torch.Tensor, page_size: int, slot: int, start: int, prefix_len: int, length: int,
+    device: torch.device,
+) -> ExtendRow:
+    if prefix_len == 0:
+        return ExtendRow(start=start, length=length, prefix_len=0, kv_locs=None, mask=None)
+    kv_len = prefix_len + length
+    kv_pos = torch.arange(kv_len, device=device)
+    kv_locs = kv_locations(page_table, page_size, torch.tensor(slot, device=device), kv_pos)
+    q_pos = torch.arange(prefix_len, kv_len, device=device)
+    mask = kv_pos[None, :] <= q_pos[:, None]
+    return ExtendRow(start=start, length=length, prefix_len=prefix_len, kv_locs=kv_locs, mask=mask)
+
+
+def _exclusive_cumsum(values: list[int]) -> list[int]:
+    out, acc = [], 0
+    for v in values:
+        out.append(acc)
+        acc += v
+    return out

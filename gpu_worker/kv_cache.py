@@ -1,0 +1,88 @@
+"""The paged KV pool and the page table the scheduler fills by deltas.
+
+Layout: per layer one K and one V tensor of shape
+``[num_pages * page_size, kv_heads, head_dim]``: a token's KV is one row, so
+writing a batch's new K/V is a single indexed store and gathering a row's
+history is a single index_select, whatever the page size. The page table is
+``[max_running_requests, ceil(context_len / page_size)]`` of page numbers; the
+scheduler owns the allocator and only ever tells us which pages a slot got.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CPU_MAX_KV_TOKENS = 131072  # CPU pools beyond this only slow the machine down
+
+
+class KVPool:
+    """K/V tensors of every layer plus the request-slot page table."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        page_size: int,
+        max_requests: int,
+        context_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        assert num_pages >= 1, f"the KV pool needs at least one page, got {num_pages}"
+        self.num_pages = num_pages
+        self.page_size = page_size
+        shape = (num_pages * page_size, kv_heads, head_dim)
+        # torch.empty: pages are written before they are read, and untouched memory stays unallocated.
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        pages_per_request = -(-context_len // page_size)
+        # Zeros, not empty: any entry gathered through is then a real page of the pool.
+        self.page_table = torch.zeros((max_requests, pages_per_request), dtype=torch.int64, device=device)
+
+    def apply_page_deltas(
+        self, slots: list[int], page_starts: list[int], page_counts: list[int], pages: list[int]
+    ) -> None:
+        """Row i appends ``page_counts[i]`` of the flat ``pages`` to slot ``slots[i]`` at ``page_starts[i]``."""
+        total = len(pages)
+        if total == 0:
+            return
+        device = self.page_table.device
+        counts = torch.tensor(page_counts, device=device)
+        rows = torch.repeat_interleave(torch.tensor(slots, device=device), counts, output_size=total)
+        first = torch.repeat_interleave(torch.tensor(page_starts, device=device), counts, output_size=total)
+        offsets = torch.cumsum(counts, 0) - counts  # where each row's run starts in ``pages``
+        within = torch.arange(total, device=device) - torch.repeat_interleave(offsets, counts, output_size=total)
+        self.page_table[rows, first + within] = torch.tensor(pages, dtype=torch.int64, device=device)
+
+
+def kv_pool_tokens(
+    kv_cache_tokens: int, kv_mem_fraction: float, bytes_per_token: int, device: torch.device
+) -> int:
+    """How many tokens of KV to allocate: the configured count, else a fraction of free memory."""
+    if kv_cache_tokens > 0:
+        return kv_cache_tokens
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        return int(free_bytes * kv_mem_fraction) // bytes_per_token
+    tokens = int(available_ram_bytes() * kv_mem_fraction) // bytes_per_token
+    return min(tokens, CPU_MAX_KV_TOKENS)
+
+
+def available_ram_bytes() -> int:
+    """MemAvailable from /proc/meminfo; free physical pages where that file does not exist."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError as exc:
+        logger.debug("no /proc/meminfo (%s); using sysconf", exc)
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,106 @@
+"""HF directory (config.json + *.safetensors) -> one of our models, weights checked by name.
+
+Our modules name their parameters as the checkpoint does, so loading is a
+one-for-one copy: a weight the checkpoint lacks, a weight we do not know, or a
+shape mismatch is an error. Tied embeddings share one tensor and the
+checkpoint may omit ``lm_head.weight``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from gpu_worker.models import model_class
+
+# Buffers some checkpoints carry that are not weights (causal masks, rotary tables).
+_IGNORED = re.compile(r"(\.attn\.(bias|masked_bias)|\.rotary_emb\.inv_freq)$")
+
+
+class WeightMismatchError(ValueError):
+    """The checkpoint's weights do not match the model's parameters."""
+
+
+def load_hf_config(model_path: str | Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_path))
+
+
+def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, Any]:
+    """Build our model for ``model_path`` on ``device`` in ``dtype`` and fill every weight."""
+    hf_config = load_hf_config(model_path)
+    cls = model_class(hf_config.model_type)
+    with torch.device(device), _default_dtype(dtype):
+        model = cls(hf_config)
+    load_weights(model, safetensors_files(Path(model_path)))
+    return model.eval(), hf_config
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Our layers allocate with torch.empty in the default dtype; set it only while building."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's files: those the shard index names, else every *.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / name for name in names]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    return files
+
+
+def load_weights(model: nn.Module, files: list[Path]) -> None:
+    """Copy every checkpoint tensor into the parameter of the same name; strict both ways."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = {name for name, p in params.items() if _is_tied(model, name, p)}
+    prefix = getattr(model, "checkpoint_prefix", "")
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    name = key if key in params or not prefix or key.startswith(prefix) else prefix + key
+                    if _IGNORED.search(name) or name in tied:
+                        continue  # a tied head saved anyway is the embedding again
+                    if name not in params:
+                        unexpected.append(key)
+                        continue
+                    _copy(params[name], f.get_tensor(key), name)
+                    loaded.add(name)
+    missing = sorted(set(params) - loaded - tied)
+    if missing or unexpected:
+        raise WeightMismatchError(f"missing weights {missing[:8]}, unexpected weights {unexpected[:8]}")
+
+
+def _is_tied(model: nn.Module, name: str, param: torch.Tensor) -> bool:
+    """A head whose tensor is the input embedding's (the checkpoint may omit it)."""
+    if not name.startswith("lm_head."):
+        return False
+    return any(p is param for n, p in model.named_parameters(remove_duplicate=False) if n != name)
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if param.shape != tensor.shape:
+        raise WeightMismatchError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+    param.copy_(tensor)

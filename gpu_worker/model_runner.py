@@ -1,0 +1,162 @@
+"""Executes the scheduler's ForwardBatch: page-table deltas, one forward, sampling.
+
+The runner decides nothing: which KV pages a request uses, how prompts are
+chunked and when a token is drawn all arrive in the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from itertools import accumulate
+
+import torch
+
+from gpu_worker.attention import ForwardContext, build_metadata
+from gpu_worker.config import WorkerConfig
+from gpu_worker.kv_cache import KVPool, kv_pool_tokens
+from gpu_worker.loader import load_model
+from gpu_worker.sampler import SlotSamplerParams, sample
+from protocol.messages import ForwardBatch, ForwardResult
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+class ModelRunner:
+    """Owns the model weights, the paged KV pool and per-slot sampler settings."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self._init_device()
+        self._init_model()
+        self._init_kv_pool()
+        self.sampler_params = SlotSamplerParams(config.max_running_requests)
+
+    def _init_device(self) -> None:
+        name = self.config.device
+        if name == "auto":
+            name = "cuda" if torch.cuda.is_available() else "cpu"
+        self._device = torch.device(name)
+        if self._device.type == "cpu":
+            torch.set_num_threads(self.config.num_threads or os.cpu_count() or 1)
+        dtype = self.config.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if self._device.type == "cuda" else "float32"
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+        self._dtype = _DTYPES[dtype]
+
+    def _init_model(self) -> None:
+        started = time.perf_counter()
+        self.model, self.hf_config = load_model(self.config.model_path, self._dtype, self._device)
+        self._context_len = int(self.model.context_len)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        logger.info(
+            "loaded %s (%s) on %s in %.1fs",
+            self.config.model_path, self.hf_config.model_type, self._device, time.perf_counter() - started,
+        )
+
+    def _init_kv_pool(self) -> None:
+        model = self.model
+        elem_bytes = torch.empty((), dtype=self._dtype).element_size()
+        bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * elem_bytes
+        tokens = kv_pool_tokens(
+            self.config.kv_cache_tokens, self.config.kv_mem_fraction, bytes_per_token, self._device
+        )
+        self.kv = KVPool(
+            num_layers=model.num_layers,
+            kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            num_pages=tokens // self.config.page_size,
+            page_size=self.config.page_size,
+            max_requests=self.config.max_running_requests,
+            context_len=self._context_len,
+            dtype=self._dtype,
+            device=self._device,
+        )
+        logger.info("KV pool: %d pages of %d tokens", self.kv.num_pages, self.kv.page_size)
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv.num_pages
+
+    @property
+    def context_len(self) -> int:
+        return self._context_len
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def execute(self, batch: ForwardBatch) -> ForwardResult:
+        """Run one batch; return the drawn tokens of its ``sample`` rows in row order."""
+        started = time.perf_counter()
+        logits = self.compute_logits(batch)
+        rows = [i for i, flag in enumerate(batch.sample) if flag]
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        if rows:
+            slots = [batch.slots[i] for i in rows]
+            positions = [batch.prefix_lens[i] + batch.extend_lens[i] for i in rows]
+            params = self.sampler_params.batch(slots, positions, self._device)
+            with torch.inference_mode():
+                tokens, token_logprobs = sample(logits, params)
+            token_ids, logprobs = tokens.tolist(), token_logprobs.tolist()
+        return ForwardResult(
+            step=batch.step, token_ids=token_ids, logprobs=logprobs, forward_s=time.perf_counter() - started
+        )
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Apply the batch's page deltas and sampler settings, run the forward, and return the
+        logits [rows with sample=True, vocab] at each such row's last token."""
+        check_batch(batch, self.kv.num_pages, self.kv.page_table.shape, self._context_len, self.vocab_size)
+        self.kv.apply_page_deltas(batch.slots, batch.page_starts, batch.page_counts, batch.pages)
+        self.sampler_params.update(batch.slots, batch.sampler)
+        positions, meta = build_metadata(
+            self.kv.page_table, self.kv.page_size, batch.slots, batch.prefix_lens, batch.extend_lens, self._device
+        )
+        ctx = ForwardContext(positions=positions, attn=meta, k_cache=self.kv.k, v_cache=self.kv.v)
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self._device)
+        hidden = self.model(input_ids, ctx)
+        ends = [end - 1 for end, flag in zip(accumulate(batch.extend_lens), batch.sample, strict=True) if flag]
+        last = torch.tensor(ends, dtype=torch.int64).to(self._device)
+        return self.model.compute_logits(hidden[last])
+
+
+def check_batch(
+    batch: ForwardBatch, num_pages: int, page_table_shape: torch.Size, context_len: int, vocab_size: int
+) -> None:
+    """Reject a malformed batch before it reaches an index op (a CUDA index fault kills the process)."""
+    rows = len(batch.slots)
+    fields = (batch.prefix_lens, batch.extend_lens, batch.page_starts, batch.page_counts, batch.sample, batch.sampler)
+    if rows == 0 or any(len(f) != rows for f in fields):
+        raise ValueError(f"batch {batch.step}: row fields must all have {rows} > 0 entries")
+    if len(batch.input_ids) != sum(batch.extend_lens) or len(batch.pages) != sum(batch.page_counts):
+        raise ValueError(f"batch {batch.step}: input_ids / pages do not match extend_lens / page_counts")
+    max_slots, pages_per_request = page_table_shape
+    if len(set(batch.slots)) != rows or not all(0 <= s < max_slots for s in batch.slots):
+        raise ValueError(f"batch {batch.step}: slots must be distinct and in [0, {max_slots})")
+    if any(n < 1 for n in batch.extend_lens) or any(p < 0 for p in batch.prefix_lens):
+        raise ValueError(f"batch {batch.step}: extend_lens must be >= 1 and prefix_lens >= 0")
+    if any(p + n > context_len for p, n in zip(batch.prefix_lens, batch.extend_lens, strict=True)):
+        raise ValueError(f"batch {batch.step}: a row runs past the context length {context_len}")
+    ends = (s + c for s, c in zip(batch.page_starts, batch.page_counts, strict=True))
+    if any(s < 0 for s in batch.page_starts) or any(e > pages_per_request for e in ends):
+        raise ValueError(f"batch {batch.step}: page deltas outside [0, {pages_per_request})")
+    if batch.pages and not (0 <= min(batch.pages) and max(batch.pages) < num_pages):
+        raise ValueError(f"batch {batch.step}: pages must be in [0, {num_pages})")
+    if min(batch.input_ids) < 0 or max(batch.input_ids) >= vocab_size:
+        raise ValueError(f"batch {batch.step}: token ids must be in [0, {vocab_size})")

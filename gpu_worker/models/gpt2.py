@@ -1,0 +1,90 @@
+"""GPT-2: LayerNorm, learned positions, fused Conv1D q/k/v, GELU MLP, tied lm_head."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpu_worker.attention import ForwardContext, paged_attention
+from gpu_worker.models.layers import Conv1D, Embedding, LayerNorm, Linear, activation
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, cfg: Any, layer: int) -> None:
+        super().__init__()
+        self.layer, self.num_heads = layer, cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.c_attn = Conv1D(cfg.n_embd, 3 * cfg.n_embd)
+        self.c_proj = Conv1D(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        tokens, hidden = x.shape
+        q, k, v = self.c_attn(x).view(tokens, 3, self.num_heads, self.head_dim).unbind(1)
+        out = paged_attention(self.layer, q, k, v, ctx)
+        return self.c_proj(out.reshape(tokens, hidden))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        inner = cfg.n_inner or 4 * cfg.n_embd
+        self.c_fc = Conv1D(cfg.n_embd, inner)
+        self.c_proj = Conv1D(inner, cfg.n_embd)
+        self.act = activation(cfg.activation_function)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, cfg: Any, layer: int) -> None:
+        super().__init__()
+        self.ln_1 = LayerNorm(cfg.n_embd, cfg.layer_norm_epsilon)
+        self.attn = GPT2Attention(cfg, layer)
+        self.ln_2 = LayerNorm(cfg.n_embd, cfg.layer_norm_epsilon)
+        self.mlp = GPT2MLP(cfg)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), ctx)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Body(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.wte = Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = Embedding(cfg.n_positions, cfg.n_embd)
+        self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.n_layer))
+        self.ln_f = LayerNorm(cfg.n_embd, cfg.layer_norm_epsilon)
+
+
+class GPT2LMHeadModel(nn.Module):
+    """GPT-2 causal LM over the paged KV pool."""
+
+    # Original OpenAI checkpoints name weights without the "transformer." prefix.
+    checkpoint_prefix = "transformer."
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        assert not getattr(cfg, "scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx"
+        assert not getattr(cfg, "reorder_and_upcast_attn", False), "reorder_and_upcast_attn is not supported"
+        assert getattr(cfg, "scale_attn_weights", True), "unscaled attention is not supported"
+        self.num_layers, self.num_kv_heads = cfg.n_layer, cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.context_len = cfg.n_positions
+        self.transformer = GPT2Body(cfg)
+        self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if getattr(cfg, "tie_word_embeddings", True):
+            self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Hidden states [T, hidden] before the final LayerNorm."""
+        x = self.transformer.wte(input_ids) + self.transformer.wpe(ctx.positions)
+        for block in self.transformer.h:
+            x = block(x, ctx)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.transformer.ln_f(hidden))

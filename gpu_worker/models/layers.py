@@ -1,0 +1,125 @@
+"""Small building blocks shared by our model files.
+
+Parameters are created with ``torch.empty`` (no random init: the loader
+overwrites every one of them), so building a model costs only its allocation.
+Each block mirrors the op order of the HF reference where that order decides
+rounding, so float64 runs can be compared with HF to ~1e-12.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b`` with HF's [out, in] weight layout."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Conv1D(nn.Module):
+    """GPT-2's projection: weight stored [in, out], ``y = b + x W``."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(in_features, out_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x, self.weight)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num, dim), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm whose statistics are taken in float32, as HF does for every model dtype.
+
+    (For bf16 this is the accurate choice; for float64 it matches the reference bit for bit.)
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's tanh GELU, written as the reference writes it."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation an HF config names (``hidden_act`` / ``activation_function``)."""
+    match name:
+        case "silu" | "swish":
+            return F.silu
+        case "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast":
+            return gelu_new
+        case "gelu":
+            return F.gelu
+        case "relu":
+            return F.relu
+        case _:
+            raise NotImplementedError(f"activation {name!r} is not supported")
+
+
+class RotaryCache(nn.Module):
+    """cos/sin of every position up to ``context_len``, looked up per token.
+
+    Angles are computed in float32 and then cast, as HF does, so every model
+    dtype sees the same angles as the reference.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, context_len: int) -> None:
+        super().__init__()
+        positions = torch.arange(context_len, dtype=torch.float32)  # on the default (model) device
+        freqs = positions[:, None] * inv_freq.to(positions.device, torch.float32)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dtype = torch.get_default_dtype()
+        self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] positions -> cos, sin of shape [T, 1, head_dim] (broadcast over heads)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [T, heads, head_dim] by the half-split (NeoX/HF) convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos) + (rotated * sin)

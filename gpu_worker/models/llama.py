@@ -1,0 +1,163 @@
+"""One decoder for the Llama family: Llama, SmolLM2, Mistral, Qwen2 and Qwen3.
+
+They differ only in flags read from the HF config: biases on q/k/v (Qwen2) or on
+every projection (Llama's ``attention_bias``), an RMSNorm per head on q and k
+before rotary (Qwen3), and rotary scaling. Parameter names mirror the HF
+checkpoint names so the loader can check them one for one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpu_worker.attention import ForwardContext, paged_attention
+from gpu_worker.models.layers import Embedding, Linear, RMSNorm, RotaryCache, activation, apply_rotary
+from gpu_worker.models.rope import rope_inv_freq
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    act: str
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_embeddings: bool
+    context_len: int
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> LlamaArgs:
+        model_type = cfg.model_type
+        heads = cfg.num_attention_heads
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            eps=cfg.rms_norm_eps,
+            act=cfg.hidden_act,
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            context_len=_context_len(cfg),
+        )
+
+
+def _context_len(cfg: Any) -> int:
+    """max_position_embeddings, capped at the sliding window where one is in use.
+
+    Within the window, sliding attention equals full attention, so capping the
+    context keeps our full-attention kernels exact for Mistral/Qwen windows.
+    """
+    window = getattr(cfg, "sliding_window", None)
+    uses_window = cfg.model_type == "mistral" or bool(getattr(cfg, "use_sliding_window", False))
+    if window and uses_window:
+        return min(cfg.max_position_embeddings, window)
+    return cfg.max_position_embeddings
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        hidden, q_out, kv_out = args.hidden_size, args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.q_proj = Linear(hidden, q_out, args.qkv_bias)
+        self.k_proj = Linear(hidden, kv_out, args.qkv_bias)
+        self.v_proj = Linear(hidden, kv_out, args.qkv_bias)
+        self.o_proj = Linear(q_out, hidden, args.o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.eps)
+            self.k_norm = RMSNorm(args.head_dim, args.eps)
+        self.qk_norm = args.qk_norm
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(self.layer, q, k, v, ctx)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.gate_proj = Linear(args.hidden_size, args.intermediate_size, args.mlp_bias)
+        self.up_proj = Linear(args.hidden_size, args.intermediate_size, args.mlp_bias)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, args.mlp_bias)
+        self.act = activation(args.act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: LlamaArgs, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.eps)
+        self.self_attn = Attention(args, layer)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBody(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over the paged KV pool."""
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        args = LlamaArgs.from_hf(hf_config)
+        self.args = args
+        self.num_layers, self.num_kv_heads, self.head_dim = args.num_layers, args.num_kv_heads, args.head_dim
+        self.context_len = args.context_len
+        self.model = LlamaBody(args)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        inv_freq, scaling = rope_inv_freq(hf_config, args.head_dim)
+        self.rotary = RotaryCache(inv_freq, scaling, args.context_len)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Hidden states [T, hidden] before the final norm."""
+        cos, sin = self.rotary(ctx.positions)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, ctx)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of the selected tokens' hidden states."""
+        return self.lm_head(self.model.norm(hidden))

@@ -1,0 +1,50 @@
+"""The gpu_worker process: ForwardBatch in, ForwardResult out."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import msgspec
+import zmq
+
+from gpu_worker.config import WorkerConfig
+from gpu_worker.model_runner import ModelRunner
+from protocol.messages import ForwardResult, ToWorker, WorkerReady
+from protocol.transport import Codec, Endpoints, make_socket
+
+logger = logging.getLogger(__name__)
+
+
+def run_worker(config: WorkerConfig, endpoints: Endpoints) -> None:
+    """Load the model, announce WorkerReady, then execute batches until the process is stopped.
+
+    A malformed frame is logged and dropped (there is no step to answer); a batch
+    whose forward fails is answered with ``ForwardResult.error`` and serving goes on.
+    """
+    runner = ModelRunner(config)
+    ctx = zmq.Context()
+    inbox = make_socket(ctx, zmq.PULL, endpoints.to_worker, bind=True)
+    outbox = make_socket(ctx, zmq.PUSH, endpoints.from_worker, bind=False)
+    launcher = make_socket(ctx, zmq.PUSH, endpoints.to_launcher, bind=False)
+    codec: Codec[ToWorker] = Codec(ToWorker)
+    launcher.send(codec.encode(WorkerReady(
+        pid=os.getpid(), num_pages=runner.num_pages, page_size=config.page_size,
+        context_len=runner.context_len, device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
+    )))
+    while True:
+        frame = inbox.recv(copy=False)
+        try:
+            batch = codec.decode(frame.buffer)
+        except msgspec.DecodeError as exc:
+            logger.error("dropped a malformed frame (%d bytes): %s", len(frame.buffer), exc)
+            continue
+        started = time.perf_counter()
+        try:
+            result = runner.execute(batch)
+        except Exception as exc:  # a failed batch fails its requests, not the worker
+            logger.exception("step %d failed", batch.step)
+            result = ForwardResult(step=batch.step, token_ids=[], logprobs=[],
+                                   forward_s=time.perf_counter() - started, error=f"{type(exc).__name__}: {exc}")
+        outbox.send(codec.encode(result))

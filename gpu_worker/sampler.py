@@ -1,0 +1,140 @@
+"""Batched sampling whose randomness is a pure function of (seed, position, token id).
+
+Gumbel-max: token = argmax(logits / T + g) with g = -log(-log(u)) draws from
+softmax(logits / T). u comes from a counter-based integer hash of (seed,
+position, vocab index), so a request's draw depends on nothing else in the
+batch and replays exactly. top_k / top_p / min_p remove tokens (-inf) first,
+judged on the temperature-scaled probabilities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from protocol.messages import SamplerParams
+
+_MASK32 = 0xFFFFFFFF
+# Multipliers below 2**31: a value < 2**32 times one stays < 2**63, so int64 never overflows.
+_MUL_A = 0x7FEB352D
+_MUL_B = 0x5BD1E995
+_SEED_SALT = 0x2545F491
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters, all [R] tensors on the logits' device."""
+
+    temperature: torch.Tensor  # float; 0 = greedy
+    top_k: torch.Tensor  # int64; <= 0 = off
+    top_p: torch.Tensor  # float; 1.0 = off
+    min_p: torch.Tensor  # float; 0.0 = off
+    seed: torch.Tensor  # int64, the low 32 bits
+    seed_hi: torch.Tensor  # int64, the next 32 bits
+    positions: torch.Tensor  # int64, position of the token being drawn
+    all_greedy: bool
+    any_filter: bool  # some row uses top_k, top_p or min_p
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit avalanche hash of int64 values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL_A) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MUL_B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seed: torch.Tensor, seed_hi: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, vocab] float64 Gumbel noise, a pure function of (seed, position, vocab index)."""
+    row_a = mix32(seed ^ mix32((positions + _SEED_SALT) & _MASK32))
+    row_b = mix32(seed_hi ^ mix32((row_a + _SEED_SALT) & _MASK32))
+    token = mix32(torch.arange(vocab, device=seed.device, dtype=torch.int64))
+    bits = mix32(mix32(row_a[:, None] ^ token[None, :]) ^ row_b[:, None])
+    u = (bits.to(torch.float64) + 0.5) / 2.0**32  # strictly inside (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [R] and their logprobs [R] (log_softmax of the raw logits)."""
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    logprobs_all = torch.log_softmax(logits, dim=-1)
+    greedy = logits.argmax(dim=-1)
+    if params.all_greedy:
+        tokens = greedy
+    else:
+        temperature = torch.where(params.temperature > 0, params.temperature, 1.0)
+        scaled = logits / temperature[:, None].to(logits.dtype)
+        if params.any_filter:
+            scaled = _filter(scaled, params)
+        noise = gumbel_noise(params.seed, params.seed_hi, params.positions, logits.shape[-1])
+        drawn = (scaled.to(torch.float64) + noise).argmax(dim=-1)
+        tokens = torch.where(params.temperature > 0, drawn, greedy)
+    return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _filter(scaled: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
+    """Set to -inf every token outside a row's top_k, top_p nucleus or min_p floor."""
+    values, order = scaled.sort(dim=-1, descending=True)
+    probs = torch.softmax(values, dim=-1)
+    rank = torch.arange(values.shape[-1], device=values.device)[None, :]
+    top_k = torch.where(params.top_k > 0, params.top_k, values.shape[-1])
+    removed = rank >= top_k[:, None]
+    # Mass strictly before a token already reaches top_p: the first token always stays.
+    nucleus = (probs.cumsum(dim=-1) - probs) >= params.top_p[:, None].to(probs.dtype)
+    removed |= nucleus & (params.top_p < 1.0)[:, None]  # rounding must not cut a top_p=1 row's tail
+    removed |= probs < (params.min_p[:, None].to(probs.dtype) * probs[:, :1])
+    values = values.masked_fill(removed, float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, order, values)
+
+
+class SlotSamplerParams:
+    """Sampler settings per request slot, set when a slot is (re)assigned.
+
+    Kept on the CPU: choosing the greedy / filter paths then needs no device sync,
+    and each step ships only its rows' values.
+    """
+
+    def __init__(self, max_requests: int) -> None:
+        self.temperature = torch.zeros(max_requests, dtype=torch.float64)
+        self.top_k = torch.zeros(max_requests, dtype=torch.int64)
+        self.top_p = torch.ones(max_requests, dtype=torch.float64)
+        self.min_p = torch.zeros(max_requests, dtype=torch.float64)
+        self.seed = torch.zeros(max_requests, dtype=torch.int64)
+        self.seed_hi = torch.zeros(max_requests, dtype=torch.int64)
+        self.assigned = [False] * max_requests
+
+    def update(self, slots: list[int], params: list[SamplerParams | None]) -> None:
+        for slot, p in zip(slots, params, strict=True):
+            if p is None:
+                continue
+            seed = p.seed & 0xFFFFFFFFFFFFFFFF  # any Python int, negative ones included
+            self.temperature[slot] = p.temperature
+            self.top_k[slot] = p.top_k
+            self.top_p[slot] = p.top_p
+            self.min_p[slot] = p.min_p
+            self.seed[slot] = seed & _MASK32
+            self.seed_hi[slot] = seed >> 32
+            self.assigned[slot] = True
+
+    def batch(self, slots: list[int], positions: list[int], device: torch.device) -> SamplingBatch:
+        """The rows ``slots`` (drawing the tokens at ``positions``) as a SamplingBatch on ``device``."""
+        missing = [s for s in slots if not self.assigned[s]]
+        if missing:
+            raise ValueError(f"slots {missing} sample without sampler params")
+        index = torch.tensor(slots, dtype=torch.int64)
+        temperature, top_k = self.temperature[index], self.top_k[index]
+        top_p, min_p = self.top_p[index], self.min_p[index]
+        any_filter = bool((top_k > 0).any() or (top_p < 1.0).any() or (min_p > 0.0).any())
+        return SamplingBatch(
+            temperature=temperature.to(device),
+            top_k=top_k.to(device),
+            top_p=top_p.to(device),
+            min_p=min_p.to(device),
+            seed=self.seed[index].to(device),
+            seed_hi=self.seed_hi[index].to(device),
+            positions=torch.tensor(positions, dtype=torch.int64).to(device),
+            all_greedy=bool((temperature <= 0).all()),
+            any_filter=any_filter,
+        )

@@ -1,0 +1,99 @@
+"""Test helpers: tiny random HF models on disk, and a pure stand-in for the scheduler."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from protocol.messages import ForwardBatch, SamplerParams
+
+GREEDY = SamplerParams(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0)
+VOCAB = 500
+
+
+def tiny_config(kind: str, tie: bool) -> Any:
+    """A 2-layer, hidden-64 config of ``kind`` (llama | qwen2 | qwen3 | gpt2 | mistral)."""
+    import transformers
+
+    common: dict[str, Any] = dict(vocab_size=VOCAB, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
+    if kind == "gpt2":
+        return transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, **common)
+    decoder: dict[str, Any] = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, **common,
+    )
+    match kind:
+        case "llama":
+            return transformers.LlamaConfig(rope_theta=5000.0, **decoder)
+        case "qwen2":
+            return transformers.Qwen2Config(**decoder)
+        case "qwen3":
+            return transformers.Qwen3Config(head_dim=32, **decoder)
+        case "mistral":
+            return transformers.MistralConfig(sliding_window=None, **decoder)
+    raise ValueError(kind)
+
+
+def save_tiny_model(kind: str, tie: bool, out: Path, seed: int = 0) -> Any:
+    """Save a random float64 HF model of ``kind`` to ``out``; return it (eval mode, float64)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind, tie))
+    model = model.to(torch.float64).eval()
+    with torch.no_grad():  # random init leaves norms at 1 and biases at 0: perturb so they are tested
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or "ln_" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+    return model
+
+
+@dataclass
+class MiniScheduler:
+    """Plays the scheduler: hands out pages from a free list and builds ForwardBatch messages."""
+
+    num_pages: int
+    page_size: int
+    shuffle_seed: int | None = None
+    free: list[int] = field(default_factory=list)
+    held: dict[int, list[int]] = field(default_factory=dict)
+    shared: dict[int, list[int]] = field(default_factory=dict)  # slot -> cached pages to send with its next row
+    step: int = 0
+
+    def __post_init__(self) -> None:
+        self.free = list(range(self.num_pages))
+        if self.shuffle_seed is not None:
+            random.Random(self.shuffle_seed).shuffle(self.free)
+
+    def share(self, src_slot: int, dst_slot: int, num_pages: int) -> None:
+        """Give ``dst_slot`` the first pages of ``src_slot`` (a cached prefix); sent with its next row."""
+        self.held[dst_slot] = []
+        self.shared[dst_slot] = self.held[src_slot][:num_pages]
+
+    def batch(self, rows: list[tuple[int, int, list[int], bool, SamplerParams | None]]) -> ForwardBatch:
+        """rows: (slot, prefix_len, new token ids, sample, sampler params or None)."""
+        fields: dict[str, list[Any]] = {k: [] for k in (
+            "slots", "prefix_lens", "extend_lens", "input_ids", "page_starts", "page_counts", "pages",
+            "sample", "sampler")}
+        for slot, prefix_len, ids, sample, params in rows:
+            owned = self.held.setdefault(slot, [])
+            start = len(owned)
+            owned.extend(self.shared.pop(slot, []))
+            need = -(-(prefix_len + len(ids)) // self.page_size) - len(owned)
+            owned.extend(self.free.pop(0) for _ in range(max(need, 0)))
+            fields["slots"].append(slot)
+            fields["prefix_lens"].append(prefix_len)
+            fields["extend_lens"].append(len(ids))
+            fields["input_ids"].extend(ids)
+            fields["page_starts"].append(start)
+            fields["page_counts"].append(len(owned) - start)
+            fields["pages"].extend(owned[start:])
+            fields["sample"].append(sample)
+            fields["sampler"].append(params)
+        self.step += 1
+        return ForwardBatch(step=self.step, **fields)
