@@ -8,6 +8,11 @@ of the worker's page table.
 from __future__ import annotations
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages that hold ``num_tokens`` positions starting at a page boundary."""
+    return -(-num_tokens // page_size)
+
+
 class PageAllocator:
     """Free list of ``num_pages`` KV page ids; double frees are caught."""
 

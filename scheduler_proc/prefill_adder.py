@@ -15,7 +15,10 @@ Three budgets, all in tokens:
 from __future__ import annotations
 
 import enum
+import math
 
+from scheduler_proc.config import SchedulerConfig
+from scheduler_proc.page_allocator import pages_for
 from scheduler_proc.request import Req
 
 
@@ -53,7 +56,7 @@ class PrefillAdder:
 
     def _new_pages(self, req: Req, tokens: int) -> int:
         """Pages ``req`` needs beyond its page table to hold ``kv_len + tokens`` positions."""
-        return max(-(-(req.kv_len + tokens) // self.page_size) - len(req.page_table), 0)
+        return max(pages_for(req.kv_len + tokens, self.page_size) - len(req.page_table), 0)
 
     def _take(self, req: Req, extend_len: int, reserve: int) -> None:
         self.can_run_list.append((req, extend_len))
@@ -120,3 +123,17 @@ class PrefillAdder:
         self._take(req, trunc_len, 0)
         self.new_chunked_req = req
         return self._budget_state()
+
+
+def running_reservation_tokens(running: list[Req], config: SchedulerConfig) -> int:
+    """KV the running requests are expected to still write, in whole pages (as tokens).
+
+    Per request: ``min(max_new_tokens - generated, clip_max_new_tokens) * new_token_ratio``
+    future tokens; room left in its own last page costs nothing more.
+    """
+    ps = config.page_size
+    reserved = 0
+    for req in running:
+        future = math.ceil(req.reserve_tokens(config.clip_max_new_tokens) * config.new_token_ratio)
+        reserved += max(pages_for(req.kv_len + future, ps) - len(req.page_table), 0) * ps
+    return reserved

@@ -41,6 +41,7 @@ class SchedulerProcess:
         self.to_tokenizer = make_socket(ctx, zmq.PUSH, endpoints.to_tokenizer, bind=False)
         self.to_worker = make_socket(ctx, zmq.PUSH, endpoints.to_worker, bind=False)
         self.to_launcher = make_socket(ctx, zmq.PUSH, endpoints.to_launcher, bind=False)
+        self.encoder = msgspec.msgpack.Encoder()  # every outgoing message, whatever its channel
         self.tokenizer_codec: Codec[ToScheduler] = Codec(ToScheduler)
         self.worker_codec: Codec[FromWorker] = Codec(FromWorker)
         self.poller = zmq.Poller()
@@ -48,7 +49,7 @@ class SchedulerProcess:
         self.poller.register(self.from_worker, zmq.POLLIN)
 
     def announce(self) -> None:
-        self.to_launcher.send(self.tokenizer_codec.encode(Ready(proc="scheduler", pid=os.getpid())))
+        self.to_launcher.send(self.encoder.encode(Ready(proc="scheduler", pid=os.getpid())))
 
     def run_forever(self) -> None:
         """Block only when idle (nothing runnable, or waiting on the worker); one batch per turn."""
@@ -58,10 +59,10 @@ class SchedulerProcess:
                 self._drain(sock)
             batch = self.scheduler.schedule()
             if batch is not None:
-                self.to_worker.send(self.tokenizer_codec.encode(batch))
+                self.to_worker.send(self.encoder.encode(batch))
                 self.stats.on_batch(self.scheduler)
             for out in self.scheduler.take_outputs():
-                self.to_tokenizer.send(self.tokenizer_codec.encode(out))
+                self.to_tokenizer.send(self.encoder.encode(out))
             idle = batch is None
 
     def _drain(self, sock: zmq.Socket) -> None:
@@ -87,7 +88,7 @@ class SchedulerProcess:
                 error = self.scheduler.add(msg)
                 if error is not None:
                     self.log.warning("rejected rid %d: %s", msg.rid, error.message)
-                    self.to_tokenizer.send(self.tokenizer_codec.encode(error))
+                    self.to_tokenizer.send(self.encoder.encode(error))
             case AbortReq():
                 self.scheduler.abort(msg.rid, msg.reason)
             case _:

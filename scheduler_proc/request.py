@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from protocol.messages import FinishReason, SamplerParams, TokenizedRequest
 from scheduler_proc.config import SchedulerConfig
+from scheduler_proc.page_allocator import pages_for
 
 
 class ReqStatus(enum.Enum):
@@ -118,9 +119,6 @@ def why_rejected(msg: TokenizedRequest, config: SchedulerConfig, *, duplicate: b
     n, max_new = len(msg.input_ids), msg.max_new_tokens
     pool_tokens = config.total_tokens
 
-    def pages_for(num_tokens: int) -> int:
-        return -(-num_tokens // config.page_size)
-
     if duplicate:
         return f"duplicate request id {msg.rid}"
     if n == 0:
@@ -132,9 +130,9 @@ def why_rejected(msg: TokenizedRequest, config: SchedulerConfig, *, duplicate: b
             f"prompt ({n} tokens) + max_new_tokens ({max_new}) exceeds the context length "
             f"{config.context_len}"
         )
-    if pages_for(n + 1) > config.num_pages:
+    if pages_for(n + 1, config.page_size) > config.num_pages:
         return f"prompt of {n} tokens does not fit the KV pool ({pool_tokens} tokens)"
-    if pages_for(n + max_new) > config.num_pages:
+    if pages_for(n + max_new, config.page_size) > config.num_pages:
         return (
             f"prompt ({n} tokens) + max_new_tokens ({max_new}) needs more KV than the whole pool "
             f"({pool_tokens} tokens)"

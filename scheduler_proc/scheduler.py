@@ -13,7 +13,6 @@ or when the batch still carrying it returns (``Req.in_flight``).
 from __future__ import annotations
 
 import logging
-import math
 from collections import deque
 
 from protocol.messages import (
@@ -27,8 +26,8 @@ from protocol.messages import (
 from scheduler_proc.batch import BatchInfo, Row, build_forward_batch
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.outputs import OutputCollector
-from scheduler_proc.page_allocator import PageAllocator, SlotPool
-from scheduler_proc.prefill_adder import AddResult, PrefillAdder
+from scheduler_proc.page_allocator import PageAllocator, SlotPool, pages_for
+from scheduler_proc.prefill_adder import AddResult, PrefillAdder, running_reservation_tokens
 from scheduler_proc.request import Req, ReqStatus, why_rejected
 
 
@@ -160,7 +159,10 @@ class Scheduler:
             clip_max_new_tokens=cfg.clip_max_new_tokens,
             rem_input_tokens=cfg.max_prefill_tokens,
             rem_chunk_tokens=cfg.chunk_tokens,
-            rem_total_tokens=self._rem_total_tokens(),
+            # Free KV minus the running requests' reservation (in mixed mode their
+            # pages for this step are already taken: _decode_rows ran first).
+            rem_total_tokens=self.pages.num_free * cfg.page_size
+            - running_reservation_tokens(self.running, cfg),
             free_pages=self.pages.num_free,
             free_slots=self.slots.num_free,
         )
@@ -173,16 +175,6 @@ class Scheduler:
             assert self.chunked_req is None, "at most one chunked_req at a time"
             self.chunked_req = adder.new_chunked_req
         return [self._prefill_row(req, extend_len) for req, extend_len in adder.can_run_list]
-
-    def _rem_total_tokens(self) -> float:
-        """Free KV minus what running requests will still write (SGLang's rem_total_tokens)."""
-        ps, cfg = self.config.page_size, self.config
-        reserved = 0
-        for req in self.running:
-            future = math.ceil(req.reserve_tokens(cfg.clip_max_new_tokens) * cfg.new_token_ratio)
-            # Room left in the request's own last page costs nothing more.
-            reserved += max(self._pages_for(req.kv_len + future) - len(req.page_table), 0) * ps
-        return self.pages.num_free * ps - reserved
 
     def _prefill_row(self, req: Req, extend_len: int) -> Row:
         new_slot = req.slot is None
@@ -203,7 +195,8 @@ class Scheduler:
     def _extend_row(self, req: Req, extend_len: int, new_slot: bool) -> Row:
         """A row extending ``req`` by ``extend_len`` tokens, with the pages they need."""
         page_start = len(req.page_table)
-        new_pages = self.pages.alloc(max(self._pages_for(req.kv_len + extend_len) - page_start, 0))
+        num_new = max(pages_for(req.kv_len + extend_len, self.config.page_size) - page_start, 0)
+        new_pages = self.pages.alloc(num_new)
         assert new_pages is not None, f"rid {req.rid}: scheduled without free pages"
         req.page_table.extend(new_pages)
         sample = req.kv_len + extend_len == req.seq_len
@@ -322,14 +315,7 @@ class Scheduler:
             self.slots.free(req.slot)
             req.slot = None
 
-    def _pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.config.page_size)
-
     # ------------------------------------------------------------------ counters for logs
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running) + (self.chunked_req is not None)
 
     @property
     def num_waiting(self) -> int:
