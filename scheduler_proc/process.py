@@ -64,6 +64,8 @@ class SchedulerProcess:
             for out in self.scheduler.take_outputs():
                 self.to_tokenizer.send(self.encoder.encode(out))
             idle = batch is None
+            if idle and not self.scheduler.has_work:
+                self.stats.on_idle()
 
     def _drain(self, sock: zmq.Socket) -> None:
         while True:

@@ -22,13 +22,20 @@ class SchedulerStats:
         self.logger = logger
         self.clock = clock
         self.num_decode_batches = 0
-        self._last_log_s = clock()
-        self._last_generated = 0
+        self._window_start_s: float | None = None  # None: idle; the next batch opens a window
+        self._window_generated = 0
+
+    def on_idle(self) -> None:
+        """The engine ran dry: idle time must not dilute the next throughput figure."""
+        self._window_start_s = None
 
     def on_batch(self, sched: Scheduler) -> None:
         """Call right after ``sched.schedule()`` returned a batch."""
         info = sched.last_batch
         assert info is not None, "on_batch called before any batch was scheduled"
+        if self._window_start_s is None:
+            self._window_start_s = self.clock()
+            self._window_generated = sched.num_generated_tokens
         if info.num_prefill_rows:
             self.logger.info(
                 "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: 0, token usage: %.2f, "
@@ -53,9 +60,10 @@ class SchedulerStats:
             )
 
     def _throughput(self, sched: Scheduler) -> float:
-        """Tokens sampled per second since the previous decode line."""
+        """Tokens sampled per second since the previous decode line (or since the engine woke up)."""
         now = self.clock()
-        tokens = sched.num_generated_tokens - self._last_generated
-        elapsed_s = now - self._last_log_s
-        self._last_log_s, self._last_generated = now, sched.num_generated_tokens
+        assert self._window_start_s is not None, "a window opens with every batch"
+        tokens = sched.num_generated_tokens - self._window_generated
+        elapsed_s = now - self._window_start_s
+        self._window_start_s, self._window_generated = now, sched.num_generated_tokens
         return tokens / elapsed_s if elapsed_s > 0 else 0.0

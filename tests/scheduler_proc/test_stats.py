@@ -25,11 +25,11 @@ def test_one_prefill_line_per_prefill_batch_and_a_decode_line_every_n(
     stats = SchedulerStats(cfg.decode_log_interval, logging.getLogger("rivulet.scheduler"), clock)
     d.submit(0, [1, 2, 3, 4], 7)
     d.submit(1, [5, 6], 7)
+    clock.now_s += 1000.0  # idle time before the first batch does not count
     with caplog.at_level(logging.INFO, logger="rivulet.scheduler"):
         while d.sched.has_work:
             clock.now_s += 0.5
-            d.step()
-            stats.on_batch(d.sched)
+            d.step(in_flight_hook=lambda _: stats.on_batch(d.sched))  # as the process: before the result
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0] == (
         "Prefill batch. #new-seq: 2, #new-token: 6, #cached-token: 0, token usage: 0.06, "
@@ -37,9 +37,18 @@ def test_one_prefill_line_per_prefill_batch_and_a_decode_line_every_n(
     )
     decode_lines = [line for line in lines if line.startswith("Decode batch.")]
     assert len(lines) == 1 + len(decode_lines) and len(decode_lines) == 2, "6 decode steps, one line per 3"
-    # 2 prefill tokens + 3 decode steps x 2 tokens in 2.0 s since the stats were created.
+    # The window opens at the prefill batch: 2 + 2 x 2 tokens sampled in the 1.5 s since.
     assert decode_lines[0] == (
         "Decode batch. #running-req: 2, #token: 12, token usage: 0.12, "
         "gen throughput (token/s): 4.00, #queue-req: 0"
     )
-    assert "gen throughput (token/s): 4.00" in decode_lines[1]
+    assert "gen throughput (token/s): 4.00" in decode_lines[1], "3 steps x 2 tokens in 1.5 s"
+    stats.on_idle()
+    clock.now_s += 1000.0
+    d.submit(2, [7], 4)
+    d.step(in_flight_hook=lambda _: stats.on_batch(d.sched))
+    for _ in range(3):
+        clock.now_s += 0.25
+        d.step(in_flight_hook=lambda _: stats.on_batch(d.sched))
+    # 1 + 2 tokens in 0.75 s: the 1000 s of idleness are not in the figure.
+    assert caplog.records[-1].getMessage().endswith("gen throughput (token/s): 4.00, #queue-req: 0")
