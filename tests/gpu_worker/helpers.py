@@ -19,7 +19,10 @@ def tiny_config(kind: str, tie: bool) -> Any:
     """A 2-layer, hidden-64 config of ``kind`` (llama | qwen2 | qwen3 | gpt2 | mistral)."""
     import transformers
 
-    common: dict[str, Any] = dict(vocab_size=VOCAB, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
+    # initializer_range 0.3: with the default 0.02 a random model just echoes its last token.
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, initializer_range=0.3
+    )
     if kind == "gpt2":
         return transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, **common)
     decoder: dict[str, Any] = dict(
@@ -45,6 +48,8 @@ def save_tiny_model(kind: str, tie: bool, out: Path, seed: int = 0) -> Any:
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind, tie))
     model = model.to(torch.float64).eval()
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    model.generation_config.pad_token_id = 0
     with torch.no_grad():  # random init leaves norms at 1 and biases at 0: perturb so they are tested
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name or "ln_" in name:
