@@ -235,16 +235,18 @@ class Engine:
 # --------------------------------------------------------------------------
 
 
-def _signal_wakeup() -> socket.socket:
-    """SIGINT/SIGTERM write a byte to a socketpair that supervise() blocks on."""
+def _signal_wakeup() -> tuple[socket.socket, socket.socket]:
+    """SIGINT/SIGTERM write a byte to a socketpair whose read end supervise() blocks on.
+
+    Both ends are returned: the write end must stay open while the handlers are installed.
+    """
     rsock, wsock = socket.socketpair()
     rsock.setblocking(False)
     wsock.setblocking(False)
     signal.set_wakeup_fd(wsock.fileno(), warn_on_full_buffer=False)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)  # the wakeup byte does the work
-    rsock._keep_alive = wsock  # type: ignore[attr-defined]  # wsock must outlive the handlers
-    return rsock
+    return rsock, wsock
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -256,7 +258,7 @@ def serve(args: argparse.Namespace) -> int:
         os.makedirs(os.path.dirname(endpoint[len("ipc://") :]) or ".", exist_ok=True)
     model_path = str(resolve_model(args.model))
     run_dir = tempfile.mkdtemp(prefix="rivulet-")
-    wakeup = _signal_wakeup()
+    wakeup, _wakeup_writer = _signal_wakeup()
     engine = Engine(Endpoints.in_dir(run_dir, client=endpoint), args.log_level)
     try:
         engine.start("gpu_worker", worker_config(args, model_path))
