@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
 
 from client.client import Client
 from client.common import EngineError, default_endpoint
@@ -32,16 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     """Stream the completion; exit 1 with a message on an engine error or timeout."""
     args = parse_args(argv)
     with Client(args.endpoint, timeout_s=args.timeout) as client:
-        prompt_args: dict[str, object] = (
-            {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
-        )
+        messages = [{"role": "user", "content": args.prompt}] if args.chat else None
         stream = client.generate(
-            **prompt_args,  # type: ignore[arg-type]
+            None if args.chat else args.prompt,
+            messages=messages,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             stream=True,
         )
-        assert isinstance(stream, Iterator), "generate(stream=True) returns an iterator"
         try:
             for delta in stream:
                 _write(delta)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from types import TracebackType
-from typing import cast
+from typing import Literal, cast, overload
 
 import msgspec
 import zmq
@@ -39,6 +39,48 @@ class AsyncClient:
         self._pending: dict[str, asyncio.Queue[GenerateOutput | EngineError]] = {}
         self._receiver: asyncio.Task[None] | None = None
 
+    @overload
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        input_ids: list[int] | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 1.0,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
+        logprobs: bool = False,
+        stream: Literal[False] = False,
+        rid: str | None = None,
+    ) -> GenerateOutput: ...
+
+    @overload
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        input_ids: list[int] | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 1.0,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
+        logprobs: bool = False,
+        stream: Literal[True],
+        rid: str | None = None,
+    ) -> AsyncGenerator[GenerateOutput, None]: ...
+
     async def generate(
         self,
         prompt: str | None = None,
@@ -57,7 +99,7 @@ class AsyncClient:
         logprobs: bool = False,
         stream: bool = False,
         rid: str | None = None,
-    ) -> GenerateOutput | AsyncIterator[GenerateOutput]:
+    ) -> GenerateOutput | AsyncGenerator[GenerateOutput, None]:
         """Send a request. stream=False: the final reply; stream=True: an async iterator of deltas."""
         req = make_request(
             prompt, messages=messages, input_ids=input_ids, max_new_tokens=max_new_tokens,
@@ -102,7 +144,7 @@ class AsyncClient:
         self._pending[req.rid] = asyncio.Queue()
         await self._sock.send(self._codec.encode(req))
 
-    async def _stream(self, rid: str) -> AsyncIterator[GenerateOutput]:
+    async def _stream(self, rid: str) -> AsyncGenerator[GenerateOutput, None]:
         try:
             while True:
                 reply = await self._next(rid)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator
 from types import TracebackType
+from typing import Literal, overload
 
 import msgspec
 import zmq
@@ -36,6 +37,48 @@ class Client:
         self._codec: Codec[ClientReply] = Codec(ClientReply)
         self._pending: dict[str, deque[GenerateOutput]] = {}  # rid -> unread replies, while in flight
 
+    @overload
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        input_ids: list[int] | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 1.0,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
+        logprobs: bool = False,
+        stream: Literal[False] = False,
+        rid: str | None = None,
+    ) -> GenerateOutput: ...
+
+    @overload
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        input_ids: list[int] | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 1.0,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
+        logprobs: bool = False,
+        stream: Literal[True],
+        rid: str | None = None,
+    ) -> Generator[GenerateOutput, None, None]: ...
+
     def generate(
         self,
         prompt: str | None = None,
@@ -54,7 +97,7 @@ class Client:
         logprobs: bool = False,
         stream: bool = False,
         rid: str | None = None,
-    ) -> GenerateOutput | Iterator[GenerateOutput]:
+    ) -> GenerateOutput | Generator[GenerateOutput, None, None]:
         """Send a request. stream=False: the final reply; stream=True: an iterator of deltas.
 
         The last delta carries ``finish_reason`` and ``usage``. The request is sent
@@ -97,7 +140,7 @@ class Client:
         self._pending[req.rid] = deque()
         self._sock.send(self._codec.encode(req))
 
-    def _stream(self, rid: str) -> Iterator[GenerateOutput]:
+    def _stream(self, rid: str) -> Generator[GenerateOutput, None, None]:
         try:
             while True:
                 reply = self._next(rid)

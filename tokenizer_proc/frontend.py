@@ -83,6 +83,9 @@ class Frontend:
             valid = validate_generate(req, self.tokenizer, self.info, self._rng)
         except RequestRejected as exc:
             return Outbox(replies=[(client_id, error_output(req.rid, str(exc)))])
+        except Exception as exc:  # a tokenizer bug on one odd input must not take the engine down
+            logger.exception("request %r failed in tokenization", req.rid)
+            return Outbox(replies=[(client_id, error_output(req.rid, f"tokenization failed: {exc!r}"))])
         return Outbox(to_scheduler=[self.requests.add(client_id, valid)])
 
 

@@ -74,6 +74,9 @@ def test_random_token_soup_still_adds_up(tokenizer: PreTrainedTokenizerBase) -> 
     rng = random.Random(7)
     byte_tokens = tokenizer.encode("🌍中é")  # partial-byte tokens make broken sequences likely
     for _ in range(20):
-        ids = [rng.choice(byte_tokens) if rng.random() < 0.5 else rng.randrange(len(tokenizer)) for _ in range(30)]
+        ids = [
+            rng.choice(byte_tokens) if rng.random() < 0.5 else rng.randrange(len(tokenizer))
+            for _ in range(30)
+        ]
         for group in (1, 4):
             assert "".join(_stream(tokenizer, ids, group)) == tokenizer.decode(ids, skip_special_tokens=True)

@@ -15,7 +15,9 @@ if TYPE_CHECKING:
 
 
 def test_gpt2_style_config_and_eos_lists(tmp_path: Path, tokenizer: PreTrainedTokenizerBase) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"n_positions": 1024, "vocab_size": 50257, "eos_token_id": 7}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"n_positions": 1024, "vocab_size": 50257, "eos_token_id": 7})
+    )
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
     info = read_model_info(str(tmp_path), tokenizer)
     assert info.context_len == 1024

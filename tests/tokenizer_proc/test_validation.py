@@ -86,7 +86,9 @@ def test_valid_prompt_request(tokenizer: PreTrainedTokenizerBase, model_info: Mo
     assert (ok.sampler.seed, ok.sampler.top_k, ok.stream) == (2**63 - 1, 0, True)
 
 
-def test_ignore_eos_drops_eos_from_stop_ids(tokenizer: PreTrainedTokenizerBase, model_info: ModelInfo) -> None:
+def test_ignore_eos_drops_eos_from_stop_ids(
+    tokenizer: PreTrainedTokenizerBase, model_info: ModelInfo
+) -> None:
     ok = _validate(tokenizer, model_info, sampling={"ignore_eos": True, "stop_token_ids": [13]})
     assert ok.stop_token_ids == [13]
     assert model_info.eos_token_ids == (2,)  # SmolLM2's <|im_end|>
@@ -94,11 +96,13 @@ def test_ignore_eos_drops_eos_from_stop_ids(tokenizer: PreTrainedTokenizerBase, 
 
 def test_chat_messages_use_the_template(tokenizer: PreTrainedTokenizerBase, model_info: ModelInfo) -> None:
     ok = _validate(tokenizer, model_info, messages=[ChatMessage(role="user", content="hi")])
-    text = tokenizer.decode(ok.input_ids)
+    text = str(tokenizer.decode(ok.input_ids))
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_seeds_are_drawn_from_the_config_seed(tokenizer: PreTrainedTokenizerBase, model_info: ModelInfo) -> None:
+def test_seeds_are_drawn_from_the_config_seed(
+    tokenizer: PreTrainedTokenizerBase, model_info: ModelInfo
+) -> None:
     def seeds(config_seed: int) -> list[int]:
         rng = random.Random(config_seed)
         req = GenerateRequest(rid="r", prompt="x")
