@@ -66,10 +66,7 @@ class RequestState:
         """Take new tokens; return the text now safe to show. ``stop.matched`` tells a stop string."""
         if not self.incremental:
             self.output_ids.extend(new_ids)
-            if final:
-                self.text = self.detokenizer.full_text()
-                return self.text
-            return ""
+            return ""  # final_output decodes the whole text once
         delta = self.detokenizer.add(new_ids)
         if final:
             delta += self.detokenizer.flush()
@@ -90,7 +87,8 @@ class RequestState:
         """The last reply: the delta when streaming, else the whole text and tokens."""
         if self.stream:
             return self._output(delta, new_ids, self.logprobs[len(self.logprobs) - len(new_ids) :], reason)
-        return self._output(self.text, list(self.output_ids), list(self.logprobs), reason)
+        text = self.text if self.incremental else self.detokenizer.full_text()
+        return self._output(text, list(self.output_ids), list(self.logprobs), reason)
 
     def _output(
         self, text: str, ids: list[int], logprobs: list[float], reason: FinishReason | None

@@ -193,3 +193,17 @@ def test_rows_of_several_requests_in_one_batch(
     assert replies["r2"].text == " y" and replies["r2"].finish_reason is FinishReason.LENGTH
     assert replies["r1"].text == " x" and replies["r1"].finish_reason is None
     assert len(frontend.requests) == 1
+
+
+@pytest.mark.parametrize("stop", [[], ["never"]])
+def test_non_streaming_abort_returns_the_text_so_far(
+    frontend: Frontend, tokenizer: PreTrainedTokenizerBase, stop: list[str]
+) -> None:
+    req = _submit(frontend, sampling={"stop": stop})
+    ids = tokenizer.encode(" so far so good")
+    for token in ids:
+        assert frontend.on_scheduler_msg(_row_batch(req.rid, token)).replies == []
+    ((_, reply),) = frontend.on_client_frames(
+        [CLIENT, msgspec.msgpack.encode(AbortRequest(rid="r1"))]
+    ).replies
+    assert (reply.text, reply.token_ids, reply.finish_reason) == (" so far so good", ids, FinishReason.ABORT)
