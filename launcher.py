@@ -32,6 +32,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from client import DEFAULT_ENDPOINT
 from gpu_worker.config import WorkerConfig
 from protocol import Ready, ToLauncher, WorkerReady
 from protocol.transport import Codec, Endpoints, make_socket
@@ -40,7 +41,6 @@ from tokenizer_proc.config import TokenizerConfig
 
 logger = logging.getLogger("rivulet.launcher")
 
-DEFAULT_ENDPOINT = "ipc:///tmp/rivulet/client.sock"
 READY_TIMEOUT_S = 600.0  # a first start converts the GGUF (~40 s on 2 cores)
 STOP_GRACE_S = 4.0  # SIGTERM -> SIGKILL; the whole shutdown stays under 5 s
 LOG_FORMAT = "[%(asctime)s %(processName)s] %(message)s"
