@@ -174,7 +174,12 @@ def _decode_fields(
 
 
 def _extend_row(
-    page_table: torch.Tensor, page_size: int, slot: int, start: int, prefix_len: int, length: int,
+    page_table: torch.Tensor,
+    page_size: int,
+    slot: int,
+    start: int,
+    prefix_len: int,
+    length: int,
     device: torch.device,
 ) -> ExtendRow:
     if prefix_len == 0:

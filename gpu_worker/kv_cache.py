@@ -50,7 +50,7 @@ class KVPool:
     def apply_page_deltas(
         self, slots: list[int], page_starts: list[int], page_counts: list[int], pages: list[int]
     ) -> None:
-        """Row i appends ``page_counts[i]`` of the flat ``pages`` to slot ``slots[i]`` at ``page_starts[i]``."""
+        """Row i appends ``page_counts[i]`` of the flat ``pages`` to ``slots[i]`` at ``page_starts[i]``."""
         total = len(pages)
         if total == 0:
             return
@@ -59,7 +59,9 @@ class KVPool:
         rows = torch.repeat_interleave(torch.tensor(slots, device=device), counts, output_size=total)
         first = torch.repeat_interleave(torch.tensor(page_starts, device=device), counts, output_size=total)
         offsets = torch.cumsum(counts, 0) - counts  # where each row's run starts in ``pages``
-        within = torch.arange(total, device=device) - torch.repeat_interleave(offsets, counts, output_size=total)
+        within = torch.arange(total, device=device) - torch.repeat_interleave(
+            offsets, counts, output_size=total
+        )
         self.page_table[rows, first + within] = torch.tensor(pages, dtype=torch.int64, device=device)
 
 

@@ -61,7 +61,10 @@ class ModelRunner:
         self.vocab_size = int(self.hf_config.vocab_size)
         logger.info(
             "loaded %s (%s) on %s in %.1fs",
-            self.config.model_path, self.hf_config.model_type, self._device, time.perf_counter() - started,
+            self.config.model_path,
+            self.hf_config.model_type,
+            self._device,
+            time.perf_counter() - started,
         )
 
     def _init_kv_pool(self) -> None:
@@ -126,12 +129,19 @@ class ModelRunner:
         self.kv.apply_page_deltas(batch.slots, batch.page_starts, batch.page_counts, batch.pages)
         self.sampler_params.update(batch.slots, batch.sampler)
         positions, meta = build_metadata(
-            self.kv.page_table, self.kv.page_size, batch.slots, batch.prefix_lens, batch.extend_lens, self._device
+            self.kv.page_table,
+            self.kv.page_size,
+            batch.slots,
+            batch.prefix_lens,
+            batch.extend_lens,
+            self._device,
         )
         ctx = ForwardContext(positions=positions, attn=meta, k_cache=self.kv.k, v_cache=self.kv.v)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self._device)
         hidden = self.model(input_ids, ctx)
-        ends = [end - 1 for end, flag in zip(accumulate(batch.extend_lens), batch.sample, strict=True) if flag]
+        ends = [
+            end - 1 for end, flag in zip(accumulate(batch.extend_lens), batch.sample, strict=True) if flag
+        ]
         last = torch.tensor(ends, dtype=torch.int64).to(self._device)
         return self.model.compute_logits(hidden[last])
 
@@ -141,7 +151,14 @@ def check_batch(
 ) -> None:
     """Reject a malformed batch before it reaches an index op (a CUDA index fault kills the process)."""
     rows = len(batch.slots)
-    fields = (batch.prefix_lens, batch.extend_lens, batch.page_starts, batch.page_counts, batch.sample, batch.sampler)
+    fields = (
+        batch.prefix_lens,
+        batch.extend_lens,
+        batch.page_starts,
+        batch.page_counts,
+        batch.sample,
+        batch.sampler,
+    )
     if rows == 0 or any(len(f) != rows for f in fields):
         raise ValueError(f"batch {batch.step}: row fields must all have {rows} > 0 entries")
     if len(batch.input_ids) != sum(batch.extend_lens) or len(batch.pages) != sum(batch.page_counts):

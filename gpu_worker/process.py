@@ -29,10 +29,7 @@ def run_worker(config: WorkerConfig, endpoints: Endpoints) -> None:
     outbox = make_socket(ctx, zmq.PUSH, endpoints.from_worker, bind=False)
     launcher = make_socket(ctx, zmq.PUSH, endpoints.to_launcher, bind=False)
     codec: Codec[ToWorker] = Codec(ToWorker)
-    launcher.send(codec.encode(WorkerReady(
-        pid=os.getpid(), num_pages=runner.num_pages, page_size=config.page_size,
-        context_len=runner.context_len, device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
-    )))
+    launcher.send(codec.encode(_ready(runner, config)))
     while True:
         frame = inbox.recv(copy=False)
         try:
@@ -45,6 +42,23 @@ def run_worker(config: WorkerConfig, endpoints: Endpoints) -> None:
             result = runner.execute(batch)
         except Exception as exc:  # a failed batch fails its requests, not the worker
             logger.exception("step %d failed", batch.step)
-            result = ForwardResult(step=batch.step, token_ids=[], logprobs=[],
-                                   forward_s=time.perf_counter() - started, error=f"{type(exc).__name__}: {exc}")
+            result = ForwardResult(
+                step=batch.step,
+                token_ids=[],
+                logprobs=[],
+                forward_s=time.perf_counter() - started,
+                error=f"{type(exc).__name__}: {exc}",
+            )
         outbox.send(codec.encode(result))
+
+
+def _ready(runner: ModelRunner, config: WorkerConfig) -> WorkerReady:
+    dtype = str(runner.dtype).removeprefix("torch.")
+    return WorkerReady(
+        pid=os.getpid(),
+        num_pages=runner.num_pages,
+        page_size=config.page_size,
+        context_len=runner.context_len,
+        device=str(runner.device),
+        dtype=dtype,
+    )

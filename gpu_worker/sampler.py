@@ -46,7 +46,9 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def gumbel_noise(seed: torch.Tensor, seed_hi: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+def gumbel_noise(
+    seed: torch.Tensor, seed_hi: torch.Tensor, positions: torch.Tensor, vocab: int
+) -> torch.Tensor:
     """[R, vocab] float64 Gumbel noise, a pure function of (seed, position, vocab index)."""
     row_a = mix32(seed ^ mix32((positions + _SEED_SALT) & _MASK32))
     row_b = mix32(seed_hi ^ mix32((row_a + _SEED_SALT) & _MASK32))

@@ -79,7 +79,11 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
-        hidden, q_out, kv_out = args.hidden_size, args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        hidden, q_out, kv_out = (
+            args.hidden_size,
+            args.num_heads * args.head_dim,
+            args.num_kv_heads * args.head_dim,
+        )
         self.q_proj = Linear(hidden, q_out, args.qkv_bias)
         self.k_proj = Linear(hidden, kv_out, args.qkv_bias)
         self.v_proj = Linear(hidden, kv_out, args.qkv_bias)
@@ -89,7 +93,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.eps)
         self.qk_norm = args.qk_norm
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         tokens = x.shape[0]
         q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
@@ -121,7 +127,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -1,4 +1,9 @@
-"""Test helpers: tiny random HF models on disk, and a pure stand-in for the scheduler."""
+"""Test helpers: tiny random HF models on disk, and a pure stand-in for the scheduler.
+
+Every runner in these tests uses ``num_threads=1``: the test machine is small and
+shared, and with more OpenMP threads than idle cores torch's thread barriers make
+a forward 10-20x slower, not faster.
+"""
 
 from __future__ import annotations
 
@@ -26,8 +31,13 @@ def tiny_config(kind: str, tie: bool) -> Any:
     if kind == "gpt2":
         return transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, **common)
     decoder: dict[str, Any] = dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, **common,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        **common,
     )
     match kind:
         case "llama":
@@ -67,7 +77,9 @@ class MiniScheduler:
     shuffle_seed: int | None = None
     free: list[int] = field(default_factory=list)
     held: dict[int, list[int]] = field(default_factory=dict)
-    shared: dict[int, list[int]] = field(default_factory=dict)  # slot -> cached pages to send with its next row
+    shared: dict[int, list[int]] = field(
+        default_factory=dict
+    )  # slot -> cached pages to send with its next row
     step: int = 0
 
     def __post_init__(self) -> None:
@@ -82,9 +94,20 @@ class MiniScheduler:
 
     def batch(self, rows: list[tuple[int, int, list[int], bool, SamplerParams | None]]) -> ForwardBatch:
         """rows: (slot, prefix_len, new token ids, sample, sampler params or None)."""
-        fields: dict[str, list[Any]] = {k: [] for k in (
-            "slots", "prefix_lens", "extend_lens", "input_ids", "page_starts", "page_counts", "pages",
-            "sample", "sampler")}
+        fields: dict[str, list[Any]] = {
+            k: []
+            for k in (
+                "slots",
+                "prefix_lens",
+                "extend_lens",
+                "input_ids",
+                "page_starts",
+                "page_counts",
+                "pages",
+                "sample",
+                "sampler",
+            )
+        }
         for slot, prefix_len, ids, sample, params in rows:
             owned = self.held.setdefault(slot, [])
             start = len(owned)

@@ -19,7 +19,14 @@ from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
 from tests.gpu_worker.helpers import GREEDY, VOCAB, MiniScheduler, save_tiny_model
 
-MODELS = [("llama", True), ("llama", False), ("qwen2", False), ("qwen3", True), ("gpt2", True), ("mistral", False)]
+MODELS = [
+    ("llama", True),
+    ("llama", False),
+    ("qwen2", False),
+    ("qwen3", True),
+    ("gpt2", True),
+    ("mistral", False),
+]
 NEW_TOKENS = 6
 SLOTS = [5, 0, 3, 7, 2]  # request i uses SLOTS[i]
 SHARED_TOKENS = 16  # request 4 reuses request 2's first 16 tokens of KV
@@ -45,7 +52,7 @@ def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
     ids = torch.tensor([prompt])
     # An explicit mask: otherwise generate masks every token equal to pad_token_id.
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def hf_last_logits(model: Any, ids: list[int]) -> torch.Tensor:
@@ -53,12 +60,16 @@ def hf_last_logits(model: Any, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0, -1]
 
 
-def run_scenario(runner: ModelRunner, sched: MiniScheduler, prompts: list[list[int]], hf: Any) -> list[list[int]]:
+def run_scenario(
+    runner: ModelRunner, sched: MiniScheduler, prompts: list[list[int]], hf: Any
+) -> list[list[int]]:
     """Drive the runner like a scheduler; check one mixed step's logits against HF; return the tokens."""
     out: list[list[int]] = [[] for _ in prompts]
     rng = random.Random(1)
 
-    def step(rows: list[tuple[int, int, list[int], bool, Any]], requests: list[int], check: bool = False) -> None:
+    def step(
+        rows: list[tuple[int, int, list[int], bool, Any]], requests: list[int], check: bool = False
+    ) -> None:
         order = list(range(len(rows)))
         rng.shuffle(order)  # row order must not matter
         batch = sched.batch([rows[i] for i in order])
@@ -79,12 +90,30 @@ def run_scenario(runner: ModelRunner, sched: MiniScheduler, prompts: list[list[i
         return (SLOTS[r], len(prompts[r]) + len(out[r]) - 1, [out[r][-1]], True, None)
 
     p = prompts
-    step([(SLOTS[0], 0, p[0], True, GREEDY), (SLOTS[1], 0, p[1], True, GREEDY),
-          (SLOTS[2], 0, p[2], True, GREEDY), (SLOTS[3], 0, p[3][:16], False, GREEDY)], [0, 1, 2, 3])
-    step([decode_row(0), decode_row(1), decode_row(2), (SLOTS[3], 16, p[3][16:32], False, None)], [0, 1, 2, 3])
+    step(
+        [
+            (SLOTS[0], 0, p[0], True, GREEDY),
+            (SLOTS[1], 0, p[1], True, GREEDY),
+            (SLOTS[2], 0, p[2], True, GREEDY),
+            (SLOTS[3], 0, p[3][:16], False, GREEDY),
+        ],
+        [0, 1, 2, 3],
+    )
+    step(
+        [decode_row(0), decode_row(1), decode_row(2), (SLOTS[3], 16, p[3][16:32], False, None)], [0, 1, 2, 3]
+    )
     sched.share(SLOTS[2], SLOTS[4], SHARED_TOKENS // sched.page_size)
-    step([decode_row(0), decode_row(1), decode_row(2), (SLOTS[3], 32, p[3][32:], True, None),
-          (SLOTS[4], SHARED_TOKENS, p[4][SHARED_TOKENS:], True, GREEDY)], [0, 1, 2, 3, 4], check=True)
+    step(
+        [
+            decode_row(0),
+            decode_row(1),
+            decode_row(2),
+            (SLOTS[3], 32, p[3][32:], True, None),
+            (SLOTS[4], SHARED_TOKENS, p[4][SHARED_TOKENS:], True, GREEDY),
+        ],
+        [0, 1, 2, 3, 4],
+        check=True,
+    )
     while any(len(o) < NEW_TOKENS for o in out):
         live = [r for r in range(len(prompts)) if len(out[r]) < NEW_TOKENS]
         step([decode_row(r) for r in live], live)
@@ -95,9 +124,16 @@ def run_scenario(runner: ModelRunner, sched: MiniScheduler, prompts: list[list[i
 @pytest.mark.parametrize(("kind", "tie"), MODELS)
 def test_greedy_matches_hf(tiny_models: dict, kind: str, tie: bool, page_size: int) -> None:
     path, hf = tiny_models[(kind, tie)]
-    runner = ModelRunner(WorkerConfig(
-        model_path=str(path), dtype="float64", kv_cache_tokens=256, page_size=page_size, max_running_requests=8
-    ))
+    runner = ModelRunner(
+        WorkerConfig(
+            model_path=str(path),
+            dtype="float64",
+            kv_cache_tokens=256,
+            page_size=page_size,
+            max_running_requests=8,
+            num_threads=1,
+        )
+    )
     sched = MiniScheduler(runner.num_pages, page_size, shuffle_seed=page_size)
     prompts = make_prompts(seed=len(kind) + page_size)
     got = run_scenario(runner, sched, prompts, hf)
@@ -107,7 +143,9 @@ def test_greedy_matches_hf(tiny_models: dict, kind: str, tie: bool, page_size: i
 
 def test_runner_properties(tiny_models: dict) -> None:
     path, hf = tiny_models[("gpt2", True)]
-    runner = ModelRunner(WorkerConfig(model_path=str(path), dtype="float64", kv_cache_tokens=100, page_size=16))
+    runner = ModelRunner(
+        WorkerConfig(model_path=str(path), dtype="float64", kv_cache_tokens=100, page_size=16, num_threads=1)
+    )
     assert runner.num_pages == 100 // 16
     assert runner.context_len == hf.config.n_positions
     assert runner.dtype == torch.float64 and runner.device.type == "cpu"

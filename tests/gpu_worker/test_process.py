@@ -1,0 +1,90 @@
+"""run_worker in a spawned child over real ZMQ sockets (takes a few seconds: the child imports torch)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from gpu_worker.config import WorkerConfig
+from gpu_worker.process import run_worker
+from protocol.messages import ForwardBatch, ForwardResult, WorkerReady
+from protocol.transport import Codec, Endpoints, make_socket
+from tests.gpu_worker.helpers import GREEDY, save_tiny_model
+
+RECV_TIMEOUT_MS = 60_000
+
+
+def recv(sock: zmq.Socket, decode_type: object) -> object:
+    assert sock.poll(RECV_TIMEOUT_MS), "no reply from the worker in time"
+    return msgspec.msgpack.decode(sock.recv(), type=decode_type)
+
+
+def one_row(step: int, slot: int, ids: list[int], pages: list[int]) -> ForwardBatch:
+    return ForwardBatch(
+        step=step,
+        slots=[slot],
+        prefix_lens=[0],
+        extend_lens=[len(ids)],
+        input_ids=ids,
+        page_starts=[0],
+        page_counts=[len(pages)],
+        pages=pages,
+        sample=[True],
+        sampler=[GREEDY],
+    )
+
+
+def test_worker_serves_batches_and_survives_bad_input(tmp_path: Path) -> None:
+    save_tiny_model("llama", True, tmp_path / "model")
+    config = WorkerConfig(
+        model_path=str(tmp_path / "model"),
+        dtype="float64",
+        kv_cache_tokens=64,
+        page_size=8,
+        max_running_requests=4,
+        num_threads=1,
+    )
+    endpoints = Endpoints.in_dir(str(tmp_path))
+    ctx = zmq.Context()
+    launcher = make_socket(ctx, zmq.PULL, endpoints.to_launcher, bind=True)
+    results = make_socket(ctx, zmq.PULL, endpoints.from_worker, bind=True)
+    to_worker = make_socket(ctx, zmq.PUSH, endpoints.to_worker, bind=False)
+    codec: Codec[ForwardResult] = Codec(ForwardResult)
+    child = multiprocessing.get_context("spawn").Process(target=run_worker, args=(config, endpoints))
+    child.start()
+    try:
+        ready = recv(launcher, WorkerReady)
+        assert isinstance(ready, WorkerReady)
+        assert (ready.pid, ready.num_pages, ready.page_size) == (child.pid, 8, 8)
+        assert (ready.context_len, ready.device, ready.dtype) == (256, "cpu", "float64")
+
+        to_worker.send(b"\xc1 not msgpack")
+        to_worker.send(codec.encode(one_row(1, 0, [3, 4, 5], [9])))  # page 9 is outside the pool
+        to_worker.send(codec.encode(one_row(2, 1, [3, 4, 5], [2])))
+        failed = recv(results, ForwardResult)
+        served = recv(results, ForwardResult)
+        assert isinstance(failed, ForwardResult) and isinstance(served, ForwardResult)
+        assert failed.step == 1 and failed.token_ids == [] and "pages" in (failed.error or "")
+        assert served.step == 2 and served.error is None and len(served.token_ids) == 1
+        assert 0 <= served.token_ids[0] < 500 and served.logprobs[0] <= 0.0
+    finally:
+        if child.pid is not None and child.is_alive():
+            os.kill(child.pid, signal.SIGTERM)
+        child.join(timeout=10)
+        if child.is_alive() and child.pid is not None:
+            os.kill(child.pid, signal.SIGKILL)
+            child.join()
+        ctx.destroy(linger=0)
+    assert not child.is_alive()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_children() -> object:
+    yield
+    assert not multiprocessing.active_children(), "a test left a child process running"
