@@ -13,13 +13,13 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from gpu_worker.models import model_class
+from gpu_worker.models import CausalLM, model_class
 
 # Buffers some checkpoints carry that are not weights (causal masks, rotary tables).
 _IGNORED = re.compile(r"(\.attn\.(bias|masked_bias)|\.rotary_emb\.inv_freq)$")
@@ -35,14 +35,14 @@ def load_hf_config(model_path: str | Path) -> Any:
     return AutoConfig.from_pretrained(str(model_path))
 
 
-def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, Any]:
+def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[CausalLM, Any]:
     """Build our model for ``model_path`` on ``device`` in ``dtype`` and fill every weight."""
     hf_config = load_hf_config(model_path)
     cls = model_class(hf_config.model_type)
     with torch.device(device), _default_dtype(dtype):
         model = cls(hf_config)
     load_weights(model, safetensors_files(Path(model_path)))
-    return model.eval(), hf_config
+    return cast(CausalLM, model.eval()), hf_config
 
 
 @contextlib.contextmanager

@@ -7,7 +7,27 @@ norm) and ``compute_logits(hidden) -> [N, vocab]``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Protocol
+
 from torch import nn
+
+if TYPE_CHECKING:
+    import torch
+
+    from gpu_worker.attention import ForwardContext
+
+
+class CausalLM(Protocol):
+    """What the runner needs of a model (our nn.Modules satisfy it)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    context_len: int
+
+    def __call__(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 def model_class(model_type: str) -> type[nn.Module]:

@@ -104,6 +104,9 @@ class RotaryCache(nn.Module):
     dtype sees the same angles as the reference.
     """
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, inv_freq: torch.Tensor, scaling: float, context_len: int) -> None:
         super().__init__()
         positions = torch.arange(context_len, dtype=torch.float32)  # on the default (model) device

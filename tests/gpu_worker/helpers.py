@@ -41,7 +41,9 @@ def tiny_config(kind: str, tie: bool) -> Any:
     )
     match kind:
         case "llama":
-            return transformers.LlamaConfig(rope_theta=5000.0, **decoder)
+            return transformers.LlamaConfig(
+                rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, **decoder
+            )
         case "qwen2":
             return transformers.Qwen2Config(**decoder)
         case "qwen3":

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from gpu_worker.config import WorkerConfig
 from gpu_worker.kv_cache import CPU_MAX_KV_TOKENS, KVPool, available_ram_bytes, kv_pool_tokens
@@ -87,6 +88,7 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path: Path) -> None:
     assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
     one, _ = load_model(tmp_path / "one", torch.float64, torch.device("cpu"))
     sharded, _ = load_model(tmp_path / "sharded", torch.float64, torch.device("cpu"))
+    assert isinstance(one, nn.Module) and isinstance(sharded, nn.Module)
     for (name, a), (_, b) in zip(one.state_dict().items(), sharded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 

@@ -151,3 +151,18 @@ def test_runner_properties(tiny_models: dict) -> None:
     assert runner.dtype == torch.float64 and runner.device.type == "cpu"
     assert runner.kv.k[0].shape == (runner.num_pages * 16, 4, 16)
     assert runner.kv.page_table.shape == (128, -(-hf.config.n_positions // 16))
+
+
+def test_rope_theta_from_old_and_new_config_spellings() -> None:
+    from types import SimpleNamespace
+
+    from gpu_worker.models.rope import rope_inv_freq
+
+    old = SimpleNamespace(rope_theta=500.0)
+    new = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    for cfg in (old, new):
+        inv_freq, scaling = rope_inv_freq(cfg, head_dim=8)
+        assert scaling == 1.0
+        torch.testing.assert_close(inv_freq, 500.0 ** (-torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    with pytest.raises(NotImplementedError):
+        rope_inv_freq(SimpleNamespace(rope_parameters={"rope_type": "dynamic", "rope_theta": 1.0}), 8)

@@ -5,6 +5,8 @@ Note: takes a few seconds (135M parameters, float32 on the CPU).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from gpu_worker.config import WorkerConfig
@@ -25,8 +27,10 @@ def test_smollm2_greedy_answers_paris() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
+    encoded: Any = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    prompt: list[int] = list(encoded["input_ids"])
     runner = ModelRunner(
         WorkerConfig(model_path=str(path), dtype="float32", kv_cache_tokens=256, page_size=16, num_threads=1)
     )
