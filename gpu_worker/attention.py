@@ -16,6 +16,7 @@ all layers; the per-layer work is a write of the new K/V and the calls above.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -33,15 +34,22 @@ class ExtendRow:
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """All decode rows of a batch, attended in one call."""
+
+    tokens: torch.Tensor  # [B] flat indices of their tokens
+    kv_locs: torch.Tensor  # [B, L] KV slots, padded with a valid slot of the same row
+    mask: torch.Tensor  # [B, 1, 1, L] bool, True = attend
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Where this batch's K/V go and what each row's queries attend to."""
 
     out_locs: torch.Tensor  # [T] KV slot of every new token
-    decode_tokens: torch.Tensor | None  # [B] flat indices of decode-row tokens; None: no decode rows
-    decode_kv_locs: torch.Tensor | None  # [B, L] KV slots (padded with a valid slot of the row)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool, True = attend
+    decode: DecodeGroup | None
     extends: tuple[ExtendRow, ...]
-    all_decode: bool  # every row is a decode row, in flat order
+    all_decode: bool  # every row is a decode row, so decode.tokens is arange(T)
 
 
 @dataclass(frozen=True)
@@ -63,10 +71,11 @@ def paged_attention(
     k_cache[meta.out_locs] = k
     v_cache[meta.out_locs] = v
     if meta.all_decode:
-        return _decode_attention(q, k_cache, v_cache, meta)
+        assert meta.decode is not None, "an all-decode batch has a decode group"
+        return _decode_attention(q, k_cache, v_cache, meta.decode)
     out = torch.empty_like(q)
-    if meta.decode_tokens is not None:
-        out[meta.decode_tokens] = _decode_attention(q[meta.decode_tokens], k_cache, v_cache, meta)
+    if meta.decode is not None:
+        out[meta.decode.tokens] = _decode_attention(q[meta.decode.tokens], k_cache, v_cache, meta.decode)
     for row in meta.extends:
         rows = slice(row.start, row.start + row.length)
         if row.kv_locs is None:
@@ -78,16 +87,15 @@ def paged_attention(
 
 
 def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup
 ) -> torch.Tensor:
-    assert meta.decode_kv_locs is not None and meta.decode_mask is not None, "no decode rows"
     rows, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     # [B, L, Hkv, D] -> [B, Hkv, L, D]; the G query heads sharing a KV head act as G queries.
-    k = k_cache[meta.decode_kv_locs].transpose(1, 2)
-    v = v_cache[meta.decode_kv_locs].transpose(1, 2)
+    k = k_cache[group.kv_locs].transpose(1, 2)
+    v = v_cache[group.kv_locs].transpose(1, 2)
     q = q.view(rows, kv_heads, q_heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask)
     return out.reshape(rows, q_heads, head_dim)
 
 
@@ -115,7 +123,7 @@ def build_metadata(
     device: torch.device,
 ) -> tuple[torch.Tensor, AttentionMetadata]:
     """Positions [T] and the attention metadata of one batch, from its O(rows) lists."""
-    starts = _exclusive_cumsum(extend_lens)
+    starts = list(accumulate(extend_lens[:-1], initial=0))
     total = starts[-1] + extend_lens[-1]
     lens = torch.tensor(extend_lens, device=device)
     row_of_token = torch.repeat_interleave(torch.arange(len(slots), device=device), lens, output_size=total)
@@ -131,12 +139,10 @@ def build_metadata(
         for i, n in enumerate(extend_lens)
         if n > 1
     )
-    decode = _decode_fields(page_table, page_size, slots, prefix_lens, starts, decode_rows, device)
+    decode = _decode_group(page_table, page_size, slots, prefix_lens, starts, decode_rows, device)
     meta = AttentionMetadata(
         out_locs=out_locs,
-        decode_tokens=decode[0],
-        decode_kv_locs=decode[1],
-        decode_mask=decode[2],
+        decode=decode,
         extends=extends,
         all_decode=len(decode_rows) == len(slots),
     )
@@ -150,7 +156,7 @@ def kv_locations(
     return page_table[slots, positions // page_size] * page_size + positions % page_size
 
 
-def _decode_fields(
+def _decode_group(
     page_table: torch.Tensor,
     page_size: int,
     slots: list[int],
@@ -158,9 +164,9 @@ def _decode_fields(
     starts: list[int],
     rows: list[int],
     device: torch.device,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+) -> DecodeGroup | None:
     if not rows:
-        return None, None, None
+        return None
     kv_lens = torch.tensor([prefix_lens[i] + 1 for i in rows], device=device)
     max_len = max(prefix_lens[i] for i in rows) + 1
     grid = torch.arange(max_len, device=device)[None, :]
@@ -170,7 +176,7 @@ def _decode_fields(
     row_slots = torch.tensor([slots[i] for i in rows], device=device)[:, None]
     locs = kv_locations(page_table, page_size, row_slots, positions)
     tokens = torch.tensor([starts[i] for i in rows], device=device)
-    return tokens, locs, valid[:, None, None, :]
+    return DecodeGroup(tokens=tokens, kv_locs=locs, mask=valid[:, None, None, :])
 
 
 def _extend_row(
@@ -190,11 +196,3 @@ def _extend_row(
     q_pos = torch.arange(prefix_len, kv_len, device=device)
     mask = kv_pos[None, :] <= q_pos[:, None]
     return ExtendRow(start=start, length=length, prefix_len=prefix_len, kv_locs=kv_locs, mask=mask)
-
-
-def _exclusive_cumsum(values: list[int]) -> list[int]:
-    out, acc = [], 0
-    for v in values:
-        out.append(acc)
-        acc += v
-    return out
