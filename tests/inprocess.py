@@ -10,8 +10,8 @@ from gpu_worker.model_runner import ModelRunner
 from protocol import RequestError, SamplerParams, TokenBatch, TokenizedRequest
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.scheduler import Scheduler
+from tests.models import GREEDY
 
-GREEDY = SamplerParams(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0)
 
 
 def generate(
