@@ -34,7 +34,7 @@ import zmq
 
 from client import DEFAULT_ENDPOINT
 from gpu_worker.config import WorkerConfig
-from protocol import Ready, ToLauncher, WorkerReady
+from protocol import ToLauncher, WorkerReady
 from protocol.transport import Codec, Endpoints, make_socket
 from scheduler_proc.config import SchedulerConfig
 from tokenizer_proc.config import TokenizerConfig
@@ -65,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     w, s = WorkerConfig(), SchedulerConfig()
     p = argparse.ArgumentParser(description="rivulet: a multi-process LLM serving engine")
     p.add_argument("--model", default=None, help="HF model dir or .gguf (default: embedded SmolLM2-135M)")
-    p.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help="client socket: ipc://PATH or tcp://127.0.0.1:PORT")
+    p.add_argument(
+        "--endpoint", default=DEFAULT_ENDPOINT, help="client socket: ipc://PATH or tcp://127.0.0.1:PORT"
+    )
     p.add_argument("--chunked-prefill-size", type=int, default=s.chunked_prefill_size, help="-1 disables")
     p.add_argument("--max-prefill-tokens", type=int, default=s.max_prefill_tokens)
     p.add_argument("--max-running-requests", type=int, default=s.max_running_requests)
@@ -75,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-mixed-chunk", action="store_true", default=s.enable_mixed_chunk)
     p.add_argument("--device", default=w.device, help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=w.dtype, help="auto | float32 | bfloat16 | float16 | float64")
-    p.add_argument("--num-threads", type=int, default=w.num_threads, help="worker torch threads; 0: all cores")
+    p.add_argument(
+        "--num-threads", type=int, default=w.num_threads, help="worker torch threads; 0: all cores"
+    )
     p.add_argument("--seed", type=int, default=w.seed)
     p.add_argument("--decode-log-interval", type=int, default=s.decode_log_interval)
     p.add_argument("--log-level", default="INFO")
@@ -292,4 +296,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -53,10 +53,12 @@ def pct(values: list[float], q: float) -> float:
 async def run(args: argparse.Namespace) -> None:
     async with AsyncClient(args.endpoint, timeout_s=600) as client:
         started = time.perf_counter()
-        results = await asyncio.gather(*(one_request(client, i, args.max_new_tokens) for i in range(args.num_requests)))
+        results = await asyncio.gather(
+            *(one_request(client, i, args.max_new_tokens) for i in range(args.num_requests))
+        )
         wall_s = time.perf_counter() - started
     ttfts = [r[0] for r in results]
-    itls = [b - a for _, stamps, _ in results for a, b in zip(stamps, stamps[1:])]
+    itls = [b - a for _, stamps, _ in results for a, b in zip(stamps, stamps[1:], strict=False)]
     tokens = sum(r[2] for r in results)
     print(f"requests: {args.num_requests}, max_new_tokens: {args.max_new_tokens}, wall: {wall_s:.2f} s")
     print(f"output throughput: {tokens / wall_s:.1f} tok/s ({tokens} tokens)")

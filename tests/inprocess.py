@@ -13,7 +13,6 @@ from scheduler_proc.scheduler import Scheduler
 from tests.models import GREEDY
 
 
-
 def generate(
     runner: ModelRunner,
     prompts: list[list[int]],
@@ -39,7 +38,11 @@ def generate(
     )
     for rid, prompt in enumerate(prompts):
         req = TokenizedRequest(
-            rid=rid, input_ids=prompt, max_new_tokens=new_tokens, stop_token_ids=list(stop_token_ids), sampler=sampler
+            rid=rid,
+            input_ids=prompt,
+            max_new_tokens=new_tokens,
+            stop_token_ids=list(stop_token_ids),
+            sampler=sampler,
         )
         assert scheduler.add(req) is None, f"request {rid} rejected"
     outputs: list[list[int]] = [[] for _ in prompts]

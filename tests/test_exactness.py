@@ -22,7 +22,9 @@ PROMPT_LENS = (1, 3, 17, 40, 64, 9)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list, list]:
+def family_model(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, list, list]:
     """(model dir, prompts, HF greedy outputs) for one family."""
     path = tmp_path_factory.mktemp(request.param)
     model = save_tiny_model(request.param, request.param in ("qwen2", "gpt2"), path)  # float64, EOS off
@@ -31,9 +33,7 @@ def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     expected = []
     with torch.no_grad():
         for prompt in prompts:
-            out = model.generate(
-                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False
-            )
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
             expected.append(out[0, len(prompt) :].tolist())
     return path, prompts, expected
 
@@ -41,10 +41,14 @@ def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("chunked_prefill_size", [5, 256, -1])
 @pytest.mark.parametrize("mixed", [False, True], ids=["alternate", "mixed"])
-def test_greedy_matches_hf(family_model: tuple[Path, list, list], page_size: int, chunked_prefill_size: int, mixed: bool) -> None:
+def test_greedy_matches_hf(
+    family_model: tuple[Path, list, list], page_size: int, chunked_prefill_size: int, mixed: bool
+) -> None:
     path, prompts, expected = family_model
     runner = ModelRunner(
-        WorkerConfig(model_path=str(path), dtype="float64", page_size=page_size, kv_cache_tokens=2048, num_threads=1)
+        WorkerConfig(
+            model_path=str(path), dtype="float64", page_size=page_size, kv_cache_tokens=2048, num_threads=1
+        )
     )
     got, scheduler = inprocess.generate(
         runner, prompts, NEW_TOKENS, chunked_prefill_size=chunked_prefill_size, enable_mixed_chunk=mixed
@@ -57,7 +61,9 @@ def test_greedy_matches_hf(family_model: tuple[Path, list, list], page_size: int
 
 def test_small_prefill_budget_spreads_prompts_over_rounds(family_model: tuple[Path, list, list]) -> None:
     path, prompts, expected = family_model
-    runner = ModelRunner(WorkerConfig(model_path=str(path), dtype="float64", page_size=4, kv_cache_tokens=1024))
+    runner = ModelRunner(
+        WorkerConfig(model_path=str(path), dtype="float64", page_size=4, kv_cache_tokens=1024)
+    )
     got, _ = inprocess.generate(runner, prompts, NEW_TOKENS, chunked_prefill_size=16, enable_mixed_chunk=True,
                                 max_prefill_tokens=20)  # fmt: skip
     assert got == expected

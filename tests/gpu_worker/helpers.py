@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-import torch
 
 from protocol.messages import ForwardBatch, SamplerParams
 from tests.models import GREEDY, VOCAB, save_tiny_model  # noqa: F401  (re-exported to the tests here)
+
 
 @dataclass
 class MiniScheduler:

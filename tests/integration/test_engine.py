@@ -41,14 +41,18 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> lis
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEngine]:
     args = ("--dtype", "float64", "--kv-cache-tokens", str(KV_TOKENS), "--page-size", "16")
-    with running_engine(tiny_llama_dir, tmp_path_factory.mktemp("engine"), *args, "--chunked-prefill-size", "48") as e:
+    with running_engine(
+        tiny_llama_dir, tmp_path_factory.mktemp("engine"), *args, "--chunked-prefill-size", "48"
+    ) as e:
         yield e
 
 
 def _collect(endpoint: str, input_ids: list[int], out: dict[int, list[GenerateOutput]], key: int) -> None:
     with Client(endpoint, timeout_s=120) as client:
         out[key] = list(
-            client.generate(input_ids=input_ids, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, stream=True)
+            client.generate(
+                input_ids=input_ids, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, stream=True
+            )
         )
 
 
@@ -57,7 +61,10 @@ def test_sixteen_concurrent_streams_match_hf(engine: RunningEngine, tiny_llama_d
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(3, 120))] for _ in range(16)]
     results: dict[int, list[GenerateOutput]] = {}
-    threads = [threading.Thread(target=_collect, args=(engine.endpoint, p, results, i)) for i, p in enumerate(prompts)]
+    threads = [
+        threading.Thread(target=_collect, args=(engine.endpoint, p, results, i))
+        for i, p in enumerate(prompts)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -70,14 +77,22 @@ def test_sixteen_concurrent_streams_match_hf(engine: RunningEngine, tiny_llama_d
         tokens = [t for c in chunks for t in c.token_ids]
         assert tokens == expected[i], f"request {i} (prompt {len(prompts[i])} tokens)"
         assert chunks[-1].usage is not None
-        assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(prompts[i]), NEW_TOKENS)
+        assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
+            len(prompts[i]),
+            NEW_TOKENS,
+        )
 
 
 @pytest.mark.timeout(300)
 def test_abort_mid_stream_frees_its_pages(engine: RunningEngine) -> None:
     with Client(engine.endpoint, timeout_s=60) as client:
         stream = client.generate(
-            input_ids=list(range(5, 205)), max_new_tokens=700, temperature=0, ignore_eos=True, stream=True, rid="long"
+            input_ids=list(range(5, 205)),
+            max_new_tokens=700,
+            temperature=0,
+            ignore_eos=True,
+            stream=True,
+            rid="long",
         )
         for _ in range(3):
             chunk = next(stream)
@@ -86,7 +101,9 @@ def test_abort_mid_stream_frees_its_pages(engine: RunningEngine) -> None:
         tail = list(stream)
         assert tail and tail[-1].finish_reason == FinishReason.ABORT
         # Needs all but one page of the pool: only fits if the aborted request's pages came back.
-        big = client.generate(input_ids=[7] * (KV_TOKENS - 24), max_new_tokens=8, temperature=0, ignore_eos=True)
+        big = client.generate(
+            input_ids=[7] * (KV_TOKENS - 24), max_new_tokens=8, temperature=0, ignore_eos=True
+        )
         assert big.finish_reason == FinishReason.LENGTH
         assert len(big.token_ids) == 8
 
@@ -94,7 +111,9 @@ def test_abort_mid_stream_frees_its_pages(engine: RunningEngine) -> None:
 @pytest.mark.timeout(300)
 def test_bad_request_gets_error_while_others_proceed(engine: RunningEngine) -> None:
     with Client(engine.endpoint, timeout_s=60) as good, Client(engine.endpoint, timeout_s=60) as bad:
-        stream = good.generate("once upon a time", max_new_tokens=12, temperature=0, ignore_eos=True, stream=True)
+        stream = good.generate(
+            "once upon a time", max_new_tokens=12, temperature=0, ignore_eos=True, stream=True
+        )
         first = next(stream)
         for kwargs in ({"temperature": -1.0}, {"top_p": 0.0}, {"max_new_tokens": -3}):
             with pytest.raises(EngineError, match=next(iter(kwargs))):
@@ -114,7 +133,10 @@ def test_garbage_frame_is_survived(engine: RunningEngine) -> None:
     sock.connect(engine.endpoint)
     try:
         decoder = msgspec.msgpack.Decoder(ClientReply)
-        for frame in (b"\x00\xffnot msgpack", msgspec.msgpack.encode({"type": "generate", "rid": "g", "bogus": 1})):
+        for frame in (
+            b"\x00\xffnot msgpack",
+            msgspec.msgpack.encode({"type": "generate", "rid": "g", "bogus": 1}),
+        ):
             sock.send(frame)
             assert sock.poll(30_000), "the engine must answer a garbage frame"
             reply = decoder.decode(sock.recv())
@@ -142,7 +164,9 @@ def test_sigterm_leaves_no_process_behind(tiny_llama_dir: Path, tmp_path: Path) 
 
 
 @pytest.mark.timeout(180)
-def test_killing_the_worker_stops_everything_and_clients_get_an_error(tiny_llama_dir: Path, tmp_path: Path) -> None:
+def test_killing_the_worker_stops_everything_and_clients_get_an_error(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
     with running_engine(tiny_llama_dir, tmp_path, "--kv-cache-tokens", "1024") as e:
         errors: list[BaseException] = []
 

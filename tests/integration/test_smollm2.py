@@ -36,7 +36,9 @@ def test_cli_client_answers_the_france_question(smol_engine: RunningEngine) -> N
 @pytest.mark.timeout(300)
 def test_generation_stops_at_im_end(smol_engine: RunningEngine) -> None:
     with Client(smol_engine.endpoint, timeout_s=120) as client:
-        out = client.generate(messages=[{"role": "user", "content": FRANCE}], max_new_tokens=64, temperature=0)
+        out = client.generate(
+            messages=[{"role": "user", "content": FRANCE}], max_new_tokens=64, temperature=0
+        )
     assert out.finish_reason == FinishReason.STOP
     assert out.token_ids[-1] == 2, "<|im_end|> (id 2) ends SmolLM2's turn"
     assert out.text == "The capital of France is Paris."

@@ -35,39 +35,66 @@ from protocol.transport import Codec
 SAMPLER = SamplerParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=123)
 
 CASES = [
-    (ClientRequest, GenerateRequest(rid="a", prompt="héllo 🌍", sampling=SamplingParams(stop=["\n"]), stream=True)),
+    (
+        ClientRequest,
+        GenerateRequest(rid="a", prompt="héllo 🌍", sampling=SamplingParams(stop=["\n"]), stream=True),
+    ),
     (ClientRequest, GenerateRequest(rid="b", messages=[ChatMessage(role="user", content="hi")])),
     (ClientRequest, GenerateRequest(rid="c", input_ids=[1, 2, 3], logprobs=True)),
     (ClientRequest, AbortRequest(rid="a")),
     (
         ClientReply,
         GenerateOutput(
-            rid="a", text="x", token_ids=[5], finish_reason=FinishReason.LENGTH, usage=Usage(prompt_tokens=3, completion_tokens=1)
+            rid="a",
+            text="x",
+            token_ids=[5],
+            finish_reason=FinishReason.LENGTH,
+            usage=Usage(prompt_tokens=3, completion_tokens=1),
         ),
     ),
-    (ToScheduler, TokenizedRequest(rid=7, input_ids=[1, 2], max_new_tokens=4, stop_token_ids=[2], sampler=SAMPLER)),
+    (
+        ToScheduler,
+        TokenizedRequest(rid=7, input_ids=[1, 2], max_new_tokens=4, stop_token_ids=[2], sampler=SAMPLER),
+    ),
     (ToScheduler, AbortReq(rid=7, reason=FinishReason.STOP)),
     (
         ToTokenizer,
-        TokenBatch(rids=[1, 2], token_ids=[9, -1], logprobs=[-0.5, 0.0], finished=[None, FinishReason.ABORT], cached_tokens=[0, 0]),
+        TokenBatch(
+            rids=[1, 2],
+            token_ids=[9, -1],
+            logprobs=[-0.5, 0.0],
+            finished=[None, FinishReason.ABORT],
+            cached_tokens=[0, 0],
+        ),
     ),
     (ToTokenizer, RequestError(rid=3, message="too long")),
     (
         ToWorker,
         ForwardBatch(
-            step=1, slots=[0, 1], prefix_lens=[0, 5], extend_lens=[3, 1], input_ids=[4, 5, 6, 7], page_starts=[0, 1],
-            page_counts=[1, 0], pages=[12], sample=[True, True], sampler=[SAMPLER, None],
+            step=1,
+            slots=[0, 1],
+            prefix_lens=[0, 5],
+            extend_lens=[3, 1],
+            input_ids=[4, 5, 6, 7],
+            page_starts=[0, 1],
+            page_counts=[1, 0],
+            pages=[12],
+            sample=[True, True],
+            sampler=[SAMPLER, None],
         ),
     ),
     (FromWorker, ForwardResult(step=1, token_ids=[3, 4], logprobs=[-1.0, -2.0], forward_s=0.01)),
     (ToLauncher, Ready(proc="tokenizer", pid=10)),
-    (ToLauncher, WorkerReady(pid=11, num_pages=64, page_size=16, context_len=2048, device="cpu", dtype="float32")),
+    (
+        ToLauncher,
+        WorkerReady(pid=11, num_pages=64, page_size=16, context_len=2048, device="cpu", dtype="float32"),
+    ),
 ]
 
 
 @pytest.mark.parametrize(("channel", "msg"), CASES, ids=lambda x: type(x).__name__)
 def test_round_trip(channel: object, msg: msgspec.Struct) -> None:
-    codec = Codec(channel)
+    codec: Codec[object] = Codec(channel)
     assert codec.decode(codec.encode(msg)) == msg
 
 
@@ -88,7 +115,7 @@ def test_client_channel_rejects_garbage(frame: bytes) -> None:
 
 
 def test_internal_channel_rejects_another_channels_message() -> None:
-    codec = Codec(ToWorker)
+    codec: Codec[ToWorker] = Codec(ToWorker)
     frame = codec.encode(AbortReq(rid=1))
     with pytest.raises(msgspec.ValidationError):
         codec.decode(frame)
@@ -102,5 +129,7 @@ def test_protocol_imports_nothing_of_ours() -> None:
     for path in pathlib.Path(__file__).resolve().parents[2].joinpath("protocol").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom | ast.Import):
-                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                names = (
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                )
                 assert not {n.split(".")[0] for n in names} & ours, f"{path.name} imports {names}"
