@@ -6,14 +6,14 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator
 from types import TracebackType
-from typing import Literal, cast, overload
+from typing import Literal, Unpack, cast, overload
 
 import msgspec
 import zmq
 import zmq.asyncio
 from zmq.asyncio import Socket as AsyncSocket
 
-from client.common import EngineError, check_reply, default_endpoint, make_request
+from client.common import EngineError, GenerateOptions, check_reply, default_endpoint, make_request
 from protocol.messages import AbortRequest, ClientReply, GenerateOutput, GenerateRequest
 from protocol.transport import Codec, make_socket
 
@@ -41,71 +41,19 @@ class AsyncClient:
 
     @overload
     async def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, str]] | None = None,
-        input_ids: list[int] | None = None,
-        max_new_tokens: int = 128,
-        temperature: float = 1.0,
-        top_k: int = -1,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        seed: int | None = None,
-        stop: list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        ignore_eos: bool = False,
-        logprobs: bool = False,
-        stream: Literal[False] = False,
-        rid: str | None = None,
+        self, prompt: str | None = None, *, stream: Literal[False] = False, **options: Unpack[GenerateOptions]
     ) -> GenerateOutput: ...
 
     @overload
     async def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, str]] | None = None,
-        input_ids: list[int] | None = None,
-        max_new_tokens: int = 128,
-        temperature: float = 1.0,
-        top_k: int = -1,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        seed: int | None = None,
-        stop: list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        ignore_eos: bool = False,
-        logprobs: bool = False,
-        stream: Literal[True],
-        rid: str | None = None,
+        self, prompt: str | None = None, *, stream: Literal[True], **options: Unpack[GenerateOptions]
     ) -> AsyncGenerator[GenerateOutput, None]: ...
 
     async def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, str]] | None = None,
-        input_ids: list[int] | None = None,
-        max_new_tokens: int = 128,
-        temperature: float = 1.0,
-        top_k: int = -1,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        seed: int | None = None,
-        stop: list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        ignore_eos: bool = False,
-        logprobs: bool = False,
-        stream: bool = False,
-        rid: str | None = None,
+        self, prompt: str | None = None, *, stream: bool = False, **options: Unpack[GenerateOptions]
     ) -> GenerateOutput | AsyncGenerator[GenerateOutput, None]:
         """Send a request. stream=False: the final reply; stream=True: an async iterator of deltas."""
-        req = make_request(
-            prompt, messages=messages, input_ids=input_ids, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, stream=stream, rid=rid,
-        )  # fmt: skip
+        req = make_request(prompt, stream, options)
         await self._submit(req)
         if stream:
             return self._stream(req.rid)
@@ -157,7 +105,7 @@ class AsyncClient:
     async def _next(self, rid: str) -> GenerateOutput:
         try:
             item = await asyncio.wait_for(self._pending[rid].get(), self.timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TimeoutError(f"no reply for request {rid!r} within {self.timeout_s} s") from None
         if isinstance(item, EngineError):  # the receiver itself failed
             self._pending.pop(rid, None)

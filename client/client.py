@@ -7,12 +7,12 @@ import time
 from collections import deque
 from collections.abc import Generator
 from types import TracebackType
-from typing import Literal, overload
+from typing import Literal, Unpack, overload
 
 import msgspec
 import zmq
 
-from client.common import EngineError, check_reply, default_endpoint, make_request
+from client.common import EngineError, GenerateOptions, check_reply, default_endpoint, make_request
 from protocol.messages import AbortRequest, ClientReply, GenerateOutput, GenerateRequest
 from protocol.transport import Codec, make_socket
 
@@ -39,75 +39,23 @@ class Client:
 
     @overload
     def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, str]] | None = None,
-        input_ids: list[int] | None = None,
-        max_new_tokens: int = 128,
-        temperature: float = 1.0,
-        top_k: int = -1,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        seed: int | None = None,
-        stop: list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        ignore_eos: bool = False,
-        logprobs: bool = False,
-        stream: Literal[False] = False,
-        rid: str | None = None,
+        self, prompt: str | None = None, *, stream: Literal[False] = False, **options: Unpack[GenerateOptions]
     ) -> GenerateOutput: ...
 
     @overload
     def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, str]] | None = None,
-        input_ids: list[int] | None = None,
-        max_new_tokens: int = 128,
-        temperature: float = 1.0,
-        top_k: int = -1,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        seed: int | None = None,
-        stop: list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        ignore_eos: bool = False,
-        logprobs: bool = False,
-        stream: Literal[True],
-        rid: str | None = None,
+        self, prompt: str | None = None, *, stream: Literal[True], **options: Unpack[GenerateOptions]
     ) -> Generator[GenerateOutput, None, None]: ...
 
     def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, str]] | None = None,
-        input_ids: list[int] | None = None,
-        max_new_tokens: int = 128,
-        temperature: float = 1.0,
-        top_k: int = -1,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        seed: int | None = None,
-        stop: list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        ignore_eos: bool = False,
-        logprobs: bool = False,
-        stream: bool = False,
-        rid: str | None = None,
+        self, prompt: str | None = None, *, stream: bool = False, **options: Unpack[GenerateOptions]
     ) -> GenerateOutput | Generator[GenerateOutput, None, None]:
         """Send a request. stream=False: the final reply; stream=True: an iterator of deltas.
 
         The last delta carries ``finish_reason`` and ``usage``. The request is sent
         before this returns, so several streams can be started and read in any order.
         """
-        req = make_request(
-            prompt, messages=messages, input_ids=input_ids, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, stream=stream, rid=rid,
-        )  # fmt: skip
+        req = make_request(prompt, stream, options)
         self._submit(req)
         if stream:
             return self._stream(req.rid)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from typing import TypedDict
 
 import msgspec
 
@@ -23,45 +24,41 @@ def default_endpoint() -> str:
     return os.environ.get(ENDPOINT_ENV) or DEFAULT_ENDPOINT
 
 
-def make_request(
-    prompt: str | None,
-    *,
-    messages: list[dict[str, str]] | None,
-    input_ids: list[int] | None,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    min_p: float,
-    seed: int | None,
-    stop: list[str] | None,
-    stop_token_ids: list[int] | None,
-    ignore_eos: bool,
-    logprobs: bool,
-    stream: bool,
-    rid: str | None,
-) -> GenerateRequest:
+class GenerateOptions(TypedDict, total=False):
+    """Keyword arguments of ``generate`` besides the prompt and ``stream``; unset ones take
+    SamplingParams' defaults, so the defaults live in one place (protocol/)."""
+
+    messages: list[dict[str, str]] | None
+    input_ids: list[int] | None
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int | None
+    stop: list[str] | None
+    stop_token_ids: list[int] | None
+    ignore_eos: bool
+    logprobs: bool
+    rid: str | None
+
+
+SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
+
+
+def make_request(prompt: str | None, stream: bool, options: GenerateOptions) -> GenerateRequest:
     """A GenerateRequest with a fresh rid unless one is given. The engine validates the values."""
-    sampling = SamplingParams(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        seed=seed,
-        stop=list(stop or []),
-        stop_token_ids=list(stop_token_ids or []),
-        ignore_eos=ignore_eos,
-    )
-    chat = msgspec.convert(messages, list[ChatMessage]) if messages is not None else None
+    sampling = {k: v for k, v in options.items() if k in SAMPLING_FIELDS and v is not None}
+    messages = options.get("messages")
+    rid = options.get("rid")
     return GenerateRequest(
         rid=rid if rid is not None else uuid.uuid4().hex,
         prompt=prompt,
-        messages=chat,
-        input_ids=input_ids,
-        sampling=sampling,
+        messages=msgspec.convert(messages, list[ChatMessage]) if messages is not None else None,
+        input_ids=options.get("input_ids"),
+        sampling=msgspec.convert(sampling, SamplingParams),
         stream=stream,
-        logprobs=logprobs,
+        logprobs=options.get("logprobs", False),
     )
 
 
