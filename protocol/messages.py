@@ -5,7 +5,7 @@ One ``msgspec.Struct`` per message and one tagged union per channel:
     client        -> tokenizer_proc : ClientRequest  = GenerateRequest | AbortRequest
     tokenizer_proc -> client        : ClientReply    = GenerateOutput
     tokenizer_proc -> scheduler_proc: ToScheduler    = TokenizedRequest | AbortReq
-    scheduler_proc -> tokenizer_proc: ToTokenizer    = TokenBatch | RequestError
+    scheduler_proc -> tokenizer_proc: ToTokenizer    = TokenBatch | RequestError | EngineStats
     scheduler_proc -> gpu_worker    : ToWorker       = ForwardBatch
     gpu_worker    -> scheduler_proc : FromWorker     = ForwardResult
     every child   -> launcher       : ToLauncher     = Ready | WorkerReady
@@ -101,7 +101,9 @@ class GenerateOutput(ClientMsg, tag="output"):
 
     The last reply of a request has ``finish_reason`` and ``usage`` set; an error
     reply has ``finish_reason == ERROR`` and ``error`` set. ``rid`` is empty when
-    the request could not even be parsed far enough to know it.
+    the request could not even be parsed far enough to know it. A reply with an
+    empty ``rid`` and no ``error`` is a liveness probe (the tokenizer learns that a
+    client has gone when the probe cannot be delivered); clients ignore it.
     """
 
     rid: str
@@ -182,7 +184,23 @@ class RequestError(Msg):
     message: str
 
 
-ToTokenizer = TokenBatch | RequestError
+class EngineStats(Msg):
+    """The scheduler's load, for /health and /metrics: sent with token batches at most every
+    ~0.5 s, and once more when the engine goes idle with changed numbers (never on a timer).
+
+    The first one also tells the tokenizer that the scheduler is up. ``evictable_pages`` are
+    held only by a prefix cache and are reusable on demand; a leak-free idle engine has
+    ``free_pages + evictable_pages == num_pages``.
+    """
+
+    num_running: int  # requests holding KV (decoding, or mid-prompt in chunks)
+    num_waiting: int
+    num_pages: int
+    free_pages: int
+    evictable_pages: int = 0
+
+
+ToTokenizer = TokenBatch | RequestError | EngineStats
 
 
 class ForwardBatch(Msg):

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import msgspec
 import zmq
 
 from protocol.messages import (
     AbortReq,
+    EngineStats,
     ForwardResult,
     FromWorker,
     Ready,
@@ -20,6 +22,8 @@ from protocol.transport import Codec, Endpoints, make_socket
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.scheduler import Scheduler
 from scheduler_proc.stats import SchedulerStats
+
+STATS_INTERVAL_S = 0.5  # EngineStats at most this often while busy (for /metrics)
 
 
 class SchedulerProcess:
@@ -34,6 +38,8 @@ class SchedulerProcess:
         self.scheduler = Scheduler(config)
         self.stats = SchedulerStats(config.decode_log_interval, self.log)
         self._init_sockets(endpoints, ctx)
+        self._sent_stats: EngineStats | None = None
+        self._sent_stats_s = 0.0
 
     def _init_sockets(self, endpoints: Endpoints, ctx: zmq.Context) -> None:
         self.from_tokenizer = make_socket(ctx, zmq.PULL, endpoints.to_scheduler, bind=True)
@@ -55,6 +61,7 @@ class SchedulerProcess:
         """Block only when idle (nothing runnable, or waiting on the worker); one batch per turn."""
         idle = True
         while True:
+            self._publish_stats()
             for sock in dict(self.poller.poll(None if idle else 0)):
                 self._drain(sock)
             batch = self.scheduler.schedule()
@@ -66,6 +73,20 @@ class SchedulerProcess:
             idle = batch is None
             if idle and not self.scheduler.has_work:
                 self.stats.on_idle()
+
+    def _publish_stats(self) -> None:
+        """Throttled while busy; sent on change before blocking idle, so no timer wakes the engine."""
+        sched = self.scheduler
+        stats = EngineStats(
+            num_running=len(sched.running) + (sched.chunked_req is not None),
+            num_waiting=sched.num_waiting,
+            num_pages=sched.pages.num_pages,
+            free_pages=sched.pages.num_free,
+        )
+        now = time.monotonic()
+        if stats != self._sent_stats and (not sched.has_work or now - self._sent_stats_s >= STATS_INTERVAL_S):
+            self.to_tokenizer.send(self.encoder.encode(stats))
+            self._sent_stats, self._sent_stats_s = stats, now
 
     def _drain(self, sock: zmq.Socket) -> None:
         while True:

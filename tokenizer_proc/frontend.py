@@ -11,6 +11,7 @@ import msgspec
 from protocol.messages import (
     AbortRequest,
     ClientRequest,
+    EngineStats,
     GenerateRequest,
     RequestError,
     TokenBatch,
@@ -42,6 +43,7 @@ class Frontend:
         self.requests = RequestTable(tokenizer)
         self._rng = random.Random(seed)
         self._client_codec: Codec[ClientRequest] = Codec(ClientRequest)
+        self.engine_stats: EngineStats | None = None  # None until the scheduler is up
 
     def on_client_frames(self, frames: list[bytes]) -> Outbox:
         """A ROUTER message: [client identity, msgpack payload]."""
@@ -71,6 +73,9 @@ class Frontend:
                 return self.requests.on_token_batch(msg)
             case RequestError():
                 return self.requests.on_request_error(msg)
+            case EngineStats():
+                self.engine_stats = msg
+                return Outbox()
             case _:
                 raise AssertionError(f"ToTokenizer decoded to unexpected {type(msg).__name__}")
 

@@ -11,6 +11,7 @@ from protocol import (
     ChatMessage,
     ClientReply,
     ClientRequest,
+    EngineStats,
     FinishReason,
     ForwardBatch,
     ForwardResult,
@@ -68,6 +69,7 @@ CASES = [
         ),
     ),
     (ToTokenizer, RequestError(rid=3, message="too long")),
+    (ToTokenizer, EngineStats(num_running=2, num_waiting=1, num_pages=64, free_pages=40, evictable_pages=8)),
     (
         ToWorker,
         ForwardBatch(

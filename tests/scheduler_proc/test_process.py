@@ -15,6 +15,7 @@ import pytest
 import zmq
 
 from protocol.messages import (
+    EngineStats,
     FinishReason,
     ForwardBatch,
     Ready,
@@ -33,8 +34,12 @@ CONFIG = SchedulerConfig(num_pages=64, context_len=128, page_size=4, chunked_pre
 
 
 def recv(sock: zmq.Socket, codec: Codec[Any], timeout_s: float = 20.0) -> Any:
-    assert sock.poll(int(timeout_s * 1000)), "nothing arrived in time"
-    return codec.decode(sock.recv())
+    """The next message, skipping EngineStats (the scheduler's periodic load report)."""
+    while True:
+        assert sock.poll(int(timeout_s * 1000)), "nothing arrived in time"
+        msg = codec.decode(sock.recv())
+        if not isinstance(msg, EngineStats):
+            return msg
 
 
 def cpu_seconds(pid: int) -> float:
@@ -75,6 +80,9 @@ def test_scheduler_process_serves_over_zmq(scheduler_child: Any) -> None:
     ready = recv(socks["to_launcher"], Codec(ToLauncher))
     assert ready == Ready(proc="scheduler", pid=child.pid)
     codec: Codec[ToTokenizer] = Codec(ToTokenizer)
+    assert socks["to_tokenizer"].poll(20_000), "no EngineStats at start"
+    first = codec.decode(socks["to_tokenizer"].recv())  # tells the tokenizer the scheduler is up
+    assert first == EngineStats(num_running=0, num_waiting=0, num_pages=64, free_pages=64)
     socks["to_scheduler"].send(b"\xc1 not msgpack")  # survived: logged and dropped
     socks["to_scheduler"].send(codec.encode(tokenized(1, [7] * 200, 1)))  # beyond context_len
     prompt = list(range(10, 30))
