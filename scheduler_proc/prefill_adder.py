@@ -54,6 +54,27 @@ class PrefillAdder:
         self.new_chunked_req: Req | None = None
         self.chunked_in_progress = False  # the old chunked_req still has chunks after this round
 
+    @classmethod
+    def for_round(
+        cls,
+        config: SchedulerConfig,
+        running: list[Req],
+        new_token_ratio: float,
+        free_pages: int,
+        free_slots: int,
+    ) -> PrefillAdder:
+        """This round's budgets: KV is what is free minus the running requests' reservation."""
+        return cls(
+            page_size=config.page_size,
+            clip_max_new_tokens=config.clip_max_new_tokens,
+            rem_input_tokens=config.max_prefill_tokens,
+            rem_chunk_tokens=config.chunk_tokens,
+            rem_total_tokens=free_pages * config.page_size
+            - running_reservation_tokens(running, config, new_token_ratio),
+            free_pages=free_pages,
+            free_slots=free_slots,
+        )
+
     def _new_pages(self, req: Req, tokens: int) -> int:
         """Pages ``req`` needs beyond its page table to hold ``kv_len + tokens`` positions."""
         return max(pages_for(req.kv_len + tokens, self.page_size) - len(req.page_table), 0)
@@ -98,14 +119,25 @@ class PrefillAdder:
         self.chunked_in_progress = truncated
         return req if truncated else None
 
-    def add_one_req(self, req: Req) -> AddResult:
-        """Admit the next waiting request whole, truncated (new chunked_req), or not at all."""
+    def add_one_req(self, req: Req, *, whole_only: bool = False) -> AddResult:
+        """Admit a waiting request whole, truncated (new chunked_req), or not at all.
+
+        ``whole_only`` (pack's greedy pass): admit only if the whole prompt fits what
+        is left of the input and chunk budgets, never truncated or over budget.
+        Whether ``req`` got in shows in ``can_run_list``, not in the result, which
+        says whether more may follow.
+        """
         if self.free_slots <= 0:
             return AddResult.NO_SLOT
         extend = req.extend_input_len
         reserve = req.reserve_tokens(self.clip_max_new_tokens)
         if self._new_pages(req, extend + reserve) * self.page_size > self.rem_total_tokens:
             return AddResult.NO_TOKEN
+        if whole_only and (
+            extend > self.rem_input_tokens
+            or (self.rem_chunk_tokens is not None and extend > self.rem_chunk_tokens)
+        ):
+            return AddResult.OTHER
         if self.rem_chunk_tokens is None or extend <= self.rem_chunk_tokens:
             # Over the input budget only when alone in the round: a prompt larger
             # than max_prefill_tokens must still run some day.
@@ -125,7 +157,7 @@ class PrefillAdder:
         return self._budget_state()
 
 
-def running_reservation_tokens(running: list[Req], config: SchedulerConfig) -> int:
+def running_reservation_tokens(running: list[Req], config: SchedulerConfig, new_token_ratio: float) -> int:
     """KV the running requests are expected to still write, in whole pages (as tokens).
 
     Per request: ``min(max_new_tokens - generated, clip_max_new_tokens) * new_token_ratio``
@@ -134,6 +166,6 @@ def running_reservation_tokens(running: list[Req], config: SchedulerConfig) -> i
     ps = config.page_size
     reserved = 0
     for req in running:
-        future = math.ceil(req.reserve_tokens(config.clip_max_new_tokens) * config.new_token_ratio)
+        future = math.ceil(req.reserve_tokens(config.clip_max_new_tokens) * new_token_ratio)
         reserved += max(pages_for(req.kv_len + future, ps) - len(req.page_table), 0) * ps
     return reserved

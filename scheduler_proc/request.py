@@ -49,6 +49,7 @@ class Req:
     finish_reason: FinishReason | None = None
     in_flight: bool = False  # part of the batch the worker is running now
     num_retractions: int = 0
+    num_overtaken: int = 0  # admission rounds in which a later arrival got in and this one did not
 
     def __post_init__(self) -> None:
         assert len(self.input_ids) >= 1, f"rid {self.rid}: empty prompt"

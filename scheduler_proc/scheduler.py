@@ -2,7 +2,7 @@
 
 Every request is in exactly one place while it lives:
 
-    waiting (deque, FCFS)  -> no slot, no pages, kv_len == 0
+    waiting (deque)        -> no slot, no pages, kv_len == 0; arrival order, retracted at the front
     chunked_req (one)      -> slot, pages of [0, kv_len); more prompt chunks to go
     running (list)         -> slot, pages; kv_len == seq_len - 1, or its last chunk is in flight
 
@@ -23,12 +23,14 @@ from protocol.messages import (
     TokenizedRequest,
     ToTokenizer,
 )
+from scheduler_proc.admission import Admission
 from scheduler_proc.batch import BatchInfo, Row, build_forward_batch
 from scheduler_proc.config import SchedulerConfig
+from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.outputs import OutputCollector
-from scheduler_proc.page_allocator import PageAllocator, SlotPool, pages_for
-from scheduler_proc.prefill_adder import AddResult, PrefillAdder, running_reservation_tokens
+from scheduler_proc.prefill_adder import PrefillAdder
 from scheduler_proc.request import Req, ReqStatus, why_rejected
+from scheduler_proc.token_ratio import NewTokenRatio
 
 
 class Scheduler:
@@ -50,8 +52,8 @@ class Scheduler:
         self._log = logging.getLogger("rivulet.scheduler")
 
     def _init_kv(self) -> None:
-        self.pages = PageAllocator(self.config.num_pages)
-        self.slots = SlotPool(self.config.max_running_requests)
+        self.kv = KVManager(self.config)
+        self.pages, self.slots = self.kv.pages, self.kv.slots  # read-only views for stats and tests
 
     def _init_queues(self) -> None:
         self.waiting: deque[Req] = deque()
@@ -60,7 +62,9 @@ class Scheduler:
         self.reqs: dict[int, Req] = {}  # every live request by rid
         self._in_flight: dict[int, list[Row]] = {}  # step -> its rows
         self._outputs = OutputCollector()
-        self._last_was_prefill = False
+        self.admission = Admission(self.config)
+        self.new_token_ratio = NewTokenRatio(self.config)
+        self._prefill_streak = 0  # batches in a row with prefill rows
 
     def _init_counters(self) -> None:
         self.next_step = 0
@@ -117,10 +121,13 @@ class Scheduler:
         """The next batch, or None when one is in flight or nothing can run."""
         if len(self._in_flight) >= self.max_in_flight:
             return None
+        if not self.has_work:
+            self.new_token_ratio.on_idle()
+            return None
         prefill, decode = self._next_rows()
         if not prefill and not decode:
             return None
-        self._last_was_prefill = bool(prefill)
+        self._prefill_streak = self._prefill_streak + 1 if prefill else 0
         rows = prefill + decode
         for row in rows:
             row.req.in_flight = True
@@ -135,54 +142,60 @@ class Scheduler:
         """(prefill rows, decode rows) of the next batch.
 
         Mixed: every running decode rides along with the round's prefill. Else
-        prefill and decode alternate, so a long chunked prompt cannot starve decodes.
+        prefill goes first, but at most ``max_consecutive_prefills`` batches in a
+        row while running requests wait, so a stream of prompts cannot starve
+        decode. ``decode_first``: a decode-only batch precedes every batch that
+        admits prefill while requests are running (mixed or not).
         """
+        if self.running and self._decode_due():
+            decode = self._decode_rows()
+            if decode:
+                return [], decode
         if self.config.enable_mixed_chunk:
             decode = self._decode_rows()  # first: decode pages count before admission
             return self._prefill_rows(), decode
-        if not (self._last_was_prefill and self.running):
-            prefill = self._prefill_rows()
-            if prefill:
-                return prefill, []
+        prefill = self._prefill_rows()
+        if prefill:
+            return prefill, []
         decode = self._decode_rows()
         if decode or not self.has_work:
             return [], decode
         # Retraction emptied the running set; the pages it freed let a prefill run.
         return self._prefill_rows(), []
 
+    def _decode_due(self) -> bool:
+        cfg = self.config
+        if cfg.decode_first:
+            return self._prefill_streak >= 1
+        return not cfg.enable_mixed_chunk and self._prefill_streak >= cfg.max_consecutive_prefills
+
     def _prefill_rows(self) -> list[Row]:
         if self.chunked_req is None and not self.waiting:
             return []
-        cfg = self.config
-        adder = PrefillAdder(
-            page_size=cfg.page_size,
-            clip_max_new_tokens=cfg.clip_max_new_tokens,
-            rem_input_tokens=cfg.max_prefill_tokens,
-            rem_chunk_tokens=cfg.chunk_tokens,
-            # Free KV minus the running requests' reservation (in mixed mode their
-            # pages for this step are already taken: _decode_rows ran first).
-            rem_total_tokens=self.pages.num_free * cfg.page_size
-            - running_reservation_tokens(self.running, cfg),
-            free_pages=self.pages.num_free,
-            free_slots=self.slots.num_free,
+        # In mixed mode the decodes' pages for this step are already taken: _decode_rows ran first.
+        adder = PrefillAdder.for_round(
+            self.config,
+            self.running,
+            self.new_token_ratio.value,
+            self.kv.num_free_pages,
+            self.kv.slots.num_free,
         )
-        if self.chunked_req is not None:
-            self.chunked_req = adder.add_chunked_req(self.chunked_req)
-        for req in self.waiting:
-            if adder.add_one_req(req) is not AddResult.CONTINUE:
-                break
+        continued = self.chunked_req
+        if continued is not None:
+            self.chunked_req = adder.add_chunked_req(continued)
+        admitted = self.admission.admit(adder, self.waiting)
         if adder.new_chunked_req is not None:
             assert self.chunked_req is None, "at most one chunked_req at a time"
             self.chunked_req = adder.new_chunked_req
-        return [self._prefill_row(req, extend_len) for req, extend_len in adder.can_run_list]
+        extend_lens = {id(req): n for req, n in adder.can_run_list}
+        order = ([continued] if continued is not None and id(continued) in extend_lens else []) + admitted
+        assert len(order) == len(extend_lens), "the adder admitted a request admission did not offer"
+        return [self._prefill_row(req, extend_lens[id(req)]) for req in order]
 
     def _prefill_row(self, req: Req, extend_len: int) -> Row:
         new_slot = req.slot is None
         if req.status is ReqStatus.WAITING:
-            assert self.waiting and self.waiting[0] is req, "admission takes a prefix of the waiting queue"
-            self.waiting.popleft()
-            req.slot = self.slots.alloc()
-            assert req.slot is not None, "the adder admitted more requests than free slots"
+            self.kv.assign_slot(req)
         row = self._extend_row(req, extend_len, new_slot)
         if row.sample:
             req.status = ReqStatus.RUNNING
@@ -194,36 +207,41 @@ class Scheduler:
 
     def _extend_row(self, req: Req, extend_len: int, new_slot: bool) -> Row:
         """A row extending ``req`` by ``extend_len`` tokens, with the pages they need."""
-        page_start = len(req.page_table)
-        num_new = max(pages_for(req.kv_len + extend_len, self.config.page_size) - page_start, 0)
-        new_pages = self.pages.alloc(num_new)
-        assert new_pages is not None, f"rid {req.rid}: scheduled without free pages"
-        req.page_table.extend(new_pages)
+        page_start, new_pages = self.kv.grow(req, extend_len)
         sample = req.kv_len + extend_len == req.seq_len
         return Row(req, extend_len, sample, page_start, new_pages, new_slot)
 
     def _decode_rows(self) -> list[Row]:
-        self._make_room_for_decodes()
+        """One decode row per running request; the ratio decays on a step that needed no retraction."""
+        retracted = self._make_room_for_decodes()
         rows = []
         for req in self.running:
             assert req.is_decoding, f"rid {req.rid}: running but not at a decode step"
             rows.append(self._extend_row(req, 1, new_slot=False))
+        if rows and not retracted:
+            self.new_token_ratio.on_decode_step()
         return rows
 
-    def _make_room_for_decodes(self) -> None:
+    def _make_room_for_decodes(self) -> bool:
         """Retract running requests until every decode that crosses into a new page gets one."""
+        retracted = False
         while self.running:
-            need = sum(1 for r in self.running if r.kv_len >= len(r.page_table) * self.config.page_size)
-            if need <= self.pages.num_free:
-                return
+            if self.kv.decode_pages_needed(self.running) <= self.kv.num_free_pages:
+                break
             # SGLang's order: least progress lost first; ties: the longest prompt frees most.
             victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
             self._retract(victim)
+            retracted = True
+        if retracted:
+            old = self.new_token_ratio.value
+            self.new_token_ratio.on_retract()
+            self._log.warning("new_token_ratio raised %.3f -> %.3f", old, self.new_token_ratio.value)
+        return retracted
 
     def _retract(self, req: Req) -> None:
         """Give back a running request's KV; it re-prefills fill_ids later, keeping its output."""
         self.running.remove(req)
-        self._release(req)
+        self.kv.release(req)
         req.kv_len = 0
         req.status = ReqStatus.WAITING
         req.num_retractions += 1
@@ -265,7 +283,7 @@ class Scheduler:
         req = row.req
         req.in_flight = False
         if req.status is ReqStatus.FINISHED:  # aborted while in flight: its token is dropped
-            self._release(req)
+            self.kv.release(req)
             return
         req.kv_len += row.extend_len
         if token is None:
@@ -284,7 +302,7 @@ class Scheduler:
             req = row.req
             req.in_flight = False
             if req.status is ReqStatus.FINISHED:
-                self._release(req)
+                self.kv.release(req)
                 continue
             self._remove_from_queues(req)
             self._finish(req, FinishReason.ERROR)
@@ -306,14 +324,7 @@ class Scheduler:
         del self.reqs[req.rid]
         self.num_finished += 1
         if not req.in_flight:
-            self._release(req)
-
-    def _release(self, req: Req) -> None:
-        self.pages.free(req.page_table)
-        req.page_table = []
-        if req.slot is not None:
-            self.slots.free(req.slot)
-            req.slot = None
+            self.kv.release(req)
 
     # ------------------------------------------------------------------ counters for logs
 
@@ -323,8 +334,8 @@ class Scheduler:
 
     @property
     def used_kv_tokens(self) -> int:
-        return self.pages.num_used * self.config.page_size
+        return self.kv.used_tokens
 
     @property
     def token_usage(self) -> float:
-        return self.pages.num_used / max(self.pages.num_pages, 1)
+        return self.kv.usage

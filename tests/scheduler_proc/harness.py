@@ -8,6 +8,7 @@ recompute must all give the same tokens as ``reference_output``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from protocol.messages import (
     FinishReason,
@@ -36,6 +37,11 @@ def token_of(h: int) -> int:
 
 def sampler(seed: int = 0) -> SamplerParams:
     return SamplerParams(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=seed)
+
+
+def fixed_ratio(ratio: float) -> dict[str, Any]:
+    """SchedulerConfig fields that pin new_token_ratio at ``ratio`` (no decay)."""
+    return {"schedule_conservativeness": ratio / 0.7, "new_token_ratio_decay_steps": 0}
 
 
 def tokenized(rid: int, prompt: list[int], max_new: int, stop: Iterable[int] = ()) -> TokenizedRequest:
@@ -216,6 +222,19 @@ class Driver:
         assert not self.sched.has_work and not self.sched.reqs
         assert self.sched.pages.num_free == self.config.num_pages, "pages leaked"
         assert self.sched.slots.num_free == self.config.max_running_requests, "slots leaked"
+
+
+def batch_kinds(batches: list[ForwardBatch]) -> list[str]:
+    """'P' prefill only, 'D' decode only, 'M' both, per batch.
+
+    A decode row continues a slot (no sampler), extends 1 token and samples; anything else is prefill.
+    """
+    out = []
+    for b in batches:
+        rows = list(zip(b.sampler, b.extend_lens, b.sample, strict=True))
+        dec = [s is None and e == 1 and smp for s, e, smp in rows]
+        out.append("M" if any(dec) and not all(dec) else "D" if all(dec) else "P")
+    return out
 
 
 def check_invariants(sched: Scheduler) -> None:

@@ -8,7 +8,7 @@ from protocol.messages import ForwardBatch
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.prefill_adder import AddResult, PrefillAdder
 from scheduler_proc.request import Req
-from tests.scheduler_proc.harness import Driver, reference_output, sampler
+from tests.scheduler_proc.harness import Driver, fixed_ratio, reference_output, sampler
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -160,7 +160,7 @@ def _first_batch_of(d: Driver, slot_rid_prefix: int) -> int:
 def _reservation_run(new_token_ratio: float) -> Driver:
     # Pool of 100 tokens. A (10 + 50 output) runs; B needs 30 + 20 = 50 tokens.
     # A's reservation leaves 100 - 10 - 49 = 41 < 50 at ratio 1, so B must wait for A.
-    d = Driver(config(num_pages=100, new_token_ratio=new_token_ratio))
+    d = Driver(config(num_pages=100, **fixed_ratio(new_token_ratio)))
     d.submit(0, prompt(10, 0), 50)
     d.step()
     d.submit(1, prompt(30, 1), 20)

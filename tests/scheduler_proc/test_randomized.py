@@ -24,7 +24,15 @@ def random_config(rng: random.Random) -> SchedulerConfig:
         chunked_prefill_size=rng.choice([-1, 7, 32, 100]),
         enable_mixed_chunk=rng.random() < 0.5,
         clip_max_new_tokens=rng.choice([4, 4096]),
-        new_token_ratio=rng.choice([0.1, 0.5, 1.0]),
+        schedule_conservativeness=rng.choice([0.15, 0.7, 1.5]),
+        new_token_ratio_decay_steps=rng.choice([0, 20, 600]),
+        schedule_policy=rng.choice(["fcfs", "pack"]),
+        admission_lookahead=rng.choice([1, 4, 64]),
+        force_fifo_every=rng.choice([0, 0, 3]),
+        prefill_max_requests=rng.choice([0, 0, 1, 3]),
+        max_overtakes=rng.choice([0, 2, 16]),
+        decode_first=rng.random() < 0.3,
+        max_consecutive_prefills=rng.choice([1, 1, 3]),
     )
 
 

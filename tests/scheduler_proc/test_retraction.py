@@ -8,7 +8,7 @@ import random
 import pytest
 
 from scheduler_proc.config import SchedulerConfig
-from tests.scheduler_proc.harness import Driver, reference_output
+from tests.scheduler_proc.harness import Driver, fixed_ratio, reference_output
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -37,7 +37,7 @@ def test_retracted_requests_complete_with_the_same_tokens(page_size: int, mixed:
         chunked_prefill_size=32,
         enable_mixed_chunk=mixed,
         clip_max_new_tokens=4,  # reserve almost nothing: admission over-commits the pool
-        new_token_ratio=0.1,
+        **fixed_ratio(0.1),
     )
     big = SchedulerConfig(num_pages=4096, context_len=256, page_size=1, enable_mixed_chunk=mixed)
     small_run, big_run = run_all(tiny, reqs), run_all(big, reqs)
@@ -52,7 +52,7 @@ def test_retracted_requests_complete_with_the_same_tokens(page_size: int, mixed:
 def _first_retracted(reqs: list[tuple[list[int], int, int]], caplog: pytest.LogCaptureFixture) -> int:
     """Runs (prompt, max_new, submit-at-step) requests in a 20-token pool; the first rid retracted."""
     cfg = SchedulerConfig(
-        num_pages=20, context_len=64, page_size=1, clip_max_new_tokens=2, new_token_ratio=0.01
+        num_pages=20, context_len=64, page_size=1, clip_max_new_tokens=2, **fixed_ratio(0.01)
     )
     d = Driver(cfg)
     with caplog.at_level(logging.WARNING, logger="rivulet.scheduler"):

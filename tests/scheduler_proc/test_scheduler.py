@@ -9,7 +9,7 @@ import pytest
 from protocol.messages import FinishReason, ForwardResult, RequestError, TokenBatch
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.request import Req
-from tests.scheduler_proc.harness import Driver, reference_output, sampler, tokenized
+from tests.scheduler_proc.harness import Driver, batch_kinds, reference_output, sampler, tokenized
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -77,19 +77,6 @@ def test_context_len_ends_a_request_before_max_new_tokens() -> None:
 # ---------------------------------------------------------------- batch shapes
 
 
-def _kinds(d: Driver) -> list[str]:
-    """'P' prefill only, 'D' decode only, 'M' both, per batch.
-
-    A decode row continues a slot (no sampler), extends 1 token and samples; anything else is prefill.
-    """
-    out = []
-    for b in d.batches:
-        rows = list(zip(b.sampler, b.extend_lens, b.sample, strict=True))
-        dec = [s is None and e == 1 and smp for s, e, smp in rows]
-        out.append("M" if any(dec) and not all(dec) else "D" if all(dec) else "P")
-    return out
-
-
 @pytest.mark.parametrize("mixed", [False, True])
 def test_mixed_puts_all_decodes_beside_the_chunk_and_non_mixed_alternates(mixed: bool) -> None:
     d = Driver(config(enable_mixed_chunk=mixed))
@@ -100,12 +87,12 @@ def test_mixed_puts_all_decodes_beside_the_chunk_and_non_mixed_alternates(mixed:
     for _ in range(6):
         d.step()
     if mixed:
-        assert _kinds(d)[1:6] == ["M"] * 5
+        assert batch_kinds(d.batches)[1:6] == ["M"] * 5
         for b in d.batches[1:6]:
             assert sorted(b.slots) == [0, 1, 2], "every running decode rides with the chunk"
     else:
         # After a prefill, a decode: the long prompt's chunks never starve 0 and 1.
-        assert _kinds(d)[1:7] == ["D", "P", "D", "P", "D", "P"]
+        assert batch_kinds(d.batches)[1:7] == ["D", "P", "D", "P", "D", "P"]
         assert all(sorted(b.slots) == [0, 1] for b in d.batches[1:7:2])
     d.run()
     for rid, (n, seed, max_new) in {0: (8, 0, 30), 1: (8, 1, 30), 2: (300, 2, 3)}.items():
