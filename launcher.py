@@ -36,7 +36,7 @@ from client import DEFAULT_ENDPOINT
 from gpu_worker.config import WorkerConfig
 from protocol import ToLauncher, WorkerReady
 from protocol.transport import Codec, Endpoints, make_socket
-from scheduler_proc.config import SchedulerConfig
+from scheduler_proc.config import SCHEDULE_POLICIES, SchedulerConfig
 from tokenizer_proc.config import TokenizerConfig
 
 logger = logging.getLogger("rivulet.launcher")
@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-tokens", type=int, default=w.kv_cache_tokens, help="0: use --kv-mem-fraction")
     p.add_argument("--kv-mem-fraction", type=float, default=w.kv_mem_fraction)
     p.add_argument("--enable-mixed-chunk", action="store_true", default=s.enable_mixed_chunk)
+    _add_scheduling_flags(p, s)
     p.add_argument("--device", default=w.device, help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=w.dtype, help="auto | float32 | bfloat16 | float16 | float64")
     p.add_argument(
@@ -84,6 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-log-interval", type=int, default=s.decode_log_interval)
     p.add_argument("--log-level", default="INFO")
     return p
+
+
+def _add_scheduling_flags(p: argparse.ArgumentParser, s: SchedulerConfig) -> None:
+    """Admission policy, prefill/decode interleaving and KV reservation (README: Scheduling)."""
+    p.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES, default=s.schedule_policy)
+    p.add_argument("--admission-lookahead", type=int, default=s.admission_lookahead)
+    p.add_argument("--force-fifo-every", type=int, default=s.force_fifo_every, help="0: never")
+    p.add_argument("--prefill-max-requests", type=int, default=s.prefill_max_requests, help="0: no cap")
+    p.add_argument("--max-overtakes", type=int, default=s.max_overtakes)
+    p.add_argument("--decode-first", action="store_true", default=s.decode_first)
+    p.add_argument("--max-consecutive-prefills", type=int, default=s.max_consecutive_prefills)
+    p.add_argument("--schedule-conservativeness", type=float, default=s.schedule_conservativeness)
+    p.add_argument("--new-token-ratio-decay-steps", type=int, default=s.new_token_ratio_decay_steps)
 
 
 def check_endpoint(endpoint: str) -> str:
@@ -121,6 +135,15 @@ def scheduler_config(args: argparse.Namespace, ready: WorkerReady) -> SchedulerC
         max_prefill_tokens=args.max_prefill_tokens,
         chunked_prefill_size=args.chunked_prefill_size,
         enable_mixed_chunk=args.enable_mixed_chunk,
+        schedule_policy=args.schedule_policy,
+        admission_lookahead=args.admission_lookahead,
+        force_fifo_every=args.force_fifo_every,
+        prefill_max_requests=args.prefill_max_requests,
+        max_overtakes=args.max_overtakes,
+        decode_first=args.decode_first,
+        max_consecutive_prefills=args.max_consecutive_prefills,
+        schedule_conservativeness=args.schedule_conservativeness,
+        new_token_ratio_decay_steps=args.new_token_ratio_decay_steps,
         decode_log_interval=args.decode_log_interval,
     )
 
