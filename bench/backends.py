@@ -1,0 +1,147 @@
+"""How the benchmarks reach an engine: rivulet's ZMQ client, or any OpenAI-compatible HTTP server.
+
+Both turn one ``WorkItem`` into an async stream of ``Delta``s (tokens that arrived in one
+chunk, plus the usage counters on the final one), so every peer is measured by the same code.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+from bench.workloads import WorkItem
+from client import AsyncClient
+from protocol.messages import FinishReason
+
+
+class BackendError(RuntimeError):
+    """The engine refused or failed a request; the message says why."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one streamed chunk brought; ``finished`` marks the final one, which carries usage."""
+
+    num_tokens: int
+    finished: bool = False
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Backend(Protocol):
+    name: str
+
+    def stream(self, item: WorkItem) -> AsyncIterator[Delta]: ...
+
+    async def close(self) -> None: ...
+
+
+class ZmqBackend:
+    """rivulet's own client; sends ``input_ids`` when the workload has exact tokens."""
+
+    name = "zmq"
+
+    def __init__(
+        self, endpoint: str, temperature: float, stream: bool = True, timeout_s: float = 600
+    ) -> None:
+        self.client = AsyncClient(endpoint, timeout_s=timeout_s)
+        self.temperature = temperature
+        self.streaming = stream
+
+    async def stream(self, item: WorkItem) -> AsyncIterator[Delta]:
+        prompt = item.text if item.input_ids is None else None
+        options: dict[str, Any] = dict(
+            input_ids=item.input_ids, max_new_tokens=item.max_new_tokens,
+            temperature=self.temperature, ignore_eos=item.ignore_eos,
+        )  # fmt: skip
+        if not self.streaming:
+            out = await self.client.generate(prompt, stream=False, **options)
+            chunks: AsyncIterator[Any] = _one(out)
+        else:
+            chunks = await self.client.generate(prompt, stream=True, **options)
+        async for chunk in chunks:  # EngineError (an ERROR reply) propagates to the runner
+            if chunk.finish_reason is FinishReason.ABORT:
+                raise BackendError("the engine aborted the request")
+            usage = chunk.usage
+            yield Delta(
+                num_tokens=len(chunk.token_ids),
+                finished=chunk.finish_reason is not None,
+                prompt_tokens=usage.prompt_tokens if usage else 0,
+                completion_tokens=usage.completion_tokens if usage else 0,
+                cached_tokens=usage.cached_tokens if usage else 0,
+            )
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+async def _one(x: Any) -> AsyncIterator[Any]:
+    yield x
+
+
+class OpenAIBackend:
+    """``POST {base_url}/v1/completions`` with ``stream: true``, read as server-sent events.
+
+    A chunk with non-empty text counts as one token (OpenAI chunks do not say how many
+    they carry); the final usage (``stream_options.include_usage``) gives the real count.
+    """
+
+    name = "openai"
+
+    def __init__(self, base_url: str, model: str, temperature: float, timeout_s: float = 600) -> None:
+        self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s)
+        self.model = model
+        self.temperature = temperature
+
+    def _body(self, item: WorkItem) -> dict[str, Any]:
+        return {
+            "model": self.model, "prompt": item.text, "max_tokens": item.max_new_tokens,
+            "temperature": self.temperature, "stream": True, "ignore_eos": item.ignore_eos,
+            "stream_options": {"include_usage": True},
+        }  # fmt: skip
+
+    async def stream(self, item: WorkItem) -> AsyncIterator[Delta]:
+        async with self.http.stream("POST", "/v1/completions", json=self._body(item)) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")[:500]
+                raise BackendError(f"HTTP {resp.status_code}: {body}")
+            finished = False
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments, event names
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    break
+                delta, done = parse_event(json.loads(data))
+                finished = finished or done
+                if delta.num_tokens or delta.completion_tokens:
+                    yield delta
+            if not finished:
+                raise BackendError("the stream ended without a finish_reason")
+            yield Delta(0, finished=True)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+def parse_event(event: dict[str, Any]) -> tuple[Delta, bool]:
+    """One SSE event of /v1/completions -> (its tokens and usage, whether it had a finish_reason)."""
+    if "error" in event:
+        raise BackendError(f"server error: {event['error']}")
+    choices = event.get("choices") or []
+    text = (choices[0].get("text") or "") if choices else ""
+    done = bool(choices and choices[0].get("finish_reason"))
+    usage = event.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    delta = Delta(
+        num_tokens=1 if text else 0,
+        prompt_tokens=usage.get("prompt_tokens") or 0,
+        completion_tokens=usage.get("completion_tokens") or 0,
+        cached_tokens=details.get("cached_tokens") or 0,
+    )
+    return delta, done

@@ -1,0 +1,230 @@
+"""Before/after sweeps: one engine per configuration, the same workload against each, interleaved.
+
+    python -m bench.sweep                      # the seeds' pairs + concurrency + offline vs HF
+    python -m bench.sweep --quick              # a smoke run: tiny workloads, 2 repeats
+    python -m bench.sweep --sweeps pack,concurrency --repeats 5
+    python -m bench.sweep --report-from bench/results/sweep-latest.json   # redo tables and plots
+
+Each sweep starts every engine it needs (its own launcher on its own endpoint), then runs
+its variants A B A B A B (``--repeats`` rounds), then stops them all by pid. A configuration
+whose flags the launcher rejects is reported as "n/a (flag not available)". The results go
+to a JSON manifest, the per-run records to a JSON Lines file, and docs/BENCHMARKS.md plus
+PNG plots are written from the manifest (bench/report.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import shlex
+import socket
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tqdm import tqdm
+
+from bench import launch, report, serving, sweeps, writeup
+from bench.metrics import samples_ms
+from bench.records import append_record, git_commit, machine_info, make_record
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO / "bench" / "results"
+
+
+@dataclass
+class SweepOptions:
+    repeats: int = 3
+    model: str | None = None
+    engine_flags: tuple[str, ...] = ()  # added to every rivulet engine (e.g. --num-threads 1)
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="rivulet-sweep-")))
+    records: Path | None = None  # JSON Lines file for per-run records
+    progress: bool = False
+
+
+@dataclass
+class VariantResult:
+    label: str
+    engine_flags: list[str]
+    workload: list[str]
+    concurrency: int
+    status: str = "ok"
+    runs: list[dict[str, Any]] = field(default_factory=list)  # Summary dicts, one per repeat
+    samples: dict[str, list[float]] = field(default_factory=lambda: {"ttft_ms": [], "itl_ms": []})
+
+
+@dataclass
+class SweepResult:
+    name: str
+    title: str
+    expect: str
+    kind: str
+    variants: list[VariantResult]
+    pids: dict[int, int] = field(default_factory=dict)  # every process the sweep's engines ran
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(stack: contextlib.ExitStack, spec: sweeps.EngineSpec, opts: SweepOptions, n: int) -> launch.Server:
+    workdir = opts.workdir / f"engine{n}"
+    if spec.is_peer:
+        port = free_port()
+        cmd = [part.format(port=port) for part in spec.command]
+        return stack.enter_context(launch.openai_server(spec.label, cmd, f"http://127.0.0.1:{port}", workdir))
+    flags = [*spec.flags, *opts.engine_flags]
+    return stack.enter_context(launch.rivulet_server(spec.label, flags, workdir, opts.model))
+
+
+def _serving_args(v: sweeps.Variant, server: launch.Server, opts: SweepOptions) -> argparse.Namespace:
+    target = (
+        ["--backend", "openai", "--base-url", server.address]
+        if v.engine.is_peer
+        else ["--endpoint", server.address]
+    )
+    model = ["--model", opts.model] if opts.model else []
+    return serving.build_parser().parse_args(
+        [*v.workload, *target, *model, "--label", v.label, "--no-progress"]
+    )
+
+
+def _one_run(
+    v: sweeps.Variant, vr: VariantResult, server: launch.Server, opts: SweepOptions, sweep: str
+) -> None:
+    args = _serving_args(v, server, opts)
+    summary, results = asyncio.run(serving.benchmark(args))
+    metrics = asdict(summary)
+    vr.runs.append(metrics)
+    for key, values in samples_ms(results).items():
+        vr.samples[key].extend(values)
+    if opts.records is not None:
+        config = {"sweep": sweep, "variant": v.label, "engine_flags": vr.engine_flags, "repeat": len(vr.runs)}
+        append_record(opts.records, make_record("sweep-run", {**config, **serving.run_config(args)}, summary))
+    tqdm.write(f"  [{sweep}] {v.label} run {len(vr.runs)}: " + report.one_line(metrics))
+
+
+def run_sweep(sweep: sweeps.Sweep, opts: SweepOptions) -> SweepResult:
+    """Start the sweep's engines, run every variant ``opts.repeats`` times interleaved, stop them."""
+    result = SweepResult(sweep.name, sweep.title, sweep.expect, sweep.kind, [])
+    by_label = {}
+    for v in sweep.variants:
+        flags = [*v.engine.flags] if not v.engine.is_peer else [shlex.join(v.engine.command)]
+        by_label[v.label] = VariantResult(v.label, flags, list(v.workload), v.concurrency)
+        result.variants.append(by_label[v.label])
+    engines = list(dict.fromkeys(v.engine for v in sweep.variants))
+    servers: dict[sweeps.EngineSpec, launch.Server] = {}
+    with contextlib.ExitStack() as stack:
+        for n, spec in enumerate(engines):
+            try:
+                servers[spec] = _start(stack, spec, opts, n)
+            except launch.FlagNotAvailable as exc:
+                _mark(result, spec, sweep, f"n/a (flag not available: {exc})")
+            except (RuntimeError, TimeoutError) as exc:
+                _mark(result, spec, sweep, f"failed to start: {str(exc).splitlines()[0]}")
+        runnable = [v for v in sweep.variants if v.engine in servers]
+        bar = tqdm(total=len(runnable) * opts.repeats, desc=sweep.name, disable=not opts.progress, unit="run")
+        for _ in range(opts.repeats):
+            for v in runnable:
+                _one_run(v, by_label[v.label], servers[v.engine], opts, sweep.name)
+                bar.update(1)
+        bar.close()
+    for server in servers.values():
+        result.pids |= server.pids
+    return result
+
+
+def _mark(result: SweepResult, spec: sweeps.EngineSpec, sweep: sweeps.Sweep, status: str) -> None:
+    for v, vr in zip(sweep.variants, result.variants, strict=True):
+        if v.engine == spec:
+            vr.status = status
+    tqdm.write(f"  [{sweep.name}] {spec.label}: {status}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    names = [s.name for s in sweeps.default_sweeps([])]
+    p = argparse.ArgumentParser(description="rivulet sweeps: seeds' pairs, concurrency, offline vs HF")
+    add = p.add_argument
+    add("--sweeps", default="all", help=f"comma list of {', '.join([*names, 'offline'])}; or all")
+    add("--repeats", type=int, default=3, help="rounds per configuration, interleaved")
+    add("--quick", action="store_true", help="tiny workloads and 2 repeats: a smoke run")
+    add("--model", default=None, help="model dir or GGUF for every rivulet engine (default: embedded)")
+    add("--engine-flags", default="", help='launcher flags for every rivulet engine, e.g. "--num-threads 1"')
+    add("--peer", action="append", default=[], help="LABEL=COMMAND of an OpenAI server ({port} filled in)")
+    add("--out-dir", type=Path, default=REPO / "docs", help="where BENCHMARKS.md and the PNGs go")
+    add("--manifest", type=Path, default=RESULTS_DIR / "sweep-latest.json")
+    add("--records", type=Path, default=RESULTS_DIR / "sweep.jsonl", help="per-run JSON Lines records")
+    add("--report-from", type=Path, default=None, help="only rewrite the docs from this manifest")
+    add("--note", default="other processes may share the CPU; compare rows within one table, not across runs")
+    return p
+
+
+def parse_peer(spec: str) -> sweeps.EngineSpec:
+    label, sep, command = spec.partition("=")
+    assert sep and label and command, f"--peer wants LABEL=COMMAND, got {spec!r}"
+    return sweeps.EngineSpec(label, command=tuple(shlex.split(command)))
+
+
+def selected(args: argparse.Namespace) -> tuple[list[sweeps.Sweep], bool]:
+    """The sweeps to run and whether to run the offline comparison."""
+    chosen = sweeps.default_sweeps([parse_peer(p) for p in args.peer])
+    names = {s.name for s in chosen} | {"offline"}
+    wanted = names if args.sweeps == "all" else set(args.sweeps.split(","))
+    assert wanted <= names, f"unknown sweeps {sorted(wanted - names)}; known: {sorted(names)}"
+    chosen = [sweeps.quick(s) if args.quick else s for s in chosen if s.name in wanted]
+    return chosen, "offline" in wanted
+
+
+def run_offline_for(args: argparse.Namespace, repeats: int) -> dict[str, Any]:
+    from bench import offline
+
+    size = ["--num-prompts", "8", "--output-len", "8", "--hf-batch-sizes", "4,8"] if args.quick else []
+    model = ["--model", args.model] if args.model else []
+    argv = [*model, "--baseline", "hf", "--repeats", str(repeats), "--engine-flags", args.engine_flags, *size]
+    res = offline.run_offline(offline.build_parser().parse_args(argv))
+    print(offline.format_result(res), flush=True)
+    return {**asdict(res), "ratio": res.ratio}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.report_from is not None:
+        print(writeup.write_docs(json.loads(args.report_from.read_text()), args.out_dir))
+        return 0
+    repeats = 2 if args.quick and args.repeats == 3 else args.repeats
+    todo, with_offline = selected(args)
+    opts = SweepOptions(repeats, args.model, tuple(shlex.split(args.engine_flags)), records=args.records,
+                        progress=serving.show_progress(argparse.Namespace(no_progress=False)))  # fmt: skip
+    manifest: dict[str, Any] = {
+        "schema": 1, "git_commit": git_commit(), "machine": machine_info(), "repeats": repeats,
+        "command": shlex.join(["python", "-m", "bench.sweep", *(argv if argv is not None else sys.argv[1:])]),
+        "model": args.model or "SmolLM2-135M-Instruct (the embedded GGUF, converted)",
+        "engine_flags": list(opts.engine_flags), "quick": args.quick, "note": args.note, "sweeps": [],
+    }  # fmt: skip
+    manifest["time"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    if with_offline:
+        manifest["offline"] = run_offline_for(args, repeats)
+    for sweep in todo:
+        print(f"== {sweep.title}", flush=True)
+        result = run_sweep(sweep, opts)
+        manifest["sweeps"].append({k: v for k, v in asdict(result).items() if k != "pids"})
+        args.manifest.parent.mkdir(parents=True, exist_ok=True)
+        args.manifest.write_text(json.dumps(manifest, indent=1))  # after each sweep: a crash keeps the rest
+    args.manifest.parent.mkdir(parents=True, exist_ok=True)
+    args.manifest.write_text(json.dumps(manifest, indent=1))
+    print(f"manifest: {args.manifest}\nreport: {writeup.write_docs(manifest, args.out_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Benchmark workloads: what each request asks for and when it is sent. Seeded and reproducible.
+
+Three generators, all returning ``WorkItem``s:
+
+- ``seeds_workload``: the seeds' "Hello" prompts, ``--prompt-repeats "512,1,1,1"`` cycling
+  over requests (request i repeats the prompt ``repeats[i % len(repeats)]`` times),
+  ``--unique-prompts`` putting the request's number first so no two prompts share a prefix.
+- ``random_workload``: prompts of random words with exact token lengths drawn uniformly from
+  ``[input_len * range_ratio, input_len]`` (outputs likewise).
+- ``shared_prefix_workload``: G groups x Q questions; the questions of a group share one
+  P-token system prompt; the requests are shuffled.
+
+Exact lengths: prompts are built from a pool of single-token words (" apple"), which a
+byte-level BPE tokenizer encodes back to exactly the same ids, so ``input_ids`` (sent on
+ZMQ) and ``text`` (sent over HTTP) are the same prompt.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+WORD = re.compile(r"^ [a-z]{3,12}$")
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One request: ``text`` always (HTTP sends it), ``input_ids`` when the tokens are exact."""
+
+    text: str
+    input_ids: list[int] | None
+    max_new_tokens: int
+    ignore_eos: bool
+
+
+class WordPool:
+    """Single-token words of a tokenizer that encode back to themselves, for exact-length prompts."""
+
+    def __init__(self, tokenizer_json: Path) -> None:
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_json))
+        ids = sorted(self.tokenizer.get_vocab().values())
+        texts = self.tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        candidates = [(i, t) for i, t in zip(ids, texts, strict=True) if WORD.match(t)]
+        encoded = self.tokenizer.encode_batch([t for _, t in candidates], add_special_tokens=False)
+        self.words = [(i, t) for (i, t), e in zip(candidates, encoded, strict=True) if e.ids == [i]]
+        assert len(self.words) >= 100, f"only {len(self.words)} single-token words in {tokenizer_json}"
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def sample(self, rng: random.Random, num_tokens: int) -> tuple[str, list[int]]:
+        """A prompt of exactly ``num_tokens`` tokens: (text, ids)."""
+        picked = [self.words[rng.randrange(len(self.words))] for _ in range(num_tokens)]
+        text = "".join(t for _, t in picked)
+        ids = [i for i, _ in picked]
+        assert self.encode(text) == ids, "single-token words must encode back to the same ids"
+        return text, ids
+
+
+def parse_repeats(spec: str) -> list[int]:
+    """ "512,1,1,1" -> [512, 1, 1, 1]."""
+    repeats = [int(x) for x in spec.split(",") if x.strip()]
+    assert repeats and all(r >= 1 for r in repeats), f"--prompt-repeats wants positive ints, got {spec!r}"
+    return repeats
+
+
+def seeds_workload(
+    prompt: str, repeats: list[int], num_requests: int, unique: bool, max_new_tokens: int, ignore_eos: bool
+) -> list[WorkItem]:
+    """The seeds' benchmark_streaming prompts (text only: the engine tokenizes them)."""
+    items = []
+    for i in range(num_requests):
+        text = " ".join([prompt] * repeats[i % len(repeats)])
+        if unique:
+            text = f"{i}: {text}"
+        items.append(WorkItem(text, None, max_new_tokens, ignore_eos))
+    return items
+
+
+def _length(rng: random.Random, full: int, range_ratio: float) -> int:
+    assert full >= 1 and 0.0 <= range_ratio <= 1.0, f"bad length {full} / range ratio {range_ratio}"
+    return rng.randint(max(1, int(full * range_ratio)), full)
+
+
+def random_workload(
+    pool: WordPool, num_requests: int, input_len: int, output_len: int, range_ratio: float, seed: int
+) -> list[WorkItem]:
+    """Random-word prompts; every length uniform in [len * range_ratio, len]; EOS ignored."""
+    rng = random.Random(seed)
+    items = []
+    for _ in range(num_requests):
+        text, ids = pool.sample(rng, _length(rng, input_len, range_ratio))
+        items.append(WorkItem(text, ids, _length(rng, output_len, range_ratio), True))
+    return items
+
+
+def shared_prefix_workload(
+    pool: WordPool,
+    groups: int,
+    questions: int,
+    system_len: int,
+    question_len: int,
+    output_len: int,
+    seed: int,
+) -> list[WorkItem]:
+    """``groups * questions`` requests; a group's requests share a ``system_len``-token prefix."""
+    rng = random.Random(seed)
+    items = []
+    for _ in range(groups):
+        sys_text, sys_ids = pool.sample(rng, system_len)
+        for _ in range(questions):
+            q_text, q_ids = pool.sample(rng, question_len)
+            items.append(WorkItem(sys_text + q_text, sys_ids + q_ids, output_len, True))
+    rng.shuffle(items)
+    return items
+
+
+def arrival_offsets_s(
+    num_requests: int, submit_interval_ms: float, request_rate: float, seed: int
+) -> list[float]:
+    """When each request is sent, relative to the first: all at once, evenly spaced, or Poisson.
+
+    ``request_rate`` (requests/s, inf = no limit) draws exponential gaps; it and a
+    positive ``submit_interval_ms`` exclude each other.
+    """
+    assert not (submit_interval_ms > 0 and request_rate != float("inf")), (
+        "--submit-interval-ms and --request-rate exclude each other"
+    )
+    assert request_rate > 0, f"--request-rate must be positive, got {request_rate}"
+    if request_rate != float("inf"):
+        rng = random.Random(seed)
+        offsets, t = [], 0.0
+        for _ in range(num_requests):
+            offsets.append(t)
+            t += rng.expovariate(request_rate)
+        return offsets
+    return [i * submit_interval_ms / 1e3 for i in range(num_requests)]

@@ -1,0 +1,96 @@
+"""Write docs/BENCHMARKS.md and its PNGs from a sweep manifest (see sweep.py for its shape)."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+from bench import plots, report
+
+LLAMA_CPP_RECIPE = """\
+llama.cpp serves the same GGUF over the OpenAI API, so it is measured by the same code
+(`bench/serving.py --backend openai`). Its Python package compiles llama.cpp from source
+(slow on 2 cores) and is deliberately not a dependency of rivulet:
+
+```bash
+python -m venv /tmp/llamacpp
+CMAKE_ARGS="-DGGML_NATIVE=ON" /tmp/llamacpp/bin/pip install "llama-cpp-python[server]"
+GGUF=$(python -c "from gpu_worker.model_files import embedded_gguf_path as p; print(p())")
+python -m bench.sweep --sweeps concurrency \\
+  --peer "llama.cpp=/tmp/llamacpp/bin/python -m llama_cpp.server --model $GGUF --port {port} --n_ctx 8192"
+```
+
+`{port}` is filled with a free port; the sweep waits for `GET /v1/models` and stops the server by pid.
+llama.cpp's own C++ `llama-server -m $GGUF --port {port} -np 32 -c 8192` (continuous batching
+over parallel slots) works the same way if it is installed."""
+
+
+def _machine_lines(m: dict[str, Any]) -> list[str]:
+    mach = m["machine"]
+    gpu = f", GPU {mach['gpu']}" if mach.get("gpu") else ", no GPU"
+    return [
+        f"- Date: {m['time']}; commit `{m['git_commit']}`",
+        f"- Machine: {mach['cpu']}, {mach['cores']} cores, {mach['mem_gib']} GiB RAM{gpu}; "
+        f"Python {mach['python']}, torch {mach['torch']}",
+        f"- Model: {m['model']}; rivulet engines: `launcher.py {shlex.join(m['engine_flags'])}` plus each "
+        "configuration's flags",
+        f"- Repeats: {m['repeats']} per configuration, interleaved (A B A B ...); a cell is the median "
+        "over repeats with (min-max)",
+        f"- Note: {m['note']}",
+    ]
+
+
+def _pair_section(sweep: dict[str, Any], out_dir: Path) -> list[str]:
+    lines = [f"### {sweep['title']}", "", f"Seeds: {sweep['expect']}.", ""]
+    workload = sweep["variants"][0]["workload"]
+    lines += [f"Workload: `python -m bench.serving {shlex.join(workload)}`", ""]
+    for v in sweep["variants"]:
+        lines.append(f"- {v['label']}: `launcher.py {shlex.join(v['engine_flags'])}`".rstrip())
+    lines += ["", report.pair_table(sweep), ""]
+    lines += [f"- {d}" for d in report.deltas(sweep)]
+    png = f"bench_{sweep['name']}.png"
+    if plots.plot_cdfs(sweep, out_dir / png):
+        lines += ["", f"![{sweep['title']}: TTFT and ITL CDFs]({png})"]
+    return [*lines, ""]
+
+
+def _concurrency_section(sweep: dict[str, Any], out_dir: Path) -> list[str]:
+    v0 = sweep["variants"][0]
+    lines = [
+        f"## {sweep['title'][0].upper()}{sweep['title'][1:]}", "",
+        "Closed loop: at most N requests in flight, each ended request replaced by the next "
+        "(twice N requests per run; 6 and 12 at N = 1 and 4).", "",
+        f"Workload at N = {v0['concurrency']}: `python -m bench.serving {shlex.join(v0['workload'])}`", "",
+        f"Anchors: {sweep['expect']}.", "",
+        report.concurrency_table(sweep), "",
+    ]  # fmt: skip
+    if plots.plot_concurrency(sweep, out_dir / "bench_concurrency.png"):
+        lines += ["![throughput and TTFT p99 vs concurrency](bench_concurrency.png)", ""]
+    return lines
+
+
+def write_docs(manifest: dict[str, Any], out_dir: Path) -> Path:
+    """Write BENCHMARKS.md (and PNGs next to it) into ``out_dir``; returns the markdown's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = [
+        "# Benchmarks", "",
+        "Written by `bench/sweep.py` from one run; regenerate rather than edit. "
+        f"Command: `{manifest['command']}`", "",
+        *_machine_lines(manifest), "",
+    ]  # fmt: skip
+    if manifest.get("offline"):
+        lines += ["## Offline throughput: rivulet vs HF transformers generate", ""]
+        lines += [report.offline_table(manifest["offline"]), ""]
+    pairs = [s for s in manifest["sweeps"] if s["kind"] == "pair"]
+    if pairs:
+        lines += ["## The seeds' pairs", ""]
+        for sweep in pairs:
+            lines += _pair_section(sweep, out_dir)
+    for sweep in manifest["sweeps"]:
+        if sweep["kind"] == "concurrency":
+            lines += _concurrency_section(sweep, out_dir)
+    lines += ["## Peers: llama.cpp", "", manifest.get("peer_note") or LLAMA_CPP_RECIPE, ""]
+    path = out_dir / "BENCHMARKS.md"
+    path.write_text("\n".join(lines))
+    return path
