@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_MESSAGE = "engine is shutting down"
+SHUTTING_DOWN = "shutting_down"  # RequestRejected.code of a request refused while draining
 
 
 class Frontend:
@@ -44,6 +45,7 @@ class Frontend:
         self._rng = random.Random(seed)
         self._client_codec: Codec[ClientRequest] = Codec(ClientRequest)
         self.engine_stats: EngineStats | None = None  # None until the scheduler is up
+        self.draining = False  # set at shutdown: running requests finish, new ones are refused
 
     def on_client_frames(self, frames: list[bytes]) -> Outbox:
         """A ROUTER message: [client identity, msgpack payload]."""
@@ -82,16 +84,29 @@ class Frontend:
     def shutdown(self) -> Outbox:
         return self.requests.fail_all(SHUTDOWN_MESSAGE)
 
-    def _on_generate(self, client_id: bytes, req: GenerateRequest) -> Outbox:
+    def client_gone(self, client_id: bytes) -> Outbox:
+        """A client that can no longer be reached: abort its requests so their KV is freed."""
+        return self.requests.abort_client(client_id)
+
+    def admit(self, client_id: bytes, req: GenerateRequest) -> Outbox:
+        """Validate and start ``req``; raise RequestRejected (the HTTP API maps it to a status)."""
+        if self.draining:
+            raise RequestRejected(None, SHUTDOWN_MESSAGE, SHUTTING_DOWN)
+        self.requests.check_new_rid(client_id, req.rid)
         try:
-            self.requests.check_new_rid(client_id, req.rid)
             valid = validate_generate(req, self.tokenizer, self.info, self._rng)
-        except RequestRejected as exc:
-            return Outbox(replies=[(client_id, error_output(req.rid, str(exc)))])
+        except RequestRejected:
+            raise
         except Exception as exc:  # a tokenizer bug on one odd input must not take the engine down
             logger.exception("request %r failed in tokenization", req.rid)
-            return Outbox(replies=[(client_id, error_output(req.rid, f"tokenization failed: {exc!r}"))])
+            raise RequestRejected(None, f"tokenization failed: {exc!r}") from exc
         return Outbox(to_scheduler=[self.requests.add(client_id, valid)])
+
+    def _on_generate(self, client_id: bytes, req: GenerateRequest) -> Outbox:
+        try:
+            return self.admit(client_id, req)
+        except RequestRejected as exc:
+            return Outbox(replies=[(client_id, error_output(req.rid, str(exc)))])
 
 
 def _rid_of(payload: bytes) -> str:

@@ -1,4 +1,8 @@
-"""The tokenizer process: the engine's front door, a thin asyncio loop around ``Frontend``."""
+"""The tokenizer process: the engine's front door, a thin asyncio loop around ``Frontend``.
+
+It serves ZMQ clients on a ROUTER socket and, with ``http_port`` set, the
+OpenAI HTTP API from the same event loop (``tokenizer_proc.http``).
+"""
 
 from __future__ import annotations
 
@@ -14,10 +18,13 @@ import zmq
 import zmq.asyncio
 from zmq.asyncio import Socket as AsyncSocket
 
-from protocol.messages import Ready, ToTokenizer
+from protocol.messages import GenerateOutput, Ready, ToTokenizer
 from protocol.transport import Codec, Endpoints, make_socket
 from tokenizer_proc.config import TokenizerConfig
 from tokenizer_proc.frontend import Frontend
+from tokenizer_proc.http.app import HttpSettings
+from tokenizer_proc.http.bridge import HttpBridge, is_http_client
+from tokenizer_proc.http.server import HttpServer
 from tokenizer_proc.model_info import load_tokenizer, read_model_info
 from tokenizer_proc.request_state import Outbox
 
@@ -25,15 +32,23 @@ logger = logging.getLogger(__name__)
 
 # How long the final error replies may take to leave at shutdown.
 SHUTDOWN_LINGER_MS = 500
+# A ZMQ client with requests in flight is probed this often; an undeliverable probe means it
+# has gone (ROUTER_MANDATORY), and its requests are aborted. Streams learn it on the next token.
+PROBE_INTERVAL_S = 1.0
+PROBE = GenerateOutput(rid="")
+# ZMTP heartbeats close connections to peers that vanished without closing (a dead host).
+HEARTBEAT_IVL_MS = 2000
+HEARTBEAT_TIMEOUT_MS = 6000
 
 
 def run_tokenizer(config: TokenizerConfig, endpoints: Endpoints) -> None:
-    """Serve clients on ``endpoints.client`` until SIGTERM.
+    """Serve clients on ``endpoints.client`` (and HTTP if configured) until SIGTERM.
 
-    Loads the tokenizer, binds the client ROUTER and the ``to_tokenizer`` PULL,
-    sends ``Ready`` to the launcher, then relays: client requests become
-    TokenizedRequest/AbortReq for the scheduler, TokenBatch rows become text
-    replies. On SIGTERM every in-flight request gets an error reply first.
+    Loads the tokenizer, binds the client ROUTER, the ``to_tokenizer`` PULL and the
+    HTTP port, sends ``Ready`` to the launcher, then relays: client requests become
+    TokenizedRequest/AbortReq for the scheduler, TokenBatch rows become replies.
+    SIGTERM drains (up to ``config.shutdown_timeout_s``), SIGUSR1 or a second SIGTERM
+    stops at once; either way every request still in flight gets an error reply.
     """
     tokenizer = load_tokenizer(config.model_path)
     info = read_model_info(config.model_path, tokenizer)
@@ -41,18 +56,33 @@ def run_tokenizer(config: TokenizerConfig, endpoints: Endpoints) -> None:
         "tokenizer ready: context %d, vocab %d, eos %s", info.context_len, info.vocab_size, info.eos_token_ids
     )
     frontend = Frontend(tokenizer, info, config.seed)
-    uvloop.run(TokenizerServer(frontend, endpoints).serve())
+    uvloop.run(TokenizerServer(frontend, endpoints, config).serve())
+
+
+def client_socket(ctx: zmq.asyncio.Context, endpoint: str) -> AsyncSocket:
+    """The client ROUTER: options must be set before bind to reach accepted connections."""
+    sock = ctx.socket(zmq.ROUTER)
+    for option, value in (
+        (zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0),
+        (zmq.ROUTER_MANDATORY, 1),  # a reply to a vanished client raises EHOSTUNREACH
+        (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS), (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
+    ):  # fmt: skip
+        sock.setsockopt(option, value)
+    sock.bind(endpoint)
+    return sock
 
 
 class TokenizerServer:
-    """Owns the sockets; every decision is made by the ``Frontend``."""
+    """Owns the sockets and the HTTP server; every decision is made by the ``Frontend``."""
 
-    def __init__(self, frontend: Frontend, endpoints: Endpoints) -> None:
+    def __init__(
+        self, frontend: Frontend, endpoints: Endpoints, config: TokenizerConfig | None = None
+    ) -> None:
         self._frontend = frontend
-        self._endpoints = endpoints
+        self._config = config or TokenizerConfig()
         self._ctx = zmq.asyncio.Context()
+        self._client = client_socket(self._ctx, endpoints.client)
         # make_socket is typed for sync sockets; an asyncio context makes asyncio sockets.
-        self._client = cast(AsyncSocket, make_socket(self._ctx, zmq.ROUTER, endpoints.client, bind=True))
         self._from_scheduler = cast(
             AsyncSocket, make_socket(self._ctx, zmq.PULL, endpoints.to_tokenizer, bind=True)
         )
@@ -63,27 +93,67 @@ class TokenizerServer:
             AsyncSocket, make_socket(self._ctx, zmq.PUSH, endpoints.to_launcher, bind=False)
         )
         self._scheduler_codec: Codec[ToTokenizer] = Codec(ToTokenizer)
+        self._bridge = HttpBridge(frontend, self._send)
+        self._http: HttpServer | None = None
+        if self._config.http_port is not None:
+            settings = HttpSettings(self._config.served_model_name, self._config.api_key)
+            self._http = HttpServer(self._bridge, settings, self._config.http_host, self._config.http_port)
+        self._stop = asyncio.Event()  # SIGTERM: drain, then stop
+        self._stop_now = asyncio.Event()  # SIGUSR1 or a second SIGTERM: stop without draining
 
     async def serve(self) -> None:
-        """Run both receive loops until SIGTERM (or until one of them fails)."""
-        stop = asyncio.Event()
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        """Run the receive loops until a signal (or until one of them fails), then shut down."""
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
+        loop.add_signal_handler(signal.SIGUSR1, self._on_sigusr1)
         loops: list[asyncio.Task[object]] = [
             asyncio.create_task(self._client_loop()),
             asyncio.create_task(self._scheduler_loop()),
+            asyncio.create_task(self._probe_loop()),
         ]
-        stopper: asyncio.Task[object] = asyncio.create_task(stop.wait())
-        await self._to_launcher.send(self._scheduler_codec.encode(Ready(proc="tokenizer", pid=os.getpid())))
+        stopper: asyncio.Task[object] = asyncio.create_task(self._stop.wait())
         try:
+            if self._http is not None:
+                await self._http.start()
+            await self._to_launcher.send(
+                self._scheduler_codec.encode(Ready(proc="tokenizer", pid=os.getpid()))
+            )
             await asyncio.wait([stopper, *loops], return_when=asyncio.FIRST_COMPLETED)
             for task in loops:
                 if task.done():
                     task.result()  # a crashed loop raises here, after the finally's replies
+            await self._drain(loops)
         finally:
             for task in [stopper, *loops]:
                 task.cancel()
             await asyncio.gather(stopper, *loops, return_exceptions=True)
             await self._shutdown()
+
+    def _on_sigterm(self) -> None:
+        if self._stop.is_set():
+            self._stop_now.set()
+        self._stop.set()
+
+    def _on_sigusr1(self) -> None:
+        self._stop_now.set()
+        self._stop.set()
+
+    async def _drain(self, loops: list[asyncio.Task[object]]) -> None:
+        """Refuse new requests; give running ones up to shutdown_timeout_s to finish."""
+        self._frontend.draining = True
+        timeout_s = self._config.shutdown_timeout_s
+        if timeout_s <= 0 or self._stop_now.is_set() or not len(self._frontend.requests):
+            return
+        logger.info("draining %d requests for up to %.1f s", len(self._frontend.requests), timeout_s)
+
+        async def drained() -> None:
+            while len(self._frontend.requests):
+                await asyncio.sleep(0.05)
+
+        waiters = [asyncio.create_task(drained()), asyncio.create_task(self._stop_now.wait())]
+        await asyncio.wait([*waiters, *loops], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        for task in waiters:
+            task.cancel()
 
     async def _client_loop(self) -> None:
         while True:
@@ -100,17 +170,46 @@ class TokenizerServer:
                 continue
             await self._send(self._frontend.on_scheduler_msg(msg))
 
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            zmq_clients = [c for c in self._frontend.requests.client_ids() if not is_http_client(c)]
+            await self._send(Outbox(replies=[(client_id, PROBE) for client_id in zmq_clients]))
+
     async def _send(self, out: Outbox) -> None:
         for msg in out.to_scheduler:
             await self._to_scheduler.send(self._scheduler_codec.encode(msg))
+        gone: set[bytes] = set()
         for client_id, reply in out.replies:
+            if is_http_client(client_id):
+                self._bridge.deliver(client_id, reply)
+            elif client_id not in gone and not await self._reply(client_id, reply):
+                gone.add(client_id)
+        for client_id in gone:
+            aborted = self._frontend.client_gone(client_id)
+            if aborted.to_scheduler:
+                logger.info(
+                    "client %r went away; aborting its %d requests", client_id, len(aborted.to_scheduler)
+                )
+            await self._send(Outbox(to_scheduler=aborted.to_scheduler))  # its replies could not be delivered
+
+    async def _reply(self, client_id: bytes, reply: GenerateOutput) -> bool:
+        """Send one reply; False when the client is gone (EHOSTUNREACH under ROUTER_MANDATORY)."""
+        try:
             await self._client.send_multipart([client_id, self._scheduler_codec.encode(reply)])
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            return False
+        return True
 
     async def _shutdown(self) -> None:
         out = self._frontend.shutdown()
         logger.info("shutting down; failing %d in-flight requests", len(out.replies))
         try:
             await self._send(out)
+            if self._http is not None:
+                await self._http.stop()  # lets the HTTP handlers write the errors just delivered
         finally:
             # The error replies must get out; everything else may be dropped.
             self._client.close(linger=SHUTDOWN_LINGER_MS)

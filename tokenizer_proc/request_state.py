@@ -6,6 +6,8 @@ whole request life cycle is unit-testable.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocol.messages import (
@@ -19,6 +21,7 @@ from protocol.messages import (
     Usage,
 )
 from tokenizer_proc.detokenizer import IncrementalDetokenizer, TokenDecoder
+from tokenizer_proc.metrics import ServingMetrics
 from tokenizer_proc.stop import StopMatcher
 from tokenizer_proc.validation import RequestRejected, ValidRequest
 
@@ -54,6 +57,8 @@ class RequestState:
     detokenizer: IncrementalDetokenizer
     stop: StopMatcher
     incremental: bool
+    arrival_s: float
+    last_token_s: float | None = None  # None until the first token
     logprobs: list[float] = field(default_factory=list)
     text: str = ""  # text emitted so far (kept for the non-streaming reply)
     cached_tokens: int = 0
@@ -109,8 +114,10 @@ class RequestState:
 class RequestTable:
     """All in-flight requests, keyed by the internal rid the scheduler knows them by."""
 
-    def __init__(self, tokenizer: TokenDecoder) -> None:
+    def __init__(self, tokenizer: TokenDecoder, clock: Callable[[], float] = time.monotonic) -> None:
         self._tokenizer = tokenizer
+        self._clock = clock
+        self.metrics = ServingMetrics()
         self._next_rid = 0
         self._states: dict[int, RequestState] = {}
         self._by_client: dict[tuple[bytes, str], int] = {}
@@ -120,7 +127,7 @@ class RequestTable:
 
     def check_new_rid(self, client_id: bytes, client_rid: str) -> None:
         if (client_id, client_rid) in self._by_client:
-            raise RequestRejected(f"rid {client_rid!r} is already in flight on this connection")
+            raise RequestRejected("rid", f"{client_rid!r} is already in flight on this connection")
 
     def add(self, client_id: bytes, valid: ValidRequest) -> TokenizedRequest:
         """Start tracking an accepted request; return what to send to the scheduler."""
@@ -137,8 +144,10 @@ class RequestTable:
             detokenizer=IncrementalDetokenizer(self._tokenizer),
             stop=StopMatcher(valid.stop),
             incremental=valid.stream or bool(valid.stop),
+            arrival_s=self._clock(),
         )
         self._by_client[(client_id, valid.client_rid)] = rid
+        self.metrics.prompt_tokens += len(valid.input_ids)
         return TokenizedRequest(
             rid=rid,
             input_ids=valid.input_ids,
@@ -153,9 +162,22 @@ class RequestTable:
         if rid is None:
             message = f"abort: no request {client_rid!r} in flight"
             return Outbox(replies=[(client_id, error_output(client_rid, message))])
-        state = self._drop(rid)
+        state = self._drop(rid, FinishReason.ABORT)
         reply = state.final_output("", [], FinishReason.ABORT)
         return Outbox(replies=[(client_id, reply)], to_scheduler=[AbortReq(rid=rid)])
+
+    def abort_client(self, client_id: bytes) -> Outbox:
+        """The client went away: abort all of its requests (the replies go nowhere, but are made)."""
+        out = Outbox()
+        for key in [key for key in self._by_client if key[0] == client_id]:
+            aborted = self.abort(*key)
+            out.replies += aborted.replies
+            out.to_scheduler += aborted.to_scheduler
+        return out
+
+    def client_ids(self) -> set[bytes]:
+        """Every client with a request in flight."""
+        return {client_id for client_id, _ in self._by_client}
 
     def on_token_batch(self, batch: TokenBatch) -> Outbox:
         """One engine step's rows; only the rows' own requests are touched."""
@@ -171,14 +193,14 @@ class RequestTable:
     def on_request_error(self, err: RequestError) -> Outbox:
         if err.rid not in self._states:
             return Outbox()
-        state = self._drop(err.rid)
+        state = self._drop(err.rid, FinishReason.ERROR)
         return Outbox(replies=[(state.client_id, error_output(state.client_rid, err.message))])
 
     def fail_all(self, message: str) -> Outbox:
         """Error replies for every in-flight request (shutdown)."""
         out = Outbox()
         for rid in list(self._states):
-            state = self._drop(rid)
+            state = self._drop(rid, FinishReason.ERROR)
             out.replies.append((state.client_id, error_output(state.client_rid, message)))
         return out
 
@@ -187,6 +209,8 @@ class RequestTable:
     ) -> None:
         new_ids = [token_id] if token_id >= 0 else []
         state.logprobs.extend([logprob] * len(new_ids))
+        if new_ids:
+            self._on_token_timing(state)
         if finished is None and not new_ids:
             return  # nothing new (the protocol sends -1 only with finished set)
         delta = state.advance(new_ids, final=finished is not None)
@@ -198,10 +222,22 @@ class RequestTable:
             if state.stream:
                 out.replies.append((state.client_id, state.stream_output(delta, new_ids)))
             return
-        self._drop(state.rid)
+        self._drop(state.rid, finished)
         out.replies.append((state.client_id, state.final_output(delta, new_ids, finished)))
 
-    def _drop(self, rid: int) -> RequestState:
+    def _on_token_timing(self, state: RequestState) -> None:
+        now = self._clock()
+        if state.last_token_s is None:
+            self.metrics.ttft_s.observe(now - state.arrival_s)
+        else:
+            self.metrics.itl_s.observe(now - state.last_token_s)
+        state.last_token_s = now
+        self.metrics.generation_tokens += 1
+
+    def _drop(self, rid: int, reason: FinishReason) -> RequestState:
         state = self._states.pop(rid)
         del self._by_client[(state.client_id, state.client_rid)]
+        self.metrics.on_finish(
+            reason, state.prompt_tokens, state.cached_tokens, self._clock() - state.arrival_s
+        )
         return state

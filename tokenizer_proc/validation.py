@@ -21,7 +21,21 @@ SEED_LIMIT = 2**63  # seeds travel as signed 64-bit ints
 
 
 class RequestRejected(ValueError):
-    """A request the engine will not run; the message says why."""
+    """A request the engine will not run; the message says why.
+
+    ``param`` names the offending field as the protocol spells it ("rid", "prompt",
+    "sampling.top_p", ...; None when no single field is to blame) so a front end
+    can translate it (the HTTP API says "top_p"); ``code`` tells the kind of fault.
+    """
+
+    def __init__(self, param: str | None, detail: str, code: str = "invalid_value") -> None:
+        super().__init__(f"{param} {detail}" if param else detail)
+        self.param = param
+        self.detail = detail
+        self.code = code
+
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 @dataclass(frozen=True)
@@ -46,14 +60,16 @@ def validate_generate(
 ) -> ValidRequest:
     """Validate ``req``, tokenize its prompt, clamp its output length; raise RequestRejected."""
     if not req.rid:
-        raise RequestRejected("rid must be a non-empty string")
+        raise RequestRejected("rid", "must be a non-empty string")
     params = req.sampling
     _check_sampling(params, info)
     input_ids = _prompt_ids(req, tokenizer, info)
     if len(input_ids) >= info.context_len:
         raise RequestRejected(
-            f"prompt is {len(input_ids)} tokens, the context length is {info.context_len}: "
-            "no room for any output token"
+            "prompt",
+            f"is {len(input_ids)} tokens, the context length is {info.context_len}: "
+            "no room for any output token",
+            CONTEXT_LENGTH_EXCEEDED,
         )
     stop_token_ids = [] if params.ignore_eos else list(info.eos_token_ids)
     stop_token_ids += [t for t in params.stop_token_ids if t not in stop_token_ids]
@@ -80,59 +96,61 @@ def validate_generate(
 
 def _check_sampling(params: SamplingParams, info: ModelInfo) -> None:
     if params.max_new_tokens < 1:
-        raise RequestRejected(f"sampling.max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        raise RequestRejected("sampling.max_new_tokens", f"must be >= 1, got {params.max_new_tokens}")
     if not math.isfinite(params.temperature) or params.temperature < 0:
-        raise RequestRejected(f"sampling.temperature must be a finite number >= 0, got {params.temperature}")
+        raise RequestRejected(
+            "sampling.temperature", f"must be a finite number >= 0, got {params.temperature}"
+        )
     if not 0 < params.top_p <= 1:
-        raise RequestRejected(f"sampling.top_p must be in (0, 1], got {params.top_p}")
+        raise RequestRejected("sampling.top_p", f"must be in (0, 1], got {params.top_p}")
     if not 0 <= params.min_p <= 1:
-        raise RequestRejected(f"sampling.min_p must be in [0, 1], got {params.min_p}")
+        raise RequestRejected("sampling.min_p", f"must be in [0, 1], got {params.min_p}")
     if params.top_k < -1:
-        raise RequestRejected(f"sampling.top_k must be >= 1, or -1 or 0 for no top-k; got {params.top_k}")
+        raise RequestRejected("sampling.top_k", f"must be >= 1, or -1 or 0 for no top-k; got {params.top_k}")
     if params.seed is not None and not 0 <= params.seed < SEED_LIMIT:
-        raise RequestRejected(f"sampling.seed must be in [0, 2**63), got {params.seed}")
+        raise RequestRejected("sampling.seed", f"must be in [0, 2**63), got {params.seed}")
     if any(not s for s in params.stop):
-        raise RequestRejected("sampling.stop must not contain an empty string")
+        raise RequestRejected("sampling.stop", "must not contain an empty string")
     bad = [t for t in params.stop_token_ids if not 0 <= t < info.vocab_size]
     if bad:
         raise RequestRejected(
-            f"sampling.stop_token_ids {bad[:8]} are outside the vocabulary [0, {info.vocab_size})"
+            "sampling.stop_token_ids", f"{bad[:8]} are outside the vocabulary [0, {info.vocab_size})"
         )
 
 
 def _prompt_ids(req: GenerateRequest, tokenizer: PreTrainedTokenizerBase, info: ModelInfo) -> list[int]:
     given = [name for name in ("prompt", "messages", "input_ids") if getattr(req, name) is not None]
     if len(given) != 1:
-        raise RequestRejected(f"give exactly one of prompt, messages, input_ids; got {given or 'none'}")
+        raise RequestRejected(None, f"give exactly one of prompt, messages, input_ids; got {given or 'none'}")
     if req.input_ids is not None:
         if not req.input_ids:
-            raise RequestRejected("input_ids must not be empty")
+            raise RequestRejected("input_ids", "must not be empty")
         bad = [t for t in req.input_ids if not 0 <= t < info.vocab_size]
         if bad:
-            raise RequestRejected(f"input_ids {bad[:8]} are outside the vocabulary [0, {info.vocab_size})")
+            raise RequestRejected("input_ids", f"{bad[:8]} are outside the vocabulary [0, {info.vocab_size})")
         return list(req.input_ids)
     if req.prompt is not None:
         if not req.prompt:
-            raise RequestRejected("prompt must not be empty")
+            raise RequestRejected("prompt", "must not be empty")
         ids = list(tokenizer.encode(req.prompt))
     else:
         ids = _chat_ids(req, tokenizer)
     if not ids:
-        raise RequestRejected("the prompt tokenizes to no tokens")
+        raise RequestRejected("prompt", "tokenizes to no tokens")
     return ids
 
 
 def _chat_ids(req: GenerateRequest, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     assert req.messages is not None, "_chat_ids needs messages"
     if not req.messages:
-        raise RequestRejected("messages must not be empty")
+        raise RequestRejected("messages", "must not be empty")
     conversation = [{"role": m.role, "content": m.content} for m in req.messages]
     try:
         ids: Any = tokenizer.apply_chat_template(
             conversation, add_generation_prompt=True, tokenize=True, return_dict=False
         )
     except Exception as exc:  # jinja templates raise arbitrary errors on bad conversations
-        raise RequestRejected(f"messages: the chat template failed: {exc}") from exc
+        raise RequestRejected("messages", f"could not be rendered by the chat template: {exc}") from exc
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some versions return a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]

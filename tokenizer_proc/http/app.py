@@ -1,0 +1,196 @@
+"""The Starlette app: OpenAI's completions, chat completions and models, plus /health and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from protocol.messages import FinishReason, GenerateRequest
+from tokenizer_proc.http.bridge import HttpBridge, RequestHandle
+from tokenizer_proc.http.convert import chat_request, completion_request, rejection_error
+from tokenizer_proc.http.errors import ApiError, engine_error, shutting_down, starting
+from tokenizer_proc.http.responses import DONE_EVENT, ResponseShape
+from tokenizer_proc.http.schemas import ChatCompletionRequest, CompletionRequest, decode_body
+from tokenizer_proc.metrics import render_prometheus
+from tokenizer_proc.validation import RequestRejected
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """What the HTTP layer is told by the launcher."""
+
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 2**20
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status, media_type="application/json")
+
+
+class EventStream(Response):
+    """An SSE response that aborts its engine request the moment the client disconnects."""
+
+    def __init__(self, handle: RequestHandle, shape: ResponseShape) -> None:
+        super().__init__(media_type="text/event-stream")
+        self.handle = handle
+        self.shape = shape
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        watcher = asyncio.create_task(self.handle.abort_on_disconnect(receive))
+        try:
+            while not self.handle.finished:
+                reply = await self.handle.next()
+                for event in self.shape.events(reply):
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+                if reply.finish_reason is FinishReason.ERROR:
+                    break  # the error event ends the stream; no [DONE]
+            else:
+                await send({"type": "http.response.body", "body": DONE_EVENT, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            watcher.cancel()
+            await self.handle.close()
+
+
+class OpenAiApi:
+    """The route handlers; every engine interaction goes through the bridge."""
+
+    def __init__(self, bridge: HttpBridge, settings: HttpSettings) -> None:
+        self.bridge = bridge
+        self.settings = settings
+        self._context_len = bridge.frontend.info.context_len
+
+    async def completions(self, request: Request) -> Response:
+        body = decode_body(await self._body(request), CompletionRequest)
+        self._check_model(body.model)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        return await self._generate(request, completion_request(body, rid), body, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = decode_body(await self._body(request), ChatCompletionRequest)
+        self._check_model(body.model)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        return await self._generate(request, chat_request(body, rid), body, chat=True)
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        card = {"id": self.settings.served_model_name, "object": "model", "created": 0,
+                "owned_by": "rivulet", "max_model_len": self._context_len}  # fmt: skip
+        return json_response({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        if not self.bridge.ready:
+            return (shutting_down() if self.bridge.frontend.draining else starting()).response()
+        return json_response({"status": "ok"})
+
+    async def metrics(self, request: Request) -> Response:
+        frontend = self.bridge.frontend
+        text = render_prometheus(frontend.requests.metrics, frontend.engine_stats, len(frontend.requests))
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def _generate(self, request: Request, req: GenerateRequest, body: Any, *, chat: bool) -> Response:
+        max_param = (
+            "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
+        )
+        try:
+            handle = await self.bridge.submit(req)
+        except RequestRejected as exc:
+            raise rejection_error(exc, chat=chat, max_param=max_param) from None
+        frontend = self.bridge.frontend
+        shape = ResponseShape(
+            id=req.rid,
+            model=body.model or self.settings.served_model_name,
+            created=int(time.time()),
+            chat=chat,
+            logprobs=req.logprobs,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            token_text=lambda ids: [str(frontend.tokenizer.decode([t])) for t in ids],
+        )
+        if req.stream:
+            return EventStream(handle, shape)
+        watcher = asyncio.create_task(handle.abort_on_disconnect(request.receive))
+        try:
+            reply = await handle.final()
+        finally:
+            watcher.cancel()
+            await handle.close()
+        if reply.finish_reason is FinishReason.ERROR:
+            raise engine_error(reply.error or "the engine failed the request")
+        return json_response(shape.whole(reply))
+
+    async def _body(self, request: Request) -> bytes:
+        """Authorize, check the engine is serving, and read the body within the size limit."""
+        self._authorize(request)
+        if not self.bridge.ready:
+            raise shutting_down() if self.bridge.frontend.draining else starting()
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise ApiError(
+                401, "missing or wrong API key (send 'Authorization: Bearer KEY')", code="invalid_api_key"
+            )
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.served_model_name:
+            message = (
+                f"the model {model!r} does not exist; this server serves {self.settings.served_model_name!r}"
+            )
+            raise ApiError(404, message, param="model", code="model_not_found")
+
+
+def build_app(bridge: HttpBridge, settings: HttpSettings) -> Starlette:
+    api = OpenAiApi(bridge, settings)
+    routes = [
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+    ]
+    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+        ApiError: _api_error,
+        HTTPException: _http_error,
+    }
+    return Starlette(routes=routes, exception_handlers=handlers)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError), f"routed {type(exc).__name__} to the ApiError handler"
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404/405 in OpenAI's shape."""
+    assert isinstance(exc, HTTPException), f"routed {type(exc).__name__} to the HTTPException handler"
+    return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}").response()

@@ -1,0 +1,104 @@
+"""Connects HTTP handlers to the Frontend: each HTTP request is a client of its own.
+
+An HTTP request gets a private client id (``HTTP_CLIENT_PREFIX`` + a counter),
+so the Frontend's request table, validation, detokenizer and stop strings serve
+HTTP exactly as they serve ZMQ clients. The process loop hands replies for
+those ids to ``deliver``, which puts them on the request's queue. ZMQ routing
+ids never collide: libzmq's are 5 bytes and user-chosen ones may not start with
+a zero byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from protocol.messages import GenerateOutput, GenerateRequest
+from tokenizer_proc.frontend import Frontend
+from tokenizer_proc.request_state import Outbox
+
+logger = logging.getLogger(__name__)
+
+HTTP_CLIENT_PREFIX = b"\x00http:"
+
+
+def is_http_client(client_id: bytes) -> bool:
+    return client_id.startswith(HTTP_CLIENT_PREFIX)
+
+
+class HttpBridge:
+    """Submits HTTP requests to the Frontend and routes their replies to per-request queues."""
+
+    def __init__(self, frontend: Frontend, send: Callable[[Outbox], Awaitable[None]]) -> None:
+        self.frontend = frontend
+        self._send = send
+        self._queues: dict[bytes, asyncio.Queue[GenerateOutput]] = {}
+        self._next_id = 0
+
+    @property
+    def ready(self) -> bool:
+        """The scheduler has reported in, and shutdown has not begun."""
+        return self.frontend.engine_stats is not None and not self.frontend.draining
+
+    async def submit(self, req: GenerateRequest) -> RequestHandle:
+        """Admit ``req`` (raises RequestRejected) and return the handle its replies arrive on."""
+        client_id = HTTP_CLIENT_PREFIX + str(self._next_id).encode()
+        self._next_id += 1
+        out = self.frontend.admit(client_id, req)
+        self._queues[client_id] = asyncio.Queue()
+        await self._send(out)
+        return RequestHandle(self, client_id)
+
+    def deliver(self, client_id: bytes, reply: GenerateOutput) -> None:
+        queue = self._queues.get(client_id)
+        if queue is not None:
+            queue.put_nowait(reply)
+        # else: the handler is gone already (the reply is the ABORT of its own disconnect)
+
+    async def abort(self, client_id: bytes) -> None:
+        """Abort the request (its handler then reads a final ABORT reply)."""
+        out = self.frontend.client_gone(client_id)
+        if out.to_scheduler:
+            logger.info("HTTP client %r went away; aborted its request", client_id[len(HTTP_CLIENT_PREFIX) :])
+        await self._send(out)
+
+    async def close(self, client_id: bytes) -> None:
+        """The handler is done: abort the request if it still runs, and stop routing to it."""
+        await self.abort(client_id)
+        self._queues.pop(client_id, None)
+
+
+class RequestHandle:
+    """One HTTP request's view of its engine request."""
+
+    def __init__(self, bridge: HttpBridge, client_id: bytes) -> None:
+        self._bridge = bridge
+        self.client_id = client_id
+        self.finished = False
+
+    async def next(self) -> GenerateOutput:
+        queue = self._bridge._queues[self.client_id]
+        reply = await queue.get()
+        self.finished = reply.finish_reason is not None
+        return reply
+
+    async def final(self) -> GenerateOutput:
+        while not self.finished:
+            reply = await self.next()
+        return reply
+
+    async def abort_on_disconnect(self, receive: Callable[[], Awaitable[Any]]) -> None:
+        """Read the ASGI receive channel until the client disconnects, then abort at once.
+
+        The abort does not wait for the next token: the scheduler hears of it before
+        its next step, and the request's KV is freed with it.
+        """
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self.finished:
+            await self._bridge.abort(self.client_id)
+
+    async def close(self) -> None:
+        await self._bridge.close(self.client_id)

@@ -1,0 +1,140 @@
+"""OpenAI request bodies -> the engine's GenerateRequest, and engine rejections -> OpenAI errors.
+
+The engine's own validation (``tokenizer_proc.validation``) checks ranges and
+tokenizes; this module only maps names, refuses what rivulet does not implement
+(n > 1, penalties, top-k logprobs, tools, echo) with a 400 naming the parameter,
+and fills OpenAI's defaults.
+"""
+
+from __future__ import annotations
+
+from protocol.messages import ChatMessage, GenerateRequest, SamplingParams
+from tokenizer_proc.frontend import SHUTTING_DOWN
+from tokenizer_proc.http.errors import ApiError, bad_param, shutting_down
+from tokenizer_proc.http.schemas import (
+    ChatCompletionRequest,
+    ChatMessageIn,
+    CompletionRequest,
+    SamplingFields,
+)
+from tokenizer_proc.validation import RequestRejected
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+UNTIL_CONTEXT = 2**31 - 1  # chat without a limit: the engine clamps this to the room left in the context
+MAX_STOP_STRINGS = 16
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def completion_request(body: CompletionRequest, rid: str) -> GenerateRequest:
+    if body.echo:
+        raise bad_param("echo", "echo is not supported")
+    if body.suffix is not None:
+        raise bad_param("suffix", "suffix is not supported")
+    if body.best_of not in (None, 1):
+        raise bad_param("best_of", "only best_of=1 is supported")
+    if body.logprobs is not None and body.logprobs != 0:
+        raise bad_param(
+            "logprobs", "only logprobs=0 (the chosen token's logprob) is supported, not top-N alternatives"
+        )
+    prompt, input_ids = _prompt(body.prompt)
+    max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
+    return GenerateRequest(
+        rid=rid,
+        prompt=prompt,
+        input_ids=input_ids,
+        sampling=_sampling(body, max_tokens),
+        stream=body.stream,
+        logprobs=body.logprobs is not None,
+    )
+
+
+def chat_request(body: ChatCompletionRequest, rid: str) -> GenerateRequest:
+    if body.top_logprobs:
+        raise bad_param(
+            "top_logprobs", "top_logprobs > 0 is not supported; logprobs=true gives the chosen token's"
+        )
+    if body.tools:
+        raise bad_param("tools", "tools are not supported")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise bad_param("tool_choice", "tool_choice is not supported")
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        raise bad_param("response_format", "only response_format {'type': 'text'} is supported")
+    limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return GenerateRequest(
+        rid=rid,
+        messages=[_chat_message(i, m) for i, m in enumerate(body.messages)],
+        sampling=_sampling(body, limit if limit is not None else UNTIL_CONTEXT),
+        stream=body.stream,
+        logprobs=body.logprobs,
+    )
+
+
+def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
+    if body.n != 1:
+        raise bad_param("n", "only n=1 is supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) != 0:
+            raise bad_param(name, f"{name} is not supported (only 0)")
+    if body.logit_bias:
+        raise bad_param("logit_bias", "logit_bias is not supported")
+    if body.stream_options is not None and not body.stream:
+        raise bad_param("stream_options", "stream_options is only allowed with stream=true")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_param("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    defaults = SamplingParams()
+    return SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=defaults.temperature if body.temperature is None else body.temperature,
+        top_k=defaults.top_k if body.top_k is None else body.top_k,
+        top_p=defaults.top_p if body.top_p is None else body.top_p,
+        min_p=defaults.min_p if body.min_p is None else body.min_p,
+        seed=body.seed,
+        stop=stop,
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+    )
+
+
+def _prompt(prompt: str | list[str | int | list[int]]) -> tuple[str | None, list[int] | None]:
+    """(text, token ids): exactly one is set. A batch of more than one prompt is refused (n=1)."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0], None  # a batch of one text
+    if len(prompt) == 1 and isinstance(prompt[0], list):
+        return None, prompt[0]  # a batch of one token list
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return None, [t for t in prompt if isinstance(t, int)]
+    if not prompt:
+        raise bad_param("prompt", "prompt must not be empty")
+    raise bad_param("prompt", "give one prompt per request: a string or a list of token ids")
+
+
+def _chat_message(i: int, m: ChatMessageIn) -> ChatMessage:
+    if m.role not in CHAT_ROLES:
+        raise bad_param(
+            f"messages[{i}].role", f"unknown role {m.role!r}; expected one of {sorted(CHAT_ROLES)}"
+        )
+    if isinstance(m.content, list):
+        if any(part.type != "text" or part.text is None for part in m.content):
+            raise bad_param(f"messages[{i}].content", "only text content parts are supported")
+        content = "".join(part.text or "" for part in m.content)
+    else:
+        content = m.content or ""
+    return ChatMessage(role="system" if m.role == "developer" else m.role, content=content)
+
+
+def rejection_error(exc: RequestRejected, *, chat: bool, max_param: str) -> ApiError:
+    """The engine's rejection with the field named as the OpenAI API spells it."""
+    if exc.code == SHUTTING_DOWN:
+        return shutting_down()
+    param = exc.param
+    if param is not None:
+        param = param.removeprefix("sampling.")
+        if param == "max_new_tokens":
+            param = max_param
+        elif param in ("prompt", "input_ids", "messages"):
+            param = "messages" if chat else "prompt"
+    message = f"{param} {exc.detail}" if param else exc.detail
+    return ApiError(400, message, param=param, code=exc.code)  # code: e.g. context_length_exceeded

@@ -1,0 +1,105 @@
+"""Request bodies of the OpenAI API as msgspec structs, and decoding that names the bad field.
+
+Unknown fields are an error (a misspelt option must not be silently ignored);
+OpenAI fields that rivulet does not implement are accepted only at their
+neutral values (``convert.py`` checks them). Integers are bounded to 64 bits so
+nothing downstream ever sees a number it cannot encode.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+
+from tokenizer_proc.http.errors import ApiError
+
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+T = TypeVar("T")
+
+
+class Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of every request body."""
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(Body, kw_only=True):
+    """Fields both endpoints share. ``top_k``, ``min_p``, ``stop_token_ids`` and ``ignore_eos``
+    are extensions (SGLang and vLLM accept them too)."""
+
+    model: str | None = None
+    max_tokens: Int64 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Int64] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Int64 = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    """``POST /v1/completions``: ``prompt`` is a string, or token ids, or a one-element batch of either."""
+
+    prompt: str | list[str | Int64 | list[Int64]]
+    logprobs: Int64 | None = None  # legacy API: N top alternatives; only 0 (the chosen token) is served
+    echo: bool = False
+    suffix: str | None = None
+    best_of: Int64 | None = None
+
+
+class ContentPart(Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessageIn]
+    max_completion_tokens: Int64 | None = None
+    logprobs: bool = False
+    top_logprobs: Int64 | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+_PATH = re.compile(r" - at `\$\.?(.*)`$")
+_NAMED = re.compile(r"(?:unknown|required) field `([^`]*)`")
+
+
+def decode_body(body: bytes, kind: type[T]) -> T:
+    """Decode a JSON request body; raise a 400 ApiError whose ``param`` names the bad field."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except UnicodeDecodeError:
+        raise ApiError(400, "the request body is not valid UTF-8", code="invalid_json") from None
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        path, named = _PATH.search(message), _NAMED.search(message)
+        parts = [path.group(1) if path else "", named.group(1) if named else ""]
+        param = ".".join(p for p in parts if p) or None  # "messages[0].bar" for a nested unknown field
+        raise ApiError(400, f"invalid request: {message}", param=param, code="invalid_type") from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
