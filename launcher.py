@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -44,6 +45,7 @@ logger = logging.getLogger("rivulet.launcher")
 READY_TIMEOUT_S = 600.0  # a first start converts the GGUF (~40 s on 2 cores)
 STOP_GRACE_S = 4.0  # SIGTERM -> SIGKILL; the whole shutdown stays under 5 s
 LOG_FORMAT = "[%(asctime)s %(processName)s] %(message)s"
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"  # the HTTP model id when --model is not given
 
 
 class ChildDied(RuntimeError):
@@ -84,7 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=w.seed)
     p.add_argument("--decode-log-interval", type=int, default=s.decode_log_interval)
     p.add_argument("--log-level", default="INFO")
+    _add_http_flags(p, TokenizerConfig())
     return p
+
+
+def _add_http_flags(p: argparse.ArgumentParser, t: TokenizerConfig) -> None:
+    """The OpenAI HTTP API and graceful shutdown (README: HTTP API)."""
+    p.add_argument("--http-port", type=int, default=t.http_port, help="HTTP API port (default: off)")
+    p.add_argument("--host", default=t.http_host, help="HTTP bind address (default: loopback only)")
+    p.add_argument("--api-key", default=t.api_key, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument("--served-model-name", default=None, help="model id on /v1 (default: model name)")
+    p.add_argument(
+        "--shutdown-timeout", type=float, default=t.shutdown_timeout_s, help="SIGTERM drains for up to S s"
+    )
 
 
 def _add_scheduling_flags(p: argparse.ArgumentParser, s: SchedulerConfig) -> None:
@@ -110,6 +124,21 @@ def check_endpoint(endpoint: str) -> str:
             return endpoint
         raise SystemExit(f"--endpoint {endpoint}: rivulet binds loopback only (127.0.0.1), not {host}")
     raise SystemExit(f"--endpoint {endpoint}: expected ipc://PATH or tcp://127.0.0.1:PORT")
+
+
+def tokenizer_config(args: argparse.Namespace, model_path: str) -> TokenizerConfig:
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.http_port is not None:
+        logger.warning("--host %s: the HTTP API is reachable from other machines", args.host)
+    name = args.served_model_name or Path(args.model or EMBEDDED_MODEL_NAME).name.removesuffix(".gguf")
+    return TokenizerConfig(
+        model_path=model_path,
+        seed=args.seed,
+        http_host=args.host,
+        http_port=args.http_port,
+        api_key=args.api_key,
+        served_model_name=name,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
 
 
 def worker_config(args: argparse.Namespace, model_path: str) -> WorkerConfig:
@@ -238,8 +267,14 @@ class Engine:
                 return
             self.raise_if_dead()
 
-    def stop(self) -> None:
-        """SIGTERM everyone (the tokenizer first: it tells waiting clients), SIGKILL stragglers."""
+    def stop(self, drain_s: float = 0.0) -> None:
+        """Stop the tokenizer first (it tells waiting clients), then the rest; SIGKILL stragglers.
+
+        ``drain_s`` > 0 (a graceful stop): the tokenizer gets SIGTERM and up to ``drain_s``
+        to let running requests finish while the others keep serving them; if another
+        child dies meanwhile, or on a stop after a failure, it gets SIGUSR1: fail all now.
+        """
+        self._stop_tokenizer(drain_s)
         order = [n for n in ("tokenizer", "scheduler", "gpu_worker") if n in self.children]
         for name in order:
             proc = self.children[name]
@@ -255,6 +290,18 @@ class Engine:
                 proc.join(1.0)
         self._ready_sock.close()
         self._zmq.term()
+
+    def _stop_tokenizer(self, drain_s: float) -> None:
+        tokenizer = self.children.get("tokenizer")
+        if tokenizer is None or tokenizer.exitcode is not None or tokenizer.pid is None:
+            return
+        os.kill(tokenizer.pid, signal.SIGTERM if drain_s > 0 else signal.SIGUSR1)
+        if drain_s <= 0:
+            return
+        others = [p.sentinel for n, p in self.children.items() if n != "tokenizer" and p.exitcode is None]
+        ready = multiprocessing.connection.wait([tokenizer.sentinel, *others], drain_s + STOP_GRACE_S)
+        if tokenizer.sentinel not in ready and tokenizer.exitcode is None:
+            os.kill(tokenizer.pid, signal.SIGUSR1)  # a sibling died or the drain overran: stop now
 
 
 # --------------------------------------------------------------------------
@@ -286,10 +333,11 @@ def serve(args: argparse.Namespace) -> int:
     model_path = str(resolve_model(args.model))
     run_dir = tempfile.mkdtemp(prefix="rivulet-")
     wakeup, _wakeup_writer = _signal_wakeup()
+    drain_s = 0.0  # only a stop by signal drains
     engine = Engine(Endpoints.in_dir(run_dir, client=endpoint), args.log_level)
     try:
         engine.start("gpu_worker", worker_config(args, model_path))
-        engine.start("tokenizer", TokenizerConfig(model_path=model_path, seed=args.seed))
+        engine.start("tokenizer", tokenizer_config(args, model_path))
         ready = engine.wait_ready({"gpu_worker", "tokenizer"}, READY_TIMEOUT_S)["gpu_worker"]
         assert isinstance(ready, WorkerReady), "the worker must report its KV pool"
         engine.start("scheduler", scheduler_config(args, ready))
@@ -299,15 +347,17 @@ def serve(args: argparse.Namespace) -> int:
             "model %s on %s/%s: %d KV pages of %d tokens, context %d",
             model_path, ready.device, ready.dtype, ready.num_pages, ready.page_size, ready.context_len,
         )  # fmt: skip
-        print(f"rivulet ready: endpoint={endpoint} pids: {pids}", flush=True)
+        http = f" http=http://{args.host}:{args.http_port}" if args.http_port is not None else ""
+        print(f"rivulet ready: endpoint={endpoint}{http} pids: {pids}", flush=True)
         engine.supervise(wakeup)
         logger.info("shutting down")
+        drain_s = args.shutdown_timeout
         return 0
     except (ChildDied, TimeoutError) as exc:
         logger.error("%s; stopping the engine", exc)
         return 1
     finally:
-        engine.stop()
+        engine.stop(drain_s)
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
