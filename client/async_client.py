@@ -13,9 +13,17 @@ import zmq
 import zmq.asyncio
 from zmq.asyncio import Socket as AsyncSocket
 
-from client.common import EngineError, GenerateOptions, check_reply, default_endpoint, make_request
+from client.common import (
+    LOST_CONNECTION,
+    EngineError,
+    GenerateOptions,
+    check_reply,
+    connect_dealer,
+    default_endpoint,
+    make_request,
+)
 from protocol.messages import AbortRequest, ClientReply, GenerateOutput, GenerateRequest
-from protocol.transport import Codec, make_socket
+from protocol.transport import Codec
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +41,13 @@ class AsyncClient:
         self.endpoint = endpoint or default_endpoint()
         self.timeout_s = timeout_s
         self._ctx = zmq.asyncio.Context()
-        # make_socket is typed for sync sockets; an asyncio context makes an asyncio socket.
-        self._sock = cast(AsyncSocket, make_socket(self._ctx, zmq.DEALER, self.endpoint, bind=False))
+        # connect_dealer is typed for sync sockets; an asyncio context makes asyncio sockets.
+        sock, monitor = connect_dealer(self._ctx, self.endpoint)
+        self._sock, self._monitor = cast(AsyncSocket, sock), cast(AsyncSocket, monitor)
         self._codec: Codec[ClientReply] = Codec(ClientReply)
         self._pending: dict[str, asyncio.Queue[GenerateOutput | EngineError]] = {}
         self._receiver: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
 
     @overload
     async def generate(
@@ -68,11 +78,14 @@ class AsyncClient:
             await self._sock.send(self._codec.encode(AbortRequest(rid=rid)))
 
     async def close(self) -> None:
-        if self._receiver is not None:
-            self._receiver.cancel()
-            await asyncio.gather(self._receiver, return_exceptions=True)
-            self._receiver = None
+        tasks = [t for t in (self._receiver, self._watcher) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._receiver = self._watcher = None
         self._pending.clear()
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()
 
@@ -89,6 +102,7 @@ class AsyncClient:
             raise ValueError(f"rid {req.rid!r} is already in flight on this client")
         if self._receiver is None:
             self._receiver = asyncio.create_task(self._receive_loop())
+            self._watcher = asyncio.create_task(self._watch_connection())
         self._pending[req.rid] = asyncio.Queue()
         await self._sock.send(self._codec.encode(req))
 
@@ -130,6 +144,13 @@ class AsyncClient:
                 self._fail_all(EngineError(reply.error))
             else:
                 logger.debug("dropping a reply for %r, which is no longer in flight", reply.rid)
+
+    async def _watch_connection(self) -> None:
+        """The engine connection dropped (the engine died or stopped): fail every waiting request."""
+        while True:
+            await self._monitor.recv_multipart()  # only EVENT_DISCONNECTED is subscribed
+            await asyncio.sleep(0.05)  # let the receiver route the engine's last replies first
+            self._fail_all(EngineError(LOST_CONNECTION))
 
     def _fail_all(self, error: EngineError) -> None:
         for queue in self._pending.values():

@@ -11,10 +11,19 @@ from typing import Literal, Unpack, overload
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from client.common import EngineError, GenerateOptions, check_reply, default_endpoint, make_request
-from protocol.messages import AbortRequest, ClientReply, GenerateOutput, GenerateRequest
-from protocol.transport import Codec, make_socket
+from client.common import (
+    LOST_CONNECTION,
+    EngineError,
+    GenerateOptions,
+    check_reply,
+    connect_dealer,
+    default_endpoint,
+    make_request,
+)
+from protocol.messages import AbortRequest, ClientReply, FinishReason, GenerateOutput, GenerateRequest
+from protocol.transport import Codec
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +42,10 @@ class Client:
         self.endpoint = endpoint or default_endpoint()
         self.timeout_s = timeout_s
         self._ctx = zmq.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER, self.endpoint, bind=False)
+        self._sock, self._monitor = connect_dealer(self._ctx, self.endpoint)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._codec: Codec[ClientReply] = Codec(ClientReply)
         self._pending: dict[str, deque[GenerateOutput]] = {}  # rid -> unread replies, while in flight
 
@@ -71,6 +83,8 @@ class Client:
 
     def close(self) -> None:
         self._pending.clear()
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()
 
@@ -104,9 +118,13 @@ class Client:
         deadline = time.monotonic() + self.timeout_s
         while not queue:
             remaining_ms = (deadline - time.monotonic()) * 1000
-            if remaining_ms <= 0 or not self._sock.poll(max(1, int(remaining_ms))):
+            ready = dict(self._poller.poll(max(1, int(remaining_ms)))) if remaining_ms > 0 else {}
+            if not ready:
                 raise TimeoutError(f"no reply for request {rid!r} within {self.timeout_s} s")
-            self._dispatch(self._sock.recv())
+            if self._sock in ready:
+                self._dispatch(self._sock.recv())
+            if self._monitor in ready:
+                self._on_disconnect()
         reply = queue.popleft()
         if reply.finish_reason is not None:
             del self._pending[rid]  # finished: nothing to abort any more
@@ -125,6 +143,15 @@ class Client:
                 queue.append(reply)
         else:
             logger.debug("dropping a reply for %r, which is no longer in flight", reply.rid)
+
+    def _on_disconnect(self) -> None:
+        """The engine connection dropped (the engine died or stopped): fail every waiting request."""
+        recv_monitor_message(self._monitor)
+        while self._sock.poll(0):  # the engine's last replies (e.g. "shutting down") come first
+            self._dispatch(self._sock.recv())
+        for rid, queue in self._pending.items():
+            if not any(reply.finish_reason is not None for reply in queue):
+                queue.append(GenerateOutput(rid=rid, finish_reason=FinishReason.ERROR, error=LOST_CONNECTION))
 
     def _forget(self, rid: str) -> None:
         """Stop tracking ``rid``; if it is still running (abandoned, timed out), abort it."""
