@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -144,11 +144,14 @@ class OpenAiApi:
         if declared.isdigit() and int(declared) > limit:
             raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
+                chunks.append(chunk)
+        except ClientDisconnect:  # nobody is left to read the answer
+            raise ApiError(400, "the client went away before sending the whole body") from None
         return b"".join(chunks)
 
     def _authorize(self, request: Request) -> None:

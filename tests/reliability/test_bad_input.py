@@ -1,0 +1,179 @@
+"""A table of malformed and hostile requests: each gets a clear error, and the engine keeps serving."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from client import Client
+from protocol.messages import ClientReply, FinishReason, GenerateOutput
+from protocol.transport import Codec, make_socket
+from tests.http.server import HttpEngine, wait_idle_and_free
+
+OK = {"prompt": "Hello", "max_tokens": 2}
+MSG = [{"role": "user", "content": "hi"}]
+
+# (name, path, body: a JSON-able value or raw bytes, expected status, the "param" the error must name)
+HTTP_CASES: list[tuple[str, str, Any, int, str | None]] = [
+    ("max_tokens as a string", "completions", {**OK, "max_tokens": "5"}, 400, "max_tokens"),
+    ("negative max_tokens", "completions", {**OK, "max_tokens": -1}, 400, "max_tokens"),
+    ("zero max_tokens", "completions", {**OK, "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens beyond 64 bits", "completions", {**OK, "max_tokens": 10**30}, 400, "max_tokens"),
+    ("NaN temperature", "completions", b'{"prompt": "x", "temperature": NaN}', 400, None),
+    ("infinite temperature", "completions", b'{"prompt": "x", "temperature": 1e999}', 400, "temperature"),
+    ("negative temperature", "completions", {**OK, "temperature": -0.5}, 400, "temperature"),
+    ("top_p zero", "completions", {**OK, "top_p": 0}, 400, "top_p"),
+    ("top_p above one", "completions", {**OK, "top_p": 2.5}, 400, "top_p"),
+    ("top_k below -1", "completions", {**OK, "top_k": -5}, 400, "top_k"),
+    ("min_p above one", "completions", {**OK, "min_p": 1.5}, 400, "min_p"),
+    ("negative seed", "completions", {**OK, "seed": -1}, 400, "seed"),
+    ("seed beyond 64 bits", "completions", {**OK, "seed": 2**64}, 400, "seed"),
+    ("empty prompt", "completions", {**OK, "prompt": ""}, 400, "prompt"),
+    ("empty prompt list", "completions", {**OK, "prompt": []}, 400, "prompt"),
+    ("prompt beyond the context", "completions", {**OK, "prompt": "word " * 3000}, 400, "prompt"),
+    ("token id outside the vocab", "completions", {**OK, "prompt": [5, 99_999_999]}, 400, "prompt"),
+    ("a batch of two prompts", "completions", {**OK, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("prompt is a number", "completions", {**OK, "prompt": 123}, 400, "prompt"),
+    ("invalid UTF-8", "completions", b'{"prompt": "\xff\xfe\xfd"}', 400, None),
+    ("unknown field", "completions", {**OK, "temprature": 0.5}, 400, "temprature"),
+    ("body is an array", "completions", [1, 2, 3], 400, None),
+    ("empty body", "completions", b"", 400, None),
+    ("truncated JSON", "completions", b'{"prompt": "abc', 400, None),
+    ("n above one", "completions", {**OK, "n": 3}, 400, "n"),
+    ("empty stop string", "completions", {**OK, "stop": [""]}, 400, "stop"),
+    ("too many stop strings", "completions", {**OK, "stop": [str(i) for i in range(40)]}, 400, "stop"),
+    ("negative stop token id", "completions", {**OK, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("top-5 logprobs", "completions", {**OK, "logprobs": 5}, 400, "logprobs"),
+    ("presence penalty", "completions", {**OK, "presence_penalty": 1.0}, 400, "presence_penalty"),
+    (
+        "stream_options without stream",
+        "completions",
+        {**OK, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),  # fmt: skip
+    ("unknown model", "completions", {**OK, "model": "gpt-9"}, 404, "model"),
+    ("body over 8 MiB", "completions", b'{"prompt": "' + b"a" * (9 * 2**20) + b'"}', 413, None),
+    ("no messages", "chat/completions", {"max_tokens": 2}, 400, "messages"),
+    ("empty messages", "chat/completions", {"messages": [], "max_tokens": 2}, 400, "messages"),
+    (
+        "unknown role",
+        "chat/completions",
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "messages[0].role",
+    ),  # fmt: skip
+    (
+        "image content part",
+        "chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "messages[0].content",
+    ),  # fmt: skip
+    (
+        "message content is a number",
+        "chat/completions",
+        {"messages": [{"role": "user", "content": 5}]},
+        400,
+        "messages[0].content",
+    ),  # fmt: skip
+    ("tools", "chat/completions", {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
+]
+
+
+def _post(engine: HttpEngine, path: str, body: Any) -> httpx.Response:
+    content = body if isinstance(body, bytes) else msgspec.json.encode(body)
+    headers = {"content-type": "application/json"}
+    return httpx.post(f"{engine.v1}/{path}", content=content, headers=headers, timeout=30)
+
+
+def _still_serving(engine: HttpEngine) -> None:
+    reply = _post(engine, "completions", {**OK, "model": "tiny"})
+    assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    ("name", "path", "body", "status", "param"), HTTP_CASES, ids=[c[0] for c in HTTP_CASES]
+)
+def test_bad_http_request(
+    engine: HttpEngine, name: str, path: str, body: Any, status: int, param: str | None
+) -> None:
+    reply = _post(engine, path, body)
+    error = reply.json()["error"]
+    assert (reply.status_code, error["param"]) == (status, param), error
+    assert error["message"] and error["type"]
+    _still_serving(engine)
+
+
+def _raw_http(engine: HttpEngine, data: bytes) -> bytes:
+    """Send raw bytes, half-close, and read whatever comes back; a hang fails the test."""
+    host, port = engine.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+RAW_CASES = [
+    (
+        "body shorter than its Content-Length",
+        b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"prompt"',
+    ),  # fmt: skip
+    ("garbage request line", b"\x16\x03\x01 not http at all\r\n\r\n"),
+    ("GET on a POST route", b"GET /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n"),
+]
+
+
+@pytest.mark.parametrize(("name", "data"), RAW_CASES, ids=[c[0] for c in RAW_CASES])
+def test_broken_http_is_refused_or_closed(engine: HttpEngine, name: str, data: bytes) -> None:
+    answer = _raw_http(engine, data)
+    # A 4xx, or a closed connection when there is no request to answer; never a hang or a 2xx/5xx.
+    assert answer == b"" or answer.split(b" ", 2)[1].startswith(b"4"), answer[:200]
+    _still_serving(engine)
+
+
+def _zmq_exchange(engine: HttpEngine, frames: list[bytes]) -> GenerateOutput:
+    ctx = zmq.Context()
+    try:
+        sock = make_socket(ctx, zmq.DEALER, engine.engine.endpoint, bind=False)
+        sock.send_multipart(frames)
+        assert sock.poll(10_000), "no reply to a malformed frame"
+        return Codec[ClientReply](ClientReply).decode(sock.recv())
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _map(**fields: Any) -> bytes:
+    return msgspec.msgpack.encode({"type": "generate", "rid": "r1", **fields})
+
+
+ZMQ_CASES: list[tuple[str, list[bytes], str]] = [
+    ("garbage bytes", [b"\xc1\xc1 definitely not msgpack"], "malformed"),
+    ("msgpack array, not a map", [msgspec.msgpack.encode([1, 2, 3])], "malformed"),
+    ("unknown message tag", [msgspec.msgpack.encode({"type": "shutdown_everything"})], "malformed"),
+    ("two frames", [b"a", b"b"], "single frame"),
+    ("NaN temperature", [_map(prompt="x", sampling={"temperature": float("nan")})], "sampling.temperature"),
+    ("prompt beyond the context", [_map(input_ids=[7] * 5000)], "context length"),
+    ("unknown field", [_map(prompt="x", priority=9)], "malformed"),
+]
+
+
+@pytest.mark.parametrize(("name", "frames", "says"), ZMQ_CASES, ids=[c[0] for c in ZMQ_CASES])
+def test_bad_zmq_frame(engine: HttpEngine, name: str, frames: list[bytes], says: str) -> None:
+    reply = _zmq_exchange(engine, frames)
+    assert reply.finish_reason is FinishReason.ERROR and reply.error and says in reply.error, reply
+    with Client(engine.engine.endpoint, timeout_s=30) as c:
+        assert c.generate("Hello", max_new_tokens=2).finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+def test_nothing_leaked_after_the_bad_inputs(engine: HttpEngine) -> None:
+    m = wait_idle_and_free(engine.base_url)
+    assert m['rivulet_requests_finished_total{finish_reason="error"}'] == 0  # rejected before admission
