@@ -68,8 +68,9 @@ def paged_attention(
     """Write this layer's new K/V into the pool, then attend. q: [T, Hq, D], k/v: [T, Hkv, D]."""
     meta = ctx.attn
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
-    k_cache[meta.out_locs] = k
-    v_cache[meta.out_locs] = v
+    # index_copy_/index_select, not advanced indexing: several times faster on CPU.
+    k_cache.index_copy_(0, meta.out_locs, k)
+    v_cache.index_copy_(0, meta.out_locs, v)
     if meta.all_decode:
         assert meta.decode is not None, "an all-decode batch has a decode group"
         return _decode_attention(q, k_cache, v_cache, meta.decode)
@@ -81,7 +82,7 @@ def paged_attention(
         if row.kv_locs is None:
             row_k, row_v = k[rows], v[rows]
         else:
-            row_k, row_v = k_cache[row.kv_locs], v_cache[row.kv_locs]
+            row_k, row_v = k_cache.index_select(0, row.kv_locs), v_cache.index_select(0, row.kv_locs)
         out[rows] = _extend_attention(q[rows], row_k, row_v, row.mask)
     return out
 
@@ -92,8 +93,9 @@ def _decode_attention(
     rows, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     # [B, L, Hkv, D] -> [B, Hkv, L, D]; the G query heads sharing a KV head act as G queries.
-    k = k_cache[group.kv_locs].transpose(1, 2)
-    v = v_cache[group.kv_locs].transpose(1, 2)
+    locs = group.kv_locs.view(-1)
+    k = k_cache.index_select(0, locs).view(rows, -1, kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, locs).view(rows, -1, kv_heads, head_dim).transpose(1, 2)
     q = q.view(rows, kv_heads, q_heads // kv_heads, head_dim)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask)
     return out.reshape(rows, q_heads, head_dim)

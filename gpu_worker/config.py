@@ -11,6 +11,9 @@ class WorkerConfig:
 
     ``model_path`` is an HF-layout directory (config.json + safetensors);
     ``gpu_worker.model_files.resolve_model`` turns any accepted --model into one.
+    ``dtype="auto"`` is bfloat16 on CUDA and on CPUs with native bf16 dot
+    products (AVX512-BF16 or AMX), float32 elsewhere; the KV pool uses the same.
+    ``compile`` wraps the model's dense per-layer code in torch.compile.
     """
 
     model_path: str = ""
@@ -21,6 +24,7 @@ class WorkerConfig:
     kv_mem_fraction: float = 0.2  # of free device memory (CPU: available RAM)
     max_running_requests: int = 128  # request slots in the page table
     num_threads: int = 0  # torch threads on CPU; 0: all cores
+    compile: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -3,7 +3,9 @@
 Our modules name their parameters as the checkpoint does, so loading is a
 one-for-one copy: a weight the checkpoint lacks, a weight we do not know, or a
 shape mismatch is an error. Tied embeddings share one tensor and the
-checkpoint may omit ``lm_head.weight``.
+checkpoint may omit ``lm_head.weight``. A merged projection (``qkv_proj``)
+is filled block by block from the checkpoint's separate ones (``q_proj`` ...),
+each of which must be present exactly as a plain weight would.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from safetensors import safe_open
 from torch import nn
 
 from gpu_worker.models import CausalLM, model_class
+from gpu_worker.models.layers import MergedLinear
 
 # Buffers some checkpoints carry that are not weights (causal masks, rotary tables).
 _IGNORED = re.compile(r"(\.attn\.(bias|masked_bias)|\.rotary_emb\.inv_freq)$")
@@ -70,9 +73,10 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(model: nn.Module, files: list[Path]) -> None:
-    """Copy every checkpoint tensor into the parameter of the same name; strict both ways."""
+    """Copy every checkpoint tensor into the parameter (or merged row block) it names; strict both ways."""
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = {name for name, p in params.items() if _is_tied(model, name, p)}
+    targets = weight_targets(model, params)
     prefix = getattr(model, "checkpoint_prefix", "")
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -80,17 +84,36 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
-                    name = key if key in params or not prefix or key.startswith(prefix) else prefix + key
+                    name = key if key in targets or not prefix or key.startswith(prefix) else prefix + key
                     if _IGNORED.search(name) or name in tied:
                         continue  # a tied head saved anyway is the embedding again
-                    if name not in params:
+                    if name not in targets:
                         unexpected.append(key)
                         continue
-                    _copy(params[name], f.get_tensor(key), name)
+                    _copy(targets[name], f.get_tensor(key), name)
                     loaded.add(name)
-    missing = sorted(set(params) - loaded - tied)
+    missing = sorted(set(targets) - loaded - tied)
     if missing or unexpected:
         raise WeightMismatchError(f"missing weights {missing[:8]}, unexpected weights {unexpected[:8]}")
+
+
+def weight_targets(model: nn.Module, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> the tensor it fills: a parameter, or a row block of a MergedLinear's.
+
+    ``model.layers.0.self_attn.qkv_proj.weight`` is not a checkpoint name; its
+    blocks are, as ``model.layers.0.self_attn.q_proj.weight`` and so on.
+    """
+    targets: dict[str, torch.Tensor] = dict(params)
+    for module_name, module in model.named_modules():
+        if not isinstance(module, MergedLinear):
+            continue
+        parent = module_name.rpartition(".")[0]
+        for param_name, param in module.named_parameters(recurse=False):
+            del targets[f"{module_name}.{param_name}"]
+            for shard, (start, rows) in module.shards.items():
+                shard_name = f"{parent}.{shard}.{param_name}" if parent else f"{shard}.{param_name}"
+                targets[shard_name] = param.narrow(0, start, rows)
+    return targets
 
 
 def _is_tied(model: nn.Module, name: str, param: torch.Tensor) -> bool:

@@ -47,9 +47,7 @@ class ModelRunner:
         self._device = torch.device(name)
         if self._device.type == "cpu":
             torch.set_num_threads(self.config.num_threads or os.cpu_count() or 1)
-        dtype = self.config.dtype
-        if dtype == "auto":
-            dtype = "bfloat16" if self._device.type == "cuda" else "float32"
+        dtype = auto_dtype(self._device) if self.config.dtype == "auto" else self.config.dtype
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
         self._dtype = _DTYPES[dtype]
@@ -143,7 +141,31 @@ class ModelRunner:
             end - 1 for end, flag in zip(accumulate(batch.extend_lens), batch.sample, strict=True) if flag
         ]
         last = torch.tensor(ends, dtype=torch.int64).to(self._device)
-        return self.model.compute_logits(hidden[last])
+        return self.model.compute_logits(hidden.index_select(0, last))
+
+
+def auto_dtype(device: torch.device) -> str:
+    """bfloat16 on CUDA and on CPUs with native bf16 dot products (AVX512-BF16, AMX), else float32.
+
+    Without those instructions torch emulates bf16 matmuls, slower than float32.
+    """
+    if device.type != "cpu":
+        return "bfloat16"
+    return "bfloat16" if cpu_has_bf16() else "float32"
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bf16 dot products natively."""
+    get_capabilities = getattr(torch.cpu, "get_capabilities", None)  # torch >= 2.7
+    if get_capabilities is not None:
+        caps = get_capabilities()
+        return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def check_batch(

@@ -61,7 +61,6 @@ def gumbel_noise(
 def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids [R] and their logprobs [R] (log_softmax of the raw logits)."""
     logits = logits if logits.dtype == torch.float64 else logits.float()
-    logprobs_all = torch.log_softmax(logits, dim=-1)
     greedy = logits.argmax(dim=-1)
     if params.all_greedy:
         tokens = greedy
@@ -73,7 +72,9 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, t
         noise = gumbel_noise(params.seed, params.seed_hi, params.positions, logits.shape[-1])
         drawn = (scaled.to(torch.float64) + noise).argmax(dim=-1)
         tokens = torch.where(params.temperature > 0, drawn, greedy)
-    return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)
+    # logit - logsumexp: one reduction over the vocabulary instead of a whole log_softmax table.
+    picked = logits.gather(1, tokens[:, None]).squeeze(1)
+    return tokens, picked - torch.logsumexp(logits, dim=-1)
 
 
 def _filter(scaled: torch.Tensor, params: SamplingBatch) -> torch.Tensor:

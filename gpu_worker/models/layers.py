@@ -28,6 +28,25 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class MergedLinear(Linear):
+    """Several projections of one input in a single matmul (q/k/v, or gate/up).
+
+    ``shards`` names the checkpoint's separate projections (siblings of this
+    module, e.g. ``q_proj``) and the block of output rows each one fills, in
+    order; the loader copies each checkpoint weight into its block.
+    """
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shards.values()), bias)
+        starts = [0]
+        for rows in shards.values():
+            starts.append(starts[-1] + rows)
+        self.shards = {
+            name: (start, rows) for (name, rows), start in zip(shards.items(), starts, strict=False)
+        }
+        self.sizes = list(shards.values())
+
+
 class Conv1D(nn.Module):
     """GPT-2's projection: weight stored [in, out], ``y = b + x W``."""
 
@@ -118,7 +137,10 @@ class RotaryCache(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] positions -> cos, sin of shape [T, 1, head_dim] (broadcast over heads)."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        # index_select, not cos[positions]: advanced indexing is several times slower on CPU.
+        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(
+            0, positions
+        ).unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 They differ only in flags read from the HF config: biases on q/k/v (Qwen2) or on
 every projection (Llama's ``attention_bias``), an RMSNorm per head on q and k
 before rotary (Qwen3), and rotary scaling. Parameter names mirror the HF
-checkpoint names so the loader can check them one for one.
+checkpoint names so the loader can check them one for one; q/k/v and gate/up
+are merged into one matmul each, whose row blocks carry the checkpoint's names.
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ import torch
 from torch import nn
 
 from gpu_worker.attention import ForwardContext, paged_attention
-from gpu_worker.models.layers import Embedding, Linear, RMSNorm, RotaryCache, activation, apply_rotary
+from gpu_worker.models.layers import (
+    Embedding,
+    Linear,
+    MergedLinear,
+    RMSNorm,
+    RotaryCache,
+    activation,
+    apply_rotary,
+)
 from gpu_worker.models.rope import rope_inv_freq
 
 
@@ -84,9 +93,10 @@ class Attention(nn.Module):
             args.num_heads * args.head_dim,
             args.num_kv_heads * args.head_dim,
         )
-        self.q_proj = Linear(hidden, q_out, args.qkv_bias)
-        self.k_proj = Linear(hidden, kv_out, args.qkv_bias)
-        self.v_proj = Linear(hidden, kv_out, args.qkv_bias)
+        # One matmul for q, k and v; the checkpoint's q_proj/k_proj/v_proj fill its row blocks.
+        self.qkv_proj = MergedLinear(
+            hidden, {"q_proj": q_out, "k_proj": kv_out, "v_proj": kv_out}, args.qkv_bias
+        )
         self.o_proj = Linear(q_out, hidden, args.o_bias)
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.eps)
@@ -97,26 +107,32 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(tokens, heads + 2 * kv_heads, head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+            q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
+        else:
+            # q and k rotate by the same angles: one rotary over their heads together.
+            qk = apply_rotary(qkv[:, : heads + kv_heads], cos, sin)
+            q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         out = paged_attention(self.layer, q, k, v, ctx)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(tokens, heads * head_dim))
 
 
 class MLP(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
-        self.gate_proj = Linear(args.hidden_size, args.intermediate_size, args.mlp_bias)
-        self.up_proj = Linear(args.hidden_size, args.intermediate_size, args.mlp_bias)
-        self.down_proj = Linear(args.intermediate_size, args.hidden_size, args.mlp_bias)
+        inner = args.intermediate_size
+        self.gate_up_proj = MergedLinear(
+            args.hidden_size, {"gate_proj": inner, "up_proj": inner}, args.mlp_bias
+        )
+        self.down_proj = Linear(inner, args.hidden_size, args.mlp_bias)
         self.act = activation(args.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,185 @@
+"""Per-step cost of the model runner alone: no sockets, no scheduler, one process.
+
+    python bench/worker_step.py                       # SmolLM2, auto dtype
+    python bench/worker_step.py --dtype float32,bfloat16 --rounds 3 --json out.json
+    python bench/worker_step.py --profile decode32    # torch.profiler table of one shape
+
+Shapes: decode at batch 1 / 8 / 32 (every row with ``--context`` tokens of KV
+already written) and one prefill chunk of ``--prefill`` tokens. Each shape runs
+``--iters`` steps after ``--warmup``; the median step time is reported. With
+several dtypes the runners are built once and the shapes run round-robin
+(A B A B ...), so a noisy neighbour hits every configuration alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_worker.config import WorkerConfig  # noqa: E402
+from gpu_worker.model_files import resolve_model  # noqa: E402
+from gpu_worker.model_runner import ModelRunner  # noqa: E402
+from protocol.messages import ForwardBatch, SamplerParams  # noqa: E402
+
+GREEDY = SamplerParams(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0)
+PAGE_SIZE = 16
+
+
+def batch(step: int, rows: int, prefix_len: int, extend_len: int, first: bool) -> ForwardBatch:
+    """``rows`` rows in slots 0..rows-1, each owning pages [slot * P, (slot + 1) * P).
+
+    ``first``: the batch that hands the pages out and sets the sampler (later
+    steps repeat the same positions and overwrite the same KV, as far as cost goes
+    the same as a real decode at that context).
+    """
+    pages_per_row = -(-(prefix_len + extend_len) // PAGE_SIZE)
+    return ForwardBatch(
+        step=step,
+        slots=list(range(rows)),
+        prefix_lens=[prefix_len] * rows,
+        extend_lens=[extend_len] * rows,
+        input_ids=[(7 * i + 11) % 40000 + 100 for i in range(rows * extend_len)],
+        page_starts=[0] * rows,
+        page_counts=[pages_per_row if first else 0] * rows,
+        pages=[p for r in range(rows) for p in range(r * pages_per_row, (r + 1) * pages_per_row)]
+        if first
+        else [],
+        sample=[True] * rows,
+        sampler=[GREEDY if first else None] * rows,
+    )
+
+
+def prepare(runner: ModelRunner, rows: int, context: int) -> Callable[[int], None]:
+    """Fill ``rows`` slots with ``context`` tokens of KV; return a step(step_no) running one decode."""
+    runner.execute(batch(0, rows, 0, context, first=True))
+    return lambda step: _run(runner, batch(step, rows, context, 1, first=False))
+
+
+def prepare_prefill(runner: ModelRunner, tokens: int) -> Callable[[int], None]:
+    runner.execute(batch(0, 1, 0, tokens, first=True))
+    return lambda step: _run(runner, batch(step, 1, 0, tokens, first=False))
+
+
+def _run(runner: ModelRunner, b: ForwardBatch) -> None:
+    runner.execute(b)
+
+
+def shapes(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
+    """name -> (rows, tokens per row); decode rows have ``args.context`` tokens of history."""
+    out = {f"decode{b}": (b, 1) for b in args.decode_batches}
+    if args.prefill > 0:
+        out[f"prefill{args.prefill}"] = (1, args.prefill)
+    return out
+
+
+def time_steps(
+    step: Callable[[int], None], iters: int, warmup: int, clock: Callable[[], float] = time.perf_counter
+) -> list[float]:
+    for i in range(warmup):
+        step(i + 1)
+    times = []
+    for i in range(iters):
+        started = clock()
+        step(warmup + i + 1)
+        times.append(clock() - started)
+    return times
+
+
+def make_runner(args: argparse.Namespace, dtype: str) -> ModelRunner:
+    rows = max(args.decode_batches)
+    extra: dict[str, Any] = {"compile": True} if args.compile else {}  # older configs lack the field
+    return ModelRunner(
+        WorkerConfig(
+            model_path=str(resolve_model(args.model)),
+            dtype=dtype,
+            page_size=PAGE_SIZE,
+            kv_cache_tokens=rows * (args.context + 2 * PAGE_SIZE) + args.prefill + PAGE_SIZE,
+            max_running_requests=max(rows, 1),
+            num_threads=args.num_threads,
+            **extra,
+        )
+    )
+
+
+def steppers(runner: ModelRunner, args: argparse.Namespace) -> dict[str, Callable[[int], None]]:
+    out = {}
+    for name, (rows, tokens) in shapes(args).items():
+        out[name] = prepare(runner, rows, args.context) if tokens == 1 else prepare_prefill(runner, tokens)
+    return out
+
+
+def profile(runner: ModelRunner, step: Callable[[int], None], args: argparse.Namespace) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    time_steps(step, 3, args.warmup)
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        time_steps(step, args.iters, 0)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="HF dir or .gguf (default: embedded SmolLM2-135M)")
+    p.add_argument("--dtype", default="auto", help="comma-separated: auto,float32,bfloat16")
+    p.add_argument("--decode-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    p.add_argument("--context", type=int, default=96, help="KV tokens per decode row")
+    p.add_argument("--prefill", type=int, default=256, help="prefill chunk tokens; 0: skip")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1, help="round-robin passes over dtypes x shapes")
+    p.add_argument("--num-threads", type=int, default=0)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--profile", default="", help="a shape name: print a torch.profiler table instead")
+    p.add_argument("--profile-rows", type=int, default=30)
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: this process's CPU time (with --num-threads 1, steadier on a shared machine)",
+    )
+    p.add_argument("--json", default="", help="also write the results here")
+    args = p.parse_args()
+    dtypes = args.dtype.split(",")
+    runners = {d: make_runner(args, d) for d in dtypes}
+    if args.profile:
+        for d, runner in runners.items():
+            print(f"== {d} {args.profile}")
+            profile(runner, steppers(runner, args)[args.profile], args)
+        return
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    times: dict[tuple[str, str], list[float]] = {}
+    for _ in range(args.rounds):
+        for d, runner in runners.items():
+            for name, step in steppers(runner, args).items():
+                times.setdefault((d, name), []).extend(time_steps(step, args.iters, args.warmup, clock))
+    report(times, args)
+
+
+def report(times: dict[tuple[str, str], list[float]], args: argparse.Namespace) -> None:
+    print(
+        f"context {args.context} tokens/row, {args.iters} iters x {args.rounds} rounds, "
+        f"median {args.clock} ms/step, {args.num_threads or 'all'} threads"
+    )
+    print(f"{'dtype':<10} {'shape':<12} {'ms/step':>9} {'tok/s':>9}")
+    rows = []
+    for (d, name), ts in times.items():
+        shape_rows, tokens = shapes(args)[name]
+        ms = statistics.median(ts) * 1e3
+        rate = shape_rows * tokens / (ms / 1e3)
+        rows.append({"dtype": d, "shape": name, "ms_per_step": ms, "tokens_per_s": rate})
+        print(f"{d:<10} {name:<12} {ms:>9.2f} {rate:>9.0f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

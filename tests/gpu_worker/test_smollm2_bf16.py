@@ -1,0 +1,62 @@
+"""SmolLM2-135M-Instruct in bfloat16 (the CPU default where bf16 is native) against HF in bfloat16.
+
+bf16 keeps 8 bits of mantissa, so a matmul blocked differently rounds
+differently and near-ties flip sooner than in float32. The rule is the one the
+float32 test uses: equal tokens, or at the first step where they differ, both
+tokens are in HF's top 2 there. Generation is greedy over real chat prompts,
+served together with chunked prefill and mixed batches, as the engine does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from gpu_worker.config import WorkerConfig
+from gpu_worker.model_runner import ModelRunner, auto_dtype, cpu_has_bf16
+from tests import inprocess
+from tests.test_smollm2_exactness import EOS, QUESTIONS, chat_prompt
+
+NEW_TOKENS = 24
+
+
+def first_divergence_within_top2(
+    hf: torch.nn.Module, prompt: list[int], got: list[int], ref: list[int]
+) -> None:
+    """Equal, or both tokens at the first difference are in HF's top 2 given our prefix."""
+    if got == ref[: len(got)] and (len(got) == len(ref) or got[-1:] == [EOS]):
+        return
+    k = next((i for i, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b), None)
+    assert k is not None, f"one output ends early without EOS: ours {got}, HF {ref}"
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + got[:k]])).logits[0, -1]
+    top2 = set(torch.topk(logits.float(), 2).indices.tolist())
+    assert {got[k], ref[k]} <= top2, f"step {k}: ours {got[k]}, HF {ref[k]}, HF top-2 {top2}"
+
+
+def test_smollm2_bf16_matches_hf_bf16_within_top2(smollm2_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = [chat_prompt(tokenizer, q) for q in QUESTIONS]
+    runner = ModelRunner(
+        WorkerConfig(model_path=str(smollm2_dir), dtype="bfloat16", kv_cache_tokens=4096, num_threads=1)
+    )
+    assert runner.dtype == torch.bfloat16 and runner.kv.k[0].dtype == torch.bfloat16
+    ours, _ = inprocess.generate(
+        runner, prompts, NEW_TOKENS, chunked_prefill_size=16, enable_mixed_chunk=True, stop_token_ids=(EOS,)
+    )
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval()
+    for prompt, got in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        first_divergence_within_top2(hf, prompt, got, out[0, len(prompt) :].tolist())
+    assert tokenizer.decode(ours[0], skip_special_tokens=True) == "The capital of France is Paris."
+    assert ours[0][-1] == EOS
+
+
+def test_auto_dtype_follows_the_cpu() -> None:
+    expected = "bfloat16" if cpu_has_bf16() else "float32"
+    assert auto_dtype(torch.device("cpu")) == expected
+    assert auto_dtype(torch.device("cuda")) == "bfloat16"
