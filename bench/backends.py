@@ -93,23 +93,32 @@ class OpenAIBackend:
 
     name = "openai"
 
-    def __init__(self, base_url: str, model: str, temperature: float, timeout_s: float = 600) -> None:
+    def __init__(self, base_url: str, model: str | None, temperature: float, timeout_s: float = 600) -> None:
         self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s)
-        self.model = model
+        self.model = model  # None: the first model GET /v1/models lists
         self.temperature = temperature
 
-    def _body(self, item: WorkItem) -> dict[str, Any]:
+    async def _served_model(self) -> str:
+        if self.model is None:
+            resp = await self.http.get("/v1/models")
+            if resp.status_code != 200:
+                raise BackendError(f"GET /v1/models: HTTP {resp.status_code}: {resp.text[:300]}")
+            self.model = str(resp.json()["data"][0]["id"])
+        return self.model
+
+    def _body(self, item: WorkItem, model: str) -> dict[str, Any]:
         return {
-            "model": self.model, "prompt": item.text, "max_tokens": item.max_new_tokens,
+            "model": model, "prompt": item.text, "max_tokens": item.max_new_tokens,
             "temperature": self.temperature, "stream": True, "ignore_eos": item.ignore_eos,
             "stream_options": {"include_usage": True},
         }  # fmt: skip
 
     async def stream(self, item: WorkItem) -> AsyncIterator[Delta]:
-        async with self.http.stream("POST", "/v1/completions", json=self._body(item)) as resp:
+        request = self._body(item, await self._served_model())
+        async with self.http.stream("POST", "/v1/completions", json=request) as resp:
             if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")[:500]
-                raise BackendError(f"HTTP {resp.status_code}: {body}")
+                answer = (await resp.aread()).decode(errors="replace")[:500]
+                raise BackendError(f"HTTP {resp.status_code}: {answer}")
             finished = False
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):

@@ -92,7 +92,7 @@ def plot_concurrency(sweep: dict[str, Any], path: Path) -> bool:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         ax.set_ylim(bottom=0)
-    fig.suptitle("median of repeats; bars span min to max")
+    fig.suptitle(f"{sweep['title']}: median of repeats, bars span min to max")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

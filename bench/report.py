@@ -35,7 +35,7 @@ def values(runs: list[dict[str, Any]], path: str) -> list[float]:
 
 
 def _num(x: float) -> str:
-    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.1f}"
+    return f"{x:.0f}" if abs(x) >= 100 or x == int(x) else f"{x:.1f}"
 
 
 def cell(xs: list[float]) -> str:

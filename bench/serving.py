@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--backend", choices=("zmq", "openai"), default="zmq")
     add("--endpoint", default=None, help="zmq: the engine's client socket (default: $RIVULET_ENDPOINT)")
     add("--base-url", default="http://127.0.0.1:8080", help="openai: the server's base URL")
-    add("--served-model", default="default", help="openai: the request's model field")
+    add("--served-model", default=None, help="openai: the request's model field (default: GET /v1/models)")
     add("--model", default=None, help="rivulet model dir/GGUF whose tokenizer builds exact prompts")
     add("--tokenizer", default=None, help="a tokenizer.json (or its dir) instead of --model's")
     add("--workload", choices=("seeds", "random", "shared-prefix"), default="seeds")

@@ -190,7 +190,11 @@ def run_offline_for(args: argparse.Namespace, repeats: int) -> dict[str, Any]:
 
     size = ["--num-prompts", "8", "--output-len", "8", "--hf-batch-sizes", "4,8"] if args.quick else []
     model = ["--model", args.model] if args.model else []
-    argv = [*model, "--baseline", "hf", "--repeats", str(repeats), "--engine-flags", args.engine_flags, *size]
+    flags = shlex.split(args.engine_flags)
+    # HF gets as many torch threads as the engine's worker, so the two compete on equal terms
+    threads = flags[flags.index("--num-threads") + 1] if "--num-threads" in flags[:-1] else "0"
+    argv = [*model, "--baseline", "hf", "--repeats", str(repeats), "--engine-flags", args.engine_flags,
+            "--hf-threads", threads, "--hf-batch-sizes", "16,32,64", *size]  # fmt: skip
     res = offline.run_offline(offline.build_parser().parse_args(argv))
     print(offline.format_result(res), flush=True)
     return {**asdict(res), "ratio": res.ratio}
@@ -210,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join(["python", "-m", "bench.sweep", *(argv if argv is not None else sys.argv[1:])]),
         "model": args.model or "SmolLM2-135M-Instruct (the embedded GGUF, converted)",
         "engine_flags": list(opts.engine_flags), "quick": args.quick, "note": args.note, "sweeps": [],
+        "peers": [parse_peer(p).label for p in args.peer],
     }  # fmt: skip
     manifest["time"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     if with_offline:

@@ -67,7 +67,7 @@ def seeds_pairs() -> list[Sweep]:
         _pair(
             "pack", "FIFO vs pack admission (seed 000)",
             "seed 000 (GPT-2/CUDA): TTFT p99 1144 -> 690 ms with pack",
-            (*HOL, "--num-requests", "32", "--max-new-tokens", "16"),
+            (*HOL, "--num-requests", "16", "--max-new-tokens", "16"),
             fcfs, EngineSpec("pack, budget 256", (*BUDGET, "--schedule-policy", "pack")),
         ),
         _pair(
@@ -78,32 +78,32 @@ def seeds_pairs() -> list[Sweep]:
             DEFAULT, EngineSpec("decode-first", ("--decode-first",)),
         ),
         _pair(
-            "max-running", "uncapped vs --max-running-requests 16 (seed 002)",
+            "max-running", "uncapped vs --max-running-requests 8 (seed 002)",
             "seed 002: ITL p99 218 -> 130 ms, TTFT p99 684 -> 2428 ms with a cap of 64 (128 requests)",
-            (*HOL, "--num-requests", "48", "--max-new-tokens", "16"),
-            fcfs, EngineSpec("max running 16, budget 256", (*BUDGET, "--max-running-requests", "16")),
+            (*HOL, "--num-requests", "16", "--max-new-tokens", "16"),
+            fcfs, EngineSpec("max running 8, budget 256", (*BUDGET, "--max-running-requests", "8")),
         ),
         _pair(
             "chunked-prefill", "chunked prefill 256 vs off (SGLang)",
             "SGLang: chunking bounds the decode stall a long prompt causes (ITL tail)",
-            (*HOL, "--num-requests", "32", "--max-new-tokens", "24", "--submit-interval-ms", "150"),
+            (*HOL, "--num-requests", "16", "--max-new-tokens", "24", "--submit-interval-ms", "150"),
             EngineSpec("chunk 256", ("--chunked-prefill-size", "256")),
             EngineSpec("no chunking", ("--chunked-prefill-size", "-1")),
         ),
         _pair(
             "prefix-cache", "prefix cache on vs off (seed 003, shared prefixes)",
             "seed 003: hits skip prefill; TTFT drops with the share of cached prompt tokens",
-            ("--workload", "shared-prefix", "--groups", "4", "--questions", "8", "--system-len", "256",
-             "--question-len", "16", "--max-new-tokens", "16", "--max-concurrency", "8"),
+            ("--workload", "shared-prefix", "--groups", "4", "--questions", "4", "--system-len", "160",
+             "--question-len", "16", "--max-new-tokens", "16", "--max-concurrency", "4"),
             DEFAULT, EngineSpec("cache off", ("--disable-radix-cache",)),
         ),
     ]  # fmt: skip
 
 
 def concurrency_workload(level: int) -> tuple[str, ...]:
-    """Random 32-token prompts, 32 new tokens, closed loop at ``level`` streams."""
-    requests = {1: 6, 4: 12}.get(level, 2 * level)
-    return ("--workload", "random", "--input-len", "32", "--output-len", "32",
+    """Random 16-token prompts, 16 new tokens, closed loop at ``level`` streams (1.5x level requests)."""
+    requests = max(4, 2 * level) if level < 16 else 3 * level // 2
+    return ("--workload", "random", "--input-len", "16", "--output-len", "16",
             "--num-requests", str(requests), "--max-concurrency", str(level))  # fmt: skip
 
 

@@ -46,7 +46,8 @@ def _pair_section(sweep: dict[str, Any], out_dir: Path) -> list[str]:
     workload = sweep["variants"][0]["workload"]
     lines += [f"Workload: `python -m bench.serving {shlex.join(workload)}`", ""]
     for v in sweep["variants"]:
-        lines.append(f"- {v['label']}: `launcher.py {shlex.join(v['engine_flags'])}`".rstrip())
+        flags = shlex.join(v["engine_flags"]) or "(defaults)"
+        lines.append(f"- {v['label']}: `launcher.py {flags}`")
     lines += ["", report.pair_table(sweep), ""]
     lines += [f"- {d}" for d in report.deltas(sweep)]
     png = f"bench_{sweep['name']}.png"
@@ -60,7 +61,7 @@ def _concurrency_section(sweep: dict[str, Any], out_dir: Path) -> list[str]:
     lines = [
         f"## {sweep['title'][0].upper()}{sweep['title'][1:]}", "",
         "Closed loop: at most N requests in flight, each ended request replaced by the next "
-        "(twice N requests per run; 6 and 12 at N = 1 and 4).", "",
+        "(max(4, 2N) requests per run below N = 16, 1.5N from there).", "",
         f"Workload at N = {v0['concurrency']}: `python -m bench.serving {shlex.join(v0['workload'])}`", "",
         f"Anchors: {sweep['expect']}.", "",
         report.concurrency_table(sweep), "",
@@ -90,7 +91,9 @@ def write_docs(manifest: dict[str, Any], out_dir: Path) -> Path:
     for sweep in manifest["sweeps"]:
         if sweep["kind"] == "concurrency":
             lines += _concurrency_section(sweep, out_dir)
-    lines += ["## Peers: llama.cpp", "", manifest.get("peer_note") or LLAMA_CPP_RECIPE, ""]
+    peers = manifest.get("peers") or []
+    ran = f"Peers in this run: {', '.join(peers)}." if peers else "No peer ran in this sweep."
+    lines += ["## Peers: llama.cpp", "", ran, "", LLAMA_CPP_RECIPE, ""]
     path = out_dir / "BENCHMARKS.md"
     path.write_text("\n".join(lines))
     return path

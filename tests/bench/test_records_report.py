@@ -85,4 +85,4 @@ def test_docs_have_tables_deltas_and_plots(tmp_path: Path) -> None:
     for png in ("bench_pack.png", "bench_concurrency.png"):
         assert f"]({png})" in md
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert report.cell([]) == "-" and report.cell([3.0]) == "3.0"
+    assert report.cell([]) == "-" and report.cell([3.0]) == "3" and report.cell([2.5]) == "2.5"
