@@ -4,7 +4,7 @@ One ``msgspec.Struct`` per message and one tagged union per channel:
 
     client        -> tokenizer_proc : ClientRequest  = GenerateRequest | AbortRequest
     tokenizer_proc -> client        : ClientReply    = GenerateOutput
-    tokenizer_proc -> scheduler_proc: ToScheduler    = TokenizedRequest | AbortReq
+    tokenizer_proc -> scheduler_proc: ToScheduler    = TokenizedRequest | AbortReq | FlushCache
     scheduler_proc -> tokenizer_proc: ToTokenizer    = TokenBatch | RequestError | EngineStats
     scheduler_proc -> gpu_worker    : ToWorker       = ForwardBatch
     gpu_worker    -> scheduler_proc : FromWorker     = ForwardResult
@@ -81,6 +81,7 @@ class GenerateRequest(ClientMsg, tag="generate"):
     sampling: SamplingParams = SamplingParams()
     stream: bool = False
     logprobs: bool = False
+    cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share KV
 
 
 class AbortRequest(ClientMsg, tag="abort"):
@@ -150,6 +151,7 @@ class TokenizedRequest(Msg):
     max_new_tokens: int
     stop_token_ids: list[int]  # EOS ids (unless ignore_eos) plus the client's own
     sampler: SamplerParams
+    cache_salt: str | None = None  # the client's prefix-cache namespace
 
 
 class AbortReq(Msg):
@@ -159,7 +161,11 @@ class AbortReq(Msg):
     reason: FinishReason = FinishReason.ABORT
 
 
-ToScheduler = TokenizedRequest | AbortReq
+class FlushCache(Msg):
+    """Drop every cached prefix no running request holds (the scheduler logs what it freed)."""
+
+
+ToScheduler = TokenizedRequest | AbortReq | FlushCache
 
 
 class TokenBatch(Msg):
