@@ -3,9 +3,10 @@
     python -m bench.offline --num-prompts 64 --input-len 32 --output-len 32 --baseline hf
 
 Without --endpoint it starts its own engine (bench/launch.py; always torn down) with
-``--dtype`` and --engine-flags. ``--baseline hf`` runs HF transformers ``generate`` on the
-same model, prompts, dtype and max tokens in this process (static batches; the best of a
-few batch sizes), interleaved with rivulet over ``--repeats`` rounds, and prints the ratio.
+``--dtype`` (auto: the worker's own CPU default) and --engine-flags. ``--baseline hf`` runs
+HF transformers ``generate`` on the CPU on the same model, prompts, dtype and max tokens in
+this process (static batches; the best of a few batch sizes), interleaved with rivulet over
+``--repeats`` rounds, and prints the ratio rivulet/HF.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", default=None, help="model dir or GGUF (default: the embedded SmolLM2)")
     add("--endpoint", default=None, help="a running engine; default: start one")
     add("--engine-flags", default="", help="extra launcher flags for the engine this starts")
-    add("--dtype", choices=DTYPES, default="float32", help="for both rivulet (if started here) and HF")
+    add("--dtype", choices=("auto", *DTYPES), default="auto", help="for both; auto: the engine's CPU default")
     add("--num-prompts", type=int, default=64)
     add("--input-len", type=int, default=32)
     add("--output-len", type=int, default=32)
@@ -71,6 +72,17 @@ class OfflineResult:
     @property
     def ratio(self) -> float | None:
         return self.rivulet_output_tps / self.hf_output_tps if self.hf_output_tps else None
+
+
+def resolve_dtype(name: str) -> str:
+    """``auto`` -> what the engine's worker picks on this CPU (bfloat16 where it has native bf16 dots)."""
+    if name != "auto":
+        return name
+    import torch
+
+    from gpu_worker.model_runner import auto_dtype
+
+    return auto_dtype(torch.device("cpu"))
 
 
 def _model_dir(model: str | None) -> Path:
@@ -107,6 +119,7 @@ async def _rivulet_round(endpoint: str, items: list[WorkItem], warmup: bool) -> 
 def run_offline(args: argparse.Namespace) -> OfflineResult:
     """Rivulet (and HF) over ``args.repeats`` interleaved rounds; medians in the result."""
     model_dir = _model_dir(args.model)
+    args.dtype = resolve_dtype(args.dtype)
     items = random_workload(
         WordPool(model_dir / "tokenizer.json"),
         args.num_prompts,
