@@ -34,6 +34,8 @@ class Delta:
 
 
 class Backend(Protocol):
+    """What the runner needs of a way to reach an engine."""
+
     name: str
 
     def stream(self, item: WorkItem) -> AsyncIterator[Delta]: ...

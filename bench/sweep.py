@@ -42,6 +42,8 @@ RESULTS_DIR = REPO / "bench" / "results"
 
 @dataclass
 class SweepOptions:
+    """How to run any sweep: repeats, the model, flags every rivulet engine gets, where records go."""
+
     repeats: int = 3
     model: str | None = None
     engine_flags: tuple[str, ...] = ()  # added to every rivulet engine (e.g. --num-threads 1)
@@ -52,6 +54,8 @@ class SweepOptions:
 
 @dataclass
 class VariantResult:
+    """A variant's status ("ok", "n/a (...)", "failed to start: ...") and its runs' numbers."""
+
     label: str
     engine_flags: list[str]
     workload: list[str]
@@ -63,6 +67,8 @@ class VariantResult:
 
 @dataclass
 class SweepResult:
+    """What run_sweep measured, plus every process its engines ran (to check the teardown)."""
+
     name: str
     title: str
     expect: str

@@ -34,6 +34,8 @@ class EngineSpec:
 
 @dataclass(frozen=True)
 class Variant:
+    """One row of a table: an engine and the serving.py flags of the workload run against it."""
+
     label: str
     engine: EngineSpec
     workload: tuple[str, ...]
@@ -42,6 +44,8 @@ class Variant:
 
 @dataclass(frozen=True)
 class Sweep:
+    """Variants measured together: their engines run side by side, their runs interleave."""
+
     name: str
     title: str
     expect: str  # what the seeds measured, so a reader can compare
