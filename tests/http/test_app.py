@@ -1,0 +1,62 @@
+"""The ASGI app in-process (no engine): 503 until the scheduler reports, 503 while draining,
+401 without the key, 413 for a huge body. Real Frontend and tokenizer, no sockets."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gpu_worker.model_files import resolve_model
+from protocol.messages import EngineStats
+from tokenizer_proc.frontend import Frontend
+from tokenizer_proc.http.app import HttpSettings, build_app
+from tokenizer_proc.http.bridge import HttpBridge
+from tokenizer_proc.model_info import load_tokenizer, read_model_info
+from tokenizer_proc.request_state import Outbox
+
+BODY = {"prompt": "hi", "max_tokens": 2}
+KEY = {"Authorization": "Bearer k"}
+
+
+@pytest.fixture(scope="module")
+def frontend_parts() -> tuple[object, object]:
+    path: Path = resolve_model(None)
+    tokenizer = load_tokenizer(str(path))
+    return tokenizer, read_model_info(str(path), tokenizer)
+
+
+def test_status_codes_follow_the_engine_state(frontend_parts: tuple[object, object]) -> None:
+    tokenizer, info = frontend_parts
+    frontend = Frontend(tokenizer, info, seed=0)  # type: ignore[arg-type]
+    sent: list[Outbox] = []
+
+    async def send(out: Outbox) -> None:
+        sent.append(out)
+
+    bridge = HttpBridge(frontend, send)
+    app = build_app(bridge, HttpSettings("m", api_key="k", max_body_bytes=1000))
+
+    async def scenario() -> list[int]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            codes = [(await c.get("/health")).status_code]
+            codes.append((await c.post("/v1/completions", json=BODY, headers=KEY)).status_code)  # starting
+            frontend.on_scheduler_msg(EngineStats(num_running=0, num_waiting=0, num_pages=4, free_pages=4))
+            codes.append((await c.get("/health")).status_code)
+            codes.append((await c.post("/v1/completions", json=BODY)).status_code)  # no key
+            codes.append(
+                (await c.post("/v1/completions", json={"prompt": "x" * 2000}, headers=KEY)).status_code
+            )
+            codes.append((await c.get("/v1/models", headers=KEY)).status_code)
+            frontend.draining = True
+            codes.append((await c.get("/health")).status_code)
+            draining = await c.post("/v1/completions", json=BODY, headers=KEY)
+            codes.append(draining.status_code)
+            assert draining.json()["error"]["code"] == "shutting_down"
+            return codes
+
+    assert asyncio.run(scenario()) == [503, 503, 200, 401, 413, 200, 503, 503]
+    assert sent == []  # nothing reached the scheduler

@@ -1,0 +1,78 @@
+"""OpenAI bodies -> GenerateRequest, and engine rejections -> OpenAI errors, without an engine."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from tokenizer_proc.frontend import SHUTTING_DOWN
+from tokenizer_proc.http.convert import chat_request, completion_request, rejection_error
+from tokenizer_proc.http.errors import ApiError, engine_error
+from tokenizer_proc.http.schemas import ChatCompletionRequest, CompletionRequest, decode_body
+from tokenizer_proc.validation import RequestRejected
+
+
+def _completion(**fields: object) -> CompletionRequest:
+    return decode_body(msgspec.json.encode({"prompt": "hi", **fields}), CompletionRequest)
+
+
+def _chat(**fields: object) -> ChatCompletionRequest:
+    body = {"messages": [{"role": "user", "content": "hi"}], **fields}
+    return decode_body(msgspec.json.encode(body), ChatCompletionRequest)
+
+
+def test_completion_defaults_and_prompt_forms() -> None:
+    req = completion_request(_completion(), "cmpl-1")
+    assert (req.prompt, req.input_ids, req.sampling.max_new_tokens, req.logprobs) == ("hi", None, 16, False)
+    assert completion_request(_completion(prompt=[5, 6]), "r").input_ids == [5, 6]
+    assert completion_request(_completion(prompt=[[5, 6]]), "r").input_ids == [5, 6]
+    assert completion_request(_completion(prompt=["one"]), "r").prompt == "one"
+    req = completion_request(_completion(stop="END", logprobs=0, top_k=3, seed=9), "r")
+    assert (req.sampling.stop, req.logprobs, req.sampling.top_k, req.sampling.seed) == (["END"], True, 3, 9)
+
+
+def test_chat_takes_max_completion_tokens_first_and_text_parts() -> None:
+    req = chat_request(_chat(max_tokens=5, max_completion_tokens=7), "r")
+    assert req.sampling.max_new_tokens == 7
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    req = chat_request(_chat(messages=parts), "r")
+    assert req.messages is not None and (req.messages[0].role, req.messages[0].content) == ("system", "ab")
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"n": 2}, "n"), ({"echo": True}, "echo"), ({"logprobs": 3}, "logprobs"), ({"best_of": 2}, "best_of"),
+     ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"prompt": [1, "a"]}, "prompt")],
+)  # fmt: skip
+def test_unsupported_completion_fields_name_the_parameter(fields: dict[str, object], param: str) -> None:
+    with pytest.raises(ApiError) as exc:
+        completion_request(_completion(**fields), "r")
+    assert (exc.value.status, exc.value.param) == (400, param)
+
+
+def test_decode_errors_name_the_field() -> None:
+    with pytest.raises(ApiError) as exc:
+        decode_body(b'{"messages": [{"role": "user", "content": "x", "nme": "a"}]}', ChatCompletionRequest)
+    assert exc.value.param == "messages[0].nme"
+    with pytest.raises(ApiError) as exc:
+        decode_body(b'{"prompt": "x", "max_tokens": 1.5}', CompletionRequest)
+    assert exc.value.param == "max_tokens"
+
+
+def test_rejections_are_spelt_the_openai_way() -> None:
+    max_new = RequestRejected("sampling.max_new_tokens", "must be >= 1, got 0")
+    err = rejection_error(max_new, chat=True, max_param="max_completion_tokens")
+    assert (err.status, err.param, err.message) == (
+        400,
+        "max_completion_tokens",
+        "max_completion_tokens must be >= 1, got 0",
+    )
+    assert rejection_error(RequestRejected("prompt", "is long", "context_length_exceeded"), chat=True,
+                           max_param="max_tokens").param == "messages"  # fmt: skip
+    draining = rejection_error(
+        RequestRejected(None, "bye", SHUTTING_DOWN), chat=False, max_param="max_tokens"
+    )
+    assert draining.status == 503
+    assert engine_error("forward pass failed: boom").status == 500
+    assert engine_error("prompt (9 tokens) + max_new_tokens (5) exceeds the context length 10").status == 400
