@@ -1,10 +1,12 @@
 """Attention over the paged KV pool for one mixed batch.
 
 Rows come in two kinds, each attended in the cheapest shape:
-- decode rows (one new token): grouped into ONE batched call. Their KV is
-  gathered by slot index into [rows, max_len], padded, with a length mask. The
-  query heads of a KV head are laid along the "query length" axis, so GQA needs
-  no repeat of K/V.
+- decode rows (one new token): batched calls over groups of rows of similar
+  KV length (usually one group). A group's KV is gathered by slot index into
+  [rows, max_len], padded, with a length mask (none when all lengths agree).
+  Grouping by length bounds the padding: one long row no longer makes every
+  short row gather and attend over its length. The query heads of a KV head
+  are laid along the "query length" axis, so GQA needs no repeat of K/V.
 - extend rows (a prompt or a chunk of one): one call each, queries
   [prefix_len, prefix_len + extend_len) over KV [0, prefix_len + extend_len),
   causal. A row with no prefix reads its fresh K/V directly.
@@ -21,6 +23,9 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
+# Padding a decode group by up to this many KV tokens is cheaper than one more attention call per layer.
+PAD_FLOOR_TOKENS = 1024
+
 
 @dataclass(frozen=True)
 class ExtendRow:
@@ -35,11 +40,12 @@ class ExtendRow:
 
 @dataclass(frozen=True)
 class DecodeGroup:
-    """All decode rows of a batch, attended in one call."""
+    """Decode rows of similar KV length, attended in one call."""
 
     tokens: torch.Tensor  # [B] flat indices of their tokens
-    kv_locs: torch.Tensor  # [B, L] KV slots, padded with a valid slot of the same row
-    mask: torch.Tensor  # [B, 1, 1, L] bool, True = attend
+    kv_locs: torch.Tensor  # [B * L] KV slots, row-major, padded with a valid slot of the same row
+    max_len: int  # L
+    mask: torch.Tensor | None  # [B, 1, 1, L] bool, True = attend; None: every row has L tokens
 
 
 @dataclass(frozen=True)
@@ -47,9 +53,9 @@ class AttentionMetadata:
     """Where this batch's K/V go and what each row's queries attend to."""
 
     out_locs: torch.Tensor  # [T] KV slot of every new token
-    decode: DecodeGroup | None
+    decode: tuple[DecodeGroup, ...]
     extends: tuple[ExtendRow, ...]
-    all_decode: bool  # every row is a decode row, so decode.tokens is arange(T)
+    in_order: bool  # the batch is one decode group whose tokens are arange(T)
 
 
 @dataclass(frozen=True)
@@ -71,12 +77,12 @@ def paged_attention(
     # index_copy_/index_select, not advanced indexing: several times faster on CPU.
     k_cache.index_copy_(0, meta.out_locs, k)
     v_cache.index_copy_(0, meta.out_locs, v)
-    if meta.all_decode:
-        assert meta.decode is not None, "an all-decode batch has a decode group"
-        return _decode_attention(q, k_cache, v_cache, meta.decode)
+    if meta.in_order:
+        return _decode_attention(q, k_cache, v_cache, meta.decode[0])
     out = torch.empty_like(q)
-    if meta.decode is not None:
-        out[meta.decode.tokens] = _decode_attention(q[meta.decode.tokens], k_cache, v_cache, meta.decode)
+    for group in meta.decode:
+        part = _decode_attention(q.index_select(0, group.tokens), k_cache, v_cache, group)
+        out.index_copy_(0, group.tokens, part)
     for row in meta.extends:
         rows = slice(row.start, row.start + row.length)
         if row.kv_locs is None:
@@ -93,9 +99,9 @@ def _decode_attention(
     rows, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     # [B, L, Hkv, D] -> [B, Hkv, L, D]; the G query heads sharing a KV head act as G queries.
-    locs = group.kv_locs.view(-1)
-    k = k_cache.index_select(0, locs).view(rows, -1, kv_heads, head_dim).transpose(1, 2)
-    v = v_cache.index_select(0, locs).view(rows, -1, kv_heads, head_dim).transpose(1, 2)
+    shape = (rows, group.max_len, kv_heads, head_dim)
+    k = k_cache.index_select(0, group.kv_locs).view(shape).transpose(1, 2)
+    v = v_cache.index_select(0, group.kv_locs).view(shape).transpose(1, 2)
     q = q.view(rows, kv_heads, q_heads // kv_heads, head_dim)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask)
     return out.reshape(rows, q_heads, head_dim)
@@ -135,20 +141,42 @@ def build_metadata(
     slot_t = torch.tensor(slots, device=device)
     out_locs = kv_locations(page_table, page_size, slot_t[row_of_token], positions)
 
-    decode_rows = [i for i, n in enumerate(extend_lens) if n == 1]
     extends = tuple(
         _extend_row(page_table, page_size, slots[i], starts[i], prefix_lens[i], n, device)
         for i, n in enumerate(extend_lens)
         if n > 1
     )
-    decode = _decode_group(page_table, page_size, slots, prefix_lens, starts, decode_rows, device)
-    meta = AttentionMetadata(
-        out_locs=out_locs,
-        decode=decode,
-        extends=extends,
-        all_decode=len(decode_rows) == len(slots),
+    kv_lens = {i: prefix_lens[i] + 1 for i, n in enumerate(extend_lens) if n == 1}
+    decode = tuple(
+        _decode_group(page_table, page_size, [(slots[i], starts[i], kv_lens[i]) for i in rows], device)
+        for rows in length_groups(kv_lens)
     )
+    in_order = len(decode) == 1 and len(kv_lens) == len(slots)  # all decode: tokens are arange(T)
+    meta = AttentionMetadata(out_locs=out_locs, decode=decode, extends=extends, in_order=in_order)
     return positions, meta
+
+
+def length_groups(kv_lens: dict[int, int]) -> list[list[int]]:
+    """Split rows (row -> KV length) into groups, each in row order, whose padded size stays near
+    their real size.
+
+    Longest first; a row joins the current group while the padding (rows x the
+    group's longest - the real lengths) stays under half the real size or under
+    PAD_FLOOR_TOKENS, where one more call per layer would cost more than the copy.
+    """
+    groups: list[list[int]] = []
+    longest = real = 0
+    for row in sorted(kv_lens, key=lambda r: -kv_lens[r]):
+        n = kv_lens[row]
+        if groups:
+            padded = (len(groups[-1]) + 1) * longest
+            if padded - (real + n) <= max(real + n, 2 * PAD_FLOOR_TOKENS) // 2:
+                groups[-1].append(row)
+                real += n
+                continue
+        groups.append([row])
+        longest = real = n
+    return [sorted(group) for group in groups]
 
 
 def kv_locations(
@@ -159,26 +187,20 @@ def kv_locations(
 
 
 def _decode_group(
-    page_table: torch.Tensor,
-    page_size: int,
-    slots: list[int],
-    prefix_lens: list[int],
-    starts: list[int],
-    rows: list[int],
-    device: torch.device,
-) -> DecodeGroup | None:
-    if not rows:
-        return None
-    kv_lens = torch.tensor([prefix_lens[i] + 1 for i in rows], device=device)
-    max_len = max(prefix_lens[i] for i in rows) + 1
+    page_table: torch.Tensor, page_size: int, rows: list[tuple[int, int, int]], device: torch.device
+) -> DecodeGroup:
+    """rows: (request slot, flat token index, KV length)."""
+    lens = [n for _, _, n in rows]
+    kv_lens = torch.tensor(lens, device=device)
+    max_len = max(lens)
     grid = torch.arange(max_len, device=device)[None, :]
-    valid = grid < kv_lens[:, None]
     # Padding reads the row's own last position: never unwritten memory (NaN * 0 is NaN).
     positions = torch.minimum(grid, kv_lens[:, None] - 1)
-    row_slots = torch.tensor([slots[i] for i in rows], device=device)[:, None]
-    locs = kv_locations(page_table, page_size, row_slots, positions)
-    tokens = torch.tensor([starts[i] for i in rows], device=device)
-    return DecodeGroup(tokens=tokens, kv_locs=locs, mask=valid[:, None, None, :])
+    row_slots = torch.tensor([slot for slot, _, _ in rows], device=device)[:, None]
+    locs = kv_locations(page_table, page_size, row_slots, positions).view(-1)
+    tokens = torch.tensor([token for _, token, _ in rows], device=device)
+    mask = None if min(lens) == max_len else (grid < kv_lens[:, None])[:, None, None, :]
+    return DecodeGroup(tokens=tokens, kv_locs=locs, max_len=max_len, mask=mask)
 
 
 def _extend_row(

@@ -17,6 +17,7 @@ from gpu_worker.attention import ForwardContext, build_metadata
 from gpu_worker.config import WorkerConfig
 from gpu_worker.kv_cache import KVPool, kv_pool_tokens
 from gpu_worker.loader import load_model
+from gpu_worker.models.layers import can_pack_linear_weights, pack_linear_weights
 from gpu_worker.sampler import SlotSamplerParams, sample
 from protocol.messages import ForwardBatch, ForwardResult
 
@@ -55,6 +56,9 @@ class ModelRunner:
     def _init_model(self) -> None:
         started = time.perf_counter()
         self.model, self.hf_config = load_model(self.config.model_path, self._dtype, self._device)
+        if can_pack_linear_weights(self._device, self._dtype):
+            assert isinstance(self.model, torch.nn.Module), "our models are nn.Modules"
+            pack_linear_weights(self.model)
         self._context_len = int(self.model.context_len)
         self.vocab_size = int(self.hf_config.vocab_size)
         logger.info(

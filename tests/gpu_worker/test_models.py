@@ -166,3 +166,47 @@ def test_rope_theta_from_old_and_new_config_spellings() -> None:
         torch.testing.assert_close(inv_freq, 500.0 ** (-torch.arange(0, 8, 2, dtype=torch.float32) / 8))
     with pytest.raises(NotImplementedError):
         rope_inv_freq(SimpleNamespace(rope_parameters={"rope_type": "dynamic", "rope_theta": 1.0}), 8)
+
+
+def test_decode_rows_grouped_by_length_match_hf(tiny_models: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no padding allowance, the scenario's decode rows split into several length groups."""
+    from gpu_worker import attention
+
+    monkeypatch.setattr(attention, "PAD_FLOOR_TOKENS", 0)
+    groups = attention.length_groups({0: 3, 1: 47, 2: 20, 3: 45})
+    assert groups == [[1, 2, 3], [0]], groups  # 3 x 47 pads 29 tokens over 112: allowed; 4 x 47: not
+    seen: list[int] = []
+    real_length_groups = attention.length_groups
+    monkeypatch.setattr(attention, "length_groups", lambda lens: _count(real_length_groups(lens), seen))
+    path, hf = tiny_models[("llama", False)]
+    runner = ModelRunner(
+        WorkerConfig(
+            model_path=str(path), dtype="float64", kv_cache_tokens=256, page_size=1, max_running_requests=8,
+            num_threads=1,
+        )
+    )  # fmt: skip
+    prompts = make_prompts(seed=11)
+    got = run_scenario(runner, MiniScheduler(runner.num_pages, 1, shuffle_seed=3), prompts, hf)
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert tokens == hf_greedy(hf, prompt)
+    assert max(seen) >= 2, f"decode groups per batch: {seen}"
+
+
+def _count(groups: list[list[int]], seen: list[int]) -> list[list[int]]:
+    seen.append(len(groups))
+    return groups
+
+
+def test_length_groups_bound_the_padding() -> None:
+    from gpu_worker.attention import PAD_FLOOR_TOKENS, length_groups
+
+    rng = random.Random(5)
+    lens = {i: rng.choice([rng.randrange(1, 64), rng.randrange(1000, 8000)]) for i in range(128)}
+    groups = length_groups(lens)
+    assert sorted(r for g in groups for r in g) == list(range(128))
+    assert 1 < len(groups) < 20, f"{len(groups)} groups"
+    for group in groups:
+        real = sum(lens[r] for r in group)
+        padded = len(group) * max(lens[r] for r in group)
+        assert padded - real <= max(real // 2, PAD_FLOOR_TOKENS), (padded, real)
+    assert length_groups({i: 90 + i % 7 for i in range(32)}) == [list(range(32))]
