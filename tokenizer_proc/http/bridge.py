@@ -51,6 +51,9 @@ class HttpBridge:
         await self._send(out)
         return RequestHandle(self, client_id)
 
+    async def next_reply(self, client_id: bytes) -> GenerateOutput:
+        return await self._queues[client_id].get()
+
     def deliver(self, client_id: bytes, reply: GenerateOutput) -> None:
         queue = self._queues.get(client_id)
         if queue is not None:
@@ -79,8 +82,7 @@ class RequestHandle:
         self.finished = False
 
     async def next(self) -> GenerateOutput:
-        queue = self._bridge._queues[self.client_id]
-        reply = await queue.get()
+        reply = await self._bridge.next_reply(self.client_id)
         self.finished = reply.finish_reason is not None
         return reply
 
