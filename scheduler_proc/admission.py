@@ -6,16 +6,26 @@ Policies (``--schedule-policy``):
   fit the input or chunk budget (a head larger than the budget goes alone, or
   as the chunked_req).
 - ``pack`` (seed 000): over the first ``admission_lookahead`` waiting requests,
-  greedily take the cheapest (fewest prompt tokens still to compute) that fit
-  the round's budgets whole; the rest keep their queue order. If none fits,
-  the head goes as fcfs would take it. Every ``force_fifo_every``-th round is fcfs.
+  greedily take the cheapest (fewest prompt tokens still to compute, cache hits
+  excluded) that fit the round's budgets whole; the rest keep their queue
+  order. If none fits, the head goes as fcfs would take it.
+- ``lpm``: longest cached prefix first (as fcfs otherwise), over the first
+  ``LPM_MAX_QUEUE`` waiting requests; with a longer queue, fcfs (SGLang's rule:
+  matching every request each round would cost more than it saves).
 
-Under every policy a request that does not fit the free KV right now (its
-reservation included) lets the ones behind it try, so it never blocks smaller
-requests for long; a request passed over ``max_overtakes`` times becomes
-urgent: it is offered first, and if it still does not fit nobody else is
-admitted, so the running requests drain until it does. Starvation is thus
-bounded for every policy; one that could never fit was rejected on arrival.
+Every ``force_fifo_every``-th round is fcfs. Under every policy a request that
+does not fit the free KV right now (its reservation included) lets the ones
+behind it try, so it never blocks smaller requests for long; a request passed
+over ``max_overtakes`` times becomes urgent: it is offered first, and if it
+still does not fit nobody else is admitted, so the running requests drain
+until it does. Starvation is thus bounded for every policy; one that could
+never fit was rejected on arrival.
+
+Each offered request first gets its cached prefix (locked, so admitting others
+cannot evict it); a request that is not admitted gives it back. A request whose
+uncomputed prompt shares ``IN_BATCH_SHARE_TOKENS`` or more with a request this
+round computes waits a round (unless urgent): by then that prefix is cached and
+it is computed once (seed 003's in-batch dedup; identical prompts included).
 """
 
 from __future__ import annotations
@@ -24,8 +34,13 @@ from collections import deque
 from itertools import islice
 
 from scheduler_proc.config import SchedulerConfig
+from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.prefill_adder import AddResult, PrefillAdder
+from scheduler_proc.radix_cache import RadixCache
 from scheduler_proc.request import Req
+
+LPM_MAX_QUEUE = 128
+IN_BATCH_SHARE_TOKENS = 32
 
 
 class Admission:
@@ -34,45 +49,82 @@ class Admission:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.num_rounds = 0
+        self.share_tokens = max(IN_BATCH_SHARE_TOKENS, config.page_size)
 
-    def is_fifo_round(self) -> bool:
-        every = self.config.force_fifo_every
-        return self.config.schedule_policy == "fcfs" or (every > 0 and self.num_rounds % every == 0)
+    def admit(
+        self, adder: PrefillAdder, waiting: deque[Req], kv: KVManager, continued: Req | None = None
+    ) -> list[Req]:
+        """Offer waiting requests to ``adder``; the admitted leave ``waiting``, returned in arrival order.
 
-    def admit(self, adder: PrefillAdder, waiting: deque[Req]) -> list[Req]:
-        """Offer waiting requests to ``adder``; the admitted leave ``waiting``, returned in arrival order."""
+        ``continued`` is the chunked_req the adder already took this round, if any.
+        """
         if not waiting:
             return []
         self.num_rounds += 1
-        fifo = self.is_fifo_round()
-        window = list(waiting) if fifo else list(islice(waiting, self.config.admission_lookahead))
+        policy = self._policy(len(waiting))
+        window = list(waiting) if policy == "fcfs" else list(islice(waiting, self.config.admission_lookahead))
+        if policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE:
+            window = list(waiting)
         position = {id(req): i for i, req in enumerate(window)}
-        admitted = self._offer(adder, self._order(window, fifo), fifo)
-        if not admitted and not fifo and not self._has_urgent(window):
+        round_tree = self._round_tree(kv, continued)
+        admitted = self._offer(adder, kv, round_tree, self._order(window, policy, kv), policy)
+        if not admitted and policy == "pack" and not self._has_urgent(window):
             # Pack found nothing that fits whole: the head goes as fcfs would take it.
-            self._offer(adder, window[:1], fifo=True)
-            admitted = [window[0]] if self._took(adder, window[0]) else []
+            admitted = self._offer(adder, kv, None, window[:1], "fcfs")
         admitted.sort(key=lambda req: position[id(req)])
         self._count_overtakes(window, admitted, position)
         self._remove(waiting, len(window), admitted)
         return admitted
 
-    def _has_urgent(self, window: list[Req]) -> bool:
-        return any(req.num_overtaken >= self.config.max_overtakes for req in window)
+    def _policy(self, queue_len: int) -> str:
+        every, policy = self.config.force_fifo_every, self.config.schedule_policy
+        if every > 0 and self.num_rounds % every == 0:
+            return "fcfs"
+        if policy == "lpm" and queue_len > LPM_MAX_QUEUE:
+            return "fcfs"
+        return policy
 
-    def _order(self, window: list[Req], fifo: bool) -> list[Req]:
-        """Urgent requests first (oldest first), then the policy's order."""
-        urgent = [req for req in window if req.num_overtaken >= self.config.max_overtakes]
-        rest = [req for req in window if req.num_overtaken < self.config.max_overtakes]
-        if not fifo:  # pack: cheapest first; sorted() is stable, so ties keep arrival order
-            rest = sorted(rest, key=lambda req: req.extend_input_len)
+    def _urgent(self, req: Req) -> bool:
+        return req.num_overtaken >= self.config.max_overtakes
+
+    def _has_urgent(self, window: list[Req]) -> bool:
+        return any(self._urgent(req) for req in window)
+
+    def _order(self, window: list[Req], policy: str, kv: KVManager) -> list[Req]:
+        """Urgent requests first (oldest first), then the policy's (sorted() is stable: ties by arrival)."""
+        urgent = [req for req in window if self._urgent(req)]
+        rest = [req for req in window if not self._urgent(req)]
+        if policy == "pack":
+            rest = sorted(rest, key=lambda req: req.seq_len - kv.peek_prefix_len(req))
+        elif policy == "lpm":
+            rest = sorted(rest, key=lambda req: -kv.peek_prefix_len(req))
         return urgent + rest
 
-    @staticmethod
-    def _took(adder: PrefillAdder, req: Req) -> bool:
-        return bool(adder.can_run_list) and adder.can_run_list[-1][0] is req
+    def _round_tree(self, kv: KVManager, continued: Req | None) -> RadixCache | None:
+        """What this round computes, as a tree of fake pages (None without a prefix cache)."""
+        if kv.cache is None:
+            return None
+        tree = RadixCache(self.config.page_size, lambda pages: None)
+        if continued is not None:
+            self._note_computed(tree, continued)
+        return tree
 
-    def _offer(self, adder: PrefillAdder, order: list[Req], fifo: bool) -> list[Req]:
+    def _note_computed(self, tree: RadixCache, req: Req) -> None:
+        num_pages = req.seq_len // self.config.page_size
+        tree.insert(
+            req.fill_slice(0, num_pages * self.config.page_size), list(range(num_pages)), req.cache_salt
+        )
+
+    def _shares_with_round(self, tree: RadixCache | None, req: Req) -> bool:
+        """True when ``req``'s uncomputed prompt starts with tokens this round already computes."""
+        if tree is None:
+            return False
+        match = tree.match_prefix(req.fill_slice(0, req.seq_len - 1), req.cache_salt)
+        return match.num_pages * self.config.page_size - req.kv_len >= self.share_tokens
+
+    def _offer(
+        self, adder: PrefillAdder, kv: KVManager, tree: RadixCache | None, order: list[Req], policy: str
+    ) -> list[Req]:
         """Offer ``order`` one by one; returns the admitted, in the order offered."""
         cap = self.config.prefill_max_requests or len(order)
         admitted: list[Req] = []
@@ -80,17 +132,25 @@ class Admission:
         for req in order:
             if len(admitted) >= cap:
                 break
-            urgent = req.num_overtaken >= self.config.max_overtakes
-            result = adder.add_one_req(req, whole_only=not (fifo or urgent))
-            if self._took(adder, req):
+            urgent = self._urgent(req)
+            adder.on_evictable_change(kv.attach_prefix(req))
+            if not urgent and self._shares_with_round(tree, req):
+                adder.on_evictable_change(kv.detach_prefix(req))
+                continue  # next round its shared prefix is cached
+            result = adder.add_one_req(req, whole_only=policy == "pack" and not urgent)
+            if adder.can_run_list and adder.can_run_list[-1][0] is req:
                 admitted.append(req)
-            elif urgent:
-                break  # still not in: everyone waits for it
-            elif result is AddResult.NO_TOKEN or (result is AddResult.OTHER and not fifo):
-                num_passed += 1  # let the ones behind try; bounded per request by max_overtakes
-                if num_passed >= self.config.admission_lookahead:
-                    break
-                continue
+                if tree is not None:
+                    self._note_computed(tree, req)
+            else:
+                adder.on_evictable_change(kv.detach_prefix(req))
+                if urgent:
+                    break  # still not in: everyone waits for it
+                if result is AddResult.NO_TOKEN or (result is AddResult.OTHER and policy == "pack"):
+                    num_passed += 1  # let the ones behind try; bounded per request by max_overtakes
+                    if num_passed >= self.config.admission_lookahead:
+                        break
+                    continue
             if result is not AddResult.CONTINUE:
                 break
         return admitted

@@ -18,6 +18,7 @@ class Row:
     page_start: int  # index in the slot's page table where new_pages go
     new_pages: list[int]
     new_slot: bool  # the slot was (re)assigned this round: the worker gets the sampler
+    is_prefill: bool  # part of a prompt (or a recompute), not a decode step
 
     def __post_init__(self) -> None:
         assert self.extend_len >= 1, f"rid {self.req.rid}: empty row"
@@ -31,12 +32,14 @@ class BatchInfo:
     step: int
     num_prefill_rows: int
     num_prefill_tokens: int
+    num_cached_tokens: int  # prefix-cache hits of the requests this batch admits
     num_decode_rows: int
     num_decoding: int  # running requests past prefill, in this batch or not
 
     @classmethod
     def of(cls, step: int, prefill: list[Row], decode: list[Row], num_decoding: int) -> BatchInfo:
-        return cls(step, len(prefill), sum(r.extend_len for r in prefill), len(decode), num_decoding)
+        cached = sum(r.req.kv_len for r in prefill if r.new_slot)  # kv_len advances only on the result
+        return cls(step, len(prefill), sum(r.extend_len for r in prefill), cached, len(decode), num_decoding)
 
 
 def build_forward_batch(step: int, rows: list[Row]) -> ForwardBatch:

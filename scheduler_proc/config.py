@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULE_POLICIES = ("fcfs", "pack")
+SCHEDULE_POLICIES = ("fcfs", "pack", "lpm")
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,9 @@ class SchedulerConfig:
     max_prefill_tokens: int = 4096  # rem_input_tokens of each PrefillAdder
     chunked_prefill_size: int = 512  # rem_chunk_tokens; <= 0 disables chunking
     enable_mixed_chunk: bool = False  # prefill chunk + running decodes in one forward
+    disable_radix_cache: bool = False  # no prefix cache: every request computes its whole prompt
     # Admission (see scheduler_proc/admission.py).
-    schedule_policy: str = "fcfs"  # fcfs | pack (cheapest first in a lookahead window)
+    schedule_policy: str = "fcfs"  # fcfs | pack (cheapest first in a window) | lpm (longest cached prefix)
     admission_lookahead: int = 64  # waiting requests pack and lpm look at per round
     force_fifo_every: int = 0  # every N-th admission round is FIFO; 0: never
     prefill_max_requests: int = 0  # new requests admitted per round; 0: no cap

@@ -1,59 +1,179 @@
-"""Which KV pages and request slots each request holds: grow, release, report usage.
+"""Which KV pages and request slots each request holds: prefix hits, growth, caching, release.
 
-The scheduler decides who runs; this object owns the page and slot ids and is
-the only code that takes or gives them back, so the invariant
-``free pages + pages in requests' page tables == num_pages`` has one keeper.
+A request's page table is ``[tree pages | own pages]``:
+
+    page_table[:num_tree_pages]  pages of the radix cache, on the path of ``cache_node``,
+                                 which the request keeps locked (protected from eviction)
+    page_table[num_tree_pages:]  pages only this request holds
+
+so every page is exactly one of: free, evictable (tree, unlocked), protected
+(tree, locked) or owned by one request, and ``check_integrity`` asserts the sum.
+The scheduler decides who runs; this object is the only code that takes or
+gives back page and slot ids.
 """
 
 from __future__ import annotations
 
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.page_allocator import PageAllocator, SlotPool, pages_for
+from scheduler_proc.radix_cache import RadixCache
 from scheduler_proc.request import Req
 
 
 class KVManager:
-    """Page tables of live requests over one PageAllocator and one SlotPool."""
+    """Page tables of live requests over a PageAllocator, a SlotPool and (unless disabled) a RadixCache."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.page_size = config.page_size
         self.pages = PageAllocator(config.num_pages)
         self.slots = SlotPool(config.max_running_requests)
+        self.cache = None if config.disable_radix_cache else RadixCache(config.page_size, self.pages.free)
+
+    # ------------------------------------------------------------------ prefix hits
+
+    def peek_prefix_len(self, req: Req) -> int:
+        """Tokens of ``req`` a prefix hit would skip now (nothing is locked)."""
+        if self.cache is None or req.seq_len < 2:
+            return 0
+        return (
+            self.cache.match_prefix(req.fill_slice(0, req.seq_len - 1), req.cache_salt).num_pages
+            * self.page_size
+        )
+
+    def attach_prefix(self, req: Req) -> int:
+        """Give a waiting request its cached prefix (pages, kv_len) and lock it.
+
+        At least one token is left to compute: the last one's forward draws the next
+        token. Returns the change in evictable pages (<= 0) the lock caused.
+        """
+        assert not req.page_table and req.kv_len == 0 and req.cache_node is None, f"rid {req.rid} holds KV"
+        if self.cache is None or req.seq_len < 2:
+            return 0
+        match = self.cache.match_prefix(req.fill_slice(0, req.seq_len - 1), req.cache_salt)
+        req.page_table = list(match.pages)
+        req.num_tree_pages = match.num_pages
+        req.kv_len = match.num_pages * self.page_size
+        req.cache_node = match.node
+        return self.cache.inc_lock_ref(match.node)
+
+    def detach_prefix(self, req: Req) -> int:
+        """Undo ``attach_prefix`` for a request not admitted; returns the change in evictable pages."""
+        assert req.num_tree_pages == len(req.page_table), f"rid {req.rid} already has pages of its own"
+        delta = self._unlock(req)
+        req.page_table, req.num_tree_pages, req.kv_len = [], 0, 0
+        return delta
+
+    # ------------------------------------------------------------------ growth
 
     def assign_slot(self, req: Req) -> None:
         assert req.slot is None, f"rid {req.rid} already has slot {req.slot}"
         req.slot = self.slots.alloc()
         assert req.slot is not None, f"rid {req.rid}: admitted without a free slot"
+        req.worker_pages = 0  # a fresh slot: the worker gets the whole page table
 
     def grow(self, req: Req, extend_len: int) -> tuple[int, list[int]]:
-        """Pages for ``req``'s next ``extend_len`` tokens: (index in its page table, the new pages)."""
-        page_start = len(req.page_table)
-        num_new = max(pages_for(req.kv_len + extend_len, self.page_size) - page_start, 0)
+        """Pages for ``req``'s next ``extend_len`` tokens, evicting cached pages if short.
+
+        Returns the page-table delta the worker has not seen: (start index, pages).
+        """
+        num_new = max(pages_for(req.kv_len + extend_len, self.page_size) - len(req.page_table), 0)
+        self._make_free(num_new)
         new_pages = self.pages.alloc(num_new)
         assert new_pages is not None, f"rid {req.rid}: scheduled without free pages"
         req.page_table.extend(new_pages)
-        return page_start, new_pages
+        start = req.worker_pages
+        req.worker_pages = len(req.page_table)
+        return start, req.page_table[start:]
 
     def decode_pages_needed(self, running: list[Req]) -> int:
         """New pages the next decode step takes: one per request whose next token starts a page."""
         return sum(1 for r in running if r.kv_len >= len(r.page_table) * self.page_size)
 
-    def release(self, req: Req) -> None:
-        """Give back everything ``req`` holds (its KV is gone; a retracted request recomputes it)."""
-        self.pages.free(req.page_table)
-        req.page_table = []
+    def _make_free(self, num_pages: int) -> None:
+        short = num_pages - self.pages.num_free
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+
+    # ------------------------------------------------------------------ caching and release
+
+    def cache_unfinished(self, req: Req) -> None:
+        """Put ``req``'s computed full pages into the tree, so later requests can share them now.
+
+        Where another request cached the same tokens first, ``req`` switches to the
+        tree's pages and frees its duplicates (the worker gets the rewritten entries
+        with the request's next row).
+        """
+        num_full = req.kv_len // self.page_size
+        if self.cache is None or num_full <= req.num_tree_pages:
+            return
+        tokens = req.fill_slice(0, num_full * self.page_size)
+        num_dup = self.cache.insert(tokens, req.page_table[:num_full], req.cache_salt)
+        match = self.cache.match_prefix(tokens, req.cache_salt)
+        assert match.num_pages == num_full, f"rid {req.rid}: inserted pages do not match back"
+        if num_dup > req.num_tree_pages:
+            self.pages.free(req.page_table[req.num_tree_pages : num_dup])
+            req.page_table[req.num_tree_pages : num_dup] = match.pages[req.num_tree_pages : num_dup]
+            req.worker_pages = min(req.worker_pages, req.num_tree_pages)
+        self.cache.inc_lock_ref(match.node)
+        self._unlock(req)
+        req.cache_node, req.num_tree_pages = match.node, num_full
+
+    def release(self, req: Req, *, cache: bool) -> None:
+        """Give back all ``req`` holds; with ``cache``, its computed full pages go to the tree first."""
+        own_from = req.num_tree_pages
+        num_full = req.kv_len // self.page_size
+        if cache and self.cache is not None and num_full > req.num_tree_pages:
+            tokens = req.fill_slice(0, num_full * self.page_size)
+            num_dup = self.cache.insert(tokens, req.page_table[:num_full], req.cache_salt)
+            self.pages.free(req.page_table[req.num_tree_pages : max(num_dup, req.num_tree_pages)])
+            own_from = num_full
+        self.pages.free(req.page_table[own_from:])
+        self._unlock(req)
+        req.page_table, req.num_tree_pages, req.worker_pages = [], 0, 0
         if req.slot is not None:
             self.slots.free(req.slot)
             req.slot = None
+
+    def flush_cache(self) -> int:
+        """Evict every cached page no live request holds; returns how many were freed."""
+        return self.cache.flush() if self.cache is not None else 0
+
+    def _unlock(self, req: Req) -> int:
+        node, req.cache_node = req.cache_node, None
+        return self.cache.dec_lock_ref(node) if node is not None and self.cache is not None else 0
+
+    # ------------------------------------------------------------------ accounting
 
     @property
     def num_free_pages(self) -> int:
         return self.pages.num_free
 
     @property
+    def evictable_pages(self) -> int:
+        return self.cache.evictable_pages if self.cache is not None else 0
+
+    @property
+    def available_pages(self) -> int:
+        """What allocation can get: free pages plus cached pages no live request holds."""
+        return self.pages.num_free + self.evictable_pages
+
+    @property
     def used_tokens(self) -> int:
-        return self.pages.num_used * self.page_size
+        return (self.pages.num_used - self.evictable_pages) * self.page_size
 
     @property
     def usage(self) -> float:
-        return self.pages.num_used / max(self.pages.num_pages, 1)
+        return (self.pages.num_used - self.evictable_pages) / max(self.pages.num_pages, 1)
+
+    def check_integrity(self, holders: list[Req]) -> None:
+        """free + evictable + protected + pages owned by ``holders`` == all pages (no page twice)."""
+        owned = [p for req in holders for p in req.page_table[req.num_tree_pages :]]
+        assert len(owned) == len(set(owned)), "a page is owned twice"
+        tree = 0
+        if self.cache is not None:
+            self.cache.check_integrity()
+            tree = self.cache.total_pages
+        assert self.pages.num_free + tree + len(owned) == self.pages.num_pages, (
+            f"pages leaked: {self.pages.num_free} free + {tree} cached + {len(owned)} owned "
+            f"!= {self.pages.num_pages}"
+        )

@@ -17,16 +17,20 @@ class OutputCollector:
         self._token_ids: list[int] = []
         self._logprobs: list[float] = []
         self._finished: list[FinishReason | None] = []
+        self._cached: list[int] = []
 
-    def add_token(self, rid: int, token_id: int, logprob: float, finished: FinishReason | None) -> None:
+    def add_token(
+        self, rid: int, token_id: int, logprob: float, finished: FinishReason | None, cached_tokens: int = 0
+    ) -> None:
         self._rids.append(rid)
         self._token_ids.append(token_id)
         self._logprobs.append(logprob)
         self._finished.append(finished)
+        self._cached.append(cached_tokens)
 
-    def add_abort(self, rid: int, reason: FinishReason) -> None:
+    def add_abort(self, rid: int, reason: FinishReason, cached_tokens: int = 0) -> None:
         """An ended request with no new token: token id -1 by the TokenBatch contract."""
-        self.add_token(rid, -1, 0.0, reason)
+        self.add_token(rid, -1, 0.0, reason, cached_tokens)
 
     def add_error(self, rid: int, message: str) -> None:
         self._errors.append(RequestError(rid=rid, message=message))
@@ -40,8 +44,7 @@ class OutputCollector:
                     token_ids=self._token_ids,
                     logprobs=self._logprobs,
                     finished=self._finished,
-                    # No prefix cache yet: no prompt token is ever reused.
-                    cached_tokens=[0] * len(self._rids),
+                    cached_tokens=self._cached,
                 )
             )
             self._reset_rows()

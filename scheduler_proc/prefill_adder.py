@@ -48,7 +48,7 @@ class PrefillAdder:
         self.rem_input_tokens = rem_input_tokens
         self.rem_chunk_tokens = rem_chunk_tokens
         self.rem_total_tokens = rem_total_tokens
-        self.free_pages = free_pages  # hard limit: what the allocator can actually give
+        self.free_pages = free_pages  # hard limit: free plus evictable pages, what allocation can get
         self.free_slots = free_slots
         self.can_run_list: list[tuple[Req, int]] = []  # (request, tokens it extends this round)
         self.new_chunked_req: Req | None = None
@@ -74,6 +74,11 @@ class PrefillAdder:
             free_pages=free_pages,
             free_slots=free_slots,
         )
+
+    def on_evictable_change(self, delta_pages: int) -> None:
+        """A prefix lock (< 0) or unlock (> 0) changed how many cached pages eviction could free."""
+        self.rem_total_tokens += delta_pages * self.page_size
+        self.free_pages += delta_pages
 
     def _new_pages(self, req: Req, tokens: int) -> int:
         """Pages ``req`` needs beyond its page table to hold ``kv_len + tokens`` positions."""

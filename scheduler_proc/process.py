@@ -12,6 +12,7 @@ import zmq
 from protocol.messages import (
     AbortReq,
     EngineStats,
+    FlushCache,
     ForwardResult,
     FromWorker,
     Ready,
@@ -82,6 +83,7 @@ class SchedulerProcess:
             num_waiting=sched.num_waiting,
             num_pages=sched.pages.num_pages,
             free_pages=sched.pages.num_free,
+            evictable_pages=sched.kv.evictable_pages,
         )
         now = time.monotonic()
         if stats != self._sent_stats and (not sched.has_work or now - self._sent_stats_s >= STATS_INTERVAL_S):
@@ -114,6 +116,8 @@ class SchedulerProcess:
                     self.to_tokenizer.send(self.encoder.encode(error))
             case AbortReq():
                 self.scheduler.abort(msg.rid, msg.reason)
+            case FlushCache():
+                self.log.info("flushed the prefix cache: %d pages freed", self.scheduler.flush_cache())
             case _:
                 raise TypeError(f"unexpected message on to_scheduler: {type(msg).__name__}")
 

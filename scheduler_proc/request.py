@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from protocol.messages import FinishReason, SamplerParams, TokenizedRequest
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.page_allocator import pages_for
+
+if TYPE_CHECKING:
+    from scheduler_proc.radix_cache import TreeNode
 
 
 class ReqStatus(enum.Enum):
@@ -50,6 +54,12 @@ class Req:
     in_flight: bool = False  # part of the batch the worker is running now
     num_retractions: int = 0
     num_overtaken: int = 0  # admission rounds in which a later arrival got in and this one did not
+    cache_salt: str | None = None  # the prefix-cache namespace: requests share KV only within one
+    # Prefix cache (see kv_manager.py): page_table[:num_tree_pages] belong to the tree, locked at cache_node.
+    cache_node: TreeNode | None = None
+    num_tree_pages: int = 0
+    worker_pages: int = 0  # leading page-table entries the worker holds as they are here
+    cached_tokens: int = 0  # prompt tokens reused from the cache at the first admission
 
     def __post_init__(self) -> None:
         assert len(self.input_ids) >= 1, f"rid {self.rid}: empty prompt"
@@ -68,6 +78,7 @@ class Req:
             max_new_tokens=msg.max_new_tokens,
             stop_token_ids=frozenset(msg.stop_token_ids),
             sampler=msg.sampler,
+            cache_salt=msg.cache_salt,
         )
 
     @property

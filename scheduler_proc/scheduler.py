@@ -72,6 +72,8 @@ class Scheduler:
         self.num_retracted = 0
         self.num_finished = 0
         self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0  # of requests at their first admission
+        self.num_cached_prompt_tokens = 0  # of those, reused from the prefix cache
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -92,7 +94,7 @@ class Scheduler:
             return
         self._remove_from_queues(req)
         self._finish(req, reason)
-        self._outputs.add_abort(rid, reason)
+        self._outputs.add_abort(rid, reason, req.cached_tokens)
 
     def take_outputs(self) -> list[ToTokenizer]:
         """The pending TokenBatch (all rows of the step) and RequestErrors; [] when none."""
@@ -109,6 +111,10 @@ class Scheduler:
     def in_flight_reqs(self) -> list[Req]:
         """Requests of the batches the worker holds, aborted ones included (they still own KV)."""
         return [row.req for rows in self._in_flight.values() for row in rows]
+
+    def flush_cache(self) -> int:
+        """Evict every cached prefix no live request holds; returns the pages freed."""
+        return self.kv.flush_cache()
 
     def fail_in_flight(self, error: str) -> None:
         """Fail every batch in flight, e.g. when the worker's reply could not be decoded."""
@@ -177,13 +183,13 @@ class Scheduler:
             self.config,
             self.running,
             self.new_token_ratio.value,
-            self.kv.num_free_pages,
+            self.kv.available_pages,
             self.kv.slots.num_free,
         )
         continued = self.chunked_req
         if continued is not None:
             self.chunked_req = adder.add_chunked_req(continued)
-        admitted = self.admission.admit(adder, self.waiting)
+        admitted = self.admission.admit(adder, self.waiting, self.kv, continued)
         if adder.new_chunked_req is not None:
             assert self.chunked_req is None, "at most one chunked_req at a time"
             self.chunked_req = adder.new_chunked_req
@@ -196,7 +202,11 @@ class Scheduler:
         new_slot = req.slot is None
         if req.status is ReqStatus.WAITING:
             self.kv.assign_slot(req)
-        row = self._extend_row(req, extend_len, new_slot)
+            if req.num_retractions == 0:  # a recompute after retraction is no cache hit for the client
+                req.cached_tokens = min(req.kv_len, len(req.input_ids))
+                self.num_prompt_tokens += len(req.input_ids)
+                self.num_cached_prompt_tokens += req.cached_tokens
+        row = self._extend_row(req, extend_len, new_slot, is_prefill=True)
         if row.sample:
             req.status = ReqStatus.RUNNING
             self.running.append(req)
@@ -205,11 +215,11 @@ class Scheduler:
             req.status = ReqStatus.CHUNKED
         return row
 
-    def _extend_row(self, req: Req, extend_len: int, new_slot: bool) -> Row:
+    def _extend_row(self, req: Req, extend_len: int, new_slot: bool, is_prefill: bool) -> Row:
         """A row extending ``req`` by ``extend_len`` tokens, with the pages they need."""
         page_start, new_pages = self.kv.grow(req, extend_len)
         sample = req.kv_len + extend_len == req.seq_len
-        return Row(req, extend_len, sample, page_start, new_pages, new_slot)
+        return Row(req, extend_len, sample, page_start, new_pages, new_slot, is_prefill)
 
     def _decode_rows(self) -> list[Row]:
         """One decode row per running request; the ratio decays on a step that needed no retraction."""
@@ -217,7 +227,7 @@ class Scheduler:
         rows = []
         for req in self.running:
             assert req.is_decoding, f"rid {req.rid}: running but not at a decode step"
-            rows.append(self._extend_row(req, 1, new_slot=False))
+            rows.append(self._extend_row(req, 1, new_slot=False, is_prefill=False))
         if rows and not retracted:
             self.new_token_ratio.on_decode_step()
         return rows
@@ -226,7 +236,7 @@ class Scheduler:
         """Retract running requests until every decode that crosses into a new page gets one."""
         retracted = False
         while self.running:
-            if self.kv.decode_pages_needed(self.running) <= self.kv.num_free_pages:
+            if self.kv.decode_pages_needed(self.running) <= self.kv.available_pages:
                 break
             # SGLang's order: least progress lost first; ties: the longest prompt frees most.
             victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
@@ -239,9 +249,9 @@ class Scheduler:
         return retracted
 
     def _retract(self, req: Req) -> None:
-        """Give back a running request's KV; it re-prefills fill_ids later, keeping its output."""
+        """Give back a running request's KV (cached, so its recompute may hit); it keeps its output."""
         self.running.remove(req)
-        self.kv.release(req)
+        self.kv.release(req, cache=True)
         req.kv_len = 0
         req.status = ReqStatus.WAITING
         req.num_retractions += 1
@@ -283,15 +293,17 @@ class Scheduler:
         req = row.req
         req.in_flight = False
         if req.status is ReqStatus.FINISHED:  # aborted while in flight: its token is dropped
-            self.kv.release(req)
+            self.kv.release(req, cache=True)
             return
         req.kv_len += row.extend_len
+        if row.is_prefill:  # its prompt pages are shareable from the next round on
+            self.kv.cache_unfinished(req)
         if token is None:
             return
         req.output_ids.append(token)
         self.num_generated_tokens += 1
         reason = req.finish_reason_after_token(self.config.context_len)
-        self._outputs.add_token(req.rid, token, logprob, reason)
+        self._outputs.add_token(req.rid, token, logprob, reason, req.cached_tokens)
         if reason is not None:
             self.running.remove(req)
             self._finish(req, reason)
@@ -302,7 +314,7 @@ class Scheduler:
             req = row.req
             req.in_flight = False
             if req.status is ReqStatus.FINISHED:
-                self.kv.release(req)
+                self.kv.release(req, cache=False)  # its last forward failed: trust none of its KV
                 continue
             self._remove_from_queues(req)
             self._finish(req, FinishReason.ERROR)
@@ -324,13 +336,18 @@ class Scheduler:
         del self.reqs[req.rid]
         self.num_finished += 1
         if not req.in_flight:
-            self.kv.release(req)
+            self.kv.release(req, cache=reason is not FinishReason.ERROR)
 
     # ------------------------------------------------------------------ counters for logs
 
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Share of admitted prompt tokens that came from the prefix cache, since start."""
+        return self.num_cached_prompt_tokens / max(self.num_prompt_tokens, 1)
 
     @property
     def used_kv_tokens(self) -> int:

@@ -38,10 +38,12 @@ class SchedulerStats:
             self._window_generated = sched.num_generated_tokens
         if info.num_prefill_rows:
             self.logger.info(
-                "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: 0, token usage: %.2f, "
-                "#running-req: %d, #queue-req: %d",
+                "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, cache hit rate: %.1f%%, "
+                "token usage: %.2f, #running-req: %d, #queue-req: %d",
                 info.num_prefill_rows,
                 info.num_prefill_tokens,
+                info.num_cached_tokens,
+                100 * sched.cache_hit_rate,
                 sched.token_usage,
                 info.num_decoding,
                 sched.num_waiting,

@@ -6,6 +6,8 @@ loop runs: schedule -> execute -> on_result -> take_outputs.
 
 from __future__ import annotations
 
+from typing import Any
+
 from gpu_worker.model_runner import ModelRunner
 from protocol import RequestError, SamplerParams, TokenBatch, TokenizedRequest
 from scheduler_proc.config import SchedulerConfig
@@ -23,19 +25,24 @@ def generate(
     max_prefill_tokens: int = 4096,
     stop_token_ids: tuple[int, ...] = (),
     sampler: SamplerParams = GREEDY,
+    scheduler_overrides: dict[str, Any] | None = None,
 ) -> tuple[list[list[int]], Scheduler]:
-    """Greedy outputs of every prompt, served together; returns the drained scheduler too."""
-    scheduler = Scheduler(
-        SchedulerConfig(
-            num_pages=runner.num_pages,
-            context_len=runner.context_len,
-            page_size=runner.config.page_size,
-            max_running_requests=runner.config.max_running_requests,
-            max_prefill_tokens=max_prefill_tokens,
-            chunked_prefill_size=chunked_prefill_size,
-            enable_mixed_chunk=enable_mixed_chunk,
-        )
+    """Greedy outputs of every prompt, served together; returns the drained scheduler too.
+
+    ``scheduler_overrides`` sets other SchedulerConfig fields (a ``num_pages`` below the
+    runner's uses only part of its pool, e.g. to force eviction and retraction).
+    """
+    fields: dict[str, Any] = dict(
+        num_pages=runner.num_pages,
+        context_len=runner.context_len,
+        page_size=runner.config.page_size,
+        max_running_requests=runner.config.max_running_requests,
+        max_prefill_tokens=max_prefill_tokens,
+        chunked_prefill_size=chunked_prefill_size,
+        enable_mixed_chunk=enable_mixed_chunk,
     )
+    fields.update(scheduler_overrides or {})
+    scheduler = Scheduler(SchedulerConfig(**fields))
     for rid, prompt in enumerate(prompts):
         req = TokenizedRequest(
             rid=rid,

@@ -1,10 +1,11 @@
-"""Scheduling policies end to end: five engines, one mixed workload, the same tokens from all of them.
+"""Scheduling policies end to end: four engines, one mixed workload, the same tokens from all of them.
 
 Each engine runs a different admission / interleaving / KV setting; greedy and
-seeded-sampling requests alike must produce exactly the fcfs engine's tokens
-(sampling noise is a pure function of (seed, position)), streamed without a
-duplicated or lost delta, even where a tiny KV pool forces retraction. Aborts
-are checked in all three states a request can be in.
+seeded-sampling requests alike must produce exactly the tokens of the fcfs
+engine, which runs without the prefix cache while the others use it (sampling
+noise is a pure function of (seed, position)), streamed without a duplicated or
+lost delta, even where a tiny KV pool forces retraction and eviction. Aborts are
+checked in all three states a request can be in.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ COMMON = (
 )
 # Four engines, not one per knob: start-up (~10 s each) dominates this module's time.
 CONFIGS: dict[str, tuple[str, ...]] = {
-    "fcfs": ("--kv-cache-tokens", str(KV_TOKENS)),
+    "fcfs": ("--kv-cache-tokens", str(KV_TOKENS), "--disable-radix-cache"),
     "pack": ("--kv-cache-tokens", str(KV_TOKENS), "--schedule-policy", "pack"),
     # Small chunks: the abort tests below catch a long prompt between two of its chunks.
     "max-running": (
@@ -66,14 +67,21 @@ class Outcome:
     text: str
     finish_reason: FinishReason | None
     completion_tokens: int
+    cached_tokens: int = field(default=0, compare=False)  # differs with the cache on and off
 
 
 def mixed_workload() -> list[Job]:
     rng = random.Random(4)
     lens = [3, 40, 20, 7, 12, 15, 30, 60, 5, 9, 50, 160]
+    system = [rng.randrange(3, 49152) for _ in range(64)]  # four requests share it
+    prompts = [
+        (system if i in (1, 4, 9, 10) else []) + [rng.randrange(3, 49152) for _ in range(n)]
+        for i, n in enumerate(lens)
+    ]
+    prompts[10] = prompts[9]  # and two are identical
     return [
         Job(
-            input_ids=[rng.randrange(3, 49152) for _ in range(n)],
+            input_ids=prompts[i],
             max_new_tokens=rng.randint(60, 120),
             temperature=0.0 if i % 2 == 0 else 0.8,
             seed=1000 + i,
@@ -141,6 +149,7 @@ def run_job(endpoint: str, job: Job) -> Outcome:
         text="".join(c.text for c in chunks),
         finish_reason=chunks[-1].finish_reason,
         completion_tokens=usage.completion_tokens,
+        cached_tokens=usage.cached_tokens,
     )
 
 
@@ -176,6 +185,8 @@ def test_every_policy_gives_the_fcfs_tokens(engines: dict[str, RunningEngine]) -
         assert sorted(outcomes) == list(range(len(jobs))), f"{name}: a request did not finish"
         for i in range(len(jobs)):
             assert outcomes[i] == baseline[i], f"{name}: request {i} differs from fcfs"
+    assert not any(o.cached_tokens for o in baseline.values()), "fcfs runs without the prefix cache"
+    assert all(any(o.cached_tokens >= 64 for o in results[n].values()) for n in ("pack", "max-running"))
     retractions = engines["decode-first+tiny-kv"].log().count("retracted rid")
     assert retractions >= 3, f"the tiny pool must force retraction, saw {retractions}"
 

@@ -44,9 +44,16 @@ def fixed_ratio(ratio: float) -> dict[str, Any]:
     return {"schedule_conservativeness": ratio / 0.7, "new_token_ratio_decay_steps": 0}
 
 
-def tokenized(rid: int, prompt: list[int], max_new: int, stop: Iterable[int] = ()) -> TokenizedRequest:
+def tokenized(
+    rid: int, prompt: list[int], max_new: int, stop: Iterable[int] = (), salt: str | None = None
+) -> TokenizedRequest:
     return TokenizedRequest(
-        rid=rid, input_ids=prompt, max_new_tokens=max_new, stop_token_ids=list(stop), sampler=sampler(rid)
+        rid=rid,
+        input_ids=prompt,
+        max_new_tokens=max_new,
+        stop_token_ids=list(stop),
+        sampler=sampler(rid),
+        cache_salt=salt,
     )
 
 
@@ -72,9 +79,12 @@ def reference_output(
 class FakeWorker:
     """Consumes ForwardBatch like the GPU worker would, asserting the contract on the way.
 
-    A page handed to one slot while another slot's table holds it marks the other
-    slot dead: its request lost KV, so that slot must be reassigned (sampler sent)
-    before it appears again. Live requests therefore never share a KV slot.
+    KV is modelled per position as (token, hash of the sequence up to it). A row
+    reads its prefix through its slot's page table: pages it has not read since
+    they were last written are checked to hold one unbroken hash chain, so a
+    prefix shared from another request must hold exactly the right tokens, and a
+    page overwritten while a slot still uses it is caught the moment it is read.
+    Tokens are a pure function of the sequence, as in ``reference_output``.
     """
 
     def __init__(self, config: SchedulerConfig) -> None:
@@ -82,28 +92,49 @@ class FakeWorker:
         self.num_pages = config.num_pages
         self.num_slots = config.max_running_requests
         self.tables: dict[int, list[int]] = {}
-        self.written: dict[int, int] = {}  # slot -> positions with KV
-        self.hashes: dict[int, int] = {}
-        self.owner: dict[int, int] = {}  # page -> slot whose table last got it
-        self.dead: set[int] = set()
+        self.content: dict[tuple[int, int], tuple[int, int]] = {}  # (page, offset) -> (token, hash)
+        self.gen: dict[int, int] = {}  # page -> how many times one of its positions was overwritten
+        self.seen: dict[int, dict[int, int]] = {}  # slot -> page -> gen when the slot last read or wrote it
         self.fail_next: str | None = None
+        self.extend_tokens = 0  # prompt and decode tokens computed, over all batches
 
-    def _reset(self, slot: int) -> None:
-        self.tables[slot], self.written[slot], self.hashes[slot] = [], 0, 0
-        self.dead.discard(slot)
-
-    def _add_pages(self, slot: int, start: int, pages: list[int]) -> None:
+    def _at(self, slot: int, pos: int) -> tuple[int, int]:
         table = self.tables[slot]
-        assert start == len(table), f"slot {slot}: pages start at {start}, table has {len(table)}"
+        assert pos // self.page_size < len(table), f"slot {slot}: position {pos} has no page"
+        page = table[pos // self.page_size]
+        kv = self.content.get((page, pos % self.page_size))
+        assert kv is not None, f"slot {slot}: position {pos} read before it was written"
+        return kv
+
+    def _check_prefix(self, slot: int, prefix: int) -> int:
+        """The hash at ``prefix - 1`` (0 for none), checking pages this slot has not seen as they are."""
+        seen, ps = self.seen[slot], self.page_size
+        for j in range(-(-prefix // ps)):
+            page = self.tables[slot][j]
+            if seen.get(page) == self.gen.get(page, 0):
+                continue
+            h = self._at(slot, j * ps - 1)[1] if j else 0
+            for pos in range(j * ps, min((j + 1) * ps, prefix)):
+                tok, stored = self._at(slot, pos)
+                assert stored == next_hash(h, tok), f"slot {slot}: KV at {pos} is not this sequence's"
+                h = stored
+            seen[page] = self.gen.get(page, 0)
+        return self._at(slot, prefix - 1)[1] if prefix else 0
+
+    def _write(self, slot: int, pos: int, tok: int, h: int) -> None:
+        page = self.tables[slot][pos // self.page_size]
+        if (page, pos % self.page_size) in self.content:
+            self.gen[page] = self.gen.get(page, 0) + 1
+        self.content[(page, pos % self.page_size)] = (tok, h)
+        self.seen[slot][page] = self.gen.get(page, 0)
+
+    def _apply_pages(self, slot: int, start: int, pages: list[int]) -> None:
+        table = self.tables[slot]
+        assert 0 <= start <= len(table), f"slot {slot}: pages start at {start}, table has {len(table)}"
         for page in pages:
             assert 0 <= page < self.num_pages, f"page {page} out of range"
-            prev = self.owner.get(page)
-            if prev is not None and page in self.tables.get(prev, []):
-                assert prev != slot, f"page {page} twice in slot {slot}'s table"
-                self.dead.add(prev)
-                self.tables[prev] = [p for p in self.tables[prev] if p != page]
-            self.owner[page] = slot
-            table.append(page)
+        table[start : start + len(pages)] = pages
+        assert len(set(table)) == len(table), f"a page twice in slot {slot}'s table"
 
     def run(self, batch: ForwardBatch) -> ForwardResult:
         n = len(batch.slots)
@@ -119,33 +150,29 @@ class FakeWorker:
             assert len(field) == n, "ragged ForwardBatch"
         assert sum(batch.extend_lens) == len(batch.input_ids), "input_ids do not match extend_lens"
         assert sum(batch.page_counts) == len(batch.pages), "pages do not match page_counts"
-        tokens: list[int] = []
-        tok_off = page_off = 0
-        for i, slot in enumerate(batch.slots):
+        page_off = 0
+        for i, slot in enumerate(batch.slots):  # like the worker: every page delta lands before the forward
             assert 0 <= slot < self.num_slots, f"slot {slot} out of range"
             if batch.sampler[i] is not None:
-                self._reset(slot)
+                self.tables[slot], self.seen[slot] = [], {}
             assert slot in self.tables, f"slot {slot} used before it got a sampler"
-            assert slot not in self.dead, f"slot {slot} used after its pages went to another slot"
-            self._add_pages(
+            self._apply_pages(
                 slot, batch.page_starts[i], batch.pages[page_off : page_off + batch.page_counts[i]]
             )
             page_off += batch.page_counts[i]
+        tokens: list[int] = []
+        tok_off = 0
+        for i, slot in enumerate(batch.slots):
             prefix, ext = batch.prefix_lens[i], batch.extend_lens[i]
             assert ext >= 1, "empty row"
-            assert prefix == self.written[slot], (
-                f"slot {slot}: prefix {prefix}, but {self.written[slot]} written"
-            )
-            last_pos = prefix + ext - 1
-            assert last_pos // self.page_size < len(self.tables[slot]), (
-                f"slot {slot}: position {last_pos} has no page"
-            )
-            for tok in batch.input_ids[tok_off : tok_off + ext]:
-                self.hashes[slot] = next_hash(self.hashes[slot], tok)
+            h = self._check_prefix(slot, prefix)
+            for pos, tok in enumerate(batch.input_ids[tok_off : tok_off + ext], start=prefix):
+                h = next_hash(h, tok)
+                self._write(slot, pos, tok, h)
             tok_off += ext
-            self.written[slot] += ext
+            self.extend_tokens += ext
             if batch.sample[i]:
-                tokens.append(token_of(self.hashes[slot]))
+                tokens.append(token_of(h))
         if self.fail_next is not None:
             error, self.fail_next = self.fail_next, None
             return ForwardResult(step=batch.step, token_ids=[], logprobs=[], forward_s=0.0, error=error)
@@ -165,11 +192,12 @@ class Driver:
         self.finished: dict[int, FinishReason] = {}
         self.errors: dict[int, str] = {}
         self.batches: list[ForwardBatch] = []
+        self.cached: dict[int, int] = {}  # rid -> cached_tokens its rows reported
 
     def submit(
-        self, rid: int, prompt: list[int], max_new: int, stop: Iterable[int] = ()
+        self, rid: int, prompt: list[int], max_new: int, stop: Iterable[int] = (), salt: str | None = None
     ) -> RequestError | None:
-        error = self.sched.add(tokenized(rid, prompt, max_new, stop))
+        error = self.sched.add(tokenized(rid, prompt, max_new, stop, salt))
         if error is None:
             self.tokens[rid] = []
         return error
@@ -199,8 +227,10 @@ class Driver:
                 self.errors[out.rid] = out.message
                 continue
             assert isinstance(out, TokenBatch)
-            for rid, tok, reason in zip(out.rids, out.token_ids, out.finished, strict=True):
+            rows = zip(out.rids, out.token_ids, out.finished, out.cached_tokens, strict=True)
+            for rid, tok, reason, cached in rows:
                 assert rid not in self.finished and rid not in self.errors, f"row for rid {rid} after its end"
+                self.cached[rid] = max(self.cached.get(rid, 0), cached)
                 if tok != -1:
                     self.tokens[rid].append(tok)
                 if reason is not None:
@@ -219,9 +249,13 @@ class Driver:
         raise AssertionError("did not finish")
 
     def assert_no_leak(self) -> None:
+        """Idle: every page is free or cached (and flushing the cache frees them all)."""
         assert not self.sched.has_work and not self.sched.reqs
-        assert self.sched.pages.num_free == self.config.num_pages, "pages leaked"
+        self.sched.kv.check_integrity([])
+        assert self.sched.kv.available_pages == self.config.num_pages, "pages leaked"
         assert self.sched.slots.num_free == self.config.max_running_requests, "slots leaked"
+        self.sched.flush_cache()
+        assert self.sched.pages.num_free == self.config.num_pages, "flush left pages behind"
 
 
 def batch_kinds(batches: list[ForwardBatch]) -> list[str]:
@@ -244,15 +278,14 @@ def check_invariants(sched: Scheduler) -> None:
     assert sorted(r.rid for r in live) == sorted(sched.reqs), "a request is lost or in two places"
     for req in sched.waiting:
         assert req.status is ReqStatus.WAITING and req.slot is None and not req.page_table and req.kv_len == 0
+        assert req.cache_node is None, f"rid {req.rid} waits holding a cache lock"
     for req in sched.running:
         assert req.status is ReqStatus.RUNNING and req.is_decoding, f"rid {req.rid} running but not decoding"
     if sched.chunked_req is not None:
         req = sched.chunked_req
         assert req.status is ReqStatus.CHUNKED and 0 < req.kv_len < req.seq_len
     holders = [r for r in live if r.status is not ReqStatus.WAITING] + sched.in_flight_reqs()
-    pages = [p for r in holders for p in r.page_table]
-    assert len(pages) == len(set(pages)), "a page is held twice"
-    assert len(pages) + sched.pages.num_free == sched.pages.num_pages, "pages leaked"
+    sched.kv.check_integrity(holders)
     slots = [r.slot for r in holders]
     assert None not in slots and len(slots) == len(set(slots)), "slots broken"
     assert len(slots) + sched.slots.num_free == sched.slots.num_slots, "slots leaked"

@@ -17,6 +17,7 @@ import zmq
 from protocol.messages import (
     EngineStats,
     FinishReason,
+    FlushCache,
     ForwardBatch,
     Ready,
     RequestError,
@@ -33,13 +34,15 @@ from tests.scheduler_proc.harness import FakeWorker, reference_output, tokenized
 CONFIG = SchedulerConfig(num_pages=64, context_len=128, page_size=4, chunked_prefill_size=8)
 
 
-def recv(sock: zmq.Socket, codec: Codec[Any], timeout_s: float = 20.0) -> Any:
-    """The next message, skipping EngineStats (the scheduler's periodic load report)."""
+def recv(sock: zmq.Socket, codec: Codec[Any], stats: list[EngineStats] | None = None) -> Any:
+    """The next message, skipping EngineStats (the scheduler's periodic load report) into ``stats``."""
     while True:
-        assert sock.poll(int(timeout_s * 1000)), "nothing arrived in time"
+        assert sock.poll(20_000), "nothing arrived in time"
         msg = codec.decode(sock.recv())
         if not isinstance(msg, EngineStats):
             return msg
+        if stats is not None:
+            stats.append(msg)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -80,6 +83,7 @@ def test_scheduler_process_serves_over_zmq(scheduler_child: Any) -> None:
     ready = recv(socks["to_launcher"], Codec(ToLauncher))
     assert ready == Ready(proc="scheduler", pid=child.pid)
     codec: Codec[ToTokenizer] = Codec(ToTokenizer)
+    reports: list[EngineStats] = []
     assert socks["to_tokenizer"].poll(20_000), "no EngineStats at start"
     first = codec.decode(socks["to_tokenizer"].recv())  # tells the tokenizer the scheduler is up
     assert first == EngineStats(num_running=0, num_waiting=0, num_pages=64, free_pages=64)
@@ -88,7 +92,7 @@ def test_scheduler_process_serves_over_zmq(scheduler_child: Any) -> None:
     prompt = list(range(10, 30))
     socks["to_scheduler"].send(codec.encode(tokenized(2, prompt, 6)))
 
-    rejected = recv(socks["to_tokenizer"], codec)
+    rejected = recv(socks["to_tokenizer"], codec, reports)
     assert isinstance(rejected, RequestError) and rejected.rid == 1 and "context length" in rejected.message
     worker = FakeWorker(CONFIG)
     worker_codec: Codec[ToWorker] = Codec(ToWorker)
@@ -99,7 +103,7 @@ def test_scheduler_process_serves_over_zmq(scheduler_child: Any) -> None:
         assert isinstance(batch, ForwardBatch)
         socks["from_worker"].send(codec.encode(worker.run(batch)))
         if any(batch.sample):
-            out = recv(socks["to_tokenizer"], codec)
+            out = recv(socks["to_tokenizer"], codec, reports)
             assert isinstance(out, TokenBatch) and out.rids == [2]
             tokens += out.token_ids
             finished = out.finished[0]
@@ -109,7 +113,7 @@ def test_scheduler_process_serves_over_zmq(scheduler_child: Any) -> None:
     socks["to_scheduler"].send(codec.encode(tokenized(3, prompt, 6)))
     assert isinstance(recv(socks["to_worker"], worker_codec), ForwardBatch)
     socks["from_worker"].send(b"\x93garbage")
-    failed = recv(socks["to_tokenizer"], codec)
+    failed = recv(socks["to_tokenizer"], codec, reports)
     assert isinstance(failed, RequestError) and failed.rid == 3 and "malformed" in failed.message
 
     # Idle now: the loop must block on its sockets, not spin.
@@ -117,3 +121,17 @@ def test_scheduler_process_serves_over_zmq(scheduler_child: Any) -> None:
     time.sleep(1.0)
     assert cpu_seconds(child.pid) - before < 0.2, "an idle scheduler burns CPU"
     assert child.is_alive()
+
+    # Request 2's prompt stayed cached; FlushCache frees it, and the idle report says so.
+    while socks["to_tokenizer"].poll(0):
+        assert isinstance(msg := codec.decode(socks["to_tokenizer"].recv()), EngineStats)
+        reports.append(msg)
+    last = reports[-1]
+    assert last.evictable_pages > 0 and last.free_pages + last.evictable_pages == CONFIG.num_pages
+    socks["to_scheduler"].send(codec.encode(FlushCache()))
+    stats = None
+    while stats is None or stats.free_pages != CONFIG.num_pages:
+        assert socks["to_tokenizer"].poll(20_000), "no EngineStats after FlushCache"
+        msg = codec.decode(socks["to_tokenizer"].recv())
+        stats = msg if isinstance(msg, EngineStats) else stats
+    assert stats.evictable_pages == 0

@@ -33,6 +33,7 @@ def random_config(rng: random.Random) -> SchedulerConfig:
         max_overtakes=rng.choice([0, 2, 16]),
         decode_first=rng.random() < 0.3,
         max_consecutive_prefills=rng.choice([1, 1, 3]),
+        disable_radix_cache=rng.random() < 0.25,
     )
 
 
@@ -44,6 +45,7 @@ def test_random_workload(seed: int) -> None:
     reqs: dict[int, tuple[list[int], int]] = {}
     aborted: set[int] = set()
     next_rid = 0
+    shared = [[rng.randrange(1000) for _ in range(120)] for _ in range(3)]
 
     def abort_some(_batch: object) -> None:  # also called while a batch is in flight
         live = sorted(d.sched.reqs)
@@ -55,8 +57,11 @@ def test_random_workload(seed: int) -> None:
     for _ in range(5000):
         if next_rid < 40 and rng.random() < 0.3:
             p = [rng.randrange(1000) for _ in range(rng.randint(1, 150))]
+            if rng.random() < 0.5:  # many share a prefix: cache hits, in-batch dedup, eviction
+                p = (shared[rng.randrange(3)] + p)[: len(p)]
             max_new = rng.randint(1, 200 - len(p))
-            if d.submit(next_rid, p, max_new, stop=STOP_IDS) is None:
+            salt = rng.choice([None, None, "tenant"])
+            if d.submit(next_rid, p, max_new, stop=STOP_IDS, salt=salt) is None:
                 reqs[next_rid] = (p, max_new)
             next_rid += 1
         abort_some(None)

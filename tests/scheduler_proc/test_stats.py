@@ -32,8 +32,8 @@ def test_one_prefill_line_per_prefill_batch_and_a_decode_line_every_n(
             d.step(in_flight_hook=lambda _: stats.on_batch(d.sched))  # as the process: before the result
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0] == (
-        "Prefill batch. #new-seq: 2, #new-token: 6, #cached-token: 0, token usage: 0.06, "
-        "#running-req: 0, #queue-req: 0"
+        "Prefill batch. #new-seq: 2, #new-token: 6, #cached-token: 0, cache hit rate: 0.0%, "
+        "token usage: 0.06, #running-req: 0, #queue-req: 0"
     )
     decode_lines = [line for line in lines if line.startswith("Decode batch.")]
     assert len(lines) == 1 + len(decode_lines) and len(decode_lines) == 2, "6 decode steps, one line per 3"
