@@ -104,6 +104,7 @@ def _add_http_flags(p: argparse.ArgumentParser, t: TokenizerConfig) -> None:
 def _add_scheduling_flags(p: argparse.ArgumentParser, s: SchedulerConfig) -> None:
     """Admission policy, prefill/decode interleaving and KV reservation (README: Scheduling)."""
     p.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES, default=s.schedule_policy)
+    p.add_argument("--disable-radix-cache", action="store_true", default=s.disable_radix_cache)
     p.add_argument("--admission-lookahead", type=int, default=s.admission_lookahead)
     p.add_argument("--force-fifo-every", type=int, default=s.force_fifo_every, help="0: never")
     p.add_argument("--prefill-max-requests", type=int, default=s.prefill_max_requests, help="0: no cap")
@@ -165,6 +166,7 @@ def scheduler_config(args: argparse.Namespace, ready: WorkerReady) -> SchedulerC
         chunked_prefill_size=args.chunked_prefill_size,
         enable_mixed_chunk=args.enable_mixed_chunk,
         schedule_policy=args.schedule_policy,
+        disable_radix_cache=args.disable_radix_cache,
         admission_lookahead=args.admission_lookahead,
         force_fifo_every=args.force_fifo_every,
         prefill_max_requests=args.prefill_max_requests,
