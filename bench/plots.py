@@ -40,7 +40,7 @@ def plot_cdfs(sweep: dict[str, Any], path: Path) -> bool:
         ax.set_title(f"{name} CDF")
         ax.set_ylim(0, 1.01)
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="best", fontsize=8)
         if max(max(v["samples"][key] or [1.0]) for v in measured) > 20 * statistics.median(
             [statistics.median(v["samples"][key]) for v in measured if v["samples"][key]] or [1.0]
         ):

@@ -19,7 +19,10 @@ CONCURRENCY_COLUMNS = (
     ("output tok/s", "output_throughput"), ("TTFT p50 ms", "ttft_ms.p50"), ("TTFT p99 ms", "ttft_ms.p99"),
     ("ITL p50 ms", "itl_ms.p50"), ("ITL p99 ms", "itl_ms.p99"), ("TPOT p50 ms", "tpot_ms.p50"),
 )  # fmt: skip
-DELTA_KEYS = (("TTFT p99", "ttft_ms.p99"), ("ITL p99", "itl_ms.p99"), ("throughput", "output_throughput"))
+DELTA_KEYS = (
+    ("TTFT p50", "ttft_ms.p50"), ("TTFT p99", "ttft_ms.p99"), ("ITL p50", "itl_ms.p50"),
+    ("ITL p99", "itl_ms.p99"), ("throughput", "output_throughput"),
+)  # fmt: skip
 
 
 def metric(run: dict[str, Any], path: str) -> float | None:

@@ -171,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--manifest", type=Path, default=RESULTS_DIR / "sweep-latest.json")
     add("--records", type=Path, default=RESULTS_DIR / "sweep.jsonl", help="per-run JSON Lines records")
     add("--report-from", type=Path, default=None, help="only rewrite the docs from this manifest")
+    add("--peer-note", default="", help="a sentence on the peers for the docs (also with --report-from)")
     add("--note", default="other processes may share the CPU; compare rows within one table, not across runs")
     return p
 
@@ -209,7 +210,9 @@ def run_offline_for(args: argparse.Namespace, repeats: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.report_from is not None:
-        print(writeup.write_docs(json.loads(args.report_from.read_text()), args.out_dir))
+        saved = json.loads(args.report_from.read_text())
+        saved["peer_note"] = args.peer_note or saved.get("peer_note", "")
+        print(writeup.write_docs(saved, args.out_dir))
         return 0
     repeats = 2 if args.quick and args.repeats == 3 else args.repeats
     todo, with_offline = selected(args)
@@ -220,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join(["python", "-m", "bench.sweep", *(argv if argv is not None else sys.argv[1:])]),
         "model": args.model or "SmolLM2-135M-Instruct (the embedded GGUF, converted)",
         "engine_flags": list(opts.engine_flags), "quick": args.quick, "note": args.note, "sweeps": [],
-        "peers": [parse_peer(p).label for p in args.peer],
+        "peers": [parse_peer(p).label for p in args.peer], "peer_note": args.peer_note,
     }  # fmt: skip
     manifest["time"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     if with_offline:

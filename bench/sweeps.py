@@ -56,6 +56,7 @@ class Sweep:
 HOL = ("--prompt", "Hello", "--prompt-repeats", "512,1,1,1", "--unique-prompts", "--no-stop-on-eos")
 BUDGET = ("--max-prefill-tokens", "256")
 DEFAULT = EngineSpec("default")
+RIVULET_ZMQ = EngineSpec("rivulet (ZMQ)")  # the same default engine, named for the peer plots
 
 
 def _pair(
@@ -148,4 +149,4 @@ def quick(sweep: Sweep) -> Sweep:
 
 
 def default_sweeps(peers: list[EngineSpec]) -> list[Sweep]:
-    return [*seeds_pairs(), concurrency_sweep([DEFAULT, *peers])]
+    return [*seeds_pairs(), concurrency_sweep([RIVULET_ZMQ, *peers])]

@@ -93,7 +93,9 @@ def write_docs(manifest: dict[str, Any], out_dir: Path) -> Path:
             lines += _concurrency_section(sweep, out_dir)
     peers = manifest.get("peers") or []
     ran = f"Peers in this run: {', '.join(peers)}." if peers else "No peer ran in this sweep."
-    lines += ["## Peers: llama.cpp", "", ran, "", LLAMA_CPP_RECIPE, ""]
+    if manifest.get("peer_note"):
+        ran += " " + manifest["peer_note"]
+    lines += ["## Peers", "", ran, "", LLAMA_CPP_RECIPE, ""]
     path = out_dir / "BENCHMARKS.md"
     path.write_text("\n".join(lines))
     return path

@@ -79,7 +79,7 @@ def test_docs_have_tables_deltas_and_plots(tmp_path: Path) -> None:
     # TTFTs are 1.0 s and 1.5 s times 1.0, 1.1, 1.2 over the repeats: p50 1250, 1375, 1500 ms
     assert "| fcfs | 1375 (1250-1500) |" in md
     assert "n/a (flag not available: --new)" in md
-    assert "pack vs fcfs (medians): TTFT p99 -50%" in md
+    assert "pack vs fcfs (medians): TTFT p50 -50%, TTFT p99 -50%" in md
     assert "rivulet / HF generate: 2.00x" in md
     assert "| default | 16 |" in md
     for png in ("bench_pack.png", "bench_concurrency.png"):
