@@ -171,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--manifest", type=Path, default=RESULTS_DIR / "sweep-latest.json")
     add("--records", type=Path, default=RESULTS_DIR / "sweep.jsonl", help="per-run JSON Lines records")
     add("--report-from", type=Path, default=None, help="only rewrite the docs from this manifest")
+    add("--merge-into", type=Path, default=None, help="replace these sweeps in an earlier manifest")
     add("--peer-note", default="", help="a sentence on the peers for the docs (also with --report-from)")
     add("--note", default="other processes may share the CPU; compare rows within one table, not across runs")
     return p
@@ -207,6 +208,21 @@ def run_offline_for(args: argparse.Namespace, repeats: int) -> dict[str, Any]:
     return {**asdict(res), "ratio": res.ratio}
 
 
+def merge(base: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``later``'s sweeps put in place of the ones of the same name, each saying when it ran."""
+    merged = {**base, "sweeps": list(base["sweeps"])}
+    for sweep in later["sweeps"]:
+        note = f"measured in a later run ({later['time']}, commit `{later['git_commit']}`)"
+        note += f": `{later['command']}`"
+        names = [s["name"] for s in merged["sweeps"]]
+        entry = {**sweep, "note": note}
+        if sweep["name"] in names:
+            merged["sweeps"][names.index(sweep["name"])] = entry
+        else:
+            merged["sweeps"].append(entry)
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.report_from is not None:
@@ -234,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         manifest["sweeps"].append({k: v for k, v in asdict(result).items() if k != "pids"})
         args.manifest.parent.mkdir(parents=True, exist_ok=True)
         args.manifest.write_text(json.dumps(manifest, indent=1))  # after each sweep: a crash keeps the rest
+    if args.merge_into is not None:
+        manifest = merge(json.loads(args.merge_into.read_text()), manifest)
     args.manifest.parent.mkdir(parents=True, exist_ok=True)
     args.manifest.write_text(json.dumps(manifest, indent=1))
     print(f"manifest: {args.manifest}\nreport: {writeup.write_docs(manifest, args.out_dir)}")

@@ -43,6 +43,8 @@ def _machine_lines(m: dict[str, Any]) -> list[str]:
 
 def _pair_section(sweep: dict[str, Any], out_dir: Path) -> list[str]:
     lines = [f"### {sweep['title']}", "", f"Seeds: {sweep['expect']}.", ""]
+    if sweep.get("note"):
+        lines += [f"Note: {sweep['note']}", ""]
     workload = sweep["variants"][0]["workload"]
     lines += [f"Workload: `python -m bench.serving {shlex.join(workload)}`", ""]
     for v in sweep["variants"]:

@@ -86,3 +86,16 @@ def test_docs_have_tables_deltas_and_plots(tmp_path: Path) -> None:
         assert f"]({png})" in md
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert report.cell([]) == "-" and report.cell([3.0]) == "3" and report.cell([2.5]) == "2.5"
+
+
+def test_a_later_sweep_replaces_its_namesake_and_says_when_it_ran() -> None:
+    from bench.sweep import merge
+
+    base: dict[str, Any] = {"time": "t0", "sweeps": [{"name": "a", "v": 1}, {"name": "b", "v": 1}]}
+    later: dict[str, Any] = {"time": "t1", "git_commit": "c1", "command": "python -m bench.sweep --sweeps b",
+             "sweeps": [{"name": "b", "v": 2}, {"name": "c", "v": 2}]}  # fmt: skip
+    merged = merge(base, later)
+    assert [(s["name"], s["v"]) for s in merged["sweeps"]] == [("a", 1), ("b", 2), ("c", 2)]
+    assert "note" not in merged["sweeps"][0] and "t1" in merged["sweeps"][1]["note"]
+    assert "c1" in merged["sweeps"][2]["note"] and merged["time"] == "t0"
+    assert [s["v"] for s in base["sweeps"]] == [1, 1]  # the earlier manifest is not changed
