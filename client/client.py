@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import deque
 from collections.abc import Generator
 from types import TracebackType
@@ -22,7 +23,14 @@ from client.common import (
     default_endpoint,
     make_request,
 )
-from protocol.messages import AbortRequest, ClientReply, FinishReason, GenerateOutput, GenerateRequest
+from protocol.messages import (
+    AbortRequest,
+    ClientReply,
+    FinishReason,
+    FlushCacheRequest,
+    GenerateOutput,
+    GenerateRequest,
+)
 from protocol.transport import Codec
 
 logger = logging.getLogger(__name__)
@@ -75,6 +83,13 @@ class Client:
             return self._next(req.rid)
         finally:
             self._forget(req.rid)
+
+    def flush_cache(self) -> None:
+        """Drop the engine's cached prefixes (those no running request holds); returns once it is asked."""
+        rid = f"flush-{uuid.uuid4().hex}"
+        self._pending[rid] = deque()
+        self._sock.send(self._codec.encode(FlushCacheRequest(rid=rid)))
+        self._next(rid)
 
     def abort(self, rid: str) -> None:
         """Ask the engine to stop ``rid``; its stream then ends with finish_reason ABORT."""

@@ -63,6 +63,7 @@ class GenerateOptions(TypedDict, total=False):
     ignore_eos: bool
     logprobs: bool
     rid: str | None
+    cache_salt: str | None  # prefix-cache namespace: requests share cached KV only within one
 
 
 SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
@@ -78,6 +79,7 @@ def make_request(prompt: str | None, stream: bool, options: GenerateOptions) -> 
         prompt=prompt,
         messages=msgspec.convert(messages, list[ChatMessage]) if messages is not None else None,
         input_ids=options.get("input_ids"),
+        cache_salt=options.get("cache_salt"),
         sampling=msgspec.convert(sampling, SamplingParams),
         stream=stream,
         logprobs=options.get("logprobs", False),

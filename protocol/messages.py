@@ -2,7 +2,7 @@
 
 One ``msgspec.Struct`` per message and one tagged union per channel:
 
-    client        -> tokenizer_proc : ClientRequest  = GenerateRequest | AbortRequest
+    client        -> tokenizer_proc : ClientRequest  = GenerateRequest | AbortRequest | FlushCacheRequest
     tokenizer_proc -> client        : ClientReply    = GenerateOutput
     tokenizer_proc -> scheduler_proc: ToScheduler    = TokenizedRequest | AbortReq | FlushCache
     scheduler_proc -> tokenizer_proc: ToTokenizer    = TokenBatch | RequestError | EngineStats
@@ -88,7 +88,13 @@ class AbortRequest(ClientMsg, tag="abort"):
     rid: str
 
 
-ClientRequest = GenerateRequest | AbortRequest
+class FlushCacheRequest(ClientMsg, tag="flush_cache"):
+    """Drop the engine's cached prefixes; answered by a GenerateOutput with ``rid`` and finish_reason STOP."""
+
+    rid: str
+
+
+ClientRequest = GenerateRequest | AbortRequest | FlushCacheRequest
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):

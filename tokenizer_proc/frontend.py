@@ -12,6 +12,10 @@ from protocol.messages import (
     AbortRequest,
     ClientRequest,
     EngineStats,
+    FinishReason,
+    FlushCache,
+    FlushCacheRequest,
+    GenerateOutput,
     GenerateRequest,
     RequestError,
     TokenBatch,
@@ -66,6 +70,9 @@ class Frontend:
                 return self._on_generate(client_id, msg)
             case AbortRequest():
                 return self.requests.abort(client_id, msg.rid)
+            case FlushCacheRequest():
+                done = GenerateOutput(rid=msg.rid, finish_reason=FinishReason.STOP)
+                return Outbox(replies=[(client_id, done)], to_scheduler=[FlushCache()])
             case _:
                 raise AssertionError(f"ClientRequest decoded to unexpected {type(msg).__name__}")
 

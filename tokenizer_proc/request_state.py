@@ -154,6 +154,7 @@ class RequestTable:
             max_new_tokens=valid.max_new_tokens,
             stop_token_ids=valid.stop_token_ids,
             sampler=valid.sampler,
+            cache_salt=valid.cache_salt,
         )
 
     def abort(self, client_id: bytes, client_rid: str) -> Outbox:

@@ -50,6 +50,7 @@ class ValidRequest:
     sampler: SamplerParams
     stream: bool
     logprobs: bool
+    cache_salt: str | None = None  # prefix-cache namespace
 
     def __post_init__(self) -> None:
         assert self.input_ids and self.max_new_tokens >= 1, "validation let through an empty request"
@@ -91,6 +92,7 @@ def validate_generate(
         sampler=sampler,
         stream=req.stream,
         logprobs=req.logprobs,
+        cache_salt=req.cache_salt,
     )
 
 

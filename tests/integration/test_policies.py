@@ -248,3 +248,21 @@ def test_abort_the_chunked_request_between_its_chunks(engines: dict[str, Running
         assert not any(c.token_ids for c in chunks), "aborted mid-prompt: no token was sampled"
         assert engine.log().count("#new-seq: 1, #new-token: 4,") == last_chunks, "its last chunk never ran"
         _whole_pool_fits(client)
+
+
+@pytest.mark.timeout(120)
+def test_cache_salts_do_not_share_and_flush_empties_the_cache(engines: dict[str, RunningEngine]) -> None:
+    with Client(engines["pack"].endpoint, timeout_s=60) as client:
+
+        def cached(salt: str | None) -> int:
+            out = client.generate(input_ids=[21] * 80, max_new_tokens=2, ignore_eos=True, cache_salt=salt)
+            assert out.usage is not None
+            return out.usage.cached_tokens
+
+        assert cached("alice") == 0
+        assert cached("alice") == 64, "the 4 full pages of the 79 tokens before the last"
+        assert cached("bob") == 0, "another tenant's salt shares nothing"
+        assert cached(None) == 0
+        client.flush_cache()
+        assert cached("alice") == 0, "flushed"
+    assert "flushed the prefix cache" in engines["pack"].log()
