@@ -95,7 +95,7 @@ def build_workload(args: argparse.Namespace) -> list[WorkItem]:
     if args.workload == "seeds":
         return seeds_workload(
             args.prompt, parse_repeats(args.prompt_repeats), args.num_requests, args.unique_prompts,
-            args.max_new_tokens, args.no_stop_on_eos,
+            args.max_new_tokens, args.no_stop_on_eos, args.seed,
         )  # fmt: skip
     pool = WordPool(tokenizer_json(args))
     if args.workload == "random":

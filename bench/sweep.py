@@ -93,7 +93,11 @@ def _start(stack: contextlib.ExitStack, spec: sweeps.EngineSpec, opts: SweepOpti
     return stack.enter_context(launch.rivulet_server(spec.label, flags, workdir, opts.model))
 
 
-def _serving_args(v: sweeps.Variant, server: launch.Server, opts: SweepOptions) -> argparse.Namespace:
+def _serving_args(
+    v: sweeps.Variant, server: launch.Server, opts: SweepOptions, round_: int
+) -> argparse.Namespace:
+    """serving.py's arguments for one run. Round r runs every variant with --seed r: A and B see
+    the same requests, and a prefix cache cannot carry hits over from an earlier round."""
     target = (
         ["--backend", "openai", "--base-url", server.address]
         if v.engine.is_peer
@@ -101,14 +105,14 @@ def _serving_args(v: sweeps.Variant, server: launch.Server, opts: SweepOptions) 
     )
     model = ["--model", opts.model] if opts.model else []
     return serving.build_parser().parse_args(
-        [*v.workload, *target, *model, "--label", v.label, "--no-progress"]
+        [*v.workload, *target, *model, "--label", v.label, "--no-progress", "--seed", str(round_)]
     )
 
 
 def _one_run(
     v: sweeps.Variant, vr: VariantResult, server: launch.Server, opts: SweepOptions, sweep: str
 ) -> None:
-    args = _serving_args(v, server, opts)
+    args = _serving_args(v, server, opts, len(vr.runs))
     summary, results = asyncio.run(serving.benchmark(args))
     metrics = asdict(summary)
     vr.runs.append(metrics)

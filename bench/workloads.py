@@ -4,7 +4,8 @@ Three generators, all returning ``WorkItem``s:
 
 - ``seeds_workload``: the seeds' "Hello" prompts, ``--prompt-repeats "512,1,1,1"`` cycling
   over requests (request i repeats the prompt ``repeats[i % len(repeats)]`` times),
-  ``--unique-prompts`` putting the request's number first so no two prompts share a prefix.
+  ``--unique-prompts`` putting "SEED.NUMBER: " first so no two prompts share a prefix (nor do
+  two runs with different seeds, which keeps a prefix cache from carrying hits between runs).
 - ``random_workload``: prompts of random words with exact token lengths drawn uniformly from
   ``[input_len * range_ratio, input_len]`` (outputs likewise).
 - ``shared_prefix_workload``: G groups x Q questions; the questions of a group share one
@@ -69,14 +70,20 @@ def parse_repeats(spec: str) -> list[int]:
 
 
 def seeds_workload(
-    prompt: str, repeats: list[int], num_requests: int, unique: bool, max_new_tokens: int, ignore_eos: bool
+    prompt: str,
+    repeats: list[int],
+    num_requests: int,
+    unique: bool,
+    max_new_tokens: int,
+    ignore_eos: bool,
+    seed: int = 0,
 ) -> list[WorkItem]:
     """The seeds' benchmark_streaming prompts (text only: the engine tokenizes them)."""
     items = []
     for i in range(num_requests):
         text = " ".join([prompt] * repeats[i % len(repeats)])
         if unique:
-            text = f"{i}: {text}"
+            text = f"{seed}.{i}: {text}"
         items.append(WorkItem(text, None, max_new_tokens, ignore_eos))
     return items
 

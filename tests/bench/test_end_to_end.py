@@ -61,8 +61,9 @@ def test_sweep_interleaves_reports_na_and_stops_every_engine(tiny_llama_dir: Pat
     assert status["future"].startswith("n/a (flag not available") and "--no-such-flag-yet" in status["future"]
     for v in result.variants[:2]:
         assert len(v.runs) == 2 and all(r["num_failed"] == 0 and r["completion_tokens"] == 9 for r in v.runs)
-    order = [(r["config"]["variant"], r["config"]["repeat"]) for r in read_records(tmp_path / "runs.jsonl")]
-    assert order == [("chunk 16", 1), ("cap 1", 1), ("chunk 16", 2), ("cap 1", 2)]  # A B A B
+    runs = [r["config"] for r in read_records(tmp_path / "runs.jsonl")]
+    order = [(c["variant"], c["repeat"], c["seed"]) for c in runs]  # A B A B, one seed per round
+    assert order == [("chunk 16", 1, 0), ("cap 1", 1, 0), ("chunk 16", 2, 1), ("cap 1", 2, 1)]
     assert len(result.pids) >= 2 * 4  # two launchers, three children each
     assert [pid for pid, start in result.pids.items() if pid_alive(pid, start)] == []
 

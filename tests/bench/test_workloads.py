@@ -27,7 +27,9 @@ def test_seeds_prompts_cycle_the_repeats_and_are_unique() -> None:
     items = seeds_workload("Hello", parse_repeats("512,1,1,1"), 8, True, 32, True)
     assert [it.text.count("Hello") for it in items] == [512, 1, 1, 1, 512, 1, 1, 1]
     assert len({it.text for it in items}) == 8
-    assert items[0].text.startswith("0: Hello Hello")
+    assert items[0].text.startswith("0.0: Hello Hello") and items[5].text == "0.5: Hello"
+    reseeded = seeds_workload("Hello", [1], 2, True, 8, True, seed=3)
+    assert [it.text for it in reseeded] == ["3.0: Hello", "3.1: Hello"]
     assert all(it.input_ids is None and it.max_new_tokens == 32 and it.ignore_eos for it in items)
     plain = seeds_workload("Hi", [2], 3, False, 8, False)
     assert [it.text for it in plain] == ["Hi Hi"] * 3 and not plain[0].ignore_eos
