@@ -63,12 +63,12 @@ def _sweep(
 
 def groups() -> dict[str, sweeps.Sweep]:
     return {
-        "admission": _sweep("admission", "admission knobs, burst of 16 (4 x 515-token prompts)", BURST, [
+        "admission": _sweep("admission", "admission knobs, burst of 12 (3 x 515-token prompts)", BURST, [
             ("fcfs", ()),
             ("pack", ("--schedule-policy", "pack")),
             ("max-running-requests 4", ("--max-running-requests", "4")),
         ]),
-        "interleave": _sweep("interleave", "prefill vs decode, a request every 1.5 s", STREAM, [
+        "interleave": _sweep("interleave", "prefill vs decode, a request every 2 s", STREAM, [
             ("prefill streak 1 (default)", ()),
             ("prefill streak 4", ("--max-consecutive-prefills", "4")),
             ("prefill streak 4, decode-first", ("--max-consecutive-prefills", "4", "--decode-first")),
