@@ -23,7 +23,7 @@ class WorkerConfig:
     kv_cache_tokens: int = 0  # 0: size the pool from kv_mem_fraction
     kv_mem_fraction: float = 0.2  # of free device memory (CPU: available RAM)
     max_running_requests: int = 128  # request slots in the page table
-    num_threads: int = 0  # torch threads on CPU; 0: all cores
+    num_threads: int = 0  # torch threads on CPU; 0: all cores or half, tuned per step (threads.py)
     compile: bool = False
     seed: int = 0
 

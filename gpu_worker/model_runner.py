@@ -19,6 +19,7 @@ from gpu_worker.kv_cache import KVPool, kv_pool_tokens
 from gpu_worker.loader import load_model
 from gpu_worker.models.layers import can_pack_linear_weights, pack_linear_weights
 from gpu_worker.sampler import SlotSamplerParams, sample
+from gpu_worker.threads import ThreadTuner, shape_class
 from protocol.messages import ForwardBatch, ForwardResult
 
 logger = logging.getLogger(__name__)
@@ -46,8 +47,12 @@ class ModelRunner:
         if name == "auto":
             name = "cuda" if torch.cuda.is_available() else "cpu"
         self._device = torch.device(name)
+        self._tuner: ThreadTuner | None = None
         if self._device.type == "cpu":
-            torch.set_num_threads(self.config.num_threads or os.cpu_count() or 1)
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            torch.set_num_threads(self.config.num_threads or cores)
+            if self.config.num_threads == 0 and cores > 1:
+                self._tuner = ThreadTuner((cores, max(1, cores // 2)))
         dtype = auto_dtype(self._device) if self.config.dtype == "auto" else self.config.dtype
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
@@ -56,9 +61,7 @@ class ModelRunner:
     def _init_model(self) -> None:
         started = time.perf_counter()
         self.model, self.hf_config = load_model(self.config.model_path, self._dtype, self._device)
-        if can_pack_linear_weights(self._device, self._dtype):
-            assert isinstance(self.model, torch.nn.Module), "our models are nn.Modules"
-            pack_linear_weights(self.model)
+        self._prepare_kernels()
         self._context_len = int(self.model.context_len)
         self.vocab_size = int(self.hf_config.vocab_size)
         logger.info(
@@ -68,6 +71,22 @@ class ModelRunner:
             self._device,
             time.perf_counter() - started,
         )
+
+    def _prepare_kernels(self) -> None:
+        """--compile: torch.compile the layers' dense code; else pack the matmul weights for oneDNN.
+
+        Not both: a compiled graph cannot read oneDNN's opaque blocked tensors.
+        """
+        model = self.model
+        assert isinstance(model, torch.nn.Module), "our models are nn.Modules"
+        if self.config.compile:
+            compile_dense = getattr(model, "compile_dense", None)
+            if compile_dense is None:
+                logger.warning("--compile: %s has no compiled path; running eagerly", type(model).__name__)
+            else:
+                compile_dense()
+        elif can_pack_linear_weights(self._device, self._dtype):
+            pack_linear_weights(model)
 
     def _init_kv_pool(self) -> None:
         model = self.model
@@ -107,6 +126,8 @@ class ModelRunner:
 
     def execute(self, batch: ForwardBatch) -> ForwardResult:
         """Run one batch; return the drawn tokens of its ``sample`` rows in row order."""
+        shape = shape_class(len(batch.slots), len(batch.input_ids))
+        threads = self._use_threads(shape)
         started = time.perf_counter()
         logits = self.compute_logits(batch)
         rows = [i for i, flag in enumerate(batch.sample) if flag]
@@ -119,9 +140,19 @@ class ModelRunner:
             with torch.inference_mode():
                 tokens, token_logprobs = sample(logits, params)
             token_ids, logprobs = tokens.tolist(), token_logprobs.tolist()
-        return ForwardResult(
-            step=batch.step, token_ids=token_ids, logprobs=logprobs, forward_s=time.perf_counter() - started
-        )
+        forward_s = time.perf_counter() - started
+        if self._tuner is not None:
+            self._tuner.record(shape, threads, forward_s)
+        return ForwardResult(step=batch.step, token_ids=token_ids, logprobs=logprobs, forward_s=forward_s)
+
+    def _use_threads(self, shape: tuple[str, int]) -> int:
+        """Set the torch thread count the tuner picks for this batch's shape class."""
+        if self._tuner is None:
+            return torch.get_num_threads()
+        threads = self._tuner.choose(shape)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        return threads
 
     @torch.inference_mode()
     def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:

@@ -103,9 +103,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.eps)
         self.qk_norm = args.qk_norm
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D], rotated, of the normed hidden states ``x``."""
         tokens = x.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(tokens, heads + 2 * kv_heads, head_dim)
@@ -116,8 +117,7 @@ class Attention(nn.Module):
             # q and k rotate by the same angles: one rotary over their heads together.
             qk = apply_rotary(qkv[:, : heads + kv_heads], cos, sin)
             q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
-        out = paged_attention(self.layer, q, k, v, ctx)
-        return self.o_proj(out.reshape(tokens, heads * head_dim))
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -143,11 +143,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.eps)
         self.mlp = MLP(args)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+
+# A layer is dense code around one attention call: these two functions are that
+# code, free functions so that torch.compile (--compile) builds ONE graph each
+# for all layers (the layer's weights arrive as graph inputs, not constants).
+
+
+def attention_inputs(
+    layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer's q, k, v from its input ``x``."""
+    return layer.self_attn.project(layer.input_layernorm(x), cos, sin)
+
+
+def attention_outputs(layer: DecoderLayer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """The layer's output from its input ``x`` and the attention output [T, Hq, D]."""
+    x = x + layer.self_attn.o_proj(attended.flatten(1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 class LlamaBody(nn.Module):
@@ -173,13 +185,21 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         inv_freq, scaling = rope_inv_freq(hf_config, args.head_dim)
         self.rotary = RotaryCache(inv_freq, scaling, args.context_len)
+        self.dense_in, self.dense_out = attention_inputs, attention_outputs
+
+    def compile_dense(self) -> None:
+        """torch.compile the dense code of every layer (shapes dynamic in the token count)."""
+        self.dense_in = torch.compile(attention_inputs, dynamic=True)
+        self.dense_out = torch.compile(attention_outputs, dynamic=True)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [T, hidden] before the final norm."""
         cos, sin = self.rotary(ctx.positions)
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
+            assert isinstance(layer, DecoderLayer), "model.layers holds DecoderLayers"
+            q, k, v = self.dense_in(layer, x, cos, sin)
+            x = self.dense_out(layer, x, paged_attention(layer.self_attn.layer, q, k, v, ctx))
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

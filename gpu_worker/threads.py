@@ -1,0 +1,104 @@
+"""How many CPU threads each forward uses, chosen from measured step times.
+
+On a small shared CPU the best thread count flips with what else runs. On the
+2-core dev machine, SmolLM2 bf16 (bench/worker_step.py): with the second core
+idle, 2 threads beat 1 by 1.3x at decode batch 1, 1.5x at batch 32 and 2x on
+a 256-token prefill; with one busy process beside the worker (the scheduler,
+the tokenizer, a client, or another tenant), 2 threads ran 2-4x SLOWER than 1,
+because every op waits at a barrier for the thread that lost its core. A fixed
+choice is wrong half the time, so the worker keeps the recent step times per
+(batch shape class, thread count), uses the count with the lower median, and
+re-tries the other for a few steps now and then, less and less often while it
+keeps losing. Medians, not means: a neighbour's burst makes single steps slow.
+
+This module is pure: no torch, no clock. The runner measures and applies.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+WINDOW = 5  # recent step times kept per (class, thread count)
+RETRY_STEPS = 3  # consecutive steps a re-try runs the other count
+FIRST_RETRY_EVERY = 8  # steps of the used count between re-tries, at first
+MAX_RETRY_EVERY = 512  # the interval doubles on every lost re-try up to this
+
+
+def shape_class(rows: int, tokens: int) -> tuple[str, int]:
+    """Batches that cost about the same: decode batches by rows, others by tokens, in powers of 2."""
+    if rows == tokens:
+        return ("decode", max(rows - 1, 0).bit_length())
+    return ("extend", max(tokens - 1, 0).bit_length())
+
+
+@dataclass
+class _ClassState:
+    """Recent step times of one shape class per thread count, and the re-try schedule."""
+
+    preferred: int
+    times: dict[int, deque[float]] = field(default_factory=dict)
+    trying: int | None = None  # the count a running re-try uses
+    tries_left: int = 0
+    steps_since_retry: int = 0
+    retry_every: int = RETRY_STEPS  # the first re-try comes right after a short first look
+
+    def median(self, threads: int) -> float:
+        times = self.times.get(threads)
+        return statistics.median(times) if times else float("inf")
+
+
+class ThreadTuner:
+    """Picks a thread count per step among ``choices``; ``record`` feeds back the step's time.
+
+    Each shape class starts on the largest count; every ``retry_every`` steps the
+    best other count runs ``RETRY_STEPS`` steps in a row, and the lower median
+    wins. A lost re-try doubles the interval, a won one resets it, and a used
+    count whose median climbs above the other's brings the next re-try forward.
+    """
+
+    def __init__(self, choices: tuple[int, ...]) -> None:
+        assert len(set(choices)) >= 2 and all(c >= 1 for c in choices), f"bad thread choices {choices}"
+        self.choices = tuple(sorted(set(choices), reverse=True))
+        self._classes: dict[tuple[str, int], _ClassState] = {}
+
+    def choose(self, key: tuple[str, int]) -> int:
+        state = self._state(key)
+        if state.trying is None and state.steps_since_retry >= state.retry_every:
+            others = [c for c in self.choices if c != state.preferred]
+            untried = [c for c in others if c not in state.times]
+            state.trying = untried[0] if untried else min(others, key=state.median)
+            state.times[state.trying] = deque(maxlen=WINDOW)  # older times of it are stale
+            state.tries_left = RETRY_STEPS
+        return state.preferred if state.trying is None else state.trying
+
+    def record(self, key: tuple[str, int], threads: int, seconds: float) -> None:
+        state = self._state(key)
+        state.times.setdefault(threads, deque(maxlen=WINDOW)).append(seconds)
+        if threads == state.trying:
+            state.tries_left -= 1
+            if state.tries_left == 0:
+                self._judge_retry(state, threads)
+        elif threads == state.preferred:
+            state.steps_since_retry += 1
+            others = [c for c in state.times if c != threads]
+            if others and state.median(threads) > min(state.median(c) for c in others):
+                state.steps_since_retry = max(state.steps_since_retry, state.retry_every)
+
+    def preferred(self, key: tuple[str, int]) -> int | None:
+        """The count this class uses now (None before its first step)."""
+        state = self._classes.get(key)
+        return None if state is None else state.preferred
+
+    def _state(self, key: tuple[str, int]) -> _ClassState:
+        return self._classes.setdefault(key, _ClassState(preferred=self.choices[0]))
+
+    @staticmethod
+    def _judge_retry(state: _ClassState, tried: int) -> None:
+        won = state.median(tried) < state.median(state.preferred)
+        if won:
+            state.preferred, state.retry_every = tried, FIRST_RETRY_EVERY
+        else:
+            state.retry_every = min(max(2 * state.retry_every, FIRST_RETRY_EVERY), MAX_RETRY_EVERY)
+        state.trying, state.steps_since_retry = None, 0
