@@ -81,7 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=w.device, help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=w.dtype, help="auto | float32 | bfloat16 | float16 | float64")
     p.add_argument(
-        "--num-threads", type=int, default=w.num_threads, help="worker torch threads; 0: all cores"
+        "--num-threads",
+        type=int,
+        default=w.num_threads,
+        help="worker torch threads; 0: all cores or half, whichever runs faster, tuned while serving",
+    )
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=w.compile,
+        help="torch.compile the worker's dense layer code (slower start; no oneDNN weight packing)",
     )
     p.add_argument("--seed", type=int, default=w.seed)
     p.add_argument("--decode-log-interval", type=int, default=s.decode_log_interval)
@@ -152,6 +161,7 @@ def worker_config(args: argparse.Namespace, model_path: str) -> WorkerConfig:
         kv_mem_fraction=args.kv_mem_fraction,
         max_running_requests=args.max_running_requests,
         num_threads=args.num_threads,
+        compile=args.compile,
         seed=args.seed,
     )
 
