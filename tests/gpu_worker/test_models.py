@@ -222,6 +222,7 @@ def test_compiled_dense_code_matches_hf(tiny_models: dict) -> None:
             num_threads=1, compile=True,
         )
     )  # fmt: skip
+    assert isinstance(runner.model, torch.nn.Module)
     assert not any(p.is_mkldnn for p in runner.model.parameters()), "compiled graphs read plain weights"
     prompts = make_prompts(seed=5)
     # Inductor fuses the float32 norm statistics its own way: equal to ~1e-6, not bit for bit.
