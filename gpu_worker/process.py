@@ -11,7 +11,7 @@ import zmq
 
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
-from protocol.messages import ForwardResult, ToWorker, WorkerReady
+from protocol.messages import ForwardBatch, ForwardResult, ToWorker, WorkerReady
 from protocol.transport import Codec, Endpoints, make_socket
 
 logger = logging.getLogger(__name__)
@@ -30,26 +30,35 @@ def run_worker(config: WorkerConfig, endpoints: Endpoints) -> None:
     launcher = make_socket(ctx, zmq.PUSH, endpoints.to_launcher, bind=False)
     codec: Codec[ToWorker] = Codec(ToWorker)
     launcher.send(codec.encode(_ready(runner, config)))
+    busy_s = 0.0  # seconds spent on batches, from a frame's arrival to its reply
     while True:
         frame = inbox.recv(copy=False)
+        received = time.monotonic()
         try:
             batch = codec.decode(frame.buffer)
         except msgspec.DecodeError as exc:
             logger.error("dropped a malformed frame (%d bytes): %s", len(frame.buffer), exc)
             continue
-        started = time.perf_counter()
-        try:
-            result = runner.execute(batch)
-        except Exception as exc:  # a failed batch fails its requests, not the worker
-            logger.exception("step %d failed", batch.step)
-            result = ForwardResult(
-                step=batch.step,
-                token_ids=[],
-                logprobs=[],
-                forward_s=time.perf_counter() - started,
-                error=f"{type(exc).__name__}: {exc}",
-            )
-        outbox.send(codec.encode(result))
+        result = _execute(runner, batch)
+        now = time.monotonic()
+        busy_s += now - received
+        outbox.send(codec.encode(msgspec.structs.replace(result, busy_s=busy_s, clock_s=now)))
+
+
+def _execute(runner: ModelRunner, batch: ForwardBatch) -> ForwardResult:
+    """The batch's result; a failed forward fails its requests, not the worker."""
+    started = time.perf_counter()
+    try:
+        return runner.execute(batch)
+    except Exception as exc:
+        logger.exception("step %d failed", batch.step)
+        return ForwardResult(
+            step=batch.step,
+            token_ids=[],
+            logprobs=[],
+            forward_s=time.perf_counter() - started,
+            error=f"{type(exc).__name__}: {exc}",
+        )
 
 
 def _ready(runner: ModelRunner, config: WorkerConfig) -> WorkerReady:

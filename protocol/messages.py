@@ -210,6 +210,9 @@ class EngineStats(Msg):
     num_pages: int
     free_pages: int
     evictable_pages: int = 0
+    # The worker's last ForwardResult counters: busy share over a window = d(busy) / d(clock).
+    worker_busy_s: float = 0.0
+    worker_clock_s: float = 0.0
 
 
 ToTokenizer = TokenBatch | RequestError | EngineStats
@@ -252,7 +255,10 @@ class ForwardResult(Msg):
     """The tokens drawn for the rows of ``step`` whose ``sample`` was True, in row order.
 
     ``error`` is set (and the lists empty) when the forward failed; the scheduler
-    then fails that batch's requests and keeps serving.
+    then fails that batch's requests and keeps serving. ``busy_s`` is the worker's
+    running total of seconds spent on batches (frame received to reply ready) and
+    ``clock_s`` its monotonic clock as it replies: the two give the worker's busy
+    share over any window from its own timestamps.
     """
 
     step: int
@@ -260,6 +266,8 @@ class ForwardResult(Msg):
     logprobs: list[float]
     forward_s: float
     error: str | None = None
+    busy_s: float = 0.0
+    clock_s: float = 0.0
 
 
 FromWorker = ForwardResult

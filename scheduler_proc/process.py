@@ -84,6 +84,8 @@ class SchedulerProcess:
             num_pages=sched.pages.num_pages,
             free_pages=sched.pages.num_free,
             evictable_pages=sched.kv.evictable_pages,
+            worker_busy_s=self.stats.worker_busy_s,
+            worker_clock_s=self.stats.worker_clock_s,
         )
         now = time.monotonic()
         if stats != self._sent_stats and (not sched.has_work or now - self._sent_stats_s >= STATS_INTERVAL_S):
@@ -131,6 +133,7 @@ class SchedulerProcess:
             return
         match msg:
             case ForwardResult():
+                self.stats.on_worker_result(msg.busy_s, msg.clock_s)
                 self.scheduler.on_result(msg)
             case _:
                 raise TypeError(f"unexpected message on from_worker: {type(msg).__name__}")

@@ -24,10 +24,21 @@ class SchedulerStats:
         self.num_decode_batches = 0
         self._window_start_s: float | None = None  # None: idle; the next batch opens a window
         self._window_generated = 0
+        self.worker_busy_s = self.worker_clock_s = 0.0  # the worker's latest counters
+        self._logged_busy_s = self._logged_clock_s = 0.0  # ... as of the previous decode line
+        self._rebase_worker = True  # the next worker reply starts the busy window
+
+    def on_worker_result(self, busy_s: float, clock_s: float) -> None:
+        """Record the worker's busy-seconds counter and clock from a ForwardResult."""
+        self.worker_busy_s, self.worker_clock_s = busy_s, clock_s
+        if self._rebase_worker:
+            self._logged_busy_s, self._logged_clock_s = busy_s, clock_s
+            self._rebase_worker = False
 
     def on_idle(self) -> None:
-        """The engine ran dry: idle time must not dilute the next throughput figure."""
+        """The engine ran dry: idle time must not dilute the next throughput or busy figure."""
         self._window_start_s = None
+        self._rebase_worker = True
 
     def on_batch(self, sched: Scheduler) -> None:
         """Call right after ``sched.schedule()`` returned a batch."""
@@ -53,13 +64,21 @@ class SchedulerStats:
         if self.num_decode_batches % self.decode_log_interval == 0:
             self.logger.info(
                 "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
-                "gen throughput (token/s): %.2f, #queue-req: %d",
+                "gen throughput (token/s): %.2f, worker busy: %.1f%%, #queue-req: %d",
                 info.num_decode_rows,
                 sched.used_kv_tokens,
                 sched.token_usage,
                 self._throughput(sched),
+                100 * self._worker_busy_share(),
                 sched.num_waiting,
             )
+
+    def _worker_busy_share(self) -> float:
+        """The worker's busy share since the previous decode line, from its own timestamps."""
+        busy = self.worker_busy_s - self._logged_busy_s
+        elapsed = self.worker_clock_s - self._logged_clock_s
+        self._logged_busy_s, self._logged_clock_s = self.worker_busy_s, self.worker_clock_s
+        return busy / elapsed if elapsed > 0 else 0.0
 
     def _throughput(self, sched: Scheduler) -> float:
         """Tokens sampled per second since the previous decode line (or since the engine woke up)."""

@@ -95,6 +95,18 @@ def render_prometheus(m: ServingMetrics, stats: EngineStats | None, in_flight: i
             stats.evictable_pages,
         )
         one("rivulet_kv_usage_ratio", "gauge", "Share of KV pages in use.", used / max(stats.num_pages, 1))
+        one(
+            "rivulet_worker_busy_seconds_total",
+            "counter",
+            "Seconds the worker spent on batches, by its own clock.",
+            stats.worker_busy_s,
+        )
+        one(
+            "rivulet_worker_clock_seconds",
+            "gauge",
+            "The worker's monotonic clock at its last reply (busy share = d busy / d clock).",
+            stats.worker_clock_s,
+        )
     one("rivulet_num_requests_in_flight", "gauge", "Requests the front door is serving.", in_flight)
     one("rivulet_prompt_tokens_total", "counter", "Prompt tokens admitted.", m.prompt_tokens)
     one("rivulet_generation_tokens_total", "counter", "Tokens generated.", m.generation_tokens)

@@ -73,6 +73,9 @@ def test_worker_serves_batches_and_survives_bad_input(tmp_path: Path) -> None:
         assert failed.step == 1 and failed.token_ids == [] and "pages" in (failed.error or "")
         assert served.step == 2 and served.error is None and len(served.token_ids) == 1
         assert 0 <= served.token_ids[0] < 500 and served.logprobs[0] <= 0.0
+        # The busy counter runs on the worker's clock: it grows with each batch, never past the clock.
+        assert 0 < failed.busy_s < served.busy_s and failed.clock_s < served.clock_s
+        assert served.busy_s - failed.busy_s <= served.clock_s - failed.clock_s
     finally:
         if child.pid is not None and child.is_alive():
             os.kill(child.pid, signal.SIGTERM)

@@ -110,8 +110,17 @@ def test_prometheus_text_has_engine_state_only_once_known(frontend: Frontend) ->
     table = frontend.requests
     before = render_prometheus(table.metrics, None, 0)
     assert "rivulet_kv_pages_free" not in before and "rivulet_generation_tokens_total 0" in before
-    stats = EngineStats(num_running=2, num_waiting=1, num_pages=10, free_pages=4, evictable_pages=2)
+    stats = EngineStats(
+        num_running=2,
+        num_waiting=1,
+        num_pages=10,
+        free_pages=4,
+        evictable_pages=2,
+        worker_busy_s=12.5,
+        worker_clock_s=8001.25,
+    )
     text = render_prometheus(table.metrics, stats, 3)
     assert "rivulet_kv_usage_ratio 0.4" in text and "rivulet_num_requests_waiting 1" in text
+    assert "rivulet_worker_busy_seconds_total 12.5" in text and "rivulet_worker_clock_seconds 8001.25" in text
     assert 'rivulet_requests_finished_total{finish_reason="abort"} 0' in text
     assert all(line.startswith("#") or len(line.split()) == 2 for line in text.splitlines())
