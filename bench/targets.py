@@ -1,0 +1,353 @@
+"""Issue 7's performance targets in one run: every target measured, a markdown table printed.
+
+    flock /tmp/rivulet-cpu.lock python -m bench.targets                  # the engine's default dtype
+    flock /tmp/rivulet-cpu.lock python -m bench.targets --dtype float32,bfloat16 --repeats 3
+
+Round r starts one fresh engine per dtype (``launcher.py --dtype D --http-port P``) and on it
+measures, in order: start-up to the Ready line, 32 concurrent streams (with the worker's busy
+counters sampled from GET /metrics while they decode), 1 stream, idle CPU of the whole process
+tree, and bench/offline.py's 256 prompts against HF generate of the same dtype in this process.
+Every measurement of round r comes before round r+1; a cell is the median over rounds with
+(min-max). Anchor columns are the issue's numbers from another machine, not measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx
+
+from bench import launch, offline, serving
+from bench.metrics import RequestResult, Summary
+from bench.records import append_record, machine_info, make_record
+from bench.report import cell
+from bench.sweep import free_port
+
+DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "targets.jsonl"
+BUSY_COUNTER, BUSY_CLOCK = "rivulet_worker_busy_seconds_total", "rivulet_worker_clock_seconds"
+STATS_LAG_S = 0.5  # the scheduler sends the worker's counters at most this often (STATS_INTERVAL_S)
+METRICS_POLL_S = 0.2
+Sample = tuple[float, dict[str, float]]  # (arrival time, parsed GET /metrics)
+ANCHOR_HEADERS = ("HF generate fp32", "HF generate bf16", "llama.cpp Q4_1 -np 32", "roofline bf16")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One row: what is measured (``key`` in a round's dict), the goal, and the issue's anchors."""
+
+    key: str
+    label: str
+    goal: str
+    met: Callable[[float], bool] | None
+    anchors: tuple[str, str, str, str] = ("-", "-", "-", "-")  # ANCHOR_HEADERS' order
+
+
+TARGETS = (
+    Target("out32_tps", "32 streams: output tok/s", ">= 900", lambda x: x >= 900,
+           ("195", "397-434", "199-204", "2630")),
+    Target("ttft32_ms", "32 streams: TTFT p50 ms", "< 1000", lambda x: x < 1000, ("-", "-", "2800", "-")),
+    Target("decode1_tps", "1 stream: decode tok/s (1 / TPOT p50)", ">= 100", lambda x: x >= 100,
+           ("16-20", "31-34", "97-126", "152")),
+    Target("out1_tps", "1 stream: output tok/s", "-", None),
+    Target("offline_ratio", "offline: rivulet / HF generate, same dtype and run", ">= 2", lambda x: x >= 2),
+    Target("offline_tps", "offline: rivulet output tok/s", "-", None),
+    Target("offline_hf_tps", "offline: HF generate output tok/s (measured here)", "-", None),
+    Target("busy_pct", "worker busy % of wall, steady decode at 32 streams", ">= 95", lambda x: x >= 95),
+    Target("idle_cpu_pct", "idle CPU %, launcher + children (100 = one core)", "< 1", lambda x: x < 1),
+    Target("startup_s", "start-up to Ready s, warm weight cache", "< 10", lambda x: x < 10),
+)  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="issue 7's targets, measured in one run")
+    add = p.add_argument
+    add("--model", default=None, help="model dir or GGUF (default: the embedded SmolLM2-135M)")
+    add("--dtype", default="auto", help="comma list of auto | float32 | bfloat16; auto: the engine's default")
+    add("--repeats", type=int, default=3, help="rounds; every target is measured once per round and dtype")
+    add("--engine-flags", default="", help="extra launcher flags for every engine")
+    add("--streams", type=int, default=32, help="concurrent streams (the 32-stream targets)")
+    add("--stream-requests", type=int, default=64, help="requests of the concurrent run")
+    add("--single-requests", type=int, default=4, help="requests of the 1-stream run")
+    add("--input-len", type=int, default=32, help="prompt tokens of every request")
+    add("--output-len", type=int, default=64, help="new tokens of every request (EOS ignored)")
+    add("--offline-prompts", type=int, default=256)
+    add("--hf-batch-sizes", default="32,64", help="HF generate's static batch sizes; the fastest is kept")
+    add("--hf-threads", type=int, default=0, help="torch threads for HF; 0: torch's default")
+    add("--idle-s", type=float, default=10.0, help="how long idle CPU is measured")
+    add("--result-file", type=Path, default=DEFAULT_RESULTS, help="JSON Lines file the record is appended to")
+    add("--no-record", action="store_true")
+    return p
+
+
+# --------------------------------------------------------------------------
+# pure helpers: Prometheus text, the steady-decode window, CPU ticks
+# --------------------------------------------------------------------------
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """The unlabelled samples of a Prometheus text exposition, as name -> value."""
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and not line.startswith("#") and "{" not in parts[0]:
+            with contextlib.suppress(ValueError):
+                out[parts[0]] = float(parts[1])
+    return out
+
+
+def steady_window_s(results: Sequence[RequestResult], streams: int) -> tuple[float, float] | None:
+    """From the moment ``streams`` requests have their first token to the first finish: all decoding."""
+    firsts = sorted(r.token_times_s[0] for r in results if r.token_times_s)
+    finishes = [r.finish_s for r in results if r.finish_s is not None]
+    if len(firsts) < streams or not finishes:
+        return None
+    return firsts[streams - 1], min(finishes)
+
+
+def busy_share(
+    samples: Sequence[tuple[float, dict[str, float]]], window: tuple[float, float]
+) -> float | None:
+    """d busy / d clock between the first and last worker report seen inside ``window``.
+
+    ``samples`` are (arrival time, parsed /metrics). A report can be up to STATS_LAG_S old
+    when it arrives, so samples from the window's first STATS_LAG_S are left out.
+    """
+    start, end = window[0] + STATS_LAG_S, window[1]
+    reports = sorted(
+        {(m[BUSY_CLOCK], m[BUSY_COUNTER]) for t, m in samples if start <= t <= end and BUSY_CLOCK in m}
+    )
+    if len(reports) < 2 or reports[-1][0] <= reports[0][0]:
+        return None
+    return (reports[-1][1] - reports[0][1]) / (reports[-1][0] - reports[0][0])
+
+
+def cpu_ticks(pid: int) -> tuple[int, int] | None:
+    """(start time, utime + stime) of ``pid`` in clock ticks, from /proc; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(") ", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[19]), int(fields[11]) + int(fields[12])
+
+
+def tree_cpu_ticks(root: int) -> dict[int, tuple[int, int]]:
+    """pid -> (start, CPU ticks) for ``root`` and every descendant."""
+    pids = [root, *launch.descendants(root)]
+    return {pid: t for pid in pids if (t := cpu_ticks(pid)) is not None}
+
+
+def cpu_percent(
+    before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]], wall_s: float
+) -> float:
+    """CPU the tree used between two snapshots, as % of one core; a process started since counts whole."""
+    used = 0
+    for pid, (start, ticks) in after.items():
+        prev = before.get(pid)
+        used += ticks - prev[1] if prev is not None and prev[0] == start else ticks
+    return 100.0 * used / os.sysconf("SC_CLK_TCK") / wall_s
+
+
+# --------------------------------------------------------------------------
+# one round on one engine
+# --------------------------------------------------------------------------
+
+
+def _serving_args(args: argparse.Namespace, endpoint: str, n: int, concurrency: int, seed: int) -> Any:
+    model = ["--model", args.model] if args.model else []
+    argv = ["--endpoint", endpoint, *model, "--workload", "random", "--num-requests", str(n),
+            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+            "--max-concurrency", str(concurrency), "--warmup-requests", "2", "--seed", str(seed),
+            "--no-progress", "--no-record"]  # fmt: skip
+    return serving.build_parser().parse_args(argv)
+
+
+async def _streams_with_metrics(
+    bench_args: Any, metrics_url: str
+) -> tuple[Summary, list[RequestResult], list[Sample]]:
+    """serving.benchmark with GET /metrics polled beside it: (summary, results, [(time, metrics)])."""
+    samples: list[Sample] = []
+    done = asyncio.Event()
+
+    async def poll() -> None:
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            while not done.is_set():
+                with contextlib.suppress(httpx.HTTPError):
+                    text = (await http.get(metrics_url)).text
+                    samples.append((time.perf_counter(), parse_prometheus(text)))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), METRICS_POLL_S)
+
+    poller = asyncio.create_task(poll())
+    try:
+        summary, results = await serving.benchmark(bench_args)
+    finally:
+        done.set()
+        await poller
+    return summary, results, samples
+
+
+def measure_streams(args: argparse.Namespace, server: launch.Server, port: int, r: int) -> dict[str, Any]:
+    bench_args = _serving_args(args, server.address, args.stream_requests, args.streams, r)
+    summary, results, samples = asyncio.run(
+        _streams_with_metrics(bench_args, f"http://127.0.0.1:{port}/metrics")
+    )
+    assert summary.num_failed == 0, f"{summary.num_failed} of the concurrent requests failed"
+    window = steady_window_s(results, args.streams)
+    share = busy_share(samples, window) if window is not None else None
+    return {
+        "out32_tps": summary.output_throughput,
+        "ttft32_ms": summary.ttft_ms.p50,
+        "busy_pct": None if share is None else 100.0 * share,
+    }
+
+
+def measure_single(args: argparse.Namespace, server: launch.Server, r: int) -> dict[str, Any]:
+    bench_args = _serving_args(args, server.address, args.single_requests, 1, 1000 + r)
+    summary, _ = asyncio.run(serving.benchmark(bench_args))
+    assert summary.num_failed == 0, f"{summary.num_failed} of the single-stream requests failed"
+    tpot_ms = summary.tpot_ms.p50
+    return {"decode1_tps": 1e3 / tpot_ms if tpot_ms else None, "out1_tps": summary.output_throughput}
+
+
+def measure_idle(server: launch.Server, seconds: float) -> float:
+    """CPU % of the launcher and all its descendants over ``seconds`` with no request in flight."""
+    time.sleep(1.0)  # the last reply's bookkeeping settles
+    before, t0 = tree_cpu_ticks(server.proc.pid), time.perf_counter()
+    time.sleep(seconds)
+    after = tree_cpu_ticks(server.proc.pid)
+    return cpu_percent(before, after, time.perf_counter() - t0)
+
+
+def measure_offline(args: argparse.Namespace, server: launch.Server, dtype: str, r: int) -> dict[str, Any]:
+    """bench/offline.py on this engine, HF generate of the same dtype beside it (one round)."""
+    model = ["--model", args.model] if args.model else []
+    argv = ["--endpoint", server.address, *model, "--dtype", dtype, "--seed", str(2000 + r),
+            "--num-prompts", str(args.offline_prompts), "--input-len", str(args.input_len),
+            "--output-len", str(args.output_len),
+            "--baseline", "hf", "--hf-batch-sizes", args.hf_batch_sizes, "--hf-threads", str(args.hf_threads),
+            "--no-record"]  # fmt: skip
+    off_args = offline.build_parser().parse_args(argv)
+    res = offline.run_offline(off_args)
+    return {
+        "offline_ratio": res.ratio,
+        "offline_tps": res.rivulet_output_tps,
+        "offline_hf_tps": res.hf_output_tps,
+        "offline_hf_batch_size": res.hf_batch_size,
+    }
+
+
+def measure_round(args: argparse.Namespace, dtype: str, r: int) -> dict[str, Any]:
+    """Start an engine (timing its start-up), measure every target on it, stop it."""
+    port = free_port()
+    flags = ["--dtype", dtype, "--http-port", str(port), *shlex.split(args.engine_flags)]
+    with tempfile.TemporaryDirectory(prefix="rivulet-targets-") as tmp:
+        t0 = time.perf_counter()
+        with launch.rivulet_server(f"targets-{dtype}", flags, Path(tmp), args.model) as server:
+            run: dict[str, Any] = {"startup_s": time.perf_counter() - t0}
+            run |= measure_streams(args, server, port, r)
+            run |= measure_single(args, server, r)
+            run["idle_cpu_pct"] = measure_idle(server, args.idle_s)
+            run |= measure_offline(args, server, dtype, r)
+    return run
+
+
+# --------------------------------------------------------------------------
+# the table and the record
+# --------------------------------------------------------------------------
+
+
+def cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return "flags unknown"
+    return ", ".join(f"{name} {'yes' if name in flags else 'no'}" for name in ("avx512_bf16", "amx_bf16"))
+
+
+def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per target: every round's value (None: not measured) and the median/min/max of the measured ones."""
+    out = {}
+    for t in TARGETS:
+        xs = [float(v) for run in runs if (v := run.get(t.key)) is not None]
+        stats = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)} if xs else {}
+        out[t.key] = {"runs": [run.get(t.key) for run in runs], **stats}
+    return out
+
+
+def _verdict(t: Target, s: dict[str, Any]) -> str:
+    if t.met is None:
+        return "-"
+    if "median" not in s:
+        return "n/a"
+    return "yes" if t.met(s["median"]) else "no"
+
+
+def format_table(
+    by_dtype: dict[str, dict[str, dict[str, Any]]], machine: dict[str, Any], repeats: int
+) -> str:
+    dtypes = list(by_dtype)
+    head = ["target", "goal", *(f"rivulet {d}" for d in dtypes), *(f"met ({d})" for d in dtypes)]
+    head += [f"{a} (issue's anchor, AMD Zen 5)" for a in ANCHOR_HEADERS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for t in TARGETS:
+        values = [by_dtype[d][t.key] for d in dtypes]
+        cells = [cell([x for x in s["runs"] if x is not None]) if "median" in s else "n/a" for s in values]
+        lines.append(
+            "| " + " | ".join([t.label, t.goal, *cells, *(_verdict(t, s) for s in values), *t.anchors]) + " |"
+        )
+    notes = [
+        f"Machine: {machine['cpu']}, {machine['cores']} cores ({cpu_flags()}), torch {machine['torch']}",
+        f"Cells: median of {repeats} interleaved round(s) with (min-max); n/a: not measured (the busy share "
+        f"needs {BUSY_COUNTER} and {BUSY_CLOCK} on /metrics, and a steady window with 2 reports in it).",
+        "Anchor columns: the issue's numbers on a 2-vCPU AMD Zen 5 (AVX-512 BF16, no AMX), not measured here",
+    ]
+    return "\n".join(["", *notes, "", *lines])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = shlex.join(["python", "-m", "bench.targets", *(argv if argv is not None else sys.argv[1:])])
+    dtypes = [offline.resolve_dtype(d.strip()) for d in args.dtype.split(",") if d.strip()]
+    assert dtypes and len(set(dtypes)) == len(dtypes), f"--dtype wants distinct dtypes, got {args.dtype!r}"
+    from gpu_worker.model_files import resolve_model
+
+    resolve_model(args.model)  # converts a GGUF once, so every start-up is timed with a warm cache
+    launch.rejected_flags([])  # imports launcher here, outside the start-up timing
+    runs: dict[str, list[dict[str, Any]]] = {d: [] for d in dtypes}
+    for r in range(args.repeats):
+        for dtype in dtypes:
+            runs[dtype].append(measure_round(args, dtype, r))
+            got = ", ".join(
+                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in runs[dtype][-1].items()
+            )
+            print(f"round {r + 1}/{args.repeats} {dtype}: {got}", flush=True)
+    by_dtype = {d: summarize_runs(rs) for d, rs in runs.items()}
+    machine = machine_info()
+    print(f"\nCommand: `{command}`" + format_table(by_dtype, machine, args.repeats), flush=True)
+    if not args.no_record:
+        config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        config["command"] = command
+        metrics = {"targets": by_dtype, "runs": runs}
+        append_record(args.result_file, make_record("targets", config, metrics, machine=machine))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
