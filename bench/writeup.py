@@ -25,6 +25,37 @@ python -m bench.sweep --sweeps concurrency \\
 llama.cpp's own C++ `llama-server -m $GGUF --port {port} -np 32 -c 8192` (continuous batching
 over parallel slots) works the same way if it is installed."""
 
+TARGETS_HOWTO = """\
+## Issue 7's targets: `bench/targets.py`
+
+One command measures every target of issue 7 and prints the markdown table its note quotes
+(CPU-heavy: run it under the shared lock so no other benchmark overlaps it):
+
+```bash
+flock /tmp/rivulet-cpu.lock python -m bench.targets                # the engine's default dtype, 3 rounds
+flock /tmp/rivulet-cpu.lock python -m bench.targets --dtype float32,bfloat16
+```
+
+Each round starts a fresh engine per dtype (`launcher.py --dtype D --http-port P`, plus
+`--engine-flags`) and measures on it, in this order:
+
+- start-up: from starting the launcher to its `rivulet ready:` line (the GGUF is converted
+  beforehand, so the weight cache is warm);
+- 32 streams: 64 random requests (32-token prompts, 64 new tokens, EOS ignored) at
+  `--max-concurrency 32` after 2 warm-up requests: output tok/s and TTFT p50;
+- worker busy share: d `rivulet_worker_busy_seconds_total` / d `rivulet_worker_clock_seconds`
+  (the worker's own clock), polled from `GET /metrics` during the 32-stream run, from the moment
+  all 32 streams have their first token to the first finish (steady decode);
+- 1 stream: 4 requests one at a time: decode tok/s = 1 / TPOT p50, and output tok/s;
+- idle CPU: utime + stime of the launcher and every descendant (`/proc`) over 10 s once the
+  engine has served those requests, as % of one core;
+- offline: `bench/offline.py` with 256 prompts on that engine, then HF `generate` of the same
+  dtype in the benchmark's process (the faster of static batch 32 and 64): the ratio.
+
+Round r measures every dtype before round r + 1; a cell is the median over rounds with (min-max).
+The JSON record is appended to `bench/results/targets.jsonl`. The anchor columns are the issue's
+numbers from a 2-vCPU AMD Zen 5, not measured on this machine."""
+
 
 def _machine_lines(m: dict[str, Any]) -> list[str]:
     mach = m["machine"]
@@ -97,7 +128,7 @@ def write_docs(manifest: dict[str, Any], out_dir: Path) -> Path:
     ran = f"Peers in this run: {', '.join(peers)}." if peers else "No peer ran in this sweep."
     if manifest.get("peer_note"):
         ran += " " + manifest["peer_note"]
-    lines += ["## Peers", "", ran, "", LLAMA_CPP_RECIPE, ""]
+    lines += ["## Peers", "", ran, "", LLAMA_CPP_RECIPE, "", TARGETS_HOWTO, ""]
     path = out_dir / "BENCHMARKS.md"
     path.write_text("\n".join(lines))
     return path
