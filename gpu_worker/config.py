@@ -23,7 +23,8 @@ class WorkerConfig:
     kv_cache_tokens: int = 0  # 0: size the pool from kv_mem_fraction
     kv_mem_fraction: float = 0.2  # of free device memory (CPU: available RAM)
     max_running_requests: int = 128  # request slots in the page table
-    num_threads: int = 0  # torch threads on CPU; 0: all cores or half, tuned per step (threads.py)
+    num_threads: int = 0  # torch threads on CPU; 0: all cores
+    tune_threads: bool = False  # with num_threads 0: all cores or half, picked per batch shape (threads.py)
     compile: bool = False
     seed: int = 0
 

@@ -51,7 +51,7 @@ class ModelRunner:
         if self._device.type == "cpu":
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             torch.set_num_threads(self.config.num_threads or cores)
-            if self.config.num_threads == 0 and cores > 1:
+            if self.config.tune_threads and self.config.num_threads == 0 and cores > 1:
                 self._tuner = ThreadTuner((cores, max(1, cores // 2)))
         dtype = auto_dtype(self._device) if self.config.dtype == "auto" else self.config.dtype
         if dtype not in _DTYPES:
