@@ -9,19 +9,30 @@ rounding, so float64 runs can be compared with HF to ~1e-12.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+# Rows from which a bf16 Linear with an fp32 copy runs its matmul in fp32 (see pack_linear_weights).
+# Measured per layer of SmolLM2 on the 2-core Xeon without AMX: bf16 wins up to 8 rows (memory
+# bound: half the bytes), fp32 from 16 (0.70 vs 0.83 ms at 16 rows, 8.0 vs 12.2 ms at 256).
+FP32_MIN_ROWS = 16
+
 
 class Linear(nn.Module):
     """``y = x W^T + b`` with HF's [out, in] weight layout.
 
     After ``pack_linear_weights`` the weight is a oneDNN-blocked (mkldnn) tensor
-    and the matmul goes straight to oneDNN with it.
+    and the matmul goes straight to oneDNN with it. A bf16 Linear may also hold
+    an fp32 blocked copy (``fp32_weight``) for matmuls of many rows, where this
+    CPU's fp32 kernels outrun its bf16 ones.
     """
+
+    fp32_weight: torch.Tensor | None = None
+    fp32_bias: torch.Tensor | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -29,9 +40,18 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp32_weight is not None and x.shape[0] >= FP32_MIN_ROWS:
+            # bf16 x bf16 products are exact in fp32 and oneDNN's bf16 kernels accumulate in
+            # fp32 too: only the summation order differs, then one rounding to bf16 as before.
+            out = _blocked_linear(x.to(torch.float32), self.fp32_weight, self.fp32_bias)
+            return out.to(x.dtype)
         if self.weight.is_mkldnn:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            return _blocked_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def _blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def can_pack_linear_weights(device: torch.device, dtype: torch.dtype) -> bool:
@@ -44,6 +64,11 @@ def can_pack_linear_weights(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+def _blocked(weight: torch.Tensor) -> torch.Tensor:
+    # The row-count hint picks the blocking; 32 suits decode batches, any count still works.
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+
+
 def pack_linear_weights(model: nn.Module) -> int:
     """Reorder every Linear's weight once into oneDNN's blocked layout; return how many.
 
@@ -51,15 +76,50 @@ def pack_linear_weights(model: nn.Module) -> int:
     matmuls 1.45x faster at 1 row, 1.15x at 32; float32 1.7x at 8 rows, even at
     1. A head tied to the embedding gets its own packed copy (the embedding
     keeps the plain table). Results equal F.linear's bit for bit in bf16.
+
+    bf16 layers (not the head) also get an fp32 blocked copy when fp32 matmuls
+    measure faster here (``fp32_matmul_pays``): on a Xeon without AMX, 1.5x at
+    32 to 256 rows. It costs 4 more bytes per layer weight; the head is left
+    out (its 32-row matmul was no faster in fp32).
     """
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+    bf16 = [m for name, m in linears if m.weight.dtype == torch.bfloat16 and name != "lm_head"]
+    with_fp32 = bool(bf16) and fp32_matmul_pays(max(bf16, key=lambda m: m.weight.numel()).weight)
     packed = 0
-    for module in model.modules():
-        if isinstance(module, Linear) and not module.weight.is_mkldnn:
-            # The row-count hint picks the blocking; 32 suits decode batches, any count still works.
-            blocked = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 32)
-            module.weight = nn.Parameter(blocked, requires_grad=False)
-            packed += 1
+    for _, module in linears:
+        if module.weight.is_mkldnn:
+            continue
+        if with_fp32 and any(module is m for m in bf16):
+            module.fp32_weight = _blocked(module.weight.float())
+            module.fp32_bias = None if module.bias is None else module.bias.detach().float()
+        module.weight = nn.Parameter(_blocked(module.weight), requires_grad=False)
+        packed += 1
     return packed
+
+
+def fp32_matmul_pays(weight: torch.Tensor, rows: int = 64, reps: int = 5) -> bool:
+    """Whether this CPU multiplies ``rows`` rows by the bf16 ``weight`` clearly faster in fp32.
+
+    Measured, not inferred from CPU flags: without AMX a Xeon's fp32 kernels run
+    ~185 GFLOP/s and its bf16 ones ~110, while Zen 5 is the other way round.
+    Best of ``reps`` each, so a busy neighbour rarely flips the answer (and a
+    flipped answer only costs speed, not results).
+    """
+    x = torch.randn(rows, weight.shape[1]).to(torch.bfloat16)
+    w16, w32 = _blocked(weight), _blocked(weight.float())
+    bf16_s = _best_time_s(lambda: _blocked_linear(x, w16, None), reps)
+    fp32_s = _best_time_s(lambda: _blocked_linear(x.float(), w32, None).to(torch.bfloat16), reps)
+    return fp32_s < 0.8 * bf16_s
+
+
+def _best_time_s(fn: Callable[[], torch.Tensor], reps: int) -> float:
+    fn()  # oneDNN builds its kernel on the first call
+    best = float("inf")
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 class MergedLinear(Linear):
