@@ -77,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-tokens", type=int, default=w.kv_cache_tokens, help="0: use --kv-mem-fraction")
     p.add_argument("--kv-mem-fraction", type=float, default=w.kv_mem_fraction)
     p.add_argument("--enable-mixed-chunk", action="store_true", default=s.enable_mixed_chunk)
+    p.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="send one batch at a time (default: the next batch is built while the worker runs one)",
+    )
     _add_scheduling_flags(p, s)
     p.add_argument("--device", default=w.device, help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=w.dtype, help="auto | float32 | bfloat16 | float16 | float64")
@@ -183,6 +188,7 @@ def scheduler_config(args: argparse.Namespace, ready: WorkerReady) -> SchedulerC
         max_prefill_tokens=args.max_prefill_tokens,
         chunked_prefill_size=args.chunked_prefill_size,
         enable_mixed_chunk=args.enable_mixed_chunk,
+        overlap_schedule=not args.disable_overlap_schedule,
         schedule_policy=args.schedule_policy,
         disable_radix_cache=args.disable_radix_cache,
         admission_lookahead=args.admission_lookahead,

@@ -20,7 +20,7 @@ from gpu_worker.loader import load_model
 from gpu_worker.models.layers import can_pack_linear_weights, pack_linear_weights
 from gpu_worker.sampler import SlotSamplerParams, sample
 from gpu_worker.threads import ThreadTuner, shape_class
-from protocol.messages import ForwardBatch, ForwardResult
+from protocol.messages import PENDING, ForwardBatch, ForwardResult
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,9 @@ class ModelRunner:
         self._init_model()
         self._init_kv_pool()
         self.sampler_params = SlotSamplerParams(config.max_running_requests)
+        # The token each slot drew last: a row scheduled before that draw came back (overlap
+        # scheduling) sends PENDING as its input and gets this one.
+        self.last_tokens = torch.zeros(config.max_running_requests, dtype=torch.int64, device=self._device)
 
     def _init_device(self) -> None:
         name = self.config.device
@@ -139,6 +142,7 @@ class ModelRunner:
             params = self.sampler_params.batch(slots, positions, self._device)
             with torch.inference_mode():
                 tokens, token_logprobs = sample(logits, params)
+                self.last_tokens[torch.tensor(slots, device=self._device)] = tokens
             token_ids, logprobs = tokens.tolist(), token_logprobs.tolist()
         forward_s = time.perf_counter() - started
         if self._tuner is not None:
@@ -170,13 +174,25 @@ class ModelRunner:
             self._device,
         )
         ctx = ForwardContext(positions=positions, attn=meta, k_cache=self.kv.k, v_cache=self.kv.v)
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self._device)
+        input_ids = self._input_ids(batch)
         hidden = self.model(input_ids, ctx)
         ends = [
             end - 1 for end, flag in zip(accumulate(batch.extend_lens), batch.sample, strict=True) if flag
         ]
         last = torch.tensor(ends, dtype=torch.int64).to(self._device)
         return self.model.compute_logits(hidden.index_select(0, last))
+
+    def _input_ids(self, batch: ForwardBatch) -> torch.Tensor:
+        """The batch's token ids, each PENDING replaced by the token its slot drew last."""
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self._device)
+        if min(batch.input_ids) >= 0:
+            return input_ids
+        ends = list(accumulate(batch.extend_lens))
+        rows = [i for i, end in enumerate(ends) if batch.input_ids[end - 1] == PENDING]
+        where = torch.tensor([ends[i] - 1 for i in rows], device=self._device)
+        slots = torch.tensor([batch.slots[i] for i in rows], device=self._device)
+        input_ids[where] = self.last_tokens[slots]
+        return input_ids
 
 
 def auto_dtype(device: torch.device) -> str:
@@ -232,5 +248,9 @@ def check_batch(
         raise ValueError(f"batch {batch.step}: page deltas outside [0, {pages_per_request})")
     if batch.pages and not (0 <= min(batch.pages) and max(batch.pages) < num_pages):
         raise ValueError(f"batch {batch.step}: pages must be in [0, {num_pages})")
-    if min(batch.input_ids) < 0 or max(batch.input_ids) >= vocab_size:
-        raise ValueError(f"batch {batch.step}: token ids must be in [0, {vocab_size})")
+    if min(batch.input_ids) < PENDING or max(batch.input_ids) >= vocab_size:
+        raise ValueError(f"batch {batch.step}: token ids must be in [0, {vocab_size}) or PENDING")
+    if min(batch.input_ids) == PENDING:
+        row_ends = set(accumulate(batch.extend_lens))
+        if any(tok == PENDING and i + 1 not in row_ends for i, tok in enumerate(batch.input_ids)):
+            raise ValueError(f"batch {batch.step}: PENDING may only be a row's last token")

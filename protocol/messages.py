@@ -218,6 +218,9 @@ class EngineStats(Msg):
 ToTokenizer = TokenBatch | RequestError | EngineStats
 
 
+PENDING = -1  # in ForwardBatch.input_ids: the token this row's slot drew last (overlap scheduling)
+
+
 class ForwardBatch(Msg):
     """One forward pass: extend rows (prefill chunks) and decode rows alike.
 
@@ -234,6 +237,10 @@ class ForwardBatch(Msg):
     ``sample[i]`` is False for a chunk that is not the end of its prompt: its KV
     is written but no token is drawn. ``sampler[i]`` is sent when a slot is
     (re)assigned to a request and None afterwards; the worker keeps it per slot.
+
+    A row's last input may be ``PENDING``: the scheduler sent this batch before the
+    previous one's result came back (overlap scheduling), and the worker, which
+    runs batches in order, uses the token it drew last for that slot.
     """
 
     step: int

@@ -19,6 +19,7 @@ class Row:
     new_pages: list[int]
     new_slot: bool  # the slot was (re)assigned this round: the worker gets the sampler
     is_prefill: bool  # part of a prompt (or a recompute), not a decode step
+    out_index: int = -1  # sampling rows: the index in output_ids of the token they draw
 
     def __post_init__(self) -> None:
         assert self.extend_len >= 1, f"rid {self.req.rid}: empty row"
@@ -38,12 +39,16 @@ class BatchInfo:
 
     @classmethod
     def of(cls, step: int, prefill: list[Row], decode: list[Row], num_decoding: int) -> BatchInfo:
-        cached = sum(r.req.kv_len for r in prefill if r.new_slot)  # kv_len advances only on the result
+        cached = sum(r.req.kv_len for r in prefill if r.new_slot)  # before kv_len advances by the rows
         return cls(step, len(prefill), sum(r.extend_len for r in prefill), cached, len(decode), num_decoding)
 
 
 def build_forward_batch(step: int, rows: list[Row]) -> ForwardBatch:
-    """The wire form of ``rows``; must run before the rows' ``kv_len`` advance (on the result)."""
+    """The wire form of ``rows``; must run before the rows' ``kv_len`` advance (when they launch).
+
+    A decode row whose input token is still being drawn by a batch in flight sends
+    ``PENDING`` (-1); the worker substitutes the token it drew last for that slot.
+    """
     slots: list[int] = []
     input_ids: list[int] = []
     pages: list[int] = []

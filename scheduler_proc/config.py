@@ -22,6 +22,7 @@ class SchedulerConfig:
     max_prefill_tokens: int = 4096  # rem_input_tokens of each PrefillAdder
     chunked_prefill_size: int = 512  # rem_chunk_tokens; <= 0 disables chunking
     enable_mixed_chunk: bool = False  # prefill chunk + running decodes in one forward
+    overlap_schedule: bool = True  # build the next batch while the worker runs this one
     disable_radix_cache: bool = False  # no prefix cache: every request computes its whole prompt
     # Admission (see scheduler_proc/admission.py).
     schedule_policy: str = "fcfs"  # fcfs | pack (cheapest first in a window) | lpm (longest cached prefix)

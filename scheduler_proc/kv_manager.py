@@ -52,7 +52,7 @@ class KVManager:
         match = self.cache.match_prefix(req.fill_slice(0, req.seq_len - 1), req.cache_salt)
         req.page_table = list(match.pages)
         req.num_tree_pages = match.num_pages
-        req.kv_len = match.num_pages * self.page_size
+        req.kv_len = req.computed_len = match.num_pages * self.page_size
         req.cache_node = match.node
         return self.cache.inc_lock_ref(match.node)
 
@@ -60,7 +60,7 @@ class KVManager:
         """Undo ``attach_prefix`` for a request not admitted; returns the change in evictable pages."""
         assert req.num_tree_pages == len(req.page_table), f"rid {req.rid} already has pages of its own"
         delta = self._unlock(req)
-        req.page_table, req.num_tree_pages, req.kv_len = [], 0, 0
+        req.page_table, req.num_tree_pages, req.kv_len, req.computed_len = [], 0, 0, 0
         return delta
 
     # ------------------------------------------------------------------ growth
@@ -99,11 +99,14 @@ class KVManager:
     def cache_unfinished(self, req: Req) -> None:
         """Put ``req``'s computed full pages into the tree, so later requests can share them now.
 
+        Only pages of returned batches (``computed_len``): their KV is written and
+        their tokens known, where a batch in flight may still fail or hold PENDING.
+
         Where another request cached the same tokens first, ``req`` switches to the
         tree's pages and frees its duplicates (the worker gets the rewritten entries
         with the request's next row).
         """
-        num_full = req.kv_len // self.page_size
+        num_full = req.computed_len // self.page_size
         if self.cache is None or num_full <= req.num_tree_pages:
             return
         tokens = req.fill_slice(0, num_full * self.page_size)
@@ -121,7 +124,7 @@ class KVManager:
     def release(self, req: Req, *, cache: bool) -> None:
         """Give back all ``req`` holds; with ``cache``, its computed full pages go to the tree first."""
         own_from = req.num_tree_pages
-        num_full = req.kv_len // self.page_size
+        num_full = req.computed_len // self.page_size
         if cache and self.cache is not None and num_full > req.num_tree_pages:
             tokens = req.fill_slice(0, num_full * self.page_size)
             num_dup = self.cache.insert(tokens, req.page_table[:num_full], req.cache_salt)

@@ -34,10 +34,16 @@ class Req:
     """A request inside the scheduler.
 
     ``fill_ids`` (prompt + output so far) is what must eventually sit in the KV
-    cache; ``kv_len`` of them already do (SGLang's ``len(prefix_indices)``), so a
-    round extends ``fill_ids[kv_len:]``. The last output token never has KV yet:
-    it is the next decode step's input. ``page_table`` covers positions
-    ``[0, len(page_table) * page_size)``, always at least ``[0, kv_len)``.
+    cache; ``kv_len`` of them already do or will once the batches sent to the
+    worker have run (SGLang's ``len(prefix_indices)``), so a round extends
+    ``fill_ids[kv_len:]``. ``computed_len <= kv_len`` counts the positions whose
+    batches have returned: only those may enter the prefix cache. The last output
+    token never has KV yet: it is the next decode step's input. A row that samples
+    appends ``PENDING`` to ``output_ids`` when it is scheduled and the worker's
+    token replaces it on the result; a batch scheduled in between (overlap) sends
+    ``PENDING`` as input and the worker substitutes the token it just drew for
+    that slot. ``page_table`` covers ``[0, len(page_table) * page_size)``, always
+    at least ``[0, kv_len)``.
     """
 
     rid: int
@@ -49,9 +55,11 @@ class Req:
     slot: int | None = None
     page_table: list[int] = field(default_factory=list)
     kv_len: int = 0
+    computed_len: int = 0
     status: ReqStatus = ReqStatus.WAITING
     finish_reason: FinishReason | None = None
-    in_flight: bool = False  # part of the batch the worker is running now
+    in_flight: int = 0  # rows of this request in batches the worker holds
+    final_scheduled: bool = False  # the row drawing its last possible token is scheduled
     num_retractions: int = 0
     num_overtaken: int = 0  # admission rounds in which a later arrival got in and this one did not
     cache_salt: str | None = None  # the prefix-cache namespace: requests share KV only within one
@@ -110,12 +118,16 @@ class Req:
         """Output tokens still to come, capped (SGLang's CLIP_MAX_NEW_TOKENS)."""
         return max(min(self.max_new_tokens - len(self.output_ids), clip_max_new_tokens), 0)
 
-    def finish_reason_after_token(self, context_len: int) -> FinishReason | None:
-        """Why the request ends with its newest output token, if it does."""
-        assert self.output_ids, f"rid {self.rid}: no output token yet"
-        if self.output_ids[-1] in self.stop_token_ids:
+    def hits_length_limit(self, num_outputs: int, context_len: int) -> bool:
+        """Whether ``num_outputs`` output tokens reach max_new_tokens or the context length."""
+        return num_outputs >= self.max_new_tokens or len(self.input_ids) + num_outputs >= context_len
+
+    def finish_reason_at(self, index: int, context_len: int) -> FinishReason | None:
+        """Why the request ends with output token ``index``, if it does."""
+        assert 0 <= index < len(self.output_ids), f"rid {self.rid}: no output token {index}"
+        if self.output_ids[index] in self.stop_token_ids:
             return FinishReason.STOP
-        if len(self.output_ids) >= self.max_new_tokens or self.seq_len >= context_len:
+        if self.hits_length_limit(index + 1, context_len):
             return FinishReason.LENGTH
         return None
 

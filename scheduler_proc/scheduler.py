@@ -7,7 +7,15 @@ Every request is in exactly one place while it lives:
     running (list)         -> slot, pages; kv_len == seq_len - 1, or its last chunk is in flight
 
 A finished request is in none of them; its pages and slot are freed at once,
-or when the batch still carrying it returns (``Req.in_flight``).
+or when the last batch still carrying it returns (``Req.in_flight``).
+
+Overlap (``overlap_schedule``): the next batch is built and sent while the worker
+runs the current one, so the worker never waits for the scheduler. A row's
+effects on the request's state (its KV length, one ``PENDING`` output token if
+it samples) apply when it is sent; the result only fills in the token and
+finishes the request. What cannot be known ahead costs little: a request that
+draws a stop token has already been given one more decode row, whose token is
+dropped. Retraction needs every token back, so it waits until nothing is in flight.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import logging
 from collections import deque
 
 from protocol.messages import (
+    PENDING,
     FinishReason,
     ForwardBatch,
     ForwardResult,
@@ -41,10 +50,9 @@ class Scheduler:
     (``add`` rejects any request that could not), so the engine cannot stall.
     """
 
-    max_in_flight = 1  # one batch at a time; overlap scheduling would raise this
-
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
+        self.max_in_flight = 2 if config.overlap_schedule else 1
         self._init_kv()
         self._init_queues()
         self._init_counters()
@@ -110,7 +118,8 @@ class Scheduler:
 
     def in_flight_reqs(self) -> list[Req]:
         """Requests of the batches the worker holds, aborted ones included (they still own KV)."""
-        return [row.req for rows in self._in_flight.values() for row in rows]
+        reqs = {id(row.req): row.req for rows in self._in_flight.values() for row in rows}
+        return list(reqs.values())
 
     def flush_cache(self) -> int:
         """Evict every cached prefix no live request holds; returns the pages freed."""
@@ -124,25 +133,39 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
 
     def schedule(self) -> ForwardBatch | None:
-        """The next batch, or None when one is in flight or nothing can run."""
+        """The next batch, or None when enough are in flight or nothing can run yet."""
         if len(self._in_flight) >= self.max_in_flight:
             return None
         if not self.has_work:
-            self.new_token_ratio.on_idle()
+            if not self._in_flight:
+                self.new_token_ratio.on_idle()
             return None
+        if self._in_flight and self._decode_needs_retraction():
+            return None  # retraction needs every token back: wait for the batch in flight
         prefill, decode = self._next_rows()
         if not prefill and not decode:
             return None
         self._prefill_streak = self._prefill_streak + 1 if prefill else 0
         rows = prefill + decode
-        for row in rows:
-            row.req.in_flight = True
         step = self.next_step
         self.next_step += 1
-        self._in_flight[step] = rows
         num_decoding = len(self.running) - sum(row.sample for row in prefill)
         self.last_batch = BatchInfo.of(step, prefill, decode, num_decoding)
-        return build_forward_batch(step, rows)
+        batch = build_forward_batch(step, rows)
+        for row in rows:
+            self._launch(row)
+        self._in_flight[step] = rows
+        return batch
+
+    def _launch(self, row: Row) -> None:
+        """Apply a sent row to its request: KV length, and a PENDING token if it samples."""
+        req = row.req
+        req.in_flight += 1
+        req.kv_len += row.extend_len
+        if row.sample:
+            row.out_index = len(req.output_ids)
+            req.output_ids.append(PENDING)
+            req.final_scheduled = req.hits_length_limit(len(req.output_ids), self.config.context_len)
 
     def _next_rows(self) -> tuple[list[Row], list[Row]]:
         """(prefill rows, decode rows) of the next batch.
@@ -225,19 +248,27 @@ class Scheduler:
         """One decode row per running request; the ratio decays on a step that needed no retraction."""
         retracted = self._make_room_for_decodes()
         rows = []
-        for req in self.running:
+        for req in self._decoders():
             assert req.is_decoding, f"rid {req.rid}: running but not at a decode step"
             rows.append(self._extend_row(req, 1, new_slot=False, is_prefill=False))
         if rows and not retracted:
             self.new_token_ratio.on_decode_step()
         return rows
 
+    def _decoders(self) -> list[Req]:
+        """Running requests that get a decode row: all but those whose last token is being drawn."""
+        return [req for req in self.running if not req.final_scheduled]
+
+    def _decode_needs_retraction(self) -> bool:
+        return self.kv.decode_pages_needed(self._decoders()) > self.kv.available_pages
+
     def _make_room_for_decodes(self) -> bool:
         """Retract running requests until every decode that crosses into a new page gets one."""
         retracted = False
         while self.running:
-            if self.kv.decode_pages_needed(self.running) <= self.kv.available_pages:
+            if not self._decode_needs_retraction():
                 break
+            assert not self._in_flight, "retraction with a batch in flight"
             # SGLang's order: least progress lost first; ties: the longest prompt frees most.
             victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
             self._retract(victim)
@@ -252,7 +283,7 @@ class Scheduler:
         """Give back a running request's KV (cached, so its recompute may hit); it keeps its output."""
         self.running.remove(req)
         self.kv.release(req, cache=True)
-        req.kv_len = 0
+        req.kv_len = req.computed_len = 0
         req.status = ReqStatus.WAITING
         req.num_retractions += 1
         self.num_retracted += 1
@@ -291,20 +322,22 @@ class Scheduler:
 
     def _apply_row(self, row: Row, token: int | None, logprob: float) -> None:
         req = row.req
-        req.in_flight = False
-        if req.status is ReqStatus.FINISHED:  # aborted while in flight: its token is dropped
-            self.kv.release(req, cache=True)
+        req.in_flight -= 1
+        if req.status is ReqStatus.FINISHED:  # ended while in flight: its token is dropped
+            if not req.in_flight:
+                self.kv.release(req, cache=req.finish_reason is not FinishReason.ERROR)
             return
-        req.kv_len += row.extend_len
+        req.computed_len += row.extend_len
         if row.is_prefill:  # its prompt pages are shareable from the next round on
             self.kv.cache_unfinished(req)
         if token is None:
             return
-        req.output_ids.append(token)
+        req.output_ids[row.out_index] = token
         self.num_generated_tokens += 1
-        reason = req.finish_reason_after_token(self.config.context_len)
+        reason = req.finish_reason_at(row.out_index, self.config.context_len)
         self._outputs.add_token(req.rid, token, logprob, reason, req.cached_tokens)
         if reason is not None:
+            del req.output_ids[row.out_index + 1 :]  # drawn by rows still in flight: void
             self.running.remove(req)
             self._finish(req, reason)
 
@@ -312,9 +345,10 @@ class Scheduler:
         self._log.error("forward step %d failed (%s): failing its %d requests", step, error, len(rows))
         for row in rows:
             req = row.req
-            req.in_flight = False
+            req.in_flight -= 1
             if req.status is ReqStatus.FINISHED:
-                self.kv.release(req, cache=False)  # its last forward failed: trust none of its KV
+                if not req.in_flight:
+                    self.kv.release(req, cache=False)  # a forward over it failed: trust none of its KV
                 continue
             self._remove_from_queues(req)
             self._finish(req, FinishReason.ERROR)

@@ -17,6 +17,7 @@ import torch
 
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
+from protocol.messages import PENDING
 from tests.gpu_worker.helpers import GREEDY, VOCAB, MiniScheduler, save_tiny_model
 
 MODELS = [
@@ -229,3 +230,25 @@ def test_compiled_dense_code_matches_hf(tiny_models: dict) -> None:
     got = run_scenario(runner, MiniScheduler(runner.num_pages, 16, shuffle_seed=2), prompts, hf, atol=1e-5)
     for prompt, tokens in zip(prompts, got, strict=True):
         assert tokens == hf_greedy(hf, prompt)
+
+
+def test_pending_inputs_take_the_token_the_slot_drew_last(tiny_models: dict) -> None:
+    """Overlap scheduling: a decode row sent before its input was drawn carries PENDING."""
+    path, hf = tiny_models[("llama", False)]
+    runner = ModelRunner(
+        WorkerConfig(model_path=str(path), dtype="float64", kv_cache_tokens=256, page_size=4, num_threads=1)
+    )
+    sched = MiniScheduler(runner.num_pages, 4)
+    prompts = make_prompts(seed=3)[:2]
+    first = runner.execute(sched.batch([(SLOTS[r], 0, prompts[r], True, GREEDY) for r in range(2)]))
+    out = [[token] for token in first.token_ids]
+    for _ in range(5):
+        rows: list[tuple[int, int, list[int], bool, Any]] = [
+            (SLOTS[r], len(prompts[r]) + len(out[r]) - 1, [PENDING], True, None) for r in range(2)
+        ]
+        for r, token in enumerate(runner.execute(sched.batch(rows)).token_ids):
+            out[r].append(token)
+    for r in range(2):
+        assert out[r] == hf_greedy(hf, prompts[r])[:6]
+    with pytest.raises(ValueError, match="PENDING may only be a row's last token"):
+        runner.execute(sched.batch([(SLOTS[0], 20, [PENDING, 5], True, None)]))

@@ -7,10 +7,12 @@ recompute must all give the same tokens as ``reference_output``.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from protocol.messages import (
+    PENDING,
     FinishReason,
     ForwardBatch,
     ForwardResult,
@@ -97,6 +99,7 @@ class FakeWorker:
         self.seen: dict[int, dict[int, int]] = {}  # slot -> page -> gen when the slot last read or wrote it
         self.fail_next: str | None = None
         self.extend_tokens = 0  # prompt and decode tokens computed, over all batches
+        self.last_token: dict[int, int] = {}  # slot -> the token its last sampling row drew
 
     def _at(self, slot: int, pos: int) -> tuple[int, int]:
         table = self.tables[slot]
@@ -166,16 +169,23 @@ class FakeWorker:
             prefix, ext = batch.prefix_lens[i], batch.extend_lens[i]
             assert ext >= 1, "empty row"
             h = self._check_prefix(slot, prefix)
-            for pos, tok in enumerate(batch.input_ids[tok_off : tok_off + ext], start=prefix):
+            row_ids = batch.input_ids[tok_off : tok_off + ext]
+            if PENDING in row_ids:  # the token this slot's previous row drew (overlap scheduling)
+                assert row_ids.index(PENDING) == ext - 1, "PENDING is only ever a row's last input"
+                # None drawn: the row that should have failed; its request has failed with it.
+                row_ids[-1] = self.last_token.get(slot, 0)
+            for pos, tok in enumerate(row_ids, start=prefix):
                 h = next_hash(h, tok)
                 self._write(slot, pos, tok, h)
             tok_off += ext
             self.extend_tokens += ext
             if batch.sample[i]:
                 tokens.append(token_of(h))
-        if self.fail_next is not None:
+        if self.fail_next is not None:  # like the worker: a failed forward draws no token
             error, self.fail_next = self.fail_next, None
             return ForwardResult(step=batch.step, token_ids=[], logprobs=[], forward_s=0.0, error=error)
+        sampled = [slot for slot, sample in zip(batch.slots, batch.sample, strict=True) if sample]
+        self.last_token.update(zip(sampled, tokens, strict=True))
         return ForwardResult(
             step=batch.step, token_ids=tokens, logprobs=[-0.5] * len(tokens), forward_s=0.001
         )
@@ -193,6 +203,7 @@ class Driver:
         self.errors: dict[int, str] = {}
         self.batches: list[ForwardBatch] = []
         self.cached: dict[int, int] = {}  # rid -> cached_tokens its rows reported
+        self.pending: deque[tuple[ForwardBatch, ForwardResult]] = deque()  # sent, result not applied
 
     def submit(
         self, rid: int, prompt: list[int], max_new: int, stop: Iterable[int] = (), salt: str | None = None
@@ -203,12 +214,18 @@ class Driver:
         return error
 
     def step(self, in_flight_hook: Callable[[ForwardBatch], None] | None = None) -> ForwardBatch | None:
-        batch = self.sched.schedule()
-        if batch is None:
+        """Send batches while the scheduler gives them (two with overlap), then apply the oldest result.
+
+        The fake worker runs each batch as it is sent, in order, as the real one does
+        while the scheduler already builds the next.
+        """
+        while (batch := self.sched.schedule()) is not None:
+            assert len(self.pending) < self.sched.max_in_flight, "more batches in flight than allowed"
+            self.batches.append(batch)
+            self.pending.append((batch, self.worker.run(batch)))
+        if not self.pending:
             return None
-        assert self.sched.schedule() is None, "a second batch while one is in flight"
-        self.batches.append(batch)
-        result = self.worker.run(batch)
+        batch, result = self.pending.popleft()
         if in_flight_hook is not None:
             in_flight_hook(batch)
         self.sched.on_result(result)
@@ -243,7 +260,7 @@ class Driver:
     def run(self, max_steps: int = 100_000) -> None:
         """Step until idle; the scheduler must always make progress while it has work."""
         for _ in range(max_steps):
-            if not self.sched.has_work:
+            if not self.sched.has_work and not self.pending:
                 return
             assert self.step() is not None, "scheduler stalled with work and nothing in flight"
         raise AssertionError("did not finish")
@@ -272,7 +289,7 @@ def batch_kinds(batches: list[ForwardBatch]) -> list[str]:
 
 
 def check_invariants(sched: Scheduler) -> None:
-    """Structural invariants between steps (nothing in flight)."""
+    """Structural invariants between steps (with overlap, the next batch may be in flight)."""
     ps = sched.config.page_size
     live = list(sched.waiting) + sched.running + ([sched.chunked_req] if sched.chunked_req else [])
     assert sorted(r.rid for r in live) == sorted(sched.reqs), "a request is lost or in two places"
@@ -284,7 +301,8 @@ def check_invariants(sched: Scheduler) -> None:
     if sched.chunked_req is not None:
         req = sched.chunked_req
         assert req.status is ReqStatus.CHUNKED and 0 < req.kv_len < req.seq_len
-    holders = [r for r in live if r.status is not ReqStatus.WAITING] + sched.in_flight_reqs()
+    held = [r for r in live if r.status is not ReqStatus.WAITING] + sched.in_flight_reqs()
+    holders = list({id(r): r for r in held}.values())
     sched.kv.check_integrity(holders)
     slots = [r.slot for r in holders]
     assert None not in slots and len(slots) == len(set(slots)), "slots broken"

@@ -17,7 +17,9 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def config(**overrides: object) -> SchedulerConfig:
-    base: dict = dict(num_pages=4096, context_len=4096, page_size=1, chunked_prefill_size=-1)
+    base: dict = dict(
+        overlap_schedule=False, num_pages=4096, context_len=4096, page_size=1, chunked_prefill_size=-1
+    )
     base.update(overrides)
     return SchedulerConfig(**base)
 

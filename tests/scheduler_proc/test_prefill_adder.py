@@ -46,7 +46,9 @@ def rows_of(batch: ForwardBatch) -> list[tuple[int, int, int, bool]]:
 
 
 def config(**overrides: int | float | bool) -> SchedulerConfig:
-    base: dict = dict(num_pages=4096, context_len=4096, page_size=1, chunked_prefill_size=256)
+    base: dict = dict(
+        overlap_schedule=False, num_pages=4096, context_len=4096, page_size=1, chunked_prefill_size=256
+    )
     base.update(overrides)
     return SchedulerConfig(**base)
 

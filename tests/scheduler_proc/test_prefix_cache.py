@@ -16,7 +16,9 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def config(**overrides: object) -> SchedulerConfig:
-    base: dict = dict(num_pages=4096, context_len=4096, page_size=16, chunked_prefill_size=512)
+    base: dict = dict(
+        overlap_schedule=False, num_pages=4096, context_len=4096, page_size=16, chunked_prefill_size=512
+    )
     base.update(overrides)
     return SchedulerConfig(**base)
 

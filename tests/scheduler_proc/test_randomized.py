@@ -34,6 +34,7 @@ def random_config(rng: random.Random) -> SchedulerConfig:
         decode_first=rng.random() < 0.3,
         max_consecutive_prefills=rng.choice([1, 1, 3]),
         disable_radix_cache=rng.random() < 0.25,
+        overlap_schedule=rng.random() < 0.75,
     )
 
 

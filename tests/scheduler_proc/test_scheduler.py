@@ -18,7 +18,9 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def config(**overrides: int | float | bool) -> SchedulerConfig:
-    base: dict = dict(num_pages=256, context_len=512, page_size=16, chunked_prefill_size=64)
+    base: dict = dict(
+        overlap_schedule=False, num_pages=256, context_len=512, page_size=16, chunked_prefill_size=64
+    )
     base.update(overrides)
     return SchedulerConfig(**base)
 
@@ -67,11 +69,11 @@ def test_finish_on_stop_token_max_new_tokens_and_context_len() -> None:
 def test_context_len_ends_a_request_before_max_new_tokens() -> None:
     req = Req(rid=1, input_ids=[5] * 8, max_new_tokens=100, stop_token_ids=frozenset({7}), sampler=sampler())
     req.output_ids.append(3)
-    assert req.finish_reason_after_token(context_len=10) is None
+    assert req.finish_reason_at(0, context_len=10) is None
     req.output_ids.append(4)
-    assert req.finish_reason_after_token(context_len=10) is FinishReason.LENGTH
+    assert req.finish_reason_at(1, context_len=10) is FinishReason.LENGTH
     req.output_ids.append(7)
-    assert req.finish_reason_after_token(context_len=10) is FinishReason.STOP, "a stop token wins"
+    assert req.finish_reason_at(2, context_len=10) is FinishReason.STOP, "a stop token wins"
 
 
 # ---------------------------------------------------------------- batch shapes

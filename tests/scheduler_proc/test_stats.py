@@ -20,7 +20,9 @@ class FakeClock:
 def test_one_prefill_line_per_prefill_batch_and_a_decode_line_every_n(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    cfg = SchedulerConfig(num_pages=100, context_len=64, page_size=1, decode_log_interval=3)
+    cfg = SchedulerConfig(
+        num_pages=100, context_len=64, page_size=1, decode_log_interval=3, overlap_schedule=False
+    )
     d, clock = Driver(cfg), FakeClock()
     stats = SchedulerStats(cfg.decode_log_interval, logging.getLogger("rivulet.scheduler"), clock)
     d.submit(0, [1, 2, 3, 4], 7)
