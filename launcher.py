@@ -104,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=w.compile,
         help="torch.compile the worker's dense layer code (slower start; no oneDNN weight packing)",
     )
+    p.add_argument(
+        "--disable-cpu-kernels",
+        dest="cpu_kernels",
+        action="store_false",
+        default=w.cpu_kernels,
+        help="attend decode rows with torch instead of the worker's C kernel (built with the system "
+        "C compiler on first start; without one the worker uses torch anyway)",
+    )
     p.add_argument("--seed", type=int, default=w.seed)
     p.add_argument("--decode-log-interval", type=int, default=s.decode_log_interval)
     p.add_argument("--log-level", default="INFO")
@@ -175,6 +183,7 @@ def worker_config(args: argparse.Namespace, model_path: str) -> WorkerConfig:
         num_threads=args.num_threads,
         tune_threads=args.tune_threads,
         compile=args.compile,
+        cpu_kernels=args.cpu_kernels,
         seed=args.seed,
     )
 

@@ -1,7 +1,10 @@
 """Attention over the paged KV pool for one mixed batch.
 
 Rows come in two kinds, each attended in the cheapest shape:
-- decode rows (one new token): batched calls over groups of rows of similar
+- decode rows (one new token), on CPU with our C kernel (cpu_kernels.py): one
+  call for all of them, each row read in place through the page table at its
+  own length.
+- decode rows elsewhere (CUDA, float64, no compiler): batched calls over groups of rows of similar
   KV length (usually one group). A group's KV is gathered by slot index into
   [rows, max_len], padded, with a length mask (none when all lengths agree).
   Grouping by length bounds the padding: one long row no longer makes every
@@ -19,9 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from gpu_worker.cpu_kernels import CpuKernels
 
 # Padding a decode group by up to this many KV tokens is cheaper than one more attention call per layer.
 PAD_FLOOR_TOKENS = 1024
@@ -49,13 +56,26 @@ class DecodeGroup:
 
 
 @dataclass(frozen=True)
+class PagedDecodeRows:
+    """Every decode row of the batch, for the C kernel: it reads their KV through the page table."""
+
+    kernels: CpuKernels
+    tokens: torch.Tensor  # [B] flat indices of their tokens (query and output rows)
+    slots: torch.Tensor  # [B] request slots
+    kv_lens: torch.Tensor  # [B] KV tokens each row attends, its new one included
+    page_table: torch.Tensor
+    page_size: int
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Where this batch's K/V go and what each row's queries attend to."""
 
     out_locs: torch.Tensor  # [T] KV slot of every new token
     decode: tuple[DecodeGroup, ...]
     extends: tuple[ExtendRow, ...]
-    in_order: bool  # the batch is one decode group whose tokens are arange(T)
+    in_order: bool  # every row decodes (tokens are arange(T)), in one group or in paged_decode
+    paged_decode: PagedDecodeRows | None = None  # the decode rows when the C kernel attends them
 
 
 @dataclass(frozen=True)
@@ -77,9 +97,15 @@ def paged_attention(
     # index_copy_/index_select, not advanced indexing: several times faster on CPU.
     k_cache.index_copy_(0, meta.out_locs, k)
     v_cache.index_copy_(0, meta.out_locs, v)
-    if meta.in_order:
+    paged = meta.paged_decode
+    if meta.in_order and paged is None:
         return _decode_attention(q, k_cache, v_cache, meta.decode[0])
     out = torch.empty_like(q)
+    if paged is not None:
+        decode = (paged.tokens, paged.slots, paged.kv_lens)
+        paged.kernels.decode_attention(q, k_cache, v_cache, out, *decode, paged.page_table, paged.page_size)
+        if meta.in_order:
+            return out
     for group in meta.decode:
         part = _decode_attention(q.index_select(0, group.tokens), k_cache, v_cache, group)
         out.index_copy_(0, group.tokens, part)
@@ -129,8 +155,13 @@ def build_metadata(
     prefix_lens: list[int],
     extend_lens: list[int],
     device: torch.device,
+    kernels: CpuKernels | None = None,
 ) -> tuple[torch.Tensor, AttentionMetadata]:
-    """Positions [T] and the attention metadata of one batch, from its O(rows) lists."""
+    """Positions [T] and the attention metadata of one batch, from its O(rows) lists.
+
+    ``kernels``: attend the decode rows with the C kernel (the caller checked it takes
+    this model's dtype and head shapes); None: with torch, in length groups.
+    """
     starts = list(accumulate(extend_lens[:-1], initial=0))
     total = starts[-1] + extend_lens[-1]
     lens = torch.tensor(extend_lens, device=device)
@@ -147,13 +178,42 @@ def build_metadata(
         if n > 1
     )
     kv_lens = {i: prefix_lens[i] + 1 for i, n in enumerate(extend_lens) if n == 1}
+    all_decode = len(kv_lens) == len(slots)  # then the tokens are arange(T)
+    if kernels is not None:
+        paged = _paged_decode_rows(kernels, page_table, page_size, slots, starts, kv_lens, device)
+        return positions, AttentionMetadata(
+            out_locs=out_locs, decode=(), extends=extends, in_order=all_decode, paged_decode=paged
+        )
     decode = tuple(
         _decode_group(page_table, page_size, [(slots[i], starts[i], kv_lens[i]) for i in rows], device)
         for rows in length_groups(kv_lens)
     )
-    in_order = len(decode) == 1 and len(kv_lens) == len(slots)  # all decode: tokens are arange(T)
+    in_order = len(decode) == 1 and all_decode
     meta = AttentionMetadata(out_locs=out_locs, decode=decode, extends=extends, in_order=in_order)
     return positions, meta
+
+
+def _paged_decode_rows(
+    kernels: CpuKernels,
+    page_table: torch.Tensor,
+    page_size: int,
+    slots: list[int],
+    starts: list[int],
+    kv_lens: dict[int, int],
+    device: torch.device,
+) -> PagedDecodeRows | None:
+    """kv_lens: decode row -> its KV length; None when the batch has no decode row."""
+    if not kv_lens:
+        return None
+    rows = list(kv_lens)
+    return PagedDecodeRows(
+        kernels=kernels,
+        tokens=torch.tensor([starts[i] for i in rows], dtype=torch.int64, device=device),
+        slots=torch.tensor([slots[i] for i in rows], dtype=torch.int64, device=device),
+        kv_lens=torch.tensor(list(kv_lens.values()), dtype=torch.int64, device=device),
+        page_table=page_table,
+        page_size=page_size,
+    )
 
 
 def length_groups(kv_lens: dict[int, int]) -> list[list[int]]:

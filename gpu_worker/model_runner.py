@@ -13,6 +13,7 @@ from itertools import accumulate
 
 import torch
 
+from gpu_worker import cpu_kernels
 from gpu_worker.attention import ForwardContext, build_metadata
 from gpu_worker.config import WorkerConfig
 from gpu_worker.kv_cache import KVPool, kv_pool_tokens
@@ -39,6 +40,7 @@ class ModelRunner:
         self.config = config
         self._init_device()
         self._init_model()
+        self._init_kernels()
         self._init_kv_pool()
         self.sampler_params = SlotSamplerParams(config.max_running_requests)
         # The token each slot drew last: a row scheduled before that draw came back (overlap
@@ -91,6 +93,15 @@ class ModelRunner:
         elif can_pack_linear_weights(self._device, self._dtype):
             pack_linear_weights(model)
 
+    def _init_kernels(self) -> None:
+        """Our C decode attention where it applies (CPU, float32/bfloat16, its head shapes)."""
+        model = self.model
+        shapes = (model.num_heads, model.num_kv_heads, model.head_dim, self._dtype)
+        usable = self.config.cpu_kernels and self._device.type == "cpu"
+        usable = usable and cpu_kernels.CpuKernels.supports(*shapes)
+        self._kernels = cpu_kernels.load() if usable else None
+        logger.info("decode attention: %s", "C kernel" if self._kernels is not None else "torch")
+
     def _init_kv_pool(self) -> None:
         model = self.model
         elem_bytes = torch.empty((), dtype=self._dtype).element_size()
@@ -110,6 +121,11 @@ class ModelRunner:
             device=self._device,
         )
         logger.info("KV pool: %d pages of %d tokens", self.kv.num_pages, self.kv.page_size)
+
+    @property
+    def uses_cpu_kernels(self) -> bool:
+        """Whether decode rows are attended by our C kernel (else by torch)."""
+        return self._kernels is not None
 
     @property
     def num_pages(self) -> int:
@@ -172,6 +188,7 @@ class ModelRunner:
             batch.prefix_lens,
             batch.extend_lens,
             self._device,
+            self._kernels,
         )
         ctx = ForwardContext(positions=positions, attn=meta, k_cache=self.kv.k, v_cache=self.kv.v)
         input_ids = self._input_ids(batch)

@@ -21,6 +21,7 @@ class CausalLM(Protocol):
     """What the runner needs of a model (our nn.Modules satisfy it)."""
 
     num_layers: int
+    num_heads: int
     num_kv_heads: int
     head_dim: int
     context_len: int

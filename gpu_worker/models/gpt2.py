@@ -71,7 +71,7 @@ class GPT2LMHeadModel(nn.Module):
         assert not getattr(cfg, "scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx"
         assert not getattr(cfg, "reorder_and_upcast_attn", False), "reorder_and_upcast_attn is not supported"
         assert getattr(cfg, "scale_attn_weights", True), "unscaled attention is not supported"
-        self.num_layers, self.num_kv_heads = cfg.n_layer, cfg.n_head
+        self.num_layers, self.num_kv_heads, self.num_heads = cfg.n_layer, cfg.n_head, cfg.n_head
         self.head_dim = cfg.n_embd // cfg.n_head
         self.context_len = cfg.n_positions
         self.transformer = GPT2Body(cfg)

@@ -49,6 +49,13 @@ class Linear(nn.Module):
             return _blocked_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)``. On oneDNN-packed weights the add is the matmul's post-op: one op,
+        and one rounding of the sum instead of two (closer to the exact sum than the reference)."""
+        if self.weight.is_mkldnn and (self.fp32_weight is None or x.shape[0] < FP32_MIN_ROWS):
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
+        return residual + self(x)
+
 
 def _blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -174,13 +181,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # torch's one call takes the reference's steps in the same order (equal bit for bit over
+        # random SmolLM2-sized rows, float32 and bf16 inputs): 8 ops -> 4 for bf16, 31 -> 20 us
+        # at 1 row in float32.
         if x.dtype == torch.float32:
-            # torch's one call takes the same steps in the same order (equal bit for bit over
-            # random SmolLM2-sized rows) with two calls fewer: 31 -> 20 us at 1 row, 2 threads.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight * F.rms_norm(x.to(torch.float32), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class LayerNorm(nn.Module):

@@ -130,9 +130,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(inner, args.hidden_size, args.mlp_bias)
         self.act = activation(args.act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``residual + mlp(x)``."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj.add_to(residual, self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -158,8 +159,8 @@ def attention_inputs(
 
 def attention_outputs(layer: DecoderLayer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
     """The layer's output from its input ``x`` and the attention output [T, Hq, D]."""
-    x = x + layer.self_attn.o_proj(attended.flatten(1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    x = layer.self_attn.o_proj.add_to(x, attended.flatten(1))
+    return layer.mlp.add_to(x, layer.post_attention_layernorm(x))
 
 
 class LlamaBody(nn.Module):
@@ -178,6 +179,7 @@ class LlamaForCausalLM(nn.Module):
         args = LlamaArgs.from_hf(hf_config)
         self.args = args
         self.num_layers, self.num_kv_heads, self.head_dim = args.num_layers, args.num_kv_heads, args.head_dim
+        self.num_heads = args.num_heads
         self.context_len = args.context_len
         self.model = LlamaBody(args)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)

@@ -80,7 +80,7 @@ def run_scenario(
             tokens = logits.argmax(-1).tolist()
             for row, r in enumerate(sampled):
                 ref = hf_last_logits(hf, prompts[r] + out[r])
-                torch.testing.assert_close(logits[row], ref, rtol=0, atol=atol)
+                torch.testing.assert_close(logits[row].to(ref.dtype), ref, rtol=0, atol=atol)
         else:
             tokens = runner.execute(batch).token_ids
         assert len(tokens) == len(sampled), "one token per sample row"

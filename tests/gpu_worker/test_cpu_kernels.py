@@ -1,0 +1,129 @@
+"""The C decode-attention kernel: against a float64 reference, inside the runner against HF, and the
+fallback to torch when no compiler works."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_worker import cpu_kernels
+from gpu_worker.config import WorkerConfig
+from gpu_worker.model_runner import ModelRunner
+from tests.gpu_worker.helpers import MiniScheduler, save_tiny_model
+from tests.gpu_worker.test_models import hf_greedy, make_prompts, run_scenario
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler to build the kernel"
+)
+
+
+def _kernels() -> cpu_kernels.CpuKernels:
+    kernels = cpu_kernels.load()
+    assert kernels is not None, "a C compiler is on PATH, so the kernel must build"
+    return kernels
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One row's attention in float64: q [Hq, D] over k, v [L, Hkv, D] (GQA by repeat)."""
+    group = q.shape[0] // k.shape[1]
+    k64 = k.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    v64 = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    return F.scaled_dot_product_attention(q.double()[:, None], k64, v64)[:, 0]
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 16)])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_attention_matches_float64(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, page_size: int
+) -> None:
+    """Lengths around the kernel's 64-position score chunk, scattered pages, strided q, and rows
+    written only where asked (the others keep their sentinel)."""
+    torch.manual_seed(0)
+    lens = [1, 5, 63, 64, 65, 200]
+    slots = [3, 0, 6, 2, 5, 1]
+    q_rows = [0, 2, 3, 5, 6, 8]  # rows 1, 4, 7 of q/out are not decode rows
+    pages_per_slot = -(-max(lens) // page_size)
+    num_pages = 7 * pages_per_slot + 3
+    k_cache = torch.randn(num_pages * page_size, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_pages * page_size, kv_heads, head_dim).to(dtype)
+    page_table = torch.zeros(8, pages_per_slot + 2, dtype=torch.int64)
+    page_table[:7, :pages_per_slot] = torch.randperm(num_pages)[: 7 * pages_per_slot].view(7, -1)
+    qkv = (torch.randn(9, heads + 2 * kv_heads, head_dim) * 3).to(dtype)  # peaky softmax rows too
+    q = qkv[:, :heads]  # rows strided like the model's fused qkv output
+    out = torch.full((9, heads, head_dim), 7.0, dtype=dtype)
+    as_i64 = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    _kernels().decode_attention(
+        q, k_cache, v_cache, out, as_i64(q_rows), as_i64(slots), as_i64(lens), page_table, page_size
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for row, slot, n in zip(q_rows, slots, lens, strict=True):
+        pos = torch.arange(n)
+        locs = page_table[slot, pos // page_size] * page_size + pos % page_size
+        ref = reference(q[row], k_cache[locs], v_cache[locs])
+        torch.testing.assert_close(out[row].double(), ref, rtol=tol, atol=tol)
+    assert (out[[1, 4, 7]] == 7.0).all(), "rows that are not decode rows stay untouched"
+
+
+@needs_compiler
+def test_kernel_refuses_shapes_beyond_its_buffers() -> None:
+    assert cpu_kernels.CpuKernels.supports(9, 3, 64, torch.bfloat16)
+    assert not cpu_kernels.CpuKernels.supports(9, 3, 64, torch.float64)  # float64 stays on torch
+    assert not cpu_kernels.CpuKernels.supports(128, 8, 64, torch.float32)  # more heads than MAX_HEADS
+    assert not cpu_kernels.CpuKernels.supports(8, 8, 512, torch.float32)  # head_dim beyond MAX_HEAD_DIM
+
+
+@pytest.fixture(scope="module")
+def float32_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
+    out = {}
+    for kind, tie in (("llama", False), ("qwen3", True), ("gpt2", True)):
+        path = tmp_path_factory.mktemp(f"{kind}-kernel")
+        out[kind] = (path, save_tiny_model(kind, tie, path))
+    return out
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt2"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_runner_with_kernel_matches_hf(float32_models: dict, kind: str, page_size: int) -> None:
+    """The whole runner in float32 with the kernel on decode rows: logits of a mixed step within
+    1e-4 of HF float64, and the same greedy tokens."""
+    path, hf = float32_models[kind]
+    runner = ModelRunner(
+        WorkerConfig(
+            model_path=str(path), dtype="float32", kv_cache_tokens=256, page_size=page_size,
+            max_running_requests=8, num_threads=1,
+        )
+    )  # fmt: skip
+    assert runner.uses_cpu_kernels, "float32 on CPU with a compiler: decode rows go to the kernel"
+    prompts = make_prompts(seed=5)
+    sched = MiniScheduler(runner.num_pages, page_size, shuffle_seed=2)
+    got = run_scenario(runner, sched, prompts, hf, atol=1e-4)
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert tokens == hf_greedy(hf, prompt)
+
+
+def test_no_working_compiler_falls_back_to_torch(
+    float32_models: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiler that fails: load() says None (and logs why), and the runner attends with torch."""
+    monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))  # no library built here before
+    monkeypatch.setenv("CC", "false")
+    cpu_kernels.load.cache_clear()
+    try:
+        assert cpu_kernels.load() is None
+        path, hf = float32_models["llama"]
+        runner = ModelRunner(
+            WorkerConfig(model_path=str(path), dtype="float32", kv_cache_tokens=256, num_threads=1)
+        )
+        assert not runner.uses_cpu_kernels
+        prompts = make_prompts(seed=5)
+        got = run_scenario(runner, MiniScheduler(runner.num_pages, 16), prompts, hf, atol=1e-4)
+        assert got[0] == hf_greedy(hf, prompts[0])
+    finally:
+        cpu_kernels.load.cache_clear()  # later tests build (or find) the real library again
