@@ -3,6 +3,7 @@
     python bench/worker_step.py                       # SmolLM2, auto dtype
     python bench/worker_step.py --dtype float32,bfloat16 --rounds 3 --json out.json
     python bench/worker_step.py --profile decode32    # torch.profiler table of one shape
+    python bench/worker_step.py --dtype bfloat16,bfloat16:torch --rounds 3   # C kernel vs torch attention
 
 Shapes: decode at batch 1 / 8 / 32 (every row with ``--context`` tokens of KV
 already written) and one prefill chunk of ``--prefill`` tokens. Each shape runs
@@ -93,9 +94,13 @@ def time_steps(
     return times
 
 
-def make_runner(args: argparse.Namespace, dtype: str) -> ModelRunner:
+def make_runner(args: argparse.Namespace, variant: str) -> ModelRunner:
+    """``variant``: a dtype, with ``:torch`` appended for torch's decode attention instead of the C kernel."""
+    dtype, _, attention = variant.partition(":")
     rows = max(args.decode_batches)
     extra: dict[str, Any] = {"compile": True} if args.compile else {}  # older configs lack the field
+    if attention == "torch":
+        extra["cpu_kernels"] = False
     return ModelRunner(
         WorkerConfig(
             model_path=str(resolve_model(args.model)),
@@ -129,7 +134,9 @@ def profile(runner: ModelRunner, step: Callable[[int], None], args: argparse.Nam
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="HF dir or .gguf (default: embedded SmolLM2-135M)")
-    p.add_argument("--dtype", default="auto", help="comma-separated: auto,float32,bfloat16")
+    p.add_argument(
+        "--dtype", default="auto", help="comma-separated: auto,float32,bfloat16; DTYPE:torch = no C kernel"
+    )
     p.add_argument("--decode-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     p.add_argument("--context", type=int, default=96, help="KV tokens per decode row")
     p.add_argument("--prefill", type=int, default=256, help="prefill chunk tokens; 0: skip")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -167,17 +166,23 @@ def test_killing_the_worker_stops_everything_and_clients_get_an_error(
 ) -> None:
     with running_engine(tiny_llama_dir, tmp_path, "--kv-cache-tokens", "1024") as e:
         errors: list[BaseException] = []
+        streaming = threading.Event()
 
         def wait_long() -> None:
             try:
                 with Client(e.endpoint, timeout_s=60) as client:
-                    client.generate(input_ids=[9] * 50, max_new_tokens=900, temperature=0, ignore_eos=True)
+                    chunks = client.generate(
+                        input_ids=[9] * 50, max_new_tokens=900, temperature=0, ignore_eos=True, stream=True
+                    )
+                    for _ in chunks:
+                        streaming.set()
             except BaseException as exc:  # the assertion below inspects it
                 errors.append(exc)
 
         waiter = threading.Thread(target=wait_long)
         waiter.start()
-        time.sleep(2.0)
+        # Killed at its first token, not after a fixed sleep: a fast worker finishes 900 tokens in 2 s.
+        assert streaming.wait(60), "the request never started streaming"
         import os
 
         os.kill(e.child_pids["gpu_worker"], signal.SIGKILL)
