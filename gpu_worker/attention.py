@@ -4,9 +4,10 @@ Rows come in two kinds, each attended in the cheapest shape:
 - decode rows (one new token), on CPU with our C kernel (cpu_kernels.py): one
   call for all of them, each row read in place through the page table at its
   own length.
-- decode rows elsewhere (CUDA, float64, no compiler): batched calls over groups of rows of similar
-  KV length (usually one group). A group's KV is gathered by slot index into
-  [rows, max_len], padded, with a length mask (none when all lengths agree).
+- decode rows elsewhere (CUDA, float64, no compiler, --disable-cpu-kernels):
+  batched calls over groups of rows of similar KV length (usually one group).
+  A group's KV is gathered by slot index into [rows, max_len], padded, with a
+  length mask (none when all lengths agree).
   Grouping by length bounds the padding: one long row no longer makes every
   short row gather and attend over its length. The query heads of a KV head
   are laid along the "query length" axis, so GQA needs no repeat of K/V.
