@@ -27,6 +27,27 @@ def _kernels() -> cpu_kernels.CpuKernels:
     return kernels
 
 
+def _cpu_has(*flags: str) -> bool:
+    return set(flags) <= set(cpu_kernels._cpu_flags().split())
+
+
+AVX512 = ("avx512f", "avx512bw", "avx512_bf16")
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def kernels(request: pytest.FixtureRequest) -> cpu_kernels.CpuKernels:
+    """The library as the worker loads it, and built without AVX-512 (the path of other CPUs)."""
+    if request.param == "native":
+        return _kernels()
+    return cpu_kernels.CpuKernels(cpu_kernels.build(("-mno-avx512f",)))
+
+
+@needs_compiler
+def test_builds_take_the_path_of_their_flags() -> None:
+    assert _kernels().vector_path == _cpu_has(*AVX512), "-march=native: AVX-512 exactly where the CPU has it"
+    assert not cpu_kernels.CpuKernels(cpu_kernels.build(("-mno-avx512f",))).vector_path
+
+
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """One row's attention in float64: q [Hq, D] over k, v [L, Hkv, D] (GQA by repeat)."""
     group = q.shape[0] // k.shape[1]
@@ -37,28 +58,34 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 16)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 16), (6, 2, 80), (4, 1, 128)])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_decode_attention_matches_float64(
-    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, page_size: int
+    kernels: cpu_kernels.CpuKernels,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
 ) -> None:
-    """Lengths around the kernel's 64-position score chunk, scattered pages, strided q, and rows
-    written only where asked (the others keep their sentinel)."""
+    """Lengths around the 16-position block (AVX-512) and 64-position chunk (portable), head sizes
+    that fill whole vectors and one that does not (80), scattered pages, strided q, and rows written
+    only where asked (the others keep their sentinel)."""
     torch.manual_seed(0)
-    lens = [1, 5, 63, 64, 65, 200]
-    slots = [3, 0, 6, 2, 5, 1]
-    q_rows = [0, 2, 3, 5, 6, 8]  # rows 1, 4, 7 of q/out are not decode rows
+    lens = [1, 5, 16, 17, 63, 64, 65, 200]
+    slots = [3, 0, 6, 2, 5, 1, 8, 7]
+    q_rows = [0, 2, 3, 5, 6, 8, 9, 10]  # rows 1, 4, 7 of q/out are not decode rows
     pages_per_slot = -(-max(lens) // page_size)
-    num_pages = 7 * pages_per_slot + 3
+    num_pages = 9 * pages_per_slot + 3
     k_cache = torch.randn(num_pages * page_size, kv_heads, head_dim).to(dtype)
     v_cache = torch.randn(num_pages * page_size, kv_heads, head_dim).to(dtype)
-    page_table = torch.zeros(8, pages_per_slot + 2, dtype=torch.int64)
-    page_table[:7, :pages_per_slot] = torch.randperm(num_pages)[: 7 * pages_per_slot].view(7, -1)
-    qkv = (torch.randn(9, heads + 2 * kv_heads, head_dim) * 3).to(dtype)  # peaky softmax rows too
+    page_table = torch.zeros(10, pages_per_slot + 2, dtype=torch.int64)
+    page_table[:9, :pages_per_slot] = torch.randperm(num_pages)[: 9 * pages_per_slot].view(9, -1)
+    qkv = (torch.randn(11, heads + 2 * kv_heads, head_dim) * 3).to(dtype)  # peaky softmax rows too
     q = qkv[:, :heads]  # rows strided like the model's fused qkv output
-    out = torch.full((9, heads, head_dim), 7.0, dtype=dtype)
+    out = torch.full((11, heads, head_dim), 7.0, dtype=dtype)
     as_i64 = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
-    _kernels().decode_attention(
+    kernels.decode_attention(
         q, k_cache, v_cache, out, as_i64(q_rows), as_i64(slots), as_i64(lens), page_table, page_size
     )
     tol = 1e-5 if dtype == torch.float32 else 2e-2
