@@ -63,7 +63,8 @@ class ChildDied(RuntimeError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Every flag's default comes from the config dataclass that owns it."""
+    """Every flag's default comes from the config dataclass that owns it, but --enable-mixed-chunk's,
+    which follows the worker's device (mixed_chunk)."""
     w, s = WorkerConfig(), SchedulerConfig()
     p = argparse.ArgumentParser(description="rivulet: a multi-process LLM serving engine")
     p.add_argument("--model", default=None, help="HF model dir or .gguf (default: embedded SmolLM2-135M)")
@@ -76,7 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=s.page_size)
     p.add_argument("--kv-cache-tokens", type=int, default=w.kv_cache_tokens, help="0: use --kv-mem-fraction")
     p.add_argument("--kv-mem-fraction", type=float, default=w.kv_mem_fraction)
-    p.add_argument("--enable-mixed-chunk", action="store_true", default=s.enable_mixed_chunk)
+    p.add_argument(
+        "--enable-mixed-chunk",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run a prefill chunk and the running decodes in one forward (default: on for a CPU worker, "
+        "where every forward streams all weights and a separate prefill pass stalls each stream; off on GPU)",
+    )
     p.add_argument(
         "--disable-overlap-schedule",
         action="store_true",
@@ -188,6 +195,11 @@ def worker_config(args: argparse.Namespace, model_path: str) -> WorkerConfig:
     )
 
 
+def mixed_chunk(args: argparse.Namespace, device: str) -> bool:
+    """--enable-mixed-chunk / --no-enable-mixed-chunk, else on where the worker runs on CPU."""
+    return args.enable_mixed_chunk if args.enable_mixed_chunk is not None else device.startswith("cpu")
+
+
 def scheduler_config(args: argparse.Namespace, ready: WorkerReady) -> SchedulerConfig:
     return SchedulerConfig(
         num_pages=ready.num_pages,
@@ -196,7 +208,7 @@ def scheduler_config(args: argparse.Namespace, ready: WorkerReady) -> SchedulerC
         max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens,
         chunked_prefill_size=args.chunked_prefill_size,
-        enable_mixed_chunk=args.enable_mixed_chunk,
+        enable_mixed_chunk=mixed_chunk(args, ready.device),
         overlap_schedule=not args.disable_overlap_schedule,
         schedule_policy=args.schedule_policy,
         disable_radix_cache=args.disable_radix_cache,
