@@ -159,7 +159,8 @@ class ModelRunner:
             with torch.inference_mode():
                 tokens, token_logprobs = sample(logits, params)
                 self.last_tokens[torch.tensor(slots, device=self._device)] = tokens
-            token_ids, logprobs = tokens.tolist(), token_logprobs.tolist()
+            token_ids = tokens.tolist()
+            logprobs = token_logprobs.tolist() if token_logprobs is not None else []
         forward_s = time.perf_counter() - started
         if self._tuner is not None:
             self._tuner.record(shape, threads, forward_s)

@@ -35,6 +35,7 @@ class SamplingBatch:
     positions: torch.Tensor  # int64, position of the token being drawn
     all_greedy: bool
     any_filter: bool  # some row uses top_k, top_p or min_p
+    want_logprobs: bool = True  # some row's client asked for logprobs
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -58,8 +59,13 @@ def gumbel_noise(
     return -torch.log(-torch.log(u))
 
 
-def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids [R] and their logprobs [R] (log_softmax of the raw logits)."""
+def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token ids [R], and their logprobs [R] (log_softmax of the raw logits) where a row asked for
+    them (else None)."""
+    if params.all_greedy and not params.want_logprobs:
+        # The max of the logits as they are: float32 holds every bf16/fp16 value exactly, so this picks
+        # what the float32 path picks, without the copy and the logsumexp (1.6 vs 0.45 ms at 32 rows).
+        return logits.max(dim=-1).indices, None
     logits = logits if logits.dtype == torch.float64 else logits.float()
     # max(dim) returns the first maximal index, as argmax does, and is ~1.7x faster on CPU.
     best, greedy = logits.max(dim=-1)
@@ -105,6 +111,7 @@ class SlotSamplerParams:
         self.min_p = torch.zeros(max_requests, dtype=torch.float64)
         self.seed = torch.zeros(max_requests, dtype=torch.int64)
         self.seed_hi = torch.zeros(max_requests, dtype=torch.int64)
+        self.logprobs = [False] * max_requests
         self.assigned = [False] * max_requests
 
     def update(self, slots: list[int], params: list[SamplerParams | None]) -> None:
@@ -118,6 +125,7 @@ class SlotSamplerParams:
             self.min_p[slot] = p.min_p
             self.seed[slot] = seed & _MASK32
             self.seed_hi[slot] = seed >> 32
+            self.logprobs[slot] = p.logprobs
             self.assigned[slot] = True
 
     def batch(self, slots: list[int], positions: list[int], device: torch.device) -> SamplingBatch:
@@ -139,4 +147,5 @@ class SlotSamplerParams:
             positions=torch.tensor(positions, dtype=torch.int64).to(device),
             all_greedy=bool((temperature <= 0).all()),
             any_filter=any_filter,
+            want_logprobs=any(self.logprobs[s] for s in slots),
         )

@@ -147,6 +147,7 @@ class SamplerParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     top_p: float
     min_p: float
     seed: int
+    logprobs: bool = False  # the client wants each token's logprob (else the worker skips them)
 
 
 class TokenizedRequest(Msg):
@@ -261,7 +262,8 @@ ToWorker = ForwardBatch
 class ForwardResult(Msg):
     """The tokens drawn for the rows of ``step`` whose ``sample`` was True, in row order.
 
-    ``error`` is set (and the lists empty) when the forward failed; the scheduler
+    ``logprobs`` is empty when no row's request asked for logprobs (the worker skips
+    computing them). ``error`` is set (and the lists empty) when the forward failed; the scheduler
     then fails that batch's requests and keeps serving. ``busy_s`` is the worker's
     running total of seconds spent on batches (frame received to reply ready) and
     ``clock_s`` its monotonic clock as it replies: the two give the worker's busy

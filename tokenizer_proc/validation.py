@@ -82,6 +82,7 @@ def validate_generate(
         top_p=float(params.top_p),
         min_p=float(params.min_p),
         seed=seed,
+        logprobs=req.logprobs,
     )
     return ValidRequest(
         client_rid=req.rid,

@@ -25,7 +25,7 @@ def recv(sock: zmq.Socket, decode_type: object) -> object:
     return msgspec.msgpack.decode(sock.recv(), type=decode_type)
 
 
-def one_row(step: int, slot: int, ids: list[int], pages: list[int]) -> ForwardBatch:
+def one_row(step: int, slot: int, ids: list[int], pages: list[int], logprobs: bool = True) -> ForwardBatch:
     return ForwardBatch(
         step=step,
         slots=[slot],
@@ -36,7 +36,7 @@ def one_row(step: int, slot: int, ids: list[int], pages: list[int]) -> ForwardBa
         page_counts=[len(pages)],
         pages=pages,
         sample=[True],
-        sampler=[GREEDY],
+        sampler=[msgspec.structs.replace(GREEDY, logprobs=logprobs)],
     )
 
 
@@ -72,7 +72,11 @@ def test_worker_serves_batches_and_survives_bad_input(tmp_path: Path) -> None:
         assert isinstance(failed, ForwardResult) and isinstance(served, ForwardResult)
         assert failed.step == 1 and failed.token_ids == [] and "pages" in (failed.error or "")
         assert served.step == 2 and served.error is None and len(served.token_ids) == 1
-        assert 0 <= served.token_ids[0] < 500 and served.logprobs[0] <= 0.0
+        assert 0 <= served.token_ids[0] < 500 and served.logprobs[0] < 0.0
+        to_worker.send(codec.encode(one_row(3, 2, [3, 4, 5], [3], logprobs=False)))
+        unasked = recv(results, ForwardResult)
+        assert isinstance(unasked, ForwardResult) and unasked.token_ids == served.token_ids
+        assert unasked.logprobs == [], "no row asked for logprobs: the worker skips them"
         # The busy counter runs on the worker's clock: it grows with each batch, never past the clock.
         assert 0 < failed.busy_s < served.busy_s and failed.clock_s < served.clock_s
         assert served.busy_s - failed.busy_s <= served.clock_s - failed.clock_s

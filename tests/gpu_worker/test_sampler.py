@@ -25,9 +25,16 @@ def draw(rows: list[SamplerParams], logits: torch.Tensor, positions: list[int] |
 
 
 def sp(
-    temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0
+    temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    seed: int = 0,
+    logprobs: bool = True,
 ) -> SamplerParams:
-    return SamplerParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    return SamplerParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, logprobs=logprobs
+    )
 
 
 def test_greedy_is_argmax_with_raw_logprobs() -> None:
@@ -107,3 +114,20 @@ def test_sampling_without_params_is_an_error() -> None:
     table = SlotSamplerParams(4)
     with pytest.raises(ValueError, match="sampler params"):
         table.batch([2], [0], torch.device("cpu"))
+
+
+def test_greedy_rows_without_logprobs_skip_them_and_pick_the_same_tokens() -> None:
+    """No row asked for logprobs: the max over the bf16 logits themselves, no logprobs; the picks
+    equal the float32 path's, ties included (the first maximal index)."""
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(4)).bfloat16()
+    logits[3, 17] = logits[3, 250] = logits[3].max() + 1  # a tie: the first index wins
+    plain, slots, pos = params([sp(temperature=0.0, seed=i, logprobs=False) for i in range(8)])
+    tokens, logprobs = sample(logits, plain.batch(slots, pos, torch.device("cpu")))
+    assert logprobs is None
+    assert torch.equal(tokens, logits.float().argmax(-1)) and tokens[3] == 17
+    one_asks = [sp(temperature=0.0, seed=i, logprobs=i == 0) for i in range(8)]
+    asking, slots, pos = params(one_asks)
+    tokens_lp, logprobs = sample(logits, asking.batch(slots, pos, torch.device("cpu")))
+    assert logprobs is not None and torch.equal(tokens_lp, tokens)
+    expected = torch.log_softmax(logits.float(), -1).gather(1, tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(logprobs, expected)
