@@ -116,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="cpu_kernels",
         action="store_false",
         default=w.cpu_kernels,
-        help="attend decode rows with torch instead of the worker's C kernel (built with the system "
-        "C compiler on first start; without one the worker uses torch anyway)",
+        help="use torch instead of the worker's C kernels (decode attention, RMSNorm, rotary, silu * up; "
+        "built with the system C compiler on first start; without one the worker uses torch anyway)",
     )
     p.add_argument("--seed", type=int, default=w.seed)
     p.add_argument("--decode-log-interval", type=int, default=s.decode_log_interval)

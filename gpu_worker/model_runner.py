@@ -94,12 +94,19 @@ class ModelRunner:
             pack_linear_weights(model)
 
     def _init_kernels(self) -> None:
-        """Our C decode attention where it applies (CPU, float32/bfloat16, its head shapes)."""
+        """Our C kernels where they apply (CPU, float32/bfloat16, their head shapes): decode attention,
+        and the layers' small ops (RMSNorm, rotary, silu * up) in the modules that declare ``kernels``,
+        unless --compile fuses those itself (a C call would break its graph)."""
         model = self.model
         shapes = (model.num_heads, model.num_kv_heads, model.head_dim, self._dtype)
         usable = self.config.cpu_kernels and self._device.type == "cpu"
         usable = usable and cpu_kernels.CpuKernels.supports(*shapes)
         self._kernels = cpu_kernels.load() if usable else None
+        dense = self._kernels if not self.config.compile else None
+        assert isinstance(model, torch.nn.Module), "our models are nn.Modules"
+        for module in model.modules():
+            if hasattr(type(module), "kernels"):
+                setattr(module, "kernels", dense)  # noqa: B010 (nn.Module types attributes as Tensor | Module)
         logger.info("decode attention: %s", "C kernel" if self._kernels is not None else "torch")
 
     def _init_kv_pool(self) -> None:

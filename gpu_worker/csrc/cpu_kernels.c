@@ -36,9 +36,9 @@ static inline float bf16_to_f32(uint16_t h) {
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                                           /* round to nearest even */
-    return (uint16_t)(u >> 16);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* round to nearest even */
+    const uint32_t quiet_nan = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded); /* a select: loops vectorize */
 }
 
 /* n elements of a float32 or bfloat16 tensor from element ``offset`` on, as float32. */
@@ -380,6 +380,118 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
         }
     }
     return 0;
+}
+
+/* ---- the dense layer's small ops, each one call instead of 2-8 torch ops ----
+ *
+ * Each reproduces its torch expression's roundings (noted per function), so swapping one in keeps
+ * the model's numbers. Rows go to threads only when there are enough of them to pay for it. */
+#define PARALLEL_ROWS 16
+#define PIECE 256 /* elements per step: each op converts a piece to float32, computes, stores back */
+
+/* n float32 values stored to a float32 or bfloat16 tensor at element ``offset``. */
+static inline void store_vec(void *base, int dtype, int64_t offset, int n, const float *src) {
+    if (dtype == DTYPE_BF16) {
+        uint16_t *dst = (uint16_t *)base + offset;
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy((float *)base + offset, src, (size_t)n * sizeof(float));
+    }
+}
+
+/* v as a torch op in ``dtype`` would leave it: rounded to bfloat16 (and back), or as is. */
+static inline void round_vec(int dtype, float *v, int n) {
+    if (dtype != DTYPE_BF16) return;
+#pragma omp simd
+    for (int i = 0; i < n; i++) v[i] = bf16_to_f32(f32_to_bf16(v[i]));
+}
+
+/* out[r] = w * (x[r] * rsqrt(mean(x[r]^2) + eps)), statistics in float32 (HF's RMSNorm). bfloat16
+ * rounds x * rsqrt(...) to bfloat16 before the weight multiplies it, as HF's `.to(dtype)` does.
+ * x rows are x_stride elements apart; out is contiguous [rows, dim]. */
+void rms_norm(const void *x, int64_t x_stride, const void *w, void *out, int64_t rows, int dim, float eps, int dtype) {
+#pragma omp parallel for if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        float v[PIECE], wv[PIECE], sq = 0.0f;
+        for (int i0 = 0; i0 < dim; i0 += PIECE) {
+            const int n = dim - i0 < PIECE ? dim - i0 : PIECE;
+            load_vec(x, dtype, r * x_stride + i0, n, v);
+#pragma omp simd reduction(+ : sq)
+            for (int i = 0; i < n; i++) sq += v[i] * v[i];
+        }
+        const float inv = 1.0f / sqrtf(sq / (float)dim + eps);
+        for (int i0 = 0; i0 < dim; i0 += PIECE) {
+            const int n = dim - i0 < PIECE ? dim - i0 : PIECE;
+            load_vec(x, dtype, r * x_stride + i0, n, v);
+            load_vec(w, dtype, i0, n, wv);
+            for (int i = 0; i < n; i++) v[i] *= inv;
+            round_vec(dtype, v, n);
+            for (int i = 0; i < n; i++) v[i] *= wv[i];
+            store_vec(out, dtype, r * dim + i0, n, v);
+        }
+    }
+}
+
+/* In place, heads [0, heads) of each row of x ([rows, >= heads, head_dim], rows x_stride apart):
+ * x = x * cos[r] + cat(x2, x1) * signed_sin[r] (HF's rotate_half with the sign folded into sin, as
+ * RotaryCache stores it; cos, sin: [rows, head_dim] in x's dtype, gathered at the rows' positions).
+ * Each product and the sum round to the dtype, as the three torch ops do. */
+void rotary(void *x, int64_t x_stride, int64_t rows, int heads, int head_dim, const void *cos, const void *sin,
+            int dtype) {
+    const int half = head_dim / 2;
+#pragma omp parallel for if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        float c[MAX_HEAD_DIM], sn[MAX_HEAD_DIM], v[MAX_HEAD_DIM], a[MAX_HEAD_DIM], b[MAX_HEAD_DIM];
+        load_vec(cos, dtype, r * head_dim, head_dim, c);
+        load_vec(sin, dtype, r * head_dim, head_dim, sn);
+        for (int h = 0; h < heads; h++) {
+            const int64_t at = r * x_stride + (int64_t)h * head_dim;
+            load_vec(x, dtype, at, head_dim, v);
+            for (int i = 0; i < half; i++) {
+                a[i] = v[i] * c[i];
+                a[i + half] = v[i + half] * c[i + half];
+                b[i] = v[i + half] * sn[i];
+                b[i + half] = v[i] * sn[i + half];
+            }
+            round_vec(dtype, a, head_dim);
+            round_vec(dtype, b, head_dim);
+            for (int i = 0; i < head_dim; i++) a[i] += b[i];
+            store_vec(x, dtype, at, head_dim, a);
+        }
+    }
+}
+
+/* out[r, i] = silu(gate[r, i]) * up[r, i] of gate_up rows [gate (inner) | up (inner)], silu's result
+ * rounded to the dtype before the product, as torch's two ops do. */
+void silu_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype) {
+#pragma omp parallel for if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        float g[PIECE], u[PIECE];
+        for (int i0 = 0; i0 < inner; i0 += PIECE) {
+            const int n = inner - i0 < PIECE ? inner - i0 : PIECE;
+            load_vec(gate_up, dtype, r * 2 * inner + i0, n, g);
+            load_vec(gate_up, dtype, r * 2 * inner + inner + i0, n, u);
+#if HAVE_AVX512 /* gcc leaves the scalar loop below unvectorized */
+            for (int i = 0; i < n; i += 16) {
+                const __mmask16 m = n - i >= 16 ? 0xffffu : (__mmask16)((1u << (n - i)) - 1);
+                const __m512 x = _mm512_maskz_loadu_ps(m, g + i), one = _mm512_set1_ps(1.0f);
+                const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+                const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+                const __m512 exp_minus_x = _mm512_mask_div_ps(e, neg, one, e);
+                _mm512_mask_storeu_ps(g + i, m, _mm512_div_ps(x, _mm512_add_ps(one, exp_minus_x)));
+            }
+#else
+            for (int i = 0; i < n; i++) {
+                const float e = exp_nonpositive(-fabsf(g[i])); /* exp(-g) is e for g >= 0, 1 / e below */
+                g[i] = g[i] / (1.0f + (g[i] < 0.0f ? 1.0f / e : e));
+            }
+#endif
+            round_vec(dtype, g, n);
+            for (int i = 0; i < n; i++) g[i] *= u[i];
+            store_vec(out, dtype, r * inner + i0, n, g);
+        }
+    }
 }
 
 /* 1 where this build has the AVX-512 path (attend_avx512), 0 for the portable one. */

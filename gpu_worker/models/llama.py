@@ -10,9 +10,10 @@ are merged into one matmul each, whose row blocks carry the checkpoint's names.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.attention import ForwardContext, paged_attention
@@ -26,6 +27,9 @@ from gpu_worker.models.layers import (
     apply_rotary,
 )
 from gpu_worker.models.rope import rope_inv_freq
+
+if TYPE_CHECKING:
+    from gpu_worker.cpu_kernels import CpuKernels
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,8 @@ def _context_len(cfg: Any) -> int:
 
 
 class Attention(nn.Module):
+    kernels: CpuKernels | None = None  # set by the runner on CPU: rotary in place, one C call
+
     def __init__(self, args: LlamaArgs, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -113,6 +119,9 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
             q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
+        elif self.kernels is not None:  # in place: q and k stay views of qkv
+            self.kernels.rotary_(qkv, heads + kv_heads, cos, sin)
+            q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
         else:
             # q and k rotate by the same angles: one rotary over their heads together.
             qk = apply_rotary(qkv[:, : heads + kv_heads], cos, sin)
@@ -121,6 +130,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    kernels: CpuKernels | None = None  # set by the runner on CPU: silu(gate) * up in one C call
+
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         inner = args.intermediate_size
@@ -132,7 +143,10 @@ class MLP(nn.Module):
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``residual + mlp(x)``."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None and self.act is F.silu:
+            return self.down_proj.add_to(residual, self.kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj.add_to(residual, self.act(gate) * up)
 
 

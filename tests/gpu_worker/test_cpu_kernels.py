@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from gpu_worker import cpu_kernels
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.models.layers import RMSNorm, apply_rotary
 from tests.gpu_worker.helpers import MiniScheduler, save_tiny_model
 from tests.gpu_worker.test_models import hf_greedy, make_prompts, run_scenario
 
@@ -97,6 +98,43 @@ def test_decode_attention_matches_float64(
     assert (out[[1, 4, 7]] == 7.0).all(), "rows that are not decode rows stay untouched"
 
 
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 40])  # 40: past the rows where the ops go parallel
+def test_small_ops_match_the_torch_code_they_replace(
+    kernels: cpu_kernels.CpuKernels, dtype: torch.dtype, rows: int
+) -> None:
+    """RMSNorm (strided rows, a dim past one 256-element piece), rotary in place (other heads
+    untouched), silu * up (magnitudes where exp saturates): bfloat16 bit for bit, float32 to rounding."""
+    torch.manual_seed(1)
+    same = torch.equal if dtype == torch.bfloat16 else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    wide = torch.randn(rows, 700).to(dtype)
+    x, weight = wide[:, 30:606], torch.randn(576).to(dtype)  # rows 700 elements apart
+    ref = (
+        F.rms_norm(x, weight.shape, weight, 1e-5)
+        if dtype == torch.float32
+        else weight * F.rms_norm(x.float(), weight.shape, None, 1e-5).to(dtype)
+    )
+    assert same(kernels.rms_norm(x, weight, 1e-5), ref)
+
+    qkv = torch.randn(rows, 15, 64).to(dtype)
+    cos, signed_sin = torch.randn(rows, 1, 64).to(dtype), torch.randn(rows, 1, 64).to(dtype)
+    rotated = qkv.clone()
+    kernels.rotary_(rotated, 12, cos, signed_sin)
+    assert same(rotated[:, :12], apply_rotary(qkv[:, :12], cos, signed_sin))
+    assert torch.equal(rotated[:, 12:], qkv[:, 12:]), "heads past the rotated ones stay as they were"
+
+    gate_up = (torch.randn(rows, 2 * 600) * 8).to(dtype)
+    gate_up[0, :4] = torch.tensor([-80.0, 100.0, 0.0, -0.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert same(kernels.silu_mul(gate_up), F.silu(gate) * up)
+    # Below -87 exp(g) is taken as exp(-87): silu is then -1e-36-ish where torch has -1e-42 or -0.
+    far = torch.tensor([[-100.0, -300.0, 300.0, 1.0]]).to(dtype)  # gate (-100, -300) | up (300, 1)
+    torch.testing.assert_close(
+        kernels.silu_mul(far).float(), (F.silu(far[:, :2]) * far[:, 2:]).float(), atol=1e-30, rtol=0
+    )
+
+
 def test_kernel_refuses_shapes_beyond_its_buffers() -> None:
     assert cpu_kernels.CpuKernels.supports(9, 3, 64, torch.bfloat16)
     assert not cpu_kernels.CpuKernels.supports(9, 3, 64, torch.float64)  # float64 stays on torch
@@ -127,6 +165,9 @@ def test_runner_with_kernel_matches_hf(float32_models: dict, kind: str, page_siz
         )
     )  # fmt: skip
     assert runner.uses_cpu_kernels, "float32 on CPU with a compiler: decode rows go to the kernel"
+    users = [m for m in runner.model.modules() if hasattr(type(m), "kernels")]  # type: ignore[attr-defined]
+    assert all(m.kernels is not None for m in users), "the layers' small ops run in C too"
+    assert kind == "gpt2" or any(isinstance(m, RMSNorm) for m in users)  # GPT-2: LayerNorm, gelu
     prompts = make_prompts(seed=5)
     sched = MiniScheduler(runner.num_pages, page_size, shuffle_seed=2)
     got = run_scenario(runner, sched, prompts, hf, atol=1e-4)
