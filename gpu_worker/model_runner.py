@@ -18,7 +18,7 @@ from gpu_worker.attention import ForwardContext, build_metadata
 from gpu_worker.config import WorkerConfig
 from gpu_worker.kv_cache import KVPool, kv_pool_tokens
 from gpu_worker.loader import load_model
-from gpu_worker.models.layers import can_pack_linear_weights, pack_linear_weights
+from gpu_worker.models.layers import can_pack_linear_weights, pack_linear_weights, pin_attributes
 from gpu_worker.sampler import SlotSamplerParams, sample
 from gpu_worker.threads import ThreadTuner, shape_class
 from protocol.messages import PENDING, ForwardBatch, ForwardResult
@@ -41,6 +41,8 @@ class ModelRunner:
         self._init_device()
         self._init_model()
         self._init_kernels()
+        assert isinstance(self.model, torch.nn.Module), "our models are nn.Modules"
+        pin_attributes(self.model)  # last: after packing and kernels, the model's layout is final
         self._init_kv_pool()
         self.sampler_params = SlotSamplerParams(config.max_running_requests)
         # The token each slot drew last: a row scheduled before that draw came back (overlap

@@ -65,6 +65,21 @@ def _blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def pin_attributes(model: nn.Module) -> None:
+    """Put every module's submodules, parameters and buffers in its instance ``__dict__``.
+
+    nn.Module keeps them in side tables reached through ``__getattr__``, a Python call per
+    lookup (~0.45 us, against ~0.04 from the instance dict). A decode step looks up ~30 per
+    layer: ~0.4 ms of a ~9 ms one-row step. Reassigning one later stays correct: nn.Module's
+    ``__setattr__`` drops the instance-dict entry before it registers the new value.
+    """
+    for module in model.modules():
+        for table in (module._modules, module._parameters, module._buffers):
+            for name, value in table.items():
+                if value is not None:
+                    module.__dict__[name] = value
+
+
 def can_pack_linear_weights(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN's blocked weights exist for CPU float32/bfloat16 in builds with mkldnn."""
     return (
