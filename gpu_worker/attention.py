@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from gpu_worker.cpu_kernels import CpuKernels
+    from gpu_worker.cpu_kernels import CpuKernels, DecodeRows
 
 # Padding a decode group by up to this many KV tokens is cheaper than one more attention call per layer.
 PAD_FLOOR_TOKENS = 1024
@@ -65,7 +65,7 @@ class PagedDecodeRows:
     slots: torch.Tensor  # [B] request slots
     kv_lens: torch.Tensor  # [B] KV tokens each row attends, its new one included
     page_table: torch.Tensor
-    page_size: int
+    rows: DecodeRows  # the above as the kernel reads them, checked once for all layers
 
 
 @dataclass(frozen=True)
@@ -95,18 +95,19 @@ def paged_attention(
     """Write this layer's new K/V into the pool, then attend. q: [T, Hq, D], k/v: [T, Hkv, D]."""
     meta = ctx.attn
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
+    paged = meta.paged_decode
+    if meta.in_order and paged is not None:  # all decode rows: the kernel writes their K/V itself
+        out = torch.empty_like(q)
+        paged.kernels.attend(q, k_cache, v_cache, out, paged.rows, new_kv=(k, v))
+        return out
     # index_copy_/index_select, not advanced indexing: several times faster on CPU.
     k_cache.index_copy_(0, meta.out_locs, k)
     v_cache.index_copy_(0, meta.out_locs, v)
-    paged = meta.paged_decode
     if meta.in_order and paged is None:
         return _decode_attention(q, k_cache, v_cache, meta.decode[0])
     out = torch.empty_like(q)
     if paged is not None:
-        decode = (paged.tokens, paged.slots, paged.kv_lens)
-        paged.kernels.decode_attention(q, k_cache, v_cache, out, *decode, paged.page_table, paged.page_size)
-        if meta.in_order:
-            return out
+        paged.kernels.attend(q, k_cache, v_cache, out, paged.rows)
     for group in meta.decode:
         part = _decode_attention(q.index_select(0, group.tokens), k_cache, v_cache, group)
         out.index_copy_(0, group.tokens, part)
@@ -207,13 +208,16 @@ def _paged_decode_rows(
     if not kv_lens:
         return None
     rows = list(kv_lens)
+    tokens = torch.tensor([starts[i] for i in rows], dtype=torch.int64, device=device)
+    slot_t = torch.tensor([slots[i] for i in rows], dtype=torch.int64, device=device)
+    lens = torch.tensor(list(kv_lens.values()), dtype=torch.int64, device=device)
     return PagedDecodeRows(
         kernels=kernels,
-        tokens=torch.tensor([starts[i] for i in rows], dtype=torch.int64, device=device),
-        slots=torch.tensor([slots[i] for i in rows], dtype=torch.int64, device=device),
-        kv_lens=torch.tensor(list(kv_lens.values()), dtype=torch.int64, device=device),
+        tokens=tokens,
+        slots=slot_t,
+        kv_lens=lens,
         page_table=page_table,
-        page_size=page_size,
+        rows=kernels.decode_rows(tokens, slot_t, lens, page_table, page_size),
     )
 
 

@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -51,6 +52,19 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEADS, MAX_HEAD_DIM = 64, 256  # csrc's limits; larger shapes use torch
 
 
+class DecodeRows(NamedTuple):
+    """Decode rows as the attention kernel reads them: pointers to int64 tensors, and sizes."""
+
+    q_rows: int
+    slots: int
+    kv_lens: int
+    page_table: int
+    pt_stride: int
+    rows: int
+    page_size: int
+    tensors: tuple[torch.Tensor, ...]  # what the pointers point into, kept alive with them
+
+
 class CpuKernels:
     """ctypes bindings of a built library; every method takes CPU tensors."""
 
@@ -64,7 +78,7 @@ class CpuKernels:
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            ctypes.c_float,
+            ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
         ]  # fmt: skip
 
         i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -87,6 +101,53 @@ class CpuKernels:
             and head_dim <= MAX_HEAD_DIM
         )
 
+    def decode_rows(
+        self,
+        q_rows: torch.Tensor,
+        slots: torch.Tensor,
+        kv_lens: torch.Tensor,
+        page_table: torch.Tensor,
+        page_size: int,
+    ) -> DecodeRows:
+        """The raw arguments for ``attend`` of decode rows: checked once, used by every layer.
+        Row i reads q row q_rows[i] and attends positions [0, kv_lens[i]) of request slot
+        slots[i] through ``page_table``."""
+        assert page_table.is_contiguous() and page_table.dtype == torch.int64
+        for t in (q_rows, slots, kv_lens):
+            assert t.dtype == torch.int64 and t.is_contiguous() and len(t) == len(q_rows)
+        return DecodeRows(
+            q_rows.data_ptr(), slots.data_ptr(), kv_lens.data_ptr(), page_table.data_ptr(),
+            page_table.shape[1], len(q_rows), page_size, (q_rows, slots, kv_lens, page_table),
+        )  # fmt: skip
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        rows: DecodeRows,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """out[q_rows[i]] = softmax(q[q_rows[i]] K^T / sqrt(D)) V for each of ``rows``; q, out:
+        [T, Hq, D]; caches [N, Hkv, D] (contiguous). ``new_kv``: k, v [T, Hkv, D] (heads contiguous)
+        of which row i's K/V (row q_rows[i]) are first written at its last position."""
+        _, heads, head_dim = q.shape
+        assert q.stride(2) == 1 and q.stride(1) == head_dim, "q: heads and head_dim must be contiguous"
+        k_ptr = v_ptr = k_stride = v_stride = 0
+        if new_kv is not None:
+            k, v = new_kv
+            k_ptr, v_ptr, k_stride, v_stride = k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0)
+        status = self._attention(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+            DTYPE_CODES[q.dtype], rows.q_rows, rows.slots, rows.kv_lens, rows.page_table, rows.pt_stride,
+            rows.rows, heads, k_cache.shape[1], head_dim, rows.page_size, head_dim**-0.5,
+            k_ptr, k_stride, v_ptr, v_stride,
+        )  # fmt: skip
+        assert status == 0, (
+            f"paged_decode_attention refused heads {heads}/{k_cache.shape[1]}, head_dim {head_dim}"
+        )
+
     def decode_attention(
         self,
         q: torch.Tensor,
@@ -99,21 +160,9 @@ class CpuKernels:
         page_table: torch.Tensor,
         page_size: int,
     ) -> None:
-        """out[q_rows[i]] = softmax(q[q_rows[i]] K^T / sqrt(D)) V over positions [0, kv_lens[i]) of
-        request slot slots[i], read through ``page_table``; q, out: [T, Hq, D]; caches [N, Hkv, D]."""
-        rows, (_, heads, head_dim), kv_heads = len(q_rows), q.shape, k_cache.shape[1]
-        assert q.stride(2) == 1 and q.stride(1) == head_dim, "q: heads and head_dim must be contiguous"
+        """``attend`` in one call, for one-off use (tests)."""
         assert out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
-        assert page_table.is_contiguous() and page_table.dtype == torch.int64
-        for t in (q_rows, slots, kv_lens):
-            assert t.dtype == torch.int64 and t.is_contiguous() and len(t) == rows
-        status = self._attention(
-            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-            DTYPE_CODES[q.dtype], q_rows.data_ptr(), slots.data_ptr(), kv_lens.data_ptr(),
-            page_table.data_ptr(), page_table.shape[1], rows, heads, kv_heads, head_dim, page_size,
-            head_dim**-0.5,
-        )  # fmt: skip
-        assert status == 0, f"paged_decode_attention refused heads {heads}/{kv_heads}, head_dim {head_dim}"
+        self.attend(q, k_cache, v_cache, out, self.decode_rows(q_rows, slots, kv_lens, page_table, page_size))
 
     # The dense layer's small ops: one call each where torch takes 2-8 (RMSNorm, rotary, silu * up).
     # Same roundings as the torch code they replace; callers check layout (rows stride, last dim 1).

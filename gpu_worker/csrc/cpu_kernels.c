@@ -342,6 +342,10 @@ static void attend_portable(const char *q, const void *k_cache, const void *v_ca
  * k_cache / v_cache ([pool tokens, kv_heads, head_dim]). The num_heads / kv_heads query heads
  * of one KV head share its K/V rows (GQA, HF's repeat_kv order). Returns 0, or -1 on bad sizes.
  *
+ * k_new / v_new (or NULL): the rows' new K/V ([*, kv_heads, head_dim], rows k_new_stride /
+ * v_new_stride elements apart, read at q_rows[r]), written first at the row's last position; a
+ * task writes exactly the heads it then reads, so no task waits for another.
+ *
  * A task is one row and a run of its KV heads. (One task per (row, head) read 1/kv_heads of every
  * token row and ran 3x slower once the KV was out of cache, as it always is in a forward.) With
  * few rows, heads are split so all threads work.
@@ -349,7 +353,8 @@ static void attend_portable(const char *q, const void *k_cache, const void *v_ca
 int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
                            void *out, int dtype, const int64_t *q_rows, const int64_t *slots,
                            const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t rows,
-                           int num_heads, int kv_heads, int head_dim, int page_size, float scale) {
+                           int num_heads, int kv_heads, int head_dim, int page_size, float scale,
+                           const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride) {
     if (kv_heads < 1 || num_heads % kv_heads || num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM) return -1;
     const int group = num_heads / kv_heads;
     const int64_t kv_row = (int64_t)kv_heads * head_dim; /* elements per pool token */
@@ -361,6 +366,13 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
         const int h0 = (int)(task % splits) * kv_heads / splits, h1 = (int)(task % splits + 1) * kv_heads / splits;
         const int q0 = h0 * group, nq = (h1 - h0) * group;
         float res[MAX_HEADS * MAX_HEAD_DIM];
+        if (k_new != NULL && kv_lens[r] > 0) {
+            const int64_t pos = kv_lens[r] - 1, *pages = page_table + slots[r] * pt_stride;
+            const int64_t at = ((pages[pos / page_size] * page_size + pos % page_size) * kv_row + (int64_t)h0 * head_dim);
+            const size_t bytes = (size_t)(h1 - h0) * head_dim * elem;
+            memcpy((char *)k_cache + at * elem, (const char *)k_new + (q_rows[r] * k_new_stride + (int64_t)h0 * head_dim) * elem, bytes);
+            memcpy((char *)v_cache + at * elem, (const char *)v_new + (q_rows[r] * v_new_stride + (int64_t)h0 * head_dim) * elem, bytes);
+        }
         const int64_t next = task + omp_get_num_threads(); /* most likely this thread's next task */
         if (next < rows * splits) {
             const int64_t r2 = next / splits;

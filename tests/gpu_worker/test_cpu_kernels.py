@@ -100,6 +100,42 @@ def test_decode_attention_matches_float64(
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows", [2, 9])  # 2: heads split over threads; 9: one task per row
+def test_decode_attention_writes_the_new_kv_first(
+    kernels: cpu_kernels.CpuKernels, dtype: torch.dtype, num_rows: int
+) -> None:
+    """With new_kv, each row's K/V land at its last position (strided sources, as the model's fused
+    qkv gives them) before it attends: what was there (NaN) is never read."""
+    torch.manual_seed(2)
+    page_size, heads, kv_heads, head_dim = 4, 6, 2, 32
+    lens = [1 + 7 * r for r in range(num_rows)]
+    pages_per_row = -(-max(lens) // page_size)
+    k_cache = torch.randn(num_rows * pages_per_row * page_size, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    page_table = torch.randperm(num_rows * pages_per_row).view(num_rows, pages_per_row).contiguous()
+    qkv = torch.randn(num_rows, heads + 2 * kv_heads, head_dim).to(dtype)
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    last = [page_table[r, (n - 1) // page_size] * page_size + (n - 1) % page_size for r, n in enumerate(lens)]
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for r, loc in enumerate(last):
+        k_cache[loc], v_cache[loc] = float("nan"), float("nan")
+        expected_k[loc], expected_v[loc] = k[r], v[r]
+    out = torch.empty(num_rows, heads, head_dim, dtype=dtype)
+    ids = torch.arange(num_rows)
+    rows = kernels.decode_rows(ids, ids, torch.tensor(lens), page_table, page_size)
+    kernels.attend(q, k_cache, v_cache, out, rows, new_kv=(k, v))
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for r, n in enumerate(lens):
+        pos = torch.arange(n)
+        locs = page_table[r, pos // page_size] * page_size + pos % page_size
+        torch.testing.assert_close(
+            out[r].double(), reference(q[r], k_cache[locs], v_cache[locs]), rtol=tol, atol=tol
+        )
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 40])  # 40: past the rows where the ops go parallel
 def test_small_ops_match_the_torch_code_they_replace(
     kernels: cpu_kernels.CpuKernels, dtype: torch.dtype, rows: int
