@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="cpu_kernels",
         action="store_false",
         default=w.cpu_kernels,
-        help="use torch instead of the worker's C kernels (decode attention, RMSNorm, rotary, silu * up; "
+        help="use torch instead of the worker's C kernels (decode attention, RMSNorm, rotary, silu * up, "
+        "one-row matmul; "
         "built with the system C compiler on first start; without one the worker uses torch anyway)",
     )
     p.add_argument("--seed", type=int, default=w.seed)

@@ -1,5 +1,6 @@
 """The worker's C kernels for CPU (csrc/cpu_kernels.c): attention of decode rows over the paged KV,
-and the dense layers' small ops (RMSNorm, rotary, silu * up) in one call each.
+the dense layers' small ops (RMSNorm, rotary, silu * up) in one call each, and the one-row bf16
+matmul (gemv) of a one-stream decode step.
 
 Why C: torch has no paged attention on CPU. Its SDPA wants each decode row's KV
 gathered into a padded copy first. The kernel walks each row's pages in place
@@ -13,6 +14,10 @@ The small ops replace 2-8 torch dispatches each (~5 us apiece, and a one-row
 step runs ~15 per layer) with one call, reproducing the torch code's roundings
 (bf16: bit-equal). With them, one row's step went from 11.1 to 9.0 ms and 32
 rows' from 33.7 to 24.6 (bench/worker_step.py, C kernels vs torch, same run).
+
+The one-row matmul streams plain [out, in] bf16 weights (kept beside oneDNN's packed ones, so a
+bf16 model holds its matmul weights twice; a tied head reuses the embedding): oneDNN takes ~30%
+longer to get going on a cold ~1 MB matrix. One row's step: 10.05 -> 9.46 ms (same process, A/B).
 
 The library is built with the system C compiler on first use, into the rivulet
 cache folder, under a name keyed by the source, the compiler and the CPU's
@@ -88,7 +93,9 @@ class CpuKernels:
         self._rotary.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, i32]
         self._silu_mul = lib.silu_mul
         self._silu_mul.argtypes = [ptr, ptr, i64, i32, i32]
-        for fn in (self._rms_norm, self._rotary, self._silu_mul):
+        self._gemv = lib.gemv_bf16
+        self._gemv.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32]
+        for fn in (self._rms_norm, self._rotary, self._silu_mul, self._gemv):
             fn.restype = None
 
     @staticmethod
@@ -188,6 +195,23 @@ class CpuKernels:
         rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((rows, inner), dtype=gate_up.dtype)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inner, DTYPE_CODES[gate_up.dtype])
+        return out
+
+    def gemv(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [1, K] @ weight.T (+ bias) (+ residual) -> [1, N], all bfloat16 and contiguous; weight
+        [N, K] row-major (not oneDNN-packed). One rounding of the float32 sum."""
+        n, k = weight.shape
+        out = torch.empty((1, n), dtype=torch.bfloat16)
+        self._gemv(
+            x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+            None if residual is None else residual.data_ptr(), out.data_ptr(), n, k,
+        )  # fmt: skip
         return out
 
 

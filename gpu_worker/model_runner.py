@@ -18,7 +18,7 @@ from gpu_worker.attention import ForwardContext, build_metadata
 from gpu_worker.config import WorkerConfig
 from gpu_worker.kv_cache import KVPool, kv_pool_tokens
 from gpu_worker.loader import load_model
-from gpu_worker.models.layers import can_pack_linear_weights, pack_linear_weights, pin_attributes
+from gpu_worker.models.layers import Linear, can_pack_linear_weights, pack_linear_weights, pin_attributes
 from gpu_worker.sampler import SlotSamplerParams, sample
 from gpu_worker.threads import ThreadTuner, shape_class
 from protocol.messages import PENDING, ForwardBatch, ForwardResult
@@ -106,9 +106,12 @@ class ModelRunner:
         self._kernels = cpu_kernels.load() if usable else None
         dense = self._kernels if not self.config.compile else None
         assert isinstance(model, torch.nn.Module), "our models are nn.Modules"
+        gemv = dense is not None and dense.vector_path and self._dtype == torch.bfloat16
         for module in model.modules():
             if hasattr(type(module), "kernels"):
                 setattr(module, "kernels", dense)  # noqa: B010 (nn.Module types attributes as Tensor | Module)
+            if isinstance(module, Linear) and not gemv:
+                module.plain_weight = None  # frees the loaded copy that packing left
         logger.info("decode attention: %s", "C kernel" if self._kernels is not None else "torch")
 
     def _init_kv_pool(self) -> None:

@@ -37,6 +37,10 @@ class Linear(nn.Module):
 
     fp32_weight: torch.Tensor | None = None
     fp32_bias: torch.Tensor | None = None
+    # The runner's C kernels and the weight as loaded ([out, in] bf16, not packed): a one-row
+    # matmul goes to kernels.gemv, which streams it faster than oneDNN starts up on it.
+    kernels: CpuKernels | None = None
+    plain_weight: torch.Tensor | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -44,6 +48,13 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            self.plain_weight is not None
+            and self.kernels is not None
+            and x.shape[0] == 1
+            and x.is_contiguous()
+        ):
+            return self.kernels.gemv(x, self.plain_weight, self.bias)
         if self.fp32_weight is not None and x.shape[0] >= FP32_MIN_ROWS:
             # bf16 x bf16 products are exact in fp32 and oneDNN's bf16 kernels accumulate in
             # fp32 too: only the summation order differs, then one rounding to bf16 as before.
@@ -56,6 +67,13 @@ class Linear(nn.Module):
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)``. On oneDNN-packed weights the add is the matmul's post-op: one op,
         and one rounding of the sum instead of two (closer to the exact sum than the reference)."""
+        if (
+            self.plain_weight is not None
+            and self.kernels is not None
+            and x.shape[0] == 1
+            and x.is_contiguous()
+        ):
+            return self.kernels.gemv(x, self.plain_weight, self.bias, residual.contiguous())
         if self.weight.is_mkldnn and (self.fp32_weight is None or x.shape[0] < FP32_MIN_ROWS):
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
         return residual + self(x)
@@ -115,6 +133,8 @@ def pack_linear_weights(model: nn.Module) -> int:
     for _, module in linears:
         if module.weight.is_mkldnn:
             continue
+        if module.weight.dtype == torch.bfloat16:  # for Linear.plain_weight; the runner drops unused ones
+            module.plain_weight = module.weight.detach()
         if with_fp32 and any(module is m for m in bf16):
             module.fp32_weight = _blocked(module.weight.float())
             module.fp32_bias = None if module.bias is None else module.bias.detach().float()

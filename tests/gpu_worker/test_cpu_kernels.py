@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from gpu_worker import cpu_kernels
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.models.layers import RMSNorm, apply_rotary
+from gpu_worker.models.layers import Linear, RMSNorm, apply_rotary
 from tests.gpu_worker.helpers import MiniScheduler, save_tiny_model
 from tests.gpu_worker.test_models import hf_greedy, make_prompts, run_scenario
 
@@ -171,6 +171,24 @@ def test_small_ops_match_the_torch_code_they_replace(
     )
 
 
+@needs_compiler
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (40, 80), (49152, 64)])  # whole blocks, tails, a head
+def test_one_row_matmul_rounds_the_float32_sum_once(kernels: cpu_kernels.CpuKernels, n: int, k: int) -> None:
+    """bf16 x @ W.T (+ bias) (+ residual) against the float64 sum of the same bf16 numbers: within
+    one bf16 rounding (plus float32 summation error), with and without the extras."""
+    torch.manual_seed(3)
+    x, weight = torch.randn(1, k).bfloat16(), torch.randn(n, k).bfloat16()
+    bias, residual = torch.randn(n).bfloat16(), (torch.randn(1, n) * 4).bfloat16()
+    exact = x.double() @ weight.double().T
+    for extra_bias, extra_residual in ((None, None), (bias, None), (None, residual), (bias, residual)):
+        want = exact.clone()
+        want += 0 if extra_bias is None else extra_bias.double()
+        want += 0 if extra_residual is None else extra_residual.double()
+        got = kernels.gemv(x, weight, extra_bias, extra_residual)
+        assert got.shape == (1, n) and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-4 * k**0.5)
+
+
 def test_kernel_refuses_shapes_beyond_its_buffers() -> None:
     assert cpu_kernels.CpuKernels.supports(9, 3, 64, torch.bfloat16)
     assert not cpu_kernels.CpuKernels.supports(9, 3, 64, torch.float64)  # float64 stays on torch
@@ -204,6 +222,8 @@ def test_runner_with_kernel_matches_hf(float32_models: dict, kind: str, page_siz
     users = [m for m in runner.model.modules() if hasattr(type(m), "kernels")]  # type: ignore[attr-defined]
     assert all(m.kernels is not None for m in users), "the layers' small ops run in C too"
     assert kind == "gpt2" or any(isinstance(m, RMSNorm) for m in users)  # GPT-2: LayerNorm, gelu
+    linears = [m for m in users if isinstance(m, Linear)]
+    assert linears and all(m.plain_weight is None for m in linears), "float32: no copy kept for gemv"
     prompts = make_prompts(seed=5)
     sched = MiniScheduler(runner.num_pages, page_size, shuffle_seed=2)
     got = run_scenario(runner, sched, prompts, hf, atol=1e-4)

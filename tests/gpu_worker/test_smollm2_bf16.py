@@ -13,8 +13,10 @@ from pathlib import Path
 
 import torch
 
+from gpu_worker import cpu_kernels
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner, auto_dtype, cpu_has_bf16
+from gpu_worker.models.layers import Linear
 from tests import inprocess
 from tests.test_smollm2_exactness import EOS, QUESTIONS, chat_prompt
 
@@ -54,6 +56,27 @@ def test_smollm2_bf16_matches_hf_bf16_within_top2(smollm2_dir: Path) -> None:
         first_divergence_within_top2(hf, prompt, got, out[0, len(prompt) :].tolist())
     assert tokenizer.decode(ours[0], skip_special_tokens=True) == "The capital of France is Paris."
     assert ours[0][-1] == EOS
+
+
+def test_smollm2_bf16_one_stream_matches_hf_bf16_within_top2(smollm2_dir: Path) -> None:
+    """One request alone: every decode step is one row, which goes to the C one-row matmul (gemv)
+    where the CPU has AVX-512 BF16, and to oneDNN elsewhere."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompt = chat_prompt(tokenizer, QUESTIONS[0])
+    runner = ModelRunner(WorkerConfig(model_path=str(smollm2_dir), dtype="bfloat16", kv_cache_tokens=4096))
+    kernels = cpu_kernels.load()
+    if kernels is not None and kernels.vector_path:
+        assert all(m.plain_weight is not None for m in runner.model.modules() if isinstance(m, Linear))  # type: ignore[attr-defined]
+    (ours,), _ = inprocess.generate(
+        runner, [prompt], NEW_TOKENS, chunked_prefill_size=256, enable_mixed_chunk=True, stop_token_ids=(EOS,)
+    )
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
+    first_divergence_within_top2(hf, prompt, ours, out[0, len(prompt) :].tolist())
+    assert tokenizer.decode(ours, skip_special_tokens=True) == "The capital of France is Paris."
 
 
 def test_auto_dtype_follows_the_cpu() -> None:
