@@ -95,7 +95,9 @@ class CpuKernels:
         self._silu_mul.argtypes = [ptr, ptr, i64, i32, i32]
         self._gemv = lib.gemv_bf16
         self._gemv.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32]
-        for fn in (self._rms_norm, self._rotary, self._silu_mul, self._gemv):
+        self._argmax = lib.argmax_rows
+        self._argmax.argtypes = [ptr, i64, i64, i32, i32, ptr]
+        for fn in (self._rms_norm, self._rotary, self._silu_mul, self._gemv, self._argmax):
             fn.restype = None
 
     @staticmethod
@@ -211,6 +213,16 @@ class CpuKernels:
         self._gemv(
             x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
             None if residual is None else residual.data_ptr(), out.data_ptr(), n, k,
+        )  # fmt: skip
+        return out
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """The first index of each row's largest value of [R, V] float32/bf16 logits (rows may be
+        strided; NaN-free), as int64 [R]: torch's max(dim=-1).indices, several times faster."""
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._argmax(
+            logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], DTYPE_CODES[logits.dtype],
+            out.data_ptr(),
         )  # fmt: skip
         return out
 

@@ -19,7 +19,7 @@ from gpu_worker.config import WorkerConfig
 from gpu_worker.kv_cache import KVPool, kv_pool_tokens
 from gpu_worker.loader import load_model
 from gpu_worker.models.layers import Linear, can_pack_linear_weights, pack_linear_weights, pin_attributes
-from gpu_worker.sampler import SlotSamplerParams, sample
+from gpu_worker.sampler import SlotSamplerParams, greedy_pick, sample
 from gpu_worker.threads import ThreadTuner, shape_class
 from protocol.messages import PENDING, ForwardBatch, ForwardResult
 
@@ -167,9 +167,13 @@ class ModelRunner:
         if rows:
             slots = [batch.slots[i] for i in rows]
             positions = [batch.prefix_lens[i] + batch.extend_lens[i] for i in rows]
-            params = self.sampler_params.batch(slots, positions, self._device)
             with torch.inference_mode():
-                tokens, token_logprobs = sample(logits, params)
+                if self.sampler_params.plain_greedy(slots):
+                    kernels = self._kernels if logits.stride(1) == 1 else None
+                    tokens, token_logprobs = kernels.argmax(logits) if kernels else greedy_pick(logits), None
+                else:
+                    params = self.sampler_params.batch(slots, positions, self._device)
+                    tokens, token_logprobs = sample(logits, params)
                 self.last_tokens[torch.tensor(slots, device=self._device)] = tokens
             token_ids = tokens.tolist()
             logprobs = token_logprobs.tolist() if token_logprobs is not None else []

@@ -59,13 +59,18 @@ def gumbel_noise(
     return -torch.log(-torch.log(u))
 
 
+def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
+    """The first maximal index of each row of the logits as they are: float32 holds every bf16/fp16
+    value exactly, so this picks what the float32 path picks, without the copy and the logsumexp
+    (1.6 vs 0.45 ms at 32 rows)."""
+    return logits.max(dim=-1).indices
+
+
 def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token ids [R], and their logprobs [R] (log_softmax of the raw logits) where a row asked for
     them (else None)."""
     if params.all_greedy and not params.want_logprobs:
-        # The max of the logits as they are: float32 holds every bf16/fp16 value exactly, so this picks
-        # what the float32 path picks, without the copy and the logsumexp (1.6 vs 0.45 ms at 32 rows).
-        return logits.max(dim=-1).indices, None
+        return greedy_pick(logits), None
     logits = logits if logits.dtype == torch.float64 else logits.float()
     # max(dim) returns the first maximal index, as argmax does, and is ~1.7x faster on CPU.
     best, greedy = logits.max(dim=-1)
@@ -112,6 +117,7 @@ class SlotSamplerParams:
         self.seed = torch.zeros(max_requests, dtype=torch.int64)
         self.seed_hi = torch.zeros(max_requests, dtype=torch.int64)
         self.logprobs = [False] * max_requests
+        self.greedy = [True] * max_requests  # temperature 0, as a list: plain_greedy needs no tensor op
         self.assigned = [False] * max_requests
 
     def update(self, slots: list[int], params: list[SamplerParams | None]) -> None:
@@ -126,13 +132,23 @@ class SlotSamplerParams:
             self.seed[slot] = seed & _MASK32
             self.seed_hi[slot] = seed >> 32
             self.logprobs[slot] = p.logprobs
+            self.greedy[slot] = p.temperature <= 0
             self.assigned[slot] = True
 
-    def batch(self, slots: list[int], positions: list[int], device: torch.device) -> SamplingBatch:
-        """The rows ``slots`` (drawing the tokens at ``positions``) as a SamplingBatch on ``device``."""
+    def plain_greedy(self, slots: list[int]) -> bool:
+        """Every row greedy and none asking for logprobs: ``greedy_pick`` is the whole draw, and the
+        caller skips building a SamplingBatch (~15 small tensor ops, ~0.15 ms a step)."""
+        self._check_assigned(slots)
+        return all(self.greedy[s] and not self.logprobs[s] for s in slots)
+
+    def _check_assigned(self, slots: list[int]) -> None:
         missing = [s for s in slots if not self.assigned[s]]
         if missing:
             raise ValueError(f"slots {missing} sample without sampler params")
+
+    def batch(self, slots: list[int], positions: list[int], device: torch.device) -> SamplingBatch:
+        """The rows ``slots`` (drawing the tokens at ``positions``) as a SamplingBatch on ``device``."""
+        self._check_assigned(slots)
         index = torch.tensor(slots, dtype=torch.int64)
         temperature, top_k = self.temperature[index], self.top_k[index]
         top_p, min_p = self.top_p[index], self.min_p[index]

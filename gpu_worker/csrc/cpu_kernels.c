@@ -553,5 +553,44 @@ void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, const
 #endif
 }
 
+/* out[r] = the first index of row r's largest value (x: [rows, n], rows row_stride apart): the
+ * greedy pick. NaN-free rows assumed (a NaN is never picked, where torch's max would pick it). */
+void argmax_rows(const void *x, int64_t row_stride, int64_t rows, int n, int dtype, int64_t *out) {
+#pragma omp parallel for if (rows >= 4)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t base = r * row_stride;
+#if HAVE_AVX512
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        __m512i best_at = _mm512_setzero_si512();
+        __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        for (int i = 0; i < n; i += 16) {
+            const __mmask16 m = n - i >= 16 ? 0xffffu : (__mmask16)((1u << (n - i)) - 1);
+            const __m512 v =
+                dtype == DTYPE_BF16
+                    ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)x + base + i)), 16))
+                    : _mm512_maskz_loadu_ps(m, (const float *)x + base + i);
+            const __mmask16 better = _mm512_mask_cmp_ps_mask(m, v, best, _CMP_GT_OQ); /* strictly: first wins */
+            best = _mm512_mask_mov_ps(best, better, v);
+            best_at = _mm512_mask_mov_epi32(best_at, better, at);
+            at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
+        }
+        const __mmask16 top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ);
+        out[r] = top ? _mm512_mask_reduce_min_epi32(top, best_at) : 0;
+#else
+        float best = -INFINITY;
+        int64_t best_at = 0;
+        for (int i = 0; i < n; i++) {
+            const float v = dtype == DTYPE_BF16 ? bf16_to_f32(((const uint16_t *)x)[base + i]) : ((const float *)x)[base + i];
+            if (v > best) {
+                best = v;
+                best_at = i;
+            }
+        }
+        out[r] = best_at;
+#endif
+    }
+}
+
 /* 1 where this build has the AVX-512 path (attend_avx512), 0 for the portable one. */
 int vector_path(void) { return HAVE_AVX512; }

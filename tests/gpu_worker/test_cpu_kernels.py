@@ -189,6 +189,20 @@ def test_one_row_matmul_rounds_the_float32_sum_once(kernels: cpu_kernels.CpuKern
         torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-4 * k**0.5)
 
 
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 49152), (5, 37)])
+def test_argmax_is_torch_max_first_index(
+    kernels: cpu_kernels.CpuKernels, dtype: torch.dtype, rows: int, vocab: int
+) -> None:
+    torch.manual_seed(4)
+    wide = torch.randn(rows, vocab + 3).to(dtype)
+    logits = wide[:, :vocab]  # strided rows
+    logits[0, vocab // 3] = logits[0, vocab - 1] = 99.0  # a tie: the first index
+    logits[-1, :] = float("-inf")  # nothing above -inf: index 0, as torch
+    assert torch.equal(kernels.argmax(logits), logits.max(dim=-1).indices)
+
+
 def test_kernel_refuses_shapes_beyond_its_buffers() -> None:
     assert cpu_kernels.CpuKernels.supports(9, 3, 64, torch.bfloat16)
     assert not cpu_kernels.CpuKernels.supports(9, 3, 64, torch.float64)  # float64 stays on torch

@@ -131,3 +131,19 @@ def test_greedy_rows_without_logprobs_skip_them_and_pick_the_same_tokens() -> No
     assert logprobs is not None and torch.equal(tokens_lp, tokens)
     expected = torch.log_softmax(logits.float(), -1).gather(1, tokens[:, None]).squeeze(1)
     torch.testing.assert_close(logprobs, expected)
+
+
+def test_plain_greedy_only_when_every_row_is_greedy_and_wants_no_logprobs() -> None:
+    table, slots, _ = params(
+        [
+            sp(temperature=0.0, logprobs=False),
+            sp(temperature=0.0, logprobs=False),
+            sp(temperature=0.7, logprobs=False),
+        ]
+        + [sp(temperature=0.0, logprobs=True)]
+    )
+    assert table.plain_greedy([0, 1])
+    assert not table.plain_greedy([0, 2]), "a sampled row needs the whole sampler"
+    assert not table.plain_greedy([1, 3]), "a row that asks for logprobs needs them computed"
+    with pytest.raises(ValueError, match="sampler params"):
+        SlotSamplerParams(4).plain_greedy([1])
