@@ -3,7 +3,7 @@
     python bench/worker_step.py                       # SmolLM2, auto dtype
     python bench/worker_step.py --dtype float32,bfloat16 --rounds 3 --json out.json
     python bench/worker_step.py --profile decode32    # torch.profiler table of one shape
-    python bench/worker_step.py --dtype bfloat16,bfloat16:torch --rounds 3   # C kernel vs torch attention
+    python bench/worker_step.py --dtype bfloat16,bfloat16:torch --rounds 3   # C kernels vs torch
 
 Shapes: decode at batch 1 / 8 / 32 (every row with ``--context`` tokens of KV
 already written) and one prefill chunk of ``--prefill`` tokens. Each shape runs
@@ -95,7 +95,7 @@ def time_steps(
 
 
 def make_runner(args: argparse.Namespace, variant: str) -> ModelRunner:
-    """``variant``: a dtype, with ``:torch`` appended for torch's decode attention instead of the C kernel."""
+    """``variant``: a dtype, with ``:torch`` appended for torch paths instead of the C kernels."""
     dtype, _, attention = variant.partition(":")
     rows = max(args.decode_batches)
     extra: dict[str, Any] = {"compile": True} if args.compile else {}  # older configs lack the field
@@ -135,7 +135,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="HF dir or .gguf (default: embedded SmolLM2-135M)")
     p.add_argument(
-        "--dtype", default="auto", help="comma-separated: auto,float32,bfloat16; DTYPE:torch = no C kernel"
+        "--dtype", default="auto", help="comma-separated: auto,float32,bfloat16; DTYPE:torch = no C kernels"
     )
     p.add_argument("--decode-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     p.add_argument("--context", type=int, default=96, help="KV tokens per decode row")

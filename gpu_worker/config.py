@@ -26,7 +26,7 @@ class WorkerConfig:
     num_threads: int = 0  # torch threads on CPU; 0: all cores
     tune_threads: bool = False  # with num_threads 0: all cores or half, picked per batch shape (threads.py)
     compile: bool = False
-    cpu_kernels: bool = True  # decode attention in our C kernel on CPU (cpu_kernels.py)
+    cpu_kernels: bool = True  # our C kernels on CPU (cpu_kernels.py): attention, small ops, gemv, argmax
     seed: int = 0
 
     def __post_init__(self) -> None:

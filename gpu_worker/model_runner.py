@@ -96,9 +96,10 @@ class ModelRunner:
             pack_linear_weights(model)
 
     def _init_kernels(self) -> None:
-        """Our C kernels where they apply (CPU, float32/bfloat16, their head shapes): decode attention,
-        and the layers' small ops (RMSNorm, rotary, silu * up) in the modules that declare ``kernels``,
-        unless --compile fuses those itself (a C call would break its graph)."""
+        """Our C kernels where they apply (CPU, float32/bfloat16, their head shapes): decode attention
+        and the greedy argmax; the layers' small ops (RMSNorm, rotary, silu * up) in the modules that
+        declare ``kernels``, unless --compile fuses those itself (a C call would break its graph); and
+        the one-row matmul in bf16 with AVX-512 BF16 (else the plain weight copies are freed)."""
         model = self.model
         shapes = (model.num_heads, model.num_kv_heads, model.head_dim, self._dtype)
         usable = self.config.cpu_kernels and self._device.type == "cpu"
@@ -112,7 +113,7 @@ class ModelRunner:
                 setattr(module, "kernels", dense)  # noqa: B010 (nn.Module types attributes as Tensor | Module)
             if isinstance(module, Linear) and not gemv:
                 module.plain_weight = None  # frees the loaded copy that packing left
-        logger.info("decode attention: %s", "C kernel" if self._kernels is not None else "torch")
+        logger.info("CPU kernels: %s", "C" if self._kernels is not None else "torch")
 
     def _init_kv_pool(self) -> None:
         model = self.model
@@ -169,8 +170,7 @@ class ModelRunner:
             positions = [batch.prefix_lens[i] + batch.extend_lens[i] for i in rows]
             with torch.inference_mode():
                 if self.sampler_params.plain_greedy(slots):
-                    kernels = self._kernels if logits.stride(1) == 1 else None
-                    tokens, token_logprobs = kernels.argmax(logits) if kernels else greedy_pick(logits), None
+                    tokens, token_logprobs = greedy_pick(logits, self._kernels), None
                 else:
                     params = self.sampler_params.batch(slots, positions, self._device)
                     tokens, token_logprobs = sample(logits, params)

@@ -10,10 +10,14 @@ judged on the temperature-scaled probabilities.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from protocol.messages import SamplerParams
+
+if TYPE_CHECKING:
+    from gpu_worker.cpu_kernels import CpuKernels
 
 _MASK32 = 0xFFFFFFFF
 # Multipliers below 2**31: a value < 2**32 times one stays < 2**63, so int64 never overflows.
@@ -59,10 +63,13 @@ def gumbel_noise(
     return -torch.log(-torch.log(u))
 
 
-def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
+def greedy_pick(logits: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
     """The first maximal index of each row of the logits as they are: float32 holds every bf16/fp16
     value exactly, so this picks what the float32 path picks, without the copy and the logsumexp
-    (1.6 vs 0.45 ms at 32 rows)."""
+    (1.6 vs 0.45 ms at 32 rows). ``kernels``: the C argmax (0.1 ms at 32 rows), for CPU logits of
+    its dtypes (the runner passes it only where they are)."""
+    if kernels is not None and logits.stride(1) == 1:
+        return kernels.argmax(logits)
     return logits.max(dim=-1).indices
 
 

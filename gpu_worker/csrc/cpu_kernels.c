@@ -52,8 +52,8 @@ static inline void load_vec(const void *base, int dtype, int64_t offset, int n, 
     }
 }
 
-/* exp(x) for x <= 0 with relative error ~2e-7 (Cephes' expf polynomial), written so that it
- * vectorizes under omp simd, where libm's expf does not. */
+/* exp(x) for x <= 0 with relative error ~2e-7 (Cephes' expf polynomial), for the portable paths.
+ * (gcc 12 still keeps loops around it scalar; the AVX-512 paths use exp512.) */
 static inline float exp_nonpositive(float x) {
     /* x = max(x, -87), -inf included, on the bits: as a float select, gcc turns the clamp into a
      * branch (a clamped input makes the result a constant) and the loop stays scalar. A negative

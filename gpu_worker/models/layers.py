@@ -47,14 +47,17 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
+    def _one_row(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The C one-row matmul's ``residual + x W^T + b`` where it applies, else None."""
+        if self.kernels is None or self.plain_weight is None or x.shape[0] != 1 or not x.is_contiguous():
+            return None
+        return self.kernels.gemv(
+            x, self.plain_weight, self.bias, None if residual is None else residual.contiguous()
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            self.plain_weight is not None
-            and self.kernels is not None
-            and x.shape[0] == 1
-            and x.is_contiguous()
-        ):
-            return self.kernels.gemv(x, self.plain_weight, self.bias)
+        if (out := self._one_row(x)) is not None:
+            return out
         if self.fp32_weight is not None and x.shape[0] >= FP32_MIN_ROWS:
             # bf16 x bf16 products are exact in fp32 and oneDNN's bf16 kernels accumulate in
             # fp32 too: only the summation order differs, then one rounding to bf16 as before.
@@ -67,13 +70,8 @@ class Linear(nn.Module):
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)``. On oneDNN-packed weights the add is the matmul's post-op: one op,
         and one rounding of the sum instead of two (closer to the exact sum than the reference)."""
-        if (
-            self.plain_weight is not None
-            and self.kernels is not None
-            and x.shape[0] == 1
-            and x.is_contiguous()
-        ):
-            return self.kernels.gemv(x, self.plain_weight, self.bias, residual.contiguous())
+        if (out := self._one_row(x, residual)) is not None:
+            return out
         if self.weight.is_mkldnn and (self.fp32_weight is None or x.shape[0] < FP32_MIN_ROWS):
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
         return residual + self(x)
