@@ -13,7 +13,8 @@ from itertools import accumulate
 
 import torch
 
-from gpu_worker import cpu_kernels
+from gpu_worker.cpu import kernels as cpu_kernels
+from gpu_worker.cpu.kind import CpuKind, requested_kind
 from gpu_worker.attention import ForwardContext, build_metadata
 from gpu_worker.config import WorkerConfig
 from gpu_worker.kv_cache import KVPool, kv_pool_tokens
@@ -92,7 +93,9 @@ class ModelRunner:
                 logger.warning("--compile: %s has no compiled path; running eagerly", type(model).__name__)
             else:
                 compile_dense()
-        elif can_pack_linear_weights(self._device, self._dtype):
+        elif can_pack_linear_weights(self._device, self._dtype) and (
+            self._dtype != torch.bfloat16 or requested_kind().includes(CpuKind.AVX512)
+        ):  # oneDNN's bf16 reorder needs AVX-512 BW/VL/DQ (or AVX-NE-CONVERT)
             pack_linear_weights(model)
 
     def _init_kernels(self) -> None:
@@ -104,10 +107,10 @@ class ModelRunner:
         shapes = (model.num_heads, model.num_kv_heads, model.head_dim, self._dtype)
         usable = self.config.cpu_kernels and self._device.type == "cpu"
         usable = usable and cpu_kernels.CpuKernels.supports(*shapes)
-        self._kernels = cpu_kernels.load() if usable else None
+        self._kernels = cpu_kernels.load(requested_kind()) if usable else None
         dense = self._kernels if not self.config.compile else None
         assert isinstance(model, torch.nn.Module), "our models are nn.Modules"
-        gemv = dense is not None and dense.vector_path and self._dtype == torch.bfloat16
+        gemv = dense is not None and dense.isa == cpu_kernels.ISA_AVX512_BF16 and self._dtype == torch.bfloat16
         for module in model.modules():
             if hasattr(type(module), "kernels"):
                 setattr(module, "kernels", dense)  # noqa: B010 (nn.Module types attributes as Tensor | Module)

@@ -17,7 +17,7 @@ import torch
 from protocol.messages import SamplerParams
 
 if TYPE_CHECKING:
-    from gpu_worker.cpu_kernels import CpuKernels
+    from gpu_worker.cpu.kernels import CpuKernels
 
 _MASK32 = 0xFFFFFFFF
 # Multipliers below 2**31: a value < 2**32 times one stays < 2**63, so int64 never overflows.

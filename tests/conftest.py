@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+
+from gpu_worker.cpu.kind import ENV_VAR, apply_to_environ
+
+# Before anything imports torch: with RIVULET_CPU_KIND set, oneDNN, ATen and MKL act as that kind too.
+ACTING_KIND = apply_to_environ()
 from pathlib import Path
 
 import pytest
@@ -43,3 +49,10 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) 
         if (smollm2_dir / name).is_file():
             shutil.copy(smollm2_dir / name, out / name)
     return out
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under RIVULET_CPU_KIND the test ids say which kind the run acts as: test_x[...]@avx2."""
+    if os.environ.get(ENV_VAR):
+        for item in items:
+            item._nodeid = f"{item.nodeid}@{ACTING_KIND.value}"

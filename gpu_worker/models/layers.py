@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from gpu_worker.cpu_kernels import CpuKernels
+    from gpu_worker.cpu.kernels import CpuKernels
 
 # Rows from which a bf16 Linear with an fp32 copy runs its matmul in fp32 (see pack_linear_weights).
 # Measured per layer of SmolLM2 on the 2-core Xeon without AMX: bf16 wins up to 8 rows (memory
@@ -51,7 +51,7 @@ class Linear(nn.Module):
         """The C one-row matmul's ``residual + x W^T + b`` where it applies, else None."""
         if self.kernels is None or self.plain_weight is None or x.shape[0] != 1 or not x.is_contiguous():
             return None
-        return self.kernels.gemv(
+        return self.kernels.matmul(
             x, self.plain_weight, self.bias, None if residual is None else residual.contiguous()
         )
 

@@ -29,7 +29,7 @@ from gpu_worker.models.layers import (
 from gpu_worker.models.rope import rope_inv_freq
 
 if TYPE_CHECKING:
-    from gpu_worker.cpu_kernels import CpuKernels
+    from gpu_worker.cpu.kernels import CpuKernels
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker import cpu_kernels
+from gpu_worker.cpu import kernels as cpu_kernels
+from gpu_worker.cpu.kind import CpuKind, requested_kind
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.layers import Linear, RMSNorm, apply_rotary
@@ -23,30 +24,30 @@ needs_compiler = pytest.mark.skipif(
 
 
 def _kernels() -> cpu_kernels.CpuKernels:
-    kernels = cpu_kernels.load()
+    kernels = cpu_kernels.load(requested_kind())
     assert kernels is not None, "a C compiler is on PATH, so the kernel must build"
     return kernels
 
 
-def _cpu_has(*flags: str) -> bool:
-    return set(flags) <= set(cpu_kernels._cpu_flags().split())
+# Every build this CPU runs, up to the kind the worker acts as (RIVULET_CPU_KIND or native).
+KINDS = [kind for kind in CpuKind if requested_kind().includes(kind)]
 
 
-AVX512 = ("avx512f", "avx512bw", "avx512_bf16")
-
-
-@pytest.fixture(scope="module", params=["native", "portable"])
+@pytest.fixture(scope="module", params=KINDS, ids=[kind.value for kind in KINDS])
 def kernels(request: pytest.FixtureRequest) -> cpu_kernels.CpuKernels:
-    """The library as the worker loads it, and built without AVX-512 (the path of other CPUs)."""
-    if request.param == "native":
-        return _kernels()
-    return cpu_kernels.CpuKernels(cpu_kernels.build(("-mno-avx512f",)))
+    """The library of each kind this CPU runs (the worker's own is the last)."""
+    kind: CpuKind = request.param
+    return cpu_kernels.CpuKernels(cpu_kernels.build(kind), kind)
 
 
 @needs_compiler
-def test_builds_take_the_path_of_their_flags() -> None:
-    assert _kernels().vector_path == _cpu_has(*AVX512), "-march=native: AVX-512 exactly where the CPU has it"
-    assert not cpu_kernels.CpuKernels(cpu_kernels.build(("-mno-avx512f",))).vector_path
+def test_builds_take_the_path_of_their_kind() -> None:
+    """Each kind's build reports the ISA its -march selects; AVX-512 without BF16 runs the AVX2 build."""
+    isa = {kind: cpu_kernels.CpuKernels(cpu_kernels.build(kind), kind).isa for kind in KINDS}
+    assert isa[CpuKind.PORTABLE] == cpu_kernels.ISA_PORTABLE
+    for kind, code in isa.items():
+        assert code == cpu_kernels.BUILDS[kind][1], kind
+    assert _kernels().kind == requested_kind()
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -172,20 +173,23 @@ def test_small_ops_match_the_torch_code_they_replace(
 
 
 @needs_compiler
-@pytest.mark.parametrize(("n", "k"), [(576, 576), (40, 80), (49152, 64)])  # whole blocks, tails, a head
-def test_one_row_matmul_rounds_the_float32_sum_once(kernels: cpu_kernels.CpuKernels, n: int, k: int) -> None:
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (40, 80), (49152, 64), (7, 3)])  # blocks, tails, a head
+@pytest.mark.parametrize("m", [1, 3, 8, 13])
+def test_few_row_matmul_rounds_the_float32_sum_once(
+    kernels: cpu_kernels.CpuKernels, m: int, n: int, k: int
+) -> None:
     """bf16 x @ W.T (+ bias) (+ residual) against the float64 sum of the same bf16 numbers: within
-    one bf16 rounding (plus float32 summation error), with and without the extras."""
+    one bf16 rounding (plus float32 summation error), with and without the extras; x rows strided."""
     torch.manual_seed(3)
-    x, weight = torch.randn(1, k).bfloat16(), torch.randn(n, k).bfloat16()
-    bias, residual = torch.randn(n).bfloat16(), (torch.randn(1, n) * 4).bfloat16()
+    x, weight = torch.randn(m, k + 5).bfloat16()[:, :k], torch.randn(n, k).bfloat16()
+    bias, residual = torch.randn(n).bfloat16(), (torch.randn(m, n + 2) * 4).bfloat16()[:, :n]
     exact = x.double() @ weight.double().T
     for extra_bias, extra_residual in ((None, None), (bias, None), (None, residual), (bias, residual)):
         want = exact.clone()
         want += 0 if extra_bias is None else extra_bias.double()
         want += 0 if extra_residual is None else extra_residual.double()
-        got = kernels.gemv(x, weight, extra_bias, extra_residual)
-        assert got.shape == (1, n) and got.dtype == torch.bfloat16
+        got = kernels.matmul(x, weight, extra_bias, extra_residual)
+        assert got.shape == (m, n) and got.dtype == torch.bfloat16
         torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-4 * k**0.5)
 
 
@@ -254,7 +258,7 @@ def test_no_working_compiler_falls_back_to_torch(
     monkeypatch.setenv("CC", "false")
     cpu_kernels.load.cache_clear()
     try:
-        assert cpu_kernels.load() is None
+        assert cpu_kernels.load(requested_kind()) is None
         path, hf = float32_models["llama"]
         runner = ModelRunner(
             WorkerConfig(model_path=str(path), dtype="float32", kv_cache_tokens=256, num_threads=1)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker import cpu_kernels
+from gpu_worker.cpu import kernels as cpu_kernels
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner, auto_dtype, cpu_has_bf16
 from gpu_worker.models.layers import Linear

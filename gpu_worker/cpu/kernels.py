@@ -1,29 +1,23 @@
-"""The worker's C kernels for CPU (csrc/cpu_kernels.c): attention of decode rows over the paged KV,
-the dense layers' small ops (RMSNorm, rotary, silu * up) in one call each, and the one-row bf16
-matmul (gemv) of a one-stream decode step.
+"""The worker's C kernels for CPU (csrc/*.c): attention of decode rows over the paged KV, the dense
+layers' small ops (RMSNorm, rotary, silu * up) in one call each, the few-row bf16 matmul of decode
+steps, and the greedy argmax.
 
 Why C: torch has no paged attention on CPU. Its SDPA wants each decode row's KV
 gathered into a padded copy first. The kernel walks each row's pages in place
 instead, every row at its own length (no padding), prefetching the scattered
-pages ahead of use; with AVX-512 (BF16) it scores 16 positions per step in
-vector registers. Measured on the whole worker step (bench/worker_step.py
---dtype bfloat16,bfloat16:torch, SmolLM2 on 2 Zen 5 cores, same run): 32 rows
-at 96 tokens of context 31.3 vs 37.0 ms, at 512 tokens 41.9 vs 66.5 ms.
+pages ahead of use, scoring 8 (AVX2) or 16 (AVX-512) positions per step in
+vector registers. The small ops replace 2-8 torch dispatches each (~5 us apiece)
+with one call, reproducing the torch code's roundings (bf16: bit-equal). The
+matmul streams plain [out, in] bf16 weights, widened to fp32 in registers where
+the CPU has no bf16 dot product: decode is bound by memory, so half the bytes of
+fp32 weights is most of the speed.
 
-The small ops replace 2-8 torch dispatches each (~5 us apiece, and a one-row
-step runs ~15 per layer) with one call, reproducing the torch code's roundings
-(bf16: bit-equal). With them, one row's step went from 11.1 to 9.0 ms and 32
-rows' from 33.7 to 24.6 (bench/worker_step.py, C kernels vs torch, same run).
-
-The one-row matmul streams plain [out, in] bf16 weights (kept beside oneDNN's packed ones, so a
-bf16 model holds its matmul weights twice; a tied head reuses the embedding): oneDNN takes ~30%
-longer to get going on a cold ~1 MB matrix. One row's step: 10.05 -> 9.46 ms (same process, A/B).
-
-The library is built with the system C compiler on first use, into the rivulet
-cache folder, under a name keyed by the source, the compiler and the CPU's
-flags (it is built with -march=native), so another machine or an edited source
-builds its own. No compiler, or a failed build: ``load()`` returns None, the
-reason is logged once, and the worker keeps its torch paths.
+One library per CPU kind (kind.py), built with the system C compiler on first
+use into the rivulet cache folder, with that kind's -march (x86-64-v3 for AVX2,
+never -march=native: a Zen 5 with AVX-512 disabled still has AVX-VNNI, and such
+a build is no AVX2 build). The name is keyed by the sources, flags and compiler.
+No compiler, or a failed build: ``load()`` returns None, the reason is logged
+once, and the worker keeps its torch paths.
 """
 
 from __future__ import annotations
@@ -33,6 +27,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -41,17 +36,30 @@ from typing import NamedTuple
 
 import torch
 
+from gpu_worker.cpu.kind import CpuKind
 from gpu_worker.model_files import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = ("attention.c", "matmul.c", "small_ops.c")
+HEADERS = ("common.h",)
 # -std=c11 alone turns FMA contraction off, and trapping math keeps float selects as branches: both
 # leave the inner loops scalar. The kernels read no FP exception flags and no errno.
 CFLAGS = (
-    "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11",
+    "-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11",
     "-ffp-contract=fast", "-fno-trapping-math", "-fno-math-errno",
 )  # fmt: skip
+# Per kind: the -march it is built with and the ISA code the build must report (csrc/common.h).
+# AVX-512 without BF16 runs the AVX2 build: its bf16 gain is vdpbf16ps, which it lacks, and the
+# fp32 paths are bound by memory (decode) or left to oneDNN, which uses AVX-512 itself (prefill).
+ISA_PORTABLE, ISA_AVX2, ISA_AVX512_BF16 = 0, 1, 2
+BUILDS: dict[CpuKind, tuple[tuple[str, ...], int]] = {
+    CpuKind.PORTABLE: (("-march=x86-64",), ISA_PORTABLE),
+    CpuKind.AVX2: (("-march=x86-64-v3",), ISA_AVX2),
+    CpuKind.AVX512: (("-march=x86-64-v3",), ISA_AVX2),
+    CpuKind.AVX512_BF16: (("-march=x86-64-v4", "-mavx512bf16"), ISA_AVX512_BF16),
+}
 BUILD_TIMEOUT_S = 120
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEADS, MAX_HEAD_DIM = 64, 256  # csrc's limits; larger shapes use torch
@@ -73,10 +81,14 @@ class DecodeRows(NamedTuple):
 class CpuKernels:
     """ctypes bindings of a built library; every method takes CPU tensors."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, kind: CpuKind) -> None:
         lib = ctypes.CDLL(str(path))
         self.path = path
-        self.vector_path = bool(lib.vector_path())  # built with the AVX-512 path
+        self.kind = kind
+        self.isa = int(lib.kernel_isa())
+        expected = BUILDS[kind][1] if _is_x86() else ISA_PORTABLE
+        if self.isa != expected:
+            raise RuntimeError(f"kernels for {kind.value} built as ISA {self.isa}, not {expected}")
         self._attention = lib.paged_decode_attention
         self._attention.restype = ctypes.c_int
         self._attention.argtypes = [
@@ -93,11 +105,11 @@ class CpuKernels:
         self._rotary.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, i32]
         self._silu_mul = lib.silu_mul
         self._silu_mul.argtypes = [ptr, ptr, i64, i32, i32]
-        self._gemv = lib.gemv_bf16
-        self._gemv.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32]
+        self._matmul = lib.matmul_bf16
+        self._matmul.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i32, i32, i32]
         self._argmax = lib.argmax_rows
         self._argmax.argtypes = [ptr, i64, i64, i32, i32, ptr]
-        for fn in (self._rms_norm, self._rotary, self._silu_mul, self._gemv, self._argmax):
+        for fn in (self._rms_norm, self._rotary, self._silu_mul, self._matmul, self._argmax):
             fn.restype = None
 
     @staticmethod
@@ -199,20 +211,24 @@ class CpuKernels:
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inner, DTYPE_CODES[gate_up.dtype])
         return out
 
-    def gemv(
+    def matmul(
         self,
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [1, K] @ weight.T (+ bias) (+ residual) -> [1, N], all bfloat16 and contiguous; weight
-        [N, K] row-major (not oneDNN-packed). One rounding of the float32 sum."""
+        """x [M, K] @ weight.T (+ bias) (+ residual) -> [M, N], all bfloat16; weight [N, K] row-major
+        (not oneDNN-packed) and contiguous; x and residual rows may be strided (last dim contiguous).
+        One rounding of the float32 sum."""
         n, k = weight.shape
-        out = torch.empty((1, n), dtype=torch.bfloat16)
-        self._gemv(
-            x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-            None if residual is None else residual.data_ptr(), out.data_ptr(), n, k,
+        m = x.shape[0]
+        assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1), "rows must be contiguous"
+        out = torch.empty((m, n), dtype=torch.bfloat16)
+        self._matmul(
+            x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+            None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
+            out.data_ptr(), m, n, k,
         )  # fmt: skip
         return out
 
@@ -228,27 +244,26 @@ class CpuKernels:
 
 
 @functools.cache
-def load() -> CpuKernels | None:
-    """The kernels of this machine, built on first use; None (logged once) where they cannot be."""
+def load(kind: CpuKind) -> CpuKernels | None:
+    """The kernels for ``kind``, built on first use; None (logged once) where they cannot be."""
     try:
-        return CpuKernels(build())
+        return CpuKernels(build(kind), kind)
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         logger.warning("CPU kernels unavailable, using torch paths: %s", exc)
         return None
 
 
-def build(extra_cflags: tuple[str, ...] = ()) -> Path:
-    """Path of the built library, compiling it unless this source/compiler/CPU/flags already has one.
-    ``extra_cflags`` (tests): e.g. -mno-avx512f builds the portable path on an AVX-512 machine."""
+def build(kind: CpuKind) -> Path:
+    """Path of the library for ``kind``, compiling it unless these sources/flags/compiler have one."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(
-        "\n".join([SOURCE.read_text(), " ".join(CFLAGS + extra_cflags), version, _cpu_flags()]).encode()
-    ).hexdigest()[:16]
+    flags = CFLAGS + (BUILDS[kind][0] if _is_x86() else ())
+    texts = [(CSRC / name).read_text() for name in SOURCES + HEADERS]
+    key = hashlib.sha256("\n".join([*texts, " ".join(flags), version]).encode()).hexdigest()[:16]
     out_dir = cache_root() / "kernels"
-    target = out_dir / f"cpu_kernels-{key}.so"
+    target = out_dir / f"cpu_kernels-{kind.value}-{key}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -256,11 +271,9 @@ def build(extra_cflags: tuple[str, ...] = ()) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
+        sources = [str(CSRC / name) for name in SOURCES]
         done = subprocess.run(
-            [compiler, *CFLAGS, *extra_cflags, "-o", tmp, str(SOURCE), "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=BUILD_TIMEOUT_S,
+            [compiler, *flags, "-o", tmp, *sources, "-lm"], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
         )
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
@@ -268,13 +281,9 @@ def build(extra_cflags: tuple[str, ...] = ()) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    logger.info("built CPU kernels: %s", target)
+    logger.info("built CPU kernels for %s: %s", kind.value, target)
     return target
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")

@@ -1,0 +1,138 @@
+"""Which kind of x86-64 CPU the worker runs on, and how to act as a lesser kind.
+
+Every CPU decision of the worker (the C kernels' build, the matmul path per row
+count, oneDNN weight packing, ``--dtype auto``) is taken from one ``CpuKind``,
+read once: never from a timing taken at start. The kinds are nested, each one a
+superset of the one before:
+
+- ``portable``: anything else (and non-x86 CPUs): plain C, torch's kernels.
+- ``avx2``: AVX2 + FMA (x86-64-v3): AMD Zen 1-3, Intel client CPUs before Ice Lake.
+- ``avx512``: AVX-512 F/BW/CD/DQ/VL (x86-64-v4) without BF16: Skylake to Ice Lake Xeons.
+- ``avx512_bf16``: AVX-512 with vdpbf16ps: AMD Zen 4/5, Intel Sapphire Rapids and later.
+
+``RIVULET_CPU_KIND=<kind>`` makes the worker act as a kind the CPU includes, so
+one machine can test the paths of the others. No single switch reaches every
+library: oneDNN reads ``ONEDNN_MAX_CPU_ISA`` (once per process), ATen its
+element-wise kernels' ``ATEN_CPU_CAPABILITY``, MKL ``MKL_ENABLE_INSTRUCTIONS``.
+``apply_to_environ`` sets all three from the override, so it must run before
+torch is imported (the launcher and the test suite's conftest call it first;
+spawned children inherit the environment).
+
+This module imports nothing heavy: it runs before torch loads.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import platform
+
+ENV_VAR = "RIVULET_CPU_KIND"
+
+
+class CpuKind(enum.Enum):
+    PORTABLE = "portable"
+    AVX2 = "avx2"
+    AVX512 = "avx512"
+    AVX512_BF16 = "avx512_bf16"
+
+    @property
+    def rank(self) -> int:
+        return list(CpuKind).index(self)
+
+    def includes(self, other: CpuKind) -> bool:
+        """Whether code for ``other`` runs on this kind."""
+        return other.rank <= self.rank
+
+
+# The /proc/cpuinfo flags each kind needs on top of the kind before it (x86-64-v3, -v4, +bf16).
+_NEEDS = {
+    CpuKind.AVX2: ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"),
+    CpuKind.AVX512: ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+    CpuKind.AVX512_BF16: ("avx512_bf16",),
+}
+
+# What the libraries under torch are told when the worker acts as a kind: oneDNN's ISA cap,
+# ATen's kernel capability, MKL's instruction set. None: leave the library as it is.
+_LIBRARY_ENV: dict[CpuKind, dict[str, str]] = {
+    CpuKind.PORTABLE: {"ONEDNN_MAX_CPU_ISA": "SSE41", "ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+    CpuKind.AVX2: {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    CpuKind.AVX512: {
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+    },
+    CpuKind.AVX512_BF16: {
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+    },
+}  # fmt: skip
+
+REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "avx_vnni", "avx512_vnni")
+
+
+def cpu_flags() -> frozenset[str]:
+    """The flags line of /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def native_kind(flags: frozenset[str] | None = None) -> CpuKind:
+    """The largest kind this CPU (or these flags) has."""
+    if platform.machine().lower() not in ("x86_64", "amd64") and flags is None:
+        return CpuKind.PORTABLE
+    have = cpu_flags() if flags is None else flags
+    kind = CpuKind.PORTABLE
+    for candidate in (CpuKind.AVX2, CpuKind.AVX512, CpuKind.AVX512_BF16):
+        if not set(_NEEDS[candidate]) <= have:
+            break
+        kind = candidate
+    return kind
+
+
+class CpuKindError(ValueError):
+    """RIVULET_CPU_KIND names no kind, or one this CPU does not include."""
+
+
+def requested_kind(native: CpuKind | None = None) -> CpuKind:
+    """The kind to act as: RIVULET_CPU_KIND if set (checked against the CPU), else the native one."""
+    native = native_kind() if native is None else native
+    name = os.environ.get(ENV_VAR, "").strip().lower()
+    if not name or name == "native":
+        return native
+    try:
+        kind = CpuKind(name)
+    except ValueError:
+        names = ", ".join(k.value for k in CpuKind)
+        raise CpuKindError(f"{ENV_VAR}={name!r} is not one of native, {names}") from None
+    if not native.includes(kind):
+        missing = [f for k in CpuKind if native.rank < k.rank <= kind.rank for f in _NEEDS[k]]
+        have = cpu_flags()
+        lacking = ", ".join(f for f in missing if f not in have) or "its instructions"
+        raise CpuKindError(f"{ENV_VAR}={name}: this CPU ({native.value}) lacks {lacking}")
+    return kind
+
+
+def apply_to_environ() -> CpuKind:
+    """Point oneDNN, ATen and MKL at the requested kind (before torch loads); return the kind.
+
+    Without RIVULET_CPU_KIND the environment is left alone and the libraries see the whole CPU.
+    """
+    kind = requested_kind()
+    if os.environ.get(ENV_VAR, "").strip().lower() not in ("", "native"):
+        os.environ.update(_LIBRARY_ENV[kind])
+    return kind
+
+
+def describe(kind: CpuKind) -> str:
+    """One line for logs and benches: the kind acted as, the native one, and the CPU's key flags."""
+    native = native_kind()
+    have = cpu_flags()
+    flags = " ".join(f"{f}={'yes' if f in have else 'no'}" for f in REPORTED_FLAGS)
+    acting = kind.value if kind == native else f"{kind.value} (emulated on {native.value})"
+    return f"cpu kind {acting}; {flags}"

@@ -1,0 +1,274 @@
+/* Attention of decode rows over the paged KV pool: one call for all decode rows of a layer. */
+#include "common.h"
+
+#define SCORE_CHUNK 64 /* KV positions scored before their softmax update (portable path) */
+#define PREFETCH_L2 512 /* positions of a task asked into L2 when it starts, and of the next task */
+
+#if HAVE_AVX512
+#define BLOCK 16 /* positions per step: one vector of scores */
+
+/* The 16 scores q . K[row at[t]] (unscaled) of one query head, K rows read from kv: for each
+ * 32-dimension (bfloat16) or 16-dimension (float32) block of q, one partial-sum vector per
+ * position, summed by sum16 at the end. at[] must list positions in ORDER16 order. bfloat16 pairs
+ * go through vdpbf16ps: a product of two bfloat16 is exact in float32, sums are float32. */
+static inline __m512 block_scores(const void *q, const void *kv, const int64_t at[16], int dtype, int head_dim) {
+    __m512 part[16];
+    for (int t = 0; t < 16; t++) part[t] = _mm512_setzero_ps();
+    if (dtype == DTYPE_BF16) {
+        const uint16_t *k16 = (const uint16_t *)kv;
+        for (int d = 0; d < head_dim; d += 32) {
+            const __mmask32 mask = head_dim - d >= 32 ? 0xffffffffu : (1u << (head_dim - d)) - 1;
+            const __m512bh qb = (__m512bh)_mm512_maskz_loadu_epi16(mask, (const uint16_t *)q + d);
+            for (int t = 0; t < 16; t++)
+                part[t] = _mm512_dpbf16_ps(part[t], qb, (__m512bh)_mm512_maskz_loadu_epi16(mask, k16 + at[t] + d));
+        }
+    } else {
+        const float *k32 = (const float *)kv;
+        for (int d = 0; d < head_dim; d += 16) {
+            const __mmask16 mask = head_dim - d >= 16 ? 0xffffu : (__mmask16)((1u << (head_dim - d)) - 1);
+            const __m512 qb = _mm512_maskz_loadu_ps(mask, (const float *)q + d);
+            for (int t = 0; t < 16; t++)
+                part[t] = _mm512_fmadd_ps(qb, _mm512_maskz_loadu_ps(mask, k32 + at[t] + d), part[t]);
+        }
+    }
+    return sum16(part);
+}
+
+/* One task of paged_decode_attention, BLOCK positions at a time: for each KV head, the scores of
+ * its query heads (one vector each), their online softmax, and the weighted sum of V.
+ *
+ * bfloat16 weights V through vdpbf16ps as well: two positions per instruction, their V rows
+ * interleaved, the probabilities rounded to bfloat16 (as torch's own CPU flash attention does
+ * for bfloat16). The interleave leaves each 32-dimension accumulator in the order
+ * [d 0-3, 8-11, 16-19, 24-27 | d 4-7, 12-15, 20-23, 28-31]; the end undoes it. */
+static void attend_avx512(const char *q, const void *k_cache, const void *v_cache, int dtype, const int64_t *pages,
+                          int64_t len, int page_size, int h0, int h1, int group, int head_dim, int64_t kv_row,
+                          float scale, float *res) {
+    const int elem = dtype == DTYPE_BF16 ? 2 : 4, nq = (h1 - h0) * group, bytes = (h1 - h0) * head_dim * elem;
+    const int64_t col = (int64_t)h0 * head_dim;
+    const int stride = (head_dim + 31) & ~31; /* of acc per head: whole 32-dimension blocks */
+    float acc[MAX_HEADS * MAX_HEAD_DIM], m[MAX_HEADS], l[MAX_HEADS];
+    float prob[MAX_HEADS][BLOCK];
+    uint32_t pairs[MAX_HEADS][BLOCK / 2]; /* bfloat16 probabilities of positions 2i, 2i+1 */
+    int64_t at[BLOCK], at_k[BLOCK];        /* element offset of each position's token row; in ORDER16 */
+    __m512i vpair[BLOCK / 2][MAX_HEAD_DIM / 16]; /* bfloat16 V rows of a KV head, two positions interleaved */
+    memset(acc, 0, (size_t)nq * stride * sizeof(float));
+    for (int j = 0; j < nq; j++) {
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+    }
+    prefetch_kv(k_cache, v_cache, pages, page_size, 0, len < BLOCK ? len : BLOCK, kv_row, col, elem, bytes, 0);
+    prefetch_kv(k_cache, v_cache, pages, page_size, BLOCK, len < PREFETCH_L2 ? len : PREFETCH_L2, kv_row, col, elem,
+                bytes, 1);
+    for (int64_t start = 0; start < len; start += BLOCK) {
+        const int n = (int)(len - start < BLOCK ? len - start : BLOCK);
+        const __mmask16 valid = (__mmask16)((1u << n) - 1);
+        for (int t = 0; t < BLOCK; t++) { /* past the end: the last row again, its scores masked */
+            const int64_t pos = start + (t < n ? t : n - 1);
+            at[t] = (pages[pos / page_size] * page_size + pos % page_size) * kv_row;
+        }
+        for (int t = 0; t < BLOCK; t++) at_k[t] = at[ORDER16[t]];
+        const int64_t next = start + BLOCK, next_end = len < next + BLOCK ? len : next + BLOCK;
+        prefetch_kv(k_cache, v_cache, pages, page_size, next, next_end, kv_row, col, elem, bytes, 0);
+        for (int j = 0; j < nq; j++) { /* scores and the softmax update */
+            const char *kv = (const char *)k_cache + (col + (int64_t)(j / group) * head_dim) * elem;
+            const __m512 raw = block_scores(q + (int64_t)j * head_dim * elem, kv, at_k, dtype, head_dim);
+            const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),
+                                                  _mm512_mul_ps(raw, _mm512_set1_ps(scale)));
+            const float mx = fmaxf(m[j], _mm512_reduce_max_ps(s));
+            const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
+            const float corr = _mm512_cvtss_f32(exp512(_mm512_set1_ps(m[j] - mx))); /* first block: 0 */
+            l[j] = l[j] * corr + _mm512_reduce_add_ps(p);
+            m[j] = mx;
+            float *aj = acc + (int64_t)j * stride;
+            for (int d = 0; d < stride; d++) aj[d] *= corr;
+            if (dtype == DTYPE_BF16)
+                _mm256_storeu_si256((__m256i *)pairs[j], (__m256i)_mm512_cvtneps_pbh(p));
+            else
+                _mm512_storeu_ps(prob[j], p);
+        }
+        for (int h = h0; h < h1; h++) { /* the weighted sum of V, accumulators in registers */
+            const int64_t vcol = (int64_t)h * head_dim;
+            const int j0 = (h - h0) * group, npairs = (n + 1) / 2;
+            if (dtype == DTYPE_BF16) {
+                const uint16_t *v16 = (const uint16_t *)v_cache + vcol;
+                for (int i = 0; i < npairs; i++) /* rows 2i and 2i+1 interleaved (a zero row past the end) */
+                    for (int d = 0; d < head_dim; d += 32) {
+                        const __mmask32 mask = head_dim - d >= 32 ? 0xffffffffu : (1u << (head_dim - d)) - 1;
+                        const __m512i a = _mm512_maskz_loadu_epi16(mask, v16 + at[2 * i] + d);
+                        const __m512i b = 2 * i + 1 < n ? _mm512_maskz_loadu_epi16(mask, v16 + at[2 * i + 1] + d)
+                                                        : _mm512_setzero_si512();
+                        vpair[i][d / 16] = _mm512_unpacklo_epi16(a, b);
+                        vpair[i][d / 16 + 1] = _mm512_unpackhi_epi16(a, b);
+                    }
+                for (int j = j0; j < j0 + group; j++)
+                    for (int d = 0; d < stride; d += 32) {
+                        float *aj = acc + (int64_t)j * stride + d;
+                        __m512 lo = _mm512_loadu_ps(aj), hi = _mm512_loadu_ps(aj + 16);
+                        for (int i = 0; i < npairs; i++) {
+                            const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pairs[j][i]);
+                            lo = _mm512_dpbf16_ps(lo, pp, (__m512bh)vpair[i][d / 16]);
+                            hi = _mm512_dpbf16_ps(hi, pp, (__m512bh)vpair[i][d / 16 + 1]);
+                        }
+                        _mm512_storeu_ps(aj, lo);
+                        _mm512_storeu_ps(aj + 16, hi);
+                    }
+            } else {
+                const float *v32 = (const float *)v_cache + vcol;
+                for (int j = j0; j < j0 + group; j++)
+                    for (int d = 0; d < head_dim; d += 16) {
+                        const __mmask16 mask = head_dim - d >= 16 ? 0xffffu : (__mmask16)((1u << (head_dim - d)) - 1);
+                        float *aj = acc + (int64_t)j * stride + d;
+                        __m512 sum = _mm512_maskz_loadu_ps(mask, aj);
+                        for (int t = 0; t < n; t++)
+                            sum = _mm512_fmadd_ps(_mm512_set1_ps(prob[j][t]), _mm512_maskz_loadu_ps(mask, v32 + at[t] + d),
+                                                  sum);
+                        _mm512_mask_storeu_ps(aj, mask, sum);
+                    }
+            }
+        }
+    }
+    for (int j = 0; j < nq; j++) {
+        const float inv = len > 0 ? 1.0f / l[j] : 0.0f;
+        const float *aj = acc + (int64_t)j * stride;
+        float *rj = res + (int64_t)j * head_dim;
+        for (int d = 0; d < head_dim; d++) {
+            int from = d; /* where the bfloat16 interleave left dimension d */
+            if (dtype == DTYPE_BF16) {
+                const int base = d & ~31, i = d & 31;
+                from = base + (i & 4 ? 16 : 0) + (i >> 3) * 4 + (i & 3);
+            }
+            rj[d] = aj[from] * inv;
+        }
+    }
+}
+#define attend attend_avx512
+
+#else
+/* One task of paged_decode_attention: SCORE_CHUNK positions at a time, all heads of a position
+ * together (one contiguous read of its token row). */
+static void attend_portable(const char *q, const void *k_cache, const void *v_cache, int dtype, const int64_t *pages,
+                            int64_t len, int page_size, int h0, int h1, int group, int head_dim, int64_t kv_row,
+                            float scale, float *res) {
+    const int elem = dtype == DTYPE_BF16 ? 2 : 4, nq = (h1 - h0) * group, width = (h1 - h0) * head_dim;
+    const int64_t col = (int64_t)h0 * head_dim;
+    float qf[MAX_HEADS * MAX_HEAD_DIM], acc[MAX_HEADS * MAX_HEAD_DIM], kv[MAX_HEADS * MAX_HEAD_DIM];
+    float scores[MAX_HEADS][SCORE_CHUNK], m[MAX_HEADS], l[MAX_HEADS];
+    int64_t at[SCORE_CHUNK];
+    load_vec(q, dtype, 0, nq * head_dim, qf);
+    for (int i = 0; i < nq * head_dim; i++) qf[i] *= scale;
+    memset(acc, 0, (size_t)nq * head_dim * sizeof(float));
+    for (int j = 0; j < nq; j++) {
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+    }
+    for (int64_t start = 0; start < len; start += SCORE_CHUNK) {
+        const int n = (int)(len - start < SCORE_CHUNK ? len - start : SCORE_CHUNK);
+        for (int t = 0; t < n; t++)
+            at[t] = (pages[(start + t) / page_size] * page_size + (start + t) % page_size) * kv_row + col;
+        prefetch_kv(k_cache, v_cache, pages, page_size, start, start + n, kv_row, col, elem, width * elem, 0);
+        for (int t = 0; t < n; t++) { /* scores of this chunk */
+            load_vec(k_cache, dtype, at[t], width, kv);
+            for (int j = 0; j < nq; j++) {
+                const float *qj = qf + (int64_t)j * head_dim, *kj = kv + (int64_t)(j / group) * head_dim;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int d = 0; d < head_dim; d++) s += qj[d] * kj[d];
+                scores[j][t] = s;
+            }
+        }
+        for (int j = 0; j < nq; j++) { /* online softmax: rescale what came before */
+            float mx = m[j];
+            for (int t = 0; t < n; t++) mx = scores[j][t] > mx ? scores[j][t] : mx;
+            const float corr = exp_nonpositive(m[j] - mx); /* m = -inf on the first chunk: ~0 */
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int t = 0; t < n; t++) {
+                scores[j][t] = exp_nonpositive(scores[j][t] - mx);
+                sum += scores[j][t];
+            }
+            l[j] = l[j] * corr + sum;
+            m[j] = mx;
+            float *aj = acc + (int64_t)j * head_dim;
+#pragma omp simd
+            for (int d = 0; d < head_dim; d++) aj[d] *= corr;
+        }
+        for (int t = 0; t < n; t++) { /* accumulate V */
+            load_vec(v_cache, dtype, at[t], width, kv);
+            for (int j = 0; j < nq; j++) {
+                const float p = scores[j][t], *vj = kv + (int64_t)(j / group) * head_dim;
+                float *aj = acc + (int64_t)j * head_dim;
+#pragma omp simd
+                for (int d = 0; d < head_dim; d++) aj[d] += p * vj[d];
+            }
+        }
+    }
+    for (int j = 0; j < nq; j++) {
+        const float inv = len > 0 ? 1.0f / l[j] : 0.0f;
+        for (int d = 0; d < head_dim; d++) res[(int64_t)j * head_dim + d] = acc[(int64_t)j * head_dim + d] * inv;
+    }
+}
+#define attend attend_portable
+#endif
+
+/* Attention of decode rows over their paged KV.
+ *
+ * q: [*, num_heads, head_dim] with row stride q_row_stride (elements); row r of this call
+ * reads q row q_rows[r] and writes out row q_rows[r] (out: [*, num_heads, head_dim], contiguous).
+ * Row r attends positions [0, kv_lens[r]) of request slot slots[r]: position p lives at
+ * KV row page_table[slots[r] * pt_stride + p / page_size] * page_size + p % page_size of
+ * k_cache / v_cache ([pool tokens, kv_heads, head_dim]). The num_heads / kv_heads query heads
+ * of one KV head share its K/V rows (GQA, HF's repeat_kv order). Returns 0, or -1 on bad sizes.
+ *
+ * k_new / v_new (or NULL): the rows' new K/V ([*, kv_heads, head_dim], rows k_new_stride /
+ * v_new_stride elements apart, read at q_rows[r]), written first at the row's last position; a
+ * task writes exactly the heads it then reads, so no task waits for another.
+ *
+ * A task is one row and a run of its KV heads. (One task per (row, head) read 1/kv_heads of every
+ * token row and ran 3x slower once the KV was out of cache, as it always is in a forward.) With
+ * few rows, heads are split so all threads work.
+ */
+int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                           void *out, int dtype, const int64_t *q_rows, const int64_t *slots,
+                           const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t rows,
+                           int num_heads, int kv_heads, int head_dim, int page_size, float scale,
+                           const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride) {
+    if (kv_heads < 1 || num_heads % kv_heads || num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM) return -1;
+    const int group = num_heads / kv_heads;
+    const int64_t kv_row = (int64_t)kv_heads * head_dim; /* elements per pool token */
+    const int splits = rows < 2 * omp_get_max_threads() ? kv_heads : 1;
+    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < rows * splits; task++) {
+        const int64_t r = task / splits;
+        const int h0 = (int)(task % splits) * kv_heads / splits, h1 = (int)(task % splits + 1) * kv_heads / splits;
+        const int q0 = h0 * group, nq = (h1 - h0) * group;
+        float res[MAX_HEADS * MAX_HEAD_DIM];
+        if (k_new != NULL && kv_lens[r] > 0) {
+            const int64_t pos = kv_lens[r] - 1, *pages = page_table + slots[r] * pt_stride;
+            const int64_t at = ((pages[pos / page_size] * page_size + pos % page_size) * kv_row + (int64_t)h0 * head_dim);
+            const size_t bytes = (size_t)(h1 - h0) * head_dim * elem;
+            memcpy((char *)k_cache + at * elem, (const char *)k_new + (q_rows[r] * k_new_stride + (int64_t)h0 * head_dim) * elem, bytes);
+            memcpy((char *)v_cache + at * elem, (const char *)v_new + (q_rows[r] * v_new_stride + (int64_t)h0 * head_dim) * elem, bytes);
+        }
+        const int64_t next = task + omp_get_num_threads(); /* most likely this thread's next task */
+        if (next < rows * splits) {
+            const int64_t r2 = next / splits;
+            const int g0 = (int)(next % splits) * kv_heads / splits, g1 = (int)(next % splits + 1) * kv_heads / splits;
+            prefetch_kv(k_cache, v_cache, page_table + slots[r2] * pt_stride, page_size, 0,
+                        kv_lens[r2] < PREFETCH_L2 ? kv_lens[r2] : PREFETCH_L2, kv_row, (int64_t)g0 * head_dim, elem,
+                        (g1 - g0) * head_dim * elem, 1);
+        }
+        attend((const char *)q + (q_rows[r] * q_row_stride + (int64_t)q0 * head_dim) * elem, k_cache, v_cache, dtype,
+               page_table + slots[r] * pt_stride, kv_lens[r], page_size, h0, h1, group, head_dim, kv_row, scale, res);
+        const int64_t o_off = (q_rows[r] * num_heads + q0) * head_dim;
+        if (dtype == DTYPE_BF16) {
+            uint16_t *dst = (uint16_t *)out + o_off;
+            for (int i = 0; i < nq * head_dim; i++) dst[i] = f32_to_bf16(res[i]);
+        } else {
+            memcpy((float *)out + o_off, res, (size_t)nq * head_dim * sizeof(float));
+        }
+    }
+    return 0;
+}
+

@@ -1,0 +1,162 @@
+/* What the worker's C kernels share: dtype codes, limits, bf16 conversions, exp, prefetch, and which
+ * instruction set this build targets (gpu_worker/cpu/kernels.py compiles every .c file here into one
+ * library per CPU kind, with that kind's -march).
+ *
+ * Plain C with OpenMP, called through ctypes with raw pointers: no torch headers,
+ * so a build takes about a second. Loaded after torch, the library's libgomp.so.1
+ * resolves to the copy torch already loaded, so its parallel loops share torch's
+ * thread pool and follow torch.set_num_threads.
+ *
+ * Tensors are float32 (dtype code 0) or bfloat16 (code 1); all math is float32.
+ */
+#ifndef RIVULET_COMMON_H
+#define RIVULET_COMMON_H
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+/* The instruction set of this build, from the compiler's -march (one per CPU kind):
+ * ISA_AVX512_BF16: AVX-512 with vdpbf16ps; ISA_AVX2: AVX2 + FMA (x86-64-v3, also the build for
+ * AVX-512 CPUs without BF16); ISA_PORTABLE: plain C the compiler vectorizes as it can. */
+#define ISA_PORTABLE 0
+#define ISA_AVX2 1
+#define ISA_AVX512_BF16 2
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define ISA ISA_AVX512_BF16
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ISA ISA_AVX2
+#else
+#define ISA ISA_PORTABLE
+#endif
+#define HAVE_AVX512 (ISA == ISA_AVX512_BF16)
+#define HAVE_AVX2 (ISA == ISA_AVX2)
+
+#define DTYPE_F32 0
+#define DTYPE_BF16 1
+#define MAX_HEADS 64 /* query heads (larger: the caller uses torch) */
+#define MAX_HEAD_DIM 256
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* round to nearest even */
+    const uint32_t quiet_nan = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded); /* a select: loops vectorize */
+}
+
+/* n elements of a float32 or bfloat16 tensor from element ``offset`` on, as float32. */
+static inline void load_vec(const void *base, int dtype, int64_t offset, int n, float *dst) {
+    if (dtype == DTYPE_BF16) {
+        const uint16_t *src = (const uint16_t *)base + offset;
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
+    }
+}
+
+/* exp(x) for x <= 0 with relative error ~2e-7 (Cephes' expf polynomial), for the portable paths.
+ * (gcc 12 still keeps loops around it scalar; the AVX-512 paths use exp512.) */
+static inline float exp_nonpositive(float x) {
+    /* x = max(x, -87), -inf included, on the bits: as a float select, gcc turns the clamp into a
+     * branch (a clamped input makes the result a constant) and the loop stays scalar. A negative
+     * float of larger magnitude is a larger (less negative) int32, so "below -87" is bits > lim. */
+    union { float f; int32_t i; } in = {.f = x};
+    const int32_t lim = (int32_t)0xC2AE0000u; /* -87.0f; exp(-87) ~ 1.6e-38 adds nothing to a sum >= 1 */
+    in.i = ((in.i < 0) & (in.i > lim)) ? lim : in.i;
+    x = in.f;
+    const float n = (float)(int32_t)(x * 1.44269504088896341f - 0.5f); /* round(x / ln 2), x <= 0 */
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;          /* x - n ln 2 in two parts */
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
+    return (p * r * r + r + 1.0f) * two_n.f;
+}
+
+/* Prefetch the K and V of positions [p0, p1): ``bytes`` from column ``col`` of each token row, into
+ * L1 or (to_l2) only as far as L2. Pages are scattered through the pool, so the hardware prefetcher
+ * loses the stream at every page edge: asked for up front, many misses are in flight at once. */
+static inline void prefetch_kv(const void *k_cache, const void *v_cache, const int64_t *pages, int page_size,
+                               int64_t p0, int64_t p1, int64_t kv_row, int64_t col, int elem, int bytes, int to_l2) {
+    for (int64_t pos = p0; pos < p1; pos++) {
+        const char *k = (const char *)k_cache + ((pages[pos / page_size] * page_size + pos % page_size) * kv_row + col) * elem;
+        const char *v = (const char *)v_cache + (k - (const char *)k_cache);
+        for (int b = 0; b < bytes; b += 64) {
+            if (to_l2) {
+                __builtin_prefetch(k + b, 0, 2);
+                __builtin_prefetch(v + b, 0, 2);
+            } else {
+                __builtin_prefetch(k + b, 0, 3);
+                __builtin_prefetch(v + b, 0, 3);
+            }
+        }
+    }
+}
+
+/* n float32 values stored to a float32 or bfloat16 tensor at element ``offset``. */
+static inline void store_vec(void *base, int dtype, int64_t offset, int n, const float *src) {
+    if (dtype == DTYPE_BF16) {
+        uint16_t *dst = (uint16_t *)base + offset;
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy((float *)base + offset, src, (size_t)n * sizeof(float));
+    }
+}
+
+/* v as a torch op in ``dtype`` would leave it: rounded to bfloat16 (and back), or as is. */
+static inline void round_vec(int dtype, float *v, int n) {
+    if (dtype != DTYPE_BF16) return;
+#pragma omp simd
+    for (int i = 0; i < n; i++) v[i] = bf16_to_f32(f32_to_bf16(v[i]));
+}
+
+#if HAVE_AVX512
+/* Lane i of the result: the sum of the 16 lanes of v[ORDER16[i]]. Four halving rounds of
+ * shuffles and adds: 45 instructions for 16 sums, where 16 separate horizontal sums take ~130. */
+static const int ORDER16[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15}; /* its own inverse */
+
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++) /* 256-bit halves */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+    for (int i = 0; i < 4; i++) /* 128-bit quarters */
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
+    for (int i = 0; i < 2; i++) /* pairs within 128 bits */
+        y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[i], x[i + 2], 0x88), _mm512_shuffle_ps(x[i], x[i + 2], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+}
+
+/* exp(x) for x <= 0, lane-wise: exp_nonpositive's polynomial, with 2^n applied by vscalefps. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#endif

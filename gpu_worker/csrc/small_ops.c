@@ -1,0 +1,137 @@
+/* The dense layer's small ops, each one call instead of 2-8 torch ops, and the greedy argmax.
+ *
+ * Each reproduces its torch expression's roundings (noted per function), so swapping one in keeps
+ * the model's numbers. Rows go to threads only when there are enough of them to pay for it. */
+#include "common.h"
+
+#define PARALLEL_ROWS 16
+#define PIECE 256 /* elements per step: each op converts a piece to float32, computes, stores back */
+
+/* out[r] = w * (x[r] * rsqrt(mean(x[r]^2) + eps)), statistics in float32 (HF's RMSNorm). bfloat16
+ * rounds x * rsqrt(...) to bfloat16 before the weight multiplies it, as HF's `.to(dtype)` does.
+ * x rows are x_stride elements apart; out is contiguous [rows, dim]. */
+void rms_norm(const void *x, int64_t x_stride, const void *w, void *out, int64_t rows, int dim, float eps, int dtype) {
+#pragma omp parallel for if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        float v[PIECE], wv[PIECE], sq = 0.0f;
+        for (int i0 = 0; i0 < dim; i0 += PIECE) {
+            const int n = dim - i0 < PIECE ? dim - i0 : PIECE;
+            load_vec(x, dtype, r * x_stride + i0, n, v);
+#pragma omp simd reduction(+ : sq)
+            for (int i = 0; i < n; i++) sq += v[i] * v[i];
+        }
+        const float inv = 1.0f / sqrtf(sq / (float)dim + eps);
+        for (int i0 = 0; i0 < dim; i0 += PIECE) {
+            const int n = dim - i0 < PIECE ? dim - i0 : PIECE;
+            load_vec(x, dtype, r * x_stride + i0, n, v);
+            load_vec(w, dtype, i0, n, wv);
+            for (int i = 0; i < n; i++) v[i] *= inv;
+            round_vec(dtype, v, n);
+            for (int i = 0; i < n; i++) v[i] *= wv[i];
+            store_vec(out, dtype, r * dim + i0, n, v);
+        }
+    }
+}
+
+/* In place, heads [0, heads) of each row of x ([rows, >= heads, head_dim], rows x_stride apart):
+ * x = x * cos[r] + cat(x2, x1) * signed_sin[r] (HF's rotate_half with the sign folded into sin, as
+ * RotaryCache stores it; cos, sin: [rows, head_dim] in x's dtype, gathered at the rows' positions).
+ * Each product and the sum round to the dtype, as the three torch ops do. */
+void rotary(void *x, int64_t x_stride, int64_t rows, int heads, int head_dim, const void *cos, const void *sin,
+            int dtype) {
+    const int half = head_dim / 2;
+#pragma omp parallel for if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        float c[MAX_HEAD_DIM], sn[MAX_HEAD_DIM], v[MAX_HEAD_DIM], a[MAX_HEAD_DIM], b[MAX_HEAD_DIM];
+        load_vec(cos, dtype, r * head_dim, head_dim, c);
+        load_vec(sin, dtype, r * head_dim, head_dim, sn);
+        for (int h = 0; h < heads; h++) {
+            const int64_t at = r * x_stride + (int64_t)h * head_dim;
+            load_vec(x, dtype, at, head_dim, v);
+            for (int i = 0; i < half; i++) {
+                a[i] = v[i] * c[i];
+                a[i + half] = v[i + half] * c[i + half];
+                b[i] = v[i + half] * sn[i];
+                b[i + half] = v[i] * sn[i + half];
+            }
+            round_vec(dtype, a, head_dim);
+            round_vec(dtype, b, head_dim);
+            for (int i = 0; i < head_dim; i++) a[i] += b[i];
+            store_vec(x, dtype, at, head_dim, a);
+        }
+    }
+}
+
+/* out[r, i] = silu(gate[r, i]) * up[r, i] of gate_up rows [gate (inner) | up (inner)], silu's result
+ * rounded to the dtype before the product, as torch's two ops do. */
+void silu_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype) {
+#pragma omp parallel for if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        float g[PIECE], u[PIECE];
+        for (int i0 = 0; i0 < inner; i0 += PIECE) {
+            const int n = inner - i0 < PIECE ? inner - i0 : PIECE;
+            load_vec(gate_up, dtype, r * 2 * inner + i0, n, g);
+            load_vec(gate_up, dtype, r * 2 * inner + inner + i0, n, u);
+#if HAVE_AVX512 /* gcc leaves the scalar loop below unvectorized */
+            for (int i = 0; i < n; i += 16) {
+                const __mmask16 m = n - i >= 16 ? 0xffffu : (__mmask16)((1u << (n - i)) - 1);
+                const __m512 x = _mm512_maskz_loadu_ps(m, g + i), one = _mm512_set1_ps(1.0f);
+                const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+                const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+                const __m512 exp_minus_x = _mm512_mask_div_ps(e, neg, one, e);
+                _mm512_mask_storeu_ps(g + i, m, _mm512_div_ps(x, _mm512_add_ps(one, exp_minus_x)));
+            }
+#else
+            for (int i = 0; i < n; i++) {
+                const float e = exp_nonpositive(-fabsf(g[i])); /* exp(-g) is e for g >= 0, 1 / e below */
+                g[i] = g[i] / (1.0f + (g[i] < 0.0f ? 1.0f / e : e));
+            }
+#endif
+            round_vec(dtype, g, n);
+            for (int i = 0; i < n; i++) g[i] *= u[i];
+            store_vec(out, dtype, r * inner + i0, n, g);
+        }
+    }
+}
+
+/* out[r] = the first index of row r's largest value (x: [rows, n], rows row_stride apart): the
+ * greedy pick. NaN-free rows assumed (a NaN is never picked, where torch's max would pick it). */
+void argmax_rows(const void *x, int64_t row_stride, int64_t rows, int n, int dtype, int64_t *out) {
+#pragma omp parallel for if (rows >= 4)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t base = r * row_stride;
+#if HAVE_AVX512
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        __m512i best_at = _mm512_setzero_si512();
+        __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        for (int i = 0; i < n; i += 16) {
+            const __mmask16 m = n - i >= 16 ? 0xffffu : (__mmask16)((1u << (n - i)) - 1);
+            const __m512 v =
+                dtype == DTYPE_BF16
+                    ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)x + base + i)), 16))
+                    : _mm512_maskz_loadu_ps(m, (const float *)x + base + i);
+            const __mmask16 better = _mm512_mask_cmp_ps_mask(m, v, best, _CMP_GT_OQ); /* strictly: first wins */
+            best = _mm512_mask_mov_ps(best, better, v);
+            best_at = _mm512_mask_mov_epi32(best_at, better, at);
+            at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
+        }
+        const __mmask16 top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ);
+        out[r] = top ? _mm512_mask_reduce_min_epi32(top, best_at) : 0;
+#else
+        float best = -INFINITY;
+        int64_t best_at = 0;
+        for (int i = 0; i < n; i++) {
+            const float v = dtype == DTYPE_BF16 ? bf16_to_f32(((const uint16_t *)x)[base + i]) : ((const float *)x)[base + i];
+            if (v > best) {
+                best = v;
+                best_at = i;
+            }
+        }
+        out[r] = best_at;
+#endif
+    }
+}
+
+/* The instruction set this build targets (ISA_* in common.h): the loader checks it is the one it asked for. */
+int kernel_isa(void) { return ISA; }
