@@ -13,13 +13,11 @@ from itertools import accumulate
 
 import torch
 
-from gpu_worker.cpu import kernels as cpu_kernels
-from gpu_worker.cpu.kind import CpuKind, requested_kind
 from gpu_worker.attention import ForwardContext, build_metadata
 from gpu_worker.config import WorkerConfig
+from gpu_worker.cpu import backend as cpu_backend
 from gpu_worker.kv_cache import KVPool, kv_pool_tokens
 from gpu_worker.loader import load_model
-from gpu_worker.models.layers import Linear, can_pack_linear_weights, pack_linear_weights, pin_attributes
 from gpu_worker.sampler import SlotSamplerParams, greedy_pick, sample
 from gpu_worker.threads import ThreadTuner, shape_class
 from protocol.messages import PENDING, ForwardBatch, ForwardResult
@@ -41,9 +39,6 @@ class ModelRunner:
         self.config = config
         self._init_device()
         self._init_model()
-        self._init_kernels()
-        assert isinstance(self.model, torch.nn.Module), "our models are nn.Modules"
-        pin_attributes(self.model)  # last: after packing and kernels, the model's layout is final
         self._init_kv_pool()
         self.sampler_params = SlotSamplerParams(config.max_running_requests)
         # The token each slot drew last: a row scheduled before that draw came back (overlap
@@ -81,42 +76,25 @@ class ModelRunner:
         )
 
     def _prepare_kernels(self) -> None:
-        """--compile: torch.compile the layers' dense code; else pack the matmul weights for oneDNN.
-
-        Not both: a compiled graph cannot read oneDNN's opaque blocked tensors.
-        """
+        """--compile: torch.compile every layer's forward; on CPU, the CPU backend readies the model
+        (kernels, matmul paths and weight layouts per CPU kind: gpu_worker/cpu/backend.py)."""
         model = self.model
         assert isinstance(model, torch.nn.Module), "our models are nn.Modules"
         if self.config.compile:
-            compile_dense = getattr(model, "compile_dense", None)
-            if compile_dense is None:
-                logger.warning("--compile: %s has no compiled path; running eagerly", type(model).__name__)
+            layers = getattr(getattr(model, "model", None), "layers", None)
+            if layers is None:
+                logger.warning(
+                    "--compile: %s has no layers to compile; running eagerly", type(model).__name__
+                )
             else:
-                compile_dense()
-        elif can_pack_linear_weights(self._device, self._dtype) and (
-            self._dtype != torch.bfloat16 or requested_kind().includes(CpuKind.AVX512)
-        ):  # oneDNN's bf16 reorder needs AVX-512 BW/VL/DQ (or AVX-NE-CONVERT)
-            pack_linear_weights(model)
-
-    def _init_kernels(self) -> None:
-        """Our C kernels where they apply (CPU, float32/bfloat16, their head shapes): decode attention
-        and the greedy argmax; the layers' small ops (RMSNorm, rotary, silu * up) in the modules that
-        declare ``kernels``, unless --compile fuses those itself (a C call would break its graph); and
-        the one-row matmul in bf16 with AVX-512 BF16 (else the plain weight copies are freed)."""
-        model = self.model
-        shapes = (model.num_heads, model.num_kv_heads, model.head_dim, self._dtype)
-        usable = self.config.cpu_kernels and self._device.type == "cpu"
-        usable = usable and cpu_kernels.CpuKernels.supports(*shapes)
-        self._kernels = cpu_kernels.load(requested_kind()) if usable else None
-        dense = self._kernels if not self.config.compile else None
-        assert isinstance(model, torch.nn.Module), "our models are nn.Modules"
-        gemv = dense is not None and dense.isa == cpu_kernels.ISA_AVX512_BF16 and self._dtype == torch.bfloat16
-        for module in model.modules():
-            if hasattr(type(module), "kernels"):
-                setattr(module, "kernels", dense)  # noqa: B010 (nn.Module types attributes as Tensor | Module)
-            if isinstance(module, Linear) and not gemv:
-                module.plain_weight = None  # frees the loaded copy that packing left
-        logger.info("CPU kernels: %s", "C" if self._kernels is not None else "torch")
+                for layer in layers:
+                    layer.compile(dynamic=True)
+        self._kernels = None
+        if self._device.type == "cpu":
+            setup = cpu_backend.prepare_model(
+                model, self._dtype, self.config.cpu_kernels, self.config.compile
+            )
+            self._kernels = setup.kernels
 
     def _init_kv_pool(self) -> None:
         model = self.model
@@ -233,27 +211,8 @@ class ModelRunner:
 
 
 def auto_dtype(device: torch.device) -> str:
-    """bfloat16 on CUDA and on CPUs with native bf16 dot products (AVX512-BF16, AMX), else float32.
-
-    Without those instructions torch emulates bf16 matmuls, slower than float32.
-    """
-    if device.type != "cpu":
-        return "bfloat16"
-    return "bfloat16" if cpu_has_bf16() else "float32"
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU computes bf16 dot products natively."""
-    get_capabilities = getattr(torch.cpu, "get_capabilities", None)  # torch >= 2.7
-    if get_capabilities is not None:
-        caps = get_capabilities()
-        return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """bfloat16 on CUDA; on CPU what the CPU backend picks for the CPU kind (cpu/backend.py)."""
+    return cpu_backend.auto_dtype() if device.type == "cpu" else "bfloat16"
 
 
 def check_batch(

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
+
+import pytest
 
 from gpu_worker.cpu.kind import ENV_VAR, apply_to_environ
 
 # Before anything imports torch: with RIVULET_CPU_KIND set, oneDNN, ATen and MKL act as that kind too.
 ACTING_KIND = apply_to_environ()
-from pathlib import Path
-
-import pytest
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 

@@ -273,7 +273,10 @@ def build(kind: CpuKind) -> Path:
     try:
         sources = [str(CSRC / name) for name in SOURCES]
         done = subprocess.run(
-            [compiler, *flags, "-o", tmp, *sources, "-lm"], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+            [compiler, *flags, "-o", tmp, *sources, "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
         )
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")

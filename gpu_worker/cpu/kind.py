@@ -55,8 +55,16 @@ _NEEDS = {
 # What the libraries under torch are told when the worker acts as a kind: oneDNN's ISA cap,
 # ATen's kernel capability, MKL's instruction set. None: leave the library as it is.
 _LIBRARY_ENV: dict[CpuKind, dict[str, str]] = {
-    CpuKind.PORTABLE: {"ONEDNN_MAX_CPU_ISA": "SSE41", "ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
-    CpuKind.AVX2: {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    CpuKind.PORTABLE: {
+        "ONEDNN_MAX_CPU_ISA": "SSE41",
+        "ATEN_CPU_CAPABILITY": "default",
+        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+    },
+    CpuKind.AVX2: {
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    },
     CpuKind.AVX512: {
         "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
         "ATEN_CPU_CAPABILITY": "avx512",

@@ -10,7 +10,7 @@ are merged into one matmul each, whose row blocks carry the checkpoint's names.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,7 @@ from torch import nn
 from gpu_worker.attention import ForwardContext, paged_attention
 from gpu_worker.models.layers import (
     Embedding,
+    FusedOps,
     Linear,
     MergedLinear,
     RMSNorm,
@@ -27,9 +28,6 @@ from gpu_worker.models.layers import (
     apply_rotary,
 )
 from gpu_worker.models.rope import rope_inv_freq
-
-if TYPE_CHECKING:
-    from gpu_worker.cpu.kernels import CpuKernels
 
 
 @dataclass(frozen=True)
@@ -88,7 +86,7 @@ def _context_len(cfg: Any) -> int:
 
 
 class Attention(nn.Module):
-    kernels: CpuKernels | None = None  # set by the runner on CPU: rotary in place, one C call
+    fused: FusedOps | None = None  # set by a device backend: rotary in place, one call
 
     def __init__(self, args: LlamaArgs, layer: int) -> None:
         super().__init__()
@@ -119,8 +117,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
             q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
-        elif self.kernels is not None:  # in place: q and k stay views of qkv
-            self.kernels.rotary_(qkv, heads + kv_heads, cos, sin)
+        elif self.fused is not None:  # in place: q and k stay views of qkv
+            self.fused.rotary_(qkv, heads + kv_heads, cos, sin)
             q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
         else:
             # q and k rotate by the same angles: one rotary over their heads together.
@@ -130,7 +128,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    kernels: CpuKernels | None = None  # set by the runner on CPU: silu(gate) * up in one C call
+    fused: FusedOps | None = None  # set by a device backend: silu(gate) * up in one call
 
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
@@ -144,8 +142,8 @@ class MLP(nn.Module):
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``residual + mlp(x)``."""
         gate_up = self.gate_up_proj(x)
-        if self.kernels is not None and self.act is F.silu:
-            return self.down_proj.add_to(residual, self.kernels.silu_mul(gate_up))
+        if self.fused is not None and self.act is F.silu:
+            return self.down_proj.add_to(residual, self.fused.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj.add_to(residual, self.act(gate) * up)
 
@@ -153,28 +151,19 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, args: LlamaArgs, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         self.input_layernorm = RMSNorm(args.hidden_size, args.eps)
         self.self_attn = Attention(args, layer)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.eps)
         self.mlp = MLP(args)
 
-
-# A layer is dense code around one attention call: these two functions are that
-# code, free functions so that torch.compile (--compile) builds ONE graph each
-# for all layers (the layer's weights arrive as graph inputs, not constants).
-
-
-def attention_inputs(
-    layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The layer's q, k, v from its input ``x``."""
-    return layer.self_attn.project(layer.input_layernorm(x), cos, sin)
-
-
-def attention_outputs(layer: DecoderLayer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-    """The layer's output from its input ``x`` and the attention output [T, Hq, D]."""
-    x = layer.self_attn.o_proj.add_to(x, attended.flatten(1))
-    return layer.mlp.add_to(x, layer.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin)
+        attended = paged_attention(self.layer, q, k, v, ctx)
+        x = self.self_attn.o_proj.add_to(x, attended.flatten(1))
+        return self.mlp.add_to(x, self.post_attention_layernorm(x))
 
 
 class LlamaBody(nn.Module):
@@ -201,21 +190,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         inv_freq, scaling = rope_inv_freq(hf_config, args.head_dim)
         self.rotary = RotaryCache(inv_freq, scaling, args.context_len)
-        self.dense_in, self.dense_out = attention_inputs, attention_outputs
-
-    def compile_dense(self) -> None:
-        """torch.compile the dense code of every layer (shapes dynamic in the token count)."""
-        self.dense_in = torch.compile(attention_inputs, dynamic=True)
-        self.dense_out = torch.compile(attention_outputs, dynamic=True)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [T, hidden] before the final norm."""
         cos, sin = self.rotary(ctx.positions)
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            assert isinstance(layer, DecoderLayer), "model.layers holds DecoderLayers"
-            q, k, v = self.dense_in(layer, x, cos, sin)
-            x = self.dense_out(layer, x, paged_attention(layer.self_attn.layer, q, k, v, ctx))
+            x = layer(x, cos, sin, ctx)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gpu_worker.config import WorkerConfig
 from gpu_worker.cpu import kernels as cpu_kernels
 from gpu_worker.cpu.kind import CpuKind, requested_kind
-from gpu_worker.config import WorkerConfig
+from gpu_worker.cpu.matmul import CpuLinear
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.layers import Linear, RMSNorm, apply_rotary
 from tests.gpu_worker.helpers import MiniScheduler, save_tiny_model
@@ -238,11 +239,12 @@ def test_runner_with_kernel_matches_hf(float32_models: dict, kind: str, page_siz
         )
     )  # fmt: skip
     assert runner.uses_cpu_kernels, "float32 on CPU with a compiler: decode rows go to the kernel"
-    users = [m for m in runner.model.modules() if hasattr(type(m), "kernels")]  # type: ignore[attr-defined]
-    assert all(m.kernels is not None for m in users), "the layers' small ops run in C too"
+    users = [m for m in runner.model.modules() if hasattr(type(m), "fused")]  # type: ignore[attr-defined]
+    assert all(m.fused is not None for m in users), "the layers' small ops run in C too"
     assert kind == "gpt2" or any(isinstance(m, RMSNorm) for m in users)  # GPT-2: LayerNorm, gelu
-    linears = [m for m in users if isinstance(m, Linear)]
-    assert linears and all(m.plain_weight is None for m in linears), "float32: no copy kept for gemv"
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]  # type: ignore[attr-defined]
+    impls = [m.impl for m in linears]
+    assert impls and all(isinstance(i, CpuLinear) and i.plain is None for i in impls), "float32: no bf16 copy"
     prompts = make_prompts(seed=5)
     sched = MiniScheduler(runner.num_pages, page_size, shuffle_seed=2)
     got = run_scenario(runner, sched, prompts, hf, atol=1e-4)

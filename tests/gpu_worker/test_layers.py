@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu_worker.models.layers import Linear, pin_attributes
+from gpu_worker.cpu.backend import pin_attributes
+from gpu_worker.models.layers import Linear
 
 
 def test_pinned_attributes_are_the_registered_ones_and_follow_reassignment() -> None:
@@ -16,7 +17,7 @@ def test_pinned_attributes_are_the_registered_ones_and_follow_reassignment() -> 
     assert model.__dict__["0"] is first and first.__dict__["weight"] is first._parameters["weight"]
     assert model.__dict__["scale"] is model._buffers["scale"]
     new_weight = nn.Parameter(torch.zeros(3, 4), requires_grad=False)
-    first.weight = new_weight  # as pack_linear_weights does after loading
+    first.weight = new_weight  # as the CPU backend does after loading
     assert first.weight is new_weight and first._parameters["weight"] is new_weight
     x = torch.ones(1, 4)
     assert torch.equal(first(x), first.bias.expand(1, 3)), "the forward reads the reassigned weight"

@@ -215,7 +215,7 @@ def test_length_groups_bound_the_padding() -> None:
 
 @pytest.mark.timeout(600)
 def test_compiled_dense_code_matches_hf(tiny_models: dict) -> None:
-    """--compile: torch.compile'd layer code gives HF's tokens too (one graph pair for all layers)."""
+    """--compile: every layer's compiled forward gives HF's tokens too."""
     path, hf = tiny_models[("qwen3", True)]
     runner = ModelRunner(
         WorkerConfig(

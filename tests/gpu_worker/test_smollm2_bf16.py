@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.cpu import kernels as cpu_kernels
 from gpu_worker.config import WorkerConfig
-from gpu_worker.model_runner import ModelRunner, auto_dtype, cpu_has_bf16
+from gpu_worker.cpu.kind import CpuKind, requested_kind
+from gpu_worker.cpu.matmul import PLANS, CpuLinear
+from gpu_worker.model_runner import ModelRunner, auto_dtype
 from gpu_worker.models.layers import Linear
 from tests import inprocess
 from tests.test_smollm2_exactness import EOS, QUESTIONS, chat_prompt
@@ -66,9 +67,10 @@ def test_smollm2_bf16_one_stream_matches_hf_bf16_within_top2(smollm2_dir: Path) 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     prompt = chat_prompt(tokenizer, QUESTIONS[0])
     runner = ModelRunner(WorkerConfig(model_path=str(smollm2_dir), dtype="bfloat16", kv_cache_tokens=4096))
-    kernels = cpu_kernels.load()
-    if kernels is not None and kernels.vector_path:
-        assert all(m.plain_weight is not None for m in runner.model.modules() if isinstance(m, Linear))  # type: ignore[attr-defined]
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]  # type: ignore[attr-defined]
+    plan = PLANS[requested_kind()]
+    impls = [m.impl for m in linears]
+    assert impls and all(isinstance(i, CpuLinear) and i.c_max_rows == plan.c_max_rows for i in impls)
     (ours,), _ = inprocess.generate(
         runner, [prompt], NEW_TOKENS, chunked_prefill_size=256, enable_mixed_chunk=True, stop_token_ids=(EOS,)
     )
@@ -79,7 +81,7 @@ def test_smollm2_bf16_one_stream_matches_hf_bf16_within_top2(smollm2_dir: Path) 
     assert tokenizer.decode(ours, skip_special_tokens=True) == "The capital of France is Paris."
 
 
-def test_auto_dtype_follows_the_cpu() -> None:
-    expected = "bfloat16" if cpu_has_bf16() else "float32"
+def test_auto_dtype_follows_the_cpu_kind() -> None:
+    expected = "float32" if requested_kind() == CpuKind.PORTABLE else "bfloat16"
     assert auto_dtype(torch.device("cpu")) == expected
     assert auto_dtype(torch.device("cuda")) == "bfloat16"

@@ -1,0 +1,144 @@
+"""Which matmul runs a Linear on this CPU, by CPU kind, dtype and row count.
+
+A decode step of few rows only streams the weights (memory-bound), a prefill
+chunk or a batch of many rows reuses each weight many times (compute-bound), and
+CPU kinds differ in what they do fast. Three paths exist:
+
+- ``c``: our C few-row matmul (kernels.py) over the plain [out, in] bf16 weights,
+  widened to fp32 in registers on AVX2 (half the bytes of fp32 weights), dot
+  products by vdpbf16ps on AVX-512 BF16. It starts at once, where oneDNN needs
+  ~30% of a small matrix's time to get going.
+- ``onednn``: oneDNN's matmul on weights packed once in its blocked layout, in
+  the model's dtype. bf16 packing needs AVX-512 BW/VL/DQ (torch refuses it on
+  AVX2), so AVX2 never takes it for bf16.
+- ``onednn_fp32``: for a bf16 model, oneDNN fp32 on an fp32 packed copy of the
+  weights (bf16 x bf16 products are exact in fp32; only the summation order
+  differs, then one rounding to bf16): where the CPU's fp32 kernels outrun its
+  bf16 ones.
+
+``PLANS`` is measured once per CPU kind by ``bench/matmul_paths.py`` and
+committed here, never timed at start (a busy machine would change the choice,
+and with it the summation order). Its comments quote the bench's numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.cpu.kernels import CpuKernels
+from gpu_worker.cpu.kind import CpuKind
+
+
+@dataclass(frozen=True)
+class MatmulPlan:
+    """The path of a bf16 Linear per row count: ``c`` up to ``c_max_rows`` rows (0: never), then
+    ``onednn_fp32`` from ``fp32_min_rows`` rows (None: never), ``onednn`` bf16 in between."""
+
+    c_max_rows: int
+    fp32_min_rows: int | None
+
+    def __post_init__(self) -> None:
+        assert self.fp32_min_rows is None or self.fp32_min_rows > self.c_max_rows, "paths overlap"
+
+
+# bf16 models, per kind (bench/matmul_paths.py, SmolLM2's 30 layers of weights, 2 threads):
+PLANS: dict[CpuKind, MatmulPlan] = {
+    # Zen 5: the C gemv at 1 row (10.05 -> 9.46 ms a step); oneDNN bf16 beat its fp32 at every count.
+    CpuKind.AVX512_BF16: MatmulPlan(c_max_rows=1, fp32_min_rows=None),
+    # Xeon without BF16 or AMX: oneDNN bf16 emulated ran 0.83 ms a layer at 16 rows against 0.70 in
+    # fp32 (12.2 vs 8.0 at 256); below 16 rows the weights' bytes decide, which the C kernel (the
+    # AVX2 build) halves against fp32 as on AVX2. Not re-measured on such a CPU in this session.
+    CpuKind.AVX512: MatmulPlan(c_max_rows=8, fp32_min_rows=16),
+    # AVX2 (EPYC, 2 cores): no oneDNN bf16 at all; C for few rows, oneDNN fp32 from where it wins.
+    CpuKind.AVX2: MatmulPlan(c_max_rows=8, fp32_min_rows=9),
+    # Portable: whatever torch does, in fp32 (bf16 matmuls are emulated element by element).
+    CpuKind.PORTABLE: MatmulPlan(c_max_rows=0, fp32_min_rows=1),
+}
+
+
+def can_pack(dtype: torch.dtype, kind: CpuKind) -> bool:
+    """oneDNN's blocked weights: float32 anywhere, bfloat16 from AVX-512 on, in builds with mkldnn."""
+    usable = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    return usable and (dtype == torch.float32 or (dtype == torch.bfloat16 and kind.includes(CpuKind.AVX512)))
+
+
+def _blocked(weight: torch.Tensor) -> torch.Tensor:
+    # The row-count hint picks the blocking; 32 suits decode batches, any count still works.
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 32)
+
+
+def _blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class CpuLinear:
+    """One Linear's weights in the layouts its paths read, and the path per row count.
+
+    ``plain`` ([out, in] bf16) feeds the C kernel; ``packed`` is the oneDNN layout in
+    the model's dtype; ``fp32`` a packed float32 copy for bf16 models. Only the
+    copies some row count uses are kept.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        kind: CpuKind,
+        kernels: CpuKernels | None,
+    ) -> None:
+        dtype = weight.dtype
+        self.out_features = weight.shape[0]
+        plan = PLANS[kind] if dtype == torch.bfloat16 else MatmulPlan(c_max_rows=0, fp32_min_rows=None)
+        self.c_max_rows = plan.c_max_rows if kernels is not None else 0
+        self.kernels = kernels
+        self.bias = None if bias is None else bias.detach()
+        self.plain = weight.detach().contiguous() if self.c_max_rows > 0 else None
+        self.fp32_min_rows = plan.fp32_min_rows if can_pack(torch.float32, kind) else None
+        in_between = self.fp32_min_rows is None or self.fp32_min_rows > self.c_max_rows + 1
+        self.packed = _blocked(weight) if in_between and can_pack(dtype, kind) else None
+        self.unpacked = weight.detach() if in_between and self.packed is None else None
+        if self.fp32_min_rows is not None and dtype == torch.bfloat16:
+            self.fp32: torch.Tensor | None = _blocked(weight.float())
+            self.fp32_bias = None if bias is None else bias.detach().float()
+        else:
+            self.fp32, self.fp32_min_rows = None, None
+
+    @property
+    def paths(self) -> dict[str, bool]:
+        """Which paths this Linear can take (for logs and tests)."""
+        return {
+            "c": self.plain is not None,
+            "onednn": self.packed is not None,
+            "onednn_fp32": self.fp32 is not None,
+            "torch": self.unpacked is not None,
+        }
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x, None)
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``residual + x W^T + b`` with one rounding where the path fuses the add."""
+        return self._matmul(x, residual)
+
+    def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows == 0:  # a batch none of whose rows samples has no logits to compute
+            return x.new_empty((0, self.out_features))
+        if rows <= self.c_max_rows:
+            assert self.kernels is not None and self.plain is not None
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            return self.kernels.matmul(x, self.plain, self.bias, residual)
+        if self.fp32 is not None and self.fp32_min_rows is not None and rows >= self.fp32_min_rows:
+            out = _blocked_linear(x.to(torch.float32), self.fp32, self.fp32_bias).to(x.dtype)
+            return out if residual is None else residual + out
+        if self.packed is not None:
+            if residual is None:
+                return _blocked_linear(x, self.packed, self.bias)
+            # The add as the matmul's post-op: one op, one rounding of the sum.
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
+        assert self.unpacked is not None, "a row count no path takes"
+        out = F.linear(x, self.unpacked, self.bias)
+        return out if residual is None else residual + out
