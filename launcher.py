@@ -35,6 +35,7 @@ import zmq
 
 from client import DEFAULT_ENDPOINT
 from gpu_worker.config import WorkerConfig
+from gpu_worker.cpu.kind import CpuKindError, apply_to_environ
 from protocol import ToLauncher, WorkerReady
 from protocol.transport import Codec, Endpoints, make_socket
 from scheduler_proc.config import SCHEDULE_POLICIES, SchedulerConfig
@@ -412,6 +413,11 @@ def serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format=LOG_FORMAT, stream=sys.stderr)
+    try:  # before any child starts: they inherit the libraries' settings for the CPU kind
+        apply_to_environ()
+    except CpuKindError as exc:
+        print(f"rivulet: {exc}", file=sys.stderr)
+        return 2
     return serve(args)
 
 

@@ -51,8 +51,24 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) 
     return out
 
 
+# The kernel and exactness tests: CI runs them again as an AVX2-only CPU (pytest -m cpu_kinds).
+CPU_KIND_TESTS = (
+    "tests/gpu_worker/test_cpu_kernels.py",
+    "tests/gpu_worker/test_models.py",
+    "tests/gpu_worker/test_smollm2.py",
+    "tests/gpu_worker/test_smollm2_bf16.py",
+    "tests/test_exactness.py",
+    "tests/test_prefix_cache_exactness.py",
+    "tests/test_smollm2_exactness.py",
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under RIVULET_CPU_KIND the test ids say which kind the run acts as: test_x[...]@avx2."""
-    if os.environ.get(ENV_VAR):
-        for item in items:
+    """Marks the CPU_KIND_TESTS ``cpu_kinds``; under RIVULET_CPU_KIND the test ids say which kind the
+    run acts as: test_x[...]@avx2."""
+    acting = os.environ.get(ENV_VAR)
+    for item in items:
+        if item.nodeid.split("::")[0] in CPU_KIND_TESTS:
+            item.add_marker(pytest.mark.cpu_kinds)
+        if acting:
             item._nodeid = f"{item.nodeid}@{ACTING_KIND.value}"

@@ -56,7 +56,13 @@ static void gemv_avx512(const uint16_t *x, const uint16_t *w, const uint16_t *bi
 #ifndef TILE_C1
 #define TILE_C1 4 /* weight rows per tile at one x row */
 #endif
-#define MAX_R 4
+#ifndef PANEL_BYTES
+#define PANEL_BYTES (128 * 1024)
+#endif
+#ifndef SPLIT
+#define SPLIT 1
+#endif
+#define MAX_R 6
 #define MAX_C 4
 
 static void widen_x(const uint16_t *x, int64_t x_stride, int m, int k, int kp, float *xw) {
@@ -76,6 +82,19 @@ static void widen_x(const uint16_t *x, int64_t x_stride, int m, int k, int kp, f
 static inline __attribute__((always_inline)) void block_fma(__m256 acc[MAX_R][MAX_C], const float *xb, int64_t kp,
                                                             const uint16_t *const wb[MAX_C], int R, int C) {
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+#if SPLIT
+    __m256 h[MAX_C];
+    for (int c = 0; c < C; c++) h[c] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)wb[c]), 16));
+    for (int r = 0; r < R; r++) {
+        const __m256 xe = _mm256_load_ps(xb + r * kp);
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(h[c], xe, acc[r][c]);
+    }
+    for (int c = 0; c < C; c++) h[c] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)wb[c]), high));
+    for (int r = 0; r < R; r++) {
+        const __m256 xo = _mm256_load_ps(xb + r * kp + 8);
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(h[c], xo, acc[r][c]);
+    }
+#else
     __m256 even[MAX_C], odd[MAX_C];
     for (int c = 0; c < C; c++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)wb[c]);
@@ -86,6 +105,7 @@ static inline __attribute__((always_inline)) void block_fma(__m256 acc[MAX_R][MA
         const __m256 xe = _mm256_load_ps(xb + r * kp), xo = _mm256_load_ps(xb + r * kp + 8);
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(odd[c], xo, _mm256_fmadd_ps(even[c], xe, acc[r][c]));
     }
+#endif
 }
 
 static inline float hsum256(__m256 v) {
@@ -128,29 +148,42 @@ static inline __attribute__((always_inline)) void tile(const float *xw, int64_t 
     }
 }
 
-/* Threads take contiguous runs of C weight rows, each streaming its share of W once; within a run
- * the x rows go R at a time over the same C rows, which stay in L1 (C * k bf16: 9 KB at k 1536). */
+#define TILE_ARGS xw, kp, w, bias, residual, res_stride, out
+
+/* Threads take contiguous runs of C weight rows, each streaming its share of W once. Within a run,
+ * a panel of rows (PANEL_BYTES, kept in L2) takes every group of R x rows (kept in L1) in turn. */
 static void matmul_avx2(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
                         const uint16_t *residual, int64_t res_stride, uint16_t *out, int m, int n_out, int k) {
     const int64_t kp = (k + 15) & ~15;
     float *xw = aligned_alloc(32, (size_t)(m * kp) * sizeof(float));
     if (xw == NULL) return;
+    const int C = m == 1 ? TILE_C1 : TILE_C, tiles = (n_out + C - 1) / C;
+    int panel = PANEL_BYTES / (2 * k) / C * C;
+    panel = panel < C ? C : panel;
 #pragma omp parallel
     {
         widen_x(x, x_stride, m, k, (int)kp, xw); /* (ends in the loop's barrier) */
-        if (m == 1) {
-#pragma omp for schedule(static)
-            for (int n0 = 0; n0 < n_out; n0 += TILE_C1)
-                tile(xw, kp, w, bias, residual, res_stride, out, 0, n0, n_out, k, 1, TILE_C1);
-        } else {
-#pragma omp for schedule(static)
-            for (int n0 = 0; n0 < n_out; n0 += TILE_C)
-                for (int r0 = 0; r0 < m; r0 += TILE_R) {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int lo = (int)((int64_t)tiles * t / nt) * C, hi = (int)((int64_t)tiles * (t + 1) / nt) * C;
+        for (int p0 = lo; p0 < hi; p0 += panel) {
+            const int p1 = p0 + panel < hi ? p0 + panel : hi;
+            if (m == 1) {
+                for (int n0 = p0; n0 < p1; n0 += TILE_C1) tile(TILE_ARGS, 0, n0, n_out, k, 1, TILE_C1);
+                continue;
+            }
+            for (int r0 = 0; r0 < m; r0 += TILE_R)
+                for (int n0 = p0; n0 < p1; n0 += TILE_C) {
                     switch (m - r0 < TILE_R ? m - r0 : TILE_R) { /* each R its own unrolled code */
-                    case 1: tile(xw, kp, w, bias, residual, res_stride, out, r0, n0, n_out, k, 1, TILE_C); break;
-                    case 2: tile(xw, kp, w, bias, residual, res_stride, out, r0, n0, n_out, k, 2, TILE_C); break;
-                    case 3: tile(xw, kp, w, bias, residual, res_stride, out, r0, n0, n_out, k, 3, TILE_C); break;
-                    default: tile(xw, kp, w, bias, residual, res_stride, out, r0, n0, n_out, k, TILE_R, TILE_C);
+                    case 1: tile(TILE_ARGS, r0, n0, n_out, k, 1, TILE_C); break;
+                    case 2: tile(TILE_ARGS, r0, n0, n_out, k, 2, TILE_C); break;
+                    case 3: tile(TILE_ARGS, r0, n0, n_out, k, 3, TILE_C); break;
+#if TILE_R > 4
+                    case 4: tile(TILE_ARGS, r0, n0, n_out, k, 4, TILE_C); break;
+#endif
+#if TILE_R > 5
+                    case 5: tile(TILE_ARGS, r0, n0, n_out, k, 5, TILE_C); break;
+#endif
+                    default: tile(TILE_ARGS, r0, n0, n_out, k, TILE_R, TILE_C);
                     }
                 }
         }

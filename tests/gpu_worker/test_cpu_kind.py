@@ -1,0 +1,85 @@
+"""The CPU kind: detection from flags, the RIVULET_CPU_KIND override, and what it tells the libraries."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpu_worker.cpu import kind as cpu_kind
+from gpu_worker.cpu.kind import CpuKind, CpuKindError
+
+ROOT = Path(__file__).resolve().parents[2]
+V3 = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm", "sse4_2"}
+V4 = V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "kind"),
+    [
+        (set(), CpuKind.PORTABLE),
+        (V3 - {"fma"}, CpuKind.PORTABLE),  # AVX2 without FMA: not x86-64-v3
+        (V3, CpuKind.AVX2),  # EPYC Zen 2/3
+        (V3 | {"avx512f"}, CpuKind.AVX2),  # AVX-512 F alone is not x86-64-v4
+        (V4, CpuKind.AVX512),  # Skylake / Ice Lake Xeon
+        (V4 | {"avx512_bf16"}, CpuKind.AVX512_BF16),  # Zen 4/5, Sapphire Rapids
+        (V3 | {"avx512_bf16"}, CpuKind.AVX2),  # kinds are nested: bf16 needs the AVX-512 base
+    ],
+)
+def test_native_kind_from_flags(flags: set[str], kind: CpuKind) -> None:
+    assert cpu_kind.native_kind(frozenset(flags)) == kind
+
+
+def test_override_acts_as_a_lesser_kind_and_refuses_a_greater_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_kind.ENV_VAR, "avx2")
+    assert cpu_kind.requested_kind(CpuKind.AVX512_BF16) == CpuKind.AVX2
+    monkeypatch.setenv(cpu_kind.ENV_VAR, "native")
+    assert cpu_kind.requested_kind(CpuKind.AVX512) == CpuKind.AVX512
+    monkeypatch.setenv(cpu_kind.ENV_VAR, "avx512_bf16")
+    with pytest.raises(CpuKindError, match="lacks.*avx512"):
+        cpu_kind.requested_kind(CpuKind.AVX2)
+    monkeypatch.setenv(cpu_kind.ENV_VAR, "sse9")
+    with pytest.raises(CpuKindError, match="not one of native, portable, avx2"):
+        cpu_kind.requested_kind(CpuKind.AVX2)
+
+
+def test_override_sets_every_library_and_no_override_sets_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    names = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+    for name in names:  # set, then removed: monkeypatch restores whatever was there after the test
+        monkeypatch.setenv(name, "-")
+        monkeypatch.delenv(name)
+    monkeypatch.delenv(cpu_kind.ENV_VAR, raising=False)
+    assert cpu_kind.apply_to_environ() == cpu_kind.native_kind()
+    assert not any(name in os.environ for name in names)
+    monkeypatch.setenv(cpu_kind.ENV_VAR, "portable")
+    assert cpu_kind.apply_to_environ() == CpuKind.PORTABLE
+    assert [os.environ[name] for name in names] == ["SSE41", "default", "SSE4_2"]
+
+
+def test_torch_in_a_fresh_process_follows_the_override() -> None:
+    """Set before torch loads, the override reaches ATen: a portable run sees no AVX2 kernels."""
+    code = (
+        "from gpu_worker.cpu.kind import apply_to_environ; apply_to_environ(); import torch; "
+        "print(torch.backends.cpu.get_cpu_capability())"
+    )
+    env = {**os.environ, cpu_kind.ENV_VAR: "portable"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "DEFAULT"
+
+
+def test_launcher_refuses_a_kind_the_cpu_lacks_before_starting_anything() -> None:
+    env = {**os.environ, cpu_kind.ENV_VAR: "sse9"}
+    done = subprocess.run(
+        [sys.executable, "launcher.py"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert "RIVULET_CPU_KIND='sse9' is not one of" in done.stderr
+
+
+def test_describe_names_the_kind_and_the_flags() -> None:
+    line = cpu_kind.describe(CpuKind.PORTABLE)
+    assert line.startswith("cpu kind portable") and "avx2=" in line and "avx512_bf16=" in line
