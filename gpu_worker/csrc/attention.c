@@ -144,6 +144,233 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
 }
 #define attend attend_avx512
 
+#elif HAVE_AVX2
+#define BLOCK 8 /* positions per step: one vector of scores */
+#define MAX_G 4 /* query heads scored or weighted together (registers: 2 per head, and the K/V rows) */
+
+/* Lane i of the result: the sum of the 8 lanes of v[i]. */
+static inline __m256 sum8(const __m256 v[8]) {
+    /* hadd(hadd(v0, v1), hadd(v2, v3)): per 128-bit half, the half-sums of v0..v3 */
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* exp(x) for x <= 0, lane-wise: exp_nonpositive's polynomial. AVX2 has no vscalefps: 2^n is built
+ * from its bits, n + 127 in the exponent field (n in [-126, 0] after the clamp: a normal float). */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256i ni = _mm256_cvtps_epi32(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f))); /* nearest */
+    const __m256 n = _mm256_cvtepi32_ps(ni);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+/* Lanes [0, n) all ones, the rest zero. */
+static inline __m256i first_lanes(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* Dimensions [d, d + 16) of a K, V or q row as two float32 vectors. bfloat16 is widened the way
+ * matmul.c does it: one 256-bit load holds dimension d + 2i in the low half of 32-bit lane i and
+ * d + 2i + 1 in the high half, so lo gets the even dimensions (shift left 16) and hi the odd ones
+ * (low half masked off). float32: lo = d..d+7, hi = d+8..d+15. Past head_dim: zeros, and nothing
+ * read (the row may end the pool, and what follows it is not ours to multiply by zero: NaN). */
+static inline __attribute__((always_inline)) void load16(const char *row, int dtype, int d, int head_dim, __m256 *lo,
+                                                         __m256 *hi) {
+    const int n = head_dim - d;
+    if (dtype == DTYPE_BF16) {
+        const uint16_t *p = (const uint16_t *)row + d;
+        __m256i v;
+        if (n >= 16) {
+            v = _mm256_loadu_si256((const __m256i *)p);
+        } else if (n % 2 == 0) {
+            v = _mm256_maskload_epi32((const int *)p, first_lanes(n / 2));
+        } else { /* an odd head_dim: no 32-bit mask covers it */
+            uint16_t tail[16] = {0};
+            memcpy(tail, p, (size_t)n * sizeof(uint16_t));
+            v = _mm256_loadu_si256((const __m256i *)tail);
+        }
+        *lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        *hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+    } else {
+        const float *p = (const float *)row + d;
+        if (n >= 16) {
+            *lo = _mm256_loadu_ps(p);
+            *hi = _mm256_loadu_ps(p + 8);
+        } else {
+            *lo = _mm256_maskload_ps(p, first_lanes(n));
+            *hi = _mm256_maskload_ps(p + 8, first_lanes(n - 8));
+        }
+    }
+}
+
+/* s[g]: the 8 scores of query head g (its q at qf + g * stride, in load16's order and pre-scaled)
+ * against the K rows at k + at[t] elements. Two positions at a time: 2G independent FMA chains. */
+static inline __attribute__((always_inline)) void block_scores(const float *qf, int stride, const char *k,
+                                                               const int64_t at[BLOCK], int dtype, int head_dim,
+                                                               int G, __m256 s[MAX_G]) {
+    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
+    __m256 part[MAX_G][BLOCK];
+    for (int t = 0; t < BLOCK; t += 2) {
+        __m256 a[MAX_G], b[MAX_G];
+        for (int g = 0; g < G; g++) a[g] = b[g] = _mm256_setzero_ps();
+        for (int d = 0; d < head_dim; d += 16) {
+            __m256 lo0, hi0, lo1, hi1;
+            load16(k + at[t] * elem, dtype, d, head_dim, &lo0, &hi0);
+            load16(k + at[t + 1] * elem, dtype, d, head_dim, &lo1, &hi1);
+            for (int g = 0; g < G; g++) {
+                const __m256 ql = _mm256_load_ps(qf + g * stride + d), qh = _mm256_load_ps(qf + g * stride + d + 8);
+                a[g] = _mm256_fmadd_ps(hi0, qh, _mm256_fmadd_ps(lo0, ql, a[g]));
+                b[g] = _mm256_fmadd_ps(hi1, qh, _mm256_fmadd_ps(lo1, ql, b[g]));
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            part[g][t] = a[g];
+            part[g][t + 1] = b[g];
+        }
+    }
+    for (int g = 0; g < G; g++) s[g] = sum8(part[g]);
+}
+
+/* The online softmax of one head's block of scores s (lanes past valid: ignored): updates its max m
+ * and sum l, stores the probabilities, and returns the factor its earlier accumulators take. */
+static inline float softmax_block(__m256 s, __m256 valid, float *m, float *l, float prob[BLOCK]) {
+    s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, valid);
+    const float mx = fmaxf(*m, hmax8(s));
+    const __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(s, _mm256_set1_ps(mx))), valid);
+    const float corr = exp_nonpositive(*m - mx); /* first block: m = -inf, ~0 times an empty sum */
+    *l = *l * corr + hsum8(p);
+    *m = mx;
+    _mm256_storeu_ps(prob, p);
+    return corr;
+}
+
+/* acc of G query heads (head g at acc + g * stride, load16's order) = corr[g] * acc + the n V rows
+ * at v + at[t] elements weighted by prob[g][t]. 16 dimensions at a time, held in registers over
+ * the block: each V row is widened once for all G heads. */
+static inline __attribute__((always_inline)) void block_values(float *acc, int stride, const float prob[][BLOCK],
+                                                               const float *corr, const char *v,
+                                                               const int64_t at[BLOCK], int n, int dtype,
+                                                               int head_dim, int G) {
+    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
+    for (int d = 0; d < head_dim; d += 16) {
+        __m256 lo[MAX_G], hi[MAX_G];
+        for (int g = 0; g < G; g++) {
+            const __m256 c = _mm256_set1_ps(corr[g]);
+            lo[g] = _mm256_mul_ps(_mm256_load_ps(acc + g * stride + d), c);
+            hi[g] = _mm256_mul_ps(_mm256_load_ps(acc + g * stride + d + 8), c);
+        }
+        for (int t = 0; t < n; t++) {
+            __m256 vl, vh;
+            load16(v + at[t] * elem, dtype, d, head_dim, &vl, &vh);
+            for (int g = 0; g < G; g++) {
+                const __m256 p = _mm256_broadcast_ss(&prob[g][t]);
+                lo[g] = _mm256_fmadd_ps(p, vl, lo[g]);
+                hi[g] = _mm256_fmadd_ps(p, vh, hi[g]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            _mm256_store_ps(acc + g * stride + d, lo[g]);
+            _mm256_store_ps(acc + g * stride + d + 8, hi[g]);
+        }
+    }
+}
+
+/* One step of G query heads sharing a KV head (k, v: its column): scores, softmax, V. Each G its
+ * own unrolled code (the switch in attend_avx2). */
+static inline __attribute__((always_inline)) void block_heads(const float *qf, float *acc, int stride, const char *k,
+                                                              const char *v, const int64_t at[BLOCK], int n,
+                                                              int dtype, int head_dim, float *m, float *l, int G) {
+    const __m256 valid = _mm256_castsi256_ps(first_lanes(n));
+    __m256 s[MAX_G];
+    float prob[MAX_G][BLOCK] __attribute__((aligned(32))), corr[MAX_G];
+    block_scores(qf, stride, k, at, dtype, head_dim, G, s);
+    for (int g = 0; g < G; g++) corr[g] = softmax_block(s[g], valid, m + g, l + g, prob[g]);
+    block_values(acc, stride, prob, corr, v, at, n, dtype, head_dim, G);
+}
+
+/* One task of paged_decode_attention, BLOCK positions at a time: for each KV head, its query heads
+ * MAX_G at a time, scored and weighted together. q and the accumulators are float32 in load16's
+ * order (bfloat16: each 16 dimensions as the 8 even, then the 8 odd ones); the end undoes it. */
+static void attend_avx2(const char *q, const void *k_cache, const void *v_cache, int dtype, const int64_t *pages,
+                        int64_t len, int page_size, int h0, int h1, int group, int head_dim, int64_t kv_row,
+                        float scale, float *res) {
+    const int elem = dtype == DTYPE_BF16 ? 2 : 4, nq = (h1 - h0) * group, bytes = (h1 - h0) * head_dim * elem;
+    const int64_t col = (int64_t)h0 * head_dim;
+    const int stride = (head_dim + 15) & ~15; /* of qf and acc per head: whole 16-dimension blocks */
+    float qf[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(32)));
+    float acc[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(32)));
+    float m[MAX_HEADS], l[MAX_HEADS];
+    int64_t at[BLOCK]; /* element offset of each position's token row */
+    for (int j = 0; j < nq; j++) {
+        for (int d = 0; d < head_dim; d += 16) {
+            __m256 lo, hi;
+            load16(q + (int64_t)j * head_dim * elem, dtype, d, head_dim, &lo, &hi);
+            _mm256_store_ps(qf + j * stride + d, _mm256_mul_ps(lo, _mm256_set1_ps(scale)));
+            _mm256_store_ps(qf + j * stride + d + 8, _mm256_mul_ps(hi, _mm256_set1_ps(scale)));
+        }
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+    }
+    memset(acc, 0, (size_t)nq * stride * sizeof(float));
+    prefetch_kv(k_cache, v_cache, pages, page_size, 0, len < BLOCK ? len : BLOCK, kv_row, col, elem, bytes, 0);
+    prefetch_kv(k_cache, v_cache, pages, page_size, BLOCK, len < PREFETCH_L2 ? len : PREFETCH_L2, kv_row, col, elem,
+                bytes, 1);
+    for (int64_t start = 0; start < len; start += BLOCK) {
+        const int n = (int)(len - start < BLOCK ? len - start : BLOCK);
+        for (int t = 0; t < BLOCK; t++) { /* past the end: the last row again, its scores masked */
+            const int64_t pos = start + (t < n ? t : n - 1);
+            at[t] = (pages[pos / page_size] * page_size + pos % page_size) * kv_row;
+        }
+        const int64_t next = start + BLOCK, next_end = len < next + BLOCK ? len : next + BLOCK;
+        prefetch_kv(k_cache, v_cache, pages, page_size, next, next_end, kv_row, col, elem, bytes, 0);
+        for (int h = h0; h < h1; h++) {
+            const char *k = (const char *)k_cache + (int64_t)h * head_dim * elem;
+            const char *v = (const char *)v_cache + (int64_t)h * head_dim * elem;
+            for (int j = (h - h0) * group; j < (h - h0 + 1) * group; j += MAX_G) {
+                const int rest = (h - h0 + 1) * group - j;
+                float *qj = qf + j * stride, *aj = acc + j * stride;
+                switch (rest < MAX_G ? rest : MAX_G) {
+                case 1: block_heads(qj, aj, stride, k, v, at, n, dtype, head_dim, m + j, l + j, 1); break;
+                case 2: block_heads(qj, aj, stride, k, v, at, n, dtype, head_dim, m + j, l + j, 2); break;
+                case 3: block_heads(qj, aj, stride, k, v, at, n, dtype, head_dim, m + j, l + j, 3); break;
+                default: block_heads(qj, aj, stride, k, v, at, n, dtype, head_dim, m + j, l + j, MAX_G);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < nq; j++) {
+        const float inv = len > 0 ? 1.0f / l[j] : 0.0f;
+        for (int d = 0; d < head_dim; d++) { /* bfloat16: dimension d is where load16 put it */
+            const int from = dtype == DTYPE_BF16 ? (d & ~15) + (d & 1) * 8 + (d & 15) / 2 : d;
+            res[(int64_t)j * head_dim + d] = acc[j * stride + from] * inv;
+        }
+    }
+}
+#define attend attend_avx2
+
 #else
 /* One task of paged_decode_attention: SCORE_CHUNK positions at a time, all heads of a position
  * together (one contiguous read of its token row). */
