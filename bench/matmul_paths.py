@@ -49,15 +49,19 @@ def _paths(kernels: cpu_kernels.CpuKernels | None) -> dict[str, Callable[[torch.
         paths["c"] = lambda x: [kernels.matmul(x_for(x, w.shape[1]), w) for w in plain] and None
     if can_pack(torch.bfloat16, KIND):
         packed = [_blocked(w) for w in plain]
-        paths["onednn"] = lambda x: [
-            _blocked_linear(x_for(x, w.shape[1]), p, None) for w, p in zip(plain, packed, strict=True)
-        ] and None
+        paths["onednn"] = lambda x: (
+            [_blocked_linear(x_for(x, w.shape[1]), p, None) for w, p in zip(plain, packed, strict=True)]
+            and None
+        )
     if can_pack(torch.float32, KIND):
         fp32 = [_blocked(w.float()) for w in plain]
-        paths["onednn_fp32"] = lambda x: [
-            _blocked_linear(x_for(x, w.shape[1]).float(), p, None).bfloat16()
-            for w, p in zip(plain, fp32, strict=True)
-        ] and None
+        paths["onednn_fp32"] = lambda x: (
+            [
+                _blocked_linear(x_for(x, w.shape[1]).float(), p, None).bfloat16()
+                for w, p in zip(plain, fp32, strict=True)
+            ]
+            and None
+        )
     return paths
 
 

@@ -54,6 +54,7 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) 
 # The kernel and exactness tests: CI runs them again as an AVX2-only CPU (pytest -m cpu_kinds).
 CPU_KIND_TESTS = (
     "tests/gpu_worker/test_cpu_kernels.py",
+    "tests/gpu_worker/test_cpu_matmul.py",
     "tests/gpu_worker/test_models.py",
     "tests/gpu_worker/test_smollm2.py",
     "tests/gpu_worker/test_smollm2_bf16.py",
