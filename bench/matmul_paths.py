@@ -32,7 +32,7 @@ LAYERS = 30
 ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 64, 256)
 
 
-def _paths(kernels: cpu_kernels.CpuKernels | None) -> dict[str, Callable[[torch.Tensor], None]]:
+def _paths(kernels: cpu_kernels.CpuKernels | None) -> dict[str, Callable[[torch.Tensor], object]]:
     """Each path available on this kind, as a function of x [rows, 576] running one 30-layer pass."""
     torch.manual_seed(0)
     plain = [torch.randn(out, inp).bfloat16() for _ in range(LAYERS) for out, inp in SHAPES]
@@ -44,14 +44,13 @@ def _paths(kernels: cpu_kernels.CpuKernels | None) -> dict[str, Callable[[torch.
             xs[key] = torch.randn(x.shape[0], inp).bfloat16()
         return xs[key]
 
-    paths: dict[str, Callable[[torch.Tensor], None]] = {}
+    paths: dict[str, Callable[[torch.Tensor], object]] = {}
     if kernels is not None:
-        paths["c"] = lambda x: [kernels.matmul(x_for(x, w.shape[1]), w) for w in plain] and None
+        paths["c"] = lambda x: [kernels.matmul(x_for(x, w.shape[1]), w) for w in plain]
     if can_pack(torch.bfloat16, KIND):
         packed = [_blocked(w) for w in plain]
         paths["onednn"] = lambda x: (
             [_blocked_linear(x_for(x, w.shape[1]), p, None) for w, p in zip(plain, packed, strict=True)]
-            and None
         )
     if can_pack(torch.float32, KIND):
         fp32 = [_blocked(w.float()) for w in plain]
@@ -60,7 +59,6 @@ def _paths(kernels: cpu_kernels.CpuKernels | None) -> dict[str, Callable[[torch.
                 _blocked_linear(x_for(x, w.shape[1]).float(), p, None).bfloat16()
                 for w, p in zip(plain, fp32, strict=True)
             ]
-            and None
         )
     return paths
 
