@@ -2,6 +2,7 @@
 
     flock /tmp/rivulet-cpu.lock python -m bench.targets                  # the engine's default dtype
     flock /tmp/rivulet-cpu.lock python -m bench.targets --dtype float32,bfloat16 --repeats 3
+    flock /tmp/rivulet-cpu.lock python -m bench.targets --peer-llama-cpp auto   # and llama.cpp beside it
 
 Round r starts one fresh engine per dtype (``launcher.py --dtype D --http-port P``) and on it
 measures, in order: start-up to the Ready line, 32 concurrent streams (with the worker's busy
@@ -9,6 +10,13 @@ counters sampled from GET /metrics while they decode), 1 stream, idle CPU of the
 tree, and bench/offline.py's 256 prompts against HF generate of the same dtype in this process.
 Every measurement of round r comes before round r+1; a cell is the median over rounds with
 (min-max). Anchor columns are the issue's numbers from another machine, not measured here.
+
+With ``--peer-llama-cpp PATH|auto`` (bench/llama_cpp.py builds and caches llama-server per CPU
+kind) round r also measures rivulet's 32 streams and 1 stream over its HTTP API, then starts
+llama.cpp's server on the same GGUF and measures the same two workloads (same prompts) through
+the same client code, and the table gains rivulet / llama.cpp ratios of like with like (HTTP
+both). The CPU kind rivulet acts as (``RIVULET_CPU_KIND``, applied here before torch loads and
+inherited by every engine started) heads the table and is kept in the record.
 """
 
 from __future__ import annotations
@@ -32,11 +40,12 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 import httpx
 
-from bench import launch, offline, serving
+from bench import launch, llama_cpp, offline, serving
 from bench.metrics import RequestResult, Summary
 from bench.records import append_record, machine_info, make_record
 from bench.report import cell
 from bench.sweep import free_port
+from gpu_worker.cpu import kind as cpu_kind
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "targets.jsonl"
 BUSY_COUNTER, BUSY_CLOCK = "rivulet_worker_busy_seconds_total", "rivulet_worker_clock_seconds"
@@ -71,6 +80,22 @@ TARGETS = (
     Target("idle_cpu_pct", "idle CPU %, launcher + children (100 = one core)", "< 1", lambda x: x < 1),
     Target("startup_s", "start-up to Ready s, warm weight cache", "< 10", lambda x: x < 10),
 )  # fmt: skip
+# With --peer-llama-cpp: both engines over HTTP, same prompts; a ratio is rivulet / llama.cpp per round.
+PEER_TARGETS = (
+    Target("http_out32_tps", "32 streams over HTTP: rivulet output tok/s", "-", None),
+    Target("llama_out32_tps", "32 streams over HTTP: llama.cpp output tok/s", "-", None,
+           ("-", "-", "199-204", "-")),
+    Target("out32_ratio", "32 streams: rivulet / llama.cpp output tok/s (HTTP both)", "-", None),
+    Target("http_decode1_tps", "1 stream over HTTP: rivulet decode tok/s", "-", None),
+    Target("llama_decode1_tps", "1 stream over HTTP: llama.cpp decode tok/s", "-", None,
+           ("-", "-", "97-126", "-")),
+    Target("decode1_ratio", "1 stream: rivulet / llama.cpp decode tok/s (HTTP both)", "-", None),
+)  # fmt: skip
+RATIOS = {  # ratio key -> (rivulet's key, llama.cpp's key in its round)
+    "out32_ratio": ("http_out32_tps", "out32_tps"),
+    "decode1_ratio": ("http_decode1_tps", "decode1_tps"),
+}
+HTTP_SEED = 3000  # the HTTP runs' prompts differ from the ZMQ runs', so rivulet's prefix cache has no hits
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,6 +116,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("--idle-s", type=float, default=10.0, help="how long idle CPU is measured")
     add("--result-file", type=Path, default=DEFAULT_RESULTS, help="JSON Lines file the record is appended to")
     add("--no-record", action="store_true")
+    add(
+        "--peer-llama-cpp",
+        default=None,
+        metavar="PATH|auto",
+        help="also measure llama.cpp's llama-server (PATH, or auto: the build of the CPU kind rivulet acts "
+        "as, from `python -m bench.llama_cpp build`) on the same GGUF, interleaved with rivulet",
+    )
+    add(
+        "--peer-threads",
+        type=int,
+        default=0,
+        help="llama-server -t; 0: every core this process may use (like --num-threads 0)",
+    )
     return p
 
 
@@ -168,9 +206,13 @@ def cpu_percent(
 # --------------------------------------------------------------------------
 
 
-def _serving_args(args: argparse.Namespace, endpoint: str, n: int, concurrency: int, seed: int) -> Any:
+def _serving_args(
+    args: argparse.Namespace, address: str, n: int, concurrency: int, seed: int, http: bool = False
+) -> Any:
+    """bench/serving.py's arguments for one run: rivulet's ZMQ ``address``, or with ``http`` a base URL."""
     model = ["--model", args.model] if args.model else []
-    argv = ["--endpoint", endpoint, *model, "--workload", "random", "--num-requests", str(n),
+    target = ["--backend", "openai", "--base-url", address] if http else ["--endpoint", address]
+    argv = [*target, *model, "--workload", "random", "--num-requests", str(n),
             "--input-len", str(args.input_len), "--output-len", str(args.output_len),
             "--max-concurrency", str(concurrency), "--warmup-requests", "2", "--seed", str(seed),
             "--no-progress", "--no-record"]  # fmt: skip
@@ -225,6 +267,27 @@ def measure_single(args: argparse.Namespace, server: launch.Server, r: int) -> d
     return {"decode1_tps": 1e3 / tpot_ms if tpot_ms else None, "out1_tps": summary.output_throughput}
 
 
+def measure_http(args: argparse.Namespace, base_url: str, r: int) -> dict[str, Any]:
+    """32 streams then 1 stream through POST /v1/completions (bench/serving.py --backend openai).
+
+    The same code and prompts measure rivulet's HTTP API and llama.cpp's server in round r.
+    """
+    out: dict[str, Any] = {}
+    for name, n, concurrency, seed in (
+        ("streams", args.stream_requests, args.streams, HTTP_SEED + r),
+        ("single", args.single_requests, 1, HTTP_SEED + 1000 + r),
+    ):
+        bench_args = _serving_args(args, base_url, n, concurrency, seed, http=True)
+        summary, _ = asyncio.run(serving.benchmark(bench_args))
+        assert summary.num_failed == 0, f"{summary.num_failed} of the {name} requests to {base_url} failed"
+        if name == "streams":
+            out |= {"out32_tps": summary.output_throughput, "ttft32_ms": summary.ttft_ms.p50}
+        else:
+            tpot_ms = summary.tpot_ms.p50
+            out |= {"decode1_tps": 1e3 / tpot_ms if tpot_ms else None, "out1_tps": summary.output_throughput}
+    return out
+
+
 def measure_idle(server: launch.Server, seconds: float) -> float:
     """CPU % of the launcher and all its descendants over ``seconds`` with no request in flight."""
     time.sleep(1.0)  # the last reply's bookkeeping settles
@@ -252,8 +315,11 @@ def measure_offline(args: argparse.Namespace, server: launch.Server, dtype: str,
     }
 
 
-def measure_round(args: argparse.Namespace, dtype: str, r: int) -> dict[str, Any]:
-    """Start an engine (timing its start-up), measure every target on it, stop it."""
+def measure_round(args: argparse.Namespace, dtype: str, r: int, http: bool = False) -> dict[str, Any]:
+    """Start an engine (timing its start-up), measure every target on it, stop it.
+
+    ``http``: also 32 streams and 1 stream over its HTTP API (``http_*`` keys), the peer's terms.
+    """
     port = free_port()
     flags = ["--dtype", dtype, "--http-port", str(port), *shlex.split(args.engine_flags)]
     with tempfile.TemporaryDirectory(prefix="rivulet-targets-") as tmp:
@@ -262,9 +328,75 @@ def measure_round(args: argparse.Namespace, dtype: str, r: int) -> dict[str, Any
             run: dict[str, Any] = {"startup_s": time.perf_counter() - t0}
             run |= measure_streams(args, server, port, r)
             run |= measure_single(args, server, r)
+            if http:
+                over_http = measure_http(args, f"http://127.0.0.1:{port}", r)
+                run |= {f"http_{k}": v for k, v in over_http.items()}
             run["idle_cpu_pct"] = measure_idle(server, args.idle_s)
             run |= measure_offline(args, server, dtype, r)
     return run
+
+
+@dataclass(frozen=True)
+class Peer:
+    """llama.cpp's server as this run starts it (``shown()``: its command with ``{port}`` for the port)."""
+
+    binary: Path
+    gguf: Path
+    threads: int
+    parallel: int
+    warning: str | None = None
+
+    def command(self, port: int) -> list[str]:
+        return llama_cpp.server_command(self.binary, self.gguf, port, self.threads, self.parallel)
+
+    def shown(self) -> str:
+        return shlex.join(self.command(0)).replace("--port 0", "--port {port}")
+
+
+def peer_gguf(model: str | None) -> Path:
+    """The GGUF llama.cpp serves: the embedded one (as the engine's default), or --model's if it is one."""
+    from gpu_worker.model_files import embedded_gguf_path
+
+    if model is None:
+        return embedded_gguf_path()
+    path = Path(model).expanduser()
+    if not (path.is_file() and path.suffix == ".gguf"):
+        raise SystemExit(
+            f"error: --peer-llama-cpp needs a GGUF model (no --model, or --model X.gguf), not {model}"
+        )
+    return path
+
+
+def make_peer(args: argparse.Namespace, acting: cpu_kind.CpuKind) -> Peer:
+    try:
+        binary, warning = llama_cpp.resolve_peer(args.peer_llama_cpp, acting, cpu_kind.native_kind())
+    except llama_cpp.LlamaCppError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = args.peer_threads or cores
+    return Peer(binary, peer_gguf(args.model), threads, max(llama_cpp.PARALLEL, args.streams), warning)
+
+
+def measure_peer(args: argparse.Namespace, peer: Peer, r: int) -> dict[str, Any]:
+    """Start llama.cpp's server, measure what measure_http measures on rivulet, stop it."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="rivulet-targets-llama-cpp-") as tmp:
+        t0 = time.perf_counter()
+        url = f"http://127.0.0.1:{port}"
+        with launch.openai_server("llama.cpp", peer.command(port), url, Path(tmp)):
+            run: dict[str, Any] = {"startup_s": time.perf_counter() - t0}
+            run |= measure_http(args, url, r)
+    return run
+
+
+def peer_ratios(rivulet_run: dict[str, Any], peer_run: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's numbers of the same round beside rivulet's, and rivulet / llama.cpp (None: n/a)."""
+    out: dict[str, Any] = {}
+    for ratio, (ours, theirs) in RATIOS.items():
+        mine, peer = rivulet_run.get(ours), peer_run.get(theirs)
+        out[f"llama_{theirs}"] = peer
+        out[ratio] = mine / peer if mine is not None and peer else None
+    return out
 
 
 # --------------------------------------------------------------------------
@@ -272,19 +404,23 @@ def measure_round(args: argparse.Namespace, dtype: str, r: int) -> dict[str, Any
 # --------------------------------------------------------------------------
 
 
-def cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return "flags unknown"
-    return ", ".join(f"{name} {'yes' if name in flags else 'no'}" for name in ("avx512_bf16", "amx_bf16"))
+def cpu_record(acting: cpu_kind.CpuKind) -> dict[str, Any]:
+    """The CPU kind acted as, the native one, and the flags describe() reports, for the JSON record."""
+    have = cpu_kind.cpu_flags()
+    return {
+        "cpu_kind": acting.value,
+        "native_cpu_kind": cpu_kind.native_kind().value,
+        "cpu_flags": {f: f in have for f in cpu_kind.REPORTED_FLAGS},
+        "cpu_line": cpu_kind.describe(acting),
+    }
 
 
-def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def summarize_runs(
+    runs: list[dict[str, Any]], targets: Sequence[Target] = TARGETS
+) -> dict[str, dict[str, Any]]:
     """Per target: every round's value (None: not measured) and the median/min/max of the measured ones."""
     out = {}
-    for t in TARGETS:
+    for t in targets:
         xs = [float(v) for run in runs if (v := run.get(t.key)) is not None]
         stats = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)} if xs else {}
         out[t.key] = {"runs": [run.get(t.key) for run in runs], **stats}
@@ -299,30 +435,60 @@ def _verdict(t: Target, s: dict[str, Any]) -> str:
     return "yes" if t.met(s["median"]) else "no"
 
 
+def _ratio_cell(xs: list[float]) -> str:
+    """A ratio with two decimals: median (min-max) of the rounds."""
+    if len(xs) == 1:
+        return f"{xs[0]:.2f}"
+    return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+
+
 def format_table(
-    by_dtype: dict[str, dict[str, dict[str, Any]]], machine: dict[str, Any], repeats: int
+    by_dtype: dict[str, dict[str, dict[str, Any]]],
+    machine: dict[str, Any],
+    repeats: int,
+    cpu_line: str,
+    peer: Peer | None = None,
 ) -> str:
+    """The markdown table, with the CPU line and notes above it; a target's row when it was summarized."""
     dtypes = list(by_dtype)
     head = ["target", "goal", *(f"rivulet {d}" for d in dtypes), *(f"met ({d})" for d in dtypes)]
     head += [f"{a} (issue's anchor, AMD Zen 5)" for a in ANCHOR_HEADERS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for t in TARGETS:
+    for t in (t for t in (*TARGETS, *PEER_TARGETS) if t.key in by_dtype[dtypes[0]]):
         values = [by_dtype[d][t.key] for d in dtypes]
-        cells = [cell([x for x in s["runs"] if x is not None]) if "median" in s else "n/a" for s in values]
+        show = _ratio_cell if t.key in RATIOS else cell
+        cells = [show([x for x in s["runs"] if x is not None]) if "median" in s else "n/a" for s in values]
         lines.append(
             "| " + " | ".join([t.label, t.goal, *cells, *(_verdict(t, s) for s in values), *t.anchors]) + " |"
         )
     notes = [
-        f"Machine: {machine['cpu']}, {machine['cores']} cores ({cpu_flags()}), torch {machine['torch']}",
+        f"CPU: {cpu_line}",
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}",
         f"Cells: median of {repeats} interleaved round(s) with (min-max); n/a: not measured (the busy share "
         f"needs {BUSY_COUNTER} and {BUSY_CLOCK} on /metrics, and a steady window with 2 reports in it).",
         "Anchor columns: the issue's numbers on a 2-vCPU AMD Zen 5 (AVX-512 BF16, no AMX), not measured here",
     ]
+    if peer is not None:
+        notes += [
+            'Rows without "over HTTP" measure rivulet through its ZMQ client. The llama.cpp rows and the '
+            "ratios measure both engines through POST /v1/completions (bench/serving.py --backend openai), "
+            "same prompts; each round runs rivulet, then llama.cpp; a ratio cell is the median of the "
+            "per-round ratios.",
+            f"llama.cpp: `{peer.shown()}` (the GGUF as is, Q4_1; rivulet dequantizes it to the dtype)",
+        ]
+        notes += [peer.warning] if peer.warning else []
     return "\n".join(["", *notes, "", *lines])
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:  # first, before anything imports torch; the engines started below inherit the environment
+        acting = cpu_kind.apply_to_environ()
+    except cpu_kind.CpuKindError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    peer = make_peer(args, acting) if args.peer_llama_cpp else None
+    if peer is not None and peer.warning:
+        print(peer.warning, file=sys.stderr, flush=True)
     command = shlex.join(["python", "-m", "bench.targets", *(argv if argv is not None else sys.argv[1:])])
     dtypes = [offline.resolve_dtype(d.strip()) for d in args.dtype.split(",") if d.strip()]
     assert dtypes and len(set(dtypes)) == len(dtypes), f"--dtype wants distinct dtypes, got {args.dtype!r}"
@@ -331,22 +497,36 @@ def main(argv: list[str] | None = None) -> int:
     resolve_model(args.model)  # converts a GGUF once, so every start-up is timed with a warm cache
     launch.rejected_flags([])  # imports launcher here, outside the start-up timing
     runs: dict[str, list[dict[str, Any]]] = {d: [] for d in dtypes}
+    peer_runs: list[dict[str, Any]] = []
     for r in range(args.repeats):
         for dtype in dtypes:
-            runs[dtype].append(measure_round(args, dtype, r))
-            got = ", ".join(
-                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in runs[dtype][-1].items()
-            )
-            print(f"round {r + 1}/{args.repeats} {dtype}: {got}", flush=True)
-    by_dtype = {d: summarize_runs(rs) for d, rs in runs.items()}
-    machine = machine_info()
-    print(f"\nCommand: `{command}`" + format_table(by_dtype, machine, args.repeats), flush=True)
+            runs[dtype].append(measure_round(args, dtype, r, http=peer is not None))
+            print(f"round {r + 1}/{args.repeats} {dtype}: {_shown(runs[dtype][-1])}", flush=True)
+        if peer is not None:  # after rivulet's round, before the next: interleaved
+            peer_runs.append(measure_peer(args, peer, r))
+            print(f"round {r + 1}/{args.repeats} llama.cpp: {_shown(peer_runs[-1])}", flush=True)
+            for dtype in dtypes:
+                runs[dtype][-1] |= peer_ratios(runs[dtype][-1], peer_runs[-1])
+    shown_targets = (*TARGETS, *PEER_TARGETS) if peer is not None else TARGETS
+    by_dtype = {d: summarize_runs(rs, shown_targets) for d, rs in runs.items()}
+    machine = machine_info() | cpu_record(acting)
+    table = format_table(by_dtype, machine, args.repeats, machine["cpu_line"], peer)
+    print(f"\nCommand: `{command}`" + table, flush=True)
     if not args.no_record:
         config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
         config["command"] = command
-        metrics = {"targets": by_dtype, "runs": runs}
+        metrics: dict[str, Any] = {"targets": by_dtype, "runs": runs}
+        if peer is not None:
+            metrics["peer"] = {
+                "name": "llama.cpp", "binary": str(peer.binary), "command": peer.shown(),
+                "warning": peer.warning, "runs": peer_runs,
+            }  # fmt: skip
         append_record(args.result_file, make_record("targets", config, metrics, machine=machine))
     return 0
+
+
+def _shown(run: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in run.items())
 
 
 if __name__ == "__main__":

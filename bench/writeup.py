@@ -10,20 +10,33 @@ from bench import plots, report
 
 LLAMA_CPP_RECIPE = """\
 llama.cpp serves the same GGUF over the OpenAI API, so it is measured by the same code
-(`bench/serving.py --backend openai`). Its Python package compiles llama.cpp from source
-(slow on 2 cores) and is deliberately not a dependency of rivulet:
+(`bench/serving.py --backend openai`). `bench/llama_cpp.py` builds its C++ `llama-server` once per
+CPU kind and caches it; llama.cpp is not a dependency of rivulet and no binary is committed:
 
 ```bash
-python -m venv /tmp/llamacpp
-CMAKE_ARGS="-DGGML_NATIVE=ON" /tmp/llamacpp/bin/pip install "llama-cpp-python[server]"
-GGUF=$(python -c "from gpu_worker.model_files import embedded_gguf_path as p; print(p())")
-python -m bench.sweep --sweeps concurrency \\
-  --peer "llama.cpp=/tmp/llamacpp/bin/python -m llama_cpp.server --model $GGUF --port {port} --n_ctx 8192"
+python -m bench.llama_cpp build --kind avx2      # avx2 | avx512 | avx512_bf16 | native; ~6-12 min on 2 cores
+python -m bench.llama_cpp path --kind avx2       # prints the cached binary; exit 1 if there is none
 ```
 
-`{port}` is filled with a free port; the sweep waits for `GET /v1/models` and stops the server by pid.
-llama.cpp's own C++ `llama-server -m $GGUF --port {port} -np 32 -c 8192` (continuous batching
-over parallel slots) works the same way if it is installed."""
+`build` runs `pip download --no-deps --no-binary :all: llama-cpp-python` (the PyPI sdist), extracts it and
+builds only the `llama-server` target of its `vendor/llama.cpp` (cmake, Release, static, `-DLLAMA_CURL=OFF`,
+no tests or examples) into `~/.cache/rivulet/llama.cpp/<kind>/llama-server` (`$RIVULET_CACHE_DIR` moves
+the cache root, as for converted models). A binary already there is not rebuilt unless `--force`.
+The kinds switch the instruction set explicitly, with `GGML_NATIVE=OFF`: `avx2` has AVX, AVX2, FMA, F16C
+and BMI2 on and AVX-512 off; `avx512` adds AVX512 (AVX512_BF16 off); `avx512_bf16` adds AVX512_BF16 and
+AVX512_VNNI; `native` is `GGML_NATIVE=ON` (this machine's compiler flags).
+
+`python -m bench.targets --peer-llama-cpp auto` measures it beside rivulet (next section). In a sweep it is
+a peer like any OpenAI server:
+
+```bash
+GGUF=$(python -c "from gpu_worker.model_files import embedded_gguf_path as p; print(p())")
+LLAMA_SERVER=$(python -m bench.llama_cpp path --kind avx2)
+python -m bench.sweep --sweeps concurrency \\
+  --peer "llama.cpp=$LLAMA_SERVER -m $GGUF --port {port} -np 32 -c 8192 -t $(nproc)"
+```
+
+`{port}` is filled with a free port; the sweep waits for `GET /v1/models` and stops the server by pid."""
 
 TARGETS_HOWTO = """\
 ## Issue 7's targets: `bench/targets.py`
@@ -54,7 +67,28 @@ Each round starts a fresh engine per dtype (`launcher.py --dtype D --http-port P
 
 Round r measures every dtype before round r + 1; a cell is the median over rounds with (min-max).
 The JSON record is appended to `bench/results/targets.jsonl`. The anchor columns are the issue's
-numbers from a 2-vCPU AMD Zen 5, not measured on this machine."""
+numbers from a 2-vCPU AMD Zen 5, not measured on this machine.
+
+llama.cpp beside rivulet (`bench/llama_cpp.py` builds it, see Peers above):
+
+```bash
+flock /tmp/rivulet-cpu.lock python -m bench.targets --peer-llama-cpp auto   # the kind rivulet acts as
+flock /tmp/rivulet-cpu.lock python -m bench.targets --peer-llama-cpp /path/to/llama-server
+RIVULET_CPU_KIND=avx2 python -m bench.targets --peer-llama-cpp auto         # both as AVX2-only CPUs
+```
+
+With a peer, each rivulet round also runs the 32-stream and 1-stream workloads over rivulet's HTTP API
+(`POST /v1/completions`, `bench/serving.py --backend openai`), then starts
+`llama-server -m <the embedded GGUF> --port P -np 32 -c 8192 -t <cores>` and runs the same workloads with
+the same prompts through the same code, then stops it (rivulet round, llama.cpp round, ...). The table
+gains rivulet's and llama.cpp's HTTP numbers and the ratios rivulet / llama.cpp of 32-stream output tok/s
+and 1-stream decode tok/s (a cell: the median of the per-round ratios); the other rows stay rivulet over
+ZMQ. `auto` takes `~/.cache/rivulet/llama.cpp/<kind>/llama-server` of the CPU kind rivulet acts as
+(`RIVULET_CPU_KIND`, or the native kind; then a `native` build also does) and says how to build it if
+there is none; a PATH is taken as given, with a warning when rivulet emulates a lesser kind and PATH is
+not that kind's build. The table's first line is the CPU kind acted as and the CPU's flags
+(`gpu_worker/cpu/kind.py` `describe`); the record keeps them under `machine`, and llama.cpp's own rounds
+under `metrics.peer`."""
 
 
 def _machine_lines(m: dict[str, Any]) -> list[str]:

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench import targets
+from bench import llama_cpp, targets
 from bench.launch import pid_alive
 from bench.metrics import RequestResult
 from bench.records import read_records
+from gpu_worker.cpu import kind as cpu_kind
 
 METRICS_TEXT = """\
 # HELP rivulet_num_requests_running Requests holding KV in the scheduler.
@@ -82,8 +85,10 @@ def test_summary_and_table_report_medians_and_na() -> None:
     assert summary["startup_s"]["median"] == 5.0 and summary["startup_s"]["runs"] == [4.0, 6.5, 5.0]
     assert "median" not in summary["busy_pct"]
     machine = {"cpu": "Test CPU", "cores": 2, "torch": "9.9"}
-    table = targets.format_table({"bfloat16": summary}, machine, 3)
+    table = targets.format_table({"bfloat16": summary}, machine, 3, "cpu kind avx2; avx2=yes")
     assert "Test CPU, 2 cores" in table and "torch 9.9" in table
+    assert table.strip().splitlines()[0] == "CPU: cpu kind avx2; avx2=yes"
+    assert "over HTTP" not in table and "rivulet / llama.cpp" not in table  # no peer: no peer rows
     rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines() if line.startswith("| ")}
     assert rows["start-up to Ready s, warm weight cache"].split(" | ")[2:4] == ["5 (4-6.5)", "yes"]
     assert rows["worker busy % of wall, steady decode at 32 streams"].split(" | ")[2:4] == ["n/a", "n/a"]
@@ -111,4 +116,145 @@ def test_one_round_measures_every_target_on_a_real_engine(
     assert run["offline_ratio"] == pytest.approx(run["offline_tps"] / run["offline_hf_tps"])
     assert 0 < run["startup_s"] < 300 and run["idle_cpu_pct"] >= 0
     assert run["busy_pct"] is None or 0 <= run["busy_pct"] <= 101  # None until /metrics has the counters
+    assert [pid for pid in targets.launch.descendants(os.getpid()) if pid_alive(pid)] == []
+
+
+def _rows(table: str) -> dict[str, list[str]]:
+    return {
+        line.split(" | ")[0].strip("| "): line.strip("| ").split(" | ")
+        for line in table.splitlines()
+        if line.startswith("| ")
+    }
+
+
+def test_peer_ratios_pair_each_round_with_llama_cpps_round() -> None:
+    rivulet = {"http_out32_tps": 900.0, "http_decode1_tps": 100.0, "out32_tps": 1000.0}
+    peer = {"out32_tps": 200.0, "decode1_tps": 125.0, "ttft32_ms": 50.0}
+    assert targets.peer_ratios(rivulet, peer) == {
+        "llama_out32_tps": 200.0, "out32_ratio": 4.5, "llama_decode1_tps": 125.0, "decode1_ratio": 0.8,
+    }  # fmt: skip
+    missing = targets.peer_ratios({"http_out32_tps": 900.0}, {"out32_tps": 0.0})
+    assert missing["out32_ratio"] is None and missing["decode1_ratio"] is None
+
+
+def test_table_rows_with_a_peer_and_fake_numbers() -> None:
+    runs: list[dict[str, Any]] = []
+    for mine32, theirs32, mine1, theirs1 in ((900.0, 200.0, 100.0, 125.0), (1000.0, 250.0, 90.0, 100.0)):
+        run = {"out32_tps": mine32 + 10, "http_out32_tps": mine32, "http_decode1_tps": mine1}
+        runs.append(run | targets.peer_ratios(run, {"out32_tps": theirs32, "decode1_tps": theirs1}))
+    summary = targets.summarize_runs(runs, (*targets.TARGETS, *targets.PEER_TARGETS))
+    peer = targets.Peer(Path("/cache/llama-server"), Path("/m/x.gguf"), threads=2, parallel=32)
+    machine = {"cpu": "Test CPU", "cores": 2, "torch": "9.9"}
+    table = targets.format_table({"bfloat16": summary}, machine, 2, "cpu kind avx2; avx2=yes", peer)
+    rows = _rows(table)
+    assert rows["32 streams over HTTP: rivulet output tok/s"][2:4] == ["950 (900-1000)", "-"]
+    llama32 = rows["32 streams over HTTP: llama.cpp output tok/s"]
+    assert llama32[2] == "225 (200-250)" and llama32[6] == "199-204"  # the issue's llama.cpp anchor
+    assert rows["32 streams: rivulet / llama.cpp output tok/s (HTTP both)"][2] == "4.25 (4.00-4.50)"
+    assert rows["1 stream: rivulet / llama.cpp decode tok/s (HTTP both)"][2] == "0.85 (0.80-0.90)"
+    assert rows["1 stream over HTTP: llama.cpp decode tok/s"][2] == "112 (100-125)"
+    assert rows["32 streams: output tok/s"][2] == "960 (910-1010)"  # the ZMQ row stays
+    assert table.strip().splitlines()[0] == "CPU: cpu kind avx2; avx2=yes"
+    assert "/cache/llama-server -m /m/x.gguf --port {port} -np 32 -c 8192 -t 2" in table
+    assert 'Rows without "over HTTP" measure rivulet through its ZMQ client' in table
+
+
+def test_main_interleaves_rivulet_and_llama_cpp_rounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """main's order, ratios, table and record, with the measurements faked (no engine, no llama.cpp)."""
+    import gpu_worker.model_files
+
+    calls: list[str] = []
+
+    def fake_round(args: Any, dtype: str, r: int, http: bool = False) -> dict[str, Any]:
+        calls.append(f"rivulet {dtype} {r} http={http}")
+        return {"startup_s": 3.0, "http_out32_tps": 400.0 + 100 * r, "http_decode1_tps": 50.0}
+
+    def fake_peer(args: Any, peer: targets.Peer, r: int) -> dict[str, Any]:
+        calls.append(f"llama.cpp {r} {peer.binary.name} -t {peer.threads}")
+        return {"out32_tps": 200.0, "decode1_tps": 100.0}
+
+    monkeypatch.setattr(targets, "measure_round", fake_round)
+    monkeypatch.setattr(targets, "measure_peer", fake_peer)
+    monkeypatch.setattr(gpu_worker.model_files, "resolve_model", lambda model: tmp_path)
+    binary = tmp_path / "my-llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    record = tmp_path / "targets.jsonl"
+    argv = ["--model", str(gguf), "--dtype", "float32,bfloat16", "--repeats", "2", "--peer-llama-cpp",
+            str(binary), "--peer-threads", "3", "--result-file", str(record)]  # fmt: skip
+    assert targets.main(argv) == 0
+    assert calls == [
+        "rivulet float32 0 http=True", "rivulet bfloat16 0 http=True", "llama.cpp 0 my-llama-server -t 3",
+        "rivulet float32 1 http=True", "rivulet bfloat16 1 http=True", "llama.cpp 1 my-llama-server -t 3",
+    ]  # fmt: skip
+    out = capsys.readouterr().out
+    acting = cpu_kind.requested_kind()
+    assert f"CPU: {cpu_kind.describe(acting)}" in out
+    ratio32 = _rows(out)["32 streams: rivulet / llama.cpp output tok/s (HTTP both)"]
+    assert ratio32[2:4] == ["2.25 (2.00-2.50)", "2.25 (2.00-2.50)"]  # float32, bfloat16
+    (rec,) = read_records(record)
+    assert rec["machine"]["cpu_kind"] == acting.value
+    assert set(rec["machine"]["cpu_flags"]) == set(cpu_kind.REPORTED_FLAGS)
+    assert rec["metrics"]["peer"]["runs"] == [{"out32_tps": 200.0, "decode1_tps": 100.0}] * 2
+    assert rec["metrics"]["peer"]["command"].endswith(f"-m {gguf} --port {{port}} -np 32 -c 8192 -t 3")
+    assert [run["out32_ratio"] for run in rec["metrics"]["runs"]["float32"]] == [2.0, 2.5]
+    assert rec["metrics"]["targets"]["bfloat16"]["decode1_ratio"]["median"] == 0.5
+
+
+def test_auto_without_a_build_says_how_to_build_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
+    with pytest.raises(SystemExit) as exc:
+        targets.main(["--peer-llama-cpp", "auto", "--no-record"])
+    acting = cpu_kind.requested_kind()
+    if acting is cpu_kind.CpuKind.PORTABLE:
+        assert "portable" in str(exc.value)
+    else:
+        assert llama_cpp.build_command(acting.value) in str(exc.value)
+
+
+def test_importing_targets_leaves_torch_unloaded() -> None:
+    """main applies RIVULET_CPU_KIND first: nothing imported with the module may have loaded torch."""
+    code = "import sys, bench.targets; assert 'torch' not in sys.modules, 'torch loaded on import'"
+    root = Path(targets.__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True)
+
+
+FAKE_LLAMA_SERVER = """\
+#!{python}
+# Stands in for llama-server: takes its command line, serves rivulet's HTTP API on --port instead.
+import argparse, os, sys
+p = argparse.ArgumentParser()
+for flag in ("-m", "--port", "-np", "-c", "-t"):
+    p.add_argument(flag, required=True)
+a = p.parse_args()
+open({argv_file!r}, "w").write(" ".join(sys.argv[1:]))
+os.execv(sys.executable, [sys.executable, {launcher!r}, "--model", {model!r}, "--http-port", a.port,
+         "--endpoint", "ipc://{tmp}/fake.sock", "--num-threads", "1", "--kv-cache-tokens", "2048"])
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_round_on_a_fake_llama_server(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """measure_peer for real: starts the command llama-server gets, measures it over HTTP, stops it."""
+    argv_file = tmp_path / "argv"
+    script = tmp_path / "llama-server"
+    launcher = Path(targets.__file__).resolve().parents[1] / "launcher.py"
+    script.write_text(FAKE_LLAMA_SERVER.format(
+        python=sys.executable, argv_file=str(argv_file), launcher=str(launcher), model=str(tiny_llama_dir),
+        tmp=tmp_path,
+    ))  # fmt: skip
+    script.chmod(0o755)
+    argv = ["--model", str(tiny_llama_dir), "--streams", "3", "--stream-requests", "6",
+            "--single-requests", "2", "--input-len", "8", "--output-len", "4"]  # fmt: skip
+    args = targets.build_parser().parse_args(argv)
+    peer = targets.Peer(script, Path("/m/x.gguf"), threads=2, parallel=32)
+    run = targets.measure_peer(args, peer, 0)
+    for key in ("out32_tps", "ttft32_ms", "decode1_tps", "out1_tps", "startup_s"):
+        assert run[key] > 0, key
+    assert argv_file.read_text().split()[2:] == ["--port", argv_file.read_text().split()[3], "-np", "32",
+                                                 "-c", "8192", "-t", "2"]  # fmt: skip
     assert [pid for pid in targets.launch.descendants(os.getpid()) if pid_alive(pid)] == []
