@@ -46,66 +46,61 @@ static void gemv_avx512(const uint16_t *x, const uint16_t *w, const uint16_t *bi
  * integer ops widen it: shift left 16 (the even elements) and mask the low half off (the odd ones).
  * x is widened once per call into the same order: each 16-element block as its 8 even elements,
  * then its 8 odd ones, rows padded with zeros to kp, a multiple of 16 (a dot product takes its
- * terms in any order; only float32 rounding sees it, far inside the one bf16 rounding at the end). */
-#ifndef TILE_R
-#define TILE_R 4 /* x rows per tile */
-#endif
-#ifndef TILE_C
-#define TILE_C 3 /* weight rows per tile: R * C accumulators + C widened weights in 16 ymm registers */
-#endif
-#ifndef TILE_C1
-#define TILE_C1 4 /* weight rows per tile at one x row */
-#endif
-#ifndef PANEL_BYTES
-#define PANEL_BYTES (128 * 1024)
-#endif
-#ifndef SPLIT
-#define SPLIT 1
-#endif
-#define MAX_R 6
+ * terms in any order; only float32 rounding sees it, far inside the one bf16 rounding at the end).
+ *
+ * A tile is R x rows by C weight rows: R * C accumulators. 5 x 2 holds 10 accumulators, 4 widened
+ * weights and an x vector in the 16 ymm registers, and loads 12 vectors per 20 FMAs; the FMAs set
+ * the pace (3 x 3 or 4 x 3 spill, 6 x 2 and 4 x 2 load more per FMA: all measured slower). One x
+ * row is memory-bound: 4 weight rows, 4 streams in flight. */
+#define TILE_R 5
+#define TILE_C 2
+#define TILE_C1 4                   /* weight rows per tile at one x row */
+#define PANEL_BYTES (128 * 1024)    /* of weight rows: stay in L2 while each group of x rows passes */
 #define MAX_C 4
+static const int WIDE_HIGH = (int)0xffff0000u;
 
-static void widen_x(const uint16_t *x, int64_t x_stride, int m, int k, int kp, float *xw) {
+static void widen_x(const uint16_t *x, int64_t x_stride, int m, int k, int64_t kp, float *xw) {
 #pragma omp for schedule(static)
     for (int r = 0; r < m; r++) {
         const uint16_t *src = x + r * x_stride;
-        float *dst = xw + (int64_t)r * kp;
-        for (int d = 0; d < kp; d += 16)
-            for (int i = 0; i < 8; i++) {
-                dst[d + i] = d + 2 * i < k ? bf16_to_f32(src[d + 2 * i]) : 0.0f;
-                dst[d + 8 + i] = d + 2 * i + 1 < k ? bf16_to_f32(src[d + 2 * i + 1]) : 0.0f;
-            }
+        float *dst = xw + r * kp;
+        int d = 0;
+        for (; d + 16 <= k; d += 16) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(src + d));
+            _mm256_store_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+            _mm256_store_ps(dst + d + 8, _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(WIDE_HIGH))));
+        }
+        for (int i = 0; d < kp && i < 8; i++) { /* the partial last block, zero-padded */
+            dst[d + i] = d + 2 * i < k ? bf16_to_f32(src[d + 2 * i]) : 0.0f;
+            dst[d + 8 + i] = d + 2 * i + 1 < k ? bf16_to_f32(src[d + 2 * i + 1]) : 0.0f;
+        }
     }
 }
 
+/* Keeps v in a register: without it gcc folds a load into every FMA that uses it (C loads of each
+ * x vector, two of each weight vector), and the loads, not the FMAs, set the pace. */
+#define IN_REGISTER(v) __asm__("" : "+x"(v))
+
 /* acc[r][c] += widened x block xb (row r at xb + r * kp) times the 16 bf16 weights at wb[c]. */
-static inline __attribute__((always_inline)) void block_fma(__m256 acc[MAX_R][MAX_C], const float *xb, int64_t kp,
+static inline __attribute__((always_inline)) void block_fma(__m256 acc[TILE_R][MAX_C], const float *xb, int64_t kp,
                                                             const uint16_t *const wb[MAX_C], int R, int C) {
-    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
-#if SPLIT
-    __m256 h[MAX_C];
-    for (int c = 0; c < C; c++) h[c] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)wb[c]), 16));
-    for (int r = 0; r < R; r++) {
-        const __m256 xe = _mm256_load_ps(xb + r * kp);
-        for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(h[c], xe, acc[r][c]);
-    }
-    for (int c = 0; c < C; c++) h[c] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)wb[c]), high));
-    for (int r = 0; r < R; r++) {
-        const __m256 xo = _mm256_load_ps(xb + r * kp + 8);
-        for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(h[c], xo, acc[r][c]);
-    }
-#else
     __m256 even[MAX_C], odd[MAX_C];
     for (int c = 0; c < C; c++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)wb[c]);
+        __m256i v = _mm256_loadu_si256((const __m256i *)wb[c]);
+        IN_REGISTER(v);
         even[c] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        odd[c] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+        odd[c] = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(WIDE_HIGH)));
     }
     for (int r = 0; r < R; r++) {
-        const __m256 xe = _mm256_load_ps(xb + r * kp), xo = _mm256_load_ps(xb + r * kp + 8);
-        for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(odd[c], xo, _mm256_fmadd_ps(even[c], xe, acc[r][c]));
+        __m256 xe = _mm256_load_ps(xb + r * kp);
+        IN_REGISTER(xe);
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(even[c], xe, acc[r][c]);
     }
-#endif
+    for (int r = 0; r < R; r++) {
+        __m256 xo = _mm256_load_ps(xb + r * kp + 8);
+        IN_REGISTER(xo);
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(odd[c], xo, acc[r][c]);
+    }
 }
 
 static inline float hsum256(__m256 v) {
@@ -114,19 +109,24 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* Outputs [n0, n0 + C) of x rows [r0, r0 + R): each weight block is widened once for all R rows.
- * Weight rows past n_out repeat the last one (from L1), their sums not stored. */
-static inline __attribute__((always_inline)) void tile(const float *xw, int64_t kp, const uint16_t *w, const uint16_t *bias,
-                                                       const uint16_t *residual, int64_t res_stride, uint16_t *out,
-                                                       int r0, int n0, int n_out, int k, int R, int C) {
+/* Outputs [n0, n0 + C) of x rows [r0, r0 + R), R and C constants once inlined (the accumulators
+ * stay in registers). Weight rows past n_out repeat the last one (from L1), their sums unstored. */
+static inline __attribute__((always_inline)) void tile(const float *xw, int64_t kp, const uint16_t *w,
+                                                       const uint16_t *bias, const uint16_t *residual,
+                                                       int64_t res_stride, uint16_t *out, int r0, int n0,
+                                                       int n_out, int k, int R, int C) {
     const uint16_t *rows[MAX_C], *wb[MAX_C];
     for (int c = 0; c < C; c++) rows[c] = w + (int64_t)(n0 + c < n_out ? n0 + c : n_out - 1) * k;
-    __m256 acc[MAX_R][MAX_C];
+    __m256 acc[TILE_R][MAX_C];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     const float *xr = xw + r0 * kp;
     const int k16 = k & ~15;
     for (int d = 0; d < k16; d += 16) {
+        /* The next tile's rows, a line of each per 2 blocks: in flight while this one computes (the
+         * hardware prefetcher alone leaves x rows 2-5 waiting on memory). Past W's end: a no-op. */
+        if ((d & 31) == 0)
+            for (int c = 0; c < C; c++) _mm_prefetch((const char *)(rows[c] + C * k + d), _MM_HINT_T0);
         for (int c = 0; c < C; c++) wb[c] = rows[c] + d;
         block_fma(acc, xr + d, kp, wb, R, C);
     }
@@ -150,43 +150,45 @@ static inline __attribute__((always_inline)) void tile(const float *xw, int64_t 
 
 #define TILE_ARGS xw, kp, w, bias, residual, res_stride, out
 
-/* Threads take contiguous runs of C weight rows, each streaming its share of W once. Within a run,
- * a panel of rows (PANEL_BYTES, kept in L2) takes every group of R x rows (kept in L1) in turn. */
+/* Weight rows [n0, n1) (whole tiles) against every x row: the x rows in near-equal groups of at
+ * most TILE_R (16 rows: 4 x 4, not 5 + 5 + 5 + 1), each group over all the tiles in turn. */
+static void rows_block(const float *xw, int64_t kp, const uint16_t *w, const uint16_t *bias, const uint16_t *residual,
+                       int64_t res_stride, uint16_t *out, int m, int n0, int n1, int n_out, int k) {
+    if (m == 1) {
+        for (int n = n0; n < n1; n += TILE_C1) tile(TILE_ARGS, 0, n, n_out, k, 1, TILE_C1);
+        return;
+    }
+    const int groups = (m + TILE_R - 1) / TILE_R;
+    for (int g = 0; g < groups; g++) {
+        const int r0 = m * g / groups, rows = m * (g + 1) / groups - r0;
+        for (int n = n0; n < n1; n += TILE_C) {
+            switch (rows) { /* each R its own unrolled code */
+            case 1: tile(TILE_ARGS, r0, n, n_out, k, 1, TILE_C); break;
+            case 2: tile(TILE_ARGS, r0, n, n_out, k, 2, TILE_C); break;
+            case 3: tile(TILE_ARGS, r0, n, n_out, k, 3, TILE_C); break;
+            case 4: tile(TILE_ARGS, r0, n, n_out, k, 4, TILE_C); break;
+            default: tile(TILE_ARGS, r0, n, n_out, k, TILE_R, TILE_C);
+            }
+        }
+    }
+}
+
+/* Threads take contiguous runs of tiles, each streaming its share of W once, in panels: from
+ * memory for the first group of x rows, from L2 for the others. */
 static void matmul_avx2(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
                         const uint16_t *residual, int64_t res_stride, uint16_t *out, int m, int n_out, int k) {
     const int64_t kp = (k + 15) & ~15;
-    float *xw = aligned_alloc(32, (size_t)(m * kp) * sizeof(float));
+    float *xw = aligned_alloc(32, (size_t)(m * kp + 8) * sizeof(float)); /* (never size 0) */
     if (xw == NULL) return;
     const int C = m == 1 ? TILE_C1 : TILE_C, tiles = (n_out + C - 1) / C;
-    int panel = PANEL_BYTES / (2 * k) / C * C;
-    panel = panel < C ? C : panel;
+    const int panel = PANEL_BYTES / (2 * k + 2) / C * C > C ? PANEL_BYTES / (2 * k + 2) / C * C : C;
 #pragma omp parallel
     {
-        widen_x(x, x_stride, m, k, (int)kp, xw); /* (ends in the loop's barrier) */
+        widen_x(x, x_stride, m, k, kp, xw); /* (ends in the loop's barrier) */
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int lo = (int)((int64_t)tiles * t / nt) * C, hi = (int)((int64_t)tiles * (t + 1) / nt) * C;
-        for (int p0 = lo; p0 < hi; p0 += panel) {
-            const int p1 = p0 + panel < hi ? p0 + panel : hi;
-            if (m == 1) {
-                for (int n0 = p0; n0 < p1; n0 += TILE_C1) tile(TILE_ARGS, 0, n0, n_out, k, 1, TILE_C1);
-                continue;
-            }
-            for (int r0 = 0; r0 < m; r0 += TILE_R)
-                for (int n0 = p0; n0 < p1; n0 += TILE_C) {
-                    switch (m - r0 < TILE_R ? m - r0 : TILE_R) { /* each R its own unrolled code */
-                    case 1: tile(TILE_ARGS, r0, n0, n_out, k, 1, TILE_C); break;
-                    case 2: tile(TILE_ARGS, r0, n0, n_out, k, 2, TILE_C); break;
-                    case 3: tile(TILE_ARGS, r0, n0, n_out, k, 3, TILE_C); break;
-#if TILE_R > 4
-                    case 4: tile(TILE_ARGS, r0, n0, n_out, k, 4, TILE_C); break;
-#endif
-#if TILE_R > 5
-                    case 5: tile(TILE_ARGS, r0, n0, n_out, k, 5, TILE_C); break;
-#endif
-                    default: tile(TILE_ARGS, r0, n0, n_out, k, TILE_R, TILE_C);
-                    }
-                }
-        }
+        for (int p0 = lo; p0 < hi; p0 += panel)
+            rows_block(TILE_ARGS, m, p0, p0 + panel < hi ? p0 + panel : hi, n_out, k);
     }
     free(xw);
 }

@@ -7,6 +7,27 @@
 #define PARALLEL_ROWS 16
 #define PIECE 256 /* elements per step: each op converts a piece to float32, computes, stores back */
 
+#if HAVE_AVX2
+/* exp(x) for x <= 0, lane-wise: exp512's polynomial; AVX2 has no vscalefps, so 2^n is built from
+ * its exponent bits (x >= -87 keeps n >= -126: a normal float, and p * 2^n rounds as vscalef's). */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+#endif
+
 /* out[r] = w * (x[r] * rsqrt(mean(x[r]^2) + eps)), statistics in float32 (HF's RMSNorm). bfloat16
  * rounds x * rsqrt(...) to bfloat16 before the weight multiplies it, as HF's `.to(dtype)` does.
  * x rows are x_stride elements apart; out is contiguous [rows, dim]. */
@@ -81,6 +102,16 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype
                 const __m512 exp_minus_x = _mm512_mask_div_ps(e, neg, one, e);
                 _mm512_mask_storeu_ps(g + i, m, _mm512_div_ps(x, _mm512_add_ps(one, exp_minus_x)));
             }
+#elif HAVE_AVX2 /* as the AVX-512 path, the last partial vector under a mask */
+            for (int i = 0; i < n; i += 8) {
+                const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - i), lanes);
+                const __m256 x = _mm256_maskload_ps(g + i, m), one = _mm256_set1_ps(1.0f);
+                const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)));
+                const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+                const __m256 exp_minus_x = _mm256_blendv_ps(e, _mm256_div_ps(one, e), neg);
+                _mm256_maskstore_ps(g + i, m, _mm256_div_ps(x, _mm256_add_ps(one, exp_minus_x)));
+            }
 #else
             for (int i = 0; i < n; i++) {
                 const float e = exp_nonpositive(-fabsf(g[i])); /* exp(-g) is e for g >= 0, 1 / e below */
@@ -93,6 +124,55 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype
         }
     }
 }
+
+#if HAVE_AVX2
+/* 8 values of a float32 or bfloat16 tensor from element i on, as float32. */
+static inline __m256 load8(const void *x, int dtype, int64_t i) {
+    if (dtype == DTYPE_BF16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i))), 16));
+    return _mm256_loadu_ps((const float *)x + i);
+}
+
+/* Row x (n values from base on), 8 at a time into 4 independent running maxima (a blend chain
+ * each, so one compare's latency does not pace the loop); then the least index among the 32
+ * lanes holding the maximum, and the scalar tail (later indices: they win only when larger). */
+static int64_t argmax_avx2(const void *x, int64_t base, int n, int dtype) {
+    __m256 best[4];
+    __m256i best_at[4], at[4];
+    for (int j = 0; j < 4; j++) {
+        best[j] = _mm256_set1_ps(-INFINITY);
+        best_at[j] = _mm256_setzero_si256();
+        at[j] = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * j));
+    }
+    int i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int j = 0; j < 4; j++) {
+            const __m256 v = load8(x, dtype, base + i + 8 * j);
+            const __m256 better = _mm256_cmp_ps(v, best[j], _CMP_GT_OQ); /* strictly: the first wins */
+            best[j] = _mm256_blendv_ps(best[j], v, better);
+            best_at[j] = _mm256_castps_si256(
+                _mm256_blendv_ps(_mm256_castsi256_ps(best_at[j]), _mm256_castsi256_ps(at[j]), better));
+            at[j] = _mm256_add_epi32(at[j], _mm256_set1_epi32(32));
+        }
+    float lane[32], top = -INFINITY;
+    int32_t lane_at[32];
+    for (int j = 0; j < 4; j++) {
+        _mm256_storeu_ps(lane + 8 * j, best[j]);
+        _mm256_storeu_si256((__m256i *)(lane_at + 8 * j), best_at[j]);
+    }
+    for (int l = 0; l < 32; l++) top = lane[l] > top ? lane[l] : top;
+    int64_t top_at = INT64_MAX; /* some lane holds top (all -inf: index 0, as torch) */
+    for (int l = 0; l < 32; l++)
+        if (lane[l] == top && lane_at[l] < top_at) top_at = lane_at[l];
+    for (; i < n; i++) {
+        const int64_t at_i = base + i;
+        const float v = dtype == DTYPE_BF16 ? bf16_to_f32(((const uint16_t *)x)[at_i]) : ((const float *)x)[at_i];
+        if (v > top) top = v, top_at = i;
+    }
+    return top_at;
+}
+#endif
 
 /* out[r] = the first index of row r's largest value (x: [rows, n], rows row_stride apart): the
  * greedy pick. NaN-free rows assumed (a NaN is never picked, where torch's max would pick it). */
@@ -118,6 +198,8 @@ void argmax_rows(const void *x, int64_t row_stride, int64_t rows, int n, int dty
         }
         const __mmask16 top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ);
         out[r] = top ? _mm512_mask_reduce_min_epi32(top, best_at) : 0;
+#elif HAVE_AVX2
+        out[r] = argmax_avx2(x, base, n, dtype);
 #else
         float best = -INFINITY;
         int64_t best_at = 0;

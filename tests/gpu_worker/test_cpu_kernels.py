@@ -162,7 +162,7 @@ def test_small_ops_match_the_torch_code_they_replace(
     assert same(rotated[:, :12], apply_rotary(qkv[:, :12], cos, signed_sin))
     assert torch.equal(rotated[:, 12:], qkv[:, 12:]), "heads past the rotated ones stay as they were"
 
-    gate_up = (torch.randn(rows, 2 * 600) * 8).to(dtype)
+    gate_up = (torch.randn(rows, 2 * 601) * 8).to(dtype)  # 601: a partial last vector
     gate_up[0, :4] = torch.tensor([-80.0, 100.0, 0.0, -0.0])
     gate, up = gate_up.chunk(2, dim=-1)
     assert same(kernels.silu_mul(gate_up), F.silu(gate) * up)
@@ -174,8 +174,8 @@ def test_small_ops_match_the_torch_code_they_replace(
 
 
 @needs_compiler
-@pytest.mark.parametrize(("n", "k"), [(576, 576), (40, 80), (49152, 64), (7, 3)])  # blocks, tails, a head
-@pytest.mark.parametrize("m", [1, 3, 8, 13])
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (40, 80), (49152, 64), (7, 3), (33, 600), (7, 100)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 8, 10, 11, 13, 16, 32])  # every split into x-row groups
 def test_few_row_matmul_rounds_the_float32_sum_once(
     kernels: cpu_kernels.CpuKernels, m: int, n: int, k: int
 ) -> None:
@@ -196,7 +196,7 @@ def test_few_row_matmul_rounds_the_float32_sum_once(
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "vocab"), [(1, 49152), (5, 37)])
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 49152), (5, 37), (3, 49155)])
 def test_argmax_is_torch_max_first_index(
     kernels: cpu_kernels.CpuKernels, dtype: torch.dtype, rows: int, vocab: int
 ) -> None:
