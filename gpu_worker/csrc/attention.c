@@ -145,8 +145,11 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
 #define attend attend_avx512
 
 #elif HAVE_AVX2
-#define BLOCK 8 /* positions per step: one vector of scores */
-#define MAX_G 4 /* query heads scored or weighted together (registers: 2 per head, and the K/V rows) */
+#define BLOCK 8 /* positions per vector of scores */
+#define STEP 16 /* positions per step: STEP / BLOCK vectors of scores per query head */
+#define NV (STEP / BLOCK)
+#define MAX_G 4 /* query heads scored and weighted together (their K/V rows widened once) */
+#define INLINE static inline __attribute__((always_inline))
 
 /* Lane i of the result: the sum of the 8 lanes of v[i]. */
 static inline __m256 sum8(const __m256 v[8]) {
@@ -156,35 +159,10 @@ static inline __m256 sum8(const __m256 v[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 static inline float hmax8(__m256 v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
-
-/* exp(x) for x <= 0, lane-wise: exp_nonpositive's polynomial. AVX2 has no vscalefps: 2^n is built
- * from its bits, n + 127 in the exponent field (n in [-126, 0] after the clamp: a normal float). */
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256i ni = _mm256_cvtps_epi32(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f))); /* nearest */
-    const __m256 n = _mm256_cvtepi32_ps(ni);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 
 /* Lanes [0, n) all ones, the rest zero. */
@@ -197,8 +175,7 @@ static inline __m256i first_lanes(int n) {
  * d + 2i + 1 in the high half, so lo gets the even dimensions (shift left 16) and hi the odd ones
  * (low half masked off). float32: lo = d..d+7, hi = d+8..d+15. Past head_dim: zeros, and nothing
  * read (the row may end the pool, and what follows it is not ours to multiply by zero: NaN). */
-static inline __attribute__((always_inline)) void load16(const char *row, int dtype, int d, int head_dim, __m256 *lo,
-                                                         __m256 *hi) {
+INLINE void load16(const char *row, int dtype, int d, int head_dim, __m256 *lo, __m256 *hi) {
     const int n = head_dim - d;
     if (dtype == DTYPE_BF16) {
         const uint16_t *p = (const uint16_t *)row + d;
@@ -226,104 +203,180 @@ static inline __attribute__((always_inline)) void load16(const char *row, int dt
     }
 }
 
+/* at[t]: the element offset of the token row of position start + t; past len, the last row again.
+ * Returns how many are in [start, len). One division per step (page_size is a runtime value). */
+static inline int step_rows(const int64_t *pages, int page_size, int64_t start, int64_t len, int64_t kv_row,
+                            int64_t at[STEP]) {
+    const int n = (int)(len - start < STEP ? len - start : STEP);
+    int64_t page = start / page_size;
+    int off = (int)(start - page * page_size);
+    for (int t = 0; t < STEP; t++) {
+        at[t] = (pages[page] * page_size + off) * kv_row;
+        if (t + 1 < n && ++off == page_size) {
+            off = 0;
+            page++;
+        }
+    }
+    return n;
+}
+
+/* Prefetch into L1 ``bytes`` from element ``col`` of the K and V rows at[0..n). */
+static inline void prefetch_rows(const char *k_cache, const char *v_cache, const int64_t *at, int n, int64_t col,
+                                 int elem, int bytes) {
+    for (int t = 0; t < n; t++)
+        for (int b = 0; b < bytes; b += 64) {
+            __builtin_prefetch(k_cache + (at[t] + col) * elem + b, 0, 3);
+            __builtin_prefetch(v_cache + (at[t] + col) * elem + b, 0, 3);
+        }
+}
+
 /* s[g]: the 8 scores of query head g (its q at qf + g * stride, in load16's order and pre-scaled)
- * against the K rows at k + at[t] elements. Two positions at a time: 2G independent FMA chains. */
-static inline __attribute__((always_inline)) void block_scores(const float *qf, int stride, const char *k,
-                                                               const int64_t at[BLOCK], int dtype, int head_dim,
-                                                               int G, __m256 s[MAX_G]) {
-    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
+ * against the K rows at k + at[t] elements. P positions at a time, P * G = 6 or 8 accumulators
+ * (q is read by the FMAs from L1): enough independent FMA chains to keep both FMA units busy. */
+INLINE void block_scores(const float *qf, int stride, const char *k, const int64_t at[BLOCK], int dtype, int head_dim,
+                         int G, __m256 s[MAX_G]) {
+    const int elem = dtype == DTYPE_BF16 ? 2 : 4, P = G == 1 ? 8 : G == 2 ? 4 : 2;
     __m256 part[MAX_G][BLOCK];
-    for (int t = 0; t < BLOCK; t += 2) {
-        __m256 a[MAX_G], b[MAX_G];
-        for (int g = 0; g < G; g++) a[g] = b[g] = _mm256_setzero_ps();
-        for (int d = 0; d < head_dim; d += 16) {
-            __m256 lo0, hi0, lo1, hi1;
-            load16(k + at[t] * elem, dtype, d, head_dim, &lo0, &hi0);
-            load16(k + at[t + 1] * elem, dtype, d, head_dim, &lo1, &hi1);
-            for (int g = 0; g < G; g++) {
-                const __m256 ql = _mm256_load_ps(qf + g * stride + d), qh = _mm256_load_ps(qf + g * stride + d + 8);
-                a[g] = _mm256_fmadd_ps(hi0, qh, _mm256_fmadd_ps(lo0, ql, a[g]));
-                b[g] = _mm256_fmadd_ps(hi1, qh, _mm256_fmadd_ps(lo1, ql, b[g]));
+    for (int t = 0; t < BLOCK; t += P) {
+        __m256 a[BLOCK][MAX_G];
+        for (int i = 0; i < P; i++)
+            for (int g = 0; g < G; g++) a[i][g] = _mm256_setzero_ps();
+        for (int d = 0; d < head_dim; d += 16)
+            for (int i = 0; i < P; i++) {
+                __m256 lo, hi;
+                load16(k + at[t + i] * elem, dtype, d, head_dim, &lo, &hi);
+                for (int g = 0; g < G; g++)
+                    a[i][g] = _mm256_fmadd_ps(hi, _mm256_load_ps(qf + g * stride + d + 8),
+                                              _mm256_fmadd_ps(lo, _mm256_load_ps(qf + g * stride + d), a[i][g]));
             }
-        }
-        for (int g = 0; g < G; g++) {
-            part[g][t] = a[g];
-            part[g][t + 1] = b[g];
-        }
+        for (int i = 0; i < P; i++)
+            for (int g = 0; g < G; g++) part[g][t + i] = a[i][g];
     }
     for (int g = 0; g < G; g++) s[g] = sum8(part[g]);
 }
 
-/* The online softmax of one head's block of scores s (lanes past valid: ignored): updates its max m
- * and sum l, stores the probabilities, and returns the factor its earlier accumulators take. */
-static inline float softmax_block(__m256 s, __m256 valid, float *m, float *l, float prob[BLOCK]) {
-    s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, valid);
-    const float mx = fmaxf(*m, hmax8(s));
-    const __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(s, _mm256_set1_ps(mx))), valid);
-    const float corr = exp_nonpositive(*m - mx); /* first block: m = -inf, ~0 times an empty sum */
-    *l = *l * corr + hsum8(p);
+/* The online softmax of one query head's step of scores s[i] (positions 8i..8i+7; at or past n:
+ * ignored): updates its max m and its lane-wise sums lsum (added up at the end), stores the
+ * probabilities (zero past n), and returns the factor its earlier accumulators take. */
+static inline float softmax_step(__m256 s[NV], int n, float *m, float *lsum, float prob[STEP]) {
+    __m256 valid[NV], top = _mm256_set1_ps(-INFINITY);
+    for (int i = 0; i < NV; i++) {
+        valid[i] = _mm256_castsi256_ps(first_lanes(n - BLOCK * i));
+        s[i] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s[i], valid[i]);
+        top = _mm256_max_ps(top, s[i]);
+    }
+    const float step_max = hmax8(top), mx = step_max > *m ? step_max : *m;
+    /* Once a few steps are in, the max seldom moves: a factor of 1, no exp. (First step: m = -inf,
+     * a factor ~0 times sums of 0.) */
+    const float corr = mx > *m ? exp_nonpositive(*m - mx) : 1.0f;
+    __m256 sum = _mm256_mul_ps(_mm256_load_ps(lsum), _mm256_set1_ps(corr));
+    for (int i = 0; i < NV; i++) {
+        const __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(s[i], _mm256_set1_ps(mx))), valid[i]);
+        sum = _mm256_add_ps(sum, p);
+        _mm256_store_ps(prob + BLOCK * i, p);
+    }
+    _mm256_store_ps(lsum, sum);
     *m = mx;
-    _mm256_storeu_ps(prob, p);
     return corr;
 }
 
-/* acc of G query heads (head g at acc + g * stride, load16's order) = corr[g] * acc + the n V rows
- * at v + at[t] elements weighted by prob[g][t]. 16 dimensions at a time, held in registers over
- * the block: each V row is widened once for all G heads. */
-static inline __attribute__((always_inline)) void block_values(float *acc, int stride, const float prob[][BLOCK],
-                                                               const float *corr, const char *v,
-                                                               const int64_t at[BLOCK], int n, int dtype,
-                                                               int head_dim, int G) {
+/* Dimensions [d, d + 16 * DB) of the accumulators of G query heads (head g at acc + g * stride):
+ * acc = corr[g] * acc + the n V rows at v + at[t] elements weighted by prob[g][t], all 2 * DB * G
+ * of them in registers over the step, each V block widened once for the G heads. */
+INLINE void value_pass(float *acc, int stride, const float prob[][STEP], const float *corr, const char *v,
+                       const int64_t at[STEP], int n, int dtype, int head_dim, int d, int G, int DB) {
     const int elem = dtype == DTYPE_BF16 ? 2 : 4;
-    for (int d = 0; d < head_dim; d += 16) {
-        __m256 lo[MAX_G], hi[MAX_G];
-        for (int g = 0; g < G; g++) {
+    __m256 lo[MAX_G][4], hi[MAX_G][4];
+    for (int g = 0; g < G; g++)
+        for (int b = 0; b < DB; b++) {
             const __m256 c = _mm256_set1_ps(corr[g]);
-            lo[g] = _mm256_mul_ps(_mm256_load_ps(acc + g * stride + d), c);
-            hi[g] = _mm256_mul_ps(_mm256_load_ps(acc + g * stride + d + 8), c);
+            lo[g][b] = _mm256_mul_ps(_mm256_load_ps(acc + g * stride + d + 16 * b), c);
+            hi[g][b] = _mm256_mul_ps(_mm256_load_ps(acc + g * stride + d + 16 * b + 8), c);
         }
-        for (int t = 0; t < n; t++) {
+    for (int t = 0; t < n; t++)
+        for (int b = 0; b < DB; b++) {
             __m256 vl, vh;
-            load16(v + at[t] * elem, dtype, d, head_dim, &vl, &vh);
+            load16(v + at[t] * elem, dtype, d + 16 * b, head_dim, &vl, &vh);
             for (int g = 0; g < G; g++) {
                 const __m256 p = _mm256_broadcast_ss(&prob[g][t]);
-                lo[g] = _mm256_fmadd_ps(p, vl, lo[g]);
-                hi[g] = _mm256_fmadd_ps(p, vh, hi[g]);
+                lo[g][b] = _mm256_fmadd_ps(p, vl, lo[g][b]);
+                hi[g][b] = _mm256_fmadd_ps(p, vh, hi[g][b]);
             }
         }
-        for (int g = 0; g < G; g++) {
-            _mm256_store_ps(acc + g * stride + d, lo[g]);
-            _mm256_store_ps(acc + g * stride + d + 8, hi[g]);
+    for (int g = 0; g < G; g++)
+        for (int b = 0; b < DB; b++) {
+            _mm256_store_ps(acc + g * stride + d + 16 * b, lo[g][b]);
+            _mm256_store_ps(acc + g * stride + d + 16 * b + 8, hi[g][b]);
         }
+}
+
+/* One step of G query heads sharing a KV head (k, v: its column): scores, softmax, V. Fewer heads
+ * take more dimensions per V pass, so each pass has at least 6 independent FMA chains. */
+INLINE void step_heads(const float *qf, float *acc, int stride, const char *k, const char *v, const int64_t at[STEP],
+                       int n, int dtype, int head_dim, float *m, float (*lsum)[BLOCK], int G) {
+    const int DB = G == 1 ? 4 : G == 2 ? 2 : 1; /* 16-dimension blocks per V pass */
+    __m256 s[MAX_G][NV];
+    float prob[MAX_G][STEP] __attribute__((aligned(32))), corr[MAX_G];
+    for (int i = 0; i < NV; i++) {
+        __m256 si[MAX_G];
+        block_scores(qf, stride, k, at + BLOCK * i, dtype, head_dim, G, si);
+        for (int g = 0; g < G; g++) s[g][i] = si[g];
+    }
+    for (int g = 0; g < G; g++) corr[g] = softmax_step(s[g], n, m + g, lsum[g], prob[g]);
+    int d = 0;
+    for (; d + 16 * DB <= head_dim; d += 16 * DB)
+        value_pass(acc, stride, prob, corr, v, at, n, dtype, head_dim, d, G, DB);
+    for (; d < head_dim; d += 16) /* what is left: one block at a time */
+        value_pass(acc, stride, prob, corr, v, at, n, dtype, head_dim, d, G, 1);
+}
+
+/* All steps of one task, for one dtype (a constant here: each dtype its own code). The rows of the
+ * next step are found one step early and asked into L1, half before the first KV head, half after. */
+INLINE void attend_steps(const float *qf, float *acc, int stride, const void *k_cache, const void *v_cache, int dtype,
+                         const int64_t *pages, int64_t len, int page_size, int h0, int h1, int group, int head_dim,
+                         int64_t kv_row, float *m, float (*lsum)[BLOCK]) {
+    const int elem = dtype == DTYPE_BF16 ? 2 : 4, bytes = (h1 - h0) * head_dim * elem;
+    const int64_t col = (int64_t)h0 * head_dim;
+    int64_t at[STEP], next_at[STEP]; /* element offset of each position's token row */
+    if (len <= 0) return;
+    int n = step_rows(pages, page_size, 0, len, kv_row, at);
+    prefetch_rows(k_cache, v_cache, at, n, col, elem, bytes);
+    for (int64_t start = 0; start < len; start += STEP) {
+        const int next_n = start + STEP < len ? step_rows(pages, page_size, start + STEP, len, kv_row, next_at) : 0;
+        prefetch_rows(k_cache, v_cache, next_at, next_n < BLOCK ? next_n : BLOCK, col, elem, bytes);
+        for (int h = h0; h < h1; h++) {
+            const char *k = (const char *)k_cache + (int64_t)h * head_dim * elem;
+            const char *v = (const char *)v_cache + (int64_t)h * head_dim * elem;
+            for (int j = (h - h0) * group; j < (h - h0 + 1) * group; j += MAX_G) {
+                const int rest = (h - h0 + 1) * group - j;
+                const float *qj = qf + j * stride;
+                float *aj = acc + j * stride;
+                switch (rest < MAX_G ? rest : MAX_G) { /* each G its own unrolled code */
+                case 1: step_heads(qj, aj, stride, k, v, at, n, dtype, head_dim, m + j, lsum + j, 1); break;
+                case 2: step_heads(qj, aj, stride, k, v, at, n, dtype, head_dim, m + j, lsum + j, 2); break;
+                case 3: step_heads(qj, aj, stride, k, v, at, n, dtype, head_dim, m + j, lsum + j, 3); break;
+                default: step_heads(qj, aj, stride, k, v, at, n, dtype, head_dim, m + j, lsum + j, MAX_G);
+                }
+            }
+            if (h == h0 && next_n > BLOCK)
+                prefetch_rows(k_cache, v_cache, next_at + BLOCK, next_n - BLOCK, col, elem, bytes);
+        }
+        memcpy(at, next_at, sizeof at);
+        n = next_n;
     }
 }
 
-/* One step of G query heads sharing a KV head (k, v: its column): scores, softmax, V. Each G its
- * own unrolled code (the switch in attend_avx2). */
-static inline __attribute__((always_inline)) void block_heads(const float *qf, float *acc, int stride, const char *k,
-                                                              const char *v, const int64_t at[BLOCK], int n,
-                                                              int dtype, int head_dim, float *m, float *l, int G) {
-    const __m256 valid = _mm256_castsi256_ps(first_lanes(n));
-    __m256 s[MAX_G];
-    float prob[MAX_G][BLOCK] __attribute__((aligned(32))), corr[MAX_G];
-    block_scores(qf, stride, k, at, dtype, head_dim, G, s);
-    for (int g = 0; g < G; g++) corr[g] = softmax_block(s[g], valid, m + g, l + g, prob[g]);
-    block_values(acc, stride, prob, corr, v, at, n, dtype, head_dim, G);
-}
-
-/* One task of paged_decode_attention, BLOCK positions at a time: for each KV head, its query heads
+/* One task of paged_decode_attention, STEP positions at a time: for each KV head, its query heads
  * MAX_G at a time, scored and weighted together. q and the accumulators are float32 in load16's
  * order (bfloat16: each 16 dimensions as the 8 even, then the 8 odd ones); the end undoes it. */
 static void attend_avx2(const char *q, const void *k_cache, const void *v_cache, int dtype, const int64_t *pages,
                         int64_t len, int page_size, int h0, int h1, int group, int head_dim, int64_t kv_row,
                         float scale, float *res) {
-    const int elem = dtype == DTYPE_BF16 ? 2 : 4, nq = (h1 - h0) * group, bytes = (h1 - h0) * head_dim * elem;
-    const int64_t col = (int64_t)h0 * head_dim;
+    const int elem = dtype == DTYPE_BF16 ? 2 : 4, nq = (h1 - h0) * group;
     const int stride = (head_dim + 15) & ~15; /* of qf and acc per head: whole 16-dimension blocks */
     float qf[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(32)));
     float acc[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(32)));
-    float m[MAX_HEADS], l[MAX_HEADS];
-    int64_t at[BLOCK]; /* element offset of each position's token row */
+    float m[MAX_HEADS], lsum[MAX_HEADS][BLOCK] __attribute__((aligned(32)));
     for (int j = 0; j < nq; j++) {
         for (int d = 0; d < head_dim; d += 16) {
             __m256 lo, hi;
@@ -332,37 +385,17 @@ static void attend_avx2(const char *q, const void *k_cache, const void *v_cache,
             _mm256_store_ps(qf + j * stride + d + 8, _mm256_mul_ps(hi, _mm256_set1_ps(scale)));
         }
         m[j] = -INFINITY;
-        l[j] = 0.0f;
+        _mm256_store_ps(lsum[j], _mm256_setzero_ps());
     }
     memset(acc, 0, (size_t)nq * stride * sizeof(float));
-    prefetch_kv(k_cache, v_cache, pages, page_size, 0, len < BLOCK ? len : BLOCK, kv_row, col, elem, bytes, 0);
-    prefetch_kv(k_cache, v_cache, pages, page_size, BLOCK, len < PREFETCH_L2 ? len : PREFETCH_L2, kv_row, col, elem,
-                bytes, 1);
-    for (int64_t start = 0; start < len; start += BLOCK) {
-        const int n = (int)(len - start < BLOCK ? len - start : BLOCK);
-        for (int t = 0; t < BLOCK; t++) { /* past the end: the last row again, its scores masked */
-            const int64_t pos = start + (t < n ? t : n - 1);
-            at[t] = (pages[pos / page_size] * page_size + pos % page_size) * kv_row;
-        }
-        const int64_t next = start + BLOCK, next_end = len < next + BLOCK ? len : next + BLOCK;
-        prefetch_kv(k_cache, v_cache, pages, page_size, next, next_end, kv_row, col, elem, bytes, 0);
-        for (int h = h0; h < h1; h++) {
-            const char *k = (const char *)k_cache + (int64_t)h * head_dim * elem;
-            const char *v = (const char *)v_cache + (int64_t)h * head_dim * elem;
-            for (int j = (h - h0) * group; j < (h - h0 + 1) * group; j += MAX_G) {
-                const int rest = (h - h0 + 1) * group - j;
-                float *qj = qf + j * stride, *aj = acc + j * stride;
-                switch (rest < MAX_G ? rest : MAX_G) {
-                case 1: block_heads(qj, aj, stride, k, v, at, n, dtype, head_dim, m + j, l + j, 1); break;
-                case 2: block_heads(qj, aj, stride, k, v, at, n, dtype, head_dim, m + j, l + j, 2); break;
-                case 3: block_heads(qj, aj, stride, k, v, at, n, dtype, head_dim, m + j, l + j, 3); break;
-                default: block_heads(qj, aj, stride, k, v, at, n, dtype, head_dim, m + j, l + j, MAX_G);
-                }
-            }
-        }
-    }
+    if (dtype == DTYPE_BF16)
+        attend_steps(qf, acc, stride, k_cache, v_cache, DTYPE_BF16, pages, len, page_size, h0, h1, group, head_dim,
+                     kv_row, m, lsum);
+    else
+        attend_steps(qf, acc, stride, k_cache, v_cache, DTYPE_F32, pages, len, page_size, h0, h1, group, head_dim,
+                     kv_row, m, lsum);
     for (int j = 0; j < nq; j++) {
-        const float inv = len > 0 ? 1.0f / l[j] : 0.0f;
+        const float inv = len > 0 ? 1.0f / hsum8(_mm256_load_ps(lsum[j])) : 0.0f;
         for (int d = 0; d < head_dim; d++) { /* bfloat16: dimension d is where load16 put it */
             const int from = dtype == DTYPE_BF16 ? (d & ~15) + (d & 1) * 8 + (d & 15) / 2 : d;
             res[(int64_t)j * head_dim + d] = acc[j * stride + from] * inv;

@@ -103,11 +103,6 @@ static inline __attribute__((always_inline)) void block_fma(__m256 acc[TILE_R][M
     }
 }
 
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 /* Outputs [n0, n0 + C) of x rows [r0, r0 + R), R and C constants once inlined (the accumulators
  * stay in registers). Weight rows past n_out repeat the last one (from L1), their sums unstored. */
@@ -141,7 +136,7 @@ static inline __attribute__((always_inline)) void tile(const float *xw, int64_t 
     for (int c = 0; c < C && n0 + c < n_out; c++) {
         const float b = bias != NULL ? bf16_to_f32(bias[n0 + c]) : 0.0f;
         for (int r = 0; r < R; r++) {
-            float s = hsum256(acc[r][c]) + b;
+            float s = hsum8(acc[r][c]) + b;
             if (residual != NULL) s += bf16_to_f32(residual[(r0 + r) * res_stride + n0 + c]);
             out[(int64_t)(r0 + r) * n_out + n0 + c] = f32_to_bf16(s);
         }

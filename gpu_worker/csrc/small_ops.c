@@ -7,27 +7,6 @@
 #define PARALLEL_ROWS 16
 #define PIECE 256 /* elements per step: each op converts a piece to float32, computes, stores back */
 
-#if HAVE_AVX2
-/* exp(x) for x <= 0, lane-wise: exp512's polynomial; AVX2 has no vscalefps, so 2^n is built from
- * its exponent bits (x >= -87 keeps n >= -126: a normal float, and p * 2^n rounds as vscalef's). */
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-}
-#endif
-
 /* out[r] = w * (x[r] * rsqrt(mean(x[r]^2) + eps)), statistics in float32 (HF's RMSNorm). bfloat16
  * rounds x * rsqrt(...) to bfloat16 before the weight multiplies it, as HF's `.to(dtype)` does.
  * x rows are x_stride elements apart; out is contiguous [rows, dim]. */
