@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--endpoint", default=None, help="a running engine; default: start one")
     add("--engine-flags", default="", help="extra launcher flags for the engine this starts")
     add("--dtype", choices=("auto", *DTYPES), default="auto", help="for both; auto: the engine's CPU default")
+    add("--hf-dtype", choices=("same", *DTYPES), default="same", help="HF generate's dtype; same: --dtype's")
     add("--num-prompts", type=int, default=64)
     add("--input-len", type=int, default=32)
     add("--output-len", type=int, default=32)
@@ -131,7 +132,8 @@ def run_offline(args: argparse.Namespace) -> OfflineResult:
     prompts = [list(it.input_ids or []) for it in items]
     config = {k: v for k, v in vars(args).items() if k not in ("result_file", "no_record")}
     result = OfflineResult(config=config)
-    hf = HFGenerate(model_dir, args.dtype, args.hf_threads) if args.baseline == "hf" else None
+    hf_dtype = args.dtype if args.hf_dtype == "same" else args.hf_dtype
+    hf = HFGenerate(model_dir, hf_dtype, args.hf_threads) if args.baseline == "hf" else None
     if hf is not None:
         sizes = [int(x) for x in args.hf_batch_sizes.split(",")]
         result.hf_batch_rates = hf.best_batch_size(prompts, args.output_len, sizes)

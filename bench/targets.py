@@ -73,7 +73,7 @@ TARGETS = (
     Target("decode1_tps", "1 stream: decode tok/s (1 / TPOT p50)", ">= 100", lambda x: x >= 100,
            ("16-20", "31-34", "97-126", "152")),
     Target("out1_tps", "1 stream: output tok/s", "-", None),
-    Target("offline_ratio", "offline: rivulet / HF generate, same dtype and run", ">= 2", lambda x: x >= 2),
+    Target("offline_ratio", "offline: rivulet / HF generate (--hf-dtype)", ">= 2", lambda x: x >= 2),
     Target("offline_tps", "offline: rivulet output tok/s", "-", None),
     Target("offline_hf_tps", "offline: HF generate output tok/s (measured here)", "-", None),
     Target("busy_pct", "worker busy % of wall, steady decode at 32 streams", ">= 95", lambda x: x >= 95),
@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--offline-prompts", type=int, default=256)
     add("--hf-batch-sizes", default="32,64", help="HF generate's static batch sizes; the fastest is kept")
     add("--hf-threads", type=int, default=0, help="torch threads for HF; 0: torch's default")
+    add("--hf-dtype", default="same", help="HF generate's dtype for the offline ratio; same: the engine's")
     add("--idle-s", type=float, default=10.0, help="how long idle CPU is measured")
     add("--result-file", type=Path, default=DEFAULT_RESULTS, help="JSON Lines file the record is appended to")
     add("--no-record", action="store_true")
@@ -298,12 +299,13 @@ def measure_idle(server: launch.Server, seconds: float) -> float:
 
 
 def measure_offline(args: argparse.Namespace, server: launch.Server, dtype: str, r: int) -> dict[str, Any]:
-    """bench/offline.py on this engine, HF generate of the same dtype beside it (one round)."""
+    """bench/offline.py on this engine, HF generate (of --hf-dtype) beside it (one round)."""
     model = ["--model", args.model] if args.model else []
     argv = ["--endpoint", server.address, *model, "--dtype", dtype, "--seed", str(2000 + r),
             "--num-prompts", str(args.offline_prompts), "--input-len", str(args.input_len),
             "--output-len", str(args.output_len),
             "--baseline", "hf", "--hf-batch-sizes", args.hf_batch_sizes, "--hf-threads", str(args.hf_threads),
+            "--hf-dtype", args.hf_dtype,
             "--no-record"]  # fmt: skip
     off_args = offline.build_parser().parse_args(argv)
     res = offline.run_offline(off_args)
