@@ -27,7 +27,6 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -36,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from gpu_worker.cpu.kind import CpuKind
+from gpu_worker.cpu.kind import CpuKind, is_x86
 from gpu_worker.model_files import cache_root
 
 logger = logging.getLogger(__name__)
@@ -86,7 +85,7 @@ class CpuKernels:
         self.path = path
         self.kind = kind
         self.isa = int(lib.kernel_isa())
-        expected = BUILDS[kind][1] if _is_x86() else ISA_PORTABLE
+        expected = BUILDS[kind][1] if is_x86() else ISA_PORTABLE
         if self.isa != expected:
             raise RuntimeError(f"kernels for {kind.value} built as ISA {self.isa}, not {expected}")
         self._attention = lib.paged_decode_attention
@@ -259,7 +258,7 @@ def build(kind: CpuKind) -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    flags = CFLAGS + (BUILDS[kind][0] if _is_x86() else ())
+    flags = CFLAGS + (BUILDS[kind][0] if is_x86() else ())
     texts = [(CSRC / name).read_text() for name in SOURCES + HEADERS]
     key = hashlib.sha256("\n".join([*texts, " ".join(flags), version]).encode()).hexdigest()[:16]
     out_dir = cache_root() / "kernels"
@@ -286,7 +285,3 @@ def build(kind: CpuKind) -> Path:
             os.unlink(tmp)
     logger.info("built CPU kernels for %s: %s", kind.value, target)
     return target
-
-
-def _is_x86() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64")

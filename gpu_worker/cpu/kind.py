@@ -90,9 +90,14 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+def is_x86() -> bool:
+    """Whether this machine is x86-64 (elsewhere every kind but portable is meaningless)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
 def native_kind(flags: frozenset[str] | None = None) -> CpuKind:
     """The largest kind this CPU (or these flags) has."""
-    if platform.machine().lower() not in ("x86_64", "amd64") and flags is None:
+    if flags is None and not is_x86():
         return CpuKind.PORTABLE
     have = cpu_flags() if flags is None else flags
     kind = CpuKind.PORTABLE

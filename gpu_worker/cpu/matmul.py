@@ -96,18 +96,17 @@ class CpuLinear:
         self.out_features = weight.shape[0]
         plan = PLANS[kind] if dtype == torch.bfloat16 else MatmulPlan(c_max_rows=0, fp32_min_rows=None)
         self.c_max_rows = plan.c_max_rows if kernels is not None else 0
+        self.fp32_min_rows = plan.fp32_min_rows if can_pack(torch.float32, kind) else None
+        if self.fp32_min_rows is not None and not can_pack(torch.bfloat16, kind):
+            self.fp32_min_rows = self.c_max_rows + 1  # no oneDNN bf16 here: fp32 right after C
+        in_between = self.fp32_min_rows is None or self.fp32_min_rows > self.c_max_rows + 1
         self.kernels = kernels
         self.bias = None if bias is None else bias.detach()
         self.plain = weight.detach().contiguous() if self.c_max_rows > 0 else None
-        self.fp32_min_rows = plan.fp32_min_rows if can_pack(torch.float32, kind) else None
-        in_between = self.fp32_min_rows is None or self.fp32_min_rows > self.c_max_rows + 1
         self.packed = _blocked(weight) if in_between and can_pack(dtype, kind) else None
         self.unpacked = weight.detach() if in_between and self.packed is None else None
-        if self.fp32_min_rows is not None and dtype == torch.bfloat16:
-            self.fp32: torch.Tensor | None = _blocked(weight.float())
-            self.fp32_bias = None if bias is None else bias.detach().float()
-        else:
-            self.fp32, self.fp32_min_rows = None, None
+        self.fp32 = _blocked(weight.float()) if self.fp32_min_rows is not None else None
+        self.fp32_bias = None if bias is None or self.fp32 is None else bias.detach().float()
 
     @property
     def paths(self) -> dict[str, bool]:
@@ -134,7 +133,8 @@ class CpuLinear:
             assert self.kernels is not None and self.plain is not None
             x = x if x.stride(-1) == 1 else x.contiguous()
             return self.kernels.matmul(x, self.plain, self.bias, residual)
-        if self.fp32 is not None and self.fp32_min_rows is not None and rows >= self.fp32_min_rows:
+        if self.fp32_min_rows is not None and rows >= self.fp32_min_rows:
+            assert self.fp32 is not None
             out = _blocked_linear(x.to(torch.float32), self.fp32, self.fp32_bias).to(x.dtype)
             return out if residual is None else residual + out
         if self.packed is not None:

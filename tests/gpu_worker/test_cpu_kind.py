@@ -66,7 +66,9 @@ def test_torch_in_a_fresh_process_follows_the_override() -> None:
         "print(torch.backends.cpu.get_cpu_capability())"
     )
     env = {**os.environ, cpu_kind.ENV_VAR: "portable"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "DEFAULT"
 

@@ -64,3 +64,14 @@ def test_bench_plan_takes_c_while_fastest_and_fp32_from_where_it_stays_fastest()
     assert plan_of(best) == (8, 16)
     best[16]["c"] = 3.9  # fp32 loses at 16: it only starts at 32
     assert plan_of(best) == (16, 32)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[k.value for k in KINDS])
+def test_bf16_without_c_kernels_never_falls_to_torch_bf16(kind: CpuKind) -> None:
+    """--disable-cpu-kernels: where oneDNN has no bf16 (below AVX-512), fp32 takes every row count."""
+    weight = torch.randn(24, 16).bfloat16()
+    linear = CpuLinear(weight, None, kind, None)
+    assert not linear.paths["c"] and not linear.paths["torch"]
+    assert linear.paths["onednn_fp32"] or kind.includes(CpuKind.AVX512_BF16)
+    x = torch.randn(2, 16).bfloat16()
+    torch.testing.assert_close(linear(x).double(), x.double() @ weight.double().T, rtol=2**-7, atol=0.05)
