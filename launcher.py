@@ -34,7 +34,7 @@ import msgspec
 import zmq
 
 from client import DEFAULT_ENDPOINT
-from gpu_worker.config import WorkerConfig
+from gpu_worker.config import WEIGHT_DTYPES, WorkerConfig
 from gpu_worker.cpu.kind import CpuKindError, apply_to_environ
 from protocol import ToLauncher, WorkerReady
 from protocol.transport import Codec, Endpoints, make_socket
@@ -121,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
         "one-row matmul; "
         "built with the system C compiler on first start; without one the worker uses torch anyway)",
     )
+    p.add_argument(
+        "--weight-dtype",
+        choices=WEIGHT_DTYPES,
+        default=w.weight_dtype,
+        help="a GGUF model's weights: auto keeps the blocks of every type with a CPU kernel (Q4_0, "
+        "Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) quantized and uses --dtype for the rest; gguf the same, "
+        "refusing to start where it cannot; bfloat16/float32 dequantize at load",
+    )
     p.add_argument("--seed", type=int, default=w.seed)
     p.add_argument("--decode-log-interval", type=int, default=s.decode_log_interval)
     p.add_argument("--log-level", default="INFO")
@@ -180,9 +188,11 @@ def tokenizer_config(args: argparse.Namespace, model_path: str) -> TokenizerConf
     )
 
 
-def worker_config(args: argparse.Namespace, model_path: str) -> WorkerConfig:
+def worker_config(args: argparse.Namespace, model_path: str, gguf_path: str = "") -> WorkerConfig:
     return WorkerConfig(
         model_path=model_path,
+        gguf_path=gguf_path,
+        weight_dtype=args.weight_dtype,
         device=args.device,
         dtype=args.dtype,
         page_size=args.page_size,
@@ -374,7 +384,7 @@ def _signal_wakeup() -> tuple[socket.socket, socket.socket]:
 
 def serve(args: argparse.Namespace) -> int:
     """Start the engine, print the endpoint, supervise until a signal or a child's death."""
-    from gpu_worker.model_files import resolve_model
+    from gpu_worker.model_files import resolve_model, source_gguf
 
     endpoint = check_endpoint(args.endpoint)
     if endpoint.startswith("ipc://"):
@@ -385,7 +395,7 @@ def serve(args: argparse.Namespace) -> int:
     drain_s = 0.0  # only a stop by signal drains
     engine = Engine(Endpoints.in_dir(run_dir, client=endpoint), args.log_level)
     try:
-        engine.start("gpu_worker", worker_config(args, model_path))
+        engine.start("gpu_worker", worker_config(args, model_path, str(source_gguf(args.model) or "")))
         engine.start("tokenizer", tokenizer_config(args, model_path))
         ready = engine.wait_ready({"gpu_worker", "tokenizer"}, READY_TIMEOUT_S)["gpu_worker"]
         assert isinstance(ready, WorkerReady), "the worker must report its KV pool"

@@ -38,13 +38,26 @@ def load_hf_config(model_path: str | Path) -> Any:
     return AutoConfig.from_pretrained(str(model_path))
 
 
-def load_model(model_path: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[CausalLM, Any]:
-    """Build our model for ``model_path`` on ``device`` in ``dtype`` and fill every weight."""
+def load_model(
+    model_path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    gguf: Path | None = None,
+    keep: frozenset[int] = frozenset(),
+) -> tuple[CausalLM, Any]:
+    """Build our model for ``model_path`` on ``device`` in ``dtype`` and fill every weight: from
+    the checkpoint's safetensors, or with ``gguf``, from that file, blocks of the ggml types in
+    ``keep`` left quantized (gguf_weights.py)."""
     hf_config = load_hf_config(model_path)
     cls = model_class(hf_config.model_type)
     with torch.device(device), _default_dtype(dtype):
         model = cls(hf_config)
-    load_weights(model, safetensors_files(Path(model_path)))
+    if gguf is None:
+        load_weights(model, safetensors_files(Path(model_path)))
+    else:
+        from gpu_worker.gguf_weights import load_gguf_weights
+
+        load_gguf_weights(model, gguf, keep)
     return cast(CausalLM, model.eval()), hf_config
 
 

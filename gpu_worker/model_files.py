@@ -60,6 +60,12 @@ def resolve_model(model: str | None) -> Path:
     raise ModelNotFoundError(f"--model {model!r} is neither an HF model directory nor a .gguf file")
 
 
+def source_gguf(model: str | None) -> Path | None:
+    """The .gguf file ``model`` names (the embedded one for None), or None for an HF directory."""
+    path = Path(model).expanduser() if model else embedded_gguf_path()
+    return path.resolve() if path.is_file() and path.suffix == ".gguf" else None
+
+
 def _converted_gguf(gguf: Path) -> Path:
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]

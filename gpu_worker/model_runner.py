@@ -10,6 +10,8 @@ import logging
 import os
 import time
 from itertools import accumulate
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,7 +19,9 @@ from gpu_worker.attention import ForwardContext, build_metadata
 from gpu_worker.config import WorkerConfig
 from gpu_worker.cpu import backend as cpu_backend
 from gpu_worker.kv_cache import KVPool, kv_pool_tokens
+from gpu_worker.gguf_weights import GgufError
 from gpu_worker.loader import load_model
+from gpu_worker.models import CausalLM
 from gpu_worker.sampler import SlotSamplerParams, greedy_pick, sample
 from gpu_worker.threads import ThreadTuner, shape_class
 from protocol.messages import PENDING, ForwardBatch, ForwardResult
@@ -63,7 +67,7 @@ class ModelRunner:
 
     def _init_model(self) -> None:
         started = time.perf_counter()
-        self.model, self.hf_config = load_model(self.config.model_path, self._dtype, self._device)
+        self.model, self.hf_config = self._load()
         self._prepare_kernels()
         self._context_len = int(self.model.context_len)
         self.vocab_size = int(self.hf_config.vocab_size)
@@ -74,6 +78,51 @@ class ModelRunner:
             self._device,
             time.perf_counter() - started,
         )
+
+    def _load(self) -> tuple[CausalLM, Any]:
+        """The model, its weights from the GGUF with their blocks kept where --weight-dtype allows
+        it (gguf_weights.py), else from the safetensors (a GGUF's conversion, bit for bit)."""
+        path, dtype, device, wanted = self.config.model_path, self._dtype, self._device, self.config.weight_dtype
+        keep = self._quantized_types()
+        if keep:
+            try:
+                return load_model(path, dtype, device, Path(self.config.gguf_path), keep)
+            except GgufError as exc:
+                if wanted == "gguf":
+                    raise ValueError(f"--weight-dtype gguf: {exc}") from exc
+                logger.info("GGUF weights dequantized: %s", exc)
+        model, hf_config = load_model(path, dtype, device)
+        if wanted == "bfloat16" and dtype != torch.bfloat16:
+            round_weights(model, torch.bfloat16)
+        return model, hf_config
+
+    def _quantized_types(self) -> frozenset[int]:
+        """The GGUF block types the weights stay in: every type with a CPU kernel under
+        --weight-dtype auto or gguf, where the model is a GGUF the kernels can run; none else."""
+        wanted = self.config.weight_dtype
+        if wanted not in ("auto", "gguf"):
+            return frozenset()
+        why_not = self._why_not_quantized()
+        if why_not is None:
+            return cpu_backend.quantized_types(self.config.cpu_kernels)
+        if wanted == "gguf":
+            raise ValueError(f"--weight-dtype gguf: {why_not}")
+        if self.config.gguf_path:
+            logger.info("GGUF weights dequantized: %s", why_not)
+        return frozenset()
+
+    def _why_not_quantized(self) -> str | None:
+        if not self.config.gguf_path:
+            return "the model is not a GGUF file"
+        if self._device.type != "cpu":
+            return f"quantized kernels exist for CPU only, not {self._device.type}"
+        if self._dtype not in (torch.float32, torch.bfloat16):
+            return f"quantized kernels take float32 or bfloat16 activations, not {self._dtype}"
+        if self.config.compile:
+            return "--compile runs torch's matmuls"
+        if not cpu_backend.quantized_types(self.config.cpu_kernels):
+            return "the CPU's C kernels are off or could not be built (see the log)"
+        return None
 
     def _prepare_kernels(self) -> None:
         """--compile: torch.compile every layer's forward; on CPU, the CPU backend readies the model
@@ -208,6 +257,14 @@ class ModelRunner:
         slots = torch.tensor([batch.slots[i] for i in rows], device=self._device)
         input_ids[where] = self.last_tokens[slots]
         return input_ids
+
+
+def round_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Round every parameter through ``dtype`` in place (--weight-dtype bfloat16 under a wider --dtype)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.copy_(param.to(dtype))
 
 
 def auto_dtype(device: torch.device) -> str:

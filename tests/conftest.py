@@ -55,6 +55,8 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) 
 CPU_KIND_TESTS = (
     "tests/gpu_worker/test_cpu_kernels.py",
     "tests/gpu_worker/test_cpu_matmul.py",
+    "tests/gpu_worker/test_quant_kernels.py",
+    "tests/gpu_worker/test_quant_k_kernels.py",
     "tests/gpu_worker/test_models.py",
     "tests/gpu_worker/test_smollm2.py",
     "tests/gpu_worker/test_smollm2_bf16.py",

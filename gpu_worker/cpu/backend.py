@@ -8,6 +8,8 @@ Its steps, in this order (each depends on the one before):
    oneDNN, plain bf16 for the C kernel, an fp32 copy) and the path per row count from the kind's
    committed plan. The loaded weight is then dropped from the module; the CpuLinear owns it.
    Not with --compile: a compiled graph cannot read oneDNN's opaque blocked tensors.
+   A Linear or embedding the loader gave a GGUF's quantized blocks gets a ``QuantLinear`` or
+   ``QuantEmbedding`` (quant.py) instead; the runner loads blocks only where the kernels run.
 4. Modules with a ``fused`` slot (RMSNorm, rotary, silu * up) get the kernels, unless --compile
    fuses those ops itself (a C call would break its graph).
 5. Attributes pinned in each module's instance dict (last: the model's layout is final).
@@ -25,7 +27,8 @@ from torch import nn
 from gpu_worker.cpu import kernels as cpu_kernels
 from gpu_worker.cpu.kind import CpuKind, describe, requested_kind
 from gpu_worker.cpu.matmul import PLANS, CpuLinear
-from gpu_worker.models.layers import Linear
+from gpu_worker.cpu.quant import QuantEmbedding, QuantLinear
+from gpu_worker.models.layers import Embedding, Linear
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,12 @@ def auto_dtype(kind: CpuKind | None = None) -> str:
     return "bfloat16" if PLANS[kind].c_max_rows > 0 else "float32"
 
 
+def quantized_types(use_kernels: bool) -> frozenset[int]:
+    """The ggml block types this CPU's kernels compute on (empty: kernels off or not built)."""
+    kernels = cpu_kernels.load(requested_kind()) if use_kernels else None
+    return frozenset() if kernels is None else frozenset(t for t in QUANT_TYPES if kernels.quant_supported(t))
+
+
 def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compiled: bool) -> CpuSetup:
     """Steps 1-5 of the module docstring, on a model just loaded on the CPU."""
     kind = requested_kind()
@@ -52,9 +61,10 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compi
     fits = use_kernels and cpu_kernels.CpuKernels.supports(*shapes)  # type: ignore[arg-type]
     kernels = cpu_kernels.load(kind) if fits else None
     paths: Counter[str] = Counter()
+    _attach_quantized(model, dtype, kernels, paths)
     if not compiled:
         for module in model.modules():
-            if isinstance(module, Linear) and module.weight.dtype in (torch.float32, torch.bfloat16):
+            if isinstance(module, Linear) and module.impl is None and module.weight.dtype in _CPU_LINEAR:
                 impl = CpuLinear(module.weight, module.bias, kind, kernels)
                 module.impl = impl
                 paths.update(name for name, has in impl.paths.items() if has)
@@ -65,12 +75,55 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compi
     _drop_owned_weights(model)
     pin_attributes(model)
     logger.info(
-        "%s; C kernels: %s; matmul paths (Linears): %s",
+        "%s; C kernels: %s; matmul paths (Linears): %s; weights held: %.1f MB",
         describe(kind),
         "none" if kernels is None else f"{kind.value} build",
         ", ".join(f"{name} {count}" for name, count in sorted(paths.items())) or "torch",
+        weight_bytes(model) / 1e6,
     )
     return CpuSetup(kind=kind, kernels=kernels)
+
+
+_CPU_LINEAR = (torch.float32, torch.bfloat16)
+# ggml type ids with kernels in csrc/quant*.c (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), where built.
+QUANT_TYPES = (2, 3, 8, 12, 13, 14)
+
+
+def _attach_quantized(
+    model: nn.Module, dtype: torch.dtype, kernels: cpu_kernels.CpuKernels | None, paths: Counter[str]
+) -> None:
+    """QuantLinear / QuantEmbedding for every module the loader gave quantized blocks."""
+    import gguf
+
+    for module in model.modules():
+        weight = getattr(module, "quantized", None)
+        if weight is None:
+            continue
+        assert kernels is not None, "quantized weights are loaded only where the kernels run"
+        types = "+".join(gguf.GGMLQuantizationType(part.type).name for part in weight.parts)
+        if isinstance(module, Linear):
+            module.impl = QuantLinear(weight, module.bias, kernels)
+            paths[f"gguf {types}"] += 1
+        elif isinstance(module, Embedding):
+            module.impl = QuantEmbedding(weight, dtype, kernels)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weight tensors the model holds: parameters and every copy a backend's impl
+    keeps (each storage counted once: a tied head shares its embedding's)."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        held = list(module.parameters(recurse=False))
+        impl = getattr(module, "impl", None)
+        if impl is not None and hasattr(impl, "tensors"):
+            held.extend(impl.tensors())
+        for tensor in held:
+            if tensor.device.type == "cpu" and tensor.numel() and not tensor.is_mkldnn:
+                storage = tensor.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+            elif tensor.numel():  # oneDNN's blocked tensors have no storage to ask
+                seen[id(tensor)] = tensor.numel() * tensor.element_size()
+    return sum(seen.values())
 
 
 def _drop_owned_weights(model: nn.Module) -> None:

@@ -1,6 +1,7 @@
 """The worker's C kernels for CPU (csrc/*.c): attention of decode rows over the paged KV, the dense
 layers' small ops (RMSNorm, rotary, silu * up) in one call each, the few-row bf16 matmul of decode
-steps, and the greedy argmax.
+steps, the greedy argmax, and the matmul and row lookup of GGUF weights kept in their quantized
+blocks (quant*.c: activations quantized to int8 per block, integer dot products, as llama.cpp).
 
 Why C: torch has no paged attention on CPU. Its SDPA wants each decode row's KV
 gathered into a padded copy first. The kernel walks each row's pages in place
@@ -30,9 +31,11 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import NamedTuple
 
+import gguf
 import torch
 
 from gpu_worker.cpu.kind import CpuKind, is_x86
@@ -41,8 +44,8 @@ from gpu_worker.model_files import cache_root
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = ("attention.c", "matmul.c", "small_ops.c")
-HEADERS = ("common.h",)
+SOURCES = ("attention.c", "matmul.c", "small_ops.c", "quant.c", "quant_legacy.c", "quant_k.c")
+HEADERS = ("common.h", "quant.h")
 # -std=c11 alone turns FMA contraction off, and trapping math keeps float selects as branches: both
 # leave the inner loops scalar. The kernels read no FP exception flags and no errno.
 CFLAGS = (
@@ -110,6 +113,20 @@ class CpuKernels:
         self._argmax.argtypes = [ptr, i64, i64, i32, i32, ptr]
         for fn in (self._rms_norm, self._rotary, self._silu_mul, self._matmul, self._argmax):
             fn.restype = None
+        self._quant_supported = lib.quant_supported
+        self._quant_supported.argtypes = [i32]
+        self._quant_supported.restype = i32
+        self._quant_act_row_bytes = lib.quant_act_row_bytes
+        self._quant_act_row_bytes.argtypes = [i32, i64]
+        self._quant_act_row_bytes.restype = i64
+        self._quant_matmul = lib.quant_matmul
+        self._quant_matmul.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, ptr, i32, ptr, i64]
+        self._quant_matmul.restype = i32
+        self._quant_get_rows = lib.quant_get_rows
+        self._quant_get_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32]
+        self._quant_get_rows.restype = None
+        self._local = threading.local()
+        self._act_row_bytes = functools.cache(lambda type, k: int(self._quant_act_row_bytes(type, k)))
 
     @staticmethod
     def supports(num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
@@ -231,6 +248,68 @@ class CpuKernels:
         )  # fmt: skip
         return out
 
+    # GGUF weights in their quantized blocks (csrc/quant.h): ``type`` is ggml's type id
+    # (gguf.GGMLQuantizationType), ``w`` the [n, row bytes] uint8 blocks as the file holds them.
+
+    def quant_supported(self, type: int) -> bool:
+        """Whether ``quant_matmul`` and ``quant_get_rows`` take weights of this ggml type."""
+        return bool(self._quant_supported(type))
+
+    def quant_matmul(
+        self, type: int, w: torch.Tensor, k: int, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [M, K] @ W.T (+ residual) -> [M, N] in x's dtype (float32 or bfloat16), W [N, K] held as
+        blocks ``w`` (uint8 [N, row bytes], contiguous). x rows are quantized to int8 per block as
+        llama.cpp does; sums in float32, one rounding at the end. x and residual rows may be strided
+        (last dim contiguous); residual [M, N] in x's dtype."""
+        act_bytes = self._act_row_bytes(type, k)
+        if act_bytes == 0:
+            raise ValueError(f"quant_matmul: type {type} unsupported or k={k} not a whole number of blocks")
+        assert w.dtype == torch.uint8 and w.is_contiguous() and w.dim() == 2, (
+            "w: contiguous uint8 [n, row bytes]"
+        )
+        assert w.shape[1] == quant_row_bytes(type, k), f"w: {w.shape[1]} bytes a row, not k={k}'s"
+        assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1, "x: [M, k], rows contiguous"
+        m, n = x.shape[0], w.shape[0]
+        out = torch.empty((m, n), dtype=x.dtype)
+        if residual is not None:
+            assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1
+        scratch = self._scratch(m * act_bytes)
+        status = self._quant_matmul(
+            type, w.data_ptr(), n, k, x.data_ptr(), x.stride(0), DTYPE_CODES[x.dtype], m, scratch.data_ptr(),
+            out.data_ptr(), DTYPE_CODES[x.dtype], None if residual is None else residual.data_ptr(),
+            0 if residual is None else residual.stride(0),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"quant_matmul refused type {type}, k={k}, dtype {x.dtype}: status {status}")
+        return out
+
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` for quantized activations, reused by this thread's calls
+        (an allocation per call costs about as much as a small matmul's compute)."""
+        buf: torch.Tensor | None = getattr(self._local, "scratch", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._local.scratch = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
+        return buf
+
+    def quant_get_rows(
+        self, type: int, w: torch.Tensor, k: int, ids: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Rows ``ids`` (int64 [T]) of W [N, K] held as blocks ``w``, dequantized -> [T, K] of ``dtype``
+        (the embedding lookup)."""
+        if self._act_row_bytes(type, k) == 0:
+            raise ValueError(f"quant_get_rows: type {type} unsupported or k={k} not a whole number of blocks")
+        assert w.dtype == torch.uint8 and w.is_contiguous() and w.dim() == 2
+        assert w.shape[1] == quant_row_bytes(type, k), f"w: {w.shape[1]} bytes a row, not k={k}'s"
+        assert ids.dtype == torch.int64 and ids.dim() == 1
+        ids = ids.contiguous()
+        assert len(ids) == 0 or (0 <= int(ids.min()) and int(ids.max()) < w.shape[0]), "ids out of range"
+        out = torch.empty((len(ids), k), dtype=dtype)
+        self._quant_get_rows(
+            type, w.data_ptr(), k, ids.data_ptr(), len(ids), out.data_ptr(), DTYPE_CODES[dtype]
+        )
+        return out
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """The first index of each row's largest value of [R, V] float32/bf16 logits (rows may be
         strided; NaN-free), as int64 [R]: torch's max(dim=-1).indices, several times faster."""
@@ -240,6 +319,13 @@ class CpuKernels:
             out.data_ptr(),
         )  # fmt: skip
         return out
+
+
+@functools.cache
+def quant_row_bytes(type: int, k: int) -> int:
+    """Bytes of one row of k weights in blocks of ggml type ``type``."""
+    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type)]
+    return k // block * block_bytes
 
 
 @functools.cache

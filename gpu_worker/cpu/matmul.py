@@ -108,6 +108,11 @@ class CpuLinear:
         self.fp32 = _blocked(weight.float()) if self.fp32_min_rows is not None else None
         self.fp32_bias = None if bias is None or self.fp32 is None else bias.detach().float()
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The copies this Linear holds (for the worker's count of weight bytes)."""
+        held = (self.plain, self.packed, self.unpacked, self.fp32, self.bias, self.fp32_bias)
+        return [t for t in held if t is not None]
+
     @property
     def paths(self) -> dict[str, bool]:
         """Which paths this Linear can take (for logs and tests)."""

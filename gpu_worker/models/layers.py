@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from gpu_worker.gguf_weights import QuantizedWeight
 
 
 class LinearImpl(Protocol):
@@ -23,6 +26,12 @@ class LinearImpl(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class EmbeddingImpl(Protocol):
+    """A device backend's row lookup for an embedding whose table it holds in its own layout."""
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor: ...
 
 
 class FusedOps(Protocol):
@@ -39,10 +48,13 @@ class Linear(nn.Module):
     """``y = x W^T + b`` with HF's [out, in] weight layout.
 
     A device backend may set ``impl``: the matmul in its own weight layouts (on CPU,
-    gpu_worker/cpu/matmul.py), which then owns the weights.
+    gpu_worker/cpu/matmul.py), which then owns the weights. ``quantized``: the weight as a
+    GGUF's blocks (gguf_weights.py), set by the loader instead of ``weight``; only a backend
+    with kernels for them computes on it.
     """
 
     impl: LinearImpl | None = None
+    quantized: QuantizedWeight | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -93,11 +105,18 @@ class Conv1D(nn.Module):
 
 
 class Embedding(nn.Module):
+    """Rows of a [num, dim] table; ``impl`` and ``quantized`` as in ``Linear``."""
+
+    impl: EmbeddingImpl | None = None
+    quantized: QuantizedWeight | None = None
+
     def __init__(self, num: int, dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num, dim), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.impl is not None:
+            return self.impl(ids)
         return F.embedding(ids, self.weight)
 
 

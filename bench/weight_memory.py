@@ -1,0 +1,79 @@
+"""The worker's weight bytes and RSS per ``--weight-dtype``, in one run, against the GGUF's tensor bytes.
+
+    python -m bench.weight_memory [--model FILE.gguf] [--weight-dtypes auto,float32] [--dtype auto]
+
+Each engine is started in turn, idle after Ready: the worker logs the bytes of the weight tensors
+it holds (every storage once: parameters and each copy a matmul path keeps), and its RSS is read
+from /proc (RSS includes libtorch and the KV pool, so compare the rows with each other).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import tempfile
+import time
+from pathlib import Path
+
+from bench.launch import rivulet_server
+
+HELD = re.compile(r"weights held: ([0-9.]+) MB")
+PATHS = re.compile(r"matmul paths \(Linears\): ([^;]+);")
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def gguf_tensor_mb(path: Path) -> float:
+    import gguf
+
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors) / 1e6
+
+
+def measure(model: str | None, weight_dtype: str, dtype: str, workdir: Path) -> dict[str, object]:
+    flags = ["--weight-dtype", weight_dtype, "--dtype", dtype, "--kv-cache-tokens", "4096"]
+    with rivulet_server(weight_dtype, flags, workdir / weight_dtype, model=model) as server:
+        time.sleep(1.0)  # Ready is sent after the weights are in place; let the worker settle
+        server.watch()
+        log = server.log_tail(200_000)
+        held = HELD.findall(log)
+        paths = PATHS.findall(log)
+        worker = max(server.alive_pids(), key=rss_mb)  # the worker holds the weights
+        return {
+            "weight_dtype": weight_dtype,
+            "held_mb": float(held[-1]) if held else float("nan"),
+            "worker_rss_mb": rss_mb(worker),
+            "paths": paths[-1] if paths else "?",
+        }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="a .gguf file (default: the embedded SmolLM2)")
+    p.add_argument("--weight-dtypes", default="auto,float32")
+    p.add_argument("--dtype", default="auto")
+    args = p.parse_args()
+    from gpu_worker.model_files import source_gguf
+
+    path = source_gguf(args.model)
+    if path is None:
+        raise SystemExit("--model must be a .gguf file")
+    file_mb = gguf_tensor_mb(path)
+    print(f"GGUF {path.name}: {file_mb:.1f} MB of tensors; --dtype {args.dtype}")
+    print(f"{'--weight-dtype':<15} {'held MB':>9} {'x file':>7} {'worker RSS MB':>14}  matmul paths")
+    with tempfile.TemporaryDirectory(prefix="rivulet-mem-") as tmp:
+        for weight_dtype in args.weight_dtypes.split(","):
+            row = measure(args.model, weight_dtype, args.dtype, Path(tmp))
+            held = float(row["held_mb"])  # type: ignore[arg-type]
+            print(
+                f"{weight_dtype:<15} {held:>9.1f} {held / file_mb:>7.2f} "
+                f"{float(row['worker_rss_mb']):>14.0f}  {row['paths']}"  # type: ignore[arg-type]
+            )
+
+
+if __name__ == "__main__":
+    main()

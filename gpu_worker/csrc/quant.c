@@ -1,0 +1,128 @@
+/* The quantized matmul's driver: y = residual + x W^T for W in GGUF blocks (quant.h), and the
+ * embedding lookup of W's rows. The per-type code (quant_legacy.c, quant_k.c) quantizes activation
+ * rows and computes tiles; this file splits the work over threads and writes the outputs.
+ *
+ * One OpenMP region per call: the activation rows are quantized (split over threads), then each
+ * thread takes a contiguous run of output columns (all rows) or, when there are fewer column units
+ * than threads, a share of the rows too. A thread walks its columns in panels of weight rows that
+ * stay in L2 while every chunk of activation rows passes over them: the weights come from memory
+ * once per call at any row count (one row: each thread streams its share of W front to back).
+ */
+#include "quant.h"
+#include <stdlib.h>
+
+#define PANEL_BYTES (48 * 1024) /* of weight rows per panel (L2 holds them and the activation chunk) */
+#define COL_UNIT 8              /* columns per unit of the thread split and the panel */
+#define PANEL_MAX 128           /* columns */
+#define ROW_CHUNK 32            /* activation rows per tile call */
+
+static const qtype_ops *lookup(int type) {
+    const qtype_ops *ops = qtype_legacy(type);
+    return ops != NULL ? ops : qtype_k(type);
+}
+
+/* Whether quant_matmul and quant_get_rows take weights of this ggml type. */
+int quant_supported(int type) { return lookup(type) != NULL; }
+
+/* Bytes of one quantized activation row of k values (scratch of quant_matmul holds rows of these);
+ * 0 if the type is unsupported or k is not a whole number of its blocks. */
+int64_t quant_act_row_bytes(int type, int64_t k) {
+    const qtype_ops *ops = lookup(type);
+    if (ops == NULL || k <= 0 || k % ops->block != 0) return 0;
+    return k / ops->block * ops->act_block_bytes;
+}
+
+/* y [rows, n] (contiguous, y_dtype) = residual (rows res_stride elements apart, y_dtype; NULL: none)
+ * + x W^T, x [rows, k] (x_dtype, rows x_stride elements apart), W [n, k] in blocks of ``type``.
+ * Summed in float32, one rounding to y_dtype at the end. scratch: rows * quant_act_row_bytes(type, k)
+ * bytes. Returns 0, or nonzero (nothing written) for an unsupported type (1), k not a whole number
+ * of blocks (2), an unknown dtype (3), or no memory (4). */
+int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride, int x_dtype,
+                 int64_t rows, void *scratch, void *y, int y_dtype, const void *residual, int64_t res_stride) {
+    const qtype_ops *ops = lookup(type);
+    if (ops == NULL) return 1;
+    if (k <= 0 || k % ops->block != 0) return 2;
+    if ((x_dtype != DTYPE_F32 && x_dtype != DTYPE_BF16) || (y_dtype != DTYPE_F32 && y_dtype != DTYPE_BF16)) return 3;
+    if (n <= 0 || rows <= 0) return 0;
+    const int64_t nb = k / ops->block, wrb = nb * ops->block_bytes, xrb = nb * ops->act_block_bytes;
+    int64_t panel = PANEL_BYTES / wrb / COL_UNIT * COL_UNIT;
+    panel = panel < COL_UNIT ? COL_UNIT : panel > PANEL_MAX ? PANEL_MAX : panel;
+    const int64_t units = (n + COL_UNIT - 1) / COL_UNIT;
+    uint8_t *xq = (uint8_t *)scratch;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *xf = NULL;
+        if (x_dtype == DTYPE_BF16 && (xf = malloc((size_t)k * sizeof(float))) == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (x_dtype == DTYPE_BF16) {
+                if (xf == NULL) continue;
+                const uint16_t *src = (const uint16_t *)x + r * x_stride;
+#pragma omp simd
+                for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(src[i]);
+                ops->quantize_act(xf, k, xq + r * xrb);
+            } else {
+                ops->quantize_act((const float *)x + r * x_stride, k, xq + r * xrb);
+            }
+        } /* (its barrier: every row quantized, ``failed`` seen by all) */
+        free(xf);
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t col_parts = units < nt ? units : nt;
+        int64_t row_parts = nt / col_parts;
+        row_parts = row_parts > rows ? rows : row_parts;
+        const int64_t cp = t % col_parts, rp = t / col_parts;
+        int failed_here;
+#pragma omp atomic read
+        failed_here = failed;
+        if (!failed_here && rp < row_parts) {
+            const int64_t c0 = units * cp / col_parts * COL_UNIT, c1_units = units * (cp + 1) / col_parts * COL_UNIT;
+            const int64_t c1 = c1_units < n ? c1_units : n;
+            const int64_t r0 = rows * rp / row_parts, r1 = rows * (rp + 1) / row_parts;
+            float buf[ROW_CHUNK * PANEL_MAX], res[PANEL_MAX];
+            for (int64_t p0 = c0; p0 < c1; p0 += panel) {
+                const int64_t pw = c1 - p0 < panel ? c1 - p0 : panel;
+                for (int64_t q0 = r0; q0 < r1; q0 += ROW_CHUNK) {
+                    const int64_t qr = r1 - q0 < ROW_CHUNK ? r1 - q0 : ROW_CHUNK;
+                    ops->tile(w + p0 * wrb, wrb, pw, xq + q0 * xrb, xrb, qr, nb, buf, pw);
+                    for (int64_t r = 0; r < qr; r++) {
+                        float *v = buf + r * pw;
+                        if (residual != NULL) {
+                            load_vec(residual, y_dtype, (q0 + r) * res_stride + p0, (int)pw, res);
+#pragma omp simd
+                            for (int64_t j = 0; j < pw; j++) v[j] += res[j];
+                        }
+                        store_vec(y, y_dtype, (q0 + r) * n + p0, (int)pw, v);
+                    }
+                }
+            }
+        }
+    }
+    return failed ? 4 : 0;
+}
+
+/* out [count, k] (out_dtype, contiguous) = the rows ids[i] of W [?, k] in blocks of ``type``,
+ * dequantized (the embedding lookup). An unsupported type or k writes nothing. */
+void quant_get_rows(int type, const uint8_t *w, int64_t k, const int64_t *ids, int64_t count, void *out,
+                    int out_dtype) {
+    const qtype_ops *ops = lookup(type);
+    if (ops == NULL || k <= 0 || k % ops->block != 0 || count <= 0) return;
+    const int64_t wrb = k / ops->block * ops->block_bytes;
+#pragma omp parallel
+    {
+        float *tmp = out_dtype == DTYPE_F32 ? NULL : malloc((size_t)k * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < count; i++) {
+            if (out_dtype == DTYPE_F32) {
+                ops->dequant_row(w + ids[i] * wrb, k, (float *)out + i * k);
+            } else if (tmp != NULL) {
+                ops->dequant_row(w + ids[i] * wrb, k, tmp);
+                store_vec(out, out_dtype, i * k, (int)k, tmp);
+            }
+        }
+        free(tmp);
+    }
+}

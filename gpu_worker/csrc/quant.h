@@ -1,0 +1,43 @@
+/* GGUF weights computed in their quantized blocks: what the per-type code (quant_legacy.c: Q4_0,
+ * Q4_1, Q8_0; quant_k.c: Q4_K, Q5_K, Q6_K) gives the driver (quant.c).
+ *
+ * A weight matrix [n, k] is n rows of k / block weights' blocks, exactly as the GGUF file holds
+ * them (row j's blocks at w + j * (k / block) * block_bytes). Activations meet the blocks as
+ * llama.cpp's do: each activation row is quantized to 8 bits per block of the weight type's block
+ * size (one float scale per block, plus what the type's dot product needs: the block's sum or
+ * per-16 sums), then dot products run on integers and are scaled once per (sub-)block.
+ *
+ * Type codes are ggml's type ids (gguf.GGMLQuantizationType).
+ */
+#ifndef RIVULET_QUANT_H
+#define RIVULET_QUANT_H
+#include "common.h"
+
+#define QTYPE_Q4_0 2
+#define QTYPE_Q4_1 3
+#define QTYPE_Q8_0 8
+#define QTYPE_Q4_K 12
+#define QTYPE_Q5_K 13
+#define QTYPE_Q6_K 14
+
+typedef struct {
+    int type;            /* ggml type id */
+    int block;           /* weights per block: 32 or 256 */
+    int block_bytes;     /* bytes of one weight block */
+    int act_block_bytes; /* bytes of one quantized activation block (this type's activation format) */
+    /* One activation row of k float32 values (k a multiple of block) -> k / block activation blocks. */
+    void (*quantize_act)(const float *x, int64_t k, void *xq);
+    /* out[r * ldo + j] = dot(weight row j, activation row r) for j < nc, r < nr, as float32.
+     * w: nc weight rows, w_row_bytes apart; xq: nr quantized activation rows, xq_row_bytes apart;
+     * nblocks = k / block. Single-threaded: the driver splits rows and columns over threads. */
+    void (*tile)(const uint8_t *w, int64_t w_row_bytes, int64_t nc, const uint8_t *xq, int64_t xq_row_bytes,
+                 int64_t nr, int64_t nblocks, float *out, int64_t ldo);
+    /* One weight row of k weights -> float32 (the embedding lookup; the reference in tests). */
+    void (*dequant_row)(const uint8_t *w, int64_t k, float *out);
+} qtype_ops;
+
+/* The ops of ``type`` if the file implements it, else NULL. */
+const qtype_ops *qtype_legacy(int type);
+const qtype_ops *qtype_k(int type);
+
+#endif

@@ -1,0 +1,204 @@
+"""The K-quant kernels (csrc/quant_k.c: Q4_K, Q5_K, Q6_K) through the quantized matmul and row lookup
+(csrc/quant.c), against float64 references built from gguf-py's own dequantization of the same blocks,
+on every CPU kind this machine runs. gguf-py cannot make K-quant blocks, so they are random bytes with
+sane scales: fp16 d (and dmin) of realistic magnitudes, random 6-bit / int8 scales, random quants."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from gpu_worker.cpu import kernels as cpu_kernels
+from gpu_worker.cpu.kind import CpuKind, requested_kind
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler to build the kernels"
+)
+
+KINDS = [kind for kind in CpuKind if requested_kind().includes(kind)]
+K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+BLOCK_BYTES = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
+QK = 256
+ACT_BLOCK_BYTES = 320  # int8 qs[256], int16 bsums[16], float d, padding
+EPS32 = 2.0**-24  # float32's unit roundoff
+# (n, k): n around the kernel's panels (4 weight rows; 2 per register tile at several activation
+# rows) and the driver's 8-column units; k of 1, 2 and 6 blocks.
+SHAPES = [(1, 256), (7, 512), (33, 1536), (100, 512)]
+
+
+@pytest.fixture(scope="module", params=KINDS, ids=[kind.value for kind in KINDS])
+def kernels(request: pytest.FixtureRequest) -> cpu_kernels.CpuKernels:
+    kind: CpuKind = request.param
+    return cpu_kernels.CpuKernels(cpu_kernels.build(kind), kind)
+
+
+def random_blocks(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
+    """Random blocks of ``qtype`` as uint8 [n, row bytes]: every quant, scale and min byte random,
+    d (and dmin) fp16 in [1e-5, 1e-3] (weights up to ~0.1 in Q4_K), a few of them subnormal or
+    negative (Q6_K's d), so that the fp16 conversion is exercised too."""
+    rng = np.random.default_rng(seed)
+    nb = n * k // QK
+    blocks = rng.integers(0, 256, size=(nb, BLOCK_BYTES[qtype]), dtype=np.uint8)
+
+    def fp16s() -> np.ndarray:
+        d = rng.uniform(1e-5, 1e-3, size=nb)
+        d[rng.random(nb) < 0.05] = 3e-7  # fp16 subnormal
+        return d.astype(np.float16).view(np.uint8).reshape(nb, 2)
+
+    if qtype == Q.Q6_K:
+        d = fp16s().view(np.float16)
+        d[rng.random(nb) < 0.3] *= -1
+        blocks[:, 208:210] = d.view(np.uint8)
+    else:
+        blocks[:, 0:2] = fp16s()
+        blocks[:, 2:4] = fp16s()
+    return blocks.reshape(n, k // QK * BLOCK_BYTES[qtype])
+
+
+@functools.cache
+def weights(qtype: Q, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(blocks uint8 [n, row bytes], gguf's float64 dequantization [n, k], a bound [n, k] on the
+    magnitudes of the terms the kernel sums per weight). The kernel sums d * sum(sc q x) and
+    dmin * sum(m x) apart (Q6_K: d * sum(sc u x) with u = q + 32 in [0, 63], and 32 d * sum(sc x)),
+    so per weight the terms are at most d sc q + dmin m (Q4_K, Q5_K) or |d sc| (u + 32) (Q6_K)."""
+    blocks = random_blocks(qtype, n, k, seed=n * 10_000 + k + int(qtype))
+    deq = gguf.quants.dequantize(blocks, qtype).astype(np.float64)
+    per_block = blocks.reshape(n * k // QK, BLOCK_BYTES[qtype])
+    if qtype == Q.Q6_K:
+        d = per_block[:, 208:210].copy().view(np.float16).astype(np.float64)  # [nb, 1]
+        sc = per_block[:, 192:208].view(np.int8).astype(np.float64)  # [nb, 16]
+        step = np.repeat(np.abs(d * sc), 16, axis=-1)  # [nb, 256]: |d sc| per weight
+        q = np.abs(deq.reshape(-1, QK)) / np.where(step > 0, step, 1)  # |u - 32|, so u <= |q| + 32
+        bound = step * (q + 64)
+    else:
+        dmin = np.abs(per_block[:, 2:4].copy().view(np.float16).astype(np.float64))
+        # d sc q + dmin m = w + 2 dmin m <= |w| + 2 dmin * 63
+        bound = np.abs(deq.reshape(-1, QK)) + 2 * 63 * dmin
+    return blocks, deq, bound.reshape(n, k)
+
+
+def quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's activation quantization, in numpy: per block of 256, d = max|x| / 127 and
+    q = round-half-even(x * (127 / max|x|)), all float32. -> (d * q as float64 [m, k], d [m, nb])."""
+    m, k = x.shape
+    xb = x.astype(np.float32).reshape(m, k // QK, QK)
+    amax = np.abs(xb).max(axis=-1)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv[..., None])
+    assert np.abs(q).max() <= 127
+    return (q.astype(np.float64) * d[..., None].astype(np.float64)).reshape(m, k), d.astype(np.float64)
+
+
+def check(
+    y: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, deq: np.ndarray, bound: np.ndarray
+) -> None:
+    """y = residual + x @ deq.T within (a) the tight and (b) the loose tolerance."""
+    rows, k = x.shape
+    n = deq.shape[0]
+    nb = k // QK
+    x64 = x.double().numpy()  # exactly the values the kernel read
+    res64 = residual.double().numpy() if residual is not None else np.zeros((rows, n))
+    got = y.double().numpy()
+    out_round = (
+        2.0**-8 if y.dtype == torch.bfloat16 else EPS32
+    )  # the one rounding at the end (bf16: 2^-9, doubled)
+
+    # (a) tight, against the activations as the kernel quantized them: only float32 rounding is left.
+    # The integer dot products are exact; per block the kernel rounds dmin * sum(m x) and
+    # d * sum(sc q x) - that, scales by d_x and adds into 8 float32 lanes; the lanes, the blocks' chunks
+    # and the residual are added at the end: at most ~(2 nb + 8) roundings of eps32 on the sum of the
+    # terms' magnitudes, then the final rounding relative to |y|.
+    xq, dx = quantize_act(x.float().numpy())
+    ref_q = res64 + xq @ deq.T
+    terms = np.abs(xq) @ bound.T
+    tol_a = (2 * nb + 8) * EPS32 * terms + out_round * np.abs(ref_q) + EPS32 * np.abs(res64) + 1e-30
+    err_a = np.abs(got - ref_q)
+    assert (err_a <= tol_a).all(), f"tight: worst err/tol {np.max(err_a / tol_a):.3g}"
+
+    # (b) loose, against unquantized x. Rounding x * (127 / max|x|) to an integer moves it by at most
+    # half a step, so each element's q * d_x is within d_x / 2 of x, plus the float32 error of the
+    # scale and the product (|x * iscale * d_x - x| <= ~3 eps32 * 127 d_x < 3e-5 d_x): 0.5001 d_x.
+    # A block's dot product then moves by at most 0.5001 d_x * sum |w| over the block; plus (a)'s.
+    ref = res64 + x64 @ deq.T
+    absw_blocks = np.abs(deq).reshape(n, nb, QK).sum(axis=-1)  # [n, nb]
+    tol_b = 0.5001 * dx @ absw_blocks.T + tol_a
+    err_b = np.abs(got - ref)
+    assert (err_b <= tol_b).all(), f"loose: worst err/tol {np.max(err_b / tol_b):.3g}"
+
+
+def activations(rows: int, k: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """x [rows, k] of ``dtype``, rows strided (a slice of wider rows), an outlier per row so blocks
+    differ in scale, and (k > 256) one all-zero block (d_x = 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(rows, k + 5, generator=gen) * torch.rand(rows, 1, generator=gen) * 3
+    wide[:, 3] *= 20
+    if k > QK:
+        wide[0, 2 + QK : 2 + 2 * QK] = 0
+    return wide.to(dtype)[:, 2 : k + 2]
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=[t.name for t in K_TYPES])
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("rows", [1, 7, 32, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_quant_k_matmul_matches_float64(
+    kernels: cpu_kernels.CpuKernels,
+    qtype: Q,
+    n: int,
+    k: int,
+    rows: int,
+    dtype: torch.dtype,
+    with_residual: bool,
+) -> None:
+    blocks, deq, bound = weights(qtype, n, k)
+    x = activations(rows, k, rows * 7 + n, dtype)
+    gen = torch.Generator().manual_seed(rows + n)
+    residual = torch.randn(rows, n, generator=gen).to(dtype) if with_residual else None
+    y = kernels.quant_matmul(int(qtype), torch.from_numpy(blocks), k, x, residual)
+    assert y.shape == (rows, n) and y.dtype == dtype
+    check(y, x, residual, deq, bound)
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=[t.name for t in K_TYPES])
+def test_quant_k_matmul_long_rows(kernels: cpu_kernels.CpuKernels, qtype: Q) -> None:
+    """k of 17 blocks (two chunks of the kernel's unpacking, the second partial) and enough columns
+    for several panels per thread: both of the tile's loop orders (activation rows that stay in L2,
+    and 32 rows of 17 blocks that do not)."""
+    n, k = 300, 17 * QK
+    blocks, deq, bound = weights(qtype, n, k)
+    for rows in (1, 5, 32, 40):
+        x = activations(rows, k, rows, torch.float32)
+        check(kernels.quant_matmul(int(qtype), torch.from_numpy(blocks), k, x), x, None, deq, bound)
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=[t.name for t in K_TYPES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_quant_k_get_rows_bit_exact(kernels: cpu_kernels.CpuKernels, qtype: Q, dtype: torch.dtype) -> None:
+    """Dequantized rows equal gguf's float32 dequantization bit for bit (bf16: that, rounded once)."""
+    blocks, _, _ = weights(qtype, 33, 1536)
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
+    ids = torch.tensor([5, 0, 32, 5, 17], dtype=torch.int64)
+    got = kernels.quant_get_rows(int(qtype), torch.from_numpy(blocks), 1536, ids, dtype)
+    assert got.dtype == dtype and got.shape == (5, 1536)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(got.view(bits), expected[ids].to(dtype).view(bits))
+
+
+def test_quant_k_supported(kernels: cpu_kernels.CpuKernels) -> None:
+    """The K-quants are supported, with k a whole number of 256-blocks only."""
+    for qtype in K_TYPES:
+        assert kernels.quant_supported(int(qtype))
+        assert kernels._quant_act_row_bytes(int(qtype), 512) == 2 * ACT_BLOCK_BYTES
+        assert kernels._quant_act_row_bytes(int(qtype), 576) == 0
+        with pytest.raises(ValueError):
+            kernels.quant_matmul(int(qtype), torch.zeros(1, 2 * BLOCK_BYTES[qtype], dtype=torch.uint8), 576,
+                                 torch.zeros(1, 576))  # fmt: skip
