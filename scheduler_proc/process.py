@@ -10,9 +10,9 @@ import msgspec
 import zmq
 
 from protocol.messages import (
-    AbortReq,
     EngineStats,
-    FlushCache,
+    FinishReq,
+    FlushPrefixCache,
     ForwardResult,
     FromWorker,
     Ready,
@@ -116,9 +116,9 @@ class SchedulerProcess:
                 if error is not None:
                     self.log.warning("rejected rid %d: %s", msg.rid, error.message)
                     self.to_tokenizer.send(self.encoder.encode(error))
-            case AbortReq():
+            case FinishReq():
                 self.scheduler.abort(msg.rid, msg.reason)
-            case FlushCache():
+            case FlushPrefixCache():
                 self.log.info("flushed the prefix cache: %d pages freed", self.scheduler.flush_cache())
             case _:
                 raise TypeError(f"unexpected message on to_scheduler: {type(msg).__name__}")

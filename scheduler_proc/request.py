@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from protocol.messages import FinishReason, SamplerParams, TokenizedRequest
+from protocol.messages import FinishReason, TokenizedRequest, WorkerSampling
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.page_allocator import pages_for
 
@@ -50,7 +50,7 @@ class Req:
     input_ids: list[int]
     max_new_tokens: int
     stop_token_ids: frozenset[int]
-    sampler: SamplerParams
+    sampler: WorkerSampling
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None
     page_table: list[int] = field(default_factory=list)

@@ -17,9 +17,9 @@ from protocol.messages import (
     ForwardBatch,
     ForwardResult,
     RequestError,
-    SamplerParams,
     TokenBatch,
     TokenizedRequest,
+    WorkerSampling,
 )
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.request import ReqStatus
@@ -37,8 +37,8 @@ def token_of(h: int) -> int:
     return (h >> 11) % VOCAB
 
 
-def sampler(seed: int = 0) -> SamplerParams:
-    return SamplerParams(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=seed)
+def sampler(seed: int = 0) -> WorkerSampling:
+    return WorkerSampling(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=seed)
 
 
 def fixed_ratio(ratio: float) -> dict[str, Any]:
