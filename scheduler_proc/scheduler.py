@@ -37,7 +37,7 @@ from scheduler_proc.batch import BatchInfo, Row, build_forward_batch
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.outputs import OutputCollector
-from scheduler_proc.prefill_adder import PrefillAdder
+from scheduler_proc.prefill_adder import Admitted, PrefillAdder
 from scheduler_proc.request import Req, ReqStatus, why_rejected
 from scheduler_proc.token_ratio import NewTokenRatio
 
@@ -209,17 +209,21 @@ class Scheduler:
             self.kv.available_pages,
             self.kv.slots.num_free,
         )
+        admitted = []
         continued = self.chunked_req
         if continued is not None:
-            self.chunked_req = adder.add_chunked_req(continued)
-        admitted = self.admission.admit(adder, self.waiting, self.kv, continued)
+            extend_len = adder.add_chunked_req(continued)
+            self.chunked_req = continued if adder.chunked_in_progress else None
+            if extend_len:
+                admitted.append(Admitted(continued, extend_len))
+        admitted += self.admission.admit(adder, self.waiting, self.kv, continued)
         if adder.new_chunked_req is not None:
             assert self.chunked_req is None, "at most one chunked_req at a time"
             self.chunked_req = adder.new_chunked_req
-        extend_lens = {id(req): n for req, n in adder.can_run_list}
-        order = ([continued] if continued is not None and id(continued) in extend_lens else []) + admitted
-        assert len(order) == len(extend_lens), "the adder admitted a request admission did not offer"
-        return [self._prefill_row(req, extend_lens[id(req)]) for req in order]
+        assert len(admitted) == len(adder.can_run_list), (
+            "the adder admitted a request admission did not offer"
+        )
+        return [self._prefill_row(req, extend_len) for req, extend_len in admitted]
 
     def _prefill_row(self, req: Req, extend_len: int) -> Row:
         new_slot = req.slot is None
