@@ -60,7 +60,7 @@ class KVManager:
         match = self.cache.match_prefix(req.fill_slice(0, req.seq_len - 1), req.cache_salt)
         req.page_table = list(match.pages)
         req.num_tree_pages = match.num_pages
-        req.kv_len = req.computed_len = match.num_pages * self.page_size
+        req.flight.reset(match.num_pages * self.page_size)
         req.cache_node = match.node
         account.on_evictable_change(self.cache.inc_lock_ref(match.node))
 
@@ -68,7 +68,8 @@ class KVManager:
         """Undo ``attach_prefix`` for a request not admitted, giving ``account`` its pages back."""
         assert req.num_tree_pages == len(req.page_table), f"rid {req.rid} already has pages of its own"
         account.on_evictable_change(self._unlock(req))
-        req.page_table, req.num_tree_pages, req.kv_len, req.computed_len = [], 0, 0, 0
+        req.page_table, req.num_tree_pages = [], 0
+        req.flight.reset()
 
     # ------------------------------------------------------------------ growth
 
@@ -76,7 +77,7 @@ class KVManager:
         assert req.slot is None, f"rid {req.rid} already has slot {req.slot}"
         req.slot = self.slots.alloc()
         assert req.slot is not None, f"rid {req.rid}: admitted without a free slot"
-        req.worker_pages = 0  # a fresh slot: the worker gets the whole page table
+        req.flight.worker_pages = 0  # a fresh slot: the worker gets the whole page table
 
     def grow(self, req: Req, extend_len: int) -> tuple[int, list[int]]:
         """Pages for ``req``'s next ``extend_len`` tokens, evicting cached pages if short.
@@ -88,8 +89,8 @@ class KVManager:
         new_pages = self.pages.alloc(num_new)
         assert new_pages is not None, f"rid {req.rid}: scheduled without free pages"
         req.page_table.extend(new_pages)
-        start = req.worker_pages
-        req.worker_pages = len(req.page_table)
+        start = req.flight.worker_pages
+        req.flight.worker_pages = len(req.page_table)
         return start, req.page_table[start:]
 
     def decode_pages_needed(self, running: list[Req]) -> int:
@@ -123,7 +124,7 @@ class KVManager:
         if num_dup > req.num_tree_pages:
             self.pages.free(req.page_table[req.num_tree_pages : num_dup])
             req.page_table[req.num_tree_pages : num_dup] = match.pages[req.num_tree_pages : num_dup]
-            req.worker_pages = min(req.worker_pages, req.num_tree_pages)
+            req.flight.worker_pages = min(req.flight.worker_pages, req.num_tree_pages)
         self.cache.inc_lock_ref(match.node)
         self._unlock(req)
         req.cache_node, req.num_tree_pages = match.node, num_full
@@ -139,7 +140,7 @@ class KVManager:
             own_from = num_full
         self.pages.free(req.page_table[own_from:])
         self._unlock(req)
-        req.page_table, req.num_tree_pages, req.worker_pages = [], 0, 0
+        req.page_table, req.num_tree_pages, req.flight.worker_pages = [], 0, 0
         if req.slot is not None:
             self.slots.free(req.slot)
             req.slot = None

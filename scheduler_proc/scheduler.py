@@ -7,13 +7,14 @@ Every request is in exactly one place while it lives:
     running (list)         -> slot, pages; kv_len == seq_len - 1, or its last chunk is in flight
 
 A finished request is in none of them; its pages and slot are freed at once,
-or when the last batch still carrying it returns (``Req.in_flight``).
+or when the last batch still carrying it returns (``Req.flight.rows``).
 
 Overlap (``overlap_schedule``): the next batch is built and sent while the worker
 runs the current one, so the worker never waits for the scheduler. A row's
 effects on the request's state (its KV length, one ``PENDING`` output token if
 it samples) apply when it is sent; the result only fills in the token and
-finishes the request. What cannot be known ahead costs little: a request that
+finishes the request. ``Req.flight`` (request.py) holds that state and asserts
+its invariants at every step. What cannot be known ahead costs little: a request that
 draws a stop token has already been given one more decode row, whose token is
 dropped. Retraction needs every token back, so it waits until nothing is in flight.
 """
@@ -24,7 +25,6 @@ import logging
 from collections import deque
 
 from protocol.messages import (
-    PENDING,
     FinishReason,
     ForwardBatch,
     ForwardResult,
@@ -118,8 +118,7 @@ class Scheduler:
 
     def in_flight_reqs(self) -> list[Req]:
         """Requests of the batches the worker holds, aborted ones included (they still own KV)."""
-        reqs = {id(row.req): row.req for rows in self._in_flight.values() for row in rows}
-        return list(reqs.values())
+        return list(dict.fromkeys(row.req for rows in self._in_flight.values() for row in rows))
 
     def flush_cache(self) -> int:
         """Evict every cached prefix no live request holds; returns the pages freed."""
@@ -153,19 +152,9 @@ class Scheduler:
         self.last_batch = BatchInfo.of(step, prefill, decode, num_decoding)
         batch = build_forward_batch(step, rows)
         for row in rows:
-            self._launch(row)
+            row.req.flight.launch(row, self.config.context_len)
         self._in_flight[step] = rows
         return batch
-
-    def _launch(self, row: Row) -> None:
-        """Apply a sent row to its request: KV length, and a PENDING token if it samples."""
-        req = row.req
-        req.in_flight += 1
-        req.kv_len += row.extend_len
-        if row.sample:
-            row.out_index = len(req.output_ids)
-            req.output_ids.append(PENDING)
-            req.final_scheduled = req.hits_length_limit(len(req.output_ids), self.config.context_len)
 
     def _next_rows(self) -> tuple[list[Row], list[Row]]:
         """(prefill rows, decode rows) of the next batch.
@@ -261,7 +250,7 @@ class Scheduler:
 
     def _decoders(self) -> list[Req]:
         """Running requests that get a decode row: all but those whose last token is being drawn."""
-        return [req for req in self.running if not req.final_scheduled]
+        return [req for req in self.running if not req.flight.final_scheduled]
 
     def _decode_needs_retraction(self) -> bool:
         return self.kv.decode_pages_needed(self._decoders()) > self.kv.available_pages
@@ -287,7 +276,7 @@ class Scheduler:
         """Give back a running request's KV (cached, so its recompute may hit); it keeps its output."""
         self.running.remove(req)
         self.kv.release(req, cache=True)
-        req.kv_len = req.computed_len = 0
+        req.flight.reset()
         req.status = ReqStatus.WAITING
         req.num_retractions += 1
         self.num_retracted += 1
@@ -326,22 +315,21 @@ class Scheduler:
 
     def _apply_row(self, row: Row, token: int | None, logprob: float) -> None:
         req = row.req
-        req.in_flight -= 1
         if req.status is ReqStatus.FINISHED:  # ended while in flight: its token is dropped
-            if not req.in_flight:
+            req.flight.drop(row)
+            if not req.flight.rows:
                 self.kv.release(req, cache=req.finish_reason is not FinishReason.ERROR)
             return
-        req.computed_len += row.extend_len
+        req.flight.land(row, token)
         if row.is_prefill:  # its prompt pages are shareable from the next round on
             self.kv.cache_unfinished(req)
         if token is None:
             return
-        req.output_ids[row.out_index] = token
         self.num_generated_tokens += 1
         reason = req.finish_reason_at(row.out_index, self.config.context_len)
         self._outputs.add_token(req.rid, token, logprob, reason, req.cached_tokens)
         if reason is not None:
-            del req.output_ids[row.out_index + 1 :]  # drawn by rows still in flight: void
+            req.flight.end_at(row)
             self.running.remove(req)
             self._finish(req, reason)
 
@@ -349,9 +337,9 @@ class Scheduler:
         self._log.error("forward step %d failed (%s): failing its %d requests", step, error, len(rows))
         for row in rows:
             req = row.req
-            req.in_flight -= 1
+            req.flight.drop(row)
             if req.status is ReqStatus.FINISHED:
-                if not req.in_flight:
+                if not req.flight.rows:
                     self.kv.release(req, cache=False)  # a forward over it failed: trust none of its KV
                 continue
             self._remove_from_queues(req)
@@ -373,7 +361,7 @@ class Scheduler:
         req.finish_reason = reason
         del self.reqs[req.rid]
         self.num_finished += 1
-        if not req.in_flight:
+        if not req.flight.rows:
             self.kv.release(req, cache=reason is not FinishReason.ERROR)
 
     # ------------------------------------------------------------------ counters for logs
