@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol.messages import ForwardBatch
+from protocol.messages import ForwardBatch, ForwardResult
 from scheduler_proc.request import Req
 
 
@@ -73,3 +73,22 @@ def build_forward_batch(step: int, rows: list[Row]) -> ForwardBatch:
         sample=[row.sample for row in rows],
         sampler=[row.req.sampler if row.new_slot else None for row in rows],
     )
+
+
+def row_tokens(rows: list[Row], result: ForwardResult) -> list[tuple[int | None, float]] | str:
+    """(token, logprob) per row of ``result``'s batch (None for a row that samples nothing), or
+    why the result is a failure: the worker's error, or a token count that does not match."""
+    num_sampled = sum(row.sample for row in rows)
+    if result.error is None and len(result.token_ids) != num_sampled:
+        return f"worker returned {len(result.token_ids)} tokens for {num_sampled} sampled rows"
+    if result.error is not None:
+        return result.error
+    out: list[tuple[int | None, float]] = []
+    k = 0
+    for row in rows:
+        if not row.sample:
+            out.append((None, 0.0))
+            continue
+        out.append((result.token_ids[k], result.logprobs[k] if k < len(result.logprobs) else 0.0))
+        k += 1
+    return out

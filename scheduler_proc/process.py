@@ -80,9 +80,9 @@ class SchedulerProcess:
         sched = self.scheduler
         stats = EngineStats(
             num_running=len(sched.running) + (sched.chunked_req is not None),
-            num_waiting=sched.num_waiting,
-            num_pages=sched.pages.num_pages,
-            free_pages=sched.pages.num_free,
+            num_waiting=len(sched.waiting),
+            num_pages=sched.kv.pages.num_pages,
+            free_pages=sched.kv.pages.num_free,
             evictable_pages=sched.kv.evictable_pages,
             worker_busy_s=self.stats.worker_busy_s,
             worker_clock_s=self.stats.worker_clock_s,

@@ -33,12 +33,13 @@ from protocol.messages import (
     ToTokenizer,
 )
 from scheduler_proc.admission import Admission
-from scheduler_proc.batch import BatchInfo, Row, build_forward_batch
+from scheduler_proc.batch import BatchInfo, Row, build_forward_batch, row_tokens
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.outputs import OutputCollector
 from scheduler_proc.prefill_adder import Admitted, PrefillAdder
 from scheduler_proc.request import Req, ReqStatus, why_rejected
+from scheduler_proc.retraction import pick_victim, retract
 from scheduler_proc.token_ratio import NewTokenRatio
 
 
@@ -61,7 +62,6 @@ class Scheduler:
 
     def _init_kv(self) -> None:
         self.kv = KVManager(self.config)
-        self.pages, self.slots = self.kv.pages, self.kv.slots  # read-only views for stats and tests
 
     def _init_queues(self) -> None:
         self.waiting: deque[Req] = deque()
@@ -78,7 +78,6 @@ class Scheduler:
         self.next_step = 0
         self.last_batch: BatchInfo | None = None
         self.num_retracted = 0
-        self.num_finished = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0  # of requests at their first admission
         self.num_cached_prompt_tokens = 0  # of those, reused from the prefix cache
@@ -262,34 +261,14 @@ class Scheduler:
             if not self._decode_needs_retraction():
                 break
             assert not self._in_flight, "retraction with a batch in flight"
-            # SGLang's order: least progress lost first; ties: the longest prompt frees most.
-            victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
-            self._retract(victim)
+            retract(pick_victim(self.running), self.running, self.waiting, self.kv)
+            self.num_retracted += 1
             retracted = True
         if retracted:
             old = self.new_token_ratio.value
             self.new_token_ratio.on_retract()
             self._log.warning("new_token_ratio raised %.3f -> %.3f", old, self.new_token_ratio.value)
         return retracted
-
-    def _retract(self, req: Req) -> None:
-        """Give back a running request's KV (cached, so its recompute may hit); it keeps its output."""
-        self.running.remove(req)
-        self.kv.release(req, cache=True)
-        req.flight.reset()
-        req.status = ReqStatus.WAITING
-        req.num_retractions += 1
-        self.num_retracted += 1
-        self.waiting.appendleft(req)
-        self._log.warning(
-            "KV pool exhausted: retracted rid %d (%d output tokens kept, will recompute %d tokens); "
-            "#running-req: %d, #queue-req: %d",
-            req.rid,
-            len(req.output_ids),
-            req.seq_len,
-            len(self.running),
-            len(self.waiting),
-        )
 
     # ------------------------------------------------------------------ results
 
@@ -299,18 +278,11 @@ class Scheduler:
         if rows is None:
             self._log.warning("dropped a result for unknown step %d", result.step)
             return
-        error = result.error
-        num_sampled = sum(row.sample for row in rows)
-        if error is None and len(result.token_ids) != num_sampled:
-            error = f"worker returned {len(result.token_ids)} tokens for {num_sampled} sampled rows"
-        if error is not None:
-            self._fail_rows(result.step, rows, error)
+        tokens = row_tokens(rows, result)
+        if isinstance(tokens, str):
+            self._fail_rows(result.step, rows, tokens)
             return
-        k = 0
-        for row in rows:
-            token = result.token_ids[k] if row.sample else None
-            logprob = result.logprobs[k] if row.sample and k < len(result.logprobs) else 0.0
-            k += row.sample
+        for row, (token, logprob) in zip(rows, tokens, strict=True):
             self._apply_row(row, token, logprob)
 
     def _apply_row(self, row: Row, token: int | None, logprob: float) -> None:
@@ -360,25 +332,10 @@ class Scheduler:
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
         del self.reqs[req.rid]
-        self.num_finished += 1
         if not req.flight.rows:
             self.kv.release(req, cache=reason is not FinishReason.ERROR)
 
-    # ------------------------------------------------------------------ counters for logs
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
     @property
     def cache_hit_rate(self) -> float:
-        """Share of admitted prompt tokens that came from the prefix cache, since start."""
+        """Share of admitted prompt tokens that came from the prefix cache, since start (for logs)."""
         return self.num_cached_prompt_tokens / max(self.num_prompt_tokens, 1)
-
-    @property
-    def used_kv_tokens(self) -> int:
-        return self.kv.used_tokens
-
-    @property
-    def token_usage(self) -> float:
-        return self.kv.usage
