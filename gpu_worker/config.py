@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.flags import flag, given
+from protocol.flags import flag, given, max_running_requests_field, seed_field
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class WorkerConfig:
     page_size: int = flag(16, "tokens per KV page")
     kv_cache_tokens: int = flag(0, "KV pool size in tokens; 0: use --kv-mem-fraction")
     kv_mem_fraction: float = flag(0.2, "KV pool share of free device memory (CPU: available RAM)")
-    max_running_requests: int = flag(128, "request slots: the cap on admitted, unfinished requests")
+    max_running_requests: int = max_running_requests_field()
     num_threads: int = flag(0, "worker torch threads; 0: all cores")
     tune_threads: bool = flag(
         False,
@@ -45,7 +45,7 @@ class WorkerConfig:
         "uses torch anyway)",
         name="--disable-cpu-kernels",
     )
-    seed: int = flag(0, "the worker's torch seed; the tokenizer draws per-request sampling seeds from it")
+    seed: int = seed_field()
 
     def __post_init__(self) -> None:
         assert self.page_size >= 1, "page_size must be >= 1"

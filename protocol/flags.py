@@ -10,13 +10,14 @@ that every flag's value arrives in its config. Plain metadata: no argparse here.
 
 from __future__ import annotations
 
-from dataclasses import Field, field
+from dataclasses import Field, dataclass, field
 from typing import Any
 
 FLAG_KEY = "rivulet_flag"
 GIVEN_KEY = "rivulet_given"
 
 
+@dataclass(frozen=True)
 class Flag:
     """A launcher flag that sets one config field (the field's name is the argparse dest).
 
@@ -27,20 +28,11 @@ class Flag:
     default (None: the launcher fills in a value that depends on something else).
     """
 
-    def __init__(
-        self,
-        help: str,
-        *,
-        name: str | None = None,
-        choices: tuple[str, ...] | None = None,
-        negatable: bool = False,
-        unset_default: Any = ...,
-    ) -> None:
-        self.help = help
-        self.name = name
-        self.choices = choices
-        self.negatable = negatable
-        self.unset_default = unset_default
+    help: str
+    name: str | None = None
+    choices: tuple[str, ...] | None = None
+    negatable: bool = False
+    unset_default: Any = ...
 
     def spelling(self, field_name: str) -> str:
         return self.name or "--" + field_name.replace("_", "-")
@@ -62,3 +54,14 @@ def flag_of(f: Field[Any]) -> Flag | None:
 
 def source_of(f: Field[Any]) -> str | None:
     return f.metadata.get(GIVEN_KEY)
+
+
+# Fields two process configs share: declared here once, so one flag feeds both alike.
+
+
+def max_running_requests_field() -> Any:
+    return flag(128, "request slots: the cap on admitted, unfinished requests")
+
+
+def seed_field() -> Any:
+    return flag(0, "the worker's torch seed; the tokenizer draws per-request sampling seeds from it")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.flags import flag, given
+from protocol.flags import flag, given, max_running_requests_field
 
 SCHEDULE_POLICIES = ("fcfs", "pack", "lpm")
 
@@ -21,7 +21,7 @@ class SchedulerConfig:
     num_pages: int = given(0, "the worker's WorkerReady: KV pages it allocated")
     context_len: int = given(0, "the worker's WorkerReady: the model's context length")
     page_size: int = given(16, "the worker's WorkerReady: tokens per KV page (--page-size)")
-    max_running_requests: int = flag(128, "request slots: the cap on admitted, unfinished requests")
+    max_running_requests: int = max_running_requests_field()
     max_prefill_tokens: int = flag(4096, "prompt tokens one round may prefill (rem_input_tokens)")
     chunked_prefill_size: int = flag(512, "tokens per prefill chunk (rem_chunk_tokens); -1 disables")
     enable_mixed_chunk: bool = flag(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.flags import flag, given
+from protocol.flags import flag, given, seed_field
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,7 @@ class TokenizerConfig:
     """
 
     model_path: str = given("", "the launcher: --model resolved to an HF directory")
-    seed: int = flag(0, "the worker's torch seed; the tokenizer draws per-request sampling seeds from it")
+    seed: int = seed_field()
     http_host: str = flag("127.0.0.1", "HTTP bind address (default: loopback only)", name="--host")
     http_port: int | None = flag(None, "HTTP API port (default: off)")
     api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on /v1")
