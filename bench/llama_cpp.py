@@ -28,6 +28,7 @@ import sys
 import tarfile
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repo root importable
@@ -220,6 +221,37 @@ def build(
     (target.parent / "build.json").write_text(json.dumps(info, indent=1) + "\n")
     print(f"built {target}", flush=True)
     return target
+
+
+@dataclass(frozen=True)
+class Peer:
+    """llama.cpp's server as this run starts it (``shown()``: its command with ``{port}`` for the port)."""
+
+    binary: Path
+    gguf: Path
+    threads: int
+    parallel: int
+    warning: str | None = None
+
+    def command(self, port: int) -> list[str]:
+        return server_command(self.binary, self.gguf, port, self.threads, self.parallel)
+
+    def shown(self) -> str:
+        return shlex.join(self.command(0)).replace("--port 0", "--port {port}")
+
+
+def peer_gguf(model: str | None) -> Path:
+    """The GGUF llama.cpp serves: the embedded one (as the engine's default), or --model's if it is one."""
+    from gpu_worker.model_files import embedded_gguf_path
+
+    if model is None:
+        return embedded_gguf_path()
+    path = Path(model).expanduser()
+    if not (path.is_file() and path.suffix == ".gguf"):
+        raise SystemExit(
+            f"error: --peer-llama-cpp needs a GGUF model (no --model, or --model X.gguf), not {model}"
+        )
+    return path
 
 
 def build_parser() -> argparse.ArgumentParser:

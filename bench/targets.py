@@ -26,12 +26,9 @@ import asyncio
 import contextlib
 import os
 import shlex
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,60 +38,16 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import httpx
 
 from bench import launch, llama_cpp, offline, serving
+from bench.llama_cpp import Peer, peer_gguf
 from bench.metrics import RequestResult, Summary
+from bench.probes import Sample, busy_share, cpu_percent, parse_prometheus, steady_window_s, tree_cpu_ticks
 from bench.records import append_record, machine_info, make_record
-from bench.report import cell
 from bench.sweep import free_port
+from bench.targets_table import PEER_TARGETS, RATIOS, TARGETS, format_table, summarize_runs
 from gpu_worker.cpu import kind as cpu_kind
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "targets.jsonl"
-BUSY_COUNTER, BUSY_CLOCK = "rivulet_worker_busy_seconds_total", "rivulet_worker_clock_seconds"
-STATS_LAG_S = 0.5  # the scheduler sends the worker's counters at most this often (STATS_INTERVAL_S)
 METRICS_POLL_S = 0.2
-Sample = tuple[float, dict[str, float]]  # (arrival time, parsed GET /metrics)
-ANCHOR_HEADERS = ("HF generate fp32", "HF generate bf16", "llama.cpp Q4_1 -np 32", "roofline bf16")
-
-
-@dataclass(frozen=True)
-class Target:
-    """One row: what is measured (``key`` in a round's dict), the goal, and the issue's anchors."""
-
-    key: str
-    label: str
-    goal: str
-    met: Callable[[float], bool] | None
-    anchors: tuple[str, str, str, str] = ("-", "-", "-", "-")  # ANCHOR_HEADERS' order
-
-
-TARGETS = (
-    Target("out32_tps", "32 streams: output tok/s", ">= 900", lambda x: x >= 900,
-           ("195", "397-434", "199-204", "2630")),
-    Target("ttft32_ms", "32 streams: TTFT p50 ms", "< 1000", lambda x: x < 1000, ("-", "-", "2800", "-")),
-    Target("decode1_tps", "1 stream: decode tok/s (1 / TPOT p50)", ">= 100", lambda x: x >= 100,
-           ("16-20", "31-34", "97-126", "152")),
-    Target("out1_tps", "1 stream: output tok/s", "-", None),
-    Target("offline_ratio", "offline: rivulet / HF generate (--hf-dtype)", ">= 2", lambda x: x >= 2),
-    Target("offline_tps", "offline: rivulet output tok/s", "-", None),
-    Target("offline_hf_tps", "offline: HF generate output tok/s (measured here)", "-", None),
-    Target("busy_pct", "worker busy % of wall, steady decode at 32 streams", ">= 95", lambda x: x >= 95),
-    Target("idle_cpu_pct", "idle CPU %, launcher + children (100 = one core)", "< 1", lambda x: x < 1),
-    Target("startup_s", "start-up to Ready s, warm weight cache", "< 10", lambda x: x < 10),
-)  # fmt: skip
-# With --peer-llama-cpp: both engines over HTTP, same prompts; a ratio is rivulet / llama.cpp per round.
-PEER_TARGETS = (
-    Target("http_out32_tps", "32 streams over HTTP: rivulet output tok/s", "-", None),
-    Target("llama_out32_tps", "32 streams over HTTP: llama.cpp output tok/s", "-", None,
-           ("-", "-", "199-204", "-")),
-    Target("out32_ratio", "32 streams: rivulet / llama.cpp output tok/s (HTTP both)", "-", None),
-    Target("http_decode1_tps", "1 stream over HTTP: rivulet decode tok/s", "-", None),
-    Target("llama_decode1_tps", "1 stream over HTTP: llama.cpp decode tok/s", "-", None,
-           ("-", "-", "97-126", "-")),
-    Target("decode1_ratio", "1 stream: rivulet / llama.cpp decode tok/s (HTTP both)", "-", None),
-)  # fmt: skip
-RATIOS = {  # ratio key -> (rivulet's key, llama.cpp's key in its round)
-    "out32_ratio": ("http_out32_tps", "out32_tps"),
-    "decode1_ratio": ("http_decode1_tps", "decode1_tps"),
-}
 HTTP_SEED = 3000  # the HTTP runs' prompts differ from the ZMQ runs', so rivulet's prefix cache has no hits
 
 
@@ -131,75 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="llama-server -t; 0: every core this process may use (like --num-threads 0)",
     )
     return p
-
-
-# --------------------------------------------------------------------------
-# pure helpers: Prometheus text, the steady-decode window, CPU ticks
-# --------------------------------------------------------------------------
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """The unlabelled samples of a Prometheus text exposition, as name -> value."""
-    out = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and not line.startswith("#") and "{" not in parts[0]:
-            with contextlib.suppress(ValueError):
-                out[parts[0]] = float(parts[1])
-    return out
-
-
-def steady_window_s(results: Sequence[RequestResult], streams: int) -> tuple[float, float] | None:
-    """From the moment ``streams`` requests have their first token to the first finish: all decoding."""
-    firsts = sorted(r.token_times_s[0] for r in results if r.token_times_s)
-    finishes = [r.finish_s for r in results if r.finish_s is not None]
-    if len(firsts) < streams or not finishes:
-        return None
-    return firsts[streams - 1], min(finishes)
-
-
-def busy_share(
-    samples: Sequence[tuple[float, dict[str, float]]], window: tuple[float, float]
-) -> float | None:
-    """d busy / d clock between the first and last worker report seen inside ``window``.
-
-    ``samples`` are (arrival time, parsed /metrics). A report can be up to STATS_LAG_S old
-    when it arrives, so samples from the window's first STATS_LAG_S are left out.
-    """
-    start, end = window[0] + STATS_LAG_S, window[1]
-    reports = sorted(
-        {(m[BUSY_CLOCK], m[BUSY_COUNTER]) for t, m in samples if start <= t <= end and BUSY_CLOCK in m}
-    )
-    if len(reports) < 2 or reports[-1][0] <= reports[0][0]:
-        return None
-    return (reports[-1][1] - reports[0][1]) / (reports[-1][0] - reports[0][0])
-
-
-def cpu_ticks(pid: int) -> tuple[int, int] | None:
-    """(start time, utime + stime) of ``pid`` in clock ticks, from /proc; None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(") ", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return int(fields[19]), int(fields[11]) + int(fields[12])
-
-
-def tree_cpu_ticks(root: int) -> dict[int, tuple[int, int]]:
-    """pid -> (start, CPU ticks) for ``root`` and every descendant."""
-    pids = [root, *launch.descendants(root)]
-    return {pid: t for pid in pids if (t := cpu_ticks(pid)) is not None}
-
-
-def cpu_percent(
-    before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]], wall_s: float
-) -> float:
-    """CPU the tree used between two snapshots, as % of one core; a process started since counts whole."""
-    used = 0
-    for pid, (start, ticks) in after.items():
-        prev = before.get(pid)
-        used += ticks - prev[1] if prev is not None and prev[0] == start else ticks
-    return 100.0 * used / os.sysconf("SC_CLK_TCK") / wall_s
 
 
 # --------------------------------------------------------------------------
@@ -338,37 +222,6 @@ def measure_round(args: argparse.Namespace, dtype: str, r: int, http: bool = Fal
     return run
 
 
-@dataclass(frozen=True)
-class Peer:
-    """llama.cpp's server as this run starts it (``shown()``: its command with ``{port}`` for the port)."""
-
-    binary: Path
-    gguf: Path
-    threads: int
-    parallel: int
-    warning: str | None = None
-
-    def command(self, port: int) -> list[str]:
-        return llama_cpp.server_command(self.binary, self.gguf, port, self.threads, self.parallel)
-
-    def shown(self) -> str:
-        return shlex.join(self.command(0)).replace("--port 0", "--port {port}")
-
-
-def peer_gguf(model: str | None) -> Path:
-    """The GGUF llama.cpp serves: the embedded one (as the engine's default), or --model's if it is one."""
-    from gpu_worker.model_files import embedded_gguf_path
-
-    if model is None:
-        return embedded_gguf_path()
-    path = Path(model).expanduser()
-    if not (path.is_file() and path.suffix == ".gguf"):
-        raise SystemExit(
-            f"error: --peer-llama-cpp needs a GGUF model (no --model, or --model X.gguf), not {model}"
-        )
-    return path
-
-
 def make_peer(args: argparse.Namespace, acting: cpu_kind.CpuKind) -> Peer:
     try:
         binary, warning = llama_cpp.resolve_peer(args.peer_llama_cpp, acting, cpu_kind.native_kind())
@@ -402,7 +255,7 @@ def peer_ratios(rivulet_run: dict[str, Any], peer_run: dict[str, Any]) -> dict[s
 
 
 # --------------------------------------------------------------------------
-# the table and the record
+# the record
 # --------------------------------------------------------------------------
 
 
@@ -415,71 +268,6 @@ def cpu_record(acting: cpu_kind.CpuKind) -> dict[str, Any]:
         "cpu_flags": {f: f in have for f in cpu_kind.REPORTED_FLAGS},
         "cpu_line": cpu_kind.describe(acting),
     }
-
-
-def summarize_runs(
-    runs: list[dict[str, Any]], targets: Sequence[Target] = TARGETS
-) -> dict[str, dict[str, Any]]:
-    """Per target: every round's value (None: not measured) and the median/min/max of the measured ones."""
-    out = {}
-    for t in targets:
-        xs = [float(v) for run in runs if (v := run.get(t.key)) is not None]
-        stats = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)} if xs else {}
-        out[t.key] = {"runs": [run.get(t.key) for run in runs], **stats}
-    return out
-
-
-def _verdict(t: Target, s: dict[str, Any]) -> str:
-    if t.met is None:
-        return "-"
-    if "median" not in s:
-        return "n/a"
-    return "yes" if t.met(s["median"]) else "no"
-
-
-def _ratio_cell(xs: list[float]) -> str:
-    """A ratio with two decimals: median (min-max) of the rounds."""
-    if len(xs) == 1:
-        return f"{xs[0]:.2f}"
-    return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
-
-
-def format_table(
-    by_dtype: dict[str, dict[str, dict[str, Any]]],
-    machine: dict[str, Any],
-    repeats: int,
-    cpu_line: str,
-    peer: Peer | None = None,
-) -> str:
-    """The markdown table, with the CPU line and notes above it; a target's row when it was summarized."""
-    dtypes = list(by_dtype)
-    head = ["target", "goal", *(f"rivulet {d}" for d in dtypes), *(f"met ({d})" for d in dtypes)]
-    head += [f"{a} (issue's anchor, AMD Zen 5)" for a in ANCHOR_HEADERS]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for t in (t for t in (*TARGETS, *PEER_TARGETS) if t.key in by_dtype[dtypes[0]]):
-        values = [by_dtype[d][t.key] for d in dtypes]
-        show = _ratio_cell if t.key in RATIOS else cell
-        cells = [show([x for x in s["runs"] if x is not None]) if "median" in s else "n/a" for s in values]
-        lines.append(
-            "| " + " | ".join([t.label, t.goal, *cells, *(_verdict(t, s) for s in values), *t.anchors]) + " |"
-        )
-    notes = [
-        f"CPU: {cpu_line}",
-        f"Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}",
-        f"Cells: median of {repeats} interleaved round(s) with (min-max); n/a: not measured (the busy share "
-        f"needs {BUSY_COUNTER} and {BUSY_CLOCK} on /metrics, and a steady window with 2 reports in it).",
-        "Anchor columns: the issue's numbers on a 2-vCPU AMD Zen 5 (AVX-512 BF16, no AMX), not measured here",
-    ]
-    if peer is not None:
-        notes += [
-            'Rows without "over HTTP" measure rivulet through its ZMQ client. The llama.cpp rows and the '
-            "ratios measure both engines through POST /v1/completions (bench/serving.py --backend openai), "
-            "same prompts; each round runs rivulet, then llama.cpp; a ratio cell is the median of the "
-            "per-round ratios.",
-            f"llama.cpp: `{peer.shown()}` (the GGUF as is, Q4_1; rivulet dequantizes it to the dtype)",
-        ]
-        notes += [peer.warning] if peer.warning else []
-    return "\n".join(["", *notes, "", *lines])
 
 
 def main(argv: list[str] | None = None) -> int:

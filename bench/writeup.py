@@ -41,6 +41,8 @@ python -m bench.sweep --sweeps concurrency \\
 TARGETS_HOWTO = """\
 ## Issue 7's targets: `bench/targets.py`
 
+Numbers from: each run pasted below names its commit and CPU (bench/targets.py prints the CPU line).
+
 One command measures every target of issue 7 and prints the markdown table its note quotes
 (CPU-heavy: run it under the shared lock so no other benchmark overlaps it):
 
@@ -106,6 +108,12 @@ def _machine_lines(m: dict[str, Any]) -> list[str]:
     ]
 
 
+def provenance(m: dict[str, Any]) -> str:
+    """The line under every ``##`` section: which commit and CPU its numbers came from."""
+    mach = m["machine"]
+    return f"Numbers from: commit `{m['git_commit'][:12]}`, CPU {mach['cpu']} ({mach['cores']} cores)."
+
+
 def _pair_section(sweep: dict[str, Any], out_dir: Path) -> list[str]:
     lines = [f"### {sweep['title']}", "", f"Seeds: {sweep['expect']}.", ""]
     if sweep.get("note"):
@@ -123,10 +131,10 @@ def _pair_section(sweep: dict[str, Any], out_dir: Path) -> list[str]:
     return [*lines, ""]
 
 
-def _concurrency_section(sweep: dict[str, Any], out_dir: Path) -> list[str]:
+def _concurrency_section(sweep: dict[str, Any], out_dir: Path, source: str) -> list[str]:
     v0 = sweep["variants"][0]
     lines = [
-        f"## {sweep['title'][0].upper()}{sweep['title'][1:]}", "",
+        f"## {sweep['title'][0].upper()}{sweep['title'][1:]}", "", source, "",
         "Closed loop: at most N requests in flight, each ended request replaced by the next "
         "(max(4, 2N) requests per run below N = 16, 1.5N from there).", "",
         f"Workload at N = {v0['concurrency']}: `python -m bench.serving {shlex.join(v0['workload'])}`", "",
@@ -147,22 +155,23 @@ def write_docs(manifest: dict[str, Any], out_dir: Path) -> Path:
         f"Command: `{manifest['command']}`", "",
         *_machine_lines(manifest), "",
     ]  # fmt: skip
+    source = provenance(manifest)
     if manifest.get("offline"):
-        lines += ["## Offline throughput: rivulet vs HF transformers generate", ""]
+        lines += ["## Offline throughput: rivulet vs HF transformers generate", "", source, ""]
         lines += [report.offline_table(manifest["offline"]), ""]
     pairs = [s for s in manifest["sweeps"] if s["kind"] == "pair"]
     if pairs:
-        lines += ["## The seeds' pairs", ""]
+        lines += ["## The seeds' pairs", "", source, ""]
         for sweep in pairs:
             lines += _pair_section(sweep, out_dir)
     for sweep in manifest["sweeps"]:
         if sweep["kind"] == "concurrency":
-            lines += _concurrency_section(sweep, out_dir)
+            lines += _concurrency_section(sweep, out_dir, source)
     peers = manifest.get("peers") or []
     ran = f"Peers in this run: {', '.join(peers)}." if peers else "No peer ran in this sweep."
     if manifest.get("peer_note"):
         ran += " " + manifest["peer_note"]
-    lines += ["## Peers", "", ran, "", LLAMA_CPP_RECIPE, "", TARGETS_HOWTO, ""]
+    lines += ["## Peers", "", source, "", ran, "", LLAMA_CPP_RECIPE, "", TARGETS_HOWTO, ""]
     path = out_dir / "BENCHMARKS.md"
     path.write_text("\n".join(lines))
     return path

@@ -10,15 +10,12 @@ import msgspec
 import zmq
 
 from protocol.messages import ChatMessage, FinishReason, GenerateOutput, GenerateRequest, SamplingParams
+from protocol.transport import CLIENT_SOCKET_OPTIONS
 
 # Where the launcher binds the client socket unless told otherwise.
 DEFAULT_ENDPOINT = "ipc:///tmp/rivulet/client.sock"
 ENDPOINT_ENV = "RIVULET_ENDPOINT"
 LOST_CONNECTION = "lost the connection to the engine"
-# ZMTP heartbeats: a connection whose peer stopped answering for this long is dropped, which the
-# socket monitor reports; a dead engine process is seen at once (its socket closes).
-HEARTBEAT_IVL_MS = 2000
-HEARTBEAT_TIMEOUT_MS = 6000
 
 
 class EngineError(RuntimeError):
@@ -28,13 +25,10 @@ class EngineError(RuntimeError):
 def connect_dealer(ctx: zmq.Context, endpoint: str) -> tuple[zmq.Socket, zmq.Socket]:
     """The client's DEALER and a monitor socket that reports when the engine connection drops.
 
-    Options are set before connect: that is when libzmq copies them into the session.
+    A connection whose heartbeats stop is dropped, which the monitor reports.
     """
     sock = ctx.socket(zmq.DEALER)
-    for option, value in (
-        (zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0),
-        (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS), (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
-    ):  # fmt: skip
+    for option, value in CLIENT_SOCKET_OPTIONS:
         sock.setsockopt(option, value)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(endpoint)

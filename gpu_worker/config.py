@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.flags import flag, given, max_running_requests_field, seed_field
 
 WEIGHT_DTYPES = ("auto", "gguf", "bfloat16", "float32")
 
@@ -16,26 +17,45 @@ class WorkerConfig:
     ``gpu_worker.model_files.resolve_model`` turns any accepted --model into one.
     ``dtype="auto"`` is bfloat16 on CUDA and on CPUs with native bf16 dot
     products (AVX512-BF16 or AMX), float32 elsewhere; the KV pool uses the same.
-    ``compile`` wraps the model's dense per-layer code in torch.compile.
+    ``compile`` wraps the model's dense per-layer code in torch.compile. Each field's
+    ``flag`` is its launcher option (protocol/flags.py).
     """
 
-    model_path: str = ""
-    device: str = "auto"  # auto: cuda if present, else cpu
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 | float64
-    page_size: int = 16
-    kv_cache_tokens: int = 0  # 0: size the pool from kv_mem_fraction
-    kv_mem_fraction: float = 0.2  # of free device memory (CPU: available RAM)
-    max_running_requests: int = 128  # request slots in the page table
-    num_threads: int = 0  # torch threads on CPU; 0: all cores
-    tune_threads: bool = False  # with num_threads 0: all cores or half, picked per batch shape (threads.py)
-    compile: bool = False
-    cpu_kernels: bool = True  # our C kernels on CPU (cpu_kernels.py): attention, small ops, gemv, argmax
-    # How a GGUF model's weights are held: auto keeps the blocks of every type with a CPU kernel
-    # quantized (gguf: the same, refusing to start where it cannot), --dtype for everything else;
-    # bfloat16 / float32 dequantize (the weights rounded through that dtype), as for HF models.
-    weight_dtype: str = "auto"
-    gguf_path: str = ""  # the .gguf model_path was converted from (set by the launcher); "" if none
-    seed: int = 0
+    model_path: str = given("", "the launcher: --model resolved to an HF directory")
+    device: str = flag("auto", "auto | cpu | cuda | cuda:N (auto: cuda if present, else cpu)")
+    dtype: str = flag("auto", "auto | float32 | bfloat16 | float16 | float64")
+    page_size: int = flag(16, "tokens per KV page")
+    kv_cache_tokens: int = flag(0, "KV pool size in tokens; 0: use --kv-mem-fraction")
+    kv_mem_fraction: float = flag(0.2, "KV pool share of free device memory (CPU: available RAM)")
+    max_running_requests: int = max_running_requests_field()
+    num_threads: int = flag(0, "worker torch threads; 0: all cores")
+    tune_threads: bool = flag(
+        False,
+        "with --num-threads 0: use all cores or half per batch shape, whichever measures faster "
+        "(for a CPU shared with other busy processes; costs ~15%% on an idle one)",
+        negatable=True,
+    )
+    compile: bool = flag(
+        False,
+        "torch.compile the worker's dense layer code (slower start; no oneDNN weight packing)",
+        negatable=True,
+    )
+    cpu_kernels: bool = flag(
+        True,
+        "use torch instead of the worker's C kernels (decode attention, RMSNorm, rotary, silu * up, "
+        "one-row matmul; built with the system C compiler on first start; without one the worker "
+        "uses torch anyway)",
+        name="--disable-cpu-kernels",
+    )
+    weight_dtype: str = flag(
+        "auto",
+        "a GGUF model's weights: auto keeps the blocks of every type with a CPU kernel (Q4_0, Q4_1, "
+        "Q8_0, Q4_K, Q5_K, Q6_K) quantized and uses --dtype for the rest; gguf the same, refusing to "
+        "start where it cannot; bfloat16/float32 dequantize at load (rounded through that dtype)",
+        choices=WEIGHT_DTYPES,
+    )
+    gguf_path: str = given("", "the launcher: the .gguf --model names (the embedded one by default)")
+    seed: int = seed_field()
 
     def __post_init__(self) -> None:
         assert self.page_size >= 1, "page_size must be >= 1"

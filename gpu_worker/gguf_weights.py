@@ -136,7 +136,9 @@ def read_tensors(
     reader = gguf.GGUFReader(str(path))
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     if arch not in ARCHITECTURES:
-        raise GgufError(f"GGUF architecture {arch!r} is not one we read quantized ({', '.join(ARCHITECTURES)})")
+        raise GgufError(
+            f"GGUF architecture {arch!r} is not one we read quantized ({', '.join(ARCHITECTURES)})"
+        )
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
@@ -229,7 +231,9 @@ def _shared_weights(model: nn.Module) -> dict[int, list[nn.Module]]:
     for module in model.modules():
         if isinstance(module, Linear | Embedding):
             holders[id(module.weight)].append(module)
-    return {id(m): [o for o in group if o is not m] for group in holders.values() for m in group if len(group) > 1}
+    return {
+        id(m): [o for o in group if o is not m] for group in holders.values() for m in group if len(group) > 1
+    }
 
 
 def _attach(module: nn.Module, blocks: dict[str | None, QuantBlocks], dequantized: Counter[str]) -> None:

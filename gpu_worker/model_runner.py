@@ -18,8 +18,8 @@ import torch
 from gpu_worker.attention import ForwardContext, build_metadata
 from gpu_worker.config import WorkerConfig
 from gpu_worker.cpu import backend as cpu_backend
-from gpu_worker.kv_cache import KVPool, kv_pool_tokens
 from gpu_worker.gguf_weights import GgufError
+from gpu_worker.kv_cache import KVPool, kv_pool_tokens
 from gpu_worker.loader import load_model
 from gpu_worker.models import CausalLM
 from gpu_worker.sampler import SlotSamplerParams, greedy_pick, sample
@@ -82,7 +82,12 @@ class ModelRunner:
     def _load(self) -> tuple[CausalLM, Any]:
         """The model, its weights from the GGUF with their blocks kept where --weight-dtype allows
         it (gguf_weights.py), else from the safetensors (a GGUF's conversion, bit for bit)."""
-        path, dtype, device, wanted = self.config.model_path, self._dtype, self._device, self.config.weight_dtype
+        path, dtype, device, wanted = (
+            self.config.model_path,
+            self._dtype,
+            self._device,
+            self.config.weight_dtype,
+        )
         keep = self._quantized_types()
         if keep:
             try:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from protocol.messages import SamplerParams
+from protocol.messages import WorkerSampling
 
 if TYPE_CHECKING:
     from gpu_worker.cpu.kernels import CpuKernels
@@ -127,7 +127,7 @@ class SlotSamplerParams:
         self.greedy = [True] * max_requests  # temperature 0, as a list: plain_greedy needs no tensor op
         self.assigned = [False] * max_requests
 
-    def update(self, slots: list[int], params: list[SamplerParams | None]) -> None:
+    def update(self, slots: list[int], params: list[WorkerSampling | None]) -> None:
         for slot, p in zip(slots, params, strict=True):
             if p is None:
                 continue

@@ -4,7 +4,7 @@ One ``msgspec.Struct`` per message and one tagged union per channel:
 
     client        -> tokenizer_proc : ClientRequest  = GenerateRequest | AbortRequest | FlushCacheRequest
     tokenizer_proc -> client        : ClientReply    = GenerateOutput
-    tokenizer_proc -> scheduler_proc: ToScheduler    = TokenizedRequest | AbortReq | FlushCache
+    tokenizer_proc -> scheduler_proc: ToScheduler    = TokenizedRequest | FinishReq | FlushPrefixCache
     scheduler_proc -> tokenizer_proc: ToTokenizer    = TokenBatch | RequestError | EngineStats
     scheduler_proc -> gpu_worker    : ToWorker       = ForwardBatch
     gpu_worker    -> scheduler_proc : FromWorker     = ForwardResult
@@ -134,8 +134,9 @@ class Msg(msgspec.Struct, tag=True, frozen=True, kw_only=True, array_like=True):
     """Base of every message between rivulet's processes."""
 
 
-class SamplerParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """What the worker needs to sample one request's tokens.
+class WorkerSampling(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """What the worker needs to sample one request's tokens: the client's SamplingParams less what
+    the tokenizer and scheduler handle (stopping, lengths), with the seed resolved.
 
     ``seed`` is always set (the tokenizer draws one when the client gave none):
     sampling noise is a pure function of (seed, position), so a request's tokens
@@ -157,22 +158,24 @@ class TokenizedRequest(Msg):
     input_ids: list[int]
     max_new_tokens: int
     stop_token_ids: list[int]  # EOS ids (unless ignore_eos) plus the client's own
-    sampler: SamplerParams
+    sampler: WorkerSampling
     cache_salt: str | None = None  # the client's prefix-cache namespace
 
 
-class AbortReq(Msg):
-    """Finish ``rid`` now; ``reason`` is STOP when a stop string ended it."""
+class FinishReq(Msg):
+    """The tokenizer ends ``rid`` in the scheduler: ABORT (the client aborted or went away, or
+    shutdown), STOP (the tokenizer matched one of the request's stop strings in its text)."""
 
     rid: int
-    reason: FinishReason = FinishReason.ABORT
+    reason: FinishReason
 
 
-class FlushCache(Msg):
-    """Drop every cached prefix no running request holds (the scheduler logs what it freed)."""
+class FlushPrefixCache(Msg):
+    """A client's FlushCacheRequest, forwarded: drop every cached prefix no running request holds
+    (the scheduler logs what it freed)."""
 
 
-ToScheduler = TokenizedRequest | AbortReq | FlushCache
+ToScheduler = TokenizedRequest | FinishReq | FlushPrefixCache
 
 
 class TokenBatch(Msg):
@@ -253,7 +256,7 @@ class ForwardBatch(Msg):
     page_counts: list[int]
     pages: list[int]
     sample: list[bool]
-    sampler: list[SamplerParams | None]
+    sampler: list[WorkerSampling | None]
 
 
 ToWorker = ForwardBatch

@@ -29,6 +29,21 @@ class Codec(Generic[T]):
         return self._decoder.decode(frame)
 
 
+# ZMTP heartbeats on the client socket, both ends: a connection whose peer stopped answering for
+# this long (a dead host, which never closes it) is dropped; a dead process is seen at once.
+HEARTBEAT_IVL_MS = 2000
+HEARTBEAT_TIMEOUT_MS = 6000
+# Options of a client connection, on the client's DEALER and the tokenizer's ROUTER alike;
+# set before bind/connect, when libzmq copies them into the session.
+CLIENT_SOCKET_OPTIONS = (
+    (zmq.LINGER, 0),
+    (zmq.SNDHWM, 0),
+    (zmq.RCVHWM, 0),
+    (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS),
+    (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
+)
+
+
 def make_socket(ctx: zmq.Context, kind: int, endpoint: str, *, bind: bool) -> zmq.Socket:
     """A socket that never blocks process exit (linger 0) and has no message cap."""
     sock = ctx.socket(kind)

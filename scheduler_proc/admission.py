@@ -35,7 +35,7 @@ from itertools import islice
 
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.kv_manager import KVManager
-from scheduler_proc.prefill_adder import AddResult, PrefillAdder
+from scheduler_proc.prefill_adder import AddOutcome, AddResult, Admitted, PrefillAdder
 from scheduler_proc.radix_cache import RadixCache
 from scheduler_proc.request import Req
 
@@ -53,7 +53,7 @@ class Admission:
 
     def admit(
         self, adder: PrefillAdder, waiting: deque[Req], kv: KVManager, continued: Req | None = None
-    ) -> list[Req]:
+    ) -> list[Admitted]:
         """Offer waiting requests to ``adder``; the admitted leave ``waiting``, returned in arrival order.
 
         ``continued`` is the chunked_req the adder already took this round, if any.
@@ -65,16 +65,15 @@ class Admission:
         window = list(waiting) if policy == "fcfs" else list(islice(waiting, self.config.admission_lookahead))
         if policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE:
             window = list(waiting)
-        position = {id(req): i for i, req in enumerate(window)}
         round_tree = self._round_tree(kv, continued)
         admitted = self._offer(adder, kv, round_tree, self._order(window, policy, kv), policy)
         if not admitted and policy == "pack" and not self._has_urgent(window):
             # Pack found nothing that fits whole: the head goes as fcfs would take it.
-            admitted = self._offer(adder, kv, None, window[:1], "fcfs")
-        admitted.sort(key=lambda req: position[id(req)])
-        self._count_overtakes(window, admitted, position)
-        self._remove(waiting, len(window), admitted)
-        return admitted
+            admitted = self._offer(adder, kv, None, [(0, window[0])], "fcfs")
+        admitted.sort()  # arrival order
+        self._count_overtakes(window, {pos for pos, _ in admitted})
+        self._remove(waiting, len(window), {pos for pos, _ in admitted})
+        return [entry for _, entry in admitted]
 
     def _policy(self, queue_len: int) -> str:
         every, policy = self.config.force_fifo_every, self.config.schedule_policy
@@ -90,14 +89,15 @@ class Admission:
     def _has_urgent(self, window: list[Req]) -> bool:
         return any(self._urgent(req) for req in window)
 
-    def _order(self, window: list[Req], policy: str, kv: KVManager) -> list[Req]:
-        """Urgent requests first (oldest first), then the policy's (sorted() is stable: ties by arrival)."""
-        urgent = [req for req in window if self._urgent(req)]
-        rest = [req for req in window if not self._urgent(req)]
+    def _order(self, window: list[Req], policy: str, kv: KVManager) -> list[tuple[int, Req]]:
+        """(queue position, request), urgent first (oldest first), then the policy's order
+        (sorted() is stable: ties by arrival)."""
+        urgent = [(i, req) for i, req in enumerate(window) if self._urgent(req)]
+        rest = [(i, req) for i, req in enumerate(window) if not self._urgent(req)]
         if policy == "pack":
-            rest = sorted(rest, key=lambda req: req.seq_len - kv.peek_prefix_len(req))
+            rest = sorted(rest, key=lambda e: e[1].seq_len - kv.peek_prefix_len(e[1]))
         elif policy == "lpm":
-            rest = sorted(rest, key=lambda req: -kv.peek_prefix_len(req))
+            rest = sorted(rest, key=lambda e: -kv.peek_prefix_len(e[1]))
         return urgent + rest
 
     def _round_tree(self, kv: KVManager, continued: Req | None) -> RadixCache | None:
@@ -123,51 +123,76 @@ class Admission:
         return match.num_pages * self.config.page_size - req.kv_len >= self.share_tokens
 
     def _offer(
-        self, adder: PrefillAdder, kv: KVManager, tree: RadixCache | None, order: list[Req], policy: str
-    ) -> list[Req]:
-        """Offer ``order`` one by one; returns the admitted, in the order offered."""
+        self,
+        adder: PrefillAdder,
+        kv: KVManager,
+        tree: RadixCache | None,
+        order: list[tuple[int, Req]],
+        policy: str,
+    ) -> list[tuple[int, Admitted]]:
+        """Offer ``order`` one by one; returns the admitted with their queue positions, as offered."""
         cap = self.config.prefill_max_requests or len(order)
-        admitted: list[Req] = []
+        admitted: list[tuple[int, Admitted]] = []
         num_passed = 0
-        for req in order:
+        for pos, req in order:
             if len(admitted) >= cap:
                 break
             urgent = self._urgent(req)
-            adder.on_evictable_change(kv.attach_prefix(req))
-            if not urgent and self._shares_with_round(tree, req):
-                adder.on_evictable_change(kv.detach_prefix(req))
+            outcome = self._offer_one(
+                adder, kv, tree, req, urgent, whole_only=policy == "pack" and not urgent
+            )
+            if outcome is None:
                 continue  # next round its shared prefix is cached
-            result = adder.add_one_req(req, whole_only=policy == "pack" and not urgent)
-            if adder.can_run_list and adder.can_run_list[-1][0] is req:
-                admitted.append(req)
-                if tree is not None:
-                    self._note_computed(tree, req)
-            else:
-                adder.on_evictable_change(kv.detach_prefix(req))
-                if urgent:
-                    break  # still not in: everyone waits for it
-                if result is AddResult.NO_TOKEN or (result is AddResult.OTHER and policy == "pack"):
-                    num_passed += 1  # let the ones behind try; bounded per request by max_overtakes
-                    if num_passed >= self.config.admission_lookahead:
-                        break
-                    continue
-            if result is not AddResult.CONTINUE:
+            if outcome.admitted:
+                admitted.append((pos, Admitted(req, outcome.extend_len)))
+            elif urgent:
+                break  # still not in: everyone waits for it
+            elif outcome.result is AddResult.NO_TOKEN or (
+                outcome.result is AddResult.NO_BUDGET and policy == "pack"
+            ):
+                num_passed += 1  # let the ones behind try; bounded per request by max_overtakes
+                if num_passed >= self.config.admission_lookahead:
+                    break
+                continue
+            if outcome.result is not AddResult.CONTINUE:
                 break
         return admitted
 
-    @staticmethod
-    def _count_overtakes(window: list[Req], admitted: list[Req], position: dict[int, int]) -> None:
-        if not admitted:
-            return
-        last = position[id(admitted[-1])]
-        taken = {id(req) for req in admitted}
-        for req in window[:last]:
-            if id(req) not in taken:
-                req.num_overtaken += 1
+    def _offer_one(
+        self,
+        adder: PrefillAdder,
+        kv: KVManager,
+        tree: RadixCache | None,
+        req: Req,
+        urgent: bool,
+        *,
+        whole_only: bool,
+    ) -> AddOutcome | None:
+        """Offer ``req`` with its cached prefix; None: held back, it shares a prefix with the round
+        (unless urgent). A request not admitted gives its prefix back, to the cache and to the
+        adder's count, so the round ends as if it had never been offered.
+        """
+        kv.attach_prefix(req, adder)
+        held_back = not urgent and self._shares_with_round(tree, req)
+        outcome = None if held_back else adder.add_one_req(req, whole_only=whole_only)
+        if outcome is None or not outcome.admitted:
+            kv.detach_prefix(req, adder)
+        elif tree is not None:
+            self._note_computed(tree, req)
+        return outcome
 
     @staticmethod
-    def _remove(waiting: deque[Req], window_len: int, admitted: list[Req]) -> None:
-        """Drop ``admitted`` from the first ``window_len`` of ``waiting``; the others keep their order."""
-        taken = {id(req) for req in admitted}
+    def _count_overtakes(window: list[Req], taken: set[int]) -> None:
+        """Every request before the last admitted one that was not admitted was overtaken."""
+        if not taken:
+            return
+        for pos in range(max(taken)):
+            if pos not in taken:
+                window[pos].num_overtaken += 1
+
+    @staticmethod
+    def _remove(waiting: deque[Req], window_len: int, taken: set[int]) -> None:
+        """Drop the ``taken`` positions of the first ``window_len`` of ``waiting``; the others keep
+        their order."""
         head = [waiting.popleft() for _ in range(window_len)]
-        waiting.extendleft(reversed([req for req in head if id(req) not in taken]))
+        waiting.extendleft(reversed([req for pos, req in enumerate(head) if pos not in taken]))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from protocol.messages import ForwardBatch
+from protocol.messages import ForwardBatch, ForwardResult
 from scheduler_proc.request import Req
 
 
@@ -19,11 +19,14 @@ class Row:
     new_pages: list[int]
     new_slot: bool  # the slot was (re)assigned this round: the worker gets the sampler
     is_prefill: bool  # part of a prompt (or a recompute), not a decode step
-    out_index: int = -1  # sampling rows: the index in output_ids of the token they draw
+    out_index: int = -1  # sampling rows: the index in output_ids of the token they draw (at launch)
+    start: int = field(init=False)  # the request's kv_len when the row was built: its first position
+    launched: bool = False  # applied to its request (Flight.launch): its batch was sent
 
     def __post_init__(self) -> None:
         assert self.extend_len >= 1, f"rid {self.req.rid}: empty row"
         assert self.req.slot is not None, f"rid {self.req.rid}: row without a slot"
+        self.start = self.req.kv_len
 
 
 @dataclass(frozen=True)
@@ -39,12 +42,12 @@ class BatchInfo:
 
     @classmethod
     def of(cls, step: int, prefill: list[Row], decode: list[Row], num_decoding: int) -> BatchInfo:
-        cached = sum(r.req.kv_len for r in prefill if r.new_slot)  # before kv_len advances by the rows
+        cached = sum(r.start for r in prefill if r.new_slot)
         return cls(step, len(prefill), sum(r.extend_len for r in prefill), cached, len(decode), num_decoding)
 
 
 def build_forward_batch(step: int, rows: list[Row]) -> ForwardBatch:
-    """The wire form of ``rows``; must run before the rows' ``kv_len`` advance (when they launch).
+    """The wire form of ``rows``, built before they launch (``Flight.launch`` moves kv_len on).
 
     A decode row whose input token is still being drawn by a batch in flight sends
     ``PENDING`` (-1); the worker substitutes the token it drew last for that slot.
@@ -54,14 +57,14 @@ def build_forward_batch(step: int, rows: list[Row]) -> ForwardBatch:
     pages: list[int] = []
     for row in rows:
         assert row.req.slot is not None, f"rid {row.req.rid}: row without a slot"
+        assert not row.launched and row.start == row.req.kv_len, f"rid {row.req.rid}: built after launch"
         slots.append(row.req.slot)
-        kv_len = row.req.kv_len
-        input_ids.extend(row.req.fill_slice(kv_len, kv_len + row.extend_len))
+        input_ids.extend(row.req.fill_slice(row.start, row.start + row.extend_len))
         pages.extend(row.new_pages)
     return ForwardBatch(
         step=step,
         slots=slots,
-        prefix_lens=[row.req.kv_len for row in rows],
+        prefix_lens=[row.start for row in rows],
         extend_lens=[row.extend_len for row in rows],
         input_ids=input_ids,
         page_starts=[row.page_start for row in rows],
@@ -70,3 +73,22 @@ def build_forward_batch(step: int, rows: list[Row]) -> ForwardBatch:
         sample=[row.sample for row in rows],
         sampler=[row.req.sampler if row.new_slot else None for row in rows],
     )
+
+
+def row_tokens(rows: list[Row], result: ForwardResult) -> list[tuple[int | None, float]] | str:
+    """(token, logprob) per row of ``result``'s batch (None for a row that samples nothing), or
+    why the result is a failure: the worker's error, or a token count that does not match."""
+    num_sampled = sum(row.sample for row in rows)
+    if result.error is None and len(result.token_ids) != num_sampled:
+        return f"worker returned {len(result.token_ids)} tokens for {num_sampled} sampled rows"
+    if result.error is not None:
+        return result.error
+    out: list[tuple[int | None, float]] = []
+    k = 0
+    for row in rows:
+        if not row.sample:
+            out.append((None, 0.0))
+            continue
+        out.append((result.token_ids[k], result.logprobs[k] if k < len(result.logprobs) else 0.0))
+        k += 1
+    return out

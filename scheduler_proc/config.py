@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.flags import flag, given, max_running_requests_field
+
 SCHEDULE_POLICIES = ("fcfs", "pack", "lpm")
 
 
@@ -11,33 +13,53 @@ SCHEDULE_POLICIES = ("fcfs", "pack", "lpm")
 class SchedulerConfig:
     """Budgets, sizes and policies of the scheduler core.
 
-    ``num_pages`` and ``context_len`` come from the worker's WorkerReady message;
-    the launcher builds this config after the worker has reported them.
+    ``num_pages``, ``context_len`` and ``page_size`` come from the worker's WorkerReady
+    message; the launcher builds this config after the worker has reported them. Every
+    other field but ``clip_max_new_tokens`` is a launcher flag (protocol/flags.py).
     """
 
-    num_pages: int = 0
-    context_len: int = 0
-    page_size: int = 16
-    max_running_requests: int = 128  # request slots: the cap on admitted, unfinished requests
-    max_prefill_tokens: int = 4096  # rem_input_tokens of each PrefillAdder
-    chunked_prefill_size: int = 512  # rem_chunk_tokens; <= 0 disables chunking
-    enable_mixed_chunk: bool = False  # prefill chunk + running decodes in one forward
-    overlap_schedule: bool = True  # build the next batch while the worker runs this one
-    disable_radix_cache: bool = False  # no prefix cache: every request computes its whole prompt
+    num_pages: int = given(0, "the worker's WorkerReady: KV pages it allocated")
+    context_len: int = given(0, "the worker's WorkerReady: the model's context length")
+    page_size: int = given(16, "the worker's WorkerReady: tokens per KV page (--page-size)")
+    max_running_requests: int = max_running_requests_field()
+    max_prefill_tokens: int = flag(4096, "prompt tokens one round may prefill (rem_input_tokens)")
+    chunked_prefill_size: int = flag(512, "tokens per prefill chunk (rem_chunk_tokens); -1 disables")
+    enable_mixed_chunk: bool = flag(
+        False,
+        "run a prefill chunk and the running decodes in one forward (default: on for a CPU worker, "
+        "where every forward streams all weights and a separate prefill pass stalls each stream; "
+        "off on GPU)",
+        negatable=True,
+        unset_default=None,  # unset: the launcher follows the worker's device
+    )
+    overlap_schedule: bool = flag(
+        True,
+        "send one batch at a time (default: the next batch is built while the worker runs one)",
+        name="--disable-overlap-schedule",
+    )
+    disable_radix_cache: bool = flag(False, "no prefix cache: every request computes its whole prompt")
     # Admission (see scheduler_proc/admission.py).
-    schedule_policy: str = "fcfs"  # fcfs | pack (cheapest first in a window) | lpm (longest cached prefix)
-    admission_lookahead: int = 64  # waiting requests pack and lpm look at per round
-    force_fifo_every: int = 0  # every N-th admission round is FIFO; 0: never
-    prefill_max_requests: int = 0  # new requests admitted per round; 0: no cap
-    max_overtakes: int = 16  # rounds a waiting request may be overtaken before all wait for it
+    schedule_policy: str = flag(
+        "fcfs",
+        "fcfs | pack (cheapest first in a window) | lpm (longest cached prefix first)",
+        choices=SCHEDULE_POLICIES,
+    )
+    admission_lookahead: int = flag(64, "waiting requests pack and lpm look at per round")
+    force_fifo_every: int = flag(0, "every N-th admission round is FIFO; 0: never")
+    prefill_max_requests: int = flag(0, "new requests admitted per round; 0: no cap")
+    max_overtakes: int = flag(16, "rounds a waiting request may be overtaken before all wait for it")
     # Prefill vs decode when mixed chunk is off (see Scheduler._next_rows).
-    decode_first: bool = False  # with running requests, a decode batch precedes each prefill batch
-    max_consecutive_prefills: int = 1  # prefill batches in a row while running requests wait to decode
+    decode_first: bool = flag(False, "with running requests, a decode batch precedes each prefill batch")
+    max_consecutive_prefills: int = flag(1, "prefill batches in a row while running requests wait to decode")
     # KV reservation for running requests (SGLang's new_token_ratio, see token_ratio.py).
-    clip_max_new_tokens: int = 4096  # cap on one request's reserved future tokens
-    schedule_conservativeness: float = 1.0  # scales the reservation ratio; > 1 admits more cautiously
-    new_token_ratio_decay_steps: int = 600  # decode steps from the initial ratio to the minimum; <= 0: fixed
-    decode_log_interval: int = 40  # log a decode line every N decode steps
+    clip_max_new_tokens: int = given(4096, "a constant: the cap on one request's reserved future tokens")
+    schedule_conservativeness: float = flag(
+        1.0, "scales the KV reservation ratio; > 1 admits more cautiously"
+    )
+    new_token_ratio_decay_steps: int = flag(
+        600, "decode steps from the initial reservation ratio to the minimum; <= 0: fixed"
+    )
+    decode_log_interval: int = flag(40, "log a decode line every N decode steps")
 
     def __post_init__(self) -> None:
         assert self.page_size >= 1, "page_size must be >= 1"

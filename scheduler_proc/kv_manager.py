@@ -14,10 +14,18 @@ gives back page and slot ids.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.page_allocator import PageAllocator, SlotPool, pages_for
 from scheduler_proc.radix_cache import RadixCache
 from scheduler_proc.request import Req
+
+
+class EvictableAccount(Protocol):
+    """Who counts the pages eviction could free this round (the PrefillAdder)."""
+
+    def on_evictable_change(self, delta_pages: int) -> None: ...
 
 
 class KVManager:
@@ -40,28 +48,28 @@ class KVManager:
             * self.page_size
         )
 
-    def attach_prefix(self, req: Req) -> int:
-        """Give a waiting request its cached prefix (pages, kv_len) and lock it.
+    def attach_prefix(self, req: Req, account: EvictableAccount) -> None:
+        """Give a waiting request its cached prefix (pages, kv_len) and lock it, telling ``account``
+        how many evictable pages the lock took. ``detach_prefix`` undoes both.
 
-        At least one token is left to compute: the last one's forward draws the next
-        token. Returns the change in evictable pages (<= 0) the lock caused.
+        At least one token is left to compute: the last one's forward draws the next token.
         """
         assert not req.page_table and req.kv_len == 0 and req.cache_node is None, f"rid {req.rid} holds KV"
         if self.cache is None or req.seq_len < 2:
-            return 0
+            return
         match = self.cache.match_prefix(req.fill_slice(0, req.seq_len - 1), req.cache_salt)
         req.page_table = list(match.pages)
         req.num_tree_pages = match.num_pages
-        req.kv_len = req.computed_len = match.num_pages * self.page_size
+        req.flight.reset(match.num_pages * self.page_size)
         req.cache_node = match.node
-        return self.cache.inc_lock_ref(match.node)
+        account.on_evictable_change(self.cache.inc_lock_ref(match.node))
 
-    def detach_prefix(self, req: Req) -> int:
-        """Undo ``attach_prefix`` for a request not admitted; returns the change in evictable pages."""
+    def detach_prefix(self, req: Req, account: EvictableAccount) -> None:
+        """Undo ``attach_prefix`` for a request not admitted, giving ``account`` its pages back."""
         assert req.num_tree_pages == len(req.page_table), f"rid {req.rid} already has pages of its own"
-        delta = self._unlock(req)
-        req.page_table, req.num_tree_pages, req.kv_len, req.computed_len = [], 0, 0, 0
-        return delta
+        account.on_evictable_change(self._unlock(req))
+        req.page_table, req.num_tree_pages = [], 0
+        req.flight.reset()
 
     # ------------------------------------------------------------------ growth
 
@@ -69,7 +77,7 @@ class KVManager:
         assert req.slot is None, f"rid {req.rid} already has slot {req.slot}"
         req.slot = self.slots.alloc()
         assert req.slot is not None, f"rid {req.rid}: admitted without a free slot"
-        req.worker_pages = 0  # a fresh slot: the worker gets the whole page table
+        req.flight.worker_pages = 0  # a fresh slot: the worker gets the whole page table
 
     def grow(self, req: Req, extend_len: int) -> tuple[int, list[int]]:
         """Pages for ``req``'s next ``extend_len`` tokens, evicting cached pages if short.
@@ -81,8 +89,8 @@ class KVManager:
         new_pages = self.pages.alloc(num_new)
         assert new_pages is not None, f"rid {req.rid}: scheduled without free pages"
         req.page_table.extend(new_pages)
-        start = req.worker_pages
-        req.worker_pages = len(req.page_table)
+        start = req.flight.worker_pages
+        req.flight.worker_pages = len(req.page_table)
         return start, req.page_table[start:]
 
     def decode_pages_needed(self, running: list[Req]) -> int:
@@ -116,7 +124,7 @@ class KVManager:
         if num_dup > req.num_tree_pages:
             self.pages.free(req.page_table[req.num_tree_pages : num_dup])
             req.page_table[req.num_tree_pages : num_dup] = match.pages[req.num_tree_pages : num_dup]
-            req.worker_pages = min(req.worker_pages, req.num_tree_pages)
+            req.flight.worker_pages = min(req.flight.worker_pages, req.num_tree_pages)
         self.cache.inc_lock_ref(match.node)
         self._unlock(req)
         req.cache_node, req.num_tree_pages = match.node, num_full
@@ -132,7 +140,7 @@ class KVManager:
             own_from = num_full
         self.pages.free(req.page_table[own_from:])
         self._unlock(req)
-        req.page_table, req.num_tree_pages, req.worker_pages = [], 0, 0
+        req.page_table, req.num_tree_pages, req.flight.worker_pages = [], 0, 0
         if req.slot is not None:
             self.slots.free(req.slot)
             req.slot = None
@@ -146,10 +154,6 @@ class KVManager:
         return self.cache.dec_lock_ref(node) if node is not None and self.cache is not None else 0
 
     # ------------------------------------------------------------------ accounting
-
-    @property
-    def num_free_pages(self) -> int:
-        return self.pages.num_free
 
     @property
     def evictable_pages(self) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import math
+from typing import NamedTuple
 
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.page_allocator import pages_for
@@ -23,10 +24,33 @@ from scheduler_proc.request import Req
 
 
 class AddResult(enum.Enum):
+    """Whether the round has room for more after an offer, or what it lacked."""
+
     CONTINUE = "continue"  # admitted; budgets left for more
     NO_TOKEN = "no_token"  # KV (with reservations) cannot hold it
     NO_SLOT = "no_slot"  # max_running_requests reached
-    OTHER = "other"  # input or chunk budget spent
+    NO_BUDGET = "no_budget"  # the input or chunk budget is spent or too small, or the chunked_req is taken
+
+
+class AddOutcome(NamedTuple):
+    """What ``add_one_req`` did with a request: admitted (``extend_len`` tokens) or refused."""
+
+    extend_len: int  # tokens the request extends this round; 0: refused
+    result: AddResult  # after an admission: whether more may follow; after a refusal: why
+
+    @property
+    def admitted(self) -> bool:
+        return self.extend_len > 0
+
+
+class Admitted(NamedTuple):
+    req: Req
+    extend_len: int  # tokens it extends this round
+
+
+REFUSED_NO_SLOT = AddOutcome(0, AddResult.NO_SLOT)
+REFUSED_NO_TOKEN = AddOutcome(0, AddResult.NO_TOKEN)
+REFUSED_NO_BUDGET = AddOutcome(0, AddResult.NO_BUDGET)
 
 
 class PrefillAdder:
@@ -40,7 +64,7 @@ class PrefillAdder:
         rem_input_tokens: int,
         rem_chunk_tokens: int | None,
         rem_total_tokens: float,
-        free_pages: int,
+        available_pages: int,
         free_slots: int,
     ) -> None:
         self.page_size = page_size
@@ -48,9 +72,10 @@ class PrefillAdder:
         self.rem_input_tokens = rem_input_tokens
         self.rem_chunk_tokens = rem_chunk_tokens
         self.rem_total_tokens = rem_total_tokens
-        self.free_pages = free_pages  # hard limit: free plus evictable pages, what allocation can get
+        # The hard limit: free plus evictable pages, what allocation can get (KVManager.available_pages).
+        self.available_pages = available_pages
         self.free_slots = free_slots
-        self.can_run_list: list[tuple[Req, int]] = []  # (request, tokens it extends this round)
+        self.can_run_list: list[Admitted] = []  # in the order admitted
         self.new_chunked_req: Req | None = None
         self.chunked_in_progress = False  # the old chunked_req still has chunks after this round
 
@@ -60,7 +85,7 @@ class PrefillAdder:
         config: SchedulerConfig,
         running: list[Req],
         new_token_ratio: float,
-        free_pages: int,
+        available_pages: int,
         free_slots: int,
     ) -> PrefillAdder:
         """This round's budgets: KV is what is free minus the running requests' reservation."""
@@ -69,41 +94,44 @@ class PrefillAdder:
             clip_max_new_tokens=config.clip_max_new_tokens,
             rem_input_tokens=config.max_prefill_tokens,
             rem_chunk_tokens=config.chunk_tokens,
-            rem_total_tokens=free_pages * config.page_size
+            rem_total_tokens=available_pages * config.page_size
             - running_reservation_tokens(running, config, new_token_ratio),
-            free_pages=free_pages,
+            available_pages=available_pages,
             free_slots=free_slots,
         )
 
     def on_evictable_change(self, delta_pages: int) -> None:
         """A prefix lock (< 0) or unlock (> 0) changed how many cached pages eviction could free."""
         self.rem_total_tokens += delta_pages * self.page_size
-        self.free_pages += delta_pages
+        self.available_pages += delta_pages
 
     def _new_pages(self, req: Req, tokens: int) -> int:
         """Pages ``req`` needs beyond its page table to hold ``kv_len + tokens`` positions."""
         return max(pages_for(req.kv_len + tokens, self.page_size) - len(req.page_table), 0)
 
     def _take(self, req: Req, extend_len: int, reserve: int) -> None:
-        self.can_run_list.append((req, extend_len))
+        self.can_run_list.append(Admitted(req, extend_len))
         self.rem_input_tokens -= extend_len
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= extend_len
         self.rem_total_tokens -= self._new_pages(req, extend_len + reserve) * self.page_size
-        self.free_pages -= self._new_pages(req, extend_len)
+        self.available_pages -= self._new_pages(req, extend_len)
         if req.slot is None:
             self.free_slots -= 1
-        assert self.free_pages >= 0, "admitted more pages than are free"
+        assert self.available_pages >= 0, "admitted more pages than are available"
 
-    def _budget_state(self) -> AddResult:
+    def _admitted(self, req: Req, extend_len: int, reserve: int) -> AddOutcome:
+        self._take(req, extend_len, reserve)
         if self.rem_input_tokens <= 0 or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0):
-            return AddResult.OTHER
+            return AddOutcome(extend_len, AddResult.NO_BUDGET)
         if self.free_slots <= 0:
-            return AddResult.NO_SLOT
-        return AddResult.CONTINUE
+            return AddOutcome(extend_len, AddResult.NO_SLOT)
+        return AddOutcome(extend_len, AddResult.CONTINUE)
 
-    def add_chunked_req(self, req: Req) -> Req | None:
-        """Continue the chunked request first; returns it while chunks remain, else None.
+    def add_chunked_req(self, req: Req) -> int:
+        """Continue the chunked request first; returns the tokens it extends this round (0: none).
+
+        Afterwards ``chunked_in_progress`` says whether it still has chunks to go.
 
         Its chunk is bounded by the chunk budget, by ``rem_total_tokens`` when
         that is positive (SGLang), and always by the pages actually free. When no
@@ -114,52 +142,48 @@ class PrefillAdder:
         if self.rem_total_tokens > 0:
             budget = min(budget, int(self.rem_total_tokens))
         held_room = len(req.page_table) * self.page_size - req.kv_len
-        budget = min(budget, remaining, held_room + self.free_pages * self.page_size)
+        budget = min(budget, remaining, held_room + self.available_pages * self.page_size)
         if budget <= 0:
             self.rem_chunk_tokens = 0
             self.chunked_in_progress = True
-            return req
+            return 0
         truncated = budget < remaining
         self._take(req, budget, 0 if truncated else req.reserve_tokens(self.clip_max_new_tokens))
         self.chunked_in_progress = truncated
-        return req if truncated else None
+        return budget
 
-    def add_one_req(self, req: Req, *, whole_only: bool = False) -> AddResult:
+    def add_one_req(self, req: Req, *, whole_only: bool = False) -> AddOutcome:
         """Admit a waiting request whole, truncated (new chunked_req), or not at all.
 
         ``whole_only`` (pack's greedy pass): admit only if the whole prompt fits what
         is left of the input and chunk budgets, never truncated or over budget.
-        Whether ``req`` got in shows in ``can_run_list``, not in the result, which
-        says whether more may follow.
         """
         if self.free_slots <= 0:
-            return AddResult.NO_SLOT
+            return REFUSED_NO_SLOT
         extend = req.extend_input_len
         reserve = req.reserve_tokens(self.clip_max_new_tokens)
         if self._new_pages(req, extend + reserve) * self.page_size > self.rem_total_tokens:
-            return AddResult.NO_TOKEN
+            return REFUSED_NO_TOKEN
         if whole_only and (
             extend > self.rem_input_tokens
             or (self.rem_chunk_tokens is not None and extend > self.rem_chunk_tokens)
         ):
-            return AddResult.OTHER
+            return REFUSED_NO_BUDGET
         if self.rem_chunk_tokens is None or extend <= self.rem_chunk_tokens:
             # Over the input budget only when alone in the round: a prompt larger
             # than max_prefill_tokens must still run some day.
             if extend > self.rem_input_tokens and self.can_run_list:
-                return AddResult.OTHER
-            self._take(req, extend, reserve)
-            return self._budget_state()
+                return REFUSED_NO_BUDGET
+            return self._admitted(req, extend, reserve)
         if self.chunked_in_progress or self.new_chunked_req is not None:
-            return AddResult.OTHER  # at most one chunked_req at a time
+            return REFUSED_NO_BUDGET  # at most one chunked_req at a time
         trunc_len = self.rem_chunk_tokens
         if self.can_run_list:
             trunc_len = min(trunc_len, self.rem_input_tokens)
         if trunc_len <= 0:
-            return AddResult.OTHER
-        self._take(req, trunc_len, 0)
+            return REFUSED_NO_BUDGET
         self.new_chunked_req = req
-        return self._budget_state()
+        return self._admitted(req, trunc_len, 0)
 
 
 def running_reservation_tokens(running: list[Req], config: SchedulerConfig, new_token_ratio: float) -> int:

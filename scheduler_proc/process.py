@@ -10,9 +10,9 @@ import msgspec
 import zmq
 
 from protocol.messages import (
-    AbortReq,
     EngineStats,
-    FlushCache,
+    FinishReq,
+    FlushPrefixCache,
     ForwardResult,
     FromWorker,
     Ready,
@@ -80,9 +80,9 @@ class SchedulerProcess:
         sched = self.scheduler
         stats = EngineStats(
             num_running=len(sched.running) + (sched.chunked_req is not None),
-            num_waiting=sched.num_waiting,
-            num_pages=sched.pages.num_pages,
-            free_pages=sched.pages.num_free,
+            num_waiting=len(sched.waiting),
+            num_pages=sched.kv.pages.num_pages,
+            free_pages=sched.kv.pages.num_free,
             evictable_pages=sched.kv.evictable_pages,
             worker_busy_s=self.stats.worker_busy_s,
             worker_clock_s=self.stats.worker_clock_s,
@@ -116,9 +116,9 @@ class SchedulerProcess:
                 if error is not None:
                     self.log.warning("rejected rid %d: %s", msg.rid, error.message)
                     self.to_tokenizer.send(self.encoder.encode(error))
-            case AbortReq():
+            case FinishReq():
                 self.scheduler.abort(msg.rid, msg.reason)
-            case FlushCache():
+            case FlushPrefixCache():
                 self.log.info("flushed the prefix cache: %d pages freed", self.scheduler.flush_cache())
             case _:
                 raise TypeError(f"unexpected message on to_scheduler: {type(msg).__name__}")

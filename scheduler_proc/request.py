@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import enum
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from protocol.messages import FinishReason, SamplerParams, TokenizedRequest
+from protocol.messages import PENDING, FinishReason, TokenizedRequest, WorkerSampling
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.page_allocator import pages_for
 
 if TYPE_CHECKING:
+    from scheduler_proc.batch import Row
     from scheduler_proc.radix_cache import TreeNode
 
 
@@ -30,6 +32,93 @@ class ReqStatus(enum.Enum):
 
 
 @dataclass(eq=False)
+class Flight:
+    """What the worker was sent for one request and what came back: the overlap scheduler's state.
+
+    Over the positions of ``fill_ids``:
+
+        [0, computed_len)        KV written by batches that returned (only these may be cached)
+        [computed_len, kv_len)   KV of the rows in ``rows``: sent, not returned, in send order
+        [kv_len, seq_len)        not scheduled yet: the next row starts at kv_len
+
+    A row changes this state only through ``launch`` (when its batch is sent), then ``land``
+    (its result) or ``drop`` (a result that is void: the request ended, or the forward failed).
+    While the request lives, ``check`` holds after every step: the rows are contiguous from
+    computed_len to kv_len, and ``output_ids`` ends with exactly one PENDING per sampling row
+    out, at that row's ``out_index``. The wire form of a row is built before it is launched
+    (``build_forward_batch`` asserts it): launching advances kv_len, which the row starts from.
+    """
+
+    kv_len: int = 0
+    computed_len: int = 0
+    worker_pages: int = 0  # leading page-table entries the worker holds as they are here
+    final_scheduled: bool = False  # the row drawing the request's last possible token is sent
+    rows: deque[Row] = field(default_factory=deque)
+
+    def reset(self, kv_len: int = 0) -> None:
+        """A waiting request's KV: none, or a cached prefix of ``kv_len`` tokens (all computed)."""
+        assert not self.rows, "KV reset with rows in flight"
+        self.kv_len = self.computed_len = kv_len
+
+    def launch(self, row: Row, context_len: int) -> None:
+        """Apply a row as its batch is sent: its KV is scheduled; a sampling row adds a PENDING token."""
+        req = row.req
+        assert not row.launched, f"rid {req.rid}: row launched twice"
+        assert row.start == self.kv_len, (
+            f"rid {req.rid}: a row built at kv_len {row.start} launched at kv_len {self.kv_len}"
+        )
+        row.launched = True
+        self.kv_len += row.extend_len
+        if row.sample:
+            row.out_index = len(req.output_ids)
+            req.output_ids.append(PENDING)
+            self.final_scheduled = req.hits_length_limit(len(req.output_ids), context_len)
+        self.rows.append(row)
+        self.check(req)
+
+    def land(self, row: Row, token: int | None) -> None:
+        """``row``'s result: its KV is written and, if it sampled, ``token`` replaces its PENDING."""
+        self._pop(row)
+        self.computed_len += row.extend_len
+        if token is not None:
+            row.req.output_ids[row.out_index] = token
+        self.check(row.req)
+
+    def drop(self, row: Row) -> None:
+        """A result to ignore: the request ended while ``row`` was out, or its forward failed."""
+        self._pop(row)
+
+    def end_at(self, row: Row) -> None:
+        """The request ends with ``row``'s token: the tokens later rows are drawing are void."""
+        del row.req.output_ids[row.out_index + 1 :]
+
+    def _pop(self, row: Row) -> None:
+        assert self.rows and self.rows[0] is row, f"rid {row.req.rid}: a result out of send order"
+        self.rows.popleft()
+
+    def check(self, req: Req) -> None:
+        """The invariants of a live request's flight (see the class docstring)."""
+        assert 0 <= self.computed_len <= self.kv_len <= req.seq_len, (
+            f"rid {req.rid}: computed {self.computed_len}, kv {self.kv_len}, seq {req.seq_len}"
+        )
+        assert self.worker_pages <= len(req.page_table), f"rid {req.rid}: the worker has pages we lack"
+        end = self.computed_len
+        for row in self.rows:
+            assert row.start == end, f"rid {req.rid}: rows in flight are not contiguous at {end}"
+            end += row.extend_len
+        assert end == self.kv_len, f"rid {req.rid}: rows in flight end at {end}, kv_len is {self.kv_len}"
+        sampling = [row.out_index for row in self.rows if row.sample]
+        first = len(req.output_ids) - len(sampling)
+        assert sampling == list(range(first, len(req.output_ids))), (
+            f"rid {req.rid}: sampling rows in flight draw {sampling}, not the last {len(sampling)} outputs"
+        )
+        assert all(t == PENDING for t in req.output_ids[first:]), f"rid {req.rid}: a drawn token is lost"
+        assert first == 0 or req.output_ids[first - 1] != PENDING, (
+            f"rid {req.rid}: a PENDING token no row draws"
+        )
+
+
+@dataclass(eq=False)
 class Req:
     """A request inside the scheduler.
 
@@ -42,31 +131,27 @@ class Req:
     appends ``PENDING`` to ``output_ids`` when it is scheduled and the worker's
     token replaces it on the result; a batch scheduled in between (overlap) sends
     ``PENDING`` as input and the worker substitutes the token it just drew for
-    that slot. ``page_table`` covers ``[0, len(page_table) * page_size)``, always
-    at least ``[0, kv_len)``.
+    that slot (``Flight`` holds these lengths and the rows out). ``page_table``
+    covers ``[0, len(page_table) * page_size)``, always at least ``[0, kv_len)``.
     """
 
     rid: int
     input_ids: list[int]
     max_new_tokens: int
     stop_token_ids: frozenset[int]
-    sampler: SamplerParams
+    sampler: WorkerSampling
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None
     page_table: list[int] = field(default_factory=list)
-    kv_len: int = 0
-    computed_len: int = 0
+    flight: Flight = field(default_factory=Flight)
     status: ReqStatus = ReqStatus.WAITING
     finish_reason: FinishReason | None = None
-    in_flight: int = 0  # rows of this request in batches the worker holds
-    final_scheduled: bool = False  # the row drawing its last possible token is scheduled
     num_retractions: int = 0
     num_overtaken: int = 0  # admission rounds in which a later arrival got in and this one did not
     cache_salt: str | None = None  # the prefix-cache namespace: requests share KV only within one
     # Prefix cache (see kv_manager.py): page_table[:num_tree_pages] belong to the tree, locked at cache_node.
     cache_node: TreeNode | None = None
     num_tree_pages: int = 0
-    worker_pages: int = 0  # leading page-table entries the worker holds as they are here
     cached_tokens: int = 0  # prompt tokens reused from the cache at the first admission
 
     def __post_init__(self) -> None:
@@ -88,6 +173,16 @@ class Req:
             sampler=msg.sampler,
             cache_salt=msg.cache_salt,
         )
+
+    @property
+    def kv_len(self) -> int:
+        """Positions whose KV is written or scheduled: the next row starts here."""
+        return self.flight.kv_len
+
+    @property
+    def computed_len(self) -> int:
+        """Positions whose KV is written (their batches returned)."""
+        return self.flight.computed_len
 
     @property
     def seq_len(self) -> int:

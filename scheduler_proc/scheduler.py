@@ -7,13 +7,14 @@ Every request is in exactly one place while it lives:
     running (list)         -> slot, pages; kv_len == seq_len - 1, or its last chunk is in flight
 
 A finished request is in none of them; its pages and slot are freed at once,
-or when the last batch still carrying it returns (``Req.in_flight``).
+or when the last batch still carrying it returns (``Req.flight.rows``).
 
 Overlap (``overlap_schedule``): the next batch is built and sent while the worker
 runs the current one, so the worker never waits for the scheduler. A row's
 effects on the request's state (its KV length, one ``PENDING`` output token if
 it samples) apply when it is sent; the result only fills in the token and
-finishes the request. What cannot be known ahead costs little: a request that
+finishes the request. ``Req.flight`` (request.py) holds that state and asserts
+its invariants at every step. What cannot be known ahead costs little: a request that
 draws a stop token has already been given one more decode row, whose token is
 dropped. Retraction needs every token back, so it waits until nothing is in flight.
 """
@@ -24,7 +25,6 @@ import logging
 from collections import deque
 
 from protocol.messages import (
-    PENDING,
     FinishReason,
     ForwardBatch,
     ForwardResult,
@@ -33,12 +33,13 @@ from protocol.messages import (
     ToTokenizer,
 )
 from scheduler_proc.admission import Admission
-from scheduler_proc.batch import BatchInfo, Row, build_forward_batch
+from scheduler_proc.batch import BatchInfo, Row, build_forward_batch, row_tokens
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.outputs import OutputCollector
-from scheduler_proc.prefill_adder import PrefillAdder
+from scheduler_proc.prefill_adder import Admitted, PrefillAdder
 from scheduler_proc.request import Req, ReqStatus, why_rejected
+from scheduler_proc.retraction import pick_victim, retract
 from scheduler_proc.token_ratio import NewTokenRatio
 
 
@@ -61,7 +62,6 @@ class Scheduler:
 
     def _init_kv(self) -> None:
         self.kv = KVManager(self.config)
-        self.pages, self.slots = self.kv.pages, self.kv.slots  # read-only views for stats and tests
 
     def _init_queues(self) -> None:
         self.waiting: deque[Req] = deque()
@@ -78,7 +78,6 @@ class Scheduler:
         self.next_step = 0
         self.last_batch: BatchInfo | None = None
         self.num_retracted = 0
-        self.num_finished = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0  # of requests at their first admission
         self.num_cached_prompt_tokens = 0  # of those, reused from the prefix cache
@@ -118,8 +117,7 @@ class Scheduler:
 
     def in_flight_reqs(self) -> list[Req]:
         """Requests of the batches the worker holds, aborted ones included (they still own KV)."""
-        reqs = {id(row.req): row.req for rows in self._in_flight.values() for row in rows}
-        return list(reqs.values())
+        return list(dict.fromkeys(row.req for rows in self._in_flight.values() for row in rows))
 
     def flush_cache(self) -> int:
         """Evict every cached prefix no live request holds; returns the pages freed."""
@@ -153,19 +151,9 @@ class Scheduler:
         self.last_batch = BatchInfo.of(step, prefill, decode, num_decoding)
         batch = build_forward_batch(step, rows)
         for row in rows:
-            self._launch(row)
+            row.req.flight.launch(row, self.config.context_len)
         self._in_flight[step] = rows
         return batch
-
-    def _launch(self, row: Row) -> None:
-        """Apply a sent row to its request: KV length, and a PENDING token if it samples."""
-        req = row.req
-        req.in_flight += 1
-        req.kv_len += row.extend_len
-        if row.sample:
-            row.out_index = len(req.output_ids)
-            req.output_ids.append(PENDING)
-            req.final_scheduled = req.hits_length_limit(len(req.output_ids), self.config.context_len)
 
     def _next_rows(self) -> tuple[list[Row], list[Row]]:
         """(prefill rows, decode rows) of the next batch.
@@ -209,17 +197,21 @@ class Scheduler:
             self.kv.available_pages,
             self.kv.slots.num_free,
         )
+        admitted = []
         continued = self.chunked_req
         if continued is not None:
-            self.chunked_req = adder.add_chunked_req(continued)
-        admitted = self.admission.admit(adder, self.waiting, self.kv, continued)
+            extend_len = adder.add_chunked_req(continued)
+            self.chunked_req = continued if adder.chunked_in_progress else None
+            if extend_len:
+                admitted.append(Admitted(continued, extend_len))
+        admitted += self.admission.admit(adder, self.waiting, self.kv, continued)
         if adder.new_chunked_req is not None:
             assert self.chunked_req is None, "at most one chunked_req at a time"
             self.chunked_req = adder.new_chunked_req
-        extend_lens = {id(req): n for req, n in adder.can_run_list}
-        order = ([continued] if continued is not None and id(continued) in extend_lens else []) + admitted
-        assert len(order) == len(extend_lens), "the adder admitted a request admission did not offer"
-        return [self._prefill_row(req, extend_lens[id(req)]) for req in order]
+        assert len(admitted) == len(adder.can_run_list), (
+            "the adder admitted a request admission did not offer"
+        )
+        return [self._prefill_row(req, extend_len) for req, extend_len in admitted]
 
     def _prefill_row(self, req: Req, extend_len: int) -> Row:
         new_slot = req.slot is None
@@ -257,7 +249,7 @@ class Scheduler:
 
     def _decoders(self) -> list[Req]:
         """Running requests that get a decode row: all but those whose last token is being drawn."""
-        return [req for req in self.running if not req.final_scheduled]
+        return [req for req in self.running if not req.flight.final_scheduled]
 
     def _decode_needs_retraction(self) -> bool:
         return self.kv.decode_pages_needed(self._decoders()) > self.kv.available_pages
@@ -269,34 +261,14 @@ class Scheduler:
             if not self._decode_needs_retraction():
                 break
             assert not self._in_flight, "retraction with a batch in flight"
-            # SGLang's order: least progress lost first; ties: the longest prompt frees most.
-            victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
-            self._retract(victim)
+            retract(pick_victim(self.running), self.running, self.waiting, self.kv)
+            self.num_retracted += 1
             retracted = True
         if retracted:
             old = self.new_token_ratio.value
             self.new_token_ratio.on_retract()
             self._log.warning("new_token_ratio raised %.3f -> %.3f", old, self.new_token_ratio.value)
         return retracted
-
-    def _retract(self, req: Req) -> None:
-        """Give back a running request's KV (cached, so its recompute may hit); it keeps its output."""
-        self.running.remove(req)
-        self.kv.release(req, cache=True)
-        req.kv_len = req.computed_len = 0
-        req.status = ReqStatus.WAITING
-        req.num_retractions += 1
-        self.num_retracted += 1
-        self.waiting.appendleft(req)
-        self._log.warning(
-            "KV pool exhausted: retracted rid %d (%d output tokens kept, will recompute %d tokens); "
-            "#running-req: %d, #queue-req: %d",
-            req.rid,
-            len(req.output_ids),
-            req.seq_len,
-            len(self.running),
-            len(self.waiting),
-        )
 
     # ------------------------------------------------------------------ results
 
@@ -306,38 +278,30 @@ class Scheduler:
         if rows is None:
             self._log.warning("dropped a result for unknown step %d", result.step)
             return
-        error = result.error
-        num_sampled = sum(row.sample for row in rows)
-        if error is None and len(result.token_ids) != num_sampled:
-            error = f"worker returned {len(result.token_ids)} tokens for {num_sampled} sampled rows"
-        if error is not None:
-            self._fail_rows(result.step, rows, error)
+        tokens = row_tokens(rows, result)
+        if isinstance(tokens, str):
+            self._fail_rows(result.step, rows, tokens)
             return
-        k = 0
-        for row in rows:
-            token = result.token_ids[k] if row.sample else None
-            logprob = result.logprobs[k] if row.sample and k < len(result.logprobs) else 0.0
-            k += row.sample
+        for row, (token, logprob) in zip(rows, tokens, strict=True):
             self._apply_row(row, token, logprob)
 
     def _apply_row(self, row: Row, token: int | None, logprob: float) -> None:
         req = row.req
-        req.in_flight -= 1
         if req.status is ReqStatus.FINISHED:  # ended while in flight: its token is dropped
-            if not req.in_flight:
+            req.flight.drop(row)
+            if not req.flight.rows:
                 self.kv.release(req, cache=req.finish_reason is not FinishReason.ERROR)
             return
-        req.computed_len += row.extend_len
+        req.flight.land(row, token)
         if row.is_prefill:  # its prompt pages are shareable from the next round on
             self.kv.cache_unfinished(req)
         if token is None:
             return
-        req.output_ids[row.out_index] = token
         self.num_generated_tokens += 1
         reason = req.finish_reason_at(row.out_index, self.config.context_len)
         self._outputs.add_token(req.rid, token, logprob, reason, req.cached_tokens)
         if reason is not None:
-            del req.output_ids[row.out_index + 1 :]  # drawn by rows still in flight: void
+            req.flight.end_at(row)
             self.running.remove(req)
             self._finish(req, reason)
 
@@ -345,9 +309,9 @@ class Scheduler:
         self._log.error("forward step %d failed (%s): failing its %d requests", step, error, len(rows))
         for row in rows:
             req = row.req
-            req.in_flight -= 1
+            req.flight.drop(row)
             if req.status is ReqStatus.FINISHED:
-                if not req.in_flight:
+                if not req.flight.rows:
                     self.kv.release(req, cache=False)  # a forward over it failed: trust none of its KV
                 continue
             self._remove_from_queues(req)
@@ -368,25 +332,10 @@ class Scheduler:
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
         del self.reqs[req.rid]
-        self.num_finished += 1
-        if not req.in_flight:
+        if not req.flight.rows:
             self.kv.release(req, cache=reason is not FinishReason.ERROR)
-
-    # ------------------------------------------------------------------ counters for logs
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
 
     @property
     def cache_hit_rate(self) -> float:
-        """Share of admitted prompt tokens that came from the prefix cache, since start."""
+        """Share of admitted prompt tokens that came from the prefix cache, since start (for logs)."""
         return self.num_cached_prompt_tokens / max(self.num_prompt_tokens, 1)
-
-    @property
-    def used_kv_tokens(self) -> int:
-        return self.kv.used_tokens
-
-    @property
-    def token_usage(self) -> float:
-        return self.kv.usage

@@ -55,9 +55,9 @@ class SchedulerStats:
                 info.num_prefill_tokens,
                 info.num_cached_tokens,
                 100 * sched.cache_hit_rate,
-                sched.token_usage,
+                sched.kv.usage,
                 info.num_decoding,
-                sched.num_waiting,
+                len(sched.waiting),
             )
             return
         self.num_decode_batches += 1
@@ -66,11 +66,11 @@ class SchedulerStats:
                 "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
                 "gen throughput (token/s): %.2f, worker busy: %.1f%%, #queue-req: %d",
                 info.num_decode_rows,
-                sched.used_kv_tokens,
-                sched.token_usage,
+                sched.kv.used_tokens,
+                sched.kv.usage,
                 self._throughput(sched),
                 100 * self._worker_busy_share(),
-                sched.num_waiting,
+                len(sched.waiting),
             )
 
     def _worker_busy_share(self) -> float:

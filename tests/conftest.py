@@ -57,13 +57,15 @@ CPU_KIND_TESTS = (
     "tests/gpu_worker/test_cpu_matmul.py",
     "tests/gpu_worker/test_quant_kernels.py",
     "tests/gpu_worker/test_quant_k_kernels.py",
+    "tests/gpu_worker/test_gguf_weights.py",
     "tests/gpu_worker/test_models.py",
-    "tests/gpu_worker/test_smollm2.py",
-    "tests/gpu_worker/test_smollm2_bf16.py",
-    "tests/test_exactness.py",
-    "tests/test_prefix_cache_exactness.py",
-    "tests/test_smollm2_exactness.py",
-)
+    "tests/exactness/test_families.py",
+    "tests/exactness/test_prefix_cache.py",
+    "tests/exactness/test_smollm2_bf16.py",
+    "tests/exactness/test_smollm2_fp32.py",
+    "tests/exactness/test_smollm2_gguf.py",
+    "tests/exactness/test_smollm2_runner.py",
+)  # not tests/exactness/test_smollm2_served.py: it starts the launcher, which the other runs cover
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

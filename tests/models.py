@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from protocol.messages import SamplerParams
+from protocol.messages import WorkerSampling
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gpt2")
-GREEDY = SamplerParams(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0)
+GREEDY = WorkerSampling(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0)
 VOCAB = 500
 
 

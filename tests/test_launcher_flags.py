@@ -1,11 +1,20 @@
-"""Launcher flags whose meaning depends on what the worker reported."""
+"""Launcher flags: each reaches its process config; those whose meaning depends on the worker."""
 
 from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
 
 import pytest
 
 import launcher
+import launcher_flags
+from gpu_worker.config import WorkerConfig
 from protocol import WorkerReady
+from protocol.flags import Flag, flag_of, source_of
+from scheduler_proc.config import SchedulerConfig
+from tokenizer_proc.config import TokenizerConfig
 
 
 def _ready(device: str) -> WorkerReady:
@@ -24,3 +33,102 @@ def _ready(device: str) -> WorkerReady:
 def test_mixed_chunk_follows_the_worker_device_unless_set(flags: list[str], device: str, mixed: bool) -> None:
     args = launcher.build_parser().parse_args(flags)
     assert launcher.scheduler_config(args, _ready(device)).enable_mixed_chunk is mixed
+
+
+# ---------------------------------------------------------------- every config field is wired
+
+PROCESS_CONFIGS = (WorkerConfig, SchedulerConfig, TokenizerConfig)
+# The fields no flag sets, and where each comes from instead. A new config field is either a
+# flag (protocol/flags.py: ``flag(...)``) or goes on this list with its source.
+FROM_ELSEWHERE = {
+    (WorkerConfig, "model_path"): "the launcher: --model resolved to an HF directory",
+    (WorkerConfig, "gguf_path"): "the launcher: the .gguf --model names (the embedded one by default)",
+    (TokenizerConfig, "model_path"): "the launcher: --model resolved to an HF directory",
+    (SchedulerConfig, "num_pages"): "the worker's WorkerReady: the KV pool it allocated",
+    (SchedulerConfig, "context_len"): "the worker's WorkerReady: the model's context length",
+    (SchedulerConfig, "page_size"): "the worker's WorkerReady: the page size it runs (--page-size)",
+    (SchedulerConfig, "clip_max_new_tokens"): "a constant: SGLang's CLIP_MAX_NEW_TOKENS",
+}
+LAUNCHER_OWN_OPTIONS = {"model", "endpoint", "log_level", "help"}
+
+
+def _probe(fl: Flag, name: str, default: Any, hint: Any) -> tuple[list[str], Any]:
+    """A command line setting field ``name`` to a value other than its default, and that value."""
+    spelling = fl.spelling(name)
+    if hint is bool:
+        if fl.negatable and default:
+            return ["--no-" + spelling[2:]], False
+        return [spelling], not default
+    if fl.choices:
+        value: Any = next(c for c in fl.choices if c != default)
+    elif int in (hint, *typing.get_args(hint)):
+        value = (default or 0) + 3
+    elif float in (hint, *typing.get_args(hint)):
+        value = default + 0.25
+    else:
+        value = f"probe-{name}"
+    return [spelling, str(value)], value
+
+
+def _probes() -> list[tuple[type, str, list[str], Any]]:
+    out: list[tuple[type, str, list[str], Any]] = []
+    for cls in PROCESS_CONFIGS:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            fl = flag_of(f)
+            if fl is not None:
+                out.append((cls, f.name, *_probe(fl, f.name, f.default, hints[f.name])))
+    return out
+
+
+def _configs(argv: list[str]) -> dict[type, Any]:
+    args = launcher.build_parser().parse_args(argv)
+    return {
+        WorkerConfig: launcher.worker_config(args, "/models/m"),
+        SchedulerConfig: launcher.scheduler_config(args, _ready("cpu")),
+        TokenizerConfig: launcher.tokenizer_config(args, "/models/m"),
+    }
+
+
+def test_every_config_field_is_a_flag_or_on_the_list_of_fields_set_elsewhere() -> None:
+    assert set(launcher_flags.PROCESS_CONFIGS) == set(PROCESS_CONFIGS)
+    not_flags = {
+        (cls, f.name) for cls in PROCESS_CONFIGS for f in dataclasses.fields(cls) if flag_of(f) is None
+    }
+    assert not_flags == FROM_ELSEWHERE.keys(), "a config field is neither a launcher flag nor listed"
+    for cls, name in not_flags:
+        assert source_of(next(f for f in dataclasses.fields(cls) if f.name == name)), f"{name}: no source"
+
+
+def test_every_option_sets_a_config_field() -> None:
+    fields = {f.name for cls in PROCESS_CONFIGS for f in dataclasses.fields(cls)}
+    dests = {action.dest for action in launcher.build_parser()._actions}
+    assert dests - LAUNCHER_OWN_OPTIONS <= fields, "an option that no config field receives"
+
+
+@pytest.mark.parametrize(("cls", "name", "argv", "value"), _probes(), ids=lambda v: getattr(v, "__name__", v))
+def test_each_flag_arrives_in_every_config_with_its_field(
+    cls: type, name: str, argv: list[str], value: Any
+) -> None:
+    configs = _configs(argv)
+    assert getattr(configs[cls], name) == value, f"{' '.join(argv)} did not reach {cls.__name__}.{name}"
+    for other, config in configs.items():  # a shared flag (--seed, --max-running-requests) feeds all
+        if name in {f.name for f in dataclasses.fields(other)} and (other, name) not in FROM_ELSEWHERE:
+            assert getattr(config, name) == value, f"{' '.join(argv)} did not reach {other.__name__}.{name}"
+    defaults = _configs([])
+    for other in PROCESS_CONFIGS:
+        changed = {
+            f.name
+            for f in dataclasses.fields(other)
+            if getattr(configs[other], f.name) != getattr(defaults[other], f.name)
+        }
+        assert changed <= {name}, f"{' '.join(argv)} also changed {other.__name__} {sorted(changed - {name})}"
+
+
+def test_fields_set_elsewhere_arrive_from_the_worker_and_the_launcher() -> None:
+    configs = _configs([])
+    ready = _ready("cpu")
+    assert configs[WorkerConfig].model_path == configs[TokenizerConfig].model_path == "/models/m"
+    sched = configs[SchedulerConfig]
+    assert (sched.num_pages, sched.context_len, sched.page_size) == (ready.num_pages, ready.context_len, 16)
+    assert configs[TokenizerConfig].served_model_name == "SmolLM2-135M-Instruct", "named after --model"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.flags import flag, given, seed_field
+
 
 @dataclass(frozen=True)
 class TokenizerConfig:
@@ -14,13 +16,15 @@ class TokenizerConfig:
     before they are failed; new ones are refused meanwhile.
     """
 
-    model_path: str = ""
-    seed: int = 0  # draws per-request sampling seeds when the client gives none
-    http_host: str = "127.0.0.1"
-    http_port: int | None = None
-    api_key: str | None = None
-    served_model_name: str = "rivulet"
-    shutdown_timeout_s: float = 0.0
+    model_path: str = given("", "the launcher: --model resolved to an HF directory")
+    seed: int = seed_field()
+    http_host: str = flag("127.0.0.1", "HTTP bind address (default: loopback only)", name="--host")
+    http_port: int | None = flag(None, "HTTP API port (default: off)")
+    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on /v1")
+    served_model_name: str = flag(
+        "rivulet", "model id on /v1 (default: model name)", unset_default=None
+    )  # unset: the launcher names it after --model
+    shutdown_timeout_s: float = flag(0.0, "SIGTERM drains for up to S s", name="--shutdown-timeout")
 
     def __post_init__(self) -> None:
         assert self.shutdown_timeout_s >= 0, f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}"

@@ -13,8 +13,8 @@ from protocol.messages import (
     ClientRequest,
     EngineStats,
     FinishReason,
-    FlushCache,
     FlushCacheRequest,
+    FlushPrefixCache,
     GenerateOutput,
     GenerateRequest,
     RequestError,
@@ -72,7 +72,7 @@ class Frontend:
                 return self.requests.abort(client_id, msg.rid)
             case FlushCacheRequest():
                 done = GenerateOutput(rid=msg.rid, finish_reason=FinishReason.STOP)
-                return Outbox(replies=[(client_id, done)], to_scheduler=[FlushCache()])
+                return Outbox(replies=[(client_id, done)], to_scheduler=[FlushPrefixCache()])
             case _:
                 raise AssertionError(f"ClientRequest decoded to unexpected {type(msg).__name__}")
 

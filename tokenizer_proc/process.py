@@ -19,7 +19,7 @@ import zmq.asyncio
 from zmq.asyncio import Socket as AsyncSocket
 
 from protocol.messages import GenerateOutput, Ready, ToTokenizer
-from protocol.transport import Codec, Endpoints, make_socket
+from protocol.transport import CLIENT_SOCKET_OPTIONS, Codec, Endpoints, make_socket
 from tokenizer_proc.config import TokenizerConfig
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http.app import HttpSettings
@@ -38,9 +38,6 @@ SHUTDOWN_LINGER_MS = 500
 # abandoned request run to its end; the probe costs one empty reply per busy client.
 PROBE_INTERVAL_S = 0.25
 PROBE = GenerateOutput(rid="")
-# ZMTP heartbeats close connections to peers that vanished without closing (a dead host).
-HEARTBEAT_IVL_MS = 2000
-HEARTBEAT_TIMEOUT_MS = 6000
 
 
 def run_tokenizer(config: TokenizerConfig, endpoints: Endpoints) -> None:
@@ -48,7 +45,7 @@ def run_tokenizer(config: TokenizerConfig, endpoints: Endpoints) -> None:
 
     Loads the tokenizer, binds the client ROUTER, the ``to_tokenizer`` PULL and the
     HTTP port, sends ``Ready`` to the launcher, then relays: client requests become
-    TokenizedRequest/AbortReq for the scheduler, TokenBatch rows become replies.
+    TokenizedRequest/FinishReq for the scheduler, TokenBatch rows become replies.
     SIGTERM drains (up to ``config.shutdown_timeout_s``), SIGUSR1 or a second SIGTERM
     stops at once; either way every request still in flight gets an error reply.
     """
@@ -64,11 +61,8 @@ def run_tokenizer(config: TokenizerConfig, endpoints: Endpoints) -> None:
 def client_socket(ctx: zmq.asyncio.Context, endpoint: str) -> AsyncSocket:
     """The client ROUTER: options must be set before bind to reach accepted connections."""
     sock = ctx.socket(zmq.ROUTER)
-    for option, value in (
-        (zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0),
-        (zmq.ROUTER_MANDATORY, 1),  # a reply to a vanished client raises EHOSTUNREACH
-        (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS), (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
-    ):  # fmt: skip
+    # ROUTER_MANDATORY: a reply to a vanished client raises EHOSTUNREACH.
+    for option, value in (*CLIENT_SOCKET_OPTIONS, (zmq.ROUTER_MANDATORY, 1)):
         sock.setsockopt(option, value)
     sock.bind(endpoint)
     return sock
@@ -94,7 +88,9 @@ class TokenizerServer:
         self._to_launcher = cast(
             AsyncSocket, make_socket(self._ctx, zmq.PUSH, endpoints.to_launcher, bind=False)
         )
-        self._scheduler_codec: Codec[ToTokenizer] = Codec(ToTokenizer)
+        # Decodes the scheduler's frames (ToTokenizer); encodes every frame this process sends:
+        # to the scheduler, to the launcher, and replies to ZMQ clients.
+        self._codec: Codec[ToTokenizer] = Codec(ToTokenizer)
         self._bridge = HttpBridge(frontend, self._send)
         self._http: HttpServer | None = None
         if self._config.http_port is not None:
@@ -117,9 +113,7 @@ class TokenizerServer:
         try:
             if self._http is not None:
                 await self._http.start()
-            await self._to_launcher.send(
-                self._scheduler_codec.encode(Ready(proc="tokenizer", pid=os.getpid()))
-            )
+            await self._to_launcher.send(self._codec.encode(Ready(proc="tokenizer", pid=os.getpid())))
             await asyncio.wait([stopper, *loops], return_when=asyncio.FIRST_COMPLETED)
             for task in loops:
                 if task.done():
@@ -166,7 +160,7 @@ class TokenizerServer:
         while True:
             frame = await self._from_scheduler.recv()
             try:
-                msg = self._scheduler_codec.decode(frame)
+                msg = self._codec.decode(frame)
             except msgspec.DecodeError as exc:
                 logger.error("dropping a malformed frame from the scheduler: %s", exc)
                 continue
@@ -180,7 +174,7 @@ class TokenizerServer:
 
     async def _send(self, out: Outbox) -> None:
         for msg in out.to_scheduler:
-            await self._to_scheduler.send(self._scheduler_codec.encode(msg))
+            await self._to_scheduler.send(self._codec.encode(msg))
         gone: set[bytes] = set()
         for client_id, reply in out.replies:
             if is_http_client(client_id):
@@ -198,7 +192,7 @@ class TokenizerServer:
     async def _reply(self, client_id: bytes, reply: GenerateOutput) -> bool:
         """Send one reply; False when the client is gone (EHOSTUNREACH under ROUTER_MANDATORY)."""
         try:
-            await self._client.send_multipart([client_id, self._scheduler_codec.encode(reply)])
+            await self._client.send_multipart([client_id, self._codec.encode(reply)])
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocol.messages import (
-    AbortReq,
     FinishReason,
+    FinishReq,
     GenerateOutput,
     RequestError,
     TokenBatch,
@@ -165,7 +165,8 @@ class RequestTable:
             return Outbox(replies=[(client_id, error_output(client_rid, message))])
         state = self._drop(rid, FinishReason.ABORT)
         reply = state.final_output("", [], FinishReason.ABORT)
-        return Outbox(replies=[(client_id, reply)], to_scheduler=[AbortReq(rid=rid)])
+        finish = FinishReq(rid=rid, reason=FinishReason.ABORT)
+        return Outbox(replies=[(client_id, reply)], to_scheduler=[finish])
 
     def abort_client(self, client_id: bytes) -> Outbox:
         """The client went away: abort all of its requests (the replies go nowhere, but are made)."""
@@ -217,7 +218,7 @@ class RequestTable:
         delta = state.advance(new_ids, final=finished is not None)
         if state.stop.matched is not None:
             if finished is None:  # the scheduler still runs it: stop it there too
-                out.to_scheduler.append(AbortReq(rid=state.rid, reason=FinishReason.STOP))
+                out.to_scheduler.append(FinishReq(rid=state.rid, reason=FinishReason.STOP))
             finished = FinishReason.STOP
         if finished is None:
             if state.stream:

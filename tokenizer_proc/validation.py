@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from protocol.messages import GenerateRequest, SamplerParams, SamplingParams
+from protocol.messages import GenerateRequest, SamplingParams, WorkerSampling
 from tokenizer_proc.model_info import ModelInfo
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ class ValidRequest:
     max_new_tokens: int  # already clamped so prompt + output fit the context
     stop_token_ids: list[int]  # EOS ids (unless ignore_eos) + the client's
     stop: tuple[str, ...]
-    sampler: SamplerParams
+    sampler: WorkerSampling
     stream: bool
     logprobs: bool
     cache_salt: str | None = None  # prefix-cache namespace
@@ -76,7 +76,7 @@ def validate_generate(
     stop_token_ids += [t for t in params.stop_token_ids if t not in stop_token_ids]
     # Drawn only once the request is accepted, so rejected requests do not shift later seeds.
     seed = params.seed if params.seed is not None else rng.randrange(SEED_LIMIT)
-    sampler = SamplerParams(
+    sampler = WorkerSampling(
         temperature=float(params.temperature),
         top_k=params.top_k,
         top_p=float(params.top_p),

@@ -73,5 +73,7 @@ class QuantEmbedding:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).to(torch.int64).contiguous()
-        rows = self.kernels.quant_get_rows(self.table.type, self.table.data, self.table.cols, flat, self.dtype)
+        rows = self.kernels.quant_get_rows(
+            self.table.type, self.table.data, self.table.cols, flat, self.dtype
+        )
         return rows.reshape(*ids.shape, self.table.cols)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bench import llama_cpp, targets
+from bench import llama_cpp, probes, targets
 from bench.launch import pid_alive
 from bench.metrics import RequestResult
 from bench.records import read_records
@@ -33,13 +33,13 @@ rivulet_prefix_cache_hit_rate NaN
 
 def test_parse_prometheus_keeps_unlabelled_samples() -> None:
     m = targets.parse_prometheus(METRICS_TEXT)
-    assert m[targets.BUSY_COUNTER] == 12.5 and m[targets.BUSY_CLOCK] == 1234.75
+    assert m[probes.BUSY_COUNTER] == 12.5 and m[probes.BUSY_CLOCK] == 1234.75
     assert m["rivulet_num_requests_running"] == 32
     assert not any("{" in name or name.startswith("#") for name in m)
 
 
 def _sample(t: float, busy: float, clock: float) -> targets.Sample:
-    return t, {targets.BUSY_COUNTER: busy, targets.BUSY_CLOCK: clock}
+    return t, {probes.BUSY_COUNTER: busy, probes.BUSY_CLOCK: clock}
 
 
 def test_busy_share_uses_worker_reports_inside_the_window_only() -> None:

@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.messages import ForwardBatch, SamplerParams
+from protocol.messages import ForwardBatch, WorkerSampling
 from tests.models import GREEDY, VOCAB, save_tiny_model  # noqa: F401  (re-exported to the tests here)
 
 
@@ -39,7 +39,7 @@ class MiniScheduler:
         self.held[dst_slot] = []
         self.shared[dst_slot] = self.held[src_slot][:num_pages]
 
-    def batch(self, rows: list[tuple[int, int, list[int], bool, SamplerParams | None]]) -> ForwardBatch:
+    def batch(self, rows: list[tuple[int, int, list[int], bool, WorkerSampling | None]]) -> ForwardBatch:
         """rows: (slot, prefix_len, new token ids, sample, sampler params or None)."""
         fields: dict[str, list[Any]] = {
             k: []

@@ -43,7 +43,11 @@ HEADS, KV_HEADS = 4, 2
 
 def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
     """What llama.cpp's converter does to Q/K rows (pairs rotary dims i and i + D/2)."""
-    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+    return (
+        rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(rows.shape)
+    )
 
 
 def test_unpermute_undoes_the_converter_by_whole_rows() -> None:
@@ -74,12 +78,24 @@ def _gguf_name(hf: str) -> str:
 
 
 def _all_gguf_names(layers: int) -> list[str]:
-    per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
+    per_layer = [
+        "attn_norm",
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_output",
+        "ffn_norm",
+        "ffn_gate",
+        "ffn_up",
+        "ffn_down",
+    ]
     names = ["token_embd.weight", "output_norm.weight"]
     return names + [f"blk.{i}.{t}.weight" for i in range(layers) for t in per_layer]
 
 
-def write_gguf(path: Path, state: dict[str, torch.Tensor], skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+def write_gguf(
+    path: Path, state: dict[str, torch.Tensor], skip: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
     """The checkpoint as a llama.cpp GGUF (Q/K rows permuted, weights in ``TYPES``, norms F32);
     returns the checkpoint as the file holds it (each weight its blocks dequantized)."""
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -175,7 +191,9 @@ def test_quantized_forward_matches_the_dequantized_gguf(random_llama: tuple[Path
     hf_dir, path = random_llama
     prompt = list(range(3, 300, 7))
     got = _last_logits(
-        WorkerConfig(model_path=str(hf_dir), gguf_path=str(path), weight_dtype="gguf", dtype=dtype, kv_cache_tokens=512),
+        WorkerConfig(
+            model_path=str(hf_dir), gguf_path=str(path), weight_dtype="gguf", dtype=dtype, kv_cache_tokens=512
+        ),
         prompt,
     )
     ref = _last_logits(WorkerConfig(model_path=str(hf_dir), dtype="float64", kv_cache_tokens=512), prompt)

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from gpu_worker.sampler import SlotSamplerParams, sample
-from protocol.messages import SamplerParams
+from protocol.messages import WorkerSampling
 
 
 def params(
-    rows: list[SamplerParams], positions: list[int] | None = None
+    rows: list[WorkerSampling], positions: list[int] | None = None
 ) -> tuple[SlotSamplerParams, list[int], list[int]]:
     table = SlotSamplerParams(len(rows))
     slots = list(range(len(rows)))
@@ -18,7 +18,9 @@ def params(
     return table, slots, positions if positions is not None else [10] * len(rows)
 
 
-def draw(rows: list[SamplerParams], logits: torch.Tensor, positions: list[int] | None = None) -> torch.Tensor:
+def draw(
+    rows: list[WorkerSampling], logits: torch.Tensor, positions: list[int] | None = None
+) -> torch.Tensor:
     table, slots, pos = params(rows, positions)
     tokens, _ = sample(logits, table.batch(slots, pos, torch.device("cpu")))
     return tokens
@@ -31,8 +33,8 @@ def sp(
     min_p: float = 0.0,
     seed: int = 0,
     logprobs: bool = True,
-) -> SamplerParams:
-    return SamplerParams(
+) -> WorkerSampling:
+    return WorkerSampling(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, logprobs=logprobs
     )
 

@@ -6,13 +6,13 @@ import msgspec
 import pytest
 
 from protocol import (
-    AbortReq,
     AbortRequest,
     ChatMessage,
     ClientReply,
     ClientRequest,
     EngineStats,
     FinishReason,
+    FinishReq,
     ForwardBatch,
     ForwardResult,
     FromWorker,
@@ -20,7 +20,6 @@ from protocol import (
     GenerateRequest,
     Ready,
     RequestError,
-    SamplerParams,
     SamplingParams,
     TokenBatch,
     TokenizedRequest,
@@ -30,10 +29,11 @@ from protocol import (
     ToWorker,
     Usage,
     WorkerReady,
+    WorkerSampling,
 )
 from protocol.transport import Codec
 
-SAMPLER = SamplerParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=123)
+SAMPLER = WorkerSampling(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=123)
 
 CASES = [
     (
@@ -57,7 +57,7 @@ CASES = [
         ToScheduler,
         TokenizedRequest(rid=7, input_ids=[1, 2], max_new_tokens=4, stop_token_ids=[2], sampler=SAMPLER),
     ),
-    (ToScheduler, AbortReq(rid=7, reason=FinishReason.STOP)),
+    (ToScheduler, FinishReq(rid=7, reason=FinishReason.STOP)),
     (
         ToTokenizer,
         TokenBatch(
@@ -118,7 +118,7 @@ def test_client_channel_rejects_garbage(frame: bytes) -> None:
 
 def test_internal_channel_rejects_another_channels_message() -> None:
     codec: Codec[ToWorker] = Codec(ToWorker)
-    frame = codec.encode(AbortReq(rid=1))
+    frame = codec.encode(FinishReq(rid=1, reason=FinishReason.ABORT))
     with pytest.raises(msgspec.ValidationError):
         codec.decode(frame)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.http.server import HttpEngine, http_engine
+from tests.tokenizer_proc.http.server import HttpEngine, http_engine
 
 
 @pytest.fixture(scope="package")

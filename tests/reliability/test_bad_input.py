@@ -13,7 +13,7 @@ import zmq
 from client import Client
 from protocol.messages import ClientReply, FinishReason, GenerateOutput
 from protocol.transport import Codec, make_socket
-from tests.http.server import HttpEngine, wait_idle_and_free
+from tests.tokenizer_proc.http.server import HttpEngine, wait_idle_and_free
 
 OK = {"prompt": "Hello", "max_tokens": 2}
 MSG = [{"role": "user", "content": "hi"}]

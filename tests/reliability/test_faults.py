@@ -15,8 +15,8 @@ import msgspec
 import pytest
 
 from client import AsyncClient, EngineError
-from tests.http.server import HttpEngine, http_engine, metrics
 from tests.integration.engine import wait_gone
+from tests.tokenizer_proc.http.server import HttpEngine, http_engine, metrics
 
 LONG = 1000  # tokens: ~10 s here, no such request finishes on its own before the fault
 SHORT = 60  # tokens: well within the drain below

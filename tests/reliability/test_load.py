@@ -12,7 +12,7 @@ import httpx
 import msgspec
 
 from client import AsyncClient
-from tests.http.server import HttpEngine, metrics, rss_kib, wait_idle_and_free
+from tests.tokenizer_proc.http.server import HttpEngine, metrics, rss_kib, wait_idle_and_free
 
 NUM_REQUESTS = 500
 NUM_CLIENTS = 64

@@ -9,7 +9,7 @@ import zmq
 from client import Client
 from protocol.messages import GenerateRequest, SamplingParams
 from protocol.transport import Codec, make_socket
-from tests.http.server import HttpEngine, metrics, wait_idle_and_free
+from tests.tokenizer_proc.http.server import HttpEngine, metrics, wait_idle_and_free
 
 ABORTED = 'rivulet_requests_finished_total{finish_reason="abort"}'
 LONG = SamplingParams(max_new_tokens=900, ignore_eos=True)

@@ -17,9 +17,9 @@ from protocol.messages import (
     ForwardBatch,
     ForwardResult,
     RequestError,
-    SamplerParams,
     TokenBatch,
     TokenizedRequest,
+    WorkerSampling,
 )
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.request import ReqStatus
@@ -37,8 +37,8 @@ def token_of(h: int) -> int:
     return (h >> 11) % VOCAB
 
 
-def sampler(seed: int = 0) -> SamplerParams:
-    return SamplerParams(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=seed)
+def sampler(seed: int = 0) -> WorkerSampling:
+    return WorkerSampling(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=seed)
 
 
 def fixed_ratio(ratio: float) -> dict[str, Any]:
@@ -270,9 +270,9 @@ class Driver:
         assert not self.sched.has_work and not self.sched.reqs
         self.sched.kv.check_integrity([])
         assert self.sched.kv.available_pages == self.config.num_pages, "pages leaked"
-        assert self.sched.slots.num_free == self.config.max_running_requests, "slots leaked"
+        assert self.sched.kv.slots.num_free == self.config.max_running_requests, "slots leaked"
         self.sched.flush_cache()
-        assert self.sched.pages.num_free == self.config.num_pages, "flush left pages behind"
+        assert self.sched.kv.pages.num_free == self.config.num_pages, "flush left pages behind"
 
 
 def batch_kinds(batches: list[ForwardBatch]) -> list[str]:
@@ -306,6 +306,6 @@ def check_invariants(sched: Scheduler) -> None:
     sched.kv.check_integrity(holders)
     slots = [r.slot for r in holders]
     assert None not in slots and len(slots) == len(set(slots)), "slots broken"
-    assert len(slots) + sched.slots.num_free == sched.slots.num_slots, "slots leaked"
+    assert len(slots) + sched.kv.slots.num_free == sched.kv.slots.num_slots, "slots leaked"
     for req in holders:
         assert len(req.page_table) == -(-req.kv_len // ps), f"rid {req.rid}: page table does not fit kv_len"

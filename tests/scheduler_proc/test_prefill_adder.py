@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import random
+from collections import deque
 
 from protocol.messages import ForwardBatch
+from scheduler_proc.admission import Admission
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.prefill_adder import AddResult, PrefillAdder
 from scheduler_proc.request import Req
@@ -33,7 +35,7 @@ def adder(**overrides: int | float | None) -> PrefillAdder:
         rem_input_tokens=4096,
         rem_chunk_tokens=256,
         rem_total_tokens=100_000,
-        free_pages=100_000,
+        available_pages=100_000,
         free_slots=8,
     )
     budget.update(overrides)
@@ -59,17 +61,19 @@ def config(**overrides: int | float | bool) -> SchedulerConfig:
 def test_adder_truncates_an_oversize_prompt_into_the_one_chunked_req() -> None:
     a = adder()
     long1, long2 = req(1, 1000), req(2, 1000)
-    assert a.add_one_req(long1) is AddResult.OTHER, "the chunk budget is spent"
+    assert a.add_one_req(long1).result is AddResult.NO_BUDGET, "the chunk budget is spent"
     assert a.can_run_list == [(long1, 256)] and a.new_chunked_req is long1
-    assert a.add_one_req(long2) is AddResult.OTHER and len(a.can_run_list) == 1, "never two chunked reqs"
+    assert a.add_one_req(long2).result is AddResult.NO_BUDGET and len(a.can_run_list) == 1, (
+        "never two chunked reqs"
+    )
 
 
 def test_adder_stops_when_input_budget_is_spent_but_admits_a_big_head_alone() -> None:
     a = adder(rem_input_tokens=100, rem_chunk_tokens=None)
     r1, r2, r3 = req(1, 40), req(2, 40), req(3, 40)
-    assert a.add_one_req(r1) is AddResult.CONTINUE
-    assert a.add_one_req(r2) is AddResult.CONTINUE
-    assert a.add_one_req(r3) is AddResult.OTHER
+    assert a.add_one_req(r1).result is AddResult.CONTINUE
+    assert a.add_one_req(r2).result is AddResult.CONTINUE
+    assert a.add_one_req(r3).result is AddResult.NO_BUDGET
     assert [r for r, _ in a.can_run_list] == [r1, r2]
     alone = adder(rem_input_tokens=100, rem_chunk_tokens=None)
     alone.add_one_req(req(4, 150))
@@ -78,17 +82,49 @@ def test_adder_stops_when_input_budget_is_spent_but_admits_a_big_head_alone() ->
 
 def test_adder_kv_reservation_and_slots() -> None:
     # 30 prompt + 20 reserved output = 50 tokens of KV needed.
-    assert adder(rem_total_tokens=49).add_one_req(req(1, 30, max_new=20)) is AddResult.NO_TOKEN
-    assert adder(rem_total_tokens=50).add_one_req(req(1, 30, max_new=20)) is AddResult.CONTINUE
+    assert adder(rem_total_tokens=49).add_one_req(req(1, 30, max_new=20)).result is AddResult.NO_TOKEN
+    assert adder(rem_total_tokens=50).add_one_req(req(1, 30, max_new=20)).result is AddResult.CONTINUE
     # clip_max_new_tokens caps the reservation.
     assert (
-        adder(rem_total_tokens=40, clip_max_new_tokens=10).add_one_req(req(1, 30, 20)) is AddResult.CONTINUE
+        adder(rem_total_tokens=40, clip_max_new_tokens=10).add_one_req(req(1, 30, 20)).result
+        is AddResult.CONTINUE
     )
     # Pages are whole: 50 tokens on 16-token pages cost 64.
-    assert adder(page_size=16, rem_total_tokens=63).add_one_req(req(1, 30, 20)) is AddResult.NO_TOKEN
+    assert adder(page_size=16, rem_total_tokens=63).add_one_req(req(1, 30, 20)).result is AddResult.NO_TOKEN
     a = adder(free_slots=1)
-    assert a.add_one_req(req(1, 5)) is AddResult.NO_SLOT, "admitted, and no slot is left"
-    assert a.add_one_req(req(2, 5)) is AddResult.NO_SLOT and len(a.can_run_list) == 1
+    assert a.add_one_req(req(1, 5)).result is AddResult.NO_SLOT, "admitted, and no slot is left"
+    assert a.add_one_req(req(2, 5)).result is AddResult.NO_SLOT and len(a.can_run_list) == 1
+
+
+def test_add_one_req_says_whether_the_request_got_in_and_what_it_extends() -> None:
+    a = adder(free_slots=1, rem_chunk_tokens=256)
+    got = a.add_one_req(req(1, 1000))
+    assert got.admitted and got.extend_len == 256, "admitted, truncated into the chunked_req"
+    refused = a.add_one_req(req(2, 5))
+    assert not refused.admitted and refused.extend_len == 0 and len(a.can_run_list) == 1
+    assert not adder(rem_total_tokens=10).add_one_req(req(3, 30)).admitted
+
+
+def test_a_refused_request_gives_its_cached_prefix_back_to_the_cache_and_the_budget() -> None:
+    cfg = config(num_pages=300)
+    d = Driver(cfg)
+    shared = prompt(100)
+    d.submit(0, shared, 2)
+    d.run()  # its prompt pages stay cached, evictable
+    kv = d.sched.kv
+    evictable = kv.evictable_pages
+    assert evictable > 0
+    a = PrefillAdder.for_round(cfg, [], 1.0, kv.available_pages, kv.slots.num_free)
+    budget = (a.available_pages, a.rem_total_tokens)
+    big = Req(
+        rid=1, input_ids=[*shared, 5, 6, 7], max_new_tokens=250, stop_token_ids=frozenset(), sampler=sampler()
+    )  # its prefix hit leaves too little KV for its reservation: refused
+    waiting = deque([big])
+    assert Admission(cfg).admit(a, waiting, kv) == [] and list(waiting) == [big]
+    assert not big.page_table and big.kv_len == 0 and big.cache_node is None, "kept its prefix"
+    assert kv.evictable_pages == evictable, "its prefix stayed locked"
+    assert (a.available_pages, a.rem_total_tokens) == budget, "the adder still counts its prefix as taken"
+    kv.check_integrity([])
 
 
 # ---------------------------------------------------------------- the scheduler's rounds

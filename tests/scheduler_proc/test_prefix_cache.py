@@ -152,9 +152,9 @@ def test_flush_frees_what_no_request_holds() -> None:
     d = Driver(config(page_size=4, num_pages=64))
     d.submit(0, tokens(40, 5), 2)
     d.run()
-    assert d.sched.kv.evictable_pages == 10 and d.sched.pages.num_free == 54
+    assert d.sched.kv.evictable_pages == 10 and d.sched.kv.pages.num_free == 54
     d.submit(1, tokens(40, 5) + [3], 30)
     d.step()  # 1 holds the 10 cached pages locked
     assert d.sched.flush_cache() == 0, "locked pages stay"
     d.run()
-    assert d.sched.flush_cache() > 0 and d.sched.pages.num_free == 64
+    assert d.sched.flush_cache() > 0 and d.sched.kv.pages.num_free == 64

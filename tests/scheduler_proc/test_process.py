@@ -17,7 +17,7 @@ import zmq
 from protocol.messages import (
     EngineStats,
     FinishReason,
-    FlushCache,
+    FlushPrefixCache,
     ForwardBatch,
     Ready,
     RequestError,
@@ -122,16 +122,16 @@ def test_scheduler_process_serves_over_zmq(scheduler_child: Any) -> None:
     assert cpu_seconds(child.pid) - before < 0.2, "an idle scheduler burns CPU"
     assert child.is_alive()
 
-    # Request 2's prompt stayed cached; FlushCache frees it, and the idle report says so.
+    # Request 2's prompt stayed cached; FlushPrefixCache frees it, and the idle report says so.
     while socks["to_tokenizer"].poll(0):
         assert isinstance(msg := codec.decode(socks["to_tokenizer"].recv()), EngineStats)
         reports.append(msg)
     last = reports[-1]
     assert last.evictable_pages > 0 and last.free_pages + last.evictable_pages == CONFIG.num_pages
-    socks["to_scheduler"].send(codec.encode(FlushCache()))
+    socks["to_scheduler"].send(codec.encode(FlushPrefixCache()))
     stats = None
     while stats is None or stats.free_pages != CONFIG.num_pages:
-        assert socks["to_tokenizer"].poll(20_000), "no EngineStats after FlushCache"
+        assert socks["to_tokenizer"].poll(20_000), "no EngineStats after FlushPrefixCache"
         msg = codec.decode(socks["to_tokenizer"].recv())
         stats = msg if isinstance(msg, EngineStats) else stats
     assert stats.evictable_pages == 0

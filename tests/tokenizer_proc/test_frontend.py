@@ -8,9 +8,9 @@ import msgspec
 import pytest
 
 from protocol.messages import (
-    AbortReq,
     AbortRequest,
     FinishReason,
+    FinishReq,
     GenerateOutput,
     GenerateRequest,
     RequestError,
@@ -112,7 +112,7 @@ def test_stop_string(frontend: Frontend, tokenizer: PreTrainedTokenizerBase, str
         out = frontend.on_scheduler_msg(_row_batch(req.rid, token))
         out_msgs += out.to_scheduler
         replies += [r for _, r in out.replies]
-    assert out_msgs == [AbortReq(rid=req.rid, reason=FinishReason.STOP)]
+    assert out_msgs == [FinishReq(rid=req.rid, reason=FinishReason.STOP)]
     assert "".join(r.text for r in replies) == " one two "
     assert replies[-1].finish_reason is FinishReason.STOP
     assert frontend.on_scheduler_msg(_row_batch(req.rid, 5, FinishReason.ABORT)).replies == []
@@ -130,7 +130,7 @@ def test_abort(frontend: Frontend, tokenizer: PreTrainedTokenizerBase) -> None:
     req = _submit(frontend, stream=True)
     frontend.on_scheduler_msg(_row_batch(req.rid, tokenizer.encode(" x")[0]))
     out = frontend.on_client_frames([CLIENT, msgspec.msgpack.encode(AbortRequest(rid="r1"))])
-    assert out.to_scheduler == [AbortReq(rid=req.rid)]
+    assert out.to_scheduler == [FinishReq(rid=req.rid, reason=FinishReason.ABORT)]
     ((client, reply),) = out.replies
     assert (client, reply.finish_reason, _usage(reply).completion_tokens) == (CLIENT, FinishReason.ABORT, 1)
     assert frontend.on_scheduler_msg(_row_batch(req.rid, 5)).replies == []  # late rows are ignored

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 import pytest
 
 from protocol.messages import (
-    AbortReq,
     EngineStats,
     FinishReason,
+    FinishReq,
     GenerateRequest,
     SamplingParams,
     TokenBatch,
@@ -49,7 +49,7 @@ def test_a_vanished_client_loses_all_its_requests_and_only_its(frontend: Fronten
     mine = [_admit(frontend, b"gone", rid).rid for rid in ("a", "b")]
     other = _admit(frontend, b"stays", "a").rid
     out = frontend.client_gone(b"gone")
-    assert sorted(msg.rid for msg in out.to_scheduler if isinstance(msg, AbortReq)) == sorted(mine)
+    assert sorted(msg.rid for msg in out.to_scheduler if isinstance(msg, FinishReq)) == sorted(mine)
     assert all(reply.finish_reason is FinishReason.ABORT for _, reply in out.replies)
     assert frontend.requests.client_ids() == {b"stays"} and len(frontend.requests) == 1
     assert frontend.client_gone(b"gone").to_scheduler == []  # nothing left to abort

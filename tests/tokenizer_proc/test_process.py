@@ -19,8 +19,8 @@ import zmq
 
 from client import Client, EngineError
 from protocol.messages import (
-    AbortReq,
     FinishReason,
+    FinishReq,
     GenerateOutput,
     Ready,
     RequestError,
@@ -204,7 +204,7 @@ def test_abort(engine: Engine, client: Client, tokenizer: PreTrainedTokenizerBas
     first = next(stream)
     assert first.text == " one"
     client.abort("ab1")
-    assert engine.scheduler.recv() == AbortReq(rid=req.rid, reason=FinishReason.ABORT)
+    assert engine.scheduler.recv() == FinishReq(rid=req.rid, reason=FinishReason.ABORT)
     engine.scheduler.send_tokens(req.rid, tokenizer.encode(" two"), None)  # late: must be ignored
     rest = list(stream)
     assert [d.finish_reason for d in rest] == [FinishReason.ABORT]
@@ -218,7 +218,7 @@ def test_stop_string(engine: Engine, client: Client, tokenizer: PreTrainedTokeni
     deltas = list(stream)
     assert "".join(d.text for d in deltas) == "1. apples"
     assert deltas[-1].finish_reason is FinishReason.STOP
-    assert engine.scheduler.recv() == AbortReq(rid=req.rid, reason=FinishReason.STOP)
+    assert engine.scheduler.recv() == FinishReq(rid=req.rid, reason=FinishReason.STOP)
 
 
 def test_request_error(engine: Engine, client: Client) -> None:

@@ -19,16 +19,20 @@ from gpu_worker.cpu.quant import QuantEmbedding, QuantLinear
 from gpu_worker.model_files import source_gguf
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.layers import Linear
-from tests import inprocess
-from tests.gpu_worker.test_smollm2_bf16 import NEW_TOKENS, first_divergence_within_top2
-from tests.test_smollm2_exactness import EOS, QUESTIONS, chat_prompt
+from tests.exactness import inprocess
+from tests.exactness.test_smollm2_bf16 import NEW_TOKENS, first_divergence_within_top2
+from tests.exactness.test_smollm2_fp32 import EOS, QUESTIONS, chat_prompt
 
 
 def _runner(smollm2_dir: Path, dtype: str) -> ModelRunner:
     gguf = source_gguf(None)
     assert gguf is not None
     config = WorkerConfig(
-        model_path=str(smollm2_dir), gguf_path=str(gguf), weight_dtype="gguf", dtype=dtype, kv_cache_tokens=4096
+        model_path=str(smollm2_dir),
+        gguf_path=str(gguf),
+        weight_dtype="gguf",
+        dtype=dtype,
+        kv_cache_tokens=4096,
     )
     return ModelRunner(config)
 
@@ -87,5 +91,7 @@ def test_quantized_weights_hold_no_dense_copy(smollm2_dir: Path) -> None:
     file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
     held = weight_bytes(_runner(smollm2_dir, "bfloat16").model)  # type: ignore[arg-type]
     assert held <= 1.3 * file_bytes, (held, file_bytes)
-    dense = weight_bytes(ModelRunner(WorkerConfig(model_path=str(smollm2_dir), dtype="bfloat16", kv_cache_tokens=64)).model)  # type: ignore[arg-type]
+    dense = weight_bytes(
+        ModelRunner(WorkerConfig(model_path=str(smollm2_dir), dtype="bfloat16", kv_cache_tokens=64)).model
+    )  # type: ignore[arg-type]
     assert dense > 2 * held, (dense, held)

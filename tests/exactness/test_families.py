@@ -14,7 +14,7 @@ import torch
 
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
-from tests import inprocess
+from tests.exactness import inprocess
 from tests.models import FAMILIES, VOCAB, save_tiny_model
 
 NEW_TOKENS = 8
@@ -56,7 +56,7 @@ def test_greedy_matches_hf(
     assert len({t for out in expected for t in out}) > NEW_TOKENS, "the reference must not be degenerate"
     for i, (g, e) in enumerate(zip(got, expected, strict=True)):
         assert g == e, f"prompt {i} ({len(prompts[i])} tokens)"
-    assert scheduler.used_kv_tokens == 0, "every page must be free once all requests finished"
+    assert scheduler.kv.used_tokens == 0, "every page must be free once all requests finished"
 
 
 def test_small_prefill_budget_spreads_prompts_over_rounds(family_model: tuple[Path, list, list]) -> None:

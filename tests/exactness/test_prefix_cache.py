@@ -14,7 +14,7 @@ import pytest
 
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
-from tests import inprocess
+from tests.exactness import inprocess
 from tests.models import VOCAB, save_tiny_model
 
 

@@ -13,7 +13,7 @@ import torch
 
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
-from tests import inprocess
+from tests.exactness import inprocess
 
 QUESTIONS = (
     "What is the capital of France?",

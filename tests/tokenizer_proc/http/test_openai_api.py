@@ -8,7 +8,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from client import Client
-from tests.http.server import API_KEY, HttpEngine, metrics, wait_idle_and_free
+from tests.tokenizer_proc.http.server import API_KEY, HttpEngine, metrics, wait_idle_and_free
 
 PROMPT = "The capital of France is"
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name three rivers."}]

@@ -18,8 +18,8 @@ from gpu_worker.cpu.kind import CpuKind, requested_kind
 from gpu_worker.cpu.matmul import PLANS, CpuLinear
 from gpu_worker.model_runner import ModelRunner, auto_dtype
 from gpu_worker.models.layers import Linear
-from tests import inprocess
-from tests.test_smollm2_exactness import EOS, QUESTIONS, chat_prompt
+from tests.exactness import inprocess
+from tests.exactness.test_smollm2_fp32 import EOS, QUESTIONS, chat_prompt
 
 NEW_TOKENS = 24
 

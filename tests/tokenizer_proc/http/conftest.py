@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.http.server import API_KEY, HttpEngine, http_engine
+from tests.tokenizer_proc.http.server import API_KEY, HttpEngine, http_engine
 
 
 @pytest.fixture(scope="package")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_worker.model_runner import ModelRunner
-from protocol import RequestError, SamplerParams, TokenBatch, TokenizedRequest
+from protocol import RequestError, TokenBatch, TokenizedRequest, WorkerSampling
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.scheduler import Scheduler
 from tests.models import GREEDY
@@ -24,7 +24,7 @@ def generate(
     enable_mixed_chunk: bool,
     max_prefill_tokens: int = 4096,
     stop_token_ids: tuple[int, ...] = (),
-    sampler: SamplerParams = GREEDY,
+    sampler: WorkerSampling = GREEDY,
     scheduler_overrides: dict[str, Any] | None = None,
 ) -> tuple[list[list[int]], Scheduler]:
     """Greedy outputs of every prompt, served together; returns the drained scheduler too.

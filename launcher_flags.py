@@ -1,0 +1,131 @@
+"""The launcher's command line, derived from the process configs, and the configs built from it.
+
+Each ``flag(...)`` field of WorkerConfig, SchedulerConfig and TokenizerConfig is one
+option here: spelling, help, default, type and choices all come from the field
+(protocol/flags.py), and its parsed value goes to that field under the field's name.
+A field two configs share (``--seed``, ``--max-running-requests``) is one option
+feeding both. ``given(...)`` fields are not options: the launcher passes them in.
+So adding an option is adding a field, in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+from client import DEFAULT_ENDPOINT
+from gpu_worker.config import WorkerConfig
+from protocol import WorkerReady
+from protocol.flags import Flag, flag_of, source_of
+from scheduler_proc.config import SchedulerConfig
+from tokenizer_proc.config import TokenizerConfig
+
+logger = logging.getLogger("rivulet.launcher")
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"  # the HTTP model id when --model is not given
+# The configs whose flag fields make up the command line, in --help order.
+PROCESS_CONFIGS: tuple[type, ...] = (SchedulerConfig, WorkerConfig, TokenizerConfig)
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+C = TypeVar("C")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The launcher's own options, then one option per flag field of the process configs."""
+    p = argparse.ArgumentParser(description="rivulet: a multi-process LLM serving engine")
+    p.add_argument("--model", default=None, help="HF model dir or .gguf (default: embedded SmolLM2-135M)")
+    p.add_argument(
+        "--endpoint", default=DEFAULT_ENDPOINT, help="client socket: ipc://PATH or tcp://127.0.0.1:PORT"
+    )
+    p.add_argument("--log-level", default="INFO")
+    added: dict[str, tuple[str, Any]] = {}  # dest -> (spelling, default) of options already added
+    for cls in PROCESS_CONFIGS:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            fl = flag_of(f)
+            if fl is None:
+                continue
+            spelling = fl.spelling(f.name)
+            if f.name in added:  # a field two configs share: one option feeds both
+                assert added[f.name] == (spelling, f.default), f"{cls.__name__}.{f.name}: flags disagree"
+                continue
+            added[f.name] = (spelling, f.default)
+            _add_option(p, f.name, fl, f.default, hints[f.name])
+    return p
+
+
+def _add_option(p: argparse.ArgumentParser, dest: str, fl: Flag, default: Any, hint: Any) -> None:
+    unset = default if fl.unset_default is ... else fl.unset_default
+    spelling = fl.spelling(dest)
+    if hint is bool:
+        if fl.negatable:
+            action: Any = argparse.BooleanOptionalAction
+        else:
+            assert not default or fl.name, f"{dest}: a switch on by default needs a --disable-... name"
+            action = "store_false" if default else "store_true"
+        p.add_argument(spelling, dest=dest, action=action, default=unset, help=fl.help)
+        return
+    kind = next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
+    p.add_argument(spelling, dest=dest, type=kind, default=unset, choices=fl.choices, help=fl.help)
+
+
+def config_from_args(cls: type[C], args: argparse.Namespace, **given: Any) -> C:
+    """``cls`` with every flag field from ``args`` and the ``given`` fields passed in.
+
+    ``given`` names fields no flag sets, and must name each flag whose ``unset_default``
+    is None: its value when that flag is not on the command line. A given field not
+    passed keeps its default.
+    """
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        fl, source = flag_of(f), source_of(f)
+        assert (fl is None) != (source is None), f"{cls.__name__}.{f.name}: a flag or given, not both"
+        if fl is not None:
+            value = getattr(args, f.name)
+            if fl.unset_default is None:  # the launcher's value stands in for an unset flag
+                fallback = given.pop(f.name)
+                value = fallback if value is None else value
+            values[f.name] = value
+        elif f.name in given:
+            values[f.name] = given.pop(f.name)
+    assert not given, f"{cls.__name__}: no such given fields {sorted(given)}"
+    return cls(**values)
+
+
+def tokenizer_config(args: argparse.Namespace, model_path: str) -> TokenizerConfig:
+    if args.http_host not in LOOPBACK_HOSTS and args.http_port is not None:
+        logger.warning("--host %s: the HTTP API is reachable from other machines", args.http_host)
+    name = Path(args.model or EMBEDDED_MODEL_NAME).name.removesuffix(".gguf")
+    return config_from_args(TokenizerConfig, args, model_path=model_path, served_model_name=name)
+
+
+def worker_config(args: argparse.Namespace, model_path: str, gguf_path: str = "") -> WorkerConfig:
+    return config_from_args(WorkerConfig, args, model_path=model_path, gguf_path=gguf_path)
+
+
+def scheduler_config(args: argparse.Namespace, ready: WorkerReady) -> SchedulerConfig:
+    """--enable-mixed-chunk / --no-enable-mixed-chunk, else on where the worker runs on CPU."""
+    return config_from_args(
+        SchedulerConfig,
+        args,
+        num_pages=ready.num_pages,
+        context_len=ready.context_len,
+        page_size=ready.page_size,
+        enable_mixed_chunk=ready.device.startswith("cpu"),
+    )
+
+
+def check_endpoint(endpoint: str) -> str:
+    """The client socket stays on this machine: an ipc:// path or a loopback tcp:// address."""
+    if endpoint.startswith("ipc://"):
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+        if host in LOOPBACK_HOSTS or host.startswith("127."):
+            return endpoint
+        raise SystemExit(f"--endpoint {endpoint}: rivulet binds loopback only (127.0.0.1), not {host}")
+    raise SystemExit(f"--endpoint {endpoint}: expected ipc://PATH or tcp://127.0.0.1:PORT")
