@@ -16,6 +16,26 @@
 #define PANEL_MAX 128           /* columns */
 #define ROW_CHUNK 32            /* activation rows per tile call */
 
+void quantize_act16(const float *x, int64_t k, void *xq) {
+    act_block16 *out = (act_block16 *)xq;
+    for (int64_t b = 0; b < k / ACT_BLOCK; b++) {
+        const float *v = x + b * ACT_BLOCK;
+        float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+        for (int i = 0; i < ACT_BLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
+        const float d = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        int32_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (int i = 0; i < ACT_BLOCK; i++) {
+            const int32_t q = (int32_t)rintf(v[i] * inv); /* |q| <= 32767: v[i] * inv <= 32767 */
+            out[b].q[i] = (int16_t)q;
+            sum += q;
+        }
+        out[b].d = d;
+        out[b].s = d * (float)sum;
+    }
+}
+
 static const qtype_ops *lookup(int type) {
     const qtype_ops *ops = qtype_legacy(type);
     return ops != NULL ? ops : qtype_k(type);

@@ -20,6 +20,25 @@
 #define QTYPE_Q5_K 13
 #define QTYPE_Q6_K 14
 
+/* Activations, one format for every weight type: per 32 values, 16-bit integers with one float
+ * scale (x ~ d * q, d = absmax / 32767, q rounded to nearest even) and the block's sum s = d * sum(q)
+ * for the types' min/offset terms. A row of k values is k / 32 of these, in order (a 256-weight
+ * K-quant block meets 8 consecutive ones). Why 16 bits, not llama.cpp's 8: SmolLM2's hidden states
+ * carry channels 30-80x the others, and 8 bits per block of 32 leave the block's other values a
+ * few steps: the embedded model then answers "What is the capital of France?" with "L'Etoile, la
+ * Marseillaise, ..." (16 bits: "The capital of France is Paris.", as dequantized weights do).
+ * _mm256_madd_epi16 multiplies 16 pairs of int16 per instruction, as many products per instruction
+ * as int8's maddubs + madd pair, so the precision costs no multiply throughput. */
+#define ACT_BLOCK 32
+typedef struct {
+    float d;
+    float s;
+    int16_t q[ACT_BLOCK];
+} act_block16; /* 72 bytes */
+
+/* One activation row of k float32 values (k a multiple of 32) -> k / 32 act_block16 at xq. */
+void quantize_act16(const float *x, int64_t k, void *xq);
+
 typedef struct {
     int type;            /* ggml type id */
     int block;           /* weights per block: 32 or 256 */
