@@ -4,6 +4,7 @@
     python bench/worker_step.py --dtype float32,bfloat16 --rounds 3 --json out.json
     python bench/worker_step.py --profile decode32    # torch.profiler table of one shape
     python bench/worker_step.py --dtype bfloat16,bfloat16:torch --rounds 3   # C kernels vs torch
+    python bench/worker_step.py --dtype bfloat16,bfloat16:gguf --rounds 3    # bf16 vs GGUF blocks
 
 Shapes: decode at batch 1 / 8 / 32 (every row with ``--context`` tokens of KV
 already written) and one prefill chunk of ``--prefill`` tokens. Each shape runs
@@ -26,7 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_worker.config import WorkerConfig  # noqa: E402
-from gpu_worker.model_files import resolve_model  # noqa: E402
+from gpu_worker.model_files import resolve_model, source_gguf  # noqa: E402
 from gpu_worker.model_runner import ModelRunner  # noqa: E402
 from protocol.messages import ForwardBatch, WorkerSampling  # noqa: E402
 
@@ -95,12 +96,15 @@ def time_steps(
 
 
 def make_runner(args: argparse.Namespace, variant: str) -> ModelRunner:
-    """``variant``: a dtype, with ``:torch`` appended for torch paths instead of the C kernels."""
+    """``variant``: a dtype, with ``:torch`` appended for torch paths instead of the C kernels, or
+    ``:gguf`` for a GGUF's weights computed in their blocks (--weight-dtype gguf)."""
     dtype, _, attention = variant.partition(":")
     rows = max(args.decode_batches)
     extra: dict[str, Any] = {"compile": True} if args.compile else {}  # older configs lack the field
     if attention == "torch":
         extra["cpu_kernels"] = False
+    elif attention == "gguf":
+        extra.update(weight_dtype="gguf", gguf_path=str(source_gguf(args.model)))
     return ModelRunner(
         WorkerConfig(
             model_path=str(resolve_model(args.model)),
@@ -135,7 +139,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="HF dir or .gguf (default: embedded SmolLM2-135M)")
     p.add_argument(
-        "--dtype", default="auto", help="comma-separated: auto,float32,bfloat16; DTYPE:torch = no C kernels"
+        "--dtype",
+        default="auto",
+        help="comma-separated: auto,float32,bfloat16; DTYPE:torch = no C kernels, DTYPE:gguf = GGUF blocks",
     )
     p.add_argument("--decode-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     p.add_argument("--context", type=int, default=96, help="KV tokens per decode row")

@@ -21,6 +21,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -251,7 +252,7 @@ def _attach(module: nn.Module, blocks: dict[str | None, QuantBlocks], dequantize
     if all(part.type == parts[0].type for part in parts):  # one matmul over the merged rows
         parts = [QuantBlocks(parts[0].type, torch.cat([p.data for p in parts]), parts[0].cols)]
     weight = QuantizedWeight(tuple(parts))
-    dtype = module.weight.dtype
+    dtype = cast(torch.Tensor, module.weight).dtype
     module.quantized = weight  # type: ignore[assignment]
     # The parameter was never written (torch.empty): an empty one frees its address space.
     module.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)

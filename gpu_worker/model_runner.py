@@ -98,7 +98,7 @@ class ModelRunner:
                 logger.info("GGUF weights dequantized: %s", exc)
         model, hf_config = load_model(path, dtype, device)
         if wanted == "bfloat16" and dtype != torch.bfloat16:
-            round_weights(model, torch.bfloat16)
+            round_weights(model, torch.bfloat16)  # type: ignore[arg-type]
         return model, hf_config
 
     def _quantized_types(self) -> frozenset[int]:

@@ -259,16 +259,33 @@ class CpuKernels:
         self, type: int, w: torch.Tensor, k: int, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x [M, K] @ W.T (+ residual) -> [M, N] in x's dtype (float32 or bfloat16), W [N, K] held as
-        blocks ``w`` (uint8 [N, row bytes], contiguous). x rows are quantized to int8 per block as
-        llama.cpp does; sums in float32, one rounding at the end. x and residual rows may be strided
-        (last dim contiguous); residual [M, N] in x's dtype."""
-        act_bytes = self._act_row_bytes(type, k)
+        blocks ``w`` (uint8 [N, row bytes], contiguous). x rows are quantized to 16 bits per block of
+        32 (csrc/quant.h); sums in float32, one rounding at the end. x and residual rows may be
+        strided (last dim contiguous); residual [M, N] in x's dtype."""
+        return self.quant_matmul_checked(type, w, k, x, residual, self.quant_check(type, w, k))
+
+    def quant_check(self, type: int, w: torch.Tensor, k: int) -> int:
+        """Check blocks ``w`` of ``type`` for k columns once; returns the bytes of an activation row."""
+        act_bytes = int(self._act_row_bytes(type, k))
         if act_bytes == 0:
             raise ValueError(f"quant_matmul: type {type} unsupported or k={k} not a whole number of blocks")
         assert w.dtype == torch.uint8 and w.is_contiguous() and w.dim() == 2, (
             "w: contiguous uint8 [n, row bytes]"
         )
         assert w.shape[1] == quant_row_bytes(type, k), f"w: {w.shape[1]} bytes a row, not k={k}'s"
+        return act_bytes
+
+    def quant_matmul_checked(
+        self,
+        type: int,
+        w: torch.Tensor,
+        k: int,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        act_bytes: int,
+    ) -> torch.Tensor:
+        """``quant_matmul`` for blocks ``quant_check`` passed (it returned ``act_bytes``): what a
+        Linear calls per step, with only the checks that depend on x."""
         assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1, "x: [M, k], rows contiguous"
         m, n = x.shape[0], w.shape[0]
         out = torch.empty((m, n), dtype=x.dtype)

@@ -1,10 +1,11 @@
 """Linears and embeddings computed on a GGUF's quantized blocks (csrc/quant*.c).
 
-Each activation row is quantized to 8 bits per block of the weight type (as llama.cpp does), and
-the kernel multiplies integers, scaling once per block: on AVX2 a 32-byte multiply-add covers 32
-weights where widening them to fp32 first takes 4 conversions and 4 FMAs. The weight bytes are
-the file's (Q4_1: 0.625 bytes a weight against bf16's 2), and one-row decode is bound by them.
-The int8 rounding of activations is the one error this adds; the tests bound it.
+Each activation row is quantized to 16 bits per block of 32 (csrc/quant.h says why 16, not
+llama.cpp's 8: the embedded model's outlier channels), and the kernel multiplies integers (16
+products per AVX2 instruction), scaling once per block. The weight bytes are the file's (Q4_1:
+0.625 bytes a weight against bf16's 2), and one-row decode is bound by them. The 16-bit rounding
+of activations is the one error this adds (half a step of absmax / 32767 per value); the tests
+bound it.
 
 The output is summed in fp32 and rounded once to the activations' dtype, with the residual added
 before that rounding where the caller fuses it (``add_to``). A merged Linear whose projections
@@ -14,21 +15,36 @@ differ in type (Q4_K_M files mix Q4_K and Q6_K) runs one kernel call per part.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from gpu_worker.cpu.kernels import CpuKernels
+from gpu_worker.cpu.kind import CpuKind
 from gpu_worker.gguf_weights import QuantizedWeight
+
+# From how many rows a quantized Linear runs as dequantized float32 through torch's matmul (the
+# weight dequantized for that call only and dropped after it: no dense copy is held), per CPU kind;
+# None: the quantized kernel at every row count. Measured by bench/quant_matmul.py (see its
+# numbers in docs/BENCHMARKS.md), committed here, never timed at start.
+DENSE_MIN_ROWS: dict[CpuKind, int | None] = {
+    CpuKind.AVX512_BF16: None,
+    CpuKind.AVX512: None,
+    CpuKind.AVX2: None,
+    CpuKind.PORTABLE: 2,  # plain C integer dots lose to torch's fp32 matmul from 2 rows
+}
 
 
 class QuantLinear:
     """``x W^T (+ b)`` for a Linear whose weight is a ``QuantizedWeight``."""
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, kernels: CpuKernels) -> None:
-        for part in weight.parts:
-            assert kernels.quant_supported(part.type), f"no kernel for ggml type {part.type}"
+        self.act_bytes = [
+            kernels.quant_check(p.type, p.data, p.cols) for p in weight.parts
+        ]  # raises if unfit
         self.weight = weight
         self.bias = None if bias is None else bias.detach()
         self.kernels = kernels
         self.out_features = weight.rows
+        self.dense_min_rows = DENSE_MIN_ROWS[kernels.kind]
 
     def tensors(self) -> list[torch.Tensor]:
         """What this Linear holds (for the worker's count of weight bytes)."""
@@ -46,16 +62,37 @@ class QuantLinear:
         if x.shape[0] == 0:  # a batch none of whose rows samples has no logits to compute
             return x.new_empty((0, self.out_features))
         x = x if x.stride(-1) == 1 else x.contiguous()
+        if self.dense_min_rows is not None and x.shape[0] >= self.dense_min_rows:
+            return self._dense_matmul(x, residual)
         parts = self.weight.parts
         fuse = residual is not None and self.bias is None and len(parts) == 1
+        run = self.kernels.quant_matmul_checked
         if len(parts) == 1:
             part = parts[0]
-            out = self.kernels.quant_matmul(part.type, part.data, part.cols, x, residual if fuse else None)
+            out = run(part.type, part.data, part.cols, x, residual if fuse else None, self.act_bytes[0])
         else:
-            out = torch.cat([self.kernels.quant_matmul(p.type, p.data, p.cols, x) for p in parts], dim=1)
+            outs = [
+                run(p.type, p.data, p.cols, x, None, b) for p, b in zip(parts, self.act_bytes, strict=True)
+            ]
+            out = torch.cat(outs, dim=1)
         if self.bias is not None:
             out = out + self.bias
         return out if residual is None or fuse else residual + out
+
+    def _dense_matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """Many rows where torch's fp32 matmul outruns the kernel: the weight dequantized for this call."""
+        ids = torch.arange(max(p.rows for p in self.weight.parts))
+        weight = torch.cat(
+            [
+                self.kernels.quant_get_rows(p.type, p.data, p.cols, ids[: p.rows], torch.float32)
+                for p in self.weight.parts
+            ]
+        )
+        bias = None if self.bias is None else self.bias.float()
+        out = F.linear(x.float(), weight, bias)
+        if residual is not None:
+            out += residual
+        return out.to(x.dtype)
 
 
 class QuantEmbedding:

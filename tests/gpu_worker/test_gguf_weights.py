@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from gpu_worker.config import WorkerConfig
+from gpu_worker.cpu.quant import QuantLinear
 from gpu_worker.gguf_weights import GgufError, QuantizedWeight, hf_name, unpermute_rows
 from gpu_worker.loader import WeightMismatchError, load_model
 from gpu_worker.model_runner import ModelRunner
@@ -179,15 +180,24 @@ def test_missing_tensor_is_refused(random_llama: tuple[Path, Path], tmp_path: Pa
         load_model(hf_dir, torch.float32, torch.device("cpu"), tmp_path / "short.gguf", KEEP)
 
 
-def _last_logits(config: WorkerConfig, prompt: list[int]) -> torch.Tensor:
-    """Logits after ``prompt`` (one prefill) by a runner of ``config``."""
+def _last_logits(config: WorkerConfig, prompt: list[int], dense_min_rows: int | None = None) -> torch.Tensor:
+    """Logits after ``prompt`` (one prefill) by a runner of ``config``; ``dense_min_rows`` set on
+    every quantized Linear when given (the per-call dequantized path)."""
     runner = ModelRunner(config)
+    if dense_min_rows is not None:
+        impls = [m.impl for m in runner.model.modules() if isinstance(getattr(m, "impl", None), QuantLinear)]  # type: ignore[attr-defined]
+        assert impls
+        for impl in impls:
+            impl.dense_min_rows = dense_min_rows
     batch = MiniScheduler(runner.num_pages, config.page_size).batch([(0, 0, prompt, True, GREEDY)])
     return runner.compute_logits(batch)[0].double()
 
 
+@pytest.mark.parametrize("dense_min_rows", [None, 1], ids=["kernel", "dense_per_call"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_quantized_forward_matches_the_dequantized_gguf(random_llama: tuple[Path, Path], dtype: str) -> None:
+def test_quantized_forward_matches_the_dequantized_gguf(
+    random_llama: tuple[Path, Path], dtype: str, dense_min_rows: int | None
+) -> None:
     hf_dir, path = random_llama
     prompt = list(range(3, 300, 7))
     got = _last_logits(
@@ -195,6 +205,7 @@ def test_quantized_forward_matches_the_dequantized_gguf(random_llama: tuple[Path
             model_path=str(hf_dir), gguf_path=str(path), weight_dtype="gguf", dtype=dtype, kv_cache_tokens=512
         ),
         prompt,
+        dense_min_rows,
     )
     ref = _last_logits(WorkerConfig(model_path=str(hf_dir), dtype="float64", kv_cache_tokens=512), prompt)
     spread = float(ref.max() - ref.min())  # measured: fp32 0.27% of it, bf16 0.48%
