@@ -2,9 +2,10 @@
  * embedding lookup of W's rows. The per-type code (quant_legacy.c, quant_k.c) quantizes activation
  * rows and computes tiles; this file splits the work over threads and writes the outputs.
  *
- * One OpenMP region per call: the activation rows are quantized (split over threads), then each
- * thread takes a contiguous run of output columns (all rows) or, when there are fewer column units
- * than threads, a share of the rows too. A thread walks its columns in panels of weight rows that
+ * One OpenMP region per call: the activation rows are quantized (split over threads; a single row
+ * by the calling thread before the region, which saves the region a barrier), then each thread
+ * takes a contiguous run of output columns (all rows) or, when there are fewer column units than
+ * threads, a share of the rows too. A thread walks its columns in panels of weight rows that
  * stay in L2 while every chunk of activation rows passes over them: the weights come from memory
  * once per call at any row count (one row: each thread streams its share of W front to back).
  */
@@ -70,26 +71,41 @@ int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x
     const int64_t units = (n + COL_UNIT - 1) / COL_UNIT;
     uint8_t *xq = (uint8_t *)scratch;
     int failed = 0;
+    if (rows == 1) { /* one row (decode): quantized here, so the region below has no barrier but its end */
+        if (x_dtype == DTYPE_BF16) {
+            float *xf = malloc((size_t)k * sizeof(float));
+            if (xf == NULL) return 4;
+            const uint16_t *src = (const uint16_t *)x;
+#pragma omp simd
+            for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(src[i]);
+            ops->quantize_act(xf, k, xq);
+            free(xf);
+        } else {
+            ops->quantize_act((const float *)x, k, xq);
+        }
+    }
 #pragma omp parallel
     {
-        float *xf = NULL;
-        if (x_dtype == DTYPE_BF16 && (xf = malloc((size_t)k * sizeof(float))) == NULL) {
+        if (rows > 1) {
+            float *xf = NULL;
+            if (x_dtype == DTYPE_BF16 && (xf = malloc((size_t)k * sizeof(float))) == NULL) {
 #pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            if (x_dtype == DTYPE_BF16) {
-                if (xf == NULL) continue;
-                const uint16_t *src = (const uint16_t *)x + r * x_stride;
-#pragma omp simd
-                for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(src[i]);
-                ops->quantize_act(xf, k, xq + r * xrb);
-            } else {
-                ops->quantize_act((const float *)x + r * x_stride, k, xq + r * xrb);
+                failed = 1;
             }
-        } /* (its barrier: every row quantized, ``failed`` seen by all) */
-        free(xf);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) {
+                if (x_dtype == DTYPE_BF16) {
+                    if (xf == NULL) continue;
+                    const uint16_t *src = (const uint16_t *)x + r * x_stride;
+#pragma omp simd
+                    for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(src[i]);
+                    ops->quantize_act(xf, k, xq + r * xrb);
+                } else {
+                    ops->quantize_act((const float *)x + r * x_stride, k, xq + r * xrb);
+                }
+            } /* (its barrier: every row quantized, ``failed`` seen by all) */
+            free(xf);
+        }
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t col_parts = units < nt ? units : nt;
         int64_t row_parts = nt / col_parts;

@@ -1,4 +1,5 @@
-/* K-quant blocks (Q4_K, Q5_K, Q6_K: 256 weights a block) against int8 activations.
+/* K-quant blocks (Q4_K, Q5_K, Q6_K: 256 weights a block) against 16-bit activations (quant.h's
+ * act_block16: per 32 values one float scale d_x, int16 q, and s_x = d_x * sum(q)).
  *
  * Weight blocks, as ggml writes them (and gguf-py's dequantize reads them):
  *   Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins for the 8 sub-blocks of
@@ -11,45 +12,35 @@
  *     low nibble ql[64h + 32(s & 1) + i] >> 4(s >> 1) and high bits qh[32h + i] >> 2s.
  *     Weight = d * scale[w / 16] * (q - 32).
  *
- * Activations (all three types alike, act_k below): per 256 values one float scale d = amax / 127,
- * the values rounded to int8 (x * (127 / amax), to nearest even), and the sums of each 16 of them.
- * A block's dot product is then, exactly in integers up to the last scaling,
- *   d_x * (d * sum_s sc[s] sum_i q_i x_i - dmin * sum_s m[s] (sums of s's x)),
- * and Q6_K's offset 32 is its "min": dmin = 32 d and m = its scales per 16.
+ * A 256-weight block meets 8 consecutive activation blocks, sub-block j (32 weights) activation
+ * block j. Its dot product, exact in integers up to the per-(sub-)block scaling:
+ *   Q4_K, Q5_K: sum_j d_x[j] * d * sc[j] * I_j - dmin * m[j] * s_x[j],  I_j = sum_i q_i x_i (q >= 0)
+ *   Q6_K:       sum_l d_x[l / 2] * d * scale[l] * I_l,  I_l = sum of 16 (q_i - 32) x_i
+ * (Q6_K's offset is folded into the widened weights, so it needs no activation sums).
  *
- * The tile first unpacks a panel of 4 weight rows x up to 8 blocks into an L1 scratch (unp below:
- * one unsigned byte per weight, the sub-block scales as the int16 vectors _mm256_madd_epi16 wants,
- * the mins as one int16 per 16 values), then runs every activation row of the call over it (4 rows
- * x 2 weight rows of int32 accumulators in registers): the unpacking is paid once per panel and
- * all the call's rows (the driver sends up to 32), and the inner loop is the same for
- * all three types: vpmaddubsw (unsigned weights x signed activations, pairs summed to int16: at
- * most 2 * 63 * 127, no saturation), vpmaddwd with the scales (to int32), vpaddd. */
+ * No int32 sum overflows, for any weights and any activations (|x_i| <= 32767, quant.c): the widened
+ * weights are Q4_K q <= 15, Q5_K q <= 31, Q6_K |q - 32| <= 32, never scaled in integers. Every int32
+ * lane holds products of one sub-block (Q6_K: one 16-half) only: I_j sums 32 products, at most
+ * 32 * 31 * 32767 = 32.5e6 (Q5_K; Q4_K 15.7e6), and I_l 16, at most 16 * 32 * 32767 = 16.8e6; every
+ * partial sum (a madd pair, a lane, a hadd) is a subset of those terms, so it is smaller still, far
+ * below 2^31 = 2147e6. Q4_K's and Q6_K's I are below 2^24 and convert to float exactly; Q5_K's may
+ * round once.
+ *
+ * The tile (AVX2): weights are widened to int16 in registers straight from the block (vpmovzxbw
+ * of 16 bytes, then masks and shifts: no scratch), each widened vector multiplied with the same 16
+ * activation values of up to 4 rows (_mm256_madd_epi16: 16 products, pairs summed into int32),
+ * so the widening is paid once per 4 activation rows. Per row the 8 sub-blocks' int32 vectors are
+ * folded by hadds into one vector whose lane j is I_j (Q6_K: two, lanes l), converted once, and
+ * scaled by one vector product (d * sc[j]) * d_x[j]; the mins by dmin * m[j] * s_x[j], also a
+ * vector. The activation rows' d_x and s_x are gathered per row group and chunk of blocks into a
+ * small array first (act_block16 holds them 72 bytes apart). */
 #include "quant.h"
 
 #define QK 256
 #define Q4K_BYTES 144
 #define Q5K_BYTES 176
 #define Q6K_BYTES 210
-#define PANEL 4   /* weight rows unpacked together */
-#define KCHUNK 8  /* blocks of each unpacked at a time: 4 x 8 x 576 bytes = 18 KB of scratch */
-#define RCHUNK 64 /* activation rows run over one unpacked panel */
-
-/* One activation block: 320 bytes, so that a 64-byte aligned row keeps every qs aligned. */
-typedef struct {
-    int8_t qs[QK];
-    int16_t bsums[QK / 16];
-    float d;
-    uint8_t pad[320 - QK - QK / 8 - 4];
-} act_k;
-
-/* One unpacked weight block. sv[j]: the int16 factor of each of the 16 pair sums of the j-th 32
- * weights; mv[l]: the "min" of values 16l..16l+15, against the activation's bsums. */
-typedef struct {
-    uint8_t q[QK];
-    int16_t sv[8][16];
-    int16_t mv[16];
-    float d, dmin;
-} __attribute__((aligned(32))) unp;
+#define ACT_PER_BLOCK (QK / ACT_BLOCK) /* 8 act_block16 per weight block */
 
 static inline float fp16_to_f32(uint16_t h) {
 #if HAVE_AVX2 || HAVE_AVX512
@@ -138,363 +129,239 @@ static void dequant_q6_k(const uint8_t *w, int64_t k, float *out) {
     }
 }
 
-/* ---- unpacking into unp: scales and mins (shared by both builds), then the quants */
 
-#if HAVE_AVX2 || HAVE_AVX512
-/* shuffle_epi8 controls: lane-wise, int16 element e (of 8 in each 128-bit lane) in all 8 slots */
-static inline __m256i bcast16_ctrl(int lo, int hi) {
-    return _mm256_setr_epi8(2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1,
-                            2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1,
-                            2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1,
-                            2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1);
-}
-#endif
-
-static inline void unpack_scales_k4(const uint8_t *w, unp *u) {
-    u->d = fp16_to_f32(read_u16(w));
-    u->dmin = fp16_to_f32(read_u16(w + 2));
-#if HAVE_AVX2 || HAVE_AVX512
-    /* scale_min_k4 on 32-bit words: bytes 0-3 (a), 4-7 (b), 8-11 (c) */
+/* Q4_K / Q5_K's 12 bytes of scales -> the 8 scales (low word: sc 0-3, high: 4-7) and the 8 mins,
+ * one byte each, as scale_min_k4 but on 32-bit words. */
+static inline void scales_k4_words(const uint8_t *s, uint64_t *sc, uint64_t *m) {
     uint32_t a, b, c;
-    memcpy(&a, w + 4, 4);
-    memcpy(&b, w + 8, 4);
-    memcpy(&c, w + 12, 4);
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
     const uint32_t sc_lo = a & 0x3f3f3f3fu, m_lo = b & 0x3f3f3f3fu;
     const uint32_t sc_hi = (c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u);
     const uint32_t m_hi = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u);
-    const __m128i sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)(((uint64_t)sc_hi << 32) | sc_lo)));
-    const __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)(((uint64_t)m_hi << 32) | m_lo)));
-    const __m256i sc2 = _mm256_broadcastsi128_si256(sc16);
-    for (int s = 0; s < 8; s++) _mm256_store_si256((__m256i *)u->sv[s], _mm256_shuffle_epi8(sc2, bcast16_ctrl(s, s)));
-    /* mins 0..7 -> int16 m0 m0 m1 m1 ... */
-    _mm256_store_si256((__m256i *)u->mv, _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16)));
-#else
-    uint8_t sc[8], m[8];
-    scale_min_k4(w + 4, sc, m);
-    for (int s = 0; s < 8; s++) {
-        for (int l = 0; l < 16; l++) u->sv[s][l] = sc[s];
-        u->mv[2 * s] = u->mv[2 * s + 1] = m[s];
-    }
-#endif
-}
-
-static inline void unpack_scales_q6(const uint8_t *w, unp *u) {
-    const int8_t *scales = (const int8_t *)(w + 192);
-    u->d = fp16_to_f32(read_u16(w + 208));
-    u->dmin = 32.0f * u->d;
-#if HAVE_AVX2 || HAVE_AVX512
-    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));
-    _mm256_store_si256((__m256i *)u->mv, s16);
-    const __m256i lo2 = _mm256_permute2x128_si256(s16, s16, 0x00), hi2 = _mm256_permute2x128_si256(s16, s16, 0x11);
-    for (int j = 0; j < 4; j++) {
-        _mm256_store_si256((__m256i *)u->sv[j], _mm256_shuffle_epi8(lo2, bcast16_ctrl(2 * j, 2 * j + 1)));
-        _mm256_store_si256((__m256i *)u->sv[j + 4], _mm256_shuffle_epi8(hi2, bcast16_ctrl(2 * j, 2 * j + 1)));
-    }
-#else
-    for (int j = 0; j < 8; j++)
-        for (int l = 0; l < 16; l++) u->sv[j][l] = scales[2 * j + l / 8];
-    for (int l = 0; l < 16; l++) u->mv[l] = scales[l];
-#endif
+    *sc = ((uint64_t)sc_hi << 32) | sc_lo;
+    *m = ((uint64_t)m_hi << 32) | m_lo;
 }
 
 #if HAVE_AVX2 || HAVE_AVX512
-static void unpack_q4_k(const uint8_t *w, unp *u) {
-    unpack_scales_k4(w, u);
-    const __m256i low = _mm256_set1_epi8(15);
-    for (int g = 0; g < 4; g++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * g));
-        _mm256_store_si256((__m256i *)(u->q + 64 * g), _mm256_and_si256(v, low));
-        _mm256_store_si256((__m256i *)(u->q + 64 * g + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
-    }
-}
+#define RG 4           /* activation rows per register tile */
+#define AX_BLOCKS 32   /* blocks whose d_x / s_x one row group gathers (x rows of up to ~18 KB stay in L1) */
 
-static void unpack_q5_k(const uint8_t *w, unp *u) {
-    unpack_scales_k4(w, u);
-    const __m256i low = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
-    const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
-    for (int g = 0; g < 4; g++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 48 + 32 * g));
-        /* bit 2g (2g + 1) of qh -> bit 4: shifts left by 4 - 2g, or right past bit 4 */
-        __m256i h0, h1;
-        switch (g) {
-        case 0: h0 = _mm256_slli_epi16(qh, 4); h1 = _mm256_slli_epi16(qh, 3); break;
-        case 1: h0 = _mm256_slli_epi16(qh, 2); h1 = _mm256_slli_epi16(qh, 1); break;
-        case 2: h0 = qh; h1 = _mm256_srli_epi16(qh, 1); break;
-        default: h0 = _mm256_srli_epi16(qh, 2); h1 = _mm256_srli_epi16(qh, 3); break;
-        }
-        _mm256_store_si256((__m256i *)(u->q + 64 * g),
-                           _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(h0, bit4)));
-        _mm256_store_si256((__m256i *)(u->q + 64 * g + 32),
-                           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_and_si256(h1, bit4)));
-    }
-}
+static inline __m256i widen16(const uint8_t *p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)); }
 
-static void unpack_q6_k(const uint8_t *w, unp *u) {
-    unpack_scales_q6(w, u);
-    const __m256i low = _mm256_set1_epi8(15), two = _mm256_set1_epi8(0x30);
+/* The two int16 vectors (weights 16h..16h+15, h = 0, 1) of sub-block j of one block. */
+static inline __attribute__((always_inline)) void widen_sub(int type, const uint8_t *blk, int j, __m256i wv[2]) {
+    const __m256i low = _mm256_set1_epi16(15);
     for (int h = 0; h < 2; h++) {
-        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(w + 64 * h));
-        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
-        const __m256i hq = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
-        uint8_t *q = u->q + 128 * h;
-        _mm256_store_si256((__m256i *)q, _mm256_or_si256(_mm256_and_si256(l0, low),
-                                                         _mm256_and_si256(_mm256_slli_epi16(hq, 4), two)));
-        _mm256_store_si256((__m256i *)(q + 32), _mm256_or_si256(_mm256_and_si256(l1, low),
-                                                                _mm256_and_si256(_mm256_slli_epi16(hq, 2), two)));
-        _mm256_store_si256((__m256i *)(q + 64), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                                                                _mm256_and_si256(hq, two)));
-        _mm256_store_si256((__m256i *)(q + 96), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                                                                _mm256_and_si256(_mm256_srli_epi16(hq, 2), two)));
-    }
-}
-#else
-static void unpack_q4_k(const uint8_t *w, unp *u) {
-    unpack_scales_k4(w, u);
-    for (int s = 0; s < 8; s++)
-        for (int i = 0; i < 32; i++) u->q[32 * s + i] = (w[16 + 32 * (s / 2) + i] >> (4 * (s & 1))) & 15;
-}
-
-static void unpack_q5_k(const uint8_t *w, unp *u) {
-    unpack_scales_k4(w, u);
-    for (int s = 0; s < 8; s++)
-        for (int i = 0; i < 32; i++)
-            u->q[32 * s + i] = (uint8_t)(((w[48 + 32 * (s / 2) + i] >> (4 * (s & 1))) & 15) | (((w[16 + i] >> s) & 1) << 4));
-}
-
-static void unpack_q6_k(const uint8_t *w, unp *u) {
-    unpack_scales_q6(w, u);
-    for (int h = 0; h < 2; h++)
-        for (int s = 0; s < 4; s++)
-            for (int i = 0; i < 32; i++)
-                u->q[128 * h + 32 * s + i] = (uint8_t)(((w[64 * h + 32 * (s & 1) + i] >> (4 * (s >> 1))) & 15) |
-                                                       (((w[128 + 32 * h + i] >> (2 * s)) & 3) << 4));
-}
-#endif
-
-/* ---- activations */
-
-#if HAVE_AVX2 || HAVE_AVX512
-static void quantize_act_k(const float *x, int64_t k, void *xq) {
-    act_k *a = (act_k *)xq;
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    for (int64_t b = 0; b < k / QK; b++, x += QK, a++) {
-        __m256 mx = _mm256_setzero_ps();
-        for (int i = 0; i < QK; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float amax = _mm_cvtss_f32(m4);
-        if (amax == 0.0f) {
-            memset(a, 0, sizeof *a);
-            continue;
-        }
-        a->d = amax / 127.0f;
-        const __m256 iscale = _mm256_set1_ps(127.0f / amax);
-        for (int i = 0; i < QK; i += 32) {
-            __m256i v[4];
-            for (int j = 0; j < 4; j++) /* to nearest, ties to even (MXCSR's default) */
-                v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), iscale));
-            /* packs work within 128-bit lanes: 0 1 | 2 3 -> (0lo 1lo 0hi 1hi), then bytes need a
-             * dword permutation back to order */
-            const __m256i p01 = _mm256_packs_epi32(v[0], v[1]), p23 = _mm256_packs_epi32(v[2], v[3]);
-            const __m256i p = _mm256_packs_epi16(p01, p23);
-            const __m256i ordered = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256((__m256i *)(a->qs + i), ordered);
-            /* sums of each 16: sign-extend to int16 and madd with ones */
-            const __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(ordered));
-            const __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(ordered, 1));
-            const __m256i ones = _mm256_set1_epi16(1);
-            const __m256i s = _mm256_hadd_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
-            /* s: lo's 4 pair-sums of lane 0, hi's of lane 0, lo's of lane 1, hi's of lane 1 */
-            int32_t t[8];
-            _mm256_storeu_si256((__m256i *)t, s);
-            a->bsums[i / 16] = (int16_t)(t[0] + t[1] + t[4] + t[5]);
-            a->bsums[i / 16 + 1] = (int16_t)(t[2] + t[3] + t[6] + t[7]);
+        if (type == QTYPE_Q6_K) {
+            const int half = j / 4, s = j % 4;
+            const __m256i ql = widen16(blk + 64 * half + 32 * (s & 1) + 16 * h);
+            const __m256i qh = widen16(blk + 128 + 32 * half + 16 * h);
+            const __m256i lo = (s >> 1) ? _mm256_srli_epi16(ql, 4) : _mm256_and_si256(ql, low);
+            __m256i hi; /* bits 2s, 2s + 1 of qh -> bits 4, 5 */
+            switch (s) {
+            case 0: hi = _mm256_slli_epi16(qh, 4); break;
+            case 1: hi = _mm256_slli_epi16(qh, 2); break;
+            case 2: hi = qh; break;
+            default: hi = _mm256_srli_epi16(qh, 2); break;
+            }
+            hi = _mm256_and_si256(hi, _mm256_set1_epi16(0x30));
+            wv[h] = _mm256_sub_epi16(_mm256_or_si256(lo, hi), _mm256_set1_epi16(32));
+        } else {
+            const int off = type == QTYPE_Q5_K ? 48 : 16;
+            const __m256i b = widen16(blk + off + 32 * (j / 2) + 16 * h);
+            __m256i v = (j & 1) ? _mm256_srli_epi16(b, 4) : _mm256_and_si256(b, low);
+            if (type == QTYPE_Q5_K) { /* bit j of qh -> bit 4 */
+                const __m256i qh = widen16(blk + 16 + 16 * h);
+                const __m256i t = j < 4 ? _mm256_slli_epi16(qh, 4 - j) : j == 4 ? qh : _mm256_srli_epi16(qh, j - 4);
+                v = _mm256_or_si256(v, _mm256_and_si256(t, _mm256_set1_epi16(16)));
+            }
+            wv[h] = v;
         }
     }
 }
-#else
-static void quantize_act_k(const float *x, int64_t k, void *xq) {
-    act_k *a = (act_k *)xq;
-    for (int64_t b = 0; b < k / QK; b++, x += QK, a++) {
-        float amax = 0.0f;
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
-        if (amax == 0.0f) {
-            memset(a, 0, sizeof *a);
-            continue;
-        }
-        a->d = amax / 127.0f;
-        const float iscale = 127.0f / amax;
-        for (int i = 0; i < QK; i++) a->qs[i] = (int8_t)nearbyintf(x[i] * iscale);
-        for (int l = 0; l < QK / 16; l++) {
-            int s = 0;
-            for (int i = 0; i < 16; i++) s += a->qs[16 * l + i];
-            a->bsums[l] = (int16_t)s;
-        }
-    }
+
+/* (A's 128-bit lanes: [a0 a1 a2 a3 | a0' a1' a2' a3'], B's likewise) -> [a0+a0' .. a3+a3', b0+b0' .. b3+b3'] */
+static inline __m256i fold_lanes(__m256i a, __m256i b) {
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
-#endif
 
-/* ---- the tile */
-
-typedef void (*unpack_fn)(const uint8_t *w, unp *u);
-
-#if HAVE_AVX2 || HAVE_AVX512
-/* The sum of v's 8 lanes (common.h's hsum8 is in the AVX2 build only). */
 static inline float hsum8_k(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* out[r][c] += dot over nb unpacked blocks (u[c * KCHUNK + b]) of activation rows xr[r] (act_k
- * pointers at the chunk's first block), R x C accumulators in registers. */
-static inline __attribute__((always_inline)) void micro(const unp *u, const act_k *const xr[4], int nb, float *out,
-                                                        int64_t ldo, int R, int C, int cvalid) {
-    __m256 acc[4][4];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+/* out[r * ldo] += dot(weight row wb (nb blocks), activation rows xr[r] (nb * 8 act_block16)), r < R.
+ * ax[r][b]: 16 floats per block: Q4_K/Q5_K d_x[0..7], s_x[0..7]; Q6_K d_x[l / 2] for l < 16. */
+static inline __attribute__((always_inline)) void micro(int type, int R, int block_bytes, const uint8_t *wb,
+                                                        const act_block16 *const xr[RG],
+                                                        const float (*ax)[AX_BLOCKS][16], int nb, float *out,
+                                                        int64_t ldo) {
+    __m256 acc[RG];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        __m256i isum[4][4];
-        for (int r = 0; r < R; r++)
-            for (int c = 0; c < C; c++) isum[r][c] = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j++) {
-            __m256i wq[4], sv[4];
-            for (int c = 0; c < C; c++) {
-                wq[c] = _mm256_load_si256((const __m256i *)(u[c * KCHUNK + b].q + 32 * j));
-                sv[c] = _mm256_load_si256((const __m256i *)u[c * KCHUNK + b].sv[j]);
-            }
+        const uint8_t *blk = wb + (int64_t)b * block_bytes;
+        __m256i part[RG][4]; /* per pair g of sub-blocks (2g, 2g + 1): after one hadd */
+        for (int g = 0; g < 4; g++) {
+            __m256i wa[2], wc[2];
+            widen_sub(type, blk, 2 * g, wa);
+            widen_sub(type, blk, 2 * g + 1, wc);
             for (int r = 0; r < R; r++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xr[r][b].qs + 32 * j));
-                for (int c = 0; c < C; c++)
-                    isum[r][c] = _mm256_add_epi32(isum[r][c], _mm256_madd_epi16(_mm256_maddubs_epi16(wq[c], xv), sv[c]));
+                const act_block16 *xa = xr[r] + ACT_PER_BLOCK * b + 2 * g, *xc = xa + 1;
+                const __m256i pa0 = _mm256_madd_epi16(wa[0], _mm256_loadu_si256((const __m256i *)xa->q));
+                const __m256i pa1 = _mm256_madd_epi16(wa[1], _mm256_loadu_si256((const __m256i *)(xa->q + 16)));
+                const __m256i pc0 = _mm256_madd_epi16(wc[0], _mm256_loadu_si256((const __m256i *)xc->q));
+                const __m256i pc1 = _mm256_madd_epi16(wc[1], _mm256_loadu_si256((const __m256i *)(xc->q + 16)));
+                if (type == QTYPE_Q6_K) /* lanes per 128: [a lo, a hi, c lo, c hi] (lo/hi: the 16-halves) */
+                    part[r][g] = _mm256_hadd_epi32(_mm256_hadd_epi32(pa0, pa1), _mm256_hadd_epi32(pc0, pc1));
+                else /* lanes per 128: [a, a, c, c] */
+                    part[r][g] = _mm256_hadd_epi32(_mm256_add_epi32(pa0, pa1), _mm256_add_epi32(pc0, pc1));
             }
         }
-        for (int r = 0; r < R; r++) {
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)xr[r][b].bsums);
-            const __m256 dx = _mm256_set1_ps(xr[r][b].d);
-            for (int c = 0; c < C; c++) {
-                const unp *ub = &u[c * KCHUNK + b];
-                const __m256 m = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_load_si256((const __m256i *)ub->mv), bs));
-                const __m256 f = _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum[r][c]), _mm256_set1_ps(ub->d),
-                                                 _mm256_mul_ps(m, _mm256_set1_ps(ub->dmin)));
-                acc[r][c] = _mm256_fmadd_ps(f, dx, acc[r][c]);
+        if (type == QTYPE_Q6_K) {
+            const float d = fp16_to_f32(read_u16(blk + 208));
+            const __m128i s8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+            const __m256 dsc0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)), _mm256_set1_ps(d));
+            const __m256 dsc1 =
+                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8))), _mm256_set1_ps(d));
+            for (int r = 0; r < R; r++) {
+                /* lanes l = 0..7 (sub-blocks 0-3's halves), then 8..15 */
+                const __m256i v0 = fold_lanes(part[r][0], part[r][1]), v1 = fold_lanes(part[r][2], part[r][3]);
+                const float *a = ax[r][b];
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v0), _mm256_mul_ps(dsc0, _mm256_load_ps(a)), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v1), _mm256_mul_ps(dsc1, _mm256_load_ps(a + 8)), acc[r]);
+            }
+        } else {
+            const float d = fp16_to_f32(read_u16(blk)), dmin = fp16_to_f32(read_u16(blk + 2));
+            uint64_t sc, m;
+            scales_k4_words(blk + 4, &sc, &m);
+            const __m256 dsc =
+                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)sc))), _mm256_set1_ps(d));
+            const __m256 dm =
+                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)m))), _mm256_set1_ps(dmin));
+            for (int r = 0; r < R; r++) {
+                /* hadd(part 0, part 1): per 128 lane [I0, I1, I2, I3] partials; lanes folded: I0..I7 */
+                const __m256i s = fold_lanes(_mm256_hadd_epi32(part[r][0], part[r][1]),
+                                             _mm256_hadd_epi32(part[r][2], part[r][3]));
+                const float *a = ax[r][b];
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dsc, _mm256_load_ps(a)), acc[r]);
+                acc[r] = _mm256_fnmadd_ps(dm, _mm256_load_ps(a + 8), acc[r]);
             }
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C && c < cvalid; c++) out[r * ldo + c] += hsum8_k(acc[r][c]);
+    for (int r = 0; r < R; r++) out[r * ldo] += hsum8_k(acc[r]);
+}
+
+static inline __attribute__((always_inline)) void tile_k(int type, int block_bytes, const uint8_t *w,
+                                                         int64_t w_row_bytes, int64_t nc, const uint8_t *xq,
+                                                         int64_t xq_row_bytes, int64_t nr, int64_t nblocks,
+                                                         float *out, int64_t ldo) {
+    float ax[RG][AX_BLOCKS][16] __attribute__((aligned(32)));
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t c = 0; c < nc; c++) out[r * ldo + c] = 0.0f;
+    for (int64_t r0 = 0; r0 < nr; r0 += RG) {
+        const int R = (int)(nr - r0 < RG ? nr - r0 : RG);
+        const int kc = AX_BLOCKS / R > AX_BLOCKS / 4 ? AX_BLOCKS / R : AX_BLOCKS / 4; /* ~18 KB of x */
+        const act_block16 *xr[RG];
+        for (int64_t b0 = 0; b0 < nblocks; b0 += kc) {
+            const int nb = (int)(nblocks - b0 < kc ? nblocks - b0 : kc);
+            for (int r = 0; r < R; r++) {
+                xr[r] = (const act_block16 *)(xq + (r0 + r) * xq_row_bytes) + ACT_PER_BLOCK * b0;
+                for (int b = 0; b < nb; b++)
+                    for (int j = 0; j < ACT_PER_BLOCK; j++) {
+                        const act_block16 *a = xr[r] + ACT_PER_BLOCK * b + j;
+                        if (type == QTYPE_Q6_K) {
+                            ax[r][b][2 * j] = ax[r][b][2 * j + 1] = a->d;
+                        } else {
+                            ax[r][b][j] = a->d;
+                            ax[r][b][8 + j] = a->s;
+                        }
+                    }
+            }
+            for (int64_t c = 0; c < nc; c++) {
+                const uint8_t *wb = w + c * w_row_bytes + b0 * block_bytes;
+                float *o = out + r0 * ldo + c;
+                switch (R) {
+                case 1: micro(type, 1, block_bytes, wb, xr, ax, nb, o, ldo); break;
+                case 2: micro(type, 2, block_bytes, wb, xr, ax, nb, o, ldo); break;
+                case 3: micro(type, 3, block_bytes, wb, xr, ax, nb, o, ldo); break;
+                default: micro(type, 4, block_bytes, wb, xr, ax, nb, o, ldo); break;
+                }
+            }
+        }
+    }
 }
 #else
-static void micro(const unp *u, const act_k *const xr[4], int nb, float *out, int64_t ldo, int R, int C, int cvalid) {
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C && c < cvalid; c++) {
+/* Portable: per block, the weights as ints (Q6_K: q - 32) and a scale per 16, then per 16 values an
+ * int dot product, scaled as the AVX2 tile does. */
+static void tile_k(int type, int block_bytes, const uint8_t *w, int64_t w_row_bytes, int64_t nc, const uint8_t *xq,
+                   int64_t xq_row_bytes, int64_t nr, int64_t nblocks, float *out, int64_t ldo) {
+    for (int64_t c = 0; c < nc; c++)
+        for (int64_t r = 0; r < nr; r++) {
+            const act_block16 *x = (const act_block16 *)(xq + r * xq_row_bytes);
             float acc = 0.0f;
-            for (int b = 0; b < nb; b++) {
-                const unp *ub = &u[c * KCHUNK + b];
-                const act_k *a = &xr[r][b];
-                int32_t isum = 0, msum = 0;
-                for (int j = 0; j < 8; j++) {
-                    int32_t s = 0;
-                    for (int i = 0; i < 32; i++) s += ub->sv[j][i / 2] * (ub->q[32 * j + i] * a->qs[32 * j + i]);
-                    isum += s;
+            for (int64_t b = 0; b < nblocks; b++, x += ACT_PER_BLOCK) {
+                const uint8_t *blk = w + c * w_row_bytes + b * block_bytes;
+                int q[QK];
+                float dsc[16], dm[8] = {0};
+                if (type == QTYPE_Q6_K) {
+                    const float d = fp16_to_f32(read_u16(blk + 208));
+                    for (int h = 0; h < 2; h++)
+                        for (int s = 0; s < 4; s++)
+                            for (int i = 0; i < 32; i++)
+                                q[128 * h + 32 * s + i] = (((blk[64 * h + 32 * (s & 1) + i] >> (4 * (s >> 1))) & 15) |
+                                                           (((blk[128 + 32 * h + i] >> (2 * s)) & 3) << 4)) - 32;
+                    for (int l = 0; l < 16; l++) dsc[l] = d * (float)(int8_t)blk[192 + l];
+                } else {
+                    const float d = fp16_to_f32(read_u16(blk)), dmin = fp16_to_f32(read_u16(blk + 2));
+                    uint8_t sc[8], m[8];
+                    scale_min_k4(blk + 4, sc, m);
+                    const uint8_t *qs = blk + (type == QTYPE_Q5_K ? 48 : 16);
+                    for (int s = 0; s < 8; s++) {
+                        dsc[2 * s] = dsc[2 * s + 1] = d * (float)sc[s];
+                        dm[s] = dmin * (float)m[s];
+                        for (int i = 0; i < 32; i++) {
+                            int v = (qs[32 * (s / 2) + i] >> (4 * (s & 1))) & 15;
+                            if (type == QTYPE_Q5_K) v |= ((blk[16 + i] >> s) & 1) << 4;
+                            q[32 * s + i] = v;
+                        }
+                    }
                 }
-                for (int l = 0; l < 16; l++) msum += ub->mv[l] * a->bsums[l];
-                acc += ((float)isum * ub->d - (float)msum * ub->dmin) * a->d;
+                for (int j = 0; j < ACT_PER_BLOCK; j++) {
+                    for (int h = 0; h < 2; h++) {
+                        int32_t dot = 0;
+                        for (int i = 0; i < 16; i++) dot += q[32 * j + 16 * h + i] * x[j].q[16 * h + i];
+                        acc += (float)dot * (dsc[2 * j + h] * x[j].d);
+                    }
+                    acc -= dm[j] * x[j].s;
+                }
             }
-            out[r * ldo + c] += acc;
+            out[r * ldo + c] = acc;
         }
 }
 #endif
 
-/* Activation rows [r0, r1) over an unpacked panel (weight rows c0 + [0, cvalid), blocks b0 + [0, nb)):
- * out += their dot products. Rows in fours against two weight rows at a time (4 x 2 int32
- * accumulators, 2 weight and 2 scale vectors, 1 activation vector: 13 of the 16 ymm registers),
- * the rest one at a time against all four. */
-static void panel_rows(const unp *u, const uint8_t *xq, int64_t xq_row_bytes, int64_t r0, int64_t r1, int64_t b0,
-                       int nb, float *out, int64_t ldo, int64_t c0, int cvalid) {
-    const act_k *xr[4];
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) {
-        for (int i = 0; i < 4; i++) xr[i] = (const act_k *)(xq + (r + i) * xq_row_bytes) + b0;
-        float *o = out + r * ldo + c0;
-        micro(u, xr, nb, o, ldo, 4, 2, cvalid);
-        if (cvalid > 2) micro(u + 2 * KCHUNK, xr, nb, o + 2, ldo, 4, 2, cvalid - 2);
-    }
-    for (; r < r1; r++) {
-        xr[0] = (const act_k *)(xq + r * xq_row_bytes) + b0;
-        micro(u, xr, nb, out + r * ldo + c0, ldo, 1, 4, cvalid);
-    }
-}
-
-/* Weight rows c0 + [0, PANEL), blocks b0 + [0, nb) -> u; rows past cvalid repeat the last valid one
- * (their sums are not stored). ``ahead``: also prefetch the same blocks of the next panel, past the
- * tile's last row too: the driver's next tile call most likely starts there. */
-static inline void unpack_panel(unpack_fn unpack, int block_bytes, const uint8_t *w, int64_t w_row_bytes,
-                                int64_t c0, int cvalid, int64_t b0, int nb, int ahead, unp *u) {
-    for (int c = 0; c < PANEL; c++) {
-        const uint8_t *row = w + (c0 + (c < cvalid ? c : cvalid - 1)) * w_row_bytes + b0 * block_bytes;
-        for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = row + (int64_t)b * block_bytes;
-            if (ahead) /* a prefetch past the end of W is a no-op, never a fault */
-                for (int off = 0; off < block_bytes; off += 64)
-                    __builtin_prefetch(blk + PANEL * w_row_bytes + off, 0, 3);
-            unpack(blk, &u[c * KCHUNK + b]);
-        }
-    }
-}
-
-#define X_RESIDENT_BYTES (128 * 1024) /* activation rows that stay in L2 while the weights stream by */
-
-static void tile_k(unpack_fn unpack, int block_bytes, const uint8_t *w, int64_t w_row_bytes, int64_t nc,
-                   const uint8_t *xq, int64_t xq_row_bytes, int64_t nr, int64_t nblocks, float *out, int64_t ldo) {
-    unp u[PANEL * KCHUNK];
-    for (int64_t r = 0; r < nr; r++)
-        for (int64_t c = 0; c < nc; c++) out[r * ldo + c] = 0.0f;
-    if (nr <= RCHUNK && nr * xq_row_bytes <= X_RESIDENT_BYTES) {
-        /* Few rows (decode): each panel's rows read front to back, the next panel prefetched. */
-        for (int64_t c0 = 0; c0 < nc; c0 += PANEL) {
-            const int cvalid = (int)(nc - c0 < PANEL ? nc - c0 : PANEL);
-            for (int64_t b0 = 0; b0 < nblocks; b0 += KCHUNK) {
-                const int nb = (int)(nblocks - b0 < KCHUNK ? nblocks - b0 : KCHUNK);
-                unpack_panel(unpack, block_bytes, w, w_row_bytes, c0, cvalid, b0, nb, 1, u);
-                panel_rows(u, xq, xq_row_bytes, 0, nr, b0, nb, out, ldo, c0, cvalid);
-            }
-        }
-        return;
-    }
-    /* Many rows: a chunk of activation rows x blocks stays in L2 while every panel passes over it. */
-    for (int64_t r0 = 0; r0 < nr; r0 += RCHUNK) {
-        const int64_t r1 = nr - r0 < RCHUNK ? nr : r0 + RCHUNK;
-        for (int64_t b0 = 0; b0 < nblocks; b0 += KCHUNK) {
-            const int nb = (int)(nblocks - b0 < KCHUNK ? nblocks - b0 : KCHUNK);
-            for (int64_t c0 = 0; c0 < nc; c0 += PANEL) {
-                const int cvalid = (int)(nc - c0 < PANEL ? nc - c0 : PANEL);
-                unpack_panel(unpack, block_bytes, w, w_row_bytes, c0, cvalid, b0, nb, 0, u);
-                panel_rows(u, xq, xq_row_bytes, r0, r1, b0, nb, out, ldo, c0, cvalid);
-            }
-        }
-    }
-}
-
 static void tile_q4_k(const uint8_t *w, int64_t w_row_bytes, int64_t nc, const uint8_t *xq, int64_t xq_row_bytes,
                       int64_t nr, int64_t nblocks, float *out, int64_t ldo) {
-    tile_k(unpack_q4_k, Q4K_BYTES, w, w_row_bytes, nc, xq, xq_row_bytes, nr, nblocks, out, ldo);
+    tile_k(QTYPE_Q4_K, Q4K_BYTES, w, w_row_bytes, nc, xq, xq_row_bytes, nr, nblocks, out, ldo);
 }
 
 static void tile_q5_k(const uint8_t *w, int64_t w_row_bytes, int64_t nc, const uint8_t *xq, int64_t xq_row_bytes,
                       int64_t nr, int64_t nblocks, float *out, int64_t ldo) {
-    tile_k(unpack_q5_k, Q5K_BYTES, w, w_row_bytes, nc, xq, xq_row_bytes, nr, nblocks, out, ldo);
+    tile_k(QTYPE_Q5_K, Q5K_BYTES, w, w_row_bytes, nc, xq, xq_row_bytes, nr, nblocks, out, ldo);
 }
 
 static void tile_q6_k(const uint8_t *w, int64_t w_row_bytes, int64_t nc, const uint8_t *xq, int64_t xq_row_bytes,
                       int64_t nr, int64_t nblocks, float *out, int64_t ldo) {
-    tile_k(unpack_q6_k, Q6K_BYTES, w, w_row_bytes, nc, xq, xq_row_bytes, nr, nblocks, out, ldo);
+    tile_k(QTYPE_Q6_K, Q6K_BYTES, w, w_row_bytes, nc, xq, xq_row_bytes, nr, nblocks, out, ldo);
 }
 
-static const qtype_ops OPS_Q4_K = {QTYPE_Q4_K, QK, Q4K_BYTES, sizeof(act_k), quantize_act_k, tile_q4_k, dequant_q4_k};
-static const qtype_ops OPS_Q5_K = {QTYPE_Q5_K, QK, Q5K_BYTES, sizeof(act_k), quantize_act_k, tile_q5_k, dequant_q5_k};
-static const qtype_ops OPS_Q6_K = {QTYPE_Q6_K, QK, Q6K_BYTES, sizeof(act_k), quantize_act_k, tile_q6_k, dequant_q6_k};
+#define ACT_BYTES (ACT_PER_BLOCK * (int)sizeof(act_block16)) /* per 256 weights: 8 x 72 = 576 */
+static const qtype_ops OPS_Q4_K = {QTYPE_Q4_K, QK, Q4K_BYTES, ACT_BYTES, quantize_act16, tile_q4_k, dequant_q4_k};
+static const qtype_ops OPS_Q5_K = {QTYPE_Q5_K, QK, Q5K_BYTES, ACT_BYTES, quantize_act16, tile_q5_k, dequant_q5_k};
+static const qtype_ops OPS_Q6_K = {QTYPE_Q6_K, QK, Q6K_BYTES, ACT_BYTES, quantize_act16, tile_q6_k, dequant_q6_k};
 
 const qtype_ops *qtype_k(int type) {
     switch (type) {

@@ -6,38 +6,53 @@
  *   Q8_0, 34 bytes: fp16 d, 32 int8; weight j = d * q_j
  * Nibbles: weight j < 16 is the low nibble of byte j, weight j >= 16 the high nibble of byte j - 16.
  *
- * Activations, one format for all three: each block of 32 quantized to int8 with its own scale,
- * d = max|x| / 127, q = round-to-nearest-even(x * (127 / max|x|)), and s = d * sum(q). A quantized row
- * of nb blocks holds its nb * 32 int8 first, then nb float d, then nb float s (40 bytes a block):
- * the int8 of a block load as one 256-bit vector, and the s of consecutive blocks are contiguous for
- * the min term below.
+ * Activations: quant.h's act_block16, one per block of 32 (x_i ~ dx * qx_i, |qx_i| <= 32767, and
+ * sx = dx * sum(qx)), quantized by quant.c's quantize_act16.
  *
- * One block of weight row c against activation row r, x_i ~ dx * qx_i:
- *   Q8_0: dw * dx * dot(qw, qx)                  (s8 x s8: |qw| times qx signed by qw, maddubs)
- *   Q4_1: dw * dx * dot(qw, qx) + m * s           (u4 x s8: maddubs directly)
- *   Q4_0: dw * dx * dot(qw, qx) + (-8 dw) * s     (the same kernel, the nibbles unsigned, m = -8 dw)
- * The integer dot of 32 products is exact (maddubs' pairs stay below 2^15: 15 * 127 * 2, 128 * 127 * 2),
- * then converted and scaled once per block. The Q4 min terms, m * s per block, are a dot product
- * over blocks: their m are kept per chunk of blocks and summed with the chunk's s at its end, off the
- * per-block path.
+ * One block of weight row c against activation row r:
+ *   Q8_0: dw * dx * dot(qw, qx)                qw int8, sign-extended to int16
+ *   Q4_1: dw * dx * dot(qw, qx) + m * sx       qw the nibbles 0..15, zero-extended to int16
+ *   Q4_0: dw * dx * dot(qw - 8, qx)            the nibbles zero-extended, then 8 subtracted (-8..7)
+ * Q4_0's -8 is applied to the widened weights, once per tile and shared by its activation rows,
+ * rather than as a min term -8 dw * sx per (row, column, block): fewer operations, and no
+ * cancellation between the dot and a min term of similar size.
+ * The weights are widened once per tile to two vectors of 16 int16 (weights 0-15, 16-31), and
+ * _mm256_madd_epi16 against the activation's two vectors gives 16 products per instruction, pairs
+ * summed into int32; the two results are added (8 int32 lanes, 4 products each), converted to float
+ * once and scaled by dw * dx with one FMA per block.
  *
- * The tile blocks registers over MR activation rows x MC weight rows: each weight block is unpacked
- * once per MR rows and each activation vector loaded once per MC weight rows. One activation row is
- * bound by memory: 4 weight rows (4 streams) per pass.
+ * No integer sum can overflow, for any bytes in the weight blocks and any activations: a weight is
+ * |qw| <= 128 (int8 -128..127; nibbles 0..15) and an activation |qx| <= 32767 (quantize_act16 never
+ * makes -32768). madd_epi16 wraps only for both pairs at -32768 * -32768; here a product is at most
+ * 128 * 32767 = 4,194,176 in magnitude, a madd lane (2 products) at most 8,388,352, and the sum of
+ * the two madds (4 products) at most 16,776,704 < 2^24 = 16,777,216 < 2^31. So every int32 is exact,
+ * and so is its conversion to float32 (an integer below 2^24): float rounding starts at the scaling.
+ * (The portable path's 32-product int32 dot: at most 32 * 128 * 32767 = 134,213,632 < 2^31.)
+ *
+ * Q4_1's min terms, m * sx per block, are a dot product over blocks: their m and sx are gathered per
+ * chunk of KC blocks and summed at the chunk's end, off the per-block path; the scales dw * dx of
+ * every (row, column, block) of a chunk are computed there too, vectorized, so the per-block path only
+ * loads one float per pair.
+ *
+ * The tile blocks registers over MR activation rows x MC weight rows: each weight block is widened
+ * once per MR activation rows and each activation vector loaded once per MC weight rows. One
+ * activation row is bound by memory: MC1 weight rows (streams) per pass, prefetched ahead.
  */
 #include "quant.h"
 
-#define QB 32          /* weights per block */
-#define ACT_BYTES 40   /* 32 int8 + float d + float s */
-#define KC 32          /* blocks per chunk (scales precomputed per chunk) */
+#define QB 32 /* weights per block */
+#define KC 32 /* blocks per chunk (scales precomputed per chunk) */
 #ifndef MR
-#define MR 6 /* activation rows per register tile */
+#define MR 4 /* activation rows per register tile */
 #endif
 #ifndef MC
 #define MC 2 /* weight rows per register tile */
 #endif
 #ifndef MC1
 #define MC1 4 /* weight rows per tile at one activation row */
+#endif
+#ifndef PF_BYTES
+#define PF_BYTES 512 /* how far ahead the 1-row tile prefetches each weight row */
 #endif
 
 static inline float half_bits_to_f32(uint16_t h) {
@@ -65,60 +80,6 @@ static inline float half_to_f32(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, sizeof h);
     return half_bits_to_f32(h);
-}
-
-/* The parts of a quantized activation row of nb blocks. */
-static inline const int8_t *act_q(const uint8_t *xq) { return (const int8_t *)xq; }
-static inline const float *act_d(const uint8_t *xq, int64_t nb) { return (const float *)(xq + nb * QB); }
-static inline const float *act_s(const uint8_t *xq, int64_t nb) { return (const float *)(xq + nb * (QB + 4)); }
-
-/* ---- activations ---- */
-
-static void quantize_act(const float *x, int64_t k, void *out) {
-    const int64_t nb = k / QB;
-    int8_t *q = (int8_t *)out;
-    float *ds = (float *)((uint8_t *)out + nb * QB), *ss = ds + nb;
-    for (int64_t b = 0; b < nb; b++) {
-        const float *xb = x + b * QB;
-        int8_t *qb = q + b * QB;
-#if HAVE_AVX2 || HAVE_AVX512
-        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-        __m256 v[4];
-        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
-        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
-                                 _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        const __m256 idv = _mm256_set1_ps(id);
-        __m256i qi[4];
-        for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], idv)); /* nearest even */
-        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-        /* packs interleave the 128-bit lanes: 0-3 8-11 4-7 12-15 (x2 for the bytes); a permute of
-         * 32-bit groups puts them back in order */
-        const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
-        const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
-        _mm256_storeu_si256((__m256i *)qb, _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-        ds[b] = d;
-        ss[b] = d * (float)_mm_cvtsi128_si32(s4);
-#else
-        float amax = 0.0f;
-        for (int i = 0; i < QB; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
-        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int sum = 0;
-        for (int i = 0; i < QB; i++) {
-            const int qv = (int)lrintf(xb[i] * id); /* nearest even, as cvtps2dq */
-            qb[i] = (int8_t)qv;
-            sum += qv;
-        }
-        ds[b] = d;
-        ss[b] = d * (float)sum;
-#endif
-    }
 }
 
 /* ---- dequantization (embedding rows, and the reference) ---- */
@@ -162,11 +123,23 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* The 32 nibbles of a Q4 block (at q) as bytes in weight order: the 16 bytes in both 128-bit lanes,
- * the high lane shifted right by 4, then masked. */
-static inline __m256i unpack_nibbles(const uint8_t *q) {
-    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q));
-    return _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0f));
+/* The 32 weights of the block at blk as int16: *lo weights 0-15, *hi weights 16-31. Q8_0: its int8
+ * sign-extended; Q4: the 16 bytes zero-extended, then the low nibble (weights 0-15) masked and the
+ * high nibble (weights 16-31) shifted down (Q4_0: minus 8). */
+static inline void widen(const uint8_t *blk, const int type, __m256i *lo, __m256i *hi) {
+    if (type == QTYPE_Q8_0) {
+        *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
+        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
+    } else {
+        const __m256i v =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + (type == QTYPE_Q4_1 ? 4 : 2))));
+        *lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
+        *hi = _mm256_srli_epi16(v, 4);
+        if (type == QTYPE_Q4_0) { /* the -8 applied here (once per tile): no min term to sum */
+            *lo = _mm256_sub_epi16(*lo, _mm256_set1_epi16(8));
+            *hi = _mm256_sub_epi16(*hi, _mm256_set1_epi16(8));
+        }
+    }
 }
 
 /* The fp16 d (the blocks' first 2 bytes) of blocks [b0, b0 + len) of a weight row (blocks bb bytes
@@ -208,28 +181,24 @@ static inline float dot_f32(const float *a, const float *b, int len) {
 /* Weight rows [0, C) x activation rows [0, R) (R, C constants once inlined: the accumulators stay in
  * registers). Rows past nc / nr repeat the last valid one (from cache), their sums not stored.
  * Per chunk of KC blocks, first the scales of every (row, column, block), d_w * d_x, as floats (and
- * for Q4 the m of each weight block); then per block and pair only integer dot, convert, FMA with
- * the scale loaded from L1; at the chunk's end the Q4 min terms, dot(m, s) over its blocks. */
+ * for Q4_1 the m of each weight block and s of each activation block); then per block: the C weight
+ * blocks widened once, and per pair only madd, add, convert, FMA with the scale loaded from L1; at
+ * the chunk's end Q4_1's min terms, dot(m, s) over its blocks. pf: prefetch the weight rows PF_BYTES
+ * ahead (the 1-row tile, which streams them from memory). */
 static inline __attribute__((always_inline)) void legacy_micro(const uint8_t *w, int64_t wrb, int64_t nc,
                                                                const uint8_t *xq, int64_t xrb, int64_t nr,
                                                                int64_t nb, float *out, int64_t ldo, const int type,
-                                                               const int R, const int C) {
+                                                               const int R, const int C, const int pf) {
     const int bb = type == QTYPE_Q8_0 ? 34 : type == QTYPE_Q4_1 ? 20 : 18;
-    const int qoff = type == QTYPE_Q4_1 ? 4 : 2;
-    const uint8_t *wr[MC1], *xr[MR];
-    const float *xd[MR], *xs[MR];
+    const uint8_t *wr[MC1];
+    const act_block16 *xa[MR];
     for (int c = 0; c < C; c++) wr[c] = w + (c < nc ? c : nc - 1) * wrb;
-    for (int r = 0; r < R; r++) {
-        xr[r] = xq + (r < nr ? r : nr - 1) * xrb;
-        xd[r] = act_d(xr[r], nb);
-        xs[r] = act_s(xr[r], nb);
-    }
+    for (int r = 0; r < R; r++) xa[r] = (const act_block16 *)(xq + (r < nr ? r : nr - 1) * xrb);
     __m256 acc[MR][MC1];
     float msum[MR][MC1];
-    float dw[MC1][KC], mf[MC1][KC], sc[MR][MC1][KC];
+    float dw[MC1][KC], mf[MC1][KC], xd[MR][KC], xs[MR][KC], sc[MR][MC1][KC];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps(), msum[r][c] = 0.0f;
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t b0 = 0; b0 < nb; b0 += KC) {
         const int len = nb - b0 < KC ? (int)(nb - b0) : KC;
         for (int c = 0; c < C; c++) {
@@ -237,88 +206,88 @@ static inline __attribute__((always_inline)) void legacy_micro(const uint8_t *w,
                 chunk_half_pairs(wr[c], b0, len, dw[c], mf[c]);
             } else {
                 chunk_halves(wr[c], b0, len, bb, dw[c]);
-                if (type == QTYPE_Q4_0)
-                    for (int i = 0; i < len; i++) mf[c][i] = -8.0f * dw[c][i];
             }
         }
         for (int r = 0; r < R; r++)
+            for (int i = 0; i < len; i++) xd[r][i] = xa[r][b0 + i].d;
+        if (type == QTYPE_Q4_1)
+            for (int r = 0; r < R; r++)
+                for (int i = 0; i < len; i++) xs[r][i] = xa[r][b0 + i].s;
+        for (int r = 0; r < R; r++)
             for (int c = 0; c < C; c++)
 #pragma omp simd
-                for (int i = 0; i < len; i++) sc[r][c][i] = dw[c][i] * xd[r][b0 + i];
+                for (int i = 0; i < len; i++) sc[r][c][i] = dw[c][i] * xd[r][i];
         for (int i = 0; i < len; i++) {
             const int64_t b = b0 + i;
-            __m256i wq[MC1], wa[MC1];
+            __m256i lo[MC1], hi[MC1];
             for (int c = 0; c < C; c++) {
-                if (type == QTYPE_Q8_0) {
-                    wq[c] = _mm256_loadu_si256((const __m256i *)(wr[c] + b * bb + 2));
-                    wa[c] = _mm256_abs_epi8(wq[c]);
-                } else {
-                    wq[c] = unpack_nibbles(wr[c] + b * bb + qoff);
-                }
+                if (pf) _mm_prefetch((const char *)(wr[c] + b * bb + PF_BYTES), _MM_HINT_T0);
+                widen(wr[c] + b * bb, type, &lo[c], &hi[c]);
             }
             for (int r = 0; r < R; r++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xr[r] + b * QB));
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)xa[r][b].q);
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xa[r][b].q + 16));
                 for (int c = 0; c < C; c++) {
-                    /* s8 x s8 (Q8_0): |w| times x signed by w, so maddubs' unsigned side is |w| */
-                    const __m256i p16 = type == QTYPE_Q8_0 ? _mm256_maddubs_epi16(wa[c], _mm256_sign_epi8(xv, wq[c]))
-                                                           : _mm256_maddubs_epi16(wq[c], xv);
-                    const __m256i p = _mm256_madd_epi16(p16, ones);
+                    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo[c], x0), _mm256_madd_epi16(hi[c], x1));
                     acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&sc[r][c][i]), acc[r][c]);
                 }
             }
         }
-        if (type != QTYPE_Q8_0)
+        if (type == QTYPE_Q4_1)
             for (int r = 0; r < R; r++)
-                for (int c = 0; c < C; c++) msum[r][c] += dot_f32(mf[c], xs[r] + b0, len);
+                for (int c = 0; c < C; c++) msum[r][c] += dot_f32(mf[c], xs[r], len);
     }
     for (int r = 0; r < R && r < nr; r++)
         for (int c = 0; c < C && c < nc; c++) out[r * ldo + c] = hsum256(acc[r][c]) + msum[r][c];
 }
 
-#define Q4_ARGS(c0, r0) w + (c0) * wrb, wrb, nc - (c0), xq + (r0) * xrb, xrb, rows, nb, out + (r0) * ldo + (c0), ldo
+#define TILE_ARGS(c0, r0) w + (c0) * wrb, wrb, nc - (c0), xq + (r0) * xrb, xrb, rows, nb, out + (r0) * ldo + (c0), ldo
+#define MR_(n) ((n) < MR ? (n) : MR)
 
-/* Activation rows in near-equal groups of at most MR (7 rows: 4 + 3, not 4 + 4 with one wasted),
- * each group over every MC weight rows in turn: the group's activations stay in L1, the weights
- * come from L2 (the driver passes a panel of them). */
-#define TILE_LOOP(MICRO, ...)                                                                               \
-    do {                                                                                                   \
-        if (nr == 1) {                                                                                     \
-            const int64_t rows = 1;                                                                        \
-            for (int64_t c0 = 0; c0 < nc; c0 += MC1) MICRO(Q4_ARGS(c0, 0), __VA_ARGS__ 1, MC1);            \
-            break;                                                                                         \
-        }                                                                                                  \
-        const int64_t groups = (nr + MR - 1) / MR;                                                         \
-        for (int64_t g = 0; g < groups; g++) {                                                             \
-            const int64_t r0 = nr * g / groups, rows = nr * (g + 1) / groups - r0;                         \
-            for (int64_t c0 = 0; c0 < nc; c0 += MC) {                                                      \
-                switch (rows) {                                                                            \
-                case 1: MICRO(Q4_ARGS(c0, r0), __VA_ARGS__ 1 < MR ? 1 : MR, MC); break;                                  \
-                case 2: MICRO(Q4_ARGS(c0, r0), __VA_ARGS__ 2 < MR ? 2 : MR, MC); break;                                  \
-                case 3: MICRO(Q4_ARGS(c0, r0), __VA_ARGS__ 3 < MR ? 3 : MR, MC); break;                                  \
-                case 4: MICRO(Q4_ARGS(c0, r0), __VA_ARGS__ 4 < MR ? 4 : MR, MC); break;                                  \
-                case 5: MICRO(Q4_ARGS(c0, r0), __VA_ARGS__ 5 < MR ? 5 : MR, MC); break;                                  \
-                default: MICRO(Q4_ARGS(c0, r0), __VA_ARGS__ MR, MC);                                       \
-                }                                                                                          \
-            }                                                                                              \
-        }                                                                                                  \
+/* One activation row: MC1 weight rows at a time, prefetched. Several: activation rows in near-equal
+ * groups of at most MR (7 rows with MR 4: 4 + 3, not 4 + 4 with one wasted), each group over every
+ * MC weight rows in turn: the group's activations stay in L1, the weights come from L2 (the driver
+ * passes a panel of them). */
+#define TILE_LOOP(TYPE)                                                                                       \
+    do {                                                                                                      \
+        if (nr == 1) {                                                                                        \
+            const int64_t rows = 1;                                                                           \
+            for (int64_t c0 = 0; c0 < nc; c0 += MC1) legacy_micro(TILE_ARGS(c0, 0), TYPE, 1, MC1, 1);         \
+            break;                                                                                            \
+        }                                                                                                     \
+        const int64_t groups = (nr + MR - 1) / MR;                                                            \
+        for (int64_t g = 0; g < groups; g++) {                                                                \
+            const int64_t r0 = nr * g / groups, rows = nr * (g + 1) / groups - r0;                            \
+            for (int64_t c0 = 0; c0 < nc; c0 += MC) {                                                         \
+                switch (rows) {                                                                               \
+                case 1: legacy_micro(TILE_ARGS(c0, r0), TYPE, MR_(1), MC, 0); break;                          \
+                case 2: legacy_micro(TILE_ARGS(c0, r0), TYPE, MR_(2), MC, 0); break;                          \
+                case 3: legacy_micro(TILE_ARGS(c0, r0), TYPE, MR_(3), MC, 0); break;                          \
+                case 4: legacy_micro(TILE_ARGS(c0, r0), TYPE, MR_(4), MC, 0); break;                          \
+                case 5: legacy_micro(TILE_ARGS(c0, r0), TYPE, MR_(5), MC, 0); break;                          \
+                case 6: legacy_micro(TILE_ARGS(c0, r0), TYPE, MR_(6), MC, 0); break;                          \
+                default: legacy_micro(TILE_ARGS(c0, r0), TYPE, MR, MC, 0);                                    \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
     } while (0)
 
 static void tile_q4_0(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
                       int64_t nb, float *out, int64_t ldo) {
-    TILE_LOOP(legacy_micro, QTYPE_Q4_0, );
+    TILE_LOOP(QTYPE_Q4_0);
 }
 
 static void tile_q4_1(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
                       int64_t nb, float *out, int64_t ldo) {
-    TILE_LOOP(legacy_micro, QTYPE_Q4_1, );
+    TILE_LOOP(QTYPE_Q4_1);
 }
 
 static void tile_q8_0(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
                       int64_t nb, float *out, int64_t ldo) {
-    TILE_LOOP(legacy_micro, QTYPE_Q8_0, );
+    TILE_LOOP(QTYPE_Q8_0);
 }
 
-#else /* portable: plain C, one weight block unpacked to int8 and met by each activation row */
+#else /* portable: plain C, one weight block widened to int and met by each activation row */
 
 static inline void tile_generic(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb,
                                 int64_t nr, int64_t nb, float *out, int64_t ldo, int type) {
@@ -328,21 +297,22 @@ static inline void tile_generic(const uint8_t *w, int64_t wrb, int64_t nc, const
         for (int64_t r = 0; r < nr; r++) out[r * ldo + c] = 0.0f;
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = wr + b * bb;
-            int8_t q[QB];
-            float dw = half_to_f32(blk), m = 0.0f;
+            int32_t q[QB];
+            const float dw = half_to_f32(blk);
+            float m = 0.0f;
             if (type == QTYPE_Q8_0) {
-                memcpy(q, blk + 2, QB);
+                for (int j = 0; j < QB; j++) q[j] = (int8_t)blk[2 + j];
             } else {
                 const uint8_t *nib = blk + (type == QTYPE_Q4_1 ? 4 : 2);
-                for (int j = 0; j < 16; j++) q[j] = (int8_t)(nib[j] & 0x0f), q[16 + j] = (int8_t)(nib[j] >> 4);
-                m = type == QTYPE_Q4_1 ? half_to_f32(blk + 2) : -8.0f * dw;
+                const int32_t off = type == QTYPE_Q4_0 ? 8 : 0; /* Q4_0: -8 on the weights, as the AVX2 tile */
+                for (int j = 0; j < 16; j++) q[j] = (nib[j] & 0x0f) - off, q[16 + j] = (nib[j] >> 4) - off;
+                if (type == QTYPE_Q4_1) m = half_to_f32(blk + 2);
             }
             for (int64_t r = 0; r < nr; r++) {
-                const uint8_t *xr = xq + r * xrb;
-                const int8_t *qx = act_q(xr) + b * QB;
-                int dot = 0;
-                for (int j = 0; j < QB; j++) dot += q[j] * qx[j];
-                out[r * ldo + c] += dw * act_d(xr, nb)[b] * (float)dot + m * act_s(xr, nb)[b];
+                const act_block16 *xb = (const act_block16 *)(xq + r * xrb) + b;
+                int32_t dot = 0; /* exact: see the top of the file */
+                for (int j = 0; j < QB; j++) dot += q[j] * xb->q[j];
+                out[r * ldo + c] += dw * xb->d * (float)dot + m * xb->s;
             }
         }
     }
@@ -364,9 +334,10 @@ static void tile_q8_0(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *
 }
 #endif
 
-static const qtype_ops OPS_Q4_0 = {QTYPE_Q4_0, QB, 18, ACT_BYTES, quantize_act, tile_q4_0, dequant_q4_0};
-static const qtype_ops OPS_Q4_1 = {QTYPE_Q4_1, QB, 20, ACT_BYTES, quantize_act, tile_q4_1, dequant_q4_1};
-static const qtype_ops OPS_Q8_0 = {QTYPE_Q8_0, QB, 34, ACT_BYTES, quantize_act, tile_q8_0, dequant_q8_0};
+#define ACT_BYTES ((int)sizeof(act_block16))
+static const qtype_ops OPS_Q4_0 = {QTYPE_Q4_0, QB, 18, ACT_BYTES, quantize_act16, tile_q4_0, dequant_q4_0};
+static const qtype_ops OPS_Q4_1 = {QTYPE_Q4_1, QB, 20, ACT_BYTES, quantize_act16, tile_q4_1, dequant_q4_1};
+static const qtype_ops OPS_Q8_0 = {QTYPE_Q8_0, QB, 34, ACT_BYTES, quantize_act16, tile_q8_0, dequant_q8_0};
 
 const qtype_ops *qtype_legacy(int type) {
     switch (type) {

@@ -25,7 +25,8 @@ KINDS = [kind for kind in CpuKind if requested_kind().includes(kind)]
 K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
 BLOCK_BYTES = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
 QK = 256
-ACT_BLOCK_BYTES = 320  # int8 qs[256], int16 bsums[16], float d, padding
+ACT_BLOCK = 32  # activation values per act_block16 (quant.h)
+ACT_BLOCK_BYTES = 8 * 72  # per 256 weights: 8 act_block16 of float d, float s, int16 q[32]
 EPS32 = 2.0**-24  # float32's unit roundoff
 # (n, k): n around the kernel's panels (4 weight rows; 2 per register tile at several activation
 # rows) and the driver's 8-column units; k of 1, 2 and 6 blocks.
@@ -64,19 +65,15 @@ def random_blocks(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
 @functools.cache
 def weights(qtype: Q, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(blocks uint8 [n, row bytes], gguf's float64 dequantization [n, k], a bound [n, k] on the
-    magnitudes of the terms the kernel sums per weight). The kernel sums d * sum(sc q x) and
-    dmin * sum(m x) apart (Q6_K: d * sum(sc u x) with u = q + 32 in [0, 63], and 32 d * sum(sc x)),
-    so per weight the terms are at most d sc q + dmin m (Q4_K, Q5_K) or |d sc| (u + 32) (Q6_K)."""
+    magnitudes of the terms the kernel sums per weight). Q4_K and Q5_K's kernel sums d * sc * sum(q x)
+    and dmin * m * sum(x) apart, so per weight the terms are at most d sc q + dmin m; Q6_K's widens
+    q - 32 into the integers, so its term is the weight itself, |d sc (q - 32)|."""
     blocks = random_blocks(qtype, n, k, seed=n * 10_000 + k + int(qtype))
     deq = gguf.quants.dequantize(blocks, qtype).astype(np.float64)
-    per_block = blocks.reshape(n * k // QK, BLOCK_BYTES[qtype])
     if qtype == Q.Q6_K:
-        d = per_block[:, 208:210].copy().view(np.float16).astype(np.float64)  # [nb, 1]
-        sc = per_block[:, 192:208].view(np.int8).astype(np.float64)  # [nb, 16]
-        step = np.repeat(np.abs(d * sc), 16, axis=-1)  # [nb, 256]: |d sc| per weight
-        q = np.abs(deq.reshape(-1, QK)) / np.where(step > 0, step, 1)  # |u - 32|, so u <= |q| + 32
-        bound = step * (q + 64)
+        bound = np.abs(deq)
     else:
+        per_block = blocks.reshape(n * k // QK, BLOCK_BYTES[qtype])
         dmin = np.abs(per_block[:, 2:4].copy().view(np.float16).astype(np.float64))
         # d sc q + dmin m = w + 2 dmin m <= |w| + 2 dmin * 63
         bound = np.abs(deq.reshape(-1, QK)) + 2 * 63 * dmin
@@ -84,16 +81,19 @@ def weights(qtype: Q, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 
 def quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel's activation quantization, in numpy: per block of 256, d = max|x| / 127 and
-    q = round-half-even(x * (127 / max|x|)), all float32. -> (d * q as float64 [m, k], d [m, nb])."""
+    """The kernel's activation quantization (quant.c's quantize_act16), in numpy, with the same float32
+    operations: per block of 32, amax = max|x|, d = amax / 32767, inv = 32767 / amax (0 if amax is 0),
+    q = round-half-even(x * inv). -> (d * q as float64 [m, k], d as float64 [m, k / 32]). (The block
+    sums s = d * sum(q) the kernel also reads are one float32 rounding of sum(d * q): the tight
+    tolerance covers them as one more rounding of the min terms.)"""
     m, k = x.shape
-    xb = x.astype(np.float32).reshape(m, k // QK, QK)
+    xb = x.astype(np.float32).reshape(m, k // ACT_BLOCK, ACT_BLOCK)
     amax = np.abs(xb).max(axis=-1)
-    d = amax / np.float32(127)
+    d = amax / np.float32(32767)
     with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+        inv = np.where(amax > 0, np.float32(32767) / amax, np.float32(0)).astype(np.float32)
     q = np.rint(xb * inv[..., None])
-    assert np.abs(q).max() <= 127
+    assert np.abs(q).max() <= 32767
     return (q.astype(np.float64) * d[..., None].astype(np.float64)).reshape(m, k), d.astype(np.float64)
 
 
@@ -112,10 +112,13 @@ def check(
     )  # the one rounding at the end (bf16: 2^-9, doubled)
 
     # (a) tight, against the activations as the kernel quantized them: only float32 rounding is left.
-    # The integer dot products are exact; per block the kernel rounds dmin * sum(m x) and
-    # d * sum(sc q x) - that, scales by d_x and adds into 8 float32 lanes; the lanes, the blocks' chunks
-    # and the residual are added at the end: at most ~(2 nb + 8) roundings of eps32 on the sum of the
-    # terms' magnitudes, then the final rounding relative to |y|.
+    # The integer dot products per 32 (Q6_K: per 16) are exact in int32; each becomes one float term
+    # (int -> float: exact below 2^24, else one rounding; times (d sc) * d_x: two more), each min term
+    # dmin m * s_x (s_x = d_x * sum(q) rounded once: two roundings); per lane of 8 float32 lanes two
+    # terms a block are added in turn (Q4_K/Q5_K: the scaled dots and the mins; Q6_K: the 16-halves of
+    # two sub-blocks), then the lanes, the blocks' chunks and the residual at the end: at most
+    # ~(2 nb + 8) roundings of eps32 on the sum of the terms' magnitudes, then the final rounding
+    # relative to |y|.
     xq, dx = quantize_act(x.float().numpy())
     ref_q = res64 + xq @ deq.T
     terms = np.abs(xq) @ bound.T
@@ -123,13 +126,15 @@ def check(
     err_a = np.abs(got - ref_q)
     assert (err_a <= tol_a).all(), f"tight: worst err/tol {np.max(err_a / tol_a):.3g}"
 
-    # (b) loose, against unquantized x. Rounding x * (127 / max|x|) to an integer moves it by at most
-    # half a step, so each element's q * d_x is within d_x / 2 of x, plus the float32 error of the
-    # scale and the product (|x * iscale * d_x - x| <= ~3 eps32 * 127 d_x < 3e-5 d_x): 0.5001 d_x.
-    # A block's dot product then moves by at most 0.5001 d_x * sum |w| over the block; plus (a)'s.
+    # (b) loose, against unquantized x. Rounding x * (32767 / max|x|) to an integer moves it by at most
+    # half a step, so each element's q * d_x is within d_x / 2 of x, plus the float32 errors of the
+    # scale, the product x * inv and d_x itself (each <= eps32 * 32767 steps relative to a value of at
+    # most 32767 steps: 3 * 2^-24 * 32767 < 0.006 steps, no longer negligible at 16 bits): 0.506 d_x
+    # per element. A 32-block's dot product then moves by at most 0.506 d_x * sum |w| over the 32
+    # weights it meets; plus (a)'s.
     ref = res64 + x64 @ deq.T
-    absw_blocks = np.abs(deq).reshape(n, nb, QK).sum(axis=-1)  # [n, nb]
-    tol_b = 0.5001 * dx @ absw_blocks.T + tol_a
+    absw_blocks = np.abs(deq).reshape(n, k // ACT_BLOCK, ACT_BLOCK).sum(axis=-1)  # [n, k / 32]
+    tol_b = 0.506 * dx @ absw_blocks.T + tol_a
     err_b = np.abs(got - ref)
     assert (err_b <= tol_b).all(), f"loose: worst err/tol {np.max(err_b / tol_b):.3g}"
 
@@ -170,9 +175,9 @@ def test_quant_k_matmul_matches_float64(
 
 @pytest.mark.parametrize("qtype", K_TYPES, ids=[t.name for t in K_TYPES])
 def test_quant_k_matmul_long_rows(kernels: cpu_kernels.CpuKernels, qtype: Q) -> None:
-    """k of 17 blocks (two chunks of the kernel's unpacking, the second partial) and enough columns
-    for several panels per thread: both of the tile's loop orders (activation rows that stay in L2,
-    and 32 rows of 17 blocks that do not)."""
+    """k of 17 blocks (a row group of 4 takes them in chunks of 8, the last partial; 1 row in one
+    chunk of up to 32) and enough columns for several of the driver's panels per thread, at row
+    counts that leave partial row groups (5 = 4 + 1, 40 = 32 + 8 over two row chunks)."""
     n, k = 300, 17 * QK
     blocks, deq, bound = weights(qtype, n, k)
     for rows in (1, 5, 32, 40):

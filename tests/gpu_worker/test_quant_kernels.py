@@ -24,7 +24,7 @@ KINDS = [kind for kind in CpuKind if requested_kind().includes(kind)]
 LEGACY = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 EPS32 = 2.0**-24  # float32's unit roundoff
 # (n, k): n around the tiles (4 weight rows at one activation row, 2 at several, 8-column units),
-# k from one block to 32.
+# k from one block to 32 (a scale chunk and a tail).
 SHAPES = [(1, 32), (7, 96), (33, 576), (100, 1024)]
 
 
@@ -44,9 +44,10 @@ def weights(qtype: Q, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
     ).astype(np.float32)
     blocks = gguf.quants.quantize(w, qtype)
     deq = gguf.quants.dequantize(blocks, qtype).astype(np.float64)
-    # The kernel sums d * dq * dot(q, qx) and, for Q4, the min term m * s separately: their
-    # magnitudes, not |w|, bound its float32 rounding. Per weight: Q4_0 |d| q + 8|d| <= |w| + 16|d|,
-    # Q4_1 |d| q + |m| <= |w| + 2|m|, Q8_0 |w|.
+    # The kernel sums d * dq * dot(q, qx) and, for Q4_1, the min term m * s separately: their
+    # magnitudes, not |w|, bound its float32 rounding. Per weight: Q4_1 |d| q + |m| <= |w| + 2|m|,
+    # Q8_0 |w|; Q4_0 |w| (its -8 is in the integer dot), kept at |w| + 16|d| so a kernel that sums
+    # -8 d * s as a min term (|d| q + 8|d|) also fits.
     per_block = blocks.reshape(n, k // 32, -1)
     d = np.abs(per_block[..., :2].copy().view(np.float16).astype(np.float64))  # [n, nb, 1]
     extra = 0 * d
@@ -59,17 +60,26 @@ def weights(qtype: Q, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 
 def quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel's activation quantization, in numpy: per block of 32, d = max|x| / 127 and
-    q = round-half-even(x * (127 / max|x|)), all float32. -> (d * q as float64 [m, k], d [m, nb])."""
+    """The kernel's activation quantization (quant.c's quantize_act16), in numpy: per block of 32,
+    d = max|x| / 32767 and q = round-half-even(x * (32767 / max|x|)), every operation in float32 as
+    the C code does it (the same roundings: the tight check compares exactly these values).
+    -> (d * q as float64 [m, k], d [m, nb])."""
     m, k = x.shape
     xb = x.astype(np.float32).reshape(m, k // 32, 32)
     amax = np.abs(xb).max(axis=-1)
-    d = amax / np.float32(127)
+    d = amax / np.float32(32767)
     with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+        inv = np.where(amax > 0, np.float32(32767) / amax, np.float32(0)).astype(np.float32)
     q = np.rint(xb * inv[..., None])
-    assert np.abs(q).max() <= 127
+    assert q.dtype == np.float32 and np.abs(q).max() <= 32767
     return (q.astype(np.float64) * d[..., None].astype(np.float64)).reshape(m, k), d.astype(np.float64)
+
+
+# Half a quantization step, with float32's slack: q = rint(x * inv) where inv = 32767 / max|x| and
+# d = max|x| / 32767 are each rounded once and x * inv once more, so x * inv is x / d within 3
+# roundings of |x / d| <= 32767 (+ a hair): |x - d q| <= d (0.5 + 32767 * 3 eps32)
+# < d (0.5 + 32768 * 4 eps32).
+HALF_STEP = 0.5 + 32768 * 4 * EPS32  # ~0.5078
 
 
 @pytest.mark.parametrize("qtype", LEGACY, ids=[t.name for t in LEGACY])
@@ -113,12 +123,13 @@ def test_quant_matmul_matches_float64(
     err_a = np.abs(got - ref_q)
     assert (err_a <= tol_a).all(), f"tight: worst err/tol {np.max(err_a / tol_a):.3g}"
 
-    # (b) loose, against unquantized x: rounding x * 127 / max|x| to an integer moves each element by
-    # at most half a step, d_x / 2 (times 1 + 1e-5 for the float32 scale), so a block's dot moves by
-    # at most d_x / 2 * sum |w| over the block; plus (a)'s float32 tolerance.
+    # (b) loose, against unquantized x: rounding x * 32767 / max|x| to an integer moves each element
+    # by at most half a step, d_x / 2 (HALF_STEP: with float32's slack), so a block's dot moves by at
+    # most that times sum |w| over the block; plus (a)'s float32 tolerance. With 16-bit activations
+    # d_x = max|x| / 32767, 258x finer than int8's max|x| / 127.
     ref = res64 + x64 @ deq.T
     absw_blocks = np.abs(deq).reshape(n, k // 32, 32).sum(axis=-1)  # [n, nb]
-    tol_b = 0.50001 * dx @ absw_blocks.T + tol_a
+    tol_b = HALF_STEP * dx @ absw_blocks.T + tol_a
     err_b = np.abs(got - ref)
     assert (err_b <= tol_b).all(), f"loose: worst err/tol {np.max(err_b / tol_b):.3g}"
 
@@ -154,7 +165,7 @@ def test_quant_refuses_unsupported(kernels: cpu_kernels.CpuKernels) -> None:
     by the C entry points (status, 0 row bytes) and the bindings (ValueError)."""
     for qtype in LEGACY:
         assert kernels.quant_supported(int(qtype))
-        assert kernels._quant_act_row_bytes(int(qtype), 64) == 2 * 40
+        assert kernels._quant_act_row_bytes(int(qtype), 64) == 2 * 72
         assert kernels._quant_act_row_bytes(int(qtype), 48) == 0
     for qtype in (Q.Q5_0, Q.F16, Q.F32):
         assert not kernels.quant_supported(int(qtype))
@@ -163,7 +174,7 @@ def test_quant_refuses_unsupported(kernels: cpu_kernels.CpuKernels) -> None:
     w = torch.from_numpy(blocks)
     x = torch.randn(2, 96)
     y = torch.full((2, 7), 7.0)
-    scratch = torch.empty(2 * 3 * 40, dtype=torch.uint8)
+    scratch = torch.empty(2 * 3 * 72, dtype=torch.uint8)
 
     def raw(qtype: int, k: int) -> int:
         return int(
