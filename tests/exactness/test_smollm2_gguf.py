@@ -92,6 +92,7 @@ def test_quantized_weights_hold_no_dense_copy(smollm2_dir: Path) -> None:
     file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
     held = weight_bytes(_runner(smollm2_dir, "bfloat16").model)  # type: ignore[arg-type]
     assert held <= 1.3 * file_bytes, (held, file_bytes)
-    dense_runner = ModelRunner(WorkerConfig(model_path=str(smollm2_dir), dtype="bfloat16", kv_cache_tokens=64))
+    dense_config = WorkerConfig(model_path=str(smollm2_dir), dtype="bfloat16", kv_cache_tokens=64)
+    dense_runner = ModelRunner(dense_config)
     dense = weight_bytes(dense_runner.model)  # type: ignore[arg-type]
     assert dense > 2 * held, (dense, held)
