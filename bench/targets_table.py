@@ -117,7 +117,7 @@ def format_table(
             "ratios measure both engines through POST /v1/completions (bench/serving.py --backend openai), "
             "same prompts; each round runs rivulet, then llama.cpp; a ratio cell is the median of the "
             "per-round ratios.",
-            f"llama.cpp: `{peer.shown()}` (the GGUF as is, Q4_1; rivulet dequantizes it to the dtype)",
+            f"llama.cpp: `{peer.shown()}` (the same GGUF; rivulet per --weight-dtype)",
         ]
         notes += [peer.warning] if peer.warning else []
     return "\n".join(["", *notes, "", *lines])

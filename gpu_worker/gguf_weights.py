@@ -16,6 +16,7 @@ block intact: the rows end up in HF's order, bit for bit the blocks they were.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -119,38 +120,85 @@ def unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def gguf_architecture(path: Path) -> str:
-    """general.architecture of a GGUF (its header only: the reader maps the file lazily)."""
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor of a GGUF lies: what ``gguf.GGUFReader`` found, kept in the index cache."""
+
+    name: str
+    type: int  # ggml type id
+    shape: tuple[int, ...]  # ggml order: the innermost (input) dimension first
+    offset: int  # bytes from the file's start
+    nbytes: int
+
+
+def tensor_index(path: Path) -> tuple[str, list[TensorEntry]]:
+    """(general.architecture, the tensors) of a GGUF. gguf's reader parses every metadata field
+    (a tokenizer's 100k strings: seconds on a small CPU), so its findings are cached beside the
+    converted model, keyed by the file's path, size and mtime: a warm start reads a small JSON."""
+    import json
+
+    from gpu_worker.model_files import cache_root, file_key
+
+    cached = cache_root() / "gguf-index" / f"{path.stem}-{file_key(path)}.json"
+    if cached.is_file():
+        raw = json.loads(cached.read_text())
+        return raw["arch"], [TensorEntry(e[0], e[1], tuple(e[2]), e[3], e[4]) for e in raw["tensors"]]
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    return bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    entries = [
+        TensorEntry(
+            t.name, int(t.tensor_type), tuple(int(d) for d in t.shape), int(t.data_offset), int(t.n_bytes)
+        )
+        for t in reader.tensors
+    ]
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(
+        json.dumps(
+            {"arch": arch, "tensors": [[e.name, e.type, list(e.shape), e.offset, e.nbytes] for e in entries]}
+        )
+    )
+    os.replace(tmp, cached)
+    return arch, entries
+
+
+def _tensor_data(mapped: np.ndarray, entry: TensorEntry) -> np.ndarray:
+    """The tensor's bytes as gguf's reader gives them: float32/float16 values, else [rows, row bytes]."""
+    import gguf
+
+    raw = mapped[entry.offset : entry.offset + entry.nbytes]
+    rows = int(np.prod(entry.shape[1:], dtype=np.int64))
+    if entry.type == gguf.GGMLQuantizationType.F32:
+        return raw.view(np.float32).reshape(rows, -1)
+    if entry.type == gguf.GGMLQuantizationType.F16:
+        return raw.view(np.float16).reshape(rows, -1)
+    return raw.reshape(rows, -1)
 
 
 def read_tensors(
     path: Path, num_heads: int, num_kv_heads: int
 ) -> Iterator[tuple[str, int, np.ndarray, tuple[int, ...]]]:
     """(HF name, ggml type, data as [rows, row bytes or values] in HF row order, HF shape) of every
-    tensor we load, lazily (the reader maps the file)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    tensor we load, lazily (the file is mapped, not read)."""
+    arch, entries = tensor_index(path)
     if arch not in ARCHITECTURES:
         raise GgufError(
             f"GGUF architecture {arch!r} is not one we read quantized ({', '.join(ARCHITECTURES)})"
         )
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    for entry in entries:
+        name = hf_name(entry.name)
         if name is None:
             continue
-        shape = tuple(int(d) for d in reversed(tensor.shape))  # ggml lists the innermost first
-        data = tensor.data.reshape(int(np.prod(shape[:-1], dtype=np.int64)), -1)
+        shape = tuple(reversed(entry.shape))
+        data = _tensor_data(mapped, entry)
         if name.endswith(("q_proj.weight", "q_proj.bias")):
             data = unpermute_rows(data, num_heads)
         elif name.endswith(("k_proj.weight", "k_proj.bias")):
             data = unpermute_rows(data, num_kv_heads)
-        yield name, int(tensor.tensor_type), data, shape
+        yield name, entry.type, data, shape
 
 
 def _dense(ggml_type: int, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:

@@ -66,10 +66,14 @@ def source_gguf(model: str | None) -> Path | None:
     return path.resolve() if path.is_file() and path.suffix == ".gguf" else None
 
 
+def file_key(path: Path) -> str:
+    """A key for a file's cached derivatives: its resolved path, size and mtime."""
+    stat = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
 def _converted_gguf(gguf: Path) -> Path:
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_root() / f"{gguf.stem}-{key}"
+    target = cache_root() / f"{gguf.stem}-{file_key(gguf)}"
     if (target / "config.json").is_file():
         return target
     logger.info("converting %s to safetensors in %s (once)", gguf, target)

@@ -221,3 +221,22 @@ def test_weight_dtype_gguf_refuses_what_it_cannot_run(tiny_llama_dir: Path) -> N
 def test_weight_dtype_is_checked() -> None:
     with pytest.raises(AssertionError, match="weight_dtype"):
         WorkerConfig(weight_dtype="int4")
+
+
+def test_tensor_index_is_cached_and_matches_the_reader(
+    random_llama: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpu_worker.gguf_weights import _tensor_data, tensor_index
+
+    _, path = random_llama
+    monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
+    arch, entries = tensor_index(path)  # parsed by gguf's reader, then cached
+    reader = gguf.GGUFReader(str(path))
+    with monkeypatch.context() as patched:  # a warm start must not parse the file again
+        patched.setattr(gguf, "GGUFReader", None)
+        assert tensor_index(path) == (arch, entries)
+    assert arch == "llama" and [e.name for e in entries] == [t.name for t in reader.tensors]
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    for entry, tensor in zip(entries, reader.tensors, strict=True):
+        got = _tensor_data(mapped, entry)
+        assert np.array_equal(got, tensor.data.reshape(got.shape)), entry.name
