@@ -39,6 +39,28 @@ typedef struct {
 /* One activation row of k float32 values (k a multiple of 32) -> k / 32 act_block16 at xq. */
 void quantize_act16(const float *x, int64_t k, void *xq);
 
+/* A GGUF block's fp16 scale as float32, exactly (F16C on x86-64-v3 and up; subnormals included). */
+static inline float fp16_to_f32(uint16_t h) {
+#if HAVE_AVX2 || HAVE_AVX512
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, em = h & 0x7fffu;
+    uint32_t bits;
+    if (em >= 0x7c00u) {
+        bits = sign | 0x7f800000u | ((em & 0x3ffu) << 13); /* inf, NaN */
+    } else if (em >= 0x0400u) {
+        bits = sign | ((em << 13) + ((uint32_t)(127 - 15) << 23)); /* normal */
+    } else {
+        const float f = (float)em * 5.9604644775390625e-8f; /* subnormal: em * 2^-24, exact */
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
 typedef struct {
     int type;            /* ggml type id */
     int block;           /* weights per block: 32 or 256 */

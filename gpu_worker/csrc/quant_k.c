@@ -42,27 +42,6 @@
 #define Q6K_BYTES 210
 #define ACT_PER_BLOCK (QK / ACT_BLOCK) /* 8 act_block16 per weight block */
 
-static inline float fp16_to_f32(uint16_t h) {
-#if HAVE_AVX2 || HAVE_AVX512
-    return _cvtsh_ss(h); /* F16C (x86-64-v3): exact, subnormals included */
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    uint32_t u;
-    if (exp == 0x1f) {
-        u = sign | 0x7f800000u | (man << 13); /* inf, NaN */
-    } else if (exp != 0) {
-        u = sign | ((exp + 112) << 23) | (man << 13);
-    } else { /* zero or subnormal: man * 2^-24, exact in float */
-        float f = (float)man * 5.9604644775390625e-8f;
-        memcpy(&u, &f, sizeof u);
-        u |= sign;
-    }
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-#endif
-}
 
 static inline uint16_t read_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 

@@ -58,31 +58,10 @@
 #define PF_BYTES 512 /* how far ahead the 1-row tile prefetches each weight row */
 #endif
 
-static inline float half_bits_to_f32(uint16_t h) {
-#if HAVE_AVX2 || HAVE_AVX512
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, em = h & 0x7fffu;
-    uint32_t bits;
-    if (em >= 0x7c00u) {
-        bits = sign | 0x7f800000u | ((em & 0x3ffu) << 13); /* inf, NaN */
-    } else if (em >= 0x0400u) {
-        bits = sign | ((em << 13) + ((uint32_t)(127 - 15) << 23)); /* normal */
-    } else {
-        const float f = (float)em * 5.9604644775390625e-8f; /* subnormal: em * 2^-24, exact */
-        memcpy(&bits, &f, sizeof bits);
-        bits |= sign;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-#endif
-}
-
 static inline float half_to_f32(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, sizeof h);
-    return half_bits_to_f32(h);
+    return fp16_to_f32(h);
 }
 
 /* ---- dequantization (embedding rows, and the reference) ---- */
