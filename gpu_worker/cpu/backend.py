@@ -75,10 +75,13 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compi
     _drop_owned_weights(model)
     pin_attributes(model)
     logger.info(
-        "%s; C kernels: %s; matmul paths (Linears): %s; weights held: %.1f MB",
+        "%s; C kernels: %s; matmul paths (Linears): %s; embedding: %s; other weights: %s; "
+        "weights held: %.1f MB",
         describe(kind),
         "none" if kernels is None else f"{kind.value} build",
         ", ".join(f"{name} {count}" for name, count in sorted(paths.items())) or "torch",
+        _embedding_form(model, dtype),
+        str(dtype).removeprefix("torch."),
         weight_bytes(model) / 1e6,
     )
     return CpuSetup(kind=kind, kernels=kernels)
@@ -106,6 +109,19 @@ def _attach_quantized(
             paths[f"gguf {types}"] += 1
         elif isinstance(module, Embedding):
             module.impl = QuantEmbedding(weight, dtype, kernels)
+
+
+def _embedding_form(model: nn.Module, dtype: torch.dtype) -> str:
+    """How the embedding table is held: a GGUF block type (looked up by the kernels) or the dtype."""
+    import gguf
+
+    for module in model.modules():
+        if isinstance(module, Embedding):
+            weight = module.quantized
+            if weight is not None:
+                return "gguf " + gguf.GGMLQuantizationType(weight.parts[0].type).name
+            return str(dtype).removeprefix("torch.")
+    return "none"
 
 
 def weight_bytes(model: nn.Module) -> int:
