@@ -64,7 +64,34 @@ def test_quantized_smollm2_matches_dequantized_within_top2(
         with torch.no_grad():
             out = hf_fp32.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
         first_divergence_within_top2(hf_fp32, prompt, got, out[0, len(prompt) :].tolist())
-    assert tokenizer.decode(ours[0], skip_special_tokens=True) == "The capital of France is Paris."
+    if dtype == "float32":  # (see FIRST_TOKEN_TIE)
+        assert tokenizer.decode(ours[0], skip_special_tokens=True) == "The capital of France is Paris."
+
+
+# After the France prompt HF fp32 gives "The" 25.325 and "L" 25.243: a 0.08 tie. bf16 activations
+# move logits by ~1% of their spread (~0.3) whatever the weights, so in bf16 either token is right
+# by the top-2 rule; fp32 activations over the blocks stay within 1e-4 of the spread (8-bit ones
+# moved them 2-6% and answered "L'Étoile, la Marseillaise, ..."), so there the answer is checked.
+FIRST_TOKEN_TIE = 0.08
+
+
+def test_quantized_smollm2_logits_match_dequantized_fp32(smollm2_dir: Path, hf_fp32: Any) -> None:
+    from transformers import AutoTokenizer
+
+    from tests.gpu_worker.helpers import GREEDY, MiniScheduler
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    runner = _runner(smollm2_dir, "float32")
+    for question in QUESTIONS:
+        prompt = chat_prompt(tokenizer, question)
+        batch = MiniScheduler(runner.num_pages, runner.config.page_size).batch([(0, 0, prompt, True, GREEDY)])
+        got = runner.compute_logits(batch)[0].double()
+        with torch.no_grad():
+            ref = hf_fp32(torch.tensor([prompt])).logits[0, -1].double()
+        spread = float(ref.max() - ref.min())
+        err = float((got - ref).abs().max())
+        assert err <= 1e-3 * spread < FIRST_TOKEN_TIE, (question, err, spread)  # measured 1e-4 * spread
+        assert int(got.argmax()) == int(ref.argmax()), question
 
 
 def test_quantized_smollm2_one_stream(smollm2_dir: Path, hf_fp32: Any) -> None:
@@ -72,7 +99,7 @@ def test_quantized_smollm2_one_stream(smollm2_dir: Path, hf_fp32: Any) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     prompt = chat_prompt(tokenizer, QUESTIONS[0])
-    runner = _runner(smollm2_dir, "bfloat16")
+    runner = _runner(smollm2_dir, "float32")
     (ours,), _ = inprocess.generate(
         runner, [prompt], NEW_TOKENS, chunked_prefill_size=256, enable_mixed_chunk=True, stop_token_ids=(EOS,)
     )
