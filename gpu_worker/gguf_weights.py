@@ -69,10 +69,7 @@ class QuantBlocks:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols], by gguf's own dequantization."""
-        import gguf
-
-        values = gguf.quants.dequantize(self.data.numpy(), gguf.GGMLQuantizationType(self.type))
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.rows, self.cols)
+        return _dense(self.type, self.data.numpy(), (self.rows, self.cols))
 
 
 @dataclass(frozen=True)
@@ -202,6 +199,7 @@ def read_tensors(
 
 
 def _dense(ggml_type: int, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor's values as float32 of ``shape``, by gguf's dequantization (a copy: the file is mapped)."""
     import gguf
 
     values = gguf.quants.dequantize(np.ascontiguousarray(data), gguf.GGMLQuantizationType(ggml_type))

@@ -33,6 +33,11 @@ from gpu_worker.models.layers import Embedding, Linear
 logger = logging.getLogger(__name__)
 
 
+_CPU_LINEAR = (torch.float32, torch.bfloat16)
+# ggml type ids with kernels in csrc/quant*.c (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), where built.
+QUANT_TYPES = (2, 3, 8, 12, 13, 14)
+
+
 @dataclass(frozen=True)
 class CpuSetup:
     """What ``prepare_model`` chose: the kind and the kernels (None: torch paths)."""
@@ -85,11 +90,6 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compi
         weight_bytes(model) / 1e6,
     )
     return CpuSetup(kind=kind, kernels=kernels)
-
-
-_CPU_LINEAR = (torch.float32, torch.bfloat16)
-# ggml type ids with kernels in csrc/quant*.c (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), where built.
-QUANT_TYPES = (2, 3, 8, 12, 13, 14)
 
 
 def _attach_quantized(

@@ -171,13 +171,16 @@ static inline __m512 exp512(__m512 x) {
 }
 #endif
 
-#if HAVE_AVX2
-/* The sum of v's 8 lanes. */
+#if HAVE_AVX2 || HAVE_AVX512
+/* The sum of v's 8 lanes (the quantized kernels' AVX2 code runs in the AVX-512 build too). */
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+#endif
+
+#if HAVE_AVX2
 
 /* exp(x) for x <= 0, lane-wise: exp_nonpositive's polynomial. AVX2 has no vscalefps: 2^n is built
  * from its bits, n + 127 in the exponent field (n in [-126, 0] after the clamp: a normal float). */

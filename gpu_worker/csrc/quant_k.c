@@ -166,12 +166,6 @@ static inline __m256i fold_lanes(__m256i a, __m256i b) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-static inline float hsum8_k(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 /* out[r * ldo] += dot(weight row wb (nb blocks), activation rows xr[r] (nb * 8 act_block16)), r < R.
  * ax[r][b]: 16 floats per block: Q4_K/Q5_K d_x[0..7], s_x[0..7]; Q6_K d_x[l / 2] for l < 16. */
 static inline __attribute__((always_inline)) void micro(int type, int R, int block_bytes, const uint8_t *wb,
@@ -230,7 +224,7 @@ static inline __attribute__((always_inline)) void micro(int type, int R, int blo
             }
         }
     }
-    for (int r = 0; r < R; r++) out[r * ldo] += hsum8_k(acc[r]);
+    for (int r = 0; r < R; r++) out[r * ldo] += hsum8(acc[r]);
 }
 
 static inline __attribute__((always_inline)) void tile_k(int type, int block_bytes, const uint8_t *w,

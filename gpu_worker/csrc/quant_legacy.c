@@ -36,7 +36,7 @@
  *
  * The tile blocks registers over MR activation rows x MC weight rows: each weight block is widened
  * once per MR activation rows and each activation vector loaded once per MC weight rows. One
- * activation row is bound by memory: MC1 weight rows (streams) per pass, prefetched ahead.
+ * activation row is bound by memory: ROW1_W weight rows (streams) at a time, prefetched ahead (row1).
  */
 #include "quant.h"
 
@@ -47,9 +47,6 @@
 #endif
 #ifndef MC
 #define MC 2 /* weight rows per register tile */
-#endif
-#ifndef MC1
-#define MC1 4 /* weight rows per tile at one activation row */
 #endif
 #ifndef ROW1_W
 #define ROW1_W 4 /* weight rows (streams) at a time at one activation row */
@@ -99,11 +96,6 @@ static void dequant_q8_0(const uint8_t *w, int64_t k, float *out) {
 /* ---- tiles ---- */
 
 #if HAVE_AVX2 || HAVE_AVX512
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 /* The 32 weights of the block at blk as int16: *lo weights 0-15, *hi weights 16-31. Q8_0: its int8
  * sign-extended; Q4: the 16 bytes zero-extended, then the low nibble (weights 0-15) masked and the
@@ -157,7 +149,7 @@ static inline float dot_f32(const float *a, const float *b, int len) {
         const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(len - i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         acc = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, mask), _mm256_maskload_ps(b + i, mask), acc);
     }
-    return hsum256(acc);
+    return hsum8(acc);
 }
 
 /* Weight rows [0, C) x activation rows [0, R) (R, C constants once inlined: the accumulators stay in
@@ -165,20 +157,19 @@ static inline float dot_f32(const float *a, const float *b, int len) {
  * Per chunk of KC blocks, first the scales of every (row, column, block), d_w * d_x, as floats (and
  * for Q4_1 the m of each weight block and s of each activation block); then per block: the C weight
  * blocks widened once, and per pair only madd, add, convert, FMA with the scale loaded from L1; at
- * the chunk's end Q4_1's min terms, dot(m, s) over its blocks. pf: prefetch the weight rows PF_BYTES
- * ahead (the 1-row tile, which streams them from memory). */
+ * the chunk's end Q4_1's min terms, dot(m, s) over its blocks. */
 static inline __attribute__((always_inline)) void legacy_micro(const uint8_t *w, int64_t wrb, int64_t nc,
                                                                const uint8_t *xq, int64_t xrb, int64_t nr,
                                                                int64_t nb, float *out, int64_t ldo, const int type,
-                                                               const int R, const int C, const int pf) {
+                                                               const int R, const int C) {
     const int bb = type == QTYPE_Q8_0 ? 34 : type == QTYPE_Q4_1 ? 20 : 18;
-    const uint8_t *wr[MC1];
+    const uint8_t *wr[MC];
     const act_block16 *xa[MR];
     for (int c = 0; c < C; c++) wr[c] = w + (c < nc ? c : nc - 1) * wrb;
     for (int r = 0; r < R; r++) xa[r] = (const act_block16 *)(xq + (r < nr ? r : nr - 1) * xrb);
-    __m256 acc[MR][MC1];
-    float msum[MR][MC1];
-    float dw[MC1][KC], mf[MC1][KC], xd[MR][KC], xs[MR][KC], sc[MR][MC1][KC];
+    __m256 acc[MR][MC];
+    float msum[MR][MC];
+    float dw[MC][KC], mf[MC][KC], xd[MR][KC], xs[MR][KC], sc[MR][MC][KC];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps(), msum[r][c] = 0.0f;
     for (int64_t b0 = 0; b0 < nb; b0 += KC) {
@@ -201,9 +192,8 @@ static inline __attribute__((always_inline)) void legacy_micro(const uint8_t *w,
                 for (int i = 0; i < len; i++) sc[r][c][i] = dw[c][i] * xd[r][i];
         for (int i = 0; i < len; i++) {
             const int64_t b = b0 + i;
-            __m256i lo[MC1], hi[MC1];
+            __m256i lo[MC], hi[MC];
             for (int c = 0; c < C; c++) {
-                if (pf) _mm_prefetch((const char *)(wr[c] + b * bb + PF_BYTES), _MM_HINT_T0);
                 widen(wr[c] + b * bb, type, &lo[c], &hi[c]);
             }
             for (int r = 0; r < R; r++) {
@@ -220,13 +210,10 @@ static inline __attribute__((always_inline)) void legacy_micro(const uint8_t *w,
                 for (int c = 0; c < C; c++) msum[r][c] += dot_f32(mf[c], xs[r], len);
     }
     for (int r = 0; r < R && r < nr; r++)
-        for (int c = 0; c < C && c < nc; c++) out[r * ldo + c] = hsum256(acc[r][c]) + msum[r][c];
+        for (int c = 0; c < C && c < nc; c++) out[r * ldo + c] = hsum8(acc[r][c]) + msum[r][c];
 }
 
-/* One activation row against nc weight rows, two at a time: decode at one stream, bound by the
- * weights' bytes. Each block's weights are widened and met by the row's 32 int16 in registers; its
- * scale d_w * d_x is a scalar broadcast, Q4_1's min term m * s_x a scalar FMA; nothing is gathered or
- * precomputed per chunk (that bookkeeping cost the generic tile half its speed at one row). */
+/* out[r] = dot(weight row r, the activation row xa) for r < R (ROW1_W once inlined). */
 static inline __attribute__((always_inline)) void row1_group(const uint8_t *w, int64_t wrb, const act_block16 *xa,
                                                              int64_t nb, float *out, const int type, const int R) {
     const int bb = type == QTYPE_Q8_0 ? 34 : type == QTYPE_Q4_1 ? 20 : 18;
@@ -247,7 +234,7 @@ static inline __attribute__((always_inline)) void row1_group(const uint8_t *w, i
             if (type == QTYPE_Q4_1) m[r] += half_to_f32(blk + 2) * xs;
         }
     }
-    for (int r = 0; r < R; r++) out[r] = hsum256(acc[r]) + m[r];
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) + m[r];
 }
 
 /* One activation row against nc weight rows, ROW1_W at a time: decode at one stream, bound by the
@@ -265,7 +252,7 @@ static inline __attribute__((always_inline)) void row1(const uint8_t *w, int64_t
 #define TILE_ARGS(c0, r0) w + (c0) * wrb, wrb, nc - (c0), xq + (r0) * xrb, xrb, rows, nb, out + (r0) * ldo + (c0), ldo
 #define MR_(n) ((n) < MR ? (n) : MR)
 
-/* One activation row: MC1 weight rows at a time, prefetched. Several: activation rows in near-equal
+/* One activation row: row1. Several: activation rows in near-equal
  * groups of at most MR (7 rows with MR 4: 4 + 3, not 4 + 4 with one wasted), each group over every
  * MC weight rows in turn: the group's activations stay in L1, the weights come from L2 (the driver
  * passes a panel of them). */
@@ -280,13 +267,13 @@ static inline __attribute__((always_inline)) void row1(const uint8_t *w, int64_t
             const int64_t r0 = nr * g / groups, rows = nr * (g + 1) / groups - r0;                            \
             for (int64_t c0 = 0; c0 < nc; c0 += MC) {                                                         \
                 switch (rows) {                                                                               \
-                case 1: legacy_micro(TILE_ARGS(c0, r0), TYPE, MR_(1), MC, 0); break;                          \
-                case 2: legacy_micro(TILE_ARGS(c0, r0), TYPE, MR_(2), MC, 0); break;                          \
-                case 3: legacy_micro(TILE_ARGS(c0, r0), TYPE, MR_(3), MC, 0); break;                          \
-                case 4: legacy_micro(TILE_ARGS(c0, r0), TYPE, MR_(4), MC, 0); break;                          \
-                case 5: legacy_micro(TILE_ARGS(c0, r0), TYPE, MR_(5), MC, 0); break;                          \
-                case 6: legacy_micro(TILE_ARGS(c0, r0), TYPE, MR_(6), MC, 0); break;                          \
-                default: legacy_micro(TILE_ARGS(c0, r0), TYPE, MR, MC, 0);                                    \
+                case 1: legacy_micro(TILE_ARGS(c0, r0), TYPE, MR_(1), MC); break;                          \
+                case 2: legacy_micro(TILE_ARGS(c0, r0), TYPE, MR_(2), MC); break;                          \
+                case 3: legacy_micro(TILE_ARGS(c0, r0), TYPE, MR_(3), MC); break;                          \
+                case 4: legacy_micro(TILE_ARGS(c0, r0), TYPE, MR_(4), MC); break;                          \
+                case 5: legacy_micro(TILE_ARGS(c0, r0), TYPE, MR_(5), MC); break;                          \
+                case 6: legacy_micro(TILE_ARGS(c0, r0), TYPE, MR_(6), MC); break;                          \
+                default: legacy_micro(TILE_ARGS(c0, r0), TYPE, MR, MC);                                    \
                 }                                                                                             \
             }                                                                                                 \
         }                                                                                                     \

@@ -11,8 +11,12 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu_worker.cpu.kind import CpuKind, requested_kind
 from protocol.messages import ForwardBatch, WorkerSampling
 from tests.models import GREEDY, VOCAB, save_tiny_model  # noqa: F401  (re-exported to the tests here)
+
+# The CPU kinds this CPU (or the kind it acts as) runs: each kernel test runs once per kind.
+KINDS = [kind for kind in CpuKind if requested_kind().includes(kind)]
 
 
 @dataclass

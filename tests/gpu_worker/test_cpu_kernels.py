@@ -16,7 +16,7 @@ from gpu_worker.cpu.kind import CpuKind, requested_kind
 from gpu_worker.cpu.matmul import CpuLinear
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.layers import Linear, RMSNorm, apply_rotary
-from tests.gpu_worker.helpers import MiniScheduler, save_tiny_model
+from tests.gpu_worker.helpers import KINDS, MiniScheduler, save_tiny_model
 from tests.gpu_worker.test_models import hf_greedy, make_prompts, run_scenario
 
 needs_compiler = pytest.mark.skipif(
@@ -31,14 +31,6 @@ def _kernels() -> cpu_kernels.CpuKernels:
 
 
 # Every build this CPU runs, up to the kind the worker acts as (RIVULET_CPU_KIND or native).
-KINDS = [kind for kind in CpuKind if requested_kind().includes(kind)]
-
-
-@pytest.fixture(scope="module", params=KINDS, ids=[kind.value for kind in KINDS])
-def kernels(request: pytest.FixtureRequest) -> cpu_kernels.CpuKernels:
-    """The library of each kind this CPU runs (the worker's own is the last)."""
-    kind: CpuKind = request.param
-    return cpu_kernels.CpuKernels(cpu_kernels.build(kind), kind)
 
 
 @needs_compiler

@@ -10,8 +10,7 @@ from bench.matmul_paths import plan_of
 from gpu_worker.cpu import kernels as cpu_kernels
 from gpu_worker.cpu.kind import CpuKind, requested_kind
 from gpu_worker.cpu.matmul import PLANS, CpuLinear, MatmulPlan, can_pack
-
-KINDS = [kind for kind in CpuKind if requested_kind().includes(kind)]
+from tests.gpu_worker.helpers import KINDS
 
 
 def test_every_kind_has_a_plan() -> None:

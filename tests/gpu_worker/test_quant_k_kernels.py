@@ -15,28 +15,19 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from gpu_worker.cpu import kernels as cpu_kernels
-from gpu_worker.cpu.kind import CpuKind, requested_kind
+from tests.gpu_worker.quant_reference import check_quant_matmul
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler to build the kernels"
 )
 
-KINDS = [kind for kind in CpuKind if requested_kind().includes(kind)]
 K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
 BLOCK_BYTES = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
 QK = 256
-ACT_BLOCK = 32  # activation values per act_block16 (quant.h)
 ACT_BLOCK_BYTES = 8 * 72  # per 256 weights: 8 act_block16 of float d, float s, int16 q[32]
-EPS32 = 2.0**-24  # float32's unit roundoff
 # (n, k): n around the kernel's panels (4 weight rows; 2 per register tile at several activation
 # rows) and the driver's 8-column units; k of 1, 2 and 6 blocks.
 SHAPES = [(1, 256), (7, 512), (33, 1536), (100, 512)]
-
-
-@pytest.fixture(scope="module", params=KINDS, ids=[kind.value for kind in KINDS])
-def kernels(request: pytest.FixtureRequest) -> cpu_kernels.CpuKernels:
-    kind: CpuKind = request.param
-    return cpu_kernels.CpuKernels(cpu_kernels.build(kind), kind)
 
 
 def random_blocks(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
@@ -80,63 +71,13 @@ def weights(qtype: Q, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return blocks, deq, bound.reshape(n, k)
 
 
-def quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel's activation quantization (quant.c's quantize_act16), in numpy, with the same float32
-    operations: per block of 32, amax = max|x|, d = amax / 32767, inv = 32767 / amax (0 if amax is 0),
-    q = round-half-even(x * inv). -> (d * q as float64 [m, k], d as float64 [m, k / 32]). (The block
-    sums s = d * sum(q) the kernel also reads are one float32 rounding of sum(d * q): the tight
-    tolerance covers them as one more rounding of the min terms.)"""
-    m, k = x.shape
-    xb = x.astype(np.float32).reshape(m, k // ACT_BLOCK, ACT_BLOCK)
-    amax = np.abs(xb).max(axis=-1)
-    d = amax / np.float32(32767)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(32767) / amax, np.float32(0)).astype(np.float32)
-    q = np.rint(xb * inv[..., None])
-    assert np.abs(q).max() <= 32767
-    return (q.astype(np.float64) * d[..., None].astype(np.float64)).reshape(m, k), d.astype(np.float64)
-
-
 def check(
     y: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, deq: np.ndarray, bound: np.ndarray
 ) -> None:
-    """y = residual + x @ deq.T within (a) the tight and (b) the loose tolerance."""
-    rows, k = x.shape
-    n = deq.shape[0]
-    nb = k // QK
-    x64 = x.double().numpy()  # exactly the values the kernel read
-    res64 = residual.double().numpy() if residual is not None else np.zeros((rows, n))
-    got = y.double().numpy()
-    out_round = (
-        2.0**-8 if y.dtype == torch.bfloat16 else EPS32
-    )  # the one rounding at the end (bf16: 2^-9, doubled)
-
-    # (a) tight, against the activations as the kernel quantized them: only float32 rounding is left.
-    # The integer dot products per 32 (Q6_K: per 16) are exact in int32; each becomes one float term
-    # (int -> float: exact below 2^24, else one rounding; times (d sc) * d_x: two more), each min term
-    # dmin m * s_x (s_x = d_x * sum(q) rounded once: two roundings); per lane of 8 float32 lanes two
-    # terms a block are added in turn (Q4_K/Q5_K: the scaled dots and the mins; Q6_K: the 16-halves of
-    # two sub-blocks), then the lanes, the blocks' chunks and the residual at the end: at most
-    # ~(2 nb + 8) roundings of eps32 on the sum of the terms' magnitudes, then the final rounding
-    # relative to |y|.
-    xq, dx = quantize_act(x.float().numpy())
-    ref_q = res64 + xq @ deq.T
-    terms = np.abs(xq) @ bound.T
-    tol_a = (2 * nb + 8) * EPS32 * terms + out_round * np.abs(ref_q) + EPS32 * np.abs(res64) + 1e-30
-    err_a = np.abs(got - ref_q)
-    assert (err_a <= tol_a).all(), f"tight: worst err/tol {np.max(err_a / tol_a):.3g}"
-
-    # (b) loose, against unquantized x. Rounding x * (32767 / max|x|) to an integer moves it by at most
-    # half a step, so each element's q * d_x is within d_x / 2 of x, plus the float32 errors of the
-    # scale, the product x * inv and d_x itself (each <= eps32 * 32767 steps relative to a value of at
-    # most 32767 steps: 3 * 2^-24 * 32767 < 0.006 steps, no longer negligible at 16 bits): 0.506 d_x
-    # per element. A 32-block's dot product then moves by at most 0.506 d_x * sum |w| over the 32
-    # weights it meets; plus (a)'s.
-    ref = res64 + x64 @ deq.T
-    absw_blocks = np.abs(deq).reshape(n, k // ACT_BLOCK, ACT_BLOCK).sum(axis=-1)  # [n, k / 32]
-    tol_b = 0.506 * dx @ absw_blocks.T + tol_a
-    err_b = np.abs(got - ref)
-    assert (err_b <= tol_b).all(), f"loose: worst err/tol {np.max(err_b / tol_b):.3g}"
+    """The shared check: per 256-weight block two float terms a lane are summed (the scaled dots and
+    the mins; Q6_K: the 16-halves of two sub-blocks); loose half step 0.506 d_x (rounding plus the
+    float32 errors of the scale, x * inv and d_x: 3 * 2^-24 * 32767 < 0.006 steps)."""
+    check_quant_matmul(y, x, residual, deq, bound, x.shape[1] // QK, 0.506)
 
 
 def activations(rows: int, k: int, seed: int, dtype: torch.dtype) -> torch.Tensor:

@@ -14,24 +14,16 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from gpu_worker.cpu import kernels as cpu_kernels
-from gpu_worker.cpu.kind import CpuKind, requested_kind
+from tests.gpu_worker.quant_reference import EPS32, HALF_STEP, check_quant_matmul, quantize_act
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler to build the kernels"
 )
 
-KINDS = [kind for kind in CpuKind if requested_kind().includes(kind)]
 LEGACY = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
-EPS32 = 2.0**-24  # float32's unit roundoff
 # (n, k): n around the tiles (4 weight rows at one activation row, 2 at several, 8-column units),
 # k from one block to 32 (a scale chunk and a tail).
 SHAPES = [(1, 32), (7, 96), (33, 576), (100, 1024)]
-
-
-@pytest.fixture(scope="module", params=KINDS, ids=[kind.value for kind in KINDS])
-def kernels(request: pytest.FixtureRequest) -> cpu_kernels.CpuKernels:
-    kind: CpuKind = request.param
-    return cpu_kernels.CpuKernels(cpu_kernels.build(kind), kind)
 
 
 @functools.cache
@@ -59,29 +51,6 @@ def weights(qtype: Q, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return blocks, deq, bound
 
 
-def quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel's activation quantization (quant.c's quantize_act16), in numpy: per block of 32,
-    d = max|x| / 32767 and q = round-half-even(x * (32767 / max|x|)), every operation in float32 as
-    the C code does it (the same roundings: the tight check compares exactly these values).
-    -> (d * q as float64 [m, k], d [m, nb])."""
-    m, k = x.shape
-    xb = x.astype(np.float32).reshape(m, k // 32, 32)
-    amax = np.abs(xb).max(axis=-1)
-    d = amax / np.float32(32767)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(32767) / amax, np.float32(0)).astype(np.float32)
-    q = np.rint(xb * inv[..., None])
-    assert q.dtype == np.float32 and np.abs(q).max() <= 32767
-    return (q.astype(np.float64) * d[..., None].astype(np.float64)).reshape(m, k), d.astype(np.float64)
-
-
-# Half a quantization step, with float32's slack: q = rint(x * inv) where inv = 32767 / max|x| and
-# d = max|x| / 32767 are each rounded once and x * inv once more, so x * inv is x / d within 3
-# roundings of |x / d| <= 32767 (+ a hair): |x - d q| <= d (0.5 + 32767 * 3 eps32)
-# < d (0.5 + 32768 * 4 eps32).
-HALF_STEP = 0.5 + 32768 * 4 * EPS32  # ~0.5078
-
-
 @pytest.mark.parametrize("qtype", LEGACY, ids=[t.name for t in LEGACY])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("rows", [1, 7, 32, 256])
@@ -106,32 +75,7 @@ def test_quant_matmul_matches_float64(
     y = kernels.quant_matmul(int(qtype), torch.from_numpy(blocks), k, x, residual)
     assert y.shape == (rows, n) and y.dtype == dtype
 
-    x64 = x.double().numpy()  # exactly the values the kernel read
-    res64 = residual.double().numpy() if residual is not None else np.zeros((rows, n))
-    got = y.double().numpy()
-    # the one rounding at the end (bf16: 2^-9 relative, doubled)
-    out_round = 2.0**-8 if dtype == torch.bfloat16 else EPS32
-
-    # (a) tight, against the activations as the kernel quantized them: only float32 rounding is left.
-    # Each block's term is a float32 product (scale d_w * d_x rounded, the integer dot exact) summed with
-    # the others and the min terms in float32: at most ~(2 nb + 8) roundings of eps32 on the sum of
-    # the terms' magnitudes; then the final rounding relative to |y|.
-    xq, dx = quantize_act(x.float().numpy())
-    ref_q = res64 + xq @ deq.T
-    terms = np.abs(xq) @ bound.T
-    tol_a = (2 * (k // 32) + 8) * EPS32 * terms + out_round * np.abs(ref_q) + EPS32 * np.abs(res64) + 1e-30
-    err_a = np.abs(got - ref_q)
-    assert (err_a <= tol_a).all(), f"tight: worst err/tol {np.max(err_a / tol_a):.3g}"
-
-    # (b) loose, against unquantized x: rounding x * 32767 / max|x| to an integer moves each element
-    # by at most half a step, d_x / 2 (HALF_STEP: with float32's slack), so a block's dot moves by at
-    # most that times sum |w| over the block; plus (a)'s float32 tolerance. With 16-bit activations
-    # d_x = max|x| / 32767, 258x finer than int8's max|x| / 127.
-    ref = res64 + x64 @ deq.T
-    absw_blocks = np.abs(deq).reshape(n, k // 32, 32).sum(axis=-1)  # [n, nb]
-    tol_b = HALF_STEP * dx @ absw_blocks.T + tol_a
-    err_b = np.abs(got - ref)
-    assert (err_b <= tol_b).all(), f"loose: worst err/tol {np.max(err_b / tol_b):.3g}"
+    check_quant_matmul(y, x, residual, deq, bound, k // 32, HALF_STEP)
 
 
 def test_quant_matmul_many_rows_and_columns(kernels: cpu_kernels.CpuKernels) -> None:
