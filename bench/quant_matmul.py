@@ -8,7 +8,8 @@ One pass multiplies x [rows, in] by the 120 distinct weights of SmolLM2's 30 lay
 down; ~106 M weights), so they come from memory as in a real step, not from cache; the 49152 x 576
 head is timed on its own. Best of ``--repeats`` passes each, paths interleaved. At one row the pass
 streams every weight byte once: GB/s = weight bytes / time, against the machine's memory bandwidth.
-x is float32 for the quantized and fp32 paths, bfloat16 for the bf16 one.
+x is bfloat16 for the quantized and bf16 paths, float32 for torch's. Each quantized type runs
+its integer path (``q4_1``) and its dequantized-panel path (``q4_1_dense``).
 """
 
 from __future__ import annotations
@@ -62,9 +63,13 @@ def quant_pass(
     qtype: int,
     ws: list[tuple[torch.Tensor, int]],
     x_for: Callable[[int, int, torch.dtype], torch.Tensor],
+    dense: bool,
 ) -> Pass:
-    """One pass of ``quant_matmul`` over the blocks ``ws`` ((w, in) each), float32 x."""
-    return lambda m: [kernels.quant_matmul(qtype, w, k, x_for(m, k, torch.float32)) for w, k in ws]
+    """One pass of ``quant_matmul`` (its integer or its ``dense`` path) over the blocks ``ws`` ((w, in)
+    each), bfloat16 x as the worker's."""
+    return lambda m: [
+        kernels.quant_matmul(qtype, w, k, x_for(m, k, torch.bfloat16), dense=dense) for w, k in ws
+    ]
 
 
 def paths(
@@ -86,7 +91,8 @@ def paths(
         if not kernels.quant_supported(int(qtype)) or any(i % block for _, i in shapes):
             continue  # (K-quants need in % 256 == 0: not SmolLM2's 576; see --shapes)
         ws = [(quantized(s, qtype, rng), s[1]) for s in shapes]
-        out[name] = quant_pass(kernels, int(qtype), ws, x_for)
+        out[name] = quant_pass(kernels, int(qtype), ws, x_for, dense=False)
+        out[f"{name}_dense"] = quant_pass(kernels, int(qtype), ws, x_for, dense=True)
     bf16 = [torch.randn(s).bfloat16() * 0.05 for s in shapes]
     out["c_bf16"] = lambda m: [kernels.matmul(x_for(m, w.shape[1], torch.bfloat16), w) for w in bf16]
     fp32 = [torch.randn(s) * 0.05 for s in shapes]
@@ -97,8 +103,8 @@ def paths(
 def weight_bytes(name: str, shapes: list[tuple[int, int]]) -> int:
     """Bytes one pass of path ``name`` streams from its weights."""
     elems = sum(o * i for o, i in shapes)
-    if name in TYPES:
-        size, block_bytes = gguf.GGML_QUANT_SIZES[TYPES[name]]
+    if name.removesuffix("_dense") in TYPES:
+        size, block_bytes = gguf.GGML_QUANT_SIZES[TYPES[name.removesuffix("_dense")]]
         return elems // size * block_bytes
     return elems * (2 if name == "c_bf16" else 4)
 

@@ -44,7 +44,9 @@ from gpu_worker.model_files import cache_root
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = ("attention.c", "matmul.c", "small_ops.c", "quant.c", "quant_legacy.c", "quant_k.c")
+SOURCES = (
+    "attention.c", "matmul.c", "small_ops.c", "quant.c", "quant_dense.c", "quant_legacy.c", "quant_k.c",
+)  # fmt: skip
 HEADERS = ("common.h", "quant.h")
 # -std=c11 alone turns FMA contraction off, and trapping math keeps float selects as branches: both
 # leave the inner loops scalar. The kernels read no FP exception flags and no errno.
@@ -122,6 +124,9 @@ class CpuKernels:
         self._quant_matmul = lib.quant_matmul
         self._quant_matmul.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, ptr, i32, ptr, i64]
         self._quant_matmul.restype = i32
+        self._quant_matmul_dense = lib.quant_matmul_dense
+        self._quant_matmul_dense.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, i32, ptr, i64]
+        self._quant_matmul_dense.restype = i32
         self._quant_get_rows = lib.quant_get_rows
         self._quant_get_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32]
         self._quant_get_rows.restype = None
@@ -256,13 +261,20 @@ class CpuKernels:
         return bool(self._quant_supported(type))
 
     def quant_matmul(
-        self, type: int, w: torch.Tensor, k: int, x: torch.Tensor, residual: torch.Tensor | None = None
+        self,
+        type: int,
+        w: torch.Tensor,
+        k: int,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        dense: bool = False,
     ) -> torch.Tensor:
         """x [M, K] @ W.T (+ residual) -> [M, N] in x's dtype (float32 or bfloat16), W [N, K] held as
         blocks ``w`` (uint8 [N, row bytes], contiguous). x rows are quantized to 16 bits per block of
-        32 (csrc/quant.h); sums in float32, one rounding at the end. x and residual rows may be
-        strided (last dim contiguous); residual [M, N] in x's dtype."""
-        return self.quant_matmul_checked(type, w, k, x, residual, self.quant_check(type, w, k))
+        32 (csrc/quant.h), or with ``dense`` meet W dequantized to float32 (csrc/quant_dense.c); sums
+        in float32, one rounding at the end. x and residual rows may be strided (last dim
+        contiguous); residual [M, N] in x's dtype."""
+        return self.quant_matmul_checked(type, w, k, x, residual, self.quant_check(type, w, k), dense)
 
     def quant_check(self, type: int, w: torch.Tensor, k: int) -> int:
         """Check blocks ``w`` of ``type`` for k columns once; returns the bytes of an activation row."""
@@ -283,20 +295,23 @@ class CpuKernels:
         x: torch.Tensor,
         residual: torch.Tensor | None,
         act_bytes: int,
+        dense: bool = False,
     ) -> torch.Tensor:
         """``quant_matmul`` for blocks ``quant_check`` passed (it returned ``act_bytes``): what a
-        Linear calls per step, with only the checks that depend on x."""
+        Linear calls per step, with only the checks that depend on x. ``dense``: the many-row path
+        (csrc/quant_dense.c), W dequantized panel by panel and x not quantized."""
         assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1, "x: [M, k], rows contiguous"
         m, n = x.shape[0], w.shape[0]
         out = torch.empty((m, n), dtype=x.dtype)
         if residual is not None:
             assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1
-        scratch = self._scratch(m * act_bytes)
-        status = self._quant_matmul(
-            type, w.data_ptr(), n, k, x.data_ptr(), x.stride(0), DTYPE_CODES[x.dtype], m, scratch.data_ptr(),
-            out.data_ptr(), DTYPE_CODES[x.dtype], None if residual is None else residual.data_ptr(),
-            0 if residual is None else residual.stride(0),
-        )  # fmt: skip
+        res = (None, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
+        head = (type, w.data_ptr(), n, k, x.data_ptr(), x.stride(0), DTYPE_CODES[x.dtype], m)
+        if dense:
+            status = self._quant_matmul_dense(*head, out.data_ptr(), DTYPE_CODES[x.dtype], *res)
+        else:
+            scratch = self._scratch(m * act_bytes)
+            status = self._quant_matmul(*head, scratch.data_ptr(), out.data_ptr(), DTYPE_CODES[x.dtype], *res)
         if status != 0:
             raise ValueError(f"quant_matmul refused type {type}, k={k}, dtype {x.dtype}: status {status}")
         return out

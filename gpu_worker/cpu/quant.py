@@ -1,11 +1,12 @@
 """Linears and embeddings computed on a GGUF's quantized blocks (csrc/quant*.c).
 
-Each activation row is quantized to 16 bits per block of 32 (csrc/quant.h says why 16, not
-llama.cpp's 8: the embedded model's outlier channels), and the kernel multiplies integers (16
-products per AVX2 instruction), scaling once per block. The weight bytes are the file's (Q4_1:
-0.625 bytes a weight against bf16's 2), and one-row decode is bound by them. The 16-bit rounding
-of activations is the one error this adds (half a step of absmax / 32767 per value); the tests
-bound it.
+Two paths, by row count (``DENSE_MIN_ROWS``). Few rows (decode at few streams, bound by the weight
+bytes, which are the file's: Q4_1 0.625 bytes a weight against bf16's 2): each activation row is
+quantized to 16 bits per block of 32 (csrc/quant.h says why 16, not llama.cpp's 8: the embedded
+model's outlier channels), and the kernel multiplies integers, scaling once per block; the 16-bit
+rounding of activations is the error this adds (half a step of absmax / 32767 per value), and the
+tests bound it. Many rows (bound by arithmetic): W is dequantized to float32 panel by panel, once
+per call, and met by the unquantized rows with float32 FMAs (csrc/quant_dense.c).
 
 The output is summed in fp32 and rounded once to the activations' dtype, with the residual added
 before that rounding where the caller fuses it (``add_to``). A merged Linear whose projections
@@ -15,24 +16,26 @@ differ in type (Q4_K_M files mix Q4_K and Q6_K) runs one kernel call per part.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 
 from gpu_worker.cpu.kernels import CpuKernels
 from gpu_worker.cpu.kind import CpuKind
 from gpu_worker.gguf_weights import QuantizedWeight
 
-# From how many rows a quantized Linear runs as dequantized float32 through torch's matmul (the
-# weight dequantized for that call only and dropped after it: no dense copy is held), per CPU kind;
-# None: the quantized kernel at every row count. Measured by bench/quant_matmul.py (see its
-# numbers in docs/BENCHMARKS.md), committed here, never timed at start.
-# AVX2 (EPYC Zen 3, 2 threads, SmolLM2's four Q4_1 Linears x 30, bf16 activations): quantized vs
-# dequantized per call, ms: 32 rows 137 vs 240, 64: 197 vs 286, 128: 364 vs 368, 256: 749 vs 549.
-# The AVX-512 kinds run the same (AVX2) integer kernels and oneDNN fp32 at least as fast: inferred,
-# not measured (no such CPU this session). Portable: plain C integer dots, inferred.
-DENSE_MIN_ROWS: dict[CpuKind, int | None] = {
-    CpuKind.AVX512_BF16: 128,
-    CpuKind.AVX512: 128,
-    CpuKind.AVX2: 128,
+# From how many rows a quantized Linear takes the dense path (csrc/quant_dense.c: W dequantized to
+# float32 panel by panel, x not quantized, float32 FMAs) rather than the integer one, per CPU kind.
+# Measured by bench/quant_matmul.py (its numbers in docs/BENCHMARKS.md), committed here, never timed
+# at start. AVX2 (EPYC Zen 3, 2 threads, SmolLM2's four Q4_1 Linears x 30, bf16 activations),
+# integer vs dense, ms: 4 rows 13.8 vs 17.0, 8: 23.5 vs 22.0, 16: 45.5 vs 33.1, 32: 95.8 vs 61.6,
+# 256: 689 vs 399. The AVX-512 kinds run the same (AVX2) code: inferred, not measured (no such CPU
+# this session). Portable (plain C both): 1 row 25 vs 65 ms, 2 rows 42 vs 38.
+# Only the legacy types: the K-quants' integer tile keeps pace with float32 FMAs (Q4_K at 32 rows,
+# ms: 72 integer vs 75 dense; Q6_K 121 vs 210, its dequantization scalar), so they never take it.
+DENSE_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0})
+DENSE_MIN_ROWS: dict[CpuKind, int] = {
+    CpuKind.AVX512_BF16: 8,
+    CpuKind.AVX512: 8,
+    CpuKind.AVX2: 8,
     CpuKind.PORTABLE: 2,
 }
 
@@ -48,7 +51,9 @@ class QuantLinear:
         self.bias = None if bias is None else bias.detach()
         self.kernels = kernels
         self.out_features = weight.rows
-        self.dense_min_rows = DENSE_MIN_ROWS[kernels.kind]
+        # per part: from how many rows it takes the dense path (never: 2**62)
+        at = DENSE_MIN_ROWS[kernels.kind]
+        self.dense_min_rows = [at if p.type in DENSE_TYPES else 1 << 62 for p in weight.parts]
 
     def tensors(self) -> list[torch.Tensor]:
         """What this Linear holds (for the worker's count of weight bytes)."""
@@ -66,37 +71,23 @@ class QuantLinear:
         if x.shape[0] == 0:  # a batch none of whose rows samples has no logits to compute
             return x.new_empty((0, self.out_features))
         x = x if x.stride(-1) == 1 else x.contiguous()
-        if self.dense_min_rows is not None and x.shape[0] >= self.dense_min_rows:
-            return self._dense_matmul(x, residual)
+        dense = [x.shape[0] >= at for at in self.dense_min_rows]
         parts = self.weight.parts
         fuse = residual is not None and self.bias is None and len(parts) == 1
         run = self.kernels.quant_matmul_checked
         if len(parts) == 1:
             part = parts[0]
-            out = run(part.type, part.data, part.cols, x, residual if fuse else None, self.act_bytes[0])
+            held = residual if fuse else None
+            out = run(part.type, part.data, part.cols, x, held, self.act_bytes[0], dense[0])
         else:
             outs = [
-                run(p.type, p.data, p.cols, x, None, b) for p, b in zip(parts, self.act_bytes, strict=True)
+                run(p.type, p.data, p.cols, x, None, b, d)
+                for p, b, d in zip(parts, self.act_bytes, dense, strict=True)
             ]
             out = torch.cat(outs, dim=1)
         if self.bias is not None:
             out = out + self.bias
         return out if residual is None or fuse else residual + out
-
-    def _dense_matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """Many rows where torch's fp32 matmul outruns the kernel: the weight dequantized for this call."""
-        ids = torch.arange(max(p.rows for p in self.weight.parts))
-        weight = torch.cat(
-            [
-                self.kernels.quant_get_rows(p.type, p.data, p.cols, ids[: p.rows], torch.float32)
-                for p in self.weight.parts
-            ]
-        )
-        bias = None if self.bias is None else self.bias.float()
-        out = F.linear(x.float(), weight, bias)
-        if residual is not None:
-            out += residual
-        return out.to(x.dtype)
 
 
 class QuantEmbedding:

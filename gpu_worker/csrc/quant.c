@@ -37,18 +37,19 @@ void quantize_act16(const float *x, int64_t k, void *xq) {
     }
 }
 
-static const qtype_ops *lookup(int type) {
+/* The ops of ``type`` from whichever file implements it, else NULL. */
+const qtype_ops *quant_ops(int type) {
     const qtype_ops *ops = qtype_legacy(type);
     return ops != NULL ? ops : qtype_k(type);
 }
 
 /* Whether quant_matmul and quant_get_rows take weights of this ggml type. */
-int quant_supported(int type) { return lookup(type) != NULL; }
+int quant_supported(int type) { return quant_ops(type) != NULL; }
 
 /* Bytes of one quantized activation row of k values (scratch of quant_matmul holds rows of these);
  * 0 if the type is unsupported or k is not a whole number of its blocks. */
 int64_t quant_act_row_bytes(int type, int64_t k) {
-    const qtype_ops *ops = lookup(type);
+    const qtype_ops *ops = quant_ops(type);
     if (ops == NULL || k <= 0 || k % ops->block != 0) return 0;
     return k / ops->block * ops->act_block_bytes;
 }
@@ -60,7 +61,7 @@ int64_t quant_act_row_bytes(int type, int64_t k) {
  * of blocks (2), an unknown dtype (3), or no memory (4). */
 int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride, int x_dtype,
                  int64_t rows, void *scratch, void *y, int y_dtype, const void *residual, int64_t res_stride) {
-    const qtype_ops *ops = lookup(type);
+    const qtype_ops *ops = quant_ops(type);
     if (ops == NULL) return 1;
     if (k <= 0 || k % ops->block != 0) return 2;
     if ((x_dtype != DTYPE_F32 && x_dtype != DTYPE_BF16) || (y_dtype != DTYPE_F32 && y_dtype != DTYPE_BF16)) return 3;
@@ -144,7 +145,7 @@ int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x
  * dequantized (the embedding lookup). An unsupported type or k writes nothing. */
 void quant_get_rows(int type, const uint8_t *w, int64_t k, const int64_t *ids, int64_t count, void *out,
                     int out_dtype) {
-    const qtype_ops *ops = lookup(type);
+    const qtype_ops *ops = quant_ops(type);
     if (ops == NULL || k <= 0 || k % ops->block != 0 || count <= 0) return;
     const int64_t wrb = k / ops->block * ops->block_bytes;
 #pragma omp parallel

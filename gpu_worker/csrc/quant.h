@@ -80,5 +80,6 @@ typedef struct {
 /* The ops of ``type`` if the file implements it, else NULL. */
 const qtype_ops *qtype_legacy(int type);
 const qtype_ops *qtype_k(int type);
+const qtype_ops *quant_ops(int type); /* either */
 
 #endif

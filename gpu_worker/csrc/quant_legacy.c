@@ -61,38 +61,6 @@ static inline float half_to_f32(const uint8_t *p) {
     return fp16_to_f32(h);
 }
 
-/* ---- dequantization (embedding rows, and the reference) ---- */
-
-static void dequant_q4_0(const uint8_t *w, int64_t k, float *out) {
-    for (int64_t b = 0; b < k / QB; b++) {
-        const uint8_t *blk = w + b * 18;
-        const float d = half_to_f32(blk);
-        for (int j = 0; j < 16; j++) {
-            out[b * QB + j] = d * (float)((blk[2 + j] & 0x0f) - 8);
-            out[b * QB + 16 + j] = d * (float)((blk[2 + j] >> 4) - 8);
-        }
-    }
-}
-
-static void dequant_q4_1(const uint8_t *w, int64_t k, float *out) {
-    for (int64_t b = 0; b < k / QB; b++) {
-        const uint8_t *blk = w + b * 20;
-        const float d = half_to_f32(blk), m = half_to_f32(blk + 2);
-        for (int j = 0; j < 16; j++) { /* d * q is exact in float32 (11 x 4 bits): one rounding, as gguf's */
-            out[b * QB + j] = d * (float)(blk[4 + j] & 0x0f) + m;
-            out[b * QB + 16 + j] = d * (float)(blk[4 + j] >> 4) + m;
-        }
-    }
-}
-
-static void dequant_q8_0(const uint8_t *w, int64_t k, float *out) {
-    for (int64_t b = 0; b < k / QB; b++) {
-        const uint8_t *blk = w + b * 34;
-        const float d = half_to_f32(blk);
-        for (int j = 0; j < QB; j++) out[b * QB + j] = d * (float)(int8_t)blk[2 + j];
-    }
-}
-
 /* ---- tiles ---- */
 
 #if HAVE_AVX2 || HAVE_AVX512
@@ -114,6 +82,34 @@ static inline void widen(const uint8_t *blk, const int type, __m256i *lo, __m256
             *hi = _mm256_sub_epi16(*hi, _mm256_set1_epi16(8));
         }
     }
+}
+
+/* ---- dequantization (embedding rows, the dense path's panels, the tests' reference) ---- */
+
+/* The block's 32 weights as float32, widened as the tiles widen them: d * q (exact in float32: an
+ * fp16 times an integer below 2^8) plus, for Q4_1, m in the same FMA (one rounding, as gguf-py's
+ * d * q + m). The portable code below computes the same values. */
+static inline void dequant_block(const uint8_t *blk, const int type, float *out) {
+    __m256i lo, hi;
+    widen(blk, type, &lo, &hi);
+    const __m256 d = _mm256_set1_ps(half_to_f32(blk));
+    const __m256 m = type == QTYPE_Q4_1 ? _mm256_set1_ps(half_to_f32(blk + 2)) : _mm256_setzero_ps();
+    const __m128i q[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1), _mm256_castsi256_si128(hi),
+                          _mm256_extracti128_si256(hi, 1)};
+    for (int i = 0; i < 4; i++)
+        _mm256_storeu_ps(out + 8 * i, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(q[i])), m));
+}
+
+static void dequant_q4_0(const uint8_t *w, int64_t k, float *out) {
+    for (int64_t b = 0; b < k / QB; b++) dequant_block(w + b * 18, QTYPE_Q4_0, out + b * QB);
+}
+
+static void dequant_q4_1(const uint8_t *w, int64_t k, float *out) {
+    for (int64_t b = 0; b < k / QB; b++) dequant_block(w + b * 20, QTYPE_Q4_1, out + b * QB);
+}
+
+static void dequant_q8_0(const uint8_t *w, int64_t k, float *out) {
+    for (int64_t b = 0; b < k / QB; b++) dequant_block(w + b * 34, QTYPE_Q8_0, out + b * QB);
 }
 
 /* The fp16 d (the blocks' first 2 bytes) of blocks [b0, b0 + len) of a weight row (blocks bb bytes
@@ -295,6 +291,39 @@ static void tile_q8_0(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *
 }
 
 #else /* portable: plain C, one weight block widened to int and met by each activation row */
+
+/* ---- dequantization: dequant_block's values, in plain C ---- */
+
+static void dequant_q4_0(const uint8_t *w, int64_t k, float *out) {
+    for (int64_t b = 0; b < k / QB; b++) {
+        const uint8_t *blk = w + b * 18;
+        const float d = half_to_f32(blk);
+        for (int j = 0; j < 16; j++) {
+            out[b * QB + j] = d * (float)((blk[2 + j] & 0x0f) - 8);
+            out[b * QB + 16 + j] = d * (float)((blk[2 + j] >> 4) - 8);
+        }
+    }
+}
+
+static void dequant_q4_1(const uint8_t *w, int64_t k, float *out) {
+    for (int64_t b = 0; b < k / QB; b++) {
+        const uint8_t *blk = w + b * 20;
+        const float d = half_to_f32(blk), m = half_to_f32(blk + 2);
+        for (int j = 0; j < 16; j++) { /* d * q is exact in float32 (11 x 4 bits): one rounding, as gguf's */
+            out[b * QB + j] = d * (float)(blk[4 + j] & 0x0f) + m;
+            out[b * QB + 16 + j] = d * (float)(blk[4 + j] >> 4) + m;
+        }
+    }
+}
+
+static void dequant_q8_0(const uint8_t *w, int64_t k, float *out) {
+    for (int64_t b = 0; b < k / QB; b++) {
+        const uint8_t *blk = w + b * 34;
+        const float d = half_to_f32(blk);
+        for (int j = 0; j < QB; j++) out[b * QB + j] = d * (float)(int8_t)blk[2 + j];
+    }
+}
+
 
 static inline void tile_generic(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb,
                                 int64_t nr, int64_t nb, float *out, int64_t ldo, int type) {

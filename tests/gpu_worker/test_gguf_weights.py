@@ -182,18 +182,18 @@ def test_missing_tensor_is_refused(random_llama: tuple[Path, Path], tmp_path: Pa
 
 def _last_logits(config: WorkerConfig, prompt: list[int], dense_min_rows: int | None = None) -> torch.Tensor:
     """Logits after ``prompt`` (one prefill) by a runner of ``config``; ``dense_min_rows`` set on
-    every quantized Linear when given (the per-call dequantized path)."""
+    every quantized Linear when given (which path its row counts take)."""
     runner = ModelRunner(config)
     if dense_min_rows is not None:
         impls = [m.impl for m in runner.model.modules() if isinstance(getattr(m, "impl", None), QuantLinear)]  # type: ignore[attr-defined]
         assert impls
         for impl in impls:
-            impl.dense_min_rows = dense_min_rows
+            impl.dense_min_rows = [dense_min_rows] * len(impl.dense_min_rows)
     batch = MiniScheduler(runner.num_pages, config.page_size).batch([(0, 0, prompt, True, GREEDY)])
     return runner.compute_logits(batch)[0].double()
 
 
-@pytest.mark.parametrize("dense_min_rows", [None, 1], ids=["kernel", "dense_per_call"])
+@pytest.mark.parametrize("dense_min_rows", [1 << 30, 1], ids=["integer", "dense"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_quantized_forward_matches_the_dequantized_gguf(
     random_llama: tuple[Path, Path], dtype: str, dense_min_rows: int | None
