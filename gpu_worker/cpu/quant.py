@@ -23,20 +23,22 @@ from gpu_worker.cpu.kind import CpuKind
 from gpu_worker.gguf_weights import QuantizedWeight
 
 # From how many rows a quantized Linear takes the dense path (csrc/quant_dense.c: W dequantized to
-# float32 panel by panel, x not quantized, float32 FMAs) rather than the integer one, per CPU kind.
-# Measured by bench/quant_matmul.py (its numbers in docs/BENCHMARKS.md), committed here, never timed
-# at start. AVX2 (EPYC Zen 3, 2 threads, SmolLM2's four Q4_1 Linears x 30, bf16 activations),
-# integer vs dense, ms: 4 rows 13.8 vs 17.0, 8: 23.5 vs 22.0, 16: 45.5 vs 33.1, 32: 95.8 vs 61.6,
-# 256: 689 vs 399. The AVX-512 kinds run the same (AVX2) code: inferred, not measured (no such CPU
-# this session). Portable (plain C both): 1 row 25 vs 65 ms, 2 rows 42 vs 38.
-# Only the legacy types: the K-quants' integer tile keeps pace with float32 FMAs (Q4_K at 32 rows,
-# ms: 72 integer vs 75 dense; Q6_K 121 vs 210, its dequantization scalar), so they never take it.
-DENSE_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0})
-DENSE_MIN_ROWS: dict[CpuKind, int] = {
-    CpuKind.AVX512_BF16: 8,
-    CpuKind.AVX512: 8,
-    CpuKind.AVX2: 8,
-    CpuKind.PORTABLE: 2,
+# float32 panel by panel, x not quantized, float32 FMAs) rather than the integer one, per CPU kind and
+# type. Measured by bench/quant_matmul.py (its numbers in docs/BENCHMARKS.md), committed here, never
+# timed at start. AVX2 (EPYC Zen 3, 2 threads, bf16 activations), integer vs dense, ms per pass:
+# - SmolLM2's four Q4_1 Linears x 30: 4 rows 13.8 vs 17.0, 8: 23.5 vs 22.0, 16: 45.5 vs 33.1,
+#   32: 95.8 vs 61.6, 256: 689 vs 399 (Q8_0 alike);
+# - K-quants, Linears of 1024x768, 768x1536, 3072x768 x 30: Q4_K 16 rows 37.7 vs 39.7, 32: 72.5 vs
+#   67.0; Q5_K 16: 45.6 vs 42.9; Q6_K 8: 36.3 vs 42.6, 16: 60.6 vs 45.3, 32: 116.8 vs 69.5.
+# The AVX-512 kinds run the same (AVX2) code: inferred, not measured (no such CPU this session).
+# Portable (plain C both): Q4_1 1 row 25 vs 65 ms, 2 rows 42 vs 38; the K-quants inferred alike.
+_Q = GGMLQuantizationType
+_X86 = {_Q.Q4_0: 8, _Q.Q4_1: 8, _Q.Q8_0: 8, _Q.Q4_K: 32, _Q.Q5_K: 16, _Q.Q6_K: 16}
+DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
+    CpuKind.AVX512_BF16: _X86,
+    CpuKind.AVX512: _X86,
+    CpuKind.AVX2: _X86,
+    CpuKind.PORTABLE: dict.fromkeys(_X86, 2),
 }
 
 
@@ -51,9 +53,8 @@ class QuantLinear:
         self.bias = None if bias is None else bias.detach()
         self.kernels = kernels
         self.out_features = weight.rows
-        # per part: from how many rows it takes the dense path (never: 2**62)
-        at = DENSE_MIN_ROWS[kernels.kind]
-        self.dense_min_rows = [at if p.type in DENSE_TYPES else 1 << 62 for p in weight.parts]
+        table = DENSE_MIN_ROWS[kernels.kind]  # per part: from how many rows it takes the dense path
+        self.dense_min_rows = [table[GGMLQuantizationType(p.type)] for p in weight.parts]
 
     def tensors(self) -> list[torch.Tensor]:
         """What this Linear holds (for the worker's count of weight bytes)."""

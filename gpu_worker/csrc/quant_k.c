@@ -55,60 +55,6 @@ static inline void scale_min_k4(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
     }
 }
 
-/* ---- dequantize one row (the embedding lookup, the tests' reference): gguf's float32 values bit
- * for bit. Every product is exact in float32 (fp16 d: 11 bits, x 6-bit scale, x <= 6-bit quant),
- * so fused or not, the one rounding is the subtraction's, as numpy's. */
-
-static void dequant_q4_k(const uint8_t *w, int64_t k, float *out) {
-    for (int64_t b = 0; b < k / QK; b++, w += Q4K_BYTES, out += QK) {
-        const float d = fp16_to_f32(read_u16(w)), dmin = fp16_to_f32(read_u16(w + 2));
-        uint8_t sc[8], m[8];
-        scale_min_k4(w + 4, sc, m);
-        const uint8_t *qs = w + 16;
-        for (int s = 0; s < 8; s++) {
-            const float ds = d * (float)sc[s], dm = dmin * (float)m[s];
-            const uint8_t *src = qs + 32 * (s / 2);
-            const int shift = 4 * (s & 1);
-            for (int i = 0; i < 32; i++) out[32 * s + i] = ds * (float)((src[i] >> shift) & 15) - dm;
-        }
-    }
-}
-
-static void dequant_q5_k(const uint8_t *w, int64_t k, float *out) {
-    for (int64_t b = 0; b < k / QK; b++, w += Q5K_BYTES, out += QK) {
-        const float d = fp16_to_f32(read_u16(w)), dmin = fp16_to_f32(read_u16(w + 2));
-        uint8_t sc[8], m[8];
-        scale_min_k4(w + 4, sc, m);
-        const uint8_t *qh = w + 16, *qs = w + 48;
-        for (int s = 0; s < 8; s++) {
-            const float ds = d * (float)sc[s], dm = dmin * (float)m[s];
-            const uint8_t *src = qs + 32 * (s / 2);
-            const int shift = 4 * (s & 1);
-            for (int i = 0; i < 32; i++) {
-                const int q = ((src[i] >> shift) & 15) | (((qh[i] >> s) & 1) << 4);
-                out[32 * s + i] = ds * (float)q - dm;
-            }
-        }
-    }
-}
-
-static void dequant_q6_k(const uint8_t *w, int64_t k, float *out) {
-    for (int64_t b = 0; b < k / QK; b++, w += Q6K_BYTES, out += QK) {
-        const uint8_t *ql = w, *qh = w + 128;
-        const int8_t *scales = (const int8_t *)(w + 192);
-        const float d = fp16_to_f32(read_u16(w + 208));
-        for (int h = 0; h < 2; h++)
-            for (int s = 0; s < 4; s++)
-                for (int i = 0; i < 32; i++) {
-                    const int lo = (ql[64 * h + 32 * (s & 1) + i] >> (4 * (s >> 1))) & 15;
-                    const int hi = (qh[32 * h + i] >> (2 * s)) & 3;
-                    const int idx = 128 * h + 32 * s + i;
-                    out[idx] = (d * (float)scales[idx / 16]) * (float)((lo | (hi << 4)) - 32);
-                }
-    }
-}
-
-
 /* Q4_K / Q5_K's 12 bytes of scales -> the 8 scales (low word: sc 0-3, high: 4-7) and the 8 mins,
  * one byte each, as scale_min_k4 but on 32-bit words. */
 static inline void scales_k4_words(const uint8_t *s, uint64_t *sc, uint64_t *m) {
@@ -160,6 +106,54 @@ static inline __attribute__((always_inline)) void widen_sub(int type, const uint
         }
     }
 }
+
+/* ---- dequantize one row (the embedding lookup, the dense path's panels, the tests' reference):
+ * gguf's float32 values bit for bit. Q4_K / Q5_K: d * sc and dmin * m are exact in float32 (fp16's
+ * 11 bits x 6), and so is d * sc * q (x 5 bits), so the one rounding is the subtraction's, fused or
+ * not, as numpy's. Q6_K: (d * scale) exact (11 x 8 bits), times q - 32 rounded once, as numpy's. */
+
+/* Weights 16h..16h+15 of sub-block j, widened by widen_sub, as two float32 vectors. */
+static inline void int16_to_f32(__m256i v, __m256 *lo, __m256 *hi) {
+    *lo = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)));
+    *hi = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1)));
+}
+
+static inline __attribute__((always_inline)) void dequant_k(int type, int block_bytes, const uint8_t *w, int64_t k,
+                                                            float *out) {
+    for (int64_t b = 0; b < k / QK; b++, w += block_bytes, out += QK) {
+        uint8_t sc[8], m[8];
+        float d, dmin = 0.0f;
+        if (type == QTYPE_Q6_K) {
+            d = fp16_to_f32(read_u16(w + 208));
+        } else {
+            d = fp16_to_f32(read_u16(w));
+            dmin = fp16_to_f32(read_u16(w + 2));
+            scale_min_k4(w + 4, sc, m);
+        }
+        for (int j = 0; j < 8; j++) {
+            __m256i wv[2];
+            widen_sub(type, w, j, wv);
+            for (int h = 0; h < 2; h++) {
+                __m256 lo, hi;
+                int16_to_f32(wv[h], &lo, &hi);
+                float *dst = out + 32 * j + 16 * h;
+                if (type == QTYPE_Q6_K) {
+                    const __m256 scale = _mm256_set1_ps(d * (float)((const int8_t *)(w + 192))[2 * j + h]);
+                    _mm256_storeu_ps(dst, _mm256_mul_ps(scale, lo));
+                    _mm256_storeu_ps(dst + 8, _mm256_mul_ps(scale, hi));
+                } else {
+                    const __m256 ds = _mm256_set1_ps(d * (float)sc[j]), dm = _mm256_set1_ps(dmin * (float)m[j]);
+                    _mm256_storeu_ps(dst, _mm256_fmsub_ps(ds, lo, dm));
+                    _mm256_storeu_ps(dst + 8, _mm256_fmsub_ps(ds, hi, dm));
+                }
+            }
+        }
+    }
+}
+
+static void dequant_q4_k(const uint8_t *w, int64_t k, float *out) { dequant_k(QTYPE_Q4_K, Q4K_BYTES, w, k, out); }
+static void dequant_q5_k(const uint8_t *w, int64_t k, float *out) { dequant_k(QTYPE_Q5_K, Q5K_BYTES, w, k, out); }
+static void dequant_q6_k(const uint8_t *w, int64_t k, float *out) { dequant_k(QTYPE_Q6_K, Q6K_BYTES, w, k, out); }
 
 /* (A's 128-bit lanes: [a0 a1 a2 a3 | a0' a1' a2' a3'], B's likewise) -> [a0+a0' .. a3+a3', b0+b0' .. b3+b3'] */
 static inline __m256i fold_lanes(__m256i a, __m256i b) {
@@ -266,7 +260,62 @@ static inline __attribute__((always_inline)) void tile_k(int type, int block_byt
         }
     }
 }
-#else
+#else /* portable */
+
+/* ---- dequantize one row, in plain C: gguf's float32 values bit
+ * for bit. Every product is exact in float32 (fp16 d: 11 bits, x 6-bit scale, x <= 6-bit quant),
+ * so fused or not, the one rounding is the subtraction's, as numpy's. */
+
+static void dequant_q4_k(const uint8_t *w, int64_t k, float *out) {
+    for (int64_t b = 0; b < k / QK; b++, w += Q4K_BYTES, out += QK) {
+        const float d = fp16_to_f32(read_u16(w)), dmin = fp16_to_f32(read_u16(w + 2));
+        uint8_t sc[8], m[8];
+        scale_min_k4(w + 4, sc, m);
+        const uint8_t *qs = w + 16;
+        for (int s = 0; s < 8; s++) {
+            const float ds = d * (float)sc[s], dm = dmin * (float)m[s];
+            const uint8_t *src = qs + 32 * (s / 2);
+            const int shift = 4 * (s & 1);
+            for (int i = 0; i < 32; i++) out[32 * s + i] = ds * (float)((src[i] >> shift) & 15) - dm;
+        }
+    }
+}
+
+static void dequant_q5_k(const uint8_t *w, int64_t k, float *out) {
+    for (int64_t b = 0; b < k / QK; b++, w += Q5K_BYTES, out += QK) {
+        const float d = fp16_to_f32(read_u16(w)), dmin = fp16_to_f32(read_u16(w + 2));
+        uint8_t sc[8], m[8];
+        scale_min_k4(w + 4, sc, m);
+        const uint8_t *qh = w + 16, *qs = w + 48;
+        for (int s = 0; s < 8; s++) {
+            const float ds = d * (float)sc[s], dm = dmin * (float)m[s];
+            const uint8_t *src = qs + 32 * (s / 2);
+            const int shift = 4 * (s & 1);
+            for (int i = 0; i < 32; i++) {
+                const int q = ((src[i] >> shift) & 15) | (((qh[i] >> s) & 1) << 4);
+                out[32 * s + i] = ds * (float)q - dm;
+            }
+        }
+    }
+}
+
+static void dequant_q6_k(const uint8_t *w, int64_t k, float *out) {
+    for (int64_t b = 0; b < k / QK; b++, w += Q6K_BYTES, out += QK) {
+        const uint8_t *ql = w, *qh = w + 128;
+        const int8_t *scales = (const int8_t *)(w + 192);
+        const float d = fp16_to_f32(read_u16(w + 208));
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 4; s++)
+                for (int i = 0; i < 32; i++) {
+                    const int lo = (ql[64 * h + 32 * (s & 1) + i] >> (4 * (s >> 1))) & 15;
+                    const int hi = (qh[32 * h + i] >> (2 * s)) & 3;
+                    const int idx = 128 * h + 32 * s + i;
+                    out[idx] = (d * (float)scales[idx / 16]) * (float)((lo | (hi << 4)) - 32);
+                }
+    }
+}
+
+
 /* Portable: per block, the weights as ints (Q6_K: q - 32) and a scale per 16, then per 16 values an
  * int dot product, scaled as the AVX2 tile does. */
 static void tile_k(int type, int block_bytes, const uint8_t *w, int64_t w_row_bytes, int64_t nc, const uint8_t *xq,
