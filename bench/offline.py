@@ -75,15 +75,17 @@ class OfflineResult:
         return self.rivulet_output_tps / self.hf_output_tps if self.hf_output_tps else None
 
 
-def resolve_dtype(name: str) -> str:
-    """``auto`` -> what the engine's worker picks on this CPU (bfloat16 where it has native bf16 dots)."""
+def resolve_dtype(name: str, model: str | None = None) -> str:
+    """``auto`` -> what the engine's worker picks on this CPU for ``model`` (None: the embedded GGUF):
+    float32 for a GGUF's blocks, else bfloat16 where the CPU kind streams bf16 weights."""
     if name != "auto":
         return name
     import torch
 
+    from gpu_worker.model_files import source_gguf
     from gpu_worker.model_runner import auto_dtype
 
-    return auto_dtype(torch.device("cpu"))
+    return auto_dtype(torch.device("cpu"), gguf_blocks=source_gguf(model) is not None)
 
 
 def _model_dir(model: str | None) -> Path:
@@ -120,7 +122,7 @@ async def _rivulet_round(endpoint: str, items: list[WorkItem], warmup: bool) -> 
 def run_offline(args: argparse.Namespace) -> OfflineResult:
     """Rivulet (and HF) over ``args.repeats`` interleaved rounds; medians in the result."""
     model_dir = _model_dir(args.model)
-    args.dtype = resolve_dtype(args.dtype)
+    args.dtype = resolve_dtype(args.dtype, args.model)
     items = random_workload(
         WordPool(model_dir / "tokenizer.json"),
         args.num_prompts,

@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if peer is not None and peer.warning:
         print(peer.warning, file=sys.stderr, flush=True)
     command = shlex.join(["python", "-m", "bench.targets", *(argv if argv is not None else sys.argv[1:])])
-    dtypes = [offline.resolve_dtype(d.strip()) for d in args.dtype.split(",") if d.strip()]
+    dtypes = [offline.resolve_dtype(d.strip(), args.model) for d in args.dtype.split(",") if d.strip()]
     assert dtypes and len(set(dtypes)) == len(dtypes), f"--dtype wants distinct dtypes, got {args.dtype!r}"
     from gpu_worker.model_files import resolve_model
 

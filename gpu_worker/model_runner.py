@@ -11,7 +11,7 @@ import os
 import time
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +25,9 @@ from gpu_worker.models import CausalLM
 from gpu_worker.sampler import SlotSamplerParams, greedy_pick, sample
 from gpu_worker.threads import ThreadTuner, shape_class
 from protocol.messages import PENDING, ForwardBatch, ForwardResult
+
+if TYPE_CHECKING:
+    from gpu_worker.cpu.decode_layers import FusedDecode
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +63,9 @@ class ModelRunner:
             torch.set_num_threads(self.config.num_threads or cores)
             if self.config.tune_threads and self.config.num_threads == 0 and cores > 1:
                 self._tuner = ThreadTuner((cores, max(1, cores // 2)))
-        dtype = auto_dtype(self._device) if self.config.dtype == "auto" else self.config.dtype
+        dtype = self.config.dtype
+        if dtype == "auto":
+            dtype = auto_dtype(self._device, gguf_blocks=self._blocks_unavailable() is None)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
         self._dtype = _DTYPES[dtype]
@@ -117,12 +122,19 @@ class ModelRunner:
         return frozenset()
 
     def _why_not_quantized(self) -> str | None:
+        why_not = self._blocks_unavailable()
+        if why_not is None and self._dtype not in (torch.float32, torch.bfloat16):
+            return f"quantized kernels take float32 or bfloat16 activations, not {self._dtype}"
+        return why_not
+
+    def _blocks_unavailable(self) -> str | None:
+        """Why the weights cannot stay in GGUF blocks, whatever the activations' dtype (None: they can)."""
+        if self.config.weight_dtype not in ("auto", "gguf"):
+            return f"--weight-dtype {self.config.weight_dtype}"
         if not self.config.gguf_path:
             return "the model is not a GGUF file"
         if self._device.type != "cpu":
             return f"quantized kernels exist for CPU only, not {self._device.type}"
-        if self._dtype not in (torch.float32, torch.bfloat16):
-            return f"quantized kernels take float32 or bfloat16 activations, not {self._dtype}"
         if self.config.compile:
             return "--compile runs torch's matmuls"
         if not cpu_backend.quantized_types(self.config.cpu_kernels):
@@ -144,11 +156,13 @@ class ModelRunner:
                 for layer in layers:
                     layer.compile(dynamic=True)
         self._kernels = None
+        self.fused_decode: FusedDecode | None = None  # all decoder layers in one call, on decode steps
         if self._device.type == "cpu":
             setup = cpu_backend.prepare_model(
                 model, self._dtype, self.config.cpu_kernels, self.config.compile
             )
             self._kernels = setup.kernels
+            self.fused_decode = setup.decode_layers
 
     def _init_kv_pool(self) -> None:
         model = self.model
@@ -244,7 +258,9 @@ class ModelRunner:
         )
         ctx = ForwardContext(positions=positions, attn=meta, k_cache=self.kv.k, v_cache=self.kv.v)
         input_ids = self._input_ids(batch)
-        hidden = self.model(input_ids, ctx)
+        hidden = self.fused_decode(input_ids, ctx) if self.fused_decode is not None else None
+        if hidden is None:
+            hidden = self.model(input_ids, ctx)
         ends = [
             end - 1 for end, flag in zip(accumulate(batch.extend_lens), batch.sample, strict=True) if flag
         ]
@@ -272,9 +288,10 @@ def round_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
                 param.copy_(param.to(dtype))
 
 
-def auto_dtype(device: torch.device) -> str:
-    """bfloat16 on CUDA; on CPU what the CPU backend picks for the CPU kind (cpu/backend.py)."""
-    return cpu_backend.auto_dtype() if device.type == "cpu" else "bfloat16"
+def auto_dtype(device: torch.device, gguf_blocks: bool = False) -> str:
+    """bfloat16 on CUDA; on CPU what the CPU backend picks for the CPU kind and, with
+    ``gguf_blocks``, for weights kept in GGUF blocks (cpu/backend.py)."""
+    return cpu_backend.auto_dtype(gguf_blocks=gguf_blocks) if device.type == "cpu" else "bfloat16"
 
 
 def check_batch(

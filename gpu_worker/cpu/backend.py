@@ -12,7 +12,9 @@ Its steps, in this order (each depends on the one before):
    ``QuantEmbedding`` (quant.py) instead; the runner loads blocks only where the kernels run.
 4. Modules with a ``fused`` slot (RMSNorm, rotary, silu * up) get the kernels, unless --compile
    fuses those ops itself (a C call would break its graph).
-5. Attributes pinned in each module's instance dict (last: the model's layout is final).
+5. Attributes pinned in each module's instance dict (the model's layout is final after this).
+6. Where the model fits it (decode_layers.py: a Llama whose every layer Linear holds GGUF blocks),
+   a one-call run of all its decoder layers for steps whose rows all decode.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from gpu_worker.cpu import kernels as cpu_kernels
+from gpu_worker.cpu.decode_layers import FusedDecode, fused_decode
 from gpu_worker.cpu.kind import CpuKind, describe, requested_kind
 from gpu_worker.cpu.matmul import PLANS, CpuLinear
 from gpu_worker.cpu.quant import QuantEmbedding, QuantLinear
@@ -40,17 +43,26 @@ QUANT_TYPES = (2, 3, 8, 12, 13, 14)
 
 @dataclass(frozen=True)
 class CpuSetup:
-    """What ``prepare_model`` chose: the kind and the kernels (None: torch paths)."""
+    """What ``prepare_model`` chose: the kind, the kernels (None: torch paths), and the one-call
+    decode of the decoder layers (None: the modules run every step)."""
 
     kind: CpuKind
     kernels: cpu_kernels.CpuKernels | None
+    decode_layers: FusedDecode | None = None
 
 
-def auto_dtype(kind: CpuKind | None = None) -> str:
+def auto_dtype(kind: CpuKind | None = None, gguf_blocks: bool = False) -> str:
     """``--dtype auto`` on CPU: bfloat16 where a bf16 matmul path beats fp32 (every kind whose C
-    kernels stream bf16 weights), float32 on the portable kind (bf16 emulated element-wise)."""
+    kernels stream bf16 weights), float32 on the portable kind (bf16 emulated element-wise).
+
+    Weights in GGUF blocks (``gguf_blocks``) take float32 activations on every kind: their kernels
+    widen bf16 activations to float32 anyway (the weight bytes, not the activations', set one-row
+    speed), and bf16 activations round away near-ties the reference keeps. The embedded model's first
+    answer token to "What is the capital of France?" is such a tie ("The" leads "L" by 0.08 logits
+    in HF's float32): bf16 activations with the dense path's prefill answer "L'Etoile, la
+    Marseillaise, ...", float32 ones "The capital of France is Paris.", as HF does."""
     kind = requested_kind() if kind is None else kind
-    return "bfloat16" if PLANS[kind].c_max_rows > 0 else "float32"
+    return "bfloat16" if PLANS[kind].c_max_rows > 0 and not gguf_blocks else "float32"
 
 
 def quantized_types(use_kernels: bool) -> frozenset[int]:
@@ -60,7 +72,7 @@ def quantized_types(use_kernels: bool) -> frozenset[int]:
 
 
 def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compiled: bool) -> CpuSetup:
-    """Steps 1-5 of the module docstring, on a model just loaded on the CPU."""
+    """Steps 1-6 of the module docstring, on a model just loaded on the CPU."""
     kind = requested_kind()
     shapes = (model.num_heads, model.num_kv_heads, model.head_dim, dtype)
     fits = use_kernels and cpu_kernels.CpuKernels.supports(*shapes)  # type: ignore[arg-type]
@@ -89,7 +101,8 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compi
         str(dtype).removeprefix("torch."),
         weight_bytes(model) / 1e6,
     )
-    return CpuSetup(kind=kind, kernels=kernels)
+    decode = fused_decode(model, kernels, dtype) if not compiled else None
+    return CpuSetup(kind=kind, kernels=kernels, decode_layers=decode)
 
 
 def _attach_quantized(

@@ -33,7 +33,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import gguf
 import torch
@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = (
     "attention.c", "matmul.c", "small_ops.c", "quant.c", "quant_dense.c", "quant_legacy.c", "quant_k.c",
+    "decode_layers.c",
 )  # fmt: skip
 HEADERS = ("common.h", "quant.h")
 # -std=c11 alone turns FMA contraction off, and trapping math keeps float selects as branches: both
@@ -127,6 +128,9 @@ class CpuKernels:
         self._quant_matmul_dense = lib.quant_matmul_dense
         self._quant_matmul_dense.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, i32, ptr, i64]
         self._quant_matmul_dense.restype = i32
+        self._decode_layers = lib.decode_layers
+        self._decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64]
+        self._decode_layers.restype = i32
         self._quant_get_rows = lib.quant_get_rows
         self._quant_get_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32]
         self._quant_get_rows.restype = None
@@ -341,6 +345,28 @@ class CpuKernels:
             type, w.data_ptr(), k, ids.data_ptr(), len(ids), out.data_ptr(), DTYPE_CODES[dtype]
         )
         return out
+
+    def decode_layers(
+        self,
+        layers: ctypes.Array[Any],
+        n_layers: int,
+        dims: ctypes.Structure,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        rows: DecodeRows,
+    ) -> None:
+        """A Llama model's decoder layers over decode rows in one call (csrc/decode_layers.c; the
+        structs are gpu_worker/cpu/decode_layers.py's): out [T, hidden] from the embedding rows x,
+        cos / sin [T, 1, head_dim] at the rows' positions, the attention's ``rows``."""
+        status = self._decode_layers(
+            ctypes.byref(layers), n_layers, ctypes.byref(dims), x.data_ptr(), out.data_ptr(), rows.rows,
+            cos.data_ptr(), sin.data_ptr(), rows.q_rows, rows.slots, rows.kv_lens, rows.page_table,
+            rows.pt_stride, rows.page_size,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"decode_layers failed: status {status}")
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """The first index of each row's largest value of [R, V] float32/bf16 logits (rows may be

@@ -84,4 +84,5 @@ def test_smollm2_bf16_one_stream_matches_hf_bf16_within_top2(smollm2_dir: Path) 
 def test_auto_dtype_follows_the_cpu_kind() -> None:
     expected = "float32" if requested_kind() == CpuKind.PORTABLE else "bfloat16"
     assert auto_dtype(torch.device("cpu")) == expected
+    assert auto_dtype(torch.device("cpu"), gguf_blocks=True) == "float32"  # on every kind
     assert auto_dtype(torch.device("cuda")) == "bfloat16"

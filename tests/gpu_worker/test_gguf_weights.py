@@ -11,6 +11,7 @@ below, 1.5%, leaves room for the 2 layers it passes through and fails on any wro
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from gpu_worker.config import WorkerConfig
 from gpu_worker.cpu.quant import QuantLinear
 from gpu_worker.gguf_weights import GgufError, QuantizedWeight, hf_name, unpermute_rows
 from gpu_worker.loader import WeightMismatchError, load_model
-from gpu_worker.model_runner import ModelRunner
+from gpu_worker.model_runner import ModelRunner, auto_dtype
 from gpu_worker.models.layers import Embedding, Linear
 from tests.gpu_worker.helpers import GREEDY, MiniScheduler
 
@@ -95,9 +96,9 @@ def _all_gguf_names(layers: int) -> list[str]:
 
 
 def write_gguf(
-    path: Path, state: dict[str, torch.Tensor], skip: tuple[str, ...] = ()
+    path: Path, state: dict[str, torch.Tensor], skip: tuple[str, ...] = (), types: dict[str, Any] = TYPES
 ) -> dict[str, torch.Tensor]:
-    """The checkpoint as a llama.cpp GGUF (Q/K rows permuted, weights in ``TYPES``, norms F32);
+    """The checkpoint as a llama.cpp GGUF (Q/K rows permuted, weights in ``types``, norms F32);
     returns the checkpoint as the file holds it (each weight its blocks dequantized)."""
     writer = gguf.GGUFWriter(str(path), "llama")
     held = {}
@@ -110,10 +111,10 @@ def write_gguf(
         if heads is not None:
             data = llama_cpp_permute(data, heads)
         kind = gguf_name.split(".")[-2]
-        if kind in TYPES:
-            blocks = gguf.quants.quantize(data, TYPES[kind])
-            writer.add_tensor(gguf_name, blocks, raw_dtype=TYPES[kind])
-            data = gguf.quants.dequantize(blocks, TYPES[kind])
+        if kind in types:
+            blocks = gguf.quants.quantize(data, types[kind])
+            writer.add_tensor(gguf_name, blocks, raw_dtype=types[kind])
+            data = gguf.quants.dequantize(blocks, types[kind])
         else:
             writer.add_tensor(gguf_name, data)
         held[name] = torch.from_numpy(unpermute_rows(data, heads) if heads is not None else data.copy())
@@ -124,13 +125,11 @@ def write_gguf(
     return held
 
 
-@pytest.fixture(scope="module")
-def random_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(HF dir, GGUF file) of one random 2-layer Llama: the GGUF written by ``write_gguf``, the HF
-    dir holding the GGUF's weights dequantized (as a GGUF's conversion does)."""
+def make_random_llama(out: Path, types: dict[str, Any] = TYPES) -> tuple[Path, Path]:
+    """(HF dir, GGUF file) of one random 2-layer Llama in ``out``: the GGUF written by
+    ``write_gguf``, the HF dir holding the GGUF's weights dequantized (as a GGUF's conversion does)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    out = tmp_path_factory.mktemp("gguf-llama")
     config = LlamaConfig(
         vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
@@ -138,10 +137,15 @@ def random_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     )  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    held = write_gguf(out / "model.gguf", model.state_dict())
+    held = write_gguf(out / "model.gguf", model.state_dict(), types=types)
     model.load_state_dict(held, strict=False)
     model.save_pretrained(out, safe_serialization=True)
     return out, out / "model.gguf"
+
+
+@pytest.fixture(scope="module")
+def random_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_random_llama(tmp_path_factory.mktemp("gguf-llama"))
 
 
 KEEP = frozenset({int(Q.Q4_0), int(Q.Q4_1), int(Q.Q8_0)})
@@ -240,3 +244,16 @@ def test_tensor_index_is_cached_and_matches_the_reader(
     for entry, tensor in zip(entries, reader.tensors, strict=True):
         got = _tensor_data(mapped, entry)
         assert np.array_equal(got, tensor.data.reshape(got.shape)), entry.name
+
+
+def test_auto_dtype_is_float32_over_gguf_blocks(random_llama: tuple[Path, Path]) -> None:
+    """--dtype auto: float32 activations where the weights stay in blocks (a near-tie of the embedded
+    model's answer flips under bf16 ones: gpu_worker/cpu/backend.py), the kind's choice where not."""
+    hf_dir, path = random_llama
+    kept = ModelRunner(WorkerConfig(model_path=str(hf_dir), gguf_path=str(path), kv_cache_tokens=64))
+    assert kept.dtype == torch.float32
+    assert any(isinstance(getattr(m, "impl", None), QuantLinear) for m in kept.model.modules())  # type: ignore[attr-defined]
+    dequantized = ModelRunner(
+        WorkerConfig(model_path=str(hf_dir), gguf_path=str(path), weight_dtype="float32", kv_cache_tokens=64)
+    )
+    assert dequantized.dtype == getattr(torch, auto_dtype(torch.device("cpu")))  # the kind's choice

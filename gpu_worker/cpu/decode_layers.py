@@ -1,0 +1,154 @@
+"""A decode step's decoder layers in one C call (csrc/decode_layers.c), for Llama models on GGUF blocks.
+
+At one stream a step of the embedded model spends ~10 ms in its matmuls and ~4 ms around them: ~270
+kernel calls a step, each a module call, a ctypes call and an output tensor in Python. When every row
+of a step decodes and every Linear of every layer is a one-type ``QuantLinear`` without bias, the
+layers run as one call that makes the same kernel calls in the same order, so the hidden states equal
+the modules' bit for bit (tests/gpu_worker/test_decode_layers.py). Any other step, or model, runs the
+modules: prefill chunks and mixed batches, bf16 or fp32 weights, Q/K norms, biases, a Linear whose
+projections differ in type (Q4_K_M's qkv), --compile.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpu_worker.attention import ForwardContext
+from gpu_worker.cpu.kernels import DTYPE_CODES, CpuKernels
+from gpu_worker.cpu.quant import QuantLinear
+from gpu_worker.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+class DecodeLayer(ctypes.Structure):
+    """csrc/decode_layers.c's ``decode_layer``."""
+
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("w", ctypes.c_void_p * 4),
+        ("type", ctypes.c_int64 * 4),
+        ("dense_min_rows", ctypes.c_int64 * 4),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+    ]
+
+
+class DecodeDims(ctypes.Structure):
+    """csrc/decode_layers.c's ``decode_dims``."""
+
+    _fields_ = [
+        ("hidden", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("inner", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("dtype", ctypes.c_int64),
+    ]
+
+
+def _linears(layer: Any) -> list[QuantLinear] | None:
+    """The layer's four Linears' QuantLinears, if each is one type without bias."""
+    modules = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    impls = [getattr(m, "impl", None) for m in modules]
+    fit = all(isinstance(i, QuantLinear) and len(i.weight.parts) == 1 and i.bias is None for i in impls)
+    return impls if fit else None  # type: ignore[return-value]
+
+
+def why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
+    """Why the model's decode steps cannot run as one call (None: they can)."""
+    if not isinstance(model, LlamaForCausalLM):
+        return "not a Llama model"
+    layers: Any = model.model.layers
+    if dtype not in DTYPE_CODES:
+        return f"activations in {dtype}"
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.qk_norm or mlp.act is not torch.nn.functional.silu or mlp.fused is None:
+            return "Q/K norms, an activation other than SiLU, or no fused kernels"
+        if layer.input_layernorm.fused is None or attn.fused is None:
+            return "no fused kernels"
+        if _linears(layer) is None:
+            return "a Linear not on one GGUF block type without bias"
+    return None
+
+
+class FusedDecode:
+    """Runs a model's decoder layers for steps whose rows all decode, as one kernel call."""
+
+    def __init__(self, model: LlamaForCausalLM, kernels: CpuKernels, dtype: torch.dtype) -> None:
+        self.model: Any = model  # (its submodules typed as nn.Module's attributes are: Tensor | Module)
+        self.kernels = kernels
+        args = model.args
+        self.dims = DecodeDims(
+            hidden=args.hidden_size,
+            heads=args.num_heads,
+            kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim,
+            inner=args.intermediate_size,
+            eps=args.eps,
+            scale=args.head_dim**-0.5,
+            dtype=DTYPE_CODES[dtype],
+        )
+        self.dtype = dtype
+        self._layers: ctypes.Array[DecodeLayer] | None = None
+        self._pool: tuple[int, int] = (0, 0)  # the KV pool's pointers _layers was built for
+
+    def _layer_array(self, ctx: ForwardContext) -> ctypes.Array[DecodeLayer]:
+        pool = (ctx.k_cache[0].data_ptr(), ctx.v_cache[0].data_ptr())
+        if self._layers is not None and pool == self._pool:
+            return self._layers
+        layers = self.model.model.layers
+        array = (DecodeLayer * len(layers))()
+        for i, layer in enumerate(layers):
+            impls = _linears(layer)
+            assert impls is not None
+            parts = [impl.weight.parts[0] for impl in impls]
+            array[i] = DecodeLayer(
+                input_norm=layer.input_layernorm.weight.data_ptr(),
+                post_norm=layer.post_attention_layernorm.weight.data_ptr(),
+                w=(ctypes.c_void_p * 4)(*(p.data.data_ptr() for p in parts)),
+                type=(ctypes.c_int64 * 4)(*(p.type for p in parts)),
+                dense_min_rows=(ctypes.c_int64 * 4)(*(impl.dense_min_rows[0] for impl in impls)),
+                k_cache=ctx.k_cache[i].data_ptr(),
+                v_cache=ctx.v_cache[i].data_ptr(),
+            )
+        self._layers, self._pool = array, pool
+        return array
+
+    def __call__(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
+        """Hidden states [T, hidden] before the final norm, as ``model(input_ids, ctx)`` gives them;
+        None when some row of the step does not decode (the caller runs the modules)."""
+        paged = ctx.attn.paged_decode
+        if not ctx.attn.in_order or paged is None:
+            return None
+        cos, sin = self.model.rotary(ctx.positions)
+        x = self.model.model.embed_tokens(input_ids)
+        out = torch.empty_like(x)
+        assert x.is_contiguous() and x.dtype == self.dtype and cos.is_contiguous() and sin.is_contiguous()
+        layers = self._layer_array(ctx)
+        self.kernels.decode_layers(layers, len(layers), self.dims, x, out, cos, sin, paged.rows)
+        return out
+
+
+def fused_decode(model: nn.Module, kernels: CpuKernels | None, dtype: torch.dtype) -> FusedDecode | None:
+    """The model's one-call decode, or None (logged why) where its modules must run."""
+    if kernels is None:
+        return None
+    reason = why_not(model, dtype)
+    if reason is not None:
+        logger.info("decode steps run layer by layer: %s", reason)
+        return None
+    logger.info("decode steps run every layer in one C call (csrc/decode_layers.c)")
+    assert isinstance(model, LlamaForCausalLM)
+    return FusedDecode(model, kernels, dtype)

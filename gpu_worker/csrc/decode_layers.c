@@ -1,0 +1,97 @@
+/* Every decoder layer of a Llama model for a step whose rows all decode (one new token each), in one
+ * call, where each Linear holds GGUF blocks (one type per Linear, no bias) and the attention is the
+ * paged C kernel's. It calls the kernels the modules call (gpu_worker/models/llama.py through the CPU
+ * backend), in their order, on the same inputs, so its output equals theirs bit for bit (a test
+ * checks it). What it saves is the ~10 Python-level calls a layer costs around them (module
+ * dispatch, ctypes, a tensor per output): ~3 ms of a ~14 ms one-row step of the embedded model.
+ *
+ * Per layer, x the residual stream [rows, hidden]:
+ *   h = rms_norm(x); qkv = h Wqkv^T; rotary on q and k heads (in place);
+ *   attn = attention(q over the pool, after writing k and v at each row's last position);
+ *   x = x + attn Wo^T; h = rms_norm(x); gu = h Wgu^T; a = silu(gate) * up; x = x + a Wdown^T
+ * each Linear by quant_matmul or, from dense_min_rows rows, quant_matmul_dense (as QuantLinear). */
+#include "quant.h"
+#include <stdlib.h>
+
+/* What the kernels it calls need, from their files. */
+void rms_norm(const void *x, int64_t x_stride, const void *w, void *out, int64_t rows, int dim, float eps, int dtype);
+void rotary(void *x, int64_t x_stride, int64_t rows, int heads, int head_dim, const void *cos, const void *sin,
+            int dtype);
+void silu_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype);
+int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                           void *out, int dtype, const int64_t *q_rows, const int64_t *slots,
+                           const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t rows,
+                           int num_heads, int kv_heads, int head_dim, int page_size, float scale,
+                           const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride);
+int quant_matmul_dense(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
+                       int x_dtype, int64_t rows, void *y, int y_dtype, const void *residual, int64_t res_stride);
+
+enum { QKV, O, GATE_UP, DOWN, LINEARS };
+
+typedef struct { /* one layer, as gpu_worker/cpu/decode_layers.py fills it (ctypes) */
+    const void *input_norm, *post_norm; /* [hidden], the activations' dtype */
+    const uint8_t *w[LINEARS];          /* GGUF blocks, [n, row bytes] */
+    int64_t type[LINEARS];              /* ggml type ids */
+    int64_t dense_min_rows[LINEARS];    /* from how many rows the dense path */
+    void *k_cache, *v_cache;            /* [pool tokens, kv_heads, head_dim] */
+} decode_layer;
+
+typedef struct { /* the model's sizes */
+    int64_t hidden, heads, kv_heads, head_dim, inner;
+    float eps, scale; /* RMSNorm's epsilon; attention's 1 / sqrt(head_dim) */
+    int64_t dtype;
+} decode_dims;
+
+/* y = (residual +) x W^T of one Linear, by the path its row count takes. */
+static int linear(const decode_layer *l, int i, int64_t n, int64_t k, const void *x, int64_t rows, void *scratch,
+                  void *y, int dtype, const void *residual) {
+    if (rows >= l->dense_min_rows[i])
+        return quant_matmul_dense((int)l->type[i], l->w[i], n, k, x, k, dtype, rows, y, dtype, residual, n);
+    return quant_matmul((int)l->type[i], l->w[i], n, k, x, k, dtype, rows, scratch, y, dtype, residual, n);
+}
+
+/* out [rows, hidden] = the residual stream after every layer, from x [rows, hidden] (the embedding
+ * rows; not written). cos / sin: [rows, head_dim] at the rows' positions. The attention arguments
+ * are paged_decode_attention's (q_rows: the rows in order). Returns 0, 1 (no memory), or 100 + the
+ * status of the kernel call that refused. */
+int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dims *dims, const void *x, void *out,
+                  int64_t rows, const void *cos, const void *sin, const int64_t *q_rows, const int64_t *slots,
+                  const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t page_size) {
+    const int dtype = (int)dims->dtype, elem = dtype == DTYPE_BF16 ? 2 : 4;
+    const int64_t hidden = dims->hidden, d = dims->head_dim, inner = dims->inner;
+    const int64_t q_out = dims->heads * d, kv_out = dims->kv_heads * d, qkv_n = q_out + 2 * kv_out;
+    /* one arena: h, qkv, attn, gate_up, act (each [rows, its width]) and the integer path's
+     * quantized activations (the widest input: rows * (k / 32) act_block16) */
+    const int64_t widths[5] = {hidden, qkv_n, q_out, 2 * inner, inner};
+    int64_t total = 0, at[5];
+    for (int i = 0; i < 5; i++) at[i] = total, total += rows * widths[i] * elem;
+    int64_t k_max = hidden > q_out ? hidden : q_out; /* the Linears' inputs: hidden, q_out, hidden, inner */
+    k_max = k_max > inner ? k_max : inner;
+    const int64_t scratch_at = (total + 63) & ~(int64_t)63;
+    char *arena = malloc((size_t)(scratch_at + rows * (k_max / ACT_BLOCK) * (int64_t)sizeof(act_block16)));
+    if (arena == NULL) return 1;
+    void *h = arena + at[0], *qkv = arena + at[1], *attn = arena + at[2], *gu = arena + at[3], *act = arena + at[4];
+    void *scratch = arena + scratch_at;
+    memcpy(out, x, (size_t)(rows * hidden * elem));
+    int status = 0;
+    for (int64_t li = 0; li < n_layers && status == 0; li++) {
+        const decode_layer *l = layers + li;
+        rms_norm(out, hidden, l->input_norm, h, rows, (int)hidden, dims->eps, dtype);
+        if ((status = linear(l, QKV, qkv_n, hidden, h, rows, scratch, qkv, dtype, NULL)) != 0) break;
+        rotary(qkv, qkv_n, rows, (int)(dims->heads + dims->kv_heads), (int)d, cos, sin, dtype);
+        status = paged_decode_attention(qkv, qkv_n, l->k_cache, l->v_cache, attn, dtype, q_rows, slots, kv_lens,
+                                        page_table, pt_stride, rows, (int)dims->heads, (int)dims->kv_heads, (int)d,
+                                        (int)page_size, dims->scale, (const char *)qkv + q_out * elem, qkv_n,
+                                        (const char *)qkv + (q_out + kv_out) * elem, qkv_n);
+        if (status != 0) break;
+        /* y = residual + x W^T in place: each output element is read (as the residual) and then
+         * written by the same thread, once, and no other output is read after */
+        if ((status = linear(l, O, hidden, q_out, attn, rows, scratch, out, dtype, out)) != 0) break;
+        rms_norm(out, hidden, l->post_norm, h, rows, (int)hidden, dims->eps, dtype);
+        if ((status = linear(l, GATE_UP, 2 * inner, hidden, h, rows, scratch, gu, dtype, NULL)) != 0) break;
+        silu_mul(gu, act, rows, (int)inner, dtype);
+        status = linear(l, DOWN, hidden, inner, act, rows, scratch, out, dtype, out);
+    }
+    free(arena);
+    return status == 0 ? 0 : 100 + status;
+}
