@@ -21,9 +21,11 @@ from gpu_worker.cpu import backend as cpu_backend
 from gpu_worker.gguf_weights import GgufError
 from gpu_worker.kv_cache import KVPool, kv_pool_tokens
 from gpu_worker.loader import load_model
+from gpu_worker.logprobs import SlotTopLogprobs, check_logprob_fields, prompt_logprobs, sampled_top_logprobs
 from gpu_worker.models import CausalLM
 from gpu_worker.sampler import SlotSamplerParams, greedy_pick, sample
 from gpu_worker.threads import ThreadTuner, shape_class
+from protocol.logprobs import TopTokens
 from protocol.messages import PENDING, ForwardBatch, ForwardResult
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class ModelRunner:
         self._init_model()
         self._init_kv_pool()
         self.sampler_params = SlotSamplerParams(config.max_running_requests)
+        self.top_logprobs = SlotTopLogprobs(config.max_running_requests)
         # The token each slot drew last: a row scheduled before that draw came back (overlap
         # scheduling) sends PENDING as its input and gets this one.
         self.last_tokens = torch.zeros(config.max_running_requests, dtype=torch.int64, device=self._device)
@@ -196,26 +199,39 @@ class ModelRunner:
         shape = shape_class(len(batch.slots), len(batch.input_ids))
         threads = self._use_threads(shape)
         started = time.perf_counter()
-        logits = self.compute_logits(batch)
-        rows = [i for i, flag in enumerate(batch.sample) if flag]
-        token_ids: list[int] = []
-        logprobs: list[float] = []
-        if rows:
-            slots = [batch.slots[i] for i in rows]
-            positions = [batch.prefix_lens[i] + batch.extend_lens[i] for i in rows]
-            with torch.inference_mode():
-                if self.sampler_params.plain_greedy(slots):
-                    tokens, token_logprobs = greedy_pick(logits, self._kernels), None
-                else:
-                    params = self.sampler_params.batch(slots, positions, self._device)
-                    tokens, token_logprobs = sample(logits, params)
-                self.last_tokens[torch.tensor(slots, device=self._device)] = tokens
-            token_ids = tokens.tolist()
-            logprobs = token_logprobs.tolist() if token_logprobs is not None else []
+        hidden = self.forward(batch)
+        with torch.inference_mode():
+            token_ids, logprobs, top = self._sample(hidden, batch)
+            prompt, prompt_top = prompt_logprobs(hidden, batch, self.top_logprobs, self.model.compute_logits)
         forward_s = time.perf_counter() - started
         if self._tuner is not None:
             self._tuner.record(shape, threads, forward_s)
-        return ForwardResult(step=batch.step, token_ids=token_ids, logprobs=logprobs, forward_s=forward_s)
+        return ForwardResult(step=batch.step, token_ids=token_ids, logprobs=logprobs, forward_s=forward_s,
+                             top_logprobs=top, prompt_logprobs=prompt,
+                             prompt_top_logprobs=prompt_top)  # fmt: skip
+
+    def _sample(
+        self, hidden: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[list[int], list[float], list[TopTokens]]:
+        """The tokens drawn for the ``sample`` rows, their logprobs where asked (else []), and their
+        top-N where some row asked (else [])."""
+        rows = [i for i, flag in enumerate(batch.sample) if flag]
+        if not rows:
+            return [], [], []
+        logits = self._sampled_logits(hidden, batch)
+        slots = [batch.slots[i] for i in rows]
+        positions = [batch.prefix_lens[i] + batch.extend_lens[i] for i in rows]
+        if self.sampler_params.plain_greedy(slots):
+            tokens, token_logprobs = greedy_pick(logits, self._kernels), None
+        else:
+            params = self.sampler_params.batch(slots, positions, self._device)
+            tokens, token_logprobs = sample(logits, params)
+        self.last_tokens[torch.tensor(slots, device=self._device)] = tokens
+        logprobs = token_logprobs.tolist() if token_logprobs is not None else []
+        top: list[TopTokens] = []
+        if self.top_logprobs.wants_top(slots):  # top_logprobs > 0 comes with logprobs: they are set
+            top = sampled_top_logprobs(logits, tokens, [self.top_logprobs.top_n[s] for s in slots], logprobs)
+        return tokens.tolist(), logprobs, top
 
     def _use_threads(self, shape: tuple[str, int]) -> int:
         """Set the torch thread count the tuner picks for this batch's shape class."""
@@ -228,11 +244,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run ``forward`` and return the logits [rows with sample=True, vocab] at each such row's
+        last token."""
+        return self._sampled_logits(self.forward(batch), batch)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Apply the batch's page deltas and sampler settings, run the forward, and return the
-        logits [rows with sample=True, vocab] at each such row's last token."""
+        hidden states [tokens of the batch, hidden] (before the final norm)."""
         check_batch(batch, self.kv.num_pages, self.kv.page_table.shape, self._context_len, self.vocab_size)
+        check_logprob_fields(batch, self.vocab_size)
         self.kv.apply_page_deltas(batch.slots, batch.page_starts, batch.page_counts, batch.pages)
         self.sampler_params.update(batch.slots, batch.sampler)
+        self.top_logprobs.update(batch.slots, batch.sampler)
         positions, meta = build_metadata(
             self.kv.page_table,
             self.kv.page_size,
@@ -243,8 +267,9 @@ class ModelRunner:
             self._kernels,
         )
         ctx = ForwardContext(positions=positions, attn=meta, k_cache=self.kv.k, v_cache=self.kv.v)
-        input_ids = self._input_ids(batch)
-        hidden = self.model(input_ids, ctx)
+        return self.model(self._input_ids(batch), ctx)
+
+    def _sampled_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         ends = [
             end - 1 for end, flag in zip(accumulate(batch.extend_lens), batch.sample, strict=True) if flag
         ]
