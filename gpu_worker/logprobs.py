@@ -45,26 +45,31 @@ def _wide(logits: torch.Tensor) -> torch.Tensor:
     return logits if logits.dtype == torch.float64 else logits.float()
 
 
-def sampled_top_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int], chosen: list[float]
-) -> list[TopTokens]:
-    """The top ``top_n[i]`` tokens of each sampled row ``i`` (NO_TOP where 0), from one top-k over
-    the rows that asked; rewrites those rows' ``chosen`` logprobs with the same normalizer."""
-    rows = [i for i, n in enumerate(top_n) if n > 0]
+def asked_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, want: list[bool], top_n: list[int], chosen: list[float]
+) -> tuple[list[float], list[TopTokens]]:
+    """The logprobs of the sampled rows that asked (``want``; 0.0 for the others, or as ``chosen``
+    has them when given) and the top ``top_n[i]`` tokens of each row (NO_TOP where 0; [] when no
+    row asked for any), from one logsumexp and one top-k over just the rows that asked."""
+    rows = [i for i, w in enumerate(want) if w]
+    out = list(chosen) if chosen else [0.0] * len(want)
+    if not rows:
+        return out, []
     index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
     wide = _wide(logits.index_select(0, index))
     log_total = torch.logsumexp(wide, dim=-1)
-    values, ids = wide.topk(min(max(top_n[i] for i in rows), wide.shape[-1]), dim=-1)
+    picked = (wide.gather(1, tokens.index_select(0, index)[:, None]).squeeze(1) - log_total).tolist()
+    for i, logprob in zip(rows, picked, strict=True):
+        out[i] = logprob
+    k = min(max(top_n[i] for i in rows), wide.shape[-1])
+    if k == 0:
+        return out, []
+    values, ids = wide.topk(k, dim=-1)
     values = values - log_total[:, None]
-    picked = wide.gather(1, tokens.index_select(0, index)[:, None]).squeeze(1) - log_total
-    out = [NO_TOP] * len(top_n)
-    for j, (row_ids, row_values, row_chosen) in enumerate(
-        zip(ids.tolist(), values.tolist(), picked.tolist(), strict=True)
-    ):
-        n = top_n[rows[j]]
-        out[rows[j]] = TopTokens(row_ids[:n], row_values[:n])
-        chosen[rows[j]] = row_chosen
-    return out
+    top = [NO_TOP] * len(want)
+    for i, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
+        top[i] = TopTokens(row_ids[: top_n[i]], row_values[: top_n[i]])
+    return out, top
 
 
 def prompt_positions(batch: ForwardBatch) -> list[int]:

@@ -21,7 +21,7 @@ from gpu_worker.cpu import backend as cpu_backend
 from gpu_worker.gguf_weights import GgufError
 from gpu_worker.kv_cache import KVPool, kv_pool_tokens
 from gpu_worker.loader import load_model
-from gpu_worker.logprobs import SlotTopLogprobs, check_logprob_fields, prompt_logprobs, sampled_top_logprobs
+from gpu_worker.logprobs import SlotTopLogprobs, asked_logprobs, check_logprob_fields, prompt_logprobs
 from gpu_worker.models import CausalLM
 from gpu_worker.sampler import SlotSamplerParams, greedy_pick, sample
 from gpu_worker.threads import ThreadTuner, shape_class
@@ -221,16 +221,21 @@ class ModelRunner:
         logits = self._sampled_logits(hidden, batch)
         slots = [batch.slots[i] for i in rows]
         positions = [batch.prefix_lens[i] + batch.extend_lens[i] for i in rows]
-        if self.sampler_params.plain_greedy(slots):
+        greedy = self.sampler_params.plain_greedy(slots)
+        if greedy:
             tokens, token_logprobs = greedy_pick(logits, self._kernels), None
         else:
             params = self.sampler_params.batch(slots, positions, self._device)
             tokens, token_logprobs = sample(logits, params)
         self.last_tokens[torch.tensor(slots, device=self._device)] = tokens
         logprobs = token_logprobs.tolist() if token_logprobs is not None else []
+        want = [self.sampler_params.logprobs[s] for s in slots]
         top: list[TopTokens] = []
-        if self.top_logprobs.wants_top(slots):  # top_logprobs > 0 comes with logprobs: they are set
-            top = sampled_top_logprobs(logits, tokens, [self.top_logprobs.top_n[s] for s in slots], logprobs)
+        # Greedy rows' logprobs, and top-N (with the chosen token's logprob from the same normalizer,
+        # so the two are bit-equal), for the rows that asked only; top_logprobs > 0 implies logprobs.
+        if self.top_logprobs.wants_top(slots) or (greedy and any(want)):
+            top_n = [self.top_logprobs.top_n[s] for s in slots]
+            logprobs, top = asked_logprobs(logits, tokens, want, top_n, logprobs)
         return tokens.tolist(), logprobs, top
 
     def _use_threads(self, shape: tuple[str, int]) -> int:
