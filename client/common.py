@@ -56,6 +56,8 @@ class GenerateOptions(TypedDict, total=False):
     stop_token_ids: list[int] | None
     ignore_eos: bool
     logprobs: bool
+    top_logprobs: int  # with logprobs: also the N (<= 20) likeliest tokens at each position
+    echo: bool  # the reply carries the prompt too (with logprobs: every prompt token's logprob)
     rid: str | None
     cache_salt: str | None  # prefix-cache namespace: requests share cached KV only within one
 
@@ -77,6 +79,8 @@ def make_request(prompt: str | None, stream: bool, options: GenerateOptions) -> 
         sampling=msgspec.convert(sampling, SamplingParams),
         stream=stream,
         logprobs=options.get("logprobs", False),
+        top_logprobs=options.get("top_logprobs", 0),
+        echo=options.get("echo", False),
     )
 
 

@@ -16,14 +16,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gpu_worker.attention import ForwardContext, build_metadata
+from gpu_worker.batch_checks import check_batch
 from gpu_worker.config import WorkerConfig
 from gpu_worker.cpu import backend as cpu_backend
 from gpu_worker.gguf_weights import GgufError
 from gpu_worker.kv_cache import KVPool, kv_pool_tokens
 from gpu_worker.loader import load_model
+from gpu_worker.logprobs import SlotTopLogprobs, asked_logprobs, check_logprob_fields, prompt_logprobs
 from gpu_worker.models import CausalLM
 from gpu_worker.sampler import SlotSamplerParams, greedy_pick, sample
 from gpu_worker.threads import ThreadTuner, shape_class
+from protocol.logprobs import TopTokens
 from protocol.messages import PENDING, ForwardBatch, ForwardResult
 
 if TYPE_CHECKING:
@@ -48,6 +51,7 @@ class ModelRunner:
         self._init_model()
         self._init_kv_pool()
         self.sampler_params = SlotSamplerParams(config.max_running_requests)
+        self.top_logprobs = SlotTopLogprobs(config.max_running_requests)
         # The token each slot drew last: a row scheduled before that draw came back (overlap
         # scheduling) sends PENDING as its input and gets this one.
         self.last_tokens = torch.zeros(config.max_running_requests, dtype=torch.int64, device=self._device)
@@ -210,26 +214,44 @@ class ModelRunner:
         shape = shape_class(len(batch.slots), len(batch.input_ids))
         threads = self._use_threads(shape)
         started = time.perf_counter()
-        logits = self.compute_logits(batch)
-        rows = [i for i, flag in enumerate(batch.sample) if flag]
-        token_ids: list[int] = []
-        logprobs: list[float] = []
-        if rows:
-            slots = [batch.slots[i] for i in rows]
-            positions = [batch.prefix_lens[i] + batch.extend_lens[i] for i in rows]
-            with torch.inference_mode():
-                if self.sampler_params.plain_greedy(slots):
-                    tokens, token_logprobs = greedy_pick(logits, self._kernels), None
-                else:
-                    params = self.sampler_params.batch(slots, positions, self._device)
-                    tokens, token_logprobs = sample(logits, params)
-                self.last_tokens[torch.tensor(slots, device=self._device)] = tokens
-            token_ids = tokens.tolist()
-            logprobs = token_logprobs.tolist() if token_logprobs is not None else []
+        hidden = self.forward(batch)
+        with torch.inference_mode():
+            token_ids, logprobs, top = self._sample(hidden, batch)
+            prompt, prompt_top = prompt_logprobs(hidden, batch, self.top_logprobs, self.model.compute_logits)
         forward_s = time.perf_counter() - started
         if self._tuner is not None:
             self._tuner.record(shape, threads, forward_s)
-        return ForwardResult(step=batch.step, token_ids=token_ids, logprobs=logprobs, forward_s=forward_s)
+        return ForwardResult(step=batch.step, token_ids=token_ids, logprobs=logprobs, forward_s=forward_s,
+                             top_logprobs=top, prompt_logprobs=prompt,
+                             prompt_top_logprobs=prompt_top)  # fmt: skip
+
+    def _sample(
+        self, hidden: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[list[int], list[float], list[TopTokens]]:
+        """The tokens drawn for the ``sample`` rows, their logprobs where asked (else []), and their
+        top-N where some row asked (else [])."""
+        rows = [i for i, flag in enumerate(batch.sample) if flag]
+        if not rows:
+            return [], [], []
+        logits = self._sampled_logits(hidden, batch)
+        slots = [batch.slots[i] for i in rows]
+        positions = [batch.prefix_lens[i] + batch.extend_lens[i] for i in rows]
+        greedy = self.sampler_params.plain_greedy(slots)
+        if greedy:
+            tokens, token_logprobs = greedy_pick(logits, self._kernels), None
+        else:
+            params = self.sampler_params.batch(slots, positions, self._device)
+            tokens, token_logprobs = sample(logits, params)
+        self.last_tokens[torch.tensor(slots, device=self._device)] = tokens
+        logprobs = token_logprobs.tolist() if token_logprobs is not None else []
+        want = [self.sampler_params.logprobs[s] for s in slots]
+        top: list[TopTokens] = []
+        # Greedy rows' logprobs, and top-N (with the chosen token's logprob from the same normalizer,
+        # so the two are bit-equal), for the rows that asked only; top_logprobs > 0 implies logprobs.
+        if self.top_logprobs.wants_top(slots) or (greedy and any(want)):
+            top_n = [self.top_logprobs.top_n[s] for s in slots]
+            logprobs, top = asked_logprobs(logits, tokens, want, top_n, logprobs)
+        return tokens.tolist(), logprobs, top
 
     def _use_threads(self, shape: tuple[str, int]) -> int:
         """Set the torch thread count the tuner picks for this batch's shape class."""
@@ -242,11 +264,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run ``forward`` and return the logits [rows with sample=True, vocab] at each such row's
+        last token."""
+        return self._sampled_logits(self.forward(batch), batch)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Apply the batch's page deltas and sampler settings, run the forward, and return the
-        logits [rows with sample=True, vocab] at each such row's last token."""
+        hidden states [tokens of the batch, hidden] (before the final norm)."""
         check_batch(batch, self.kv.num_pages, self.kv.page_table.shape, self._context_len, self.vocab_size)
+        check_logprob_fields(batch, self.vocab_size)
         self.kv.apply_page_deltas(batch.slots, batch.page_starts, batch.page_counts, batch.pages)
         self.sampler_params.update(batch.slots, batch.sampler)
+        self.top_logprobs.update(batch.slots, batch.sampler)
         positions, meta = build_metadata(
             self.kv.page_table,
             self.kv.page_size,
@@ -259,8 +289,9 @@ class ModelRunner:
         ctx = ForwardContext(positions=positions, attn=meta, k_cache=self.kv.k, v_cache=self.kv.v)
         input_ids = self._input_ids(batch)
         hidden = self.fused_decode(input_ids, ctx) if self.fused_decode is not None else None
-        if hidden is None:
-            hidden = self.model(input_ids, ctx)
+        return self.model(input_ids, ctx) if hidden is None else hidden
+
+    def _sampled_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         ends = [
             end - 1 for end, flag in zip(accumulate(batch.extend_lens), batch.sample, strict=True) if flag
         ]
@@ -292,40 +323,3 @@ def auto_dtype(device: torch.device, gguf_blocks: bool = False) -> str:
     """bfloat16 on CUDA; on CPU what the CPU backend picks for the CPU kind and, with
     ``gguf_blocks``, for weights kept in GGUF blocks (cpu/backend.py)."""
     return cpu_backend.auto_dtype(gguf_blocks=gguf_blocks) if device.type == "cpu" else "bfloat16"
-
-
-def check_batch(
-    batch: ForwardBatch, num_pages: int, page_table_shape: torch.Size, context_len: int, vocab_size: int
-) -> None:
-    """Reject a malformed batch before it reaches an index op (a CUDA index fault kills the process)."""
-    rows = len(batch.slots)
-    fields = (
-        batch.prefix_lens,
-        batch.extend_lens,
-        batch.page_starts,
-        batch.page_counts,
-        batch.sample,
-        batch.sampler,
-    )
-    if rows == 0 or any(len(f) != rows for f in fields):
-        raise ValueError(f"batch {batch.step}: row fields must all have {rows} > 0 entries")
-    if len(batch.input_ids) != sum(batch.extend_lens) or len(batch.pages) != sum(batch.page_counts):
-        raise ValueError(f"batch {batch.step}: input_ids / pages do not match extend_lens / page_counts")
-    max_slots, pages_per_request = page_table_shape
-    if len(set(batch.slots)) != rows or not all(0 <= s < max_slots for s in batch.slots):
-        raise ValueError(f"batch {batch.step}: slots must be distinct and in [0, {max_slots})")
-    if any(n < 1 for n in batch.extend_lens) or any(p < 0 for p in batch.prefix_lens):
-        raise ValueError(f"batch {batch.step}: extend_lens must be >= 1 and prefix_lens >= 0")
-    if any(p + n > context_len for p, n in zip(batch.prefix_lens, batch.extend_lens, strict=True)):
-        raise ValueError(f"batch {batch.step}: a row runs past the context length {context_len}")
-    ends = (s + c for s, c in zip(batch.page_starts, batch.page_counts, strict=True))
-    if any(s < 0 for s in batch.page_starts) or any(e > pages_per_request for e in ends):
-        raise ValueError(f"batch {batch.step}: page deltas outside [0, {pages_per_request})")
-    if batch.pages and not (0 <= min(batch.pages) and max(batch.pages) < num_pages):
-        raise ValueError(f"batch {batch.step}: pages must be in [0, {num_pages})")
-    if min(batch.input_ids) < PENDING or max(batch.input_ids) >= vocab_size:
-        raise ValueError(f"batch {batch.step}: token ids must be in [0, {vocab_size}) or PENDING")
-    if min(batch.input_ids) == PENDING:
-        row_ends = set(accumulate(batch.extend_lens))
-        if any(tok == PENDING and i + 1 not in row_ends for i, tok in enumerate(batch.input_ids)):
-            raise ValueError(f"batch {batch.step}: PENDING may only be a row's last token")

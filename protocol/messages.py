@@ -29,6 +29,8 @@ import enum
 
 import msgspec
 
+from protocol.logprobs import PromptLogprobs, TopLogprobs, TopTokens
+
 
 class FinishReason(enum.Enum):
     """Why a request ended; every final reply carries one."""
@@ -72,7 +74,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 
 class GenerateRequest(ClientMsg, tag="generate"):
-    """Exactly one of ``prompt``, ``messages`` (chat template applied) or ``input_ids``."""
+    """Exactly one of ``prompt``, ``messages`` (chat template applied) or ``input_ids``.
+
+    ``top_logprobs`` (needs ``logprobs``): also the N most likely tokens at each position.
+    ``echo`` (``prompt`` or ``input_ids`` only): the reply also carries the prompt, and with
+    ``logprobs`` every prompt token's logprob, which bypasses the prefix cache (see README);
+    ``max_new_tokens`` may then be 0.
+    """
 
     rid: str
     prompt: str | None = None
@@ -82,6 +90,8 @@ class GenerateRequest(ClientMsg, tag="generate"):
     stream: bool = False
     logprobs: bool = False
     cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share KV
+    top_logprobs: int = 0
+    echo: bool = False
 
 
 class AbortRequest(ClientMsg, tag="abort"):
@@ -111,6 +121,10 @@ class GenerateOutput(ClientMsg, tag="output"):
     the request could not even be parsed far enough to know it. A reply with an
     empty ``rid`` and no ``error`` is a liveness probe (the tokenizer learns that a
     client has gone when the probe cannot be delivered); clients ignore it.
+
+    ``top_logprobs`` has one entry per token of ``token_ids`` when the request asked for them.
+    The ``prompt_*`` fields (echo) come once: in a stream's first reply, else in the whole one;
+    the prompt's logprobs and top-N have None for the first token, which nothing predicts.
     """
 
     rid: str
@@ -120,6 +134,11 @@ class GenerateOutput(ClientMsg, tag="output"):
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None
+    top_logprobs: list[TopLogprobs] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[TopLogprobs | None] | None = None
 
 
 ClientReply = GenerateOutput
@@ -149,6 +168,7 @@ class WorkerSampling(msgspec.Struct, frozen=True, kw_only=True, array_like=True)
     min_p: float
     seed: int
     logprobs: bool = False  # the client wants each token's logprob (else the worker skips them)
+    top_logprobs: int = 0  # and the N most likely tokens at each position (0: none)
 
 
 class TokenizedRequest(Msg):
@@ -160,6 +180,9 @@ class TokenizedRequest(Msg):
     stop_token_ids: list[int]  # EOS ids (unless ignore_eos) plus the client's own
     sampler: WorkerSampling
     cache_salt: str | None = None  # the client's prefix-cache namespace
+    # Every prompt token's logprob (echo): computed at every prompt position, so the prefix cache is
+    # bypassed for this request; max_new_tokens may then be 0 (the request ends after its prompt).
+    prompt_logprobs: bool = False
 
 
 class FinishReq(Msg):
@@ -181,9 +204,11 @@ ToScheduler = TokenizedRequest | FinishReq | FlushPrefixCache
 class TokenBatch(Msg):
     """One scheduler step's new tokens, one row per request that got a token.
 
-    ``finished[i]`` is set on the row of a request's last token; a request
-    aborted without a new token appears with ``token_ids[i] == -1``.
-    ``cached_tokens[i]`` counts the prompt tokens whose KV was reused.
+    ``finished[i]`` is set on the row of a request's last token; a request that
+    ends without a new token (aborted, or a prompt-only request done) appears with
+    ``token_ids[i] == -1``. ``cached_tokens[i]`` counts the prompt tokens whose KV was reused.
+    ``top_logprobs``: per row when some row asked for top-N (else empty).
+    ``prompt_logprobs``: the prompts completed this step; they precede their requests' rows.
     """
 
     rids: list[int]
@@ -191,6 +216,8 @@ class TokenBatch(Msg):
     logprobs: list[float]
     finished: list[FinishReason | None]
     cached_tokens: list[int]
+    top_logprobs: list[TopTokens] = []
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 class RequestError(Msg):
@@ -245,6 +272,10 @@ class ForwardBatch(Msg):
     A row's last input may be ``PENDING``: the scheduler sent this batch before the
     previous one's result came back (overlap scheduling), and the worker, which
     runs batches in order, uses the token it drew last for that slot.
+
+    Prompt logprobs (empty lists when no row wants them): row ``i`` wants the logprobs at its
+    first ``prompt_logprob_lens[i]`` positions, of the tokens that follow them, given flat in
+    ``prompt_logprob_targets``.
     """
 
     step: int
@@ -257,6 +288,8 @@ class ForwardBatch(Msg):
     pages: list[int]
     sample: list[bool]
     sampler: list[WorkerSampling | None]
+    prompt_logprob_lens: list[int] = []
+    prompt_logprob_targets: list[int] = []
 
 
 ToWorker = ForwardBatch
@@ -266,7 +299,8 @@ class ForwardResult(Msg):
     """The tokens drawn for the rows of ``step`` whose ``sample`` was True, in row order.
 
     ``logprobs`` is empty when no row's request asked for logprobs (the worker skips
-    computing them). ``error`` is set (and the lists empty) when the forward failed; the scheduler
+    computing them); so is ``top_logprobs`` when none asked for top-N. ``error`` is set
+    (and the lists empty) when the forward failed; the scheduler
     then fails that batch's requests and keeps serving. ``busy_s`` is the worker's
     running total of seconds spent on batches (frame received to reply ready) and
     ``clock_s`` its monotonic clock as it replies: the two give the worker's busy
@@ -280,6 +314,9 @@ class ForwardResult(Msg):
     error: str | None = None
     busy_s: float = 0.0
     clock_s: float = 0.0
+    top_logprobs: list[TopTokens] = []  # per sampled row
+    prompt_logprobs: list[float] = []  # per position of ForwardBatch.prompt_logprob_lens
+    prompt_top_logprobs: list[TopTokens] = []  # the same, when their requests asked for top-N
 
 
 FromWorker = ForwardResult

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protocol.logprobs import TopTokens
 from protocol.messages import ForwardBatch, ForwardResult
 from scheduler_proc.request import Req
 
@@ -22,11 +23,19 @@ class Row:
     out_index: int = -1  # sampling rows: the index in output_ids of the token they draw (at launch)
     start: int = field(init=False)  # the request's kv_len when the row was built: its first position
     launched: bool = False  # applied to its request (Flight.launch): its batch was sent
+    prompt_logprob_len: int = field(init=False)  # leading positions whose prompt logprobs it asks for
 
     def __post_init__(self) -> None:
         assert self.extend_len >= 1, f"rid {self.req.rid}: empty row"
         assert self.req.slot is not None, f"rid {self.req.rid}: row without a slot"
         self.start = self.req.kv_len
+        state = self.req.prompt_logprobs
+        self.prompt_logprob_len = state.row_len(self.start, self.extend_len) if state is not None else 0
+
+    def prompt_logprob_targets(self) -> list[int]:
+        """The tokens that follow this row's prompt-logprob positions (prompt tokens, never PENDING)."""
+        first = self.start + 1
+        return self.req.input_ids[first : first + self.prompt_logprob_len]
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,7 @@ def build_forward_batch(step: int, rows: list[Row]) -> ForwardBatch:
     slots: list[int] = []
     input_ids: list[int] = []
     pages: list[int] = []
+    prompt_logprobs = any(row.prompt_logprob_len for row in rows)
     for row in rows:
         assert row.req.slot is not None, f"rid {row.req.rid}: row without a slot"
         assert not row.launched and row.start == row.req.kv_len, f"rid {row.req.rid}: built after launch"
@@ -72,23 +82,52 @@ def build_forward_batch(step: int, rows: list[Row]) -> ForwardBatch:
         pages=pages,
         sample=[row.sample for row in rows],
         sampler=[row.req.sampler if row.new_slot else None for row in rows],
+        prompt_logprob_lens=[row.prompt_logprob_len for row in rows] if prompt_logprobs else [],
+        prompt_logprob_targets=[t for row in rows for t in row.prompt_logprob_targets()]
+        if prompt_logprobs
+        else [],
     )
 
 
-def row_tokens(rows: list[Row], result: ForwardResult) -> list[tuple[int | None, float]] | str:
-    """(token, logprob) per row of ``result``'s batch (None for a row that samples nothing), or
-    why the result is a failure: the worker's error, or a token count that does not match."""
+_NO_PROMPT_LOGPROBS: tuple[list[float], list[TopTokens]] = ([], [])  # shared, never written to
+
+
+@dataclass(frozen=True)
+class RowResult:
+    """What one row of a batch got back."""
+
+    token: int | None  # None: the row samples nothing
+    logprob: float = 0.0  # the token's, when its request asked (else 0.0)
+    top: TopTokens | None = None  # the token's top-N alternatives, when its request asked
+    prompt_logprobs: list[float] = field(default_factory=list)  # of its prompt_logprob_len positions
+    prompt_top: list[TopTokens] = field(default_factory=list)  # their top-N, when its request asked
+
+
+def row_results(rows: list[Row], result: ForwardResult) -> list[RowResult] | str:
+    """Each row's share of ``result``, or why the result is a failure: the worker's error, or
+    counts that do not match the batch."""
     num_sampled = sum(row.sample for row in rows)
-    if result.error is None and len(result.token_ids) != num_sampled:
-        return f"worker returned {len(result.token_ids)} tokens for {num_sampled} sampled rows"
+    num_prompt = sum(row.prompt_logprob_len for row in rows)
     if result.error is not None:
         return result.error
-    out: list[tuple[int | None, float]] = []
-    k = 0
+    if len(result.token_ids) != num_sampled:
+        return f"worker returned {len(result.token_ids)} tokens for {num_sampled} sampled rows"
+    if result.top_logprobs and len(result.top_logprobs) != num_sampled:
+        return f"worker returned {len(result.top_logprobs)} top-N lists for {num_sampled} sampled rows"
+    prompt_top = result.prompt_top_logprobs
+    if len(result.prompt_logprobs) != num_prompt or (prompt_top and len(prompt_top) != num_prompt):
+        return f"worker returned {len(result.prompt_logprobs)} prompt logprobs for {num_prompt} positions"
+    out: list[RowResult] = []
+    k = p = 0
     for row in rows:
+        end = p + row.prompt_logprob_len
+        prompt = (result.prompt_logprobs[p:end], prompt_top[p:end]) if end > p else _NO_PROMPT_LOGPROBS
+        p = end
         if not row.sample:
-            out.append((None, 0.0))
+            out.append(RowResult(None, 0.0, None, *prompt))
             continue
-        out.append((result.token_ids[k], result.logprobs[k] if k < len(result.logprobs) else 0.0))
+        logprob = result.logprobs[k] if k < len(result.logprobs) else 0.0
+        top = result.top_logprobs[k] if result.top_logprobs else None
+        out.append(RowResult(result.token_ids[k], logprob, top, *prompt))
         k += 1
     return out

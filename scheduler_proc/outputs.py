@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from protocol.logprobs import PromptLogprobs, TopTokens
 from protocol.messages import FinishReason, RequestError, TokenBatch, ToTokenizer
+
+if TYPE_CHECKING:
+    from scheduler_proc.batch import RowResult
+    from scheduler_proc.prompt_logprobs import PromptLogprobState
+
+NO_TOP = TopTokens([], [])
 
 
 class OutputCollector:
@@ -18,10 +27,19 @@ class OutputCollector:
         self._logprobs: list[float] = []
         self._finished: list[FinishReason | None] = []
         self._cached: list[int] = []
+        self._top: list[TopTokens | None] = []
+        self._prompt_logprobs: list[PromptLogprobs] = []
 
     def add_token(
-        self, rid: int, token_id: int, logprob: float, finished: FinishReason | None, cached_tokens: int = 0
+        self,
+        rid: int,
+        token_id: int,
+        logprob: float,
+        finished: FinishReason | None,
+        cached_tokens: int = 0,
+        top: TopTokens | None = None,
     ) -> None:
+        self._top.append(top)
         self._rids.append(rid)
         self._token_ids.append(token_id)
         self._logprobs.append(logprob)
@@ -32,12 +50,22 @@ class OutputCollector:
         """An ended request with no new token: token id -1 by the TokenBatch contract."""
         self.add_token(rid, -1, 0.0, reason, cached_tokens)
 
+    def add_prompt_logprobs(self, rid: int, state: PromptLogprobState, start: int, result: RowResult) -> None:
+        """A row's prompt logprobs (from position ``start``) into ``state``; the whole prompt's
+        leave with this step once complete."""
+        if result.prompt_logprobs:
+            state.add(start, result.prompt_logprobs, result.prompt_top)
+        complete = state.take(rid)
+        if complete is not None:
+            self._prompt_logprobs.append(complete)
+
     def add_error(self, rid: int, message: str) -> None:
         self._errors.append(RequestError(rid=rid, message=message))
 
     def take(self) -> list[ToTokenizer]:
         out: list[ToTokenizer] = []
-        if self._rids:
+        if self._rids or self._prompt_logprobs:
+            wants_top = any(t is not None and t.token_ids for t in self._top)
             out.append(
                 TokenBatch(
                     rids=self._rids,
@@ -45,6 +73,8 @@ class OutputCollector:
                     logprobs=self._logprobs,
                     finished=self._finished,
                     cached_tokens=self._cached,
+                    top_logprobs=[t or NO_TOP for t in self._top] if wants_top else [],
+                    prompt_logprobs=self._prompt_logprobs,
                 )
             )
             self._reset_rows()

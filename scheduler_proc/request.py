@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from protocol.messages import PENDING, FinishReason, TokenizedRequest, WorkerSampling
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.page_allocator import pages_for
+from scheduler_proc.prompt_logprobs import PromptLogprobState
 
 if TYPE_CHECKING:
     from scheduler_proc.batch import Row
@@ -73,6 +74,8 @@ class Flight:
             row.out_index = len(req.output_ids)
             req.output_ids.append(PENDING)
             self.final_scheduled = req.hits_length_limit(len(req.output_ids), context_len)
+        elif req.max_new_tokens == 0 and self.kv_len == req.seq_len:
+            self.final_scheduled = True  # a prompt-only request: it ends when this row lands
         self.rows.append(row)
         self.check(req)
 
@@ -153,10 +156,12 @@ class Req:
     cache_node: TreeNode | None = None
     num_tree_pages: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the cache at the first admission
+    prompt_logprobs: PromptLogprobState | None = None  # the client asked for them (echo)
 
     def __post_init__(self) -> None:
         assert len(self.input_ids) >= 1, f"rid {self.rid}: empty prompt"
-        assert self.max_new_tokens >= 1, f"rid {self.rid}: max_new_tokens must be >= 1"
+        # 0: a prompt-only request (echo), which ends when its prompt is computed.
+        assert self.max_new_tokens >= 0, f"rid {self.rid}: max_new_tokens must be >= 0"
         assert isinstance(self.stop_token_ids, frozenset), "stop_token_ids must be a frozenset"
         assert 0 <= self.kv_len <= self.seq_len, f"rid {self.rid}: kv_len {self.kv_len} out of range"
         assert self.status is ReqStatus.WAITING and self.slot is None and not self.page_table, (
@@ -172,7 +177,13 @@ class Req:
             stop_token_ids=frozenset(msg.stop_token_ids),
             sampler=msg.sampler,
             cache_salt=msg.cache_salt,
+            prompt_logprobs=PromptLogprobState(len(msg.input_ids) - 1) if msg.prompt_logprobs else None,
         )
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are still to compute: no prefix-cache hit may skip a prompt position."""
+        return self.prompt_logprobs is not None and not self.prompt_logprobs.done
 
     @property
     def kv_len(self) -> int:
@@ -242,8 +253,8 @@ def why_rejected(msg: TokenizedRequest, config: SchedulerConfig, *, duplicate: b
         return f"duplicate request id {msg.rid}"
     if n == 0:
         return "empty prompt"
-    if max_new < 1:
-        return f"max_new_tokens must be >= 1, got {max_new}"
+    if max_new < 0:
+        return f"max_new_tokens must be >= 0, got {max_new}"
     if n + max_new > config.context_len:
         return (
             f"prompt ({n} tokens) + max_new_tokens ({max_new}) exceeds the context length "

@@ -33,7 +33,7 @@ from protocol.messages import (
     ToTokenizer,
 )
 from scheduler_proc.admission import Admission
-from scheduler_proc.batch import BatchInfo, Row, build_forward_batch, row_tokens
+from scheduler_proc.batch import BatchInfo, Row, RowResult, build_forward_batch, row_results
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.outputs import OutputCollector
@@ -222,7 +222,7 @@ class Scheduler:
                 self.num_prompt_tokens += len(req.input_ids)
                 self.num_cached_prompt_tokens += req.cached_tokens
         row = self._extend_row(req, extend_len, new_slot, is_prefill=True)
-        if row.sample:
+        if row.start + extend_len == req.seq_len:  # its prompt's end: it decodes next, or ends (max 0)
             req.status = ReqStatus.RUNNING
             self.running.append(req)
         else:
@@ -233,7 +233,7 @@ class Scheduler:
     def _extend_row(self, req: Req, extend_len: int, new_slot: bool, is_prefill: bool) -> Row:
         """A row extending ``req`` by ``extend_len`` tokens, with the pages they need."""
         page_start, new_pages = self.kv.grow(req, extend_len)
-        sample = req.kv_len + extend_len == req.seq_len
+        sample = req.kv_len + extend_len == req.seq_len and req.max_new_tokens > 0
         return Row(req, extend_len, sample, page_start, new_pages, new_slot, is_prefill)
 
     def _decode_rows(self) -> list[Row]:
@@ -278,15 +278,15 @@ class Scheduler:
         if rows is None:
             self._log.warning("dropped a result for unknown step %d", result.step)
             return
-        tokens = row_tokens(rows, result)
-        if isinstance(tokens, str):
-            self._fail_rows(result.step, rows, tokens)
+        results = row_results(rows, result)
+        if isinstance(results, str):
+            self._fail_rows(result.step, rows, results)
             return
-        for row, (token, logprob) in zip(rows, tokens, strict=True):
-            self._apply_row(row, token, logprob)
+        for row, row_result in zip(rows, results, strict=True):
+            self._apply_row(row, row_result)
 
-    def _apply_row(self, row: Row, token: int | None, logprob: float) -> None:
-        req = row.req
+    def _apply_row(self, row: Row, result: RowResult) -> None:
+        req, token = row.req, result.token
         if req.status is ReqStatus.FINISHED:  # ended while in flight: its token is dropped
             req.flight.drop(row)
             if not req.flight.rows:
@@ -295,11 +295,17 @@ class Scheduler:
         req.flight.land(row, token)
         if row.is_prefill:  # its prompt pages are shareable from the next round on
             self.kv.cache_unfinished(req)
+        if req.prompt_logprobs is not None:
+            self._outputs.add_prompt_logprobs(req.rid, req.prompt_logprobs, row.start, result)
         if token is None:
+            if req.max_new_tokens == 0 and req.computed_len == req.seq_len:  # prompt-only: done
+                self.running.remove(req)
+                self._finish(req, FinishReason.LENGTH)
+                self._outputs.add_abort(req.rid, FinishReason.LENGTH, req.cached_tokens)
             return
         self.num_generated_tokens += 1
         reason = req.finish_reason_at(row.out_index, self.config.context_len)
-        self._outputs.add_token(req.rid, token, logprob, reason, req.cached_tokens)
+        self._outputs.add_token(req.rid, token, result.logprob, reason, req.cached_tokens, result.top)
         if reason is not None:
             req.flight.end_at(row)
             self.running.remove(req)

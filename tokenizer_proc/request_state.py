@@ -10,6 +10,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
+from protocol.logprobs import TopTokens
 from protocol.messages import (
     FinishReason,
     FinishReq,
@@ -21,6 +24,7 @@ from protocol.messages import (
     Usage,
 )
 from tokenizer_proc.detokenizer import IncrementalDetokenizer, TokenDecoder
+from tokenizer_proc.echo import EchoPrompt, to_client
 from tokenizer_proc.metrics import ServingMetrics
 from tokenizer_proc.stop import StopMatcher
 from tokenizer_proc.validation import RequestRejected, ValidRequest
@@ -62,6 +66,9 @@ class RequestState:
     logprobs: list[float] = field(default_factory=list)
     text: str = ""  # text emitted so far (kept for the non-streaming reply)
     cached_tokens: int = 0
+    want_top: bool = False  # the client asked for top-N alternatives
+    top: list[TopTokens] = field(default_factory=list)  # one per output token when want_top
+    echo: EchoPrompt | None = None
 
     @property
     def output_ids(self) -> list[int]:
@@ -91,24 +98,36 @@ class RequestState:
     def final_output(self, delta: str, new_ids: list[int], reason: FinishReason) -> GenerateOutput:
         """The last reply: the delta when streaming, else the whole text and tokens."""
         if self.stream:
-            return self._output(delta, new_ids, self.logprobs[len(self.logprobs) - len(new_ids) :], reason)
+            return self._output(delta, new_ids, reason)
         text = self.text if self.incremental else self.detokenizer.full_text()
-        return self._output(text, list(self.output_ids), list(self.logprobs), reason)
+        return self._output(text, list(self.output_ids), reason)
 
-    def _output(
-        self, text: str, ids: list[int], logprobs: list[float], reason: FinishReason | None
-    ) -> GenerateOutput:
-        return GenerateOutput(
+    def _output(self, text: str, ids: list[int], reason: FinishReason | None) -> GenerateOutput:
+        """A reply with ``ids``, the last tokens so far, and their logprobs where asked."""
+        first = len(self.logprobs) - len(ids)
+        out = GenerateOutput(
             rid=self.client_rid,
             text=text,
             token_ids=ids,
-            logprobs=logprobs if self.want_logprobs else None,
+            logprobs=self.logprobs[first:] if self.want_logprobs else None,
             finish_reason=reason,
             usage=self.usage() if reason is not None else None,
+            top_logprobs=[to_client(t) for t in self.top[first:]] if self.want_top else None,
+        )
+        echo = self.echo
+        if echo is None or echo.sent:
+            return out
+        echo.sent = True
+        return msgspec.structs.replace(
+            out,
+            prompt_token_ids=echo.token_ids,
+            prompt_text=echo.text,
+            prompt_logprobs=echo.logprobs,
+            prompt_top_logprobs=echo.top,
         )
 
     def stream_output(self, delta: str, new_ids: list[int]) -> GenerateOutput:
-        return self._output(delta, new_ids, self.logprobs[len(self.logprobs) - len(new_ids) :], None)
+        return self._output(delta, new_ids, None)
 
 
 class RequestTable:
@@ -145,6 +164,8 @@ class RequestTable:
             stop=StopMatcher(valid.stop),
             incremental=valid.stream or bool(valid.stop),
             arrival_s=self._clock(),
+            want_top=valid.top_logprobs > 0,
+            echo=EchoPrompt(valid.input_ids, valid.echo_text) if valid.echo_text is not None else None,
         )
         self._by_client[(client_id, valid.client_rid)] = rid
         self.metrics.prompt_tokens += len(valid.input_ids)
@@ -155,6 +176,7 @@ class RequestTable:
             stop_token_ids=valid.stop_token_ids,
             sampler=valid.sampler,
             cache_salt=valid.cache_salt,
+            prompt_logprobs=valid.prompt_logprobs,
         )
 
     def abort(self, client_id: bytes, client_rid: str) -> Outbox:
@@ -184,11 +206,17 @@ class RequestTable:
     def on_token_batch(self, batch: TokenBatch) -> Outbox:
         """One engine step's rows; only the rows' own requests are touched."""
         out = Outbox()
+        for lp in batch.prompt_logprobs:  # before the rows: a request's first reply carries them
+            state = self._states.get(lp.rid)
+            if state is not None and state.echo is not None:
+                state.echo.take(lp)
         for i, rid in enumerate(batch.rids):
             state = self._states.get(rid)
             if state is None:
                 continue  # aborted or stopped already; the scheduler had not heard yet
             state.cached_tokens = max(state.cached_tokens, batch.cached_tokens[i])
+            if state.want_top and batch.token_ids[i] >= 0:
+                state.top.append(batch.top_logprobs[i] if batch.top_logprobs else TopTokens([], []))
             self._on_row(state, batch.token_ids[i], batch.logprobs[i], batch.finished[i], out)
         return out
 

@@ -11,6 +11,7 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.messages import GenerateRequest, SamplingParams, WorkerSampling
 from tokenizer_proc.model_info import ModelInfo
 
@@ -51,9 +52,16 @@ class ValidRequest:
     stream: bool
     logprobs: bool
     cache_salt: str | None = None  # prefix-cache namespace
+    top_logprobs: int = 0
+    echo_text: str | None = None  # echo: the prompt as the reply gives it back (None: no echo)
 
     def __post_init__(self) -> None:
-        assert self.input_ids and self.max_new_tokens >= 1, "validation let through an empty request"
+        min_new = 0 if self.echo_text is not None else 1
+        assert self.input_ids and self.max_new_tokens >= min_new, "validation let through an empty request"
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        return self.echo_text is not None and self.logprobs
 
 
 def validate_generate(
@@ -63,7 +71,8 @@ def validate_generate(
     if not req.rid:
         raise RequestRejected("rid", "must be a non-empty string")
     params = req.sampling
-    _check_sampling(params, info)
+    _check_sampling(params, info, echo=req.echo)
+    _check_logprob_options(req)
     input_ids = _prompt_ids(req, tokenizer, info)
     if len(input_ids) >= info.context_len:
         raise RequestRejected(
@@ -83,6 +92,7 @@ def validate_generate(
         min_p=float(params.min_p),
         seed=seed,
         logprobs=req.logprobs,
+        top_logprobs=req.top_logprobs,
     )
     return ValidRequest(
         client_rid=req.rid,
@@ -94,12 +104,31 @@ def validate_generate(
         stream=req.stream,
         logprobs=req.logprobs,
         cache_salt=req.cache_salt,
+        top_logprobs=req.top_logprobs,
+        echo_text=_echo_text(req, input_ids, tokenizer),
     )
 
 
-def _check_sampling(params: SamplingParams, info: ModelInfo) -> None:
-    if params.max_new_tokens < 1:
-        raise RequestRejected("sampling.max_new_tokens", f"must be >= 1, got {params.max_new_tokens}")
+def _check_logprob_options(req: GenerateRequest) -> None:
+    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestRejected("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+    if req.top_logprobs and not req.logprobs:
+        raise RequestRejected("top_logprobs", "needs logprobs=true")
+    if req.echo and req.messages is not None:
+        raise RequestRejected("echo", "works with prompt or input_ids, not messages")
+
+
+def _echo_text(req: GenerateRequest, input_ids: list[int], tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The prompt an echo gives back: the text as sent, or the token ids decoded."""
+    if not req.echo:
+        return None
+    return req.prompt if req.prompt is not None else str(tokenizer.decode(input_ids))
+
+
+def _check_sampling(params: SamplingParams, info: ModelInfo, *, echo: bool) -> None:
+    min_new = 0 if echo else 1  # echo with max_new_tokens 0 only scores the prompt
+    if params.max_new_tokens < min_new:
+        raise RequestRejected("sampling.max_new_tokens", f"must be >= {min_new}, got {params.max_new_tokens}")
     if not math.isfinite(params.temperature) or params.temperature < 0:
         raise RequestRejected(
             "sampling.temperature", f"must be a finite number >= 0, got {params.temperature}"

@@ -1,7 +1,7 @@
 """The worker's C kernels for CPU (csrc/*.c): attention of decode rows over the paged KV, the dense
 layers' small ops (RMSNorm, rotary, silu * up) in one call each, the few-row bf16 matmul of decode
-steps, the greedy argmax, and the matmul and row lookup of GGUF weights kept in their quantized
-blocks (quant*.c: activations quantized to int8 per block, integer dot products, as llama.cpp).
+steps, the greedy argmax, and (quant_kernels.py) the matmuls and row lookup of GGUF weights kept
+in their blocks and the one-call decode of a model on them.
 
 Why C: torch has no paged attention on CPU. Its SDPA wants each decode row's KV
 gathered into a padded copy first. The kernel walks each row's pages in place
@@ -13,60 +13,27 @@ matmul streams plain [out, in] bf16 weights, widened to fp32 in registers where
 the CPU has no bf16 dot product: decode is bound by memory, so half the bytes of
 fp32 weights is most of the speed.
 
-One library per CPU kind (kind.py), built with the system C compiler on first
-use into the rivulet cache folder, with that kind's -march (x86-64-v3 for AVX2,
-never -march=native: a Zen 5 with AVX-512 disabled still has AVX-VNNI, and such
-a build is no AVX2 build). The name is keyed by the sources, flags and compiler.
-No compiler, or a failed build: ``load()`` returns None, the reason is logged
-once, and the worker keeps its torch paths.
+Built per CPU kind by build.py. No compiler, or a failed build: ``load()`` returns None, the
+reason is logged once, and the worker keeps its torch paths.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
 import subprocess
-import tempfile
-import threading
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import gguf
 import torch
 
+from gpu_worker.cpu.build import BUILDS, DTYPE_CODES, ISA_PORTABLE, build
 from gpu_worker.cpu.kind import CpuKind, is_x86
-from gpu_worker.model_files import cache_root
+from gpu_worker.cpu.quant_kernels import QuantKernels
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = (
-    "attention.c", "matmul.c", "small_ops.c", "quant.c", "quant_dense.c", "quant_legacy.c", "quant_k.c",
-    "decode_layers.c",
-)  # fmt: skip
-HEADERS = ("common.h", "quant.h")
-# -std=c11 alone turns FMA contraction off, and trapping math keeps float selects as branches: both
-# leave the inner loops scalar. The kernels read no FP exception flags and no errno.
-CFLAGS = (
-    "-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11",
-    "-ffp-contract=fast", "-fno-trapping-math", "-fno-math-errno",
-)  # fmt: skip
-# Per kind: the -march it is built with and the ISA code the build must report (csrc/common.h).
-# AVX-512 without BF16 runs the AVX2 build: its bf16 gain is vdpbf16ps, which it lacks, and the
-# fp32 paths are bound by memory (decode) or left to oneDNN, which uses AVX-512 itself (prefill).
-ISA_PORTABLE, ISA_AVX2, ISA_AVX512_BF16 = 0, 1, 2
-BUILDS: dict[CpuKind, tuple[tuple[str, ...], int]] = {
-    CpuKind.PORTABLE: (("-march=x86-64",), ISA_PORTABLE),
-    CpuKind.AVX2: (("-march=x86-64-v3",), ISA_AVX2),
-    CpuKind.AVX512: (("-march=x86-64-v3",), ISA_AVX2),
-    CpuKind.AVX512_BF16: (("-march=x86-64-v4", "-mavx512bf16"), ISA_AVX512_BF16),
-}
-BUILD_TIMEOUT_S = 120
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEADS, MAX_HEAD_DIM = 64, 256  # csrc's limits; larger shapes use torch
 
 
@@ -83,7 +50,7 @@ class DecodeRows(NamedTuple):
     tensors: tuple[torch.Tensor, ...]  # what the pointers point into, kept alive with them
 
 
-class CpuKernels:
+class CpuKernels(QuantKernels):
     """ctypes bindings of a built library; every method takes CPU tensors."""
 
     def __init__(self, path: Path, kind: CpuKind) -> None:
@@ -116,26 +83,7 @@ class CpuKernels:
         self._argmax.argtypes = [ptr, i64, i64, i32, i32, ptr]
         for fn in (self._rms_norm, self._rotary, self._silu_mul, self._matmul, self._argmax):
             fn.restype = None
-        self._quant_supported = lib.quant_supported
-        self._quant_supported.argtypes = [i32]
-        self._quant_supported.restype = i32
-        self._quant_act_row_bytes = lib.quant_act_row_bytes
-        self._quant_act_row_bytes.argtypes = [i32, i64]
-        self._quant_act_row_bytes.restype = i64
-        self._quant_matmul = lib.quant_matmul
-        self._quant_matmul.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, ptr, i32, ptr, i64]
-        self._quant_matmul.restype = i32
-        self._quant_matmul_dense = lib.quant_matmul_dense
-        self._quant_matmul_dense.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, i32, ptr, i64]
-        self._quant_matmul_dense.restype = i32
-        self._decode_layers = lib.decode_layers
-        self._decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64]
-        self._decode_layers.restype = i32
-        self._quant_get_rows = lib.quant_get_rows
-        self._quant_get_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32]
-        self._quant_get_rows.restype = None
-        self._local = threading.local()
-        self._act_row_bytes = functools.cache(lambda type, k: int(self._quant_act_row_bytes(type, k)))
+        self._bind_quant(lib)
 
     @staticmethod
     def supports(num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
@@ -257,117 +205,6 @@ class CpuKernels:
         )  # fmt: skip
         return out
 
-    # GGUF weights in their quantized blocks (csrc/quant.h): ``type`` is ggml's type id
-    # (gguf.GGMLQuantizationType), ``w`` the [n, row bytes] uint8 blocks as the file holds them.
-
-    def quant_supported(self, type: int) -> bool:
-        """Whether ``quant_matmul`` and ``quant_get_rows`` take weights of this ggml type."""
-        return bool(self._quant_supported(type))
-
-    def quant_matmul(
-        self,
-        type: int,
-        w: torch.Tensor,
-        k: int,
-        x: torch.Tensor,
-        residual: torch.Tensor | None = None,
-        dense: bool = False,
-    ) -> torch.Tensor:
-        """x [M, K] @ W.T (+ residual) -> [M, N] in x's dtype (float32 or bfloat16), W [N, K] held as
-        blocks ``w`` (uint8 [N, row bytes], contiguous). x rows are quantized to 16 bits per block of
-        32 (csrc/quant.h), or with ``dense`` meet W dequantized to float32 (csrc/quant_dense.c); sums
-        in float32, one rounding at the end. x and residual rows may be strided (last dim
-        contiguous); residual [M, N] in x's dtype."""
-        return self.quant_matmul_checked(type, w, k, x, residual, self.quant_check(type, w, k), dense)
-
-    def quant_check(self, type: int, w: torch.Tensor, k: int) -> int:
-        """Check blocks ``w`` of ``type`` for k columns once; returns the bytes of an activation row."""
-        act_bytes = int(self._act_row_bytes(type, k))
-        if act_bytes == 0:
-            raise ValueError(f"quant_matmul: type {type} unsupported or k={k} not a whole number of blocks")
-        assert w.dtype == torch.uint8 and w.is_contiguous() and w.dim() == 2, (
-            "w: contiguous uint8 [n, row bytes]"
-        )
-        assert w.shape[1] == quant_row_bytes(type, k), f"w: {w.shape[1]} bytes a row, not k={k}'s"
-        return act_bytes
-
-    def quant_matmul_checked(
-        self,
-        type: int,
-        w: torch.Tensor,
-        k: int,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        act_bytes: int,
-        dense: bool = False,
-    ) -> torch.Tensor:
-        """``quant_matmul`` for blocks ``quant_check`` passed (it returned ``act_bytes``): what a
-        Linear calls per step, with only the checks that depend on x. ``dense``: the many-row path
-        (csrc/quant_dense.c), W dequantized panel by panel and x not quantized."""
-        assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1, "x: [M, k], rows contiguous"
-        m, n = x.shape[0], w.shape[0]
-        out = torch.empty((m, n), dtype=x.dtype)
-        if residual is not None:
-            assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1
-        res = (None, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
-        head = (type, w.data_ptr(), n, k, x.data_ptr(), x.stride(0), DTYPE_CODES[x.dtype], m)
-        if dense:
-            status = self._quant_matmul_dense(*head, out.data_ptr(), DTYPE_CODES[x.dtype], *res)
-        else:
-            scratch = self._scratch(m * act_bytes)
-            status = self._quant_matmul(*head, scratch.data_ptr(), out.data_ptr(), DTYPE_CODES[x.dtype], *res)
-        if status != 0:
-            raise ValueError(f"quant_matmul refused type {type}, k={k}, dtype {x.dtype}: status {status}")
-        return out
-
-    def _scratch(self, nbytes: int) -> torch.Tensor:
-        """A buffer of at least ``nbytes`` for quantized activations, reused by this thread's calls
-        (an allocation per call costs about as much as a small matmul's compute)."""
-        buf: torch.Tensor | None = getattr(self._local, "scratch", None)
-        if buf is None or buf.numel() < nbytes:
-            buf = self._local.scratch = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
-        return buf
-
-    def quant_get_rows(
-        self, type: int, w: torch.Tensor, k: int, ids: torch.Tensor, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """Rows ``ids`` (int64 [T]) of W [N, K] held as blocks ``w``, dequantized -> [T, K] of ``dtype``
-        (the embedding lookup)."""
-        if self._act_row_bytes(type, k) == 0:
-            raise ValueError(f"quant_get_rows: type {type} unsupported or k={k} not a whole number of blocks")
-        assert w.dtype == torch.uint8 and w.is_contiguous() and w.dim() == 2
-        assert w.shape[1] == quant_row_bytes(type, k), f"w: {w.shape[1]} bytes a row, not k={k}'s"
-        assert ids.dtype == torch.int64 and ids.dim() == 1
-        ids = ids.contiguous()
-        assert len(ids) == 0 or (0 <= int(ids.min()) and int(ids.max()) < w.shape[0]), "ids out of range"
-        out = torch.empty((len(ids), k), dtype=dtype)
-        self._quant_get_rows(
-            type, w.data_ptr(), k, ids.data_ptr(), len(ids), out.data_ptr(), DTYPE_CODES[dtype]
-        )
-        return out
-
-    def decode_layers(
-        self,
-        layers: ctypes.Array[Any],
-        n_layers: int,
-        dims: ctypes.Structure,
-        x: torch.Tensor,
-        out: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        rows: DecodeRows,
-    ) -> None:
-        """A Llama model's decoder layers over decode rows in one call (csrc/decode_layers.c; the
-        structs are gpu_worker/cpu/decode_layers.py's): out [T, hidden] from the embedding rows x,
-        cos / sin [T, 1, head_dim] at the rows' positions, the attention's ``rows``."""
-        status = self._decode_layers(
-            ctypes.byref(layers), n_layers, ctypes.byref(dims), x.data_ptr(), out.data_ptr(), rows.rows,
-            cos.data_ptr(), sin.data_ptr(), rows.q_rows, rows.slots, rows.kv_lens, rows.page_table,
-            rows.pt_stride, rows.page_size,
-        )  # fmt: skip
-        if status != 0:
-            raise RuntimeError(f"decode_layers failed: status {status}")
-
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """The first index of each row's largest value of [R, V] float32/bf16 logits (rows may be
         strided; NaN-free), as int64 [R]: torch's max(dim=-1).indices, several times faster."""
@@ -380,13 +217,6 @@ class CpuKernels:
 
 
 @functools.cache
-def quant_row_bytes(type: int, k: int) -> int:
-    """Bytes of one row of k weights in blocks of ggml type ``type``."""
-    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type)]
-    return k // block * block_bytes
-
-
-@functools.cache
 def load(kind: CpuKind) -> CpuKernels | None:
     """The kernels for ``kind``, built on first use; None (logged once) where they cannot be."""
     try:
@@ -394,38 +224,3 @@ def load(kind: CpuKind) -> CpuKernels | None:
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         logger.warning("CPU kernels unavailable, using torch paths: %s", exc)
         return None
-
-
-def build(kind: CpuKind) -> Path:
-    """Path of the library for ``kind``, compiling it unless these sources/flags/compiler have one."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    flags = CFLAGS + (BUILDS[kind][0] if is_x86() else ())
-    texts = [(CSRC / name).read_text() for name in SOURCES + HEADERS]
-    key = hashlib.sha256("\n".join([*texts, " ".join(flags), version]).encode()).hexdigest()[:16]
-    out_dir = cache_root() / "kernels"
-    target = out_dir / f"cpu_kernels-{kind.value}-{key}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: a concurrent builder never sees half a file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        sources = [str(CSRC / name) for name in SOURCES]
-        done = subprocess.run(
-            [compiler, *flags, "-o", tmp, *sources, "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=BUILD_TIMEOUT_S,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    logger.info("built CPU kernels for %s: %s", kind.value, target)
-    return target

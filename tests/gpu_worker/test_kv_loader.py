@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -128,6 +129,12 @@ def test_malformed_batches_are_rejected_before_indexing(llama_dir: Path) -> None
         dict(extend_lens=[3]),
         dict(page_starts=[64]),
         dict(prefix_lens=[255]),
+        dict(prompt_logprob_lens=[3], prompt_logprob_targets=[4, 5, 6]),  # more positions than the row
+        dict(prompt_logprob_lens=[1], prompt_logprob_targets=[500]),  # outside the vocabulary
+        dict(prompt_logprob_lens=[1], prompt_logprob_targets=[]),
+        dict(prompt_logprob_targets=[4]),
+        dict(sampler=[msgspec.structs.replace(GREEDY, logprobs=True, top_logprobs=21)]),
+        dict(sampler=[msgspec.structs.replace(GREEDY, top_logprobs=2)]),  # top-N without logprobs
     ):
         with pytest.raises(ValueError):
             runner.execute(batch(**bad))

@@ -135,7 +135,7 @@ def test_greedy_rows_without_logprobs_skip_them_and_pick_the_same_tokens() -> No
     torch.testing.assert_close(logprobs, expected)
 
 
-def test_plain_greedy_only_when_every_row_is_greedy_and_wants_no_logprobs() -> None:
+def test_plain_greedy_when_every_row_is_greedy() -> None:
     table, slots, _ = params(
         [
             sp(temperature=0.0, logprobs=False),
@@ -146,6 +146,6 @@ def test_plain_greedy_only_when_every_row_is_greedy_and_wants_no_logprobs() -> N
     )
     assert table.plain_greedy([0, 1])
     assert not table.plain_greedy([0, 2]), "a sampled row needs the whole sampler"
-    assert not table.plain_greedy([1, 3]), "a row that asks for logprobs needs them computed"
+    assert table.plain_greedy([1, 3]), "logprobs are computed for the rows that ask, apart from the draw"
     with pytest.raises(ValueError, match="sampler params"):
         SlotSamplerParams(4).plain_greedy([1])

@@ -31,6 +31,7 @@ from protocol import (
     WorkerReady,
     WorkerSampling,
 )
+from protocol.logprobs import PromptLogprobs, TopLogprobs, TopTokens
 from protocol.transport import Codec
 
 SAMPLER = WorkerSampling(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=123)
@@ -42,7 +43,21 @@ CASES = [
     ),
     (ClientRequest, GenerateRequest(rid="b", messages=[ChatMessage(role="user", content="hi")])),
     (ClientRequest, GenerateRequest(rid="c", input_ids=[1, 2, 3], logprobs=True)),
+    (ClientRequest, GenerateRequest(rid="d", input_ids=[1, 2], logprobs=True, top_logprobs=20, echo=True)),
     (ClientRequest, AbortRequest(rid="a")),
+    (
+        ClientReply,
+        GenerateOutput(
+            rid="e",
+            token_ids=[5],
+            logprobs=[-0.25],
+            top_logprobs=[TopLogprobs(token_ids=[5, 6], logprobs=[-0.25, -2.0])],
+            prompt_token_ids=[1, 2],
+            prompt_text="hi",
+            prompt_logprobs=[None, -3.5],
+            prompt_top_logprobs=[None, TopLogprobs(token_ids=[2, 9], logprobs=[-3.5, -4.0])],
+        ),
+    ),
     (
         ClientReply,
         GenerateOutput(
@@ -68,6 +83,18 @@ CASES = [
             cached_tokens=[0, 0],
         ),
     ),
+    (
+        ToTokenizer,
+        TokenBatch(
+            rids=[4],
+            token_ids=[-1],
+            logprobs=[0.0],
+            finished=[FinishReason.LENGTH],
+            cached_tokens=[0],
+            top_logprobs=[TopTokens([], [])],
+            prompt_logprobs=[PromptLogprobs(rid=4, logprobs=[-1.0, -2.0], top=[TopTokens([3], [-0.5])] * 2)],
+        ),
+    ),
     (ToTokenizer, RequestError(rid=3, message="too long")),
     (ToTokenizer, EngineStats(num_running=2, num_waiting=1, num_pages=64, free_pages=40, evictable_pages=8)),
     (
@@ -83,9 +110,23 @@ CASES = [
             pages=[12],
             sample=[True, True],
             sampler=[SAMPLER, None],
+            prompt_logprob_lens=[2, 0],
+            prompt_logprob_targets=[5, 6],
         ),
     ),
     (FromWorker, ForwardResult(step=1, token_ids=[3, 4], logprobs=[-1.0, -2.0], forward_s=0.01)),
+    (
+        FromWorker,
+        ForwardResult(
+            step=2,
+            token_ids=[3],
+            logprobs=[-1.0],
+            forward_s=0.01,
+            top_logprobs=[TopTokens([3], [-1.0])],
+            prompt_logprobs=[-0.5, -0.7],
+            prompt_top_logprobs=[TopTokens([8], [-0.1])] * 2,
+        ),
+    ),  # fmt: skip
     (ToLauncher, Ready(proc="tokenizer", pid=10)),
     (
         ToLauncher,

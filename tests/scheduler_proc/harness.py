@@ -47,7 +47,12 @@ def fixed_ratio(ratio: float) -> dict[str, Any]:
 
 
 def tokenized(
-    rid: int, prompt: list[int], max_new: int, stop: Iterable[int] = (), salt: str | None = None
+    rid: int,
+    prompt: list[int],
+    max_new: int,
+    stop: Iterable[int] = (),
+    salt: str | None = None,
+    prompt_logprobs: bool = False,
 ) -> TokenizedRequest:
     return TokenizedRequest(
         rid=rid,
@@ -56,6 +61,7 @@ def tokenized(
         stop_token_ids=list(stop),
         sampler=sampler(rid),
         cache_salt=salt,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -164,6 +170,8 @@ class FakeWorker:
             )
             page_off += batch.page_counts[i]
         tokens: list[int] = []
+        prompt_logprobs: list[float] = []
+        targets = iter(batch.prompt_logprob_targets)
         tok_off = 0
         for i, slot in enumerate(batch.slots):
             prefix, ext = batch.prefix_lens[i], batch.extend_lens[i]
@@ -177,6 +185,12 @@ class FakeWorker:
             for pos, tok in enumerate(row_ids, start=prefix):
                 h = next_hash(h, tok)
                 self._write(slot, pos, tok, h)
+            for k in range(batch.prompt_logprob_lens[i] if batch.prompt_logprob_lens else 0):
+                target = next(targets)
+                assert k + 1 >= ext or row_ids[k + 1] == target, (
+                    "a prompt-logprob target is not the next token"
+                )
+                prompt_logprobs.append(-float(target))  # the test reads the target back from it
             tok_off += ext
             self.extend_tokens += ext
             if batch.sample[i]:
@@ -187,7 +201,11 @@ class FakeWorker:
         sampled = [slot for slot, sample in zip(batch.slots, batch.sample, strict=True) if sample]
         self.last_token.update(zip(sampled, tokens, strict=True))
         return ForwardResult(
-            step=batch.step, token_ids=tokens, logprobs=[-0.5] * len(tokens), forward_s=0.001
+            step=batch.step,
+            token_ids=tokens,
+            logprobs=[-0.5] * len(tokens),
+            forward_s=0.001,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -203,12 +221,19 @@ class Driver:
         self.errors: dict[int, str] = {}
         self.batches: list[ForwardBatch] = []
         self.cached: dict[int, int] = {}  # rid -> cached_tokens its rows reported
+        self.prompt_logprobs: dict[int, list[float]] = {}
         self.pending: deque[tuple[ForwardBatch, ForwardResult]] = deque()  # sent, result not applied
 
     def submit(
-        self, rid: int, prompt: list[int], max_new: int, stop: Iterable[int] = (), salt: str | None = None
+        self,
+        rid: int,
+        prompt: list[int],
+        max_new: int,
+        stop: Iterable[int] = (),
+        salt: str | None = None,
+        prompt_logprobs: bool = False,
     ) -> RequestError | None:
-        error = self.sched.add(tokenized(rid, prompt, max_new, stop, salt))
+        error = self.sched.add(tokenized(rid, prompt, max_new, stop, salt, prompt_logprobs))
         if error is None:
             self.tokens[rid] = []
         return error
@@ -244,6 +269,10 @@ class Driver:
                 self.errors[out.rid] = out.message
                 continue
             assert isinstance(out, TokenBatch)
+            for lp in out.prompt_logprobs:
+                assert lp.rid not in self.prompt_logprobs, f"rid {lp.rid}: prompt logprobs twice"
+                assert lp.rid not in self.finished, f"rid {lp.rid}: prompt logprobs after its end"
+                self.prompt_logprobs[lp.rid] = lp.logprobs
             rows = zip(out.rids, out.token_ids, out.finished, out.cached_tokens, strict=True)
             for rid, tok, reason, cached in rows:
                 assert rid not in self.finished and rid not in self.errors, f"row for rid {rid} after its end"
@@ -297,7 +326,10 @@ def check_invariants(sched: Scheduler) -> None:
         assert req.status is ReqStatus.WAITING and req.slot is None and not req.page_table and req.kv_len == 0
         assert req.cache_node is None, f"rid {req.rid} waits holding a cache lock"
     for req in sched.running:
-        assert req.status is ReqStatus.RUNNING and req.is_decoding, f"rid {req.rid} running but not decoding"
+        prompt_only_ending = req.max_new_tokens == 0 and req.flight.final_scheduled  # its last row in flight
+        assert req.status is ReqStatus.RUNNING and (req.is_decoding or prompt_only_ending), (
+            f"rid {req.rid} running but not decoding"
+        )
     if sched.chunked_req is not None:
         req = sched.chunked_req
         assert req.status is ReqStatus.CHUNKED and 0 < req.kv_len < req.seq_len

@@ -35,7 +35,7 @@ def test_add_rejects_requests_that_can_never_run_and_keeps_no_state() -> None:
         2: (prompt(128), 1, "does not fit the KV pool"),  # 129 tokens of KV
         3: (prompt(100), 40, "more KV than the whole pool"),  # 140 > 128 tokens
         4: ([], 4, "empty prompt"),
-        5: (prompt(4), 0, "max_new_tokens"),
+        5: (prompt(4), -1, "max_new_tokens"),  # 0 is a prompt-only request (echo)
     }
     for rid, (p, max_new, why) in cases.items():
         error = d.submit(rid, p, max_new)

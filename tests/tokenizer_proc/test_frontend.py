@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import pytest
 
+from protocol.logprobs import PromptLogprobs, TopLogprobs, TopTokens
 from protocol.messages import (
     AbortRequest,
     FinishReason,
@@ -207,3 +208,40 @@ def test_non_streaming_abort_returns_the_text_so_far(
         [CLIENT, msgspec.msgpack.encode(AbortRequest(rid="r1"))]
     ).replies
     assert (reply.text, reply.token_ids, reply.finish_reason) == (" so far so good", ids, FinishReason.ABORT)
+
+
+def test_echo_with_prompt_and_top_logprobs(frontend: Frontend, tokenizer: PreTrainedTokenizerBase) -> None:
+    req = _submit(
+        frontend, prompt=None, input_ids=[10, 11, 12], echo=True, logprobs=True, top_logprobs=2, stream=True
+    )
+    assert req.prompt_logprobs and req.sampler.top_logprobs == 2
+    top = [TopTokens([7, 8], [-0.1, -2.5]), TopTokens([9, 10], [-0.2, -1.9])]
+    prompt = PromptLogprobs(rid=req.rid, logprobs=[-3.0, -4.0], top=top)
+    alternatives = [TopTokens([13, 14], [-0.7, -0.9])]
+    batch = TokenBatch(rids=[req.rid], token_ids=[13], logprobs=[-0.7], finished=[None], cached_tokens=[0],
+                       top_logprobs=alternatives, prompt_logprobs=[prompt])  # fmt: skip
+    ((_, first),) = frontend.on_scheduler_msg(batch).replies
+    assert first.prompt_token_ids == [10, 11, 12] and first.prompt_text == tokenizer.decode([10, 11, 12])
+    assert first.prompt_logprobs == [None, -3.0, -4.0]
+    assert first.prompt_top_logprobs == [None, *(TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs)
+                                                 for t in top)]  # fmt: skip
+    assert first.top_logprobs == [TopLogprobs(token_ids=[13, 14], logprobs=[-0.7, -0.9])]
+    (last,) = _run(frontend, req.rid, [15], FinishReason.LENGTH)
+    assert last.prompt_token_ids is None, "the prompt is echoed once per stream"
+    assert last.top_logprobs == [TopLogprobs(token_ids=[], logprobs=[])]
+
+
+def test_prompt_only_request_finishes_with_its_prompt(frontend: Frontend) -> None:
+    req = _submit(
+        frontend, prompt=None, input_ids=[10, 11], echo=True, logprobs=True, sampling={"max_new_tokens": 0}
+    )
+    prompt = PromptLogprobs(rid=req.rid, logprobs=[-1.5], top=[])
+    batch = TokenBatch(rids=[req.rid], token_ids=[-1], logprobs=[0.0], finished=[FinishReason.LENGTH],
+                       cached_tokens=[0], prompt_logprobs=[prompt])  # fmt: skip
+    ((_, reply),) = frontend.on_scheduler_msg(batch).replies
+    assert (reply.finish_reason, reply.token_ids, reply.prompt_logprobs) == (
+        FinishReason.LENGTH,
+        [],
+        [None, -1.5],
+    )
+    assert reply.prompt_top_logprobs is None and _usage(reply).completion_tokens == 0

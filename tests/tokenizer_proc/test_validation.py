@@ -46,6 +46,10 @@ REJECTIONS = [
     ({"sampling": {"seed": 2**63}}, "sampling.seed"),
     ({"sampling": {"stop": ["ok", ""]}}, "sampling.stop"),
     ({"sampling": {"stop_token_ids": [49152]}}, "sampling.stop_token_ids"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs needs logprobs"),
+    ({"prompt": None, "messages": [ChatMessage(role="user", content="hi")], "echo": True}, "echo"),
 ]
 
 
@@ -115,3 +119,12 @@ def test_seeds_are_drawn_from_the_config_seed(
 
 def test_model_info_reads_the_embedded_model(model_info: ModelInfo) -> None:
     assert (model_info.context_len, model_info.vocab_size, model_info.eos_token_ids) == (8192, 49152, (2,))
+
+
+def test_echo_allows_max_new_tokens_zero(tokenizer: PreTrainedTokenizerBase, model_info: ModelInfo) -> None:
+    ok = _validate(tokenizer, model_info, prompt="Hi there", echo=True, logprobs=True, top_logprobs=20,
+                   sampling={"max_new_tokens": 0})  # fmt: skip
+    assert (ok.max_new_tokens, ok.echo_text, ok.prompt_logprobs) == (0, "Hi there", True)
+    assert (ok.sampler.logprobs, ok.sampler.top_logprobs) == (True, 20)
+    ids = _validate(tokenizer, model_info, input_ids=[504, 2337], echo=True, sampling={"max_new_tokens": 0})
+    assert ids.echo_text == tokenizer.decode([504, 2337]) and not ids.prompt_logprobs

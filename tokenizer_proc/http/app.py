@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import time
 import uuid
@@ -16,15 +15,16 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from protocol.messages import FinishReason, GenerateRequest
-from tokenizer_proc.http.bridge import HttpBridge, RequestHandle
-from tokenizer_proc.http.convert import chat_request, completion_request, rejection_error
+from tokenizer_proc.http.bridge import HttpBridge
+from tokenizer_proc.http.choices import EventStream, submit_all, whole_replies
+from tokenizer_proc.http.convert import chat_request, completion_requests, rejection_error
 from tokenizer_proc.http.errors import ApiError, engine_error, shutting_down, starting
-from tokenizer_proc.http.responses import DONE_EVENT, ResponseShape
+from tokenizer_proc.http.responses import ResponseShape
 from tokenizer_proc.http.schemas import ChatCompletionRequest, CompletionRequest, decode_body
 from tokenizer_proc.metrics import render_prometheus
+from tokenizer_proc.token_bytes import TokenTexts
 from tokenizer_proc.validation import RequestRejected
 
 
@@ -41,33 +41,6 @@ def json_response(body: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(body), status, media_type="application/json")
 
 
-class EventStream(Response):
-    """An SSE response that aborts its engine request the moment the client disconnects."""
-
-    def __init__(self, handle: RequestHandle, shape: ResponseShape) -> None:
-        super().__init__(media_type="text/event-stream")
-        self.handle = handle
-        self.shape = shape
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        watcher = asyncio.create_task(self.handle.abort_on_disconnect(receive))
-        try:
-            while not self.handle.finished:
-                reply = await self.handle.next()
-                for event in self.shape.events(reply):
-                    await send({"type": "http.response.body", "body": event, "more_body": True})
-                if reply.finish_reason is FinishReason.ERROR:
-                    break  # the error event ends the stream; no [DONE]
-            else:
-                await send({"type": "http.response.body", "body": DONE_EVENT, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            watcher.cancel()
-            await self.handle.close()
-
-
 class OpenAiApi:
     """The route handlers; every engine interaction goes through the bridge."""
 
@@ -75,18 +48,19 @@ class OpenAiApi:
         self.bridge = bridge
         self.settings = settings
         self._context_len = bridge.frontend.info.context_len
+        self._texts = TokenTexts(bridge.frontend.tokenizer)
 
     async def completions(self, request: Request) -> Response:
         body = decode_body(await self._body(request), CompletionRequest)
         self._check_model(body.model)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        return await self._generate(request, completion_request(body, rid), body, chat=False)
+        return await self._generate(request, completion_requests(body, rid), body, rid=rid, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         body = decode_body(await self._body(request), ChatCompletionRequest)
         self._check_model(body.model)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        return await self._generate(request, chat_request(body, rid), body, chat=True)
+        return await self._generate(request, [chat_request(body, rid)], body, rid=rid, chat=True)
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -104,35 +78,33 @@ class OpenAiApi:
         text = render_prometheus(frontend.requests.metrics, frontend.engine_stats, len(frontend.requests))
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def _generate(self, request: Request, req: GenerateRequest, body: Any, *, chat: bool) -> Response:
+    async def _generate(
+        self, request: Request, reqs: list[GenerateRequest], body: Any, *, rid: str, chat: bool
+    ) -> Response:
+        """Run ``reqs`` (one per choice, all alike but for their prompt) as one response."""
         max_param = (
             "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
         )
         try:
-            handle = await self.bridge.submit(req)
+            handles = await submit_all(self.bridge, reqs)
         except RequestRejected as exc:
             raise rejection_error(exc, chat=chat, max_param=max_param) from None
-        frontend = self.bridge.frontend
         shape = ResponseShape(
-            id=req.rid,
+            id=rid,
             model=body.model or self.settings.served_model_name,
             created=int(time.time()),
             chat=chat,
-            logprobs=req.logprobs,
+            logprobs=reqs[0].logprobs,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            token_text=lambda ids: [str(frontend.tokenizer.decode([t])) for t in ids],
+            texts=self._texts,
         )
-        if req.stream:
-            return EventStream(handle, shape)
-        watcher = asyncio.create_task(handle.abort_on_disconnect(request.receive))
-        try:
-            reply = await handle.final()
-        finally:
-            watcher.cancel()
-            await handle.close()
-        if reply.finish_reason is FinishReason.ERROR:
-            raise engine_error(reply.error or "the engine failed the request")
-        return json_response(shape.whole(reply))
+        if reqs[0].stream:
+            return EventStream(handles, shape)
+        replies = await whole_replies(handles, request.receive)
+        failed = [r for r in replies if r.finish_reason is FinishReason.ERROR]
+        if failed:
+            raise engine_error(failed[0].error or "the engine failed the request")
+        return json_response(shape.whole(replies))
 
     async def _body(self, request: Request) -> bytes:
         """Authorize, check the engine is serving, and read the body within the size limit."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from protocol.messages import GenerateOutput, GenerateRequest
 from tokenizer_proc.frontend import Frontend
@@ -91,16 +90,9 @@ class RequestHandle:
             reply = await self.next()
         return reply
 
-    async def abort_on_disconnect(self, receive: Callable[[], Awaitable[Any]]) -> None:
-        """Read the ASGI receive channel until the client disconnects, then abort at once.
-
-        The abort does not wait for the next token: the scheduler hears of it before
-        its next step, and the request's KV is freed with it.
-        """
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        if not self.finished:
-            await self._bridge.abort(self.client_id)
+    async def abort(self) -> None:
+        """Abort the request now (its queue then gets a final ABORT reply)."""
+        await self._bridge.abort(self.client_id)
 
     async def close(self) -> None:
         await self._bridge.close(self.client_id)

@@ -2,12 +2,15 @@
 
 The engine's own validation (``tokenizer_proc.validation``) checks ranges and
 tokenizes; this module only maps names, refuses what rivulet does not implement
-(n > 1, penalties, top-k logprobs, tools, echo) with a 400 naming the parameter,
-and fills OpenAI's defaults.
+(n > 1, penalties, tools) with a 400 naming the parameter, and fills OpenAI's
+defaults. A completions ``prompt`` that is a batch becomes one request per prompt.
 """
 
 from __future__ import annotations
 
+import msgspec
+
+from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.messages import ChatMessage, GenerateRequest, SamplingParams
 from tokenizer_proc.frontend import SHUTTING_DOWN
 from tokenizer_proc.http.errors import ApiError, bad_param, shutting_down
@@ -25,34 +28,43 @@ MAX_STOP_STRINGS = 16
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
-def completion_request(body: CompletionRequest, rid: str) -> GenerateRequest:
-    if body.echo:
-        raise bad_param("echo", "echo is not supported")
+def completion_requests(body: CompletionRequest, rid: str) -> list[GenerateRequest]:
+    """One request per prompt of the batch (rid ``{rid}-{index}`` when there are several)."""
     if body.suffix is not None:
         raise bad_param("suffix", "suffix is not supported")
     if body.best_of not in (None, 1):
         raise bad_param("best_of", "only best_of=1 is supported")
-    if body.logprobs is not None and body.logprobs != 0:
-        raise bad_param(
-            "logprobs", "only logprobs=0 (the chosen token's logprob) is supported, not top-N alternatives"
-        )
-    prompt, input_ids = _prompt(body.prompt)
+    top = _top_logprobs("logprobs", body.logprobs or 0)
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
-    return GenerateRequest(
+    if max_tokens == 0 and not body.echo:
+        raise bad_param("max_tokens", "max_tokens must be >= 1 (0 only with echo=true)")
+    req = GenerateRequest(
         rid=rid,
-        prompt=prompt,
-        input_ids=input_ids,
         sampling=_sampling(body, max_tokens),
         stream=body.stream,
         logprobs=body.logprobs is not None,
+        top_logprobs=top,
+        echo=body.echo,
     )
+    prompts = _prompts(body.prompt)
+    return [
+        msgspec.structs.replace(
+            req, rid=rid if len(prompts) == 1 else f"{rid}-{i}", prompt=prompt, input_ids=input_ids
+        )
+        for i, (prompt, input_ids) in enumerate(prompts)
+    ]
+
+
+def _top_logprobs(param: str, n: int) -> int:
+    if not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise bad_param(param, f"{param} must be in [0, {MAX_TOP_LOGPROBS}], got {n}")
+    return n
 
 
 def chat_request(body: ChatCompletionRequest, rid: str) -> GenerateRequest:
-    if body.top_logprobs:
-        raise bad_param(
-            "top_logprobs", "top_logprobs > 0 is not supported; logprobs=true gives the chosen token's"
-        )
+    top = _top_logprobs("top_logprobs", body.top_logprobs or 0)
+    if top and not body.logprobs:
+        raise bad_param("top_logprobs", "top_logprobs needs logprobs=true")
     if body.tools:
         raise bad_param("tools", "tools are not supported")
     if body.tool_choice not in (None, "none", "auto"):
@@ -66,6 +78,7 @@ def chat_request(body: ChatCompletionRequest, rid: str) -> GenerateRequest:
         sampling=_sampling(body, limit if limit is not None else UNTIL_CONTEXT),
         stream=body.stream,
         logprobs=body.logprobs,
+        top_logprobs=top,
     )
 
 
@@ -96,19 +109,20 @@ def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
     )
 
 
-def _prompt(prompt: str | list[str | int | list[int]]) -> tuple[str | None, list[int] | None]:
-    """(text, token ids): exactly one is set. A batch of more than one prompt is refused (n=1)."""
+def _prompts(prompt: str | list[str | int | list[int]]) -> list[tuple[str | None, list[int] | None]]:
+    """(text, token ids) per prompt, exactly one of them set: ``prompt`` is a text, token ids,
+    or a batch of texts or of token-id lists."""
     if isinstance(prompt, str):
-        return prompt, None
-    if len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt[0], None  # a batch of one text
-    if len(prompt) == 1 and isinstance(prompt[0], list):
-        return None, prompt[0]  # a batch of one token list
-    if prompt and all(isinstance(t, int) for t in prompt):
-        return None, [t for t in prompt if isinstance(t, int)]
+        return [(prompt, None)]
     if not prompt:
         raise bad_param("prompt", "prompt must not be empty")
-    raise bad_param("prompt", "give one prompt per request: a string or a list of token ids")
+    if all(isinstance(p, int) for p in prompt):
+        return [(None, [p for p in prompt if isinstance(p, int)])]
+    if all(isinstance(p, str) for p in prompt):
+        return [(p, None) for p in prompt if isinstance(p, str)]
+    if all(isinstance(p, list) for p in prompt):
+        return [(None, p) for p in prompt if isinstance(p, list)]
+    raise bad_param("prompt", "a batch of prompts must be all strings or all token-id lists")
 
 
 def _chat_message(i: int, m: ChatMessageIn) -> ChatMessage:
@@ -136,5 +150,7 @@ def rejection_error(exc: RequestRejected, *, chat: bool, max_param: str) -> ApiE
             param = max_param
         elif param in ("prompt", "input_ids", "messages"):
             param = "messages" if chat else "prompt"
+        elif param == "top_logprobs" and not chat:
+            param = "logprobs"  # the legacy API's name for it
     message = f"{param} {exc.detail}" if param else exc.detail
     return ApiError(400, message, param=param, code=exc.code)  # code: e.g. context_length_exceeded

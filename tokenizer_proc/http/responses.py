@@ -1,15 +1,21 @@
-"""Engine replies -> OpenAI response bodies: whole completions and server-sent-event chunks."""
+"""Engine replies -> OpenAI response bodies: whole completions and server-sent-event chunks.
+
+One response may hold several choices (a completions request with a batch of prompts): each
+is one engine request, choice ``index`` its place in the batch; usage is summed over them.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
+from protocol.logprobs import TopLogprobs
 from protocol.messages import FinishReason, GenerateOutput, Usage
 from tokenizer_proc.http.errors import engine_error
+from tokenizer_proc.http.logprob_format import chat_logprobs, completion_logprobs
+from tokenizer_proc.token_bytes import TokenTexts
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _ENCODER = msgspec.json.Encoder()
@@ -30,9 +36,21 @@ def usage_body(usage: Usage | None) -> dict[str, Any] | None:
     }
 
 
+def total_usage(usages: list[Usage | None]) -> Usage | None:
+    """The choices' usage summed (each choice's prompt counts: they are distinct prompts)."""
+    if any(u is None for u in usages):
+        return None
+    known = [u for u in usages if u is not None]
+    return Usage(
+        prompt_tokens=sum(u.prompt_tokens for u in known),
+        completion_tokens=sum(u.completion_tokens for u in known),
+        cached_tokens=sum(u.cached_tokens for u in known),
+    )
+
+
 @dataclass
 class ResponseShape:
-    """How one request's replies become OpenAI JSON; holds what a stream must remember."""
+    """How one HTTP request's replies become OpenAI JSON; holds what a stream must remember."""
 
     id: str
     model: str
@@ -40,43 +58,55 @@ class ResponseShape:
     chat: bool
     logprobs: bool
     include_usage: bool
-    token_text: Callable[[list[int]], list[str]]  # one string per token id
-    text_offset: int = 0  # characters sent so far (legacy logprobs' text_offset)
-    sent_role: bool = False
+    texts: TokenTexts
+    text_offsets: dict[int, int] = field(default_factory=dict)  # per choice: characters sent so far
+    sent_role: set[int] = field(default_factory=set)  # chat choices whose role chunk went out
 
     @property
     def object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
-    def whole(self, reply: GenerateOutput) -> dict[str, Any]:
-        """The body of a non-streaming response from the one final reply."""
-        assert reply.finish_reason is not None, "a whole response needs the final reply"
-        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(reply)}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": reply.text}
-        else:
-            choice["text"] = reply.text
-        choice["finish_reason"] = reply.finish_reason.value
-        return {**self._head(self.object), "choices": [choice], "usage": usage_body(reply.usage)}
+    def whole(self, replies: list[GenerateOutput]) -> dict[str, Any]:
+        """The body of a non-streaming response from each choice's one final reply."""
+        choices = []
+        for index, reply in enumerate(replies):
+            assert reply.finish_reason is not None, "a whole response needs the final reply"
+            choice: dict[str, Any] = {"index": index, "logprobs": self._logprobs(index, reply)}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": reply.text}
+            else:
+                choice["text"] = (reply.prompt_text or "") + reply.text
+            choice["finish_reason"] = reply.finish_reason.value
+            choices.append(choice)
+        usage = usage_body(total_usage([r.usage for r in replies]))
+        return {**self._head(self.object), "choices": choices, "usage": usage}
 
-    def events(self, reply: GenerateOutput) -> list[bytes]:
-        """The SSE events for one streamed reply (none for a token that shows no text yet)."""
+    def events(self, index: int, reply: GenerateOutput) -> list[bytes]:
+        """The SSE events for one streamed reply of choice ``index`` (none for a token that shows
+        no text yet). The usage chunk is ``usage_event``'s, once every choice is done."""
         if reply.finish_reason is FinishReason.ERROR:
             return [sse(engine_error(reply.error or "the engine failed the request").body())]
         final = reply.finish_reason is not None
         events = []
-        if self.chat and not self.sent_role:
-            self.sent_role = True
-            events.append(self._chunk({"role": "assistant", "content": ""}, None, None))
-        if reply.text or final or (self.logprobs and reply.token_ids):
+        if self.chat and index not in self.sent_role:
+            self.sent_role.add(index)
+            events.append(self._chunk(index, {"role": "assistant", "content": ""}, None, None))
+        text = (reply.prompt_text or "") + reply.text
+        if text or final or (self.logprobs and (reply.token_ids or reply.prompt_token_ids)):
             reason = reply.finish_reason.value if reply.finish_reason is not None else None
-            delta: Any = {"content": reply.text} if reply.text or not final else {}
-            events.append(self._chunk(delta if self.chat else reply.text, reason, self._logprobs(reply)))
-        if final and self.include_usage:
+            delta: Any = {"content": text} if text or not final else {}
             events.append(
-                sse({**self._head(self._chunk_object), "choices": [], "usage": usage_body(reply.usage)})
+                self._chunk(index, delta if self.chat else text, reason, self._logprobs(index, reply))
             )
         return events
+
+    def usage_event(self, usages: list[Usage | None]) -> bytes | None:
+        """The last chunk of a stream with ``include_usage``: no choices, the summed usage."""
+        if not self.include_usage:
+            return None
+        return sse(
+            {**self._head(self._chunk_object), "choices": [], "usage": usage_body(total_usage(usages))}
+        )
 
     @property
     def _chunk_object(self) -> str:
@@ -85,31 +115,30 @@ class ResponseShape:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _chunk(self, content: Any, reason: str | None, logprobs: Any) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": reason}
+    def _chunk(self, index: int, content: Any, reason: str | None, logprobs: Any) -> bytes:
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": reason}
         choice["delta" if self.chat else "text"] = content
         body = {**self._head(self._chunk_object), "choices": [choice]}
         if self.include_usage:
             body["usage"] = None
         return sse(body)
 
-    def _logprobs(self, reply: GenerateOutput) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, reply: GenerateOutput) -> dict[str, Any] | None:
         if not self.logprobs or reply.logprobs is None:
             return None
-        tokens = self.token_text(reply.token_ids)
         if self.chat:
-            content = [
-                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                for t, lp in zip(tokens, reply.logprobs, strict=True)
-            ]
-            return {"content": content, "refusal": None}
-        offsets = []
-        for t in tokens:
-            offsets.append(self.text_offset)
-            self.text_offset += len(t)
-        return {
-            "tokens": tokens,
-            "token_logprobs": reply.logprobs,
-            "top_logprobs": None,
-            "text_offset": offsets,
-        }
+            return chat_logprobs(self.texts, reply.token_ids, reply.logprobs, reply.top_logprobs)
+        ids: list[int] = list(reply.token_ids)
+        logprobs: list[float | None] = list(reply.logprobs)
+        tops: list[TopLogprobs | None] | None = None
+        if reply.top_logprobs is not None:
+            tops = list(reply.top_logprobs)
+        if reply.prompt_token_ids is not None and reply.prompt_logprobs is not None:  # echo: prompt first
+            ids = reply.prompt_token_ids + ids
+            logprobs = reply.prompt_logprobs + logprobs
+            if tops is not None:
+                tops = (reply.prompt_top_logprobs or [None] * len(reply.prompt_token_ids)) + tops
+        body, self.text_offsets[index] = completion_logprobs(
+            self.texts, ids, logprobs, tops, self.text_offsets.get(index, 0)
+        )
+        return body

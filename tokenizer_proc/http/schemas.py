@@ -52,10 +52,10 @@ class SamplingFields(Body, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    """``POST /v1/completions``: ``prompt`` is a string, or token ids, or a one-element batch of either."""
+    """``POST /v1/completions``: ``prompt`` is a string, or token ids, or a batch of either."""
 
     prompt: str | list[str | Int64 | list[Int64]]
-    logprobs: Int64 | None = None  # legacy API: N top alternatives; only 0 (the chosen token) is served
+    logprobs: Int64 | None = None  # legacy API: the chosen token's logprob and the N (<= 20) likeliest
     echo: bool = False
     suffix: str | None = None
     best_of: Int64 | None = None

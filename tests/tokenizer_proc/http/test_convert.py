@@ -5,8 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from protocol.messages import GenerateRequest
 from tokenizer_proc.frontend import SHUTTING_DOWN
-from tokenizer_proc.http.convert import chat_request, completion_request, rejection_error
+from tokenizer_proc.http.convert import chat_request, completion_requests, rejection_error
 from tokenizer_proc.http.errors import ApiError, engine_error
 from tokenizer_proc.http.schemas import ChatCompletionRequest, CompletionRequest, decode_body
 from tokenizer_proc.validation import RequestRejected
@@ -14,6 +15,11 @@ from tokenizer_proc.validation import RequestRejected
 
 def _completion(**fields: object) -> CompletionRequest:
     return decode_body(msgspec.json.encode({"prompt": "hi", **fields}), CompletionRequest)
+
+
+def completion_request(body: CompletionRequest, rid: str) -> GenerateRequest:
+    (req,) = completion_requests(body, rid)
+    return req
 
 
 def _chat(**fields: object) -> ChatCompletionRequest:
@@ -29,6 +35,22 @@ def test_completion_defaults_and_prompt_forms() -> None:
     assert completion_request(_completion(prompt=["one"]), "r").prompt == "one"
     req = completion_request(_completion(stop="END", logprobs=0, top_k=3, seed=9), "r")
     assert (req.sampling.stop, req.logprobs, req.sampling.top_k, req.sampling.seed) == (["END"], True, 3, 9)
+    req = completion_request(_completion(logprobs=20, echo=True, max_tokens=0), "r")
+    assert (req.logprobs, req.top_logprobs, req.echo, req.sampling.max_new_tokens) == (True, 20, True, 0)
+
+
+def test_a_batch_of_prompts_is_one_request_per_prompt() -> None:
+    texts = completion_requests(_completion(prompt=["a", "b", "c"], logprobs=2), "cmpl-x")
+    assert [(r.rid, r.prompt, r.input_ids, r.top_logprobs) for r in texts] == [
+        ("cmpl-x-0", "a", None, 2), ("cmpl-x-1", "b", None, 2), ("cmpl-x-2", "c", None, 2)
+    ]  # fmt: skip
+    ids = completion_requests(_completion(prompt=[[5, 6], [7], [8, 9, 10]], echo=True, max_tokens=1), "r")
+    assert [r.input_ids for r in ids] == [[5, 6], [7], [8, 9, 10]] and all(r.echo for r in ids)
+
+
+def test_chat_top_logprobs() -> None:
+    req = chat_request(_chat(logprobs=True, top_logprobs=20), "r")
+    assert (req.logprobs, req.top_logprobs) == (True, 20)
 
 
 def test_chat_takes_max_completion_tokens_first_and_text_parts() -> None:
@@ -41,14 +63,32 @@ def test_chat_takes_max_completion_tokens_first_and_text_parts() -> None:
 
 @pytest.mark.parametrize(
     ("fields", "param"),
-    [({"n": 2}, "n"), ({"echo": True}, "echo"), ({"logprobs": 3}, "logprobs"), ({"best_of": 2}, "best_of"),
+    [({"n": 2}, "n"), ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+     ({"best_of": 2}, "best_of"),
      ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"logit_bias": {"5": 1.0}}, "logit_bias"),
-     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"prompt": [1, "a"]}, "prompt")],
+     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"prompt": [1, "a"]}, "prompt"),
+     ({"prompt": ["a", [1]]}, "prompt"), ({"prompt": []}, "prompt"), ({"max_tokens": 0}, "max_tokens")],
 )  # fmt: skip
 def test_unsupported_completion_fields_name_the_parameter(fields: dict[str, object], param: str) -> None:
     with pytest.raises(ApiError) as exc:
         completion_request(_completion(**fields), "r")
     assert (exc.value.status, exc.value.param) == (400, param)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"top_logprobs": 21, "logprobs": True}, {"top_logprobs": -1, "logprobs": True}, {"top_logprobs": 2}],
+)
+def test_bad_chat_top_logprobs_name_the_parameter(fields: dict[str, object]) -> None:
+    with pytest.raises(ApiError) as exc:
+        chat_request(_chat(**fields), "r")
+    assert (exc.value.status, exc.value.param) == (400, "top_logprobs")
+
+
+def test_echo_is_not_a_chat_field() -> None:
+    with pytest.raises(ApiError) as exc:
+        _chat(echo=True)
+    assert (exc.value.status, exc.value.param) == (400, "echo")
 
 
 def test_decode_errors_name_the_field() -> None:
@@ -70,6 +110,10 @@ def test_rejections_are_spelt_the_openai_way() -> None:
     )
     assert rejection_error(RequestRejected("prompt", "is long", "context_length_exceeded"), chat=True,
                            max_param="max_tokens").param == "messages"  # fmt: skip
+    top = rejection_error(
+        RequestRejected("top_logprobs", "must be in [0, 20]"), chat=False, max_param="max_tokens"
+    )
+    assert top.param == "logprobs", "the legacy API calls it logprobs"
     draining = rejection_error(
         RequestRejected(None, "bye", SHUTTING_DOWN), chat=False, max_param="max_tokens"
     )

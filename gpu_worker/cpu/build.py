@@ -1,0 +1,86 @@
+"""The C kernels' library per CPU kind (csrc/*.c), built on first use.
+
+One library per CPU kind (kind.py), built with the system C compiler on first
+use into the rivulet cache folder, with that kind's -march (x86-64-v3 for AVX2,
+never -march=native: a Zen 5 with AVX-512 disabled still has AVX-VNNI, and such
+a build is no AVX2 build). The name is keyed by the sources, flags and compiler.
+No compiler, or a failed build: ``load()`` returns None, the reason is logged
+once, and the worker keeps its torch paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from gpu_worker.cpu.kind import CpuKind, is_x86
+from gpu_worker.model_files import cache_root
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = (
+    "attention.c", "matmul.c", "small_ops.c", "quant.c", "quant_dense.c", "quant_legacy.c", "quant_k.c",
+    "decode_layers.c",
+)  # fmt: skip
+HEADERS = ("common.h", "quant.h")
+# -std=c11 alone turns FMA contraction off, and trapping math keeps float selects as branches: both
+# leave the inner loops scalar. The kernels read no FP exception flags and no errno.
+CFLAGS = (
+    "-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11",
+    "-ffp-contract=fast", "-fno-trapping-math", "-fno-math-errno",
+)  # fmt: skip
+# Per kind: the -march it is built with and the ISA code the build must report (csrc/common.h).
+# AVX-512 without BF16 runs the AVX2 build: its bf16 gain is vdpbf16ps, which it lacks, and the
+# fp32 paths are bound by memory (decode) or left to oneDNN, which uses AVX-512 itself (prefill).
+ISA_PORTABLE, ISA_AVX2, ISA_AVX512_BF16 = 0, 1, 2
+BUILDS: dict[CpuKind, tuple[tuple[str, ...], int]] = {
+    CpuKind.PORTABLE: (("-march=x86-64",), ISA_PORTABLE),
+    CpuKind.AVX2: (("-march=x86-64-v3",), ISA_AVX2),
+    CpuKind.AVX512: (("-march=x86-64-v3",), ISA_AVX2),
+    CpuKind.AVX512_BF16: (("-march=x86-64-v4", "-mavx512bf16"), ISA_AVX512_BF16),
+}
+BUILD_TIMEOUT_S = 120
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # csrc/common.h's
+
+
+def build(kind: CpuKind) -> Path:
+    """Path of the library for ``kind``, compiling it unless these sources/flags/compiler have one."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    flags = CFLAGS + (BUILDS[kind][0] if is_x86() else ())
+    texts = [(CSRC / name).read_text() for name in SOURCES + HEADERS]
+    key = hashlib.sha256("\n".join([*texts, " ".join(flags), version]).encode()).hexdigest()[:16]
+    out_dir = cache_root() / "kernels"
+    target = out_dir / f"cpu_kernels-{kind.value}-{key}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: a concurrent builder never sees half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        sources = [str(CSRC / name) for name in SOURCES]
+        done = subprocess.run(
+            [compiler, *flags, "-o", tmp, *sources, "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    logger.info("built CPU kernels for %s: %s", kind.value, target)
+    return target

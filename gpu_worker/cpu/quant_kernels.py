@@ -1,0 +1,162 @@
+"""The C kernels over GGUF blocks (csrc/quant*.c, decode_layers.c), as ``CpuKernels`` methods.
+
+``type`` is ggml's type id (gguf.GGMLQuantizationType), ``w`` the [n, row bytes] uint8 blocks as the
+file holds them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from typing import TYPE_CHECKING, Any
+
+import gguf
+import torch
+
+from gpu_worker.cpu.build import DTYPE_CODES
+
+if TYPE_CHECKING:
+    from gpu_worker.cpu.kernels import DecodeRows
+
+
+class QuantKernels:
+    """The GGUF-block half of ``CpuKernels``: bound by ``_bind_quant`` on the loaded library."""
+
+    def _bind_quant(self, lib: ctypes.CDLL) -> None:
+        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        self._quant_supported = lib.quant_supported
+        self._quant_supported.argtypes = [i32]
+        self._quant_supported.restype = i32
+        self._quant_act_row_bytes = lib.quant_act_row_bytes
+        self._quant_act_row_bytes.argtypes = [i32, i64]
+        self._quant_act_row_bytes.restype = i64
+        self._quant_matmul = lib.quant_matmul
+        self._quant_matmul.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, ptr, i32, ptr, i64]
+        self._quant_matmul.restype = i32
+        self._quant_matmul_dense = lib.quant_matmul_dense
+        self._quant_matmul_dense.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, i32, ptr, i64]
+        self._quant_matmul_dense.restype = i32
+        self._quant_get_rows = lib.quant_get_rows
+        self._quant_get_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32]
+        self._quant_get_rows.restype = None
+        self._decode_layers = lib.decode_layers
+        self._decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64]
+        self._decode_layers.restype = i32
+        self._local = threading.local()
+        self._act_row_bytes = functools.cache(lambda type, k: int(self._quant_act_row_bytes(type, k)))
+
+    def quant_supported(self, type: int) -> bool:
+        """Whether ``quant_matmul`` and ``quant_get_rows`` take weights of this ggml type."""
+        return bool(self._quant_supported(type))
+
+    def quant_matmul(
+        self,
+        type: int,
+        w: torch.Tensor,
+        k: int,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        dense: bool = False,
+    ) -> torch.Tensor:
+        """x [M, K] @ W.T (+ residual) -> [M, N] in x's dtype (float32 or bfloat16), W [N, K] held as
+        blocks ``w`` (uint8 [N, row bytes], contiguous). x rows are quantized to 16 bits per block of
+        32 (csrc/quant.h), or with ``dense`` meet W dequantized to float32 (csrc/quant_dense.c); sums
+        in float32, one rounding at the end. x and residual rows may be strided (last dim
+        contiguous); residual [M, N] in x's dtype."""
+        return self.quant_matmul_checked(type, w, k, x, residual, self.quant_check(type, w, k), dense)
+
+    def quant_check(self, type: int, w: torch.Tensor, k: int) -> int:
+        """Check blocks ``w`` of ``type`` for k columns once; returns the bytes of an activation row."""
+        act_bytes = int(self._act_row_bytes(type, k))
+        if act_bytes == 0:
+            raise ValueError(f"quant_matmul: type {type} unsupported or k={k} not a whole number of blocks")
+        assert w.dtype == torch.uint8 and w.is_contiguous() and w.dim() == 2, (
+            "w: contiguous uint8 [n, row bytes]"
+        )
+        assert w.shape[1] == quant_row_bytes(type, k), f"w: {w.shape[1]} bytes a row, not k={k}'s"
+        return act_bytes
+
+    def quant_matmul_checked(
+        self,
+        type: int,
+        w: torch.Tensor,
+        k: int,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        act_bytes: int,
+        dense: bool = False,
+    ) -> torch.Tensor:
+        """``quant_matmul`` for blocks ``quant_check`` passed (it returned ``act_bytes``): what a
+        Linear calls per step, with only the checks that depend on x. ``dense``: the many-row path
+        (csrc/quant_dense.c), W dequantized panel by panel and x not quantized."""
+        assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1, "x: [M, k], rows contiguous"
+        m, n = x.shape[0], w.shape[0]
+        out = torch.empty((m, n), dtype=x.dtype)
+        if residual is not None:
+            assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1
+        res = (None, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
+        head = (type, w.data_ptr(), n, k, x.data_ptr(), x.stride(0), DTYPE_CODES[x.dtype], m)
+        if dense:
+            status = self._quant_matmul_dense(*head, out.data_ptr(), DTYPE_CODES[x.dtype], *res)
+        else:
+            scratch = self._scratch(m * act_bytes)
+            status = self._quant_matmul(*head, scratch.data_ptr(), out.data_ptr(), DTYPE_CODES[x.dtype], *res)
+        if status != 0:
+            raise ValueError(f"quant_matmul refused type {type}, k={k}, dtype {x.dtype}: status {status}")
+        return out
+
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` for quantized activations, reused by this thread's calls
+        (an allocation per call costs about as much as a small matmul's compute)."""
+        buf: torch.Tensor | None = getattr(self._local, "scratch", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._local.scratch = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
+        return buf
+
+    def quant_get_rows(
+        self, type: int, w: torch.Tensor, k: int, ids: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Rows ``ids`` (int64 [T]) of W [N, K] held as blocks ``w``, dequantized -> [T, K] of ``dtype``
+        (the embedding lookup)."""
+        if self._act_row_bytes(type, k) == 0:
+            raise ValueError(f"quant_get_rows: type {type} unsupported or k={k} not a whole number of blocks")
+        assert w.dtype == torch.uint8 and w.is_contiguous() and w.dim() == 2
+        assert w.shape[1] == quant_row_bytes(type, k), f"w: {w.shape[1]} bytes a row, not k={k}'s"
+        assert ids.dtype == torch.int64 and ids.dim() == 1
+        ids = ids.contiguous()
+        assert len(ids) == 0 or (0 <= int(ids.min()) and int(ids.max()) < w.shape[0]), "ids out of range"
+        out = torch.empty((len(ids), k), dtype=dtype)
+        self._quant_get_rows(
+            type, w.data_ptr(), k, ids.data_ptr(), len(ids), out.data_ptr(), DTYPE_CODES[dtype]
+        )
+        return out
+
+    def decode_layers(
+        self,
+        layers: ctypes.Array[Any],
+        n_layers: int,
+        dims: ctypes.Structure,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        rows: DecodeRows,
+    ) -> None:
+        """A Llama model's decoder layers over decode rows in one call (csrc/decode_layers.c; the
+        structs are gpu_worker/cpu/decode_layers.py's): out [T, hidden] from the embedding rows x,
+        cos / sin [T, 1, head_dim] at the rows' positions, the attention's ``rows``."""
+        status = self._decode_layers(
+            ctypes.byref(layers), n_layers, ctypes.byref(dims), x.data_ptr(), out.data_ptr(), rows.rows,
+            cos.data_ptr(), sin.data_ptr(), rows.q_rows, rows.slots, rows.kv_lens, rows.page_table,
+            rows.pt_stride, rows.page_size,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"decode_layers failed: status {status}")
+
+
+@functools.cache
+def quant_row_bytes(type: int, k: int) -> int:
+    """Bytes of one row of k weights in blocks of ggml type ``type``."""
+    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type)]
+    return k // block * block_bytes
