@@ -22,6 +22,7 @@ from gpu_worker.gguf_weights import GgufError
 from gpu_worker.kv_cache import KVPool, kv_pool_tokens
 from gpu_worker.loader import load_model
 from gpu_worker.models import CausalLM
+from gpu_worker.penalties import SlotPenalties, check_prefix_ids
 from gpu_worker.sampler import SlotSamplerParams, greedy_pick, sample
 from gpu_worker.threads import ThreadTuner, shape_class
 from protocol.messages import PENDING, ForwardBatch, ForwardResult
@@ -45,6 +46,9 @@ class ModelRunner:
         self._init_model()
         self._init_kv_pool()
         self.sampler_params = SlotSamplerParams(config.max_running_requests)
+        self.penalties = SlotPenalties(
+            config.max_running_requests, self.vocab_size, self._device, self._dtype
+        )
         # The token each slot drew last: a row scheduled before that draw came back (overlap
         # scheduling) sends PENDING as its input and gets this one.
         self.last_tokens = torch.zeros(config.max_running_requests, dtype=torch.int64, device=self._device)
@@ -204,6 +208,7 @@ class ModelRunner:
             slots = [batch.slots[i] for i in rows]
             positions = [batch.prefix_lens[i] + batch.extend_lens[i] for i in rows]
             with torch.inference_mode():
+                logits = self.penalties.apply(logits, slots, positions)  # before greedy's argmax too
                 if self.sampler_params.plain_greedy(slots):
                     tokens, token_logprobs = greedy_pick(logits, self._kernels), None
                 else:
@@ -244,6 +249,7 @@ class ModelRunner:
         )
         ctx = ForwardContext(positions=positions, attn=meta, k_cache=self.kv.k, v_cache=self.kv.v)
         input_ids = self._input_ids(batch)
+        self.penalties.update(batch, input_ids)
         hidden = self.model(input_ids, ctx)
         ends = [
             end - 1 for end, flag in zip(accumulate(batch.extend_lens), batch.sample, strict=True) if flag
@@ -308,6 +314,7 @@ def check_batch(
         raise ValueError(f"batch {batch.step}: pages must be in [0, {num_pages})")
     if min(batch.input_ids) < PENDING or max(batch.input_ids) >= vocab_size:
         raise ValueError(f"batch {batch.step}: token ids must be in [0, {vocab_size}) or PENDING")
+    check_prefix_ids(batch, vocab_size)
     if min(batch.input_ids) == PENDING:
         row_ends = set(accumulate(batch.extend_lens))
         if any(tok == PENDING and i + 1 not in row_ends for i, tok in enumerate(batch.input_ids)):

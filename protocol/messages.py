@@ -69,6 +69,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    # Penalties (see WorkerPenalties): presence and frequency as OpenAI defines them (over the
+    # generated tokens), repetition as HF/vLLM/SGLang do (over prompt and output), logit_bias
+    # (token id -> added logit), min_tokens (EOS and stop token ids masked until then).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    min_tokens: int = 0
 
 
 class GenerateRequest(ClientMsg, tag="generate"):
@@ -134,6 +142,24 @@ class Msg(msgspec.Struct, tag=True, frozen=True, kw_only=True, array_like=True):
     """Base of every message between rivulet's processes."""
 
 
+class WorkerPenalties(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """A request's logit adjustments, applied in the worker before temperature and filters, in
+    this order: repetition (logit > 0 divided by it, < 0 multiplied, for every token in the prompt
+    or the output), then ``- frequency * count - presence * (count > 0)`` over the generated
+    tokens plus ``logit_bias``, then ``-inf`` on ``min_tokens_ids`` while fewer than
+    ``min_tokens`` tokens were generated. Positions from ``prompt_len`` on are generated tokens.
+    """
+
+    prompt_len: int
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    bias_ids: list[int] = []
+    bias_values: list[float] = []
+    min_tokens: int = 0
+    min_tokens_ids: list[int] = []  # EOS (unless ignore_eos) and the client's stop token ids
+
+
 class WorkerSampling(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     """What the worker needs to sample one request's tokens: the client's SamplingParams less what
     the tokenizer and scheduler handle (stopping, lengths), with the seed resolved.
@@ -149,6 +175,7 @@ class WorkerSampling(msgspec.Struct, frozen=True, kw_only=True, array_like=True)
     min_p: float
     seed: int
     logprobs: bool = False  # the client wants each token's logprob (else the worker skips them)
+    penalties: WorkerPenalties | None = None  # None: the request changes no logit (the fast path)
 
 
 class TokenizedRequest(Msg):
@@ -257,6 +284,10 @@ class ForwardBatch(Msg):
     pages: list[int]
     sample: list[bool]
     sampler: list[WorkerSampling | None]
+    # Per row (or [] when no row needs it): a row that (re)assigns the slot of a request with
+    # penalties and starts past 0 (a cached prefix) carries fill_ids[:prefix_len], the tokens the
+    # worker's penalty counts need but never gets as inputs; every other row has [].
+    prefix_ids: list[list[int]] = []
 
 
 ToWorker = ForwardBatch

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from protocol.messages import GenerateRequest, SamplingParams, WorkerSampling
 from tokenizer_proc.model_info import ModelInfo
+from tokenizer_proc.penalties import penalty_error, worker_penalties
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -83,6 +84,7 @@ def validate_generate(
         min_p=float(params.min_p),
         seed=seed,
         logprobs=req.logprobs,
+        penalties=worker_penalties(params, len(input_ids), stop_token_ids),
     )
     return ValidRequest(
         client_rid=req.rid,
@@ -119,6 +121,9 @@ def _check_sampling(params: SamplingParams, info: ModelInfo) -> None:
         raise RequestRejected(
             "sampling.stop_token_ids", f"{bad[:8]} are outside the vocabulary [0, {info.vocab_size})"
         )
+    error = penalty_error(params, info)
+    if error is not None:
+        raise RequestRejected(*error)
 
 
 def _prompt_ids(req: GenerateRequest, tokenizer: PreTrainedTokenizerBase, info: ModelInfo) -> list[int]:

@@ -46,6 +46,17 @@ REJECTIONS = [
     ({"sampling": {"seed": 2**63}}, "sampling.seed"),
     ({"sampling": {"stop": ["ok", ""]}}, "sampling.stop"),
     ({"sampling": {"stop_token_ids": [49152]}}, "sampling.stop_token_ids"),
+    ({"sampling": {"presence_penalty": 2.01}}, "sampling.presence_penalty"),
+    ({"sampling": {"frequency_penalty": -2.5}}, "sampling.frequency_penalty"),
+    ({"sampling": {"frequency_penalty": float("nan")}}, "sampling.frequency_penalty"),
+    ({"sampling": {"repetition_penalty": 0.0}}, "sampling.repetition_penalty"),
+    ({"sampling": {"repetition_penalty": float("inf")}}, "sampling.repetition_penalty"),
+    ({"sampling": {"logit_bias": {49152: 1.0}}}, "sampling.logit_bias"),
+    ({"sampling": {"logit_bias": {-1: 1.0}}}, "sampling.logit_bias"),
+    ({"sampling": {"logit_bias": {5: -100.5}}}, "sampling.logit_bias"),
+    ({"sampling": {"logit_bias": {i: 1.0 for i in range(301)}}}, "sampling.logit_bias"),
+    ({"sampling": {"min_tokens": 9, "max_new_tokens": 8}}, "sampling.min_tokens"),
+    ({"sampling": {"min_tokens": -1}}, "sampling.min_tokens"),
 ]
 
 
@@ -115,3 +126,20 @@ def test_seeds_are_drawn_from_the_config_seed(
 
 def test_model_info_reads_the_embedded_model(model_info: ModelInfo) -> None:
     assert (model_info.context_len, model_info.vocab_size, model_info.eos_token_ids) == (8192, 49152, (2,))
+
+
+def test_penalties_become_worker_penalties_only_when_they_change_a_logit(
+    tokenizer: PreTrainedTokenizerBase, model_info: ModelInfo
+) -> None:
+    neutral = {"presence_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {5: 0.0}, "min_tokens": 0}
+    assert _validate(tokenizer, model_info, sampling=neutral).sampler.penalties is None
+    fields = {"presence_penalty": 0.5, "logit_bias": {i: 1.0 for i in range(300)}, "min_tokens": 3}
+    valid = _validate(tokenizer, model_info, input_ids=[4, 5, 6], sampling={**fields, "stop_token_ids": [9]})
+    p = valid.sampler.penalties
+    assert p is not None and (p.prompt_len, p.presence, p.min_tokens) == (3, 0.5, 3)
+    assert p.bias_ids == list(range(300)) and p.min_tokens_ids == valid.stop_token_ids == [
+        *model_info.eos_token_ids,
+        9,
+    ]
+    no_stop = {"min_tokens": 3, "ignore_eos": True}
+    assert _validate(tokenizer, model_info, sampling=no_stop).sampler.penalties is None, "nothing to mask"
