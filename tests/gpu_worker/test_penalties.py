@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ def sampler(penalties: WorkerPenalties | None) -> WorkerSampling:
     return WorkerSampling(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0, penalties=penalties)
 
 
-def batch(rows: list[tuple[int, int, list[int], WorkerSampling | None]], **extra: Any) -> ForwardBatch:
+def batch(rows: Sequence[tuple[int, int, list[int], WorkerSampling | None]], **extra: Any) -> ForwardBatch:
     """rows: (slot, prefix_len, input ids, sampler or None); pages are not looked at here."""
     return ForwardBatch(
         step=0,

@@ -11,21 +11,22 @@ from client import Client, EngineError
 from tests.tokenizer_proc.http.server import HttpEngine
 
 PROMPT = "The capital of France is"
-CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name three rivers."}]
+CHAT_TEXT = "Name three rivers."
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": CHAT_TEXT}]
 FORCED = 1000  # a token logit_bias pushes to the top
 
 
 def test_presence_frequency_and_repetition_penalties(oai: openai.OpenAI, api: HttpEngine) -> None:
-    options = dict(presence_penalty=2.0, frequency_penalty=0.5)
     out = oai.completions.create(
-        model="tiny", prompt=PROMPT, max_tokens=16, temperature=0,
-        extra_body={"ignore_eos": True, "repetition_penalty": 1.5}, **options,  # type: ignore[arg-type]
+        model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, presence_penalty=2.0,
+        frequency_penalty=0.5, extra_body={"ignore_eos": True, "repetition_penalty": 1.5},
     )  # fmt: skip
     with Client(api.engine.endpoint, timeout_s=60) as c:
         plain = c.generate(PROMPT, max_new_tokens=16, temperature=0, ignore_eos=True)
         ref = c.generate(
-            PROMPT, max_new_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.5, **options
-        )  # type: ignore[misc]
+            PROMPT, max_new_tokens=16, temperature=0, ignore_eos=True, presence_penalty=2.0,
+            frequency_penalty=0.5, repetition_penalty=1.5,
+        )  # fmt: skip
     assert out.choices[0].text == ref.text and out.usage is not None and out.usage.completion_tokens == 16
     assert len(set(ref.token_ids)) == 16, "a presence penalty of 2 never repeats a token on this model"
     assert ref.token_ids != plain.token_ids
@@ -36,9 +37,8 @@ def test_logit_bias_forces_a_token_in_chat(oai: openai.OpenAI, api: HttpEngine) 
         model="tiny", messages=CHAT, max_tokens=5, temperature=0, logit_bias={str(FORCED): 100}
     )
     with Client(api.engine.endpoint, timeout_s=60) as c:
-        ref = c.generate(
-            messages=[dict(m) for m in CHAT], max_new_tokens=5, temperature=0, logit_bias={FORCED: 100}
-        )  # type: ignore[misc]
+        messages = [{"role": "user", "content": CHAT_TEXT}]
+        ref = c.generate(messages=messages, max_new_tokens=5, temperature=0, logit_bias={FORCED: 100})
     assert ref.token_ids == [FORCED] * 5
     assert chat.choices[0].message.content == ref.text
 
