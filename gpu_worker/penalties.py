@@ -32,12 +32,18 @@ from protocol.messages import ForwardBatch, WorkerPenalties, WorkerSampling
 
 class _Tables:
     """The per-slot state (see the module docstring): tables on the logits' device, ``num_seen``
-    on the CPU so that choosing widths needs no device sync."""
+    on the CPU so that choosing widths needs no device sync.
+
+    Invariant: a slot's rows of ``seen`` and ``counts`` are zero outside its seen ids, so a reset
+    clears just those. Every op here touches [rows, seen] elements through flat indices
+    (index_select, index_add_, index_copy_): on a CPU the ops torch parallelizes (advanced
+    indexing, whole-row copies) each cost a scheduler time slice when a core is busy elsewhere.
+    """
 
     def __init__(self, max_requests: int, vocab: int, device: torch.device, dtype: torch.dtype) -> None:
         self.vocab = vocab
-        self.seen = torch.zeros(max_requests, vocab, dtype=torch.bool, device=device)
-        self.counts = torch.zeros(max_requests, vocab, dtype=torch.int32, device=device)
+        self.seen = torch.zeros(max_requests * vocab, dtype=torch.bool, device=device)  # [slot * vocab + id]
+        self.counts = torch.zeros(max_requests * vocab, dtype=torch.int32, device=device)
         self.seen_ids = torch.zeros(max_requests, 64, dtype=torch.int64, device=device)
         self.num_seen = torch.zeros(max_requests, dtype=torch.int64)
         self.presence = torch.zeros(max_requests, dtype=dtype, device=device)
@@ -48,8 +54,9 @@ class _Tables:
         self.bias_values = torch.zeros(max_requests, 0, dtype=dtype, device=device)
 
     def reset(self, slot: int, p: WorkerPenalties) -> None:
-        self.seen[slot] = False
-        self.counts[slot] = 0
+        old = self.seen_ids[slot, : int(self.num_seen[slot])] + slot * self.vocab
+        self.seen.index_fill_(0, old, False)
+        self.counts.index_fill_(0, old, 0)
         self.num_seen[slot] = 0
         self.presence[slot] = p.presence
         self.frequency[slot] = p.frequency
@@ -64,26 +71,31 @@ class _Tables:
         self.bias_ids[slot, :width] = torch.tensor(p.bias_ids, dtype=torch.int64)
         self.bias_values[slot, :width] = torch.tensor(p.bias_values, dtype=torch.float64)
 
+    def add_generated(self, key: torch.Tensor) -> None:
+        """One more generated token at each (slot * vocab + id) ``key`` (repeats count each time)."""
+        self.counts.index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+
     def add_seen(self, key: torch.Tensor) -> None:
-        """Mark the (slot * vocab + token) ``key``s seen, appending the new ones to their slots'
+        """Mark the (slot * vocab + id) ``key``s seen, appending the new ones to their slots'
         seen_ids. The keys are distinct and a slot's keys adjacent (sorted, or one per slot)."""
-        new = key[~self.seen.view(-1)[key]]
+        new = key[~self.seen.index_select(0, key)]
         if not new.numel():
             return
-        self.seen.view(-1)[new] = True
+        self.seen.index_fill_(0, new, True)
         slot, token = new // self.vocab, new % self.vocab
-        # Rank of each new key within its slot: keys are sorted, so a slot's keys are adjacent.
+        # Rank of each new key within its slot (a slot's keys are adjacent): its column offset.
         index = torch.arange(len(new), device=new.device)
         first = torch.ones_like(new, dtype=torch.bool)
         first[1:] = slot[1:] != slot[:-1]
         rank = index - torch.where(first, index, 0).cummax(0).values
-        slot_cpu, rank_cpu = slot.cpu(), rank.cpu()
-        column = self.num_seen[slot_cpu] + rank_cpu
+        slot_cpu = slot.cpu()
+        column = self.num_seen.index_select(0, slot_cpu) + rank.cpu()
         width = int(column.max()) + 1
         if width > self.seen_ids.shape[1]:
             grow = max(width, 2 * self.seen_ids.shape[1]) - self.seen_ids.shape[1]
             self.seen_ids = torch.nn.functional.pad(self.seen_ids, (0, grow))
-        self.seen_ids[slot, column.to(new.device)] = token
+        where = slot * self.seen_ids.shape[1] + column.to(new.device)
+        self.seen_ids.view(-1).index_copy_(0, where, token)
         self.num_seen.index_add_(0, slot_cpu, torch.ones_like(slot_cpu))
 
 
@@ -149,15 +161,11 @@ class SlotPenalties:
             flat, pos = flat[row] + within, pos[row] + within
             slot_of, prompt_len = slot_of[row], prompt_len[row]
         generated = pos >= prompt_len
-        slot_t = slot_of.to(self._device)
-        tok = tokens[flat.to(self._device)]
+        key = slot_of.to(self._device) * self.vocab + tokens.index_select(0, flat.to(self._device))
         if bool(generated.all()):
-            tables.counts.index_put_((slot_t, tok), torch.ones_like(tok, dtype=torch.int32), accumulate=True)
+            tables.add_generated(key)
         elif bool(generated.any()):
-            pick = generated.to(self._device)
-            ones = torch.ones(int(generated.sum()), dtype=torch.int32, device=self._device)
-            tables.counts.index_put_((slot_t[pick], tok[pick]), ones, accumulate=True)
-        key = slot_t * self.vocab + tok
+            tables.add_generated(key[generated.to(self._device)])
         tables.add_seen(key if decode_only else torch.unique(key))
 
     def apply(self, logits: torch.Tensor, slots: list[int], positions: list[int]) -> torch.Tensor:
@@ -170,61 +178,68 @@ class SlotPenalties:
         tables = self._get_tables()
         params = [p for i in rows if (p := self.params[slots[i]]) is not None]
         x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-        every_row = len(rows) == x.shape[0]
-        index = torch.tensor(rows, dtype=torch.int64, device=x.device)
+        x = x.contiguous()
         row_slots = [slots[i] for i in rows]
+        row_t = torch.tensor(rows, dtype=torch.int64, device=x.device)
         slot_t = torch.tensor(row_slots, dtype=torch.int64, device=x.device)
-        sub = x if every_row else x.index_select(0, index)
         repetition = any(p.repetition != 1 for p in params)
         if repetition or any(p.presence != 0 or p.frequency != 0 for p in params):
-            self._penalize_seen(sub, slot_t, tables.num_seen[row_slots], repetition)
+            num_seen = tables.num_seen.index_select(0, torch.tensor(row_slots))
+            self._penalize_seen(x, row_t, slot_t, num_seen, repetition)
         if any(p.bias_ids for p in params):
-            sub.scatter_add_(1, tables.bias_ids[slot_t], tables.bias_values[slot_t].to(sub.dtype))
-        _mask_min_tokens(sub, params, [positions[i] for i in rows])
-        if every_row:
-            return sub
-        return x.index_copy_(0, index, sub)
+            where = row_t[:, None] * self.vocab + tables.bias_ids.index_select(0, slot_t)
+            bias = tables.bias_values.index_select(0, slot_t).to(x.dtype)
+            x.view(-1).index_add_(0, where.view(-1), bias.view(-1))
+        _mask_min_tokens(x, rows, params, [positions[i] for i in rows])
+        return x
 
     def _penalize_seen(
-        self, sub: torch.Tensor, slot_t: torch.Tensor, num_seen: torch.Tensor, repetition: bool
+        self,
+        x: torch.Tensor,
+        row_t: torch.Tensor,
+        slot_t: torch.Tensor,
+        num_seen: torch.Tensor,
+        repetition: bool,
     ) -> None:
-        """Repetition, then frequency and presence, in place on each row's seen tokens."""
+        """Repetition, then frequency and presence, in place on each penalized row's seen tokens."""
         tables = self._get_tables()
         width = int(num_seen.max())
         if width == 0:
             return
         # Columns past a row's num_seen repeat its first seen id: the same value is computed and
-        # scattered twice, so the padding changes nothing. A row that has seen nothing (never so
+        # written twice, so the padding changes nothing. A row that has seen nothing (never so
         # when it samples: its prompt is seen) has a stale id there, which its unit repetition and
         # zero counts leave as it is.
-        ids = tables.seen_ids[slot_t, :width]
+        ids = tables.seen_ids.index_select(0, slot_t)[:, :width]
         live = torch.arange(width)[None, :] < num_seen[:, None]
         ids = torch.where(live.to(ids.device), ids, ids[:, :1])
-        values = sub.gather(1, ids)
+        where = (row_t[:, None] * self.vocab + ids).view(-1)
+        values = x.view(-1).index_select(0, where).view(ids.shape)
         if repetition:
-            rep = tables.repetition[slot_t].to(sub.dtype)
+            rep = tables.repetition.index_select(0, slot_t).to(x.dtype)
             rep = torch.where((num_seen > 0).to(rep.device), rep, 1.0)[:, None]
             values = torch.where(values > 0, values / rep, values * rep)
-        count = tables.counts[slot_t[:, None], ids].to(sub.dtype)
-        frequency = tables.frequency[slot_t][:, None].to(sub.dtype)
-        presence = tables.presence[slot_t][:, None].to(sub.dtype)
+        count = tables.counts.index_select(0, (slot_t[:, None] * self.vocab + ids).view(-1))
+        count = count.view(ids.shape).to(x.dtype)
+        frequency = tables.frequency.index_select(0, slot_t).to(x.dtype)[:, None]
+        presence = tables.presence.index_select(0, slot_t).to(x.dtype)[:, None]
         values = values - (frequency * count + presence * (count > 0))
-        sub.scatter_(1, ids, values)
+        x.view(-1).index_copy_(0, where, values.view(-1))
 
 
-def _mask_min_tokens(sub: torch.Tensor, params: list[WorkerPenalties], positions: list[int]) -> None:
-    """-inf, in place, on each row's EOS and stop token ids while it has generated fewer than
-    min_tokens."""
-    pairs = [
-        (r, t)
-        for r, (p, pos) in enumerate(zip(params, positions, strict=True))
+def _mask_min_tokens(
+    x: torch.Tensor, rows: list[int], params: list[WorkerPenalties], positions: list[int]
+) -> None:
+    """-inf, in place, on the EOS and stop token ids of each row (``rows[r]`` of ``x``) that has
+    generated fewer than its min_tokens."""
+    where = [
+        row * x.shape[1] + t
+        for row, p, pos in zip(rows, params, positions, strict=True)
         if pos - p.prompt_len < p.min_tokens
         for t in p.min_tokens_ids
     ]
-    if pairs:
-        row_t = torch.tensor([r for r, _ in pairs], dtype=torch.int64, device=sub.device)
-        tok_t = torch.tensor([t for _, t in pairs], dtype=torch.int64, device=sub.device)
-        sub.index_put_((row_t, tok_t), torch.tensor(float("-inf"), dtype=sub.dtype, device=sub.device))
+    if where:
+        x.view(-1).index_fill_(0, torch.tensor(where, dtype=torch.int64, device=x.device), float("-inf"))
 
 
 def check_prefix_ids(batch: ForwardBatch, vocab_size: int) -> None:
