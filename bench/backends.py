@@ -49,17 +49,23 @@ class ZmqBackend:
     name = "zmq"
 
     def __init__(
-        self, endpoint: str, temperature: float, stream: bool = True, timeout_s: float = 600
+        self,
+        endpoint: str,
+        temperature: float,
+        stream: bool = True,
+        timeout_s: float = 600,
+        sampling: dict[str, Any] | None = None,
     ) -> None:
         self.client = AsyncClient(endpoint, timeout_s=timeout_s)
         self.temperature = temperature
         self.streaming = stream
+        self.sampling = sampling or {}  # more generate() options on every request (penalties, ...)
 
     async def stream(self, item: WorkItem) -> AsyncIterator[Delta]:
         prompt = item.text if item.input_ids is None else None
         options: dict[str, Any] = dict(
             input_ids=item.input_ids, max_new_tokens=item.max_new_tokens,
-            temperature=self.temperature, ignore_eos=item.ignore_eos,
+            temperature=self.temperature, ignore_eos=item.ignore_eos, **self.sampling,
         )  # fmt: skip
         if not self.streaming:
             out = await self.client.generate(prompt, stream=False, **options)
@@ -95,10 +101,18 @@ class OpenAIBackend:
 
     name = "openai"
 
-    def __init__(self, base_url: str, model: str | None, temperature: float, timeout_s: float = 600) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None,
+        temperature: float,
+        timeout_s: float = 600,
+        sampling: dict[str, Any] | None = None,
+    ) -> None:
         self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s)
         self.model = model  # None: the first model GET /v1/models lists
         self.temperature = temperature
+        self.sampling = sampling or {}  # more body fields on every request (penalties, ...)
 
     async def _served_model(self) -> str:
         if self.model is None:
@@ -112,7 +126,7 @@ class OpenAIBackend:
         return {
             "model": model, "prompt": item.text, "max_tokens": item.max_new_tokens,
             "temperature": self.temperature, "stream": True, "ignore_eos": item.ignore_eos,
-            "stream_options": {"include_usage": True},
+            "stream_options": {"include_usage": True}, **self.sampling,
         }  # fmt: skip
 
     async def stream(self, item: WorkItem) -> AsyncIterator[Delta]:

@@ -29,7 +29,7 @@ from bench.worker_step import GREEDY, PAGE_SIZE, batch  # noqa: E402
 from gpu_worker.config import WorkerConfig  # noqa: E402
 from gpu_worker.model_files import resolve_model  # noqa: E402
 from gpu_worker.model_runner import ModelRunner  # noqa: E402
-from protocol.messages import WorkerSampling  # noqa: E402
+from protocol.sampling import WorkerSampling
 
 CONFIGS = {
     "none": GREEDY,

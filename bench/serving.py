@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import sys
 import time
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--request-rate", type=float, default=float("inf"), help="Poisson arrivals, requests/s")
     add("--max-concurrency", type=int, default=0, help="cap on requests in flight; 0: none")
     add("--temperature", type=float, default=0.0)
+    add("--sampling", type=json.loads, default={}, metavar="JSON",
+        help='more options on every request, e.g. \'{"presence_penalty": 0.5, "logit_bias": {"5": 2}}\' '
+             "(zmq: generate()'s names, openai: the body's)")  # fmt: skip
     add("--seed", type=int, default=0, help="seeds the workload and the arrivals")
     add("--warmup-requests", type=int, default=1, help="short untimed requests sent first")
     add("--timeout-s", type=float, default=600.0)
@@ -109,9 +113,13 @@ def build_workload(args: argparse.Namespace) -> list[WorkItem]:
 
 def make_backend(args: argparse.Namespace, stream: bool = True) -> Backend:
     if args.backend == "zmq":
-        return ZmqBackend(args.endpoint or default_endpoint(), args.temperature, stream, args.timeout_s)
+        sampling = dict(args.sampling)
+        if "logit_bias" in sampling:  # JSON keys are strings; the ZMQ client takes token ids
+            sampling["logit_bias"] = {int(k): v for k, v in sampling["logit_bias"].items()}
+        endpoint = args.endpoint or default_endpoint()
+        return ZmqBackend(endpoint, args.temperature, stream, args.timeout_s, sampling)
     assert stream, "the openai backend always streams"
-    return OpenAIBackend(args.base_url, args.served_model, args.temperature, args.timeout_s)
+    return OpenAIBackend(args.base_url, args.served_model, args.temperature, args.timeout_s, args.sampling)
 
 
 async def run_one(backend: Backend, item: WorkItem) -> RequestResult:

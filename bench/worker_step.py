@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_worker.config import WorkerConfig  # noqa: E402
 from gpu_worker.model_files import resolve_model, source_gguf  # noqa: E402
 from gpu_worker.model_runner import ModelRunner  # noqa: E402
-from protocol.messages import ForwardBatch, WorkerSampling  # noqa: E402
+from protocol.messages import ForwardBatch
+from protocol.sampling import WorkerSampling
 
 GREEDY = WorkerSampling(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0)
 PAGE_SIZE = 16

@@ -60,6 +60,11 @@ class GenerateOptions(TypedDict, total=False):
     echo: bool  # the reply carries the prompt too (with logprobs: every prompt token's logprob)
     rid: str | None
     cache_salt: str | None  # prefix-cache namespace: requests share cached KV only within one
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: dict[int, float] | None  # token id -> added logit
+    min_tokens: int
 
 
 SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)

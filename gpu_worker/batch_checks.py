@@ -6,6 +6,7 @@ from itertools import accumulate
 
 import torch
 
+from gpu_worker.penalties import check_prefix_ids
 from protocol.messages import PENDING, ForwardBatch
 
 
@@ -40,6 +41,7 @@ def check_batch(
         raise ValueError(f"batch {batch.step}: pages must be in [0, {num_pages})")
     if min(batch.input_ids) < PENDING or max(batch.input_ids) >= vocab_size:
         raise ValueError(f"batch {batch.step}: token ids must be in [0, {vocab_size}) or PENDING")
+    check_prefix_ids(batch, vocab_size)
     if min(batch.input_ids) == PENDING:
         row_ends = set(accumulate(batch.extend_lens))
         if any(tok == PENDING and i + 1 not in row_ends for i, tok in enumerate(batch.input_ids)):

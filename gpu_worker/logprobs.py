@@ -18,7 +18,8 @@ from itertools import accumulate
 import torch
 
 from protocol.logprobs import MAX_TOP_LOGPROBS, TopTokens
-from protocol.messages import ForwardBatch, WorkerSampling
+from protocol.messages import ForwardBatch
+from protocol.sampling import WorkerSampling
 
 # Prompt positions whose logits are materialized at once: [256, vocab] float32 is 50 MB for a
 # 49k vocabulary, where a whole 2k-token chunk's would be 400 MB.

@@ -24,6 +24,7 @@ from gpu_worker.kv_cache import KVPool, kv_pool_tokens
 from gpu_worker.loader import load_model
 from gpu_worker.logprobs import SlotTopLogprobs, asked_logprobs, check_logprob_fields, prompt_logprobs
 from gpu_worker.models import CausalLM
+from gpu_worker.penalties import SlotPenalties
 from gpu_worker.sampler import SlotSamplerParams, greedy_pick, sample
 from gpu_worker.threads import ThreadTuner, shape_class
 from protocol.logprobs import TopTokens
@@ -52,6 +53,9 @@ class ModelRunner:
         self._init_kv_pool()
         self.sampler_params = SlotSamplerParams(config.max_running_requests)
         self.top_logprobs = SlotTopLogprobs(config.max_running_requests)
+        self.penalties = SlotPenalties(
+            config.max_running_requests, self.vocab_size, self._device, self._dtype
+        )
         # The token each slot drew last: a row scheduled before that draw came back (overlap
         # scheduling) sends PENDING as its input and gets this one.
         self.last_tokens = torch.zeros(config.max_running_requests, dtype=torch.int64, device=self._device)
@@ -236,6 +240,7 @@ class ModelRunner:
         logits = self._sampled_logits(hidden, batch)
         slots = [batch.slots[i] for i in rows]
         positions = [batch.prefix_lens[i] + batch.extend_lens[i] for i in rows]
+        logits = self.penalties.apply(logits, slots, positions)  # before greedy's argmax too
         greedy = self.sampler_params.plain_greedy(slots)
         if greedy:
             tokens, token_logprobs = greedy_pick(logits, self._kernels), None
@@ -288,6 +293,7 @@ class ModelRunner:
         )
         ctx = ForwardContext(positions=positions, attn=meta, k_cache=self.kv.k, v_cache=self.kv.v)
         input_ids = self._input_ids(batch)
+        self.penalties.update(batch, input_ids)
         hidden = self.fused_decode(input_ids, ctx) if self.fused_decode is not None else None
         return self.model(input_ids, ctx) if hidden is None else hidden
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from protocol.messages import WorkerSampling
+from protocol.sampling import WorkerSampling
 
 if TYPE_CHECKING:
     from gpu_worker.cpu.kernels import CpuKernels

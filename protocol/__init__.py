@@ -26,8 +26,8 @@ from protocol.messages import (
     ToWorker,
     Usage,
     WorkerReady,
-    WorkerSampling,
 )
+from protocol.sampling import WorkerSampling
 
 __all__ = [
     "FinishReq",

@@ -30,6 +30,7 @@ import enum
 import msgspec
 
 from protocol.logprobs import PromptLogprobs, TopLogprobs, TopTokens
+from protocol.sampling import WorkerSampling
 
 
 class FinishReason(enum.Enum):
@@ -71,6 +72,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    # Penalties (see WorkerPenalties): presence and frequency as OpenAI defines them (over the
+    # generated tokens), repetition as HF/vLLM/SGLang do (over prompt and output), logit_bias
+    # (token id -> added logit), min_tokens (EOS and stop token ids masked until then).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    min_tokens: int = 0
 
 
 class GenerateRequest(ClientMsg, tag="generate"):
@@ -151,24 +160,6 @@ ClientReply = GenerateOutput
 
 class Msg(msgspec.Struct, tag=True, frozen=True, kw_only=True, array_like=True):
     """Base of every message between rivulet's processes."""
-
-
-class WorkerSampling(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """What the worker needs to sample one request's tokens: the client's SamplingParams less what
-    the tokenizer and scheduler handle (stopping, lengths), with the seed resolved.
-
-    ``seed`` is always set (the tokenizer draws one when the client gave none):
-    sampling noise is a pure function of (seed, position), so a request's tokens
-    do not depend on which other requests share its batch.
-    """
-
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    seed: int
-    logprobs: bool = False  # the client wants each token's logprob (else the worker skips them)
-    top_logprobs: int = 0  # and the N most likely tokens at each position (0: none)
 
 
 class TokenizedRequest(Msg):
@@ -290,6 +281,10 @@ class ForwardBatch(Msg):
     sampler: list[WorkerSampling | None]
     prompt_logprob_lens: list[int] = []
     prompt_logprob_targets: list[int] = []
+    # Per row (or [] when no row needs it): a row that (re)assigns the slot of a request with
+    # penalties and starts past 0 (a cached prefix) carries fill_ids[:prefix_len], the tokens the
+    # worker's penalty counts need but never gets as inputs; every other row has [].
+    prefix_ids: list[list[int]] = []
 
 
 ToWorker = ForwardBatch

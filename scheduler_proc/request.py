@@ -7,7 +7,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from protocol.messages import PENDING, FinishReason, TokenizedRequest, WorkerSampling
+from protocol.messages import PENDING, FinishReason, TokenizedRequest
+from protocol.sampling import WorkerSampling
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.page_allocator import pages_for
 from scheduler_proc.prompt_logprobs import PromptLogprobState

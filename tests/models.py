@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from protocol.messages import WorkerSampling
+from protocol.sampling import WorkerSampling
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gpt2")
 GREEDY = WorkerSampling(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0)

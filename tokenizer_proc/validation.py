@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from protocol.logprobs import MAX_TOP_LOGPROBS
-from protocol.messages import GenerateRequest, SamplingParams, WorkerSampling
+from protocol.messages import GenerateRequest, SamplingParams
+from protocol.sampling import WorkerSampling
 from tokenizer_proc.model_info import ModelInfo
+from tokenizer_proc.penalties import penalty_error, worker_penalties
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -93,6 +95,7 @@ def validate_generate(
         seed=seed,
         logprobs=req.logprobs,
         top_logprobs=req.top_logprobs,
+        penalties=worker_penalties(params, len(input_ids), stop_token_ids),
     )
     return ValidRequest(
         client_rid=req.rid,
@@ -148,6 +151,9 @@ def _check_sampling(params: SamplingParams, info: ModelInfo, *, echo: bool) -> N
         raise RequestRejected(
             "sampling.stop_token_ids", f"{bad[:8]} are outside the vocabulary [0, {info.vocab_size})"
         )
+    error = penalty_error(params, info)
+    if error is not None:
+        raise RequestRejected(*error)
 
 
 def _prompt_ids(req: GenerateRequest, tokenizer: PreTrainedTokenizerBase, info: ModelInfo) -> list[int]:

@@ -6,10 +6,11 @@ loop runs: schedule -> execute -> on_result -> take_outputs.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from gpu_worker.model_runner import ModelRunner
-from protocol import RequestError, TokenBatch, TokenizedRequest, WorkerSampling
+from protocol import ForwardBatch, RequestError, TokenBatch, TokenizedRequest, WorkerSampling
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.scheduler import Scheduler
 from tests.models import GREEDY
@@ -24,13 +25,18 @@ def generate(
     enable_mixed_chunk: bool,
     max_prefill_tokens: int = 4096,
     stop_token_ids: tuple[int, ...] = (),
-    sampler: WorkerSampling = GREEDY,
+    sampler: WorkerSampling | list[WorkerSampling] = GREEDY,
     scheduler_overrides: dict[str, Any] | None = None,
+    overlap: bool = False,
+    batches: list[ForwardBatch] | None = None,
 ) -> tuple[list[list[int]], Scheduler]:
     """Greedy outputs of every prompt, served together; returns the drained scheduler too.
 
-    ``scheduler_overrides`` sets other SchedulerConfig fields (a ``num_pages`` below the
-    runner's uses only part of its pool, e.g. to force eviction and retraction).
+    ``sampler``: one for every prompt, or one each. ``scheduler_overrides`` sets other
+    SchedulerConfig fields (a ``num_pages`` below the runner's uses only part of its pool,
+    e.g. to force eviction and retraction). ``overlap``: the next batch is scheduled
+    before the last one's result is in, as the scheduler process does (its decode rows
+    then send PENDING). ``batches``, when given, collects every batch sent.
     """
     fields: dict[str, Any] = dict(
         num_pages=runner.num_pages,
@@ -43,20 +49,25 @@ def generate(
     )
     fields.update(scheduler_overrides or {})
     scheduler = Scheduler(SchedulerConfig(**fields))
+    samplers = sampler if isinstance(sampler, list) else [sampler] * len(prompts)
     for rid, prompt in enumerate(prompts):
         req = TokenizedRequest(
             rid=rid,
             input_ids=prompt,
             max_new_tokens=new_tokens,
             stop_token_ids=list(stop_token_ids),
-            sampler=sampler,
+            sampler=samplers[rid],
         )
         assert scheduler.add(req) is None, f"request {rid} rejected"
     outputs: list[list[int]] = [[] for _ in prompts]
-    while scheduler.has_work:
-        batch = scheduler.schedule()
-        assert batch is not None, "work is pending but nothing was scheduled"
-        scheduler.on_result(runner.execute(batch))
+    in_flight: deque[ForwardBatch] = deque()
+    while scheduler.has_work or in_flight:
+        while len(in_flight) < (2 if overlap else 1) and (batch := scheduler.schedule()) is not None:
+            in_flight.append(batch)
+            if batches is not None:
+                batches.append(batch)
+        assert in_flight, "work is pending but nothing was scheduled"
+        scheduler.on_result(runner.execute(in_flight.popleft()))
         for msg in scheduler.take_outputs():
             assert not isinstance(msg, RequestError), msg.message
             assert isinstance(msg, TokenBatch)

@@ -20,7 +20,8 @@ import torch
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
 from protocol.logprobs import PromptLogprobs, TopTokens
-from protocol.messages import FinishReason, RequestError, TokenBatch, TokenizedRequest, WorkerSampling
+from protocol.messages import FinishReason, RequestError, TokenBatch, TokenizedRequest
+from protocol.sampling import WorkerSampling
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.scheduler import Scheduler
 from tests.models import VOCAB, save_tiny_model

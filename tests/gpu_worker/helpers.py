@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_worker.cpu.kind import CpuKind, requested_kind
-from protocol.messages import ForwardBatch, WorkerSampling
+from protocol.messages import ForwardBatch
+from protocol.sampling import WorkerSampling
 from tests.models import GREEDY, VOCAB, save_tiny_model  # noqa: F401  (re-exported to the tests here)
 
 # The CPU kinds this CPU (or the kind it acts as) runs: each kernel test runs once per kind.

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpu_worker.sampler import SlotSamplerParams, sample
-from protocol.messages import WorkerSampling
+from protocol.sampling import WorkerSampling
 
 
 def params(

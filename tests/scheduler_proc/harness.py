@@ -19,8 +19,8 @@ from protocol.messages import (
     RequestError,
     TokenBatch,
     TokenizedRequest,
-    WorkerSampling,
 )
+from protocol.sampling import WorkerSampling
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.request import ReqStatus
 from scheduler_proc.scheduler import Scheduler

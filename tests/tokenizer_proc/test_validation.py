@@ -50,6 +50,17 @@ REJECTIONS = [
     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ({"top_logprobs": 3}, "top_logprobs needs logprobs"),
     ({"prompt": None, "messages": [ChatMessage(role="user", content="hi")], "echo": True}, "echo"),
+    ({"sampling": {"presence_penalty": 2.01}}, "sampling.presence_penalty"),
+    ({"sampling": {"frequency_penalty": -2.5}}, "sampling.frequency_penalty"),
+    ({"sampling": {"frequency_penalty": float("nan")}}, "sampling.frequency_penalty"),
+    ({"sampling": {"repetition_penalty": 0.0}}, "sampling.repetition_penalty"),
+    ({"sampling": {"repetition_penalty": float("inf")}}, "sampling.repetition_penalty"),
+    ({"sampling": {"logit_bias": {49152: 1.0}}}, "sampling.logit_bias"),
+    ({"sampling": {"logit_bias": {-1: 1.0}}}, "sampling.logit_bias"),
+    ({"sampling": {"logit_bias": {5: -100.5}}}, "sampling.logit_bias"),
+    ({"sampling": {"logit_bias": {i: 1.0 for i in range(301)}}}, "sampling.logit_bias"),
+    ({"sampling": {"min_tokens": 9, "max_new_tokens": 8}}, "sampling.min_tokens"),
+    ({"sampling": {"min_tokens": -1}}, "sampling.min_tokens"),
 ]
 
 
@@ -128,3 +139,20 @@ def test_echo_allows_max_new_tokens_zero(tokenizer: PreTrainedTokenizerBase, mod
     assert (ok.sampler.logprobs, ok.sampler.top_logprobs) == (True, 20)
     ids = _validate(tokenizer, model_info, input_ids=[504, 2337], echo=True, sampling={"max_new_tokens": 0})
     assert ids.echo_text == tokenizer.decode([504, 2337]) and not ids.prompt_logprobs
+
+
+def test_penalties_become_worker_penalties_only_when_they_change_a_logit(
+    tokenizer: PreTrainedTokenizerBase, model_info: ModelInfo
+) -> None:
+    neutral = {"presence_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {5: 0.0}, "min_tokens": 0}
+    assert _validate(tokenizer, model_info, sampling=neutral).sampler.penalties is None
+    fields = {"presence_penalty": 0.5, "logit_bias": {i: 1.0 for i in range(300)}, "min_tokens": 3}
+    valid = _validate(tokenizer, model_info, input_ids=[4, 5, 6], sampling={**fields, "stop_token_ids": [9]})
+    p = valid.sampler.penalties
+    assert p is not None and (p.prompt_len, p.presence, p.min_tokens) == (3, 0.5, 3)
+    assert p.bias_ids == list(range(300)) and p.min_tokens_ids == valid.stop_token_ids == [
+        *model_info.eos_token_ids,
+        9,
+    ]
+    no_stop = {"min_tokens": 3, "ignore_eos": True}
+    assert _validate(tokenizer, model_info, sampling=no_stop).sampler.penalties is None, "nothing to mask"

@@ -2,11 +2,13 @@
 
 The engine's own validation (``tokenizer_proc.validation``) checks ranges and
 tokenizes; this module only maps names, refuses what rivulet does not implement
-(n > 1, penalties, tools) with a 400 naming the parameter, and fills OpenAI's
+(n > 1, tools) with a 400 naming the parameter, and fills OpenAI's
 defaults. A completions ``prompt`` that is a batch becomes one request per prompt.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 
@@ -85,11 +87,6 @@ def chat_request(body: ChatCompletionRequest, rid: str) -> GenerateRequest:
 def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
     if body.n != 1:
         raise bad_param("n", "only n=1 is supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) != 0:
-            raise bad_param(name, f"{name} is not supported (only 0)")
-    if body.logit_bias:
-        raise bad_param("logit_bias", "logit_bias is not supported")
     if body.stream_options is not None and not body.stream:
         raise bad_param("stream_options", "stream_options is only allowed with stream=true")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -106,7 +103,26 @@ def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
         stop=stop,
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
+        **_penalties(body),
     )
+
+
+def _penalties(body: SamplingFields) -> dict[str, Any]:
+    """The penalty fields as SamplingParams names them; the engine checks their ranges."""
+    bias: dict[int, float] = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not key.strip().lstrip("-").isdigit():
+            raise bad_param("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+        bias[int(key)] = value
+    fields: dict[str, Any] = dict(
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        logit_bias=bias,
+        min_tokens=body.min_tokens,
+    )
+    if body.repetition_penalty is not None:
+        fields["repetition_penalty"] = body.repetition_penalty
+    return fields
 
 
 def _prompts(prompt: str | list[str | int | list[int]]) -> list[tuple[str | None, list[int] | None]]:

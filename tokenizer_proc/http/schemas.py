@@ -29,8 +29,8 @@ class StreamOptions(Body):
 
 
 class SamplingFields(Body, kw_only=True):
-    """Fields both endpoints share. ``top_k``, ``min_p``, ``stop_token_ids`` and ``ignore_eos``
-    are extensions (SGLang and vLLM accept them too)."""
+    """Fields both endpoints share. ``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``,
+    ``repetition_penalty`` and ``min_tokens`` are extensions (SGLang and vLLM accept them too)."""
 
     model: str | None = None
     max_tokens: Int64 | None = None
@@ -49,6 +49,8 @@ class SamplingFields(Body, kw_only=True):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    repetition_penalty: float | None = None  # extension (vLLM, SGLang): > 0, 1 is off
+    min_tokens: Int64 = 0  # extension (vLLM): EOS and stop token ids are masked until then
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

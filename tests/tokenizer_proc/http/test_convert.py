@@ -65,7 +65,7 @@ def test_chat_takes_max_completion_tokens_first_and_text_parts() -> None:
     ("fields", "param"),
     [({"n": 2}, "n"), ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"),
      ({"best_of": 2}, "best_of"),
-     ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+     ({"logit_bias": {"five": 1.0}}, "logit_bias"),
      ({"stream_options": {"include_usage": True}}, "stream_options"), ({"prompt": [1, "a"]}, "prompt"),
      ({"prompt": ["a", [1]]}, "prompt"), ({"prompt": []}, "prompt"), ({"max_tokens": 0}, "max_tokens")],
 )  # fmt: skip
@@ -120,3 +120,30 @@ def test_rejections_are_spelt_the_openai_way() -> None:
     assert draining.status == 503
     assert engine_error("forward pass failed: boom").status == 500
     assert engine_error("prompt (9 tokens) + max_new_tokens (5) exceeds the context length 10").status == 400
+
+
+def test_penalties_reach_the_engine_request_with_token_id_keys() -> None:
+    fields = dict(presence_penalty=0.5, frequency_penalty=-1.0, logit_bias={"7": 3.0, "12": -100})
+    req = completion_request(_completion(**fields, repetition_penalty=1.2, min_tokens=4, max_tokens=9), "r")
+    s = req.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_tokens) == (
+        0.5,
+        -1.0,
+        1.2,
+        4,
+    )
+    assert s.logit_bias == {7: 3.0, 12: -100.0}
+    chat = chat_request(_chat(**fields), "r").sampling
+    assert (chat.presence_penalty, chat.logit_bias, chat.repetition_penalty) == (
+        0.5,
+        {7: 3.0, 12: -100.0},
+        1.0,
+    )
+
+
+def test_penalty_rejections_keep_openai_names() -> None:
+    for field in ("presence_penalty", "logit_bias", "min_tokens", "repetition_penalty"):
+        error = rejection_error(
+            RequestRejected(f"sampling.{field}", "is bad"), chat=False, max_param="max_tokens"
+        )
+        assert (error.status, error.param) == (400, field)

@@ -1,0 +1,265 @@
+"""Penalties, logit_bias and min_tokens (protocol's WorkerPenalties) on the rows that use them.
+
+Per request slot the worker keeps, allocated the first time a request uses penalties (a
+server whose clients never do pays nothing):
+
+    seen      [slots, vocab] bool: the token occurs in the prompt or the output
+    counts    [slots, vocab] int32: how often the token was generated
+    seen_ids  [slots, width]: the seen tokens in first-seen order, ``num_seen`` of them per slot
+
+Repetition, frequency and presence change only seen tokens, so a step gathers each row's
+logits at its ``seen_ids`` ([rows, seen] values, not [rows, vocab]), penalizes them and
+scatters them back: the cost follows the tokens a request has, not the vocabulary.
+
+The tables are filled from the tokens the worker runs, never from what it draws: a row's
+inputs are exactly its positions [prefix_len, prefix_len + extend_len), so when it samples
+position p every position below p has been counted, however the scheduler chunked the
+prompt. A decode row's input is the token its slot drew last (PENDING resolved, under
+overlap), so the counts follow the tokens actually emitted, and a token drawn for a request
+that then ended is never an input and never counted. A slot given to a request (a new one,
+or a retracted one sent again) starts from zero and gets the tokens of its cached prefix in
+``ForwardBatch.prefix_ids``; the recompute's inputs do the rest.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+
+from protocol.messages import ForwardBatch
+from protocol.sampling import WorkerPenalties, WorkerSampling
+
+
+class _Tables:
+    """The per-slot state (see the module docstring): tables on the logits' device, ``num_seen``
+    on the CPU so that choosing widths needs no device sync.
+
+    Invariant: a slot's rows of ``seen`` and ``counts`` are zero outside its seen ids, so a reset
+    clears just those. Every op here touches [rows, seen] elements through flat indices
+    (index_select, index_add_, index_copy_): on a CPU the ops torch parallelizes (advanced
+    indexing, whole-row copies) each cost a scheduler time slice when a core is busy elsewhere.
+    """
+
+    def __init__(self, max_requests: int, vocab: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.vocab = vocab
+        self.seen = torch.zeros(max_requests * vocab, dtype=torch.bool, device=device)  # [slot * vocab + id]
+        self.counts = torch.zeros(max_requests * vocab, dtype=torch.int32, device=device)
+        self.seen_ids = torch.zeros(max_requests, 64, dtype=torch.int64, device=device)
+        self.num_seen = torch.zeros(max_requests, dtype=torch.int64)
+        self.presence = torch.zeros(max_requests, dtype=dtype, device=device)
+        self.frequency = torch.zeros(max_requests, dtype=dtype, device=device)
+        self.repetition = torch.ones(max_requests, dtype=dtype, device=device)
+        # logit_bias as padded rows: id 0 with value 0.0 pads (adding 0 changes nothing).
+        self.bias_ids = torch.zeros(max_requests, 0, dtype=torch.int64, device=device)
+        self.bias_values = torch.zeros(max_requests, 0, dtype=dtype, device=device)
+
+    def reset(self, slot: int, p: WorkerPenalties) -> None:
+        old = self.seen_ids[slot, : int(self.num_seen[slot])] + slot * self.vocab
+        self.seen.index_fill_(0, old, False)
+        self.counts.index_fill_(0, old, 0)
+        self.num_seen[slot] = 0
+        self.presence[slot] = p.presence
+        self.frequency[slot] = p.frequency
+        self.repetition[slot] = p.repetition
+        width = len(p.bias_ids)
+        if width > self.bias_ids.shape[1]:
+            grow = width - self.bias_ids.shape[1]
+            self.bias_ids = torch.nn.functional.pad(self.bias_ids, (0, grow))
+            self.bias_values = torch.nn.functional.pad(self.bias_values, (0, grow))
+        self.bias_ids[slot] = 0
+        self.bias_values[slot] = 0
+        self.bias_ids[slot, :width] = torch.tensor(p.bias_ids, dtype=torch.int64)
+        self.bias_values[slot, :width] = torch.tensor(p.bias_values, dtype=torch.float64)
+
+    def add_generated(self, key: torch.Tensor) -> None:
+        """One more generated token at each (slot * vocab + id) ``key`` (repeats count each time)."""
+        self.counts.index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+
+    def add_seen(self, key: torch.Tensor) -> None:
+        """Mark the (slot * vocab + id) ``key``s seen, appending the new ones to their slots'
+        seen_ids. The keys are distinct and a slot's keys adjacent (sorted, or one per slot)."""
+        new = key[~self.seen.index_select(0, key)]
+        if not new.numel():
+            return
+        self.seen.index_fill_(0, new, True)
+        slot, token = new // self.vocab, new % self.vocab
+        # Rank of each new key within its slot (a slot's keys are adjacent): its column offset.
+        index = torch.arange(len(new), device=new.device)
+        first = torch.ones_like(new, dtype=torch.bool)
+        first[1:] = slot[1:] != slot[:-1]
+        rank = index - torch.where(first, index, 0).cummax(0).values
+        slot_cpu = slot.cpu()
+        column = self.num_seen.index_select(0, slot_cpu) + rank.cpu()
+        width = int(column.max()) + 1
+        if width > self.seen_ids.shape[1]:
+            grow = max(width, 2 * self.seen_ids.shape[1]) - self.seen_ids.shape[1]
+            self.seen_ids = torch.nn.functional.pad(self.seen_ids, (0, grow))
+        where = slot * self.seen_ids.shape[1] + column.to(new.device)
+        self.seen_ids.view(-1).index_copy_(0, where, token)
+        self.num_seen.index_add_(0, slot_cpu, torch.ones_like(slot_cpu))
+
+
+class SlotPenalties:
+    """Which slots use penalties (``WorkerPenalties`` per slot, None for most), their tables, and the
+    two steps of a batch: ``update`` from its samplers and input tokens, then ``apply`` to its logits."""
+
+    def __init__(self, max_requests: int, vocab: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.vocab = vocab
+        self._max_requests = max_requests
+        self._device = device
+        self._dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.params: list[WorkerPenalties | None] = [None] * max_requests
+        self._tables: _Tables | None = None
+
+    def _get_tables(self) -> _Tables:
+        if self._tables is None:
+            self._tables = _Tables(self._max_requests, self.vocab, self._device, self._dtype)
+        return self._tables
+
+    def update(self, batch: ForwardBatch, input_ids: torch.Tensor) -> None:
+        """Take the batch's new samplers (a slot given to a request starts from zero and its
+        cached prefix), then count its input tokens (PENDING already resolved in ``input_ids``)."""
+        for i, (slot, sampler) in enumerate(zip(batch.slots, batch.sampler, strict=True)):
+            if sampler is None:
+                continue
+            self.params[slot] = sampler.penalties
+            if sampler.penalties is not None:
+                self._get_tables().reset(slot, sampler.penalties)
+                if batch.prefix_ids and batch.prefix_ids[i]:
+                    prefix = torch.tensor(batch.prefix_ids[i], dtype=torch.int64, device=self._device)
+                    self._record([slot], [0], [len(prefix)], [0], prefix)
+        rows = [i for i, slot in enumerate(batch.slots) if self.params[slot] is not None]
+        if rows:
+            starts = list(accumulate(batch.extend_lens, initial=0))
+            self._record(
+                [batch.slots[i] for i in rows],
+                [batch.prefix_lens[i] for i in rows],
+                [batch.extend_lens[i] for i in rows],
+                [starts[i] for i in rows],
+                input_ids,
+            )
+
+    def _record(
+        self,
+        slots: list[int],
+        positions: list[int],
+        lens: list[int],
+        offsets: list[int],
+        tokens: torch.Tensor,
+    ) -> None:
+        """Count ``tokens[offsets[r] : offsets[r] + lens[r]]``, at positions from ``positions[r]``,
+        for slot ``slots[r]``: every one as seen, those past the prompt as generated."""
+        tables = self._get_tables()
+        num_tokens = sum(lens)
+        decode_only = num_tokens == len(lens)  # one token a row, at distinct slots
+        flat, pos, slot_of = torch.tensor(offsets), torch.tensor(positions), torch.tensor(slots)
+        prompt_len = torch.tensor([p.prompt_len if (p := self.params[s]) is not None else 0 for s in slots])
+        if not decode_only:
+            lens_t = torch.tensor(lens)
+            row = torch.repeat_interleave(torch.arange(len(lens)), lens_t)
+            within = torch.arange(num_tokens) - torch.repeat_interleave(lens_t.cumsum(0) - lens_t, lens_t)
+            flat, pos = flat[row] + within, pos[row] + within
+            slot_of, prompt_len = slot_of[row], prompt_len[row]
+        generated = pos >= prompt_len
+        key = slot_of.to(self._device) * self.vocab + tokens.index_select(0, flat.to(self._device))
+        if bool(generated.all()):
+            tables.add_generated(key)
+        elif bool(generated.any()):
+            tables.add_generated(key[generated.to(self._device)])
+        tables.add_seen(key if decode_only else torch.unique(key))
+
+    def apply(self, logits: torch.Tensor, slots: list[int], positions: list[int]) -> torch.Tensor:
+        """``logits`` [rows, vocab] of the sampled rows at ``slots``, drawing ``positions``, with every
+        row's penalties applied (float32, or float64 for float64 logits; float32 logits are changed
+        in place); the same tensor when no row uses any (the fast path: one list scan)."""
+        rows = [i for i, slot in enumerate(slots) if self.params[slot] is not None]
+        if not rows:
+            return logits
+        tables = self._get_tables()
+        params = [p for i in rows if (p := self.params[slots[i]]) is not None]
+        x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+        x = x.contiguous()
+        row_slots = [slots[i] for i in rows]
+        row_t = torch.tensor(rows, dtype=torch.int64, device=x.device)
+        slot_t = torch.tensor(row_slots, dtype=torch.int64, device=x.device)
+        repetition = any(p.repetition != 1 for p in params)
+        if repetition or any(p.presence != 0 or p.frequency != 0 for p in params):
+            num_seen = tables.num_seen.index_select(0, torch.tensor(row_slots))
+            self._penalize_seen(x, row_t, slot_t, num_seen, repetition)
+        if any(p.bias_ids for p in params):
+            where = row_t[:, None] * self.vocab + tables.bias_ids.index_select(0, slot_t)
+            bias = tables.bias_values.index_select(0, slot_t).to(x.dtype)
+            x.view(-1).index_add_(0, where.view(-1), bias.view(-1))
+        _mask_min_tokens(x, rows, params, [positions[i] for i in rows])
+        return x
+
+    def _penalize_seen(
+        self,
+        x: torch.Tensor,
+        row_t: torch.Tensor,
+        slot_t: torch.Tensor,
+        num_seen: torch.Tensor,
+        repetition: bool,
+    ) -> None:
+        """Repetition, then frequency and presence, in place on each penalized row's seen tokens."""
+        tables = self._get_tables()
+        width = int(num_seen.max())
+        if width == 0:
+            return
+        # Columns past a row's num_seen repeat its first seen id: the same value is computed and
+        # written twice, so the padding changes nothing. A row that has seen nothing (never so
+        # when it samples: its prompt is seen) has a stale id there, which its unit repetition and
+        # zero counts leave as it is.
+        ids = tables.seen_ids.index_select(0, slot_t)[:, :width]
+        live = torch.arange(width)[None, :] < num_seen[:, None]
+        ids = torch.where(live.to(ids.device), ids, ids[:, :1])
+        where = (row_t[:, None] * self.vocab + ids).view(-1)
+        values = x.view(-1).index_select(0, where).view(ids.shape)
+        if repetition:
+            rep = tables.repetition.index_select(0, slot_t).to(x.dtype)
+            rep = torch.where((num_seen > 0).to(rep.device), rep, 1.0)[:, None]
+            values = torch.where(values > 0, values / rep, values * rep)
+        count = tables.counts.index_select(0, (slot_t[:, None] * self.vocab + ids).view(-1))
+        count = count.view(ids.shape).to(x.dtype)
+        frequency = tables.frequency.index_select(0, slot_t).to(x.dtype)[:, None]
+        presence = tables.presence.index_select(0, slot_t).to(x.dtype)[:, None]
+        values = values - (frequency * count + presence * (count > 0))
+        x.view(-1).index_copy_(0, where, values.view(-1))
+
+
+def _mask_min_tokens(
+    x: torch.Tensor, rows: list[int], params: list[WorkerPenalties], positions: list[int]
+) -> None:
+    """-inf, in place, on the EOS and stop token ids of each row (``rows[r]`` of ``x``) that has
+    generated fewer than its min_tokens."""
+    where = [
+        row * x.shape[1] + t
+        for row, p, pos in zip(rows, params, positions, strict=True)
+        if pos - p.prompt_len < p.min_tokens
+        for t in p.min_tokens_ids
+    ]
+    if where:
+        x.view(-1).index_fill_(0, torch.tensor(where, dtype=torch.int64, device=x.device), float("-inf"))
+
+
+def check_prefix_ids(batch: ForwardBatch, vocab_size: int) -> None:
+    """Reject ``prefix_ids`` that do not match the batch: each row with a sampler with penalties
+    carries exactly its ``prefix_len`` ids, in the vocabulary; every other row carries none."""
+    if not batch.prefix_ids:
+        needs = [i for i, s in enumerate(batch.sampler) if _penalized(s) and batch.prefix_lens[i] > 0]
+        if needs:
+            raise ValueError(f"batch {batch.step}: rows {needs} give a slot penalties but lack prefix_ids")
+        return
+    if len(batch.prefix_ids) != len(batch.slots):
+        raise ValueError(f"batch {batch.step}: prefix_ids must have one entry per row")
+    for i, ids in enumerate(batch.prefix_ids):
+        expected = batch.prefix_lens[i] if _penalized(batch.sampler[i]) else 0
+        if len(ids) != expected:
+            raise ValueError(f"batch {batch.step}: row {i} has {len(ids)} prefix_ids, expected {expected}")
+        if ids and not (0 <= min(ids) and max(ids) < vocab_size):
+            raise ValueError(f"batch {batch.step}: prefix_ids must be in [0, {vocab_size})")
+
+
+def _penalized(sampler: WorkerSampling | None) -> bool:
+    return sampler is not None and sampler.penalties is not None

@@ -1,0 +1,44 @@
+"""How the worker samples a request's tokens, as the tokenizer sends it on (inside TokenizedRequest)
+and the scheduler passes it to the worker (inside ForwardBatch): msgpack arrays, as every message
+between rivulet's processes (messages.py)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class WorkerPenalties(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """A request's logit adjustments, applied in the worker before temperature and filters, in
+    this order: repetition (logit > 0 divided by it, < 0 multiplied, for every token in the prompt
+    or the output), then ``- frequency * count - presence * (count > 0)`` over the generated
+    tokens plus ``logit_bias``, then ``-inf`` on ``min_tokens_ids`` while fewer than
+    ``min_tokens`` tokens were generated. Positions from ``prompt_len`` on are generated tokens.
+    """
+
+    prompt_len: int
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    bias_ids: list[int] = []
+    bias_values: list[float] = []
+    min_tokens: int = 0
+    min_tokens_ids: list[int] = []  # EOS (unless ignore_eos) and the client's stop token ids
+
+
+class WorkerSampling(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """What the worker needs to sample one request's tokens: the client's SamplingParams less what
+    the tokenizer and scheduler handle (stopping, lengths), with the seed resolved.
+
+    ``seed`` is always set (the tokenizer draws one when the client gave none):
+    sampling noise is a pure function of (seed, position), so a request's tokens
+    do not depend on which other requests share its batch.
+    """
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    logprobs: bool = False  # the client wants each token's logprob (else the worker skips them)
+    top_logprobs: int = 0  # and the N most likely tokens at each position (0: none)
+    penalties: WorkerPenalties | None = None  # None: the request changes no logit (the fast path)
