@@ -172,6 +172,11 @@ static inline __m512 exp512(__m512 x) {
 #endif
 
 #if HAVE_AVX2 || HAVE_AVX512
+/* Keeps vector v in a register: without it gcc folds a load into every FMA that uses it (a tile's
+ * x vector once per weight row), and on CPUs with two load ports the loads, not the FMAs, set the
+ * pace (matmul.c, quant_dense.c). */
+#define IN_REGISTER(v) __asm__("" : "+x"(v))
+
 /* The sum of v's 8 lanes (the quantized kernels' AVX2 code runs in the AVX-512 build too). */
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

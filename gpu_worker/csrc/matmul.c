@@ -77,10 +77,6 @@ static void widen_x(const uint16_t *x, int64_t x_stride, int m, int k, int64_t k
     }
 }
 
-/* Keeps v in a register: without it gcc folds a load into every FMA that uses it (C loads of each
- * x vector, two of each weight vector), and the loads, not the FMAs, set the pace. */
-#define IN_REGISTER(v) __asm__("" : "+x"(v))
-
 /* acc[r][c] += widened x block xb (row r at xb + r * kp) times the 16 bf16 weights at wb[c]. */
 static inline __attribute__((always_inline)) void block_fma(__m256 acc[TILE_R][MAX_C], const float *xb, int64_t kp,
                                                             const uint16_t *const wb[MAX_C], int R, int C) {

@@ -16,12 +16,8 @@
 #include <stdlib.h>
 
 #define PANEL_BYTES (96 * 1024) /* of float32 weight rows per panel: in L2 beside a group's x rows */
-#ifndef TR
-#define TR 4 /* activation rows per register tile */
-#endif
-#ifndef TC
-#define TC 3 /* weight rows per register tile */
-#endif
+#define TR 4                    /* activation rows per register tile */
+#define TC 3                    /* weight rows per register tile */
 #define COL_UNIT (4 * TC)       /* weight rows per unit of the thread split */
 
 /* The output (r, c) = s + residual, rounded once to y's dtype. */
@@ -43,10 +39,6 @@ typedef struct {
 } outputs;
 
 #if HAVE_AVX2 || HAVE_AVX512
-/* Keeps v in a register: without it gcc folds a load into every FMA that uses it (TC loads of each
- * x vector), and on two-load-port CPUs the loads, not the FMAs, set the pace. */
-#define IN_REGISTER(v) __asm__("" : "+x"(v))
-
 /* Rows [r0, r0 + R) of x (float32, kx apart) times panel rows [c0, c0 + C) (float32, k apart),
  * R, C constants once inlined; k a multiple of 32. 12 accumulators, 3 weight vectors and one x
  * vector fill the 16 ymm registers: 7 loads per 12 FMAs. Rows or columns past the end repeat the
@@ -106,8 +98,6 @@ static void panel_rows(const float *x, int64_t nr, const float *wp, int64_t nc, 
             case 1: tile(x, nr, wp, nc, k, r0, c0, col0, o, 1, TC); break;
             case 2: tile(x, nr, wp, nc, k, r0, c0, col0, o, 2, TC); break;
             case 3: tile(x, nr, wp, nc, k, r0, c0, col0, o, 3, TC); break;
-            case 4: tile(x, nr, wp, nc, k, r0, c0, col0, o, 4 < TR ? 4 : TR, TC); break;
-            case 5: tile(x, nr, wp, nc, k, r0, c0, col0, o, 5 < TR ? 5 : TR, TC); break;
             default: tile(x, nr, wp, nc, k, r0, c0, col0, o, TR, TC);
             }
         }
