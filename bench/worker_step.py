@@ -5,6 +5,7 @@
     python bench/worker_step.py --profile decode32    # torch.profiler table of one shape
     python bench/worker_step.py --dtype bfloat16,bfloat16:torch --rounds 3   # C kernels vs torch
     python bench/worker_step.py --dtype bfloat16,bfloat16:gguf --rounds 3    # bf16 vs GGUF blocks
+    python bench/worker_step.py --dtype float32:gguf,float32:gguf-modules --rounds 3  # one call vs modules
 
 Shapes: decode at batch 1 / 8 / 32 (every row with ``--context`` tokens of KV
 already written) and one prefill chunk of ``--prefill`` tokens. Each shape runs
@@ -43,7 +44,7 @@ def batch(step: int, rows: int, prefix_len: int, extend_len: int, first: bool) -
     steps repeat the same positions and overwrite the same KV, as far as cost goes
     the same as a real decode at that context).
     """
-    pages_per_row = -(-(prefix_len + extend_len) // PAGE_SIZE)
+    pages_per_row = -(-(prefix_len + extend_len + 1) // PAGE_SIZE)  # + the decode steps' token
     return ForwardBatch(
         step=step,
         slots=list(range(rows)),
@@ -97,16 +98,17 @@ def time_steps(
 
 
 def make_runner(args: argparse.Namespace, variant: str) -> ModelRunner:
-    """``variant``: a dtype, with ``:torch`` appended for torch paths instead of the C kernels, or
-    ``:gguf`` for a GGUF's weights computed in their blocks (--weight-dtype gguf)."""
+    """``variant``: a dtype, with ``:torch`` appended for torch paths instead of the C kernels,
+    ``:gguf`` for a GGUF's weights computed in their blocks (--weight-dtype gguf), or
+    ``:gguf-modules`` for those without the one-call decode (every layer through its modules)."""
     dtype, _, attention = variant.partition(":")
     rows = max(args.decode_batches)
     extra: dict[str, Any] = {"compile": True} if args.compile else {}  # older configs lack the field
     if attention == "torch":
         extra["cpu_kernels"] = False
-    elif attention == "gguf":
+    elif attention in ("gguf", "gguf-modules"):
         extra.update(weight_dtype="gguf", gguf_path=str(source_gguf(args.model)))
-    return ModelRunner(
+    runner = ModelRunner(
         WorkerConfig(
             model_path=str(resolve_model(args.model)),
             dtype=dtype,
@@ -117,6 +119,9 @@ def make_runner(args: argparse.Namespace, variant: str) -> ModelRunner:
             **extra,
         )
     )
+    if attention == "gguf-modules":
+        runner.fused_decode = None
+    return runner
 
 
 def steppers(runner: ModelRunner, args: argparse.Namespace) -> dict[str, Callable[[int], None]]:
@@ -142,7 +147,8 @@ def main() -> None:
     p.add_argument(
         "--dtype",
         default="auto",
-        help="comma-separated: auto,float32,bfloat16; DTYPE:torch = no C kernels, DTYPE:gguf = GGUF blocks",
+        help="comma-separated: auto,float32,bfloat16; DTYPE:torch = no C kernels, DTYPE:gguf = GGUF blocks, "
+        "DTYPE:gguf-modules = GGUF blocks without the one-call decode",
     )
     p.add_argument("--decode-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     p.add_argument("--context", type=int, default=96, help="KV tokens per decode row")
