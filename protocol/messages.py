@@ -29,6 +29,7 @@ import enum
 
 import msgspec
 
+from protocol.grammar import Grammar
 from protocol.logprobs import PromptLogprobs, TopLogprobs, TopTokens
 from protocol.sampling import WorkerSampling
 
@@ -80,6 +81,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = {}
     min_tokens: int = 0
+    # Constrained decoding (see protocol/grammar.py); None: free text.
+    grammar: Grammar | None = None
 
 
 class GenerateRequest(ClientMsg, tag="generate"):

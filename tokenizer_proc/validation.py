@@ -154,6 +154,8 @@ def _check_sampling(params: SamplingParams, info: ModelInfo, *, echo: bool) -> N
     error = penalty_error(params, info)
     if error is not None:
         raise RequestRejected(*error)
+    if params.grammar is not None:
+        raise RequestRejected("sampling.grammar", "constrained decoding is not supported yet")
 
 
 def _prompt_ids(req: GenerateRequest, tokenizer: PreTrainedTokenizerBase, info: ModelInfo) -> list[int]:
