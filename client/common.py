@@ -65,6 +65,7 @@ class GenerateOptions(TypedDict, total=False):
     repetition_penalty: float
     logit_bias: dict[int, float] | None  # token id -> added logit
     min_tokens: int
+    n: int  # choices from one prefill (choice i samples with seed + i); replies carry ``index``
 
 
 SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
@@ -86,7 +87,36 @@ def make_request(prompt: str | None, stream: bool, options: GenerateOptions) -> 
         logprobs=options.get("logprobs", False),
         top_logprobs=options.get("top_logprobs", 0),
         echo=options.get("echo", False),
+        n=options.get("n", 1),
     )
+
+
+class ChoiceCount:
+    """How many choices of each in-flight request are still to finish (a request ends with its
+    last choice, or at once with an error reply)."""
+
+    def __init__(self) -> None:
+        self._left: dict[str, int] = {}
+
+    def start(self, req: GenerateRequest) -> None:
+        self._left[req.rid] = req.n
+
+    def finished(self, reply: GenerateOutput) -> bool:
+        """Count ``reply``, a final one; True when its request has no choice left."""
+        left = self._left.get(reply.rid, 1) - 1
+        if left <= 0 or reply.finish_reason is FinishReason.ERROR:
+            self._left.pop(reply.rid, None)
+            return True
+        self._left[reply.rid] = left
+        return False
+
+    def forget(self, rid: str) -> None:
+        self._left.pop(rid, None)
+
+
+def single_choice(req: GenerateRequest) -> None:
+    if req.n != 1:
+        raise ValueError("generate(stream=False) returns one reply: use generate_choices for n > 1")
 
 
 def check_reply(reply: GenerateOutput) -> GenerateOutput:

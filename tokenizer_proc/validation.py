@@ -39,6 +39,7 @@ class RequestRejected(ValueError):
 
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+MAX_CHOICES = 128  # n: OpenAI's limit
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class ValidRequest:
     cache_salt: str | None = None  # prefix-cache namespace
     top_logprobs: int = 0
     echo_text: str | None = None  # echo: the prompt as the reply gives it back (None: no echo)
+    n: int = 1  # choices, forking from one prefill (choice i samples with seed + i)
 
     def __post_init__(self) -> None:
         min_new = 0 if self.echo_text is not None else 1
@@ -75,6 +77,7 @@ def validate_generate(
     params = req.sampling
     _check_sampling(params, info, echo=req.echo)
     _check_logprob_options(req)
+    _check_choices(req)
     input_ids = _prompt_ids(req, tokenizer, info)
     if len(input_ids) >= info.context_len:
         raise RequestRejected(
@@ -109,7 +112,17 @@ def validate_generate(
         cache_salt=req.cache_salt,
         top_logprobs=req.top_logprobs,
         echo_text=_echo_text(req, input_ids, tokenizer),
+        n=req.n,
     )
+
+
+def _check_choices(req: GenerateRequest) -> None:
+    if not 1 <= req.n <= MAX_CHOICES:
+        raise RequestRejected("n", f"must be in [1, {MAX_CHOICES}], got {req.n}")
+    if req.n > 1 and req.sampling.max_new_tokens < 1:
+        raise RequestRejected(
+            "sampling.max_new_tokens", f"must be >= 1 with n > 1, got {req.sampling.max_new_tokens}"
+        )
 
 
 def _check_logprob_options(req: GenerateRequest) -> None:
