@@ -247,6 +247,7 @@ class EngineStats(Msg):
     # The worker's last ForwardResult counters: busy share over a window = d(busy) / d(clock).
     worker_busy_s: float = 0.0
     worker_clock_s: float = 0.0
+    prefill_tokens: int = 0  # computed by prefill rows since start (cache hits and forks skip it)
 
 
 ToTokenizer = TokenBatch | RequestError | EngineStats

@@ -81,6 +81,7 @@ class Scheduler(ResultHandling):
         self.num_retracted = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0  # of requests at their first admission
+        self.num_prefill_tokens = 0  # computed by prefill rows (prompts, recomputes), since start
         self.num_cached_prompt_tokens = 0  # of those, reused from the prefix cache
 
     # ------------------------------------------------------------------ requests in and out
@@ -152,6 +153,7 @@ class Scheduler(ResultHandling):
         rows = prefill + decode
         step = self.next_step
         self.next_step += 1
+        self.num_prefill_tokens += sum(row.extend_len for row in prefill)
         num_decoding = len(self.running) - sum(row.sample for row in prefill)
         self.last_batch = BatchInfo.of(step, prefill, decode, num_decoding)
         batch = build_forward_batch(step, rows, self.config.page_size)
