@@ -116,3 +116,18 @@ def test_zmq_client_choices(api: HttpEngine) -> None:
             c.generate(PROMPT, n=2)
     assert [f.index for f in finals] == [0, 1, 2] and [f.text for f in finals] == [r.text for r in refs]
     assert texts == [r.text for r in refs]
+
+
+def test_echo_with_prompt_logprobs_reaches_every_choice(oai: openai.OpenAI) -> None:
+    out = oai.completions.create(
+        model="tiny", prompt=PROMPT, n=2, echo=True, logprobs=1, max_tokens=3, temperature=1.0, seed=SEED
+    )
+    single = oai.completions.create(model="tiny", prompt=PROMPT, echo=True, logprobs=1, max_tokens=0)
+    prompt_part = single.choices[0].logprobs
+    assert prompt_part is not None and prompt_part.token_logprobs is not None
+    num_prompt = len(prompt_part.token_logprobs)
+    for choice in out.choices:
+        assert choice.text.startswith(PROMPT) and choice.logprobs is not None
+        assert choice.logprobs.token_logprobs is not None
+        assert choice.logprobs.token_logprobs[:num_prompt] == prompt_part.token_logprobs
+        assert len(choice.logprobs.token_logprobs) == num_prompt + 3
