@@ -68,6 +68,17 @@ class OpenAiApi:
                 "owned_by": "rivulet", "max_model_len": self._context_len}  # fmt: skip
         return json_response({"object": "list", "data": [card]})
 
+    async def model_info(self, request: Request) -> Response:
+        """What a router in front of several servers (sglang-router) asks each for: the model id
+        (open, as /health is)."""
+        return json_response({"model_path": self.settings.served_model_name, "is_generation": True})
+
+    async def server_info(self, request: Request) -> Response:
+        frontend = self.bridge.frontend
+        return json_response({"model_path": self.settings.served_model_name, "served_model_name":
+                              self.settings.served_model_name, "dp_size": frontend.router.dp_size,
+                              "max_model_len": self._context_len, "engine": "rivulet"})  # fmt: skip
+
     async def health(self, request: Request) -> Response:
         if not self.bridge.ready:
             return (shutting_down() if self.bridge.frontend.draining else starting()).response()
@@ -157,6 +168,8 @@ def build_app(bridge: HttpBridge, settings: HttpSettings) -> Starlette:
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
+        Route("/model_info", api.model_info, methods=["GET"]),  # routers' worker discovery
+        Route("/server_info", api.server_info, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {

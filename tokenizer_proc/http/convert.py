@@ -97,7 +97,23 @@ def chat_request(body: ChatCompletionRequest, rid: str) -> GenerateRequest:
     )
 
 
+def _sglang_extensions(body: SamplingFields) -> None:
+    """SGLang's extension fields (sglang-router adds them to what it forwards) at any value but
+    what rivulet does: a 400 naming the field."""
+    unsupported = {
+        "no_stop_trim": body.no_stop_trim,
+        "skip_special_tokens": not body.skip_special_tokens,
+        "return_hidden_states": body.return_hidden_states,
+    }
+    if isinstance(body, ChatCompletionRequest):
+        unsupported["continue_final_message"] = body.continue_final_message
+    for name, asked in unsupported.items():
+        if asked:
+            raise bad_param(name, f"{name} is not supported at this value")
+
+
 def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
+    _sglang_extensions(body)
     if body.stream_options is not None and not body.stream:
         raise bad_param("stream_options", "stream_options is only allowed with stream=true")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])

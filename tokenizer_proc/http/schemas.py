@@ -51,6 +51,11 @@ class SamplingFields(Body, kw_only=True):
     user: str | None = None
     repetition_penalty: float | None = None  # extension (vLLM, SGLang): > 0, 1 is off
     min_tokens: Int64 = 0  # extension (vLLM): EOS and stop token ids are masked until then
+    # SGLang's extensions, which sglang-router adds to every request it forwards: accepted at
+    # what rivulet does (convert.py refuses the other values).
+    no_stop_trim: bool = False  # a stop string is trimmed from the text
+    skip_special_tokens: bool = True  # special tokens are left out of the text
+    return_hidden_states: bool = False
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -85,6 +90,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    continue_final_message: bool = False  # SGLang's extensions, as for SamplingFields
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 _PATH = re.compile(r" - at `\$\.?(.*)`$")
