@@ -7,6 +7,7 @@ recompute must all give the same tokens as ``reference_output``.
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -65,6 +66,18 @@ def tokenized(
         prompt_logprobs=prompt_logprobs,
         n=n,
     )
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def small_config(**overrides: Any) -> SchedulerConfig:
+    """A small pool of 4-token pages, 64-token chunks; ``overrides`` set any other field."""
+    base: dict[str, Any] = dict(num_pages=256, context_len=512, page_size=4, chunked_prefill_size=64)
+    base.update(overrides)
+    return SchedulerConfig(**base)
 
 
 def fork_token(h: int, choice: int) -> int:

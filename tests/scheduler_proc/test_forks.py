@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from protocol.messages import FinishReason
-from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.request import ReqStatus
 from tests.scheduler_proc.harness import Driver, reference_output
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000) for _ in range(n)]
-
-
-def config(**overrides: object) -> SchedulerConfig:
-    base: dict = dict(num_pages=256, context_len=512, page_size=4, chunked_prefill_size=64)
-    base.update(overrides)
-    return SchedulerConfig(**base)
+from tests.scheduler_proc.harness import random_prompt as prompt
+from tests.scheduler_proc.harness import small_config as config
 
 
 def decode_tokens(outputs: dict[int, list[int]]) -> int:
