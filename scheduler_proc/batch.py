@@ -86,15 +86,16 @@ def build_forward_batch(step: int, rows: list[Row]) -> ForwardBatch:
         prompt_logprob_targets=[t for row in rows for t in row.prompt_logprob_targets()]
         if prompt_logprobs
         else [],
-        prefix_ids=penalty_prefix_ids(rows),
+        prefix_ids=state_prefix_ids(rows),
     )
 
 
-def penalty_prefix_ids(rows: list[Row]) -> list[list[int]]:
-    """ForwardBatch.prefix_ids: the cached prefix of each row that gives a request with penalties
-    its slot (the worker counts tokens only from its inputs), [] for other rows; [] for none."""
+def state_prefix_ids(rows: list[Row]) -> list[list[int]]:
+    """ForwardBatch.prefix_ids: the cached prefix of each row that gives a request with penalties or
+    a grammar its slot (the worker's counts and matchers follow only its inputs), [] for other rows;
+    [] for none."""
     prefix_ids = [
-        row.req.fill_slice(0, row.start) if row.new_slot and row.req.sampler.penalties is not None else []
+        row.req.fill_slice(0, row.start) if row.new_slot and row.req.sampler.needs_prefix_ids else []
         for row in rows
     ]
     return prefix_ids if any(prefix_ids) else []

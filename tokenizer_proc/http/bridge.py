@@ -45,7 +45,8 @@ class HttpBridge:
         """Admit ``req`` (raises RequestRejected) and return the handle its replies arrive on."""
         client_id = HTTP_CLIENT_PREFIX + str(self._next_id).encode()
         self._next_id += 1
-        out = self.frontend.admit(client_id, req)
+        grammar = await self.frontend.compile_grammar(req)  # off the event loop
+        out = self.frontend.admit(client_id, req, grammar)
         self._queues[client_id] = asyncio.Queue()
         await self._send(out)
         return RequestHandle(self, client_id)
