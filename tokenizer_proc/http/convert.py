@@ -2,7 +2,7 @@
 
 The engine's own validation (``tokenizer_proc.validation``) checks ranges and
 tokenizes; this module only maps names, refuses what rivulet does not implement
-(n > 1, tools) with a 400 naming the parameter, and fills OpenAI's
+(n > 1, tools) with a 400 naming the parameter (output constraints: constraints.py), and fills OpenAI's
 defaults. A completions ``prompt`` that is a batch becomes one request per prompt.
 """
 
@@ -12,9 +12,11 @@ from typing import Any
 
 import msgspec
 
+from protocol.grammar import Grammar
 from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.messages import ChatMessage, GenerateRequest, SamplingParams
 from tokenizer_proc.frontend import SHUTTING_DOWN
+from tokenizer_proc.http.constraints import grammar_of
 from tokenizer_proc.http.errors import ApiError, bad_param, shutting_down
 from tokenizer_proc.http.schemas import (
     ChatCompletionRequest,
@@ -42,7 +44,7 @@ def completion_requests(body: CompletionRequest, rid: str) -> list[GenerateReque
         raise bad_param("max_tokens", "max_tokens must be >= 1 (0 only with echo=true)")
     req = GenerateRequest(
         rid=rid,
-        sampling=_sampling(body, max_tokens),
+        sampling=_sampling(body, max_tokens, grammar_of(None, body.regex, body.ebnf)),
         stream=body.stream,
         logprobs=body.logprobs is not None,
         top_logprobs=top,
@@ -71,20 +73,19 @@ def chat_request(body: ChatCompletionRequest, rid: str) -> GenerateRequest:
         raise bad_param("tools", "tools are not supported")
     if body.tool_choice not in (None, "none", "auto"):
         raise bad_param("tool_choice", "tool_choice is not supported")
-    if body.response_format is not None and body.response_format.get("type") != "text":
-        raise bad_param("response_format", "only response_format {'type': 'text'} is supported")
+    grammar = grammar_of(body.response_format, body.regex, body.ebnf)
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return GenerateRequest(
         rid=rid,
         messages=[_chat_message(i, m) for i, m in enumerate(body.messages)],
-        sampling=_sampling(body, limit if limit is not None else UNTIL_CONTEXT),
+        sampling=_sampling(body, limit if limit is not None else UNTIL_CONTEXT, grammar),
         stream=body.stream,
         logprobs=body.logprobs,
         top_logprobs=top,
     )
 
 
-def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
+def _sampling(body: SamplingFields, max_tokens: int, grammar: Grammar | None) -> SamplingParams:
     if body.n != 1:
         raise bad_param("n", "only n=1 is supported")
     if body.stream_options is not None and not body.stream:
@@ -103,6 +104,7 @@ def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
         stop=stop,
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
+        grammar=grammar,
         **_penalties(body),
     )
 
@@ -155,8 +157,11 @@ def _chat_message(i: int, m: ChatMessageIn) -> ChatMessage:
     return ChatMessage(role="system" if m.role == "developer" else m.role, content=content)
 
 
-def rejection_error(exc: RequestRejected, *, chat: bool, max_param: str) -> ApiError:
-    """The engine's rejection with the field named as the OpenAI API spells it."""
+def rejection_error(
+    exc: RequestRejected, *, chat: bool, max_param: str, grammar_param: str = "response_format"
+) -> ApiError:
+    """The engine's rejection with the field named as the OpenAI API spells it (``grammar_param``:
+    the field the request's grammar came from)."""
     if exc.code == SHUTTING_DOWN:
         return shutting_down()
     param = exc.param
@@ -164,6 +169,8 @@ def rejection_error(exc: RequestRejected, *, chat: bool, max_param: str) -> ApiE
         param = param.removeprefix("sampling.")
         if param == "max_new_tokens":
             param = max_param
+        elif param == "grammar":
+            param = grammar_param
         elif param in ("prompt", "input_ids", "messages"):
             param = "messages" if chat else "prompt"
         elif param == "top_logprobs" and not chat:

@@ -51,6 +51,8 @@ class SamplingFields(Body, kw_only=True):
     user: str | None = None
     repetition_penalty: float | None = None  # extension (vLLM, SGLang): > 0, 1 is off
     min_tokens: Int64 = 0  # extension (vLLM): EOS and stop token ids are masked until then
+    regex: str | None = None  # extension (SGLang): the output matches this regular expression
+    ebnf: str | None = None  # extension (SGLang): the output follows this grammar (start rule ``root``)
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
