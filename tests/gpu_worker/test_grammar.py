@@ -76,7 +76,7 @@ def test_the_mask_follows_the_generated_tokens_to_eos(
 ) -> None:
     s = sampler(compiler, Grammar(kind="regex", spec="(yes|no)!"))
     first = allowed(grammars, batch([(1, 0, PROMPT, s)]))
-    texts = {tokenizer.decode([t]) for t in first}
+    texts = {str(tokenizer.decode([t])) for t in first}
     assert first and all("yes!".startswith(t) or "no!".startswith(t) for t in texts), texts
     assert {"yes", "no"} <= texts and EOS not in first
     after_yes = allowed(grammars, batch([(1, 3, [token(tokenizer, "yes")], None)]))
@@ -127,7 +127,7 @@ def test_json_allows_no_free_whitespace(
 ) -> None:
     s = sampler(compiler, Grammar(kind="json_object"))
     opened = allowed(grammars, batch([(0, 0, [*PROMPT, token(tokenizer, "{")], s)]))
-    texts = {tokenizer.decode([t]) for t in opened}
+    texts = {str(tokenizer.decode([t])) for t in opened}
     assert texts and all(not t[:1].isspace() for t in texts), sorted(texts)[:20]
     assert '"' in texts and "}" in texts
 
