@@ -1,0 +1,26 @@
+"""bench/grammar_cost.py's table, from made-up numbers (no engine)."""
+
+from __future__ import annotations
+
+from bench.grammar_cost import SCHEMAS, format_table, schema_grammar
+
+
+def test_the_table_gives_the_ratio_and_the_ttft_added() -> None:
+    result = {
+        "rounds": [
+            {"off": {"out_tps": 200.0, "mean_tokens": 128.0}, "on": {"out_tps": 180.0, "mean_tokens": 60.0}}
+        ],
+        "ttft_s": {
+            "none": [0.050, 0.060, 0.055],
+            "new": [0.100, 0.120, 0.110],
+            "cached": [0.058, 0.057, 0.056],
+        },
+    }
+    table = format_table(result)
+    assert "| 0 | 200.0 | 180.0 | 0.900 | 128.0 | 60.0 |" in table
+    assert "median with / without: 0.900" in table
+    assert "added by a new schema: 55.0 ms" in table and "by a cached one: 2.0 ms" in table
+
+
+def test_every_schema_is_a_json_schema_grammar() -> None:
+    assert all(schema_grammar(s).kind == "json_schema" for s in SCHEMAS)
