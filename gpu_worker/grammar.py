@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 COMPILED_CACHE_ENTRIES = 128  # deserialized grammars kept by key (a JSON schema's is ~50-200 KB)
 BITS = 32  # tokens per word of xgrammar's bitmask (int32)
+XGRAMMAR_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # its CPU masking kernel's
 
 
 class GrammarError(ValueError):
@@ -177,35 +178,44 @@ class SlotGrammars:
         rows = [r for r, slot in enumerate(slots) if self.slots[slot] is not None]
         if not rows:
             return logits
-        allowed = self._allowed(rows, slots, logits.shape[-1]).to(logits.device, non_blocking=True)
+        import xgrammar
+
+        width = logits.shape[-1]
+        bitmask = self._bitmask(rows, slots, width)
+        if logits.device.type == "cpu" and logits.dtype in XGRAMMAR_CPU_DTYPES:
+            # xgrammar's C++ loop: ~0.3 ms for 32 rows of 49k, where unpacking in torch takes ~15.
+            xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=rows)
+            return logits
+        # Elsewhere (CUDA, float64): unpack the bits on the logits' device, 32x less to copy there.
         index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        words = bitmask.index_select(0, index.cpu()).to(logits.device)
+        shifts = torch.arange(BITS, dtype=torch.int32, device=logits.device)
+        allowed = ((words[:, :, None] >> shifts) & 1).view(len(rows), -1)[:, :width].bool()
         masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
         return logits.index_copy_(0, index, masked)
 
-    def _allowed(self, rows: list[int], slots: list[int], width: int) -> torch.Tensor:
-        """[len(rows), width] bool: the tokens each grammar row may draw next."""
+    def _bitmask(self, rows: list[int], slots: list[int], width: int) -> torch.Tensor:
+        """[len(slots), ceil(width / 32)] int32 on the CPU, xgrammar's packed mask (bit set: allowed)
+        filled at the grammar ``rows`` (the other rows are never read)."""
         import xgrammar
 
-        words = (width + BITS - 1) // BITS
-        bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
+        bitmask = torch.zeros(len(slots), (width + BITS - 1) // BITS, dtype=torch.int32)
         live: list[xgrammar.GrammarMatcher] = []
         live_rows: list[int] = []
-        for r, row in enumerate(rows):
+        for row in rows:
             state = self.slots[slots[row]]
             assert state is not None, "rows holds grammar rows only"
             if state.stop_only:
                 for token in state.stop_token_ids:
-                    bitmask[r, token // BITS] |= _bit(token % BITS)
+                    bitmask[row, token // BITS] |= _bit(token % BITS)
             else:
                 live.append(state.matcher)
-                live_rows.append(r)
+                live_rows.append(row)
         if live:
             if self._batch_matcher is None:
                 self._batch_matcher = xgrammar.BatchGrammarMatcher(max_threads="auto")
             self._batch_matcher.batch_fill_next_token_bitmask(live, bitmask, indices=live_rows)
-        shifts = torch.arange(BITS, dtype=torch.int32)
-        bits = (bitmask[:, :, None] >> shifts) & 1  # arithmetic shift: bit 31 of a negative word too
-        return bits.view(len(rows), words * BITS)[:, :width].bool()
+        return bitmask
 
 
 def _bit(position: int) -> int:
