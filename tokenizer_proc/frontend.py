@@ -122,7 +122,7 @@ class Frontend:
         """A ZMQ request of Outbox.to_compile: compile its grammar, then admit it (unless the
         client aborted it meanwhile); a rejection is an error reply."""
         key = (client_id, req.rid)
-        self._compiling[key] = False
+        self._compiling.setdefault(key, False)
         try:
             grammar = await self.compile_grammar(req)
             if self._compiling[key]:
@@ -152,7 +152,10 @@ class Frontend:
         grammar = None
         if req.sampling.grammar is not None:
             grammar = self.grammars.cached(req.sampling.grammar)
+            if (client_id, req.rid) in self._compiling:
+                return Outbox(replies=[(client_id, error_output(req.rid, f"rid {req.rid!r} is in flight"))])
             if grammar is None:
+                self._compiling[client_id, req.rid] = False  # from now on an abort finds it
                 return Outbox(to_compile=[(client_id, req)])
         try:
             return self.admit(client_id, req, grammar)

@@ -11,12 +11,15 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import pytest
 
 from protocol.grammar import Grammar
-from protocol.messages import GenerateRequest, SamplingParams
+from protocol.messages import AbortRequest, FinishReason, GenerateRequest, SamplingParams
+from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.grammar import CompiledSpec, GrammarCompiler, GrammarRejected
 from tokenizer_proc.model_info import ModelInfo
+from tokenizer_proc.request_state import Outbox
 from tokenizer_proc.validation import RequestRejected, validate_generate
 
 if TYPE_CHECKING:
@@ -129,3 +132,35 @@ def test_grammar_conflicts_are_rejected(
     spec = compiler.compile_blocking(grammar)
     with pytest.raises(RequestRejected, match=rf"sampling\.grammar .*{message}"):
         validate_generate(_request(grammar=grammar, **fields), tokenizer, model_info, random.Random(0), spec)
+
+
+def test_a_zmq_request_is_admitted_after_its_compile_unless_aborted_meanwhile(
+    tokenizer: PreTrainedTokenizerBase, model_info: ModelInfo
+) -> None:
+    frontend = Frontend(tokenizer, model_info, seed=0)
+    grammar = Grammar(kind="regex", spec="zmq-[0-9]+")
+
+    def send(msg: Any) -> Outbox:
+        return frontend.on_client_frames([b"client-1", msgspec.msgpack.encode(msg)])
+
+    def request(rid: str) -> GenerateRequest:
+        return GenerateRequest(rid=rid, prompt="hi", sampling=SamplingParams(grammar=grammar))
+
+    async def run() -> list[Outbox]:
+        first = send(request("a"))
+        assert first.to_compile and not first.to_scheduler, "not compiled yet: the process compiles it"
+        task = asyncio.create_task(frontend.admit_after_compile(*first.to_compile[0]))
+        second = send(request("b"))
+        assert second.to_compile
+        twice = send(request("b"))
+        aborted = send(AbortRequest(rid="b"))
+        admitted = await task
+        late = await frontend.admit_after_compile(*second.to_compile[0])
+        return [admitted, twice, aborted, late, send(request("c"))]
+
+    admitted, twice, aborted, late, cached = asyncio.run(run())
+    assert len(admitted.to_scheduler) == 1
+    assert "in flight" in (twice.replies[0][1].error or "")
+    assert aborted.replies[0][1].finish_reason is FinishReason.ABORT
+    assert late == Outbox(), "a request aborted while its grammar compiled is never admitted"
+    assert len(cached.to_scheduler) == 1 and not cached.to_compile, "a cached grammar is admitted at once"
