@@ -101,7 +101,7 @@ class _SlotMatcher:
     matcher: xgrammar.GrammarMatcher
     prompt_len: int
     stop_token_ids: list[int]
-    rid_hint: str  # the grammar's key, for the log
+    key: str  # the grammar's, for the log
     stop_only: bool = False
     followed: int = field(default=0)  # generated tokens accepted so far
 
@@ -113,7 +113,7 @@ class _SlotMatcher:
                 if not self.matcher.is_terminated():
                     logger.warning(
                         "grammar %s rejected token %d after %d tokens; the request is ended",
-                        self.rid_hint[:12], token, self.followed,
+                        self.key[:12], token, self.followed,
                     )  # fmt: skip
                 self.stop_only = True
                 return

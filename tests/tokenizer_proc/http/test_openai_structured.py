@@ -17,6 +17,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from client import Client, EngineError, Grammar
+from protocol.messages import GenerateOutput
 from tests.tokenizer_proc.http.server import HttpEngine, http_engine
 
 MODEL = "smol"
@@ -264,3 +265,29 @@ def test_zmq_client_takes_a_grammar(smol: HttpEngine) -> None:
         assert out.text in (" yes", " no") and out.token_ids[-1] == 2
         with pytest.raises(EngineError, match=r"sampling\.grammar cannot be compiled"):
             c.generate("x", grammar=Grammar(kind="json_schema", spec="{"))
+
+
+@pytest.mark.timeout(300)
+def test_free_rows_are_token_exact_beside_grammar_rows(smol: HttpEngine) -> None:
+    """Served for real: the free requests' greedy tokens alone, then with grammar requests sent at
+    the same moment (they share the batches)."""
+    free = ["Tell me about rivers.", "What is a cat?", "Write a poem about snow.", "Explain gravity."]
+    constrained = [
+        "Describe a person as JSON.",
+        "Give a city as JSON.",
+        "A JSON list of fruits.",
+        "JSON about dogs.",
+    ]
+
+    def run(prompt: str, grammar: Grammar | None = None) -> GenerateOutput:
+        with Client(smol.engine.endpoint, timeout_s=120) as c:
+            messages = [{"role": "user", "content": prompt}]
+            options: Any = {"grammar": grammar} if grammar is not None else {}
+            return c.generate(messages=messages, max_new_tokens=48, temperature=0, **options)
+
+    with ThreadPoolExecutor(8) as pool:
+        alone = [out.token_ids for out in pool.map(run, free)]
+        beside = [pool.submit(run, p) for p in free]
+        grammar_rows = [pool.submit(run, p, Grammar(kind="json_object")) for p in constrained]
+        assert [f.result().token_ids for f in beside] == alone
+        assert all(f.result().text.startswith("{") for f in grammar_rows)
