@@ -291,3 +291,16 @@ def test_free_rows_are_token_exact_beside_grammar_rows(smol: HttpEngine) -> None
         grammar_rows = [pool.submit(run, p, Grammar(kind="json_object")) for p in constrained]
         assert [f.result().token_ids for f in beside] == alone
         assert all(f.result().text.startswith("{") for f in grammar_rows)
+
+
+def test_logprobs_are_those_of_the_masked_distribution(oai: openai.OpenAI) -> None:
+    """After "ok" the grammar allows only EOS: its logprob is 0 and no masked token is offered."""
+    out = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, logprobs=True,
+        top_logprobs=3,
+        extra_body={"regex": "ok"},
+    )  # fmt: skip
+    content = out.choices[0].logprobs.content if out.choices[0].logprobs else None
+    assert content and "".join(t.token for t in content[:-1]) == "ok"
+    assert content[-1].logprob == 0.0 and len(content[-1].top_logprobs) == 1
+    assert all(alt.logprob is not None and alt.logprob <= 0 for t in content for alt in t.top_logprobs)
