@@ -4,13 +4,15 @@ matcher per slot that follows the tokens the worker runs, through a fresh slot, 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import pytest
 import torch
 
-from gpu_worker.grammar import SlotGrammars
+from gpu_worker.grammar import GrammarError, SlotGrammars
 from protocol.grammar import Grammar
 from protocol.messages import ForwardBatch
 from protocol.sampling import WorkerSampling
@@ -137,3 +139,33 @@ def test_a_slot_given_to_a_free_request_drops_its_matcher(
 ) -> None:
     allowed(grammars, batch([(0, 0, PROMPT, sampler(compiler, Grammar(kind="json_object")))]))
     assert len(allowed(grammars, batch([(0, 0, PROMPT, sampler(compiler, None))]))) == VOCAB
+
+
+def test_a_grammar_the_worker_cannot_load_fails_the_batch_not_the_worker(
+    grammars: SlotGrammars, compiler: GrammarCompiler
+) -> None:
+    good = sampler(compiler, Grammar(kind="regex", spec="x"))
+    assert good.grammar is not None
+    broken = msgspec.structs.replace(
+        good, grammar=msgspec.structs.replace(good.grammar, key="corrupt", compiled='{"not": "a grammar"}')
+    )
+    with pytest.raises(GrammarError, match="cannot be loaded"):
+        allowed(grammars, batch([(0, 0, PROMPT, broken)]))
+    assert allowed(grammars, batch([(0, 0, PROMPT, good)])) == {token_of_x(compiler)}
+
+
+def token_of_x(compiler: GrammarCompiler) -> int:
+    ids = compiler._tokenizer.encode("x")
+    assert len(ids) == 1
+    return int(ids[0])
+
+
+def test_strict_schemas_allow_no_unlisted_property(grammars: SlotGrammars, compiler: GrammarCompiler) -> None:
+    import xgrammar
+
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    for strict, extra_allowed in ((True, False), (False, True)):
+        spec = compiler.compile_blocking(Grammar(kind="json_schema", spec=schema, strict=strict))
+        compiled = grammars.compiled.get(spec.for_request([EOS], 0))
+        matcher = xgrammar.GrammarMatcher(compiled)
+        assert matcher.accept_string('{"a": 1, "b": 2}') == extra_allowed
