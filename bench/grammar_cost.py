@@ -5,10 +5,12 @@ schema adds to the first token.
     python -m bench.grammar_cost --rounds 3 --engine-flags "--dtype float32"
 
 One engine is started (ZMQ client). Throughput: each round runs ``--streams`` chat requests at
-once, greedy, ``--output-len`` tokens at most, once free and once with a JSON schema on every
-request (four schemas in turn, compiled before timing), alternating which goes first; output
-tok/s is all output tokens over the run's wall time (target: with / without >= 0.85). Schema
-rows end at EOS when their JSON closes, so the table shows the mean output tokens of both runs.
+once, greedy, the same prompts every run (the prefix cache flushed before each), once with a JSON
+schema on every request (four schemas in turn, compiled before timing; ``--output-len`` tokens at
+most, a request ends at EOS when its JSON closes) and once free, each request generating exactly
+as many tokens as in the schema run (EOS ignored), so both runs do the same work but the mask;
+alternating which goes first (round 0 starts with schemas, to learn the lengths). Output tok/s is
+all output tokens over the run's wall time (target: with / without >= 0.85).
 TTFT on the idle engine, one request at a time: the same prompt without a schema, with a schema
 never seen before (compile included; each a distinct schema), and with a cached one; the table
 gives each one's p50 and the two differences (targets: new < 200 ms, cached < 10 ms).
@@ -32,7 +34,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 from bench import launch
 from bench.records import append_record, make_record
-from client import AsyncClient, Grammar
+from client import AsyncClient, Client, Grammar
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "grammar_cost.jsonl"
 SCHEMAS: list[dict[str, Any]] = [
@@ -71,20 +73,30 @@ def schema_grammar(schema: dict[str, Any]) -> Grammar:
 
 
 async def run_streams(
-    c: AsyncClient, args: argparse.Namespace, with_schema: bool, offset: int
-) -> dict[str, float]:
+    c: AsyncClient, args: argparse.Namespace, lengths: list[int] | None
+) -> tuple[dict[str, float], list[int]]:
+    """One run of ``--streams`` requests at once: with a schema each when ``lengths`` is None, else
+    free, request i generating exactly ``lengths[i]`` tokens (EOS ignored), as many as its schema
+    run did. Returns (out tok/s and the run's numbers, each request's output tokens)."""
+
     async def one(i: int) -> int:
+        messages = [{"role": "user", "content": PROMPT.format(i=i)}]
         options: dict[str, Any] = (
-            {"grammar": schema_grammar(SCHEMAS[i % len(SCHEMAS)])} if with_schema else {}
+            {"grammar": schema_grammar(SCHEMAS[i % len(SCHEMAS)]), "max_new_tokens": args.output_len}
+            if lengths is None
+            else {"ignore_eos": True, "max_new_tokens": lengths[i]}
         )
-        messages = [{"role": "user", "content": PROMPT.format(i=offset + i)}]
-        out = await c.generate(messages=messages, max_new_tokens=args.output_len, temperature=0, **options)
+        out = await c.generate(messages=messages, temperature=0, **options)
         return len(out.token_ids)
 
     started = time.perf_counter()
     tokens = await asyncio.gather(*(one(i) for i in range(args.streams)))
     wall_s = time.perf_counter() - started
-    return {"out_tps": sum(tokens) / wall_s, "mean_tokens": statistics.fmean(tokens), "wall_s": wall_s}
+    return {
+        "out_tps": sum(tokens) / wall_s,
+        "mean_tokens": statistics.fmean(tokens),
+        "wall_s": wall_s,
+    }, tokens
 
 
 async def ttft_s(c: AsyncClient, grammar: Grammar | None) -> float:
@@ -122,10 +134,15 @@ async def measure(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
             *(c.generate("warm up", max_new_tokens=2, grammar=schema_grammar(s)) for s in SCHEMAS)
         )
         rounds = []
+        lengths: list[int] | None = None  # the schema run's output lengths, which the free run repeats
         for r in range(args.rounds):
             run: dict[str, dict[str, float]] = {}
-            for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
-                run[name] = await run_streams(c, args, name == "on", offset=1000 * r)
+            for name in ("on", "off") if r % 2 == 0 else ("off", "on"):  # round 0 learns the lengths
+                with Client(endpoint) as sync_client:
+                    sync_client.flush_cache()  # the same prompts every run: no run hits another's KV
+                run[name], tokens = await run_streams(c, args, None if name == "on" else lengths)
+                if name == "on":
+                    lengths = tokens
             rounds.append(run)
             print(f"round {r}: {json.dumps(run)}", file=sys.stderr, flush=True)
         return {"rounds": rounds, "ttft_s": await measure_ttft(c, args.ttft_requests)}
