@@ -117,6 +117,9 @@ class Frontend:
             return await self.grammars.compile(req.sampling.grammar)
         except GrammarRejected as exc:
             raise RequestRejected("sampling.grammar", f"cannot be compiled: {exc}") from None
+        except Exception as exc:  # a compiler fault on one odd grammar must not take the engine down
+            logger.exception("request %r: compiling its grammar failed", req.rid)
+            raise RequestRejected("sampling.grammar", f"could not be compiled: {exc!r}") from exc
 
     async def admit_after_compile(self, client_id: bytes, req: GenerateRequest) -> Outbox:
         """A ZMQ request of Outbox.to_compile: compile its grammar, then admit it (unless the

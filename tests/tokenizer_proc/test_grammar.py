@@ -164,3 +164,17 @@ def test_a_zmq_request_is_admitted_after_its_compile_unless_aborted_meanwhile(
     assert aborted.replies[0][1].finish_reason is FinishReason.ABORT
     assert late == Outbox(), "a request aborted while its grammar compiled is never admitted"
     assert len(cached.to_scheduler) == 1 and not cached.to_compile, "a cached grammar is admitted at once"
+
+
+def test_a_compiler_fault_is_an_error_reply(
+    tokenizer: PreTrainedTokenizerBase, model_info: ModelInfo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    frontend = Frontend(tokenizer, model_info, seed=0)
+
+    def broken(key: str, grammar: Grammar) -> CompiledSpec:
+        raise RuntimeError("compiler fault")
+
+    monkeypatch.setattr(frontend.grammars, "_compile_now", broken)
+    req = GenerateRequest(rid="f", prompt="hi", sampling=SamplingParams(grammar=Grammar(kind="json_object")))
+    out = asyncio.run(frontend.admit_after_compile(b"client-1", req))
+    assert not out.to_scheduler and "compiler fault" in (out.replies[0][1].error or "")
