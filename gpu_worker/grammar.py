@@ -30,6 +30,7 @@ A batch with no grammar row costs one list scan (``apply`` returns the logits un
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -71,10 +72,12 @@ class CompiledGrammars:
             import xgrammar
             from transformers import AutoTokenizer
 
+            started = time.perf_counter()
             tokenizer = AutoTokenizer.from_pretrained(self._model_path)
             # As tokenizer_proc/grammar.py builds it: a compiled grammar checks these metadata.
             info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size)
             self._tokenizer_info = info
+            logger.info("grammar vocabulary read in %.2f s (once)", time.perf_counter() - started)
         return self._tokenizer_info
 
     def get(self, grammar: WorkerGrammar) -> xgrammar.CompiledGrammar:
