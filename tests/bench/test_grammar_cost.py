@@ -38,7 +38,7 @@ def test_the_bench_runs_against_a_real_engine(
 ) -> None:
     """No timing assertions: the runs happen, the free run repeats the schema run's lengths."""
     records = tmp_path / "grammar.jsonl"
-    argv = ["--model", str(tiny_llama_dir), "--streams", "3", "--output-len", "8", "--rounds", "2",
+    argv = ["--model", str(tiny_llama_dir), "--streams", "3", "--output-len", "4", "--rounds", "2",
             "--ttft-requests", "1", "--engine-flags", "--num-threads 1 --kv-cache-tokens 2048",
             "--result-file", str(records)]  # fmt: skip
     assert grammar_cost.main(argv) == 0
