@@ -9,6 +9,7 @@ from typing import TypedDict
 import msgspec
 import zmq
 
+from protocol.grammar import Grammar
 from protocol.messages import ChatMessage, FinishReason, GenerateOutput, GenerateRequest, SamplingParams
 from protocol.transport import CLIENT_SOCKET_OPTIONS
 
@@ -66,6 +67,9 @@ class GenerateOptions(TypedDict, total=False):
     logit_bias: dict[int, float] | None  # token id -> added logit
     min_tokens: int
     n: int  # choices from one prefill (choice i samples with seed + i); replies carry ``index``
+    # Constrained output: Grammar(kind="json_schema", spec=json.dumps(schema)), "json_object",
+    # "regex" (spec: the pattern) or "ebnf" (spec: the grammar, start rule ``root``).
+    grammar: Grammar | None
 
 
 SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)

@@ -17,6 +17,7 @@ from protocol.messages import (
     FinishReason,
     FinishReq,
     GenerateOutput,
+    GenerateRequest,
     RequestError,
     TokenBatch,
     TokenizedRequest,
@@ -38,6 +39,9 @@ class Outbox:
 
     replies: list[Reply] = field(default_factory=list)
     to_scheduler: list[ToScheduler] = field(default_factory=list)
+    # Requests whose grammar is not compiled yet: the process compiles it off its event loop, then
+    # admits them (Frontend.admit_after_compile).
+    to_compile: list[tuple[bytes, GenerateRequest]] = field(default_factory=list)
 
 
 def error_output(rid: str, message: str) -> GenerateOutput:

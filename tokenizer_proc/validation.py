@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.messages import GenerateRequest, SamplingParams
-from protocol.sampling import WorkerSampling
+from protocol.sampling import WorkerGrammar, WorkerSampling
+from tokenizer_proc.grammar import CompiledSpec
 from tokenizer_proc.model_info import ModelInfo
 from tokenizer_proc.penalties import penalty_error, worker_penalties
 
@@ -69,9 +70,14 @@ class ValidRequest:
 
 
 def validate_generate(
-    req: GenerateRequest, tokenizer: PreTrainedTokenizerBase, info: ModelInfo, rng: random.Random
+    req: GenerateRequest,
+    tokenizer: PreTrainedTokenizerBase,
+    info: ModelInfo,
+    rng: random.Random,
+    grammar: CompiledSpec | None = None,
 ) -> ValidRequest:
-    """Validate ``req``, tokenize its prompt, clamp its output length; raise RequestRejected."""
+    """Validate ``req``, tokenize its prompt, clamp its output length; raise RequestRejected.
+    ``grammar``: the request's grammar compiled (tokenizer_proc/grammar.py), when it has one."""
     if not req.rid:
         raise RequestRejected("rid", "must be a non-empty string")
     params = req.sampling
@@ -99,6 +105,7 @@ def validate_generate(
         logprobs=req.logprobs,
         top_logprobs=req.top_logprobs,
         penalties=worker_penalties(params, len(input_ids), stop_token_ids),
+        grammar=_worker_grammar(req, grammar, info, len(input_ids)),
     )
     return ValidRequest(
         client_rid=req.rid,
@@ -167,8 +174,23 @@ def _check_sampling(params: SamplingParams, info: ModelInfo, *, echo: bool) -> N
     error = penalty_error(params, info)
     if error is not None:
         raise RequestRejected(*error)
-    if params.grammar is not None:
-        raise RequestRejected("sampling.grammar", "constrained decoding is not supported yet")
+    if params.grammar is not None and params.ignore_eos:
+        raise RequestRejected("sampling.grammar", "cannot go with ignore_eos (a grammar ends at EOS)")
+    if params.grammar is not None and not info.eos_token_ids:
+        raise RequestRejected("sampling.grammar", "needs a model with an EOS token to end the grammar")
+    if params.grammar is not None and params.min_tokens:
+        raise RequestRejected("sampling.grammar", "cannot be combined with min_tokens (it holds back EOS)")
+
+
+def _worker_grammar(
+    req: GenerateRequest, grammar: CompiledSpec | None, info: ModelInfo, prompt_len: int
+) -> WorkerGrammar | None:
+    """The grammar as the worker takes it: its end allows the EOS ids, which end the request (the
+    request's stop_token_ids hold them: ignore_eos is refused with a grammar)."""
+    if req.sampling.grammar is None:
+        return None
+    assert grammar is not None, "a request with a grammar is validated with its grammar compiled"
+    return grammar.for_request(list(info.eos_token_ids), prompt_len)
 
 
 def _prompt_ids(req: GenerateRequest, tokenizer: PreTrainedTokenizerBase, info: ModelInfo) -> list[int]:

@@ -56,6 +56,8 @@ class SamplingFields(Body, kw_only=True):
     no_stop_trim: bool = False  # a stop string is trimmed from the text
     skip_special_tokens: bool = True  # special tokens are left out of the text
     return_hidden_states: bool = False
+    regex: str | None = None  # extension (SGLang): the output matches this regular expression
+    ebnf: str | None = None  # extension (SGLang): the output follows this grammar (start rule ``root``)
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
