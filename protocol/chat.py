@@ -10,6 +10,10 @@ from typing import Any, Literal
 
 import msgspec
 
+# mypy takes a subclass that does not repeat frozen=True for non-frozen; msgspec inherits it
+# (as in messages.py).
+# mypy: disable-error-code="misc"
+
 
 class ClientStruct(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Base of the client-facing structs here: unknown fields are an error, as in messages.py."""

@@ -24,6 +24,7 @@ from protocol.messages import (
 from protocol.transport import Codec
 from tokenizer_proc.model_info import ModelInfo
 from tokenizer_proc.request_state import Outbox, RequestTable, error_output
+from tokenizer_proc.tools import template_traits
 from tokenizer_proc.validation import RequestRejected, validate_generate
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class Frontend:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, info: ModelInfo, seed: int) -> None:
         self.tokenizer = tokenizer
         self.info = info
+        self.chat_traits = template_traits(tokenizer)  # what the chat template does with tools, <think>
         self.requests = RequestTable(tokenizer)
         self._rng = random.Random(seed)
         self._client_codec: Codec[ClientRequest] = Codec(ClientRequest)
@@ -101,7 +103,7 @@ class Frontend:
             raise RequestRejected(None, SHUTDOWN_MESSAGE, SHUTTING_DOWN)
         self.requests.check_new_rid(client_id, req.rid)
         try:
-            valid = validate_generate(req, self.tokenizer, self.info, self._rng)
+            valid = validate_generate(req, self.tokenizer, self.info, self._rng, self.chat_traits)
         except RequestRejected:
             raise
         except Exception as exc:  # a tokenizer bug on one odd input must not take the engine down

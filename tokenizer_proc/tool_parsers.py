@@ -122,6 +122,7 @@ class ToolCallParser:
         self._scanner: CallScanner | None = None
         self._sent_args = 0  # arguments chars of the open call already given out
         self._announced = False  # the open call's first piece went out
+        self._skip_space = False  # a call just closed: whitespace after it is not content
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self._held += text
@@ -159,6 +160,11 @@ class ToolCallParser:
         raise AssertionError(f"unknown parser state {self._state}")
 
     def _in_text(self, content: list[str]) -> bool:
+        if self._skip_space:
+            self._held = self._held.lstrip()
+            if not self._held:
+                return False
+            self._skip_space = False
         start = self._held.find(CALL_OPEN)
         if start < 0:
             keep = partial_tag_len(self._held, CALL_OPEN)
@@ -222,7 +228,9 @@ class ToolCallParser:
         args = scanner.arguments()
         if not self._announced:
             self._announced = True
-            deltas.append(ToolCallDelta(index=self.calls, id=self._new_id(), name=scanner.name, arguments=args))
+            deltas.append(
+                ToolCallDelta(index=self.calls, id=self._new_id(), name=scanner.name, arguments=args)
+            )
             self.calls += 1
         elif len(args) > self._sent_args:
             deltas.append(ToolCallDelta(index=self.calls - 1, arguments=args[self._sent_args :]))
@@ -233,6 +241,7 @@ class ToolCallParser:
         closer = CALL_CLOSE if self.fmt == "hermes" else ";"
         if stripped.startswith(closer):
             self._held = stripped[len(closer) :]
+            self._skip_space = True
             self._state = _State.TEXT if self.fmt == "hermes" else _State.START
             return True
         if not stripped or closer.startswith(stripped):

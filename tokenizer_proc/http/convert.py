@@ -2,7 +2,7 @@
 
 The engine's own validation (``tokenizer_proc.validation``) checks ranges and
 tokenizes; this module only maps names, refuses what rivulet does not implement
-(n > 1, tools) with a 400 naming the parameter, and fills OpenAI's
+(n > 1) with a 400 naming the parameter, and fills OpenAI's
 defaults. A completions ``prompt`` that is a batch becomes one request per prompt.
 """
 
@@ -67,10 +67,8 @@ def chat_request(body: ChatCompletionRequest, rid: str) -> GenerateRequest:
     top = _top_logprobs("top_logprobs", body.top_logprobs or 0)
     if top and not body.logprobs:
         raise bad_param("top_logprobs", "top_logprobs needs logprobs=true")
-    if body.tools:
-        raise bad_param("tools", "tools are not supported")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise bad_param("tool_choice", "tool_choice is not supported")
+    if body.tool_choice is not None and body.tool_choice != "none" and not body.tools:
+        raise bad_param("tool_choice", "tool_choice needs tools")
     if body.response_format is not None and body.response_format.get("type") != "text":
         raise bad_param("response_format", "only response_format {'type': 'text'} is supported")
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -81,6 +79,9 @@ def chat_request(body: ChatCompletionRequest, rid: str) -> GenerateRequest:
         stream=body.stream,
         logprobs=body.logprobs,
         top_logprobs=top,
+        tools=body.tools,
+        tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
+        chat_template_kwargs=body.chat_template_kwargs,
     )
 
 
@@ -146,13 +147,17 @@ def _chat_message(i: int, m: ChatMessageIn) -> ChatMessage:
         raise bad_param(
             f"messages[{i}].role", f"unknown role {m.role!r}; expected one of {sorted(CHAT_ROLES)}"
         )
+    content: str | None
     if isinstance(m.content, list):
         if any(part.type != "text" or part.text is None for part in m.content):
             raise bad_param(f"messages[{i}].content", "only text content parts are supported")
         content = "".join(part.text or "" for part in m.content)
-    else:
-        content = m.content or ""
-    return ChatMessage(role="system" if m.role == "developer" else m.role, content=content)
+    else:  # None is "" (as before tools came) except on an assistant turn that only calls tools
+        content = m.content if m.content is not None or m.tool_calls else ""
+    role = "system" if m.role == "developer" else m.role
+    return ChatMessage(
+        role=role, content=content, tool_calls=m.tool_calls, tool_call_id=m.tool_call_id, name=m.name
+    )
 
 
 def rejection_error(exc: RequestRejected, *, chat: bool, max_param: str) -> ApiError:
