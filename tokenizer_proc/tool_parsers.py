@@ -200,22 +200,29 @@ class ToolCallParser:
             if not self._held.strip():
                 return False
             content.append(self._unclaimed(scanner))  # <tool_call> not followed by an object
-            self._state = _State.TEXT if self.fmt == "hermes" else _State.PLAIN
+            self._state = self._text_state
             return True
         taken = scanner.feed(self._held)
         self._held = self._held[taken:]
         if scanner.name is not None and not self._is_call(scanner):  # names no offered tool
             content.append(self._unclaimed(scanner))
-            self._state = _State.TEXT if self.fmt == "hermes" else _State.PLAIN
+            self._state = self._text_state
             return True
         if self._is_call(scanner):
             self._emit(scanner, deltas)
         if not scanner.done:
             return False
-        if not self._is_call(scanner):
+        if self._is_call(scanner):
+            self._state = _State.AFTER
+        else:  # an object that is no call: all of it, and whatever follows, is content
             content.append(self._unclaimed(scanner))
-        self._state = _State.AFTER
+            self._state = self._text_state
         return True
+
+    @property
+    def _text_state(self) -> _State:
+        """Where text that is not a call goes on: hermes watches for the next call, json is done."""
+        return _State.TEXT if self.fmt == "hermes" else _State.PLAIN
 
     def _is_call(self, scanner: CallScanner) -> bool:
         return scanner.name is not None and scanner.name in self.tool_names
@@ -246,5 +253,5 @@ class ToolCallParser:
             return True
         if not stripped or closer.startswith(stripped):
             return False
-        self._state = _State.TEXT if self.fmt == "hermes" else _State.PLAIN
+        self._state = self._text_state
         return True
