@@ -1,0 +1,208 @@
+"""Tools and tool history in the prompt (SmolLM2's real template, and a Qwen3-style one that takes
+tools itself), the checks that name the bad field, and the grammar that forces a call."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import random
+from typing import TYPE_CHECKING, Any
+
+import jsonschema
+import msgspec
+import pytest
+
+from protocol.chat import ChatMessage, NamedFunction, NamedToolChoice, Tool, ToolChoice
+from protocol.messages import GenerateRequest
+from tests.tokenizer_proc.qwen3_style import QWEN3_STYLE_TEMPLATE
+from tokenizer_proc.model_info import ModelInfo
+from tokenizer_proc.tool_checks import forced_call_grammar
+from tokenizer_proc.tools import render_chat, template_traits
+from tokenizer_proc.validation import RequestRejected, validate_generate
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+ADD = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"],
+}
+TOOLS = msgspec.convert(
+    [
+        {
+            "type": "function",
+            "function": {"name": "add", "description": "Add two integers.", "parameters": ADD},
+        },
+        {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}},
+    ],
+    list[Tool],
+)
+HISTORY = msgspec.convert(
+    [
+        {"role": "user", "content": "What is 1 + 2, and the time?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": "{}"}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "noon"},
+    ],
+    list[ChatMessage],
+)  # fmt: skip
+USER = [ChatMessage(role="user", content="Add 1 and 2.")]
+
+
+def _chat(messages: list[ChatMessage], tool_choice: ToolChoice = "auto", **kw: Any) -> GenerateRequest:
+    return GenerateRequest(rid="r", messages=messages, tools=TOOLS, tool_choice=tool_choice, **kw)
+
+
+@pytest.fixture(scope="module")
+def qwen3_style(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = QWEN3_STYLE_TEMPLATE
+    return tok
+
+
+def test_smollm2_template_ignores_tools(tokenizer: PreTrainedTokenizerBase) -> None:
+    traits = template_traits(tokenizer)
+    assert (traits.takes_tools, traits.takes_tool_calls, traits.tool_format, traits.thinks) == (
+        False, False, "hermes", False,
+    )  # fmt: skip
+
+
+def test_tools_go_into_a_new_system_message(tokenizer: PreTrainedTokenizerBase) -> None:
+    text, plan = render_chat(_chat(USER), tokenizer, template_traits(tokenizer))
+    system = text.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\nYou can call functions.")
+    assert "named SmolLM" not in text  # our system turn replaces the template's default one
+    assert json.dumps({"type": "function", "function": {"name": "add", "description": "Add two integers.",
+                                                         "parameters": ADD}}) in system  # fmt: skip
+    assert "<tools>" in system and "<tool_call>" in system and text.count("<|im_start|>system") == 1
+    assert (plan.tool_format, plan.tool_names, plan.reasoning) == ("hermes", frozenset({"add", "now"}), False)
+
+
+def test_tools_merge_into_the_clients_system_message(tokenizer: PreTrainedTokenizerBase) -> None:
+    messages = [ChatMessage(role="system", content="Be brief."), *USER]
+    text, _ = render_chat(_chat(messages), tokenizer, template_traits(tokenizer))
+    assert text.startswith("<|im_start|>system\nBe brief.\n\nYou can call functions.")
+    assert text.count("<|im_start|>system") == 1 and '"name": "now"' in text
+
+
+def test_tool_choice_none_offers_no_tools(tokenizer: PreTrainedTokenizerBase) -> None:
+    text, plan = render_chat(_chat(USER, "none"), tokenizer, template_traits(tokenizer))
+    assert "<tools>" not in text and plan.tool_format is None
+
+
+def test_tool_history_renders_as_text_in_smollm2s_template(tokenizer: PreTrainedTokenizerBase) -> None:
+    text, _ = render_chat(_chat(HISTORY), tokenizer, template_traits(tokenizer))
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+        in text
+    )
+    assert '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call><|im_end|>' in text
+    # both results in one user turn, so templates that want alternating turns still get them
+    assert (
+        "<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\nnoon\n</tool_response><|im_end|>"
+        in text
+    )
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_a_template_that_takes_tools_renders_them_itself(qwen3_style: PreTrainedTokenizerBase) -> None:
+    traits = template_traits(qwen3_style)
+    assert (traits.takes_tools, traits.takes_tool_calls, traits.thinks) == (True, True, True)
+    text, plan = render_chat(_chat(HISTORY), qwen3_style, traits)
+    assert "# Tools" in text and "You can call functions" not in text
+    assert '{"name": "add", "arguments": {"a": 1, "b": 2}}' in text  # arguments passed as a mapping
+    assert "<|im_start|>user\n<tool_response>\nnoon\n</tool_response>" in text
+    assert plan.reasoning and plan.starts_in_reasoning  # the prompt ends with an open <think>
+
+
+def test_chat_template_kwargs_reach_the_template(qwen3_style: PreTrainedTokenizerBase) -> None:
+    req = GenerateRequest(rid="r", messages=USER, chat_template_kwargs={"enable_thinking": False})
+    text, plan = render_chat(req, qwen3_style, template_traits(qwen3_style))
+    assert text.endswith("<think>\n\n</think>\n\n")
+    assert plan.reasoning and not plan.starts_in_reasoning and plan.tool_format is None
+
+
+@pytest.mark.parametrize(
+    ("req", "param"),
+    [
+        (_chat(USER, NamedToolChoice(function=NamedFunction(name="mul"))), "tool_choice"),
+        (GenerateRequest(rid="r", messages=USER, tool_choice="required"), "tool_choice"),
+        (_chat([*USER, ChatMessage(role="tool", content="3")]), "messages[1].tool_call_id"),
+        (_chat([ChatMessage(role="user")]), "messages[0].content"),
+        (_chat(USER, chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs"),
+        (GenerateRequest(rid="r", prompt="hi", tools=TOOLS), "tools"),
+        (
+            GenerateRequest(rid="r", messages=USER, tools=[*TOOLS, TOOLS[0]]),
+            "tools[2].function.name",
+        ),
+    ],
+)
+def test_bad_tool_requests_name_the_field(
+    req: GenerateRequest, param: str, tokenizer: PreTrainedTokenizerBase, model_info: ModelInfo
+) -> None:
+    with pytest.raises(RequestRejected) as caught:
+        validate_generate(req, tokenizer, model_info, random.Random(0))
+    assert caught.value.param == param
+
+
+def _call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "arguments": arguments}
+
+
+def test_named_choice_grammar_is_the_schema_of_one_call() -> None:
+    grammar = forced_call_grammar(TOOLS, NamedToolChoice(function=NamedFunction(name="add")))
+    assert grammar is not None and grammar.kind == "json_schema"
+    schema = json.loads(grammar.spec)
+    jsonschema.validate(_call("add", {"a": 1, "b": 2}), schema)
+    for wrong in (
+        _call("now", {}),
+        _call("add", {"a": 1}),
+        _call("add", {"a": "1", "b": 2}),
+        {"name": "add"},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, schema)
+
+
+def test_required_grammar_allows_any_offered_tool_and_auto_none_have_none() -> None:
+    grammar = forced_call_grammar(TOOLS, "required")
+    assert grammar is not None
+    schema = json.loads(grammar.spec)
+    jsonschema.validate(_call("add", {"a": 1, "b": 2}), schema)
+    jsonschema.validate(_call("now", {}), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(_call("mul", {}), schema)
+    assert forced_call_grammar(TOOLS, "auto") is None and forced_call_grammar(TOOLS, "none") is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("xgrammar") is None, reason="xgrammar is not installed")
+@pytest.mark.parametrize("choice", ["required", NamedToolChoice(function=NamedFunction(name="add"))])
+def test_forced_call_grammar_compiles_with_xgrammar(choice: ToolChoice) -> None:
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    grammar = forced_call_grammar(TOOLS, choice)
+    assert grammar is not None
+    compiled = xgrammar.Grammar.from_json_schema(grammar.spec)
+    assert _is_grammar_accept_string(compiled, json.dumps(_call("add", {"a": 1, "b": 2})))
+    assert not _is_grammar_accept_string(compiled, json.dumps(_call("add", {"a": 1})))
+    assert not _is_grammar_accept_string(compiled, json.dumps(_call("mul", {"a": 1, "b": 2})))
+
+
+def test_forced_choice_sets_the_grammar_or_is_refused_naming_tool_choice(
+    tokenizer: PreTrainedTokenizerBase, model_info: ModelInfo
+) -> None:
+    """Before constrained decoding is merged the engine refuses grammars; a forced call must then be
+    refused as tool_choice's fault. After, it is accepted and its reply parsed as a bare call."""
+    req = _chat(USER, "required")
+    try:
+        valid = validate_generate(req, tokenizer, model_info, random.Random(0))
+    except RequestRejected as exc:
+        assert exc.param == "tool_choice" and "not supported" in exc.detail
+    else:
+        assert valid.chat_output is not None and valid.chat_output.tool_format == "json"
