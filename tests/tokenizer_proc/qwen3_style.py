@@ -11,7 +11,8 @@ QWEN3_STYLE_TEMPLATE = r"""
 {%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
 {{- '# Tools\n\nYou may call functions. Their signatures are within <tools></tools>:\n<tools>' }}
 {%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
-{{- '\n</tools>\n\nReturn each call as <tool_call>\n{"name": <name>, "arguments": <object>}\n</tool_call><|im_end|>\n' }}
+{{- '\n</tools>\n\nReturn each call as <tool_call>\n{"name": <name>, "arguments": <object>}\n' }}
+{{- '</tool_call><|im_end|>\n' }}
 {%- elif messages[0].role == 'system' %}
 {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
 {%- endif %}

@@ -20,7 +20,7 @@ Parsed = tuple[str, list[tuple[str | None, str | None, str]]]
 def _parse(text: str, fmt: ToolFormat, cuts: list[int]) -> Parsed:
     ids = iter(range(100))
     parser = ToolCallParser(fmt, NAMES, lambda: f"call_{next(ids)}")
-    content, pieces = "", []
+    content, pieces = "", list[ToolCallDelta]()
     for start, end in zip([0, *cuts], [*cuts, len(text)], strict=True):
         more, deltas = parser.feed(text[start:end])
         content, pieces = content + more, pieces + deltas
