@@ -20,6 +20,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
+from client import Client
 from protocol.grammar import Grammar
 from protocol.messages import SamplingParams
 from tests.tokenizer_proc.http.server import HttpEngine, http_engine
@@ -65,12 +66,16 @@ def grammar_supported() -> bool:
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+def smol_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpEngine]:
     tmp: Path = tmp_path_factory.mktemp("smol-tools")
     with http_engine(None, tmp, "--served-model-name", "smol") as engine:
-        assert isinstance(engine, HttpEngine)
-        with openai.OpenAI(base_url=engine.v1, api_key="none", max_retries=0, timeout=120.0) as client:
-            yield client
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def smol(smol_engine: HttpEngine) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=smol_engine.v1, api_key="none", max_retries=0, timeout=120.0) as client:
+        yield client
 
 
 def _create(client: openai.OpenAI, messages: list[ChatCompletionMessageParam], **kw: Any) -> Any:
@@ -129,6 +134,20 @@ def test_streamed_reply_with_tools_adds_up_to_the_whole(smol: openai.OpenAI) -> 
     assert content == (whole.message.content or "") and reasons[-1] == whole.finish_reason
     expected = [[c.function.name, c.function.arguments] for c in whole.message.tool_calls or []]
     assert [calls[i] for i in sorted(calls)] == expected
+
+
+def test_zmq_client_gives_the_same_reply(smol: openai.OpenAI, smol_engine: HttpEngine) -> None:
+    http = _create(smol, ROUND_TRIP, tools=TOOLS).choices[0]
+    with Client(smol_engine.engine.endpoint, timeout_s=120) as client:
+        history: Any = ROUND_TRIP
+        tools: Any = TOOLS
+        out = client.generate(messages=history, tools=tools, max_new_tokens=40, temperature=0)
+    assert out.text == (http.message.content or "") and (
+        out.finish_reason.value if out.finish_reason else ""
+    ) == (http.finish_reason)
+    assert [(c.name, c.arguments) for c in out.tool_calls or []] == [
+        (c.function.name, c.function.arguments) for c in http.message.tool_calls or []
+    ]
 
 
 def test_bad_tool_history_is_a_400_naming_the_field(smol: openai.OpenAI) -> None:
