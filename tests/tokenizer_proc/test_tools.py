@@ -206,3 +206,23 @@ def test_forced_choice_sets_the_grammar_or_is_refused_naming_tool_choice(
         assert exc.param == "tool_choice" and "not supported" in exc.detail
     else:
         assert valid.chat_output is not None and valid.chat_output.tool_format == "json"
+
+
+LLAMA3_STYLE_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{{ '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' }}"
+    "{%- endfor %}{%- if tools %}{{ '<|start_header_id|>user<|end_header_id|>\\n\\nFunctions:' }}"
+    "{%- for t in tools %}{{ '\\n' + (t | tojson) }}{%- endfor %}"
+    '{{ \'\\nAnswer with {"name": function name, "parameters": arguments}\' }}'
+    "{{ ', or <|python_tag|> code.<|eot_id|>' }}"
+    "{%- endif %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+)
+
+
+def test_a_llama3_style_template_picks_the_json_parser(tokenizer: PreTrainedTokenizerBase) -> None:
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = LLAMA3_STYLE_TEMPLATE
+    traits = template_traits(tok)
+    assert (traits.takes_tools, traits.tool_format, traits.thinks) == (True, "json", False)
+    text, plan = render_chat(_chat(USER), tok, traits)
+    assert "Functions:" in text and '"name": "add"' in text and plan.tool_format == "json"
