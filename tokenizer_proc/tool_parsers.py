@@ -172,7 +172,7 @@ class ToolCallParser:
             self._held = self._held[len(self._held) - keep :]
             return False
         content.append(self._held[:start])
-        self._held = self._held[start + len(CALL_OPEN) :].lstrip()
+        self._held = self._held[start + len(CALL_OPEN) :]  # whitespace before the object: the scanner's
         self._open_call()
         return True
 
@@ -180,12 +180,12 @@ class ToolCallParser:
         stripped = self._held.lstrip()
         if stripped.startswith(PYTHON_TAG):
             self._held = stripped[len(PYTHON_TAG) :]
-        if stripped.startswith("{"):
+        elif stripped.startswith("{"):
             self._held = stripped
             self._open_call()
-        elif not stripped or (PYTHON_TAG.startswith(stripped) and stripped != PYTHON_TAG):
-            return False
-        elif not stripped.startswith(PYTHON_TAG):
+        elif not stripped or PYTHON_TAG.startswith(stripped):
+            return False  # maybe still the tag
+        else:
             self._state = _State.PLAIN
         return True
 

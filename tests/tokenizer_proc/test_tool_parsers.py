@@ -47,6 +47,8 @@ CASES: list[tuple[ToolFormat, str, str, list[tuple[str, dict[str, object]]]]] = 
     ),  # a name that is not offered: not a call
     ("hermes", '<tool_call>{"foo": 1}</tool_call>', '<tool_call>{"foo": 1}</tool_call>', []),
     ("hermes", "<tool_call>not json", "<tool_call>not json", []),
+    ("hermes", '<tool_call>\n {"foo": 1}\n</tool_call>', '<tool_call>\n {"foo": 1}\n</tool_call>', []),
+    ("hermes", "<tool_call>\n not json", "<tool_call>\n not json", []),
     (
         "hermes",
         '<tool_call>{"name": "add", "arguments": {"a": "\\"}\\\\"}}</tool_call>',
