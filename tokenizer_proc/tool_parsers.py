@@ -29,6 +29,16 @@ PYTHON_TAG = "<|python_tag|>"
 ARGUMENT_KEYS = ("arguments", "parameters")
 
 
+def _json_string(literal: str) -> str | None:
+    """The value of a JSON string literal as a model wrote it (raw control characters allowed);
+    None when it is not one (a bad escape)."""
+    try:
+        value = json.loads(literal, strict=False)
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
 class CallScanner:
     """Scans one JSON object char by char: its top-level ``name`` and the text of its arguments."""
 
@@ -69,7 +79,7 @@ class CallScanner:
             elif c == '"':
                 self._in_string = False
                 if self.depth == 1:
-                    self._top_string(json.loads(self.raw[self._string_start : i + 1]))
+                    self._top_string(_json_string(self.raw[self._string_start : i + 1]))
             return
         top = self.depth == 1
         if top and self._expect == "value" and self._args_start is None and not c.isspace():

@@ -4,6 +4,7 @@ pieces (streaming) gives exactly what the whole text gives, including splits ins
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -151,3 +152,21 @@ def test_chat_output_splits_reasoning_before_parsing_calls() -> None:
         calls = merge_calls(first.tool_calls + last.tool_calls)
         assert [(c.id, c.name, c.arguments) for c in calls] == [("call_1", "add", '{"a": 1}')]
         assert parser.made_calls
+
+
+FRAGMENTS = [
+    "<tool_call>", "</tool_call>", "<tool_", "</tool", "<", "{", "}", "[", "]", '"', "\\", ":", ",", " ",
+    "\n", '"name"', '"arguments"', '"parameters"', '"add"', '"get_weather"', '"x"', "1", "text",
+    "<|python_tag|>", ";", '{"name": "add", "arguments": {"a": 1}}', "<think>", "</think>",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "json"])
+def test_random_texts_split_at_random_parse_like_the_whole(fmt: ToolFormat) -> None:
+    rng = random.Random(18)
+    for _ in range(400):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randrange(1, 14)))
+        cuts = sorted(rng.randrange(len(text) + 1) for _ in range(rng.randrange(1, 6)))
+        assert _parse(text, fmt, cuts) == _parse(text, fmt, []), (text, cuts)
+        assert _split(text, False, cuts) == _split(text, False, []), (text, cuts)
+        assert _split(text, True, cuts) == _split(text, True, []), (text, cuts)
