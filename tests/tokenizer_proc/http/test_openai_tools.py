@@ -167,7 +167,7 @@ def test_required_tool_choice_returns_arguments_valid_for_the_schema(smol: opena
     named = seed % 2 == 1
     choice: Any = {"type": "function", "function": {"name": "add"}} if named else "required"
     out = _create(smol, [{"role": "user", "content": prompts[seed]}], tools=TOOLS, tool_choice=choice,
-                  temperature=0.7, seed=seed, max_tokens=80)  # fmt: skip
+                  temperature=0.7, seed=seed, max_tokens=150)  # fmt: skip
     message = out.choices[0].message
     assert out.choices[0].finish_reason == "tool_calls" and message.tool_calls, message
     (call,) = message.tool_calls
