@@ -15,12 +15,14 @@ from zmq.asyncio import Socket as AsyncSocket
 
 from client.common import (
     LOST_CONNECTION,
+    ChoiceCount,
     EngineError,
     GenerateOptions,
     check_reply,
     connect_dealer,
     default_endpoint,
     make_request,
+    single_choice,
 )
 from protocol.messages import AbortRequest, ClientReply, GenerateOutput, GenerateRequest
 from protocol.transport import Codec
@@ -46,6 +48,7 @@ class AsyncClient:
         self._sock, self._monitor = cast(AsyncSocket, sock), cast(AsyncSocket, monitor)
         self._codec: Codec[ClientReply] = Codec(ClientReply)
         self._pending: dict[str, asyncio.Queue[GenerateOutput | EngineError]] = {}
+        self._choices = ChoiceCount()
         self._receiver: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
 
@@ -64,6 +67,8 @@ class AsyncClient:
     ) -> GenerateOutput | AsyncGenerator[GenerateOutput, None]:
         """Send a request. stream=False: the final reply; stream=True: an async iterator of deltas."""
         req = make_request(prompt, stream, options)
+        if not stream:
+            single_choice(req)
         await self._submit(req)
         if stream:
             return self._stream(req.rid)
@@ -71,6 +76,22 @@ class AsyncClient:
             return await self._next(req.rid)
         finally:
             await self._forget(req.rid)
+
+    async def generate_choices(
+        self, prompt: str | None = None, **options: Unpack[GenerateOptions]
+    ) -> list[GenerateOutput]:
+        """Send a request for ``n`` choices (from one prefill); their final replies, by index."""
+        req = make_request(prompt, False, options)
+        await self._submit(req)
+        finals: list[GenerateOutput] = []
+        try:
+            while len(finals) < req.n:
+                reply = await self._next(req.rid)
+                if reply.finish_reason is not None:
+                    finals.append(reply)
+        finally:
+            await self._forget(req.rid)
+        return sorted(finals, key=lambda reply: reply.index)
 
     async def abort(self, rid: str) -> None:
         """Ask the engine to stop ``rid``; its stream then ends with finish_reason ABORT."""
@@ -104,6 +125,7 @@ class AsyncClient:
             self._receiver = asyncio.create_task(self._receive_loop())
             self._watcher = asyncio.create_task(self._watch_connection())
         self._pending[req.rid] = asyncio.Queue()
+        self._choices.start(req)
         await self._sock.send(self._codec.encode(req))
 
     async def _stream(self, rid: str) -> AsyncGenerator[GenerateOutput, None]:
@@ -111,7 +133,7 @@ class AsyncClient:
             while True:
                 reply = await self._next(rid)
                 yield reply
-                if reply.finish_reason is not None:
+                if reply.finish_reason is not None and rid not in self._pending:  # its last choice
                     return
         finally:
             await self._forget(rid)
@@ -123,8 +145,9 @@ class AsyncClient:
             raise TimeoutError(f"no reply for request {rid!r} within {self.timeout_s} s") from None
         if isinstance(item, EngineError):  # the receiver itself failed
             self._pending.pop(rid, None)
+            self._choices.forget(rid)
             raise item
-        if item.finish_reason is not None:
+        if item.finish_reason is not None and self._choices.finished(item):
             del self._pending[rid]  # finished: nothing to abort any more
         return check_reply(item)
 
@@ -161,3 +184,4 @@ class AsyncClient:
         if rid in self._pending and not self._sock.closed:
             await self._sock.send(self._codec.encode(AbortRequest(rid=rid)))
         self._pending.pop(rid, None)
+        self._choices.forget(rid)

@@ -16,12 +16,14 @@ from zmq.utils.monitor import recv_monitor_message
 
 from client.common import (
     LOST_CONNECTION,
+    ChoiceCount,
     EngineError,
     GenerateOptions,
     check_reply,
     connect_dealer,
     default_endpoint,
     make_request,
+    single_choice,
 )
 from protocol.messages import (
     AbortRequest,
@@ -56,6 +58,7 @@ class Client:
         self._poller.register(self._monitor, zmq.POLLIN)
         self._codec: Codec[ClientReply] = Codec(ClientReply)
         self._pending: dict[str, deque[GenerateOutput]] = {}  # rid -> unread replies, while in flight
+        self._choices = ChoiceCount()
 
     @overload
     def generate(
@@ -76,6 +79,8 @@ class Client:
         before this returns, so several streams can be started and read in any order.
         """
         req = make_request(prompt, stream, options)
+        if not stream:
+            single_choice(req)
         self._submit(req)
         if stream:
             return self._stream(req.rid)
@@ -90,6 +95,22 @@ class Client:
         self._pending[rid] = deque()
         self._sock.send(self._codec.encode(FlushCacheRequest(rid=rid)))
         self._next(rid)
+
+    def generate_choices(
+        self, prompt: str | None = None, **options: Unpack[GenerateOptions]
+    ) -> list[GenerateOutput]:
+        """Send a request for ``n`` choices (from one prefill); their final replies, by index."""
+        req = make_request(prompt, False, options)
+        self._submit(req)
+        finals: list[GenerateOutput] = []
+        try:
+            while len(finals) < req.n:
+                reply = self._next(req.rid)
+                if reply.finish_reason is not None:
+                    finals.append(reply)
+        finally:
+            self._forget(req.rid)
+        return sorted(finals, key=lambda reply: reply.index)
 
     def abort(self, rid: str) -> None:
         """Ask the engine to stop ``rid``; its stream then ends with finish_reason ABORT."""
@@ -115,6 +136,7 @@ class Client:
         if req.rid in self._pending:
             raise ValueError(f"rid {req.rid!r} is already in flight on this client")
         self._pending[req.rid] = deque()
+        self._choices.start(req)
         self._sock.send(self._codec.encode(req))
 
     def _stream(self, rid: str) -> Generator[GenerateOutput, None, None]:
@@ -122,7 +144,7 @@ class Client:
             while True:
                 reply = self._next(rid)
                 yield reply
-                if reply.finish_reason is not None:
+                if reply.finish_reason is not None and rid not in self._pending:  # its last choice
                     return
         finally:
             self._forget(rid)
@@ -141,7 +163,7 @@ class Client:
             if self._monitor in ready:
                 self._on_disconnect()
         reply = queue.popleft()
-        if reply.finish_reason is not None:
+        if reply.finish_reason is not None and self._choices.finished(reply):
             del self._pending[rid]  # finished: nothing to abort any more
         return check_reply(reply)
 
@@ -173,3 +195,4 @@ class Client:
         if rid in self._pending and not self._sock.closed:
             self._sock.send(self._codec.encode(AbortRequest(rid=rid)))
         self._pending.pop(rid, None)
+        self._choices.forget(rid)

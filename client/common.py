@@ -69,9 +69,9 @@ class GenerateOptions(TypedDict, total=False):
     # Chat (messages) only, as in OpenAI's API: the reply's tool_calls and reasoning_text are parsed out.
     tools: list[dict[str, Any]] | None  # [{"type": "function", "function": {"name", "parameters", ...}}]
     tool_choice: str | dict[str, Any]  # "auto" (default), "none", "required", or {"type": "function", ...}
-    chat_template_kwargs: (
-        dict[str, Any] | None
-    )  # extra chat template variables, e.g. {"enable_thinking": False}
+    # extra chat template variables, e.g. {"enable_thinking": False}
+    chat_template_kwargs: dict[str, Any] | None
+    n: int  # choices from one prefill (choice i samples with seed + i); replies carry ``index``
 
 
 SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
@@ -97,7 +97,36 @@ def make_request(prompt: str | None, stream: bool, options: GenerateOptions) -> 
         tools=msgspec.convert(tools, list[Tool]) if tools is not None else None,
         tool_choice=msgspec.convert(options.get("tool_choice", "auto"), ToolChoice),
         chat_template_kwargs=options.get("chat_template_kwargs"),
+        n=options.get("n", 1),
     )
+
+
+class ChoiceCount:
+    """How many choices of each in-flight request are still to finish (a request ends with its
+    last choice, or at once with an error reply)."""
+
+    def __init__(self) -> None:
+        self._left: dict[str, int] = {}
+
+    def start(self, req: GenerateRequest) -> None:
+        self._left[req.rid] = req.n
+
+    def finished(self, reply: GenerateOutput) -> bool:
+        """Count ``reply``, a final one; True when its request has no choice left."""
+        left = self._left.get(reply.rid, 1) - 1
+        if left <= 0 or reply.finish_reason is FinishReason.ERROR:
+            self._left.pop(reply.rid, None)
+            return True
+        self._left[reply.rid] = left
+        return False
+
+    def forget(self, rid: str) -> None:
+        self._left.pop(rid, None)
+
+
+def single_choice(req: GenerateRequest) -> None:
+    if req.n != 1:
+        raise ValueError("generate(stream=False) returns one reply: use generate_choices for n > 1")
 
 
 def check_reply(reply: GenerateOutput) -> GenerateOutput:

@@ -12,7 +12,7 @@ lm-evaluation-harness test greediness with ``logprob == max(top_logprobs)``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 
 import torch
@@ -33,7 +33,7 @@ class SlotTopLogprobs:
     def __init__(self, max_requests: int) -> None:
         self.top_n = [0] * max_requests
 
-    def update(self, slots: list[int], params: list[WorkerSampling | None]) -> None:
+    def update(self, slots: list[int], params: Sequence[WorkerSampling | None]) -> None:
         for slot, p in zip(slots, params, strict=True):
             if p is not None:
                 self.top_n[slot] = p.top_logprobs

@@ -19,6 +19,7 @@ from gpu_worker.attention import ForwardContext, build_metadata
 from gpu_worker.batch_checks import check_batch
 from gpu_worker.config import WorkerConfig
 from gpu_worker.cpu import backend as cpu_backend
+from gpu_worker.forks import check_forks, copy_pages, with_forks
 from gpu_worker.gguf_weights import GgufError
 from gpu_worker.kv_cache import KVPool, kv_pool_tokens
 from gpu_worker.loader import load_model
@@ -240,6 +241,7 @@ class ModelRunner:
         logits = self._sampled_logits(hidden, batch)
         slots = [batch.slots[i] for i in rows]
         positions = [batch.prefix_lens[i] + batch.extend_lens[i] for i in rows]
+        logits, slots, positions = with_forks(logits, slots, positions, rows, batch)
         logits = self.penalties.apply(logits, slots, positions)  # before greedy's argmax too
         greedy = self.sampler_params.plain_greedy(slots)
         if greedy:
@@ -279,9 +281,11 @@ class ModelRunner:
         hidden states [tokens of the batch, hidden] (before the final norm)."""
         check_batch(batch, self.kv.num_pages, self.kv.page_table.shape, self._context_len, self.vocab_size)
         check_logprob_fields(batch, self.vocab_size)
+        check_forks(batch, self.kv.page_table.shape[0], self.kv.num_pages)
         self.kv.apply_page_deltas(batch.slots, batch.page_starts, batch.page_counts, batch.pages)
-        self.sampler_params.update(batch.slots, batch.sampler)
-        self.top_logprobs.update(batch.slots, batch.sampler)
+        for slots, samplers in ((batch.slots, batch.sampler), (batch.fork_slots, batch.fork_samplers)):
+            self.sampler_params.update(slots, samplers)
+            self.top_logprobs.update(slots, samplers)
         positions, meta = build_metadata(
             self.kv.page_table,
             self.kv.page_size,
@@ -294,8 +298,11 @@ class ModelRunner:
         ctx = ForwardContext(positions=positions, attn=meta, k_cache=self.kv.k, v_cache=self.kv.v)
         input_ids = self._input_ids(batch)
         self.penalties.update(batch, input_ids)
+        self.penalties.fork([batch.slots[i] for i in batch.fork_rows], batch.fork_slots, batch.fork_samplers)
         hidden = self.fused_decode(input_ids, ctx) if self.fused_decode is not None else None
-        return self.model(input_ids, ctx) if hidden is None else hidden
+        hidden = self.model(input_ids, ctx) if hidden is None else hidden
+        copy_pages(self.kv, batch.copy_src, batch.copy_dst)  # a fork's own copies of prompt pages
+        return hidden
 
     def _sampled_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         ends = [

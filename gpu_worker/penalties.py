@@ -72,6 +72,17 @@ class _Tables:
         self.bias_ids[slot, :width] = torch.tensor(p.bias_ids, dtype=torch.int64)
         self.bias_values[slot, :width] = torch.tensor(p.bias_values, dtype=torch.float64)
 
+    def copy_slot(self, src: int, dst: int, p: WorkerPenalties) -> None:
+        """Slot ``dst`` starts with penalties ``p`` and ``src``'s seen tokens and counts."""
+        self.reset(dst, p)
+        num_seen = int(self.num_seen[src])
+        ids = self.seen_ids[src, :num_seen]
+        src_keys, dst_keys = ids + src * self.vocab, ids + dst * self.vocab
+        self.seen.index_fill_(0, dst_keys, True)
+        self.counts.index_copy_(0, dst_keys, self.counts.index_select(0, src_keys))
+        self.seen_ids[dst, :num_seen] = ids
+        self.num_seen[dst] = num_seen
+
     def add_generated(self, key: torch.Tensor) -> None:
         """One more generated token at each (slot * vocab + id) ``key`` (repeats count each time)."""
         self.counts.index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
@@ -139,6 +150,14 @@ class SlotPenalties:
                 [starts[i] for i in rows],
                 input_ids,
             )
+
+    def fork(self, parents: list[int], slots: list[int], samplers: list[WorkerSampling]) -> None:
+        """Each fork slot takes its sampler's penalties and its parent slot's counts (the prompt's
+        tokens: a fork starts where its parent's prompt ends)."""
+        for parent, slot, sampler in zip(parents, slots, samplers, strict=True):
+            self.params[slot] = sampler.penalties
+            if sampler.penalties is not None:
+                self._get_tables().copy_slot(parent, slot, sampler.penalties)
 
     def _record(
         self,

@@ -9,6 +9,7 @@ judged on the temperature-scaled probabilities.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -127,7 +128,7 @@ class SlotSamplerParams:
         self.greedy = [True] * max_requests  # temperature 0, as a list: plain_greedy needs no tensor op
         self.assigned = [False] * max_requests
 
-    def update(self, slots: list[int], params: list[WorkerSampling | None]) -> None:
+    def update(self, slots: list[int], params: Sequence[WorkerSampling | None]) -> None:
         for slot, p in zip(slots, params, strict=True):
             if p is None:
                 continue

@@ -30,10 +30,16 @@ from typing import Any
 
 import msgspec
 
+from protocol.base import Msg
 from protocol.chat import ChatMessage, Tool, ToolCallDelta, ToolChoice
 from protocol.grammar import Grammar
 from protocol.logprobs import PromptLogprobs, TopLogprobs, TopTokens
 from protocol.sampling import WorkerSampling
+from protocol.worker_messages import PENDING as PENDING  # re-exported: every channel is named here
+from protocol.worker_messages import ForwardBatch as ForwardBatch
+from protocol.worker_messages import ForwardResult as ForwardResult
+from protocol.worker_messages import FromWorker as FromWorker
+from protocol.worker_messages import ToWorker as ToWorker
 
 
 class FinishReason(enum.Enum):
@@ -107,6 +113,9 @@ class GenerateRequest(ClientMsg, tag="generate"):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice = "auto"
     chat_template_kwargs: dict[str, Any] | None = None
+    # n > 1: n choices drawn from one prefill of the prompt, choice i with seed + i (a seed is
+    # drawn when none is given); every reply carries its choice's ``index``.
+    n: int = 1
 
 
 class AbortRequest(ClientMsg, tag="abort"):
@@ -158,6 +167,7 @@ class GenerateOutput(ClientMsg, tag="output"):
     # tool calls parsed out of it (pieces when streaming; see ToolCallDelta).
     reasoning_text: str = ""
     tool_calls: list[ToolCallDelta] | None = None
+    index: int = 0  # the choice this reply belongs to (GenerateRequest.n)
 
 
 ClientReply = GenerateOutput
@@ -166,10 +176,6 @@ ClientReply = GenerateOutput
 # --------------------------------------------------------------------------
 # between our own processes (msgpack arrays)
 # --------------------------------------------------------------------------
-
-
-class Msg(msgspec.Struct, tag=True, frozen=True, kw_only=True, array_like=True):
-    """Base of every message between rivulet's processes."""
 
 
 class TokenizedRequest(Msg):
@@ -184,6 +190,9 @@ class TokenizedRequest(Msg):
     # Every prompt token's logprob (echo): computed at every prompt position, so the prefix cache is
     # bypassed for this request; max_new_tokens may then be 0 (the request ends after its prompt).
     prompt_logprobs: bool = False
+    # n > 1: the choices are requests rid .. rid + n - 1, choice i sampling with seed + i; the
+    # prompt is prefilled once (as rid) and the others fork from its last position.
+    n: int = 1
 
 
 class FinishReq(Msg):
@@ -245,86 +254,10 @@ class EngineStats(Msg):
     # The worker's last ForwardResult counters: busy share over a window = d(busy) / d(clock).
     worker_busy_s: float = 0.0
     worker_clock_s: float = 0.0
+    prefill_tokens: int = 0  # computed by prefill rows since start (cache hits and forks skip it)
 
 
 ToTokenizer = TokenBatch | RequestError | EngineStats
-
-
-PENDING = -1  # in ForwardBatch.input_ids: the token this row's slot drew last (overlap scheduling)
-
-
-class ForwardBatch(Msg):
-    """One forward pass: extend rows (prefill chunks) and decode rows alike.
-
-    Row ``i`` belongs to request slot ``slots[i]``; its ``extend_lens[i]`` new
-    tokens (``input_ids``, flattened over rows) sit at positions
-    ``prefix_lens[i] .. prefix_lens[i] + extend_lens[i] - 1``. A decode row is
-    an extend row of length 1.
-
-    Page-table deltas: row ``i`` appends ``page_counts[i]`` pages (taken in order
-    from the flat ``pages``) to its slot's page table at index ``page_starts[i]``.
-    A token at position p lives in KV slot
-    ``page_table[slot][p // page_size] * page_size + p % page_size``.
-
-    ``sample[i]`` is False for a chunk that is not the end of its prompt: its KV
-    is written but no token is drawn. ``sampler[i]`` is sent when a slot is
-    (re)assigned to a request and None afterwards; the worker keeps it per slot.
-
-    A row's last input may be ``PENDING``: the scheduler sent this batch before the
-    previous one's result came back (overlap scheduling), and the worker, which
-    runs batches in order, uses the token it drew last for that slot.
-
-    Prompt logprobs (empty lists when no row wants them): row ``i`` wants the logprobs at its
-    first ``prompt_logprob_lens[i]`` positions, of the tokens that follow them, given flat in
-    ``prompt_logprob_targets``.
-    """
-
-    step: int
-    slots: list[int]
-    prefix_lens: list[int]
-    extend_lens: list[int]
-    input_ids: list[int]
-    page_starts: list[int]
-    page_counts: list[int]
-    pages: list[int]
-    sample: list[bool]
-    sampler: list[WorkerSampling | None]
-    prompt_logprob_lens: list[int] = []
-    prompt_logprob_targets: list[int] = []
-    # Per row (or [] when no row needs it): a row that (re)assigns the slot of a request with
-    # penalties and starts past 0 (a cached prefix) carries fill_ids[:prefix_len], the tokens the
-    # worker's penalty counts need but never gets as inputs; every other row has [].
-    prefix_ids: list[list[int]] = []
-
-
-ToWorker = ForwardBatch
-
-
-class ForwardResult(Msg):
-    """The tokens drawn for the rows of ``step`` whose ``sample`` was True, in row order.
-
-    ``logprobs`` is empty when no row's request asked for logprobs (the worker skips
-    computing them); so is ``top_logprobs`` when none asked for top-N. ``error`` is set
-    (and the lists empty) when the forward failed; the scheduler
-    then fails that batch's requests and keeps serving. ``busy_s`` is the worker's
-    running total of seconds spent on batches (frame received to reply ready) and
-    ``clock_s`` its monotonic clock as it replies: the two give the worker's busy
-    share over any window from its own timestamps.
-    """
-
-    step: int
-    token_ids: list[int]
-    logprobs: list[float]
-    forward_s: float
-    error: str | None = None
-    busy_s: float = 0.0
-    clock_s: float = 0.0
-    top_logprobs: list[TopTokens] = []  # per sampled row
-    prompt_logprobs: list[float] = []  # per position of ForwardBatch.prompt_logprob_lens
-    prompt_top_logprobs: list[TopTokens] = []  # the same, when their requests asked for top-N
-
-
-FromWorker = ForwardResult
 
 
 class Ready(Msg):

@@ -24,6 +24,7 @@ class Row:
     start: int = field(init=False)  # the request's kv_len when the row was built: its first position
     launched: bool = False  # applied to its request (Flight.launch): its batch was sent
     prompt_logprob_len: int = field(init=False)  # leading positions whose prompt logprobs it asks for
+    forks: list[Req] = field(default_factory=list)  # choices whose first token this row's logits draw
 
     def __post_init__(self) -> None:
         assert self.extend_len >= 1, f"rid {self.req.rid}: empty row"
@@ -55,7 +56,7 @@ class BatchInfo:
         return cls(step, len(prefill), sum(r.extend_len for r in prefill), cached, len(decode), num_decoding)
 
 
-def build_forward_batch(step: int, rows: list[Row]) -> ForwardBatch:
+def build_forward_batch(step: int, rows: list[Row], page_size: int) -> ForwardBatch:
     """The wire form of ``rows``, built before they launch (``Flight.launch`` moves kv_len on).
 
     A decode row whose input token is still being drawn by a batch in flight sends
@@ -71,6 +72,8 @@ def build_forward_batch(step: int, rows: list[Row]) -> ForwardBatch:
         slots.append(row.req.slot)
         input_ids.extend(row.req.fill_slice(row.start, row.start + row.extend_len))
         pages.extend(row.new_pages)
+    forks = [(i, fork) for i, row in enumerate(rows) for fork in row.forks]
+    copies = [copy for row in rows if row.forks for copy in row.req.fork_copies(page_size)]
     return ForwardBatch(
         step=step,
         slots=slots,
@@ -87,7 +90,17 @@ def build_forward_batch(step: int, rows: list[Row]) -> ForwardBatch:
         if prompt_logprobs
         else [],
         prefix_ids=penalty_prefix_ids(rows),
+        fork_rows=[i for i, _ in forks],
+        fork_slots=[_slot(fork) for _, fork in forks],
+        fork_samplers=[fork.sampler for _, fork in forks],
+        copy_src=[src for src, _ in copies],
+        copy_dst=[dst for _, dst in copies],
     )
+
+
+def _slot(req: Req) -> int:
+    assert req.slot is not None, f"rid {req.rid}: a fork without a slot"
+    return req.slot
 
 
 def penalty_prefix_ids(rows: list[Row]) -> list[list[int]]:
@@ -112,19 +125,20 @@ class RowResult:
     top: TopTokens | None = None  # the token's top-N alternatives, when its request asked
     prompt_logprobs: list[float] = field(default_factory=list)  # of its prompt_logprob_len positions
     prompt_top: list[TopTokens] = field(default_factory=list)  # their top-N, when its request asked
+    forks: list[RowResult] = field(default_factory=list)  # the tokens drawn for its forks, in order
 
 
 def row_results(rows: list[Row], result: ForwardResult) -> list[RowResult] | str:
     """Each row's share of ``result``, or why the result is a failure: the worker's error, or
     counts that do not match the batch."""
-    num_sampled = sum(row.sample for row in rows)
+    num_sampled = sum(row.sample for row in rows) + sum(len(row.forks) for row in rows)
     num_prompt = sum(row.prompt_logprob_len for row in rows)
     if result.error is not None:
         return result.error
     if len(result.token_ids) != num_sampled:
-        return f"worker returned {len(result.token_ids)} tokens for {num_sampled} sampled rows"
+        return f"worker returned {len(result.token_ids)} tokens for {num_sampled} sampled rows and forks"
     if result.top_logprobs and len(result.top_logprobs) != num_sampled:
-        return f"worker returned {len(result.top_logprobs)} top-N lists for {num_sampled} sampled rows"
+        return f"worker returned {len(result.top_logprobs)} top-N lists for {num_sampled} draws"
     prompt_top = result.prompt_top_logprobs
     if len(result.prompt_logprobs) != num_prompt or (prompt_top and len(prompt_top) != num_prompt):
         return f"worker returned {len(result.prompt_logprobs)} prompt logprobs for {num_prompt} positions"
@@ -137,8 +151,17 @@ def row_results(rows: list[Row], result: ForwardResult) -> list[RowResult] | str
         if not row.sample:
             out.append(RowResult(None, 0.0, None, *prompt))
             continue
-        logprob = result.logprobs[k] if k < len(result.logprobs) else 0.0
-        top = result.top_logprobs[k] if result.top_logprobs else None
-        out.append(RowResult(result.token_ids[k], logprob, top, *prompt))
+        out.append(_drawn(result, k, prompt))
         k += 1
+    f = k  # the forks' draws follow the sampled rows', in row order
+    for row, row_result in zip(rows, out, strict=True):
+        row_result.forks.extend(_drawn(result, f + j, _NO_PROMPT_LOGPROBS) for j in range(len(row.forks)))
+        f += len(row.forks)
     return out
+
+
+def _drawn(result: ForwardResult, k: int, prompt: tuple[list[float], list[TopTokens]]) -> RowResult:
+    """The RowResult of draw ``k`` of ``result`` (a sampled row's or a fork's)."""
+    logprob = result.logprobs[k] if k < len(result.logprobs) else 0.0
+    top = result.top_logprobs[k] if result.top_logprobs else None
+    return RowResult(result.token_ids[k], logprob, top, *prompt)

@@ -96,6 +96,33 @@ class KVManager:
         req.flight.worker_pages = len(req.page_table)
         return start, req.page_table[start:]
 
+    def admit_forks(self, req: Req) -> None:
+        """Slots, and their own prompt pages (still to be copied), for the choices forking from ``req``."""
+        for fork in req.forks:
+            self.assign_slot(fork)
+            num_pages = pages_for(fork.fork_tail_tokens, self.page_size)
+            self._make_free(num_pages)
+            pages = self.pages.alloc(num_pages)
+            assert pages is not None, f"rid {fork.rid}: admitted without free pages"
+            fork.page_table = pages
+
+    def attach_fork(self, fork: Req, leader: Req) -> None:
+        """``fork``'s KV once its leader's prompt is computed: the leader's full prompt pages, shared
+        through the prefix cache (where it put them as its prompt landed) and locked, ahead of the
+        copies it owns."""
+        num_prompt = len(fork.input_ids)
+        num_shared = pages_for(num_prompt, self.page_size) - len(fork.page_table)
+        if num_shared:
+            assert self.cache is not None, f"rid {fork.rid}: shares prompt pages without a prefix cache"
+            match = self.cache.match_prefix(
+                leader.fill_slice(0, num_shared * self.page_size), fork.cache_salt
+            )
+            assert match.num_pages == num_shared, f"rid {fork.rid}: the leader's prompt is not cached"
+            self.cache.inc_lock_ref(match.node)
+            fork.page_table = list(match.pages) + fork.page_table
+            fork.cache_node, fork.num_tree_pages = match.node, num_shared
+        fork.flight.reset(num_prompt)
+
     def decode_pages_needed(self, running: list[Req]) -> int:
         """New pages the next decode step takes: one per request whose next token starts a page."""
         return sum(1 for r in running if r.kv_len >= len(r.page_table) * self.page_size)

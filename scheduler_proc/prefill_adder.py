@@ -10,6 +10,9 @@ Three budgets, all in tokens:
   still write. A request is admitted only if its whole remaining prompt plus its
   reserved output fits here, rounded up to whole pages; a truncated chunk is
   charged its own pages only (its output is reserved once its last chunk runs).
+
+The choices forking from an n > 1 request (``Req.forks``) are admitted with it:
+one slot each, and their own prompt pages and reserved output counted with its.
 """
 
 from __future__ import annotations
@@ -114,10 +117,16 @@ class PrefillAdder:
         self.rem_input_tokens -= extend_len
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= extend_len
-        self.rem_total_tokens -= self._new_pages(req, extend_len + reserve) * self.page_size
-        self.available_pages -= self._new_pages(req, extend_len)
-        if req.slot is None:
-            self.free_slots -= 1
+        new_pages, reserved_pages = (
+            self._new_pages(req, extend_len),
+            self._new_pages(req, extend_len + reserve),
+        )
+        if req.slot is None:  # its first admission: its forks come in with it
+            self.free_slots -= 1 + len(req.forks)
+            new_pages += req.fork_pages(self.page_size, 0)
+            reserved_pages += req.fork_pages(self.page_size, reserve)
+        self.rem_total_tokens -= reserved_pages * self.page_size
+        self.available_pages -= new_pages
         assert self.available_pages >= 0, "admitted more pages than are available"
 
     def _admitted(self, req: Req, extend_len: int, reserve: int) -> AddOutcome:
@@ -158,11 +167,12 @@ class PrefillAdder:
         ``whole_only`` (pack's greedy pass): admit only if the whole prompt fits what
         is left of the input and chunk budgets, never truncated or over budget.
         """
-        if self.free_slots <= 0:
+        if self.free_slots < 1 + len(req.forks):
             return REFUSED_NO_SLOT
         extend = req.extend_input_len
         reserve = req.reserve_tokens(self.clip_max_new_tokens)
-        if self._new_pages(req, extend + reserve) * self.page_size > self.rem_total_tokens:
+        pages = self._new_pages(req, extend + reserve) + req.fork_pages(self.page_size, reserve)
+        if pages * self.page_size > self.rem_total_tokens:
             return REFUSED_NO_TOKEN
         if whole_only and (
             extend > self.rem_input_tokens

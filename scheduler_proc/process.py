@@ -86,6 +86,7 @@ class SchedulerProcess:
             evictable_pages=sched.kv.evictable_pages,
             worker_busy_s=self.stats.worker_busy_s,
             worker_clock_s=self.stats.worker_clock_s,
+            prefill_tokens=sched.num_prefill_tokens,
         )
         now = time.monotonic()
         if stats != self._sent_stats and (not sched.has_work or now - self._sent_stats_s >= STATS_INTERVAL_S):

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from protocol.messages import PENDING, FinishReason, TokenizedRequest
 from protocol.sampling import WorkerSampling
@@ -25,9 +28,14 @@ class ReqStatus(enum.Enum):
     CHUNKED: the one ``chunked_req``; holds a slot and the pages of its first ``kv_len`` tokens.
     RUNNING: prefill done (or its last chunk is in flight); decodes one token per step.
     FINISHED: ended; its slot and pages are free (or freed when its in-flight batch returns).
+    FORKING: choice i > 0 of an n > 1 request, in its ``leader``'s ``forks`` and in no queue; from
+        the leader's admission it holds a slot and its own copies of the prompt pages it cannot
+        share. Its first token is drawn from the leader's last prompt row; when that row
+        returns it shares the leader's cached prompt pages and runs as any other request.
     """
 
     WAITING = "waiting"
+    FORKING = "forking"
     CHUNKED = "chunked"
     RUNNING = "running"
     FINISHED = "finished"
@@ -158,6 +166,11 @@ class Req:
     num_tree_pages: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the cache at the first admission
     prompt_logprobs: PromptLogprobState | None = None  # the client asked for them (echo)
+    # n > 1 (see ReqStatus.FORKING): the choices forking from this request's prompt, and for a
+    # FORKING choice its leader and the prompt tokens its own pages hold (the rest it shares).
+    forks: list[Req] = field(default_factory=list)
+    leader: Req | None = None
+    fork_tail_tokens: int = 0
 
     def __post_init__(self) -> None:
         assert len(self.input_ids) >= 1, f"rid {self.rid}: empty prompt"
@@ -180,6 +193,20 @@ class Req:
             cache_salt=msg.cache_salt,
             prompt_logprobs=PromptLogprobState(len(msg.input_ids) - 1) if msg.prompt_logprobs else None,
         )
+
+    def fork_pages(self, page_size: int, reserve: int) -> int:
+        """Pages the choices forking from this request take: their own prompt pages, plus room for
+        ``reserve`` output tokens each (0: the prompt pages alone, what admission allocates)."""
+        return sum(pages_for(fork.fork_tail_tokens + reserve, page_size) for fork in self.forks)
+
+    def fork_copies(self, page_size: int) -> Iterator[tuple[int, int]]:
+        """(source page, its copy) for every prompt page a fork holds a copy of: the last ones of
+        this request's prompt pages."""
+        num_prompt_pages = pages_for(len(self.input_ids), page_size)
+        for fork in self.forks:
+            first = num_prompt_pages - len(fork.page_table)
+            for k, page in enumerate(fork.page_table):
+                yield self.page_table[first + k], page
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -239,6 +266,27 @@ class Req:
         return None
 
 
+def fork_choices(leader: Req, n: int, page_size: int, *, share_prompt: bool) -> list[Req]:
+    """Choices 1 .. n - 1 of an n > 1 request, FORKING from ``leader``: choice i is rid and seed
+    ``leader``'s + i. With ``share_prompt`` (a prefix cache to share through) a choice copies only
+    the partly filled last prompt page; without, every prompt page."""
+    tail = len(leader.input_ids) % page_size if share_prompt else len(leader.input_ids)
+    forks = []
+    for i in range(1, n):
+        fork = Req(
+            rid=leader.rid + i,
+            input_ids=list(leader.input_ids),
+            max_new_tokens=leader.max_new_tokens,
+            stop_token_ids=leader.stop_token_ids,
+            sampler=msgspec.structs.replace(leader.sampler, seed=leader.sampler.seed + i),
+            cache_salt=leader.cache_salt,
+        )
+        fork.status, fork.leader, fork.fork_tail_tokens = ReqStatus.FORKING, leader, tail
+        forks.append(fork)
+    leader.forks = forks
+    return forks
+
+
 def why_rejected(msg: TokenizedRequest, config: SchedulerConfig, *, duplicate: bool) -> str | None:
     """Why ``msg`` could never run here, or None when it can.
 
@@ -267,5 +315,25 @@ def why_rejected(msg: TokenizedRequest, config: SchedulerConfig, *, duplicate: b
         return (
             f"prompt ({n} tokens) + max_new_tokens ({max_new}) needs more KV than the whole pool "
             f"({pool_tokens} tokens)"
+        )
+    return _why_choices_rejected(msg, config) if msg.n != 1 else None
+
+
+def _why_choices_rejected(msg: TokenizedRequest, config: SchedulerConfig) -> str | None:
+    """Why an n > 1 request could never run: its choices are admitted together (one slot each,
+    the prompt's pages once and each choice's own pages), so together they must fit."""
+    choices, n, max_new, ps = msg.n, len(msg.input_ids), msg.max_new_tokens, config.page_size
+    if choices < 1:
+        return f"n must be >= 1, got {choices}"
+    if max_new == 0:
+        return "n > 1 needs max_new_tokens >= 1"
+    if choices > config.max_running_requests:
+        return f"n = {choices} choices exceed max_running_requests ({config.max_running_requests})"
+    tail = n if config.disable_radix_cache else n % ps
+    pages = pages_for(n + max_new, ps) + (choices - 1) * pages_for(tail + max_new, ps)
+    if pages > config.num_pages:
+        return (
+            f"n = {choices} choices of prompt ({n} tokens) + max_new_tokens ({max_new}) need more "
+            f"KV than the whole pool ({config.total_tokens} tokens)"
         )
     return None

@@ -5,6 +5,7 @@ Every request is in exactly one place while it lives:
     waiting (deque)        -> no slot, no pages, kv_len == 0; arrival order, retracted at the front
     chunked_req (one)      -> slot, pages of [0, kv_len); more prompt chunks to go
     running (list)         -> slot, pages; kv_len == seq_len - 1, or its last chunk is in flight
+    a leader's forks       -> choices 1.. of an n > 1 request until its prompt is computed (FORKING)
 
 A finished request is in none of them; its pages and slot are freed at once,
 or when the last batch still carrying it returns (``Req.flight.rows``).
@@ -27,23 +28,23 @@ from collections import deque
 from protocol.messages import (
     FinishReason,
     ForwardBatch,
-    ForwardResult,
     RequestError,
     TokenizedRequest,
     ToTokenizer,
 )
 from scheduler_proc.admission import Admission
-from scheduler_proc.batch import BatchInfo, Row, RowResult, build_forward_batch, row_results
+from scheduler_proc.batch import BatchInfo, Row, build_forward_batch
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.outputs import OutputCollector
 from scheduler_proc.prefill_adder import Admitted, PrefillAdder
-from scheduler_proc.request import Req, ReqStatus, why_rejected
+from scheduler_proc.request import Req, ReqStatus, fork_choices, why_rejected
+from scheduler_proc.results import ResultHandling
 from scheduler_proc.retraction import pick_victim, retract
 from scheduler_proc.token_ratio import NewTokenRatio
 
 
-class Scheduler:
+class Scheduler(ResultHandling):
     """Admits requests into batches for the worker and turns its results into token rows.
 
     ``schedule()`` returns None only when a batch is in flight or there is no
@@ -80,17 +81,21 @@ class Scheduler:
         self.num_retracted = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0  # of requests at their first admission
+        self.num_prefill_tokens = 0  # computed by prefill rows (prompts, recomputes), since start
         self.num_cached_prompt_tokens = 0  # of those, reused from the prefix cache
 
     # ------------------------------------------------------------------ requests in and out
 
     def add(self, msg: TokenizedRequest) -> RequestError | None:
         """Queue a request, or reject it (keeping no state) when it could never run."""
-        why = why_rejected(msg, self.config, duplicate=msg.rid in self.reqs)
+        duplicate = any(msg.rid + i in self.reqs for i in range(max(msg.n, 1)))
+        why = why_rejected(msg, self.config, duplicate=duplicate)
         if why is not None:
             return RequestError(rid=msg.rid, message=why)
         req = Req.from_msg(msg)
-        self.reqs[req.rid] = req
+        share = not self.config.disable_radix_cache
+        for r in [req, *fork_choices(req, msg.n, self.config.page_size, share_prompt=share)]:
+            self.reqs[r.rid] = r
         self.waiting.append(req)
         return None
 
@@ -102,6 +107,7 @@ class Scheduler:
         self._remove_from_queues(req)
         self._finish(req, reason)
         self._outputs.add_abort(rid, reason, req.cached_tokens)
+        self._end_forks(req, reason)
 
     def take_outputs(self) -> list[ToTokenizer]:
         """The pending TokenBatch (all rows of the step) and RequestErrors; [] when none."""
@@ -147,9 +153,10 @@ class Scheduler:
         rows = prefill + decode
         step = self.next_step
         self.next_step += 1
+        self.num_prefill_tokens += sum(row.extend_len for row in prefill)
         num_decoding = len(self.running) - sum(row.sample for row in prefill)
         self.last_batch = BatchInfo.of(step, prefill, decode, num_decoding)
-        batch = build_forward_batch(step, rows)
+        batch = build_forward_batch(step, rows, self.config.page_size)
         for row in rows:
             row.req.flight.launch(row, self.config.context_len)
         self._in_flight[step] = rows
@@ -217,12 +224,14 @@ class Scheduler:
         new_slot = req.slot is None
         if req.status is ReqStatus.WAITING:
             self.kv.assign_slot(req)
+            self.kv.admit_forks(req)
             if req.num_retractions == 0:  # a recompute after retraction is no cache hit for the client
                 req.cached_tokens = min(req.kv_len, len(req.input_ids))
                 self.num_prompt_tokens += len(req.input_ids)
                 self.num_cached_prompt_tokens += req.cached_tokens
         row = self._extend_row(req, extend_len, new_slot, is_prefill=True)
         if row.start + extend_len == req.seq_len:  # its prompt's end: it decodes next, or ends (max 0)
+            row.forks = list(req.forks)  # their first tokens come from this row's logits
             req.status = ReqStatus.RUNNING
             self.running.append(req)
         else:
@@ -269,77 +278,6 @@ class Scheduler:
             self.new_token_ratio.on_retract()
             self._log.warning("new_token_ratio raised %.3f -> %.3f", old, self.new_token_ratio.value)
         return retracted
-
-    # ------------------------------------------------------------------ results
-
-    def on_result(self, result: ForwardResult) -> None:
-        """Append sampled tokens, finish requests, free their KV, record output rows."""
-        rows = self._in_flight.pop(result.step, None)
-        if rows is None:
-            self._log.warning("dropped a result for unknown step %d", result.step)
-            return
-        results = row_results(rows, result)
-        if isinstance(results, str):
-            self._fail_rows(result.step, rows, results)
-            return
-        for row, row_result in zip(rows, results, strict=True):
-            self._apply_row(row, row_result)
-
-    def _apply_row(self, row: Row, result: RowResult) -> None:
-        req, token = row.req, result.token
-        if req.status is ReqStatus.FINISHED:  # ended while in flight: its token is dropped
-            req.flight.drop(row)
-            if not req.flight.rows:
-                self.kv.release(req, cache=req.finish_reason is not FinishReason.ERROR)
-            return
-        req.flight.land(row, token)
-        if row.is_prefill:  # its prompt pages are shareable from the next round on
-            self.kv.cache_unfinished(req)
-        if req.prompt_logprobs is not None:
-            self._outputs.add_prompt_logprobs(req.rid, req.prompt_logprobs, row.start, result)
-        if token is None:
-            if req.max_new_tokens == 0 and req.computed_len == req.seq_len:  # prompt-only: done
-                self.running.remove(req)
-                self._finish(req, FinishReason.LENGTH)
-                self._outputs.add_abort(req.rid, FinishReason.LENGTH, req.cached_tokens)
-            return
-        self.num_generated_tokens += 1
-        reason = req.finish_reason_at(row.out_index, self.config.context_len)
-        self._outputs.add_token(req.rid, token, result.logprob, reason, req.cached_tokens, result.top)
-        if reason is not None:
-            req.flight.end_at(row)
-            self.running.remove(req)
-            self._finish(req, reason)
-
-    def _fail_rows(self, step: int, rows: list[Row], error: str) -> None:
-        self._log.error("forward step %d failed (%s): failing its %d requests", step, error, len(rows))
-        for row in rows:
-            req = row.req
-            req.flight.drop(row)
-            if req.status is ReqStatus.FINISHED:
-                if not req.flight.rows:
-                    self.kv.release(req, cache=False)  # a forward over it failed: trust none of its KV
-                continue
-            self._remove_from_queues(req)
-            self._finish(req, FinishReason.ERROR)
-            self._outputs.add_error(req.rid, f"forward pass failed: {error}")
-
-    # ------------------------------------------------------------------ bookkeeping
-
-    def _remove_from_queues(self, req: Req) -> None:
-        if req.status is ReqStatus.WAITING:
-            self.waiting.remove(req)
-        elif req is self.chunked_req:
-            self.chunked_req = None
-        else:
-            self.running.remove(req)
-
-    def _finish(self, req: Req, reason: FinishReason) -> None:
-        req.status = ReqStatus.FINISHED
-        req.finish_reason = reason
-        del self.reqs[req.rid]
-        if not req.flight.rows:
-            self.kv.release(req, cache=reason is not FinishReason.ERROR)
 
     @property
     def cache_hit_rate(self) -> float:

@@ -102,6 +102,12 @@ def render_prometheus(m: ServingMetrics, stats: EngineStats | None, in_flight: i
             stats.worker_busy_s,
         )
         one(
+            "rivulet_prefill_tokens_total",
+            "counter",
+            "Tokens computed by prefill rows (prompts and recomputes; cache hits and n > 1 forks skip it).",
+            stats.prefill_tokens,
+        )
+        one(
             "rivulet_worker_clock_seconds",
             "gauge",
             "The worker's monotonic clock at its last reply (busy share = d busy / d clock).",

@@ -71,6 +71,8 @@ class RequestState:
     top: list[TopTokens] = field(default_factory=list)  # one per output token when want_top
     echo: EchoPrompt | None = None
     chat: ChatOutputParser | None = None  # chat replies: reasoning and tool calls parsed out
+    index: int = 0  # its choice (n > 1: the choices are rids rid - index .. rid - index + n - 1)
+    num_choices: int = 1
 
     @property
     def output_ids(self) -> list[int]:
@@ -129,6 +131,7 @@ class RequestState:
             finish_reason=reason,
             usage=self.usage() if reason is not None else None,
             top_logprobs=[to_client(t) for t in self.top[first:]] if self.want_top else None,
+            index=self.index,
         )
         echo = self.echo
         if echo is None or echo.sent:
@@ -155,7 +158,8 @@ def _chat_parser(valid: ValidRequest) -> ChatOutputParser | None:
 
 
 class RequestTable:
-    """All in-flight requests, keyed by the internal rid the scheduler knows them by."""
+    """All in-flight requests, keyed by the internal rid the scheduler knows them by; a request
+    with n choices is n of them, rids rid .. rid + n - 1 under one client rid."""
 
     def __init__(self, tokenizer: TokenDecoder, clock: Callable[[], float] = time.monotonic) -> None:
         self._tokenizer = tokenizer
@@ -163,7 +167,7 @@ class RequestTable:
         self.metrics = ServingMetrics()
         self._next_rid = 0
         self._states: dict[int, RequestState] = {}
-        self._by_client: dict[tuple[bytes, str], int] = {}
+        self._by_client: dict[tuple[bytes, str], list[int]] = {}  # -> the rids of its choices
 
     def __len__(self) -> int:
         return len(self._states)
@@ -176,23 +180,26 @@ class RequestTable:
         """Start tracking an accepted request; return what to send to the scheduler."""
         self.check_new_rid(client_id, valid.client_rid)
         rid = self._next_rid
-        self._next_rid += 1
-        self._states[rid] = RequestState(
-            rid=rid,
-            client_id=client_id,
-            client_rid=valid.client_rid,
-            prompt_tokens=len(valid.input_ids),
-            stream=valid.stream,
-            want_logprobs=valid.logprobs,
-            detokenizer=IncrementalDetokenizer(self._tokenizer),
-            stop=StopMatcher(valid.stop),
-            incremental=valid.stream or bool(valid.stop),
-            arrival_s=self._clock(),
-            want_top=valid.top_logprobs > 0,
-            echo=EchoPrompt(valid.input_ids, valid.echo_text) if valid.echo_text is not None else None,
-            chat=_chat_parser(valid),
-        )
-        self._by_client[(client_id, valid.client_rid)] = rid
+        self._next_rid += valid.n
+        for index in range(valid.n):
+            self._states[rid + index] = RequestState(
+                rid=rid + index,
+                client_id=client_id,
+                client_rid=valid.client_rid,
+                prompt_tokens=len(valid.input_ids),
+                stream=valid.stream,
+                want_logprobs=valid.logprobs,
+                detokenizer=IncrementalDetokenizer(self._tokenizer),
+                stop=StopMatcher(valid.stop),
+                incremental=valid.stream or bool(valid.stop),
+                arrival_s=self._clock(),
+                want_top=valid.top_logprobs > 0,
+                echo=EchoPrompt(valid.input_ids, valid.echo_text) if valid.echo_text is not None else None,
+                index=index,
+                num_choices=valid.n,
+                chat=_chat_parser(valid),
+            )
+        self._by_client[(client_id, valid.client_rid)] = list(range(rid, rid + valid.n))
         self.metrics.prompt_tokens += len(valid.input_ids)
         return TokenizedRequest(
             rid=rid,
@@ -202,18 +209,21 @@ class RequestTable:
             sampler=valid.sampler,
             cache_salt=valid.cache_salt,
             prompt_logprobs=valid.prompt_logprobs,
+            n=valid.n,
         )
 
     def abort(self, client_id: bytes, client_rid: str) -> Outbox:
         """A client abort: answer ABORT at once and tell the scheduler; later rows are ignored."""
-        rid = self._by_client.get((client_id, client_rid))
-        if rid is None:
+        rids = self._by_client.get((client_id, client_rid))
+        if rids is None:
             message = f"abort: no request {client_rid!r} in flight"
             return Outbox(replies=[(client_id, error_output(client_rid, message))])
-        state = self._drop(rid, FinishReason.ABORT)
-        reply = state.final_output("", [], FinishReason.ABORT)
-        finish = FinishReq(rid=rid, reason=FinishReason.ABORT)
-        return Outbox(replies=[(client_id, reply)], to_scheduler=[finish])
+        out = Outbox()
+        for rid in list(rids):  # every choice still running
+            state = self._drop(rid, FinishReason.ABORT)
+            out.replies.append((client_id, state.final_output("", [], FinishReason.ABORT)))
+            out.to_scheduler.append(FinishReq(rid=rid, reason=FinishReason.ABORT))
+        return out
 
     def abort_client(self, client_id: bytes) -> Outbox:
         """The client went away: abort all of its requests (the replies go nowhere, but are made)."""
@@ -232,9 +242,11 @@ class RequestTable:
         """One engine step's rows; only the rows' own requests are touched."""
         out = Outbox()
         for lp in batch.prompt_logprobs:  # before the rows: a request's first reply carries them
-            state = self._states.get(lp.rid)
-            if state is not None and state.echo is not None:
-                state.echo.take(lp)
+            leader = self._states.get(lp.rid)  # choice 0: its prompt is every choice's
+            for rid in range(lp.rid, lp.rid + (leader.num_choices if leader is not None else 0)):
+                state = self._states.get(rid)
+                if state is not None and state.echo is not None:
+                    state.echo.take(lp)
         for i, rid in enumerate(batch.rids):
             state = self._states.get(rid)
             if state is None:
@@ -291,8 +303,11 @@ class RequestTable:
 
     def _drop(self, rid: int, reason: FinishReason) -> RequestState:
         state = self._states.pop(rid)
-        del self._by_client[(state.client_id, state.client_rid)]
-        self.metrics.on_finish(
-            reason, state.prompt_tokens, state.cached_tokens, self._clock() - state.arrival_s
-        )
+        key = (state.client_id, state.client_rid)
+        self._by_client[key].remove(rid)
+        if not self._by_client[key]:
+            del self._by_client[key]
+        once = state.index == 0  # the choices share one prompt: its tokens count once
+        prompt, cached = (state.prompt_tokens, state.cached_tokens) if once else (0, 0)
+        self.metrics.on_finish(reason, prompt, cached, self._clock() - state.arrival_s)
         return state

@@ -29,6 +29,7 @@ SEED_LIMIT = 2**63  # seeds travel as signed 64-bit ints
 
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+MAX_CHOICES = 128  # n: OpenAI's limit
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class ValidRequest:
     top_logprobs: int = 0
     echo_text: str | None = None  # echo: the prompt as the reply gives it back (None: no echo)
     chat_output: ChatOutputPlan | None = None  # chat: how the reply is parsed (tools, reasoning)
+    n: int = 1  # choices, forking from one prefill (choice i samples with seed + i)
 
     def __post_init__(self) -> None:
         min_new = 0 if self.echo_text is not None else 1
@@ -77,6 +79,7 @@ def validate_generate(
             raise RequestRejected("tool_choice", f"(forced call) {exc.detail}") from None
         raise
     _check_logprob_options(req)
+    _check_choices(req)
     input_ids, chat_output = _prompt_ids(req, tokenizer, info, traits)
     if len(input_ids) >= info.context_len:
         raise RequestRejected(
@@ -112,6 +115,7 @@ def validate_generate(
         top_logprobs=req.top_logprobs,
         echo_text=_echo_text(req, input_ids, tokenizer),
         chat_output=chat_output,
+        n=req.n,
     )
 
 
@@ -128,6 +132,15 @@ def _with_tool_grammar(req: GenerateRequest) -> SamplingParams:
     if req.sampling.grammar is not None:
         raise RequestRejected("tool_choice", "a forced tool call cannot be combined with response_format")
     return msgspec.structs.replace(req.sampling, grammar=grammar)
+
+
+def _check_choices(req: GenerateRequest) -> None:
+    if not 1 <= req.n <= MAX_CHOICES:
+        raise RequestRejected("n", f"must be in [1, {MAX_CHOICES}], got {req.n}")
+    if req.n > 1 and req.sampling.max_new_tokens < 1:
+        raise RequestRejected(
+            "sampling.max_new_tokens", f"must be >= 1 with n > 1, got {req.sampling.max_new_tokens}"
+        )
 
 
 def _check_logprob_options(req: GenerateRequest) -> None:

@@ -29,6 +29,7 @@ def generate(
     scheduler_overrides: dict[str, Any] | None = None,
     overlap: bool = False,
     batches: list[ForwardBatch] | None = None,
+    n: int = 1,
 ) -> tuple[list[list[int]], Scheduler]:
     """Greedy outputs of every prompt, served together; returns the drained scheduler too.
 
@@ -36,7 +37,8 @@ def generate(
     SchedulerConfig fields (a ``num_pages`` below the runner's uses only part of its pool,
     e.g. to force eviction and retraction). ``overlap``: the next batch is scheduled
     before the last one's result is in, as the scheduler process does (its decode rows
-    then send PENDING). ``batches``, when given, collects every batch sent.
+    then send PENDING). ``batches``, when given, collects every batch sent. ``n``: choices per
+    prompt (forking from one prefill); the outputs are then prompt-major, n per prompt.
     """
     fields: dict[str, Any] = dict(
         num_pages=runner.num_pages,
@@ -50,16 +52,17 @@ def generate(
     fields.update(scheduler_overrides or {})
     scheduler = Scheduler(SchedulerConfig(**fields))
     samplers = sampler if isinstance(sampler, list) else [sampler] * len(prompts)
-    for rid, prompt in enumerate(prompts):
+    for i, prompt in enumerate(prompts):
         req = TokenizedRequest(
-            rid=rid,
+            rid=i * n,
             input_ids=prompt,
             max_new_tokens=new_tokens,
             stop_token_ids=list(stop_token_ids),
-            sampler=samplers[rid],
+            sampler=samplers[i],
+            n=n,
         )
-        assert scheduler.add(req) is None, f"request {rid} rejected"
-    outputs: list[list[int]] = [[] for _ in prompts]
+        assert scheduler.add(req) is None, f"request {i} rejected"
+    outputs: list[list[int]] = [[] for _ in range(len(prompts) * n)]
     in_flight: deque[ForwardBatch] = deque()
     while scheduler.has_work or in_flight:
         while len(in_flight) < (2 if overlap else 1) and (batch := scheduler.schedule()) is not None:

@@ -1,5 +1,6 @@
 """500 requests from 64 concurrent clients, mixed HTTP/ZMQ, streaming or not, some aborting or
-disconnecting: every request is accounted for, the KV pool ends all-free, memory stays bounded."""
+disconnecting, some with n > 1 choices: every request (every choice) is accounted for, the KV
+pool ends all-free, memory stays bounded."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ LONG_TOKENS = 400
 RSS_GROWTH_BOUND_KIB = {"tokenizer": 16 * 1024, "scheduler": 16 * 1024, "gpu_worker": 256 * 1024}
 # What each request index does, cycling: most finish, some are aborted or disconnected mid-way.
 KINDS = ("http_stream", "http_whole", "chat_stream", "chat_whole", "http_disconnect",
-         "zmq_stream", "zmq_whole", "zmq_abort", "http_stream", "http_whole")  # fmt: skip
+         "zmq_stream", "zmq_whole", "zmq_abort", "http_stream", "http_whole",
+         "http_choices", "choices_disconnect")  # fmt: skip
+CHOICES = {"http_choices": 3, "choices_disconnect": 2}  # n of the kinds with n > 1
 
 
 @dataclass
@@ -34,24 +37,27 @@ class Outcome:
     end: str  # a finish_reason, or "disconnected" (the client hung up; the server aborts)
     tokens: int
     max_tokens: int
+    choices: int = 1
 
 
 async def _http(client: httpx.AsyncClient, kind: str, max_tokens: int, rng: random.Random) -> Outcome:
-    chat = kind.startswith("chat")
-    ignore_eos = kind == "http_disconnect" or rng.random() < 0.5
-    body: dict[str, object] = {"max_tokens": max_tokens, "ignore_eos": ignore_eos, "temperature": 0.8}
+    chat, n = kind.startswith("chat"), CHOICES.get(kind, 1)
+    disconnect = kind.endswith("disconnect")
+    ignore_eos = disconnect or rng.random() < 0.5
+    body: dict[str, object] = {"max_tokens": max_tokens, "ignore_eos": ignore_eos, "temperature": 0.8, "n": n}
     if chat:
         body["messages"] = [{"role": "user", "content": f"Tell me about river {rng.randrange(1000)}"}]
     else:
         body["prompt"] = f"Once upon a time {rng.randrange(1000)}"
     url = "/v1/chat/completions" if chat else "/v1/completions"
-    if kind.endswith("whole"):
+    if not kind.endswith(("stream", "disconnect")):
         reply = await client.post(url, json=body)
         assert reply.status_code == 200, reply.text
         data = reply.json()
-        return Outcome(
-            kind, data["choices"][0]["finish_reason"], data["usage"]["completion_tokens"], max_tokens
-        )
+        ends = {choice["finish_reason"] for choice in data["choices"]}
+        assert len(data["choices"]) == n and ends <= {"stop", "length"}, data
+        end = "length" if ends == {"length"} else "stop"
+        return Outcome(kind, end, data["usage"]["completion_tokens"], max_tokens * n, n)
     body |= {"stream": True, "stream_options": {"include_usage": True}}
     end, tokens = "none", -1
     async with client.stream("POST", url, json=body) as resp:
@@ -59,8 +65,8 @@ async def _http(client: httpx.AsyncClient, kind: str, max_tokens: int, rng: rand
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            if kind == "http_disconnect":
-                return Outcome(kind, "disconnected", 0, max_tokens)  # leaving the block closes the socket
+            if disconnect:  # leaving the block closes the socket
+                return Outcome(kind, "disconnected", 0, max_tokens, n)
             chunk = msgspec.json.decode(line[6:])
             assert "error" not in chunk, chunk
             if chunk["choices"] and chunk["choices"][0]["finish_reason"]:
@@ -101,7 +107,8 @@ async def _run_load(engine: HttpEngine, num_requests: int, seed: int) -> list[Ou
             for i in next_index:
                 kind = KINDS[i % len(KINDS)]
                 # Those cut short must not finish first: long enough that the hang-up or abort wins.
-                max_tokens = LONG_TOKENS if kind in ("http_disconnect", "zmq_abort") else rng.randint(1, 16)
+                long = kind in ("http_disconnect", "choices_disconnect", "zmq_abort")
+                max_tokens = LONG_TOKENS if long else rng.randint(1, 16)
                 if kind.startswith("zmq"):
                     outcomes.append(await _zmq(zmq_clients[w % NUM_ZMQ_CONNECTIONS], kind, max_tokens, rng))
                 else:
@@ -132,16 +139,20 @@ def test_500_requests_from_64_clients_all_accounted_for(engine: HttpEngine) -> N
     assert len(outcomes) == NUM_REQUESTS and set(ends) <= {"stop", "length", "abort", "disconnected"}, ends
     for o in outcomes:
         if o.end in ("stop", "length"):
-            assert 0 < o.tokens <= o.max_tokens and (o.end == "stop" or o.tokens == o.max_tokens), o
+            assert o.choices <= o.tokens <= o.max_tokens and (o.end == "stop" or o.tokens == o.max_tokens), o
     assert ends["abort"] == sum(o.kind == "zmq_abort" for o in outcomes)
+    choices = Counter[str]()
+    for o in outcomes:
+        choices[o.end] += o.choices
 
     def delta(reason: str) -> float:
         key = f'rivulet_requests_finished_total{{finish_reason="{reason}"}}'
         return after[key] - before[key]
 
     # The server saw every request end: the clients' aborts and hang-ups as "abort", none as "error".
-    assert delta("stop") + delta("length") == ends["stop"] + ends["length"]
-    assert delta("abort") == ends["abort"] + ends["disconnected"]
+    # Each choice of an n > 1 request finishes as a request of its own.
+    assert delta("stop") + delta("length") == choices["stop"] + choices["length"]
+    assert delta("abort") == choices["abort"] + choices["disconnected"]
     assert delta("error") == 0
     grown = {name: rss_after[name] - rss_before[name] for name in rss_after}
     assert all(grown[name] < RSS_GROWTH_BOUND_KIB[name] for name in grown), (grown, rss_before)

@@ -53,6 +53,7 @@ def tokenized(
     stop: Iterable[int] = (),
     salt: str | None = None,
     prompt_logprobs: bool = False,
+    n: int = 1,
 ) -> TokenizedRequest:
     return TokenizedRequest(
         rid=rid,
@@ -62,20 +63,28 @@ def tokenized(
         sampler=sampler(rid),
         cache_salt=salt,
         prompt_logprobs=prompt_logprobs,
+        n=n,
     )
 
 
+def fork_token(h: int, choice: int) -> int:
+    """The first token of choice ``choice`` of an n > 1 request whose prompt hashes to ``h``: the
+    fake worker draws choice i (its seed the leader's + i) from the same logits, differently."""
+    return token_of(h if choice == 0 else next_hash(next_hash(h, VOCAB + choice), 0))
+
+
 def reference_output(
-    prompt: list[int], max_new: int, stop: Iterable[int], context_len: int
+    prompt: list[int], max_new: int, stop: Iterable[int], context_len: int, choice: int = 0
 ) -> tuple[list[int], FinishReason]:
-    """What the fake worker yields for a request run alone, start to end."""
+    """What the fake worker yields for a request run alone, start to end (choice ``choice`` of an
+    n > 1 request: only its first token differs)."""
     stop_set = set(stop)
     h = 0
     for tok in prompt:
         h = next_hash(h, tok)
     out: list[int] = []
     while True:
-        tok = token_of(h)
+        tok = fork_token(h, choice) if not out else token_of(h)
         out.append(tok)
         if tok in stop_set:
             return out, FinishReason.STOP
@@ -106,6 +115,8 @@ class FakeWorker:
         self.fail_next: str | None = None
         self.extend_tokens = 0  # prompt and decode tokens computed, over all batches
         self.last_token: dict[int, int] = {}  # slot -> the token its last sampling row drew
+        self.seeds: dict[int, int] = {}  # slot -> its sampler's seed
+        self.hashes: list[int] = []  # the last batch's: hash at each sampling row's last position
 
     def _at(self, slot: int, pos: int) -> tuple[int, int]:
         table = self.tables[slot]
@@ -162,8 +173,8 @@ class FakeWorker:
         page_off = 0
         for i, slot in enumerate(batch.slots):  # like the worker: every page delta lands before the forward
             assert 0 <= slot < self.num_slots, f"slot {slot} out of range"
-            if batch.sampler[i] is not None:
-                self.tables[slot], self.seen[slot] = [], {}
+            if (sampler := batch.sampler[i]) is not None:
+                self.tables[slot], self.seen[slot], self.seeds[slot] = [], {}, sampler.seed
             assert slot in self.tables, f"slot {slot} used before it got a sampler"
             self._apply_pages(
                 slot, batch.page_starts[i], batch.pages[page_off : page_off + batch.page_counts[i]]
@@ -195,11 +206,14 @@ class FakeWorker:
             self.extend_tokens += ext
             if batch.sample[i]:
                 tokens.append(token_of(h))
+                self.hashes.append(h)
+        self._copy_pages(batch)
+        tokens += self._fork(batch)
         if self.fail_next is not None:  # like the worker: a failed forward draws no token
             error, self.fail_next = self.fail_next, None
             return ForwardResult(step=batch.step, token_ids=[], logprobs=[], forward_s=0.0, error=error)
         sampled = [slot for slot, sample in zip(batch.slots, batch.sample, strict=True) if sample]
-        self.last_token.update(zip(sampled, tokens, strict=True))
+        self.last_token.update(zip(sampled + batch.fork_slots, tokens, strict=True))
         return ForwardResult(
             step=batch.step,
             token_ids=tokens,
@@ -207,6 +221,36 @@ class FakeWorker:
             forward_s=0.001,
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _copy_pages(self, batch: ForwardBatch) -> None:
+        """After the forward, as the worker: each copy_dst page gets its copy_src page's KV."""
+        assert len(batch.copy_src) == len(batch.copy_dst), "ragged page copies"
+        for src, dst in zip(batch.copy_src, batch.copy_dst, strict=True):
+            assert src != dst and 0 <= min(src, dst) and max(src, dst) < self.num_pages, "bad page copy"
+            for off in range(self.page_size):
+                kv = self.content.get((src, off))
+                assert kv is not None or off > 0, f"page {src} copied before it was written"
+                if kv is None:
+                    self.content.pop((dst, off), None)
+                else:
+                    self.content[(dst, off)] = kv
+            self.gen[dst] = self.gen.get(dst, 0) + 1  # every slot reading dst checks it anew
+
+    def _fork(self, batch: ForwardBatch) -> list[int]:
+        """The forks' tokens, drawn from their rows' last positions; each fork slot starts fresh."""
+        sampled_index = {row: k for k, row in enumerate(i for i, smp in enumerate(batch.sample) if smp)}
+        tokens = []
+        hashes, self.hashes = self.hashes, []
+        for row, slot, fork_sampler in zip(
+            batch.fork_rows, batch.fork_slots, batch.fork_samplers, strict=True
+        ):
+            assert row in sampled_index, "a fork of a row that does not sample"
+            assert slot not in batch.slots, "a fork slot also has a row in its batch"
+            choice = fork_sampler.seed - self.seeds[batch.slots[row]]
+            assert choice >= 1, "a fork's seed is not its leader's + its choice"
+            tokens.append(fork_token(hashes[sampled_index[row]], choice))
+            self.tables[slot], self.seen[slot], self.seeds[slot] = [], {}, fork_sampler.seed
+        return tokens
 
 
 class Driver:
@@ -232,10 +276,12 @@ class Driver:
         stop: Iterable[int] = (),
         salt: str | None = None,
         prompt_logprobs: bool = False,
+        n: int = 1,
     ) -> RequestError | None:
-        error = self.sched.add(tokenized(rid, prompt, max_new, stop, salt, prompt_logprobs))
+        error = self.sched.add(tokenized(rid, prompt, max_new, stop, salt, prompt_logprobs, n))
         if error is None:
-            self.tokens[rid] = []
+            for choice in range(n):
+                self.tokens[rid + choice] = []
         return error
 
     def step(self, in_flight_hook: Callable[[ForwardBatch], None] | None = None) -> ForwardBatch | None:
@@ -320,7 +366,9 @@ def batch_kinds(batches: list[ForwardBatch]) -> list[str]:
 def check_invariants(sched: Scheduler) -> None:
     """Structural invariants between steps (with overlap, the next batch may be in flight)."""
     ps = sched.config.page_size
-    live = list(sched.waiting) + sched.running + ([sched.chunked_req] if sched.chunked_req else [])
+    queued = list(sched.waiting) + sched.running + ([sched.chunked_req] if sched.chunked_req else [])
+    forking = [fork for req in queued for fork in req.forks]
+    live = queued + forking
     assert sorted(r.rid for r in live) == sorted(sched.reqs), "a request is lost or in two places"
     for req in sched.waiting:
         assert req.status is ReqStatus.WAITING and req.slot is None and not req.page_table and req.kv_len == 0
@@ -333,11 +381,22 @@ def check_invariants(sched: Scheduler) -> None:
     if sched.chunked_req is not None:
         req = sched.chunked_req
         assert req.status is ReqStatus.CHUNKED and 0 < req.kv_len < req.seq_len
-    held = [r for r in live if r.status is not ReqStatus.WAITING] + sched.in_flight_reqs()
+    for fork in forking:
+        leader = fork.leader
+        assert fork.status is ReqStatus.FORKING and leader is not None and fork in leader.forks
+        assert fork.kv_len == 0 and not fork.output_ids and fork.cache_node is None
+        admitted = leader.slot is not None
+        assert (fork.slot is not None) == admitted, f"rid {fork.rid}: a slot before its leader's"
+        want = -(-fork.fork_tail_tokens // ps) if admitted else 0
+        assert len(fork.page_table) == want, f"rid {fork.rid}: {len(fork.page_table)} own pages, not {want}"
+    held = [r for r in queued if r.status is not ReqStatus.WAITING] + sched.in_flight_reqs()
+    held += [fork for fork in forking if fork.slot is not None]
     holders = list({id(r): r for r in held}.values())
     sched.kv.check_integrity(holders)
     slots = [r.slot for r in holders]
     assert None not in slots and len(slots) == len(set(slots)), "slots broken"
     assert len(slots) + sched.kv.slots.num_free == sched.kv.slots.num_slots, "slots leaked"
     for req in holders:
+        if req.status is ReqStatus.FORKING:
+            continue
         assert len(req.page_table) == -(-req.kv_len // ps), f"rid {req.rid}: page table does not fit kv_len"

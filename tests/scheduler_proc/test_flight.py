@@ -59,7 +59,7 @@ def test_the_forward_batch_is_built_before_its_rows_launch() -> None:
     sched, _, _ = two_batches_in_flight()
     rows = sched._in_flight[1]
     with pytest.raises(AssertionError, match="built after launch"):
-        build_forward_batch(1, rows)  # kv_len has moved past the row: its inputs would be wrong
+        build_forward_batch(1, rows, 4)  # kv_len has moved past the row: its inputs would be wrong
 
 
 def test_a_row_launches_once() -> None:

@@ -43,7 +43,7 @@ def test_random_workload(seed: int) -> None:
     rng = random.Random(seed)
     cfg = random_config(rng)
     d = Driver(cfg)
-    reqs: dict[int, tuple[list[int], int]] = {}
+    reqs: dict[int, tuple[list[int], int, int]] = {}  # rid -> (prompt, max_new, choice)
     aborted: set[int] = set()
     next_rid = 0
     shared = [[rng.randrange(1000) for _ in range(120)] for _ in range(3)]
@@ -53,6 +53,7 @@ def test_random_workload(seed: int) -> None:
         if live and rng.random() < 0.015:
             rid = rng.choice(live)
             aborted.add(rid)
+            aborted.update(fork.rid for fork in d.sched.reqs[rid].forks)  # choices not forked yet end too
             d.abort(rid)
 
     for _ in range(5000):
@@ -62,9 +63,10 @@ def test_random_workload(seed: int) -> None:
                 p = (shared[rng.randrange(3)] + p)[: len(p)]
             max_new = rng.randint(1, 200 - len(p))
             salt = rng.choice([None, None, "tenant"])
-            if d.submit(next_rid, p, max_new, stop=STOP_IDS, salt=salt) is None:
-                reqs[next_rid] = (p, max_new)
-            next_rid += 1
+            n = rng.choice([1, 1, 1, 2, 3])  # n > 1: choices forking from one prefill
+            if d.submit(next_rid, p, max_new, stop=STOP_IDS, salt=salt, n=n) is None:
+                reqs.update({next_rid + i: (p, max_new, i) for i in range(n)})
+            next_rid += n
         abort_some(None)
         if d.step(in_flight_hook=abort_some) is None:
             assert not d.sched.has_work, "stalled with work and nothing in flight"
@@ -73,8 +75,8 @@ def test_random_workload(seed: int) -> None:
     assert next_rid >= 40 and not d.sched.has_work
     d.assert_no_leak()
     assert d.finished.keys() == reqs.keys() and not d.errors
-    for rid, (p, max_new) in reqs.items():
-        expected, reason = reference_output(p, max_new, STOP_IDS, cfg.context_len)
+    for rid, (p, max_new, choice) in reqs.items():
+        expected, reason = reference_output(p, max_new, STOP_IDS, cfg.context_len, choice)
         if rid in aborted and d.finished[rid] is FinishReason.ABORT:
             assert d.tokens[rid] == expected[: len(d.tokens[rid])]
         else:

@@ -21,7 +21,7 @@ from tokenizer_proc.http.bridge import HttpBridge
 from tokenizer_proc.http.choices import EventStream, submit_all, whole_replies
 from tokenizer_proc.http.convert import chat_request, completion_requests, rejection_error
 from tokenizer_proc.http.errors import ApiError, engine_error, shutting_down, starting
-from tokenizer_proc.http.responses import ResponseShape
+from tokenizer_proc.http.responses import ResponseShape, best_choices, total_usage
 from tokenizer_proc.http.schemas import ChatCompletionRequest, CompletionRequest, decode_body
 from tokenizer_proc.metrics import render_prometheus
 from tokenizer_proc.token_bytes import TokenTexts
@@ -89,14 +89,16 @@ class OpenAiApi:
             handles = await submit_all(self.bridge, reqs)
         except RequestRejected as exc:
             raise rejection_error(exc, chat=chat, max_param=max_param) from None
+        drawn = reqs[0].n  # choices per prompt: n, or best_of of which the n best are kept
         shape = ResponseShape(
             id=rid,
             model=body.model or self.settings.served_model_name,
             created=int(time.time()),
             chat=chat,
-            logprobs=reqs[0].logprobs,
+            logprobs=body.logprobs is not None if not chat else reqs[0].logprobs,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             texts=self._texts,
+            choices_per_prompt=drawn,
         )
         if reqs[0].stream:
             return EventStream(handles, shape)
@@ -104,7 +106,10 @@ class OpenAiApi:
         failed = [r for r in replies if r.finish_reason is FinishReason.ERROR]
         if failed:
             raise engine_error(failed[0].error or "the engine failed the request")
-        return json_response(shape.whole(replies))
+        usage = total_usage([r.usage for r in replies], drawn)
+        if drawn > body.n:
+            replies = best_choices(replies, drawn, body.n)
+        return json_response(shape.whole(replies, usage))
 
     async def _body(self, request: Request) -> bytes:
         """Authorize, check the engine is serving, and read the body within the size limit."""

@@ -33,7 +33,7 @@ class HttpBridge:
     def __init__(self, frontend: Frontend, send: Callable[[Outbox], Awaitable[None]]) -> None:
         self.frontend = frontend
         self._send = send
-        self._queues: dict[bytes, asyncio.Queue[GenerateOutput]] = {}
+        self._queues: dict[bytes, list[asyncio.Queue[GenerateOutput]]] = {}  # one per choice
         self._next_id = 0
 
     @property
@@ -41,26 +41,27 @@ class HttpBridge:
         """The scheduler has reported in, and shutdown has not begun."""
         return self.frontend.engine_stats is not None and not self.frontend.draining
 
-    async def submit(self, req: GenerateRequest) -> RequestHandle:
-        """Admit ``req`` (raises RequestRejected) and return the handle its replies arrive on."""
+    async def submit(self, req: GenerateRequest) -> list[RequestHandle]:
+        """Admit ``req`` (raises RequestRejected) and return the handles its choices' replies
+        arrive on, one per choice (``req.n``)."""
         client_id = HTTP_CLIENT_PREFIX + str(self._next_id).encode()
         self._next_id += 1
         out = self.frontend.admit(client_id, req)
-        self._queues[client_id] = asyncio.Queue()
+        self._queues[client_id] = [asyncio.Queue() for _ in range(req.n)]
         await self._send(out)
-        return RequestHandle(self, client_id)
+        return [RequestHandle(self, client_id, index) for index in range(req.n)]
 
-    async def next_reply(self, client_id: bytes) -> GenerateOutput:
-        return await self._queues[client_id].get()
+    async def next_reply(self, client_id: bytes, index: int) -> GenerateOutput:
+        return await self._queues[client_id][index].get()
 
     def deliver(self, client_id: bytes, reply: GenerateOutput) -> None:
-        queue = self._queues.get(client_id)
-        if queue is not None:
-            queue.put_nowait(reply)
+        queues = self._queues.get(client_id)
+        if queues is not None and 0 <= reply.index < len(queues):
+            queues[reply.index].put_nowait(reply)
         # else: the handler is gone already (the reply is the ABORT of its own disconnect)
 
     async def abort(self, client_id: bytes) -> None:
-        """Abort the request (its handler then reads a final ABORT reply)."""
+        """Abort the request, every choice (their handles then read a final ABORT reply)."""
         out = self.frontend.client_gone(client_id)
         if out.to_scheduler:
             logger.info("HTTP client %r went away; aborted its request", client_id[len(HTTP_CLIENT_PREFIX) :])
@@ -73,15 +74,16 @@ class HttpBridge:
 
 
 class RequestHandle:
-    """One HTTP request's view of its engine request."""
+    """One HTTP request's view of one choice of its engine request."""
 
-    def __init__(self, bridge: HttpBridge, client_id: bytes) -> None:
+    def __init__(self, bridge: HttpBridge, client_id: bytes, index: int = 0) -> None:
         self._bridge = bridge
         self.client_id = client_id
+        self.index = index
         self.finished = False
 
     async def next(self) -> GenerateOutput:
-        reply = await self._bridge.next_reply(self.client_id)
+        reply = await self._bridge.next_reply(self.client_id, self.index)
         self.finished = reply.finish_reason is not None
         return reply
 
@@ -91,7 +93,7 @@ class RequestHandle:
         return reply
 
     async def abort(self) -> None:
-        """Abort the request now (its queue then gets a final ABORT reply)."""
+        """Abort the request now, every choice (their queues then get a final ABORT reply)."""
         await self._bridge.abort(self.client_id)
 
     async def close(self) -> None:

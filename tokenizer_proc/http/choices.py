@@ -2,8 +2,9 @@
 
 A completions request with a batch of prompts becomes one engine request per prompt, submitted
 together (so they are batched by the scheduler like any concurrent requests) and answered as
-one response whose choice ``index`` is the prompt's place in the batch. A client that goes
-away aborts all of them at once.
+one response; with n > 1 each engine request has n choices (forked from one prefill). Choice
+``index`` is ``prompt's place in the batch * n + choice``, as OpenAI numbers them. A client that
+goes away aborts all of them at once.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from tokenizer_proc.http.responses import DONE_EVENT, ResponseShape
 
 async def submit_all(bridge: HttpBridge, reqs: list[GenerateRequest]) -> list[RequestHandle]:
     """Submit every request, or none: when one is rejected the ones already in are aborted and
-    the rejection (RequestRejected) propagates."""
+    the rejection (RequestRejected) propagates. One handle per choice, in choice index order."""
     handles: list[RequestHandle] = []
     try:
         for req in reqs:
-            handles.append(await bridge.submit(req))
+            handles += await bridge.submit(req)
     except BaseException:
         await close_all(handles)
         raise

@@ -2,8 +2,9 @@
 
 The engine's own validation (``tokenizer_proc.validation``) checks ranges and
 tokenizes; this module only maps names, refuses what rivulet does not implement
-(n > 1) with a 400 naming the parameter, and fills OpenAI's
-defaults. A completions ``prompt`` that is a batch becomes one request per prompt.
+(``suffix``) with a 400 naming the parameter, and fills OpenAI's defaults. A completions
+``prompt`` that is a batch becomes one request per prompt, each with the body's ``n`` choices
+(``best_of`` of them when best_of > n: the app keeps the n best).
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ def completion_requests(body: CompletionRequest, rid: str) -> list[GenerateReque
     """One request per prompt of the batch (rid ``{rid}-{index}`` when there are several)."""
     if body.suffix is not None:
         raise bad_param("suffix", "suffix is not supported")
-    if body.best_of not in (None, 1):
-        raise bad_param("best_of", "only best_of=1 is supported")
+    best_of = choices_drawn(body)
     top = _top_logprobs("logprobs", body.logprobs or 0)
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
     if max_tokens == 0 and not body.echo:
@@ -44,9 +44,10 @@ def completion_requests(body: CompletionRequest, rid: str) -> list[GenerateReque
         rid=rid,
         sampling=_sampling(body, max_tokens),
         stream=body.stream,
-        logprobs=body.logprobs is not None,
+        logprobs=body.logprobs is not None or best_of > body.n,  # best_of ranks by them
         top_logprobs=top,
         echo=body.echo,
+        n=best_of,
     )
     prompts = _prompts(body.prompt)
     return [
@@ -55,6 +56,17 @@ def completion_requests(body: CompletionRequest, rid: str) -> list[GenerateReque
         )
         for i, (prompt, input_ids) in enumerate(prompts)
     ]
+
+
+def choices_drawn(body: CompletionRequest) -> int:
+    """How many choices each prompt draws: ``best_of`` (>= n; not streamed when > n), else n."""
+    if body.best_of is None:
+        return body.n
+    if body.best_of < body.n:
+        raise bad_param("best_of", f"best_of must be >= n ({body.n}), got {body.best_of}")
+    if body.best_of > body.n and body.stream:
+        raise bad_param("best_of", "best_of > n cannot be streamed")
+    return body.best_of
 
 
 def _top_logprobs(param: str, n: int) -> int:
@@ -82,12 +94,11 @@ def chat_request(body: ChatCompletionRequest, rid: str) -> GenerateRequest:
         tools=body.tools,
         tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
         chat_template_kwargs=body.chat_template_kwargs,
+        n=body.n,
     )
 
 
 def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
-    if body.n != 1:
-        raise bad_param("n", "only n=1 is supported")
     if body.stream_options is not None and not body.stream:
         raise bad_param("stream_options", "stream_options is only allowed with stream=true")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])

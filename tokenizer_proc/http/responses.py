@@ -1,7 +1,7 @@
 """Engine replies -> OpenAI response bodies: whole completions and server-sent-event chunks.
 
-One response may hold several choices (a completions request with a batch of prompts): each
-is one engine request, choice ``index`` its place in the batch; usage is summed over them.
+One response may hold several choices (a completions request with a batch of prompts, n > 1):
+choice ``index`` is ``prompt * n + choice``; usage is summed over them, each prompt counted once.
 """
 
 from __future__ import annotations
@@ -37,16 +37,33 @@ def usage_body(usage: Usage | None) -> dict[str, Any] | None:
     }
 
 
-def total_usage(usages: list[Usage | None]) -> Usage | None:
-    """The choices' usage summed (each choice's prompt counts: they are distinct prompts)."""
+def total_usage(usages: list[Usage | None], choices_per_prompt: int = 1) -> Usage | None:
+    """The choices' usage summed; the ``choices_per_prompt`` choices of one prompt (n > 1) share
+    it, so its tokens count once."""
     if any(u is None for u in usages):
         return None
     known = [u for u in usages if u is not None]
+    firsts = known[::choices_per_prompt]
     return Usage(
-        prompt_tokens=sum(u.prompt_tokens for u in known),
+        prompt_tokens=sum(u.prompt_tokens for u in firsts),
         completion_tokens=sum(u.completion_tokens for u in known),
-        cached_tokens=sum(u.cached_tokens for u in known),
+        cached_tokens=sum(u.cached_tokens for u in firsts),
     )
+
+
+def best_choices(replies: list[GenerateOutput], drawn: int, keep: int) -> list[GenerateOutput]:
+    """best_of: of each prompt's ``drawn`` choices, the ``keep`` with the highest logprob per token
+    (OpenAI's rule), best first; ties go to the lower index."""
+    kept: list[GenerateOutput] = []
+    for first in range(0, len(replies), drawn):
+        group = replies[first : first + drawn]
+        kept += sorted(group, key=lambda r: -_mean_logprob(r))[:keep]
+    return kept
+
+
+def _mean_logprob(reply: GenerateOutput) -> float:
+    logprobs = reply.logprobs or []
+    return sum(logprobs) / len(logprobs) if logprobs else float("-inf")
 
 
 def chat_message(reply: GenerateOutput) -> dict[str, Any]:
@@ -94,6 +111,7 @@ class ResponseShape:
     logprobs: bool
     include_usage: bool
     texts: TokenTexts
+    choices_per_prompt: int = 1  # n: the choices of one prompt, which share its usage
     text_offsets: dict[int, int] = field(default_factory=dict)  # per choice: characters sent so far
     sent_role: set[int] = field(default_factory=set)  # chat choices whose role chunk went out
 
@@ -101,8 +119,9 @@ class ResponseShape:
     def object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
-    def whole(self, replies: list[GenerateOutput]) -> dict[str, Any]:
-        """The body of a non-streaming response from each choice's one final reply."""
+    def whole(self, replies: list[GenerateOutput], usage: Usage | None = None) -> dict[str, Any]:
+        """The body of a non-streaming response from each choice's one final reply; ``usage``:
+        the replies' unless given (best_of: of every choice drawn, kept or not)."""
         choices = []
         for index, reply in enumerate(replies):
             assert reply.finish_reason is not None, "a whole response needs the final reply"
@@ -113,8 +132,9 @@ class ResponseShape:
                 choice["text"] = (reply.prompt_text or "") + reply.text
             choice["finish_reason"] = reply.finish_reason.value
             choices.append(choice)
-        usage = usage_body(total_usage([r.usage for r in replies]))
-        return {**self._head(self.object), "choices": choices, "usage": usage}
+        if usage is None:
+            usage = total_usage([r.usage for r in replies], self.choices_per_prompt)
+        return {**self._head(self.object), "choices": choices, "usage": usage_body(usage)}
 
     def events(self, index: int, reply: GenerateOutput) -> list[bytes]:
         """The SSE events for one streamed reply of choice ``index`` (none for a token that shows
@@ -141,7 +161,11 @@ class ResponseShape:
         if not self.include_usage:
             return None
         return sse(
-            {**self._head(self._chunk_object), "choices": [], "usage": usage_body(total_usage(usages))}
+            {
+                **self._head(self._chunk_object),
+                "choices": [],
+                "usage": usage_body(total_usage(usages, self.choices_per_prompt)),
+            }
         )
 
     @property

@@ -63,8 +63,8 @@ def test_chat_takes_max_completion_tokens_first_and_text_parts() -> None:
 
 @pytest.mark.parametrize(
     ("fields", "param"),
-    [({"n": 2}, "n"), ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"),
-     ({"best_of": 2}, "best_of"),
+    [({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+     ({"best_of": 2, "n": 3}, "best_of"), ({"best_of": 3, "n": 2, "stream": True}, "best_of"),
      ({"logit_bias": {"five": 1.0}}, "logit_bias"),
      ({"stream_options": {"include_usage": True}}, "stream_options"), ({"prompt": [1, "a"]}, "prompt"),
      ({"prompt": ["a", [1]]}, "prompt"), ({"prompt": []}, "prompt"), ({"max_tokens": 0}, "max_tokens")],

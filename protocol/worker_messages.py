@@ -1,0 +1,98 @@
+"""The scheduler <-> worker channel: one ForwardBatch per step, one ForwardResult back (see
+messages.py for every channel; these are re-exported there)."""
+
+# mypy reads msgspec's dataclass_transform and takes a subclass that does not repeat
+# frozen=True for non-frozen; msgspec inherits the base's frozen config, so that error is wrong here.
+# mypy: disable-error-code="misc"
+
+from __future__ import annotations
+
+from protocol.base import Msg
+from protocol.logprobs import TopTokens
+from protocol.sampling import WorkerSampling
+
+PENDING = -1  # in ForwardBatch.input_ids: the token this row's slot drew last (overlap scheduling)
+
+
+class ForwardBatch(Msg):
+    """One forward pass: extend rows (prefill chunks) and decode rows alike.
+
+    Row ``i`` belongs to request slot ``slots[i]``; its ``extend_lens[i]`` new
+    tokens (``input_ids``, flattened over rows) sit at positions
+    ``prefix_lens[i] .. prefix_lens[i] + extend_lens[i] - 1``. A decode row is
+    an extend row of length 1.
+
+    Page-table deltas: row ``i`` appends ``page_counts[i]`` pages (taken in order
+    from the flat ``pages``) to its slot's page table at index ``page_starts[i]``.
+    A token at position p lives in KV slot
+    ``page_table[slot][p // page_size] * page_size + p % page_size``.
+
+    ``sample[i]`` is False for a chunk that is not the end of its prompt: its KV
+    is written but no token is drawn. ``sampler[i]`` is sent when a slot is
+    (re)assigned to a request and None afterwards; the worker keeps it per slot.
+
+    A row's last input may be ``PENDING``: the scheduler sent this batch before the
+    previous one's result came back (overlap scheduling), and the worker, which
+    runs batches in order, uses the token it drew last for that slot.
+
+    Prompt logprobs (empty lists when no row wants them): row ``i`` wants the logprobs at its
+    first ``prompt_logprob_lens[i]`` positions, of the tokens that follow them, given flat in
+    ``prompt_logprob_targets``.
+    """
+
+    step: int
+    slots: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    input_ids: list[int]
+    page_starts: list[int]
+    page_counts: list[int]
+    pages: list[int]
+    sample: list[bool]
+    sampler: list[WorkerSampling | None]
+    prompt_logprob_lens: list[int] = []
+    prompt_logprob_targets: list[int] = []
+    # Per row (or [] when no row needs it): a row that (re)assigns the slot of a request with
+    # penalties and starts past 0 (a cached prefix) carries fill_ids[:prefix_len], the tokens the
+    # worker's penalty counts need but never gets as inputs; every other row has [].
+    prefix_ids: list[list[int]] = []
+    # Forks (n > 1): fork j draws a token for slot ``fork_slots[j]``, with ``fork_samplers[j]``, from
+    # the logits of row ``fork_rows[j]`` (a sampling row); the slot starts with that row's penalty
+    # counts. After the forward, KV page ``copy_src[k]`` is copied to ``copy_dst[k]``: a fork's own
+    # copy of a prompt page it cannot share (the partly filled last one).
+    fork_rows: list[int] = []
+    fork_slots: list[int] = []
+    fork_samplers: list[WorkerSampling] = []
+    copy_src: list[int] = []
+    copy_dst: list[int] = []
+
+
+ToWorker = ForwardBatch
+
+
+class ForwardResult(Msg):
+    """The tokens drawn for the rows of ``step`` whose ``sample`` was True, in row order, then for
+    its forks in order (``token_ids``, ``logprobs`` and ``top_logprobs`` alike).
+
+    ``logprobs`` is empty when no row's request asked for logprobs (the worker skips
+    computing them); so is ``top_logprobs`` when none asked for top-N. ``error`` is set
+    (and the lists empty) when the forward failed; the scheduler
+    then fails that batch's requests and keeps serving. ``busy_s`` is the worker's
+    running total of seconds spent on batches (frame received to reply ready) and
+    ``clock_s`` its monotonic clock as it replies: the two give the worker's busy
+    share over any window from its own timestamps.
+    """
+
+    step: int
+    token_ids: list[int]
+    logprobs: list[float]
+    forward_s: float
+    error: str | None = None
+    busy_s: float = 0.0
+    clock_s: float = 0.0
+    top_logprobs: list[TopTokens] = []  # per sampled row
+    prompt_logprobs: list[float] = []  # per position of ForwardBatch.prompt_logprob_lens
+    prompt_top_logprobs: list[TopTokens] = []  # the same, when their requests asked for top-N
+
+
+FromWorker = ForwardResult

@@ -1,0 +1,140 @@
+"""The results half of the Scheduler: what the worker's results do to requests (tokens in,
+requests finished, KV freed, forks started), and the bookkeeping of ending a request.
+
+A mixin of ``Scheduler`` (scheduler.py), which owns the state declared here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from protocol.messages import FinishReason, ForwardResult
+from scheduler_proc.batch import Row, RowResult, row_results
+from scheduler_proc.config import SchedulerConfig
+from scheduler_proc.kv_manager import KVManager
+from scheduler_proc.outputs import OutputCollector
+from scheduler_proc.request import Req, ReqStatus
+
+
+class ResultHandling:
+    """Applies ForwardResults to the scheduler's requests (the state is the Scheduler's)."""
+
+    config: SchedulerConfig
+    kv: KVManager
+    waiting: deque[Req]
+    chunked_req: Req | None
+    running: list[Req]
+    reqs: dict[int, Req]
+    num_generated_tokens: int
+    _in_flight: dict[int, list[Row]]
+    _outputs: OutputCollector
+    _log: logging.Logger
+
+    # ------------------------------------------------------------------ results
+
+    def on_result(self, result: ForwardResult) -> None:
+        """Append sampled tokens, finish requests, free their KV, record output rows."""
+        rows = self._in_flight.pop(result.step, None)
+        if rows is None:
+            self._log.warning("dropped a result for unknown step %d", result.step)
+            return
+        results = row_results(rows, result)
+        if isinstance(results, str):
+            self._fail_rows(result.step, rows, results)
+            return
+        for row, row_result in zip(rows, results, strict=True):
+            self._apply_row(row, row_result)
+
+    def _apply_row(self, row: Row, result: RowResult) -> None:
+        req, token = row.req, result.token
+        if req.status is ReqStatus.FINISHED:  # ended while in flight: its token is dropped
+            req.flight.drop(row)
+            if not req.flight.rows:
+                self.kv.release(req, cache=req.finish_reason is not FinishReason.ERROR)
+            return
+        req.flight.land(row, token)
+        if row.is_prefill:  # its prompt pages are shareable from the next round on
+            self.kv.cache_unfinished(req)
+        if row.forks:  # the prompt's last row: the choices forking from it start
+            for fork, fork_result in zip(row.forks, result.forks, strict=True):
+                self._start_fork(fork, req, fork_result)
+            req.forks = []
+        if req.prompt_logprobs is not None:
+            self._outputs.add_prompt_logprobs(req.rid, req.prompt_logprobs, row.start, result)
+        if token is None:
+            if req.max_new_tokens == 0 and req.computed_len == req.seq_len:  # prompt-only: done
+                self.running.remove(req)
+                self._finish(req, FinishReason.LENGTH)
+                self._outputs.add_abort(req.rid, FinishReason.LENGTH, req.cached_tokens)
+            return
+        self.num_generated_tokens += 1
+        reason = req.finish_reason_at(row.out_index, self.config.context_len)
+        self._outputs.add_token(req.rid, token, result.logprob, reason, req.cached_tokens, result.top)
+        if reason is not None:
+            req.flight.end_at(row)
+            self.running.remove(req)
+            self._finish(req, reason)
+
+    def _start_fork(self, fork: Req, leader: Req, result: RowResult) -> None:
+        """A choice's first token, drawn from its leader's last prompt row: it shares the leader's
+        prompt KV from now on and runs (or ends) as any request."""
+        if fork.status is ReqStatus.FINISHED:  # aborted while the row was out
+            return
+        assert result.token is not None, f"rid {fork.rid}: a fork drew no token"
+        self.kv.attach_fork(fork, leader)
+        fork.leader, fork.status, fork.cached_tokens = None, ReqStatus.RUNNING, leader.cached_tokens
+        fork.output_ids.append(result.token)
+        self.running.append(fork)
+        self.num_generated_tokens += 1
+        reason = fork.finish_reason_at(0, self.config.context_len)
+        self._outputs.add_token(
+            fork.rid, result.token, result.logprob, reason, fork.cached_tokens, result.top
+        )
+        if reason is not None:
+            self.running.remove(fork)
+            self._finish(fork, reason)
+
+    def _end_forks(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
+        """``req`` ended before its prompt was computed: so do the choices forking from it."""
+        for fork in req.forks:
+            self._finish(fork, reason)
+            if error is None:
+                self._outputs.add_abort(fork.rid, reason, 0)
+            else:
+                self._outputs.add_error(fork.rid, error)
+        req.forks = []
+
+    def _fail_rows(self, step: int, rows: list[Row], error: str) -> None:
+        self._log.error("forward step %d failed (%s): failing its %d requests", step, error, len(rows))
+        for row in rows:
+            req = row.req
+            req.flight.drop(row)
+            if req.status is ReqStatus.FINISHED:
+                if not req.flight.rows:
+                    self.kv.release(req, cache=False)  # a forward over it failed: trust none of its KV
+                continue
+            self._remove_from_queues(req)
+            self._finish(req, FinishReason.ERROR)
+            self._outputs.add_error(req.rid, f"forward pass failed: {error}")
+            self._end_forks(req, FinishReason.ERROR, f"forward pass failed: {error}")
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _remove_from_queues(self, req: Req) -> None:
+        if req.status is ReqStatus.FORKING:
+            assert req.leader is not None, f"rid {req.rid}: forking without a leader"
+            req.leader.forks.remove(req)
+        elif req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
+        elif req is self.chunked_req:
+            self.chunked_req = None
+        else:
+            self.running.remove(req)
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = reason
+        del self.reqs[req.rid]
+        if not req.flight.rows:
+            self.kv.release(req, cache=reason is not FinishReason.ERROR)
