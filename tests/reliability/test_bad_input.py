@@ -51,7 +51,7 @@ HTTP_CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("body is an array", "completions", [1, 2, 3], 400, None),
     ("empty body", "completions", b"", 400, None),
     ("truncated JSON", "completions", b'{"prompt": "abc', 400, None),
-    ("n above one", "completions", {**OK, "n": 3}, 400, "n"),
+    ("n above the limit", "completions", {**OK, "n": 129}, 400, "n"),
     ("empty stop string", "completions", {**OK, "stop": [""]}, 400, "stop"),
     ("too many stop strings", "completions", {**OK, "stop": [str(i) for i in range(40)]}, 400, "stop"),
     ("negative stop token id", "completions", {**OK, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
