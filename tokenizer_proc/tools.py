@@ -140,20 +140,21 @@ def _with_tool_system_prompt(
 def _conversation(messages: list[ChatMessage], traits: ChatTemplateTraits) -> list[dict[str, Any]]:
     """The messages as the template gets them: tool calls and results structured when it takes
     them, else as Hermes-style text (consecutive tool results in one user turn)."""
+    if traits.takes_tool_calls:
+        return [_structured(m) for m in messages]
     out: list[dict[str, Any]] = []
-    for m in messages:
-        if traits.takes_tool_calls:
-            out.append(_structured(m))
-        elif m.role == "tool":
+    for i, m in enumerate(messages):
+        if m.role == "tool":
             response = f"<tool_response>\n{m.content or ''}\n</tool_response>"
-            if out and out[-1].get("_tool_results"):
+            if i > 0 and messages[i - 1].role == "tool":  # the previous result's turn is the last one
                 out[-1]["content"] += "\n" + response
             else:
-                out.append({"role": "user", "content": response, "_tool_results": True})
+                out.append({"role": "user", "content": response})
         else:
             calls = [_call_text(c.function.name, c.function.arguments) for c in m.tool_calls or []]
-            out.append({"role": m.role, "content": "\n".join([m.content or "", *calls]).strip("\n")})
-    return [{k: v for k, v in d.items() if k != "_tool_results"} for d in out]
+            content = "\n".join([m.content, *calls] if m.content else calls)  # as sent when no calls
+            out.append({"role": m.role, "content": content})
+    return out
 
 
 def _structured(m: ChatMessage) -> dict[str, Any]:

@@ -226,3 +226,16 @@ def test_a_llama3_style_template_picks_the_json_parser(tokenizer: PreTrainedToke
     assert (traits.takes_tools, traits.tool_format, traits.thinks) == (True, "json", False)
     text, plan = render_chat(_chat(USER), tok, traits)
     assert "Functions:" in text and '"name": "add"' in text and plan.tool_format == "json"
+
+
+def test_plain_messages_render_exactly_as_the_template_does(tokenizer: PreTrainedTokenizerBase) -> None:
+    messages = [
+        ChatMessage(role="system", content="\nBe brief.\n"),
+        ChatMessage(role="user", content="Hi\n\n"),
+    ]
+    text, plan = render_chat(
+        GenerateRequest(rid="r", messages=messages), tokenizer, template_traits(tokenizer)
+    )
+    plain = [{"role": m.role, "content": m.content} for m in messages]
+    assert text == tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+    assert plan.tool_format is None and not plan.reasoning
