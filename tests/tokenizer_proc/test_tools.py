@@ -236,6 +236,6 @@ def test_plain_messages_render_exactly_as_the_template_does(tokenizer: PreTraine
     text, plan = render_chat(
         GenerateRequest(rid="r", messages=messages), tokenizer, template_traits(tokenizer)
     )
-    plain = [{"role": m.role, "content": m.content} for m in messages]
+    plain = [{"role": m.role, "content": m.content or ""} for m in messages]
     assert text == tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
     assert plan.tool_format is None and not plan.reasoning
