@@ -24,6 +24,7 @@ from protocol.messages import (
 from protocol.transport import Codec
 from tokenizer_proc.model_info import ModelInfo
 from tokenizer_proc.request_state import Outbox, RequestTable, error_output
+from tokenizer_proc.tool_checks import with_tool_grammar
 from tokenizer_proc.tools import template_traits
 from tokenizer_proc.validation import RequestRejected, validate_generate
 
@@ -103,7 +104,7 @@ class Frontend:
             raise RequestRejected(None, SHUTDOWN_MESSAGE, SHUTTING_DOWN)
         self.requests.check_new_rid(client_id, req.rid)
         try:
-            valid = validate_generate(req, self.tokenizer, self.info, self._rng, self.chat_traits)
+            valid = validate_generate(req, self.tokenizer, self.info, self._rng, traits=self.chat_traits)
         except RequestRejected:
             raise
         except Exception as exc:  # a tokenizer bug on one odd input must not take the engine down
@@ -113,7 +114,8 @@ class Frontend:
 
     def _on_generate(self, client_id: bytes, req: GenerateRequest) -> Outbox:
         try:
-            return self.admit(client_id, req)
+            # A forced tool call's grammar is set before anything looks at the request's grammar.
+            return self.admit(client_id, with_tool_grammar(req))
         except RequestRejected as exc:
             return Outbox(replies=[(client_id, error_output(req.rid, str(exc)))])
 

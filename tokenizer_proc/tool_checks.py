@@ -11,8 +11,11 @@ import json
 import re
 from typing import Any
 
+import msgspec
+
 from protocol.chat import ChatMessage, NamedToolChoice, Tool, ToolChoice
 from protocol.grammar import Grammar
+from protocol.messages import GenerateRequest
 from tokenizer_proc.validation_error import RequestRejected
 
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule, plus '.' (some tool names have it)
@@ -61,6 +64,25 @@ def forced_call_grammar(tools: list[Tool], choice: ToolChoice) -> Grammar | None
     calls = [call_schema(t) for t in offered]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     return Grammar(kind="json_schema", spec=json.dumps(schema))
+
+
+def with_tool_grammar(req: GenerateRequest) -> GenerateRequest:
+    """``req`` with the grammar of its forced tool call in ``sampling.grammar`` (unchanged when the
+    call is not forced, or the grammar is there already). Applied where a request enters the
+    engine, before anything looks at its grammar (compiling it), and again in validation."""
+    grammar = tool_grammar(req)
+    if grammar is None or req.sampling.grammar == grammar:
+        return req
+    if req.sampling.grammar is not None:
+        raise RequestRejected("tool_choice", "a forced tool call cannot be combined with response_format")
+    return msgspec.structs.replace(req, sampling=msgspec.structs.replace(req.sampling, grammar=grammar))
+
+
+def tool_grammar(req: GenerateRequest) -> Grammar | None:
+    """The grammar ``req``'s tool_choice forces, None when it forces none (or it is no chat)."""
+    if req.messages is None:
+        return None
+    return forced_call_grammar(req.tools or [], req.tool_choice)
 
 
 def call_schema(tool: Tool) -> dict[str, Any]:

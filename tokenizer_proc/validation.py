@@ -11,14 +11,12 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.messages import GenerateRequest, SamplingParams
 from protocol.sampling import WorkerSampling
 from tokenizer_proc.model_info import ModelInfo
 from tokenizer_proc.penalties import penalty_error, worker_penalties
-from tokenizer_proc.tool_checks import forced_call_grammar
+from tokenizer_proc.tool_checks import tool_grammar, with_tool_grammar
 from tokenizer_proc.tools import ChatOutputPlan, ChatTemplateTraits, render_chat, template_traits
 from tokenizer_proc.validation_error import RequestRejected as RequestRejected
 
@@ -64,6 +62,7 @@ def validate_generate(
     tokenizer: PreTrainedTokenizerBase,
     info: ModelInfo,
     rng: random.Random,
+    *,
     traits: ChatTemplateTraits | None = None,
 ) -> ValidRequest:
     """Validate ``req``, tokenize its prompt, clamp its output length; raise RequestRejected.
@@ -71,11 +70,17 @@ def validate_generate(
     ``traits``: the chat template's, probed once by the caller (probed here when not given)."""
     if not req.rid:
         raise RequestRejected("rid", "must be a non-empty string")
-    params = _with_tool_grammar(req)
+    _check_chat_only(req)
+    req = with_tool_grammar(req)
+    params = req.sampling
     try:
         _check_sampling(params, info, echo=req.echo)
     except RequestRejected as exc:  # the grammar came from tool_choice: name that
-        if exc.param == "sampling.grammar" and req.sampling.grammar is None:
+        if (
+            exc.param == "sampling.grammar"
+            and params.grammar is not None
+            and params.grammar == tool_grammar(req)
+        ):
             raise RequestRejected("tool_choice", f"(forced call) {exc.detail}") from None
         raise
     _check_logprob_options(req)
@@ -119,19 +124,11 @@ def validate_generate(
     )
 
 
-def _with_tool_grammar(req: GenerateRequest) -> SamplingParams:
-    """The sampling params, with the grammar of a forced tool call (tool_choice "required" or named)."""
+def _check_chat_only(req: GenerateRequest) -> None:
     if req.messages is None:
         for name in ("tools", "chat_template_kwargs"):
             if getattr(req, name) is not None:
                 raise RequestRejected(name, "works with messages only")
-        return req.sampling
-    grammar = forced_call_grammar(req.tools or [], req.tool_choice)
-    if grammar is None:
-        return req.sampling
-    if req.sampling.grammar is not None:
-        raise RequestRejected("tool_choice", "a forced tool call cannot be combined with response_format")
-    return msgspec.structs.replace(req.sampling, grammar=grammar)
 
 
 def _check_choices(req: GenerateRequest) -> None:

@@ -14,10 +14,11 @@ import msgspec
 import pytest
 
 from protocol.chat import ChatMessage, NamedFunction, NamedToolChoice, Tool, ToolChoice
-from protocol.messages import GenerateRequest
+from protocol.grammar import Grammar
+from protocol.messages import GenerateRequest, SamplingParams
 from tests.tokenizer_proc.qwen3_style import QWEN3_STYLE_TEMPLATE
 from tokenizer_proc.model_info import ModelInfo
-from tokenizer_proc.tool_checks import forced_call_grammar
+from tokenizer_proc.tool_checks import forced_call_grammar, with_tool_grammar
 from tokenizer_proc.tools import render_chat, template_traits
 from tokenizer_proc.validation import RequestRejected, validate_generate
 
@@ -239,3 +240,14 @@ def test_plain_messages_render_exactly_as_the_template_does(tokenizer: PreTraine
     plain = [{"role": m.role, "content": m.content or ""} for m in messages]
     assert text == tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
     assert plan.tool_format is None and not plan.reasoning
+
+
+def test_with_tool_grammar_fills_the_forced_grammar_once() -> None:
+    req = _chat(USER, "required")
+    filled = with_tool_grammar(req)
+    assert filled.sampling.grammar == forced_call_grammar(TOOLS, "required") is not None
+    assert with_tool_grammar(filled) == filled and with_tool_grammar(_chat(USER)) == _chat(USER)
+    other = msgspec.structs.replace(req, sampling=SamplingParams(grammar=Grammar(kind="json_object")))
+    with pytest.raises(RequestRejected) as caught:
+        with_tool_grammar(other)
+    assert caught.value.param == "tool_choice"

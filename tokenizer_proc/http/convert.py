@@ -23,6 +23,7 @@ from tokenizer_proc.http.schemas import (
     CompletionRequest,
     SamplingFields,
 )
+from tokenizer_proc.tool_checks import with_tool_grammar
 from tokenizer_proc.validation import RequestRejected
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -84,7 +85,7 @@ def chat_request(body: ChatCompletionRequest, rid: str) -> GenerateRequest:
     if body.response_format is not None and body.response_format.get("type") != "text":
         raise bad_param("response_format", "only response_format {'type': 'text'} is supported")
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return GenerateRequest(
+    req = GenerateRequest(
         rid=rid,
         messages=[_chat_message(i, m) for i, m in enumerate(body.messages)],
         sampling=_sampling(body, limit if limit is not None else UNTIL_CONTEXT),
@@ -96,6 +97,11 @@ def chat_request(body: ChatCompletionRequest, rid: str) -> GenerateRequest:
         chat_template_kwargs=body.chat_template_kwargs,
         n=body.n,
     )
+    try:  # a forced tool call's grammar, there before the request's grammar is looked at
+        return with_tool_grammar(req)
+    except RequestRejected as exc:
+        param = exc.param or "tool_choice"
+        raise bad_param(param, f"{param} {exc.detail}") from None
 
 
 def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:

@@ -180,3 +180,14 @@ def test_tool_choice_without_tools_is_refused(choice: object) -> None:
     with pytest.raises(ApiError) as caught:
         chat_request(_chat(messages=[{"role": "user", "content": "hi"}], tool_choice=choice), "r")
     assert caught.value.param == "tool_choice"
+
+
+def test_a_forced_tool_choice_carries_its_grammar_from_the_start() -> None:
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    req = chat_request(_chat(tools=[tool], tool_choice="required"), "r")
+    assert req.sampling.grammar is not None and req.sampling.grammar.kind == "json_schema"
+    assert chat_request(_chat(tools=[tool]), "r").sampling.grammar is None
+    named = {"type": "function", "function": {"name": "mul"}}
+    with pytest.raises(ApiError) as caught:
+        chat_request(_chat(tools=[tool], tool_choice=named), "r")
+    assert caught.value.param == "tool_choice" and "mul" in caught.value.message
