@@ -189,10 +189,16 @@ def test_forced_call_grammar_compiles_with_xgrammar(choice: ToolChoice) -> None:
 
     grammar = forced_call_grammar(TOOLS, choice)
     assert grammar is not None
-    compiled = xgrammar.Grammar.from_json_schema(grammar.spec)
-    assert _is_grammar_accept_string(compiled, json.dumps(_call("add", {"a": 1, "b": 2})))
-    assert not _is_grammar_accept_string(compiled, json.dumps(_call("add", {"a": 1})))
-    assert not _is_grammar_accept_string(compiled, json.dumps(_call("mul", {"a": 1, "b": 2})))
+    # as xgrammar reads schemas by default, and as constrained decoding compiles them (no free
+    # whitespace, strict: no property the schema does not list)
+    for compiled in (
+        xgrammar.Grammar.from_json_schema(grammar.spec),
+        xgrammar.Grammar.from_json_schema(grammar.spec, any_whitespace=False, strict_mode=True),
+    ):
+        assert _is_grammar_accept_string(compiled, json.dumps(_call("add", {"a": 1, "b": 2})))
+        assert not _is_grammar_accept_string(compiled, json.dumps(_call("add", {"a": 1})))
+        assert not _is_grammar_accept_string(compiled, json.dumps(_call("mul", {"a": 1, "b": 2})))
+        assert not _is_grammar_accept_string(compiled, json.dumps({**_call("add", {"a": 1, "b": 2}), "x": 1}))
 
 
 def test_forced_choice_sets_the_grammar_or_is_refused_naming_tool_choice(
