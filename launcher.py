@@ -30,12 +30,13 @@ from launcher_engine import LOG_FORMAT, ChildDied, Engine
 from launcher_flags import (
     build_parser,
     check_endpoint,
+    replica_cpus,
     scheduler_config,
     tokenizer_config,
     worker_config,
 )
 from protocol import WorkerReady
-from protocol.transport import Endpoints
+from protocol.transport import Endpoints, replica_name
 
 __all__ = ["build_parser", "check_endpoint", "main", "scheduler_config", "tokenizer_config", "worker_config"]
 
@@ -58,9 +59,33 @@ def _signal_wakeup() -> tuple[socket.socket, socket.socket]:
     return rsock, wsock
 
 
+def _start(engine: Engine, args: argparse.Namespace, endpoints: Endpoints, model_path: str) -> WorkerReady:
+    """Start every child: the workers (one per data-parallel replica, each on its share of the
+    cores) and the tokenizer, then each replica's scheduler once its worker reported its KV pool.
+    Returns replica 0's WorkerReady."""
+    from gpu_worker.model_files import source_gguf
+
+    replicas = range(args.dp_size)
+    gguf = str(source_gguf(args.model) or "")
+    for i, cpu_ids in zip(replicas, replica_cpus(args.dp_size), strict=True):
+        config = worker_config(args, model_path, gguf, replica=i, cpu_ids=cpu_ids)
+        engine.start(replica_name("gpu_worker", i), config, endpoints.replica(i))
+    engine.start("tokenizer", tokenizer_config(args, model_path))
+    workers = [replica_name("gpu_worker", i) for i in replicas]
+    readies = engine.wait_ready({*workers, "tokenizer"}, READY_TIMEOUT_S)
+    for i, worker in enumerate(workers):
+        ready = readies[worker]
+        assert isinstance(ready, WorkerReady), "the worker must report its KV pool"
+        engine.start(replica_name("scheduler", i), scheduler_config(args, ready, i), endpoints.replica(i))
+    engine.wait_ready({replica_name("scheduler", i) for i in replicas}, READY_TIMEOUT_S)
+    first = readies[workers[0]]
+    assert isinstance(first, WorkerReady)
+    return first
+
+
 def serve(args: argparse.Namespace) -> int:
     """Start the engine, print the endpoint, supervise until a signal or a child's death."""
-    from gpu_worker.model_files import resolve_model, source_gguf
+    from gpu_worker.model_files import resolve_model
 
     endpoint = check_endpoint(args.endpoint)
     if endpoint.startswith("ipc://"):
@@ -69,14 +94,10 @@ def serve(args: argparse.Namespace) -> int:
     run_dir = tempfile.mkdtemp(prefix="rivulet-")
     wakeup, _wakeup_writer = _signal_wakeup()
     drain_s = 0.0  # only a stop by signal drains
-    engine = Engine(Endpoints.in_dir(run_dir, client=endpoint), args.log_level)
+    endpoints = Endpoints.in_dir(run_dir, client=endpoint)
+    engine = Engine(endpoints, args.log_level)
     try:
-        engine.start("gpu_worker", worker_config(args, model_path, str(source_gguf(args.model) or "")))
-        engine.start("tokenizer", tokenizer_config(args, model_path))
-        ready = engine.wait_ready({"gpu_worker", "tokenizer"}, READY_TIMEOUT_S)["gpu_worker"]
-        assert isinstance(ready, WorkerReady), "the worker must report its KV pool"
-        engine.start("scheduler", scheduler_config(args, ready))
-        engine.wait_ready({"scheduler"}, READY_TIMEOUT_S)
+        ready = _start(engine, args, endpoints, model_path)
         pids = " ".join(f"{n}={p.pid}" for n, p in engine.children.items())
         logger.info(
             "model %s on %s/%s: %d KV pages of %d tokens, context %d",

@@ -22,7 +22,7 @@ import msgspec
 import zmq
 
 from protocol import ToLauncher, WorkerReady
-from protocol.transport import Codec, Endpoints, make_socket
+from protocol.transport import Codec, Endpoints, make_socket, replica_name
 
 logger = logging.getLogger("rivulet.launcher")
 
@@ -83,10 +83,11 @@ class Engine:
         self._ready_sock = make_socket(self._zmq, zmq.PULL, endpoints.to_launcher, bind=True)
         self._codec: Codec[ToLauncher] = Codec(ToLauncher)
 
-    def start(self, name: str, config: Any) -> None:
+    def start(self, name: str, config: Any, endpoints: Endpoints | None = None) -> None:
+        """Start child ``name`` (``scheduler.1``: replica 1's scheduler, on ``endpoints``)."""
         proc = self._mp.Process(
             target=_child_main,
-            args=(ENTRIES[name], config, self.endpoints, self.log_level),
+            args=(ENTRIES[name.split(".")[0]], config, endpoints or self.endpoints, self.log_level),
             name=name,
         )
         proc.start()
@@ -107,7 +108,7 @@ class Engine:
             except msgspec.DecodeError as exc:
                 logger.warning("dropped a malformed frame on the launcher socket: %s", exc)
                 continue
-            got["gpu_worker" if isinstance(msg, WorkerReady) else msg.proc] = msg
+            got[replica_name("gpu_worker", msg.replica) if isinstance(msg, WorkerReady) else msg.proc] = msg
         return got
 
     def raise_if_dead(self) -> None:
@@ -132,7 +133,8 @@ class Engine:
         child dies meanwhile, or on a stop after a failure, it gets SIGUSR1: fail all now.
         """
         self._stop_tokenizer(drain_s)
-        order = [n for n in ("tokenizer", "scheduler", "gpu_worker") if n in self.children]
+        ranks = {"tokenizer": 0, "scheduler": 1, "gpu_worker": 2}
+        order = sorted(self.children, key=lambda name: (ranks[name.split(".")[0]], name))
         for name in order:
             proc = self.children[name]
             if proc.exitcode is None:

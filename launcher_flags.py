@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -103,11 +104,19 @@ def tokenizer_config(args: argparse.Namespace, model_path: str) -> TokenizerConf
     return config_from_args(TokenizerConfig, args, model_path=model_path, served_model_name=name)
 
 
-def worker_config(args: argparse.Namespace, model_path: str, gguf_path: str = "") -> WorkerConfig:
-    return config_from_args(WorkerConfig, args, model_path=model_path, gguf_path=gguf_path)
+def worker_config(
+    args: argparse.Namespace,
+    model_path: str,
+    gguf_path: str = "",
+    replica: int = 0,
+    cpu_ids: tuple[int, ...] = (),
+) -> WorkerConfig:
+    return config_from_args(
+        WorkerConfig, args, model_path=model_path, gguf_path=gguf_path, replica=replica, cpu_ids=cpu_ids
+    )
 
 
-def scheduler_config(args: argparse.Namespace, ready: WorkerReady) -> SchedulerConfig:
+def scheduler_config(args: argparse.Namespace, ready: WorkerReady, replica: int = 0) -> SchedulerConfig:
     """--enable-mixed-chunk / --no-enable-mixed-chunk, else on where the worker runs on CPU."""
     return config_from_args(
         SchedulerConfig,
@@ -116,7 +125,22 @@ def scheduler_config(args: argparse.Namespace, ready: WorkerReady) -> SchedulerC
         context_len=ready.context_len,
         page_size=ready.page_size,
         enable_mixed_chunk=ready.device.startswith("cpu"),
+        replica=replica,
     )
+
+
+def replica_cpus(dp_size: int, cores: list[int] | None = None) -> list[tuple[int, ...]]:
+    """Each data-parallel replica's cores: an equal share of the launcher's (``cores``, default its
+    affinity), in order; () for one replica (its worker uses them all, unpinned). With more replicas
+    than cores, replicas share cores round-robin."""
+    if dp_size == 1:
+        return [()]
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    if dp_size > len(cores):
+        logger.warning("--dp-size %d > %d cores: replicas share cores", dp_size, len(cores))
+        return [(cores[i % len(cores)],) for i in range(dp_size)]
+    share = len(cores) // dp_size
+    return [tuple(cores[i * share : (i + 1) * share]) for i in range(dp_size)]
 
 
 def check_endpoint(endpoint: str) -> str:

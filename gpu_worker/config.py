@@ -55,6 +55,8 @@ class WorkerConfig:
         choices=WEIGHT_DTYPES,
     )
     gguf_path: str = given("", "the launcher: the .gguf --model names (the embedded one by default)")
+    replica: int = given(0, "the launcher: its data-parallel replica (--dp-size)")
+    cpu_ids: tuple[int, ...] = given((), "the launcher: its replica's share of the cores (--dp-size > 1)")
     seed: int = seed_field()
 
     def __post_init__(self) -> None:

@@ -23,6 +23,8 @@ def run_worker(config: WorkerConfig, endpoints: Endpoints) -> None:
     A malformed frame is logged and dropped (there is no step to answer); a batch
     whose forward fails is answered with ``ForwardResult.error`` and serving goes on.
     """
+    if config.cpu_ids:  # before torch sizes its thread pool: its threads follow the affinity
+        os.sched_setaffinity(0, config.cpu_ids)
     runner = ModelRunner(config)
     ctx = zmq.Context()
     inbox = make_socket(ctx, zmq.PULL, endpoints.to_worker, bind=True)
@@ -70,4 +72,5 @@ def _ready(runner: ModelRunner, config: WorkerConfig) -> WorkerReady:
         context_len=runner.context_len,
         device=str(runner.device),
         dtype=dtype,
+        replica=config.replica,
     )

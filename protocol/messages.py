@@ -255,6 +255,7 @@ class EngineStats(Msg):
     worker_busy_s: float = 0.0
     worker_clock_s: float = 0.0
     prefill_tokens: int = 0  # computed by prefill rows since start (cache hits and forks skip it)
+    replica: int = 0  # the data-parallel replica (--dp-size) whose scheduler sends it
 
 
 ToTokenizer = TokenBatch | RequestError | EngineStats
@@ -276,6 +277,7 @@ class WorkerReady(Msg):
     context_len: int
     device: str
     dtype: str
+    replica: int = 0  # its data-parallel replica (--dp-size)
 
 
 ToLauncher = Ready | WorkerReady

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -57,6 +57,11 @@ def make_socket(ctx: zmq.Context, kind: int, endpoint: str, *, bind: bool) -> zm
     return sock
 
 
+def replica_name(process: str, replica: int) -> str:
+    """A process's name in the launcher's logs and Ready messages: ``scheduler``, ``scheduler.1``, ..."""
+    return process if replica == 0 else f"{process}.{replica}"
+
+
 @dataclass(frozen=True)
 class Endpoints:
     """Where each channel lives. The launcher picks them; every process gets the same set.
@@ -71,6 +76,20 @@ class Endpoints:
     to_worker: str  # scheduler -> worker
     from_worker: str  # worker -> scheduler
     to_launcher: str  # every child -> launcher (Ready messages)
+
+    def replica(self, index: int) -> Endpoints:
+        """The channels of data-parallel replica ``index`` (--dp-size): its own tokenizer -> scheduler
+        and scheduler <-> worker sockets; the client, to_tokenizer (every scheduler pushes to the one
+        tokenizer) and to_launcher are shared. Replica 0's are the plain ones."""
+        if index == 0:
+            return self
+
+        def own(endpoint: str) -> str:
+            assert endpoint.endswith(".sock"), f"per-replica channels are ipc sockets, not {endpoint}"
+            return f"{endpoint.removesuffix('.sock')}.{index}.sock"
+
+        channels = ("to_scheduler", "to_worker", "from_worker")
+        return replace(self, **{name: own(getattr(self, name)) for name in channels})
 
     @classmethod
     def in_dir(cls, run_dir: str, client: str | None = None) -> Endpoints:

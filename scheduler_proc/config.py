@@ -21,6 +21,7 @@ class SchedulerConfig:
     num_pages: int = given(0, "the worker's WorkerReady: KV pages it allocated")
     context_len: int = given(0, "the worker's WorkerReady: the model's context length")
     page_size: int = given(16, "the worker's WorkerReady: tokens per KV page (--page-size)")
+    replica: int = given(0, "the launcher: its data-parallel replica (--dp-size)")
     max_running_requests: int = max_running_requests_field()
     max_prefill_tokens: int = flag(4096, "prompt tokens one round may prefill (rem_input_tokens)")
     chunked_prefill_size: int = flag(512, "tokens per prefill chunk (rem_chunk_tokens); -1 disables")

@@ -19,7 +19,7 @@ from protocol.messages import (
     TokenizedRequest,
     ToScheduler,
 )
-from protocol.transport import Codec, Endpoints, make_socket
+from protocol.transport import Codec, Endpoints, make_socket, replica_name
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.scheduler import Scheduler
 from scheduler_proc.stats import SchedulerStats
@@ -56,7 +56,8 @@ class SchedulerProcess:
         self.poller.register(self.from_worker, zmq.POLLIN)
 
     def announce(self) -> None:
-        self.to_launcher.send(self.encoder.encode(Ready(proc="scheduler", pid=os.getpid())))
+        name = replica_name("scheduler", self.scheduler.config.replica)
+        self.to_launcher.send(self.encoder.encode(Ready(proc=name, pid=os.getpid())))
 
     def run_forever(self) -> None:
         """Block only when idle (nothing runnable, or waiting on the worker); one batch per turn."""
@@ -87,6 +88,7 @@ class SchedulerProcess:
             worker_busy_s=self.stats.worker_busy_s,
             worker_clock_s=self.stats.worker_clock_s,
             prefill_tokens=sched.num_prefill_tokens,
+            replica=sched.config.replica,
         )
         now = time.monotonic()
         if stats != self._sent_stats and (not sched.has_work or now - self._sent_stats_s >= STATS_INTERVAL_S):

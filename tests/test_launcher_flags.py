@@ -48,6 +48,9 @@ FROM_ELSEWHERE = {
     (SchedulerConfig, "context_len"): "the worker's WorkerReady: the model's context length",
     (SchedulerConfig, "page_size"): "the worker's WorkerReady: the page size it runs (--page-size)",
     (SchedulerConfig, "clip_max_new_tokens"): "a constant: SGLang's CLIP_MAX_NEW_TOKENS",
+    (SchedulerConfig, "replica"): "the launcher: its data-parallel replica (--dp-size)",
+    (WorkerConfig, "replica"): "the launcher: its data-parallel replica (--dp-size)",
+    (WorkerConfig, "cpu_ids"): "the launcher: its replica's share of the cores (--dp-size)",
 }
 LAUNCHER_OWN_OPTIONS = {"model", "endpoint", "log_level", "help"}
 

@@ -25,7 +25,12 @@ class TokenizerConfig:
         "rivulet", "model id on /v1 (default: model name)", unset_default=None
     )  # unset: the launcher names it after --model
     shutdown_timeout_s: float = flag(0.0, "SIGTERM drains for up to S s", name="--shutdown-timeout")
+    dp_size: int = flag(1, "data-parallel replicas: scheduler + worker pairs, each on its share of the cores")
+    dp_routing: str = flag(
+        "cache_aware", "how requests pick a replica", choices=("cache_aware", "round_robin", "least_load")
+    )
 
     def __post_init__(self) -> None:
         assert self.shutdown_timeout_s >= 0, f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}"
         assert self.http_port is None or 0 <= self.http_port < 65536, f"bad http_port {self.http_port}"
+        assert self.dp_size >= 1, f"dp_size must be >= 1, got {self.dp_size}"

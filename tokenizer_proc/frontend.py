@@ -19,11 +19,14 @@ from protocol.messages import (
     GenerateRequest,
     RequestError,
     TokenBatch,
+    TokenizedRequest,
+    ToScheduler,
     ToTokenizer,
 )
 from protocol.transport import Codec
 from tokenizer_proc.model_info import ModelInfo
 from tokenizer_proc.request_state import Outbox, RequestTable, error_output
+from tokenizer_proc.router import Router
 from tokenizer_proc.tool_checks import with_tool_grammar
 from tokenizer_proc.tools import template_traits
 from tokenizer_proc.validation import RequestRejected, validate_generate
@@ -44,14 +47,18 @@ class Frontend:
     same requests in the same order samples the same tokens.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, info: ModelInfo, seed: int) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, info: ModelInfo, seed: int, router: Router | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.info = info
         self.chat_traits = template_traits(tokenizer)  # what the chat template does with tools, <think>
-        self.requests = RequestTable(tokenizer)
+        self.router = router or Router()
+        self.requests = RequestTable(tokenizer, on_drop=self.router.release)
         self._rng = random.Random(seed)
         self._client_codec: Codec[ClientRequest] = Codec(ClientRequest)
-        self.engine_stats: EngineStats | None = None  # None until the scheduler is up
+        # Each replica's last EngineStats (--dp-size); None until its scheduler is up.
+        self.replica_stats: list[EngineStats | None] = [None] * self.router.dp_size
         self.draining = False  # set at shutdown: running requests finish, new ones are refused
 
     def on_client_frames(self, frames: list[bytes]) -> Outbox:
@@ -86,10 +93,23 @@ class Frontend:
             case RequestError():
                 return self.requests.on_request_error(msg)
             case EngineStats():
-                self.engine_stats = msg
+                if 0 <= msg.replica < len(self.replica_stats):
+                    self.replica_stats[msg.replica] = msg
                 return Outbox()
             case _:
                 raise AssertionError(f"ToTokenizer decoded to unexpected {type(msg).__name__}")
+
+    @property
+    def engine_stats(self) -> EngineStats | None:
+        """Every replica's stats summed; None until every scheduler is up."""
+        return total_stats(self.replica_stats)
+
+    def destinations(self, msg: ToScheduler) -> list[int]:
+        """The replicas ``msg`` goes to: a request to the one it was routed to; the rest to all
+        (a FinishReq for a rid a replica does not hold is ignored there)."""
+        if isinstance(msg, TokenizedRequest):
+            return [self.router.replica_of(msg.rid)]
+        return list(range(self.router.dp_size))
 
     def shutdown(self) -> Outbox:
         return self.requests.fail_all(SHUTDOWN_MESSAGE)
@@ -110,7 +130,9 @@ class Frontend:
         except Exception as exc:  # a tokenizer bug on one odd input must not take the engine down
             logger.exception("request %r failed in tokenization", req.rid)
             raise RequestRejected(None, f"tokenization failed: {exc!r}") from exc
-        return Outbox(to_scheduler=[self.requests.add(client_id, valid)])
+        tokenized = self.requests.add(client_id, valid)
+        self.router.route(tokenized.rid, tokenized.n, valid.input_ids, valid.cache_salt, valid.max_new_tokens)
+        return Outbox(to_scheduler=[tokenized])
 
     def _on_generate(self, client_id: bytes, req: GenerateRequest) -> Outbox:
         try:
@@ -118,6 +140,25 @@ class Frontend:
             return self.admit(client_id, with_tool_grammar(req))
         except RequestRejected as exc:
             return Outbox(replies=[(client_id, error_output(req.rid, str(exc)))])
+
+
+def total_stats(stats: list[EngineStats | None]) -> EngineStats | None:
+    """The replicas' EngineStats summed (the workers' busy seconds too; their clocks: the latest)."""
+    known = [s for s in stats if s is not None]
+    if len(known) != len(stats):
+        return None
+    if len(known) == 1:
+        return known[0]
+    return EngineStats(
+        num_running=sum(s.num_running for s in known),
+        num_waiting=sum(s.num_waiting for s in known),
+        num_pages=sum(s.num_pages for s in known),
+        free_pages=sum(s.free_pages for s in known),
+        evictable_pages=sum(s.evictable_pages for s in known),
+        worker_busy_s=sum(s.worker_busy_s for s in known),
+        worker_clock_s=max(s.worker_clock_s for s in known),
+        prefill_tokens=sum(s.prefill_tokens for s in known),
+    )
 
 
 def _rid_of(payload: bytes) -> str:

@@ -140,3 +140,28 @@ def render_prometheus(m: ServingMetrics, stats: EngineStats | None, in_flight: i
     )
     out += m.e2e_s.render("rivulet_e2e_request_latency_seconds", "Time from arrival to the last reply.")
     return "\n".join(out) + "\n"
+
+
+def render_replicas(replicas: list[EngineStats | None], routed: list[int]) -> str:
+    """Per data-parallel replica (label ``replica``), with --dp-size > 1: its scheduler's load
+    and the requests routed to it (the unlabeled metrics are the replicas' sums)."""
+    if len(replicas) < 2:
+        return ""
+    out: list[str] = []
+    series: list[tuple[str, str, str, list[float | None]]] = [
+        ("rivulet_replica_requests_routed_total", "counter", "Requests routed to the replica.", [*routed]),
+        ("rivulet_replica_num_requests_running", "gauge", "Requests holding KV in the replica.",
+         [s.num_running if s else None for s in replicas]),
+        ("rivulet_replica_num_requests_waiting", "gauge", "Requests queued in the replica.",
+         [s.num_waiting if s else None for s in replicas]),
+        ("rivulet_replica_kv_pages_free", "gauge", "KV pages on the replica's free list.",
+         [s.free_pages if s else None for s in replicas]),
+        ("rivulet_replica_kv_pages_evictable", "gauge", "KV pages held only by the replica's prefix cache.",
+         [s.evictable_pages if s else None for s in replicas]),
+        ("rivulet_replica_prefill_tokens_total", "counter", "Tokens the replica's prefill rows computed.",
+         [s.prefill_tokens if s else None for s in replicas]),
+    ]  # fmt: skip
+    for name, kind, help_text, values in series:
+        out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        out += [f'{name}{{replica="{i}"}} {v!r}' for i, v in enumerate(values) if v is not None]
+    return "\n".join(out) + "\n"

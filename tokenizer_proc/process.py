@@ -27,6 +27,7 @@ from tokenizer_proc.http.bridge import HttpBridge, is_http_client
 from tokenizer_proc.http.server import HttpServer
 from tokenizer_proc.model_info import load_tokenizer, read_model_info
 from tokenizer_proc.request_state import Outbox
+from tokenizer_proc.router import Router
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def run_tokenizer(config: TokenizerConfig, endpoints: Endpoints) -> None:
     logger.info(
         "tokenizer ready: context %d, vocab %d, eos %s", info.context_len, info.vocab_size, info.eos_token_ids
     )
-    frontend = Frontend(tokenizer, info, config.seed)
+    frontend = Frontend(tokenizer, info, config.seed, Router(config.dp_size, config.dp_routing))
     uvloop.run(TokenizerServer(frontend, endpoints, config).serve())
 
 
@@ -82,9 +83,11 @@ class TokenizerServer:
         self._from_scheduler = cast(
             AsyncSocket, make_socket(self._ctx, zmq.PULL, endpoints.to_tokenizer, bind=True)
         )
-        self._to_scheduler = cast(
-            AsyncSocket, make_socket(self._ctx, zmq.PUSH, endpoints.to_scheduler, bind=False)
-        )
+        # One per data-parallel replica (--dp-size); the Frontend says which a message goes to.
+        self._to_schedulers = [
+            cast(AsyncSocket, make_socket(self._ctx, zmq.PUSH, endpoints.replica(i).to_scheduler, bind=False))
+            for i in range(frontend.router.dp_size)
+        ]
         self._to_launcher = cast(
             AsyncSocket, make_socket(self._ctx, zmq.PUSH, endpoints.to_launcher, bind=False)
         )
@@ -174,7 +177,9 @@ class TokenizerServer:
 
     async def _send(self, out: Outbox) -> None:
         for msg in out.to_scheduler:
-            await self._to_scheduler.send(self._codec.encode(msg))
+            frame = self._codec.encode(msg)
+            for replica in self._frontend.destinations(msg):
+                await self._to_schedulers[replica].send(frame)
         gone: set[bytes] = set()
         for client_id, reply in out.replies:
             if is_http_client(client_id):
@@ -209,6 +214,6 @@ class TokenizerServer:
         finally:
             # The error replies must get out; everything else may be dropped.
             self._client.close(linger=SHUTDOWN_LINGER_MS)
-            for sock in (self._from_scheduler, self._to_scheduler, self._to_launcher):
+            for sock in (self._from_scheduler, *self._to_schedulers, self._to_launcher):
                 sock.close(linger=0)
             self._ctx.term()

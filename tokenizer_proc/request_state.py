@@ -161,9 +161,15 @@ class RequestTable:
     """All in-flight requests, keyed by the internal rid the scheduler knows them by; a request
     with n choices is n of them, rids rid .. rid + n - 1 under one client rid."""
 
-    def __init__(self, tokenizer: TokenDecoder, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        tokenizer: TokenDecoder,
+        clock: Callable[[], float] = time.monotonic,
+        on_drop: Callable[[int], None] | None = None,
+    ) -> None:
         self._tokenizer = tokenizer
         self._clock = clock
+        self._on_drop = on_drop  # told every rid that leaves the table (the router's load)
         self.metrics = ServingMetrics()
         self._next_rid = 0
         self._states: dict[int, RequestState] = {}
@@ -303,6 +309,8 @@ class RequestTable:
 
     def _drop(self, rid: int, reason: FinishReason) -> RequestState:
         state = self._states.pop(rid)
+        if self._on_drop is not None:
+            self._on_drop(rid)
         key = (state.client_id, state.client_rid)
         self._by_client[key].remove(rid)
         if not self._by_client[key]:

@@ -83,7 +83,8 @@ def running_engine(model: Path | None, tmp_path: Path, *args: str) -> Iterator[R
     child_pids: dict[str, int] = {}
     try:
         line = _read_ready_line(proc, READY_TIMEOUT_S)
-        child_pids = {name: int(pid) for name, pid in re.findall(r"(\w+)=(\d+)", line.split("pids:", 1)[1])}
+        pairs = re.findall(r"([\w.]+)=(\d+)", line.split("pids:", 1)[1])  # gpu_worker.1: replica 1's
+        child_pids = {name: int(pid) for name, pid in pairs}
         yield RunningEngine(proc, endpoint, child_pids, log_path)
     finally:
         if proc.poll() is None:

@@ -94,11 +94,15 @@ async def _under_load(
     return ended
 
 
-@pytest.mark.parametrize("victim", ["gpu_worker", "tokenizer", "scheduler"])
+@pytest.mark.parametrize(
+    ("victim", "flags"),
+    [("gpu_worker", ()), ("tokenizer", ()), ("scheduler", ()), ("gpu_worker.1", ("--dp-size", "2"))],
+    ids=["gpu_worker", "tokenizer", "scheduler", "dp2-replica-1-worker"],
+)
 def test_sigkill_fails_every_waiting_client_and_stops_the_engine(
-    victim: str, tiny_llama_dir: Path, tmp_path: Path
+    victim: str, flags: tuple[str, ...], tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    with http_engine(tiny_llama_dir, tmp_path, "--served-model-name", "tiny") as e:
+    with http_engine(tiny_llama_dir, tmp_path, "--served-model-name", "tiny", *flags) as e:
         pid = e.engine.child_pids[victim]
         ended = asyncio.run(_under_load(e, [LONG] * 4, lambda: os.kill(pid, signal.SIGKILL), min_running=12))
         assert len(ended) == 12 and all(outcome.startswith("error") for outcome, _ in ended), ended

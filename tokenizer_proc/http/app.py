@@ -23,7 +23,7 @@ from tokenizer_proc.http.convert import chat_request, completion_requests, rejec
 from tokenizer_proc.http.errors import ApiError, engine_error, shutting_down, starting
 from tokenizer_proc.http.responses import ResponseShape, best_choices, total_usage
 from tokenizer_proc.http.schemas import ChatCompletionRequest, CompletionRequest, decode_body
-from tokenizer_proc.metrics import render_prometheus
+from tokenizer_proc.metrics import render_prometheus, render_replicas
 from tokenizer_proc.token_bytes import TokenTexts
 from tokenizer_proc.validation import RequestRejected
 
@@ -76,6 +76,7 @@ class OpenAiApi:
     async def metrics(self, request: Request) -> Response:
         frontend = self.bridge.frontend
         text = render_prometheus(frontend.requests.metrics, frontend.engine_stats, len(frontend.requests))
+        text += render_replicas(frontend.replica_stats, frontend.router.routed)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def _generate(
