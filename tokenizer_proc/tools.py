@@ -95,8 +95,9 @@ def render_chat(
     plan = ChatOutputPlan(
         tool_format=("json" if forced else traits.tool_format) if tools else None,
         tool_names=frozenset(t.function.name for t in tools),
-        reasoning=traits.thinks,
-        starts_in_reasoning=traits.thinks and _ends_inside_think(text),
+        # a forced call's grammar makes the reply the bare call object, even after an open <think>
+        reasoning=traits.thinks and not forced,
+        starts_in_reasoning=traits.thinks and not forced and _ends_inside_think(text),
     )
     return text, plan
 

@@ -257,3 +257,10 @@ def test_with_tool_grammar_fills_the_forced_grammar_once() -> None:
     with pytest.raises(RequestRejected) as caught:
         with_tool_grammar(other)
     assert caught.value.param == "tool_choice"
+
+
+def test_a_forced_call_is_not_read_as_reasoning(qwen3_style: PreTrainedTokenizerBase) -> None:
+    _, plan = render_chat(_chat(USER, "required"), qwen3_style, template_traits(qwen3_style))
+    assert (plan.tool_format, plan.reasoning, plan.starts_in_reasoning) == ("json", False, False)
+    _, free = render_chat(_chat(USER, "auto"), qwen3_style, template_traits(qwen3_style))
+    assert (free.tool_format, free.reasoning, free.starts_in_reasoning) == ("hermes", True, True)
