@@ -70,19 +70,8 @@ def validate_generate(
     ``traits``: the chat template's, probed once by the caller (probed here when not given)."""
     if not req.rid:
         raise RequestRejected("rid", "must be a non-empty string")
-    _check_chat_only(req)
-    req = with_tool_grammar(req)
+    req = _with_checked_sampling(req, info)
     params = req.sampling
-    try:
-        _check_sampling(params, info, echo=req.echo)
-    except RequestRejected as exc:  # the grammar came from tool_choice: name that
-        if (
-            exc.param == "sampling.grammar"
-            and params.grammar is not None
-            and params.grammar == tool_grammar(req)
-        ):
-            raise RequestRejected("tool_choice", f"(forced call) {exc.detail}") from None
-        raise
     _check_logprob_options(req)
     _check_choices(req)
     input_ids, chat_output = _prompt_ids(req, tokenizer, info, traits)
@@ -122,6 +111,21 @@ def validate_generate(
         chat_output=chat_output,
         n=req.n,
     )
+
+
+def _with_checked_sampling(req: GenerateRequest, info: ModelInfo) -> GenerateRequest:
+    """``req`` with its forced tool call's grammar, its sampling checked (a fault of that grammar
+    is tool_choice's)."""
+    _check_chat_only(req)
+    req = with_tool_grammar(req)
+    try:
+        _check_sampling(req.sampling, info, echo=req.echo)
+    except RequestRejected as exc:
+        forced = tool_grammar(req)
+        if exc.param == "sampling.grammar" and forced is not None and req.sampling.grammar == forced:
+            raise RequestRejected("tool_choice", f"(forced call) {exc.detail}") from None
+        raise
+    return req
 
 
 def _check_chat_only(req: GenerateRequest) -> None:
