@@ -28,6 +28,8 @@ from tokenizer_proc.grammar import CompiledSpec, GrammarCompiler, GrammarRejecte
 from tokenizer_proc.model_info import ModelInfo
 from tokenizer_proc.request_state import Outbox, RequestTable, error_output
 from tokenizer_proc.router import Router
+from tokenizer_proc.tool_checks import with_tool_grammar
+from tokenizer_proc.tools import template_traits
 from tokenizer_proc.validation import RequestRejected, validate_generate
 
 if TYPE_CHECKING:
@@ -51,6 +53,7 @@ class Frontend:
     ) -> None:
         self.tokenizer = tokenizer
         self.info = info
+        self.chat_traits = template_traits(tokenizer)  # what the chat template does with tools, <think>
         self.router = router or Router()
         self.requests = RequestTable(tokenizer, on_drop=self.router.release)
         self._rng = random.Random(seed)
@@ -163,7 +166,9 @@ class Frontend:
             raise RequestRejected(None, SHUTDOWN_MESSAGE, SHUTTING_DOWN)
         self.requests.check_new_rid(client_id, req.rid)
         try:
-            valid = validate_generate(req, self.tokenizer, self.info, self._rng, grammar)
+            valid = validate_generate(
+                req, self.tokenizer, self.info, self._rng, grammar, traits=self.chat_traits
+            )
         except RequestRejected:
             raise
         except Exception as exc:  # a tokenizer bug on one odd input must not take the engine down
@@ -174,6 +179,10 @@ class Frontend:
         return Outbox(to_scheduler=[tokenized])
 
     def _on_generate(self, client_id: bytes, req: GenerateRequest) -> Outbox:
+        try:  # a forced tool call's grammar is set before anything looks at the request's grammar
+            req = with_tool_grammar(req)
+        except RequestRejected as exc:
+            return Outbox(replies=[(client_id, error_output(req.rid, str(exc)))])
         grammar = None
         if req.sampling.grammar is not None:
             grammar = self.grammars.cached(req.sampling.grammar)

@@ -2,9 +2,9 @@
 
 The engine's own validation (``tokenizer_proc.validation``) checks ranges and
 tokenizes; this module only maps names, refuses what rivulet does not implement
-(tools) with a 400 naming the parameter (output constraints: constraints.py), and fills OpenAI's
-defaults. A completions ``prompt`` that is a batch becomes one request per prompt, each with the
-body's ``n`` choices (``best_of`` of them when best_of > n: the app keeps the n best).
+(``suffix``) with a 400 naming the parameter (output constraints: constraints.py), and fills
+OpenAI's defaults. A completions ``prompt`` that is a batch becomes one request per prompt, each with
+the body's ``n`` choices (``best_of`` of them when best_of > n: the app keeps the n best).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from tokenizer_proc.http.schemas import (
     CompletionRequest,
     SamplingFields,
 )
+from tokenizer_proc.tool_checks import with_tool_grammar
 from tokenizer_proc.validation import RequestRejected
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -81,21 +82,27 @@ def chat_request(body: ChatCompletionRequest, rid: str) -> GenerateRequest:
     top = _top_logprobs("top_logprobs", body.top_logprobs or 0)
     if top and not body.logprobs:
         raise bad_param("top_logprobs", "top_logprobs needs logprobs=true")
-    if body.tools:
-        raise bad_param("tools", "tools are not supported")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise bad_param("tool_choice", "tool_choice is not supported")
+    if body.tool_choice is not None and body.tool_choice != "none" and not body.tools:
+        raise bad_param("tool_choice", "tool_choice needs tools")
     grammar = grammar_of(body.response_format, body.regex, body.ebnf)
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return GenerateRequest(
+    req = GenerateRequest(
         rid=rid,
         messages=[_chat_message(i, m) for i, m in enumerate(body.messages)],
         sampling=_sampling(body, limit if limit is not None else UNTIL_CONTEXT, grammar),
         stream=body.stream,
         logprobs=body.logprobs,
         top_logprobs=top,
+        tools=body.tools,
+        tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
+        chat_template_kwargs=body.chat_template_kwargs,
         n=body.n,
     )
+    try:  # a forced tool call's grammar, there before the request's grammar is looked at
+        return with_tool_grammar(req)
+    except RequestRejected as exc:
+        param = exc.param or "tool_choice"
+        raise bad_param(param, f"{param} {exc.detail}") from None
 
 
 def _sglang_extensions(body: SamplingFields) -> None:
@@ -175,13 +182,17 @@ def _chat_message(i: int, m: ChatMessageIn) -> ChatMessage:
         raise bad_param(
             f"messages[{i}].role", f"unknown role {m.role!r}; expected one of {sorted(CHAT_ROLES)}"
         )
+    content: str | None
     if isinstance(m.content, list):
         if any(part.type != "text" or part.text is None for part in m.content):
             raise bad_param(f"messages[{i}].content", "only text content parts are supported")
         content = "".join(part.text or "" for part in m.content)
-    else:
-        content = m.content or ""
-    return ChatMessage(role="system" if m.role == "developer" else m.role, content=content)
+    else:  # None is "" (as before tools came) except on an assistant turn that only calls tools
+        content = m.content if m.content is not None or m.tool_calls else ""
+    role = "system" if m.role == "developer" else m.role
+    return ChatMessage(
+        role=role, content=content, tool_calls=m.tool_calls, tool_call_id=m.tool_call_id, name=m.name
+    )
 
 
 def rejection_error(
