@@ -7,5 +7,14 @@
 from client.async_client import AsyncClient
 from client.client import Client
 from client.common import DEFAULT_ENDPOINT, ENDPOINT_ENV, EngineError, default_endpoint
+from protocol.grammar import Grammar
 
-__all__ = ["DEFAULT_ENDPOINT", "ENDPOINT_ENV", "AsyncClient", "Client", "EngineError", "default_endpoint"]
+__all__ = [
+    "DEFAULT_ENDPOINT",
+    "ENDPOINT_ENV",
+    "AsyncClient",
+    "Client",
+    "EngineError",
+    "Grammar",
+    "default_endpoint",
+]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import msgspec
 import zmq
 
+from protocol.chat import Tool, ToolChoice
+from protocol.grammar import Grammar
 from protocol.messages import ChatMessage, FinishReason, GenerateOutput, GenerateRequest, SamplingParams
 from protocol.transport import CLIENT_SOCKET_OPTIONS
 
@@ -44,7 +46,7 @@ class GenerateOptions(TypedDict, total=False):
     """Keyword arguments of ``generate`` besides the prompt and ``stream``; unset ones take
     SamplingParams' defaults, so the defaults live in one place (protocol/)."""
 
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None  # OpenAI's chat messages, tool_calls and tool results included
     input_ids: list[int] | None
     max_new_tokens: int
     temperature: float
@@ -65,7 +67,15 @@ class GenerateOptions(TypedDict, total=False):
     repetition_penalty: float
     logit_bias: dict[int, float] | None  # token id -> added logit
     min_tokens: int
+    # Chat (messages) only, as in OpenAI's API: the reply's tool_calls and reasoning_text are parsed out.
+    tools: list[dict[str, Any]] | None  # [{"type": "function", "function": {"name", "parameters", ...}}]
+    tool_choice: str | dict[str, Any]  # "auto" (default), "none", "required", or {"type": "function", ...}
+    # extra chat template variables, e.g. {"enable_thinking": False}
+    chat_template_kwargs: dict[str, Any] | None
     n: int  # choices from one prefill (choice i samples with seed + i); replies carry ``index``
+    # Constrained output: Grammar(kind="json_schema", spec=json.dumps(schema)), "json_object",
+    # "regex" (spec: the pattern) or "ebnf" (spec: the grammar, start rule ``root``).
+    grammar: Grammar | None
 
 
 SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
@@ -76,6 +86,7 @@ def make_request(prompt: str | None, stream: bool, options: GenerateOptions) -> 
     sampling = {k: v for k, v in options.items() if k in SAMPLING_FIELDS and v is not None}
     messages = options.get("messages")
     rid = options.get("rid")
+    tools = options.get("tools")
     return GenerateRequest(
         rid=rid if rid is not None else uuid.uuid4().hex,
         prompt=prompt,
@@ -87,6 +98,9 @@ def make_request(prompt: str | None, stream: bool, options: GenerateOptions) -> 
         logprobs=options.get("logprobs", False),
         top_logprobs=options.get("top_logprobs", 0),
         echo=options.get("echo", False),
+        tools=msgspec.convert(tools, list[Tool]) if tools is not None else None,
+        tool_choice=msgspec.convert(options.get("tool_choice", "auto"), ToolChoice),
+        chat_template_kwargs=options.get("chat_template_kwargs"),
         n=options.get("n", 1),
     )
 

@@ -25,6 +25,7 @@ from protocol.sampling import WorkerSampling
 # 49k vocabulary, where a whole 2k-token chunk's would be 400 MB.
 PROMPT_BLOCK_POSITIONS = 256
 NO_TOP = TopTokens([], [])
+NEG_INF = float("-inf")
 
 
 class SlotTopLogprobs:
@@ -69,7 +70,9 @@ def asked_logprobs(
     values = values - log_total[:, None]
     top = [NO_TOP] * len(want)
     for i, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
-        top[i] = TopTokens(row_ids[: top_n[i]], row_values[: top_n[i]])
+        # A token masked to -inf (a grammar, min_tokens) cannot be drawn: it is no alternative.
+        n = sum(v != NEG_INF for v in row_values[: top_n[i]])
+        top[i] = TopTokens(row_ids[:n], row_values[:n])
     return out, top
 
 

@@ -21,6 +21,7 @@ from gpu_worker.config import WorkerConfig
 from gpu_worker.cpu import backend as cpu_backend
 from gpu_worker.forks import check_forks, copy_pages, with_forks
 from gpu_worker.gguf_weights import GgufError
+from gpu_worker.grammar import SlotGrammars
 from gpu_worker.kv_cache import KVPool, kv_pool_tokens
 from gpu_worker.loader import load_model
 from gpu_worker.logprobs import SlotTopLogprobs, asked_logprobs, check_logprob_fields, prompt_logprobs
@@ -57,6 +58,7 @@ class ModelRunner:
         self.penalties = SlotPenalties(
             config.max_running_requests, self.vocab_size, self._device, self._dtype
         )
+        self.grammars = SlotGrammars(config.max_running_requests, self.vocab_size, config.model_path)
         # The token each slot drew last: a row scheduled before that draw came back (overlap
         # scheduling) sends PENDING as its input and gets this one.
         self.last_tokens = torch.zeros(config.max_running_requests, dtype=torch.int64, device=self._device)
@@ -243,6 +245,9 @@ class ModelRunner:
         positions = [batch.prefix_lens[i] + batch.extend_lens[i] for i in rows]
         logits, slots, positions = with_forks(logits, slots, positions, rows, batch)
         logits = self.penalties.apply(logits, slots, positions)  # before greedy's argmax too
+        # The grammar mask after the penalties: greedy and sampled rows draw from the masked logits,
+        # and a grammar row's logprobs are those of the masked distribution, the one it was drawn from.
+        logits = self.grammars.apply(logits, slots)
         greedy = self.sampler_params.plain_greedy(slots)
         if greedy:
             tokens, token_logprobs = greedy_pick(logits, self._kernels), None
@@ -298,7 +303,10 @@ class ModelRunner:
         ctx = ForwardContext(positions=positions, attn=meta, k_cache=self.kv.k, v_cache=self.kv.v)
         input_ids = self._input_ids(batch)
         self.penalties.update(batch, input_ids)
-        self.penalties.fork([batch.slots[i] for i in batch.fork_rows], batch.fork_slots, batch.fork_samplers)
+        self.grammars.update(batch, input_ids)
+        fork_parents = [batch.slots[i] for i in batch.fork_rows]
+        self.penalties.fork(fork_parents, batch.fork_slots, batch.fork_samplers)
+        self.grammars.fork(batch.fork_slots, batch.fork_samplers)
         hidden = self.fused_decode(input_ids, ctx) if self.fused_decode is not None else None
         hidden = self.model(input_ids, ctx) if hidden is None else hidden
         copy_pages(self.kv, batch.copy_src, batch.copy_dst)  # a fork's own copies of prompt pages

@@ -263,12 +263,14 @@ def _mask_min_tokens(
 
 
 def check_prefix_ids(batch: ForwardBatch, vocab_size: int) -> None:
-    """Reject ``prefix_ids`` that do not match the batch: each row with a sampler with penalties
-    carries exactly its ``prefix_len`` ids, in the vocabulary; every other row carries none."""
+    """Reject ``prefix_ids`` that do not match the batch: each row with a sampler with penalties or
+    a grammar carries exactly its ``prefix_len`` ids, in the vocabulary; every other row carries none."""
     if not batch.prefix_ids:
         needs = [i for i, s in enumerate(batch.sampler) if _penalized(s) and batch.prefix_lens[i] > 0]
         if needs:
-            raise ValueError(f"batch {batch.step}: rows {needs} give a slot penalties but lack prefix_ids")
+            raise ValueError(
+                f"batch {batch.step}: rows {needs} give a slot penalties or a grammar but lack prefix_ids"
+            )
         return
     if len(batch.prefix_ids) != len(batch.slots):
         raise ValueError(f"batch {batch.step}: prefix_ids must have one entry per row")
@@ -281,4 +283,5 @@ def check_prefix_ids(batch: ForwardBatch, vocab_size: int) -> None:
 
 
 def _penalized(sampler: WorkerSampling | None) -> bool:
-    return sampler is not None and sampler.penalties is not None
+    """The row's request keeps per-slot state that follows its tokens (penalties or a grammar)."""
+    return sampler is not None and sampler.needs_prefix_ids

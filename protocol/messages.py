@@ -26,10 +26,12 @@ no pickles, no config objects.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
 from protocol.base import Msg
+from protocol.chat import ChatMessage, Tool, ToolCallDelta, ToolChoice
 from protocol.grammar import Grammar
 from protocol.logprobs import PromptLogprobs, TopLogprobs, TopTokens
 from protocol.sampling import WorkerSampling
@@ -47,6 +49,7 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # max_new_tokens or the model's context limit
     ABORT = "abort"  # the client (or shutdown) aborted it
     ERROR = "error"  # rejected or failed; GenerateOutput.error says why
+    TOOL_CALLS = "tool_calls"  # a chat reply that calls tools (the tokenizer's, for a STOP)
 
 
 # --------------------------------------------------------------------------
@@ -56,11 +59,6 @@ class FinishReason(enum.Enum):
 
 class ClientMsg(msgspec.Struct, tag=True, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Base of everything a client sends or receives."""
-
-
-class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    role: str
-    content: str
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -110,6 +108,11 @@ class GenerateRequest(ClientMsg, tag="generate"):
     cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share KV
     top_logprobs: int = 0
     echo: bool = False
+    # Chat only (see README): tools offered to the model and how it must use them, and extra
+    # variables for the chat template (e.g. {"enable_thinking": false}).
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice = "auto"
+    chat_template_kwargs: dict[str, Any] | None = None
     # n > 1: n choices drawn from one prefill of the prompt, choice i with seed + i (a seed is
     # drawn when none is given); every reply carries its choice's ``index``.
     n: int = 1
@@ -160,6 +163,10 @@ class GenerateOutput(ClientMsg, tag="output"):
     prompt_text: str | None = None
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[TopLogprobs | None] | None = None
+    # Chat replies: the model's reasoning (text between think tags), split out of ``text``, and the
+    # tool calls parsed out of it (pieces when streaming; see ToolCallDelta).
+    reasoning_text: str = ""
+    tool_calls: list[ToolCallDelta] | None = None
     index: int = 0  # the choice this reply belongs to (GenerateRequest.n)
 
 

@@ -25,6 +25,22 @@ class WorkerPenalties(msgspec.Struct, frozen=True, kw_only=True, array_like=True
     min_tokens_ids: list[int] = []  # EOS (unless ignore_eos) and the client's stop token ids
 
 
+class WorkerGrammar(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """A request's grammar as the worker needs it (gpu_worker/grammar.py).
+
+    ``compiled`` is xgrammar's compiled grammar as its own JSON text (``CompiledGrammar.serialize_json``:
+    the grammar and its token-mask cache, not the vocabulary, which the worker builds once from the
+    model's tokenizer). ``key`` names it, so the worker deserializes a grammar once and keeps it by key.
+    The grammar's end allows only ``stop_token_ids`` (the EOS ids, which end the request); positions
+    from ``prompt_len`` on are generated tokens, the ones the worker's matcher follows.
+    """
+
+    key: str
+    compiled: str
+    stop_token_ids: list[int]
+    prompt_len: int
+
+
 class WorkerSampling(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     """What the worker needs to sample one request's tokens: the client's SamplingParams less what
     the tokenizer and scheduler handle (stopping, lengths), with the seed resolved.
@@ -42,3 +58,10 @@ class WorkerSampling(msgspec.Struct, frozen=True, kw_only=True, array_like=True)
     logprobs: bool = False  # the client wants each token's logprob (else the worker skips them)
     top_logprobs: int = 0  # and the N most likely tokens at each position (0: none)
     penalties: WorkerPenalties | None = None  # None: the request changes no logit (the fast path)
+    grammar: WorkerGrammar | None = None  # None: free text (no token mask)
+
+    @property
+    def needs_prefix_ids(self) -> bool:
+        """The worker's per-slot state of this request follows its tokens (penalty counts, a
+        grammar's matcher), so a slot given to it past position 0 needs the cached prefix's ids."""
+        return self.penalties is not None or self.grammar is not None

@@ -89,7 +89,7 @@ def build_forward_batch(step: int, rows: list[Row], page_size: int) -> ForwardBa
         prompt_logprob_targets=[t for row in rows for t in row.prompt_logprob_targets()]
         if prompt_logprobs
         else [],
-        prefix_ids=penalty_prefix_ids(rows),
+        prefix_ids=state_prefix_ids(rows),
         fork_rows=[i for i, _ in forks],
         fork_slots=[_slot(fork) for _, fork in forks],
         fork_samplers=[fork.sampler for _, fork in forks],
@@ -103,11 +103,12 @@ def _slot(req: Req) -> int:
     return req.slot
 
 
-def penalty_prefix_ids(rows: list[Row]) -> list[list[int]]:
-    """ForwardBatch.prefix_ids: the cached prefix of each row that gives a request with penalties
-    its slot (the worker counts tokens only from its inputs), [] for other rows; [] for none."""
+def state_prefix_ids(rows: list[Row]) -> list[list[int]]:
+    """ForwardBatch.prefix_ids: the cached prefix of each row that gives a request with penalties or
+    a grammar its slot (the worker's counts and matchers follow only its inputs), [] for other rows;
+    [] for none."""
     prefix_ids = [
-        row.req.fill_slice(0, row.start) if row.new_slot and row.req.sampler.penalties is not None else []
+        row.req.fill_slice(0, row.start) if row.new_slot and row.req.sampler.needs_prefix_ids else []
         for row in rows
     ]
     return prefix_ids if any(prefix_ids) else []

@@ -24,9 +24,12 @@ from protocol.messages import (
     ToTokenizer,
 )
 from protocol.transport import Codec
+from tokenizer_proc.grammar import CompiledSpec, GrammarCompiler, GrammarRejected
 from tokenizer_proc.model_info import ModelInfo
 from tokenizer_proc.request_state import Outbox, RequestTable, error_output
 from tokenizer_proc.router import Router
+from tokenizer_proc.tool_checks import with_tool_grammar
+from tokenizer_proc.tools import template_traits
 from tokenizer_proc.validation import RequestRejected, validate_generate
 
 if TYPE_CHECKING:
@@ -50,6 +53,7 @@ class Frontend:
     ) -> None:
         self.tokenizer = tokenizer
         self.info = info
+        self.chat_traits = template_traits(tokenizer)  # what the chat template does with tools, <think>
         self.router = router or Router()
         self.requests = RequestTable(tokenizer, on_drop=self.router.release)
         self._rng = random.Random(seed)
@@ -57,6 +61,9 @@ class Frontend:
         # Each replica's last EngineStats (--dp-size); None until its scheduler is up.
         self.replica_stats: list[EngineStats | None] = [None] * self.router.dp_size
         self.draining = False  # set at shutdown: running requests finish, new ones are refused
+        self.grammars = GrammarCompiler(tokenizer, info.vocab_size)
+        # ZMQ requests whose grammar compiles, by (client, rid); True once the client aborted one.
+        self._compiling: dict[tuple[bytes, str], bool] = {}
 
     def on_client_frames(self, frames: list[bytes]) -> Outbox:
         """A ROUTER message: [client identity, msgpack payload]."""
@@ -76,6 +83,10 @@ class Frontend:
             case GenerateRequest():
                 return self._on_generate(client_id, msg)
             case AbortRequest():
+                if (client_id, msg.rid) in self._compiling:
+                    self._compiling[client_id, msg.rid] = True
+                    aborted = GenerateOutput(rid=msg.rid, finish_reason=FinishReason.ABORT)
+                    return Outbox(replies=[(client_id, aborted)])
                 return self.requests.abort(client_id, msg.rid)
             case FlushCacheRequest():
                 done = GenerateOutput(rid=msg.rid, finish_reason=FinishReason.STOP)
@@ -109,19 +120,55 @@ class Frontend:
         return list(range(self.router.dp_size))
 
     def shutdown(self) -> Outbox:
-        return self.requests.fail_all(SHUTDOWN_MESSAGE)
+        out = self.requests.fail_all(SHUTDOWN_MESSAGE)
+        for (client_id, rid), aborted in self._compiling.items():
+            if not aborted:
+                self._compiling[client_id, rid] = True  # never admitted now
+                out.replies.append((client_id, error_output(rid, SHUTDOWN_MESSAGE)))
+        return out
 
     def client_gone(self, client_id: bytes) -> Outbox:
         """A client that can no longer be reached: abort its requests so their KV is freed."""
         return self.requests.abort_client(client_id)
 
-    def admit(self, client_id: bytes, req: GenerateRequest) -> Outbox:
-        """Validate and start ``req``; raise RequestRejected (the HTTP API maps it to a status)."""
+    async def compile_grammar(self, req: GenerateRequest) -> CompiledSpec | None:
+        """``req``'s grammar compiled (off the event loop, once per distinct grammar), None when it
+        has none; raise RequestRejected naming ``sampling.grammar`` when it cannot compile."""
+        if req.sampling.grammar is None:
+            return None
+        try:
+            return await self.grammars.compile(req.sampling.grammar)
+        except GrammarRejected as exc:
+            raise RequestRejected("sampling.grammar", f"cannot be compiled: {exc}") from None
+        except Exception as exc:  # a compiler fault on one odd grammar must not take the engine down
+            logger.exception("request %r: compiling its grammar failed", req.rid)
+            raise RequestRejected("sampling.grammar", f"could not be compiled: {exc!r}") from exc
+
+    async def admit_after_compile(self, client_id: bytes, req: GenerateRequest) -> Outbox:
+        """A ZMQ request of Outbox.to_compile: compile its grammar, then admit it (unless the
+        client aborted it meanwhile); a rejection is an error reply."""
+        key = (client_id, req.rid)
+        self._compiling.setdefault(key, False)
+        try:
+            grammar = await self.compile_grammar(req)
+            if self._compiling[key]:
+                return Outbox()  # aborted while compiling: its ABORT reply went out then
+            return self.admit(client_id, req, grammar)
+        except RequestRejected as exc:
+            return Outbox(replies=[(client_id, error_output(req.rid, str(exc)))])
+        finally:
+            del self._compiling[key]
+
+    def admit(self, client_id: bytes, req: GenerateRequest, grammar: CompiledSpec | None = None) -> Outbox:
+        """Validate and start ``req`` (``grammar``: its grammar compiled, when it has one); raise
+        RequestRejected (the HTTP API maps it to a status)."""
         if self.draining:
             raise RequestRejected(None, SHUTDOWN_MESSAGE, SHUTTING_DOWN)
         self.requests.check_new_rid(client_id, req.rid)
         try:
-            valid = validate_generate(req, self.tokenizer, self.info, self._rng)
+            valid = validate_generate(
+                req, self.tokenizer, self.info, self._rng, grammar, traits=self.chat_traits
+            )
         except RequestRejected:
             raise
         except Exception as exc:  # a tokenizer bug on one odd input must not take the engine down
@@ -132,8 +179,20 @@ class Frontend:
         return Outbox(to_scheduler=[tokenized])
 
     def _on_generate(self, client_id: bytes, req: GenerateRequest) -> Outbox:
+        try:  # a forced tool call's grammar is set before anything looks at the request's grammar
+            req = with_tool_grammar(req)
+        except RequestRejected as exc:
+            return Outbox(replies=[(client_id, error_output(req.rid, str(exc)))])
+        grammar = None
+        if req.sampling.grammar is not None:
+            grammar = self.grammars.cached(req.sampling.grammar)
+            if (client_id, req.rid) in self._compiling:
+                return Outbox(replies=[(client_id, error_output(req.rid, f"rid {req.rid!r} is in flight"))])
+            if grammar is None:
+                self._compiling[client_id, req.rid] = False  # from now on an abort finds it
+                return Outbox(to_compile=[(client_id, req)])
         try:
-            return self.admit(client_id, req)
+            return self.admit(client_id, req, grammar)
         except RequestRejected as exc:
             return Outbox(replies=[(client_id, error_output(req.rid, str(exc)))])
 

@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 from zmq.asyncio import Socket as AsyncSocket
 
-from protocol.messages import GenerateOutput, Ready, ToTokenizer
+from protocol.messages import GenerateOutput, GenerateRequest, Ready, ToTokenizer
 from protocol.transport import CLIENT_SOCKET_OPTIONS, Codec, Endpoints, make_socket
 from tokenizer_proc.config import TokenizerConfig
 from tokenizer_proc.frontend import Frontend
@@ -101,6 +101,7 @@ class TokenizerServer:
             self._http = HttpServer(self._bridge, settings, self._config.http_host, self._config.http_port)
         self._stop = asyncio.Event()  # SIGTERM: drain, then stop
         self._stop_now = asyncio.Event()  # SIGUSR1 or a second SIGTERM: stop without draining
+        self._compiles: set[asyncio.Task[None]] = set()  # ZMQ requests waiting for their grammar
 
     async def serve(self) -> None:
         """Run the receive loops until a signal (or until one of them fails), then shut down."""
@@ -176,6 +177,10 @@ class TokenizerServer:
             await self._send(Outbox(replies=[(client_id, PROBE) for client_id in zmq_clients]))
 
     async def _send(self, out: Outbox) -> None:
+        for client_id, req in out.to_compile:
+            task = asyncio.create_task(self._admit_after_compile(client_id, req))
+            self._compiles.add(task)
+            task.add_done_callback(self._compiles.discard)
         for msg in out.to_scheduler:
             frame = self._codec.encode(msg)
             for replica in self._frontend.destinations(msg):
@@ -194,6 +199,10 @@ class TokenizerServer:
                 )
             await self._send(Outbox(to_scheduler=aborted.to_scheduler))  # its replies could not be delivered
 
+    async def _admit_after_compile(self, client_id: bytes, req: GenerateRequest) -> None:
+        """Compile a ZMQ request's grammar on the compiler's threads while this loop serves on."""
+        await self._send(await self._frontend.admit_after_compile(client_id, req))
+
     async def _reply(self, client_id: bytes, reply: GenerateOutput) -> bool:
         """Send one reply; False when the client is gone (EHOSTUNREACH under ROUTER_MANDATORY)."""
         try:
@@ -205,7 +214,10 @@ class TokenizerServer:
         return True
 
     async def _shutdown(self) -> None:
-        out = self._frontend.shutdown()
+        out = self._frontend.shutdown()  # requests still compiling get their error reply too
+        for task in self._compiles:
+            task.cancel()
+        self._frontend.grammars.close()
         logger.info("shutting down; failing %d in-flight requests", len(out.replies))
         try:
             await self._send(out)

@@ -17,12 +17,14 @@ from protocol.messages import (
     FinishReason,
     FinishReq,
     GenerateOutput,
+    GenerateRequest,
     RequestError,
     TokenBatch,
     TokenizedRequest,
     ToScheduler,
     Usage,
 )
+from tokenizer_proc.chat_output import ChatOutputParser, ChatPiece, merge_calls
 from tokenizer_proc.detokenizer import IncrementalDetokenizer, TokenDecoder
 from tokenizer_proc.echo import EchoPrompt, to_client
 from tokenizer_proc.metrics import ServingMetrics
@@ -38,6 +40,9 @@ class Outbox:
 
     replies: list[Reply] = field(default_factory=list)
     to_scheduler: list[ToScheduler] = field(default_factory=list)
+    # Requests whose grammar is not compiled yet: the process compiles it off its event loop, then
+    # admits them (Frontend.admit_after_compile).
+    to_compile: list[tuple[bytes, GenerateRequest]] = field(default_factory=list)
 
 
 def error_output(rid: str, message: str) -> GenerateOutput:
@@ -69,6 +74,7 @@ class RequestState:
     want_top: bool = False  # the client asked for top-N alternatives
     top: list[TopTokens] = field(default_factory=list)  # one per output token when want_top
     echo: EchoPrompt | None = None
+    chat: ChatOutputParser | None = None  # chat replies: reasoning and tool calls parsed out
     index: int = 0  # its choice (n > 1: the choices are rids rid - index .. rid - index + n - 1)
     num_choices: int = 1
 
@@ -104,12 +110,26 @@ class RequestState:
         text = self.text if self.incremental else self.detokenizer.full_text()
         return self._output(text, list(self.output_ids), reason)
 
+    def _chat_piece(self, text: str, final: bool) -> ChatPiece:
+        """The reply text as content, reasoning and tool calls (all content for non-chat requests)."""
+        if self.chat is None:
+            return ChatPiece(text)
+        piece = self.chat.feed(text, final=final)
+        if not self.stream:
+            piece.tool_calls = merge_calls(piece.tool_calls)
+        return piece
+
     def _output(self, text: str, ids: list[int], reason: FinishReason | None) -> GenerateOutput:
         """A reply with ``ids``, the last tokens so far, and their logprobs where asked."""
         first = len(self.logprobs) - len(ids)
+        piece = self._chat_piece(text, final=reason is not None)
+        if reason is FinishReason.STOP and self.chat is not None and self.chat.made_calls:
+            reason = FinishReason.TOOL_CALLS
         out = GenerateOutput(
             rid=self.client_rid,
-            text=text,
+            text=piece.content,
+            reasoning_text=piece.reasoning,
+            tool_calls=piece.tool_calls or None,
             token_ids=ids,
             logprobs=self.logprobs[first:] if self.want_logprobs else None,
             finish_reason=reason,
@@ -131,6 +151,14 @@ class RequestState:
 
     def stream_output(self, delta: str, new_ids: list[int]) -> GenerateOutput:
         return self._output(delta, new_ids, None)
+
+
+def _chat_parser(valid: ValidRequest) -> ChatOutputParser | None:
+    """A parser for a chat reply with reasoning to split or tools offered; None for plain text."""
+    plan = valid.chat_output
+    if plan is None or not (plan.reasoning or plan.tool_format is not None):
+        return None
+    return ChatOutputParser(plan)
 
 
 class RequestTable:
@@ -179,6 +207,7 @@ class RequestTable:
                 echo=EchoPrompt(valid.input_ids, valid.echo_text) if valid.echo_text is not None else None,
                 index=index,
                 num_choices=valid.n,
+                chat=_chat_parser(valid),
             )
         self._by_client[(client_id, valid.client_rid)] = list(range(rid, rid + valid.n))
         self.metrics.prompt_tokens += len(valid.input_ids)

@@ -9,33 +9,22 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.messages import GenerateRequest, SamplingParams
-from protocol.sampling import WorkerSampling
+from protocol.sampling import WorkerGrammar, WorkerSampling
+from tokenizer_proc.grammar import CompiledSpec
 from tokenizer_proc.model_info import ModelInfo
 from tokenizer_proc.penalties import penalty_error, worker_penalties
+from tokenizer_proc.tool_checks import tool_grammar, with_tool_grammar
+from tokenizer_proc.tools import ChatOutputPlan, ChatTemplateTraits, render_chat, template_traits
+from tokenizer_proc.validation_error import RequestRejected as RequestRejected
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 SEED_LIMIT = 2**63  # seeds travel as signed 64-bit ints
-
-
-class RequestRejected(ValueError):
-    """A request the engine will not run; the message says why.
-
-    ``param`` names the offending field as the protocol spells it ("rid", "prompt",
-    "sampling.top_p", ...; None when no single field is to blame) so a front end
-    can translate it (the HTTP API says "top_p"); ``code`` tells the kind of fault.
-    """
-
-    def __init__(self, param: str | None, detail: str, code: str = "invalid_value") -> None:
-        super().__init__(f"{param} {detail}" if param else detail)
-        self.param = param
-        self.detail = detail
-        self.code = code
 
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
@@ -57,6 +46,7 @@ class ValidRequest:
     cache_salt: str | None = None  # prefix-cache namespace
     top_logprobs: int = 0
     echo_text: str | None = None  # echo: the prompt as the reply gives it back (None: no echo)
+    chat_output: ChatOutputPlan | None = None  # chat: how the reply is parsed (tools, reasoning)
     n: int = 1  # choices, forking from one prefill (choice i samples with seed + i)
 
     def __post_init__(self) -> None:
@@ -69,16 +59,25 @@ class ValidRequest:
 
 
 def validate_generate(
-    req: GenerateRequest, tokenizer: PreTrainedTokenizerBase, info: ModelInfo, rng: random.Random
+    req: GenerateRequest,
+    tokenizer: PreTrainedTokenizerBase,
+    info: ModelInfo,
+    rng: random.Random,
+    grammar: CompiledSpec | None = None,
+    *,
+    traits: ChatTemplateTraits | None = None,
 ) -> ValidRequest:
-    """Validate ``req``, tokenize its prompt, clamp its output length; raise RequestRejected."""
+    """Validate ``req``, tokenize its prompt, clamp its output length; raise RequestRejected.
+
+    ``grammar``: the request's grammar compiled (tokenizer_proc/grammar.py), when it has one.
+    ``traits``: the chat template's, probed once by the caller (probed here when not given)."""
     if not req.rid:
         raise RequestRejected("rid", "must be a non-empty string")
+    req = _with_checked_sampling(req, info)
     params = req.sampling
-    _check_sampling(params, info, echo=req.echo)
     _check_logprob_options(req)
     _check_choices(req)
-    input_ids = _prompt_ids(req, tokenizer, info)
+    input_ids, chat_output = _prompt_ids(req, tokenizer, info, traits)
     if len(input_ids) >= info.context_len:
         raise RequestRejected(
             "prompt",
@@ -99,6 +98,7 @@ def validate_generate(
         logprobs=req.logprobs,
         top_logprobs=req.top_logprobs,
         penalties=worker_penalties(params, len(input_ids), stop_token_ids),
+        grammar=_worker_grammar(req, grammar, info, len(input_ids)),
     )
     return ValidRequest(
         client_rid=req.rid,
@@ -112,8 +112,31 @@ def validate_generate(
         cache_salt=req.cache_salt,
         top_logprobs=req.top_logprobs,
         echo_text=_echo_text(req, input_ids, tokenizer),
+        chat_output=chat_output,
         n=req.n,
     )
+
+
+def _with_checked_sampling(req: GenerateRequest, info: ModelInfo) -> GenerateRequest:
+    """``req`` with its forced tool call's grammar, its sampling checked (a fault of that grammar
+    is tool_choice's)."""
+    _check_chat_only(req)
+    req = with_tool_grammar(req)
+    try:
+        _check_sampling(req.sampling, info, echo=req.echo)
+    except RequestRejected as exc:
+        forced = tool_grammar(req)
+        if exc.param == "sampling.grammar" and forced is not None and req.sampling.grammar == forced:
+            raise RequestRejected("tool_choice", f"(forced call) {exc.detail}") from None
+        raise
+    return req
+
+
+def _check_chat_only(req: GenerateRequest) -> None:
+    if req.messages is None:
+        for name in ("tools", "chat_template_kwargs"):
+            if getattr(req, name) is not None:
+                raise RequestRejected(name, "works with messages only")
 
 
 def _check_choices(req: GenerateRequest) -> None:
@@ -167,11 +190,31 @@ def _check_sampling(params: SamplingParams, info: ModelInfo, *, echo: bool) -> N
     error = penalty_error(params, info)
     if error is not None:
         raise RequestRejected(*error)
-    if params.grammar is not None:
-        raise RequestRejected("sampling.grammar", "constrained decoding is not supported yet")
+    if params.grammar is not None and params.ignore_eos:
+        raise RequestRejected("sampling.grammar", "cannot go with ignore_eos (a grammar ends at EOS)")
+    if params.grammar is not None and not info.eos_token_ids:
+        raise RequestRejected("sampling.grammar", "needs a model with an EOS token to end the grammar")
+    if params.grammar is not None and params.min_tokens:
+        raise RequestRejected("sampling.grammar", "cannot be combined with min_tokens (it holds back EOS)")
 
 
-def _prompt_ids(req: GenerateRequest, tokenizer: PreTrainedTokenizerBase, info: ModelInfo) -> list[int]:
+def _worker_grammar(
+    req: GenerateRequest, grammar: CompiledSpec | None, info: ModelInfo, prompt_len: int
+) -> WorkerGrammar | None:
+    """The grammar as the worker takes it: its end allows the EOS ids, which end the request (the
+    request's stop_token_ids hold them: ignore_eos is refused with a grammar)."""
+    if req.sampling.grammar is None:
+        return None
+    assert grammar is not None, "a request with a grammar is validated with its grammar compiled"
+    return grammar.for_request(list(info.eos_token_ids), prompt_len)
+
+
+def _prompt_ids(
+    req: GenerateRequest,
+    tokenizer: PreTrainedTokenizerBase,
+    info: ModelInfo,
+    traits: ChatTemplateTraits | None,
+) -> tuple[list[int], ChatOutputPlan | None]:
     given = [name for name in ("prompt", "messages", "input_ids") if getattr(req, name) is not None]
     if len(given) != 1:
         raise RequestRejected(None, f"give exactly one of prompt, messages, input_ids; got {given or 'none'}")
@@ -181,29 +224,30 @@ def _prompt_ids(req: GenerateRequest, tokenizer: PreTrainedTokenizerBase, info: 
         bad = [t for t in req.input_ids if not 0 <= t < info.vocab_size]
         if bad:
             raise RequestRejected("input_ids", f"{bad[:8]} are outside the vocabulary [0, {info.vocab_size})")
-        return list(req.input_ids)
+        return list(req.input_ids), None
+    plan = None
     if req.prompt is not None:
         if not req.prompt:
             raise RequestRejected("prompt", "must not be empty")
         ids = list(tokenizer.encode(req.prompt))
     else:
-        ids = _chat_ids(req, tokenizer)
+        ids, plan = _chat_ids(req, tokenizer, traits or template_traits(tokenizer))
     if not ids:
         raise RequestRejected("prompt", "tokenizes to no tokens")
-    return ids
+    return ids, plan
 
 
-def _chat_ids(req: GenerateRequest, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def _chat_ids(
+    req: GenerateRequest, tokenizer: PreTrainedTokenizerBase, traits: ChatTemplateTraits
+) -> tuple[list[int], ChatOutputPlan]:
     assert req.messages is not None, "_chat_ids needs messages"
     if not req.messages:
         raise RequestRejected("messages", "must not be empty")
-    conversation = [{"role": m.role, "content": m.content} for m in req.messages]
     try:
-        ids: Any = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+        text, plan = render_chat(req, tokenizer, traits)
+    except RequestRejected:
+        raise
     except Exception as exc:  # jinja templates raise arbitrary errors on bad conversations
         raise RequestRejected("messages", f"could not be rendered by the chat template: {exc}") from exc
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some versions return a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
+    # What apply_chat_template(tokenize=True) does: the template writes the special tokens itself.
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)], plan

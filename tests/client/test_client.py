@@ -8,6 +8,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -15,6 +16,7 @@ import zmq
 
 from client import DEFAULT_ENDPOINT, AsyncClient, Client, EngineError, default_endpoint
 from client.__main__ import main
+from protocol.chat import NamedToolChoice, ToolCallDelta
 from protocol.messages import (
     AbortRequest,
     ClientRequest,
@@ -222,3 +224,38 @@ def test_cli_raw_prompt_and_engine_error(
 def test_messages_are_checked_client_side(endpoint: str) -> None:
     with Client(endpoint, timeout_s=0.2) as client, pytest.raises(msgspec.ValidationError, match="role"):
         client.generate(messages=[{"content": "no role"}])
+
+
+def test_chat_with_tools_travels_and_tool_calls_come_back(engine: FakeEngine, endpoint: str) -> None:
+    tools: list[dict[str, Any]] = [
+        {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    ]
+    history: list[dict[str, Any]] = [
+        {"role": "user", "content": "1+2?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+    ]  # fmt: skip
+    with Client(endpoint, timeout_s=5.0) as client:
+        stream = client.generate(
+            messages=history, tools=tools, tool_choice={"type": "function", "function": {"name": "add"}},
+            chat_template_kwargs={"enable_thinking": False}, stream=True, rid="t",
+        )  # fmt: skip
+        ident, req = engine.recv()
+        assert isinstance(req, GenerateRequest) and req.tools is not None and req.messages is not None
+        assert req.tools[0].function.name == "add" and req.tools[0].function.parameters == {"type": "object"}
+        assert isinstance(req.tool_choice, NamedToolChoice) and req.tool_choice.function.name == "add"
+        assert req.chat_template_kwargs == {"enable_thinking": False}
+        calls = req.messages[1].tool_calls
+        assert (
+            req.messages[1].content is None
+            and calls is not None
+            and calls[0].function.arguments == '{"a": 1}'
+        )
+        assert req.messages[2].tool_call_id == "call_1"
+        piece = ToolCallDelta(index=0, id="call_9", name="add", arguments='{"a"')
+        engine.reply(ident, GenerateOutput(rid="t", tool_calls=[piece], reasoning_text="hmm"))
+        engine.reply(ident, _delta("t", "", FinishReason.TOOL_CALLS))
+        first, last = list(stream)
+        assert first.tool_calls == [piece] and first.reasoning_text == "hmm"
+        assert last.finish_reason is FinishReason.TOOL_CALLS

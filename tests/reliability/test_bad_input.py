@@ -19,6 +19,12 @@ OK = {"prompt": "Hello", "max_tokens": 2}
 MSG = [{"role": "user", "content": "hi"}]
 
 # (name, path, body: a JSON-able value or raw bytes, expected status, the "param" the error must name)
+
+
+def _tool(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+
 HTTP_CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("max_tokens as a string", "completions", {**OK, "max_tokens": "5"}, 400, "max_tokens"),
     ("negative max_tokens", "completions", {**OK, "max_tokens": -1}, 400, "max_tokens"),
@@ -45,7 +51,7 @@ HTTP_CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("body is an array", "completions", [1, 2, 3], 400, None),
     ("empty body", "completions", b"", 400, None),
     ("truncated JSON", "completions", b'{"prompt": "abc', 400, None),
-    ("n above one", "completions", {**OK, "n": 3}, 400, "n"),
+    ("n above the limit", "completions", {**OK, "n": 129}, 400, "n"),
     ("empty stop string", "completions", {**OK, "stop": [""]}, 400, "stop"),
     ("too many stop strings", "completions", {**OK, "stop": [str(i) for i in range(40)]}, 400, "stop"),
     ("negative stop token id", "completions", {**OK, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
@@ -125,8 +131,22 @@ HTTP_CASES: list[tuple[str, str, Any, int, str | None]] = [
         400,
         "messages[0].content",
     ),  # fmt: skip
-    ("tools", "chat/completions", {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
-]
+    ("tool without function", "chat/completions", {"messages": MSG, "tools": [{"type": "function"}]}, 400,
+     "tools[0].function"),
+    ("tool with a bad name", "chat/completions", {"messages": MSG, "tools": [_tool("no spaces")]}, 400,
+     "tools[0].function.name"),
+    ("tool_choice names no tool", "chat/completions",
+     {"messages": MSG, "tools": [_tool("f")], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     400, "tool_choice"),
+    ("tool_choice unknown word", "chat/completions",
+     {"messages": MSG, "tools": [_tool("f")], "tool_choice": "any"}, 400, "tool_choice"),
+    ("tool_choice required without tools", "chat/completions", {"messages": MSG, "tool_choice": "required"},
+     400, "tool_choice"),
+    ("tool message without tool_call_id", "chat/completions",
+     {"messages": [*MSG, {"role": "tool", "content": "42"}]}, 400, "messages[1].tool_call_id"),
+    ("chat_template_kwargs overriding tools", "chat/completions",
+     {"messages": MSG, "chat_template_kwargs": {"tools": []}}, 400, "chat_template_kwargs"),
+]  # fmt: skip
 
 
 def _post(engine: HttpEngine, path: str, body: Any) -> httpx.Response:

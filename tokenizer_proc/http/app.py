@@ -19,6 +19,7 @@ from starlette.routing import Route
 from protocol.messages import FinishReason, GenerateRequest
 from tokenizer_proc.http.bridge import HttpBridge
 from tokenizer_proc.http.choices import EventStream, submit_all, whole_replies
+from tokenizer_proc.http.constraints import grammar_field
 from tokenizer_proc.http.convert import chat_request, completion_requests, rejection_error
 from tokenizer_proc.http.errors import ApiError, engine_error, shutting_down, starting
 from tokenizer_proc.http.responses import ResponseShape, best_choices, total_usage
@@ -100,7 +101,9 @@ class OpenAiApi:
         try:
             handles = await submit_all(self.bridge, reqs)
         except RequestRejected as exc:
-            raise rejection_error(exc, chat=chat, max_param=max_param) from None
+            raise rejection_error(
+                exc, chat=chat, max_param=max_param, grammar_param=grammar_field(body)
+            ) from None
         drawn = reqs[0].n  # choices per prompt: n, or best_of of which the n best are kept
         shape = ResponseShape(
             id=rid,

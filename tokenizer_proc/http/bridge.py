@@ -46,7 +46,8 @@ class HttpBridge:
         arrive on, one per choice (``req.n``)."""
         client_id = HTTP_CLIENT_PREFIX + str(self._next_id).encode()
         self._next_id += 1
-        out = self.frontend.admit(client_id, req)
+        grammar = await self.frontend.compile_grammar(req)  # off the event loop
+        out = self.frontend.admit(client_id, req, grammar)
         self._queues[client_id] = [asyncio.Queue() for _ in range(req.n)]
         await self._send(out)
         return [RequestHandle(self, client_id, index) for index in range(req.n)]

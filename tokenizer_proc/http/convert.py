@@ -2,9 +2,9 @@
 
 The engine's own validation (``tokenizer_proc.validation``) checks ranges and
 tokenizes; this module only maps names, refuses what rivulet does not implement
-(tools) with a 400 naming the parameter, and fills OpenAI's defaults. A completions
-``prompt`` that is a batch becomes one request per prompt, each with the body's ``n`` choices
-(``best_of`` of them when best_of > n: the app keeps the n best).
+(``suffix``) with a 400 naming the parameter (output constraints: constraints.py), and fills
+OpenAI's defaults. A completions ``prompt`` that is a batch becomes one request per prompt, each with
+the body's ``n`` choices (``best_of`` of them when best_of > n: the app keeps the n best).
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from typing import Any
 
 import msgspec
 
+from protocol.grammar import Grammar
 from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.messages import ChatMessage, GenerateRequest, SamplingParams
 from tokenizer_proc.frontend import SHUTTING_DOWN
+from tokenizer_proc.http.constraints import grammar_of
 from tokenizer_proc.http.errors import ApiError, bad_param, shutting_down
 from tokenizer_proc.http.schemas import (
     ChatCompletionRequest,
@@ -23,6 +25,7 @@ from tokenizer_proc.http.schemas import (
     CompletionRequest,
     SamplingFields,
 )
+from tokenizer_proc.tool_checks import with_tool_grammar
 from tokenizer_proc.validation import RequestRejected
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -42,7 +45,7 @@ def completion_requests(body: CompletionRequest, rid: str) -> list[GenerateReque
         raise bad_param("max_tokens", "max_tokens must be >= 1 (0 only with echo=true)")
     req = GenerateRequest(
         rid=rid,
-        sampling=_sampling(body, max_tokens),
+        sampling=_sampling(body, max_tokens, grammar_of(None, body.regex, body.ebnf)),
         stream=body.stream,
         logprobs=body.logprobs is not None or best_of > body.n,  # best_of ranks by them
         top_logprobs=top,
@@ -79,22 +82,27 @@ def chat_request(body: ChatCompletionRequest, rid: str) -> GenerateRequest:
     top = _top_logprobs("top_logprobs", body.top_logprobs or 0)
     if top and not body.logprobs:
         raise bad_param("top_logprobs", "top_logprobs needs logprobs=true")
-    if body.tools:
-        raise bad_param("tools", "tools are not supported")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise bad_param("tool_choice", "tool_choice is not supported")
-    if body.response_format is not None and body.response_format.get("type") != "text":
-        raise bad_param("response_format", "only response_format {'type': 'text'} is supported")
+    if body.tool_choice is not None and body.tool_choice != "none" and not body.tools:
+        raise bad_param("tool_choice", "tool_choice needs tools")
+    grammar = grammar_of(body.response_format, body.regex, body.ebnf)
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return GenerateRequest(
+    req = GenerateRequest(
         rid=rid,
         messages=[_chat_message(i, m) for i, m in enumerate(body.messages)],
-        sampling=_sampling(body, limit if limit is not None else UNTIL_CONTEXT),
+        sampling=_sampling(body, limit if limit is not None else UNTIL_CONTEXT, grammar),
         stream=body.stream,
         logprobs=body.logprobs,
         top_logprobs=top,
+        tools=body.tools,
+        tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
+        chat_template_kwargs=body.chat_template_kwargs,
         n=body.n,
     )
+    try:  # a forced tool call's grammar, there before the request's grammar is looked at
+        return with_tool_grammar(req)
+    except RequestRejected as exc:
+        param = exc.param or "tool_choice"
+        raise bad_param(param, f"{param} {exc.detail}") from None
 
 
 def _sglang_extensions(body: SamplingFields) -> None:
@@ -112,7 +120,7 @@ def _sglang_extensions(body: SamplingFields) -> None:
             raise bad_param(name, f"{name} is not supported at this value")
 
 
-def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
+def _sampling(body: SamplingFields, max_tokens: int, grammar: Grammar | None) -> SamplingParams:
     _sglang_extensions(body)
     if body.stream_options is not None and not body.stream:
         raise bad_param("stream_options", "stream_options is only allowed with stream=true")
@@ -130,6 +138,7 @@ def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
         stop=stop,
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
+        grammar=grammar,
         **_penalties(body),
     )
 
@@ -173,17 +182,24 @@ def _chat_message(i: int, m: ChatMessageIn) -> ChatMessage:
         raise bad_param(
             f"messages[{i}].role", f"unknown role {m.role!r}; expected one of {sorted(CHAT_ROLES)}"
         )
+    content: str | None
     if isinstance(m.content, list):
         if any(part.type != "text" or part.text is None for part in m.content):
             raise bad_param(f"messages[{i}].content", "only text content parts are supported")
         content = "".join(part.text or "" for part in m.content)
-    else:
-        content = m.content or ""
-    return ChatMessage(role="system" if m.role == "developer" else m.role, content=content)
+    else:  # None is "" (as before tools came) except on an assistant turn that only calls tools
+        content = m.content if m.content is not None or m.tool_calls else ""
+    role = "system" if m.role == "developer" else m.role
+    return ChatMessage(
+        role=role, content=content, tool_calls=m.tool_calls, tool_call_id=m.tool_call_id, name=m.name
+    )
 
 
-def rejection_error(exc: RequestRejected, *, chat: bool, max_param: str) -> ApiError:
-    """The engine's rejection with the field named as the OpenAI API spells it."""
+def rejection_error(
+    exc: RequestRejected, *, chat: bool, max_param: str, grammar_param: str = "response_format"
+) -> ApiError:
+    """The engine's rejection with the field named as the OpenAI API spells it (``grammar_param``:
+    the field the request's grammar came from)."""
     if exc.code == SHUTTING_DOWN:
         return shutting_down()
     param = exc.param
@@ -191,6 +207,8 @@ def rejection_error(exc: RequestRejected, *, chat: bool, max_param: str) -> ApiE
         param = param.removeprefix("sampling.")
         if param == "max_new_tokens":
             param = max_param
+        elif param == "grammar":
+            param = grammar_param
         elif param in ("prompt", "input_ids", "messages"):
             param = "messages" if chat else "prompt"
         elif param == "top_logprobs" and not chat:

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from protocol.chat import ToolCallDelta
 from protocol.logprobs import TopLogprobs
 from protocol.messages import FinishReason, GenerateOutput, Usage
 from tokenizer_proc.http.errors import engine_error
@@ -65,6 +66,40 @@ def _mean_logprob(reply: GenerateOutput) -> float:
     return sum(logprobs) / len(logprobs) if logprobs else float("-inf")
 
 
+def chat_message(reply: GenerateOutput) -> dict[str, Any]:
+    """A whole chat reply's message: content null when the reply only calls tools."""
+    message: dict[str, Any] = {"role": "assistant", "content": reply.text}
+    if reply.reasoning_text:
+        message["reasoning_content"] = reply.reasoning_text
+    if reply.tool_calls:
+        message["content"] = reply.text or None
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in reply.tool_calls
+        ]
+    return message
+
+
+def chat_delta(text: str, reply: GenerateOutput, final: bool) -> dict[str, Any]:
+    """A streamed chat chunk's delta; an empty content only on a bare non-final chunk (logprobs)."""
+    delta: dict[str, Any] = {}
+    if text or not (final or reply.reasoning_text or reply.tool_calls):
+        delta["content"] = text
+    if reply.reasoning_text:
+        delta["reasoning_content"] = reply.reasoning_text
+    if reply.tool_calls:
+        delta["tool_calls"] = [_call_delta(c) for c in reply.tool_calls]
+    return delta
+
+
+def _call_delta(piece: ToolCallDelta) -> dict[str, Any]:
+    """OpenAI's tool-call delta: a call's first piece names it, later ones add argument text."""
+    if piece.id is None:
+        return {"index": piece.index, "function": {"arguments": piece.arguments}}
+    return {"index": piece.index, "id": piece.id, "type": "function",
+            "function": {"name": piece.name, "arguments": piece.arguments}}  # fmt: skip
+
+
 @dataclass
 class ResponseShape:
     """How one HTTP request's replies become OpenAI JSON; holds what a stream must remember."""
@@ -92,7 +127,7 @@ class ResponseShape:
             assert reply.finish_reason is not None, "a whole response needs the final reply"
             choice: dict[str, Any] = {"index": index, "logprobs": self._logprobs(index, reply)}
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": reply.text}
+                choice["message"] = chat_message(reply)
             else:
                 choice["text"] = (reply.prompt_text or "") + reply.text
             choice["finish_reason"] = reply.finish_reason.value
@@ -112,9 +147,10 @@ class ResponseShape:
             self.sent_role.add(index)
             events.append(self._chunk(index, {"role": "assistant", "content": ""}, None, None))
         text = (reply.prompt_text or "") + reply.text
-        if text or final or (self.logprobs and (reply.token_ids or reply.prompt_token_ids)):
+        shows = text or reply.reasoning_text or reply.tool_calls
+        if shows or final or (self.logprobs and (reply.token_ids or reply.prompt_token_ids)):
             reason = reply.finish_reason.value if reply.finish_reason is not None else None
-            delta: Any = {"content": text} if text or not final else {}
+            delta = chat_delta(text, reply, final)
             events.append(
                 self._chunk(index, delta if self.chat else text, reason, self._logprobs(index, reply))
             )

@@ -13,6 +13,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from protocol.chat import Tool, ToolCall, ToolChoice
 from tokenizer_proc.http.errors import ApiError
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
@@ -56,6 +57,8 @@ class SamplingFields(Body, kw_only=True):
     no_stop_trim: bool = False  # a stop string is trimmed from the text
     skip_special_tokens: bool = True  # special tokens are left out of the text
     return_hidden_states: bool = False
+    regex: str | None = None  # extension (SGLang): the output matches this regular expression
+    ebnf: str | None = None  # extension (SGLang): the output follows this grammar (start rule ``root``)
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -74,9 +77,17 @@ class ContentPart(Body):
 
 
 class ChatMessageIn(Body):
+    """A message of the history. ``refusal``, ``reasoning_content`` and ``annotations`` are accepted
+    (a client may send back an assistant message as it got it) and not shown to the model."""
+
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    reasoning_content: str | None = None
+    annotations: list[Any] | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -87,12 +98,13 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: Int64 | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # None: OpenAI's default, "auto" ("none" without tools)
     parallel_tool_calls: bool | None = None
     continue_final_message: bool = False  # SGLang's extensions, as for SamplingFields
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM, SGLang): template variables
 
 
 _PATH = re.compile(r" - at `\$\.?(.*)`$")

@@ -147,3 +147,47 @@ def test_penalty_rejections_keep_openai_names() -> None:
             RequestRejected(f"sampling.{field}", "is bad"), chat=False, max_param="max_tokens"
         )
         assert (error.status, error.param) == (400, field)
+
+
+def test_chat_tools_and_tool_history_map_to_the_engine_request() -> None:
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    messages = [
+        {"role": "user", "content": "1+2?"},
+        {"role": "assistant", "content": None, "refusal": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+        {"role": "user", "content": None},
+    ]  # fmt: skip
+    req = chat_request(
+        _chat(messages=messages, tools=[tool], chat_template_kwargs={"enable_thinking": False}), "r"
+    )
+    assert req.tools is not None and req.tools[0].function.name == "add" and req.tool_choice == "auto"
+    assert req.chat_template_kwargs == {"enable_thinking": False}
+    assert req.messages is not None
+    assistant, result, empty_user = req.messages[1:]
+    assert assistant.content is None and assistant.tool_calls is not None
+    assert assistant.tool_calls[0].function.name == "add"
+    assert (result.role, result.tool_call_id, result.content) == ("tool", "call_1", "3")
+    assert empty_user.content == ""  # a null content stays "" unless the turn calls tools
+    named = {"type": "function", "function": {"name": "add"}}
+    assert (
+        chat_request(_chat(messages=messages[:1], tools=[tool], tool_choice=named), "r").tool_choice != "auto"
+    )
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "add"}}])
+def test_tool_choice_without_tools_is_refused(choice: object) -> None:
+    with pytest.raises(ApiError) as caught:
+        chat_request(_chat(messages=[{"role": "user", "content": "hi"}], tool_choice=choice), "r")
+    assert caught.value.param == "tool_choice"
+
+
+def test_a_forced_tool_choice_carries_its_grammar_from_the_start() -> None:
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    req = chat_request(_chat(tools=[tool], tool_choice="required"), "r")
+    assert req.sampling.grammar is not None and req.sampling.grammar.kind == "json_schema"
+    assert chat_request(_chat(tools=[tool]), "r").sampling.grammar is None
+    named = {"type": "function", "function": {"name": "mul"}}
+    with pytest.raises(ApiError) as caught:
+        chat_request(_chat(tools=[tool], tool_choice=named), "r")
+    assert caught.value.param == "tool_choice" and "mul" in caught.value.message

@@ -1,0 +1,109 @@
+"""Reasoning content end to end: a random Qwen3 model through the real loader, with a Qwen3-style
+chat template written into its model directory, served over HTTP to the ``openai`` package.
+
+A random model writes noise, so what it proves is the plumbing, exactly: the template's
+``enable_thinking`` (through ``chat_template_kwargs``) decides whether the prompt opens a think
+block, and the reply is then reasoning (``reasoning_content``) or content, equal token for token to
+the completion of the same prompt ids, streamed and not. The split at ``</think>`` itself is pinned
+by crafted token streams (tests/tokenizer_proc/test_chat_replies.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.conftest import TOKENIZER_FILES
+from tests.tokenizer_proc.http.server import http_engine
+from tests.tokenizer_proc.qwen3_style import QWEN3_STYLE_TEMPLATE
+from tokenizer_proc.model_info import load_tokenizer
+
+ASK: list[Any] = [{"role": "user", "content": "Why is the sky blue?"}]
+TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """A random 2-layer Qwen3 with SmolLM2's tokenizer and a Qwen3-style chat template."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-qwen3")
+    config = Qwen3Config(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.3,
+    )  # fmt: skip  (initializer_range 0.3: at 0.02 a random model writes one token over and over)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (smollm2_dir / name).is_file():
+            shutil.copy(smollm2_dir / name, out / name)
+    (out / "chat_template.jinja").write_text(QWEN3_STYLE_TEMPLATE)
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen3(qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    with http_engine(qwen3_dir, tmp_path_factory.mktemp("qwen3-http"), "--served-model-name", "q") as engine:
+        with openai.OpenAI(base_url=engine.v1, api_key="none", max_retries=0, timeout=60.0) as client:
+            yield client
+
+
+def _completion_of_prompt(client: openai.OpenAI, qwen3_dir: Path, **template_kwargs: Any) -> str:
+    """What the model writes after the chat prompt, asked through the completions endpoint."""
+    tokenizer = load_tokenizer(str(qwen3_dir))
+    text = tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False, **template_kwargs)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    out = client.completions.create(
+        model="q", prompt=ids, max_tokens=TOKENS, temperature=0, extra_body={"ignore_eos": True}
+    )
+    return out.choices[0].text
+
+
+def _chat(client: openai.OpenAI, **kw: Any) -> Any:
+    return client.chat.completions.create(
+        model="q", messages=ASK, max_tokens=TOKENS, temperature=0, extra_body={"ignore_eos": True, **kw}
+    )
+
+
+def test_thinking_reply_is_reasoning_content(qwen3: openai.OpenAI, qwen3_dir: Path) -> None:
+    expected = _completion_of_prompt(qwen3, qwen3_dir)
+    assert "</think>" not in expected and expected.strip()  # the model never closes the block it is in
+    message = _chat(qwen3).choices[0].message
+    assert message.model_extra["reasoning_content"] == expected.lstrip()
+    assert message.content == ""
+
+
+def test_enable_thinking_false_gives_content(qwen3: openai.OpenAI, qwen3_dir: Path) -> None:
+    expected = _completion_of_prompt(qwen3, qwen3_dir, enable_thinking=False)
+    message = _chat(qwen3, chat_template_kwargs={"enable_thinking": False}).choices[0].message
+    assert message.content == expected and "reasoning_content" not in (message.model_extra or {})
+
+
+def test_streamed_reasoning_adds_up_to_the_whole(qwen3: openai.OpenAI) -> None:
+    whole = _chat(qwen3).choices[0].message.model_extra["reasoning_content"]
+    stream = qwen3.chat.completions.create(
+        model="q",
+        messages=ASK,
+        max_tokens=TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    pieces = [(c.choices[0].delta.model_extra or {}).get("reasoning_content") for c in stream if c.choices]
+    assert "".join(p for p in pieces if p) == whole and sum(1 for p in pieces if p) > 1

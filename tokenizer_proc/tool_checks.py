@@ -1,0 +1,116 @@
+"""Checks of a chat request's tools, tool_choice, tool messages and template variables, and the
+grammar that forces a call (``tool_choice`` "required" or a named function).
+
+Every rejection names the field as OpenAI spells it (``tools[1].function.name``, ``tool_choice``,
+``messages[3].tool_call_id``), so the HTTP layer passes it through unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import msgspec
+
+from protocol.chat import ChatMessage, NamedToolChoice, Tool, ToolChoice
+from protocol.grammar import Grammar
+from protocol.messages import GenerateRequest
+from tokenizer_proc.validation_error import RequestRejected
+
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule, plus '.' (some tool names have it)
+# Arguments apply_chat_template takes itself: a client must not set them through the template variables.
+_RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "add_generation_prompt",
+                              "continue_final_message", "tokenize", "return_dict", "chat_template",
+                              "padding", "truncation", "max_length", "return_tensors", "tokenizer_kwargs",
+                              "return_assistant_tokens_mask"})  # fmt: skip
+MAX_TOOLS = 128
+
+
+def offered_tools(tools: list[Tool] | None, choice: ToolChoice) -> tuple[list[Tool], bool]:
+    """The tools the model is offered (none for tool_choice "none"), and whether a call is forced."""
+    tools = tools or []
+    if len(tools) > MAX_TOOLS:
+        raise RequestRejected("tools", f"at most {MAX_TOOLS} tools, got {len(tools)}")
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        name = tool.function.name
+        if not _FUNCTION_NAME.match(name):
+            raise RequestRejected(
+                f"tools[{i}].function.name", f"must match {_FUNCTION_NAME.pattern}, got {name!r}"
+            )
+        if name in names:
+            raise RequestRejected(f"tools[{i}].function.name", f"{name!r} is given twice")
+        names.add(name)
+        params = tool.function.parameters
+        if params is not None and params.get("type", "object") != "object":
+            raise RequestRejected(f"tools[{i}].function.parameters", "must be a JSON schema of type object")
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise RequestRejected("tool_choice", f"names {choice.function.name!r}, which is not among tools")
+        return [t for t in tools if t.function.name == choice.function.name], True
+    if choice == "required" and not tools:
+        raise RequestRejected("tool_choice", '"required" needs tools')
+    return ([] if choice == "none" else tools), choice == "required"
+
+
+def forced_call_grammar(tools: list[Tool], choice: ToolChoice) -> Grammar | None:
+    """The JSON schema of one call object ``{"name": ..., "arguments": {...}}`` of the offered tools,
+    for a forced choice (the model then writes the bare object, which the ``json`` parser reads);
+    None when the model may answer freely."""
+    offered, forced = offered_tools(tools, choice)
+    if not forced:
+        return None
+    calls = [call_schema(t) for t in offered]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return Grammar(kind="json_schema", spec=json.dumps(schema))
+
+
+def with_tool_grammar(req: GenerateRequest) -> GenerateRequest:
+    """``req`` with the grammar of its forced tool call in ``sampling.grammar`` (unchanged when the
+    call is not forced, or the grammar is there already). Applied where a request enters the
+    engine, before anything looks at its grammar (compiling it), and again in validation."""
+    grammar = tool_grammar(req)
+    if grammar is None or req.sampling.grammar == grammar:
+        return req
+    if req.sampling.grammar is not None:
+        raise RequestRejected("tool_choice", "a forced tool call cannot be combined with response_format")
+    return msgspec.structs.replace(req, sampling=msgspec.structs.replace(req.sampling, grammar=grammar))
+
+
+def tool_grammar(req: GenerateRequest) -> Grammar | None:
+    """The grammar ``req``'s tool_choice forces, None when it forces none (or it is no chat)."""
+    if req.messages is None:
+        return None
+    return forced_call_grammar(req.tools or [], req.tool_choice)
+
+
+def call_schema(tool: Tool) -> dict[str, Any]:
+    """The schema of one call of ``tool``: its name, and arguments valid against its parameters."""
+    arguments = tool.function.parameters or {"type": "object", "properties": {}}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.function.name}, "arguments": arguments},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    """Tool results name their call; only an assistant turn with tool calls may lack content."""
+    for i, m in enumerate(messages):
+        if m.role == "tool" and not m.tool_call_id:
+            raise RequestRejected(f"messages[{i}].tool_call_id", "is required on a tool message")
+        if m.tool_calls and m.role != "assistant":
+            raise RequestRejected(f"messages[{i}].tool_calls", "only assistant messages have tool calls")
+        if m.content is None and not m.tool_calls:
+            raise RequestRejected(f"messages[{i}].content", "is required unless the message has tool_calls")
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The client's chat template variables, minus any that would override our own arguments."""
+    kwargs = kwargs or {}
+    clash = sorted(k for k in kwargs if k in _RESERVED_KWARGS or not k.isidentifier())
+    if clash:
+        raise RequestRejected("chat_template_kwargs", f"may not set {clash}")
+    return kwargs
