@@ -42,31 +42,19 @@ def agree_min(value: int) -> int:
     return int(t.item())
 
 
-def check_divisible(model: nn.Module, world: int) -> None:
-    """Refuse, naming the count, a model whose heads, KV heads or MLP width do not split into ``world``."""
+def check_divisible(model: Any, world: int) -> None:
+    """Refuse, naming the counts, a model whose heads or KV heads do not split into ``world``."""
     counts = {"attention heads": model.num_heads, "KV heads": model.num_kv_heads}
-    inner = _mlp_width(model)
-    if inner is not None:
-        counts["MLP width"] = inner
     bad = {name: count for name, count in counts.items() if count % world}
     if bad:
         raise ValueError(f"--tp-size {world} does not divide the model's {bad}")
 
 
-def _mlp_width(model: nn.Module) -> int | None:
-    args = getattr(model, "args", None)
-    if args is not None:
-        return int(args.intermediate_size)
-    for module in model.modules():
-        if isinstance(module, Conv1D) and module.weight.shape[1] != module.weight.shape[0] * 3:
-            return int(max(module.weight.shape))  # GPT-2's c_fc: [hidden, inner]
-    return None
-
-
-def shard(model: nn.Module, rank: int, world: int) -> list[nn.Module]:
+def shard(model: Any, rank: int, world: int) -> list[nn.Module]:
     """Keep this rank's part of every layer in place; returns the row-parallel modules."""
     check_divisible(model, world)
     reduce: list[nn.Module] = []
+    module: Any  # a layer of the model's, by the attributes it has
     for module in model.modules():
         if hasattr(module, "qkv_proj"):  # the Llama family's Attention
             module.num_heads //= world
@@ -89,6 +77,8 @@ def shard(model: nn.Module, rank: int, world: int) -> list[nn.Module]:
 
 
 def _part(t: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    if t.shape[dim] % world:
+        raise ValueError(f"--tp-size {world} does not divide a projection's {t.shape[dim]} columns")
     size = t.shape[dim] // world
     return t.narrow(dim, rank * size, size).clone()
 
@@ -107,7 +97,8 @@ def _columns(linear: Linear, rank: int, world: int) -> None:
     if isinstance(linear, MergedLinear):
         sizes = [rows // world for _, rows in parts]
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        linear.shards = {name: (start, rows) for name, start, rows in zip(linear.shards, starts, sizes, strict=True)}
+        names = list(linear.shards)
+        linear.shards = {name: (start, rows) for name, start, rows in zip(names, starts, sizes, strict=True)}
         linear.sizes = sizes
 
 
@@ -159,6 +150,14 @@ class AllReduced:
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return residual + self(x)
+
+
+def setup_model(model: Any, rank: int, world: int, prepare: Any) -> None:
+    """Shard ``model`` for this rank, let ``prepare`` (the device backend) ready it, then route the
+    row-parallel projections through their all-reduce."""
+    reduced = shard(model, rank, world)
+    prepare()
+    wrap_reductions(reduced)
 
 
 def wrap_reductions(modules: list[nn.Module]) -> None:
