@@ -65,14 +65,21 @@ def _start(engine: Engine, args: argparse.Namespace, endpoints: Endpoints, model
     Returns replica 0's WorkerReady."""
     from gpu_worker.model_files import source_gguf
 
-    replicas = range(args.dp_size)
+    replicas, tp = range(args.dp_size), args.tp_size
+    if tp > 1 and args.dp_size > 1:
+        raise SystemExit("--tp-size > 1 with --dp-size > 1 is not supported yet")
     gguf = str(source_gguf(args.model) or "")
-    for i, cpu_ids in zip(replicas, replica_cpus(args.dp_size), strict=True):
-        config = worker_config(args, model_path, gguf, replica=i, cpu_ids=cpu_ids)
-        engine.start(replica_name("gpu_worker", i), config, endpoints.replica(i))
+    cpus = replica_cpus(args.dp_size * tp)  # one share of the cores per worker process
+    store = f"127.0.0.1:{_free_port()}" if tp > 1 else ""  # the TP ranks' torch.distributed store
+    for i in replicas:
+        for rank in range(tp):
+            config = worker_config(args, model_path, gguf, replica=i, cpu_ids=cpus[i * tp + rank],
+                                   tp_rank=rank, dist_init_addr=store)  # fmt: skip
+            engine.start(replica_name("gpu_worker", i, rank), config, endpoints.replica(i))
     engine.start("tokenizer", tokenizer_config(args, model_path))
     workers = [replica_name("gpu_worker", i) for i in replicas]
-    readies = engine.wait_ready({*workers, "tokenizer"}, READY_TIMEOUT_S)
+    ranked = [replica_name("gpu_worker", i, rank) for i in replicas for rank in range(tp)]
+    readies = engine.wait_ready({*ranked, "tokenizer"}, READY_TIMEOUT_S)
     for i, worker in enumerate(workers):
         ready = readies[worker]
         assert isinstance(ready, WorkerReady), "the worker must report its KV pool"
@@ -81,6 +88,12 @@ def _start(engine: Engine, args: argparse.Namespace, endpoints: Endpoints, model
     first = readies[workers[0]]
     assert isinstance(first, WorkerReady)
     return first
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def serve(args: argparse.Namespace) -> int:

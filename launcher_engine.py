@@ -108,7 +108,10 @@ class Engine:
             except msgspec.DecodeError as exc:
                 logger.warning("dropped a malformed frame on the launcher socket: %s", exc)
                 continue
-            got[replica_name("gpu_worker", msg.replica) if isinstance(msg, WorkerReady) else msg.proc] = msg
+            if isinstance(msg, WorkerReady):
+                got[replica_name("gpu_worker", msg.replica, msg.tp_rank)] = msg
+            else:
+                got[msg.proc] = msg
         return got
 
     def raise_if_dead(self) -> None:

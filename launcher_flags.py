@@ -110,10 +110,13 @@ def worker_config(
     gguf_path: str = "",
     replica: int = 0,
     cpu_ids: tuple[int, ...] = (),
+    tp_rank: int = 0,
+    dist_init_addr: str = "",
 ) -> WorkerConfig:
     return config_from_args(
-        WorkerConfig, args, model_path=model_path, gguf_path=gguf_path, replica=replica, cpu_ids=cpu_ids
-    )
+        WorkerConfig, args, model_path=model_path, gguf_path=gguf_path, replica=replica, cpu_ids=cpu_ids,
+        tp_rank=tp_rank, dist_init_addr=dist_init_addr,
+    )  # fmt: skip
 
 
 def scheduler_config(args: argparse.Namespace, ready: WorkerReady, replica: int = 0) -> SchedulerConfig:

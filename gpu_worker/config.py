@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.flags import flag, given, max_running_requests_field, seed_field
+from protocol.flags import flag, given, max_running_requests_field, seed_field, tp_size_field
 
 WEIGHT_DTYPES = ("auto", "gguf", "bfloat16", "float32")
 
@@ -57,6 +57,9 @@ class WorkerConfig:
     gguf_path: str = given("", "the launcher: the .gguf --model names (the embedded one by default)")
     replica: int = given(0, "the launcher: its data-parallel replica (--dp-size)")
     cpu_ids: tuple[int, ...] = given((), "the launcher: its replica's share of the cores (--dp-size > 1)")
+    tp_size: int = tp_size_field()
+    tp_rank: int = given(0, "the launcher: its tensor-parallel rank (--tp-size)")
+    dist_init_addr: str = given("", "the launcher: host:port of the ranks' torch.distributed TCP store")
     seed: int = seed_field()
 
     def __post_init__(self) -> None:

@@ -140,3 +140,11 @@ def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
     if param.shape != tensor.shape:
         raise WeightMismatchError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
     param.copy_(tensor)
+
+
+def round_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Round every parameter through ``dtype`` in place (--weight-dtype bfloat16 under a wider --dtype)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.copy_(param.to(dtype))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gpu_worker import tensor_parallel as tp
 from gpu_worker.attention import ForwardContext, build_metadata
 from gpu_worker.batch_checks import check_batch
 from gpu_worker.config import WorkerConfig
@@ -23,7 +24,7 @@ from gpu_worker.forks import check_forks, copy_pages, with_forks
 from gpu_worker.gguf_weights import GgufError
 from gpu_worker.grammar import SlotGrammars
 from gpu_worker.kv_cache import KVPool, kv_pool_tokens
-from gpu_worker.loader import load_model
+from gpu_worker.loader import load_model, round_weights
 from gpu_worker.logprobs import SlotTopLogprobs, asked_logprobs, check_logprob_fields, prompt_logprobs
 from gpu_worker.models import CausalLM
 from gpu_worker.penalties import SlotPenalties
@@ -84,7 +85,10 @@ class ModelRunner:
     def _init_model(self) -> None:
         started = time.perf_counter()
         self.model, self.hf_config = self._load()
-        self._prepare_kernels()
+        if self.config.tp_size > 1:  # this rank's share of every layer, then the backend readies it
+            tp.setup_model(self.model, self.config.tp_rank, self.config.tp_size, self._prepare_kernels)
+        else:
+            self._prepare_kernels()
         self._context_len = int(self.model.context_len)
         self.vocab_size = int(self.hf_config.vocab_size)
         logger.info(
@@ -140,6 +144,8 @@ class ModelRunner:
 
     def _blocks_unavailable(self) -> str | None:
         """Why the weights cannot stay in GGUF blocks, whatever the activations' dtype (None: they can)."""
+        if self.config.tp_size > 1:
+            return "--tp-size splits dequantized weights"
         if self.config.weight_dtype not in ("auto", "gguf"):
             return f"--weight-dtype {self.config.weight_dtype}"
         if not self.config.gguf_path:
@@ -182,6 +188,8 @@ class ModelRunner:
         tokens = kv_pool_tokens(
             self.config.kv_cache_tokens, self.config.kv_mem_fraction, bytes_per_token, self._device
         )
+        if self.config.tp_size > 1:  # every rank holds the same pages (its own heads of them)
+            tokens = tp.agree_min(tokens)
         self.kv = KVPool(
             num_layers=model.num_layers,
             kv_heads=model.num_kv_heads,
@@ -330,14 +338,6 @@ class ModelRunner:
         slots = torch.tensor([batch.slots[i] for i in rows], device=self._device)
         input_ids[where] = self.last_tokens[slots]
         return input_ids
-
-
-def round_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Round every parameter through ``dtype`` in place (--weight-dtype bfloat16 under a wider --dtype)."""
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.is_floating_point():
-                param.copy_(param.to(dtype))
 
 
 def auto_dtype(device: torch.device, gguf_blocks: bool = False) -> str:

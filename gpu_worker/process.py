@@ -11,6 +11,7 @@ import zmq
 
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.tensor_parallel import init_group
 from protocol.messages import ForwardBatch, ForwardResult, ToWorker, WorkerReady
 from protocol.transport import Codec, Endpoints, make_socket
 
@@ -25,10 +26,13 @@ def run_worker(config: WorkerConfig, endpoints: Endpoints) -> None:
     """
     if config.cpu_ids:  # before torch sizes its thread pool: its threads follow the affinity
         os.sched_setaffinity(0, config.cpu_ids)
+    if config.tp_size > 1:  # the ranks meet before loading: they agree on the KV pool
+        init_group(config.tp_rank, config.tp_size, config.dist_init_addr)
     runner = ModelRunner(config)
     ctx = zmq.Context()
-    inbox = make_socket(ctx, zmq.PULL, endpoints.to_worker, bind=True)
-    outbox = make_socket(ctx, zmq.PUSH, endpoints.from_worker, bind=False)
+    inbox = make_socket(ctx, zmq.PULL, endpoints.tp_rank(config.tp_rank).to_worker, bind=True)
+    # Every rank runs every batch; rank 0 alone answers (the others drew the same tokens).
+    outbox = make_socket(ctx, zmq.PUSH, endpoints.from_worker, bind=False) if config.tp_rank == 0 else None
     launcher = make_socket(ctx, zmq.PUSH, endpoints.to_launcher, bind=False)
     codec: Codec[ToWorker] = Codec(ToWorker)
     launcher.send(codec.encode(_ready(runner, config)))
@@ -44,7 +48,8 @@ def run_worker(config: WorkerConfig, endpoints: Endpoints) -> None:
         result = _execute(runner, batch)
         now = time.monotonic()
         busy_s += now - received
-        outbox.send(codec.encode(msgspec.structs.replace(result, busy_s=busy_s, clock_s=now)))
+        if outbox is not None:
+            outbox.send(codec.encode(msgspec.structs.replace(result, busy_s=busy_s, clock_s=now)))
 
 
 def _execute(runner: ModelRunner, batch: ForwardBatch) -> ForwardResult:
@@ -73,4 +78,5 @@ def _ready(runner: ModelRunner, config: WorkerConfig) -> WorkerReady:
         device=str(runner.device),
         dtype=dtype,
         replica=config.replica,
+        tp_rank=config.tp_rank,
     )

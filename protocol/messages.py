@@ -278,6 +278,7 @@ class WorkerReady(Msg):
     device: str
     dtype: str
     replica: int = 0  # its data-parallel replica (--dp-size)
+    tp_rank: int = 0  # its tensor-parallel rank (--tp-size)
 
 
 ToLauncher = Ready | WorkerReady

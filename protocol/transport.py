@@ -57,9 +57,11 @@ def make_socket(ctx: zmq.Context, kind: int, endpoint: str, *, bind: bool) -> zm
     return sock
 
 
-def replica_name(process: str, replica: int) -> str:
-    """A process's name in the launcher's logs and Ready messages: ``scheduler``, ``scheduler.1``, ..."""
-    return process if replica == 0 else f"{process}.{replica}"
+def replica_name(process: str, replica: int, tp_rank: int = 0) -> str:
+    """A process's name in the launcher's logs and Ready messages: ``scheduler``, ``scheduler.1``
+    (data-parallel replica 1), ``gpu_worker.tp1`` (tensor-parallel rank 1), ..."""
+    name = process if replica == 0 else f"{process}.{replica}"
+    return name if tp_rank == 0 else f"{name}.tp{tp_rank}"
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,14 @@ class Endpoints:
 
         channels = ("to_scheduler", "to_worker", "from_worker")
         return replace(self, **{name: own(getattr(self, name)) for name in channels})
+
+    def tp_rank(self, rank: int) -> Endpoints:
+        """Tensor-parallel rank ``rank``'s endpoints: a to_worker socket of its own (the scheduler
+        sends every batch to each rank); rank 0 alone sends results on from_worker."""
+        if rank == 0:
+            return self
+        assert self.to_worker.endswith(".sock"), f"per-rank channels are ipc sockets, not {self.to_worker}"
+        return replace(self, to_worker=f"{self.to_worker.removesuffix('.sock')}.tp{rank}.sock")
 
     @classmethod
     def in_dir(cls, run_dir: str, client: str | None = None) -> Endpoints:

@@ -31,7 +31,7 @@ class SchedulerProcess:
     """Owns the sockets; everything else is the core's business.
 
     Binds PULL on ``to_scheduler`` and ``from_worker``; connects PUSH to
-    ``to_tokenizer``, ``to_worker`` and ``to_launcher``.
+    ``to_tokenizer``, ``to_worker`` (each tensor-parallel rank's) and ``to_launcher``.
     """
 
     def __init__(self, config: SchedulerConfig, endpoints: Endpoints, ctx: zmq.Context) -> None:
@@ -46,7 +46,9 @@ class SchedulerProcess:
         self.from_tokenizer = make_socket(ctx, zmq.PULL, endpoints.to_scheduler, bind=True)
         self.from_worker = make_socket(ctx, zmq.PULL, endpoints.from_worker, bind=True)
         self.to_tokenizer = make_socket(ctx, zmq.PUSH, endpoints.to_tokenizer, bind=False)
-        self.to_worker = make_socket(ctx, zmq.PUSH, endpoints.to_worker, bind=False)
+        # One per tensor-parallel rank (--tp-size): every rank runs every batch.
+        ranks = [endpoints.tp_rank(r).to_worker for r in range(self.scheduler.config.tp_size)]
+        self.to_workers = [make_socket(ctx, zmq.PUSH, endpoint, bind=False) for endpoint in ranks]
         self.to_launcher = make_socket(ctx, zmq.PUSH, endpoints.to_launcher, bind=False)
         self.encoder = msgspec.msgpack.Encoder()  # every outgoing message, whatever its channel
         self.tokenizer_codec: Codec[ToScheduler] = Codec(ToScheduler)
@@ -68,7 +70,9 @@ class SchedulerProcess:
                 self._drain(sock)
             batch = self.scheduler.schedule()
             if batch is not None:
-                self.to_worker.send(self.encoder.encode(batch))
+                frame = self.encoder.encode(batch)
+                for sock in self.to_workers:
+                    sock.send(frame)
                 self.stats.on_batch(self.scheduler)
             for out in self.scheduler.take_outputs():
                 self.to_tokenizer.send(self.encoder.encode(out))

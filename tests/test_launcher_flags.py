@@ -51,6 +51,8 @@ FROM_ELSEWHERE = {
     (SchedulerConfig, "replica"): "the launcher: its data-parallel replica (--dp-size)",
     (WorkerConfig, "replica"): "the launcher: its data-parallel replica (--dp-size)",
     (WorkerConfig, "cpu_ids"): "the launcher: its replica's share of the cores (--dp-size)",
+    (WorkerConfig, "tp_rank"): "the launcher: its tensor-parallel rank (--tp-size)",
+    (WorkerConfig, "dist_init_addr"): "the launcher: the TP ranks' torch.distributed store",
 }
 LAUNCHER_OWN_OPTIONS = {"model", "endpoint", "log_level", "help"}
 

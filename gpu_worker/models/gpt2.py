@@ -20,10 +20,10 @@ class GPT2Attention(nn.Module):
         self.c_proj = Conv1D(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        tokens, hidden = x.shape
+        tokens = x.shape[0]
         q, k, v = self.c_attn(x).view(tokens, 3, self.num_heads, self.head_dim).unbind(1)
         out = paged_attention(self.layer, q, k, v, ctx)
-        return self.c_proj(out.reshape(tokens, hidden))
+        return self.c_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
 class GPT2MLP(nn.Module):

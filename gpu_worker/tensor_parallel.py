@@ -1,0 +1,166 @@
+"""Tensor parallel (--tp-size N): each worker rank holds 1/N of every layer's attention heads and
+MLP columns, and one all-reduce per projection back into the residual stream.
+
+Per decoder layer (Megatron's split):
+
+    q/k/v, gate/up (GPT-2: c_attn, c_fc)  column-parallel: this rank's heads / MLP columns, no
+                                          communication; the attention runs on its own heads
+                                          and KV pool (its KV heads only)
+    o, down (GPT-2: both c_proj)          row-parallel: this rank's input columns, the partial
+                                          products summed over the ranks (``AllReduced``); the
+                                          bias added once (rank 0 keeps it, the others zero it)
+
+The embedding, the norms and the LM head are replicated: every rank computes the same logits
+and draws the same tokens (same seeds), so each keeps its per-slot state; rank 0 alone replies.
+A GGUF's weights are dequantized for TP (blocks would need K splits on block boundaries).
+``shard`` runs on the full model as loaded, before the device backend readies it;
+``wrap_reductions`` after, around whatever matmul the backend chose. The model files stay
+free of this: they read their head counts from their modules, which ``shard`` sets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.models.layers import Conv1D, Linear, MergedLinear
+
+
+def init_group(rank: int, world: int, init_addr: str) -> None:
+    """Join the ranks' process group (gloo; NCCL comes with the CUDA worker) over a TCP store."""
+    dist.init_process_group("gloo", init_method=f"tcp://{init_addr}", rank=rank, world_size=world)
+
+
+def agree_min(value: int) -> int:
+    """The smallest ``value`` over the ranks (the KV pool's pages: every rank must hold as many)."""
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def check_divisible(model: Any, world: int) -> None:
+    """Refuse, naming the counts, a model whose heads or KV heads do not split into ``world``."""
+    counts = {"attention heads": model.num_heads, "KV heads": model.num_kv_heads}
+    bad = {name: count for name, count in counts.items() if count % world}
+    if bad:
+        raise ValueError(f"--tp-size {world} does not divide the model's {bad}")
+
+
+def shard(model: Any, rank: int, world: int) -> list[nn.Module]:
+    """Keep this rank's part of every layer in place; returns the row-parallel modules."""
+    check_divisible(model, world)
+    reduce: list[nn.Module] = []
+    module: Any  # a layer of the model's, by the attributes it has
+    for module in model.modules():
+        if hasattr(module, "qkv_proj"):  # the Llama family's Attention
+            module.num_heads //= world
+            module.num_kv_heads //= world
+            _columns(module.qkv_proj, rank, world)
+            reduce.append(_rows(module.o_proj, rank, world))
+        elif hasattr(module, "gate_up_proj"):  # its MLP
+            _columns(module.gate_up_proj, rank, world)
+            reduce.append(_rows(module.down_proj, rank, world))
+        elif hasattr(module, "c_attn"):  # GPT-2's attention: q, k, v blocks along the output columns
+            module.num_heads //= world
+            _conv_columns(module.c_attn, rank, world, blocks=3)
+            reduce.append(_conv_rows(module.c_proj, rank, world))
+        elif hasattr(module, "c_fc"):  # GPT-2's MLP
+            _conv_columns(module.c_fc, rank, world, blocks=1)
+            reduce.append(_conv_rows(module.c_proj, rank, world))
+    model.num_heads //= world
+    model.num_kv_heads //= world
+    return reduce
+
+
+def _part(t: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    if t.shape[dim] % world:
+        raise ValueError(f"--tp-size {world} does not divide a projection's {t.shape[dim]} columns")
+    size = t.shape[dim] // world
+    return t.narrow(dim, rank * size, size).clone()
+
+
+def _set(param: nn.Parameter, value: torch.Tensor) -> None:
+    param.data = value
+
+
+def _columns(linear: Linear, rank: int, world: int) -> None:
+    """Output rows of each of a merged Linear's blocks (or of a plain one): this rank's share."""
+    blocks = linear.shards if isinstance(linear, MergedLinear) else {"all": (0, linear.weight.shape[0])}
+    parts = [(start, rows) for start, rows in blocks.values()]
+    _set(linear.weight, torch.cat([_part(linear.weight[s : s + r], 0, rank, world) for s, r in parts]))
+    if linear.bias is not None:
+        _set(linear.bias, torch.cat([_part(linear.bias[s : s + r], 0, rank, world) for s, r in parts]))
+    if isinstance(linear, MergedLinear):
+        sizes = [rows // world for _, rows in parts]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        names = list(linear.shards)
+        linear.shards = {name: (start, rows) for name, start, rows in zip(names, starts, sizes, strict=True)}
+        linear.sizes = sizes
+
+
+def _rows(linear: Linear, rank: int, world: int) -> Linear:
+    """Input columns: this rank's share; the bias only on rank 0 (the sum adds it once)."""
+    _set(linear.weight, _part(linear.weight, 1, rank, world))
+    if linear.bias is not None and rank != 0:
+        _set(linear.bias, torch.zeros_like(linear.bias))
+    return linear
+
+
+def _conv_columns(conv: Conv1D, rank: int, world: int, blocks: int) -> None:
+    width = conv.weight.shape[1] // blocks
+    spans = [(b * width, width) for b in range(blocks)]
+    _set(conv.weight, torch.cat([_part(conv.weight[:, s : s + w], 1, rank, world) for s, w in spans], dim=1))
+    _set(conv.bias, torch.cat([_part(conv.bias[s : s + w], 0, rank, world) for s, w in spans]))
+
+
+def _conv_rows(conv: Conv1D, rank: int, world: int) -> Conv1D:
+    _set(conv.weight, _part(conv.weight, 0, rank, world))
+    if rank != 0:
+        _set(conv.bias, torch.zeros_like(conv.bias))
+    return conv
+
+
+class AllReduced:
+    """A row-parallel projection: this rank's partial product, summed over the ranks (in float32
+    for bf16/fp16 activations, which gloo may not sum), then the residual added once."""
+
+    def __init__(self, module: nn.Module) -> None:
+        impl = getattr(module, "impl", None)
+        self._module = module
+        self._matmul = impl if impl is not None else self._plain
+
+    def _plain(self, x: torch.Tensor) -> torch.Tensor:
+        m: Any = self._module
+        if isinstance(m, Conv1D):
+            return torch.addmm(m.bias, x, m.weight)
+        return F.linear(x, m.weight, m.bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x)
+        if y.dtype in (torch.float32, torch.float64):
+            dist.all_reduce(y)
+            return y
+        wide = y.float()
+        dist.all_reduce(wide)
+        return wide.to(y.dtype)
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return residual + self(x)
+
+
+def setup_model(model: Any, rank: int, world: int, prepare: Any) -> None:
+    """Shard ``model`` for this rank, let ``prepare`` (the device backend) ready it, then route the
+    row-parallel projections through their all-reduce."""
+    reduced = shard(model, rank, world)
+    prepare()
+    wrap_reductions(reduced)
+
+
+def wrap_reductions(modules: list[nn.Module]) -> None:
+    """Route each row-parallel module's matmul (the backend's, or torch's) through an all-reduce."""
+    for module in modules:
+        module.impl = AllReduced(module)  # type: ignore[assignment]

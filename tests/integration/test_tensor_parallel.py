@@ -1,0 +1,77 @@
+"""--tp-size 2: every layer split over two worker ranks (gloo all-reduce), on the real launcher.
+
+Greedy outputs equal --tp-size 1's token for token in float64, on random Llama, Qwen2, Qwen3 and
+GPT-2 models whose heads divide by 2, through chunked prefill and the prefix cache (prompts share
+a prefix); a model whose heads do not divide is refused at start, naming them.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from client import Client
+from tests.conftest import TOKENIZER_FILES
+from tests.integration.engine import running_engine
+from tests.models import VOCAB, save_tiny_model
+
+FLAGS = ("--dtype", "float64", "--chunked-prefill-size", "8", "--page-size", "4")
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    shared = [rng.randrange(3, VOCAB) for _ in range(20)]
+    return [shared + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 9))] for _ in range(4)]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gpt2"])
+def model_dir(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
+) -> Path:
+    out = tmp_path_factory.mktemp(f"tp-{request.param}")
+    save_tiny_model(request.param, False, out)
+    for name in TOKENIZER_FILES:  # ids below VOCAB decode as SmolLM2's tokens: text is not compared
+        if (smollm2_dir / name).is_file():
+            shutil.copy(smollm2_dir / name, out / name)
+    return out
+
+
+def greedy(model: Path, tmp: Path, *flags: str) -> Iterator[list[int]]:
+    with running_engine(model, tmp, *FLAGS, *flags) as engine, Client(engine.endpoint, timeout_s=120) as c:
+        for p in prompts():
+            yield c.generate(input_ids=p, max_new_tokens=12, temperature=0, ignore_eos=True).token_ids
+
+
+def test_two_ranks_equal_one(model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "tp1").mkdir()
+    (tmp_path / "tp2").mkdir()
+    one = list(greedy(model_dir, tmp_path / "tp1"))
+    two = list(greedy(model_dir, tmp_path / "tp2", "--tp-size", "2"))
+    assert two == one
+    assert len({tuple(t) for t in one}) > 1, "the prompts gave different outputs"
+
+
+def test_heads_that_do_not_divide_are_refused_at_start(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """The tiny Llama has 4 heads and 2 KV heads: 3 ranks cannot split them."""
+    with (
+        pytest.raises(RuntimeError, match="exited"),
+        running_engine(tiny_llama_dir, tmp_path, "--tp-size", "3"),
+    ):
+        pass
+    log = (tmp_path / "launcher.log").read_text(errors="replace")
+    assert "--tp-size 3 does not divide" in log and "attention heads" in log
+
+
+def test_the_embedded_smollm2_at_three_ranks(tmp_path: Path) -> None:
+    """9 heads and 3 KV heads over 3 ranks (its GGUF blocks dequantized for TP): the same answer."""
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    with (
+        running_engine(None, tmp_path, "--tp-size", "3") as engine,
+        Client(engine.endpoint, timeout_s=300) as c,
+    ):
+        out = c.generate(messages=question, max_new_tokens=12, temperature=0)
+    assert out.text.startswith("The capital of France is Paris"), out.text
