@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,7 +28,6 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """A random 2-layer Llama with SmolLM2's vocabulary and tokenizer, so real text round-trips."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = tmp_path_factory.mktemp("tiny-llama")
@@ -43,8 +43,15 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) 
         bos_token_id=1,
         eos_token_id=2,
     )
+    return save_with_smollm2_tokenizer(LlamaForCausalLM, config, out, smollm2_dir)
+
+
+def save_with_smollm2_tokenizer(model_class: Any, config: Any, out: Path, smollm2_dir: Path) -> Path:
+    """A random ``model_class(config)`` (seed 0) saved to ``out`` with SmolLM2's tokenizer files."""
+    import torch
+
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    model_class(config).save_pretrained(out, safe_serialization=True)
     for name in TOKENIZER_FILES:
         if (smollm2_dir / name).is_file():
             shutil.copy(smollm2_dir / name, out / name)

@@ -10,7 +10,6 @@ by crafted token streams (tests/tokenizer_proc/test_chat_replies.py).
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.conftest import TOKENIZER_FILES
+from tests.conftest import save_with_smollm2_tokenizer
 from tests.tokenizer_proc.http.server import http_engine
 from tests.tokenizer_proc.qwen3_style import QWEN3_STYLE_TEMPLATE
 from tokenizer_proc.model_info import load_tokenizer
@@ -30,7 +29,6 @@ TOKENS = 8
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """A random 2-layer Qwen3 with SmolLM2's tokenizer and a Qwen3-style chat template."""
-    import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     out = tmp_path_factory.mktemp("tiny-qwen3")
@@ -48,11 +46,7 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Pa
         eos_token_id=2,
         initializer_range=0.3,
     )  # fmt: skip  (initializer_range 0.3: at 0.02 a random model writes one token over and over)
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(out, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (smollm2_dir / name).is_file():
-            shutil.copy(smollm2_dir / name, out / name)
+    save_with_smollm2_tokenizer(Qwen3ForCausalLM, config, out, smollm2_dir)
     (out / "chat_template.jinja").write_text(QWEN3_STYLE_TEMPLATE)
     return out
 
