@@ -31,7 +31,12 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(
+    return save_with_smollm2_tokenizer(LlamaForCausalLM, tiny_config(LlamaConfig), out, smollm2_dir)
+
+
+def tiny_config(config_class: Any, **extra: Any) -> Any:
+    """A 2-layer, hidden-64 decoder config of ``config_class`` with SmolLM2's vocabulary."""
+    return config_class(
         vocab_size=49152,
         hidden_size=64,
         intermediate_size=128,
@@ -42,8 +47,8 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) 
         tie_word_embeddings=True,
         bos_token_id=1,
         eos_token_id=2,
+        **extra,
     )
-    return save_with_smollm2_tokenizer(LlamaForCausalLM, config, out, smollm2_dir)
 
 
 def save_with_smollm2_tokenizer(model_class: Any, config: Any, out: Path, smollm2_dir: Path) -> Path:

@@ -17,7 +17,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.conftest import save_with_smollm2_tokenizer
+from tests.conftest import save_with_smollm2_tokenizer, tiny_config
 from tests.tokenizer_proc.http.server import http_engine
 from tests.tokenizer_proc.qwen3_style import QWEN3_STYLE_TEMPLATE
 from tokenizer_proc.model_info import load_tokenizer
@@ -32,20 +32,8 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Pa
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     out = tmp_path_factory.mktemp("tiny-qwen3")
-    config = Qwen3Config(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        initializer_range=0.3,
-    )  # fmt: skip  (initializer_range 0.3: at 0.02 a random model writes one token over and over)
+    # initializer_range 0.3: at 0.02 a random model writes one token over and over
+    config = tiny_config(Qwen3Config, head_dim=16, initializer_range=0.3)
     save_with_smollm2_tokenizer(Qwen3ForCausalLM, config, out, smollm2_dir)
     (out / "chat_template.jinja").write_text(QWEN3_STYLE_TEMPLATE)
     return out
