@@ -1,9 +1,9 @@
 """Start an engine for a benchmark and always tear it down, every process it started included.
 
 ``rivulet_server`` runs ``launcher.py`` on its own ipc endpoint in a temp dir;
-``openai_server`` runs any OpenAI-compatible server command (llama.cpp's server, say)
-and waits for ``GET /v1/models``. Both yield a ``Server`` and stop it by pid on exit:
-SIGTERM, then SIGKILL for the launcher and for every descendant seen while it ran.
+``openai_server`` runs any OpenAI-compatible server command (llama.cpp's server, say) and
+waits for ``GET /health`` and ``GET /v1/models``. Both yield a ``Server`` and stop it by pid on
+exit: SIGTERM, then SIGKILL for the launcher and for every descendant seen while it ran.
 """
 
 from __future__ import annotations
@@ -118,7 +118,11 @@ def _wait_http_ready(server: Server, deadline: float) -> None:
         if server.proc.poll() is not None:
             raise RuntimeError(f"{server.name} exited with {server.proc.returncode}:\n{server.log_tail()}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{server.address}/v1/models", timeout=2.0).status_code == 200:
+            # /health says when requests are served (llama-server's while it loads the model,
+            # rivulet's until its scheduler is up: /v1/models answers earlier in both).
+            ready = all(httpx.get(f"{server.address}{path}", timeout=2.0).status_code == 200
+                        for path in ("/health", "/v1/models"))  # fmt: skip
+            if ready:
                 return
         time.sleep(0.5)
     raise TimeoutError(f"{server.name} was not ready in time:\n{server.log_tail()}")
@@ -184,7 +188,8 @@ def rivulet_server(
 def openai_server(
     name: str, cmd: list[str], base_url: str, workdir: Path, ready_timeout_s: float = READY_TIMEOUT_S
 ) -> Iterator[Server]:
-    """Any OpenAI-compatible server started by ``cmd``; ready once ``GET /v1/models`` answers 200."""
+    """Any OpenAI-compatible server started by ``cmd``; ready once ``GET /health`` and ``GET /v1/models``
+    answer 200."""
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / "server.log"
     with open(log_path, "wb") as log:
