@@ -312,9 +312,10 @@ class ModelRunner:
         input_ids = self._input_ids(batch)
         self.penalties.update(batch, input_ids)
         self.grammars.update(batch, input_ids)
-        fork_parents = [batch.slots[i] for i in batch.fork_rows]
-        self.penalties.fork(fork_parents, batch.fork_slots, batch.fork_samplers)
-        self.grammars.fork(batch.fork_slots, batch.fork_samplers)
+        if batch.fork_rows:  # n > 1: the forks' slots start from their parents' prompt state
+            fork_parents = [batch.slots[i] for i in batch.fork_rows]
+            self.penalties.fork(fork_parents, batch.fork_slots, batch.fork_samplers)
+            self.grammars.fork(batch.fork_slots, batch.fork_samplers)
         hidden = self.fused_decode(input_ids, ctx) if self.fused_decode is not None else None
         hidden = self.model(input_ids, ctx) if hidden is None else hidden
         copy_pages(self.kv, batch.copy_src, batch.copy_dst)  # a fork's own copies of prompt pages
