@@ -30,6 +30,8 @@ from launcher_engine import LOG_FORMAT, ChildDied, Engine
 from launcher_flags import (
     build_parser,
     check_endpoint,
+    check_nodes,
+    node_address,
     replica_cpus,
     scheduler_config,
     tokenizer_config,
@@ -38,7 +40,16 @@ from launcher_flags import (
 from protocol import WorkerReady
 from protocol.transport import Endpoints, replica_name
 
-__all__ = ["build_parser", "check_endpoint", "main", "scheduler_config", "tokenizer_config", "worker_config"]
+__all__ = [
+    "build_parser",
+    "check_endpoint",
+    "check_nodes",
+    "main",
+    "node_address",
+    "scheduler_config",
+    "tokenizer_config",
+    "worker_config",
+]
 
 logger = logging.getLogger("rivulet.launcher")
 
@@ -60,25 +71,23 @@ def _signal_wakeup() -> tuple[socket.socket, socket.socket]:
 
 
 def _start(engine: Engine, args: argparse.Namespace, endpoints: Endpoints, model_path: str) -> WorkerReady:
-    """Start every child: the workers (one per data-parallel replica, each on its share of the
-    cores) and the tokenizer, then each replica's scheduler once its worker reported its KV pool.
-    Returns replica 0's WorkerReady."""
+    """Start every child of the head node: the workers (one per data-parallel replica and this
+    node's tensor-parallel ranks, each on its share of the cores) and the tokenizer, then each
+    replica's scheduler once its worker reported its KV pool. Returns replica 0's WorkerReady."""
     from gpu_worker.model_files import source_gguf
 
-    replicas, tp = range(args.dp_size), args.tp_size
-    if tp > 1 and args.dp_size > 1:
-        raise SystemExit("--tp-size > 1 with --dp-size > 1 is not supported yet")
+    replicas, ranks = range(args.dp_size), range(args.tp_size // args.nnodes)  # this node's ranks
     gguf = str(source_gguf(args.model) or "")
-    cpus = replica_cpus(args.dp_size * tp)  # one share of the cores per worker process
-    store = f"127.0.0.1:{_free_port()}" if tp > 1 else ""  # the TP ranks' torch.distributed store
+    cpus = replica_cpus(args.dp_size * len(ranks))  # one share of the cores per worker process
+    store = args.dist_init_addr or (f"127.0.0.1:{_free_port()}" if args.tp_size > 1 else "")
     for i in replicas:
-        for rank in range(tp):
-            config = worker_config(args, model_path, gguf, replica=i, cpu_ids=cpus[i * tp + rank],
+        for rank in ranks:
+            config = worker_config(args, model_path, gguf, replica=i, cpu_ids=cpus[i * len(ranks) + rank],
                                    tp_rank=rank, dist_init_addr=store)  # fmt: skip
             engine.start(replica_name("gpu_worker", i, rank), config, endpoints.replica(i))
     engine.start("tokenizer", tokenizer_config(args, model_path))
     workers = [replica_name("gpu_worker", i) for i in replicas]
-    ranked = [replica_name("gpu_worker", i, rank) for i in replicas for rank in range(tp)]
+    ranked = [replica_name("gpu_worker", i, rank) for i in replicas for rank in ranks]
     readies = engine.wait_ready({*ranked, "tokenizer"}, READY_TIMEOUT_S)
     for i, worker in enumerate(workers):
         ready = readies[worker]
@@ -88,6 +97,24 @@ def _start(engine: Engine, args: argparse.Namespace, endpoints: Endpoints, model
     first = readies[workers[0]]
     assert isinstance(first, WorkerReady)
     return first
+
+
+def _start_worker_node(
+    engine: Engine, args: argparse.Namespace, endpoints: Endpoints, model_path: str
+) -> None:
+    """A worker node (--node-rank > 0): only its tensor-parallel ranks, taking batches over tcp
+    from the head node's scheduler; they stop when it goes."""
+    from gpu_worker.model_files import source_gguf
+
+    per_node = args.tp_size // args.nnodes
+    ranks = range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
+    host = node_address(args.dist_init_addr)
+    gguf = str(source_gguf(args.model) or "")
+    for rank, cpu_ids in zip(ranks, replica_cpus(per_node), strict=True):
+        config = worker_config(args, model_path, gguf, cpu_ids=cpu_ids, tp_rank=rank,
+                               dist_init_addr=args.dist_init_addr, node_host=host)  # fmt: skip
+        engine.start(replica_name("gpu_worker", 0, rank), config, endpoints)
+    engine.wait_ready({replica_name("gpu_worker", 0, rank) for rank in ranks}, READY_TIMEOUT_S)
 
 
 def _free_port() -> int:
@@ -104,6 +131,8 @@ def serve(args: argparse.Namespace) -> int:
     if endpoint.startswith("ipc://"):
         os.makedirs(os.path.dirname(endpoint[len("ipc://") :]) or ".", exist_ok=True)
     model_path = str(resolve_model(args.model))
+    if args.node_rank > 0:
+        return serve_worker_node(args, model_path)
     run_dir = tempfile.mkdtemp(prefix="rivulet-")
     wakeup, _wakeup_writer = _signal_wakeup()
     drain_s = 0.0  # only a stop by signal drains
@@ -130,8 +159,34 @@ def serve(args: argparse.Namespace) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def serve_worker_node(args: argparse.Namespace, model_path: str) -> int:
+    """Start this node's ranks, supervise them; 0 when they stopped because the head node did."""
+    run_dir = tempfile.mkdtemp(prefix="rivulet-")
+    wakeup, _wakeup_writer = _signal_wakeup()
+    engine = Engine(Endpoints.in_dir(run_dir), args.log_level)
+    try:
+        _start_worker_node(engine, args, engine.endpoints, model_path)
+        pids = " ".join(f"{n}={p.pid}" for n, p in engine.children.items())
+        print(f"rivulet ready: node {args.node_rank} of {args.nnodes} pids: {pids}", flush=True)
+        engine.supervise(wakeup)
+        return 0
+    except ChildDied as exc:
+        if exc.exitcode == 0:  # a rank saw the head node's scheduler go
+            logger.info("the head node stopped; stopping node %d", args.node_rank)
+            return 0
+        logger.error("%s; stopping node %d", exc, args.node_rank)
+        return 1
+    except TimeoutError as exc:
+        logger.error("%s; stopping node %d", exc, args.node_rank)
+        return 1
+    finally:
+        engine.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_nodes(args)
     logging.basicConfig(level=args.log_level, format=LOG_FORMAT, stream=sys.stderr)
     try:  # before any child starts: they inherit the libraries' settings for the CPU kind
         apply_to_environ()

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import socket
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -43,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--endpoint", default=DEFAULT_ENDPOINT, help="client socket: ipc://PATH or tcp://127.0.0.1:PORT"
     )
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--nnodes", type=int, default=1, help="machines the tensor-parallel ranks spread over")
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this machine's index: 0 runs the tokenizer, the scheduler and the first ranks; others "
+        "run only their ranks (same --model, --tp-size, --nnodes and --dist-init-addr on all)",
+    )
     added: dict[str, tuple[str, Any]] = {}  # dest -> (spelling, default) of options already added
     for cls in PROCESS_CONFIGS:
         hints = typing.get_type_hints(cls)
@@ -112,10 +121,11 @@ def worker_config(
     cpu_ids: tuple[int, ...] = (),
     tp_rank: int = 0,
     dist_init_addr: str = "",
+    node_host: str = "",
 ) -> WorkerConfig:
     return config_from_args(
         WorkerConfig, args, model_path=model_path, gguf_path=gguf_path, replica=replica, cpu_ids=cpu_ids,
-        tp_rank=tp_rank, dist_init_addr=dist_init_addr,
+        tp_rank=tp_rank, dist_init_addr=dist_init_addr, node_host=node_host,
     )  # fmt: skip
 
 
@@ -129,6 +139,7 @@ def scheduler_config(args: argparse.Namespace, ready: WorkerReady, replica: int 
         page_size=ready.page_size,
         enable_mixed_chunk=ready.device.startswith("cpu"),
         replica=replica,
+        worker_endpoints=tuple(ready.rank_endpoints),
     )
 
 
@@ -156,3 +167,31 @@ def check_endpoint(endpoint: str) -> str:
             return endpoint
         raise SystemExit(f"--endpoint {endpoint}: rivulet binds loopback only (127.0.0.1), not {host}")
     raise SystemExit(f"--endpoint {endpoint}: expected ipc://PATH or tcp://127.0.0.1:PORT")
+
+
+def check_nodes(args: argparse.Namespace) -> None:
+    """--nnodes / --node-rank / --dist-init-addr / --tp-size / --dp-size that fit together, else exit."""
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise SystemExit(f"--node-rank {args.node_rank} --nnodes {args.nnodes}: expected 0 <= rank < nnodes")
+    if args.tp_size < 1 or args.dp_size < 1:
+        raise SystemExit("--tp-size and --dp-size must be >= 1")
+    if args.tp_size > 1 and args.dp_size > 1:
+        raise SystemExit("--tp-size > 1 with --dp-size > 1 is not supported yet")
+    if args.dist_init_addr is not None:
+        host, _, port = args.dist_init_addr.rpartition(":")
+        if not host or not port.isdigit():
+            raise SystemExit(f"--dist-init-addr {args.dist_init_addr}: expected HOST:PORT")
+    if args.nnodes == 1:
+        return
+    if args.tp_size % args.nnodes:
+        raise SystemExit(f"--tp-size {args.tp_size} does not split over --nnodes {args.nnodes}")
+    if args.dist_init_addr is None:
+        raise SystemExit("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address), the same on all")
+
+
+def node_address(dist_init_addr: str) -> str:
+    """This machine's address on the route to node 0 (where its ranks take batches from)."""
+    host, _, port = dist_init_addr.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet is sent
+        s.connect((host.strip("[]"), int(port)))
+        return str(s.getsockname()[0])

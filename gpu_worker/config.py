@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.flags import flag, given, max_running_requests_field, seed_field, tp_size_field
+from protocol.flags import flag, given, max_running_requests_field, seed_field
 
 WEIGHT_DTYPES = ("auto", "gguf", "bfloat16", "float32")
 
@@ -57,9 +57,21 @@ class WorkerConfig:
     gguf_path: str = given("", "the launcher: the .gguf --model names (the embedded one by default)")
     replica: int = given(0, "the launcher: its data-parallel replica (--dp-size)")
     cpu_ids: tuple[int, ...] = given((), "the launcher: its replica's share of the cores (--dp-size > 1)")
-    tp_size: int = tp_size_field()
-    tp_rank: int = given(0, "the launcher: its tensor-parallel rank (--tp-size)")
-    dist_init_addr: str = given("", "the launcher: host:port of the ranks' torch.distributed TCP store")
+    tp_size: int = flag(
+        1,
+        "tensor-parallel ranks: the model's heads and MLP split over N worker processes (gloo on CPU, "
+        "NCCL on CUDA), one scheduler driving them all; with --nnodes, spread over the nodes",
+    )
+    tp_rank: int = given(0, "the launcher: its tensor-parallel rank (--tp-size), over all nodes")
+    dist_init_addr: str = flag(
+        "",
+        "HOST:PORT of the tensor-parallel ranks' torch.distributed TCP store, served by rank 0 on "
+        "node 0; every node is given the same (needed with --nnodes > 1; default: a free local port)",
+        unset_default=None,  # unset: the launcher picks a free loopback port
+    )
+    node_host: str = given(
+        "", "the launcher of a worker node (--node-rank > 0): the address its ranks take batches on"
+    )
     seed: int = seed_field()
 
     def __post_init__(self) -> None:

@@ -10,8 +10,9 @@ import msgspec
 import zmq
 
 from gpu_worker.config import WorkerConfig
+from gpu_worker.inbox import Inbox
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.tensor_parallel import init_group
+from gpu_worker.tensor_parallel import gather_strings, init_group
 from protocol.messages import ForwardBatch, ForwardResult, ToWorker, WorkerReady
 from protocol.transport import Codec, Endpoints, make_socket
 
@@ -30,15 +31,19 @@ def run_worker(config: WorkerConfig, endpoints: Endpoints) -> None:
         init_group(config.tp_rank, config.tp_size, config.dist_init_addr)
     runner = ModelRunner(config)
     ctx = zmq.Context()
-    inbox = make_socket(ctx, zmq.PULL, endpoints.tp_rank(config.tp_rank).to_worker, bind=True)
+    inbox = Inbox(ctx, endpoints, config.tp_rank, config.node_host)
+    rank_endpoints = gather_strings(inbox.endpoint) if config.tp_size > 1 else []
     # Every rank runs every batch; rank 0 alone answers (the others drew the same tokens).
     outbox = make_socket(ctx, zmq.PUSH, endpoints.from_worker, bind=False) if config.tp_rank == 0 else None
     launcher = make_socket(ctx, zmq.PUSH, endpoints.to_launcher, bind=False)
     codec: Codec[ToWorker] = Codec(ToWorker)
-    launcher.send(codec.encode(_ready(runner, config)))
+    launcher.send(codec.encode(_ready(runner, config, rank_endpoints)))
     busy_s = 0.0  # seconds spent on batches, from a frame's arrival to its reply
     while True:
-        frame = inbox.recv(copy=False)
+        if not inbox.wait():
+            logger.info("rank %d: the head node's scheduler has gone; stopping", config.tp_rank)
+            return
+        frame = inbox.sock.recv(copy=False)
         received = time.monotonic()
         try:
             batch = codec.decode(frame.buffer)
@@ -68,7 +73,7 @@ def _execute(runner: ModelRunner, batch: ForwardBatch) -> ForwardResult:
         )
 
 
-def _ready(runner: ModelRunner, config: WorkerConfig) -> WorkerReady:
+def _ready(runner: ModelRunner, config: WorkerConfig, rank_endpoints: list[str]) -> WorkerReady:
     dtype = str(runner.dtype).removeprefix("torch.")
     return WorkerReady(
         pid=os.getpid(),
@@ -79,4 +84,5 @@ def _ready(runner: ModelRunner, config: WorkerConfig) -> WorkerReady:
         dtype=dtype,
         replica=config.replica,
         tp_rank=config.tp_rank,
+        rank_endpoints=rank_endpoints if config.tp_rank == 0 else [],
     )

@@ -35,6 +35,13 @@ def init_group(rank: int, world: int, init_addr: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{init_addr}", rank=rank, world_size=world)
 
 
+def gather_strings(value: str) -> list[str]:
+    """Every rank's ``value``, by rank (each rank's batch socket, for rank 0 to report)."""
+    out: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def agree_min(value: int) -> int:
     """The smallest ``value`` over the ranks (the KV pool's pages: every rank must hold as many)."""
     t = torch.tensor([value], dtype=torch.int64)

@@ -63,13 +63,5 @@ def max_running_requests_field() -> Any:
     return flag(128, "request slots: the cap on admitted, unfinished requests")
 
 
-def tp_size_field() -> Any:
-    return flag(
-        1,
-        "tensor-parallel ranks: the model's heads and MLP split over N worker processes (gloo on CPU, "
-        "NCCL on CUDA), one scheduler driving them all",
-    )
-
-
 def seed_field() -> Any:
     return flag(0, "the worker's torch seed; the tokenizer draws per-request sampling seeds from it")

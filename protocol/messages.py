@@ -279,6 +279,9 @@ class WorkerReady(Msg):
     dtype: str
     replica: int = 0  # its data-parallel replica (--dp-size)
     tp_rank: int = 0  # its tensor-parallel rank (--tp-size)
+    # Rank 0's, under --tp-size > 1: every rank's batch socket, by rank (ipc on the head node,
+    # tcp on a worker node); the scheduler sends each batch to all of them.
+    rank_endpoints: list[str] = []
 
 
 ToLauncher = Ready | WorkerReady

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.flags import flag, given, max_running_requests_field, tp_size_field
+from protocol.flags import flag, given, max_running_requests_field
 
 SCHEDULE_POLICIES = ("fcfs", "pack", "lpm")
 
@@ -22,7 +22,9 @@ class SchedulerConfig:
     context_len: int = given(0, "the worker's WorkerReady: the model's context length")
     page_size: int = given(16, "the worker's WorkerReady: tokens per KV page (--page-size)")
     replica: int = given(0, "the launcher: its data-parallel replica (--dp-size)")
-    tp_size: int = tp_size_field()  # the worker ranks each batch goes to
+    worker_endpoints: tuple[str, ...] = given(
+        (), "the worker's WorkerReady (rank 0's): each tensor-parallel rank's batch socket; () for one rank"
+    )
     max_running_requests: int = max_running_requests_field()
     max_prefill_tokens: int = flag(4096, "prompt tokens one round may prefill (rem_input_tokens)")
     chunked_prefill_size: int = flag(512, "tokens per prefill chunk (rem_chunk_tokens); -1 disables")

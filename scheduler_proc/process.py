@@ -46,8 +46,8 @@ class SchedulerProcess:
         self.from_tokenizer = make_socket(ctx, zmq.PULL, endpoints.to_scheduler, bind=True)
         self.from_worker = make_socket(ctx, zmq.PULL, endpoints.from_worker, bind=True)
         self.to_tokenizer = make_socket(ctx, zmq.PUSH, endpoints.to_tokenizer, bind=False)
-        # One per tensor-parallel rank (--tp-size): every rank runs every batch.
-        ranks = [endpoints.tp_rank(r).to_worker for r in range(self.scheduler.config.tp_size)]
+        # One per tensor-parallel rank (--tp-size, on any node): every rank runs every batch.
+        ranks = self.scheduler.config.worker_endpoints or (endpoints.to_worker,)
         self.to_workers = [make_socket(ctx, zmq.PUSH, endpoint, bind=False) for endpoint in ranks]
         self.to_launcher = make_socket(ctx, zmq.PUSH, endpoints.to_launcher, bind=False)
         self.encoder = msgspec.msgpack.Encoder()  # every outgoing message, whatever its channel

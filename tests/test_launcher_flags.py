@@ -6,6 +6,7 @@ import dataclasses
 import typing
 from typing import Any
 
+import msgspec
 import pytest
 
 import launcher
@@ -52,9 +53,10 @@ FROM_ELSEWHERE = {
     (WorkerConfig, "replica"): "the launcher: its data-parallel replica (--dp-size)",
     (WorkerConfig, "cpu_ids"): "the launcher: its replica's share of the cores (--dp-size)",
     (WorkerConfig, "tp_rank"): "the launcher: its tensor-parallel rank (--tp-size)",
-    (WorkerConfig, "dist_init_addr"): "the launcher: the TP ranks' torch.distributed store",
+    (WorkerConfig, "node_host"): "the launcher of a worker node: its address toward node 0",
+    (SchedulerConfig, "worker_endpoints"): "the worker's WorkerReady: every tensor-parallel rank's socket",
 }
-LAUNCHER_OWN_OPTIONS = {"model", "endpoint", "log_level", "help"}
+LAUNCHER_OWN_OPTIONS = {"model", "endpoint", "log_level", "help", "nnodes", "node_rank"}
 
 
 def _probe(fl: Flag, name: str, default: Any, hint: Any) -> tuple[list[str], Any]:
@@ -137,3 +139,28 @@ def test_fields_set_elsewhere_arrive_from_the_worker_and_the_launcher() -> None:
     sched = configs[SchedulerConfig]
     assert (sched.num_pages, sched.context_len, sched.page_size) == (ready.num_pages, ready.context_len, 16)
     assert configs[TokenizerConfig].served_model_name == "SmolLM2-135M-Instruct", "named after --model"
+    ranks = ["ipc:///run/to_worker.sock", "tcp://10.0.0.2:41000"]
+    ready = msgspec.structs.replace(ready, rank_endpoints=ranks)
+    args = launcher.build_parser().parse_args([])
+    assert launcher.scheduler_config(args, ready).worker_endpoints == tuple(ranks)
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--nnodes", "2", "--tp-size", "2"], "needs --dist-init-addr"),
+        (["--nnodes", "2", "--tp-size", "3", "--dist-init-addr", "h:1"], "does not split"),
+        (["--nnodes", "2", "--node-rank", "2", "--tp-size", "2"], "expected 0 <= rank < nnodes"),
+        (["--tp-size", "2", "--dp-size", "2"], "not supported"),
+        (["--dist-init-addr", "nohost"], "expected HOST:PORT"),
+    ],
+)
+def test_node_flags_that_do_not_fit_are_refused(argv: list[str], error: str) -> None:
+    with pytest.raises(SystemExit, match=error):
+        launcher.check_nodes(launcher.build_parser().parse_args(argv))
+
+
+def test_node_flags_that_fit_pass() -> None:
+    argv = ["--nnodes", "2", "--node-rank", "1", "--tp-size", "4", "--dist-init-addr", "127.0.0.1:29500"]
+    launcher.check_nodes(launcher.build_parser().parse_args(argv))
+    assert launcher.node_address("127.0.0.1:29500") == "127.0.0.1"

@@ -28,6 +28,13 @@ class RunningEngine:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def wait_ready(self) -> dict[str, int]:
+        """Wait for the Ready line; its children's pids by name (gpu_worker.1: replica 1's)."""
+        line = _read_ready_line(self.proc, READY_TIMEOUT_S)
+        pairs = re.findall(r"([\w.]+)=(\d+)", line.split("pids:", 1)[1])
+        self.child_pids.update({name: int(pid) for name, pid in pairs})
+        return self.child_pids
+
 
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
@@ -68,11 +75,9 @@ def _read_ready_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
 
 
 @contextlib.contextmanager
-def running_engine(model: Path | None, tmp_path: Path, *args: str) -> Iterator[RunningEngine]:
-    """``python launcher.py [--model MODEL] --endpoint ipc://TMP ... ARGS``; stopped and reaped on exit.
-
-    ``model=None`` runs the embedded default model, as a user's first start does.
-    """
+def launched(model: Path | None, tmp_path: Path, *args: str) -> Iterator[RunningEngine]:
+    """``python launcher.py [--model MODEL] --endpoint ipc://TMP ... ARGS`` started, not yet ready
+    (``wait_ready``), logging to TMP/launcher.log; stopped and reaped on exit."""
     endpoint = f"ipc://{tmp_path}/client.sock"
     log_path = tmp_path / "launcher.log"
     model_args = ["--model", str(model)] if model is not None else []
@@ -80,12 +85,9 @@ def running_engine(model: Path | None, tmp_path: Path, *args: str) -> Iterator[R
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    child_pids: dict[str, int] = {}
+    engine = RunningEngine(proc, endpoint, {}, log_path)
     try:
-        line = _read_ready_line(proc, READY_TIMEOUT_S)
-        pairs = re.findall(r"([\w.]+)=(\d+)", line.split("pids:", 1)[1])  # gpu_worker.1: replica 1's
-        child_pids = {name: int(pid) for name, pid in pairs}
-        yield RunningEngine(proc, endpoint, child_pids, log_path)
+        yield engine
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -94,7 +96,16 @@ def running_engine(model: Path | None, tmp_path: Path, *args: str) -> Iterator[R
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
-        for pid in wait_gone(list(child_pids.values()), 5.0):  # never leave one behind
+        for pid in wait_gone(list(engine.child_pids.values()), 5.0):  # never leave one behind
             os.kill(pid, signal.SIGKILL)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+@contextlib.contextmanager
+def running_engine(model: Path | None, tmp_path: Path, *args: str) -> Iterator[RunningEngine]:
+    """``launched`` once ready. ``model=None`` runs the embedded default model, as a user's first
+    start does."""
+    with launched(model, tmp_path, *args) as engine:
+        engine.wait_ready()
+        yield engine

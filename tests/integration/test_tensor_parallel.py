@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,10 +17,16 @@ import pytest
 
 from client import Client
 from tests.conftest import TOKENIZER_FILES
-from tests.integration.engine import running_engine
+from tests.integration.engine import launched, running_engine, wait_gone
 from tests.models import VOCAB, save_tiny_model
 
 FLAGS = ("--dtype", "float64", "--chunked-prefill-size", "8", "--page-size", "4")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def prompts() -> list[list[int]]:
@@ -75,3 +82,20 @@ def test_the_embedded_smollm2_at_three_ranks(tmp_path: Path) -> None:
     ):
         out = c.generate(messages=question, max_new_tokens=12, temperature=0)
     assert out.text.startswith("The capital of France is Paris"), out.text
+
+
+def test_two_nodes_on_one_machine_equal_one_rank(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """--nnodes 2 as two launchers on 127.0.0.1 (node 1 holds rank 1 and takes batches over tcp):
+    the same tokens as one rank; when the head node stops, node 1 stops by itself, exit code 0."""
+    for name in ("one", "head", "node1"):
+        (tmp_path / name).mkdir()
+    one = list(greedy(tiny_llama_dir, tmp_path / "one"))
+    nodes = ("--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}")
+    with launched(tiny_llama_dir, tmp_path / "node1", *FLAGS, *nodes, "--node-rank", "1") as node1:
+        two = list(greedy(tiny_llama_dir, tmp_path / "head", *nodes))
+        pids = node1.wait_ready()  # printed once rank 0 joined: while the head was up
+        assert list(pids) == ["gpu_worker.tp1"], pids
+        assert node1.proc.wait(30) == 0, node1.log()
+        assert not wait_gone(list(pids.values()), 5.0), "node 1's rank outlived the head node"
+    assert "the head node stopped" in node1.log()
+    assert two == one
