@@ -62,6 +62,12 @@ class WorkerConfig:
         "tensor-parallel ranks: the model's heads and MLP split over N worker processes (gloo on CPU, "
         "NCCL on CUDA), one scheduler driving them all; with --nnodes, spread over the nodes",
     )
+    tp_all_reduce: str = flag(
+        "auto",
+        "how tensor-parallel ranks sum their partial products: shm (a shared memory region; ranks on "
+        "one machine with the C kernels built), gloo (torch.distributed), auto: shm where it can",
+        choices=("auto", "shm", "gloo"),
+    )
     tp_rank: int = given(0, "the launcher: its tensor-parallel rank (--tp-size), over all nodes")
     dist_init_addr: str = flag(
         "",

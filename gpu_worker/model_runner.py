@@ -29,6 +29,7 @@ from gpu_worker.logprobs import SlotTopLogprobs, asked_logprobs, check_logprob_f
 from gpu_worker.models import CausalLM
 from gpu_worker.penalties import SlotPenalties
 from gpu_worker.sampler import SlotSamplerParams, greedy_pick, sample
+from gpu_worker.shm_allreduce import pick_all_reduce
 from gpu_worker.threads import ThreadTuner, shape_class
 from protocol.logprobs import TopTokens
 from protocol.messages import PENDING, ForwardBatch, ForwardResult
@@ -86,7 +87,9 @@ class ModelRunner:
         started = time.perf_counter()
         self.model, self.hf_config = self._load()
         if self.config.tp_size > 1:  # this rank's share of every layer, then the backend readies it
-            tp.setup_model(self.model, self.config.tp_rank, self.config.tp_size, self._prepare_kernels)
+            reduced = tp.shard(self.model, self.config.tp_rank, self.config.tp_size)
+            self._prepare_kernels()
+            tp.wrap_reductions(reduced, pick_all_reduce(self.config, self._device))
         else:
             self._prepare_kernels()
         self._context_len = int(self.model.context_len)

@@ -14,12 +14,14 @@ The embedding, the norms and the LM head are replicated: every rank computes the
 and draws the same tokens (same seeds), so each keeps its per-slot state; rank 0 alone replies.
 A GGUF's weights are dequantized for TP (blocks would need K splits on block boundaries).
 ``shard`` runs on the full model as loaded, before the device backend readies it;
-``wrap_reductions`` after, around whatever matmul the backend chose. The model files stay
+``wrap_reductions`` after, around whatever matmul the backend chose, with the all-reduce of
+shm_allreduce.py (shared memory on one machine, else gloo). The model files stay
 free of this: they read their head counts from their modules, which ``shard`` sets.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.models.layers import Conv1D, Linear, MergedLinear
+
+AllReduce = Callable[[torch.Tensor], None]  # sums a contiguous float32/float64 tensor in place
 
 
 def init_group(rank: int, world: int, init_addr: str) -> None:
@@ -132,13 +136,14 @@ def _conv_rows(conv: Conv1D, rank: int, world: int) -> Conv1D:
 
 
 class AllReduced:
-    """A row-parallel projection: this rank's partial product, summed over the ranks (in float32
-    for bf16/fp16 activations, which gloo may not sum), then the residual added once."""
+    """A row-parallel projection: this rank's partial product, summed over the ranks by ``reduce``
+    (in float32 for bf16/fp16 activations), then the residual added once."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, reduce: AllReduce) -> None:
         impl = getattr(module, "impl", None)
         self._module = module
         self._matmul = impl if impl is not None else self._plain
+        self._reduce = reduce
 
     def _plain(self, x: torch.Tensor) -> torch.Tensor:
         m: Any = self._module
@@ -148,26 +153,18 @@ class AllReduced:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x)
-        if y.dtype in (torch.float32, torch.float64):
-            dist.all_reduce(y)
+        if y.dtype in (torch.float32, torch.float64) and y.is_contiguous():
+            self._reduce(y)
             return y
-        wide = y.float()
-        dist.all_reduce(wide)
+        wide = y.float().contiguous()
+        self._reduce(wide)
         return wide.to(y.dtype)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return residual + self(x)
 
 
-def setup_model(model: Any, rank: int, world: int, prepare: Any) -> None:
-    """Shard ``model`` for this rank, let ``prepare`` (the device backend) ready it, then route the
-    row-parallel projections through their all-reduce."""
-    reduced = shard(model, rank, world)
-    prepare()
-    wrap_reductions(reduced)
-
-
-def wrap_reductions(modules: list[nn.Module]) -> None:
-    """Route each row-parallel module's matmul (the backend's, or torch's) through an all-reduce."""
+def wrap_reductions(modules: list[nn.Module], reduce: AllReduce) -> None:
+    """Route each row-parallel module's matmul (the backend's, or torch's) through ``reduce``."""
     for module in modules:
-        module.impl = AllReduced(module)  # type: ignore[assignment]
+        module.impl = AllReduced(module, reduce)  # type: ignore[assignment]

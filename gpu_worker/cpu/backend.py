@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -69,6 +70,12 @@ def quantized_types(use_kernels: bool) -> frozenset[int]:
     """The ggml block types this CPU's kernels compute on (empty: kernels off or not built)."""
     kernels = cpu_kernels.load(requested_kind()) if use_kernels else None
     return frozenset() if kernels is None else frozenset(t for t in QUANT_TYPES if kernels.quant_supported(t))
+
+
+def kernels_library(use_kernels: bool) -> Path | None:
+    """The built C kernels' library file, whatever the model (None: kernels off or not built)."""
+    kernels = cpu_kernels.load(requested_kind()) if use_kernels else None
+    return None if kernels is None else kernels.path
 
 
 def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compiled: bool) -> CpuSetup:

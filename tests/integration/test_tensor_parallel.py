@@ -54,12 +54,18 @@ def greedy(model: Path, tmp: Path, *flags: str) -> Iterator[list[int]]:
 
 
 def test_two_ranks_equal_one(model_dir: Path, tmp_path: Path) -> None:
+    """The ranks sum through shared memory (--tp-all-reduce auto, on one machine); the Llama also
+    through gloo."""
+    reductions = ["auto", "gloo"] if model_dir.name.startswith("tp-llama") else ["auto"]
     (tmp_path / "tp1").mkdir()
-    (tmp_path / "tp2").mkdir()
     one = list(greedy(model_dir, tmp_path / "tp1"))
-    two = list(greedy(model_dir, tmp_path / "tp2", "--tp-size", "2"))
-    assert two == one
     assert len({tuple(t) for t in one}) > 1, "the prompts gave different outputs"
+    for how in reductions:
+        (tmp_path / how).mkdir()
+        two = list(greedy(model_dir, tmp_path / how, "--tp-size", "2", "--tp-all-reduce", how))
+        assert two == one, f"--tp-all-reduce {how}"
+        used = "shared memory" if how == "auto" else "gloo"
+        assert f"tensor-parallel all-reduce: {used}" in (tmp_path / how / "launcher.log").read_text()
 
 
 def test_heads_that_do_not_divide_are_refused_at_start(tiny_llama_dir: Path, tmp_path: Path) -> None:
