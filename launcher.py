@@ -79,8 +79,8 @@ def _start(engine: Engine, args: argparse.Namespace, endpoints: Endpoints, model
     replicas, ranks = range(args.dp_size), range(args.tp_size // args.nnodes)  # this node's ranks
     gguf = str(source_gguf(args.model) or "")
     cpus = replica_cpus(args.dp_size * len(ranks))  # one share of the cores per worker process
-    store = args.dist_init_addr or (f"127.0.0.1:{_free_port()}" if args.tp_size > 1 else "")
     for i in replicas:
+        store = _store_address(args, i)
         for rank in ranks:
             config = worker_config(args, model_path, gguf, replica=i, cpu_ids=cpus[i * len(ranks) + rank],
                                    tp_rank=rank, dist_init_addr=store)  # fmt: skip
@@ -115,6 +115,17 @@ def _start_worker_node(
                                dist_init_addr=args.dist_init_addr, node_host=host)  # fmt: skip
         engine.start(replica_name("gpu_worker", 0, rank), config, endpoints)
     engine.wait_ready({replica_name("gpu_worker", 0, rank) for rank in ranks}, READY_TIMEOUT_S)
+
+
+def _store_address(args: argparse.Namespace, replica: int) -> str:
+    """The TCP store of data-parallel replica ``replica``'s tensor-parallel ranks (each replica is a
+    process group of its own): --dist-init-addr's port + replica, else a free local port."""
+    if args.tp_size == 1:
+        return ""
+    if args.dist_init_addr is None:
+        return f"127.0.0.1:{_free_port()}"
+    host, _, port = args.dist_init_addr.rpartition(":")
+    return f"{host}:{int(port) + replica}"
 
 
 def _free_port() -> int:

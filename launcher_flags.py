@@ -175,8 +175,8 @@ def check_nodes(args: argparse.Namespace) -> None:
         raise SystemExit(f"--node-rank {args.node_rank} --nnodes {args.nnodes}: expected 0 <= rank < nnodes")
     if args.tp_size < 1 or args.dp_size < 1:
         raise SystemExit("--tp-size and --dp-size must be >= 1")
-    if args.tp_size > 1 and args.dp_size > 1:
-        raise SystemExit("--tp-size > 1 with --dp-size > 1 is not supported yet")
+    if args.nnodes > 1 and args.dp_size > 1:
+        raise SystemExit("--dp-size > 1 with --nnodes > 1 is not supported: run a server per node group")
     if args.dist_init_addr is not None:
         host, _, port = args.dist_init_addr.rpartition(":")
         if not host or not port.isdigit():

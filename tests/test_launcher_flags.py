@@ -151,7 +151,7 @@ def test_fields_set_elsewhere_arrive_from_the_worker_and_the_launcher() -> None:
         (["--nnodes", "2", "--tp-size", "2"], "needs --dist-init-addr"),
         (["--nnodes", "2", "--tp-size", "3", "--dist-init-addr", "h:1"], "does not split"),
         (["--nnodes", "2", "--node-rank", "2", "--tp-size", "2"], "expected 0 <= rank < nnodes"),
-        (["--tp-size", "2", "--dp-size", "2"], "not supported"),
+        (["--nnodes", "2", "--tp-size", "2", "--dp-size", "2", "--dist-init-addr", "h:1"], "not supported"),
         (["--dist-init-addr", "nohost"], "expected HOST:PORT"),
     ],
 )

@@ -105,3 +105,21 @@ def test_two_nodes_on_one_machine_equal_one_rank(tiny_llama_dir: Path, tmp_path:
         assert not wait_gone(list(pids.values()), 5.0), "node 1's rank outlived the head node"
     assert "the head node stopped" in node1.log()
     assert two == one
+
+
+def test_two_replicas_of_two_ranks_equal_one_rank(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """--dp-size 2 --tp-size 2: two process groups of two ranks each (four workers), the requests
+    routed over both replicas; the same tokens as one rank."""
+    (tmp_path / "one").mkdir()
+    (tmp_path / "dp2tp2").mkdir()
+    one = list(greedy(tiny_llama_dir, tmp_path / "one"))
+    flags = ("--dp-size", "2", "--tp-size", "2", "--dp-routing", "round_robin")
+    with running_engine(tiny_llama_dir, tmp_path / "dp2tp2", *FLAGS, *flags) as engine:
+        workers = {name for name in engine.child_pids if name.startswith("gpu_worker")}
+        assert workers == {"gpu_worker", "gpu_worker.tp1", "gpu_worker.1", "gpu_worker.1.tp1"}
+        with Client(engine.endpoint, timeout_s=120) as c:
+            two = [
+                c.generate(input_ids=p, max_new_tokens=12, temperature=0, ignore_eos=True).token_ids
+                for p in prompts()
+            ]
+    assert two == one
