@@ -45,6 +45,13 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_features() -> str:
+    """The CPU kind rivulet acts as and the flags that decide its kernels (gpu_worker/cpu/kind.py)."""
+    from gpu_worker.cpu.kind import describe, requested_kind
+
+    return describe(requested_kind())
+
+
 def machine_info() -> dict[str, Any]:
     """What the numbers depend on: CPU, cores, memory, Python and torch versions."""
     try:
@@ -58,6 +65,7 @@ def machine_info() -> dict[str, Any]:
     return {
         "host": platform.node(),
         "cpu": cpu_model(),
+        "cpu_features": cpu_features(),
         "cores": os.cpu_count(),
         "mem_gib": round(mem_gib, 1),
         "gpu": cuda,

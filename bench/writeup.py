@@ -93,6 +93,11 @@ not that kind's build. The table's first line is the CPU kind acted as and the C
 under `metrics.peer`."""
 
 
+# Everything after this line is pasted from the other benches' output, each section naming its
+# commit and CPU; write_docs keeps it as it is.
+BY_HAND = "<!-- The sections below come from the commands they name; bench/sweep.py keeps them. -->\n"
+
+
 def _machine_lines(m: dict[str, Any]) -> list[str]:
     mach = m["machine"]
     gpu = f", GPU {mach['gpu']}" if mach.get("gpu") else ", no GPU"
@@ -100,6 +105,7 @@ def _machine_lines(m: dict[str, Any]) -> list[str]:
         f"- Date: {m['time']}; commit `{m['git_commit']}`",
         f"- Machine: {mach['cpu']}, {mach['cores']} cores, {mach['mem_gib']} GiB RAM{gpu}; "
         f"Python {mach['python']}, torch {mach['torch']}",
+        f"- CPU features: {mach.get('cpu_features', 'not recorded')}",
         f"- Model: {m['model']}; rivulet engines: `launcher.py {shlex.join(m['engine_flags'])}` plus each "
         "configuration's flags",
         f"- Repeats: {m['repeats']} per configuration, interleaved (A B A B ...); a cell is the median "
@@ -111,7 +117,9 @@ def _machine_lines(m: dict[str, Any]) -> list[str]:
 def provenance(m: dict[str, Any]) -> str:
     """The line under every ``##`` section: which commit and CPU its numbers came from."""
     mach = m["machine"]
-    return f"Numbers from: commit `{m['git_commit'][:12]}`, CPU {mach['cpu']} ({mach['cores']} cores)."
+    features = mach.get("cpu_features", "").partition("; ")[0]  # "cpu kind avx2"
+    kind = f", {features}" if features else ""
+    return f"Numbers from: commit `{m['git_commit'][:12]}`, CPU {mach['cpu']} ({mach['cores']} cores{kind})."
 
 
 def _pair_section(sweep: dict[str, Any], out_dir: Path) -> list[str]:
@@ -173,5 +181,6 @@ def write_docs(manifest: dict[str, Any], out_dir: Path) -> Path:
         ran += " " + manifest["peer_note"]
     lines += ["## Peers", "", source, "", ran, "", LLAMA_CPP_RECIPE, "", TARGETS_HOWTO, ""]
     path = out_dir / "BENCHMARKS.md"
-    path.write_text("\n".join(lines))
+    kept = path.read_text().partition(BY_HAND)[2] if path.exists() else ""
+    path.write_text("\n".join(lines) + "\n" + BY_HAND + (kept or "\n"))
     return path

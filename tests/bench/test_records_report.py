@@ -71,7 +71,8 @@ def test_docs_have_tables_deltas_and_plots(tmp_path: Path) -> None:
                "runs": [{"rivulet_output_tps": 20.0, "rivulet_input_tps": 30.0, "hf_output_tps": 10.0}],
                "rivulet_output_tps": 20.0, "hf_output_tps": 10.0, "hf_batch_size": 4,
                "hf_batch_rates": {"4": 10.0, "2": 6.0}}  # fmt: skip
-    machine = {"cpu": "cpu", "cores": 2, "mem_gib": 1.0, "gpu": None, "python": "3", "torch": "2"}
+    machine = {"cpu": "cpu", "cores": 2, "mem_gib": 1.0, "gpu": None, "python": "3", "torch": "2",
+               "cpu_features": "cpu kind avx2; avx2=yes fma=yes"}  # fmt: skip
     manifest = {"time": "now", "git_commit": "abc", "machine": machine, "model": "tiny", "engine_flags": [],
                 "repeats": 3, "note": "noisy", "command": "python -m bench.sweep", "sweeps": [pair, conc],
                 "offline": offline}  # fmt: skip
@@ -86,6 +87,21 @@ def test_docs_have_tables_deltas_and_plots(tmp_path: Path) -> None:
         assert f"]({png})" in md
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert report.cell([]) == "-" and report.cell([3.0]) == "3" and report.cell([2.5]) == "2.5"
+    assert md.count("Numbers from: commit `abc`, CPU cpu (2 cores, cpu kind avx2).") == 4, (
+        "one per ## section"
+    )
+    assert "- CPU features: cpu kind avx2; avx2=yes" in md
+
+
+def test_a_new_sweep_keeps_the_sections_measured_by_hand(tmp_path: Path) -> None:
+    machine = {"cpu": "cpu", "cores": 2, "mem_gib": 1.0, "gpu": None, "python": "3", "torch": "2"}
+    manifest = {"time": "now", "git_commit": "abc", "machine": machine, "model": "tiny", "engine_flags": [],
+                "repeats": 3, "note": "noisy", "command": "c", "sweeps": []}  # fmt: skip
+    path = writeup.write_docs(manifest, tmp_path)
+    path.write_text(path.read_text() + "## Issue 99\n\nNumbers from: commit `def`.\n")
+    again = writeup.write_docs({**manifest, "git_commit": "ghi"}, tmp_path).read_text()
+    assert "commit `ghi`" in again and again.endswith("## Issue 99\n\nNumbers from: commit `def`.\n")
+    assert again.count(writeup.BY_HAND) == 1
 
 
 def test_a_later_sweep_replaces_its_namesake_and_says_when_it_ran() -> None:
