@@ -38,6 +38,7 @@ from bench.records import append_record, git_commit, machine_info, make_record
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "bench" / "results"
+EMBEDDED_MODEL = "SmolLM2-135M-Instruct, the embedded Q4_1 GGUF (computed in its blocks: --weight-dtype auto)"
 
 
 @dataclass
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     manifest: dict[str, Any] = {
         "schema": 1, "git_commit": git_commit(), "machine": machine_info(), "repeats": repeats,
         "command": shlex.join(["python", "-m", "bench.sweep", *(argv if argv is not None else sys.argv[1:])]),
-        "model": args.model or "SmolLM2-135M-Instruct (the embedded GGUF, converted)",
+        "model": args.model or EMBEDDED_MODEL,
         "engine_flags": list(opts.engine_flags), "quick": args.quick, "note": args.note, "sweeps": [],
         "peers": [parse_peer(p).label for p in args.peer], "peer_note": args.peer_note,
     }  # fmt: skip

@@ -106,8 +106,8 @@ def _machine_lines(m: dict[str, Any]) -> list[str]:
         f"- Machine: {mach['cpu']}, {mach['cores']} cores, {mach['mem_gib']} GiB RAM{gpu}; "
         f"Python {mach['python']}, torch {mach['torch']}",
         f"- CPU features: {mach.get('cpu_features', 'not recorded')}",
-        f"- Model: {m['model']}; rivulet engines: `launcher.py {shlex.join(m['engine_flags'])}` plus each "
-        "configuration's flags",
+        f"- Model: {m['model']}; rivulet engines: `{shlex.join(['launcher.py', *m['engine_flags']])}` plus "
+        "each configuration's flags",
         f"- Repeats: {m['repeats']} per configuration, interleaved (A B A B ...); a cell is the median "
         "over repeats with (min-max)",
         f"- Note: {m['note']}",
@@ -159,7 +159,8 @@ def write_docs(manifest: dict[str, Any], out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = [
         "# Benchmarks", "",
-        "Written by `bench/sweep.py` from one run; regenerate rather than edit. "
+        "Written by `bench/sweep.py` from one run, and after its marker from the commands of "
+        "`bench/tables.sh`; regenerate rather than edit. "
         f"Command: `{manifest['command']}`", "",
         *_machine_lines(manifest), "",
     ]  # fmt: skip
