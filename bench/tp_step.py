@@ -147,8 +147,9 @@ def start(model: str, variant: str, cores: list[int]) -> list[tuple[Any, Connect
     procs = []
     for rank in range(world):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=_serve, args=(child, model, rank, world, how, addr, shares[rank]))
+        p = ctx.Process(target=_serve, args=(child, model, rank, world, how, addr, shares[rank]), daemon=True)
         p.start()
+        child.close()  # the rank holds it now: a rank that dies is an EOFError here, not a hang
         procs.append((p, parent))
     for _, conn in procs:
         assert conn.recv() == "ready"
@@ -193,6 +194,9 @@ def main() -> None:
                 for proc, conn in procs:
                     conn.send("stop")
                     proc.join(30)
+                    if proc.is_alive():  # stuck: stopped by its pid
+                        proc.kill()
+                        proc.join(5)
     report(steps, reduces, head, args)
 
 

@@ -12,7 +12,7 @@ import zmq
 from protocol.chat import Tool, ToolChoice
 from protocol.grammar import Grammar
 from protocol.messages import ChatMessage, FinishReason, GenerateOutput, GenerateRequest, SamplingParams
-from protocol.transport import CLIENT_SOCKET_OPTIONS
+from protocol.transport import HEARTBEAT_SOCKET_OPTIONS
 
 # Where the launcher binds the client socket unless told otherwise.
 DEFAULT_ENDPOINT = "ipc:///tmp/rivulet/client.sock"
@@ -30,7 +30,7 @@ def connect_dealer(ctx: zmq.Context, endpoint: str) -> tuple[zmq.Socket, zmq.Soc
     A connection whose heartbeats stop is dropped, which the monitor reports.
     """
     sock = ctx.socket(zmq.DEALER)
-    for option, value in CLIENT_SOCKET_OPTIONS:
+    for option, value in HEARTBEAT_SOCKET_OPTIONS:
         sock.setsockopt(option, value)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(endpoint)

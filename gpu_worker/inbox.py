@@ -13,10 +13,7 @@ from __future__ import annotations
 import zmq
 import zmq.utils.monitor
 
-from protocol.transport import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS, Endpoints, make_socket
-
-# A worker node's rank pings the scheduler's connection: silence past the timeout drops it.
-HEARTBEAT = ((zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS), (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS))
+from protocol.transport import HEARTBEAT_SOCKET_OPTIONS, Endpoints, make_socket
 
 
 class Inbox:
@@ -28,8 +25,8 @@ class Inbox:
             self._monitor: zmq.Socket | None = None
         else:
             self.sock = ctx.socket(zmq.PULL)
-            for option, value in ((zmq.LINGER, 0), (zmq.RCVHWM, 0), *HEARTBEAT):
-                self.sock.setsockopt(option, value)  # before bind: libzmq copies them per connection
+            for option, value in HEARTBEAT_SOCKET_OPTIONS:  # it pings the scheduler's connection
+                self.sock.setsockopt(option, value)
             self.sock.bind(f"tcp://{node_host}:*")  # a free port: rank 0 passes it on
             self._monitor = self.sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)

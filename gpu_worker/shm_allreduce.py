@@ -91,11 +91,13 @@ def pick_all_reduce(config: WorkerConfig, device: torch.device) -> AllReduce:
     choice, rank, world = config.tp_all_reduce, config.tp_rank, config.tp_size
     library = cpu_backend.kernels_library(config.cpu_kernels) if device.type == "cpu" else None
     same_machine = len(set(gather_strings(machine_id()))) == 1
-    why_not = None if library is not None else "not on CPU, or the C kernels are off or could not be built"
-    if not same_machine:
-        why_not = "the ranks are on several machines"
-    if agree_min(int(why_not is None)) == 0 and why_not is None:
-        why_not = "another rank cannot use it"
+    why_not = (
+        "the ranks are on several machines" if not same_machine
+        else "not on CPU, or the C kernels are off or could not be built" if library is None
+        else None
+    )  # fmt: skip
+    if agree_min(int(why_not is None)) == 0:  # every rank takes the same road
+        why_not = why_not or "another rank cannot use it"
     if choice == "gloo" or (choice == "auto" and why_not is not None):
         logger.info(
             "tensor-parallel all-reduce: gloo%s", f" ({why_not})" if why_not and choice == "auto" else ""

@@ -188,10 +188,13 @@ class VocabGathered(AllReduced):
     """The vocab-parallel LM head: this rank's logits placed in a zeroed row of the whole
     vocabulary, summed over the ranks (so gathered: each logit is one rank's, plus zeros)."""
 
+    def __init__(self, module: nn.Module, reduce: AllReduce) -> None:
+        super().__init__(module, reduce)
+        self._span: tuple[int, int, int] = module.vocab_span  # type: ignore[assignment]  # _vocab_rows's
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         part = self._matmul(x)
-        span: tuple[int, int, int] = getattr(self._module, "vocab_span")  # noqa: B009 (set by _vocab_rows)
-        start, stop, vocab = span
+        start, stop, vocab = self._span
         wide = torch.float64 if part.dtype == torch.float64 else torch.float32
         logits = torch.zeros(part.shape[0], vocab, dtype=wide)
         logits[:, start:stop] = part

@@ -29,13 +29,14 @@ class Codec(Generic[T]):
         return self._decoder.decode(frame)
 
 
-# ZMTP heartbeats on the client socket, both ends: a connection whose peer stopped answering for
-# this long (a dead host, which never closes it) is dropped; a dead process is seen at once.
+# ZMTP heartbeats on the sockets that may cross machines (the client socket, both ends; a worker
+# node's batch socket): a connection whose peer stopped answering for this long (a dead host, which
+# never closes it) is dropped; a dead process is seen at once.
 HEARTBEAT_IVL_MS = 2000
 HEARTBEAT_TIMEOUT_MS = 6000
-# Options of a client connection, on the client's DEALER and the tokenizer's ROUTER alike;
+# Options of such a connection (the client's DEALER, the tokenizer's ROUTER, a worker node's PULL);
 # set before bind/connect, when libzmq copies them into the session.
-CLIENT_SOCKET_OPTIONS = (
+HEARTBEAT_SOCKET_OPTIONS = (
     (zmq.LINGER, 0),
     (zmq.SNDHWM, 0),
     (zmq.RCVHWM, 0),

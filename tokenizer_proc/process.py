@@ -19,7 +19,7 @@ import zmq.asyncio
 from zmq.asyncio import Socket as AsyncSocket
 
 from protocol.messages import GenerateOutput, GenerateRequest, Ready, ToTokenizer
-from protocol.transport import CLIENT_SOCKET_OPTIONS, Codec, Endpoints, make_socket
+from protocol.transport import HEARTBEAT_SOCKET_OPTIONS, Codec, Endpoints, make_socket
 from tokenizer_proc.config import TokenizerConfig
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http.app import HttpSettings
@@ -63,7 +63,7 @@ def client_socket(ctx: zmq.asyncio.Context, endpoint: str) -> AsyncSocket:
     """The client ROUTER: options must be set before bind to reach accepted connections."""
     sock = ctx.socket(zmq.ROUTER)
     # ROUTER_MANDATORY: a reply to a vanished client raises EHOSTUNREACH.
-    for option, value in (*CLIENT_SOCKET_OPTIONS, (zmq.ROUTER_MANDATORY, 1)):
+    for option, value in (*HEARTBEAT_SOCKET_OPTIONS, (zmq.ROUTER_MANDATORY, 1)):
         sock.setsockopt(option, value)
     sock.bind(endpoint)
     return sock

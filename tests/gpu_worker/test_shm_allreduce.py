@@ -56,11 +56,17 @@ def test_every_rank_gets_the_same_sum(world: int, tmp_path: Path) -> None:
     addr = f"127.0.0.1:{_free_port()}"
     args = (world, addr, str(kernels.path), str(tmp_path))
     procs = [ctx.Process(target=_rank, args=(r, *args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0, f"a rank exited with {p.exitcode}"
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+            assert p.exitcode == 0, f"a rank exited with {p.exitcode}"
+    finally:
+        for p in procs:  # a rank stuck waiting for a dead one: never left behind
+            if p.is_alive():
+                p.kill()
+                p.join(5)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     assert len({r["path"] for r in ranks}) == 1, "the ranks mapped different regions"
     assert not Path(ranks[0]["path"]).exists(), "the region's file outlived the set-up"
