@@ -148,7 +148,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     ap.add_argument("--no-head", action="store_true", help="skip the 49152 x 576 head")
-    ap.add_argument("--shapes", help="one layer's weights as OUTxIN,... (K-quants: IN % 256 == 0)")
+    ap.add_argument("--shapes", help="one layer's weights as OUTxIN,... (K-quants: IN %% 256 == 0)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -57,19 +57,61 @@ class GgufError(ValueError):
 @dataclass(frozen=True)
 class QuantBlocks:
     """Rows of one weight in a GGUF block type: ``data`` is uint8 [rows, row_bytes], the file's
-    blocks of each row in the model's row order."""
+    blocks of each row in the model's row order; with ``interleaved``, the same bytes with each 8
+    rows interleaved (``interleave_rows``)."""
 
     type: int  # ggml type id (gguf.GGMLQuantizationType)
     data: torch.Tensor
     cols: int
+    interleaved: bool = False
 
     @property
     def rows(self) -> int:
         return int(self.data.shape[0])
 
+    @property
+    def kernel_type(self) -> int:
+        """The type code the C kernels take: the ggml id, | X8 for the interleaved layout."""
+        return self.type | X8 if self.interleaved else self.type
+
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols], by gguf's own dequantization."""
-        return _dense(self.type, self.data.numpy(), (self.rows, self.cols))
+        data = deinterleave_rows(self) if self.interleaved else self.data
+        return _dense(self.type, data.numpy(), (self.rows, self.cols))
+
+
+# csrc/quant_x8.c: the legacy 32-weight types, rows interleaved by 8 (a flag on the type code).
+X8 = 0x100
+INTERLEAVED_TYPES = {2: 2, 3: 4, 8: 2}  # ggml Q4_0, Q4_1, Q8_0 -> bytes of fp16 scales a block starts with
+
+
+def interleave_rows(blocks: QuantBlocks) -> QuantBlocks:
+    """The layout csrc/quant_x8.c reads (its top comment draws it): per group of 8 rows and block,
+    the 8 rows' fp16 d (and Q4_1's m), then their quant bytes 2 per row in turn. Same bytes; for the
+    legacy types with rows a multiple of 8 (others are returned as they are)."""
+    head = INTERLEAVED_TYPES.get(blocks.type)
+    if head is None or blocks.interleaved or blocks.rows % 8:
+        return blocks
+    n, row_bytes = blocks.data.shape
+    nb = blocks.cols // 32
+    x = blocks.data.numpy().reshape(n // 8, 8, nb, row_bytes // nb)  # [group, slot, block, byte]
+    scales = x[..., :head].reshape(n // 8, 8, nb, head // 2, 2).transpose(0, 2, 3, 1, 4)
+    quants = x[..., head:].reshape(n // 8, 8, nb, -1, 2).transpose(0, 2, 3, 1, 4)
+    out = np.concatenate([scales.reshape(n // 8, nb, -1), quants.reshape(n // 8, nb, -1)], axis=2)
+    data = torch.from_numpy(np.ascontiguousarray(out).reshape(n, row_bytes))
+    return QuantBlocks(blocks.type, data, blocks.cols, interleaved=True)
+
+
+def deinterleave_rows(blocks: QuantBlocks) -> torch.Tensor:
+    """``interleave_rows`` undone: the file's [rows, row_bytes] blocks."""
+    head = INTERLEAVED_TYPES[blocks.type]
+    n, row_bytes = blocks.data.shape
+    nb = blocks.cols // 32
+    x = blocks.data.numpy().reshape(n // 8, nb, row_bytes // nb * 8)
+    scales = x[..., : 8 * head].reshape(n // 8, nb, head // 2, 8, 2).transpose(0, 3, 1, 2, 4)
+    quants = x[..., 8 * head :].reshape(n // 8, nb, -1, 8, 2).transpose(0, 3, 1, 2, 4)
+    out = np.concatenate([scales.reshape(n // 8, 8, nb, head), quants.reshape(n // 8, 8, nb, -1)], axis=3)
+    return torch.from_numpy(np.ascontiguousarray(out).reshape(n, row_bytes))
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from gpu_worker.cpu.decode_layers import FusedDecode, fused_decode
 from gpu_worker.cpu.kind import CpuKind, describe, requested_kind
 from gpu_worker.cpu.matmul import PLANS, CpuLinear
 from gpu_worker.cpu.quant import QuantEmbedding, QuantLinear
+from gpu_worker.gguf_weights import QuantizedWeight, interleave_rows
 from gpu_worker.models.layers import Embedding, Linear
 
 logger = logging.getLogger(__name__)
@@ -115,14 +116,21 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compi
 def _attach_quantized(
     model: nn.Module, dtype: torch.dtype, kernels: cpu_kernels.CpuKernels | None, paths: Counter[str]
 ) -> None:
-    """QuantLinear / QuantEmbedding for every module the loader gave quantized blocks."""
+    """QuantLinear / QuantEmbedding for every module the loader gave quantized blocks, the legacy
+    types' rows interleaved by 8 first (csrc/quant_x8.c; a tied head and its embedding share one)."""
     import gguf
 
+    interleaved: dict[int, tuple[QuantizedWeight, QuantizedWeight]] = {}  # id: (as loaded, interleaved)
     for module in model.modules():
         weight = getattr(module, "quantized", None)
         if weight is None:
             continue
         assert kernels is not None, "quantized weights are loaded only where the kernels run"
+        if id(weight) not in interleaved:
+            parts = tuple(interleave_rows(part) for part in weight.parts)
+            interleaved[id(weight)] = (weight, QuantizedWeight(parts))
+        weight = interleaved[id(weight)][1]
+        setattr(module, "quantized", weight)  # noqa: B010 (nn.Module types attributes as Tensor | Module)
         types = "+".join(gguf.GGMLQuantizationType(part.type).name for part in weight.parts)
         if isinstance(module, Linear):
             module.impl = QuantLinear(weight, module.bias, kernels)

@@ -118,7 +118,7 @@ class FusedDecode:
                 input_norm=layer.input_layernorm.weight.data_ptr(),
                 post_norm=layer.post_attention_layernorm.weight.data_ptr(),
                 w=(ctypes.c_void_p * 4)(*(p.data.data_ptr() for p in parts)),
-                type=(ctypes.c_int64 * 4)(*(p.type for p in parts)),
+                type=(ctypes.c_int64 * 4)(*(p.kernel_type for p in parts)),
                 dense_min_rows=(ctypes.c_int64 * 4)(*(impl.dense_min_rows[0] for impl in impls)),
                 k_cache=ctx.k_cache[i].data_ptr(),
                 v_cache=ctx.v_cache[i].data_ptr(),

@@ -47,7 +47,7 @@ class QuantLinear:
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, kernels: CpuKernels) -> None:
         self.act_bytes = [
-            kernels.quant_check(p.type, p.data, p.cols) for p in weight.parts
+            kernels.quant_check(p.kernel_type, p.data, p.cols) for p in weight.parts
         ]  # raises if unfit
         self.weight = weight
         self.bias = None if bias is None else bias.detach()
@@ -79,10 +79,10 @@ class QuantLinear:
         if len(parts) == 1:
             part = parts[0]
             held = residual if fuse else None
-            out = run(part.type, part.data, part.cols, x, held, self.act_bytes[0], dense[0])
+            out = run(part.kernel_type, part.data, part.cols, x, held, self.act_bytes[0], dense[0])
         else:
             outs = [
-                run(p.type, p.data, p.cols, x, None, b, d)
+                run(p.kernel_type, p.data, p.cols, x, None, b, d)
                 for p, b, d in zip(parts, self.act_bytes, dense, strict=True)
             ]
             out = torch.cat(outs, dim=1)
@@ -97,7 +97,7 @@ class QuantEmbedding:
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, kernels: CpuKernels) -> None:
         assert len(weight.parts) == 1, "an embedding table is one tensor"
         self.table = weight.parts[0]
-        assert kernels.quant_supported(self.table.type), f"no kernel for ggml type {self.table.type}"
+        assert kernels.quant_supported(self.table.kernel_type), f"no kernel for ggml type {self.table.type}"
         self.dtype = dtype
         self.kernels = kernels
 
@@ -107,6 +107,6 @@ class QuantEmbedding:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).to(torch.int64).contiguous()
         rows = self.kernels.quant_get_rows(
-            self.table.type, self.table.data, self.table.cols, flat, self.dtype
+            self.table.kernel_type, self.table.data, self.table.cols, flat, self.dtype
         )
         return rows.reshape(*ids.shape, self.table.cols)

@@ -1,7 +1,8 @@
 """The C kernels over GGUF blocks (csrc/quant*.c, decode_layers.c), as ``CpuKernels`` methods.
 
 ``type`` is ggml's type id (gguf.GGMLQuantizationType), ``w`` the [n, row bytes] uint8 blocks as the
-file holds them.
+file holds them; or that id | ``X8`` (gguf_weights.py) for the legacy types' rows interleaved by 8
+(csrc/quant_x8.c), the layout the worker holds them in.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import gguf
 import torch
 
 from gpu_worker.cpu.build import DTYPE_CODES
+from gpu_worker.gguf_weights import X8
 
 if TYPE_CHECKING:
     from gpu_worker.cpu.kernels import DecodeRows
@@ -103,7 +105,8 @@ class QuantKernels:
             scratch = self._scratch(m * act_bytes)
             status = self._quant_matmul(*head, scratch.data_ptr(), out.data_ptr(), DTYPE_CODES[x.dtype], *res)
         if status != 0:
-            raise ValueError(f"quant_matmul refused type {type}, k={k}, dtype {x.dtype}: status {status}")
+            refused = f"type {type}, n={n}, k={k}, dtype {x.dtype}: status {status}"
+            raise ValueError(f"quant_matmul refused {refused}")
         return out
 
     def _scratch(self, nbytes: int) -> torch.Tensor:
@@ -157,6 +160,6 @@ class QuantKernels:
 
 @functools.cache
 def quant_row_bytes(type: int, k: int) -> int:
-    """Bytes of one row of k weights in blocks of ggml type ``type``."""
-    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type)]
+    """Bytes of one row of k weights in blocks of ggml type ``type`` (either layout)."""
+    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type & ~X8)]
     return k // block * block_bytes

@@ -40,7 +40,8 @@ void quantize_act16(const float *x, int64_t k, void *xq) {
 /* The ops of ``type`` from whichever file implements it, else NULL. */
 const qtype_ops *quant_ops(int type) {
     const qtype_ops *ops = qtype_legacy(type);
-    return ops != NULL ? ops : qtype_k(type);
+    ops = ops != NULL ? ops : qtype_k(type);
+    return ops != NULL ? ops : qtype_x8(type);
 }
 
 /* Whether quant_matmul and quant_get_rows take weights of this ggml type. */
@@ -58,13 +59,15 @@ int64_t quant_act_row_bytes(int type, int64_t k) {
  * + x W^T, x [rows, k] (x_dtype, rows x_stride elements apart), W [n, k] in blocks of ``type``.
  * Summed in float32, one rounding to y_dtype at the end. scratch: rows * quant_act_row_bytes(type, k)
  * bytes. Returns 0, or nonzero (nothing written) for an unsupported type (1), k not a whole number
- * of blocks (2), an unknown dtype (3), or no memory (4). */
+ * of blocks (2), an unknown dtype (3), no memory (4), or an interleaved type with n not a multiple
+ * of 8 (5). */
 int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride, int x_dtype,
                  int64_t rows, void *scratch, void *y, int y_dtype, const void *residual, int64_t res_stride) {
     const qtype_ops *ops = quant_ops(type);
     if (ops == NULL) return 1;
     if (k <= 0 || k % ops->block != 0) return 2;
     if ((x_dtype != DTYPE_F32 && x_dtype != DTYPE_BF16) || (y_dtype != DTYPE_F32 && y_dtype != DTYPE_BF16)) return 3;
+    if ((type & QTYPE_X8) && n % 8 != 0) return 5;
     if (n <= 0 || rows <= 0) return 0;
     const int64_t nb = k / ops->block, wrb = nb * ops->block_bytes, xrb = nb * ops->act_block_bytes;
     int64_t panel = PANEL_BYTES / wrb / COL_UNIT * COL_UNIT;
@@ -154,9 +157,9 @@ void quant_get_rows(int type, const uint8_t *w, int64_t k, const int64_t *ids, i
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < count; i++) {
             if (out_dtype == DTYPE_F32) {
-                ops->dequant_row(w + ids[i] * wrb, k, (float *)out + i * k);
+                dequant_row_at(ops, w, wrb, ids[i], k, (float *)out + i * k);
             } else if (tmp != NULL) {
-                ops->dequant_row(w + ids[i] * wrb, k, tmp);
+                dequant_row_at(ops, w, wrb, ids[i], k, tmp);
                 store_vec(out, out_dtype, i * k, (int)k, tmp);
             }
         }

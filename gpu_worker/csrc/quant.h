@@ -19,6 +19,7 @@
 #define QTYPE_Q4_K 12
 #define QTYPE_Q5_K 13
 #define QTYPE_Q6_K 14
+#define QTYPE_X8 0x100 /* | a legacy type: its rows interleaved by 8 (quant_x8.c), n a multiple of 8 */
 
 /* Activations, one format for every weight type: per 32 values, 16-bit integers with one float
  * scale (x ~ d * q, d = absmax / 32767, q rounded to nearest even) and the block's sum s = d * sum(q)
@@ -73,13 +74,28 @@ typedef struct {
      * nblocks = k / block. Single-threaded: the driver splits rows and columns over threads. */
     void (*tile)(const uint8_t *w, int64_t w_row_bytes, int64_t nc, const uint8_t *xq, int64_t xq_row_bytes,
                  int64_t nr, int64_t nblocks, float *out, int64_t ldo);
-    /* One weight row of k weights -> float32 (the embedding lookup; the reference in tests). */
+    /* One weight row of k weights -> float32 (the embedding lookup, the dense path's panels);
+     * NULL for the interleaved types, which give dequant_slot: row s of the 8 at group g, and
+     * dequant_group: all 8 (out: 8 rows of k). */
     void (*dequant_row)(const uint8_t *w, int64_t k, float *out);
+    void (*dequant_slot)(const uint8_t *g, int s, int64_t k, float *out);
+    void (*dequant_group)(const uint8_t *g, int64_t k, float *out);
 } qtype_ops;
+
+/* Weight row ``row`` of W (rows wrb bytes apart, in either layout) as k float32. */
+static inline void dequant_row_at(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int64_t row, int64_t k,
+                                  float *out) {
+    if (ops->dequant_slot != NULL) {
+        ops->dequant_slot(w + row / 8 * 8 * wrb, (int)(row % 8), k, out);
+    } else {
+        ops->dequant_row(w + row * wrb, k, out);
+    }
+}
 
 /* The ops of ``type`` if the file implements it, else NULL. */
 const qtype_ops *qtype_legacy(int type);
 const qtype_ops *qtype_k(int type);
+const qtype_ops *qtype_x8(int type);
 const qtype_ops *quant_ops(int type); /* either */
 
 #endif

@@ -109,17 +109,22 @@ static void panel_rows(const float *x, int64_t nr, const float *wp, int64_t nc, 
 
 /* quant_matmul's contract (quant.c) without its scratch: y [rows, n] = residual + x W^T. Returns 0,
  * or nonzero (nothing written) for an unsupported type (1), k not a whole number of blocks (2), an
- * unknown dtype (3), or no memory (4: y partly written). */
+ * unknown dtype (3), no memory (4: y partly written), or an interleaved type with n not a multiple
+ * of 8 (5). */
 int quant_matmul_dense(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
                        int x_dtype, int64_t rows, void *y, int y_dtype, const void *residual, int64_t res_stride) {
     const qtype_ops *ops = quant_ops(type);
     if (ops == NULL) return 1;
     if (k <= 0 || k % ops->block != 0 || k % ACT_BLOCK != 0) return 2;
     if ((x_dtype != DTYPE_F32 && x_dtype != DTYPE_BF16) || (y_dtype != DTYPE_F32 && y_dtype != DTYPE_BF16)) return 3;
+    if ((type & QTYPE_X8) && n % 8 != 0) return 5;
     if (n <= 0 || rows <= 0) return 0;
-    const int64_t wrb = k / ops->block * ops->block_bytes, units = (n + COL_UNIT - 1) / COL_UNIT;
-    int64_t panel = PANEL_BYTES / (k * (int64_t)sizeof(float)) / TC * TC;
-    panel = panel < TC ? TC : panel;
+    /* interleaved rows: units and panels of whole groups of 8 (24 = 8 groups of TC), dequantized a
+     * group at a time */
+    const int64_t unit = ops->dequant_group != NULL ? 2 * COL_UNIT : COL_UNIT, step = ops->dequant_group != NULL ? unit : TC;
+    const int64_t wrb = k / ops->block * ops->block_bytes, units = (n + unit - 1) / unit;
+    int64_t panel = PANEL_BYTES / (k * (int64_t)sizeof(float)) / step * step;
+    panel = panel < step ? step : panel;
     float *xf = aligned_alloc(32, (size_t)(rows * k) * sizeof(float));
     if (xf == NULL) return 4;
     const outputs o = {y, y_dtype, residual, res_stride, n};
@@ -130,7 +135,7 @@ int quant_matmul_dense(int type, const uint8_t *w, int64_t n, int64_t k, const v
         for (int64_t r = 0; r < rows; r++) load_vec(x, x_dtype, r * x_stride, (int)k, xf + r * k);
         /* (the loop's barrier: every row widened) */
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t c0 = units * t / nt * COL_UNIT, c1_units = units * (t + 1) / nt * COL_UNIT;
+        const int64_t c0 = units * t / nt * unit, c1_units = units * (t + 1) / nt * unit;
         const int64_t c1 = c1_units < n ? c1_units : n;
         float *wp = c0 < c1 ? aligned_alloc(32, (size_t)(panel * k) * sizeof(float)) : NULL;
         if (c0 < c1 && wp == NULL) {
@@ -139,7 +144,11 @@ int quant_matmul_dense(int type, const uint8_t *w, int64_t n, int64_t k, const v
         }
         for (int64_t p0 = c0; wp != NULL && p0 < c1; p0 += panel) {
             const int64_t pw = c1 - p0 < panel ? c1 - p0 : panel;
-            for (int64_t j = 0; j < pw; j++) ops->dequant_row(w + (p0 + j) * wrb, k, wp + j * k);
+            if (ops->dequant_group != NULL) {
+                for (int64_t j = 0; j < pw; j += 8) ops->dequant_group(w + (p0 + j) * wrb, k, wp + j * k);
+            } else {
+                for (int64_t j = 0; j < pw; j++) dequant_row_at(ops, w, wrb, p0 + j, k, wp + j * k);
+            }
             panel_rows(xf, rows, wp, pw, k, p0, &o);
         }
         free(wp);

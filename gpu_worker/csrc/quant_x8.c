@@ -1,0 +1,262 @@
+/* The legacy 32-weight blocks (Q4_0, Q4_1, Q8_0) with their weight rows interleaved by 8, the layout
+ * the worker holds them in (gpu_worker/gguf_weights.py's interleave_rows makes it at load; same bytes
+ * as the file's). Type code: the ggml type | QTYPE_X8.
+ *
+ * Rows 8g .. 8g + 7 form group g, stored where the file's rows 8g .. 8g + 7 were. Within a group,
+ * block b of the 8 rows lies at b * 8 * block_bytes:
+ *   8 fp16 d (row 0 .. 7), [Q4_1: 8 fp16 m], then the rows' quant bytes in chunks of 2 bytes per row:
+ *   chunk c = bytes 2c, 2c + 1 of row 0, of row 1, ..., of row 7 (16 bytes; Q4: 8 chunks, Q8_0: 16).
+ *
+ * Why: at one activation row a matmul is bound by the weights' bytes, and with the file's layout
+ * each (row, block) costs a horizontal sum or a scalar scale (a half converted, multiplied and
+ * broadcast per row): the one-row tile ran at ~7 GB/s a core where the memory gives 12-15. Here one
+ * 16-byte chunk widened to 16 int16 holds 2 weights of each of the 8 rows, so one madd against the
+ * activation's 2 matching values, broadcast, gives each row's partial sum in its own 32-bit lane: a
+ * block of 8 rows ends as one vector of 8 sums, met by one vector of 8 scales (one conversion of 8
+ * halves). Nothing is summed across lanes until the output, which is those lanes as they are.
+ *
+ * Low nibbles of chunk c's bytes are weights 2c, 2c + 1 of each row, high nibbles weights 16 + 2c,
+ * 17 + 2c: a widened chunk masked meets the activation pair (2c, 2c + 1), shifted meets
+ * (16 + 2c, 17 + 2c). Q8_0's chunk c is weights 2c, 2c + 1.
+ *
+ * Integer sums: a row's 32 products of one block are summed in int32 before the conversion to
+ * float: |qw| <= 128 and |qx| <= 32767, so at most 32 * 128 * 32767 = 134,213,632 < 2^31. Above 2^24
+ * the conversion rounds (relative 2^-24), far below the activations' 16-bit rounding (quant.h).
+ */
+#include "quant.h"
+
+#define QB 32
+#ifndef X8_PF
+#define X8_PF 1024 /* how far ahead (bytes) the tile prefetches its group's blocks */
+#endif
+#define XR 4 /* activation rows per tile */
+
+static inline int block_bytes(const int type) { return type == QTYPE_Q8_0 ? 34 : type == QTYPE_Q4_1 ? 20 : 18; }
+
+/* Slot s's block (of the group block at blk) rebuilt as the file's block: d [, m], then its quant
+ * bytes in order. */
+static inline void plain_block(const uint8_t *blk, int s, const int type, uint8_t *plain) {
+    const int head = type == QTYPE_Q4_1 ? 4 : 2, chunks = type == QTYPE_Q8_0 ? 16 : 8;
+    memcpy(plain, blk + 2 * s, 2);
+    if (type == QTYPE_Q4_1) memcpy(plain + 2, blk + 16 + 2 * s, 2);
+    const uint8_t *q = blk + 8 * head;
+    for (int c = 0; c < chunks; c++) memcpy(plain + head + 2 * c, q + 16 * c + 2 * s, 2);
+}
+
+/* Row s of the group at g (k weights) as float32: each block rebuilt, then the file layout's own
+ * dequantization (quant_legacy.c), so the values are exactly gguf-py's. */
+static inline void dequant_slot(const uint8_t *g, int s, int64_t k, float *out, const int type) {
+    const int bb = block_bytes(type);
+    const qtype_ops *plain_ops = qtype_legacy(type);
+    uint8_t plain[34];
+    for (int64_t b = 0; b < k / QB; b++) {
+        plain_block(g + b * 8 * bb, s, type, plain);
+        plain_ops->dequant_row(plain, QB, out + b * QB);
+    }
+}
+
+#if HAVE_AVX2 || HAVE_AVX512
+
+static inline __m256i pair(const int16_t *q) { /* q[0], q[1] in every 32-bit lane */
+    int32_t v;
+    memcpy(&v, q, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
+/* out[r * ldo + j] = dot(row j of the group at g, activation row r) for j < 8, r < nr <= R. */
+static inline __attribute__((always_inline)) void x8_tile(const uint8_t *g, int64_t nb, const act_block16 *const *xa,
+                                                          int64_t nr, float *out, int64_t ldo, const int type,
+                                                          const int R) {
+    const int bb = block_bytes(type), head = type == QTYPE_Q4_1 ? 32 : 16;
+    __m256 acc[XR];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * 8 * bb, *q = blk + head;
+        for (int at = 0; at < 8 * bb; at += 64) _mm_prefetch((const char *)(blk + X8_PF + at), _MM_HINT_T0);
+        __m256i s[XR];
+        for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
+        if (type == QTYPE_Q8_0) {
+            for (int c = 0; c < 16; c++) {
+                const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * c)));
+                for (int r = 0; r < R; r++) s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(v, pair(xa[r][b].q + 2 * c)));
+            }
+        } else {
+            for (int c = 0; c < 8; c++) {
+                const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * c)));
+                __m256i lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0f)), hi = _mm256_srli_epi16(v, 4);
+                if (type == QTYPE_Q4_0) {
+                    lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(8));
+                    hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(8));
+                }
+                for (int r = 0; r < R; r++) {
+                    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, pair(xa[r][b].q + 2 * c)),
+                                                       _mm256_madd_epi16(hi, pair(xa[r][b].q + 16 + 2 * c)));
+                    s[r] = _mm256_add_epi32(s[r], p);
+                }
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(d, _mm256_set1_ps(xa[r][b].d)), acc[r]);
+        if (type == QTYPE_Q4_1) {
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+            for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xa[r][b].s), acc[r]);
+        }
+    }
+    for (int r = 0; r < R && r < nr; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
+}
+
+/* 8 vectors of 8 uint16 (a[c] = chunk c: 2 bytes of each row) -> r[s] = row s's 8 chunks in order:
+ * the 8 x 8 transpose of 16-bit elements, in three rounds of unpacks. */
+static inline void transpose8x16(const __m128i a[8], __m128i r[8]) {
+    __m128i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm_unpacklo_epi16(a[2 * i], a[2 * i + 1]);
+        t[2 * i + 1] = _mm_unpackhi_epi16(a[2 * i], a[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm_unpacklo_epi32(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm_unpackhi_epi32(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm_unpacklo_epi32(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm_unpackhi_epi32(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[2 * i] = _mm_unpacklo_epi64(u[i], u[4 + i]);
+        r[2 * i + 1] = _mm_unpackhi_epi64(u[i], u[4 + i]);
+    }
+}
+
+/* 16 int16 -> 16 float32 d * q + m at out (one rounding, as gguf-py's d * q + m). */
+static inline void put16(__m256i q, __m256 d, __m256 m, float *out) {
+    _mm256_storeu_ps(out, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(q))), m));
+    _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(q, 1))), m));
+}
+
+/* The 8 rows of the group at g (k weights each) as float32 at out + s * ldo: per block, the chunks
+ * transposed back to each row's bytes, then widened as quant_legacy.c's dequant_block (same values). */
+static inline void dequant_group(const uint8_t *g, int64_t k, float *out, int64_t ldo, const int type) {
+    const int bb = block_bytes(type), head = type == QTYPE_Q4_1 ? 32 : 16;
+    for (int64_t b = 0; b < k / QB; b++) {
+        const uint8_t *blk = g + b * 8 * bb, *q = blk + head;
+        float d[8], m[8] = {0};
+        _mm256_storeu_ps(d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)));
+        if (type == QTYPE_Q4_1) _mm256_storeu_ps(m, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))));
+        __m128i a[8], r[8], r2[8];
+        for (int c = 0; c < 8; c++) a[c] = _mm_loadu_si128((const __m128i *)(q + 16 * c));
+        transpose8x16(a, r);
+        if (type == QTYPE_Q8_0) {
+            for (int c = 0; c < 8; c++) a[c] = _mm_loadu_si128((const __m128i *)(q + 128 + 16 * c));
+            transpose8x16(a, r2);
+        }
+        for (int s = 0; s < 8; s++) {
+            float *o = out + s * ldo + b * QB;
+            const __m256 ds = _mm256_set1_ps(d[s]), ms = _mm256_set1_ps(m[s]);
+            if (type == QTYPE_Q8_0) {
+                put16(_mm256_cvtepi8_epi16(r[s]), ds, ms, o);
+                put16(_mm256_cvtepi8_epi16(r2[s]), ds, ms, o + 16);
+            } else {
+                const __m256i v = _mm256_cvtepu8_epi16(r[s]);
+                __m256i lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0f)), hi = _mm256_srli_epi16(v, 4);
+                if (type == QTYPE_Q4_0) {
+                    lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(8));
+                    hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(8));
+                }
+                put16(lo, ds, ms, o);
+                put16(hi, ds, ms, o + 16);
+            }
+        }
+    }
+}
+
+#else /* portable: each slot's block rebuilt as the file's and dotted in plain C */
+
+static inline void x8_tile(const uint8_t *g, int64_t nb, const act_block16 *const *xa, int64_t nr, float *out,
+                           int64_t ldo, const int type, const int R) {
+    (void)R;
+    const int bb = block_bytes(type), head = type == QTYPE_Q4_1 ? 4 : 2;
+    for (int r = 0; r < nr; r++)
+        for (int s = 0; s < 8; s++) out[r * ldo + s] = 0.0f;
+    for (int64_t b = 0; b < nb; b++)
+        for (int s = 0; s < 8; s++) {
+            uint8_t plain[34];
+            plain_block(g + b * 8 * bb, s, type, plain);
+            int32_t w[QB];
+            for (int j = 0; j < 16 && type == QTYPE_Q8_0; j++) w[j] = (int8_t)plain[2 + j], w[16 + j] = (int8_t)plain[18 + j];
+            for (int j = 0; j < 16 && type != QTYPE_Q8_0; j++) {
+                const int off = type == QTYPE_Q4_0 ? 8 : 0;
+                w[j] = (plain[head + j] & 0x0f) - off, w[16 + j] = (plain[head + j] >> 4) - off;
+            }
+            const float dw = fp16_to_f32((uint16_t)(plain[0] | plain[1] << 8));
+            const float m = type == QTYPE_Q4_1 ? fp16_to_f32((uint16_t)(plain[2] | plain[3] << 8)) : 0.0f;
+            for (int r = 0; r < nr; r++) {
+                int32_t dot = 0;
+                for (int j = 0; j < QB; j++) dot += w[j] * xa[r][b].q[j];
+                out[r * ldo + s] += dw * xa[r][b].d * (float)dot + m * xa[r][b].s;
+            }
+        }
+}
+
+static inline void dequant_group(const uint8_t *g, int64_t k, float *out, int64_t ldo, const int type) {
+    for (int s = 0; s < 8; s++) dequant_slot(g, s, k, out + s * ldo, type);
+}
+#endif
+
+/* Weight rows [0, nc) (nc a multiple of 8, the first at a group's start) x activation rows [0, nr):
+ * activation rows in near-equal groups of at most XR, each group over every weight group in turn. */
+#define X8_LOOP(TYPE)                                                                                         \
+    do {                                                                                                      \
+        const int bb = block_bytes(TYPE);                                                                     \
+        (void)wrb;                                                                                            \
+        const int64_t groups = (nr + XR - 1) / XR;                                                            \
+        for (int64_t ag = 0; ag < groups; ag++) {                                                             \
+            const int64_t r0 = nr * ag / groups, rows = nr * (ag + 1) / groups - r0;                          \
+            const act_block16 *xa[XR];                                                                        \
+            for (int r = 0; r < XR; r++) xa[r] = (const act_block16 *)(xq + (r0 + (r < rows ? r : 0)) * xrb); \
+            for (int64_t c0 = 0; c0 < nc; c0 += 8) {                                                          \
+                const uint8_t *g = w + c0 * nb * bb;                                                          \
+                float *o = out + r0 * ldo + c0;                                                               \
+                switch (rows) {                                                                               \
+                case 1: x8_tile(g, nb, xa, rows, o, ldo, TYPE, 1); break;                                     \
+                case 2: x8_tile(g, nb, xa, rows, o, ldo, TYPE, 2); break;                                     \
+                case 3: x8_tile(g, nb, xa, rows, o, ldo, TYPE, 3); break;                                     \
+                default: x8_tile(g, nb, xa, rows, o, ldo, TYPE, XR); break;                                   \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+    } while (0)
+
+static void tile_q4_0(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                      int64_t nb, float *out, int64_t ldo) {
+    X8_LOOP(QTYPE_Q4_0);
+}
+
+static void tile_q4_1(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                      int64_t nb, float *out, int64_t ldo) {
+    X8_LOOP(QTYPE_Q4_1);
+}
+
+static void tile_q8_0(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                      int64_t nb, float *out, int64_t ldo) {
+    X8_LOOP(QTYPE_Q8_0);
+}
+
+static void slot_q4_0(const uint8_t *g, int s, int64_t k, float *out) { dequant_slot(g, s, k, out, QTYPE_Q4_0); }
+static void slot_q4_1(const uint8_t *g, int s, int64_t k, float *out) { dequant_slot(g, s, k, out, QTYPE_Q4_1); }
+static void slot_q8_0(const uint8_t *g, int s, int64_t k, float *out) { dequant_slot(g, s, k, out, QTYPE_Q8_0); }
+static void group_q4_0(const uint8_t *g, int64_t k, float *out) { dequant_group(g, k, out, k, QTYPE_Q4_0); }
+static void group_q4_1(const uint8_t *g, int64_t k, float *out) { dequant_group(g, k, out, k, QTYPE_Q4_1); }
+static void group_q8_0(const uint8_t *g, int64_t k, float *out) { dequant_group(g, k, out, k, QTYPE_Q8_0); }
+
+#define ACT_BYTES ((int)sizeof(act_block16))
+static const qtype_ops OPS_Q4_0 = {QTYPE_Q4_0 | QTYPE_X8, QB, 18, ACT_BYTES, quantize_act16, tile_q4_0, NULL, slot_q4_0, group_q4_0};
+static const qtype_ops OPS_Q4_1 = {QTYPE_Q4_1 | QTYPE_X8, QB, 20, ACT_BYTES, quantize_act16, tile_q4_1, NULL, slot_q4_1, group_q4_1};
+static const qtype_ops OPS_Q8_0 = {QTYPE_Q8_0 | QTYPE_X8, QB, 34, ACT_BYTES, quantize_act16, tile_q8_0, NULL, slot_q8_0, group_q8_0};
+
+const qtype_ops *qtype_x8(int type) {
+    switch (type) {
+    case QTYPE_Q4_0 | QTYPE_X8: return &OPS_Q4_0;
+    case QTYPE_Q4_1 | QTYPE_X8: return &OPS_Q4_1;
+    case QTYPE_Q8_0 | QTYPE_X8: return &OPS_Q8_0;
+    default: return NULL;
+    }
+}
