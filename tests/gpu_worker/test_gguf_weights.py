@@ -194,7 +194,7 @@ def _last_logits(config: WorkerConfig, prompt: list[int], dense_min_rows: int | 
         held = [part for impl in impls for part in impl.weight.parts]
         assert all(part.interleaved for part in held), "the legacy types are held interleaved by 8"
         embedding = runner.model.model.embed_tokens.impl  # type: ignore[attr-defined]
-        assert embedding.table.interleaved and any(embedding.table is part for part in held), "tied: one table"
+        assert embedding.table.interleaved and any(embedding.table is p for p in held), "tied: one table"
         for impl in impls:
             impl.dense_min_rows = [dense_min_rows] * len(impl.dense_min_rows)
     batch = MiniScheduler(runner.num_pages, config.page_size).batch([(0, 0, prompt, True, GREEDY)])

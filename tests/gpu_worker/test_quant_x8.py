@@ -76,7 +76,9 @@ def test_integer_path_matches_float64(
 @pytest.mark.parametrize("qtype", LEGACY, ids=[t.name for t in LEGACY])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("rows", [1, 8, 33])
-def test_dense_path_matches_float64(kernels: cpu_kernels.CpuKernels, qtype: Q, n: int, k: int, rows: int) -> None:
+def test_dense_path_matches_float64(
+    kernels: cpu_kernels.CpuKernels, qtype: Q, n: int, k: int, rows: int
+) -> None:
     """W dequantized a group of 8 rows at a time (the chunks transposed back): float32 sums of exact
     products, within (k / 8 + 8) float32 roundings of the sum of |x w| (test_quant_dense.py's bound)."""
     x8, deq, _ = held(qtype, n, k)
