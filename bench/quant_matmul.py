@@ -9,7 +9,8 @@ down; ~106 M weights), so they come from memory as in a real step, not from cach
 head is timed on its own. Best of ``--repeats`` passes each, paths interleaved. At one row the pass
 streams every weight byte once: GB/s = weight bytes / time, against the machine's memory bandwidth.
 x is bfloat16 for the quantized and bf16 paths, float32 for torch's. Each quantized type runs
-its integer path (``q4_1``) and its dequantized-panel path (``q4_1_dense``).
+its integer path (``q4_1``) and its dequantized-panel path (``q4_1_dense``); the legacy types also in
+the worker's layout, rows interleaved by 8 (``q4_1_x8``, ``q4_1_x8_dense``; csrc/quant_x8.c).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from gpu_worker.cpu import kernels as cpu_kernels  # noqa: E402
+from gpu_worker.gguf_weights import INTERLEAVED_TYPES, QuantBlocks, interleave_rows  # noqa: E402
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, o, gate_up, down [out, in]
 HEAD = (49152, 576)
@@ -93,6 +95,11 @@ def paths(
         ws = [(quantized(s, qtype, rng), s[1]) for s in shapes]
         out[name] = quant_pass(kernels, int(qtype), ws, x_for, dense=False)
         out[f"{name}_dense"] = quant_pass(kernels, int(qtype), ws, x_for, dense=True)
+        if int(qtype) in INTERLEAVED_TYPES:  # the layout the worker holds these in
+            x8 = [interleave_rows(QuantBlocks(int(qtype), w, k)) for w, k in ws]
+            ws8 = [(b.data, b.cols) for b in x8]
+            out[f"{name}_x8"] = quant_pass(kernels, x8[0].kernel_type, ws8, x_for, dense=False)
+            out[f"{name}_x8_dense"] = quant_pass(kernels, x8[0].kernel_type, ws8, x_for, dense=True)
     bf16 = [torch.randn(s).bfloat16() * 0.05 for s in shapes]
     out["c_bf16"] = lambda m: [kernels.matmul(x_for(m, w.shape[1], torch.bfloat16), w) for w in bf16]
     fp32 = [torch.randn(s) * 0.05 for s in shapes]
@@ -103,8 +110,9 @@ def paths(
 def weight_bytes(name: str, shapes: list[tuple[int, int]]) -> int:
     """Bytes one pass of path ``name`` streams from its weights."""
     elems = sum(o * i for o, i in shapes)
-    if name.removesuffix("_dense") in TYPES:
-        size, block_bytes = gguf.GGML_QUANT_SIZES[TYPES[name.removesuffix("_dense")]]
+    base = name.removesuffix("_dense").removesuffix("_x8")
+    if base in TYPES:
+        size, block_bytes = gguf.GGML_QUANT_SIZES[TYPES[base]]
         return elems // size * block_bytes
     return elems * (2 if name == "c_bf16" else 4)
 

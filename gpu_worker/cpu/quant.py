@@ -20,26 +20,45 @@ from gguf import GGMLQuantizationType
 
 from gpu_worker.cpu.kernels import CpuKernels
 from gpu_worker.cpu.kind import CpuKind
-from gpu_worker.gguf_weights import QuantizedWeight
+from gpu_worker.gguf_weights import QuantBlocks, QuantizedWeight
 
 # From how many rows a quantized Linear takes the dense path (csrc/quant_dense.c: W dequantized to
 # float32 panel by panel, x not quantized, float32 FMAs) rather than the integer one, per CPU kind and
 # type. Measured by bench/quant_matmul.py (its numbers in docs/BENCHMARKS.md), committed here, never
 # timed at start. AVX2 (EPYC Zen 3, 2 threads, bf16 activations), integer vs dense, ms per pass:
-# - SmolLM2's four Q4_1 Linears x 30: 4 rows 13.8 vs 17.0, 8: 23.5 vs 22.0, 16: 45.5 vs 33.1,
-#   32: 95.8 vs 61.6, 256: 689 vs 399 (Q8_0 alike);
+# - The legacy types as the worker holds them, rows interleaved by 8 (csrc/quant_x8.c; ``X8_``):
+#   SmolLM2's four Linears x 30, Q8_0 8 rows 11.9 vs 21.6, 32: 39.9 vs 55.6, 128: 165 vs 198, 256:
+#   323 vs 395; Q4_0 32: 60 vs 66, 128: 162 vs 201; Q4_1 8: 15.3 vs 20.8, 32: 53.3 vs 54.6, 64:
+#   111 vs 121, 128: 209 vs 203, 256: 422 vs 397 (its min term and the nibbles' mask cost registers).
+# - The file's layout (rows not a multiple of 8): Q4_1 4 rows 13.8 vs 17.0, 8: 23.5 vs 22.0, 16: 45.5
+#   vs 33.1, 32: 95.8 vs 61.6, 256: 689 vs 399 (Q8_0 alike);
 # - K-quants, Linears of 1024x768, 768x1536, 3072x768 x 30: Q4_K 16 rows 37.7 vs 39.7, 32: 72.5 vs
 #   67.0; Q5_K 16: 45.6 vs 42.9; Q6_K 8: 36.3 vs 42.6, 16: 60.6 vs 45.3, 32: 116.8 vs 69.5.
 # The AVX-512 kinds run the same (AVX2) code: inferred, not measured (no such CPU this session).
-# Portable (plain C both): Q4_1 1 row 25 vs 65 ms, 2 rows 42 vs 38; the K-quants inferred alike.
+# Portable (plain C both): Q4_1 1 row 25 vs 65 ms, 2 rows 42 vs 38; the K-quants and the interleaved
+# types inferred alike.
 _Q = GGMLQuantizationType
+NEVER = 1 << 62
 _X86 = {_Q.Q4_0: 8, _Q.Q4_1: 8, _Q.Q8_0: 8, _Q.Q4_K: 32, _Q.Q5_K: 16, _Q.Q6_K: 16}
+_X86_X8 = {_Q.Q4_0: NEVER, _Q.Q4_1: 128, _Q.Q8_0: NEVER}
 DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
     CpuKind.AVX512_BF16: _X86,
     CpuKind.AVX512: _X86,
     CpuKind.AVX2: _X86,
     CpuKind.PORTABLE: dict.fromkeys(_X86, 2),
 }
+X8_DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
+    CpuKind.AVX512_BF16: _X86_X8,
+    CpuKind.AVX512: _X86_X8,
+    CpuKind.AVX2: _X86_X8,
+    CpuKind.PORTABLE: dict.fromkeys(_X86_X8, 2),
+}
+
+
+def dense_min_rows(kind: CpuKind, part: QuantBlocks) -> int:
+    """From how many activation rows ``part`` takes the dense path on this CPU kind."""
+    table = X8_DENSE_MIN_ROWS if part.interleaved else DENSE_MIN_ROWS
+    return table[kind][GGMLQuantizationType(part.type)]
 
 
 class QuantLinear:
@@ -53,8 +72,7 @@ class QuantLinear:
         self.bias = None if bias is None else bias.detach()
         self.kernels = kernels
         self.out_features = weight.rows
-        table = DENSE_MIN_ROWS[kernels.kind]  # per part: from how many rows it takes the dense path
-        self.dense_min_rows = [table[GGMLQuantizationType(p.type)] for p in weight.parts]
+        self.dense_min_rows = [dense_min_rows(kernels.kind, p) for p in weight.parts]
 
     def tensors(self) -> list[torch.Tensor]:
         """What this Linear holds (for the worker's count of weight bytes)."""
