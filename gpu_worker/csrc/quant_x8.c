@@ -88,11 +88,9 @@ static inline __attribute__((always_inline)) void x8_tile(const uint8_t *g, int6
                     lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(8));
                     hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(8));
                 }
-                for (int r = 0; r < R; r++) {
-                    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, pair(xa[r][b].q + 2 * c)),
-                                                       _mm256_madd_epi16(hi, pair(xa[r][b].q + 16 + 2 * c)));
-                    s[r] = _mm256_add_epi32(s[r], p);
-                }
+                for (int r = 0; r < R; r++) s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(lo, pair(xa[r][b].q + 2 * c)));
+                for (int r = 0; r < R; r++)
+                    s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(hi, pair(xa[r][b].q + 16 + 2 * c)));
             }
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
