@@ -27,9 +27,9 @@ from gpu_worker.gguf_weights import QuantBlocks, QuantizedWeight
 # type. Measured by bench/quant_matmul.py (its numbers in docs/BENCHMARKS.md), committed here, never
 # timed at start. AVX2 (EPYC Zen 3, 2 threads, bf16 activations), integer vs dense, ms per pass:
 # - The legacy types as the worker holds them, rows interleaved by 8 (csrc/quant_x8.c; ``X8_``):
-#   SmolLM2's four Linears x 30, Q8_0 8 rows 11.9 vs 21.6, 32: 39.9 vs 55.6, 128: 165 vs 198, 256:
-#   323 vs 395; Q4_0 32: 60 vs 66, 128: 162 vs 201; Q4_1 8: 15.3 vs 20.8, 32: 53.3 vs 54.6, 64:
-#   111 vs 121, 128: 209 vs 203, 256: 422 vs 397 (its min term and the nibbles' mask cost registers).
+#   SmolLM2's four Linears x 30, Q4_1 8 rows 11.2 vs 20.5, 32: 40.0 vs 55.0, 256: 328 vs 392; Q8_0
+#   8: 12.6 vs 20.9, 32: 41.8 vs 54.6, 256: 336 vs 390; Q4_0 32: 42.5 vs 53.3, 128: 162 vs 193. The
+#   integer path wins at every row count: 16 int16 products per madd against 8 per FMA.
 # - The file's layout (rows not a multiple of 8): Q4_1 4 rows 13.8 vs 17.0, 8: 23.5 vs 22.0, 16: 45.5
 #   vs 33.1, 32: 95.8 vs 61.6, 256: 689 vs 399 (Q8_0 alike);
 # - K-quants, Linears of 1024x768, 768x1536, 3072x768 x 30: Q4_K 16 rows 37.7 vs 39.7, 32: 72.5 vs
@@ -40,7 +40,7 @@ from gpu_worker.gguf_weights import QuantBlocks, QuantizedWeight
 _Q = GGMLQuantizationType
 NEVER = 1 << 62
 _X86 = {_Q.Q4_0: 8, _Q.Q4_1: 8, _Q.Q8_0: 8, _Q.Q4_K: 32, _Q.Q5_K: 16, _Q.Q6_K: 16}
-_X86_X8 = {_Q.Q4_0: NEVER, _Q.Q4_1: 128, _Q.Q8_0: NEVER}
+_X86_X8 = {_Q.Q4_0: NEVER, _Q.Q4_1: NEVER, _Q.Q8_0: NEVER}
 DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
     CpuKind.AVX512_BF16: _X86,
     CpuKind.AVX512: _X86,
