@@ -1,4 +1,5 @@
-"""A GGUF file's tensors -> our model's weights, quantized blocks kept as the file holds them.
+"""A GGUF file's tensors -> our model's weights, quantized blocks kept as the file holds them
+(the CPU backend then interleaves the legacy types' rows by 8: ``interleave_rows``, same bytes).
 
 ``--weight-dtype auto`` (or ``gguf``) on CPU loads the weights from the GGUF itself, not from
 the safetensors its conversion wrote: each Linear (and the embedding, which a tied head shares)

@@ -23,6 +23,8 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
                            const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t rows,
                            int num_heads, int kv_heads, int head_dim, int page_size, float scale,
                            const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride);
+int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride, int x_dtype,
+                 int64_t rows, void *scratch, void *y, int y_dtype, const void *residual, int64_t res_stride);
 int quant_matmul_dense(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
                        int x_dtype, int64_t rows, void *y, int y_dtype, const void *residual, int64_t res_stride);
 

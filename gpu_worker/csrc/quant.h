@@ -2,7 +2,8 @@
  * Q4_1, Q8_0; quant_k.c: Q4_K, Q5_K, Q6_K) gives the driver (quant.c).
  *
  * A weight matrix [n, k] is n rows of k / block weights' blocks, exactly as the GGUF file holds
- * them (row j's blocks at w + j * (k / block) * block_bytes). Activations meet the blocks as
+ * them (row j's blocks at w + j * (k / block) * block_bytes), or for the legacy types | QTYPE_X8
+ * the same bytes with each 8 rows interleaved (quant_x8.c draws the layout). Activations meet the blocks as
  * llama.cpp's do: each activation row is quantized to 8 bits per block of the weight type's block
  * size (one float scale per block, plus what the type's dot product needs: the block's sum or
  * per-16 sums), then dot products run on integers and are scaled once per (sub-)block.

@@ -381,9 +381,9 @@ static void tile_q6_k(const uint8_t *w, int64_t w_row_bytes, int64_t nc, const u
 }
 
 #define ACT_BYTES (ACT_PER_BLOCK * (int)sizeof(act_block16)) /* per 256 weights: 8 x 72 = 576 */
-static const qtype_ops OPS_Q4_K = {QTYPE_Q4_K, QK, Q4K_BYTES, ACT_BYTES, quantize_act16, tile_q4_k, dequant_q4_k};
-static const qtype_ops OPS_Q5_K = {QTYPE_Q5_K, QK, Q5K_BYTES, ACT_BYTES, quantize_act16, tile_q5_k, dequant_q5_k};
-static const qtype_ops OPS_Q6_K = {QTYPE_Q6_K, QK, Q6K_BYTES, ACT_BYTES, quantize_act16, tile_q6_k, dequant_q6_k};
+static const qtype_ops OPS_Q4_K = {QTYPE_Q4_K, QK, Q4K_BYTES, ACT_BYTES, quantize_act16, tile_q4_k, dequant_q4_k, NULL, NULL};
+static const qtype_ops OPS_Q5_K = {QTYPE_Q5_K, QK, Q5K_BYTES, ACT_BYTES, quantize_act16, tile_q5_k, dequant_q5_k, NULL, NULL};
+static const qtype_ops OPS_Q6_K = {QTYPE_Q6_K, QK, Q6K_BYTES, ACT_BYTES, quantize_act16, tile_q6_k, dequant_q6_k, NULL, NULL};
 
 const qtype_ops *qtype_k(int type) {
     switch (type) {

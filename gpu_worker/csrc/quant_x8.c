@@ -78,7 +78,8 @@ static inline __attribute__((always_inline)) void x8_tile(const uint8_t *g, int6
         if (type == QTYPE_Q8_0) {
             for (int c = 0; c < 16; c++) {
                 const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * c)));
-                for (int r = 0; r < R; r++) s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(v, pair(xa[r][b].q + 2 * c)));
+                for (int r = 0; r < R; r++)
+                    s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(v, pair(xa[r][b].q + 2 * c)));
             }
         } else {
 #pragma GCC unroll 2 /* fully unrolled, gcc 12 spilled the accumulators: Q4_1 at 256 rows 422 -> 328 ms */
@@ -89,7 +90,8 @@ static inline __attribute__((always_inline)) void x8_tile(const uint8_t *g, int6
                     lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(8));
                     hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(8));
                 }
-                for (int r = 0; r < R; r++) s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(lo, pair(xa[r][b].q + 2 * c)));
+                for (int r = 0; r < R; r++)
+                    s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(lo, pair(xa[r][b].q + 2 * c)));
                 for (int r = 0; r < R; r++)
                     s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(hi, pair(xa[r][b].q + 16 + 2 * c)));
             }
@@ -127,8 +129,10 @@ static inline void transpose8x16(const __m128i a[8], __m128i r[8]) {
 
 /* 16 int16 -> 16 float32 d * q + m at out (one rounding, as gguf-py's d * q + m). */
 static inline void put16(__m256i q, __m256 d, __m256 m, float *out) {
-    _mm256_storeu_ps(out, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(q))), m));
-    _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(q, 1))), m));
+    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(q)));
+    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(q, 1)));
+    _mm256_storeu_ps(out, _mm256_fmadd_ps(d, lo, m));
+    _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(d, hi, m));
 }
 
 /* The 8 rows of the group at g (k weights each) as float32 at out + s * ldo: per block, the chunks
@@ -180,7 +184,8 @@ static inline void x8_tile(const uint8_t *g, int64_t nb, const act_block16 *cons
             uint8_t plain[34];
             plain_block(g + b * 8 * bb, s, type, plain);
             int32_t w[QB];
-            for (int j = 0; j < 16 && type == QTYPE_Q8_0; j++) w[j] = (int8_t)plain[2 + j], w[16 + j] = (int8_t)plain[18 + j];
+            for (int j = 0; j < 16 && type == QTYPE_Q8_0; j++)
+                w[j] = (int8_t)plain[2 + j], w[16 + j] = (int8_t)plain[18 + j];
             for (int j = 0; j < 16 && type != QTYPE_Q8_0; j++) {
                 const int off = type == QTYPE_Q4_0 ? 8 : 0;
                 w[j] = (plain[head + j] & 0x0f) - off, w[16 + j] = (plain[head + j] >> 4) - off;
@@ -247,9 +252,12 @@ static void group_q4_1(const uint8_t *g, int64_t k, float *out) { dequant_group(
 static void group_q8_0(const uint8_t *g, int64_t k, float *out) { dequant_group(g, k, out, k, QTYPE_Q8_0); }
 
 #define ACT_BYTES ((int)sizeof(act_block16))
-static const qtype_ops OPS_Q4_0 = {QTYPE_Q4_0 | QTYPE_X8, QB, 18, ACT_BYTES, quantize_act16, tile_q4_0, NULL, slot_q4_0, group_q4_0};
-static const qtype_ops OPS_Q4_1 = {QTYPE_Q4_1 | QTYPE_X8, QB, 20, ACT_BYTES, quantize_act16, tile_q4_1, NULL, slot_q4_1, group_q4_1};
-static const qtype_ops OPS_Q8_0 = {QTYPE_Q8_0 | QTYPE_X8, QB, 34, ACT_BYTES, quantize_act16, tile_q8_0, NULL, slot_q8_0, group_q8_0};
+static const qtype_ops OPS_Q4_0 = {QTYPE_Q4_0 | QTYPE_X8, QB, 18, ACT_BYTES, quantize_act16, tile_q4_0,
+                                   NULL, slot_q4_0, group_q4_0};
+static const qtype_ops OPS_Q4_1 = {QTYPE_Q4_1 | QTYPE_X8, QB, 20, ACT_BYTES, quantize_act16, tile_q4_1,
+                                   NULL, slot_q4_1, group_q4_1};
+static const qtype_ops OPS_Q8_0 = {QTYPE_Q8_0 | QTYPE_X8, QB, 34, ACT_BYTES, quantize_act16, tile_q8_0,
+                                   NULL, slot_q8_0, group_q8_0};
 
 const qtype_ops *qtype_x8(int type) {
     switch (type) {
