@@ -149,6 +149,18 @@ def table(title: str, best: dict[int, dict[str, float]], shapes: list[tuple[int,
             print(f"{m} rows: best {fast}, {2 * macs * m / best[m][fast] / 1e6:.1f} GFLOP/s")
 
 
+def read_bandwidth(mb: int = 256, repeats: int = 10) -> float:
+    """GB/s of a streaming read on all threads (torch's sum over ``mb`` MB of float32, best of
+    ``repeats``): the memory's pace, against which a one-row pass's GB/s is read."""
+    t = torch.ones(mb << 18)  # mb MB of float32
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        t.sum()
+        best = min(best, time.perf_counter() - started)
+    return t.numel() * 4 / best / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated row counts")
@@ -166,6 +178,7 @@ def main() -> None:
     rows = tuple(int(r) for r in args.rows.split(","))
     types = args.types.split(",")
     print(f"# {describe(KIND)}; torch threads {torch.get_num_threads()}")
+    print(f"# memory read: {read_bandwidth():.1f} GB/s (torch sum over 256 MB, every thread)")
     shapes: tuple[tuple[int, int], ...] = SHAPES
     if args.shapes:
         shapes = tuple((int(s.split("x")[0]), int(s.split("x")[1])) for s in args.shapes.split(","))
