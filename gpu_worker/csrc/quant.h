@@ -93,6 +93,22 @@ static inline void dequant_row_at(const qtype_ops *ops, const uint8_t *w, int64_
     }
 }
 
+/* tile_q4_0, tile_q4_1, tile_q8_0 (qtype_ops' tile of each legacy type): each LOOP(its type), the
+ * file's tile loop macro, so the type is a constant in each copy. */
+#define LEGACY_TILES(LOOP)                                                                                    \
+    static void tile_q4_0(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb,        \
+                          int64_t nr, int64_t nb, float *out, int64_t ldo) {                                  \
+        LOOP(QTYPE_Q4_0);                                                                                     \
+    }                                                                                                         \
+    static void tile_q4_1(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb,        \
+                          int64_t nr, int64_t nb, float *out, int64_t ldo) {                                  \
+        LOOP(QTYPE_Q4_1);                                                                                     \
+    }                                                                                                         \
+    static void tile_q8_0(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb,        \
+                          int64_t nr, int64_t nb, float *out, int64_t ldo) {                                  \
+        LOOP(QTYPE_Q8_0);                                                                                     \
+    }
+
 /* The ops of ``type`` if the file implements it, else NULL. */
 const qtype_ops *qtype_legacy(int type);
 const qtype_ops *qtype_k(int type);

@@ -278,20 +278,7 @@ static inline __attribute__((always_inline)) void row1(const uint8_t *w, int64_t
         }                                                                                                     \
     } while (0)
 
-static void tile_q4_0(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
-                      int64_t nb, float *out, int64_t ldo) {
-    TILE_LOOP(QTYPE_Q4_0);
-}
-
-static void tile_q4_1(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
-                      int64_t nb, float *out, int64_t ldo) {
-    TILE_LOOP(QTYPE_Q4_1);
-}
-
-static void tile_q8_0(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
-                      int64_t nb, float *out, int64_t ldo) {
-    TILE_LOOP(QTYPE_Q8_0);
-}
+LEGACY_TILES(TILE_LOOP)
 
 #else /* portable: plain C, one weight block widened to int and met by each activation row */
 
@@ -357,20 +344,8 @@ static inline void tile_generic(const uint8_t *w, int64_t wrb, int64_t nc, const
     }
 }
 
-static void tile_q4_0(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
-                      int64_t nb, float *out, int64_t ldo) {
-    tile_generic(w, wrb, nc, xq, xrb, nr, nb, out, ldo, QTYPE_Q4_0);
-}
-
-static void tile_q4_1(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
-                      int64_t nb, float *out, int64_t ldo) {
-    tile_generic(w, wrb, nc, xq, xrb, nr, nb, out, ldo, QTYPE_Q4_1);
-}
-
-static void tile_q8_0(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
-                      int64_t nb, float *out, int64_t ldo) {
-    tile_generic(w, wrb, nc, xq, xrb, nr, nb, out, ldo, QTYPE_Q8_0);
-}
+#define GENERIC_LOOP(TYPE) tile_generic(w, wrb, nc, xq, xrb, nr, nb, out, ldo, TYPE)
+LEGACY_TILES(GENERIC_LOOP)
 #endif
 
 #define ACT_BYTES ((int)sizeof(act_block16))

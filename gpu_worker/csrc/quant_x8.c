@@ -229,20 +229,7 @@ static inline void dequant_group(const uint8_t *g, int64_t k, float *out, int64_
         }                                                                                                     \
     } while (0)
 
-static void tile_q4_0(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
-                      int64_t nb, float *out, int64_t ldo) {
-    X8_LOOP(QTYPE_Q4_0);
-}
-
-static void tile_q4_1(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
-                      int64_t nb, float *out, int64_t ldo) {
-    X8_LOOP(QTYPE_Q4_1);
-}
-
-static void tile_q8_0(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
-                      int64_t nb, float *out, int64_t ldo) {
-    X8_LOOP(QTYPE_Q8_0);
-}
+LEGACY_TILES(X8_LOOP)
 
 static void slot_q4_0(const uint8_t *g, int s, int64_t k, float *out) { dequant_slot(g, s, k, out, QTYPE_Q4_0); }
 static void slot_q4_1(const uint8_t *g, int s, int64_t k, float *out) { dequant_slot(g, s, k, out, QTYPE_Q4_1); }

@@ -16,6 +16,15 @@ ACT_BLOCK = 32  # activation values per act_block16 (quant.h)
 HALF_STEP = 0.5 + 32768 * 4 * EPS32  # ~0.5078
 
 
+def activations(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """x [rows, k] for a kernel test: rows strided (a slice of wider rows), each with an outlier so
+    blocks differ in scale."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(rows, k + 5, generator=gen) * torch.rand(rows, 1, generator=gen) * 3
+    wide[:, 3] *= 20
+    return wide.to(dtype)[:, 2 : k + 2]
+
+
 def quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The kernel's activation quantization (quant.c's quantize_act16), in numpy, with the same float32
     operations: per block of 32, amax = max|x|, d = amax / 32767, inv = 32767 / amax (0 if amax is 0),

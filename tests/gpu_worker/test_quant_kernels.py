@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from gpu_worker.cpu import kernels as cpu_kernels
-from tests.gpu_worker.quant_reference import EPS32, HALF_STEP, check_quant_matmul, quantize_act
+from tests.gpu_worker.quant_reference import EPS32, HALF_STEP, activations, check_quant_matmul, quantize_act
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler to build the kernels"
@@ -66,12 +66,10 @@ def test_quant_matmul_matches_float64(
     with_residual: bool,
 ) -> None:
     blocks, deq, bound = weights(qtype, n, k)
-    gen = torch.Generator().manual_seed(rows * 7 + n)
-    # x rows strided (a slice of wider rows), with an outlier per row so blocks differ in scale
-    wide = torch.randn(rows, k + 5, generator=gen) * torch.rand(rows, 1, generator=gen) * 3
-    wide[:, 3] *= 20
-    x = wide.to(dtype)[:, 2 : k + 2]
-    residual = torch.randn(rows, n, generator=gen).to(dtype) if with_residual else None
+    x = activations(rows, k, dtype, rows * 7 + n)
+    residual = (
+        torch.randn(rows, n, generator=torch.Generator().manual_seed(n)).to(dtype) if with_residual else None
+    )
     y = kernels.quant_matmul(int(qtype), torch.from_numpy(blocks), k, x, residual)
     assert y.shape == (rows, n) and y.dtype == dtype
 

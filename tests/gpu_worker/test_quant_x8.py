@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 
 from gpu_worker.cpu import kernels as cpu_kernels
 from gpu_worker.gguf_weights import X8, QuantBlocks, deinterleave_rows, interleave_rows
-from tests.gpu_worker.quant_reference import EPS32, HALF_STEP, check_quant_matmul
+from tests.gpu_worker.quant_reference import EPS32, HALF_STEP, activations, check_quant_matmul
 from tests.gpu_worker.test_quant_kernels import LEGACY, weights
 
 pytestmark = pytest.mark.skipif(
@@ -63,11 +63,8 @@ def test_integer_path_matches_float64(
     kernels: cpu_kernels.CpuKernels, qtype: Q, n: int, k: int, rows: int, dtype: torch.dtype
 ) -> None:
     x8, deq, bound = held(qtype, n, k)
-    gen = torch.Generator().manual_seed(rows * 7 + n)
-    wide = torch.randn(rows, k + 5, generator=gen) * torch.rand(rows, 1, generator=gen) * 3
-    wide[:, 3] *= 20
-    x = wide.to(dtype)[:, 2 : k + 2]
-    residual = torch.randn(rows, n, generator=gen).to(dtype) if rows % 2 else None
+    x = activations(rows, k, dtype, rows * 7 + n)
+    residual = torch.randn(rows, n).to(dtype) if rows % 2 else None
     y = kernels.quant_matmul(x8.kernel_type, x8.data, k, x, residual)
     assert y.shape == (rows, n) and y.dtype == dtype
     check_quant_matmul(y, x, residual, deq, bound, k // 32, HALF_STEP)
