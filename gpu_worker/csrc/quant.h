@@ -3,10 +3,10 @@
  *
  * A weight matrix [n, k] is n rows of k / block weights' blocks, exactly as the GGUF file holds
  * them (row j's blocks at w + j * (k / block) * block_bytes), or for the legacy types | QTYPE_X8
- * the same bytes with each 8 rows interleaved (quant_x8.c draws the layout). Activations meet the blocks as
- * llama.cpp's do: each activation row is quantized to 8 bits per block of the weight type's block
- * size (one float scale per block, plus what the type's dot product needs: the block's sum or
- * per-16 sums), then dot products run on integers and are scaled once per (sub-)block.
+ * the same bytes with each 8 rows interleaved (quant_x8.c draws the layout). Activations meet the
+ * blocks much as llama.cpp's do: each activation row is quantized per block of 32 (act_block16
+ * below: 16 bits, one float scale, the block's sum), then dot products run on integers and are
+ * scaled once per (sub-)block.
  *
  * Type codes are ggml's type ids (gguf.GGMLQuantizationType).
  */
@@ -113,6 +113,6 @@ static inline void dequant_row_at(const qtype_ops *ops, const uint8_t *w, int64_
 const qtype_ops *qtype_legacy(int type);
 const qtype_ops *qtype_k(int type);
 const qtype_ops *qtype_x8(int type);
-const qtype_ops *quant_ops(int type); /* either */
+const qtype_ops *quant_ops(int type); /* any of them */
 
 #endif

@@ -171,53 +171,17 @@ static inline void dequant_group(const uint8_t *g, int64_t k, float *out, int64_
     }
 }
 
-#else /* portable: each slot's block rebuilt as the file's and dotted in plain C */
-
-static inline void x8_tile(const uint8_t *g, int64_t nb, const act_block16 *const *xa, int64_t nr, float *out,
-                           int64_t ldo, const int type, const int R) {
-    (void)R;
-    const int bb = block_bytes(type), head = type == QTYPE_Q4_1 ? 4 : 2;
-    for (int r = 0; r < nr; r++)
-        for (int s = 0; s < 8; s++) out[r * ldo + s] = 0.0f;
-    for (int64_t b = 0; b < nb; b++)
-        for (int s = 0; s < 8; s++) {
-            uint8_t plain[34];
-            plain_block(g + b * 8 * bb, s, type, plain);
-            int32_t w[QB];
-            for (int j = 0; j < 16 && type == QTYPE_Q8_0; j++)
-                w[j] = (int8_t)plain[2 + j], w[16 + j] = (int8_t)plain[18 + j];
-            for (int j = 0; j < 16 && type != QTYPE_Q8_0; j++) {
-                const int off = type == QTYPE_Q4_0 ? 8 : 0;
-                w[j] = (plain[head + j] & 0x0f) - off, w[16 + j] = (plain[head + j] >> 4) - off;
-            }
-            const float dw = fp16_to_f32((uint16_t)(plain[0] | plain[1] << 8));
-            const float m = type == QTYPE_Q4_1 ? fp16_to_f32((uint16_t)(plain[2] | plain[3] << 8)) : 0.0f;
-            for (int r = 0; r < nr; r++) {
-                int32_t dot = 0;
-                for (int j = 0; j < QB; j++) dot += w[j] * xa[r][b].q[j];
-                out[r * ldo + s] += dw * xa[r][b].d * (float)dot + m * xa[r][b].s;
-            }
-        }
-}
-
-static inline void dequant_group(const uint8_t *g, int64_t k, float *out, int64_t ldo, const int type) {
-    for (int s = 0; s < 8; s++) dequant_slot(g, s, k, out + s * ldo, type);
-}
-#endif
-
 /* Weight rows [0, nc) (nc a multiple of 8, the first at a group's start) x activation rows [0, nr):
  * activation rows in near-equal groups of at most XR, each group over every weight group in turn. */
 #define X8_LOOP(TYPE)                                                                                         \
     do {                                                                                                      \
-        const int bb = block_bytes(TYPE);                                                                     \
-        (void)wrb;                                                                                            \
         const int64_t groups = (nr + XR - 1) / XR;                                                            \
         for (int64_t ag = 0; ag < groups; ag++) {                                                             \
             const int64_t r0 = nr * ag / groups, rows = nr * (ag + 1) / groups - r0;                          \
             const act_block16 *xa[XR];                                                                        \
             for (int r = 0; r < XR; r++) xa[r] = (const act_block16 *)(xq + (r0 + (r < rows ? r : 0)) * xrb); \
             for (int64_t c0 = 0; c0 < nc; c0 += 8) {                                                          \
-                const uint8_t *g = w + c0 * nb * bb;                                                          \
+                const uint8_t *g = w + c0 * wrb;                                                              \
                 float *o = out + r0 * ldo + c0;                                                               \
                 switch (rows) {                                                                               \
                 case 1: x8_tile(g, nb, xa, rows, o, ldo, TYPE, 1); break;                                     \
@@ -228,6 +192,28 @@ static inline void dequant_group(const uint8_t *g, int64_t k, float *out, int64_
             }                                                                                                 \
         }                                                                                                     \
     } while (0)
+
+#else /* portable: each row of a group rebuilt in the file's layout, then quant_legacy.c's plain-C tile */
+
+static inline void dequant_group(const uint8_t *g, int64_t k, float *out, int64_t ldo, const int type) {
+    for (int s = 0; s < 8; s++) dequant_slot(g, s, k, out + s * ldo, type);
+}
+
+/* The 8 rows of each group against every activation row, one row at a time through the file
+ * layout's tile (the same integer dot products the AVX2 tile computes). */
+static inline void x8_plain(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                            int64_t nb, float *out, int64_t ldo, const int type) {
+    const int bb = block_bytes(type);
+    const qtype_ops *plain_ops = qtype_legacy(type);
+    uint8_t row[wrb];
+    for (int64_t c0 = 0; c0 < nc; c0 += 8)
+        for (int s = 0; s < 8; s++) {
+            for (int64_t b = 0; b < nb; b++) plain_block(w + c0 * wrb + b * 8 * bb, s, type, row + b * bb);
+            plain_ops->tile(row, wrb, 1, xq, xrb, nr, nb, out + c0 + s, ldo);
+        }
+}
+#define X8_LOOP(TYPE) x8_plain(w, wrb, nc, xq, xrb, nr, nb, out, ldo, TYPE)
+#endif
 
 LEGACY_TILES(X8_LOOP)
 
