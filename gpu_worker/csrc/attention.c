@@ -1,7 +1,9 @@
 /* Attention of decode rows over the paged KV pool: one call for all decode rows of a layer. */
 #include "common.h"
+#include <stdlib.h>
 
 #define SCORE_CHUNK 64 /* KV positions scored before their softmax update (portable path) */
+#define MAX_SPLIT 16 /* position runs of a row when few rows split them */
 #define PREFETCH_L2 512 /* positions of a task asked into L2 when it starts, and of the next task */
 
 #if HAVE_AVX512
@@ -142,7 +144,15 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
         }
     }
 }
-#define attend attend_avx512
+/* attend_avx512 takes whole rows (p0 = 0, no stats): an AVX-512 build splits few rows by heads. */
+static inline void attend_whole(const char *q, const void *k_cache, const void *v_cache, int dtype,
+                                const int64_t *pages, int64_t p0, int64_t len, int page_size, int h0, int h1, int group,
+                                int head_dim, int64_t kv_row, float scale, float *res, float *stats) {
+    (void)p0, (void)stats;
+    attend_avx512(q, k_cache, v_cache, dtype, pages, len, page_size, h0, h1, group, head_dim, kv_row, scale, res);
+}
+#define attend attend_whole
+#define SPLIT_POSITIONS 0
 
 #elif HAVE_AVX2
 #define BLOCK 8 /* positions per vector of scores */
@@ -333,15 +343,15 @@ INLINE void step_heads(const float *qf, float *acc, int stride, const char *k, c
 /* All steps of one task, for one dtype (a constant here: each dtype its own code). The rows of the
  * next step are found one step early and asked into L1, half before the first KV head, half after. */
 INLINE void attend_steps(const float *qf, float *acc, int stride, const void *k_cache, const void *v_cache, int dtype,
-                         const int64_t *pages, int64_t len, int page_size, int h0, int h1, int group, int head_dim,
-                         int64_t kv_row, float *m, float (*lsum)[BLOCK]) {
+                         const int64_t *pages, int64_t p0, int64_t len, int page_size, int h0, int h1, int group,
+                         int head_dim, int64_t kv_row, float *m, float (*lsum)[BLOCK]) {
     const int elem = dtype == DTYPE_BF16 ? 2 : 4, bytes = (h1 - h0) * head_dim * elem;
     const int64_t col = (int64_t)h0 * head_dim;
     int64_t at[STEP], next_at[STEP]; /* element offset of each position's token row */
-    if (len <= 0) return;
-    int n = step_rows(pages, page_size, 0, len, kv_row, at);
+    if (len <= p0) return;
+    int n = step_rows(pages, page_size, p0, len, kv_row, at);
     prefetch_rows(k_cache, v_cache, at, n, col, elem, bytes);
-    for (int64_t start = 0; start < len; start += STEP) {
+    for (int64_t start = p0; start < len; start += STEP) {
         const int next_n = start + STEP < len ? step_rows(pages, page_size, start + STEP, len, kv_row, next_at) : 0;
         prefetch_rows(k_cache, v_cache, next_at, next_n < BLOCK ? next_n : BLOCK, col, elem, bytes);
         for (int h = h0; h < h1; h++) {
@@ -370,8 +380,8 @@ INLINE void attend_steps(const float *qf, float *acc, int stride, const void *k_
  * MAX_G at a time, scored and weighted together. q and the accumulators are float32 in load16's
  * order (bfloat16: each 16 dimensions as the 8 even, then the 8 odd ones); the end undoes it. */
 static void attend_avx2(const char *q, const void *k_cache, const void *v_cache, int dtype, const int64_t *pages,
-                        int64_t len, int page_size, int h0, int h1, int group, int head_dim, int64_t kv_row,
-                        float scale, float *res) {
+                        int64_t p0, int64_t len, int page_size, int h0, int h1, int group, int head_dim,
+                        int64_t kv_row, float scale, float *res, float *stats) {
     const int elem = dtype == DTYPE_BF16 ? 2 : 4, nq = (h1 - h0) * group;
     const int stride = (head_dim + 15) & ~15; /* of qf and acc per head: whole 16-dimension blocks */
     float qf[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(32)));
@@ -389,13 +399,14 @@ static void attend_avx2(const char *q, const void *k_cache, const void *v_cache,
     }
     memset(acc, 0, (size_t)nq * stride * sizeof(float));
     if (dtype == DTYPE_BF16)
-        attend_steps(qf, acc, stride, k_cache, v_cache, DTYPE_BF16, pages, len, page_size, h0, h1, group, head_dim,
-                     kv_row, m, lsum);
+        attend_steps(qf, acc, stride, k_cache, v_cache, DTYPE_BF16, pages, p0, len, page_size, h0, h1, group,
+                     head_dim, kv_row, m, lsum);
     else
-        attend_steps(qf, acc, stride, k_cache, v_cache, DTYPE_F32, pages, len, page_size, h0, h1, group, head_dim,
-                     kv_row, m, lsum);
+        attend_steps(qf, acc, stride, k_cache, v_cache, DTYPE_F32, pages, p0, len, page_size, h0, h1, group,
+                     head_dim, kv_row, m, lsum);
     for (int j = 0; j < nq; j++) {
-        const float inv = len > 0 ? 1.0f / hsum8(_mm256_load_ps(lsum[j])) : 0.0f;
+        const float l = hsum8(_mm256_load_ps(lsum[j])), inv = len > p0 ? 1.0f / l : 0.0f;
+        if (stats != NULL) stats[j] = m[j], stats[nq + j] = len > p0 ? l : 0.0f;
         for (int d = 0; d < head_dim; d++) { /* bfloat16: dimension d is where load16 put it */
             const int from = dtype == DTYPE_BF16 ? (d & ~15) + (d & 1) * 8 + (d & 15) / 2 : d;
             res[(int64_t)j * head_dim + d] = acc[j * stride + from] * inv;
@@ -403,13 +414,14 @@ static void attend_avx2(const char *q, const void *k_cache, const void *v_cache,
     }
 }
 #define attend attend_avx2
+#define SPLIT_POSITIONS 1
 
 #else
 /* One task of paged_decode_attention: SCORE_CHUNK positions at a time, all heads of a position
  * together (one contiguous read of its token row). */
 static void attend_portable(const char *q, const void *k_cache, const void *v_cache, int dtype, const int64_t *pages,
-                            int64_t len, int page_size, int h0, int h1, int group, int head_dim, int64_t kv_row,
-                            float scale, float *res) {
+                            int64_t p0, int64_t len, int page_size, int h0, int h1, int group, int head_dim,
+                            int64_t kv_row, float scale, float *res, float *stats) {
     const int elem = dtype == DTYPE_BF16 ? 2 : 4, nq = (h1 - h0) * group, width = (h1 - h0) * head_dim;
     const int64_t col = (int64_t)h0 * head_dim;
     float qf[MAX_HEADS * MAX_HEAD_DIM], acc[MAX_HEADS * MAX_HEAD_DIM], kv[MAX_HEADS * MAX_HEAD_DIM];
@@ -422,7 +434,7 @@ static void attend_portable(const char *q, const void *k_cache, const void *v_ca
         m[j] = -INFINITY;
         l[j] = 0.0f;
     }
-    for (int64_t start = 0; start < len; start += SCORE_CHUNK) {
+    for (int64_t start = p0; start < len; start += SCORE_CHUNK) {
         const int n = (int)(len - start < SCORE_CHUNK ? len - start : SCORE_CHUNK);
         for (int t = 0; t < n; t++)
             at[t] = (pages[(start + t) / page_size] * page_size + (start + t) % page_size) * kv_row + col;
@@ -464,12 +476,71 @@ static void attend_portable(const char *q, const void *k_cache, const void *v_ca
         }
     }
     for (int j = 0; j < nq; j++) {
-        const float inv = len > 0 ? 1.0f / l[j] : 0.0f;
+        const float inv = len > p0 ? 1.0f / l[j] : 0.0f;
+        if (stats != NULL) stats[j] = m[j], stats[nq + j] = len > p0 ? l[j] : 0.0f;
         for (int d = 0; d < head_dim; d++) res[(int64_t)j * head_dim + d] = acc[(int64_t)j * head_dim + d] * inv;
     }
 }
 #define attend attend_portable
+#define SPLIT_POSITIONS 1
 #endif
+
+/* Row r's new K and V (heads [h0, h1)) written at its last position, by the task that then reads it. */
+static inline void write_new_kv(void *k_cache, void *v_cache, const int64_t *pages, int page_size, int64_t pos,
+                                int64_t kv_row, int h0, int h1, int head_dim, int elem, const void *k_new,
+                                const void *v_new, int64_t k_off, int64_t v_off) {
+    const int64_t at = (pages[pos / page_size] * page_size + pos % page_size) * kv_row + (int64_t)h0 * head_dim;
+    const size_t bytes = (size_t)(h1 - h0) * head_dim * elem;
+    memcpy((char *)k_cache + at * elem, (const char *)k_new + (k_off + (int64_t)h0 * head_dim) * elem, bytes);
+    memcpy((char *)v_cache + at * elem, (const char *)v_new + (v_off + (int64_t)h0 * head_dim) * elem, bytes);
+}
+
+/* Few rows, every head of a row in one task but its positions split in ``parts`` runs (whole STEPs
+ * of 16): each task leaves its heads' outputs normalized over its run with their softmax max and
+ * sum (part: [rows * parts][num_heads * head_dim + 2 * num_heads]), then each (row, head) is the
+ * runs' outputs weighted by sum * exp(max - the largest max), over the weights' total. Splitting
+ * heads instead left 3 KV heads on 2 threads (one idle a third of the time), each reading a third
+ * of every token row. */
+static void attend_split(const void *q, int64_t q_row_stride, void *k_cache, void *v_cache, void *out, int dtype,
+                         const int64_t *q_rows, const int64_t *slots, const int64_t *kv_lens,
+                         const int64_t *page_table, int64_t pt_stride, int64_t rows, int num_heads, int kv_heads,
+                         int head_dim, int page_size, float scale, const void *k_new, int64_t k_new_stride,
+                         const void *v_new, int64_t v_new_stride, int parts, float *part) {
+    const int group = num_heads / kv_heads, elem = dtype == DTYPE_BF16 ? 2 : 4;
+    const int64_t kv_row = (int64_t)kv_heads * head_dim, width = (int64_t)num_heads * (head_dim + 2);
+#pragma omp parallel
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < rows * parts; task++) {
+            const int64_t r = task / parts, c = task % parts, len = kv_lens[r], *pages = page_table + slots[r] * pt_stride;
+            const int64_t run = ((len + parts - 1) / parts + 15) / 16 * 16;
+            const int64_t p0 = c * run < len ? c * run : len, p1 = p0 + run < len ? p0 + run : len;
+            float *res = part + task * width;
+            if (k_new != NULL && p0 < len && len <= p1)
+                write_new_kv(k_cache, v_cache, pages, page_size, len - 1, kv_row, 0, kv_heads, head_dim, elem, k_new,
+                             v_new, q_rows[r] * k_new_stride, q_rows[r] * v_new_stride);
+            attend((const char *)q + q_rows[r] * q_row_stride * elem, k_cache, v_cache, dtype, pages, p0, p1, page_size,
+                   0, kv_heads, group, head_dim, kv_row, scale, res, res + (int64_t)num_heads * head_dim);
+        }
+#pragma omp for schedule(static)
+        for (int64_t rh = 0; rh < rows * num_heads; rh++) {
+            const int64_t r = rh / num_heads, j = rh % num_heads;
+            const float *first = part + r * parts * width, *stats = first + (int64_t)num_heads * head_dim;
+            float top = -INFINITY, w[MAX_SPLIT], total = 0.0f, o[MAX_HEAD_DIM] = {0};
+            for (int c = 0; c < parts; c++) top = fmaxf(top, stats[c * width + j]);
+            for (int c = 0; c < parts; c++) {
+                const float m = stats[c * width + j], l = stats[c * width + num_heads + j];
+                w[c] = l > 0.0f ? l * exp_nonpositive(m - top) : 0.0f;
+                total += w[c];
+            }
+            for (int c = 0; c < parts; c++) {
+                const float wc = total > 0.0f ? w[c] / total : 0.0f, *rc = first + c * width + j * head_dim;
+                for (int d = 0; d < head_dim; d++) o[d] += wc * rc[d];
+            }
+            store_vec(out, dtype, (q_rows[r] * num_heads + j) * head_dim, head_dim, o);
+        }
+    }
+}
 
 /* Attention of decode rows over their paged KV.
  *
@@ -484,9 +555,10 @@ static void attend_portable(const char *q, const void *k_cache, const void *v_ca
  * v_new_stride elements apart, read at q_rows[r]), written first at the row's last position; a
  * task writes exactly the heads it then reads, so no task waits for another.
  *
- * A task is one row and a run of its KV heads. (One task per (row, head) read 1/kv_heads of every
+ * A task is one row with all its KV heads. (One task per (row, head) read 1/kv_heads of every
  * token row and ran 3x slower once the KV was out of cache, as it always is in a forward.) With
- * few rows, heads are split so all threads work.
+ * fewer rows than twice the threads, a row's positions are split instead (attend_split), or in an
+ * AVX-512 build its heads.
  */
 int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
                            void *out, int dtype, const int64_t *q_rows, const int64_t *slots,
@@ -496,21 +568,30 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
     if (kv_heads < 1 || num_heads % kv_heads || num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM) return -1;
     const int group = num_heads / kv_heads;
     const int64_t kv_row = (int64_t)kv_heads * head_dim; /* elements per pool token */
-    const int splits = rows < 2 * omp_get_max_threads() ? kv_heads : 1;
-    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
+    const int threads = omp_get_max_threads(), elem = dtype == DTYPE_BF16 ? 2 : 4;
+    if (SPLIT_POSITIONS && rows < 2 * threads) {
+        int parts = (int)((2 * threads + rows - 1) / rows); /* about 2 runs a thread */
+        parts = parts < MAX_SPLIT ? parts : MAX_SPLIT;
+        float *part = malloc((size_t)(rows * parts * num_heads * (head_dim + 2)) * sizeof(float));
+        if (part != NULL) {
+            attend_split(q, q_row_stride, (void *)k_cache, (void *)v_cache, out, dtype, q_rows, slots, kv_lens,
+                         page_table, pt_stride, rows, num_heads, kv_heads, head_dim, page_size, scale, k_new,
+                         k_new_stride, v_new, v_new_stride, parts, part);
+            free(part);
+            return 0;
+        }
+    }
+    const int splits = rows < 2 * threads ? kv_heads : 1; /* an AVX-512 build's few rows, or no memory */
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < rows * splits; task++) {
         const int64_t r = task / splits;
         const int h0 = (int)(task % splits) * kv_heads / splits, h1 = (int)(task % splits + 1) * kv_heads / splits;
         const int q0 = h0 * group, nq = (h1 - h0) * group;
         float res[MAX_HEADS * MAX_HEAD_DIM];
-        if (k_new != NULL && kv_lens[r] > 0) {
-            const int64_t pos = kv_lens[r] - 1, *pages = page_table + slots[r] * pt_stride;
-            const int64_t at = ((pages[pos / page_size] * page_size + pos % page_size) * kv_row + (int64_t)h0 * head_dim);
-            const size_t bytes = (size_t)(h1 - h0) * head_dim * elem;
-            memcpy((char *)k_cache + at * elem, (const char *)k_new + (q_rows[r] * k_new_stride + (int64_t)h0 * head_dim) * elem, bytes);
-            memcpy((char *)v_cache + at * elem, (const char *)v_new + (q_rows[r] * v_new_stride + (int64_t)h0 * head_dim) * elem, bytes);
-        }
+        if (k_new != NULL && kv_lens[r] > 0)
+            write_new_kv((void *)k_cache, (void *)v_cache, page_table + slots[r] * pt_stride, page_size, kv_lens[r] - 1,
+                         kv_row, h0, h1, head_dim, elem, k_new, v_new, q_rows[r] * k_new_stride,
+                         q_rows[r] * v_new_stride);
         const int64_t next = task + omp_get_num_threads(); /* most likely this thread's next task */
         if (next < rows * splits) {
             const int64_t r2 = next / splits;
@@ -520,7 +601,8 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
                         (g1 - g0) * head_dim * elem, 1);
         }
         attend((const char *)q + (q_rows[r] * q_row_stride + (int64_t)q0 * head_dim) * elem, k_cache, v_cache, dtype,
-               page_table + slots[r] * pt_stride, kv_lens[r], page_size, h0, h1, group, head_dim, kv_row, scale, res);
+               page_table + slots[r] * pt_stride, 0, kv_lens[r], page_size, h0, h1, group, head_dim, kv_row, scale, res,
+               NULL);
         const int64_t o_off = (q_rows[r] * num_heads + q0) * head_dim;
         if (dtype == DTYPE_BF16) {
             uint16_t *dst = (uint16_t *)out + o_off;

@@ -94,7 +94,56 @@ def test_decode_attention_matches_float64(
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_rows", [2, 9])  # 2: heads split over threads; 9: one task per row
+@pytest.mark.parametrize("lens", [[1000], [2], [40, 333], [17, 1, 250]])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (6, 2, 80)])
+def test_few_rows_split_their_positions(
+    kernels: cpu_kernels.CpuKernels,
+    dtype: torch.dtype,
+    lens: list[int],
+    threads: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+) -> None:
+    """Fewer rows than twice the threads: each row's positions run in parts (AVX2 and portable
+    builds), merged by their softmax sums. Scores peaky and far apart between the parts (the first
+    positions' keys large), so a wrong weight of a part shows; the new K/V land first (NaN before)
+    and only the part that holds the last position reads them."""
+    torch.manual_seed(3)
+    page_size = 16
+    pages_per_row = -(-max(lens) // page_size)
+    k_cache = torch.randn(len(lens) * pages_per_row * page_size, kv_heads, head_dim)
+    k_cache[::7] *= 4  # some positions dominate their part's softmax
+    k_cache, v_cache = k_cache.to(dtype), torch.randn_like(k_cache).to(dtype)
+    page_table = torch.randperm(len(lens) * pages_per_row).view(len(lens), pages_per_row).contiguous()
+    qkv = (torch.randn(len(lens), heads + 2 * kv_heads, head_dim) * 2).to(dtype)
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    last = [page_table[r, (n - 1) // page_size] * page_size + (n - 1) % page_size for r, n in enumerate(lens)]
+    for loc in last:
+        k_cache[loc], v_cache[loc] = float("nan"), float("nan")
+    out = torch.empty(len(lens), heads, head_dim, dtype=dtype)
+    ids = torch.arange(len(lens))
+    rows = kernels.decode_rows(ids, ids, torch.tensor(lens), page_table, page_size)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernels.attend(q, k_cache, v_cache, out, rows, new_kv=(k, v))
+    finally:
+        torch.set_num_threads(before)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for r, n in enumerate(lens):
+        assert torch.equal(k_cache[last[r]], k[r]) and torch.equal(v_cache[last[r]], v[r])
+        pos = torch.arange(n)
+        locs = page_table[r, pos // page_size] * page_size + pos % page_size
+        torch.testing.assert_close(
+            out[r].double(), reference(q[r], k_cache[locs], v_cache[locs]), rtol=tol, atol=tol
+        )
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows", [2, 9])  # 2: positions (or heads) split over threads; 9: a task per row
 def test_decode_attention_writes_the_new_kv_first(
     kernels: cpu_kernels.CpuKernels, dtype: torch.dtype, num_rows: int
 ) -> None:
