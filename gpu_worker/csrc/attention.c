@@ -3,7 +3,8 @@
 #include <stdlib.h>
 
 #define SCORE_CHUNK 64 /* KV positions scored before their softmax update (portable path) */
-#define MAX_SPLIT 16 /* position runs of a row when few rows split them */
+#define MAX_SPLIT 16      /* position runs of a row when few rows split them */
+#define SPLIT_MIN_LEN 128 /* positions from which few rows split them (shorter: the merge costs more) */
 #define PREFETCH_L2 512 /* positions of a task asked into L2 when it starts, and of the next task */
 
 #if HAVE_AVX512
@@ -557,8 +558,8 @@ static void attend_split(const void *q, int64_t q_row_stride, void *k_cache, voi
  *
  * A task is one row with all its KV heads. (One task per (row, head) read 1/kv_heads of every
  * token row and ran 3x slower once the KV was out of cache, as it always is in a forward.) With
- * fewer rows than twice the threads, a row's positions are split instead (attend_split), or in an
- * AVX-512 build its heads.
+ * fewer rows than twice the threads, a row's positions are split (attend_split) once some row has
+ * SPLIT_MIN_LEN of them, else its heads (and always its heads in an AVX-512 build).
  */
 int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
                            void *out, int dtype, const int64_t *q_rows, const int64_t *slots,
@@ -569,7 +570,9 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
     const int group = num_heads / kv_heads;
     const int64_t kv_row = (int64_t)kv_heads * head_dim; /* elements per pool token */
     const int threads = omp_get_max_threads(), elem = dtype == DTYPE_BF16 ? 2 : 4;
-    if (SPLIT_POSITIONS && rows < 2 * threads) {
+    int64_t longest = 0;
+    for (int64_t r = 0; r < rows; r++) longest = kv_lens[r] > longest ? kv_lens[r] : longest;
+    if (SPLIT_POSITIONS && rows < 2 * threads && longest >= SPLIT_MIN_LEN) {
         int parts = (int)((2 * threads + rows - 1) / rows); /* about 2 runs a thread */
         parts = parts < MAX_SPLIT ? parts : MAX_SPLIT;
         float *part = malloc((size_t)(rows * parts * num_heads * (head_dim + 2)) * sizeof(float));
@@ -581,7 +584,7 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
             return 0;
         }
     }
-    const int splits = rows < 2 * threads ? kv_heads : 1; /* an AVX-512 build's few rows, or no memory */
+    const int splits = rows < 2 * threads ? kv_heads : 1; /* few rows, short or in an AVX-512 build */
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < rows * splits; task++) {
         const int64_t r = task / splits;
