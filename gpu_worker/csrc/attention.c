@@ -4,7 +4,7 @@
 
 #define SCORE_CHUNK 64 /* KV positions scored before their softmax update (portable path) */
 #define MAX_SPLIT 16      /* position runs of a row when few rows split them */
-#define SPLIT_MIN_LEN 128 /* positions from which few rows split them (shorter: the merge costs more) */
+#define SPLIT_MIN_LEN 256 /* positions from which few rows split them (shorter: the merge costs more) */
 #define PREFETCH_L2 512 /* positions of a task asked into L2 when it starts, and of the next task */
 
 #if HAVE_AVX512
