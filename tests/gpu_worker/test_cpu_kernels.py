@@ -51,6 +51,25 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return F.scaled_dot_product_attention(q.double()[:, None], k64, v64)[:, 0]
 
 
+def assert_rows_attend(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    lens: list[int],
+) -> None:
+    """Row r of ``out`` is q[r]'s attention over the first lens[r] positions of page_table row r."""
+    tol = 1e-5 if out.dtype == torch.float32 else 2e-2
+    for r, n in enumerate(lens):
+        pos = torch.arange(n)
+        locs = page_table[r, pos // page_size] * page_size + pos % page_size
+        torch.testing.assert_close(
+            out[r].double(), reference(q[r], k_cache[locs], v_cache[locs]), rtol=tol, atol=tol
+        )
+
+
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 16), (6, 2, 80), (4, 1, 128)])
@@ -131,14 +150,9 @@ def test_few_rows_split_their_positions(
         kernels.attend(q, k_cache, v_cache, out, rows, new_kv=(k, v))
     finally:
         torch.set_num_threads(before)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for r, n in enumerate(lens):
+    for r in range(len(lens)):
         assert torch.equal(k_cache[last[r]], k[r]) and torch.equal(v_cache[last[r]], v[r])
-        pos = torch.arange(n)
-        locs = page_table[r, pos // page_size] * page_size + pos % page_size
-        torch.testing.assert_close(
-            out[r].double(), reference(q[r], k_cache[locs], v_cache[locs]), rtol=tol, atol=tol
-        )
+    assert_rows_attend(out, q, k_cache, v_cache, page_table, page_size, lens)
 
 
 @needs_compiler
@@ -168,13 +182,7 @@ def test_decode_attention_writes_the_new_kv_first(
     rows = kernels.decode_rows(ids, ids, torch.tensor(lens), page_table, page_size)
     kernels.attend(q, k_cache, v_cache, out, rows, new_kv=(k, v))
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for r, n in enumerate(lens):
-        pos = torch.arange(n)
-        locs = page_table[r, pos // page_size] * page_size + pos % page_size
-        torch.testing.assert_close(
-            out[r].double(), reference(q[r], k_cache[locs], v_cache[locs]), rtol=tol, atol=tol
-        )
+    assert_rows_attend(out, q, k_cache, v_cache, page_table, page_size, lens)
 
 
 @needs_compiler
