@@ -513,7 +513,8 @@ static void attend_split(const void *q, int64_t q_row_stride, void *k_cache, voi
     {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < rows * parts; task++) {
-            const int64_t r = task / parts, c = task % parts, len = kv_lens[r], *pages = page_table + slots[r] * pt_stride;
+            const int64_t r = task / parts, c = task % parts, len = kv_lens[r];
+            const int64_t *pages = page_table + slots[r] * pt_stride;
             const int64_t run = ((len + parts - 1) / parts + 15) / 16 * 16;
             const int64_t p0 = c * run < len ? c * run : len, p1 = p0 + run < len ? p0 + run : len;
             float *res = part + task * width;
