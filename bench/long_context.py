@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 def measure(args: argparse.Namespace, base_url: str, r: int) -> dict[str, Any]:
     """Per prompt length: decode tok/s and TTFT p50 of one stream through ``base_url``."""
     out: dict[str, Any] = {}
+    model = ["--model", args.model] if args.model else []
     for n in parse_lens(args.input_lens):
-        model = ["--model", args.model] if args.model else []
         argv = ["--backend", "openai", "--base-url", base_url, *model, "--workload", "random",
                 "--num-requests", str(args.requests), "--input-len", str(n),
                 "--output-len", str(args.output_len),

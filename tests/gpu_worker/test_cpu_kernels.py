@@ -157,7 +157,7 @@ def test_few_rows_split_their_positions(
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_rows", [2, 9])  # 2: positions (or heads) split over threads; 9: a task per row
+@pytest.mark.parametrize("num_rows", [2, 9])  # 2: short rows, heads split over threads; 9: a task per row
 def test_decode_attention_writes_the_new_kv_first(
     kernels: cpu_kernels.CpuKernels, dtype: torch.dtype, num_rows: int
 ) -> None:
