@@ -25,7 +25,7 @@ import socket
 import sys
 import tempfile
 
-from gpu_worker.cpu.kind import CpuKindError, apply_to_environ
+from gpu_worker.backends.cpu.kind import CpuKindError, apply_to_environ
 from launcher_engine import LOG_FORMAT, ChildDied, Engine
 from launcher_flags import (
     build_parser,
@@ -74,7 +74,7 @@ def _start(engine: Engine, args: argparse.Namespace, endpoints: Endpoints, model
     """Start every child of the head node: the workers (one per data-parallel replica and this
     node's tensor-parallel ranks, each on its share of the cores) and the tokenizer, then each
     replica's scheduler once its worker reported its KV pool. Returns replica 0's WorkerReady."""
-    from gpu_worker.model_files import source_gguf
+    from gpu_worker.weights.model_files import source_gguf
 
     replicas, ranks = range(args.dp_size), range(args.tp_size // args.nnodes)  # this node's ranks
     gguf = str(source_gguf(args.model) or "")
@@ -104,7 +104,7 @@ def _start_worker_node(
 ) -> None:
     """A worker node (--node-rank > 0): only its tensor-parallel ranks, taking batches over tcp
     from the head node's scheduler; they stop when it goes."""
-    from gpu_worker.model_files import source_gguf
+    from gpu_worker.weights.model_files import source_gguf
 
     per_node = args.tp_size // args.nnodes
     ranks = range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
@@ -136,7 +136,7 @@ def _free_port() -> int:
 
 def serve(args: argparse.Namespace) -> int:
     """Start the engine, print the endpoint, supervise until a signal or a child's death."""
-    from gpu_worker.model_files import resolve_model
+    from gpu_worker.weights.model_files import resolve_model
 
     endpoint = check_endpoint(args.endpoint)
     if endpoint.startswith("ipc://"):

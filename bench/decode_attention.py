@@ -6,7 +6,7 @@ over a float32 paged KV cache, at given contexts and decode rows.
 
 Each layer has its own K and V pool (30 of each, as in the worker), so a step reads every layer's
 KV from memory. ``--against`` takes another build of the kernels library (e.g. an older commit's,
-from ``python -c 'from gpu_worker.cpu.build import build; ...'`` in that checkout) and times it
+from ``python -c 'from gpu_worker.backends.cpu.build import build; ...'`` in that checkout) and times it
 interleaved with this one, repetition by repetition, in one process: the medians' ratio is the
 change. KV GB/s is the K and V bytes a step reads over its median time.
 """
@@ -24,8 +24,8 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 import torch
 
-from gpu_worker.cpu import kind as cpu_kind
-from gpu_worker.cpu.kernels import CpuKernels, load
+from gpu_worker.backends.cpu import kind as cpu_kind
+from gpu_worker.backends.cpu.kernels import CpuKernels, load
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 9, 3, 64, 16
 

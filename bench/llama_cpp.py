@@ -11,7 +11,7 @@ tests or examples, and the instruction set of one CPU kind switched on by hand
 ``<cache root>/llama.cpp/<kind>/llama-server`` (the cache root is ``$RIVULET_CACHE_DIR`` or
 ``~/.cache/rivulet``, as for converted models) and is never part of the repository.
 
-The kinds follow gpu_worker/cpu/kind.py, so ``RIVULET_CPU_KIND=avx2`` on an AVX-512 machine
+The kinds follow gpu_worker/backends/cpu/kind.py, so ``RIVULET_CPU_KIND=avx2`` on an AVX-512 machine
 compares rivulet with a llama.cpp that has AVX2 only (``--peer-llama-cpp auto``).
 """
 
@@ -34,8 +34,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_worker.cpu.kind import CpuKind
-from gpu_worker.model_files import cache_root
+from gpu_worker.backends.cpu.kind import CpuKind
+from gpu_worker.weights.model_files import cache_root
 
 SDIST = "llama-cpp-python"
 BINARY = "llama-server"
@@ -242,7 +242,7 @@ class Peer:
 
 def peer_gguf(model: str | None) -> Path:
     """The GGUF llama.cpp serves: the embedded one (as the engine's default), or --model's if it is one."""
-    from gpu_worker.model_files import embedded_gguf_path
+    from gpu_worker.weights.model_files import embedded_gguf_path
 
     if model is None:
         return embedded_gguf_path()

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.worker_step import GREEDY, PAGE_SIZE, batch  # noqa: E402
 from gpu_worker.config import WorkerConfig  # noqa: E402
-from gpu_worker.model_files import resolve_model  # noqa: E402
 from gpu_worker.model_runner import ModelRunner  # noqa: E402
+from gpu_worker.weights.model_files import resolve_model  # noqa: E402
 from protocol.sampling import WorkerSampling
 
 CONFIGS = {

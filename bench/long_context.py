@@ -34,7 +34,7 @@ from bench import launch, llama_cpp, serving
 from bench.llama_cpp import Peer, peer_gguf
 from bench.records import append_record, machine_info, make_record
 from bench.sweep import free_port
-from gpu_worker.cpu import kind as cpu_kind
+from gpu_worker.backends.cpu import kind as cpu_kind
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "long_context.jsonl"
 
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         if warning:
             print(warning, file=sys.stderr, flush=True)
         peer = Peer(binary, peer_gguf(args.model), len(os.sched_getaffinity(0)), 1, warning)
-    from gpu_worker.model_files import resolve_model
+    from gpu_worker.weights.model_files import resolve_model
 
     resolve_model(args.model)  # the GGUF's conversion, once, before the first round
     ours: list[dict[str, Any]] = []

@@ -4,11 +4,13 @@
     RIVULET_CPU_KIND=avx2 python -m bench.matmul_paths    # acting as an AVX2-only CPU
 
 One pass multiplies x [rows, in] by the 120 distinct weights of SmolLM2's 30 layers (qkv, o, gate_up,
-down), so the weights come from memory as in a real step, not from cache. Paths (gpu_worker/cpu/matmul.py):
+down), so the weights come from memory as in a real step, not from cache.
+Paths (gpu_worker/backends/cpu/matmul.py):
 ``c`` (our few-row kernel on plain bf16 weights), ``onednn`` (bf16 packed, AVX-512 kinds only),
 ``onednn_fp32`` (an fp32 packed copy; the input cast to fp32 and the output back to bf16 included).
-Best of ``--repeats`` passes each, interleaved. The printed plan is what gpu_worker/cpu/matmul.py's PLANS
-should say for this kind; the table is committed there by hand, with the numbers in its comments.
+Best of ``--repeats`` passes each, interleaved. The printed plan is what
+gpu_worker/backends/cpu/matmul.py's PLANS should say for this kind; the table is committed there
+by hand, with the numbers in its comments.
 """
 
 from __future__ import annotations
@@ -18,14 +20,14 @@ import json
 import time
 from collections.abc import Callable
 
-from gpu_worker.cpu.kind import apply_to_environ, describe
+from gpu_worker.backends.cpu.kind import apply_to_environ, describe
 
 KIND = apply_to_environ()  # before torch loads
 
 import torch  # noqa: E402
 
-from gpu_worker.cpu import kernels as cpu_kernels  # noqa: E402
-from gpu_worker.cpu.matmul import _blocked, _blocked_linear, can_pack  # noqa: E402
+from gpu_worker.backends.cpu import kernels as cpu_kernels  # noqa: E402
+from gpu_worker.backends.cpu.matmul import _blocked, _blocked_linear, can_pack  # noqa: E402
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, o, gate_up, down [out, in]
 LAYERS = 30

@@ -82,14 +82,14 @@ def resolve_dtype(name: str, model: str | None = None) -> str:
         return name
     import torch
 
-    from gpu_worker.model_files import source_gguf
     from gpu_worker.model_runner import auto_dtype
+    from gpu_worker.weights.model_files import source_gguf
 
     return auto_dtype(torch.device("cpu"), gguf_blocks=source_gguf(model) is not None)
 
 
 def _model_dir(model: str | None) -> Path:
-    from gpu_worker.model_files import resolve_model
+    from gpu_worker.weights.model_files import resolve_model
 
     return resolve_model(model)
 

@@ -24,8 +24,8 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_worker.config import WorkerConfig
-from gpu_worker.model_files import resolve_model
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.weights.model_files import resolve_model
 from protocol.messages import ForwardBatch
 from protocol.sampling import WorkerPenalties, WorkerSampling
 

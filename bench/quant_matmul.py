@@ -19,7 +19,7 @@ import argparse
 import time
 from collections.abc import Callable
 
-from gpu_worker.cpu.kind import apply_to_environ, describe
+from gpu_worker.backends.cpu.kind import apply_to_environ, describe
 
 KIND = apply_to_environ()  # before torch loads
 
@@ -28,8 +28,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from gpu_worker.cpu import kernels as cpu_kernels  # noqa: E402
-from gpu_worker.gguf_weights import INTERLEAVED_TYPES, QuantBlocks, interleave_rows  # noqa: E402
+from gpu_worker.backends.cpu import kernels as cpu_kernels  # noqa: E402
+from gpu_worker.weights.gguf_weights import INTERLEAVED_TYPES, QuantBlocks, interleave_rows  # noqa: E402
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, o, gate_up, down [out, in]
 HEAD = (49152, 576)

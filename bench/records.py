@@ -46,8 +46,8 @@ def cpu_model() -> str:
 
 
 def cpu_features() -> str:
-    """The CPU kind rivulet acts as and the flags that decide its kernels (gpu_worker/cpu/kind.py)."""
-    from gpu_worker.cpu.kind import describe, requested_kind
+    """The CPU kind rivulet acts as and the flags that decide its kernels (backends/cpu/kind.py)."""
+    from gpu_worker.backends.cpu.kind import describe, requested_kind
 
     return describe(requested_kind())
 

@@ -90,7 +90,7 @@ def tokenizer_json(args: argparse.Namespace) -> Path:
     if args.tokenizer:
         path = Path(args.tokenizer)
         return path / "tokenizer.json" if path.is_dir() else path
-    from gpu_worker.model_files import resolve_model
+    from gpu_worker.weights.model_files import resolve_model
 
     return resolve_model(args.model) / "tokenizer.json"
 

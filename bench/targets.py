@@ -44,7 +44,7 @@ from bench.probes import Sample, busy_share, cpu_percent, parse_prometheus, stea
 from bench.records import append_record, machine_info, make_record
 from bench.sweep import free_port
 from bench.targets_table import PEER_TARGETS, RATIOS, TARGETS, format_table, summarize_runs
-from gpu_worker.cpu import kind as cpu_kind
+from gpu_worker.backends.cpu import kind as cpu_kind
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "targets.jsonl"
 METRICS_POLL_S = 0.2
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "-m", "bench.targets", *(argv if argv is not None else sys.argv[1:])])
     dtypes = [offline.resolve_dtype(d.strip(), args.model) for d in args.dtype.split(",") if d.strip()]
     assert dtypes and len(set(dtypes)) == len(dtypes), f"--dtype wants distinct dtypes, got {args.dtype!r}"
-    from gpu_worker.model_files import resolve_model
+    from gpu_worker.weights.model_files import resolve_model
 
     resolve_model(args.model)  # converts a GGUF once, so every start-up is timed with a warm cache
     launch.rejected_flags([])  # imports launcher here, outside the start-up timing

@@ -71,9 +71,9 @@ def _serve(
     import torch
 
     from bench.worker_step import PAGE_SIZE, prepare, prepare_prefill
+    from gpu_worker.backends.cpu.shm_allreduce import ShmAllReduce, gloo_all_reduce
     from gpu_worker.config import WorkerConfig
     from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.shm_allreduce import ShmAllReduce, gloo_all_reduce
     from gpu_worker.tensor_parallel import init_group
 
     extra: dict[str, Any] = {}
@@ -92,7 +92,7 @@ def _serve(
     }
     reduce = None
     if world > 1:
-        from gpu_worker.cpu.backend import kernels_library
+        from gpu_worker.backends.cpu.backend import kernels_library
 
         library = kernels_library(True)
         reduce = ShmAllReduce(library, rank, world) if how == "shm" and library else gloo_all_reduce
@@ -170,7 +170,7 @@ def main() -> None:
     p.add_argument("--json", default="")
     args = p.parse_args()
     cores = sorted(os.sched_getaffinity(0))[:2]
-    from gpu_worker.cpu.kind import describe, requested_kind
+    from gpu_worker.backends.cpu.kind import describe, requested_kind
 
     print(describe(requested_kind()))
     with tempfile.TemporaryDirectory() as tmp:

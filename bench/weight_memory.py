@@ -57,7 +57,7 @@ def main() -> None:
     p.add_argument("--weight-dtypes", default="auto,float32")
     p.add_argument("--dtype", default="auto")
     args = p.parse_args()
-    from gpu_worker.model_files import source_gguf
+    from gpu_worker.weights.model_files import source_gguf
 
     path = source_gguf(args.model)
     if path is None:

@@ -28,8 +28,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_worker.config import WorkerConfig  # noqa: E402
-from gpu_worker.model_files import resolve_model, source_gguf  # noqa: E402
 from gpu_worker.model_runner import ModelRunner  # noqa: E402
+from gpu_worker.weights.model_files import resolve_model, source_gguf  # noqa: E402
 from protocol.messages import ForwardBatch
 from protocol.sampling import WorkerSampling
 

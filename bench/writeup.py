@@ -30,7 +30,7 @@ AVX512_VNNI; `native` is `GGML_NATIVE=ON` (this machine's compiler flags).
 a peer like any OpenAI server:
 
 ```bash
-GGUF=$(python -c "from gpu_worker.model_files import embedded_gguf_path as p; print(p())")
+GGUF=$(python -c "from gpu_worker.weights.model_files import embedded_gguf_path as p; print(p())")
 LLAMA_SERVER=$(python -m bench.llama_cpp path --kind avx2)
 python -m bench.sweep --sweeps concurrency \\
   --peer "llama.cpp=$LLAMA_SERVER -m $GGUF --port {port} -np 32 -c 8192 -t $(nproc)"
@@ -89,8 +89,8 @@ ZMQ. `auto` takes `~/.cache/rivulet/llama.cpp/<kind>/llama-server` of the CPU ki
 (`RIVULET_CPU_KIND`, or the native kind; then a `native` build also does) and says how to build it if
 there is none; a PATH is taken as given, with a warning when rivulet emulates a lesser kind and PATH is
 not that kind's build. The table's first line is the CPU kind acted as and the CPU's flags
-(`gpu_worker/cpu/kind.py` `describe`); the record keeps them under `machine`, and llama.cpp's own rounds
-under `metrics.peer`."""
+(`gpu_worker/backends/cpu/kind.py` `describe`); the record keeps them under `machine`, and
+llama.cpp's own rounds under `metrics.peer`."""
 
 
 # Everything after this line is pasted from the other benches' output, each section naming its

@@ -6,7 +6,7 @@ from itertools import accumulate
 
 import torch
 
-from gpu_worker.penalties import check_prefix_ids
+from gpu_worker.sampling.penalties import check_prefix_ids
 from protocol.messages import PENDING, ForwardBatch
 
 

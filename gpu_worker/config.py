@@ -14,7 +14,7 @@ class WorkerConfig:
     """What the worker loads and how much KV it allocates.
 
     ``model_path`` is an HF-layout directory (config.json + safetensors);
-    ``gpu_worker.model_files.resolve_model`` turns any accepted --model into one.
+    ``gpu_worker.weights.model_files.resolve_model`` turns any accepted --model into one.
     ``dtype="auto"`` is bfloat16 on CUDA and on CPUs with native bf16 dot
     products (AVX512-BF16 or AMX), float32 elsewhere; the KV pool uses the same.
     ``compile`` wraps the model's dense per-layer code in torch.compile. Each field's

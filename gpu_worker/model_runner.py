@@ -16,26 +16,31 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gpu_worker import tensor_parallel as tp
-from gpu_worker.attention import ForwardContext, build_metadata
+from gpu_worker.backends.cpu import backend as cpu_backend
+from gpu_worker.backends.cpu.shm_allreduce import pick_all_reduce
+from gpu_worker.backends.cpu.threads import ThreadTuner, shape_class
+from gpu_worker.backends.torch_ref.attention import ForwardContext, build_metadata
 from gpu_worker.batch_checks import check_batch
 from gpu_worker.config import WorkerConfig
-from gpu_worker.cpu import backend as cpu_backend
 from gpu_worker.forks import check_forks, copy_pages, with_forks
-from gpu_worker.gguf_weights import GgufError
-from gpu_worker.grammar import SlotGrammars
 from gpu_worker.kv_cache import KVPool, kv_pool_tokens
-from gpu_worker.loader import load_model, round_weights
-from gpu_worker.logprobs import SlotTopLogprobs, asked_logprobs, check_logprob_fields, prompt_logprobs
 from gpu_worker.models import CausalLM
-from gpu_worker.penalties import SlotPenalties
-from gpu_worker.sampler import SlotSamplerParams, greedy_pick, sample
-from gpu_worker.shm_allreduce import pick_all_reduce
-from gpu_worker.threads import ThreadTuner, shape_class
+from gpu_worker.sampling.grammar import SlotGrammars
+from gpu_worker.sampling.logprobs import (
+    SlotTopLogprobs,
+    asked_logprobs,
+    check_logprob_fields,
+    prompt_logprobs,
+)
+from gpu_worker.sampling.penalties import SlotPenalties
+from gpu_worker.sampling.sampler import SlotSamplerParams, greedy_pick, sample
+from gpu_worker.weights.gguf_weights import GgufError
+from gpu_worker.weights.loader import load_model, round_weights
 from protocol.logprobs import TopTokens
 from protocol.messages import PENDING, ForwardBatch, ForwardResult
 
 if TYPE_CHECKING:
-    from gpu_worker.cpu.decode_layers import FusedDecode
+    from gpu_worker.backends.cpu.decode_layers import FusedDecode
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +168,7 @@ class ModelRunner:
 
     def _prepare_kernels(self) -> None:
         """--compile: torch.compile every layer's forward; on CPU, the CPU backend readies the model
-        (kernels, matmul paths and weight layouts per CPU kind: gpu_worker/cpu/backend.py)."""
+        (kernels, matmul paths and weight layouts per CPU kind: gpu_worker/backends/cpu/backend.py)."""
         model = self.model
         assert isinstance(model, torch.nn.Module), "our models are nn.Modules"
         if self.config.compile:

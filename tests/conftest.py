@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gpu_worker.cpu.kind import ENV_VAR, apply_to_environ
+from gpu_worker.backends.cpu.kind import ENV_VAR, apply_to_environ
 
 # Before anything imports torch: with RIVULET_CPU_KIND set, oneDNN, ATen and MKL act as that kind too.
 ACTING_KIND = apply_to_environ()
@@ -20,7 +20,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct as an HF dir (converted from its GGUF once per machine)."""
-    from gpu_worker.model_files import resolve_model
+    from gpu_worker.weights.model_files import resolve_model
 
     return resolve_model(None)
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from gpu_worker.gguf_weights import QuantizedWeight
+    from gpu_worker.weights.gguf_weights import QuantizedWeight
 
 
 class LinearImpl(Protocol):
@@ -48,7 +48,7 @@ class Linear(nn.Module):
     """``y = x W^T + b`` with HF's [out, in] weight layout.
 
     A device backend may set ``impl``: the matmul in its own weight layouts (on CPU,
-    gpu_worker/cpu/matmul.py), which then owns the weights. ``quantized``: the weight as a
+    gpu_worker/backends/cpu/matmul.py), which then owns the weights. ``quantized``: the weight as a
     GGUF's blocks (gguf_weights.py), set by the loader instead of ``weight``; only a backend
     with kernels for them computes on it.
     """

@@ -18,7 +18,7 @@ import torch
 from protocol.sampling import WorkerSampling
 
 if TYPE_CHECKING:
-    from gpu_worker.cpu.kernels import CpuKernels
+    from gpu_worker.backends.cpu.kernels import CpuKernels
 
 _MASK32 = 0xFFFFFFFF
 # Multipliers below 2**31: a value < 2**32 times one stays < 2**63, so int64 never overflows.

@@ -5,7 +5,7 @@
 the safetensors its conversion wrote: each Linear (and the embedding, which a tied head shares)
 whose tensor is of a type in ``keep`` gets a ``QuantizedWeight`` (the file's block bytes, read
 with the ``gguf`` package, never converted), which the CPU backend computes on
-(gpu_worker/cpu/quant.py). Tensors of other types are dequantized by ``gguf`` to float32 and
+(gpu_worker/backends/cpu/quant.py). Tensors of other types are dequantized by ``gguf`` to float32 and
 copied into the parameter as the safetensors path would; a log line names their types.
 
 llama.cpp's converter stores the Q and K projections of Llama models with each head's rows
@@ -177,7 +177,7 @@ def tensor_index(path: Path) -> tuple[str, list[TensorEntry]]:
     converted model, keyed by the file's path, size and mtime: a warm start reads a small JSON."""
     import json
 
-    from gpu_worker.model_files import cache_root, file_key
+    from gpu_worker.weights.model_files import cache_root, file_key
 
     cached = cache_root() / "gguf-index" / f"{path.stem}-{file_key(path)}.json"
     if cached.is_file():
@@ -268,7 +268,7 @@ def load_gguf_weights(model: nn.Module, path: Path, keep: frozenset[int]) -> Non
     as the safetensors loader is."""
     import gguf
 
-    from gpu_worker.loader import WeightMismatchError, _copy, _is_tied, weight_targets
+    from gpu_worker.weights.loader import WeightMismatchError, _copy, _is_tied, weight_targets
 
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = {name for name, p in params.items() if _is_tied(model, name, p)}

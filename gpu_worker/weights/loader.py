@@ -55,7 +55,7 @@ def load_model(
     if gguf is None:
         load_weights(model, safetensors_files(Path(model_path)))
     else:
-        from gpu_worker.gguf_weights import load_gguf_weights
+        from gpu_worker.weights.gguf_weights import load_gguf_weights
 
         load_gguf_weights(model, gguf, keep)
     return cast(CausalLM, model.eval()), hf_config

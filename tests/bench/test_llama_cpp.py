@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from bench import llama_cpp
-from gpu_worker.cpu.kind import CpuKind
+from gpu_worker.backends.cpu.kind import CpuKind
 
 
 def _switches(flags: list[str]) -> dict[str, str]:

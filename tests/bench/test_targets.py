@@ -14,7 +14,7 @@ from bench import llama_cpp, probes, targets
 from bench.launch import pid_alive
 from bench.metrics import RequestResult
 from bench.records import read_records
-from gpu_worker.cpu import kind as cpu_kind
+from gpu_worker.backends.cpu import kind as cpu_kind
 
 METRICS_TEXT = """\
 # HELP rivulet_num_requests_running Requests holding KV in the scheduler.
@@ -163,7 +163,7 @@ def test_main_interleaves_rivulet_and_llama_cpp_rounds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """main's order, ratios, table and record, with the measurements faked (no engine, no llama.cpp)."""
-    import gpu_worker.model_files
+    import gpu_worker.weights.model_files
 
     calls: list[str] = []
 
@@ -177,7 +177,7 @@ def test_main_interleaves_rivulet_and_llama_cpp_rounds(
 
     monkeypatch.setattr(targets, "measure_round", fake_round)
     monkeypatch.setattr(targets, "measure_peer", fake_peer)
-    monkeypatch.setattr(gpu_worker.model_files, "resolve_model", lambda model: tmp_path)
+    monkeypatch.setattr(gpu_worker.weights.model_files, "resolve_model", lambda model: tmp_path)
     binary = tmp_path / "my-llama-server"
     binary.write_text("#!/bin/sh\n")
     binary.chmod(0o755)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
+from gpu_worker.backends.cpu.kind import CpuKind, requested_kind
+from gpu_worker.backends.cpu.matmul import PLANS, CpuLinear
 from gpu_worker.config import WorkerConfig
-from gpu_worker.cpu.kind import CpuKind, requested_kind
-from gpu_worker.cpu.matmul import PLANS, CpuLinear
 from gpu_worker.model_runner import ModelRunner, auto_dtype
 from gpu_worker.models.layers import Linear
 from tests.exactness import inprocess

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import torch
 
+from gpu_worker.backends.cpu.backend import weight_bytes
+from gpu_worker.backends.cpu.quant import QuantEmbedding, QuantLinear
 from gpu_worker.config import WorkerConfig
-from gpu_worker.cpu.backend import weight_bytes
-from gpu_worker.cpu.quant import QuantEmbedding, QuantLinear
-from gpu_worker.model_files import source_gguf
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.layers import Linear
+from gpu_worker.weights.model_files import source_gguf
 from tests.exactness import inprocess
 from tests.exactness.test_smollm2_bf16 import NEW_TOKENS, first_divergence_within_top2
 from tests.exactness.test_smollm2_fp32 import EOS, QUESTIONS, chat_prompt

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from gpu_worker.config import WorkerConfig
-from gpu_worker.model_files import ModelNotFoundError, resolve_model
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.weights.model_files import ModelNotFoundError, resolve_model
 from tests.gpu_worker.helpers import GREEDY, MiniScheduler
 
 EXPECTED = "The capital of France is Paris."

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.cpu import kernels as cpu_kernels
-from gpu_worker.cpu.kind import CpuKind
+from gpu_worker.backends.cpu import kernels as cpu_kernels
+from gpu_worker.backends.cpu.kind import CpuKind
 from tests.gpu_worker.helpers import KINDS
 
 

@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_worker.cpu.kind import CpuKind, requested_kind
+from gpu_worker.backends.cpu.kind import CpuKind, requested_kind
 from protocol.messages import ForwardBatch
 from protocol.sampling import WorkerSampling
 from tests.models import GREEDY, VOCAB, save_tiny_model  # noqa: F401  (re-exported to the tests here)

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gpu_worker.backends.cpu import kernels as cpu_kernels
+from gpu_worker.backends.cpu.kind import CpuKind, requested_kind
+from gpu_worker.backends.cpu.matmul import CpuLinear
 from gpu_worker.config import WorkerConfig
-from gpu_worker.cpu import kernels as cpu_kernels
-from gpu_worker.cpu.kind import CpuKind, requested_kind
-from gpu_worker.cpu.matmul import CpuLinear
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.layers import Linear, RMSNorm, apply_rotary
 from tests.gpu_worker.helpers import KINDS, MiniScheduler, save_tiny_model

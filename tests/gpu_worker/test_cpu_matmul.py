@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from bench.matmul_paths import plan_of
-from gpu_worker.cpu import kernels as cpu_kernels
-from gpu_worker.cpu.kind import CpuKind, requested_kind
-from gpu_worker.cpu.matmul import PLANS, CpuLinear, MatmulPlan, can_pack
+from gpu_worker.backends.cpu import kernels as cpu_kernels
+from gpu_worker.backends.cpu.kind import CpuKind, requested_kind
+from gpu_worker.backends.cpu.matmul import PLANS, CpuLinear, MatmulPlan, can_pack
 from tests.gpu_worker.helpers import KINDS
 
 

@@ -1,4 +1,4 @@
-"""The one-call decode of every decoder layer (csrc/decode_layers.c, gpu_worker/cpu/decode_layers.py):
+"""The one-call decode of every decoder layer (csrc/decode_layers.c, backends/cpu/decode_layers.py):
 bit for bit the modules' hidden states, on decode steps only, for the models it fits."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.config import WorkerConfig
-from gpu_worker.cpu.quant import QuantLinear
 from gpu_worker.model_runner import ModelRunner
 from tests.gpu_worker.helpers import GREEDY, MiniScheduler
 from tests.gpu_worker.test_gguf_weights import Q, make_random_llama

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
+from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.config import WorkerConfig
-from gpu_worker.cpu.quant import QuantLinear
-from gpu_worker.gguf_weights import GgufError, QuantizedWeight, hf_name, unpermute_rows
-from gpu_worker.loader import WeightMismatchError, load_model
 from gpu_worker.model_runner import ModelRunner, auto_dtype
 from gpu_worker.models.layers import Embedding, Linear
+from gpu_worker.weights.gguf_weights import GgufError, QuantizedWeight, hf_name, unpermute_rows
+from gpu_worker.weights.loader import WeightMismatchError, load_model
 from tests.gpu_worker.helpers import GREEDY, MiniScheduler
 
 gguf = pytest.importorskip("gguf")
@@ -234,7 +234,7 @@ def test_weight_dtype_is_checked() -> None:
 def test_tensor_index_is_cached_and_matches_the_reader(
     random_llama: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gpu_worker.gguf_weights import _tensor_data, tensor_index
+    from gpu_worker.weights.gguf_weights import _tensor_data, tensor_index
 
     _, path = random_llama
     monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
@@ -252,7 +252,7 @@ def test_tensor_index_is_cached_and_matches_the_reader(
 
 def test_auto_dtype_is_float32_over_gguf_blocks(random_llama: tuple[Path, Path]) -> None:
     """--dtype auto: float32 activations where the weights stay in blocks (a near-tie of the embedded
-    model's answer flips under bf16 ones: gpu_worker/cpu/backend.py), the kind's choice where not."""
+    model's answer flips under bf16 ones: gpu_worker/backends/cpu/backend.py), the kind's choice where not."""
     hf_dir, path = random_llama
     kept = ModelRunner(WorkerConfig(model_path=str(hf_dir), gguf_path=str(path), kv_cache_tokens=64))
     assert kept.dtype == torch.float32

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import torch
 
-from gpu_worker.grammar import GrammarError, SlotGrammars
+from gpu_worker.sampling.grammar import GrammarError, SlotGrammars
 from protocol.grammar import Grammar
 from protocol.messages import ForwardBatch
 from protocol.sampling import WorkerSampling

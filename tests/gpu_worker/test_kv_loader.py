@@ -12,8 +12,8 @@ from torch import nn
 
 from gpu_worker.config import WorkerConfig
 from gpu_worker.kv_cache import CPU_MAX_KV_TOKENS, KVPool, available_ram_bytes, kv_pool_tokens
-from gpu_worker.loader import WeightMismatchError, load_model
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.weights.loader import WeightMismatchError, load_model
 from protocol.messages import ForwardBatch
 from tests.gpu_worker.helpers import GREEDY, save_tiny_model
 

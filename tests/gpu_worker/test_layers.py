@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu_worker.cpu.backend import pin_attributes
+from gpu_worker.backends.cpu.backend import pin_attributes
 from gpu_worker.models.layers import Linear
 
 

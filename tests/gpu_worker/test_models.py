@@ -171,7 +171,7 @@ def test_rope_theta_from_old_and_new_config_spellings() -> None:
 
 def test_decode_rows_grouped_by_length_match_hf(tiny_models: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """With no padding allowance, the scenario's decode rows split into several length groups."""
-    from gpu_worker import attention
+    from gpu_worker.backends.torch_ref import attention
 
     monkeypatch.setattr(attention, "PAD_FLOOR_TOKENS", 0)
     groups = attention.length_groups({0: 3, 1: 47, 2: 20, 3: 45})
@@ -199,7 +199,7 @@ def _count(groups: list[list[int]], seen: list[int]) -> list[list[int]]:
 
 
 def test_length_groups_bound_the_padding() -> None:
-    from gpu_worker.attention import PAD_FLOOR_TOKENS, length_groups
+    from gpu_worker.backends.torch_ref.attention import PAD_FLOOR_TOKENS, length_groups
 
     rng = random.Random(5)
     lens = {i: rng.choice([rng.randrange(1, 64), rng.randrange(1000, 8000)]) for i in range(128)}

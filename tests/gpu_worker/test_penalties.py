@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from gpu_worker.penalties import SlotPenalties, check_prefix_ids
+from gpu_worker.sampling.penalties import SlotPenalties, check_prefix_ids
 from protocol.messages import PENDING, ForwardBatch
 from protocol.sampling import WorkerPenalties, WorkerSampling
 from tests.gpu_worker.penalty_reference import penalized

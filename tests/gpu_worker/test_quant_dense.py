@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from gpu_worker.cpu import kernels as cpu_kernels
+from gpu_worker.backends.cpu import kernels as cpu_kernels
 from tests.gpu_worker import test_quant_k_kernels as k_quants
 from tests.gpu_worker import test_quant_kernels as legacy
 from tests.gpu_worker.quant_reference import EPS32

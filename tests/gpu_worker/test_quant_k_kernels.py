@@ -14,7 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from gpu_worker.cpu import kernels as cpu_kernels
+from gpu_worker.backends.cpu import kernels as cpu_kernels
 from tests.gpu_worker.quant_reference import check_quant_matmul
 
 pytestmark = pytest.mark.skipif(

@@ -13,8 +13,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from gpu_worker.cpu import kernels as cpu_kernels
-from gpu_worker.gguf_weights import X8, QuantBlocks, deinterleave_rows, interleave_rows
+from gpu_worker.backends.cpu import kernels as cpu_kernels
+from gpu_worker.weights.gguf_weights import X8, QuantBlocks, deinterleave_rows, interleave_rows
 from tests.gpu_worker.quant_reference import EPS32, HALF_STEP, activations, check_quant_matmul
 from tests.gpu_worker.test_quant_kernels import LEGACY, weights
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.sampler import SlotSamplerParams, sample
+from gpu_worker.sampling.sampler import SlotSamplerParams, sample
 from protocol.sampling import WorkerSampling
 
 

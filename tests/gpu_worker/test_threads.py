@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpu_worker.threads import MAX_RETRY_EVERY, RETRY_STEPS, ThreadTuner, shape_class
+from gpu_worker.backends.cpu.threads import MAX_RETRY_EVERY, RETRY_STEPS, ThreadTuner, shape_class
 
 DECODE = shape_class(32, 32)
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from gpu_worker.model_files import resolve_model
+from gpu_worker.weights.model_files import resolve_model
 from tokenizer_proc.model_info import ModelInfo, load_tokenizer, read_model_info
 
 if TYPE_CHECKING:

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.cpu.kind import CpuKind, is_x86
-from gpu_worker.model_files import cache_root
+from gpu_worker.backends.cpu.kind import CpuKind, is_x86
+from gpu_worker.weights.model_files import cache_root
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (
     "attention.c", "matmul.c", "small_ops.c", "quant.c", "quant_dense.c", "quant_legacy.c", "quant_k.c",
     "quant_x8.c", "decode_layers.c", "shm_allreduce.c",

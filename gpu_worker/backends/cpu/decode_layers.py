@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpu_worker.attention import ForwardContext
-from gpu_worker.cpu.kernels import DTYPE_CODES, CpuKernels
-from gpu_worker.cpu.quant import QuantLinear
+from gpu_worker.backends.cpu.kernels import DTYPE_CODES, CpuKernels
+from gpu_worker.backends.cpu.quant import QuantLinear
+from gpu_worker.backends.torch_ref.attention import ForwardContext
 from gpu_worker.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)

@@ -28,9 +28,9 @@ from typing import NamedTuple
 
 import torch
 
-from gpu_worker.cpu.build import BUILDS, DTYPE_CODES, ISA_PORTABLE, build
-from gpu_worker.cpu.kind import CpuKind, is_x86
-from gpu_worker.cpu.quant_kernels import QuantKernels
+from gpu_worker.backends.cpu.build import BUILDS, DTYPE_CODES, ISA_PORTABLE, build
+from gpu_worker.backends.cpu.kind import CpuKind, is_x86
+from gpu_worker.backends.cpu.quant_kernels import QuantKernels
 
 logger = logging.getLogger(__name__)
 

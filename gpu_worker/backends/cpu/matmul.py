@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.cpu.kernels import CpuKernels
-from gpu_worker.cpu.kind import CpuKind
+from gpu_worker.backends.cpu.kernels import CpuKernels
+from gpu_worker.backends.cpu.kind import CpuKind
 
 
 @dataclass(frozen=True)

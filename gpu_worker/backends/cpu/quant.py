@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 
-from gpu_worker.cpu.kernels import CpuKernels
-from gpu_worker.cpu.kind import CpuKind
-from gpu_worker.gguf_weights import QuantBlocks, QuantizedWeight
+from gpu_worker.backends.cpu.kernels import CpuKernels
+from gpu_worker.backends.cpu.kind import CpuKind
+from gpu_worker.weights.gguf_weights import QuantBlocks, QuantizedWeight
 
 # From how many rows a quantized Linear takes the dense path (csrc/quant_dense.c: W dequantized to
 # float32 panel by panel, x not quantized, float32 FMAs) rather than the integer one, per CPU kind and

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 import gguf
 import torch
 
-from gpu_worker.cpu.build import DTYPE_CODES
-from gpu_worker.gguf_weights import X8
+from gpu_worker.backends.cpu.build import DTYPE_CODES
+from gpu_worker.weights.gguf_weights import X8
 
 if TYPE_CHECKING:
-    from gpu_worker.cpu.kernels import DecodeRows
+    from gpu_worker.backends.cpu.kernels import DecodeRows
 
 
 class QuantKernels:
@@ -147,7 +147,7 @@ class QuantKernels:
         rows: DecodeRows,
     ) -> None:
         """A Llama model's decoder layers over decode rows in one call (csrc/decode_layers.c; the
-        structs are gpu_worker/cpu/decode_layers.py's): out [T, hidden] from the embedding rows x,
+        structs are gpu_worker/backends/cpu/decode_layers.py's): out [T, hidden] from the embedding rows x,
         cos / sin [T, 1, head_dim] at the rows' positions, the attention's ``rows``."""
         status = self._decode_layers(
             ctypes.byref(layers), n_layers, ctypes.byref(dims), x.data_ptr(), out.data_ptr(), rows.rows,

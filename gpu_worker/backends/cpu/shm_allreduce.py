@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gpu_worker.backends.cpu import backend as cpu_backend
 from gpu_worker.config import WorkerConfig
-from gpu_worker.cpu import backend as cpu_backend
 from gpu_worker.tensor_parallel import AllReduce, agree_min, gather_strings
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from gpu_worker.cpu.kernels import CpuKernels, DecodeRows
+    from gpu_worker.backends.cpu.kernels import CpuKernels, DecodeRows
 
 # Padding a decode group by up to this many KV tokens is cheaper than one more attention call per layer.
 PAD_FLOOR_TOKENS = 1024

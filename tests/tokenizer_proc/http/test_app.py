@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gpu_worker.model_files import resolve_model
+from gpu_worker.weights.model_files import resolve_model
 from protocol.messages import EngineStats
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http.app import HttpSettings, build_app
