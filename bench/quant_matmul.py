@@ -29,7 +29,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from gpu_worker.backends.cpu import kernels as cpu_kernels  # noqa: E402
-from gpu_worker.weights.gguf_weights import INTERLEAVED_TYPES, QuantBlocks, interleave_rows  # noqa: E402
+from gpu_worker.backends.cpu.layouts import INTERLEAVED_TYPES, interleave_rows, kernel_type  # noqa: E402
+from gpu_worker.weights.formats import QuantBlocks  # noqa: E402
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, o, gate_up, down [out, in]
 HEAD = (49152, 576)
@@ -98,8 +99,8 @@ def paths(
         if int(qtype) in INTERLEAVED_TYPES:  # the layout the worker holds these in
             x8 = [interleave_rows(QuantBlocks(int(qtype), w, k)) for w, k in ws]
             ws8 = [(b.data, b.cols) for b in x8]
-            out[f"{name}_x8"] = quant_pass(kernels, x8[0].kernel_type, ws8, x_for, dense=False)
-            out[f"{name}_x8_dense"] = quant_pass(kernels, x8[0].kernel_type, ws8, x_for, dense=True)
+            out[f"{name}_x8"] = quant_pass(kernels, kernel_type(x8[0]), ws8, x_for, dense=False)
+            out[f"{name}_x8_dense"] = quant_pass(kernels, kernel_type(x8[0]), ws8, x_for, dense=True)
     bf16 = [torch.randn(s).bfloat16() * 0.05 for s in shapes]
     out["c_bf16"] = lambda m: [kernels.matmul(x_for(m, w.shape[1], torch.bfloat16), w) for w in bf16]
     fp32 = [torch.randn(s) * 0.05 for s in shapes]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from gpu_worker.weights.gguf_weights import QuantizedWeight
+    from gpu_worker.weights.formats import QuantizedWeight
 
 
 class LinearImpl(Protocol):

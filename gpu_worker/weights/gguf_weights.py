@@ -1,5 +1,5 @@
 """A GGUF file's tensors -> our model's weights, quantized blocks kept as the file holds them
-(the CPU backend then interleaves the legacy types' rows by 8: ``interleave_rows``, same bytes).
+(a backend may then re-lay them: the CPU backend's backends/cpu/layouts.py).
 
 ``--weight-dtype auto`` (or ``gguf``) on CPU loads the weights from the GGUF itself, not from
 the safetensors its conversion wrote: each Linear (and the embedding, which a tied head shares)
@@ -30,6 +30,8 @@ import torch
 from torch import nn
 
 from gpu_worker.models.layers import Embedding, Linear, MergedLinear
+from gpu_worker.weights.common import WeightMismatchError, copy_checked, is_tied, weight_targets
+from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight, dequantize_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -53,89 +55,6 @@ _IGNORED = ("rope_freqs.weight",)  # llama3 rope factors: the HF config carries 
 
 class GgufError(ValueError):
     """The GGUF cannot be loaded in quantized form (its architecture, or its tensors)."""
-
-
-@dataclass(frozen=True)
-class QuantBlocks:
-    """Rows of one weight in a GGUF block type: ``data`` is uint8 [rows, row_bytes], the file's
-    blocks of each row in the model's row order; with ``interleaved``, the same bytes with each 8
-    rows interleaved (``interleave_rows``)."""
-
-    type: int  # ggml type id (gguf.GGMLQuantizationType)
-    data: torch.Tensor
-    cols: int
-    interleaved: bool = False
-
-    @property
-    def rows(self) -> int:
-        return int(self.data.shape[0])
-
-    @property
-    def kernel_type(self) -> int:
-        """The type code the C kernels take: the ggml id, | X8 for the interleaved layout."""
-        return self.type | X8 if self.interleaved else self.type
-
-    def dequantize(self) -> torch.Tensor:
-        """float32 [rows, cols], by gguf's own dequantization."""
-        data = deinterleave_rows(self) if self.interleaved else self.data
-        return _dense(self.type, data.numpy(), (self.rows, self.cols))
-
-
-# csrc/quant_x8.c: the legacy 32-weight types, rows interleaved by 8 (a flag on the type code).
-X8 = 0x100
-INTERLEAVED_TYPES = {2: 2, 3: 4, 8: 2}  # ggml Q4_0, Q4_1, Q8_0 -> bytes of fp16 scales a block starts with
-
-
-def interleave_rows(blocks: QuantBlocks) -> QuantBlocks:
-    """The layout csrc/quant_x8.c reads (its top comment draws it): per group of 8 rows and block,
-    the 8 rows' fp16 d (and Q4_1's m), then their quant bytes 2 per row in turn. Same bytes; for the
-    legacy types with rows a multiple of 8 (others are returned as they are)."""
-    head = INTERLEAVED_TYPES.get(blocks.type)
-    if head is None or blocks.interleaved or blocks.rows % 8:
-        return blocks
-    n, row_bytes = blocks.data.shape
-    nb = blocks.cols // 32
-    x = blocks.data.numpy().reshape(n // 8, 8, nb, row_bytes // nb)  # [group, slot, block, byte]
-    scales = x[..., :head].reshape(n // 8, 8, nb, head // 2, 2).transpose(0, 2, 3, 1, 4)
-    quants = x[..., head:].reshape(n // 8, 8, nb, -1, 2).transpose(0, 2, 3, 1, 4)
-    out = np.concatenate([scales.reshape(n // 8, nb, -1), quants.reshape(n // 8, nb, -1)], axis=2)
-    data = torch.from_numpy(np.ascontiguousarray(out).reshape(n, row_bytes))
-    return QuantBlocks(blocks.type, data, blocks.cols, interleaved=True)
-
-
-def deinterleave_rows(blocks: QuantBlocks) -> torch.Tensor:
-    """``interleave_rows`` undone: the file's [rows, row_bytes] blocks."""
-    head = INTERLEAVED_TYPES[blocks.type]
-    n, row_bytes = blocks.data.shape
-    nb = blocks.cols // 32
-    x = blocks.data.numpy().reshape(n // 8, nb, row_bytes // nb * 8)
-    scales = x[..., : 8 * head].reshape(n // 8, nb, head // 2, 8, 2).transpose(0, 3, 1, 2, 4)
-    quants = x[..., 8 * head :].reshape(n // 8, nb, -1, 8, 2).transpose(0, 3, 1, 2, 4)
-    out = np.concatenate([scales.reshape(n // 8, 8, nb, head), quants.reshape(n // 8, 8, nb, -1)], axis=3)
-    return torch.from_numpy(np.ascontiguousarray(out).reshape(n, row_bytes))
-
-
-@dataclass(frozen=True)
-class QuantizedWeight:
-    """A Linear's or an embedding's [out, in] weight as row blocks of quantized rows, in order:
-    one part, or one per projection of a merged Linear whose projections differ in type."""
-
-    parts: tuple[QuantBlocks, ...]
-
-    @property
-    def rows(self) -> int:
-        return sum(part.rows for part in self.parts)
-
-    @property
-    def cols(self) -> int:
-        return self.parts[0].cols
-
-    @property
-    def nbytes(self) -> int:
-        return sum(part.data.numel() for part in self.parts)
-
-    def dequantize(self) -> torch.Tensor:
-        return torch.cat([part.dequantize() for part in self.parts])
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -241,14 +160,6 @@ def read_tensors(
         yield name, entry.type, data, shape
 
 
-def _dense(ggml_type: int, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor's values as float32 of ``shape``, by gguf's dequantization (a copy: the file is mapped)."""
-    import gguf
-
-    values = gguf.quants.dequantize(np.ascontiguousarray(data), gguf.GGMLQuantizationType(ggml_type))
-    return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
-
-
 def _weight_modules(model: nn.Module) -> dict[str, tuple[nn.Module, str | None]]:
     """HF weight name -> (the Linear or Embedding it fills, its projection in a merged Linear)."""
     out: dict[str, tuple[nn.Module, str | None]] = {}
@@ -268,10 +179,8 @@ def load_gguf_weights(model: nn.Module, path: Path, keep: frozenset[int]) -> Non
     as the safetensors loader is."""
     import gguf
 
-    from gpu_worker.weights.loader import WeightMismatchError, _copy, _is_tied, weight_targets
-
     params = dict(model.named_parameters(remove_duplicate=False))
-    tied = {name for name, p in params.items() if _is_tied(model, name, p)}
+    tied = {name for name, p in params.items() if is_tied(model, name, p)}
     targets = weight_targets(model, params)
     modules = _weight_modules(model)
     pending: dict[nn.Module, dict[str | None, QuantBlocks]] = defaultdict(dict)
@@ -292,7 +201,7 @@ def load_gguf_weights(model: nn.Module, path: Path, keep: frozenset[int]) -> Non
             else:
                 if ggml_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
                     dequantized[_type_name(ggml_type)] += 1
-                _copy(targets[name], _dense(ggml_type, data, shape), name)
+                copy_checked(targets[name], dequantize_blocks(ggml_type, data, shape), name)
             loaded.add(name)
         missing = sorted(set(targets) - loaded - tied)
         if missing or unexpected:

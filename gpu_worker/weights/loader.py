@@ -22,14 +22,11 @@ from safetensors import safe_open
 from torch import nn
 
 from gpu_worker.models import CausalLM, model_class
-from gpu_worker.models.layers import MergedLinear
+from gpu_worker.weights.common import WeightMismatchError, copy_checked, is_tied, weight_targets
+from gpu_worker.weights.gguf_weights import load_gguf_weights
 
 # Buffers some checkpoints carry that are not weights (causal masks, rotary tables).
 _IGNORED = re.compile(r"(\.attn\.(bias|masked_bias)|\.rotary_emb\.inv_freq)$")
-
-
-class WeightMismatchError(ValueError):
-    """The checkpoint's weights do not match the model's parameters."""
 
 
 def load_hf_config(model_path: str | Path) -> Any:
@@ -55,8 +52,6 @@ def load_model(
     if gguf is None:
         load_weights(model, safetensors_files(Path(model_path)))
     else:
-        from gpu_worker.weights.gguf_weights import load_gguf_weights
-
         load_gguf_weights(model, gguf, keep)
     return cast(CausalLM, model.eval()), hf_config
 
@@ -88,7 +83,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 def load_weights(model: nn.Module, files: list[Path]) -> None:
     """Copy every checkpoint tensor into the parameter (or merged row block) it names; strict both ways."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    tied = {name for name, p in params.items() if _is_tied(model, name, p)}
+    tied = {name for name, p in params.items() if is_tied(model, name, p)}
     targets = weight_targets(model, params)
     prefix = getattr(model, "checkpoint_prefix", "")
     loaded: set[str] = set()
@@ -103,43 +98,11 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
                     if name not in targets:
                         unexpected.append(key)
                         continue
-                    _copy(targets[name], f.get_tensor(key), name)
+                    copy_checked(targets[name], f.get_tensor(key), name)
                     loaded.add(name)
     missing = sorted(set(targets) - loaded - tied)
     if missing or unexpected:
         raise WeightMismatchError(f"missing weights {missing[:8]}, unexpected weights {unexpected[:8]}")
-
-
-def weight_targets(model: nn.Module, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
-    """Checkpoint name -> the tensor it fills: a parameter, or a row block of a MergedLinear's.
-
-    ``model.layers.0.self_attn.qkv_proj.weight`` is not a checkpoint name; its
-    blocks are, as ``model.layers.0.self_attn.q_proj.weight`` and so on.
-    """
-    targets: dict[str, torch.Tensor] = dict(params)
-    for module_name, module in model.named_modules():
-        if not isinstance(module, MergedLinear):
-            continue
-        parent = module_name.rpartition(".")[0]
-        for param_name, param in module.named_parameters(recurse=False):
-            del targets[f"{module_name}.{param_name}"]
-            for shard, (start, rows) in module.shards.items():
-                shard_name = f"{parent}.{shard}.{param_name}" if parent else f"{shard}.{param_name}"
-                targets[shard_name] = param.narrow(0, start, rows)
-    return targets
-
-
-def _is_tied(model: nn.Module, name: str, param: torch.Tensor) -> bool:
-    """A head whose tensor is the input embedding's (the checkpoint may omit it)."""
-    if not name.startswith("lm_head."):
-        return False
-    return any(p is param for n, p in model.named_parameters(remove_duplicate=False) if n != name)
-
-
-def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    if param.shape != tensor.shape:
-        raise WeightMismatchError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-    param.copy_(tensor)
 
 
 def round_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -17,11 +17,13 @@ import numpy as np
 import pytest
 import torch
 
+from gpu_worker.backends.cpu.layouts import X8_LAYOUT
 from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner, auto_dtype
 from gpu_worker.models.layers import Embedding, Linear
-from gpu_worker.weights.gguf_weights import GgufError, QuantizedWeight, hf_name, unpermute_rows
+from gpu_worker.weights.formats import QuantizedWeight
+from gpu_worker.weights.gguf_weights import GgufError, hf_name, unpermute_rows
 from gpu_worker.weights.loader import WeightMismatchError, load_model
 from tests.gpu_worker.helpers import GREEDY, MiniScheduler
 
@@ -192,9 +194,11 @@ def _last_logits(config: WorkerConfig, prompt: list[int], dense_min_rows: int | 
         impls = [m.impl for m in runner.model.modules() if isinstance(getattr(m, "impl", None), QuantLinear)]  # type: ignore[attr-defined]
         assert impls
         held = [part for impl in impls for part in impl.weight.parts]
-        assert all(part.interleaved for part in held), "the legacy types are held interleaved by 8"
+        assert all(part.layout == X8_LAYOUT for part in held), "the legacy types are held interleaved by 8"
         embedding = runner.model.model.embed_tokens.impl  # type: ignore[attr-defined]
-        assert embedding.table.interleaved and any(embedding.table is p for p in held), "tied: one table"
+        assert embedding.table.layout == X8_LAYOUT and any(embedding.table is p for p in held), (
+            "tied: one table"
+        )
         for impl in impls:
             impl.dense_min_rows = [dense_min_rows] * len(impl.dense_min_rows)
     batch = MiniScheduler(runner.num_pages, config.page_size).batch([(0, 0, prompt, True, GREEDY)])

@@ -1,5 +1,5 @@
 """The legacy GGUF types held with their rows interleaved by 8 (csrc/quant_x8.c, made by
-gguf_weights.interleave_rows): the layout itself, and every kernel that reads it (the integer path at
+backends/cpu/layouts.py): the layout itself, and every kernel that reads it (the integer path at
 any row count, the dense path, the row lookup) against float64 on gguf-py's dequantization of the
 file's blocks, on every CPU kind this machine runs."""
 
@@ -14,7 +14,15 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from gpu_worker.backends.cpu import kernels as cpu_kernels
-from gpu_worker.weights.gguf_weights import X8, QuantBlocks, deinterleave_rows, interleave_rows
+from gpu_worker.backends.cpu.layouts import (
+    X8,
+    X8_LAYOUT,
+    deinterleave_rows,
+    dequantize,
+    interleave_rows,
+    kernel_type,
+)
+from gpu_worker.weights.formats import QuantBlocks
 from tests.gpu_worker.quant_reference import EPS32, HALF_STEP, activations, check_quant_matmul
 from tests.gpu_worker.test_quant_kernels import LEGACY, weights
 
@@ -31,7 +39,7 @@ def held(qtype: Q, n: int, k: int) -> tuple[QuantBlocks, np.ndarray, np.ndarray]
     """(the blocks interleaved, their float64 dequantization, the per-weight bound) for ``weights``."""
     blocks, deq, bound = weights(qtype, n, k)
     x8 = interleave_rows(QuantBlocks(int(qtype), torch.from_numpy(blocks), k))
-    assert x8.interleaved and x8.kernel_type == int(qtype) | X8
+    assert x8.layout == X8_LAYOUT and kernel_type(x8) == int(qtype) | X8
     return x8, deq, bound
 
 
@@ -65,7 +73,7 @@ def test_integer_path_matches_float64(
     x8, deq, bound = held(qtype, n, k)
     x = activations(rows, k, dtype, rows * 7 + n)
     residual = torch.randn(rows, n).to(dtype) if rows % 2 else None
-    y = kernels.quant_matmul(x8.kernel_type, x8.data, k, x, residual)
+    y = kernels.quant_matmul(kernel_type(x8), x8.data, k, x, residual)
     assert y.shape == (rows, n) and y.dtype == dtype
     check_quant_matmul(y, x, residual, deq, bound, k // 32, HALF_STEP)
 
@@ -81,7 +89,7 @@ def test_dense_path_matches_float64(
     x8, deq, _ = held(qtype, n, k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + n))
     residual = torch.randn(rows, n, generator=torch.Generator().manual_seed(rows))
-    y = kernels.quant_matmul(x8.kernel_type, x8.data, k, x, residual, dense=True).double().numpy()
+    y = kernels.quant_matmul(kernel_type(x8), x8.data, k, x, residual, dense=True).double().numpy()
     x64, res64 = x.double().numpy(), residual.double().numpy()
     ref = res64 + x64 @ deq.T
     tol = (k / 8 + 8) * EPS32 * (np.abs(x64) @ np.abs(deq).T) + EPS32 * (np.abs(ref) + np.abs(res64))
@@ -95,9 +103,9 @@ def test_row_lookup_is_bit_exact(kernels: cpu_kernels.CpuKernels, qtype: Q, dtyp
     x8, _, _ = held(qtype, 24, 576)
     expected = torch.from_numpy(gguf.quants.dequantize(weights(qtype, 24, 576)[0], qtype))
     ids = torch.tensor([5, 0, 23, 8, 15, 16, 7, 5], dtype=torch.int64)
-    got = kernels.quant_get_rows(x8.kernel_type, x8.data, 576, ids, dtype)
+    got = kernels.quant_get_rows(kernel_type(x8), x8.data, 576, ids, dtype)
     assert torch.equal(got, expected[ids].to(dtype))
-    assert torch.equal(x8.dequantize(), expected)
+    assert torch.equal(dequantize(x8), expected)
 
 
 def test_rows_not_a_multiple_of_8_are_refused(kernels: cpu_kernels.CpuKernels) -> None:

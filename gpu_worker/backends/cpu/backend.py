@@ -30,10 +30,11 @@ from torch import nn
 from gpu_worker.backends.cpu import kernels as cpu_kernels
 from gpu_worker.backends.cpu.decode_layers import FusedDecode, fused_decode
 from gpu_worker.backends.cpu.kind import CpuKind, describe, requested_kind
+from gpu_worker.backends.cpu.layouts import interleave_rows
 from gpu_worker.backends.cpu.matmul import PLANS, CpuLinear
 from gpu_worker.backends.cpu.quant import QuantEmbedding, QuantLinear
 from gpu_worker.models.layers import Embedding, Linear
-from gpu_worker.weights.gguf_weights import QuantizedWeight, interleave_rows
+from gpu_worker.weights.formats import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 

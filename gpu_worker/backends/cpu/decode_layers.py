@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from gpu_worker.backends.cpu.kernels import DTYPE_CODES, CpuKernels
+from gpu_worker.backends.cpu.layouts import kernel_type
 from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.backends.torch_ref.attention import ForwardContext
 from gpu_worker.models.llama import LlamaForCausalLM
@@ -118,7 +119,7 @@ class FusedDecode:
                 input_norm=layer.input_layernorm.weight.data_ptr(),
                 post_norm=layer.post_attention_layernorm.weight.data_ptr(),
                 w=(ctypes.c_void_p * 4)(*(p.data.data_ptr() for p in parts)),
-                type=(ctypes.c_int64 * 4)(*(p.kernel_type for p in parts)),
+                type=(ctypes.c_int64 * 4)(*(kernel_type(p) for p in parts)),
                 dense_min_rows=(ctypes.c_int64 * 4)(*(impl.dense_min_rows[0] for impl in impls)),
                 k_cache=ctx.k_cache[i].data_ptr(),
                 v_cache=ctx.v_cache[i].data_ptr(),

@@ -20,7 +20,8 @@ from gguf import GGMLQuantizationType
 
 from gpu_worker.backends.cpu.kernels import CpuKernels
 from gpu_worker.backends.cpu.kind import CpuKind
-from gpu_worker.weights.gguf_weights import QuantBlocks, QuantizedWeight
+from gpu_worker.backends.cpu.layouts import X8_LAYOUT, kernel_type
+from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
 
 # From how many rows a quantized Linear takes the dense path (csrc/quant_dense.c: W dequantized to
 # float32 panel by panel, x not quantized, float32 FMAs) rather than the integer one, per CPU kind and
@@ -57,7 +58,7 @@ X8_DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
 
 def dense_min_rows(kind: CpuKind, part: QuantBlocks) -> int:
     """From how many activation rows ``part`` takes the dense path on this CPU kind."""
-    table = X8_DENSE_MIN_ROWS if part.interleaved else DENSE_MIN_ROWS
+    table = X8_DENSE_MIN_ROWS if part.layout == X8_LAYOUT else DENSE_MIN_ROWS
     return table[kind][GGMLQuantizationType(part.type)]
 
 
@@ -66,7 +67,7 @@ class QuantLinear:
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, kernels: CpuKernels) -> None:
         self.act_bytes = [
-            kernels.quant_check(p.kernel_type, p.data, p.cols) for p in weight.parts
+            kernels.quant_check(kernel_type(p), p.data, p.cols) for p in weight.parts
         ]  # raises if unfit
         self.weight = weight
         self.bias = None if bias is None else bias.detach()
@@ -97,10 +98,10 @@ class QuantLinear:
         if len(parts) == 1:
             part = parts[0]
             held = residual if fuse else None
-            out = run(part.kernel_type, part.data, part.cols, x, held, self.act_bytes[0], dense[0])
+            out = run(kernel_type(part), part.data, part.cols, x, held, self.act_bytes[0], dense[0])
         else:
             outs = [
-                run(p.kernel_type, p.data, p.cols, x, None, b, d)
+                run(kernel_type(p), p.data, p.cols, x, None, b, d)
                 for p, b, d in zip(parts, self.act_bytes, dense, strict=True)
             ]
             out = torch.cat(outs, dim=1)
@@ -115,7 +116,7 @@ class QuantEmbedding:
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, kernels: CpuKernels) -> None:
         assert len(weight.parts) == 1, "an embedding table is one tensor"
         self.table = weight.parts[0]
-        assert kernels.quant_supported(self.table.kernel_type), f"no kernel for ggml type {self.table.type}"
+        assert kernels.quant_supported(kernel_type(self.table)), f"no kernel for ggml type {self.table.type}"
         self.dtype = dtype
         self.kernels = kernels
 
@@ -125,6 +126,6 @@ class QuantEmbedding:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).to(torch.int64).contiguous()
         rows = self.kernels.quant_get_rows(
-            self.table.kernel_type, self.table.data, self.table.cols, flat, self.dtype
+            kernel_type(self.table), self.table.data, self.table.cols, flat, self.dtype
         )
         return rows.reshape(*ids.shape, self.table.cols)

@@ -1,7 +1,7 @@
 """The C kernels over GGUF blocks (csrc/quant*.c, decode_layers.c), as ``CpuKernels`` methods.
 
 ``type`` is ggml's type id (gguf.GGMLQuantizationType), ``w`` the [n, row bytes] uint8 blocks as the
-file holds them; or that id | ``X8`` (gguf_weights.py) for the legacy types' rows interleaved by 8
+file holds them; or that id | ``X8`` (layouts.py) for the legacy types' rows interleaved by 8
 (csrc/quant_x8.c), the layout the worker holds them in.
 """
 
@@ -16,7 +16,7 @@ import gguf
 import torch
 
 from gpu_worker.backends.cpu.build import DTYPE_CODES
-from gpu_worker.weights.gguf_weights import X8
+from gpu_worker.backends.cpu.layouts import X8
 
 if TYPE_CHECKING:
     from gpu_worker.backends.cpu.kernels import DecodeRows

@@ -1,0 +1,67 @@
+"""How a weight is held when it is not a plain tensor: a GGUF's quantized blocks, as data.
+
+A format is data, not a subclass: ``QuantBlocks`` carries its ggml type id and bytes, and the
+backend that computes on it picks the kernel (gpu_worker/backends/cpu/quant.py). Nothing here
+knows a kernel or a device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+FILE_LAYOUT = "file"  # the GGUF's own bytes, each row's blocks in order
+
+
+@dataclass(frozen=True)
+class QuantBlocks:
+    """Rows of one weight in a GGUF block type: ``data`` is uint8 [rows, row_bytes], the file's
+    blocks of each row in the model's row order (``layout`` FILE_LAYOUT). A backend may hold the
+    same bytes in a layout of its own; it names it in ``layout`` and alone can read it."""
+
+    type: int  # ggml type id (gguf.GGMLQuantizationType)
+    data: torch.Tensor
+    cols: int
+    layout: str = FILE_LAYOUT
+
+    @property
+    def rows(self) -> int:
+        return int(self.data.shape[0])
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols], by gguf's own dequantization (of the file's layout only)."""
+        assert self.layout == FILE_LAYOUT, f"{self.layout!r} blocks are read by their backend alone"
+        return dequantize_blocks(self.type, self.data.numpy(), (self.rows, self.cols))
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A Linear's or an embedding's [out, in] weight as row blocks of quantized rows, in order:
+    one part, or one per projection of a merged Linear whose projections differ in type."""
+
+    parts: tuple[QuantBlocks, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(part.rows for part in self.parts)
+
+    @property
+    def cols(self) -> int:
+        return self.parts[0].cols
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.data.numel() for part in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([part.dequantize() for part in self.parts])
+
+
+def dequantize_blocks(ggml_type: int, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor's values as float32 of ``shape``, by gguf's dequantization (a copy: the file is mapped)."""
+    import gguf
+
+    values = gguf.quants.dequantize(np.ascontiguousarray(data), gguf.GGMLQuantizationType(ggml_type))
+    return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
