@@ -37,7 +37,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 import httpx
 
-from bench import launch, llama_cpp, offline, serving
+from bench import gguf_models, launch, llama_cpp, offline, serving
 from bench.llama_cpp import Peer, peer_gguf
 from bench.metrics import RequestResult, Summary
 from bench.probes import Sample, busy_share, cpu_percent, parse_prometheus, steady_window_s, tree_cpu_ticks
@@ -54,7 +54,12 @@ HTTP_SEED = 3000  # the HTTP runs' prompts differ from the ZMQ runs', so rivulet
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="issue 7's targets, measured in one run")
     add = p.add_argument
-    add("--model", default=None, help="model dir or GGUF (default: the embedded SmolLM2-135M)")
+    add(
+        "--model",
+        default=None,
+        help="model dir, GGUF, or a bench model's name (bench/gguf_models.py: llama1b-q4_k_m, ...); "
+        "default: the embedded SmolLM2-135M",
+    )
     add("--dtype", default="auto", help="comma list of auto | float32 | bfloat16; auto: the engine's default")
     add("--repeats", type=int, default=3, help="rounds; every target is measured once per round and dtype")
     add("--engine-flags", default="", help="extra launcher flags for every engine")
@@ -272,6 +277,7 @@ def cpu_record(acting: cpu_kind.CpuKind) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.model = gguf_models.resolve(args.model)  # a bench model's name (llama1b-q4_k_m): made once
     try:  # first, before anything imports torch; the engines started below inherit the environment
         acting = cpu_kind.apply_to_environ()
     except cpu_kind.CpuKindError as exc:

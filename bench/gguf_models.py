@@ -1,0 +1,238 @@
+"""Bigger GGUFs for the benches: a Llama-3.2-1B-shaped model in the types people download.
+
+    python -m bench.gguf_models                      # make every type (skipped when made), print paths
+    python -m bench.gguf_models --types q4_k_m,q4_0  # some
+    python -m bench.targets --model llama1b-q4_k_m --peer-llama-cpp auto   # a made model by name
+
+The shape is Llama 3.2 1B's (hidden 2048, 16 layers, 32 query / 8 KV heads of 64, FFN 8192,
+RMSNorm eps 1e-5, rope theta 500000, tied embedding) with SmolLM2's vocabulary: the 49152 tokens
+and every ``tokenizer.*`` field are copied from the embedded GGUF, so rivulet and llama.cpp
+tokenize a prompt alike. The weights are random blocks built directly (gguf-py cannot quantize
+K-quants): random quants, and per block scales that give zero-mean weights of std ~0.02, so the
+hidden states stay finite through every layer. The output is noise; the benches ignore EOS.
+
+Which type each tensor takes follows llama.cpp's ``llama-quantize`` for the file type:
+- ``q4_k_m``: Q4_K, except ``attn_v`` and ``ffn_down`` in Q6_K in the "more bits" layers (the
+  first and last eighth, and every third between: 8 of 16), and the tied embedding (the output)
+  in Q6_K. Half the layers' q/k/v projections thus mix Q4_K and Q6_K.
+- ``q4_0``, ``q4_1``: every layer tensor of that type, the tied embedding in Q6_K.
+- ``q8_0``: everything Q8_0.
+Norms are F32 ones. Files go to ``<cache root>/bench-models/`` (``$RIVULET_CACHE_DIR`` or
+``~/.cache/rivulet``), named by shape, type and ``VERSION``; never part of the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import gguf
+import numpy as np
+
+from gpu_worker.weights.model_files import cache_root, embedded_gguf_path
+
+Q = gguf.GGMLQuantizationType
+VERSION = 1  # bump when the bytes a name stands for change
+WEIGHT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama's sizes, as the GGUF's ``llama.*`` fields carry them."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int = 49152
+    context: int = 8192
+    rope_theta: float = 500000.0
+    eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+LLAMA_1B = Shape("llama1b", hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192)
+FILE_TYPES = {
+    "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+    "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+}
+_BASE_TYPE = {"q4_k_m": Q.Q4_K, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q8_0": Q.Q8_0}
+
+
+def more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's ``use_more_bits``: the layers whose v and down take Q6_K in a Q4_K_M file."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def tensor_type(file_type: str, role: str, layer: int, layers: int) -> Q:
+    """The block type llama-quantize gives tensor ``role`` (attn_q, ffn_down, token_embd, ...)."""
+    base = _BASE_TYPE[file_type]
+    if role == "token_embd":  # tied: the output's rule, Q6_K unless the file is Q8_0
+        return Q.Q8_0 if base == Q.Q8_0 else Q.Q6_K
+    if file_type == "q4_k_m" and role in ("attn_v", "ffn_down") and more_bits(layer, layers):
+        return Q.Q6_K
+    return base
+
+
+def random_blocks(
+    qtype: Q, rows: int, cols: int, rng: np.random.Generator, std: float = WEIGHT_STD
+) -> np.ndarray:
+    """uint8 [rows, row bytes] of ``qtype``: random quants, scales that make zero-mean weights of
+    about ``std`` (each block's scale varied by +-25%)."""
+    size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    nb = rows * cols // size
+    blocks = rng.integers(0, 256, size=(nb, block_bytes), dtype=np.uint8)
+    jitter = rng.uniform(0.75, 1.25, size=nb)
+
+    def put_f16(at: int, values: np.ndarray) -> None:
+        blocks[:, at : at + 2] = values.astype(np.float16).view(np.uint8).reshape(nb, 2)
+
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        # 6-bit scales sc = m in [32, 63]: weight = d sc q - dmin m, q uniform on [0, 2^bits);
+        # dmin = d (2^bits - 1) / 2 centres each sub-block.
+        levels = 16 if qtype == Q.Q4_K else 32
+        sc = rng.integers(32, 64, size=(nb, 8), dtype=np.uint8)
+        packed = np.zeros((nb, 12), dtype=np.uint8)
+        packed[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)  # sc 0-3, high bits of sc 4-7
+        packed[:, 4:8] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)  # m = sc
+        packed[:, 8:12] = (sc[:, 4:8] & 15) | ((sc[:, 4:8] & 15) << 4)
+        blocks[:, 4:16] = packed
+        d = std / (48 * levels / 12**0.5) * jitter
+        put_f16(0, d)
+        put_f16(2, d * (levels - 1) / 2)
+    elif qtype == Q.Q6_K:  # weight = d scale (q - 32), q uniform on [0, 64), int8 scales in [64, 127]
+        blocks[:, 192:208] = rng.integers(64, 128, size=(nb, 16), dtype=np.uint8)
+        put_f16(208, std / (96 * 64 / 12**0.5) * jitter)
+    elif qtype == Q.Q8_0:  # weight = d q, q uniform on [-128, 128)
+        put_f16(0, std / (256 / 12**0.5) * jitter)
+    elif qtype in (Q.Q4_0, Q.Q4_1):  # Q4_0: d (q - 8); Q4_1: d q + m, m = -7.5 d
+        d = std / (16 / 12**0.5) * jitter
+        put_f16(0, d)
+        if qtype == Q.Q4_1:
+            put_f16(2, -7.5 * d)
+    else:
+        raise ValueError(f"no random blocks for {qtype.name}")
+    return blocks.reshape(rows, -1)
+
+
+def _tensors(shape: Shape, file_type: str) -> list[tuple[str, Q | None, tuple[int, int]]]:
+    """(GGUF name, block type or None for F32, [rows, cols]) of every tensor, in llama.cpp's order."""
+    h, kv = shape.hidden, shape.kv_heads * shape.head_dim
+    out: list[tuple[str, Q | None, tuple[int, int]]] = [
+        ("token_embd.weight", tensor_type(file_type, "token_embd", 0, shape.layers), (shape.vocab, h))
+    ]
+    for i in range(shape.layers):
+        dims = {"attn_q": (h, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, h),
+                "ffn_gate": (shape.ffn, h), "ffn_up": (shape.ffn, h), "ffn_down": (h, shape.ffn)}  # fmt: skip
+        out.append((f"blk.{i}.attn_norm.weight", None, (1, h)))
+        for role, rc in dims.items():
+            out.append((f"blk.{i}.{role}.weight", tensor_type(file_type, role, i, shape.layers), rc))
+            if role == "attn_output":
+                out.append((f"blk.{i}.ffn_norm.weight", None, (1, h)))
+    out.append(("output_norm.weight", None, (1, h)))
+    return out
+
+
+def model_path(shape: Shape, file_type: str, root: Path | None = None) -> Path:
+    folder = (cache_root() if root is None else root) / "bench-models"
+    return folder / f"{shape.name}-shape-{file_type}-v{VERSION}.gguf"
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> None:
+    reader = gguf.GGUFReader(str(source))
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+
+
+def write_model(
+    path: Path, shape: Shape, file_type: str, seed: int = 0, tokenizer: Path | None = None
+) -> Path:
+    """Write the GGUF (atomically: a temporary file renamed) and return ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    writer = gguf.GGUFWriter(str(tmp), "llama")
+    writer.add_name(f"{shape.name}-shape {file_type} (random blocks, rivulet bench)")
+    writer.add_block_count(shape.layers)
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_feed_forward_length(shape.ffn)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_layer_norm_rms_eps(shape.eps)
+    writer.add_file_type(int(FILE_TYPES[file_type]))
+    writer.add_vocab_size(shape.vocab)
+    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _copy_tokenizer(writer, embedded_gguf_path() if tokenizer is None else tokenizer)
+    tensors = _tensors(shape, file_type)
+    for name, qtype, (rows, cols) in tensors:
+        if qtype is None:
+            writer.add_tensor_info(name, (cols,), np.dtype(np.float32), cols * 4)
+        else:
+            size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            row_bytes = cols // size * block_bytes
+            writer.add_tensor_info(
+                name, (rows, row_bytes), np.dtype(np.uint8), rows * row_bytes, raw_dtype=qtype
+            )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for _name, qtype, (rows, cols) in tensors:
+        data = np.ones(cols, dtype=np.float32) if qtype is None else random_blocks(qtype, rows, cols, rng)
+        writer.write_tensor_data(data)
+    writer.close()
+    os.replace(tmp, path)
+    return path
+
+
+def ensure_model(name: str, root: Path | None = None) -> Path:
+    """The path of bench model ``name`` (``llama1b-q4_k_m``, ...), made first if it is not there."""
+    shape_name, _, file_type = name.partition("-")
+    if shape_name != LLAMA_1B.name or file_type not in FILE_TYPES:
+        names = ", ".join(f"{LLAMA_1B.name}-{t}" for t in FILE_TYPES)
+        raise ValueError(f"no bench model {name!r}; one of {names}")
+    path = model_path(LLAMA_1B, file_type, root)
+    return path if path.is_file() else write_model(path, LLAMA_1B, file_type)
+
+
+def resolve(model: str | None) -> str | None:
+    """A ``--model`` argument with bench model names (``llama1b-q4_k_m``) replaced by their paths."""
+    if model is None or Path(model).expanduser().exists() or not model.startswith(f"{LLAMA_1B.name}-"):
+        return model
+    return str(ensure_model(model))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--types", default=",".join(FILE_TYPES), help=f"comma list of {', '.join(FILE_TYPES)}")
+    ap.add_argument("--force", action="store_true", help="rewrite files that exist")
+    args = ap.parse_args(argv)
+    for file_type in args.types.split(","):
+        path = model_path(LLAMA_1B, file_type)
+        if args.force or not path.is_file():
+            write_model(path, LLAMA_1B, file_type)
+        print(f"{LLAMA_1B.name}-{file_type}: {path} ({path.stat().st_size / 1e6:.0f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""bench/gguf_models.py on a small shape: llama.cpp's Q4_K_M mix, sane random weights, the embedded
+GGUF's tokenizer fields, and bench model names resolved to made files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from bench import gguf_models
+from bench.gguf_models import Q, Shape
+from gpu_worker.weights.model_files import embedded_gguf_path
+
+SMALL = Shape("small", hidden=256, layers=16, heads=4, kv_heads=2, ffn=512)
+
+
+def test_more_bits_layers_are_llama_cpps() -> None:
+    """The first and last eighth, and every third between: 8 of 16 layers."""
+    layers = [i for i in range(16) if gguf_models.more_bits(i, 16)]
+    assert layers == [0, 1, 4, 7, 10, 13, 14, 15]
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(tmp_path_factory: pytest.TempPathFactory) -> gguf.GGUFReader:
+    path = gguf_models.write_model(tmp_path_factory.mktemp("bench-gguf") / "m.gguf", SMALL, "q4_k_m")
+    return gguf.GGUFReader(str(path))
+
+
+def test_q4_k_m_mix_and_weights(q4_k_m: gguf.GGUFReader) -> None:
+    types = {t.name: Q(t.tensor_type) for t in q4_k_m.tensors}
+    assert types["token_embd.weight"] == Q.Q6_K and "output.weight" not in types  # tied
+    for i in range(16):
+        wide = Q.Q6_K if gguf_models.more_bits(i, 16) else Q.Q4_K
+        assert types[f"blk.{i}.attn_v.weight"] == types[f"blk.{i}.ffn_down.weight"] == wide, i
+        for role in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"):
+            assert types[f"blk.{i}.{role}.weight"] == Q.Q4_K, (i, role)
+        assert types[f"blk.{i}.attn_norm.weight"] == Q.F32
+    for t in q4_k_m.tensors:
+        if t.name.startswith(("blk.0.", "blk.2.", "token_embd")) and Q(t.tensor_type) != Q.F32:
+            w = gguf.quants.dequantize(t.data[:64], t.tensor_type)
+            assert np.isfinite(w).all() and abs(float(w.mean())) < 2e-3, t.name
+            assert 0.015 < float(w.std()) < 0.025, (t.name, float(w.std()))
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in q4_k_m.tensors}
+    assert shapes["blk.3.attn_k.weight"] == (256, 128) and shapes["blk.3.ffn_down.weight"] == (512, 256)
+
+
+def test_tokenizer_fields_are_the_embedded_ggufs(q4_k_m: gguf.GGUFReader) -> None:
+    embedded = gguf.GGUFReader(str(embedded_gguf_path()))
+    keys = [k for k in embedded.fields if k.startswith("tokenizer.")]
+    assert "tokenizer.ggml.tokens" in keys
+    for key in keys:
+        assert q4_k_m.fields[key].contents() == embedded.fields[key].contents(), key
+    assert q4_k_m.fields["llama.attention.head_count_kv"].contents() == 2
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+def test_random_blocks_have_the_asked_spread(qtype: Q) -> None:
+    blocks = gguf_models.random_blocks(qtype, 16, 1024, np.random.default_rng(1), std=0.05)
+    w = gguf.quants.dequantize(blocks, qtype)
+    # (Q4_0's and Q6_K's quants are centred half a step low: d (q - 8), q in [0, 16))
+    assert w.shape == (16, 1024) and abs(float(w.mean())) < 6e-3 and 0.04 < float(w.std()) < 0.06
+
+
+def test_names_resolve_to_made_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[tuple[Shape, str]] = []
+
+    def fake_write(path: Path, shape: Shape, file_type: str) -> Path:
+        made.append((shape, file_type))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"GGUF")
+        return path
+
+    monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gguf_models, "write_model", fake_write)
+    path = gguf_models.resolve("llama1b-q4_k_m")
+    assert path is not None and Path(path).is_file() and made == [(gguf_models.LLAMA_1B, "q4_k_m")]
+    assert gguf_models.resolve("llama1b-q4_k_m") == path and len(made) == 1  # made once
+    assert gguf_models.resolve(None) is None and gguf_models.resolve(str(tmp_path)) == str(tmp_path)
+    with pytest.raises(ValueError, match="no bench model"):
+        gguf_models.resolve("llama1b-q2_k")
