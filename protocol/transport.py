@@ -8,6 +8,8 @@ from typing import Any, Generic, TypeVar
 import msgspec
 import zmq
 
+from protocol.utf8_paths import invalid_utf8_location
+
 T = TypeVar("T")
 
 
@@ -15,7 +17,9 @@ class Codec(Generic[T]):
     """Encodes any protocol message; decodes only the channel's union ``T``.
 
     ``decode`` raises ``msgspec.ValidationError`` / ``msgspec.DecodeError`` on a
-    malformed or unknown frame; callers turn that into an error reply or a logged drop.
+    malformed or unknown frame, and nothing else whatever the bytes; callers turn that into an
+    error reply or a logged drop. Every string read here is valid UTF-8: invalid UTF-8 in any
+    string field is a ValidationError naming the field.
     """
 
     def __init__(self, decode_type: Any) -> None:
@@ -26,7 +30,16 @@ class Codec(Generic[T]):
         return self._encoder.encode(msg)
 
     def decode(self, frame: bytes | memoryview) -> T:
-        return self._decoder.decode(frame)
+        try:
+            return self._decoder.decode(frame)
+        except msgspec.DecodeError:
+            raise
+        except UnicodeDecodeError as exc:  # msgspec's for a string of invalid UTF-8: bare, no path
+            location = invalid_utf8_location(frame)
+            where = f" - at {location}" if location else ""
+            raise msgspec.ValidationError(f"Invalid UTF-8 in a string ({exc.reason}){where}") from None
+        except Exception as exc:  # RecursionError (nesting deeper than msgspec decodes), and the like
+            raise msgspec.DecodeError(f"cannot decode the frame: {exc!r}") from None
 
 
 # ZMTP heartbeats on the sockets that may cross machines (the client socket, both ends; a worker

@@ -11,11 +11,13 @@ import zmq
 
 from protocol.messages import (
     EngineStats,
+    FinishReason,
     FinishReq,
     FlushPrefixCache,
     ForwardResult,
     FromWorker,
     Ready,
+    RequestError,
     TokenizedRequest,
     ToScheduler,
 )
@@ -117,6 +119,25 @@ class SchedulerProcess:
             # No rid to answer to: the tokenizer only sends what it validated, so log and drop.
             self.log.error("dropped a malformed frame from the tokenizer (%d bytes): %s", len(frame), exc)
             return
+        try:
+            self._on_tokenizer_msg(msg)
+        except Exception as exc:  # a fault on one request fails that request; the engine serves on
+            self.log.exception("handling a %s failed", type(msg).__name__)
+            if isinstance(msg, TokenizedRequest):
+                self._fail_request(msg, f"internal error: {exc!r}")
+
+    def _fail_request(self, msg: TokenizedRequest, error: str) -> None:
+        """Error replies for every choice of ``msg``, then whatever of it the core holds is ended
+        (its ABORT rows, if any, reach the tokenizer after the errors and are ignored there)."""
+        for rid in range(msg.rid, msg.rid + max(msg.n, 1)):
+            self.to_tokenizer.send(self.encoder.encode(RequestError(rid=rid, message=error)))
+        try:
+            for rid in range(msg.rid, msg.rid + max(msg.n, 1)):
+                self.scheduler.abort(rid, FinishReason.ERROR)
+        except Exception:
+            self.log.exception("ending rid %d after its fault failed too", msg.rid)
+
+    def _on_tokenizer_msg(self, msg: ToScheduler) -> None:
         match msg:
             case TokenizedRequest():
                 error = self.scheduler.add(msg)
@@ -138,12 +159,16 @@ class SchedulerProcess:
             self.log.error("malformed frame from the worker (%d bytes): %s", len(frame), exc)
             self.scheduler.fail_in_flight(f"malformed worker reply: {exc}")
             return
-        match msg:
-            case ForwardResult():
-                self.stats.on_worker_result(msg.busy_s, msg.clock_s)
-                self.scheduler.on_result(msg)
-            case _:
-                raise TypeError(f"unexpected message on from_worker: {type(msg).__name__}")
+        try:
+            match msg:
+                case ForwardResult():
+                    self.stats.on_worker_result(msg.busy_s, msg.clock_s)
+                    self.scheduler.on_result(msg)
+                case _:
+                    raise TypeError(f"unexpected message on from_worker: {type(msg).__name__}")
+        except Exception as exc:  # as for a reply that did not decode: the batches out fail, not the engine
+            self.log.exception("handling the worker's reply failed")
+            self.scheduler.fail_in_flight(f"internal error: {exc!r}")
 
 
 def run_scheduler(config: SchedulerConfig, endpoints: Endpoints) -> None:

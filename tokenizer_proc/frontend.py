@@ -66,7 +66,35 @@ class Frontend:
         self._compiling: dict[tuple[bytes, str], bool] = {}
 
     def on_client_frames(self, frames: list[bytes]) -> Outbox:
-        """A ROUTER message: [client identity, msgpack payload]."""
+        """A ROUTER message: [client identity, msgpack payload]. Never raises: whatever handling one
+        client's message raises (a frame msgspec cannot decode, a bug in a handler) is that client's
+        error reply when its rid can be read, else a logged drop; the process serves on."""
+        try:
+            return self._dispatch_client_frames(frames)
+        except Exception as exc:
+            logger.exception("handling a client message failed")
+            if len(frames) != 2:
+                return Outbox()
+            return self.client_fault(frames[0], rid_of(frames[1]), f"internal error: {exc!r}")
+
+    def client_fault(self, client_id: bytes, rid: str, message: str) -> Outbox:
+        """An error reply for ``rid`` after a fault handling it, ending whatever of it the fault left
+        behind (its table entry, a compile in flight); nothing when the rid cannot be read."""
+        if not rid:
+            logger.error("dropped a client message whose rid cannot be read: %s", message)
+            return Outbox()
+        if (client_id, rid) in self._compiling:
+            self._compiling[client_id, rid] = True  # never admitted now
+        try:
+            out = self.requests.fail(client_id, rid, message)
+        except Exception:  # the fault's own leftovers would not end; the client hears of it anyway
+            logger.exception("request %r: ending it after a fault failed too", rid)
+            out = Outbox()
+        if not out.replies:
+            out.replies.append((client_id, error_output(rid, message)))
+        return out
+
+    def _dispatch_client_frames(self, frames: list[bytes]) -> Outbox:
         if len(frames) != 2:
             logger.warning("dropping a client message of %d frames (expected 2)", len(frames))
             if len(frames) < 2:
@@ -77,8 +105,7 @@ class Frontend:
             msg = self._client_codec.decode(payload)
         except msgspec.DecodeError as exc:
             logger.info("malformed request from %r: %s", client_id, exc)
-            rid = _rid_of(payload)
-            return Outbox(replies=[(client_id, error_output(rid, f"malformed request: {exc}"))])
+            return Outbox(replies=[(client_id, error_output(rid_of(payload), f"malformed request: {exc}"))])
         match msg:
             case GenerateRequest():
                 return self._on_generate(client_id, msg)
@@ -156,6 +183,9 @@ class Frontend:
             return self.admit(client_id, req, grammar)
         except RequestRejected as exc:
             return Outbox(replies=[(client_id, error_output(req.rid, str(exc)))])
+        except Exception as exc:  # a bug on one request: its error reply, not a task dying unheard
+            logger.exception("request %r: admitting it after its compile failed", req.rid)
+            return self.client_fault(client_id, req.rid, f"internal error: {exc!r}")
         finally:
             del self._compiling[key]
 
@@ -216,11 +246,19 @@ def total_stats(stats: list[EngineStats | None]) -> EngineStats | None:
     )
 
 
-def _rid_of(payload: bytes) -> str:
+class _RidOnly(msgspec.Struct):
+    """A client message read for its rid alone: msgspec skips the other fields without decoding
+    them, so a fault elsewhere in the frame does not hide the rid."""
+
+    rid: str = ""
+
+
+_RID_DECODER = msgspec.msgpack.Decoder(_RidOnly)
+
+
+def rid_of(payload: bytes) -> str:
     """The "rid" of a payload that is a msgpack map with a string rid, else ""."""
     try:
-        data = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError:
+        return _RID_DECODER.decode(payload).rid
+    except Exception:  # any frame at all comes here: whatever it makes msgspec raise means no rid
         return ""
-    rid = data.get("rid") if isinstance(data, dict) else None
-    return rid if isinstance(rid, str) else ""

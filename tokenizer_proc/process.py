@@ -156,9 +156,14 @@ class TokenizerServer:
             task.cancel()
 
     async def _client_loop(self) -> None:
+        """One client message at a time. The Frontend answers every fault of its own (it never
+        raises); a fault in sending what it made is logged, and the loop goes on."""
         while True:
             frames = await self._client.recv_multipart()
-            await self._send(self._frontend.on_client_frames(frames))
+            try:
+                await self._send(self._frontend.on_client_frames(frames))
+            except Exception:
+                logger.exception("sending the answer to a client message failed")
 
     async def _scheduler_loop(self) -> None:
         while True:
@@ -168,7 +173,10 @@ class TokenizerServer:
             except msgspec.DecodeError as exc:
                 logger.error("dropping a malformed frame from the scheduler: %s", exc)
                 continue
-            await self._send(self._frontend.on_scheduler_msg(msg))
+            try:  # a fault on one request's row fails that request (RequestTable); this is the rest
+                await self._send(self._frontend.on_scheduler_msg(msg))
+            except Exception:
+                logger.exception("handling a %s from the scheduler failed", type(msg).__name__)
 
     async def _probe_loop(self) -> None:
         while True:
@@ -201,7 +209,11 @@ class TokenizerServer:
 
     async def _admit_after_compile(self, client_id: bytes, req: GenerateRequest) -> None:
         """Compile a ZMQ request's grammar on the compiler's threads while this loop serves on."""
-        await self._send(await self._frontend.admit_after_compile(client_id, req))
+        out = await self._frontend.admit_after_compile(client_id, req)  # never raises but on cancel
+        try:
+            await self._send(out)
+        except Exception:
+            logger.exception("request %r: sending its admission failed", req.rid)
 
     async def _reply(self, client_id: bytes, reply: GenerateOutput) -> bool:
         """Send one reply; False when the client is gone (EHOSTUNREACH under ROUTER_MANDATORY)."""

@@ -6,6 +6,7 @@ whole request life cycle is unit-testable.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from tokenizer_proc.metrics import ServingMetrics
 from tokenizer_proc.stop import StopMatcher
 from tokenizer_proc.validation import RequestRejected, ValidRequest
 
+logger = logging.getLogger(__name__)
+
 Reply = tuple[bytes, GenerateOutput]  # (client identity, reply)
 
 
@@ -45,8 +48,8 @@ class Outbox:
     to_compile: list[tuple[bytes, GenerateRequest]] = field(default_factory=list)
 
 
-def error_output(rid: str, message: str) -> GenerateOutput:
-    return GenerateOutput(rid=rid, finish_reason=FinishReason.ERROR, error=message)
+def error_output(rid: str, message: str, index: int = 0) -> GenerateOutput:
+    return GenerateOutput(rid=rid, finish_reason=FinishReason.ERROR, error=message, index=index)
 
 
 @dataclass
@@ -235,6 +238,14 @@ class RequestTable:
             out.to_scheduler.append(FinishReq(rid=rid, reason=FinishReason.ABORT))
         return out
 
+    def fail(self, client_id: bytes, client_rid: str, message: str) -> Outbox:
+        """End a request with an error reply per choice (after a fault handling it) and stop it in
+        the scheduler; nothing when it is not in flight."""
+        out = Outbox()
+        for rid in list(self._by_client.get((client_id, client_rid), [])):
+            self._fail(self._states[rid], message, out)
+        return out
+
     def abort_client(self, client_id: bytes) -> Outbox:
         """The client went away: abort all of its requests (the replies go nowhere, but are made)."""
         out = Outbox()
@@ -264,7 +275,11 @@ class RequestTable:
             state.cached_tokens = max(state.cached_tokens, batch.cached_tokens[i])
             if state.want_top and batch.token_ids[i] >= 0:
                 state.top.append(batch.top_logprobs[i] if batch.top_logprobs else TopTokens([], []))
-            self._on_row(state, batch.token_ids[i], batch.logprobs[i], batch.finished[i], out)
+            try:
+                self._on_row(state, batch.token_ids[i], batch.logprobs[i], batch.finished[i], out)
+            except Exception as exc:  # a fault on one request's row (its text, its parser) ends it alone
+                logger.exception("request %r: handling its tokens failed", state.client_rid)
+                self._fail(state, f"internal error: {exc!r}", out)
         return out
 
     def on_request_error(self, err: RequestError) -> Outbox:
@@ -301,6 +316,14 @@ class RequestTable:
             return
         self._drop(state.rid, finished)
         out.replies.append((state.client_id, state.final_output(delta, new_ids, finished)))
+
+    def _fail(self, state: RequestState, message: str, out: Outbox) -> None:
+        """``state``'s error reply; the scheduler stops it if it still runs (a FinishReq for a rid it
+        has finished is ignored). A row that failed after its request was dropped is only replied to."""
+        if state.rid in self._states:
+            self._drop(state.rid, FinishReason.ERROR)
+            out.to_scheduler.append(FinishReq(rid=state.rid, reason=FinishReason.ABORT))
+        out.replies.append((state.client_id, error_output(state.client_rid, message, state.index)))
 
     def _on_token_timing(self, state: RequestState) -> None:
         now = self._clock()

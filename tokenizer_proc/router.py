@@ -71,7 +71,10 @@ class Router:
         return self._live[rid][0]
 
     def release(self, rid: int) -> None:
-        """``rid`` finished: its load leaves its replica."""
+        """``rid`` finished: its load leaves its replica (none when a fault on its way in stopped it
+        before it was routed)."""
+        if rid not in self._live:
+            return
         replica, load = self._live.pop(rid)
         self.load[replica] -= load
 

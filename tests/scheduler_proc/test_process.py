@@ -135,3 +135,32 @@ def test_scheduler_process_serves_over_zmq(scheduler_child: Any) -> None:
         msg = codec.decode(socks["to_tokenizer"].recv())
         stats = msg if isinstance(msg, EngineStats) else stats
     assert stats.evictable_pages == 0
+
+
+def test_a_fault_handling_one_request_fails_it_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug the core hits on one message: that request's choices get errors, the loop serves on."""
+    from scheduler_proc.process import SchedulerProcess
+
+    run_dir = tempfile.mkdtemp(prefix="riv-sched-")
+    endpoints = Endpoints.in_dir(run_dir)
+    ctx = zmq.Context()
+    try:
+        to_tokenizer = make_socket(ctx, zmq.PULL, endpoints.to_tokenizer, bind=True)
+        proc = SchedulerProcess(CONFIG, endpoints, ctx)
+        codec: Codec[ToTokenizer] = Codec(ToTokenizer)
+        real_add = proc.scheduler.add
+
+        def add_with_a_bug(msg: Any) -> RequestError | None:
+            if msg.rid == 1:
+                raise RuntimeError("a bug")
+            return real_add(msg)
+
+        monkeypatch.setattr(proc.scheduler, "add", add_with_a_bug)
+        proc._on_tokenizer_frame(codec.encode(tokenized(1, [5, 6, 7], 4, n=2)))
+        errors = [recv(to_tokenizer, codec) for _ in range(2)]
+        assert [(e.rid, "a bug" in e.message) for e in errors] == [(1, True), (2, True)]
+        proc._on_tokenizer_frame(codec.encode(tokenized(3, [5, 6, 7], 4)))
+        assert proc.scheduler.schedule() is not None  # the next request runs
+    finally:
+        ctx.destroy(linger=0)
+        shutil.rmtree(run_dir, ignore_errors=True)
