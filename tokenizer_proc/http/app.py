@@ -1,4 +1,5 @@
-"""The Starlette app: OpenAI's completions, chat completions and models, plus /health and /metrics."""
+"""The Starlette app: OpenAI's completions, chat completions, responses and models, plus /health and
+/metrics."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from tokenizer_proc.http.constraints import grammar_field
 from tokenizer_proc.http.convert import chat_request, completion_requests, rejection_error
 from tokenizer_proc.http.errors import ApiError, engine_error, shutting_down, starting
 from tokenizer_proc.http.responses import ResponseShape, best_choices, total_usage
+from tokenizer_proc.http.responses_api import ResponsesApi
+from tokenizer_proc.http.responses_store import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S, ResponseStore
 from tokenizer_proc.http.schemas import ChatCompletionRequest, CompletionRequest, decode_body
 from tokenizer_proc.metrics import render_prometheus, render_replicas
 from tokenizer_proc.token_bytes import TokenTexts
@@ -36,6 +39,8 @@ class HttpSettings:
     served_model_name: str
     api_key: str | None = None
     max_body_bytes: int = 8 * 2**20
+    responses_store_size: int = DEFAULT_MAX_ENTRIES  # stored /v1/responses responses (LRU)
+    responses_store_ttl_s: float = DEFAULT_TTL_S
 
 
 def json_response(body: Any, status: int = 200) -> Response:
@@ -49,22 +54,22 @@ class OpenAiApi:
         self.bridge = bridge
         self.settings = settings
         self._context_len = bridge.frontend.info.context_len
-        self._texts = TokenTexts(bridge.frontend.tokenizer)
+        self.texts = TokenTexts(bridge.frontend.tokenizer)
 
     async def completions(self, request: Request) -> Response:
-        body = decode_body(await self._body(request), CompletionRequest)
-        self._check_model(body.model)
+        body = decode_body(await self.read_body(request), CompletionRequest)
+        self.check_model(body.model)
         rid = f"cmpl-{uuid.uuid4().hex}"
         return await self._generate(request, completion_requests(body, rid), body, rid=rid, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
-        body = decode_body(await self._body(request), ChatCompletionRequest)
-        self._check_model(body.model)
+        body = decode_body(await self.read_body(request), ChatCompletionRequest)
+        self.check_model(body.model)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         return await self._generate(request, [chat_request(body, rid)], body, rid=rid, chat=True)
 
     async def models(self, request: Request) -> Response:
-        self._authorize(request)
+        self.authorize(request)
         card = {"id": self.settings.served_model_name, "object": "model", "created": 0,
                 "owned_by": "rivulet", "max_model_len": self._context_len}  # fmt: skip
         return json_response({"object": "list", "data": [card]})
@@ -112,7 +117,7 @@ class OpenAiApi:
             chat=chat,
             logprobs=body.logprobs is not None if not chat else reqs[0].logprobs,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            texts=self._texts,
+            texts=self.texts,
             choices_per_prompt=drawn,
         )
         if reqs[0].stream:
@@ -126,9 +131,9 @@ class OpenAiApi:
             replies = best_choices(replies, drawn, body.n)
         return json_response(shape.whole(replies, usage))
 
-    async def _body(self, request: Request) -> bytes:
+    async def read_body(self, request: Request) -> bytes:
         """Authorize, check the engine is serving, and read the body within the size limit."""
-        self._authorize(request)
+        self.authorize(request)
         if not self.bridge.ready:
             raise shutting_down() if self.bridge.frontend.draining else starting()
         limit = self.settings.max_body_bytes
@@ -146,7 +151,7 @@ class OpenAiApi:
             raise ApiError(400, "the client went away before sending the whole body") from None
         return b"".join(chunks)
 
-    def _authorize(self, request: Request) -> None:
+    def authorize(self, request: Request) -> None:
         key = self.settings.api_key
         if key is None:
             return
@@ -156,7 +161,7 @@ class OpenAiApi:
                 401, "missing or wrong API key (send 'Authorization: Bearer KEY')", code="invalid_api_key"
             )
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.served_model_name:
             message = (
                 f"the model {model!r} does not exist; this server serves {self.settings.served_model_name!r}"
@@ -166,9 +171,15 @@ class OpenAiApi:
 
 def build_app(bridge: HttpBridge, settings: HttpSettings) -> Starlette:
     api = OpenAiApi(bridge, settings)
+    responses = ResponsesApi(
+        api, ResponseStore(settings.responses_store_size, settings.responses_store_ttl_s)
+    )
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/model_info", api.model_info, methods=["GET"]),  # routers' worker discovery

@@ -83,11 +83,11 @@ def unsupported_fields(body: ResponsesRequest) -> None:
     """A 400 naming the first field set to something rivulet does not do."""
     refused: list[tuple[str, bool, str]] = [
         ("background", bool(body.background), "background mode is not supported"),
-        ("conversation", body.conversation is not None, "conversations are not supported; use previous_response_id"),
+        ("conversation", body.conversation is not None, "not supported; use previous_response_id"),
         ("prompt", body.prompt is not None, "stored prompt templates are not supported"),
         ("max_tool_calls", body.max_tool_calls is not None, "max_tool_calls is not supported"),
         ("truncation", body.truncation not in (None, "disabled"), 'only truncation "disabled" is supported'),
-        ("service_tier", body.service_tier not in (None, "auto", "default"), "only service_tier auto/default"),
+        ("service_tier", body.service_tier not in (None, "auto", "default"), "only auto or default"),
         ("stream_options", body.stream_options is not None and not body.stream, "needs stream=true"),
         ("stream_options.include_obfuscation", _obfuscation(body), "stream obfuscation is not supported"),
         ("text.verbosity", body.text is not None and body.text.verbosity not in (None, "medium"),
@@ -101,7 +101,9 @@ def unsupported_fields(body: ResponsesRequest) -> None:
             raise bad_param(f"include[{i}]", f"only {LOGPROBS_INCLUDE!r} can be included, got {name!r}")
     reasoning = body.reasoning or ReasoningConfig()
     if reasoning.effort is not None and reasoning.effort not in REASONING_EFFORTS:
-        raise bad_param("reasoning.effort", f"must be one of {list(REASONING_EFFORTS)}, got {reasoning.effort!r}")
+        raise bad_param(
+            "reasoning.effort", f"must be one of {list(REASONING_EFFORTS)}, got {reasoning.effort!r}"
+        )
     if reasoning.summary is not None or reasoning.generate_summary is not None:
         raise bad_param("reasoning.summary", "reasoning summaries are not supported (reasoning text is)")
 
@@ -168,4 +170,6 @@ def convert_item(value: Any, kind: type[T], param: str) -> T:
     try:
         return msgspec.convert(value, type=kind)
     except msgspec.ValidationError as exc:
-        raise bad_param(invalid_field(exc, param) or param, f"invalid {param}: {exc}", "invalid_type") from None
+        raise bad_param(
+            invalid_field(exc, param) or param, f"invalid {param}: {exc}", "invalid_type"
+        ) from None

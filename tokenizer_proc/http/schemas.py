@@ -118,10 +118,17 @@ def decode_body(body: bytes, kind: type[T]) -> T:
     except UnicodeDecodeError:
         raise ApiError(400, "the request body is not valid UTF-8", code="invalid_json") from None
     except msgspec.ValidationError as exc:
-        message = str(exc)
-        path, named = _PATH.search(message), _NAMED.search(message)
-        parts = [path.group(1) if path else "", named.group(1) if named else ""]
-        param = ".".join(p for p in parts if p) or None  # "messages[0].bar" for a nested unknown field
-        raise ApiError(400, f"invalid request: {message}", param=param, code="invalid_type") from None
+        raise ApiError(
+            400, f"invalid request: {exc}", param=invalid_field(exc), code="invalid_type"
+        ) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def invalid_field(exc: msgspec.ValidationError, prefix: str = "") -> str | None:
+    """The field a msgspec validation error is about, under ``prefix``: ``messages[0].bar`` for a
+    nested unknown field."""
+    message = str(exc)
+    path, named = _PATH.search(message), _NAMED.search(message)
+    parts = [prefix, path.group(1) if path else "", named.group(1) if named else ""]
+    return ".".join(p for p in parts if p).replace(".[", "[") or None

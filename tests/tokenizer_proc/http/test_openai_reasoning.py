@@ -89,3 +89,23 @@ def test_streamed_reasoning_adds_up_to_the_whole(qwen3: openai.OpenAI) -> None:
     )
     pieces = [(c.choices[0].delta.model_extra or {}).get("reasoning_content") for c in stream if c.choices]
     assert "".join(p for p in pieces if p) == whole and sum(1 for p in pieces if p) > 1
+
+
+def test_responses_reasoning_item(qwen3: openai.OpenAI) -> None:
+    """The Responses API gives the reasoning as a ``reasoning`` item (whole and streamed), and effort
+    "none" switches the template's thinking off."""
+    chat = qwen3.chat.completions.create(model="q", messages=ASK, max_tokens=TOKENS, temperature=0)
+    kw: Any = {"model": "q", "input": ASK, "max_output_tokens": TOKENS, "temperature": 0}
+    r = qwen3.responses.create(**kw)
+    assert [o.type for o in r.output] == ["reasoning"]
+    assert r.output[0].content[0].text == chat.choices[0].message.model_extra["reasoning_content"]  # type: ignore[union-attr, index]
+    assert r.usage is not None and 0 < r.usage.output_tokens_details.reasoning_tokens <= TOKENS
+    events = list(qwen3.responses.create(stream=True, **kw))
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == r.output[0].content[0].text and len(deltas) > 1  # type: ignore[union-attr, index]
+    off = qwen3.responses.create(reasoning={"effort": "none"}, **kw)
+    plain = qwen3.chat.completions.create(
+        model="q", messages=ASK, max_tokens=TOKENS, temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    ).choices[0].message.content  # fmt: skip
+    assert [o.type for o in off.output] == ["message"] and off.output_text == plain
