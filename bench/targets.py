@@ -37,7 +37,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 import httpx
 
-from bench import gguf_models, launch, llama_cpp, offline, serving
+from bench import launch, llama_cpp, offline, serving
 from bench.llama_cpp import Peer, peer_gguf
 from bench.metrics import RequestResult, Summary
 from bench.probes import Sample, busy_share, cpu_percent, parse_prometheus, steady_window_s, tree_cpu_ticks
@@ -277,11 +277,13 @@ def cpu_record(acting: cpu_kind.CpuKind) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.model = gguf_models.resolve(args.model)  # a bench model's name (llama1b-q4_k_m): made once
     try:  # first, before anything imports torch; the engines started below inherit the environment
         acting = cpu_kind.apply_to_environ()
     except cpu_kind.CpuKindError as exc:
         raise SystemExit(f"error: {exc}") from None
+    from bench import gguf_models  # (gguf loads torch)
+
+    args.model = gguf_models.resolve(args.model)  # a bench model's name (llama1b-q4_k_m): made once
     peer = make_peer(args, acting) if args.peer_llama_cpp else None
     if peer is not None and peer.warning:
         print(peer.warning, file=sys.stderr, flush=True)
