@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         acting = cpu_kind.apply_to_environ()
     except cpu_kind.CpuKindError as exc:
         raise SystemExit(f"error: {exc}") from None
-    from bench import gguf_models  # (gguf loads torch)
+    from bench import gguf_models  # (numpy and gguf: after the kind is applied, to be safe)
 
     args.model = gguf_models.resolve(args.model)  # a bench model's name (llama1b-q4_k_m): made once
     peer = make_peer(args, acting) if args.peer_llama_cpp else None
