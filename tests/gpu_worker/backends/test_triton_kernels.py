@@ -2,9 +2,13 @@
 
 Without a CUDA device they run under Triton's interpreter (about 3 ms per kernel loop step), so the
 matrix of dtypes x head dims x GQA groups x page sizes x batch shapes is sampled, not multiplied out:
-every value of every axis appears at least once. Tolerances: fp32 1e-5 (absolute and relative; the
-kernel's math is fp32, and exact on GPU: its fp32 dot is "ieee"); bf16 and fp16 their epsilon, twice
-the rounding of the stored output, which leaves room for the TF32 probabilities of the GPU's P @ V.
+every value of every axis appears at least once.
+
+Tolerances (absolute and relative alike): fp32 1e-5; the kernel's math is fp32 and its fp32 dot is
+"ieee" on GPU too. bf16 2**-7, one ulp at 1.0: the interpreter's fp32 -> bf16 store truncates (the
+GPU rounds to nearest), so its outputs are up to one ulp off. fp16 2**-9: half an ulp of output
+rounding plus, on GPU, the TF32 rounding of the probabilities in P @ V (a 10-bit mantissa, as HF's
+own fp16 probabilities have).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from gpu_worker.backends.triton.kernels import attention_rows, paged_attention, 
 from tests.gpu_worker.backends.attention_reference import PagedBatch, paged_batch, reference_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-9}
 MAX_LEN = 700  # the longest row, prefix and new tokens together
 
 
