@@ -120,56 +120,31 @@ def paged_attention(
     ``softcap * tanh(scores / softcap)`` after scaling. Math is fp32 whatever the dtypes; the last dim of
     every tensor and the page table's rows must be contiguous, other strides are free.
     """
+    _check_args(q, k_cache, v_cache, out, page_table, rows)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    assert out.shape == q.shape and num_tokens == rows.num_tokens, "q, out and rows disagree on T"
-    assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim, "K/V pools do not fit q"
-    assert num_q_heads % num_kv_heads == 0, f"{num_q_heads} query heads over {num_kv_heads} KV heads"
-    assert page_table.dtype == torch.int64 and page_table.stride(1) == 1, "page_table: int64, rows contiguous"
-    assert all(t.stride(-1) == 1 for t in (q, out, k_cache, v_cache)), "the head dim must be contiguous"
-    group = num_q_heads // num_kv_heads
     fp32 = torch.float32 in (q.dtype, k_cache.dtype)
-    tiles = _tiles(head_dim, group, rows.max_extend_len, fp32)
+    tiles = _tiles(head_dim, num_q_heads // num_kv_heads, rows.max_extend_len, fp32)
     # Row r owns q_starts[r + 1] // block_q - q_starts[r] // block_q + 1 blocks (see _find_row).
     num_q_blocks = num_tokens // tiles.block_q + rows.num_rows
     segments, tiles_per_segment = _num_segments(rows, num_q_blocks * num_kv_heads, tiles.block_n)
-    part_out = part_max = part_sum = out  # placeholders: the one-segment kernel never touches them
+    # Per (token, query head, segment): unnormalized output, running max, running sum.
+    partials = [out] * 3  # placeholders: the one-segment kernel never touches them
     if segments > 1:
-        part_out = torch.empty(
-            (num_tokens, num_q_heads, segments, head_dim), dtype=torch.float32, device=q.device
-        )
-        part_max = torch.empty((num_tokens, num_q_heads, segments), dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
+        shape = (num_tokens, num_q_heads, segments)
+        partials = [torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)]
+        partials += [torch.empty(shape, dtype=torch.float32, device=q.device) for _ in range(2)]
     _attention_kernel[(num_q_blocks, num_kv_heads, segments)](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        page_table,
-        rows.req_pool_idx,
-        rows.q_starts,
-        rows.prefix_lens,
-        part_out,
-        part_max,
-        part_sum,
-        rows.num_rows,
-        num_q_heads,
-        scale,
-        logit_softcap,
+        q, k_cache, v_cache, out, page_table,
+        rows.req_pool_idx, rows.q_starts, rows.prefix_lens, *partials,
+        rows.num_rows, num_q_heads, scale, logit_softcap,
         sliding_window if sliding_window > 0 else NO_WINDOW,
         tiles_per_segment,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        page_table.stride(0),
+        *q.stride()[:2], *out.stride()[:2],  # token and head strides
+        *k_cache.stride()[:2], *v_cache.stride()[:2], page_table.stride(0),
         HEAD_DIM=head_dim,
         BLOCK_D=tiles.block_d,
-        GROUP=group,
+        GROUP=num_q_heads // num_kv_heads,
         BLOCK_Q=tiles.block_q,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
@@ -179,18 +154,28 @@ def paged_attention(
         # fp32 must match HF fp32, so no TF32 there; 16-bit values are exact in TF32 (10-bit mantissa).
         DOT_PRECISION="ieee" if fp32 else "tf32",
         num_warps=tiles.num_warps,
-    )
+    )  # fmt: skip
     if segments > 1:
         _merge_segments_kernel[(num_tokens, num_q_heads)](
-            out,
-            part_out,
-            part_max,
-            part_sum,
-            num_q_heads,
-            out.stride(0),
-            out.stride(1),
+            out, *partials, num_q_heads, *out.stride()[:2],
             HEAD_DIM=head_dim,
             BLOCK_D=tiles.block_d,
             NUM_SEGMENTS=segments,
             BLOCK_S=triton.next_power_of_2(segments),
-        )
+        )  # fmt: skip
+
+
+def _check_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    page_table: torch.Tensor,
+    rows: AttentionRows,
+) -> None:
+    num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
+    assert out.shape == q.shape and q.shape[0] == rows.num_tokens, "q, out and rows disagree on T"
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2] == q.shape[2], "K/V pools do not fit q"
+    assert num_q_heads % num_kv_heads == 0, f"{num_q_heads} query heads over {num_kv_heads} KV heads"
+    assert page_table.dtype == torch.int64 and page_table.stride(1) == 1, "page_table: int64, rows contiguous"
+    assert all(t.stride(-1) == 1 for t in (q, out, k_cache, v_cache)), "the head dim must be contiguous"
