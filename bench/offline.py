@@ -80,12 +80,11 @@ def resolve_dtype(name: str, model: str | None = None) -> str:
     float32 for a GGUF's blocks, else bfloat16 where the CPU kind streams bf16 weights."""
     if name != "auto":
         return name
-    import torch
 
-    from gpu_worker.model_runner import auto_dtype
+    from gpu_worker.backends.cpu.backend import auto_dtype
     from gpu_worker.weights.model_files import source_gguf
 
-    return auto_dtype(torch.device("cpu"), gguf_blocks=source_gguf(model) is not None)
+    return auto_dtype(gguf_blocks=source_gguf(model) is not None)
 
 
 def _model_dir(model: str | None) -> Path:

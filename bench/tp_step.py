@@ -71,7 +71,8 @@ def _serve(
     import torch
 
     from bench.worker_step import PAGE_SIZE, prepare, prepare_prefill
-    from gpu_worker.backends.cpu.shm_allreduce import ShmAllReduce, gloo_all_reduce
+    from gpu_worker.backends.cpu.shm_allreduce import ShmAllReduce
+    from gpu_worker.backends.torch_ref.backend import gloo_all_reduce
     from gpu_worker.config import WorkerConfig
     from gpu_worker.model_runner import ModelRunner
     from gpu_worker.tensor_parallel import init_group

@@ -27,6 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_worker.backends.cpu.backend import CpuBackend  # noqa: E402
 from gpu_worker.config import WorkerConfig  # noqa: E402
 from gpu_worker.model_runner import ModelRunner  # noqa: E402
 from gpu_worker.weights.model_files import resolve_model, source_gguf  # noqa: E402
@@ -120,7 +121,8 @@ def make_runner(args: argparse.Namespace, variant: str) -> ModelRunner:
         )
     )
     if attention == "gguf-modules":
-        runner.fused_decode = None
+        assert isinstance(runner.backend, CpuBackend), "gguf-modules: the CPU backend's modules"
+        runner.backend.fused_decode = None
     return runner
 
 

@@ -24,6 +24,11 @@ class WorkerConfig:
     model_path: str = given("", "the launcher: --model resolved to an HF directory")
     device: str = flag("auto", "auto | cpu | cuda | cuda:N (auto: cuda if present, else cpu)")
     dtype: str = flag("auto", "auto | float32 | bfloat16 | float16 | float64")
+    attention_backend: str = flag(
+        "auto",
+        "auto | cpu | torch | triton: the worker's backend (auto: triton on CUDA, cpu on CPU; "
+        "torch: the generic reference path on any device; triton on CPU runs interpreted, for tests)",
+    )
     page_size: int = flag(16, "tokens per KV page")
     kv_cache_tokens: int = flag(0, "KV pool size in tokens; 0: use --kv-mem-fraction")
     kv_mem_fraction: float = flag(0.2, "KV pool share of free device memory (CPU: available RAM)")

@@ -7,23 +7,20 @@ chunked and when a token is drawn all arrive in the batch.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from itertools import accumulate
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from gpu_worker import backends
 from gpu_worker import tensor_parallel as tp
-from gpu_worker.backends.cpu import backend as cpu_backend
-from gpu_worker.backends.cpu.shm_allreduce import pick_all_reduce
-from gpu_worker.backends.cpu.threads import ThreadTuner, shape_class
-from gpu_worker.backends.torch_ref.attention import ForwardContext, build_metadata
 from gpu_worker.batch_checks import check_batch
 from gpu_worker.config import WorkerConfig
 from gpu_worker.forks import check_forks, copy_pages, with_forks
-from gpu_worker.kv_cache import KVPool, kv_pool_tokens
+from gpu_worker.forward_context import ForwardContext
+from gpu_worker.kv_cache import KVPool
 from gpu_worker.models import CausalLM
 from gpu_worker.sampling.grammar import SlotGrammars
 from gpu_worker.sampling.logprobs import (
@@ -33,14 +30,11 @@ from gpu_worker.sampling.logprobs import (
     prompt_logprobs,
 )
 from gpu_worker.sampling.penalties import SlotPenalties
-from gpu_worker.sampling.sampler import SlotSamplerParams, greedy_pick, sample
+from gpu_worker.sampling.sampler import SlotSamplerParams, sample
 from gpu_worker.weights.gguf_weights import GgufError
 from gpu_worker.weights.loader import load_model, round_weights
 from protocol.logprobs import TopTokens
 from protocol.messages import PENDING, ForwardBatch, ForwardResult
-
-if TYPE_CHECKING:
-    from gpu_worker.backends.cpu.decode_layers import FusedDecode
 
 logger = logging.getLogger(__name__)
 
@@ -65,25 +59,19 @@ class ModelRunner:
         self.penalties = SlotPenalties(
             config.max_running_requests, self.vocab_size, self._device, self._dtype
         )
-        self.grammars = SlotGrammars(config.max_running_requests, self.vocab_size, config.model_path)
+        self.grammars = SlotGrammars(
+            config.max_running_requests, self.vocab_size, config.model_path, self.backend.host_memory
+        )
         # The token each slot drew last: a row scheduled before that draw came back (overlap
         # scheduling) sends PENDING as its input and gets this one.
         self.last_tokens = torch.zeros(config.max_running_requests, dtype=torch.int64, device=self._device)
 
     def _init_device(self) -> None:
-        name = self.config.device
-        if name == "auto":
-            name = "cuda" if torch.cuda.is_available() else "cpu"
-        self._device = torch.device(name)
-        self._tuner: ThreadTuner | None = None
-        if self._device.type == "cpu":
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            torch.set_num_threads(self.config.num_threads or cores)
-            if self.config.tune_threads and self.config.num_threads == 0 and cores > 1:
-                self._tuner = ThreadTuner((cores, max(1, cores // 2)))
+        self.backend = backends.create(self.config)
+        self._device = self.backend.device
         dtype = self.config.dtype
         if dtype == "auto":
-            dtype = auto_dtype(self._device, gguf_blocks=self._blocks_unavailable() is None)
+            dtype = self.backend.auto_dtype(gguf_blocks=self._blocks_unavailable() is None)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
         self._dtype = _DTYPES[dtype]
@@ -91,12 +79,12 @@ class ModelRunner:
     def _init_model(self) -> None:
         started = time.perf_counter()
         self.model, self.hf_config = self._load()
-        if self.config.tp_size > 1:  # this rank's share of every layer, then the backend readies it
-            reduced = tp.shard(self.model, self.config.tp_rank, self.config.tp_size)
-            self._prepare_kernels()
-            tp.wrap_reductions(reduced, pick_all_reduce(self.config, self._device))
-        else:
-            self._prepare_kernels()
+        model = self.model
+        assert isinstance(model, torch.nn.Module), "our models are nn.Modules"
+        reduced = tp.shard(model, self.config.tp_rank, self.config.tp_size) if self.config.tp_size > 1 else []
+        self.backend.prepare_model(model, self._dtype)
+        if reduced:  # after the backend: the reductions wrap whatever computes each sharded module
+            tp.wrap_reductions(reduced, self.backend.all_reduce(self.config))
         self._context_len = int(self.model.context_len)
         self.vocab_size = int(self.hf_config.vocab_size)
         logger.info(
@@ -137,7 +125,7 @@ class ModelRunner:
             return frozenset()
         why_not = self._why_not_quantized()
         if why_not is None:
-            return cpu_backend.quantized_types(self.config.cpu_kernels)
+            return self.backend.quantized_types()
         if wanted == "gguf":
             raise ValueError(f"--weight-dtype gguf: {why_not}")
         if self.config.gguf_path:
@@ -158,43 +146,18 @@ class ModelRunner:
             return f"--weight-dtype {self.config.weight_dtype}"
         if not self.config.gguf_path:
             return "the model is not a GGUF file"
-        if self._device.type != "cpu":
-            return f"quantized kernels exist for CPU only, not {self._device.type}"
         if self.config.compile:
             return "--compile runs torch's matmuls"
-        if not cpu_backend.quantized_types(self.config.cpu_kernels):
-            return "the CPU's C kernels are off or could not be built (see the log)"
+        if not self.backend.quantized_types():
+            return f"the {self.backend.name} backend has no kernels for GGUF blocks (see the log)"
         return None
-
-    def _prepare_kernels(self) -> None:
-        """--compile: torch.compile every layer's forward; on CPU, the CPU backend readies the model
-        (kernels, matmul paths and weight layouts per CPU kind: gpu_worker/backends/cpu/backend.py)."""
-        model = self.model
-        assert isinstance(model, torch.nn.Module), "our models are nn.Modules"
-        if self.config.compile:
-            layers = getattr(getattr(model, "model", None), "layers", None)
-            if layers is None:
-                logger.warning(
-                    "--compile: %s has no layers to compile; running eagerly", type(model).__name__
-                )
-            else:
-                for layer in layers:
-                    layer.compile(dynamic=True)
-        self._kernels = None
-        self.fused_decode: FusedDecode | None = None  # all decoder layers in one call, on decode steps
-        if self._device.type == "cpu":
-            setup = cpu_backend.prepare_model(
-                model, self._dtype, self.config.cpu_kernels, self.config.compile
-            )
-            self._kernels = setup.kernels
-            self.fused_decode = setup.decode_layers
 
     def _init_kv_pool(self) -> None:
         model = self.model
         elem_bytes = torch.empty((), dtype=self._dtype).element_size()
         bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * elem_bytes
-        tokens = kv_pool_tokens(
-            self.config.kv_cache_tokens, self.config.kv_mem_fraction, bytes_per_token, self._device
+        tokens = self.backend.kv_pool_tokens(
+            self.config.kv_cache_tokens, self.config.kv_mem_fraction, bytes_per_token
         )
         if self.config.tp_size > 1:  # every rank holds the same pages (its own heads of them)
             tokens = tp.agree_min(tokens)
@@ -213,8 +176,8 @@ class ModelRunner:
 
     @property
     def uses_cpu_kernels(self) -> bool:
-        """Whether decode rows are attended by our C kernel (else by torch)."""
-        return self._kernels is not None
+        """Whether decode rows are attended by our C kernel (else by torch or Triton)."""
+        return getattr(self.backend, "kernels", None) is not None
 
     @property
     def num_pages(self) -> int:
@@ -234,16 +197,14 @@ class ModelRunner:
 
     def execute(self, batch: ForwardBatch) -> ForwardResult:
         """Run one batch; return the drawn tokens of its ``sample`` rows in row order."""
-        shape = shape_class(len(batch.slots), len(batch.input_ids))
-        threads = self._use_threads(shape)
+        self.backend.before_batch(len(batch.slots), len(batch.input_ids))
         started = time.perf_counter()
         hidden = self.forward(batch)
         with torch.inference_mode():
             token_ids, logprobs, top = self._sample(hidden, batch)
             prompt, prompt_top = prompt_logprobs(hidden, batch, self.top_logprobs, self.model.compute_logits)
         forward_s = time.perf_counter() - started
-        if self._tuner is not None:
-            self._tuner.record(shape, threads, forward_s)
+        self.backend.after_batch(forward_s)
         return ForwardResult(step=batch.step, token_ids=token_ids, logprobs=logprobs, forward_s=forward_s,
                              top_logprobs=top, prompt_logprobs=prompt,
                              prompt_top_logprobs=prompt_top)  # fmt: skip
@@ -266,7 +227,7 @@ class ModelRunner:
         logits = self.grammars.apply(logits, slots)
         greedy = self.sampler_params.plain_greedy(slots)
         if greedy:
-            tokens, token_logprobs = greedy_pick(logits, self._kernels), None
+            tokens, token_logprobs = self.backend.greedy(logits), None
         else:
             params = self.sampler_params.batch(slots, positions, self._device)
             tokens, token_logprobs = sample(logits, params)
@@ -280,15 +241,6 @@ class ModelRunner:
             top_n = [self.top_logprobs.top_n[s] for s in slots]
             logprobs, top = asked_logprobs(logits, tokens, want, top_n, logprobs)
         return tokens.tolist(), logprobs, top
-
-    def _use_threads(self, shape: tuple[str, int]) -> int:
-        """Set the torch thread count the tuner picks for this batch's shape class."""
-        if self._tuner is None:
-            return torch.get_num_threads()
-        threads = self._tuner.choose(shape)
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
-        return threads
 
     @torch.inference_mode()
     def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
@@ -307,16 +259,12 @@ class ModelRunner:
         for slots, samplers in ((batch.slots, batch.sampler), (batch.fork_slots, batch.fork_samplers)):
             self.sampler_params.update(slots, samplers)
             self.top_logprobs.update(slots, samplers)
-        positions, meta = build_metadata(
-            self.kv.page_table,
-            self.kv.page_size,
-            batch.slots,
-            batch.prefix_lens,
-            batch.extend_lens,
-            self._device,
-            self._kernels,
+        positions, meta = self.backend.init_forward_metadata(
+            self.kv, batch.slots, batch.prefix_lens, batch.extend_lens
         )
-        ctx = ForwardContext(positions=positions, attn=meta, k_cache=self.kv.k, v_cache=self.kv.v)
+        ctx = ForwardContext(
+            positions=positions, attn=meta, k_cache=self.kv.k, v_cache=self.kv.v, backend=self.backend
+        )
         input_ids = self._input_ids(batch)
         self.penalties.update(batch, input_ids)
         self.grammars.update(batch, input_ids)
@@ -324,7 +272,7 @@ class ModelRunner:
             fork_parents = [batch.slots[i] for i in batch.fork_rows]
             self.penalties.fork(fork_parents, batch.fork_slots, batch.fork_samplers)
             self.grammars.fork(batch.fork_slots, batch.fork_samplers)
-        hidden = self.fused_decode(input_ids, ctx) if self.fused_decode is not None else None
+        hidden = self.backend.forward_decode(input_ids, ctx)
         hidden = self.model(input_ids, ctx) if hidden is None else hidden
         copy_pages(self.kv, batch.copy_src, batch.copy_dst)  # a fork's own copies of prompt pages
         return hidden
@@ -347,9 +295,3 @@ class ModelRunner:
         slots = torch.tensor([batch.slots[i] for i in rows], device=self._device)
         input_ids[where] = self.last_tokens[slots]
         return input_ids
-
-
-def auto_dtype(device: torch.device, gguf_blocks: bool = False) -> str:
-    """bfloat16 on CUDA; on CPU what the CPU backend picks for the CPU kind and, with
-    ``gguf_blocks``, for weights kept in GGUF blocks (cpu/backend.py)."""
-    return cpu_backend.auto_dtype(gguf_blocks=gguf_blocks) if device.type == "cpu" else "bfloat16"

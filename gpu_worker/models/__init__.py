@@ -14,7 +14,7 @@ from torch import nn
 if TYPE_CHECKING:
     import torch
 
-    from gpu_worker.backends.torch_ref.attention import ForwardContext
+    from gpu_worker.forward_context import ForwardContext
 
 
 class CausalLM(Protocol):

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpu_worker.backends.torch_ref.attention import ForwardContext, paged_attention
+from gpu_worker.forward_context import ForwardContext, paged_attention
 from gpu_worker.models.layers import Conv1D, Embedding, LayerNorm, Linear, activation
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.backends.torch_ref.attention import ForwardContext, paged_attention
+from gpu_worker.forward_context import ForwardContext, paged_attention
 from gpu_worker.models.layers import (
     Embedding,
     FusedOps,

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import torch
 
+from gpu_worker.backends.cpu.backend import auto_dtype
 from gpu_worker.backends.cpu.kind import CpuKind, requested_kind
 from gpu_worker.backends.cpu.matmul import PLANS, CpuLinear
+from gpu_worker.backends.torch_ref.backend import TorchBackend
 from gpu_worker.config import WorkerConfig
-from gpu_worker.model_runner import ModelRunner, auto_dtype
+from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.layers import Linear
 from tests.exactness import inprocess
 from tests.exactness.test_smollm2_fp32 import EOS, QUESTIONS, chat_prompt
@@ -83,6 +85,6 @@ def test_smollm2_bf16_one_stream_matches_hf_bf16_within_top2(smollm2_dir: Path) 
 
 def test_auto_dtype_follows_the_cpu_kind() -> None:
     expected = "float32" if requested_kind() == CpuKind.PORTABLE else "bfloat16"
-    assert auto_dtype(torch.device("cpu")) == expected
-    assert auto_dtype(torch.device("cpu"), gguf_blocks=True) == "float32"  # on every kind
-    assert auto_dtype(torch.device("cuda")) == "bfloat16"
+    assert auto_dtype() == expected
+    assert auto_dtype(gguf_blocks=True) == "float32"  # on every kind
+    assert TorchBackend(torch.device("cuda")).auto_dtype(gguf_blocks=False) == "bfloat16"

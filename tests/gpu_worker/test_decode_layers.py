@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from gpu_worker.backends.cpu.backend import CpuBackend
 from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
@@ -32,6 +33,11 @@ ONE_TYPE = {
     "token_embd": Q.Q8_0,
 }
 
+
+
+def cpu_backend(runner: ModelRunner) -> CpuBackend:
+    assert isinstance(runner.backend, CpuBackend), "GGUF blocks run on the CPU backend"
+    return runner.backend
 
 @pytest.fixture(scope="module")
 def one_type_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
@@ -58,7 +64,7 @@ def test_one_call_equals_the_modules_bit_for_bit(
     interleaved types on the integer path at any row count), 1 and 3 the integer one on x86. The
     one call runs on the decode steps and on no prefill."""
     runner = runner_of(one_type_llama, dtype)
-    fused = runner.fused_decode
+    fused = cpu_backend(runner).fused_decode
     assert fused is not None
     if rows == 9:
         for module in runner.model.modules():  # type: ignore[attr-defined]
@@ -81,9 +87,9 @@ def test_one_call_equals_the_modules_bit_for_bit(
     for step in range(20):
         batch = sched.batch([(slot, lens[slot] + step, [tokens[slot]], True, None) for slot in range(rows)])
         one_call = runner.compute_logits(batch)
-        runner.fused_decode = None
+        cpu_backend(runner).fused_decode = None
         modules = runner.compute_logits(batch)  # the same K/V rewritten with the same values
-        runner.fused_decode = fused
+        cpu_backend(runner).fused_decode = fused
         assert torch.equal(one_call, modules), (step, float((one_call - modules).abs().max()))
         tokens = one_call.float().argmax(dim=-1).tolist()
     assert len(calls) == 20
@@ -92,4 +98,4 @@ def test_one_call_equals_the_modules_bit_for_bit(
 def test_models_it_does_not_fit_run_their_modules(tmp_path: Path) -> None:
     """A merged qkv of three types (as a Q4_K_M file's can be) keeps the modules."""
     runner = runner_of(make_random_llama(tmp_path), "float32")
-    assert runner.fused_decode is None
+    assert cpu_backend(runner).fused_decode is None

@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 import torch
 
+from gpu_worker.backends.cpu.backend import auto_dtype
 from gpu_worker.backends.cpu.layouts import X8_LAYOUT
 from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.config import WorkerConfig
-from gpu_worker.model_runner import ModelRunner, auto_dtype
+from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.layers import Embedding, Linear
 from gpu_worker.weights.formats import QuantizedWeight
 from gpu_worker.weights.gguf_weights import GgufError, hf_name, unpermute_rows
@@ -264,4 +265,4 @@ def test_auto_dtype_is_float32_over_gguf_blocks(random_llama: tuple[Path, Path])
     dequantized = ModelRunner(
         WorkerConfig(model_path=str(hf_dir), gguf_path=str(path), weight_dtype="float32", kv_cache_tokens=64)
     )
-    assert dequantized.dtype == getattr(torch, auto_dtype(torch.device("cpu")))  # the kind's choice
+    assert dequantized.dtype == getattr(torch, auto_dtype())  # the kind's choice

@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from gpu_worker.backends.memory import CPU_MAX_KV_TOKENS, available_ram_bytes, kv_pool_tokens
 from gpu_worker.config import WorkerConfig
-from gpu_worker.kv_cache import CPU_MAX_KV_TOKENS, KVPool, available_ram_bytes, kv_pool_tokens
+from gpu_worker.kv_cache import KVPool
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.weights.loader import WeightMismatchError, load_model
 from protocol.messages import ForwardBatch

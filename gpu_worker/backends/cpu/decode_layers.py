@@ -21,7 +21,7 @@ from torch import nn
 from gpu_worker.backends.cpu.kernels import DTYPE_CODES, CpuKernels
 from gpu_worker.backends.cpu.layouts import kernel_type
 from gpu_worker.backends.cpu.quant import QuantLinear
-from gpu_worker.backends.torch_ref.attention import ForwardContext
+from gpu_worker.forward_context import ForwardContext
 from gpu_worker.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)

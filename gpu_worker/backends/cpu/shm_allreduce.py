@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gpu_worker.backends.cpu import backend as cpu_backend
+from gpu_worker.backends.cpu import kernels as cpu_kernels
+from gpu_worker.backends.cpu.kind import requested_kind
+from gpu_worker.backends.torch_ref.backend import gloo_all_reduce
 from gpu_worker.config import WorkerConfig
 from gpu_worker.tensor_parallel import AllReduce, agree_min, gather_strings
 
@@ -29,10 +31,6 @@ logger = logging.getLogger(__name__)
 
 PIECE_BYTES = 1 << 20  # per rank and round: 256K float32 values (a 512-token chunk of hidden 512)
 DTYPE_CODES = {torch.float32: 0, torch.float64: 2}  # csrc/shm_allreduce.c's
-
-
-def gloo_all_reduce(t: torch.Tensor) -> None:
-    dist.all_reduce(t)
 
 
 class ShmAllReduce:
@@ -85,15 +83,16 @@ def machine_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def pick_all_reduce(config: WorkerConfig, device: torch.device) -> AllReduce:
+def pick_all_reduce(config: WorkerConfig) -> AllReduce:
     """--tp-all-reduce auto | shm | gloo: shared memory where the worker runs on CPU with the C
     kernels built and every rank is on this machine (all ranks decide alike), else gloo."""
     choice, rank, world = config.tp_all_reduce, config.tp_rank, config.tp_size
-    library = cpu_backend.kernels_library(config.cpu_kernels) if device.type == "cpu" else None
+    kernels = cpu_kernels.load(requested_kind()) if config.cpu_kernels else None
+    library = None if kernels is None else kernels.path
     same_machine = len(set(gather_strings(machine_id()))) == 1
     why_not = (
         "the ranks are on several machines" if not same_machine
-        else "not on CPU, or the C kernels are off or could not be built" if library is None
+        else "the C kernels are off or could not be built" if library is None
         else None
     )  # fmt: skip
     if agree_min(int(why_not is None)) == 0:  # every rank takes the same road

@@ -1,13 +1,9 @@
-"""Attention over the paged KV pool for one mixed batch.
+"""Attention over the paged KV pool in torch: any device, any dtype (float64 for the exact tests).
 
-Rows come in two kinds, each attended in the cheapest shape:
-- decode rows (one new token), on CPU with our C kernel (cpu_kernels.py): one
-  call for all of them, each row read in place through the page table at its
-  own length.
-- decode rows elsewhere (CUDA, float64, no compiler, --disable-cpu-kernels):
-  batched calls over groups of rows of similar KV length (usually one group).
-  A group's KV is gathered by slot index into [rows, max_len], padded, with a
-  length mask (none when all lengths agree).
+Rows come in two kinds, each attended in the cheapest shape torch offers:
+- decode rows (one new token): batched calls over groups of rows of similar KV
+  length (usually one group). A group's KV is gathered by slot index into
+  [rows, max_len], padded, with a length mask (none when all lengths agree).
   Grouping by length bounds the padding: one long row no longer makes every
   short row gather and attend over its length. The query heads of a KV head
   are laid along the "query length" axis, so GQA needs no repeat of K/V.
@@ -17,19 +13,20 @@ Rows come in two kinds, each attended in the cheapest shape:
 
 Everything here is built once per batch (``AttentionMetadata``) and shared by
 all layers; the per-layer work is a write of the new K/V and the calls above.
+A layer's options (scale, sliding window, soft-capping) are applied by masks and,
+for soft-capping, by the explicit softmax SDPA cannot do.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from gpu_worker.backends.cpu.kernels import CpuKernels, DecodeRows
+from gpu_worker.forward_context import PLAIN, AttentionOptions
 
 # Padding a decode group by up to this many KV tokens is cheaper than one more attention call per layer.
 PAD_FLOOR_TOKENS = 1024
@@ -54,18 +51,7 @@ class DecodeGroup:
     kv_locs: torch.Tensor  # [B * L] KV slots, row-major, padded with a valid slot of the same row
     max_len: int  # L
     mask: torch.Tensor | None  # [B, 1, 1, L] bool, True = attend; None: every row has L tokens
-
-
-@dataclass(frozen=True)
-class PagedDecodeRows:
-    """Every decode row of the batch, for the C kernel: it reads their KV through the page table."""
-
-    kernels: CpuKernels
-    tokens: torch.Tensor  # [B] flat indices of their tokens (query and output rows)
-    slots: torch.Tensor  # [B] request slots
-    kv_lens: torch.Tensor  # [B] KV tokens each row attends, its new one included
-    page_table: torch.Tensor
-    rows: DecodeRows  # the above as the kernel reads them, checked once for all layers
+    kv_lens: torch.Tensor  # [B] KV tokens of each row, its new one included
 
 
 @dataclass(frozen=True)
@@ -75,41 +61,44 @@ class AttentionMetadata:
     out_locs: torch.Tensor  # [T] KV slot of every new token
     decode: tuple[DecodeGroup, ...]
     extends: tuple[ExtendRow, ...]
-    in_order: bool  # every row decodes (tokens are arange(T)), in one group or in paged_decode
-    paged_decode: PagedDecodeRows | None = None  # the decode rows when the C kernel attends them
+    in_order: bool  # every row decodes (tokens are arange(T)), in one group
 
 
-@dataclass(frozen=True)
-class ForwardContext:
-    """What a model's forward needs besides the token ids."""
-
-    positions: torch.Tensor  # [T] position of every token
-    attn: AttentionMetadata
-    k_cache: list[torch.Tensor]  # per layer [num_slots, kv_heads, head_dim]
-    v_cache: list[torch.Tensor]
-
-
-def paged_attention(
-    layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+def attend(
+    meta: AttentionMetadata,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    options: AttentionOptions = PLAIN,
+    write_kv: bool = True,
 ) -> torch.Tensor:
-    """Write this layer's new K/V into the pool, then attend. q: [T, Hq, D], k/v: [T, Hkv, D]."""
-    meta = ctx.attn
-    k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
-    paged = meta.paged_decode
-    if meta.in_order and paged is not None:  # all decode rows: the kernel writes their K/V itself
-        out = torch.empty_like(q)
-        paged.kernels.attend(q, k_cache, v_cache, out, paged.rows, new_kv=(k, v))
-        return out
-    # index_copy_/index_select, not advanced indexing: several times faster on CPU.
-    k_cache.index_copy_(0, meta.out_locs, k)
-    v_cache.index_copy_(0, meta.out_locs, v)
-    if meta.in_order and paged is None:
-        return _decode_attention(q, k_cache, v_cache, meta.decode[0])
+    """Write the batch's new K/V (unless the caller did), then attend every row of ``meta``.
+    q: [T, Hq, D], k/v: [T, Hkv, D]; rows ``meta`` does not list are left as they are in ``out``."""
+    if write_kv:  # index_copy_/index_select, not advanced indexing: several times faster on CPU
+        k_cache.index_copy_(0, meta.out_locs, k)
+        v_cache.index_copy_(0, meta.out_locs, v)
+    if meta.in_order and options == PLAIN:
+        return _decode_attention(q, k_cache, v_cache, meta.decode[0], options)
     out = torch.empty_like(q)
-    if paged is not None:
-        paged.kernels.attend(q, k_cache, v_cache, out, paged.rows)
+    attend_into(out, meta, q, k, v, k_cache, v_cache, options)
+    return out
+
+
+def attend_into(
+    out: torch.Tensor,
+    meta: AttentionMetadata,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    options: AttentionOptions,
+) -> None:
+    """``out``'s rows of ``meta``'s decode groups and extend rows, attended (K/V already written)."""
     for group in meta.decode:
-        part = _decode_attention(q.index_select(0, group.tokens), k_cache, v_cache, group)
+        part = _decode_attention(q.index_select(0, group.tokens), k_cache, v_cache, group, options)
         out.index_copy_(0, group.tokens, part)
     for row in meta.extends:
         rows = slice(row.start, row.start + row.length)
@@ -117,12 +106,15 @@ def paged_attention(
             row_k, row_v = k[rows], v[rows]
         else:
             row_k, row_v = k_cache.index_select(0, row.kv_locs), v_cache.index_select(0, row.kv_locs)
-        out[rows] = _extend_attention(q[rows], row_k, row_v, row.mask)
-    return out
+        out[rows] = _extend_attention(q[rows], row_k, row_v, row, options)
 
 
 def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: DecodeGroup,
+    options: AttentionOptions,
 ) -> torch.Tensor:
     rows, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -131,94 +123,95 @@ def _decode_attention(
     k = k_cache.index_select(0, group.kv_locs).view(shape).transpose(1, 2)
     v = v_cache.index_select(0, group.kv_locs).view(shape).transpose(1, 2)
     q = q.view(rows, kv_heads, q_heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask)
+    mask = group.mask
+    if options.sliding_window > 0:  # the query is at position kv_len - 1
+        grid = torch.arange(group.max_len, device=q.device)[None, :]
+        seen = grid > group.kv_lens[:, None] - 1 - options.sliding_window
+        mask = seen[:, None, None, :] if mask is None else mask & seen[:, None, None, :]
+    out = _sdpa(q, k, v, mask, False, options)
     return out.reshape(rows, q_heads, head_dim)
 
 
 def _extend_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: ExtendRow, options: AttentionOptions
 ) -> torch.Tensor:
+    mask = row.mask
+    if options.sliding_window > 0 or (options.logit_softcap > 0 and mask is None):
+        kv_pos = torch.arange(row.prefix_len + row.length, device=q.device)
+        q_pos = kv_pos[row.prefix_len :]
+        mask = kv_pos[None, :] <= q_pos[:, None]
+        if options.sliding_window > 0:
+            mask &= kv_pos[None, :] > q_pos[:, None] - options.sliding_window
     gqa = q.shape[1] != k.shape[1]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
-        attn_mask=mask,
-        is_causal=mask is None,
-        enable_gqa=gqa,
-    )
+    out = _sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, mask is None, options, gqa)
     return out.transpose(0, 1)
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    options: AttentionOptions,
+    gqa: bool = False,
+) -> torch.Tensor:
+    """softmax(scale q k^T (soft-capped), masked) v over the last two dims; SDPA where no soft cap.
+    ``gqa``: q has a multiple of k's heads (dim -3), each K/V head serving a run of them."""
+    if options.logit_softcap <= 0:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=options.scale, enable_gqa=gqa
+        )
+    assert mask is not None, "soft-capping takes an explicit mask"
+    if gqa:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scale = options.scale if options.scale is not None else 1 / math.sqrt(q.shape[-1])
+    cap = options.logit_softcap
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
 
 
 def build_metadata(
     page_table: torch.Tensor,
     page_size: int,
-    slots: list[int],
+    req_pool_idx: list[int],
     prefix_lens: list[int],
     extend_lens: list[int],
     device: torch.device,
-    kernels: CpuKernels | None = None,
+    decode_groups: bool = True,
 ) -> tuple[torch.Tensor, AttentionMetadata]:
     """Positions [T] and the attention metadata of one batch, from its O(rows) lists.
 
-    ``kernels``: attend the decode rows with the C kernel (the caller checked it takes
-    this model's dtype and head shapes); None: with torch, in length groups.
+    ``decode_groups=False``: the decode rows are left out (a backend attends them its own way).
     """
     starts = list(accumulate(extend_lens[:-1], initial=0))
     total = starts[-1] + extend_lens[-1]
     lens = torch.tensor(extend_lens, device=device)
-    row_of_token = torch.repeat_interleave(torch.arange(len(slots), device=device), lens, output_size=total)
+    row_of_token = torch.repeat_interleave(
+        torch.arange(len(req_pool_idx), device=device), lens, output_size=total
+    )
     row_start = torch.tensor(starts, device=device)[row_of_token]
     prefix = torch.tensor(prefix_lens, device=device)
     positions = prefix[row_of_token] + torch.arange(total, device=device) - row_start
-    slot_t = torch.tensor(slots, device=device)
-    out_locs = kv_locations(page_table, page_size, slot_t[row_of_token], positions)
+    rows_t = torch.tensor(req_pool_idx, device=device)
+    out_locs = kv_locations(page_table, page_size, rows_t[row_of_token], positions)
 
     extends = tuple(
-        _extend_row(page_table, page_size, slots[i], starts[i], prefix_lens[i], n, device)
+        _extend_row(page_table, page_size, req_pool_idx[i], starts[i], prefix_lens[i], n, device)
         for i, n in enumerate(extend_lens)
         if n > 1
     )
     kv_lens = {i: prefix_lens[i] + 1 for i, n in enumerate(extend_lens) if n == 1}
-    all_decode = len(kv_lens) == len(slots)  # then the tokens are arange(T)
-    if kernels is not None:
-        paged = _paged_decode_rows(kernels, page_table, page_size, slots, starts, kv_lens, device)
-        return positions, AttentionMetadata(
-            out_locs=out_locs, decode=(), extends=extends, in_order=all_decode, paged_decode=paged
-        )
+    all_decode = len(kv_lens) == len(req_pool_idx)  # then the tokens are arange(T)
     decode = tuple(
-        _decode_group(page_table, page_size, [(slots[i], starts[i], kv_lens[i]) for i in rows], device)
-        for rows in length_groups(kv_lens)
+        _decode_group(page_table, page_size, [(req_pool_idx[i], starts[i], kv_lens[i]) for i in rows], device)
+        for rows in (length_groups(kv_lens) if decode_groups else [])
     )
     in_order = len(decode) == 1 and all_decode
     meta = AttentionMetadata(out_locs=out_locs, decode=decode, extends=extends, in_order=in_order)
     return positions, meta
-
-
-def _paged_decode_rows(
-    kernels: CpuKernels,
-    page_table: torch.Tensor,
-    page_size: int,
-    slots: list[int],
-    starts: list[int],
-    kv_lens: dict[int, int],
-    device: torch.device,
-) -> PagedDecodeRows | None:
-    """kv_lens: decode row -> its KV length; None when the batch has no decode row."""
-    if not kv_lens:
-        return None
-    rows = list(kv_lens)
-    tokens = torch.tensor([starts[i] for i in rows], dtype=torch.int64, device=device)
-    slot_t = torch.tensor([slots[i] for i in rows], dtype=torch.int64, device=device)
-    lens = torch.tensor(list(kv_lens.values()), dtype=torch.int64, device=device)
-    return PagedDecodeRows(
-        kernels=kernels,
-        tokens=tokens,
-        slots=slot_t,
-        kv_lens=lens,
-        page_table=page_table,
-        rows=kernels.decode_rows(tokens, slot_t, lens, page_table, page_size),
-    )
 
 
 def length_groups(kv_lens: dict[int, int]) -> list[list[int]]:
@@ -245,16 +238,16 @@ def length_groups(kv_lens: dict[int, int]) -> list[list[int]]:
 
 
 def kv_locations(
-    page_table: torch.Tensor, page_size: int, slots: torch.Tensor, positions: torch.Tensor
+    page_table: torch.Tensor, page_size: int, req_pool_idx: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
-    """KV slot of each (request slot, position): page_table[s, p // ps] * ps + p % ps."""
-    return page_table[slots, positions // page_size] * page_size + positions % page_size
+    """KV location of each (page-table row, position): page_table[r, p // ps] * ps + p % ps."""
+    return page_table[req_pool_idx, positions // page_size] * page_size + positions % page_size
 
 
 def _decode_group(
     page_table: torch.Tensor, page_size: int, rows: list[tuple[int, int, int]], device: torch.device
 ) -> DecodeGroup:
-    """rows: (request slot, flat token index, KV length)."""
+    """rows: (page-table row, flat token index, KV length)."""
     lens = [n for _, _, n in rows]
     kv_lens = torch.tensor(lens, device=device)
     max_len = max(lens)
@@ -265,7 +258,7 @@ def _decode_group(
     locs = kv_locations(page_table, page_size, row_slots, positions).view(-1)
     tokens = torch.tensor([token for _, token, _ in rows], device=device)
     mask = None if min(lens) == max_len else (grid < kv_lens[:, None])[:, None, None, :]
-    return DecodeGroup(tokens=tokens, kv_locs=locs, max_len=max_len, mask=mask)
+    return DecodeGroup(tokens=tokens, kv_locs=locs, max_len=max_len, mask=mask, kv_lens=kv_lens)
 
 
 def _extend_row(

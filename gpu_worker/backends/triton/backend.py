@@ -1,0 +1,117 @@
+"""The Triton backend: paged attention and the K/V write as Triton kernels, everything else torch.
+
+The default on CUDA. ``--attention-backend triton`` selects it on the CPU too, where its kernels
+run under Triton's interpreter (slowly, element for element as written): that is how every
+machine without a GPU tests them end to end.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gpu_worker.backends import ALL_REDUCE
+from gpu_worker.backends.memory import kv_pool_tokens
+from gpu_worker.backends.torch_ref.attention import kv_locations
+from gpu_worker.backends.torch_ref.backend import gloo_all_reduce
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from gpu_worker.backends.triton.kernels import AttentionRows
+    from gpu_worker.config import WorkerConfig
+    from gpu_worker.forward_context import AttentionOptions, ForwardContext
+    from gpu_worker.kv_cache import KVPool
+
+
+@dataclass(frozen=True)
+class TritonMetadata:
+    """Where the batch's new K/V go, and its rows as the attention kernel reads them."""
+
+    out_locs: torch.Tensor  # int64 [T] pool rows of the new tokens
+    rows: AttentionRows
+    page_table: torch.Tensor
+    page_size: int
+
+
+class TritonBackend:
+    """Paged attention of decode, extend and mixed rows in one or two launches per layer."""
+
+    name = "triton"
+
+    def __init__(self, device: torch.device) -> None:
+        # Imported here: the kernel modules turn the interpreter on where no CUDA device is present.
+        from gpu_worker.backends.triton import kernels
+
+        self._kernels = kernels
+        self.device = device
+        self.host_memory = device.type == "cpu"
+
+    def auto_dtype(self, gguf_blocks: bool) -> str:
+        return "float32" if self.host_memory else "bfloat16"
+
+    def quantized_types(self) -> frozenset[int]:
+        return frozenset()
+
+    def kv_pool_tokens(self, configured: int, mem_fraction: float, bytes_per_token: int) -> int:
+        return kv_pool_tokens(configured, mem_fraction, bytes_per_token, self.device)
+
+    def prepare_model(self, model: nn.Module, dtype: torch.dtype) -> None:
+        return None
+
+    def init_forward_metadata(
+        self, kv: KVPool, req_pool_idx: list[int], prefix_lens: list[int], extend_lens: list[int]
+    ) -> tuple[torch.Tensor, Any]:
+        rows = self._kernels.attention_rows(req_pool_idx, prefix_lens, extend_lens, self.device)
+        # One token per position: the row of token t is the last row starting at or before t.
+        lens = torch.tensor(extend_lens, device=self.device)
+        row_of_token = torch.repeat_interleave(
+            torch.arange(len(extend_lens), device=self.device), lens, output_size=rows.num_tokens
+        )
+        starts = rows.q_starts[:-1].to(torch.int64)
+        positions = (
+            rows.prefix_lens.to(torch.int64)[row_of_token]
+            + torch.arange(rows.num_tokens, device=self.device)
+            - starts[row_of_token]
+        )
+        pool_rows = rows.req_pool_idx.to(torch.int64)[row_of_token]
+        out_locs = kv_locations(kv.page_table, kv.page_size, pool_rows, positions)
+        return positions, TritonMetadata(out_locs, rows, kv.page_table, kv.page_size)
+
+    def attention(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: ForwardContext,
+        options: AttentionOptions,
+    ) -> torch.Tensor:
+        meta: TritonMetadata = ctx.attn
+        k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
+        self._kernels.write_kv(k_cache, v_cache, k, v, meta.out_locs)
+        out = torch.empty_like(q)
+        scale = options.scale if options.scale is not None else 1 / math.sqrt(q.shape[-1])
+        self._kernels.paged_attention(
+            q, k_cache, v_cache, out, meta.page_table, meta.page_size, meta.rows, scale,
+            options.sliding_window, options.logit_softcap,
+        )  # fmt: skip
+        return out
+
+    def forward_decode(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
+        return None
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.max(dim=-1).indices
+
+    def all_reduce(self, config: WorkerConfig) -> ALL_REDUCE:
+        return gloo_all_reduce
+
+    def before_batch(self, rows: int, tokens: int) -> None:
+        return None
+
+    def after_batch(self, seconds: float) -> None:
+        return None

@@ -1,0 +1,57 @@
+"""What a model's forward needs besides its token ids, and the one attention call model files make.
+
+A model file says ``paged_attention(layer, q, k, v, ctx)``; which kernel attends (torch, the CPU's
+C kernel, Triton) is the business of the backend the runner put in ``ctx``
+(gpu_worker/backends/).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+class PagedAttention(Protocol):
+    """A backend's attention over the paged KV pool (gpu_worker/backends/)."""
+
+    def attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
+        options: AttentionOptions,
+    ) -> torch.Tensor: ...  # fmt: skip
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """One layer's attention beyond plain causal softmax(q k^T / sqrt(D)) v."""
+
+    scale: float | None = None  # None: 1 / sqrt(head_dim)
+    sliding_window: int = 0  # > 0: a query at position p sees only positions > p - sliding_window
+    logit_softcap: float = 0.0  # > 0: scores = softcap * tanh(scores / softcap)
+
+
+PLAIN = AttentionOptions()
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """One batch's positions and attention metadata, the KV pool, and the backend that attends."""
+
+    positions: torch.Tensor  # [T] position of every token
+    attn: Any  # the backend's per-batch metadata, built once and read by every layer
+    k_cache: list[torch.Tensor]  # per layer [num_pages * page_size, kv_heads, head_dim]
+    v_cache: list[torch.Tensor]
+    backend: PagedAttention
+
+
+def paged_attention(
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx: ForwardContext,
+    options: AttentionOptions = PLAIN,
+) -> torch.Tensor:
+    """Write layer ``layer``'s new K/V into the pool, then attend. q: [T, Hq, D], k/v: [T, Hkv, D]."""
+    return ctx.backend.attention(layer, q, k, v, ctx, options)
