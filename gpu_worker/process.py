@@ -47,8 +47,8 @@ def run_worker(config: WorkerConfig, endpoints: Endpoints) -> None:
         received = time.monotonic()
         try:
             batch = codec.decode(frame.buffer)
-        except msgspec.DecodeError as exc:
-            logger.error("dropped a malformed frame (%d bytes): %s", len(frame.buffer), exc)
+        except Exception as exc:  # any fault of one frame (Codec raises msgspec's errors) drops it alone
+            logger.error("dropped a malformed frame (%d bytes): %r", len(frame.buffer), exc)
             continue
         result = _execute(runner, batch)
         now = time.monotonic()
