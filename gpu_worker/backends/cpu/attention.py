@@ -11,7 +11,8 @@ from itertools import accumulate
 
 import torch
 
-from gpu_worker.backends.cpu.kernels import CpuKernels, DecodeRows
+from gpu_worker.backends.cpu.decode_rows import DecodeRows
+from gpu_worker.backends.cpu.kernels import CpuKernels
 from gpu_worker.backends.torch_ref import attention as torch_attention
 from gpu_worker.forward_context import PLAIN, AttentionOptions
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from gpu_worker.backends import ALL_REDUCE
+from gpu_worker.backends.base import ALL_REDUCE
 from gpu_worker.backends.cpu import attention as cpu_attention
 from gpu_worker.backends.cpu import kernels as cpu_kernels
 from gpu_worker.backends.cpu.decode_layers import FusedDecode, fused_decode

@@ -24,30 +24,17 @@ import functools
 import logging
 import subprocess
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
 from gpu_worker.backends.cpu.build import BUILDS, DTYPE_CODES, ISA_PORTABLE, build
+from gpu_worker.backends.cpu.decode_rows import DecodeRows
 from gpu_worker.backends.cpu.kind import CpuKind, is_x86
 from gpu_worker.backends.cpu.quant_kernels import QuantKernels
 
 logger = logging.getLogger(__name__)
 
 MAX_HEADS, MAX_HEAD_DIM = 64, 256  # csrc's limits; larger shapes use torch
-
-
-class DecodeRows(NamedTuple):
-    """Decode rows as the attention kernel reads them: pointers to int64 tensors, and sizes."""
-
-    q_rows: int
-    slots: int
-    kv_lens: int
-    page_table: int
-    pt_stride: int
-    rows: int
-    page_size: int
-    tensors: tuple[torch.Tensor, ...]  # what the pointers point into, kept alive with them
 
 
 class CpuKernels(QuantKernels):

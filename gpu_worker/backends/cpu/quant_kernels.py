@@ -19,7 +19,7 @@ from gpu_worker.backends.cpu.build import DTYPE_CODES
 from gpu_worker.backends.cpu.layouts import X8
 
 if TYPE_CHECKING:
-    from gpu_worker.backends.cpu.kernels import DecodeRows
+    from gpu_worker.backends.cpu.decode_rows import DecodeRows
 
 
 class QuantKernels:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gpu_worker.backends import ALL_REDUCE
+from gpu_worker.backends.base import ALL_REDUCE
 from gpu_worker.backends.memory import kv_pool_tokens
 from gpu_worker.backends.torch_ref import attention
 

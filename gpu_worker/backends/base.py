@@ -1,0 +1,80 @@
+"""The interface every device backend implements (gpu_worker/backends/__init__.py picks one)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from gpu_worker.config import WorkerConfig
+    from gpu_worker.forward_context import AttentionOptions, ForwardContext
+    from gpu_worker.kv_cache import KVPool
+
+ALL_REDUCE = Callable[[torch.Tensor], None]
+
+
+class Backend(Protocol):
+    """What the runner asks of a device backend."""
+
+    name: str
+    device: torch.device
+    host_memory: bool  # tensors live in host memory (the grammar mask is applied in place there)
+
+    def auto_dtype(self, gguf_blocks: bool) -> str:
+        """``--dtype auto``: the activations' dtype (``gguf_blocks``: weights kept in GGUF blocks)."""
+        ...
+
+    def quantized_types(self) -> frozenset[int]:
+        """The ggml block types this backend computes on (the loader keeps those in their blocks)."""
+        ...
+
+    def kv_pool_tokens(self, configured: int, mem_fraction: float, bytes_per_token: int) -> int:
+        """The KV pool's size in tokens: ``configured`` if > 0, else a share of free memory."""
+        ...
+
+    def prepare_model(self, model: nn.Module, dtype: torch.dtype) -> None:
+        """Ready a loaded model: weight layouts, per-Linear kernels, fused ops. The one owner of
+        what a built model's modules compute with; nothing else mutates it after this."""
+        ...
+
+    def init_forward_metadata(
+        self, kv: KVPool, req_pool_idx: list[int], prefix_lens: list[int], extend_lens: list[int]
+    ) -> tuple[torch.Tensor, Any]:
+        """Positions [T] and the batch's attention metadata, built once for every layer."""
+        ...
+
+    def attention(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: ForwardContext,
+        options: AttentionOptions,
+    ) -> torch.Tensor:
+        """Write the batch's new K/V of ``layer`` into the pool, then attend every row over its pages."""
+        ...
+
+    def forward_decode(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
+        """The whole model in one call for an all-decode step, where the backend has one (else None)."""
+        ...
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """The first maximal index of each row."""
+        ...
+
+    def all_reduce(self, config: WorkerConfig) -> ALL_REDUCE:
+        """The tensor-parallel sum over ranks (in place)."""
+        ...
+
+    def before_batch(self, rows: int, tokens: int) -> None:
+        """Per-batch host settings (the CPU's thread count for this batch shape)."""
+        ...
+
+    def after_batch(self, seconds: float) -> None:
+        """How long the batch took (the CPU's thread tuner learns from it)."""
+        ...
