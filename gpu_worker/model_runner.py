@@ -22,6 +22,7 @@ from gpu_worker.forks import check_forks, copy_pages, with_forks
 from gpu_worker.forward_context import ForwardContext
 from gpu_worker.kv_cache import KVPool
 from gpu_worker.models import CausalLM
+from gpu_worker.sampling import SlotState
 from gpu_worker.sampling.grammar import SlotGrammars
 from gpu_worker.sampling.logprobs import (
     SlotTopLogprobs,
@@ -62,6 +63,11 @@ class ModelRunner:
         self.grammars = SlotGrammars(
             config.max_running_requests, self.vocab_size, config.model_path, self.backend.host_memory
         )
+        # Every per-slot sampling state, told of each batch (its new requests' settings, its tokens,
+        # its forks) before the forward.
+        self.slot_states: tuple[SlotState, ...] = (
+            self.sampler_params, self.top_logprobs, self.penalties, self.grammars
+        )  # fmt: skip
         # The token each slot drew last: a row scheduled before that draw came back (overlap
         # scheduling) sends PENDING as its input and gets this one.
         self.last_tokens = torch.zeros(config.max_running_requests, dtype=torch.int64, device=self._device)
@@ -256,9 +262,6 @@ class ModelRunner:
         check_logprob_fields(batch, self.vocab_size)
         check_forks(batch, self.kv.page_table.shape[0], self.kv.num_pages)
         self.kv.apply_page_deltas(batch.slots, batch.page_starts, batch.page_counts, batch.pages)
-        for slots, samplers in ((batch.slots, batch.sampler), (batch.fork_slots, batch.fork_samplers)):
-            self.sampler_params.update(slots, samplers)
-            self.top_logprobs.update(slots, samplers)
         positions, meta = self.backend.init_forward_metadata(
             self.kv, batch.slots, batch.prefix_lens, batch.extend_lens
         )
@@ -266,12 +269,8 @@ class ModelRunner:
             positions=positions, attn=meta, k_cache=self.kv.k, v_cache=self.kv.v, backend=self.backend
         )
         input_ids = self._input_ids(batch)
-        self.penalties.update(batch, input_ids)
-        self.grammars.update(batch, input_ids)
-        if batch.fork_rows:  # n > 1: the forks' slots start from their parents' prompt state
-            fork_parents = [batch.slots[i] for i in batch.fork_rows]
-            self.penalties.fork(fork_parents, batch.fork_slots, batch.fork_samplers)
-            self.grammars.fork(batch.fork_slots, batch.fork_samplers)
+        for state in self.slot_states:
+            state.on_batch(batch, input_ids)
         hidden = self.backend.forward_decode(input_ids, ctx)
         hidden = self.model(input_ids, ctx) if hidden is None else hidden
         copy_pages(self.kv, batch.copy_src, batch.copy_dst)  # a fork's own copies of prompt pages

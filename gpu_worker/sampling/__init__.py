@@ -1,0 +1,23 @@
+"""What turns logits into tokens, per request slot: sampler settings, penalties, grammars, logprobs.
+
+Each keeps per-slot state that the runner updates from every batch through one protocol,
+``SlotState``, before the forward; the sampling step then reads them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from protocol.messages import ForwardBatch
+
+
+class SlotState(Protocol):
+    """Per-slot sampling state the runner keeps in step with the scheduler's batches."""
+
+    def on_batch(self, batch: ForwardBatch, input_ids: torch.Tensor) -> None:
+        """Take the batch's new requests' settings, its tokens (PENDING resolved in ``input_ids``)
+        and its forks (n > 1: a fork's slot starts from its parent's prompt state)."""
+        ...

@@ -135,6 +135,12 @@ class SlotGrammars:
         self.slots: list[_SlotMatcher | None] = [None] * max_requests
         self._batch_matcher: xgrammar.BatchGrammarMatcher | None = None  # fills rows' masks in threads
 
+    def on_batch(self, batch: ForwardBatch, input_ids: torch.Tensor) -> None:
+        """SlotState: the batch's tokens, then its forks."""
+        self.update(batch, input_ids)
+        if batch.fork_rows:
+            self.fork(batch.fork_slots, batch.fork_samplers)
+
     def update(self, batch: ForwardBatch, input_ids: torch.Tensor) -> None:
         """Take the batch's new samplers (a slot given to a request starts a fresh matcher that
         follows its cached prefix), then feed each grammar row's generated input tokens

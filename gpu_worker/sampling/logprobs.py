@@ -34,6 +34,11 @@ class SlotTopLogprobs:
     def __init__(self, max_requests: int) -> None:
         self.top_n = [0] * max_requests
 
+    def on_batch(self, batch: ForwardBatch, input_ids: torch.Tensor) -> None:
+        """SlotState: the settings of the batch's rows and forks."""
+        self.update(batch.slots, batch.sampler)
+        self.update(batch.fork_slots, batch.fork_samplers)
+
     def update(self, slots: list[int], params: Sequence[WorkerSampling | None]) -> None:
         for slot, p in zip(slots, params, strict=True):
             if p is not None:

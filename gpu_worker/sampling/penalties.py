@@ -128,6 +128,13 @@ class SlotPenalties:
             self._tables = _Tables(self._max_requests, self.vocab, self._device, self._dtype)
         return self._tables
 
+    def on_batch(self, batch: ForwardBatch, input_ids: torch.Tensor) -> None:
+        """SlotState: the batch's tokens, then its forks from their parents' prompt state."""
+        self.update(batch, input_ids)
+        if batch.fork_rows:
+            parents = [batch.slots[i] for i in batch.fork_rows]
+            self.fork(parents, batch.fork_slots, batch.fork_samplers)
+
     def update(self, batch: ForwardBatch, input_ids: torch.Tensor) -> None:
         """Take the batch's new samplers (a slot given to a request starts from zero and its
         cached prefix), then count its input tokens (PENDING already resolved in ``input_ids``)."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from protocol.messages import ForwardBatch
 from protocol.sampling import WorkerSampling
 
 _MASK32 = 0xFFFFFFFF
@@ -120,6 +121,11 @@ class SlotSamplerParams:
         self.logprobs = [False] * max_requests
         self.greedy = [True] * max_requests  # temperature 0, as a list: plain_greedy needs no tensor op
         self.assigned = [False] * max_requests
+
+    def on_batch(self, batch: ForwardBatch, input_ids: torch.Tensor) -> None:
+        """SlotState: the settings of the batch's rows and forks."""
+        self.update(batch.slots, batch.sampler)
+        self.update(batch.fork_slots, batch.fork_samplers)
 
     def update(self, slots: list[int], params: Sequence[WorkerSampling | None]) -> None:
         for slot, p in zip(slots, params, strict=True):
