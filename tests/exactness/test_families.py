@@ -67,3 +67,23 @@ def test_small_prefill_budget_spreads_prompts_over_rounds(family_model: tuple[Pa
     got, _ = inprocess.generate(runner, prompts, NEW_TOKENS, chunked_prefill_size=16, enable_mixed_chunk=True,
                                 max_prefill_tokens=20)  # fmt: skip
     assert got == expected
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_backends_agree_in_float64(family_model: tuple[Path, list, list], backend: str) -> None:
+    """The torch reference backend and the CPU backend (its torch paths in float64: the C kernels
+    take float32 and bf16) give HF's tokens over chunked prefill and mixed batches."""
+    path, prompts, expected = family_model
+    runner = ModelRunner(
+        WorkerConfig(
+            model_path=str(path),
+            dtype="float64",
+            attention_backend=backend,
+            page_size=16,
+            kv_cache_tokens=2048,
+            num_threads=1,
+        )
+    )
+    assert runner.backend.name == backend
+    got, _ = inprocess.generate(runner, prompts, NEW_TOKENS, chunked_prefill_size=5, enable_mixed_chunk=True)
+    assert got == expected

@@ -162,14 +162,15 @@ def _sdpa(
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, scale=options.scale, enable_gqa=gqa
         )
-    assert mask is not None, "soft-capping takes an explicit mask"
+    assert not is_causal, "soft-capping takes an explicit causal mask (None: every position is seen)"
     if gqa:
         group = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     scale = options.scale if options.scale is not None else 1 / math.sqrt(q.shape[-1])
     cap = options.logit_softcap
     scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / cap) * cap
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
 
 
