@@ -103,7 +103,7 @@ def attend(
 ) -> torch.Tensor:
     """Write the batch's new K/V and attend every row; q: [T, Hq, D], k/v: [T, Hkv, D]."""
     paged = meta.paged_decode
-    if options != PLAIN or paged is None:  # the kernel computes plain causal attention only
+    if paged is None or (options is not PLAIN and options != PLAIN):  # the kernel: plain attention only
         return torch_attention.attend(meta.torch_metadata(), q, k, v, k_cache, v_cache, options)
     out = torch.empty_like(q)
     if meta.all_decode:  # the kernel writes the rows' K/V itself

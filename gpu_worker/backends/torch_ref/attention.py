@@ -79,7 +79,7 @@ def attend(
     if write_kv:  # index_copy_/index_select, not advanced indexing: several times faster on CPU
         k_cache.index_copy_(0, meta.out_locs, k)
         v_cache.index_copy_(0, meta.out_locs, v)
-    if meta.in_order and options == PLAIN:
+    if meta.in_order and (options is PLAIN or options == PLAIN):
         return _decode_attention(q, k_cache, v_cache, meta.decode[0], options)
     out = torch.empty_like(q)
     attend_into(out, meta, q, k, v, k_cache, v_cache, options)
