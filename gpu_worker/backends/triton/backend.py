@@ -13,16 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gpu_worker.backends.base import ALL_REDUCE
-from gpu_worker.backends.memory import kv_pool_tokens
 from gpu_worker.backends.torch_ref.attention import kv_locations
-from gpu_worker.backends.torch_ref.backend import gloo_all_reduce
+from gpu_worker.backends.torch_ref.backend import TorchBackend
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from gpu_worker.backends.triton.kernels import AttentionRows
-    from gpu_worker.config import WorkerConfig
     from gpu_worker.forward_context import AttentionOptions, ForwardContext
     from gpu_worker.kv_cache import KVPool
 
@@ -37,8 +32,9 @@ class TritonMetadata:
     page_size: int
 
 
-class TritonBackend:
-    """Paged attention of decode, extend and mixed rows in one or two launches per layer."""
+class TritonBackend(TorchBackend):
+    """Paged attention of decode, extend and mixed rows in one or two launches per layer; the rest is
+    the torch backend's."""
 
     name = "triton"
 
@@ -46,27 +42,14 @@ class TritonBackend:
         # Imported here: the kernel modules turn the interpreter on where no CUDA device is present.
         from gpu_worker.backends.triton import kernels
 
+        super().__init__(device)
         self._kernels = kernels
-        self.device = device
-        self.host_memory = device.type == "cpu"
-
-    def auto_dtype(self, gguf_blocks: bool) -> str:
-        return "float32" if self.host_memory else "bfloat16"
-
-    def quantized_types(self) -> frozenset[int]:
-        return frozenset()
-
-    def kv_pool_tokens(self, configured: int, mem_fraction: float, bytes_per_token: int) -> int:
-        return kv_pool_tokens(configured, mem_fraction, bytes_per_token, self.device)
-
-    def prepare_model(self, model: nn.Module, dtype: torch.dtype) -> None:
-        return None
 
     def init_forward_metadata(
         self, kv: KVPool, req_pool_idx: list[int], prefix_lens: list[int], extend_lens: list[int]
     ) -> tuple[torch.Tensor, Any]:
         rows = self._kernels.attention_rows(req_pool_idx, prefix_lens, extend_lens, self.device)
-        # One token per position: the row of token t is the last row starting at or before t.
+        # Each token's row, then its position and the pool row its K/V go to.
         lens = torch.tensor(extend_lens, device=self.device)
         row_of_token = torch.repeat_interleave(
             torch.arange(len(extend_lens), device=self.device), lens, output_size=rows.num_tokens
@@ -100,18 +83,3 @@ class TritonBackend:
             options.sliding_window, options.logit_softcap,
         )  # fmt: skip
         return out
-
-    def forward_decode(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
-        return None
-
-    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits.max(dim=-1).indices
-
-    def all_reduce(self, config: WorkerConfig) -> ALL_REDUCE:
-        return gloo_all_reduce
-
-    def before_batch(self, rows: int, tokens: int) -> None:
-        return None
-
-    def after_batch(self, seconds: float) -> None:
-        return None
