@@ -76,6 +76,9 @@ class GenerateOptions(TypedDict, total=False):
     # Constrained output: Grammar(kind="json_schema", spec=json.dumps(schema)), "json_object",
     # "regex" (spec: the pattern) or "ebnf" (spec: the grammar, start rule ``root``).
     grammar: Grammar | None
+    # An embedding: the reply's ``embedding`` is the prompt pooled and normalized; nothing is
+    # generated (max_new_tokens defaults to 0 then).
+    embed: bool
 
 
 SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
@@ -84,6 +87,8 @@ SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
 def make_request(prompt: str | None, stream: bool, options: GenerateOptions) -> GenerateRequest:
     """A GenerateRequest with a fresh rid unless one is given. The engine validates the values."""
     sampling = {k: v for k, v in options.items() if k in SAMPLING_FIELDS and v is not None}
+    if options.get("embed"):
+        sampling.setdefault("max_new_tokens", 0)
     messages = options.get("messages")
     rid = options.get("rid")
     tools = options.get("tools")
@@ -102,6 +107,7 @@ def make_request(prompt: str | None, stream: bool, options: GenerateOptions) -> 
         tool_choice=msgspec.convert(options.get("tool_choice", "auto"), ToolChoice),
         chat_template_kwargs=options.get("chat_template_kwargs"),
         n=options.get("n", 1),
+        embed=options.get("embed", False),
     )
 
 

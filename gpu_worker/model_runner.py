@@ -22,6 +22,7 @@ from gpu_worker.forks import check_forks, copy_pages, with_forks
 from gpu_worker.forward_context import ForwardContext
 from gpu_worker.kv_cache import KVPool
 from gpu_worker.models import CausalLM
+from gpu_worker.pooling import final_norm, pooled_rows
 from gpu_worker.sampling import SlotState
 from gpu_worker.sampling.grammar import SlotGrammars
 from gpu_worker.sampling.logprobs import (
@@ -209,11 +210,12 @@ class ModelRunner:
         with torch.inference_mode():
             token_ids, logprobs, top = self._sample(hidden, batch)
             prompt, prompt_top = prompt_logprobs(hidden, batch, self.top_logprobs, self.model.compute_logits)
+            pooled = pooled_rows(hidden, batch, final_norm(self.model)) if batch.pool else []
         forward_s = time.perf_counter() - started
         self.backend.after_batch(forward_s)
         return ForwardResult(step=batch.step, token_ids=token_ids, logprobs=logprobs, forward_s=forward_s,
                              top_logprobs=top, prompt_logprobs=prompt,
-                             prompt_top_logprobs=prompt_top)  # fmt: skip
+                             prompt_top_logprobs=prompt_top, pooled=pooled)  # fmt: skip
 
     def _sample(
         self, hidden: torch.Tensor, batch: ForwardBatch

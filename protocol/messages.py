@@ -32,6 +32,7 @@ import msgspec
 
 from protocol.base import Msg
 from protocol.chat import ChatMessage, Tool, ToolCallDelta, ToolChoice
+from protocol.embedding import Pooling, PromptEmbedding
 from protocol.grammar import Grammar
 from protocol.logprobs import PromptLogprobs, TopLogprobs, TopTokens
 from protocol.sampling import WorkerSampling
@@ -116,6 +117,10 @@ class GenerateRequest(ClientMsg, tag="generate"):
     # n > 1: n choices drawn from one prefill of the prompt, choice i with seed + i (a seed is
     # drawn when none is given); every reply carries its choice's ``index``.
     n: int = 1
+    # An embedding request (``prompt`` or ``input_ids``, max_new_tokens 0): nothing is generated;
+    # the final reply's ``embedding`` is the prompt's final hidden states pooled as the model's
+    # config says (protocol/embedding.py) and L2-normalized.
+    embed: bool = False
 
 
 class AbortRequest(ClientMsg, tag="abort"):
@@ -168,6 +173,7 @@ class GenerateOutput(ClientMsg, tag="output"):
     reasoning_text: str = ""
     tool_calls: list[ToolCallDelta] | None = None
     index: int = 0  # the choice this reply belongs to (GenerateRequest.n)
+    embedding: list[float] | None = None  # an embed request's vector, in its final reply
 
 
 ClientReply = GenerateOutput
@@ -193,6 +199,9 @@ class TokenizedRequest(Msg):
     # n > 1: the choices are requests rid .. rid + n - 1, choice i sampling with seed + i; the
     # prompt is prefilled once (as rid) and the others fork from its last position.
     n: int = 1
+    # An embedding request (max_new_tokens 0): its prompt pooled so (protocol/embedding.py) comes
+    # back in TokenBatch.embeddings, before the row that ends it.
+    pooling: Pooling | None = None
 
 
 class FinishReq(Msg):
@@ -218,7 +227,8 @@ class TokenBatch(Msg):
     ends without a new token (aborted, or a prompt-only request done) appears with
     ``token_ids[i] == -1``. ``cached_tokens[i]`` counts the prompt tokens whose KV was reused.
     ``top_logprobs``: per row when some row asked for top-N (else empty).
-    ``prompt_logprobs``: the prompts completed this step; they precede their requests' rows.
+    ``prompt_logprobs``: the prompts completed this step; they precede their requests' rows;
+    so do ``embeddings``, the pooled prompts of embedding requests.
     """
 
     rids: list[int]
@@ -228,6 +238,7 @@ class TokenBatch(Msg):
     cached_tokens: list[int]
     top_logprobs: list[TopTokens] = []
     prompt_logprobs: list[PromptLogprobs] = []
+    embeddings: list[PromptEmbedding] = []
 
 
 class RequestError(Msg):

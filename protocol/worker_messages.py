@@ -8,6 +8,7 @@ messages.py for every channel; these are re-exported there)."""
 from __future__ import annotations
 
 from protocol.base import Msg
+from protocol.embedding import Pooling
 from protocol.logprobs import TopTokens
 from protocol.sampling import WorkerSampling
 
@@ -38,6 +39,9 @@ class ForwardBatch(Msg):
     Prompt logprobs (empty lists when no row wants them): row ``i`` wants the logprobs at its
     first ``prompt_logprob_lens[i]`` positions, of the tokens that follow them, given flat in
     ``prompt_logprob_targets``.
+
+    Pooling (empty when no row pools): ``pool[i]`` LAST asks for the final-norm hidden state of row
+    ``i``'s last position, MEAN for the sum of those of its positions, None for nothing.
     """
 
     step: int
@@ -65,6 +69,7 @@ class ForwardBatch(Msg):
     fork_samplers: list[WorkerSampling] = []
     copy_src: list[int] = []
     copy_dst: list[int] = []
+    pool: list[Pooling | None] = []
 
 
 ToWorker = ForwardBatch
@@ -93,6 +98,7 @@ class ForwardResult(Msg):
     top_logprobs: list[TopTokens] = []  # per sampled row
     prompt_logprobs: list[float] = []  # per position of ForwardBatch.prompt_logprob_lens
     prompt_top_logprobs: list[TopTokens] = []  # the same, when their requests asked for top-N
+    pooled: list[list[float]] = []  # per row with ForwardBatch.pool set, in row order
 
 
 FromWorker = ForwardResult

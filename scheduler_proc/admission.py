@@ -117,8 +117,8 @@ class Admission:
 
     def _shares_with_round(self, tree: RadixCache | None, req: Req) -> bool:
         """True when ``req``'s uncomputed prompt starts with tokens this round already computes
-        (never for one that needs prompt logprobs: it would not use the cached prefix)."""
-        if tree is None or req.needs_prompt_logprobs:
+        (never for one that needs every prompt position: it would not use the cached prefix)."""
+        if tree is None or req.needs_every_prompt_position:
             return False
         match = tree.match_prefix(req.fill_slice(0, req.seq_len - 1), req.cache_salt)
         return match.num_pages * self.config.page_size - req.kv_len >= self.share_tokens

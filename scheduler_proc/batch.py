@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from protocol.embedding import Pooling
 from protocol.logprobs import TopTokens
 from protocol.messages import ForwardBatch, ForwardResult
 from scheduler_proc.request import Req
@@ -25,6 +26,7 @@ class Row:
     launched: bool = False  # applied to its request (Flight.launch): its batch was sent
     prompt_logprob_len: int = field(init=False)  # leading positions whose prompt logprobs it asks for
     forks: list[Req] = field(default_factory=list)  # choices whose first token this row's logits draw
+    pool: Pooling | None = field(init=False)  # what it asks of its final hidden states (embeddings)
 
     def __post_init__(self) -> None:
         assert self.extend_len >= 1, f"rid {self.req.rid}: empty row"
@@ -32,6 +34,8 @@ class Row:
         self.start = self.req.kv_len
         state = self.req.prompt_logprobs
         self.prompt_logprob_len = state.row_len(self.start, self.extend_len) if state is not None else 0
+        embedding = self.req.embedding
+        self.pool = embedding.row_pool(self.start, self.extend_len) if embedding is not None else None
 
     def prompt_logprob_targets(self) -> list[int]:
         """The tokens that follow this row's prompt-logprob positions (prompt tokens, never PENDING)."""
@@ -95,6 +99,7 @@ def build_forward_batch(step: int, rows: list[Row], page_size: int) -> ForwardBa
         fork_samplers=[fork.sampler for _, fork in forks],
         copy_src=[src for src, _ in copies],
         copy_dst=[dst for _, dst in copies],
+        pool=[row.pool for row in rows] if any(row.pool is not None for row in rows) else [],
     )
 
 
@@ -127,6 +132,7 @@ class RowResult:
     prompt_logprobs: list[float] = field(default_factory=list)  # of its prompt_logprob_len positions
     prompt_top: list[TopTokens] = field(default_factory=list)  # their top-N, when its request asked
     forks: list[RowResult] = field(default_factory=list)  # the tokens drawn for its forks, in order
+    pooled: list[float] | None = None  # its pooled final hidden states, when it asked (Row.pool)
 
 
 def row_results(rows: list[Row], result: ForwardResult) -> list[RowResult] | str:
@@ -143,6 +149,9 @@ def row_results(rows: list[Row], result: ForwardResult) -> list[RowResult] | str
     prompt_top = result.prompt_top_logprobs
     if len(result.prompt_logprobs) != num_prompt or (prompt_top and len(prompt_top) != num_prompt):
         return f"worker returned {len(result.prompt_logprobs)} prompt logprobs for {num_prompt} positions"
+    num_pooled = sum(row.pool is not None for row in rows)
+    if len(result.pooled) != num_pooled:
+        return f"worker returned {len(result.pooled)} pooled vectors for {num_pooled} pooling rows"
     out: list[RowResult] = []
     k = p = 0
     for row in rows:
@@ -155,9 +164,12 @@ def row_results(rows: list[Row], result: ForwardResult) -> list[RowResult] | str
         out.append(_drawn(result, k, prompt))
         k += 1
     f = k  # the forks' draws follow the sampled rows', in row order
-    for row, row_result in zip(rows, out, strict=True):
+    pooled = iter(result.pooled)
+    for i, (row, row_result) in enumerate(zip(rows, out, strict=True)):
         row_result.forks.extend(_drawn(result, f + j, _NO_PROMPT_LOGPROBS) for j in range(len(row.forks)))
         f += len(row.forks)
+        if row.pool is not None:
+            out[i] = replace(row_result, pooled=next(pooled))
     return out
 
 

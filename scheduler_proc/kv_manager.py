@@ -41,7 +41,7 @@ class KVManager:
 
     def peek_prefix_len(self, req: Req) -> int:
         """Tokens of ``req`` a prefix hit would skip now (nothing is locked)."""
-        if self.cache is None or req.seq_len < 2 or req.needs_prompt_logprobs:
+        if self.cache is None or req.seq_len < 2 or req.needs_every_prompt_position:
             return 0
         return (
             self.cache.match_prefix(req.fill_slice(0, req.seq_len - 1), req.cache_salt).num_pages
@@ -53,12 +53,13 @@ class KVManager:
         how many evictable pages the lock took. ``detach_prefix`` undoes both.
 
         At least one token is left to compute: the last one's forward draws the next token.
-        A request that still needs its prompt logprobs gets no prefix: they are computed only by
+        A request that still needs its prompt logprobs (or a MEAN-pooled embedding, the same way)
+        gets no prefix: they are computed only by
         a forward over every prompt position (the simple choice, over recomputing what the cache
         skipped; its pages still enter the cache for others).
         """
         assert not req.page_table and req.kv_len == 0 and req.cache_node is None, f"rid {req.rid} holds KV"
-        if self.cache is None or req.seq_len < 2 or req.needs_prompt_logprobs:
+        if self.cache is None or req.seq_len < 2 or req.needs_every_prompt_position:
             return
         match = self.cache.match_prefix(req.fill_slice(0, req.seq_len - 1), req.cache_salt)
         req.page_table = list(match.pages)

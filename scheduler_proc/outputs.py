@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from protocol.embedding import PromptEmbedding
 from protocol.logprobs import PromptLogprobs, TopTokens
 from protocol.messages import FinishReason, RequestError, TokenBatch, ToTokenizer
 
@@ -29,6 +30,7 @@ class OutputCollector:
         self._cached: list[int] = []
         self._top: list[TopTokens | None] = []
         self._prompt_logprobs: list[PromptLogprobs] = []
+        self._embeddings: list[PromptEmbedding] = []
 
     def add_token(
         self,
@@ -59,12 +61,16 @@ class OutputCollector:
         if complete is not None:
             self._prompt_logprobs.append(complete)
 
+    def add_embedding(self, embedding: PromptEmbedding) -> None:
+        """An embedding request's pooled prompt; it leaves before the request's last row."""
+        self._embeddings.append(embedding)
+
     def add_error(self, rid: int, message: str) -> None:
         self._errors.append(RequestError(rid=rid, message=message))
 
     def take(self) -> list[ToTokenizer]:
         out: list[ToTokenizer] = []
-        if self._rids or self._prompt_logprobs:
+        if self._rids or self._prompt_logprobs or self._embeddings:
             wants_top = any(t is not None and t.token_ids for t in self._top)
             out.append(
                 TokenBatch(
@@ -75,6 +81,7 @@ class OutputCollector:
                     cached_tokens=self._cached,
                     top_logprobs=[t or NO_TOP for t in self._top] if wants_top else [],
                     prompt_logprobs=self._prompt_logprobs,
+                    embeddings=self._embeddings,
                 )
             )
             self._reset_rows()

@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from protocol.embedding import Pooling
 from protocol.messages import PENDING, FinishReason, TokenizedRequest
 from protocol.sampling import WorkerSampling
 from scheduler_proc.config import SchedulerConfig
+from scheduler_proc.embedding import EmbeddingState
 from scheduler_proc.page_allocator import pages_for
 from scheduler_proc.prompt_logprobs import PromptLogprobState
 
@@ -166,6 +168,7 @@ class Req:
     num_tree_pages: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the cache at the first admission
     prompt_logprobs: PromptLogprobState | None = None  # the client asked for them (echo)
+    embedding: EmbeddingState | None = None  # an embedding request's pooled prompt
     # n > 1 (see ReqStatus.FORKING): the choices forking from this request's prompt, and for a
     # FORKING choice its leader and the prompt tokens its own pages hold (the rest it shares).
     forks: list[Req] = field(default_factory=list)
@@ -192,6 +195,7 @@ class Req:
             sampler=msg.sampler,
             cache_salt=msg.cache_salt,
             prompt_logprobs=PromptLogprobState(len(msg.input_ids) - 1) if msg.prompt_logprobs else None,
+            embedding=EmbeddingState(msg.pooling, len(msg.input_ids)) if msg.pooling is not None else None,
         )
 
     def fork_pages(self, page_size: int, reserve: int) -> int:
@@ -209,8 +213,11 @@ class Req:
                 yield self.page_table[first + k], page
 
     @property
-    def needs_prompt_logprobs(self) -> bool:
-        """Prompt logprobs are still to compute: no prefix-cache hit may skip a prompt position."""
+    def needs_every_prompt_position(self) -> bool:
+        """Prompt logprobs, or a MEAN-pooled embedding, are still to compute: no prefix-cache hit
+        may skip a prompt position."""
+        if self.embedding is not None and self.embedding.pooling is Pooling.MEAN and not self.embedding.done:
+            return True
         return self.prompt_logprobs is not None and not self.prompt_logprobs.done
 
     @property

@@ -62,6 +62,11 @@ class ResultHandling:
             req.forks = []
         if req.prompt_logprobs is not None:
             self._outputs.add_prompt_logprobs(req.rid, req.prompt_logprobs, row.start, result)
+        if req.embedding is not None and result.pooled is not None:
+            req.embedding.add(row.start, row.extend_len, result.pooled)
+            complete = req.embedding.take(req.rid)
+            if complete is not None:
+                self._outputs.add_embedding(complete)
         if token is None:
             if req.max_new_tokens == 0 and req.computed_len == req.seq_len:  # prompt-only: done
                 self.running.remove(req)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tokenizer_proc.pooling import EmbeddingSpec, read_embedding_spec
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -21,6 +23,7 @@ class ModelInfo:
     context_len: int  # prompt + output tokens must stay below this
     vocab_size: int  # token ids live in [0, vocab_size)
     eos_token_ids: tuple[int, ...]  # any of these ends a request (unless ignore_eos)
+    embedding: EmbeddingSpec = EmbeddingSpec()  # how embed requests pool, and the vector's sizes
 
     def __post_init__(self) -> None:
         assert self.context_len > 1, f"context_len {self.context_len} leaves no room for output"
@@ -52,7 +55,10 @@ def read_model_info(model_path: str, tokenizer: PreTrainedTokenizerBase) -> Mode
         for token_id in _as_id_list(source):
             if token_id not in eos:
                 eos.append(token_id)
-    return ModelInfo(context_len=context_len, vocab_size=vocab_size, eos_token_ids=tuple(eos))
+    embedding = read_embedding_spec(Path(model_path), config)
+    return ModelInfo(
+        context_len=context_len, vocab_size=vocab_size, eos_token_ids=tuple(eos), embedding=embedding
+    )
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from tokenizer_proc.chat_output import ChatOutputParser, ChatPiece, merge_calls
 from tokenizer_proc.detokenizer import IncrementalDetokenizer, TokenDecoder
 from tokenizer_proc.echo import EchoPrompt, to_client
 from tokenizer_proc.metrics import ServingMetrics
+from tokenizer_proc.pooling import normalized
 from tokenizer_proc.stop import StopMatcher
 from tokenizer_proc.validation import RequestRejected, ValidRequest
 
@@ -80,6 +81,7 @@ class RequestState:
     chat: ChatOutputParser | None = None  # chat replies: reasoning and tool calls parsed out
     index: int = 0  # its choice (n > 1: the choices are rids rid - index .. rid - index + n - 1)
     num_choices: int = 1
+    embedding: list[float] | None = None  # an embedding request's vector, normalized, once it came
 
     @property
     def output_ids(self) -> list[int]:
@@ -139,6 +141,7 @@ class RequestState:
             usage=self.usage() if reason is not None else None,
             top_logprobs=[to_client(t) for t in self.top[first:]] if self.want_top else None,
             index=self.index,
+            embedding=self.embedding if reason is not None else None,
         )
         echo = self.echo
         if echo is None or echo.sent:
@@ -223,6 +226,7 @@ class RequestTable:
             cache_salt=valid.cache_salt,
             prompt_logprobs=valid.prompt_logprobs,
             n=valid.n,
+            pooling=valid.pooling,
         )
 
     def abort(self, client_id: bytes, client_rid: str) -> Outbox:
@@ -268,6 +272,9 @@ class RequestTable:
                 state = self._states.get(rid)
                 if state is not None and state.echo is not None:
                     state.echo.take(lp)
+        for pooled in batch.embeddings:  # before the rows: the row that ends the request follows
+            if (state := self._states.get(pooled.rid)) is not None:
+                state.embedding = normalized(pooled.values)
         for i, rid in enumerate(batch.rids):
             state = self._states.get(rid)
             if state is None:

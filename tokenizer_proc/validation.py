@@ -11,6 +11,7 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from protocol.embedding import Pooling
 from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.messages import GenerateRequest, SamplingParams
 from protocol.sampling import WorkerGrammar, WorkerSampling
@@ -48,9 +49,10 @@ class ValidRequest:
     echo_text: str | None = None  # echo: the prompt as the reply gives it back (None: no echo)
     chat_output: ChatOutputPlan | None = None  # chat: how the reply is parsed (tools, reasoning)
     n: int = 1  # choices, forking from one prefill (choice i samples with seed + i)
+    pooling: Pooling | None = None  # an embedding request: its prompt pooled so, nothing generated
 
     def __post_init__(self) -> None:
-        min_new = 0 if self.echo_text is not None else 1
+        min_new = 0 if self.echo_text is not None or self.pooling is not None else 1
         assert self.input_ids and self.max_new_tokens >= min_new, "validation let through an empty request"
 
     @property
@@ -76,6 +78,7 @@ def validate_generate(
     req = _with_checked_sampling(req, info)
     params = req.sampling
     _check_logprob_options(req)
+    _check_embed(req, info)
     _check_choices(req)
     input_ids, chat_output = _prompt_ids(req, tokenizer, info, traits)
     if len(input_ids) >= info.context_len:
@@ -114,6 +117,7 @@ def validate_generate(
         echo_text=_echo_text(req, input_ids, tokenizer),
         chat_output=chat_output,
         n=req.n,
+        pooling=info.embedding.pooling if req.embed else None,
     )
 
 
@@ -123,7 +127,7 @@ def _with_checked_sampling(req: GenerateRequest, info: ModelInfo) -> GenerateReq
     _check_chat_only(req)
     req = with_tool_grammar(req)
     try:
-        _check_sampling(req.sampling, info, echo=req.echo)
+        _check_sampling(req.sampling, info, echo=req.echo or req.embed)  # both may generate nothing
     except RequestRejected as exc:
         forced = tool_grammar(req)
         if exc.param == "sampling.grammar" and forced is not None and req.sampling.grammar == forced:
@@ -146,6 +150,28 @@ def _check_choices(req: GenerateRequest) -> None:
         raise RequestRejected(
             "sampling.max_new_tokens", f"must be >= 1 with n > 1, got {req.sampling.max_new_tokens}"
         )
+
+
+def _check_embed(req: GenerateRequest, info: ModelInfo) -> None:
+    """An embedding request pools a prompt (protocol/embedding.py) and generates nothing."""
+    if not req.embed:
+        return
+    if info.embedding.pooling is None:
+        raise RequestRejected("embed", f"is not available: {info.embedding.unsupported}")
+    if req.sampling.max_new_tokens != 0:
+        raise RequestRejected(
+            "sampling.max_new_tokens", f"must be 0 with embed, got {req.sampling.max_new_tokens}"
+        )
+    others = {
+        "messages": req.messages is not None,
+        "echo": req.echo,
+        "logprobs": req.logprobs,
+        "n": req.n != 1,
+        "sampling.grammar": req.sampling.grammar is not None,
+    }
+    for name, given in others.items():
+        if given:
+            raise RequestRejected(name, "cannot be combined with embed")
 
 
 def _check_logprob_options(req: GenerateRequest) -> None:

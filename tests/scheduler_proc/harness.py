@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from protocol.embedding import Pooling
 from protocol.messages import (
     PENDING,
     FinishReason,
@@ -55,6 +56,7 @@ def tokenized(
     salt: str | None = None,
     prompt_logprobs: bool = False,
     n: int = 1,
+    pooling: Pooling | None = None,
 ) -> TokenizedRequest:
     return TokenizedRequest(
         rid=rid,
@@ -65,6 +67,7 @@ def tokenized(
         cache_salt=salt,
         prompt_logprobs=prompt_logprobs,
         n=n,
+        pooling=pooling,
     )
 
 
@@ -195,6 +198,7 @@ class FakeWorker:
             page_off += batch.page_counts[i]
         tokens: list[int] = []
         prompt_logprobs: list[float] = []
+        pooled: list[list[float]] = []
         targets = iter(batch.prompt_logprob_targets)
         tok_off = 0
         for i, slot in enumerate(batch.slots):
@@ -217,6 +221,9 @@ class FakeWorker:
                 prompt_logprobs.append(-float(target))  # the test reads the target back from it
             tok_off += ext
             self.extend_tokens += ext
+            if batch.pool and batch.pool[i] is not None:  # a position's "hidden state" is [token, 1]
+                last = batch.pool[i] is Pooling.LAST
+                pooled.append([float(row_ids[-1]), 1.0] if last else [float(sum(row_ids)), float(ext)])
             if batch.sample[i]:
                 tokens.append(token_of(h))
                 self.hashes.append(h)
@@ -233,6 +240,7 @@ class FakeWorker:
             logprobs=[-0.5] * len(tokens),
             forward_s=0.001,
             prompt_logprobs=prompt_logprobs,
+            pooled=pooled,
         )
 
     def _copy_pages(self, batch: ForwardBatch) -> None:
@@ -279,6 +287,7 @@ class Driver:
         self.batches: list[ForwardBatch] = []
         self.cached: dict[int, int] = {}  # rid -> cached_tokens its rows reported
         self.prompt_logprobs: dict[int, list[float]] = {}
+        self.embeddings: dict[int, list[float]] = {}
         self.pending: deque[tuple[ForwardBatch, ForwardResult]] = deque()  # sent, result not applied
 
     def submit(
@@ -290,8 +299,9 @@ class Driver:
         salt: str | None = None,
         prompt_logprobs: bool = False,
         n: int = 1,
+        pooling: Pooling | None = None,
     ) -> RequestError | None:
-        error = self.sched.add(tokenized(rid, prompt, max_new, stop, salt, prompt_logprobs, n))
+        error = self.sched.add(tokenized(rid, prompt, max_new, stop, salt, prompt_logprobs, n, pooling))
         if error is None:
             for choice in range(n):
                 self.tokens[rid + choice] = []
@@ -332,6 +342,11 @@ class Driver:
                 assert lp.rid not in self.prompt_logprobs, f"rid {lp.rid}: prompt logprobs twice"
                 assert lp.rid not in self.finished, f"rid {lp.rid}: prompt logprobs after its end"
                 self.prompt_logprobs[lp.rid] = lp.logprobs
+            for e in out.embeddings:
+                assert e.rid not in self.embeddings and e.rid not in self.finished, (
+                    f"rid {e.rid}: late or twice"
+                )
+                self.embeddings[e.rid] = e.values
             rows = zip(out.rids, out.token_ids, out.finished, out.cached_tokens, strict=True)
             for rid, tok, reason, cached in rows:
                 assert rid not in self.finished and rid not in self.errors, f"row for rid {rid} after its end"

@@ -1,5 +1,5 @@
-"""The Starlette app: OpenAI's completions, chat completions, responses and models, plus /health and
-/metrics."""
+"""The Starlette app: OpenAI's completions, chat completions, responses, embeddings and models, plus
+/health and /metrics."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from tokenizer_proc.http.bridge import HttpBridge
 from tokenizer_proc.http.choices import EventStream, submit_all, whole_replies
 from tokenizer_proc.http.constraints import grammar_field
 from tokenizer_proc.http.convert import chat_request, completion_requests, rejection_error
+from tokenizer_proc.http.embeddings import EmbeddingsApi
 from tokenizer_proc.http.errors import ApiError, engine_error, shutting_down, starting
 from tokenizer_proc.http.responses import ResponseShape, best_choices, total_usage
 from tokenizer_proc.http.responses_api import ResponsesApi
@@ -178,6 +179,7 @@ def build_app(bridge: HttpBridge, settings: HttpSettings) -> Starlette:
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/embeddings", EmbeddingsApi(api).create, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
         Route("/v1/models", api.models, methods=["GET"]),
