@@ -26,6 +26,7 @@ import sys
 import tempfile
 
 from gpu_worker.backends.cpu.kind import CpuKindError, apply_to_environ
+from gpu_worker.weights.model_files import ModelNotFoundError, ModelNotSupportedError
 from launcher_engine import LOG_FORMAT, ChildDied, Engine
 from launcher_flags import (
     build_parser,
@@ -53,7 +54,7 @@ __all__ = [
 
 logger = logging.getLogger("rivulet.launcher")
 
-READY_TIMEOUT_S = 600.0  # a first start converts the GGUF (~40 s on 2 cores)
+READY_TIMEOUT_S = 600.0  # generous: a first start builds the C kernels; big weights may load from slow disks
 
 
 def _signal_wakeup() -> tuple[socket.socket, socket.socket]:
@@ -204,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     except CpuKindError as exc:
         print(f"rivulet: {exc}", file=sys.stderr)
         return 2
-    return serve(args)
+    try:
+        return serve(args)
+    except (ModelNotFoundError, ModelNotSupportedError) as exc:  # before any child started
+        print(f"rivulet: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

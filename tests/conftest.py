@@ -19,10 +19,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    """The embedded SmolLM2-135M-Instruct as an HF dir (converted from its GGUF once per machine)."""
-    from gpu_worker.weights.model_files import resolve_model
+    """The embedded SmolLM2-135M-Instruct as an HF dir (its GGUF dequantized once per machine)."""
+    from gpu_worker.weights.model_files import embedded_gguf_path
+    from tests.hf_checkpoint import hf_checkpoint
 
-    return resolve_model(None)
+    return hf_checkpoint(embedded_gguf_path())
 
 
 @pytest.fixture(scope="session")

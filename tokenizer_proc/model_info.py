@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tokenizer_proc.gguf_tokenizer import ensure_tokenizer
 from tokenizer_proc.pooling import EmbeddingSpec, read_embedding_spec
 
 if TYPE_CHECKING:
@@ -34,7 +35,8 @@ def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
     """The HF fast tokenizer of ``model_path`` (imported lazily: transformers is slow to import)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_path)
+    built = ensure_tokenizer(Path(model_path))  # a GGUF's: built from its metadata on the first start
+    return built if built is not None else AutoTokenizer.from_pretrained(model_path)
 
 
 def read_model_info(model_path: str, tokenizer: PreTrainedTokenizerBase) -> ModelInfo:

@@ -3,18 +3,36 @@
 Every model exposes ``num_layers``, ``num_kv_heads``, ``head_dim`` and
 ``context_len``, ``forward(input_ids, ctx) -> hidden [T, H]`` (before the final
 norm) and ``compute_logits(hidden) -> [N, vocab]``.
+
+Importing this package imports no torch: the launcher checks ``SUPPORTED_MODEL_TYPES`` before
+any process starts.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Protocol
-
-from torch import nn
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
     from gpu_worker.forward_context import ForwardContext
+
+# model_type -> (module under gpu_worker.models, class). Mistral runs on Llama's code; "gemma3" is
+# the multimodal config, whose text model we serve (its text_config).
+_MODELS = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("llama", "LlamaForCausalLM"),
+    "qwen3": ("llama", "LlamaForCausalLM"),
+    "gemma2": ("gemma", "GemmaForCausalLM"),
+    "gemma3_text": ("gemma", "GemmaForCausalLM"),
+    "gemma3": ("gemma", "GemmaForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
+    "gpt2": ("gpt2", "GPT2LMHeadModel"),
+}
+SUPPORTED_MODEL_TYPES = tuple(_MODELS)
 
 
 class CausalLM(Protocol):
@@ -33,14 +51,10 @@ class CausalLM(Protocol):
 
 def model_class(model_type: str) -> type[nn.Module]:
     """The module class that implements ``model_type``."""
-    match model_type:
-        case "llama" | "mistral" | "qwen2" | "qwen3":
-            from gpu_worker.models.llama import LlamaForCausalLM
-
-            return LlamaForCausalLM
-        case "gpt2":
-            from gpu_worker.models.gpt2 import GPT2LMHeadModel
-
-            return GPT2LMHeadModel
-        case _:
-            raise NotImplementedError(f"model type {model_type!r} is not supported")
+    if model_type not in _MODELS:
+        raise NotImplementedError(
+            f"model type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    module, name = _MODELS[model_type]
+    cls: type[nn.Module] = getattr(importlib.import_module(f"gpu_worker.models.{module}"), name)
+    return cls

@@ -78,8 +78,12 @@ class MergedLinear(Linear):
 
     ``shards`` names the checkpoint's separate projections (siblings of this
     module, e.g. ``q_proj``) and the block of output rows each one fills, in
-    order; the loader copies each checkpoint weight into its block.
+    order; the loader copies each checkpoint weight into its block. ``fused_checkpoint``: the
+    checkpoint holds this merged weight as one tensor under this module's own name (Phi-3); the
+    shards then only say where each projection's rows are (tensor parallel splits them).
     """
+
+    fused_checkpoint: bool = False
 
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
         super().__init__(in_features, sum(shards.values()), bias)
@@ -166,13 +170,20 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """torch's tanh GELU, as HF's ``gelu_pytorch_tanh`` calls it (not bit-equal to ``gelu_new``)."""
+    return F.gelu(x, approximate="tanh")
+
+
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The activation an HF config names (``hidden_act`` / ``activation_function``)."""
     match name:
         case "silu" | "swish":
             return F.silu
-        case "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast":
+        case "gelu_new" | "gelu_fast":
             return gelu_new
+        case "gelu_pytorch_tanh":  # HF's GELUTanh: torch's own tanh approximation (Gemma)
+            return gelu_tanh
         case "gelu":
             return F.gelu
         case "relu":

@@ -1,8 +1,9 @@
-"""One decoder for the Llama family: Llama, SmolLM2, Mistral, Qwen2 and Qwen3.
+"""One decoder for the Llama family: Llama, SmolLM2, Mistral, Qwen2, Qwen3 (and Phi-3, phi3.py).
 
 They differ only in flags read from the HF config: biases on q/k/v (Qwen2) or on
 every projection (Llama's ``attention_bias``), an RMSNorm per head on q and k
-before rotary (Qwen3), and rotary scaling. Parameter names mirror the HF
+before rotary (Qwen3), rotary scaling (rope.py), and sliding-window attention on
+some or all layers (Mistral, Phi-3, Qwen with ``use_sliding_window``). Parameter names mirror the HF
 checkpoint names so the loader can check them one for one; q/k/v and gate/up
 are merged into one matmul each, whose row blocks carry the checkpoint's names.
 """
@@ -16,18 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.forward_context import ForwardContext, paged_attention
+from gpu_worker.forward_context import PLAIN, AttentionOptions, ForwardContext, paged_attention
 from gpu_worker.models.layers import (
     Embedding,
     FusedOps,
     Linear,
     MergedLinear,
     RMSNorm,
-    RotaryCache,
     activation,
     apply_rotary,
 )
-from gpu_worker.models.rope import rope_inv_freq
+from gpu_worker.models.rope import rotary_cache
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class LlamaArgs:
     qk_norm: bool
     tie_embeddings: bool
     context_len: int
+    sliding_windows: tuple[int, ...]  # per layer; 0: full attention
 
     @classmethod
     def from_hf(cls, cfg: Any) -> LlamaArgs:
@@ -68,21 +69,20 @@ class LlamaArgs:
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            context_len=_context_len(cfg),
+            context_len=cfg.max_position_embeddings,
+            sliding_windows=sliding_windows(cfg),
         )
 
 
-def _context_len(cfg: Any) -> int:
-    """max_position_embeddings, capped at the sliding window where one is in use.
-
-    Within the window, sliding attention equals full attention, so capping the
-    context keeps our full-attention kernels exact for Mistral/Qwen windows.
-    """
-    window = getattr(cfg, "sliding_window", None)
-    uses_window = cfg.model_type == "mistral" or bool(getattr(cfg, "use_sliding_window", False))
-    if window and uses_window:
-        return min(cfg.max_position_embeddings, window)
-    return cfg.max_position_embeddings
+def sliding_windows(cfg: Any) -> tuple[int, ...]:
+    """Each layer's window (0: full attention), as HF decides it: by ``layer_types`` where the config
+    has them (Qwen's ``use_sliding_window`` sets them), else ``sliding_window`` on every layer
+    (Mistral, Phi-3)."""
+    window = int(getattr(cfg, "sliding_window", None) or 0)
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        return tuple(window if t == "sliding_attention" else 0 for t in types)
+    return (window,) * cfg.num_hidden_layers
 
 
 class Attention(nn.Module):
@@ -152,6 +152,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: LlamaArgs, layer: int) -> None:
         super().__init__()
         self.layer = layer
+        window = args.sliding_windows[layer]
+        self.attention = AttentionOptions(sliding_window=window) if window else PLAIN
         self.input_layernorm = RMSNorm(args.hidden_size, args.eps)
         self.self_attn = Attention(args, layer)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.eps)
@@ -161,7 +163,7 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin)
-        attended = paged_attention(self.layer, q, k, v, ctx)
+        attended = paged_attention(self.layer, q, k, v, ctx, self.attention)
         x = self.self_attn.o_proj.add_to(x, attended.flatten(1))
         return self.mlp.add_to(x, self.post_attention_layernorm(x))
 
@@ -188,8 +190,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        inv_freq, scaling = rope_inv_freq(hf_config, args.head_dim)
-        self.rotary = RotaryCache(inv_freq, scaling, args.context_len)
+        self.rotary = rotary_cache(hf_config, args.head_dim, args.context_len)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [T, hidden] before the final norm."""

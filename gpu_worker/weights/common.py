@@ -20,8 +20,8 @@ def weight_targets(model: nn.Module, params: dict[str, nn.Parameter]) -> dict[st
     """
     targets: dict[str, torch.Tensor] = dict(params)
     for module_name, module in model.named_modules():
-        if not isinstance(module, MergedLinear):
-            continue
+        if not isinstance(module, MergedLinear) or module.fused_checkpoint:
+            continue  # (Phi-3's checkpoint holds qkv_proj and gate_up_proj as one tensor each)
         parent = module_name.rpartition(".")[0]
         for param_name, param in module.named_parameters(recurse=False):
             del targets[f"{module_name}.{param_name}"]

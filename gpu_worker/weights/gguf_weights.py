@@ -1,27 +1,30 @@
 """A GGUF file's tensors -> our model's weights, quantized blocks kept as the file holds them
 (a backend may then re-lay them: the CPU backend's backends/cpu/layouts.py).
 
-``--weight-dtype auto`` (or ``gguf``) on CPU loads the weights from the GGUF itself, not from
-the safetensors its conversion wrote: each Linear (and the embedding, which a tied head shares)
-whose tensor is of a type in ``keep`` gets a ``QuantizedWeight`` (the file's block bytes, read
-with the ``gguf`` package, never converted), which the CPU backend computes on
-(gpu_worker/backends/cpu/quant.py). Tensors of other types are dequantized by ``gguf`` to float32 and
-copied into the parameter as the safetensors path would; a log line names their types.
+Every GGUF loads from the file itself, never from a converted copy. Each Linear (and the embedding,
+which a tied head shares) whose tensor is of a type in ``keep`` gets a ``QuantizedWeight`` (the
+file's block bytes, mapped, not copied: llama.cpp's mmap), which the CPU backend computes on
+(gpu_worker/backends/cpu/quant.py). Tensors of other types, and every tensor where ``keep`` is empty
+(TP before its split, --weight-dtype bfloat16/float32, --compile, other devices), are dequantized
+by ``gguf`` one at a time into their parameter: the float32 copy of the whole model never exists.
 
-llama.cpp's converter stores the Q and K projections of Llama models with each head's rows
-permuted (it pairs rotary dimensions i and i + D/2 as neighbours). Quantization blocks run
-along a row (the input dimension), so undoing the permutation by whole output rows keeps every
-block intact: the rows end up in HF's order, bit for bit the blocks they were.
+Per architecture (``LAYER_TENSORS``), llama.cpp's converter names the tensors its own way and changes
+some of them, undone here as transformers' own GGUF loader undoes them:
+- Llama: each head's Q and K rows permuted (rotary dimensions i and i + D/2 paired as neighbours).
+  Quantization blocks run along a row (the input dimension), so undoing the permutation by whole
+  output rows keeps every block intact: the rows end up in HF's order, bit for bit the blocks they were.
+- Gemma 2/3: every RMSNorm weight stored as 1 + w (HF's Gemma norms multiply by 1 + w): 1 is
+  subtracted in float32, as transformers does.
+- Phi-3: q/k/v and gate/up stay fused as HF's checkpoint holds them (``MergedLinear.fused_checkpoint``).
+Qwen2/3 files hold HF's tensors as they are.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections import Counter, defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -32,44 +35,72 @@ from torch import nn
 from gpu_worker.models.layers import Embedding, Linear, MergedLinear
 from gpu_worker.weights.common import WeightMismatchError, copy_checked, is_tied, weight_targets
 from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight, dequantize_blocks
+from gpu_worker.weights.gguf_file import TensorEntry, read_header
 
 logger = logging.getLogger(__name__)
 
-# Architectures whose GGUF tensor names we map (the model files' HF names are the targets).
-ARCHITECTURES = ("llama",)
-_LAYER_TENSORS = {
+_COMMON_LAYER = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_LLAMA = {**_COMMON_LAYER, "ffn_norm": "post_attention_layernorm"}
+_GEMMA = {
+    **_COMMON_LAYER,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Per GGUF architecture: the layer tensors' HF names. Phi-3's file keeps HF's fused projections
+# (attn_qkv, and ffn_up holding gate and up, gate first as HF's gate_up_proj).
+LAYER_TENSORS = {
+    "llama": _LLAMA,
+    "qwen2": _LLAMA,
+    "qwen3": {**_LLAMA, **_QK_NORMS},
+    "gemma2": _GEMMA,
+    "gemma3": {**_GEMMA, **_QK_NORMS},
+    "phi3": {
+        "attn_norm": "input_layernorm",
+        "attn_qkv": "self_attn.qkv_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_norm": "post_attention_layernorm",
+        "ffn_up": "mlp.gate_up_proj",
+        "ffn_down": "mlp.down_proj",
+    },
+}
+ARCHITECTURES = tuple(LAYER_TENSORS)
+_PERMUTED_QK = ("llama",)  # the converter permutes these architectures' Q/K rows
+_NORMS_PLUS_ONE = ("gemma2", "gemma3")  # the converter stores Gemma's norms as 1 + w
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
-_IGNORED = ("rope_freqs.weight",)  # llama3 rope factors: the HF config carries them
+# Rope factors: gguf_config.py reads them into the config.
+_IGNORED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 class GgufError(ValueError):
     """The GGUF cannot be loaded in quantized form (its architecture, or its tensors)."""
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The checkpoint (HF) name of a Llama GGUF tensor; None for tensors we do not load."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The checkpoint (HF) name of a GGUF tensor of ``arch``; None for tensors we do not load."""
     if gguf_name in _IGNORED:
         return None
+    layer_tensors = LAYER_TENSORS[arch]
     match = _LAYER_NAME.match(gguf_name)
     if match:
         layer, tensor, kind = match.groups()
-        if tensor not in _LAYER_TENSORS:
-            raise GgufError(f"GGUF tensor {gguf_name} has no place in a Llama model")
-        return f"model.layers.{layer}.{_LAYER_TENSORS[tensor]}.{kind}"
+        if tensor not in layer_tensors:
+            raise GgufError(f"GGUF tensor {gguf_name} has no place in a {arch} model")
+        return f"model.layers.{layer}.{layer_tensors[tensor]}.{kind}"
     stem, _, kind = gguf_name.rpartition(".")
     if stem not in _GLOBAL_TENSORS:
-        raise GgufError(f"GGUF tensor {gguf_name} has no place in a Llama model")
+        raise GgufError(f"GGUF tensor {gguf_name} has no place in a {arch} model")
     return f"{_GLOBAL_TENSORS[stem]}.{kind}"
 
 
@@ -77,50 +108,6 @@ def unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's per-head rotary permutation of Q/K rows (whole rows move, blocks stay)."""
     half = rows.shape[0] // heads // 2
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """Where one tensor of a GGUF lies: what ``gguf.GGUFReader`` found, kept in the index cache."""
-
-    name: str
-    type: int  # ggml type id
-    shape: tuple[int, ...]  # ggml order: the innermost (input) dimension first
-    offset: int  # bytes from the file's start
-    nbytes: int
-
-
-def tensor_index(path: Path) -> tuple[str, list[TensorEntry]]:
-    """(general.architecture, the tensors) of a GGUF. gguf's reader parses every metadata field
-    (a tokenizer's 100k strings: seconds on a small CPU), so its findings are cached beside the
-    converted model, keyed by the file's path, size and mtime: a warm start reads a small JSON."""
-    import json
-
-    from gpu_worker.weights.model_files import cache_root, file_key
-
-    cached = cache_root() / "gguf-index" / f"{path.stem}-{file_key(path)}.json"
-    if cached.is_file():
-        raw = json.loads(cached.read_text())
-        return raw["arch"], [TensorEntry(e[0], e[1], tuple(e[2]), e[3], e[4]) for e in raw["tensors"]]
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    entries = [
-        TensorEntry(
-            t.name, int(t.tensor_type), tuple(int(d) for d in t.shape), int(t.data_offset), int(t.n_bytes)
-        )
-        for t in reader.tensors
-    ]
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(
-        json.dumps(
-            {"arch": arch, "tensors": [[e.name, e.type, list(e.shape), e.offset, e.nbytes] for e in entries]}
-        )
-    )
-    os.replace(tmp, cached)
-    return arch, entries
 
 
 def _tensor_data(mapped: np.ndarray, entry: TensorEntry) -> np.ndarray:
@@ -141,22 +128,25 @@ def read_tensors(
 ) -> Iterator[tuple[str, int, np.ndarray, tuple[int, ...]]]:
     """(HF name, ggml type, data as [rows, row bytes or values] in HF row order, HF shape) of every
     tensor we load, lazily (the file is mapped, not read)."""
-    arch, entries = tensor_index(path)
-    if arch not in ARCHITECTURES:
-        raise GgufError(
-            f"GGUF architecture {arch!r} is not one we read quantized ({', '.join(ARCHITECTURES)})"
-        )
-    mapped = np.memmap(path, dtype=np.uint8, mode="r")
-    for entry in entries:
-        name = hf_name(entry.name)
+    header = read_header(path)
+    arch = header.architecture
+    if arch not in LAYER_TENSORS:
+        raise GgufError(f"GGUF architecture {arch!r} is not one we read ({', '.join(ARCHITECTURES)})")
+    # Copy-on-write: blocks kept as they lie are views of the file's pages (read as first used,
+    # shared with the page cache, never copied); nothing writes to them.
+    mapped = np.memmap(path, dtype=np.uint8, mode="c")
+    for entry in header.tensors:
+        name = hf_name(entry.name, arch)
         if name is None:
             continue
         shape = tuple(reversed(entry.shape))
         data = _tensor_data(mapped, entry)
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "q_proj.bias")):
             data = unpermute_rows(data, num_heads)
-        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif arch in _PERMUTED_QK and name.endswith(("k_proj.weight", "k_proj.bias")):
             data = unpermute_rows(data, num_kv_heads)
+        elif arch in _NORMS_PLUS_ONE and "norm." in name:  # HF's parameter is w; the file holds 1 + w
+            data = data.astype(np.float32) - np.float32(1.0)
         yield name, entry.type, data, shape
 
 
@@ -164,7 +154,7 @@ def _weight_modules(model: nn.Module) -> dict[str, tuple[nn.Module, str | None]]
     """HF weight name -> (the Linear or Embedding it fills, its projection in a merged Linear)."""
     out: dict[str, tuple[nn.Module, str | None]] = {}
     for name, module in model.named_modules():
-        if isinstance(module, MergedLinear):
+        if isinstance(module, MergedLinear) and not module.fused_checkpoint:
             parent = name.rpartition(".")[0]
             for shard in module.shards:
                 out[f"{parent}.{shard}.weight" if parent else f"{shard}.weight"] = (module, shard)
@@ -197,7 +187,7 @@ def load_gguf_weights(model: nn.Module, path: Path, keep: frozenset[int]) -> Non
                 continue
             if ggml_type in keep and name in modules:
                 module, shard = modules[name]
-                pending[module][shard] = QuantBlocks(ggml_type, torch.from_numpy(np.array(data)), shape[-1])
+                pending[module][shard] = QuantBlocks(ggml_type, torch.from_numpy(data), shape[-1])
             else:
                 if ggml_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
                     dequantized[_type_name(ggml_type)] += 1
@@ -238,7 +228,9 @@ def _shared_weights(model: nn.Module) -> dict[int, list[nn.Module]]:
 def _attach(module: nn.Module, blocks: dict[str | None, QuantBlocks], dequantized: Counter[str]) -> None:
     """Give ``module`` its quantized weight, or (a merged Linear with a projection of another,
     dense type) dequantize the quantized projections into its parameter instead."""
-    order: list[str | None] = list(module.shards) if isinstance(module, MergedLinear) else [None]
+    order: list[str | None] = [None]
+    if isinstance(module, MergedLinear) and not module.fused_checkpoint:
+        order = list(module.shards)
     if any(shard not in blocks for shard in order):
         for shard, part in blocks.items():
             dequantized[f"{_type_name(part.type)} (beside a dense projection)"] += 1

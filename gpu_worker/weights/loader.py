@@ -24,6 +24,7 @@ from torch import nn
 from gpu_worker.models import CausalLM, model_class
 from gpu_worker.weights.common import WeightMismatchError, copy_checked, is_tied, weight_targets
 from gpu_worker.weights.gguf_weights import load_gguf_weights
+from gpu_worker.weights.model_files import gguf_of
 
 # Buffers some checkpoints carry that are not weights (causal masks, rotary tables).
 _IGNORED = re.compile(r"(\.attn\.(bias|masked_bias)|\.rotary_emb\.inv_freq)$")
@@ -43,8 +44,11 @@ def load_model(
     keep: frozenset[int] = frozenset(),
 ) -> tuple[CausalLM, Any]:
     """Build our model for ``model_path`` on ``device`` in ``dtype`` and fill every weight: from
-    the checkpoint's safetensors, or with ``gguf``, from that file, blocks of the ggml types in
-    ``keep`` left quantized (gguf_weights.py)."""
+    the checkpoint's safetensors, or with ``gguf`` (by default the GGUF whose metadata directory
+    ``model_path`` is: model_files.py), from that file, blocks of the ggml types in ``keep`` left
+    quantized and the rest dequantized tensor by tensor (gguf_weights.py). Returns the model and
+    its (text model's) HF config."""
+    gguf = gguf if gguf is not None else gguf_of(model_path)
     hf_config = load_hf_config(model_path)
     cls = model_class(hf_config.model_type)
     with torch.device(device), _default_dtype(dtype):
@@ -53,7 +57,7 @@ def load_model(
         load_weights(model, safetensors_files(Path(model_path)))
     else:
         load_gguf_weights(model, gguf, keep)
-    return cast(CausalLM, model.eval()), hf_config
+    return cast(CausalLM, model.eval()), hf_config.get_text_config()
 
 
 @contextlib.contextmanager
@@ -85,15 +89,14 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = {name for name, p in params.items() if is_tied(model, name, p)}
     targets = weight_targets(model, params)
-    prefix = getattr(model, "checkpoint_prefix", "")
     loaded: set[str] = set()
     unexpected: list[str] = []
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
-                    name = key if key in targets or not prefix or key.startswith(prefix) else prefix + key
-                    if _IGNORED.search(name) or name in tied:
+                    name = checkpoint_name(model, key, targets)
+                    if name is None or _IGNORED.search(name) or name in tied:
                         continue  # a tied head saved anyway is the embedding again
                     if name not in targets:
                         unexpected.append(key)
@@ -103,6 +106,21 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
     missing = sorted(set(targets) - loaded - tied)
     if missing or unexpected:
         raise WeightMismatchError(f"missing weights {missing[:8]}, unexpected weights {unexpected[:8]}")
+
+
+def checkpoint_name(model: nn.Module, key: str, targets: dict[str, torch.Tensor]) -> str | None:
+    """Our name for checkpoint tensor ``key``; None for tensors the model does not serve.
+
+    A model may say how its checkpoints spell names: ``checkpoint_prefix`` (GPT-2's original files
+    omit ``transformer.``), ``checkpoint_renames`` (regex, replacement) pairs (the text model of a
+    multimodal Gemma 3 under ``language_model.``), ``checkpoint_skipped`` (its vision tower)."""
+    skipped = getattr(model, "checkpoint_skipped", None)
+    if skipped is not None and re.match(skipped, key):
+        return None
+    for pattern, replacement in getattr(model, "checkpoint_renames", ()):
+        key = re.sub(pattern, replacement, key)
+    prefix = getattr(model, "checkpoint_prefix", "")
+    return key if key in targets or not prefix or key.startswith(prefix) else prefix + key
 
 
 def round_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -66,6 +66,13 @@ def test_unpermute_undoes_the_converter_by_whole_rows() -> None:
 
 
 def test_tensor_names_map_to_the_checkpoints() -> None:
+    assert hf_name("blk.1.ffn_norm.weight", "gemma2") == "model.layers.1.pre_feedforward_layernorm.weight"
+    assert (
+        hf_name("blk.1.post_ffw_norm.weight", "gemma3") == "model.layers.1.post_feedforward_layernorm.weight"
+    )
+    assert hf_name("blk.0.attn_qkv.weight", "phi3") == "model.layers.0.self_attn.qkv_proj.weight"
+    assert hf_name("blk.0.ffn_up.weight", "phi3") == "model.layers.0.mlp.gate_up_proj.weight"
+    assert hf_name("rope_factors_long.weight", "phi3") is None
     assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
     assert hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
@@ -236,23 +243,41 @@ def test_weight_dtype_is_checked() -> None:
         WorkerConfig(weight_dtype="int4")
 
 
-def test_tensor_index_is_cached_and_matches_the_reader(
-    random_llama: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from gpu_worker.weights.gguf_weights import _tensor_data, tensor_index
+def test_header_reader_matches_gguf_reader(random_llama: tuple[Path, Path]) -> None:
+    """gguf_file.py's header (our fast reader) and gguf's own reader agree on every tensor and on
+    the metadata, the embedded model's 49k-token vocabulary included."""
+    from gpu_worker.weights.gguf_file import TOKENIZER_ARRAYS, read_header
+    from gpu_worker.weights.gguf_weights import _tensor_data
+    from gpu_worker.weights.model_files import embedded_gguf_path
 
     _, path = random_llama
-    monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
-    arch, entries = tensor_index(path)  # parsed by gguf's reader, then cached
-    reader = gguf.GGUFReader(str(path))
-    with monkeypatch.context() as patched:  # a warm start must not parse the file again
-        patched.setattr(gguf, "GGUFReader", None)
-        assert tensor_index(path) == (arch, entries)
-    assert arch == "llama" and [e.name for e in entries] == [t.name for t in reader.tensors]
-    mapped = np.memmap(path, dtype=np.uint8, mode="r")
-    for entry, tensor in zip(entries, reader.tensors, strict=True):
-        got = _tensor_data(mapped, entry)
-        assert np.array_equal(got, tensor.data.reshape(got.shape)), entry.name
+    for file in (path, embedded_gguf_path()):
+        header = read_header(file, TOKENIZER_ARRAYS)
+        reader = gguf.GGUFReader(str(file))
+        assert header.architecture == "llama"
+        assert [(e.name, e.type, e.offset, e.nbytes) for e in header.tensors] == [
+            (t.name, int(t.tensor_type), int(t.data_offset), int(t.n_bytes)) for t in reader.tensors
+        ]
+        mapped = np.memmap(file, dtype=np.uint8, mode="r")
+        for entry, tensor in zip(header.tensors[:12], reader.tensors[:12], strict=True):
+            got = _tensor_data(mapped, entry)
+            assert np.array_equal(got, tensor.data.reshape(got.shape)), entry.name
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            want = field.contents()
+            got = header.metadata[key]
+            if isinstance(want, float):
+                assert got == pytest.approx(want, rel=1e-7), key
+            elif (
+                key in TOKENIZER_ARRAYS
+                or not isinstance(want, list)
+                or not want
+                or not isinstance(want[0], str)
+            ):
+                assert got == want, key
+            else:  # string arrays not asked for: their count
+                assert got == len(want), key
 
 
 def test_auto_dtype_is_float32_over_gguf_blocks(random_llama: tuple[Path, Path]) -> None:

@@ -1,0 +1,173 @@
+"""Tiny HF models written as GGUF files the way llama.cpp's converter (convert_hf_to_gguf.py) writes them.
+
+Names come from the ``gguf`` package's own HF -> GGUF name map (not from the loader under test), and
+the converter's changes are made as it makes them: Llama's Q/K rows permuted per head, Gemma's norms
+stored as 1 + w, Phi-3's fused projections kept, Llama 3's rope scaling as a ``rope_freqs`` tensor,
+LongRoPE's factors as ``rope_factors_long/short``. tests/gpu_worker/test_families.py checks that
+transformers' own GGUF loader reads these files back as the HF model they came from.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+        "gemma3_text": "gemma3", "gemma3": "gemma3", "phi3": "phi3"}  # fmt: skip
+# A multimodal checkpoint's language model, in transformers' module names.
+_TEXT_PREFIX = re.compile(r"^model\.language_model\.")
+_VISION = re.compile(r"^model\.(vision_tower|multi_modal_projector)\.")
+
+
+def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to Llama's Q/K rows (pairs rotary dims i and i + D/2)."""
+    return (
+        rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(rows.shape)
+    )
+
+
+def write_gguf(
+    path: Path, model: Any, types: dict[str, gguf.GGMLQuantizationType] | None = None
+) -> dict[str, torch.Tensor]:
+    """``model``'s text model as a GGUF at ``path``, 2-D weights of a kind in ``types`` (``attn_q``,
+    ``ffn_down``, ...) quantized, the rest F32. Returns the state dict (``model``'s own names) as the
+    file holds it: load it into ``model`` to make it the file's exact reference."""
+    cfg = model.config.get_text_config()
+    arch = ARCH[model.config.model_type]
+    writer = gguf.GGUFWriter(str(path), arch)
+    _metadata(writer, arch, cfg)
+    model_arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    names = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)
+    held: dict[str, torch.Tensor] = {}
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    for key, tensor in model.state_dict().items():
+        name = _TEXT_PREFIX.sub("model.", key)
+        if _VISION.match(name) or (tied and name == "lm_head.weight"):
+            continue  # the vision tower; a tied head (the file holds the embedding once)
+        stem, _, suffix = name.rpartition(".")
+        gguf_name = f"{names.get_name(stem)}.{suffix}"
+        data = tensor.float().numpy()
+        heads = _permuted_heads(arch, gguf_name, cfg)
+        if heads:
+            data = llama_cpp_permute(data, heads)
+        if arch.startswith("gemma") and "norm." in gguf_name:
+            data = data + np.float32(1.0)
+        kind = gguf_name.split(".")[-2]
+        if types and kind in types and data.ndim == 2:
+            blocks = gguf.quants.quantize(data, types[kind])
+            writer.add_tensor(gguf_name, blocks, raw_dtype=types[kind])
+            data = gguf.quants.dequantize(blocks, types[kind])
+        else:
+            writer.add_tensor(gguf_name, data)
+        if heads:
+            data = llama_cpp_permute_inverse(data, heads)
+        if arch.startswith("gemma") and "norm." in gguf_name:
+            data = data - np.float32(1.0)
+        held[key] = torch.from_numpy(np.array(data, dtype=np.float32)).to(tensor.dtype)
+    _rope_tensors(writer, arch, cfg)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return held
+
+
+def llama_cpp_permute_inverse(rows: np.ndarray, heads: int) -> np.ndarray:
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _permuted_heads(arch: str, gguf_name: str, cfg: Any) -> int:
+    if arch != "llama":
+        return 0
+    if ".attn_q." in gguf_name:
+        return int(cfg.num_attention_heads)
+    if ".attn_k." in gguf_name:
+        return int(cfg.num_key_value_heads)
+    return 0
+
+
+def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    if getattr(cfg, "pad_token_id", None) is not None:
+        writer.add_pad_token_id(cfg.pad_token_id)
+    rope = cfg.rope_parameters
+    if arch == "gemma3":
+        writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        if rope["full_attention"].get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    else:
+        writer.add_rope_freq_base(rope["rope_theta"])
+    if arch in ("gemma2", "gemma3", "qwen3") or head_dim != cfg.hidden_size // heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    if arch in ("gemma2", "gemma3", "phi3") and getattr(cfg, "sliding_window", None):
+        writer.add_sliding_window(cfg.sliding_window)
+    if arch in ("gemma2", "gemma3") and cfg.query_pre_attn_scalar != head_dim:
+        writer.add_attention_scale(cfg.query_pre_attn_scalar**-0.5)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if arch != "gemma3" and rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if arch == "phi3" and rope.get("rope_type") == "longrope":
+        original = rope["original_max_position_embeddings"]
+        scale = cfg.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        )
+        writer.add_rope_scaling_orig_ctx_len(original)
+
+
+def _rope_tensors(writer: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
+    rope = cfg.rope_parameters
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_factors(cfg))
+    if arch == "phi3" and rope.get("rope_type") == "longrope":
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+
+def _llama3_factors(cfg: Any) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors, as it computes them."""
+    rope = cfg.rope_parameters
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)

@@ -1,0 +1,91 @@
+"""A GGUF's directory holds its metadata only (config, generation config, tokenizer), never a
+converted copy of its weights; an unsupported architecture stops the launcher with one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import pytest
+
+import launcher
+from gpu_worker.weights.model_files import ModelNotSupportedError, embedded_gguf_path, resolve_model
+from tokenizer_proc.gguf_tokenizer import ensure_tokenizer
+from tokenizer_proc.model_info import load_tokenizer, read_model_info
+
+TEXTS = ["Hello world", "  two spaces\tand a tab\n", "<|im_start|>user\nWhat is 2+2?<|im_end|>", "héllo ∑ 🙂"]
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_embedded_gguf_resolves_to_its_metadata_without_weights(cache: Path) -> None:
+    model_dir = resolve_model(None)
+    assert model_dir.is_relative_to(cache)
+    assert sorted(f.name for f in model_dir.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "gguf.json",
+    ]
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 30
+    assert config["num_key_value_heads"] == 3 and config["tie_word_embeddings"] is True
+    assert resolve_model(None) == model_dir  # written once
+    tokenizer = load_tokenizer(str(model_dir))  # the tokenizer process builds and saves it
+    written = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
+    assert written < 10_000_000, f"{written} bytes written for a 98 MB GGUF"
+    assert not any(f.suffix == ".safetensors" for f in cache.rglob("*"))
+    info = read_model_info(str(model_dir), tokenizer)
+    assert (info.context_len, info.vocab_size, info.eos_token_ids) == (8192, 49152, (2,))
+
+
+def test_built_tokenizer_is_the_saved_one_and_transformers_own(cache: Path) -> None:
+    """What the first start tokenizes with (built in memory) equals what later starts load from the
+    saved files, and what transformers builds from the GGUF itself."""
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model(None)
+    built = ensure_tokenizer(model_dir)
+    assert built is not None and ensure_tokenizer(model_dir) is None  # saved: not built again
+    saved = AutoTokenizer.from_pretrained(str(model_dir))
+    path = embedded_gguf_path()
+    theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    for tok in (saved, theirs):
+        assert [tok(t).input_ids for t in TEXTS] == [built(t).input_ids for t in TEXTS]
+        assert tok.apply_chat_template(chat, tokenize=False) == built.apply_chat_template(
+            chat, tokenize=False
+        )
+        assert (tok.eos_token_id, tok.bos_token_id) == (built.eos_token_id, built.bos_token_id)
+
+
+def _write_mamba(path: Path) -> None:
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_unsupported_architecture_stops_the_launcher_in_one_line(
+    cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "ssm.gguf"
+    _write_mamba(path)
+    with pytest.raises(ModelNotSupportedError, match="'mamba' is not supported"):
+        resolve_model(str(path))
+    hf_dir = tmp_path / "bert"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    for model, name in ((path, "'mamba'"), (hf_dir, "'bert'")):
+        assert launcher.main(["--model", str(model), "--endpoint", f"ipc://{tmp_path}/ep"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and name in err[0], err
+        assert "supported: llama, mistral, qwen2, qwen3, gemma2, gemma3_text, gemma3, phi3, gpt2" in err[
+            0
+        ] or ("supported: llama, qwen2, qwen3, gemma2, gemma3, phi3" in err[0]), err[0]
