@@ -195,3 +195,29 @@ def node_address(dist_init_addr: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet is sent
         s.connect((host.strip("[]"), int(port)))
         return str(s.getsockname()[0])
+
+
+def flags_markdown(parser: argparse.ArgumentParser | None = None) -> str:
+    """docs/flags.md: every launcher option with its default and help, from the parser itself."""
+    parser = parser or build_parser()
+    lines = [
+        "# Launcher flags",
+        "",
+        "Generated from the launcher's parser by `python -m launcher_flags > docs/flags.md`;",
+        "`tests/test_launcher_flags.py` fails when this file and the parser disagree.",
+        "",
+        "| flag | default | what |",
+        "|---|---|---|",
+    ]
+    for action in parser._actions:  # argparse lists its options only here
+        if not action.option_strings or action.help == argparse.SUPPRESS:
+            continue
+        spelling = max(action.option_strings, key=len)
+        default = "" if action.default in (None, argparse.SUPPRESS) else f"`{action.default}`"
+        what = " ".join((action.help or "").split()).replace("|", "\\|")
+        lines.append(f"| `{spelling}` | {default} | {what} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(flags_markdown(), end="")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -164,3 +165,11 @@ def test_node_flags_that_fit_pass() -> None:
     argv = ["--nnodes", "2", "--node-rank", "1", "--tp-size", "4", "--dist-init-addr", "127.0.0.1:29500"]
     launcher.check_nodes(launcher.build_parser().parse_args(argv))
     assert launcher.node_address("127.0.0.1:29500") == "127.0.0.1"
+
+
+def test_docs_flags_md_is_the_parser() -> None:
+    """docs/flags.md is generated from the parser; regenerate it with the command it names."""
+    from launcher_flags import flags_markdown
+
+    docs = Path(__file__).resolve().parent.parent / "docs" / "flags.md"
+    assert docs.read_text() == flags_markdown(), "run: python -m launcher_flags > docs/flags.md"
