@@ -64,8 +64,9 @@ class WorkerConfig:
     cpu_ids: tuple[int, ...] = given((), "the launcher: its replica's share of the cores (--dp-size > 1)")
     tp_size: int = flag(
         1,
-        "tensor-parallel ranks: the model's heads and MLP split over N worker processes (gloo on CPU, "
-        "NCCL on CUDA), one scheduler driving them all; with --nnodes, spread over the nodes",
+        "tensor-parallel ranks: the model's heads and MLP split over N worker processes joined in a "
+        "gloo process group (on any device), one scheduler driving them all; with --nnodes, spread over "
+        "the nodes",
     )
     tp_all_reduce: str = flag(
         "auto",
