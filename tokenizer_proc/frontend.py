@@ -28,7 +28,7 @@ from tokenizer_proc.grammar import CompiledSpec, GrammarCompiler, GrammarRejecte
 from tokenizer_proc.model_info import ModelInfo
 from tokenizer_proc.request_state import Outbox, RequestTable, error_output
 from tokenizer_proc.router import Router
-from tokenizer_proc.tool_checks import with_tool_grammar
+from tokenizer_proc.tool_checks import parameters_json, tool_grammar, with_tool_grammar
 from tokenizer_proc.tools import template_traits
 from tokenizer_proc.validation import RequestRejected, validate_generate
 
@@ -159,14 +159,25 @@ class Frontend:
         return self.requests.abort_client(client_id)
 
     async def compile_grammar(self, req: GenerateRequest) -> CompiledSpec | None:
-        """``req``'s grammar compiled (off the event loop, once per distinct grammar), None when it
-        has none; raise RequestRejected naming ``sampling.grammar`` when it cannot compile."""
+        """Check that every tool's parameters schema compiles, whatever the tool_choice, then compile
+        ``req``'s grammar (off the event loop, once per distinct one); None when it has none. Raise
+        RequestRejected naming the tool's parameters, or ``sampling.grammar`` (``tool_choice`` when
+        the grammar is a forced call's)."""
+        for i, schema in _tool_schemas(req):
+            try:
+                await self.grammars.check_json_schema(schema)
+            except GrammarRejected as exc:
+                raise RequestRejected(
+                    f"tools[{i}].function.parameters", f"cannot be compiled: {exc}"
+                ) from None
         if req.sampling.grammar is None:
             return None
         try:
             return await self.grammars.compile(req.sampling.grammar)
         except GrammarRejected as exc:
-            raise RequestRejected("sampling.grammar", f"cannot be compiled: {exc}") from None
+            forced = req.sampling.grammar == tool_grammar(req)
+            param = "tool_choice" if forced else "sampling.grammar"
+            raise RequestRejected(param, f"cannot be compiled: {exc}") from None
         except Exception as exc:  # a compiler fault on one odd grammar must not take the engine down
             logger.exception("request %r: compiling its grammar failed", req.rid)
             raise RequestRejected("sampling.grammar", f"could not be compiled: {exc!r}") from exc
@@ -189,15 +200,29 @@ class Frontend:
         finally:
             del self._compiling[key]
 
-    def admit(self, client_id: bytes, req: GenerateRequest, grammar: CompiledSpec | None = None) -> Outbox:
-        """Validate and start ``req`` (``grammar``: its grammar compiled, when it has one); raise
-        RequestRejected (the HTTP API maps it to a status)."""
+    def admit(
+        self,
+        client_id: bytes,
+        req: GenerateRequest,
+        grammar: CompiledSpec | None = None,
+        *,
+        clamp_to_context: bool = True,
+    ) -> Outbox:
+        """Validate and start ``req`` (``grammar``: its grammar compiled, when it has one;
+        ``clamp_to_context``: see validate_generate); raise RequestRejected (the HTTP API maps it to
+        a status)."""
         if self.draining:
             raise RequestRejected(None, SHUTDOWN_MESSAGE, SHUTTING_DOWN)
         self.requests.check_new_rid(client_id, req.rid)
         try:
             valid = validate_generate(
-                req, self.tokenizer, self.info, self._rng, grammar, traits=self.chat_traits
+                req,
+                self.tokenizer,
+                self.info,
+                self._rng,
+                grammar,
+                traits=self.chat_traits,
+                clamp_to_context=clamp_to_context,
             )
         except RequestRejected:
             raise
@@ -213,18 +238,26 @@ class Frontend:
             req = with_tool_grammar(req)
         except RequestRejected as exc:
             return Outbox(replies=[(client_id, error_output(req.rid, str(exc)))])
-        grammar = None
-        if req.sampling.grammar is not None:
-            grammar = self.grammars.cached(req.sampling.grammar)
+        grammar = None if req.sampling.grammar is None else self.grammars.cached(req.sampling.grammar)
+        tools_checked = all(self.grammars.schema_checked(schema) for _, schema in _tool_schemas(req))
+        if req.sampling.grammar is not None or not tools_checked:
             if (client_id, req.rid) in self._compiling:
                 return Outbox(replies=[(client_id, error_output(req.rid, f"rid {req.rid!r} is in flight"))])
-            if grammar is None:
+            if (req.sampling.grammar is not None and grammar is None) or not tools_checked:
                 self._compiling[client_id, req.rid] = False  # from now on an abort finds it
                 return Outbox(to_compile=[(client_id, req)])
         try:
             return self.admit(client_id, req, grammar)
         except RequestRejected as exc:
             return Outbox(replies=[(client_id, error_output(req.rid, str(exc)))])
+
+
+def _tool_schemas(req: GenerateRequest) -> list[tuple[int, str]]:
+    """(index, JSON text) of each tool's parameters schema, of a chat request (what else has tools
+    is refused in validation)."""
+    if req.messages is None:
+        return []
+    return [(i, schema) for i, tool in enumerate(req.tools or []) if (schema := parameters_json(i, tool))]
 
 
 def total_stats(stats: list[EngineStats | None]) -> EngineStats | None:

@@ -82,6 +82,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, CompiledSpec] = OrderedDict()
         self._cache_bytes = 0
         self._compiling: dict[str, asyncio.Future[CompiledSpec]] = {}
+        self._valid_schemas: OrderedDict[str, None] = OrderedDict()  # keys of schemas that converted
 
     def cached(self, grammar: Grammar) -> CompiledSpec | None:
         key = grammar_key(grammar)
@@ -108,6 +109,22 @@ class GrammarCompiler:
             self._compiling.pop(key, None)
         self._remember(spec)
         return spec
+
+    def schema_checked(self, schema: str) -> bool:
+        """``schema`` (JSON text) is known to convert to a grammar."""
+        return _schema_key(schema) in self._valid_schemas
+
+    async def check_json_schema(self, schema: str) -> None:
+        """Raise GrammarRejected when the JSON schema ``schema`` cannot become a grammar (a tool's
+        parameters: refused whether or not a call is forced). Only the conversion, on the pool: no
+        token masks, so a few hundred microseconds a schema; those that passed are remembered."""
+        key = _schema_key(schema)
+        if key not in self._valid_schemas:
+            await asyncio.get_running_loop().run_in_executor(self._pool, _check_schema, schema)
+            self._valid_schemas[key] = None
+        self._valid_schemas.move_to_end(key)
+        while len(self._valid_schemas) > CACHE_ENTRIES:
+            self._valid_schemas.popitem(last=False)
 
     def compile_blocking(self, grammar: Grammar) -> CompiledSpec:
         """Compile on the calling thread, through the cache (tests and tools; not the event loop)."""
@@ -145,6 +162,21 @@ class GrammarCompiler:
             # xgrammar's own cache off: ours is bounded and keyed by the request's Grammar.
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
+
+
+def _schema_key(schema: str) -> str:
+    return hashlib.sha256(schema.encode()).hexdigest()
+
+
+def _check_schema(schema: str) -> None:
+    if len(schema) > MAX_SPEC_CHARS:
+        raise GrammarRejected(f"is {len(schema)} characters, at most {MAX_SPEC_CHARS}")
+    import xgrammar
+
+    try:  # what compile_json_schema does before it builds the token masks
+        xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+    except Exception as exc:  # xgrammar raises RuntimeError (and its own types) on bad input
+        raise GrammarRejected(_clean(str(exc))) from exc
 
 
 def _compile(compiler: xgrammar.GrammarCompiler, grammar: Grammar) -> xgrammar.CompiledGrammar:

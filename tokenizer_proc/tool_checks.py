@@ -45,6 +45,7 @@ def offered_tools(tools: list[Tool] | None, choice: ToolChoice) -> tuple[list[To
         params = tool.function.parameters
         if params is not None and params.get("type", "object") != "object":
             raise RequestRejected(f"tools[{i}].function.parameters", "must be a JSON schema of type object")
+        parameters_json(i, tool)
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
             raise RequestRejected("tool_choice", f"names {choice.function.name!r}, which is not among tools")
@@ -52,6 +53,18 @@ def offered_tools(tools: list[Tool] | None, choice: ToolChoice) -> tuple[list[To
     if choice == "required" and not tools:
         raise RequestRejected("tool_choice", '"required" needs tools')
     return ([] if choice == "none" else tools), choice == "required"
+
+
+def parameters_json(i: int, tool: Tool) -> str | None:
+    """Tool ``i``'s parameters schema as JSON text (None when it has none); refused, naming them,
+    when they are not JSON (a ZMQ client's msgpack may carry bytes, extension types, NaN)."""
+    params = tool.function.parameters
+    if params is None:
+        return None
+    try:
+        return json.dumps(params, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise RequestRejected(f"tools[{i}].function.parameters", f"is not JSON: {exc}") from None
 
 
 def forced_call_grammar(tools: list[Tool], choice: ToolChoice) -> Grammar | None:

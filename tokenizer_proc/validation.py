@@ -68,11 +68,15 @@ def validate_generate(
     grammar: CompiledSpec | None = None,
     *,
     traits: ChatTemplateTraits | None = None,
+    clamp_to_context: bool = True,
 ) -> ValidRequest:
     """Validate ``req``, tokenize its prompt, clamp its output length; raise RequestRejected.
 
     ``grammar``: the request's grammar compiled (tokenizer_proc/grammar.py), when it has one.
-    ``traits``: the chat template's, probed once by the caller (probed here when not given)."""
+    ``traits``: the chat template's, probed once by the caller (probed here when not given).
+    ``clamp_to_context``: a ``max_new_tokens`` beyond the room the prompt leaves in the context is
+    lowered to it (ZMQ clients, an HTTP request that set no limit); False: refused, as OpenAI and vLLM
+    refuse a limit the client set (context_length_exceeded)."""
     if not req.rid:
         raise RequestRejected("rid", "must be a non-empty string")
     req = _with_checked_sampling(req, info)
@@ -86,6 +90,14 @@ def validate_generate(
             "prompt",
             f"is {len(input_ids)} tokens, the context length is {info.context_len}: "
             "no room for any output token",
+            CONTEXT_LENGTH_EXCEEDED,
+        )
+    room = info.context_len - len(input_ids)
+    if not clamp_to_context and params.max_new_tokens > room:
+        raise RequestRejected(
+            "sampling.max_new_tokens",
+            f"is {params.max_new_tokens}: {len(input_ids)} prompt tokens + {params.max_new_tokens} = "
+            f"{len(input_ids) + params.max_new_tokens}, over the context length {info.context_len}",
             CONTEXT_LENGTH_EXCEEDED,
         )
     stop_token_ids = [] if params.ignore_eos else list(info.eos_token_ids)
@@ -106,7 +118,7 @@ def validate_generate(
     return ValidRequest(
         client_rid=req.rid,
         input_ids=input_ids,
-        max_new_tokens=min(params.max_new_tokens, info.context_len - len(input_ids)),
+        max_new_tokens=min(params.max_new_tokens, room),
         stop_token_ids=stop_token_ids,
         stop=tuple(params.stop),
         sampler=sampler,

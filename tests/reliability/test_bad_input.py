@@ -25,6 +25,9 @@ def _tool(name: str) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
 
 
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "nonsense"}}}  # xgrammar: Unsupported type
+BAD_SCHEMA_TOOL = {"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}
+
 HTTP_CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("max_tokens as a string", "completions", {**OK, "max_tokens": "5"}, 400, "max_tokens"),
     ("negative max_tokens", "completions", {**OK, "max_tokens": -1}, 400, "max_tokens"),
@@ -146,6 +149,27 @@ HTTP_CASES: list[tuple[str, str, Any, int, str | None]] = [
      {"messages": [*MSG, {"role": "tool", "content": "42"}]}, 400, "messages[1].tool_call_id"),
     ("chat_template_kwargs overriding tools", "chat/completions",
      {"messages": MSG, "chat_template_kwargs": {"tools": []}}, 400, "chat_template_kwargs"),
+    *[(f"tool schema that does not compile, tool_choice {choice}", "chat/completions",
+       {"messages": MSG, "tools": [_tool("g"), BAD_SCHEMA_TOOL], "tool_choice": choice}, 400,
+       "tools[1].function.parameters")
+      for choice in ("auto", "none", "required", {"type": "function", "function": {"name": "f"}})],
+    ("max_tokens beyond the context", "completions", {**OK, "max_tokens": 10**9}, 400, "max_tokens"),
+    ("max_tokens that the prompt leaves no room for", "completions", {"prompt": [5] * 1000, "max_tokens": 25},
+     400, "max_tokens"),
+    ("max_completion_tokens beyond the context", "chat/completions",
+     {"messages": MSG, "max_completion_tokens": 10**9}, 400, "max_completion_tokens"),
+    ("chat's legacy max_tokens beyond the context", "chat/completions",
+     {"messages": MSG, "max_tokens": 10**9}, 400, "max_tokens"),
+    ("user content null", "chat/completions", {"messages": [{"role": "user", "content": None}]}, 400,
+     "messages[0].content"),
+    ("system content null", "chat/completions",
+     {"messages": [{"role": "system", "content": None}, *MSG]}, 400, "messages[0].content"),
+    ("lone high surrogate escape", "completions", b'{"prompt": "\\ud800"}', 400, None),
+    ("lone low surrogate escape", "chat/completions",
+     b'{"messages": [{"role": "user", "content": "a\\udc00b"}]}', 400, None),
+    ("JSON nested past the decoder's depth", "chat/completions",
+     b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": '
+     + b"[" * 100_000 + b"]" * 100_000 + b"}}", 400, None),
 ]  # fmt: skip
 
 
@@ -218,6 +242,14 @@ def _map(**fields: Any) -> bytes:
     return msgspec.msgpack.encode({"type": "generate", "rid": "r1", **fields})
 
 
+PLACEHOLDER = "PLACEHOLDER"
+
+
+def _with_invalid_utf8(frame: bytes) -> bytes:
+    """``frame`` with its PLACEHOLDER string's bytes made invalid UTF-8 (msgspec writes none)."""
+    return frame.replace(msgspec.msgpack.encode(PLACEHOLDER), b"\xa2\xff\xfe")
+
+
 ZMQ_CASES: list[tuple[str, list[bytes], str]] = [
     ("garbage bytes", [b"\xc1\xc1 definitely not msgpack"], "malformed"),
     ("msgpack array, not a map", [msgspec.msgpack.encode([1, 2, 3])], "malformed"),
@@ -226,7 +258,21 @@ ZMQ_CASES: list[tuple[str, list[bytes], str]] = [
     ("NaN temperature", [_map(prompt="x", sampling={"temperature": float("nan")})], "sampling.temperature"),
     ("prompt beyond the context", [_map(input_ids=[7] * 5000)], "context length"),
     ("unknown field", [_map(prompt="x", priority=9)], "malformed"),
-]
+    ("a bare string of invalid UTF-8", [bytes.fromhex("a1ff")], "malformed"),
+    ("a rid of invalid UTF-8", [bytes.fromhex("82a474797065a867656e6572617465a3726964a1ff")], "at `$.rid`"),
+    ("a prompt of invalid UTF-8", [_with_invalid_utf8(_map(prompt=PLACEHOLDER))], "at `$.prompt`"),
+    (
+        "a stop string of invalid UTF-8",
+        [_with_invalid_utf8(_map(prompt="x", sampling={"stop": [PLACEHOLDER]}))],
+        "at `$.sampling.stop[0]`",
+    ),
+    ("nesting past the decoder's depth",
+     [_map(prompt="x", chat_template_kwargs={"a": 0})[:-1] + b"\x91" * 100_000 + b"\x01"], "malformed"),
+    ("tool parameters that are not JSON", [_map(messages=MSG, tools=[{"function": {"name": "f", "parameters":
+     {"type": "object", "default": b"\x00"}}}])], "tools[0].function.parameters is not JSON"),
+    ("a tool schema that does not compile", [_map(messages=MSG, tools=[BAD_SCHEMA_TOOL])],
+     "tools[0].function.parameters cannot be compiled"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "frames", "says"), ZMQ_CASES, ids=[c[0] for c in ZMQ_CASES])
@@ -235,6 +281,23 @@ def test_bad_zmq_frame(engine: HttpEngine, name: str, frames: list[bytes], says:
     assert reply.finish_reason is FinishReason.ERROR and reply.error and says in reply.error, reply
     with Client(engine.engine.endpoint, timeout_s=30) as c:
         assert c.generate("Hello", max_new_tokens=2).finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+def test_a_limit_beyond_the_context_is_context_length_exceeded(engine: HttpEngine) -> None:
+    """A max_tokens the client set that cannot fit beside the prompt is refused, as OpenAI and vLLM
+    do; one that fits exactly runs, and an absent one is still lowered to fit."""
+    for path, body in [
+        ("completions", {"prompt": [5] * 1000, "max_tokens": 25}),
+        ("chat/completions", {"messages": MSG, "max_completion_tokens": 10**9}),
+    ]:
+        reply = _post(engine, path, body)
+        assert reply.status_code == 400 and reply.json()["error"]["code"] == "context_length_exceeded", (
+            reply.text
+        )
+    exact = _post(engine, "completions", {"prompt": [5] * 1000, "max_tokens": 24, "ignore_eos": True})
+    assert exact.status_code == 200 and exact.json()["usage"]["completion_tokens"] == 24, exact.text
+    default = _post(engine, "completions", {"prompt": [5] * 1020, "ignore_eos": True})  # 16, lowered to 4
+    assert default.status_code == 200 and default.json()["usage"]["completion_tokens"] == 4, default.text
 
 
 def test_nothing_leaked_after_the_bad_inputs(engine: HttpEngine) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import pytest
 
 from protocol.messages import ChatMessage, GenerateRequest, SamplingParams
@@ -80,12 +81,25 @@ def test_prompt_filling_the_context_is_rejected(tokenizer: PreTrainedTokenizerBa
     assert ok.max_new_tokens == 1  # clamped to context_len - prompt_len
 
 
-def test_max_new_tokens_is_clamped_to_the_context(tokenizer: PreTrainedTokenizerBase) -> None:
+def test_max_new_tokens_is_clamped_to_the_context_or_refused(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Clamped for a ZMQ client (and an HTTP request that set no limit); refused when the HTTP
+    client set it (clamp_to_context=False), as OpenAI and vLLM refuse it."""
     info = ModelInfo(context_len=50, vocab_size=len(tokenizer), eos_token_ids=(2,))
     ok = _validate(tokenizer, info, input_ids=[5] * 20, sampling={"max_new_tokens": 1000})
     assert ok.max_new_tokens == 30
     ok = _validate(tokenizer, info, input_ids=[5] * 20, sampling={"max_new_tokens": 7})
     assert ok.max_new_tokens == 7
+    req = GenerateRequest(rid="r1", input_ids=[5] * 20, sampling=SamplingParams(max_new_tokens=31))
+    with pytest.raises(
+        RequestRejected, match="is 31: 20 prompt tokens [+] 31 = 51, over the context length 50"
+    ) as caught:
+        validate_generate(req, tokenizer, info, random.Random(0), clamp_to_context=False)
+    assert (caught.value.param, caught.value.code) == ("sampling.max_new_tokens", "context_length_exceeded")
+    fits = msgspec.structs.replace(req, sampling=SamplingParams(max_new_tokens=30))
+    assert (
+        validate_generate(fits, tokenizer, info, random.Random(0), clamp_to_context=False).max_new_tokens
+        == 30
+    )
 
 
 def test_valid_prompt_request(tokenizer: PreTrainedTokenizerBase, model_info: ModelInfo) -> None:

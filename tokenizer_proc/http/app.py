@@ -104,8 +104,11 @@ class OpenAiApi:
         max_param = (
             "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
         )
+        # A limit the client set that cannot fit beside the prompt is a 400 (OpenAI, vLLM); none set:
+        # the default (completions 16, chat the rest of the context) is lowered to fit.
+        limit_set = body.max_tokens is not None or (chat and body.max_completion_tokens is not None)
         try:
-            handles = await submit_all(self.bridge, reqs)
+            handles = await submit_all(self.bridge, reqs, clamp_to_context=not limit_set)
         except RequestRejected as exc:
             raise rejection_error(
                 exc, chat=chat, max_param=max_param, grammar_param=grammar_field(body)
@@ -191,6 +194,7 @@ def build_app(bridge: HttpBridge, settings: HttpSettings) -> Starlette:
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         ApiError: _api_error,
         HTTPException: _http_error,
+        Exception: _internal_error,  # Starlette answers with it, logs the traceback, and serves on
     }
     return Starlette(routes=routes, exception_handlers=handlers)
 
@@ -198,6 +202,11 @@ def build_app(bridge: HttpBridge, settings: HttpSettings) -> Starlette:
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError), f"routed {type(exc).__name__} to the ApiError handler"
     return exc.response()
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """A bug in a handler: OpenAI's error shape, 500 (the bridge has ended what the request left)."""
+    return ApiError(500, f"internal error: {exc!r}", code="internal_error").response()
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from protocol.messages import GenerateOutput, GenerateRequest
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.request_state import Outbox
+from tokenizer_proc.validation_error import RequestRejected
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +42,20 @@ class HttpBridge:
         """The scheduler has reported in, and shutdown has not begun."""
         return self.frontend.engine_stats is not None and not self.frontend.draining
 
-    async def submit(self, req: GenerateRequest) -> list[RequestHandle]:
+    async def submit(self, req: GenerateRequest, *, clamp_to_context: bool = True) -> list[RequestHandle]:
         """Admit ``req`` (raises RequestRejected) and return the handles its choices' replies
-        arrive on, one per choice (``req.n``)."""
+        arrive on, one per choice (``req.n``). ``clamp_to_context`` False: the client set its
+        output limit, and one beyond the context is refused (Frontend.admit)."""
         client_id = HTTP_CLIENT_PREFIX + str(self._next_id).encode()
         self._next_id += 1
         grammar = await self.frontend.compile_grammar(req)  # off the event loop
-        out = self.frontend.admit(client_id, req, grammar)
+        try:
+            out = self.frontend.admit(client_id, req, grammar, clamp_to_context=clamp_to_context)
+        except RequestRejected:
+            raise
+        except Exception as exc:  # a bug: end whatever it left in the table; the app answers 500
+            await self._send(self.frontend.client_fault(client_id, req.rid, f"internal error: {exc!r}"))
+            raise
         self._queues[client_id] = [asyncio.Queue() for _ in range(req.n)]
         await self._send(out)
         return [RequestHandle(self, client_id, index) for index in range(req.n)]

@@ -21,13 +21,15 @@ from tokenizer_proc.http.bridge import HttpBridge, RequestHandle
 from tokenizer_proc.http.responses import DONE_EVENT, ResponseShape
 
 
-async def submit_all(bridge: HttpBridge, reqs: list[GenerateRequest]) -> list[RequestHandle]:
+async def submit_all(
+    bridge: HttpBridge, reqs: list[GenerateRequest], *, clamp_to_context: bool = True
+) -> list[RequestHandle]:
     """Submit every request, or none: when one is rejected the ones already in are aborted and
     the rejection (RequestRejected) propagates. One handle per choice, in choice index order."""
     handles: list[RequestHandle] = []
     try:
         for req in reqs:
-            handles += await bridge.submit(req)
+            handles += await bridge.submit(req, clamp_to_context=clamp_to_context)
     except BaseException:
         await close_all(handles)
         raise

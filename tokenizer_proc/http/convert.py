@@ -187,8 +187,12 @@ def _chat_message(i: int, m: ChatMessageIn) -> ChatMessage:
         if any(part.type != "text" or part.text is None for part in m.content):
             raise bad_param(f"messages[{i}].content", "only text content parts are supported")
         content = "".join(part.text or "" for part in m.content)
-    else:  # None is "" (as before tools came) except on an assistant turn that only calls tools
-        content = m.content if m.content is not None or m.tool_calls else ""
+    elif m.content is None and not (m.role == "assistant" and m.tool_calls):
+        raise bad_param(
+            f"messages[{i}].content", "content may be null only on an assistant message with tool_calls"
+        )
+    else:
+        content = m.content
     role = "system" if m.role == "developer" else m.role
     return ChatMessage(
         role=role, content=content, tool_calls=m.tool_calls, tool_call_id=m.tool_call_id, name=m.name

@@ -123,6 +123,8 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         ) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # msgspec's, past its depth limit (in a field of any JSON)
+        raise ApiError(400, "the request body is nested too deeply", code="invalid_json") from None
 
 
 def invalid_field(exc: msgspec.ValidationError, prefix: str = "") -> str | None:

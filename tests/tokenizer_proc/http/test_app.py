@@ -60,3 +60,30 @@ def test_status_codes_follow_the_engine_state(frontend_parts: tuple[object, obje
 
     assert asyncio.run(scenario()) == [503, 503, 200, 401, 413, 200, 503, 503]
     assert sent == []  # nothing reached the scheduler
+
+
+def test_a_bug_in_a_handler_is_a_500_and_leaves_nothing_behind(
+    frontend_parts: tuple[object, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenizer, info = frontend_parts
+    frontend = Frontend(tokenizer, info, seed=0)  # type: ignore[arg-type]
+    frontend.on_scheduler_msg(EngineStats(num_running=0, num_waiting=0, num_pages=4, free_pages=4))
+    sent: list[Outbox] = []
+
+    async def send(out: Outbox) -> None:
+        sent.append(out)
+
+    def route_with_a_bug(*args: object) -> int:
+        raise RuntimeError("a bug")
+
+    app = build_app(HttpBridge(frontend, send), HttpSettings("m"))
+    monkeypatch.setattr(frontend.router, "route", route_with_a_bug)  # after the request entered the table
+
+    async def post() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.post("/v1/completions", json=BODY)
+
+    reply = asyncio.run(post())
+    assert reply.status_code == 500 and reply.json()["error"]["code"] == "internal_error", reply.text
+    assert "a bug" in reply.json()["error"]["message"] and len(frontend.requests) == 0

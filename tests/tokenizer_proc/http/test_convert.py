@@ -156,7 +156,6 @@ def test_chat_tools_and_tool_history_map_to_the_engine_request() -> None:
         {"role": "assistant", "content": None, "refusal": None, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "3"},
-        {"role": "user", "content": None},
     ]  # fmt: skip
     req = chat_request(
         _chat(messages=messages, tools=[tool], chat_template_kwargs={"enable_thinking": False}), "r"
@@ -164,11 +163,10 @@ def test_chat_tools_and_tool_history_map_to_the_engine_request() -> None:
     assert req.tools is not None and req.tools[0].function.name == "add" and req.tool_choice == "auto"
     assert req.chat_template_kwargs == {"enable_thinking": False}
     assert req.messages is not None
-    assistant, result, empty_user = req.messages[1:]
+    assistant, result = req.messages[1:]
     assert assistant.content is None and assistant.tool_calls is not None
     assert assistant.tool_calls[0].function.name == "add"
     assert (result.role, result.tool_call_id, result.content) == ("tool", "call_1", "3")
-    assert empty_user.content == ""  # a null content stays "" unless the turn calls tools
     named = {"type": "function", "function": {"name": "add"}}
     assert (
         chat_request(_chat(messages=messages[:1], tools=[tool], tool_choice=named), "r").tool_choice != "auto"
@@ -191,3 +189,11 @@ def test_a_forced_tool_choice_carries_its_grammar_from_the_start() -> None:
     with pytest.raises(ApiError) as caught:
         chat_request(_chat(tools=[tool], tool_choice=named), "r")
     assert caught.value.param == "tool_choice" and "mul" in caught.value.message
+
+
+@pytest.mark.parametrize("role", ["user", "system", "developer", "tool", "assistant"])
+def test_null_content_is_refused_but_on_an_assistant_turn_with_tool_calls(role: str) -> None:
+    message = {"role": role, "content": None, "tool_call_id": "call_1"} if role == "tool" else {"role": role}
+    with pytest.raises(ApiError) as caught:
+        chat_request(_chat(messages=[{"role": "user", "content": "hi"}, message]), "r")
+    assert (caught.value.status, caught.value.param) == (400, "messages[1].content")
