@@ -1,8 +1,8 @@
-"""docs/BENCHMARKS.md and its PNG plots, written from a sweep manifest (a plain dict, see sweep.py).
+"""The tables of docs/benchmarks.md, from a sweep manifest (a plain dict, see sweep.py).
 
-Tables give the median over repeats with the spread (min-max) in parentheses; plots are
-CDFs of TTFT and ITL per configuration (samples pooled over repeats) and throughput /
-TTFT p99 against concurrency (median, bars from min to max).
+Each cell is the median over repeats with the spread (min-max) in parentheses. bench/writeup.py
+writes the file from these tables and bench/plots.py's PNGs (CDFs of TTFT and ITL per
+configuration; throughput and TTFT p99 against concurrency).
 """
 
 from __future__ import annotations

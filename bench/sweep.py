@@ -1,6 +1,6 @@
 """Before/after sweeps: one engine per configuration, the same workload against each, interleaved.
 
-    python -m bench.sweep                      # the seeds' pairs + concurrency + offline vs HF
+    python -m bench.sweep                      # the scheduling pairs + concurrency + offline vs HF
     python -m bench.sweep --quick              # a smoke run: tiny workloads, 2 repeats
     python -m bench.sweep --sweeps pack,concurrency --repeats 5
     python -m bench.sweep --report-from bench/results/sweep-latest.json   # redo tables and plots
@@ -8,8 +8,8 @@
 Each sweep starts every engine it needs (its own launcher on its own endpoint), then runs
 its variants A B A B A B (``--repeats`` rounds), then stops them all by pid. A configuration
 whose flags the launcher rejects is reported as "n/a (flag not available)". The results go
-to a JSON manifest, the per-run records to a JSON Lines file, and docs/BENCHMARKS.md plus
-PNG plots are written from the manifest (bench/report.py).
+to a JSON manifest, the per-run records to a JSON Lines file, and docs/benchmarks.md plus
+PNG plots are written from the manifest (bench/writeup.py).
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def _mark(result: SweepResult, spec: sweeps.EngineSpec, sweep: sweeps.Sweep, sta
 
 def build_parser() -> argparse.ArgumentParser:
     names = [s.name for s in sweeps.default_sweeps([])]
-    p = argparse.ArgumentParser(description="rivulet sweeps: seeds' pairs, concurrency, offline vs HF")
+    p = argparse.ArgumentParser(description="rivulet sweeps: scheduling pairs, concurrency, offline vs HF")
     add = p.add_argument
     add("--sweeps", default="all", help=f"comma list of {', '.join([*names, 'offline'])}; or all")
     add("--repeats", type=int, default=3, help="rounds per configuration, interleaved")
@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", default=None, help="model dir or GGUF for every rivulet engine (default: embedded)")
     add("--engine-flags", default="", help='launcher flags for every rivulet engine, e.g. "--num-threads 1"')
     add("--peer", action="append", default=[], help="LABEL=COMMAND of an OpenAI server ({port} filled in)")
-    add("--out-dir", type=Path, default=REPO / "docs", help="where BENCHMARKS.md and the PNGs go")
+    add("--out-dir", type=Path, default=REPO / "docs", help="where benchmarks.md and the PNGs go")
     add("--manifest", type=Path, default=RESULTS_DIR / "sweep-latest.json")
     add("--records", type=Path, default=RESULTS_DIR / "sweep.jsonl", help="per-run JSON Lines records")
     add("--report-from", type=Path, default=None, help="only rewrite the docs from this manifest")

@@ -1,4 +1,4 @@
-"""The built-in sweeps, as data: which engines, which workload, what the seeds expect.
+"""The built-in sweeps, as data: which engines, which workload, what the reference runs measured.
 
 A ``Variant`` is one row of a table: an engine configuration and the serving.py flags
 of its workload. Variants that name the same ``EngineSpec`` share one running engine.
@@ -48,7 +48,7 @@ class Sweep:
 
     name: str
     title: str
-    expect: str  # what the seeds measured, so a reader can compare
+    expect: str  # what a reference run measured (roseinfer, SGLang), so a reader can compare
     variants: tuple[Variant, ...]
     kind: str = "pair"  # "pair": CDF plot per variant; "concurrency": curves vs concurrency
 
@@ -66,38 +66,38 @@ def _pair(
 
 
 def seeds_pairs() -> list[Sweep]:
-    """The seeds' before/after pairs (000 pack, 001 decode-first, 002 max running, SGLang chunking, cache)."""
+    """The scheduling before/after pairs: pack, decode-first, max running, chunking, prefix cache."""
     fcfs = EngineSpec("fcfs, budget 256", BUDGET)
     return [
         _pair(
-            "pack", "FIFO vs pack admission (seed 000)",
-            "seed 000 (GPT-2/CUDA): TTFT p99 1144 -> 690 ms with pack",
+            "pack", "FIFO vs pack admission",
+            "roseinfer on GPT-2/CUDA, TTFT p99 1144 -> 690 ms with pack",
             (*HOL, "--num-requests", "16", "--max-new-tokens", "16"),
             fcfs, EngineSpec("pack, budget 256", (*BUDGET, "--schedule-policy", "pack")),
         ),
         _pair(
-            "decode-first", "prefill-first vs decode-first (seed 001)",
-            "seed 001: ITL p99 164 -> 140 ms, TTFT p99 211 -> 222 ms with decode-first",
+            "decode-first", "prefill-first vs decode-first",
+            "roseinfer, ITL p99 164 -> 140 ms, TTFT p99 211 -> 222 ms with decode-first",
             ("--prompt", "Hello", "--prompt-repeats", "1,1,1,64", "--unique-prompts", "--no-stop-on-eos",
              "--num-requests", "48", "--max-new-tokens", "16", "--submit-interval-ms", "50"),
             DEFAULT, EngineSpec("decode-first", ("--decode-first",)),
         ),
         _pair(
-            "max-running", "uncapped vs --max-running-requests 8 (seed 002)",
-            "seed 002: ITL p99 218 -> 130 ms, TTFT p99 684 -> 2428 ms with a cap of 64 (128 requests)",
+            "max-running", "uncapped vs --max-running-requests 8",
+            "roseinfer, ITL p99 218 -> 130 ms, TTFT p99 684 -> 2428 ms with a cap of 64 (128 requests)",
             (*HOL, "--num-requests", "16", "--max-new-tokens", "16"),
             fcfs, EngineSpec("max running 8, budget 256", (*BUDGET, "--max-running-requests", "8")),
         ),
         _pair(
-            "chunked-prefill", "chunked prefill 256 vs off (SGLang)",
-            "SGLang: chunking bounds the decode stall a long prompt causes (ITL tail)",
+            "chunked-prefill", "chunked prefill 256 vs off",
+            "SGLang, chunking bounds the decode stall a long prompt causes (ITL tail)",
             (*HOL, "--num-requests", "16", "--max-new-tokens", "24", "--submit-interval-ms", "150"),
             EngineSpec("chunk 256", ("--chunked-prefill-size", "256")),
             EngineSpec("no chunking", ("--chunked-prefill-size", "-1")),
         ),
         _pair(
-            "prefix-cache", "prefix cache on vs off (seed 003, shared prefixes)",
-            "seed 003: hits skip prefill; TTFT drops with the share of cached prompt tokens",
+            "prefix-cache", "prefix cache on vs off (shared prefixes)",
+            "roseinfer, hits skip prefill; TTFT drops with the share of cached prompt tokens",
             ("--workload", "shared-prefix", "--groups", "4", "--questions", "4", "--system-len", "160",
              "--question-len", "16", "--max-new-tokens", "16", "--max-concurrency", "4"),
             DEFAULT, EngineSpec("cache off", ("--disable-radix-cache",)),
@@ -120,7 +120,7 @@ def concurrency_sweep(engines: list[EngineSpec], levels: tuple[int, ...] = CONCU
     )
     return Sweep(
         "concurrency", "throughput and TTFT vs concurrency",
-        "issue 7 anchors (this CPU): HF fp32 generate 16-20 / 92 / 195 tok/s at batch 1 / 8 / 32",
+        "HF fp32 generate on this CPU, 16-20 / 92 / 195 tok/s at batch 1 / 8 / 32",
         variants, kind="concurrency",
     )  # fmt: skip
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Every table of docs/BENCHMARKS.md from one commit, on a quiet machine, one command after another
+# Every table of docs/benchmarks.md from one commit, on a quiet machine, one command after another
 # (nothing else may run meanwhile: on 2 cores any other process skews every number). Each command's
-# output goes to OUT/NAME.txt; the sweep rewrites the generated half of BENCHMARKS.md itself, the
+# output goes to OUT/NAME.txt; the sweep rewrites the generated half of benchmarks.md itself, the
 # sections after its "sections below" marker are pasted from OUT by hand, each naming its commit.
 #
 #     bash bench/tables.sh /tmp/tables            # everything (~1.5 h on 2 cores)
@@ -11,8 +11,8 @@ OUT=${1:?usage: bench/tables.sh OUT_DIR [STEP ...]}
 shift
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
-GGUF=$(python -c "from gpu_worker.model_files import embedded_gguf_path as p; print(p())")
-KIND=$(python -c "from gpu_worker.cpu.kind import requested_kind as k; print(k().value)")
+GGUF=$(python -c "from gpu_worker.weights.model_files import embedded_gguf_path as p; print(p())")
+KIND=$(python -c "from gpu_worker.backends.cpu.kind import requested_kind as k; print(k().value)")
 LLAMA=$(python -m bench.llama_cpp path --kind "$KIND" || true)
 
 declare -A STEPS=(

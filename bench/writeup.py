@@ -1,4 +1,4 @@
-"""Write docs/BENCHMARKS.md and its PNGs from a sweep manifest (see sweep.py for its shape)."""
+"""Write docs/benchmarks.md and its PNGs from a sweep manifest (see sweep.py for its shape)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ llama.cpp serves the same GGUF over the OpenAI API, so it is measured by the sam
 (`bench/serving.py --backend openai`). `bench/llama_cpp.py` builds its C++ `llama-server` once per
 CPU kind and caches it; llama.cpp is not a dependency of rivulet and no binary is committed:
 
+<!-- docs-test: parse-only (builds llama.cpp, minutes) -->
 ```bash
 python -m bench.llama_cpp build --kind avx2      # avx2 | avx512 | avx512_bf16 | native; ~6-12 min on 2 cores
 python -m bench.llama_cpp path --kind avx2       # prints the cached binary; exit 1 if there is none
@@ -29,6 +30,7 @@ AVX512_VNNI; `native` is `GGML_NATIVE=ON` (this machine's compiler flags).
 `python -m bench.targets --peer-llama-cpp auto` measures it beside rivulet (next section). In a sweep it is
 a peer like any OpenAI server:
 
+<!-- docs-test: parse-only (a full sweep) -->
 ```bash
 GGUF=$(python -c "from gpu_worker.weights.model_files import embedded_gguf_path as p; print(p())")
 LLAMA_SERVER=$(python -m bench.llama_cpp path --kind avx2)
@@ -39,13 +41,14 @@ python -m bench.sweep --sweeps concurrency \\
 `{port}` is filled with a free port; the sweep waits for `GET /v1/models` and stops the server by pid."""
 
 TARGETS_HOWTO = """\
-## Issue 7's targets: `bench/targets.py`
+## Serving targets: throughput, latency, busy share, idle cost, start-up (`bench/targets.py`)
 
 Numbers from: each run pasted below names its commit and CPU (bench/targets.py prints the CPU line).
 
-One command measures every target of issue 7 and prints the markdown table its note quotes
+One command measures every serving target and prints its markdown table
 (CPU-heavy: run it under the shared lock so no other benchmark overlaps it):
 
+<!-- docs-test: parse-only (minutes) -->
 ```bash
 flock /tmp/rivulet-cpu.lock python -m bench.targets                # the engine's default dtype, 3 rounds
 flock /tmp/rivulet-cpu.lock python -m bench.targets --dtype float32,bfloat16
@@ -68,11 +71,12 @@ Each round starts a fresh engine per dtype (`launcher.py --dtype D --http-port P
   dtype in the benchmark's process (the faster of static batch 32 and 64): the ratio.
 
 Round r measures every dtype before round r + 1; a cell is the median over rounds with (min-max).
-The JSON record is appended to `bench/results/targets.jsonl`. The anchor columns are the issue's
+The JSON record is appended to `bench/results/targets.jsonl`. The anchor columns are reference
 numbers from a 2-vCPU AMD Zen 5, not measured on this machine.
 
 llama.cpp beside rivulet (`bench/llama_cpp.py` builds it, see Peers above):
 
+<!-- docs-test: parse-only (minutes) -->
 ```bash
 flock /tmp/rivulet-cpu.lock python -m bench.targets --peer-llama-cpp auto   # the kind rivulet acts as
 flock /tmp/rivulet-cpu.lock python -m bench.targets --peer-llama-cpp /path/to/llama-server
@@ -92,6 +96,51 @@ not that kind's build. The table's first line is the CPU kind acted as and the C
 (`gpu_worker/backends/cpu/kind.py` `describe`); the record keeps them under `machine`, and
 llama.cpp's own rounds under `metrics.peer`."""
 
+
+HOW_TO_RUN = """\
+`bench/` measures rivulet the way roseinfer's `benchmark_streaming` does (TTFT, TPOT, ITL and
+latency taken at the client as each chunk arrives) and compares configurations and peers in one run.
+Against a running engine (`python launcher.py --http-port 8000`; the OpenAI backend takes any
+OpenAI-compatible server):
+
+<!-- docs-test: smoke --num-requests 2 --max-new-tokens 4 --output-len 4 --no-record --no-progress -->
+```bash
+pip install -e ".[bench]"
+python -m bench.serving --prompt Hello --prompt-repeats "512,1,1,1" --unique-prompts \\
+    --num-requests 64 --max-new-tokens 32 --no-stop-on-eos
+python -m bench.serving --backend openai --base-url http://127.0.0.1:8000 \\
+    --workload random --input-len 32 --output-len 32 --max-concurrency 16
+```
+
+Benchmarks that start their own engines or run the worker alone (minutes each; `bench/tables.sh`
+runs every table of this file from one commit):
+
+<!-- docs-test: parse-only (minutes each) -->
+```bash
+python -m bench.offline --baseline hf      # 64 prompts at once, rivulet vs HF generate
+python -m bench.sweep                      # the scheduling pairs + concurrency + offline, ~20 min
+python -m bench.sweep --quick              # the same with tiny workloads
+python -m bench.targets                    # the serving targets (below)
+python bench/logprobs_cost.py              # a 32-stream decode step: no logprobs vs top_logprobs=20
+python -m bench.penalty_cost               # 32 streams with penalties on every request vs without
+python -m bench.penalty_step               # the worker's 32-row decode step with and without them
+python -m bench.grammar_cost               # 32 streams with a JSON schema each vs without; schema TTFT
+python -m bench.choices                    # n = 8 against n = 1 on a 512-token prompt
+python -m bench.dp_routing --part routing  # data-parallel routing policies
+python -m bench.tp_step                    # tensor-parallel step time, shm vs gloo all-reduce
+python -m bench.matmul_paths               # each bf16 matmul path per row count, and the plan it gives
+python -m bench.quant_matmul               # the GGUF block kernels per type and row count
+python -m bench.weight_memory              # the worker's weight bytes per --weight-dtype
+python -m bench.long_context --peer-llama-cpp auto   # 1 stream at 32-2048-token prompts vs llama-server
+python -m bench.decode_attention           # the C decode attention alone, by context and row count
+```
+
+`bench.sweep` starts its own engines (one per configuration, always stopped), runs the
+configurations interleaved (A B A B A B), reports medians with their spread, and rewrites this
+file's first half and its PNGs. Each run is also appended as a JSON record (config, machine, git
+commit, numbers) under `bench/results/`."""
+
+PAIRS_TITLE = "Scheduling A/B pairs: admission, decode-first, request cap, chunking, prefix cache"
 
 # Everything after this line is pasted from the other benches' output, each section naming its
 # commit and CPU; write_docs keeps it as it is.
@@ -123,7 +172,7 @@ def provenance(m: dict[str, Any]) -> str:
 
 
 def _pair_section(sweep: dict[str, Any], out_dir: Path) -> list[str]:
-    lines = [f"### {sweep['title']}", "", f"Seeds: {sweep['expect']}.", ""]
+    lines = [f"### {sweep['title']}", "", f"Reference: {sweep['expect']}.", ""]
     if sweep.get("note"):
         lines += [f"Note: {sweep['note']}", ""]
     workload = sweep["variants"][0]["workload"]
@@ -155,7 +204,7 @@ def _concurrency_section(sweep: dict[str, Any], out_dir: Path, source: str) -> l
 
 
 def write_docs(manifest: dict[str, Any], out_dir: Path) -> Path:
-    """Write BENCHMARKS.md (and PNGs next to it) into ``out_dir``; returns the markdown's path."""
+    """Write benchmarks.md (and PNGs next to it) into ``out_dir``; returns the markdown's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = [
         "# Benchmarks", "",
@@ -163,6 +212,7 @@ def write_docs(manifest: dict[str, Any], out_dir: Path) -> Path:
         "`bench/tables.sh`; regenerate rather than edit. "
         f"Command: `{manifest['command']}`", "",
         *_machine_lines(manifest), "",
+        HOW_TO_RUN, "",
     ]  # fmt: skip
     source = provenance(manifest)
     if manifest.get("offline"):
@@ -170,7 +220,7 @@ def write_docs(manifest: dict[str, Any], out_dir: Path) -> Path:
         lines += [report.offline_table(manifest["offline"]), ""]
     pairs = [s for s in manifest["sweeps"] if s["kind"] == "pair"]
     if pairs:
-        lines += ["## The seeds' pairs", "", source, ""]
+        lines += [f"## {PAIRS_TITLE}", "", source, ""]
         for sweep in pairs:
             lines += _pair_section(sweep, out_dir)
     for sweep in manifest["sweeps"]:
@@ -181,7 +231,7 @@ def write_docs(manifest: dict[str, Any], out_dir: Path) -> Path:
     if manifest.get("peer_note"):
         ran += " " + manifest["peer_note"]
     lines += ["## Peers", "", source, "", ran, "", LLAMA_CPP_RECIPE, "", TARGETS_HOWTO, ""]
-    path = out_dir / "BENCHMARKS.md"
+    path = out_dir / "benchmarks.md"
     kept = path.read_text().partition(BY_HAND)[2] if path.exists() else ""
     path.write_text("\n".join(lines) + "\n" + BY_HAND + (kept or "\n"))
     return path

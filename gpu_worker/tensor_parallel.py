@@ -14,7 +14,7 @@ The LM head is vocab-parallel: each rank computes the logits of its share of the
 (``VocabGathered``), then every rank holds all of them and draws the same tokens (same seeds), so
 each keeps its per-slot state; rank 0 alone replies. A replicated head would have each rank read
 the whole table per step; bench/tp_step.py measured the split head plus its gather at 0.5-0.7x
-its time at 1 and 32 rows (docs/BENCHMARKS.md). The embedding (a row lookup, cheap) and the norms
+its time at 1 and 32 rows (docs/benchmarks.md). The embedding (a row lookup, cheap) and the norms
 are replicated.
 A GGUF's weights are dequantized for TP (blocks would need K splits on block boundaries).
 ``shard`` runs on the full model as loaded, before the device backend readies it;

@@ -1,4 +1,4 @@
-"""The JSON record schema stays stable; BENCHMARKS.md and the PNGs are written from a manifest."""
+"""The JSON record schema stays stable; docs/benchmarks.md and the PNGs are written from a manifest."""
 
 from __future__ import annotations
 

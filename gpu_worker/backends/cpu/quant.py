@@ -25,7 +25,7 @@ from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
 
 # From how many rows a quantized Linear takes the dense path (csrc/quant_dense.c: W dequantized to
 # float32 panel by panel, x not quantized, float32 FMAs) rather than the integer one, per CPU kind and
-# type. Measured by bench/quant_matmul.py (its numbers in docs/BENCHMARKS.md), committed here, never
+# type. Measured by bench/quant_matmul.py (its numbers in docs/benchmarks.md), committed here, never
 # timed at start. AVX2 (EPYC Zen 3, 2 threads, bf16 activations), integer vs dense, ms per pass:
 # - The legacy types as the worker holds them, rows interleaved by 8 (csrc/quant_x8.c; ``X8_``):
 #   SmolLM2's four Linears x 30, Q4_1 8 rows 11.2 vs 20.5, 32: 40.0 vs 55.0, 256: 328 vs 392; Q8_0
