@@ -95,7 +95,7 @@ class GenerateRequest(ClientMsg, tag="generate"):
 
     ``top_logprobs`` (needs ``logprobs``): also the N most likely tokens at each position.
     ``echo`` (``prompt`` or ``input_ids`` only): the reply also carries the prompt, and with
-    ``logprobs`` every prompt token's logprob, which bypasses the prefix cache (see README);
+    ``logprobs`` every prompt token's logprob, which bypasses the prefix cache (docs/http-api.md);
     ``max_new_tokens`` may then be 0.
     """
 
@@ -109,7 +109,7 @@ class GenerateRequest(ClientMsg, tag="generate"):
     cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share KV
     top_logprobs: int = 0
     echo: bool = False
-    # Chat only (see README): tools offered to the model and how it must use them, and extra
+    # Chat only (docs/http-api.md): tools offered to the model and how it must use them, and extra
     # variables for the chat template (e.g. {"enable_thinking": false}).
     tools: list[Tool] | None = None
     tool_choice: ToolChoice = "auto"

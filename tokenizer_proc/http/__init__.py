@@ -1,1 +1,1 @@
-"""The OpenAI-compatible HTTP API, served from the tokenizer process (see README: why here)."""
+"""The OpenAI-compatible HTTP API, served from the tokenizer process (docs/architecture.md says why there)."""
