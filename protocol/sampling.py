@@ -26,7 +26,7 @@ class WorkerPenalties(msgspec.Struct, frozen=True, kw_only=True, array_like=True
 
 
 class WorkerGrammar(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """A request's grammar as the worker needs it (gpu_worker/grammar.py).
+    """A request's grammar as the worker needs it (gpu_worker/sampling/grammar.py).
 
     ``compiled`` is xgrammar's compiled grammar as its own JSON text (``CompiledGrammar.serialize_json``:
     the grammar and its token-mask cache, not the vocabulary, which the worker builds once from the

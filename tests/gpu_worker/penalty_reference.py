@@ -1,5 +1,5 @@
 """The penalties as their definitions read, one row at a time in float64: what the worker's batched
-tables (gpu_worker/penalties.py) must equal.
+tables (gpu_worker/sampling/penalties.py) must equal.
 
 repetition (HF's RepetitionPenaltyLogitsProcessor, vLLM, SGLang): every token in the prompt or
 the output, logit > 0 divided by it, otherwise multiplied; then OpenAI's

@@ -1,4 +1,4 @@
-"""The worker's grammar masks (gpu_worker/grammar.py) on the embedded model's real vocabulary: a
+"""The worker's grammar masks (gpu_worker/sampling/grammar.py) on the embedded model's real vocabulary: a
 matcher per slot that follows the tokens the worker runs, through a fresh slot, a cached prefix
 (retraction), the void row after EOS and a token the grammar rejects; free rows untouched."""
 

@@ -1,5 +1,5 @@
 /* What the worker's C kernels share: dtype codes, limits, bf16 conversions, exp, prefetch, and which
- * instruction set this build targets (gpu_worker/cpu/kernels.py compiles every .c file here into one
+ * instruction set this build targets (gpu_worker/backends/cpu/build.py compiles every .c file here into one
  * library per CPU kind, with that kind's -march).
  *
  * Plain C with OpenMP, called through ctypes with raw pointers: no torch headers,

@@ -30,7 +30,7 @@ int quant_matmul_dense(int type, const uint8_t *w, int64_t n, int64_t k, const v
 
 enum { QKV, O, GATE_UP, DOWN, LINEARS };
 
-typedef struct { /* one layer, as gpu_worker/cpu/decode_layers.py fills it (ctypes) */
+typedef struct { /* one layer, as gpu_worker/backends/cpu/decode_layers.py fills it (ctypes) */
     const void *input_norm, *post_norm; /* [hidden], the activations' dtype */
     const uint8_t *w[LINEARS];          /* GGUF blocks, [n, row bytes] */
     int64_t type[LINEARS];              /* ggml type ids */

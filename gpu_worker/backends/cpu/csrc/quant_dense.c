@@ -7,7 +7,7 @@
  * integer tile pays per (row, weight row, block) a widening, two madds, an add, a conversion and a
  * scaled FMA for 32 products, where a float tile pays 4 FMAs; the blocks are widened once per
  * panel here, not once per group of activation rows. bench/quant_matmul.py measures where the
- * paths cross per CPU kind (gpu_worker/cpu/quant.py holds the table).
+ * paths cross per CPU kind (gpu_worker/backends/cpu/quant.py holds the table).
  *
  * Numerics: activations are not quantized (bf16 activations widen exactly to float32); weights are
  * dequantized as gguf-py does (d * q + m, one rounding); products summed in float32, one rounding

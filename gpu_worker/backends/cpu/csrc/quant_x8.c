@@ -1,5 +1,5 @@
 /* The legacy 32-weight blocks (Q4_0, Q4_1, Q8_0) with their weight rows interleaved by 8, the layout
- * the worker holds them in (gpu_worker/gguf_weights.py's interleave_rows makes it at load; same bytes
+ * the worker holds them in (gpu_worker/backends/cpu/layouts.py's interleave_rows makes it at load; same bytes
  * as the file's). Type code: the ggml type | QTYPE_X8.
  *
  * Rows 8g .. 8g + 7 form group g, stored where the file's rows 8g .. 8g + 7 were. Within a group,

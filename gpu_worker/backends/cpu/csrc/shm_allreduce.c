@@ -1,5 +1,5 @@
 /* The all-reduce of tensor-parallel ranks on one machine, through a shared memory region instead of
- * gloo's loopback TCP (gpu_worker/shm_allreduce.py maps the region and calls this).
+ * gloo's loopback TCP (gpu_worker/backends/cpu/shm_allreduce.py maps the region and calls this).
  *
  * Region layout, for ``world`` ranks and pieces of ``piece`` bytes:
  *   flags   world cache lines, rank r's step counter in line r (only rank r writes it)
