@@ -16,7 +16,10 @@ each keeps its per-slot state; rank 0 alone replies. A replicated head would hav
 the whole table per step; bench/tp_step.py measured the split head plus its gather at 0.5-0.7x
 its time at 1 and 32 rows (docs/benchmarks.md). The embedding (a row lookup, cheap) and the norms
 are replicated.
-A GGUF's weights are dequantized for TP (blocks would need K splits on block boundaries).
+A GGUF's blocks stay blocks (``QuantizedWeight``): a column-parallel Linear keeps whole rows, a
+row-parallel one its share of each row's blocks, which needs the share of the input to be whole
+blocks (32 or 256 weights); a split that is not is refused at start, naming the tensor. The
+embedding stays whole on every rank (mapped from the file, shared by the page cache).
 ``shard`` runs on the full model as loaded, before the device backend readies it;
 ``wrap_reductions`` after, around whatever matmul the backend chose, with the all-reduce of
 shm_allreduce.py (shared memory on one machine, else gloo). The model files stay
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.models.layers import Conv1D, Linear, MergedLinear
+from gpu_worker.weights.formats import QuantizedWeight
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a contiguous float32/float64 tensor in place
 
@@ -70,15 +74,15 @@ def shard(model: Any, rank: int, world: int) -> list[nn.Module]:
     check_divisible(model, world)
     reduce: list[nn.Module] = []
     module: Any  # a layer of the model's, by the attributes it has
-    for module in model.modules():
-        if hasattr(module, "qkv_proj"):  # the Llama family's Attention
+    for name, module in model.named_modules():
+        if hasattr(module, "qkv_proj"):  # the Llama family's (and Gemma's) Attention
             module.num_heads //= world
             module.num_kv_heads //= world
             _columns(module.qkv_proj, rank, world)
-            reduce.append(_rows(module.o_proj, rank, world))
+            reduce.append(_rows(module.o_proj, rank, world, f"{name}.o_proj"))
         elif hasattr(module, "gate_up_proj"):  # its MLP
             _columns(module.gate_up_proj, rank, world)
-            reduce.append(_rows(module.down_proj, rank, world))
+            reduce.append(_rows(module.down_proj, rank, world, f"{name}.down_proj"))
         elif hasattr(module, "c_attn"):  # GPT-2's attention: q, k, v blocks along the output columns
             module.num_heads //= world
             _conv_columns(module.c_attn, rank, world, blocks=3)
@@ -88,6 +92,7 @@ def shard(model: Any, rank: int, world: int) -> list[nn.Module]:
             reduce.append(_conv_rows(module.c_proj, rank, world))
     model.num_heads //= world
     model.num_kv_heads //= world
+    model.tensor_parallel = (rank, world)  # a backend's one-call paths read it (no all-reduce there)
     head = getattr(model, "lm_head", None)
     if isinstance(head, Linear):
         reduce.append(_vocab_rows(head, rank, world))
@@ -97,10 +102,13 @@ def shard(model: Any, rank: int, world: int) -> list[nn.Module]:
 def _vocab_rows(head: Linear, rank: int, world: int) -> Linear:
     """The LM head's vocabulary rows of this rank (the last rank's may be fewer): a view of the
     loaded table, so a tied embedding keeps its whole table and nothing is copied."""
-    vocab = head.weight.shape[0]
+    vocab = head.quantized.rows if head.quantized is not None else head.weight.shape[0]
     size = -(-vocab // world)
     start, stop = min(rank * size, vocab), min((rank + 1) * size, vocab)
-    head.weight = nn.Parameter(head.weight.detach()[start:stop], requires_grad=False)
+    if head.quantized is not None:  # its own weight: a tied embedding keeps the whole table
+        head.quantized = head.quantized.rows_of([(start, stop - start)])
+    else:
+        head.weight = nn.Parameter(head.weight.detach()[start:stop], requires_grad=False)
     if head.bias is not None:
         head.bias = nn.Parameter(head.bias.detach()[start:stop], requires_grad=False)
     head.vocab_span = (start, stop, vocab)  # type: ignore[assignment]
@@ -120,9 +128,16 @@ def _set(param: nn.Parameter, value: torch.Tensor) -> None:
 
 def _columns(linear: Linear, rank: int, world: int) -> None:
     """Output rows of each of a merged Linear's blocks (or of a plain one): this rank's share."""
-    blocks = linear.shards if isinstance(linear, MergedLinear) else {"all": (0, linear.weight.shape[0])}
+    total = linear.quantized.rows if linear.quantized is not None else linear.weight.shape[0]
+    blocks = linear.shards if isinstance(linear, MergedLinear) else {"all": (0, total)}
     parts = [(start, rows) for start, rows in blocks.values()]
-    _set(linear.weight, torch.cat([_part(linear.weight[s : s + r], 0, rank, world) for s, r in parts]))
+    if linear.quantized is not None:  # whole rows of blocks
+        if any(rows % world for _, rows in parts):
+            raise ValueError(f"--tp-size {world} does not divide a projection's {parts} rows")
+        mine = [(start + rank * (rows // world), rows // world) for start, rows in parts]
+        linear.quantized = linear.quantized.rows_of(mine)
+    else:
+        _set(linear.weight, torch.cat([_part(linear.weight[s : s + r], 0, rank, world) for s, r in parts]))
     if linear.bias is not None:
         _set(linear.bias, torch.cat([_part(linear.bias[s : s + r], 0, rank, world) for s, r in parts]))
     if isinstance(linear, MergedLinear):
@@ -133,9 +148,22 @@ def _columns(linear: Linear, rank: int, world: int) -> None:
         linear.sizes = sizes
 
 
-def _rows(linear: Linear, rank: int, world: int) -> Linear:
-    """Input columns: this rank's share; the bias only on rank 0 (the sum adds it once)."""
-    _set(linear.weight, _part(linear.weight, 1, rank, world))
+def _rows(linear: Linear, rank: int, world: int, name: str) -> Linear:
+    """Input columns: this rank's share; the bias only on rank 0 (the sum adds it once). GGUF
+    blocks: each row's blocks of those columns, which must be whole blocks (else refused)."""
+    weight = linear.quantized
+    if weight is None:
+        _set(linear.weight, _part(linear.weight, 1, rank, world))
+    else:
+        cols = weight.cols
+        share = cols // world
+        try:
+            if cols % world:
+                raise ValueError(f"{cols} input columns")
+            parts = tuple(part.column_span(rank * share, share) for part in weight.parts)
+        except ValueError as exc:
+            raise ValueError(f"--tp-size {world} cannot split {name}.weight along its input: {exc}") from exc
+        linear.quantized = QuantizedWeight(parts)
     if linear.bias is not None and rank != 0:
         _set(linear.bias, torch.zeros_like(linear.bias))
     return linear

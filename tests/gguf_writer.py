@@ -35,15 +35,21 @@ def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(
-    path: Path, model: Any, types: dict[str, gguf.GGMLQuantizationType] | None = None
+    path: Path,
+    model: Any,
+    types: dict[str, gguf.GGMLQuantizationType] | None = None,
+    tokenizer_from: Path | None = None,
 ) -> dict[str, torch.Tensor]:
     """``model``'s text model as a GGUF at ``path``, 2-D weights of a kind in ``types`` (``attn_q``,
-    ``ffn_down``, ...) quantized, the rest F32. Returns the state dict (``model``'s own names) as the
-    file holds it: load it into ``model`` to make it the file's exact reference."""
+    ``ffn_down``, ...) quantized, the rest F32; the ``tokenizer.*`` fields of ``tokenizer_from``'s
+    GGUF (for a model of its vocabulary that a launcher serves). Returns the state dict (``model``'s
+    own names) as the file holds it: load it into ``model`` to make it the file's exact reference."""
     cfg = model.config.get_text_config()
     arch = ARCH[model.config.model_type]
     writer = gguf.GGUFWriter(str(path), arch)
     _metadata(writer, arch, cfg)
+    if tokenizer_from is not None:
+        copy_tokenizer(writer, tokenizer_from)
     model_arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
     names = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)
     held: dict[str, torch.Tensor] = {}
@@ -78,6 +84,17 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return held
+
+
+def copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> None:
+    """Every ``tokenizer.*`` field of ``source`` (bench/gguf_models.py does the same)."""
+    reader = gguf.GGUFReader(str(source))
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.") and not key.endswith(
+            ("bos_token_id", "eos_token_id", "padding_token_id")
+        ):
+            sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
 
 
 def llama_cpp_permute_inverse(rows: np.ndarray, heads: int) -> np.ndarray:

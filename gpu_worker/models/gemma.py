@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpu_worker.forward_context import AttentionOptions, ForwardContext, paged_attention
+from gpu_worker.forward_context import PLAIN, AttentionOptions, ForwardContext, paged_attention
 from gpu_worker.models.layers import Embedding, Linear, MergedLinear, activation, apply_rotary
 from gpu_worker.models.rope import rotary_cache
 
@@ -60,11 +60,13 @@ class GemmaAttention(nn.Module):
             self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
         sliding = cfg.layer_types[layer] == SLIDING
-        self.options = AttentionOptions(
-            scale=cfg.query_pre_attn_scalar**-0.5,
+        scalar = cfg.query_pre_attn_scalar  # head_dim but in the 27B models: then the default scale
+        options = AttentionOptions(
+            scale=None if scalar == self.head_dim else scalar**-0.5,
             sliding_window=int(cfg.sliding_window or 0) if sliding else 0,
             logit_softcap=float(getattr(cfg, "attn_logit_softcapping", None) or 0.0),
         )
+        self.options = PLAIN if options == PLAIN else options  # the backends test PLAIN by identity
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext

@@ -35,6 +35,24 @@ class QuantBlocks:
         assert self.layout == FILE_LAYOUT, f"{self.layout!r} blocks are read by their backend alone"
         return dequantize_blocks(self.type, self.data.numpy(), (self.rows, self.cols))
 
+    @property
+    def block(self) -> tuple[int, int]:
+        """(weights, bytes) of one block of this type."""
+        import gguf
+
+        elements, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(self.type)]
+        return int(elements), int(nbytes)
+
+    def column_span(self, start: int, cols: int) -> QuantBlocks:
+        """Input columns [start, start + cols) of every row: whole blocks (both on block boundaries,
+        else ValueError), copied into rows of their own."""
+        elements, nbytes = self.block
+        if start % elements or cols % elements:
+            raise ValueError(f"columns [{start}, {start + cols}) do not fall on blocks of {elements}")
+        assert self.layout == FILE_LAYOUT, f"{self.layout!r} blocks are split by their backend alone"
+        data = self.data.narrow(1, start // elements * nbytes, cols // elements * nbytes).contiguous()
+        return QuantBlocks(self.type, data, cols)
+
 
 @dataclass(frozen=True)
 class QuantizedWeight:
@@ -57,6 +75,23 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([part.dequantize() for part in self.parts])
+
+    def rows_of(self, spans: list[tuple[int, int]]) -> QuantizedWeight:
+        """The rows of ``spans`` ((start, count) over all parts' rows, in order, each within one
+        part), by part: views of whole rows, nothing dequantized."""
+        parts, offset = [], 0
+        for part in self.parts:
+            end = offset + part.rows
+            inside = [(s - offset, n) for s, n in spans if offset <= s and s + n <= end]
+            assert all(s + n <= offset or s >= end for s, n in spans if (s - offset, n) not in inside), (
+                f"a span of {spans} crosses a part's end at row {end}"
+            )
+            if inside:
+                views = [part.data.narrow(0, s, n) for s, n in inside]
+                data = views[0] if len(views) == 1 else torch.cat(views)
+                parts.append(QuantBlocks(part.type, data, part.cols, part.layout))
+            offset = end
+        return QuantizedWeight(tuple(parts))
 
 
 def dequantize_blocks(ggml_type: int, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:

@@ -2,7 +2,10 @@
 
 Greedy outputs equal --tp-size 1's token for token in float64, on random Llama, Qwen2, Qwen3 and
 GPT-2 models whose heads divide by 2, through chunked prefill and the prefix cache (prompts share
-a prefix); a model whose heads do not divide is refused at start, naming them.
+a prefix); a model whose heads do not divide is refused at start, naming them. A GGUF's blocks
+stay blocks on every rank: with the activations of one rank (float32), the ranks' greedy tokens
+are one rank's (a near tie may flip, to one rank's second choice: the partial sums of o and down
+add in another order), and the embedded model answers alike at 3 ranks on every CPU kind.
 """
 
 from __future__ import annotations
@@ -14,9 +17,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from client import Client
+from gpu_worker.backends.cpu.kind import ENV_VAR
 from tests.conftest import TOKENIZER_FILES
+from tests.gguf_writer import write_gguf
+from tests.gpu_worker.helpers import KINDS
+from tests.gpu_worker.test_gguf_weights import TYPES
 from tests.integration.engine import launched, running_engine, wait_gone
 from tests.models import VOCAB, save_tiny_model
 
@@ -79,8 +87,13 @@ def test_heads_that_do_not_divide_are_refused_at_start(tiny_llama_dir: Path, tmp
     assert "--tp-size 3 does not divide" in log and "attention heads" in log
 
 
-def test_the_embedded_smollm2_at_three_ranks(tmp_path: Path) -> None:
-    """9 heads and 3 KV heads over 3 ranks (its GGUF blocks dequantized for TP): the same answer."""
+@pytest.mark.parametrize("kind", [kind.value for kind in KINDS])
+def test_the_embedded_smollm2_at_three_ranks(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """9 heads and 3 KV heads over 3 ranks, its Q4_1 blocks split (float32 activations, as one rank
+    has them): the same answer, acting as each CPU kind this CPU runs."""
+    monkeypatch.setenv(ENV_VAR, kind)
     question = [{"role": "user", "content": "What is the capital of France?"}]
     with (
         running_engine(None, tmp_path, "--tp-size", "3") as engine,
@@ -88,6 +101,48 @@ def test_the_embedded_smollm2_at_three_ranks(tmp_path: Path) -> None:
     ):
         out = c.generate(messages=question, max_new_tokens=12, temperature=0)
     assert out.text.startswith("The capital of France is Paris"), out.text
+    log = (tmp_path / "launcher.log").read_text(errors="replace")
+    assert "gguf Q4_1" in log and "on cpu/float32" in log, "the ranks compute on the file's blocks"
+
+
+@pytest.fixture(scope="module")
+def gguf_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Llama of SmolLM2's vocabulary as a GGUF of Q8_0/Q4_1/Q4_0 blocks (q/k/v of
+    three types), its tokenizer fields copied from the embedded model's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gpu_worker.weights.model_files import embedded_gguf_path
+
+    out = tmp_path_factory.mktemp("tp-gguf")
+    config = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, initializer_range=0.1)  # fmt: skip
+    torch.manual_seed(0)
+    write_gguf(out / "model.gguf", LlamaForCausalLM(config), TYPES, tokenizer_from=embedded_gguf_path())
+    return out / "model.gguf"
+
+
+def greedy_top2(model: Path, tmp: Path, *flags: str) -> list[tuple[list[int], list[list[int]]]]:
+    """Each prompt's greedy tokens and the two likeliest tokens at each position."""
+    tmp.mkdir()
+    flags = ("--chunked-prefill-size", "8", "--page-size", "4", *flags)
+    with running_engine(model, tmp, *flags) as engine, Client(engine.endpoint, timeout_s=120) as c:
+        outs = [c.generate(input_ids=p, max_new_tokens=12, temperature=0, ignore_eos=True, logprobs=True,
+                           top_logprobs=2) for p in prompts()]  # fmt: skip
+    return [(o.token_ids, [t.token_ids for t in o.top_logprobs or []]) for o in outs]
+
+
+def test_gguf_blocks_two_ranks_equal_one(gguf_llama: Path, tmp_path: Path) -> None:
+    one = greedy_top2(gguf_llama, tmp_path / "tp1")
+    two = greedy_top2(gguf_llama, tmp_path / "tp2", "--tp-size", "2")
+    assert len({tuple(tokens) for tokens, _ in one}) > 1, "the prompts gave different outputs"
+    for (want, top2), (got, _) in zip(one, two, strict=True):
+        for i, (a, b) in enumerate(zip(want, got, strict=True)):
+            if a != b:  # a near tie flipped: to one rank's second choice, and the rest follows it
+                assert b in top2[i], (i, want, got, top2[i])
+                break
+    log = (tmp_path / "tp2" / "launcher.log").read_text(errors="replace")
+    assert "gguf Q8_0+Q4_1+Q4_0" in log and "on cpu/float32" in log, "the ranks keep the blocks"
 
 
 def test_two_nodes_on_one_machine_equal_one_rank(tiny_llama_dir: Path, tmp_path: Path) -> None:
