@@ -1,4 +1,4 @@
-"""Issue 4's scheduling knobs, before/after on the seeds' workload, plus recovery after retraction.
+"""The scheduling knobs, before/after on roseinfer's workload, plus recovery after retraction.
 
     python -m bench.policy_ab                        # every group, 2 interleaved repeats
     python -m bench.policy_ab --groups admission --repeats 3
@@ -46,7 +46,7 @@ RECOVERY_FLAGS = ("--dtype", "float32", "--kv-cache-tokens", "1024", "--schedule
 RECOVERY_LOAD = ("--workload", "random", "--input-len", "48", "--output-len", "96", "--range-ratio", "0.9",
                  "--num-requests", "16")  # fmt: skip
 WINDOW_S = 5.0
-# Issue 5: one 1024-token system prompt, 8 short unique questions, 4 in flight.
+# The prefix cache's case: one 1024-token system prompt, 8 short unique questions, 4 in flight.
 SHARED_PREFIX = ("--workload", "shared-prefix", "--groups", "1", "--questions", "8", "--system-len", "1024",
                  "--question-len", "16", "--max-new-tokens", "8", "--max-concurrency", "4")  # fmt: skip
 

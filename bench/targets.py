@@ -1,4 +1,4 @@
-"""Issue 7's performance targets in one run: every target measured, a markdown table printed.
+"""The serving targets in one run: every target measured, a markdown table printed.
 
     flock /tmp/rivulet-cpu.lock python -m bench.targets                  # the engine's default dtype
     flock /tmp/rivulet-cpu.lock python -m bench.targets --dtype float32,bfloat16 --repeats 3
@@ -9,7 +9,7 @@ measures, in order: start-up to the Ready line, 32 concurrent streams (with the 
 counters sampled from GET /metrics while they decode), 1 stream, idle CPU of the whole process
 tree, and bench/offline.py's 256 prompts against HF generate of the same dtype in this process.
 Every measurement of round r comes before round r+1; a cell is the median over rounds with
-(min-max). Anchor columns are the issue's numbers from another machine, not measured here.
+(min-max). Anchor columns are reference numbers from another machine, not measured here.
 
 With ``--peer-llama-cpp PATH|auto`` (bench/llama_cpp.py builds and caches llama-server per CPU
 kind) round r also measures rivulet's 32 streams and 1 stream over its HTTP API, then starts
@@ -52,7 +52,7 @@ HTTP_SEED = 3000  # the HTTP runs' prompts differ from the ZMQ runs', so rivulet
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="issue 7's targets, measured in one run")
+    p = argparse.ArgumentParser(description="the serving targets, measured in one run")
     add = p.add_argument
     add(
         "--model",

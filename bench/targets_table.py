@@ -1,4 +1,4 @@
-"""bench/targets.py's targets (goal and the issue's anchors per row) and the markdown table of a run."""
+"""bench/targets.py's targets (goal and the reference anchors per row) and the markdown table of a run."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ ANCHOR_HEADERS = ("HF generate fp32", "HF generate bf16", "llama.cpp Q4_1 -np 32
 
 @dataclass(frozen=True)
 class Target:
-    """One row: what is measured (``key`` in a round's dict), the goal, and the issue's anchors."""
+    """One row: what is measured (``key`` in a round's dict), the goal, and the reference anchors."""
 
     key: str
     label: str
@@ -95,7 +95,7 @@ def format_table(
     """The markdown table, with the CPU line and notes above it; a target's row when it was summarized."""
     dtypes = list(by_dtype)
     head = ["target", "goal", *(f"rivulet {d}" for d in dtypes), *(f"met ({d})" for d in dtypes)]
-    head += [f"{a} (issue's anchor, AMD Zen 5)" for a in ANCHOR_HEADERS]
+    head += [f"{a} (reference, AMD Zen 5)" for a in ANCHOR_HEADERS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for t in (t for t in (*TARGETS, *PEER_TARGETS) if t.key in by_dtype[dtypes[0]]):
         values = [by_dtype[d][t.key] for d in dtypes]
@@ -109,7 +109,7 @@ def format_table(
         f"Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}",
         f"Cells: median of {repeats} interleaved round(s) with (min-max); n/a: not measured (the busy share "
         f"needs {BUSY_COUNTER} and {BUSY_CLOCK} on /metrics, and a steady window with 2 reports in it).",
-        "Anchor columns: the issue's numbers on a 2-vCPU AMD Zen 5 (AVX-512 BF16, no AMX), not measured here",
+        "Anchor columns: reference numbers on a 2-vCPU AMD Zen 5 (AVX-512 BF16, no AMX), not measured here",
     ]
     if peer is not None:
         notes += [

@@ -5,7 +5,7 @@ Policies (``--schedule-policy``):
 - ``fcfs``: arrival order; the round stops at the first request that does not
   fit the input or chunk budget (a head larger than the budget goes alone, or
   as the chunked_req).
-- ``pack`` (seed 000): over the first ``admission_lookahead`` waiting requests,
+- ``pack``: over the first ``admission_lookahead`` waiting requests,
   greedily take the cheapest (fewest prompt tokens still to compute, cache hits
   excluded) that fit the round's budgets whole; the rest keep their queue
   order. If none fits, the head goes as fcfs would take it.
@@ -25,7 +25,7 @@ Each offered request first gets its cached prefix (locked, so admitting others
 cannot evict it); a request that is not admitted gives it back. A request whose
 uncomputed prompt shares ``IN_BATCH_SHARE_TOKENS`` or more with a request this
 round computes waits a round (unless urgent): by then that prefix is cached and
-it is computed once (seed 003's in-batch dedup; identical prompts included).
+it is computed once (identical prompts included).
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def test_summary_and_table_report_medians_and_na() -> None:
     rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines() if line.startswith("| ")}
     assert rows["start-up to Ready s, warm weight cache"].split(" | ")[2:4] == ["5 (4-6.5)", "yes"]
     assert rows["worker busy % of wall, steady decode at 32 streams"].split(" | ")[2:4] == ["n/a", "n/a"]
-    assert "issue's anchor, AMD Zen 5" in rows["target"] and "397-434" in rows["32 streams: output tok/s"]
+    assert "reference, AMD Zen 5" in rows["target"] and "397-434" in rows["32 streams: output tok/s"]
 
 
 @pytest.mark.timeout(300)
@@ -149,7 +149,7 @@ def test_table_rows_with_a_peer_and_fake_numbers() -> None:
     rows = _rows(table)
     assert rows["32 streams over HTTP: rivulet output tok/s"][2:4] == ["950 (900-1000)", "-"]
     llama32 = rows["32 streams over HTTP: llama.cpp output tok/s"]
-    assert llama32[2] == "225 (200-250)" and llama32[6] == "199-204"  # the llama.cpp anchor
+    assert llama32[2] == "225 (200-250)" and llama32[6] == "199-204"  # the reference llama.cpp anchor
     assert rows["32 streams: rivulet / llama.cpp output tok/s (HTTP both)"][2] == "4.25 (4.00-4.50)"
     assert rows["1 stream: rivulet / llama.cpp decode tok/s (HTTP both)"][2] == "0.85 (0.80-0.90)"
     assert rows["1 stream over HTTP: llama.cpp decode tok/s"][2] == "112 (100-125)"
