@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from gpu_worker.backends.base import Backend
     from gpu_worker.config import WorkerConfig
 
@@ -24,6 +24,8 @@ NAMES = ("cpu", "torch", "triton")
 
 def pick_device(name: str) -> torch.device:
     """``--device auto``: CUDA when present, else the CPU."""
+    import torch  # here: the CPU-kind code beside this package is imported before torch (kind.py)
+
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
