@@ -52,6 +52,12 @@ def ensure_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase | None:
     staging = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=model_dir))
     try:
         tokenizer.save_pretrained(str(staging))
+        # Read back as the pipeline tokenizer.json holds, not rebuilt by the model type's class (whose
+        # constructor may set its own pre-tokenizer: the saved files must give the built tokenizer).
+        config_file = staging / "tokenizer_config.json"
+        config_file.write_text(
+            json.dumps({**json.loads(config_file.read_text()), "tokenizer_class": "TokenizersBackend"})
+        )
         files = sorted(staging.iterdir(), key=lambda f: f.name == _DONE)
         for file in files:  # each move atomic; a concurrent start writes the same bytes
             os.replace(file, model_dir / file.name)

@@ -89,3 +89,24 @@ def test_unsupported_architecture_stops_the_launcher_in_one_line(
         assert "supported: llama, mistral, qwen2, qwen3, gemma2, gemma3_text, gemma3, phi3, gpt2" in err[
             0
         ] or ("supported: llama, qwen2, qwen3, gemma2, gemma3, phi3" in err[0]), err[0]
+
+
+@pytest.mark.parametrize("kind", ["gemma3_text", "qwen2_yarn"])
+def test_first_and_later_starts_tokenize_alike(cache: Path, tmp_path: Path, kind: str) -> None:
+    """The tokenizer built on the first start (with the model type's class: GemmaTokenizer,
+    Qwen2Tokenizer) and the one later starts read back from its files encode alike."""
+    import transformers
+
+    from tests.gguf_writer import write_gguf
+    from tests.models import tiny_config
+
+    config = tiny_config(kind, True)
+    config.vocab_size = 49152  # SmolLM2's vocabulary, whose tokenizer fields the file gets
+    write_gguf(tmp_path / "m.gguf", transformers.AutoModelForCausalLM.from_config(config),
+               tokenizer_from=embedded_gguf_path())  # fmt: skip
+    model_dir = resolve_model(str(tmp_path / "m.gguf"))
+    first, later = load_tokenizer(str(model_dir)), load_tokenizer(str(model_dir))
+    assert first is not later
+    assert [first(t).input_ids for t in TEXTS] == [later(t).input_ids for t in TEXTS]
+    chat = [{"role": "user", "content": "hi"}]
+    assert first.apply_chat_template(chat, tokenize=False) == later.apply_chat_template(chat, tokenize=False)
