@@ -7,7 +7,8 @@ so they are restated here the way llama.cpp decides them. Rope scalings a GGUF s
 hundred bytes each) into the config: ``rope.py`` turns them into frequencies.
 
 One function per architecture; ``ARCHITECTURES`` is the list the launcher names when a file's
-architecture is not in it.
+architecture is not in it. Every field our model files read is written (loader.py may read the file
+without transformers' config classes, whose defaults then do not apply).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def _rope_scaling(header: GgufHeader, config: dict[str, Any]) -> None:
 
 
 def _llama(header: GgufHeader) -> dict[str, Any]:
-    config = _decoder(header, "llama")
+    config = _decoder(header, "llama") | {"hidden_act": "silu"}
     config.pop("sliding_window", None)  # Mistral's files: llama.cpp reads no window either
     factors = header.read_floats("rope_freqs.weight")
     if factors is not None:  # Llama 3.1+: the llama3 scaling, as llama.cpp applies it
@@ -100,13 +101,16 @@ def _llama(header: GgufHeader) -> dict[str, Any]:
 
 
 def _qwen2(header: GgufHeader) -> dict[str, Any]:
-    config = _decoder(header, "qwen2")
+    config = _decoder(header, "qwen2") | {"hidden_act": "silu"}
     config.pop("head_dim")  # Qwen2's config has none: hidden / heads
+    config.pop("sliding_window", None)  # HF's Qwen slides only with use_sliding_window
     return config
 
 
 def _qwen3(header: GgufHeader) -> dict[str, Any]:
-    return _decoder(header, "qwen3")
+    config = _decoder(header, "qwen3") | {"hidden_act": "silu"}
+    config.pop("sliding_window", None)
+    return config
 
 
 def _gemma_scalar(header: GgufHeader, config: dict[str, Any], layers_27b: int) -> int:
@@ -126,6 +130,8 @@ def _gemma2(header: GgufHeader) -> dict[str, Any]:
     config["hidden_activation"] = "gelu_pytorch_tanh"
     config["attn_logit_softcapping"] = _key(header, "attn_logit_softcapping")
     config["final_logit_softcapping"] = _key(header, "final_logit_softcapping")
+    layers = config["num_hidden_layers"]  # HF's and llama.cpp's: even layers slide
+    config["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
     return config
 
 
@@ -151,7 +157,7 @@ def _gemma3(header: GgufHeader) -> dict[str, Any]:
 
 
 def _phi3(header: GgufHeader) -> dict[str, Any]:
-    config = _decoder(header, "phi3")
+    config = _decoder(header, "phi3") | {"hidden_act": "silu"}
     rotary = _key(header, "rope.dimension_count")
     if rotary and int(rotary) != config["head_dim"]:
         config["rope_parameters"]["partial_rotary_factor"] = int(rotary) / config["head_dim"]

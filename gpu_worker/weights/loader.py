@@ -15,6 +15,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import torch
@@ -31,9 +32,30 @@ _IGNORED = re.compile(r"(\.attn\.(bias|masked_bias)|\.rotary_emb\.inv_freq)$")
 
 
 def load_hf_config(model_path: str | Path) -> Any:
+    """The model's HF config: transformers' class for it, or for a GGUF's metadata directory whose
+    rope needs none of transformers' tables, the config.json gguf_config.py wrote, as attributes
+    (``GgufConfig``: every field the model files read is written there; importing transformers'
+    config classes costs a start ~1.7 s of CPU)."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    if gguf_of(model_path) is not None and _default_rope(config.get("rope_parameters") or {}):
+        return GgufConfig(**config)
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(str(model_path))
+
+
+class GgufConfig(SimpleNamespace):
+    """A GGUF's config.json as attributes, nothing defaulted (see ``load_hf_config``)."""
+
+    def get_text_config(self) -> GgufConfig:
+        return self
+
+
+def _default_rope(params: dict[str, Any]) -> bool:
+    """Plain rope frequencies (or Llama 3's factors, which rope.py applies itself), per layer type
+    where layers differ."""
+    per_type = [p for p in params.values() if isinstance(p, dict)]
+    return all(p.get("rope_type", "default") == "default" for p in per_type or [params])
 
 
 def load_model(

@@ -100,11 +100,12 @@ def file_key(path: Path) -> str:
 
 
 GGUF_MARKER = "gguf.json"
+METADATA_VERSION = 2  # bump when gguf_config.py writes a config differently
 
 
 def _gguf_dir(gguf: Path) -> Path:
     """The GGUF's metadata directory, written once (atomically: a concurrent start may race us)."""
-    target = cache_root() / "gguf-models" / f"{gguf.stem}-{file_key(gguf)}"
+    target = cache_root() / "gguf-models" / f"{gguf.stem}-{file_key(gguf)}-v{METADATA_VERSION}"
     if (target / GGUF_MARKER).is_file():
         return target
     from gpu_worker.weights.gguf_config import UnsupportedArchitectureError, generation_config, hf_config

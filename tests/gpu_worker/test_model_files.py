@@ -110,3 +110,19 @@ def test_first_and_later_starts_tokenize_alike(cache: Path, tmp_path: Path, kind
     assert [first(t).input_ids for t in TEXTS] == [later(t).input_ids for t in TEXTS]
     chat = [{"role": "user", "content": "hi"}]
     assert first.apply_chat_template(chat, tokenize=False) == later.apply_chat_template(chat, tokenize=False)
+
+
+def test_a_gguf_config_needs_transformers_only_for_its_rope_tables(cache: Path) -> None:
+    """The worker reads a GGUF's config.json as written (GgufConfig) where its rope is plain: the
+    same numbers transformers' LlamaConfig would give our model files."""
+    from transformers import AutoConfig
+
+    from gpu_worker.weights.loader import GgufConfig, load_hf_config
+
+    model_dir = resolve_model(None)
+    ours, theirs = load_hf_config(model_dir), AutoConfig.from_pretrained(str(model_dir))
+    assert isinstance(ours, GgufConfig) and ours.get_text_config() is ours
+    for name in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act",
+                 "max_position_embeddings", "tie_word_embeddings", "rope_parameters"):  # fmt: skip
+        assert getattr(ours, name) == getattr(theirs, name), name
