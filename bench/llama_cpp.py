@@ -39,7 +39,7 @@ from gpu_worker.weights.model_files import cache_root
 
 SDIST = "llama-cpp-python"
 BINARY = "llama-server"
-BUILD_KINDS = ("avx2", "avx512", "avx512_bf16", "native")
+BUILD_KINDS = ("avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx", "native")
 PARALLEL = 32  # llama-server -np: parallel slots (continuous batching over them)
 CONTEXT = 8192  # llama-server -c: KV cache tokens, shared by the slots
 
@@ -63,8 +63,14 @@ _AVX2_ON = frozenset({"SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2"})
 ISA_ON = {
     "avx2": _AVX2_ON,
     "avx512": _AVX2_ON | {"AVX512"},
+    "avx512_vnni": _AVX2_ON | {"AVX512", "AVX512_VNNI"},
     "avx512_bf16": _AVX2_ON | {"AVX512", "AVX512_BF16", "AVX512_VNNI"},
+    "amx": _AVX2_ON | {"AVX512", "AVX512_BF16", "AVX512_VNNI", "AMX_TILE", "AMX_INT8", "AMX_BF16"},
 }
+# The build ``--peer-llama-cpp auto`` takes for a kind rivulet acts as, where it is not the kind's own:
+# llama.cpp's AMX path crashed (ggml_backend_amx_mul_mat) on the version measured in issue 31, so an
+# AMX CPU's peer is the avx512_bf16 build (AMX off); a later AMX build can be passed as a PATH.
+PEER_BUILD = {"amx": "avx512_bf16"}
 
 
 class LlamaCppError(RuntimeError):
@@ -113,7 +119,8 @@ def resolve_peer(
     """``--peer-llama-cpp SPEC`` -> (the llama-server to run, a warning line or None).
 
     ``auto``: the cached build of the kind rivulet acts as (also the ``native`` build when
-    rivulet is not emulating a lesser kind); LlamaCppError, with the build command, if none.
+    rivulet is not emulating a lesser kind; an AMX CPU's: ``PEER_BUILD``); LlamaCppError, with the
+    build command, if none.
     A PATH is the user's choice; the warning says when rivulet emulates a kind and PATH is
     not that kind's cached build.
     """
@@ -123,14 +130,15 @@ def resolve_peer(
                 "--peer-llama-cpp auto: rivulet acts as the portable kind and llama.cpp is built for "
                 f"{', '.join(BUILD_KINDS)}; set RIVULET_CPU_KIND or pass --peer-llama-cpp PATH"
             )
-        kinds = [acting.value, *(["native"] if acting == native else [])]
+        own = PEER_BUILD.get(acting.value)
+        kinds = [own] if own else [acting.value, *(["native"] if acting == native else [])]
         for kind in kinds:
             if (found := cached_binary(kind, root)) is not None:
                 return found, None
         raise LlamaCppError(
-            f"--peer-llama-cpp auto: no llama-server built for {acting.value} (rivulet acts as "
+            f"--peer-llama-cpp auto: no llama-server built for {kinds[0]} (rivulet acts as "
             f"{acting.value}; looked for {' and '.join(str(binary_path(k, root)) for k in kinds)}). "
-            f"Build it once with `{build_command(acting.value)}` (~6-12 minutes on 2 cores)"
+            f"Build it once with `{build_command(kinds[0])}` (~6-12 minutes on 2 cores)"
         )
     path = Path(spec).expanduser()
     if not (path.is_file() and os.access(path, os.X_OK)):

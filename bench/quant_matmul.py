@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from gpu_worker.backends.cpu import kernels as cpu_kernels  # noqa: E402
-from gpu_worker.backends.cpu.layouts import INTERLEAVED_TYPES, interleave_rows, kernel_type  # noqa: E402
+from gpu_worker.backends.cpu.layouts import X8_TYPES, interleave_rows, kernel_type  # noqa: E402
 from gpu_worker.weights.formats import QuantBlocks  # noqa: E402
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, o, gate_up, down [out, in]
@@ -96,7 +96,7 @@ def paths(
         ws = [(quantized(s, qtype, rng), s[1]) for s in shapes]
         out[name] = quant_pass(kernels, int(qtype), ws, x_for, dense=False)
         out[f"{name}_dense"] = quant_pass(kernels, int(qtype), ws, x_for, dense=True)
-        if int(qtype) in INTERLEAVED_TYPES:  # the layout the worker holds these in
+        if int(qtype) in X8_TYPES:  # the layout the worker holds these in
             x8 = [interleave_rows(QuantBlocks(int(qtype), w, k)) for w, k in ws]
             ws8 = [(b.data, b.cols) for b in x8]
             out[f"{name}_x8"] = quant_pass(kernels, kernel_type(x8[0]), ws8, x_for, dense=False)
@@ -170,6 +170,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     ap.add_argument("--no-head", action="store_true", help="skip the 49152 x 576 head")
     ap.add_argument("--shapes", help="one layer's weights as OUTxIN,... (K-quants: IN %% 256 == 0)")
+    ap.add_argument("--layers", type=int, default=LAYERS, help="layers of --shapes per pass")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -183,9 +184,9 @@ def main() -> None:
     shapes: tuple[tuple[int, int], ...] = SHAPES
     if args.shapes:
         shapes = tuple((int(s.split("x")[0]), int(s.split("x")[1])) for s in args.shapes.split(","))
-    layers = [(o, i) for _ in range(LAYERS) for o, i in shapes]
+    layers = [(o, i) for _ in range(args.layers) for o, i in shapes]
     table(
-        "30 layers (qkv, o, gate_up, down)",
+        f"{args.layers} layers ({', '.join(f'{o}x{i}' for o, i in shapes)})",
         measure(paths(kernels, layers, types), rows, args.repeats),
         layers,
     )

@@ -38,6 +38,10 @@ def test_cmake_flags_switch_each_kinds_instruction_set_explicitly() -> None:
     bf16 = _switches(llama_cpp.cmake_flags("avx512_bf16"))
     assert bf16["GGML_AVX512"] == bf16["GGML_AVX512_BF16"] == bf16["GGML_AVX512_VNNI"] == "ON"
     assert bf16["GGML_NATIVE"] == "OFF" and bf16["GGML_AMX_BF16"] == "OFF"
+    vnni = _switches(llama_cpp.cmake_flags("avx512_vnni"))
+    assert vnni["GGML_AVX512_VNNI"] == "ON" and vnni["GGML_AVX512_BF16"] == "OFF"
+    amx = _switches(llama_cpp.cmake_flags("amx"))
+    assert all(amx[f"GGML_{s}"] == "ON" for s in ("AMX_TILE", "AMX_INT8", "AMX_BF16", "AVX512_BF16"))
     native = _switches(llama_cpp.cmake_flags("native"))
     assert native["GGML_NATIVE"] == "ON" and "GGML_AVX2" not in native
     with pytest.raises(ValueError, match="portable"):
@@ -130,6 +134,11 @@ def test_auto_takes_the_build_of_the_kind_rivulet_acts_as(tmp_path: Path) -> Non
     assert llama_cpp.resolve_peer("auto", avx2, avx2, tmp_path) == (own, None)  # the kind's own first
     with pytest.raises(llama_cpp.LlamaCppError, match="portable"):
         llama_cpp.resolve_peer("auto", CpuKind.PORTABLE, CpuKind.PORTABLE, tmp_path)
+    amx = CpuKind.AMX  # llama.cpp's AMX build crashed: the peer is its avx512_bf16 build, never native
+    with pytest.raises(llama_cpp.LlamaCppError, match="python -m bench.llama_cpp build --kind avx512_bf16"):
+        llama_cpp.resolve_peer("auto", amx, amx, tmp_path)
+    peer = _fake_binary(llama_cpp.binary_path("avx512_bf16", tmp_path))
+    assert llama_cpp.resolve_peer("auto", amx, amx, tmp_path) == (peer, None)
 
 
 def test_a_path_by_hand_is_warned_about_only_when_emulating(tmp_path: Path) -> None:

@@ -24,8 +24,11 @@ V4 = V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
         (V3 - {"fma"}, CpuKind.PORTABLE),  # AVX2 without FMA: not x86-64-v3
         (V3, CpuKind.AVX2),  # EPYC Zen 2/3
         (V3 | {"avx512f"}, CpuKind.AVX2),  # AVX-512 F alone is not x86-64-v4
-        (V4, CpuKind.AVX512),  # Skylake / Ice Lake Xeon
-        (V4 | {"avx512_bf16"}, CpuKind.AVX512_BF16),  # Zen 4/5, Sapphire Rapids
+        (V4, CpuKind.AVX512),  # Skylake Xeon
+        (V4 | {"avx512_vnni"}, CpuKind.AVX512_VNNI),  # Cascade Lake / Ice Lake Xeon
+        (V4 | {"avx512_vnni", "avx512_bf16"}, CpuKind.AVX512_BF16),  # Zen 4/5
+        (V4 | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}, CpuKind.AMX),  # SPR
+        (V4 | {"avx512_vnni", "avx512_bf16", "amx_tile"}, CpuKind.AVX512_BF16),  # AMX needs its three
         (V3 | {"avx512_bf16"}, CpuKind.AVX2),  # kinds are nested: bf16 needs the AVX-512 base
     ],
 )
@@ -38,6 +41,13 @@ def test_override_acts_as_a_lesser_kind_and_refuses_a_greater_one(monkeypatch: p
     assert cpu_kind.requested_kind(CpuKind.AVX512_BF16) == CpuKind.AVX2
     monkeypatch.setenv(cpu_kind.ENV_VAR, "native")
     assert cpu_kind.requested_kind(CpuKind.AVX512) == CpuKind.AVX512
+    for lesser in ("avx512_bf16", "avx512_vnni", "avx512"):  # an AMX CPU acts as each kind below it
+        monkeypatch.setenv(cpu_kind.ENV_VAR, lesser)
+        assert cpu_kind.requested_kind(CpuKind.AMX) == CpuKind(lesser)
+    monkeypatch.setenv(cpu_kind.ENV_VAR, "amx")
+    monkeypatch.setattr(cpu_kind, "cpu_flags", lambda: frozenset(V4 | {"avx512_vnni", "avx512_bf16"}))
+    with pytest.raises(CpuKindError, match="lacks amx_tile, amx_bf16, amx_int8"):
+        cpu_kind.requested_kind(CpuKind.AVX512_BF16)
     monkeypatch.setenv(cpu_kind.ENV_VAR, "avx512_bf16")
     # The message names the flags this CPU lacks: an AVX2 CPU's, whatever machine runs the test.
     monkeypatch.setattr(cpu_kind, "cpu_flags", lambda: frozenset(V3))

@@ -10,10 +10,13 @@ from typing import Any
 import pytest
 import torch
 
+from bench import gguf_models
 from gpu_worker.backends.cpu.backend import CpuBackend
+from gpu_worker.backends.cpu.layouts import X8_LAYOUT
 from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.weights.model_files import resolve_model
 from tests.gpu_worker.helpers import GREEDY, MiniScheduler
 from tests.gpu_worker.test_gguf_weights import Q, make_random_llama
 
@@ -34,14 +37,38 @@ ONE_TYPE = {
 }
 
 
+# q, k and v of three types (as a Q4_K_M file's q/k in Q4_K and v in Q6_K), gate and up of two.
+MIXED = ONE_TYPE | {"attn_q": Q.Q8_0, "attn_k": Q.Q4_1, "attn_v": Q.Q4_0, "ffn_up": Q.Q4_1}
+
+
+# A 4-layer Llama in llama.cpp's Q4_K_M mix (bench/gguf_models.py: v and down in Q6_K in layers 2
+# and 3, Q4_K elsewhere, the tied embedding Q6_K), with SmolLM2's vocabulary.
+SMALL_Q4_K_M = gguf_models.Shape("small", hidden=256, layers=4, heads=4, kv_heads=2, ffn=512)
+
+
+def make_q4_k_m_llama(out: Path) -> tuple[Path, Path]:
+    """(HF dir, GGUF) of a random Q4_K_M Llama: the bench's maker writes the file, the real
+    conversion (transformers, as the launcher's) the HF dir."""
+    path = gguf_models.write_model(out / "q4_k_m.gguf", SMALL_Q4_K_M, "q4_k_m")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RIVULET_CACHE_DIR", str(out / "cache"))
+        return resolve_model(str(path)), path
+
+
+@pytest.fixture(scope="module", params=["one_type", "mixed", "q4_k_m"])
+def quant_llama(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    """A random Llama whose every Linear is one type, or whose merged Linears mix types."""
+    out = tmp_path_factory.mktemp(f"{request.param}-llama")
+    if request.param == "q4_k_m":
+        return make_q4_k_m_llama(out)
+    return make_random_llama(out, ONE_TYPE if request.param == "one_type" else MIXED)
+
 
 def cpu_backend(runner: ModelRunner) -> CpuBackend:
     assert isinstance(runner.backend, CpuBackend), "GGUF blocks run on the CPU backend"
     return runner.backend
-
-@pytest.fixture(scope="module")
-def one_type_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return make_random_llama(tmp_path_factory.mktemp("one-type-llama"), ONE_TYPE)
 
 
 def runner_of(paths: tuple[Path, Path], dtype: str) -> ModelRunner:
@@ -56,14 +83,14 @@ def runner_of(paths: tuple[Path, Path], dtype: str) -> ModelRunner:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("rows", [1, 3, 9], ids=["1row", "3rows", "9rows_dense"])
 def test_one_call_equals_the_modules_bit_for_bit(
-    one_type_llama: tuple[Path, Path], dtype: str, rows: int, monkeypatch: pytest.MonkeyPatch
+    quant_llama: tuple[Path, Path], dtype: str, rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prompts of different lengths (pages crossed at different steps), then decode steps: each
     step's logits by the one call and by the modules (the same batch run again) are equal. 9 rows
     take the dense path of every Linear (set from 8 rows here; the committed table keeps some
     interleaved types on the integer path at any row count), 1 and 3 the integer one on x86. The
     one call runs on the decode steps and on no prefill."""
-    runner = runner_of(one_type_llama, dtype)
+    runner = runner_of(quant_llama, dtype)
     fused = cpu_backend(runner).fused_decode
     assert fused is not None
     if rows == 9:
@@ -95,7 +122,31 @@ def test_one_call_equals_the_modules_bit_for_bit(
     assert len(calls) == 20
 
 
+def test_merged_parts_of_types_run_in_the_one_call(tmp_path: Path) -> None:
+    """q, k and v of three types are three parts of one Linear, and the layer stays in the one call."""
+    fused = cpu_backend(runner_of(make_random_llama(tmp_path, MIXED), "float32")).fused_decode
+    assert fused is not None
+    layer = fused.model.model.layers[0]
+    assert [p.type for p in layer.self_attn.qkv_proj.impl.weight.parts] == [Q.Q8_0, Q.Q4_1, Q.Q4_0]
+    assert [p.type for p in layer.mlp.gate_up_proj.impl.weight.parts] == [Q.Q4_0, Q.Q4_1]
+
+
+def test_q4_k_m_file_runs_in_the_one_call_interleaved(tmp_path: Path) -> None:
+    """Through the real loader: every layer in the one call, q/k in Q4_K beside v in Q6_K where the
+    mix has it, each part in the K-quants' interleaved layout."""
+    fused = cpu_backend(runner_of(make_q4_k_m_llama(tmp_path), "float32")).fused_decode
+    assert fused is not None
+    types = [
+        [p.type for p in layer.self_attn.qkv_proj.impl.weight.parts] for layer in fused.model.model.layers
+    ]
+    assert types == [[Q.Q4_K]] * 2 + [[Q.Q4_K, Q.Q4_K, Q.Q6_K]] * 2
+    for layer in fused.model.model.layers:
+        for impl in (layer.self_attn.qkv_proj.impl, layer.mlp.down_proj.impl):
+            assert all(p.layout == X8_LAYOUT for p in impl.weight.parts)
+
+
 def test_models_it_does_not_fit_run_their_modules(tmp_path: Path) -> None:
-    """A merged qkv of three types (as a Q4_K_M file's can be) keeps the modules."""
-    runner = runner_of(make_random_llama(tmp_path), "float32")
+    """A projection the file holds in float (v here) makes its merged Linear dense: the modules run."""
+    types = {name: t for name, t in ONE_TYPE.items() if name != "attn_v"}
+    runner = runner_of(make_random_llama(tmp_path, types), "float32")
     assert cpu_backend(runner).fused_decode is None

@@ -131,6 +131,7 @@ def test_quant_refuses_unsupported(kernels: cpu_kernels.CpuKernels) -> None:
                 2,
                 scratch.data_ptr(),
                 y.data_ptr(),
+                7,
                 0,
                 None,
                 0,

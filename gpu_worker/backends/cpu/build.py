@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (
     "attention.c", "matmul.c", "small_ops.c", "quant.c", "quant_dense.c", "quant_legacy.c", "quant_k.c",
-    "quant_x8.c", "decode_layers.c", "shm_allreduce.c",
+    "quant_x8.c", "quant_kx8.c", "decode_layers.c", "shm_allreduce.c",
 )  # fmt: skip
 HEADERS = ("common.h", "quant.h")
 # -std=c11 alone turns FMA contraction off, and trapping math keeps float selects as branches: both
@@ -38,14 +38,19 @@ CFLAGS = (
     "-ffp-contract=fast", "-fno-trapping-math", "-fno-math-errno",
 )  # fmt: skip
 # Per kind: the -march it is built with and the ISA code the build must report (csrc/common.h).
-# AVX-512 without BF16 runs the AVX2 build: its bf16 gain is vdpbf16ps, which it lacks, and the
-# fp32 paths are bound by memory (decode) or left to oneDNN, which uses AVX-512 itself (prefill).
+# AVX-512 without BF16 runs the AVX2 code of every kernel (ISA_AVX2) but the GGUF-block ones, which
+# read the compiler's own macros: zmm tiles there, with vpdpwssd where VNNI is (csrc/quant_kx8.c).
+# The bf16 kernels' AVX-512 gain is vdpbf16ps, which those kinds lack. AMX: the avx512_bf16 code
+# (no tile code of our own; oneDNN uses the tiles for bf16 matmuls).
 ISA_PORTABLE, ISA_AVX2, ISA_AVX512_BF16 = 0, 1, 2
+_V4_BF16 = ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16")
 BUILDS: dict[CpuKind, tuple[tuple[str, ...], int]] = {
     CpuKind.PORTABLE: (("-march=x86-64",), ISA_PORTABLE),
     CpuKind.AVX2: (("-march=x86-64-v3",), ISA_AVX2),
-    CpuKind.AVX512: (("-march=x86-64-v3",), ISA_AVX2),
-    CpuKind.AVX512_BF16: (("-march=x86-64-v4", "-mavx512bf16"), ISA_AVX512_BF16),
+    CpuKind.AVX512: (("-march=x86-64-v4",), ISA_AVX2),
+    CpuKind.AVX512_VNNI: (("-march=x86-64-v4", "-mavx512vnni"), ISA_AVX2),
+    CpuKind.AVX512_BF16: (_V4_BF16, ISA_AVX512_BF16),
+    CpuKind.AMX: (_V4_BF16, ISA_AVX512_BF16),
 }
 BUILD_TIMEOUT_S = 120
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # csrc/common.h's

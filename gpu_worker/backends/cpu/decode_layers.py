@@ -2,11 +2,12 @@
 
 At one stream a step of the embedded model spends ~10 ms in its matmuls and ~4 ms around them: ~270
 kernel calls a step, each a module call, a ctypes call and an output tensor in Python. When every row
-of a step decodes and every Linear of every layer is a one-type ``QuantLinear`` without bias, the
-layers run as one call that makes the same kernel calls in the same order, so the hidden states equal
-the modules' bit for bit (tests/gpu_worker/test_decode_layers.py). Any other step, or model, runs the
-modules: prefill chunks and mixed batches, bf16 or fp32 weights, Q/K norms, biases, a Linear whose
-projections differ in type (Q4_K_M's qkv), --compile.
+of a step decodes and every Linear of every layer is a ``QuantLinear`` without bias, the layers run as
+one call that makes the same kernel calls in the same order, so the hidden states equal the modules'
+bit for bit (tests/gpu_worker/test_decode_layers.py). A merged Linear whose projections differ in type
+(a Q4_K_M file's q/k in Q4_K beside v in Q6_K) is passed as its parts, each run on its own columns, as
+``QuantLinear`` runs them. Any other step, or model, runs the modules: prefill chunks and mixed
+batches, bf16 or fp32 weights, Q/K norms, biases, --compile.
 """
 
 from __future__ import annotations
@@ -27,6 +28,29 @@ from gpu_worker.models.llama import LlamaForCausalLM
 logger = logging.getLogger(__name__)
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+MAX_PARTS = 3  # csrc/decode_layers.c's: q, k, v of three types
+
+
+class DecodeLinear(ctypes.Structure):
+    """csrc/decode_layers.c's ``decode_linear``: a Linear's parts (unused ones have n = 0)."""
+
+    _fields_ = [
+        ("w", ctypes.c_void_p * MAX_PARTS),
+        ("type", ctypes.c_int64 * MAX_PARTS),
+        ("n", ctypes.c_int64 * MAX_PARTS),
+        ("dense_min_rows", ctypes.c_int64 * MAX_PARTS),
+    ]
+
+    @classmethod
+    def of(cls, impl: QuantLinear) -> DecodeLinear:
+        parts = impl.weight.parts
+        pad = MAX_PARTS - len(parts)
+        return cls(
+            w=(ctypes.c_void_p * MAX_PARTS)(*(p.data.data_ptr() for p in parts), *[None] * pad),
+            type=(ctypes.c_int64 * MAX_PARTS)(*(kernel_type(p) for p in parts), *[0] * pad),
+            n=(ctypes.c_int64 * MAX_PARTS)(*(p.rows for p in parts), *[0] * pad),
+            dense_min_rows=(ctypes.c_int64 * MAX_PARTS)(*impl.dense_min_rows, *[0] * pad),
+        )
 
 
 class DecodeLayer(ctypes.Structure):
@@ -35,9 +59,7 @@ class DecodeLayer(ctypes.Structure):
     _fields_ = [
         ("input_norm", ctypes.c_void_p),
         ("post_norm", ctypes.c_void_p),
-        ("w", ctypes.c_void_p * 4),
-        ("type", ctypes.c_int64 * 4),
-        ("dense_min_rows", ctypes.c_int64 * 4),
+        ("linear", DecodeLinear * 4),
         ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p),
     ]
@@ -59,10 +81,12 @@ class DecodeDims(ctypes.Structure):
 
 
 def _linears(layer: Any) -> list[QuantLinear] | None:
-    """The layer's four Linears' QuantLinears, if each is one type without bias."""
+    """The layer's four Linears' QuantLinears, if each is one without bias (of up to MAX_PARTS parts)."""
     modules = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     impls = [getattr(m, "impl", None) for m in modules]
-    fit = all(isinstance(i, QuantLinear) and len(i.weight.parts) == 1 and i.bias is None for i in impls)
+    fit = all(
+        isinstance(i, QuantLinear) and len(i.weight.parts) <= MAX_PARTS and i.bias is None for i in impls
+    )
     return impls if fit else None  # type: ignore[return-value]
 
 
@@ -80,7 +104,7 @@ def why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
         if layer.input_layernorm.fused is None or attn.fused is None:
             return "no fused kernels"
         if _linears(layer) is None:
-            return "a Linear not on one GGUF block type without bias"
+            return "a Linear not on GGUF blocks, or with a bias"
     return None
 
 
@@ -114,13 +138,10 @@ class FusedDecode:
         for i, layer in enumerate(layers):
             impls = _linears(layer)
             assert impls is not None
-            parts = [impl.weight.parts[0] for impl in impls]
             array[i] = DecodeLayer(
                 input_norm=layer.input_layernorm.weight.data_ptr(),
                 post_norm=layer.post_attention_layernorm.weight.data_ptr(),
-                w=(ctypes.c_void_p * 4)(*(p.data.data_ptr() for p in parts)),
-                type=(ctypes.c_int64 * 4)(*(kernel_type(p) for p in parts)),
-                dense_min_rows=(ctypes.c_int64 * 4)(*(impl.dense_min_rows[0] for impl in impls)),
+                linear=(DecodeLinear * 4)(*(DecodeLinear.of(impl) for impl in impls)),
                 k_cache=ctx.k_cache[i].data_ptr(),
                 v_cache=ctx.v_cache[i].data_ptr(),
             )

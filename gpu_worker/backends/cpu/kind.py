@@ -7,8 +7,11 @@ superset of the one before:
 
 - ``portable``: anything else (and non-x86 CPUs): plain C, torch's kernels.
 - ``avx2``: AVX2 + FMA (x86-64-v3): AMD Zen 1-3, Intel client CPUs before Ice Lake.
-- ``avx512``: AVX-512 F/BW/CD/DQ/VL (x86-64-v4) without BF16: Skylake to Ice Lake Xeons.
-- ``avx512_bf16``: AVX-512 with vdpbf16ps: AMD Zen 4/5, Intel Sapphire Rapids and later.
+- ``avx512``: AVX-512 F/BW/CD/DQ/VL (x86-64-v4): Skylake Xeons.
+- ``avx512_vnni``: AVX-512 with VNNI (vpdpwssd) but no BF16: Cascade Lake and Ice Lake Xeons.
+- ``avx512_bf16``: AVX-512 with VNNI and vdpbf16ps: AMD Zen 4/5, Intel Cooper Lake.
+- ``amx``: that, with AMX tiles (bf16 and int8): Intel Sapphire Rapids and later. rivulet has no
+  tile code of its own; the kind tells oneDNN it may use them (its bf16 matmuls do).
 
 ``RIVULET_CPU_KIND=<kind>`` makes the worker act as a kind the CPU includes, so
 one machine can test the paths of the others. No single switch reaches every
@@ -34,7 +37,9 @@ class CpuKind(enum.Enum):
     PORTABLE = "portable"
     AVX2 = "avx2"
     AVX512 = "avx512"
+    AVX512_VNNI = "avx512_vnni"
     AVX512_BF16 = "avx512_bf16"
+    AMX = "amx"
 
     @property
     def rank(self) -> int:
@@ -45,11 +50,14 @@ class CpuKind(enum.Enum):
         return other.rank <= self.rank
 
 
-# The /proc/cpuinfo flags each kind needs on top of the kind before it (x86-64-v3, -v4, +bf16).
+# The /proc/cpuinfo flags each kind needs on top of the kind before it (x86-64-v3, -v4, +vnni,
+# +bf16, +amx). Every CPU with AVX512_BF16 so far has AVX512_VNNI too.
 _NEEDS = {
     CpuKind.AVX2: ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"),
     CpuKind.AVX512: ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+    CpuKind.AVX512_VNNI: ("avx512_vnni",),
     CpuKind.AVX512_BF16: ("avx512_bf16",),
+    CpuKind.AMX: ("amx_tile", "amx_bf16", "amx_int8"),
 }
 
 # What the libraries under torch are told when the worker acts as a kind: oneDNN's ISA cap,
@@ -70,14 +78,24 @@ _LIBRARY_ENV: dict[CpuKind, dict[str, str]] = {
         "ATEN_CPU_CAPABILITY": "avx512",
         "MKL_ENABLE_INSTRUCTIONS": "AVX512",
     },
+    CpuKind.AVX512_VNNI: {
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+    },
     CpuKind.AVX512_BF16: {
         "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
         "ATEN_CPU_CAPABILITY": "avx512",
         "MKL_ENABLE_INSTRUCTIONS": "AVX512",
     },
+    CpuKind.AMX: {
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX",
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+    },
 }  # fmt: skip
 
-REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "avx_vnni", "avx512_vnni")
+REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "avx_vnni")
 
 
 def cpu_flags() -> frozenset[str]:
@@ -101,7 +119,7 @@ def native_kind(flags: frozenset[str] | None = None) -> CpuKind:
         return CpuKind.PORTABLE
     have = cpu_flags() if flags is None else flags
     kind = CpuKind.PORTABLE
-    for candidate in (CpuKind.AVX2, CpuKind.AVX512, CpuKind.AVX512_BF16):
+    for candidate in list(CpuKind)[1:]:
         if not set(_NEEDS[candidate]) <= have:
             break
         kind = candidate

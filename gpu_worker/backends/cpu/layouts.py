@@ -1,11 +1,14 @@
-"""The CPU backend's own weight layouts: the legacy GGUF types with their rows interleaved by 8.
+"""The CPU backend's own weight layouts: GGUF blocks with their rows interleaved by 8.
 
 The C kernels read a type code: the ggml id as the file holds the blocks, or that id | ``X8`` for
-the interleaved layout (csrc/quant_x8.c). The loader keeps the file's bytes (weights/formats.py);
-the backend re-lays them here when it prepares the model.
+the interleaved layout (csrc/quant_x8.c for Q4_0, Q4_1, Q8_0; csrc/quant_kx8.c for Q4_K, Q5_K,
+Q6_K). The loader keeps the file's bytes (weights/formats.py); the backend re-lays them here when
+it prepares the model: the same bytes, rearranged, for every weight whose rows are a multiple of 8.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -32,11 +35,18 @@ INTERLEAVED_TYPES = {2: 2, 3: 4, 8: 2}  # ggml Q4_0, Q4_1, Q8_0 -> bytes of fp16
 
 
 def interleave_rows(blocks: QuantBlocks) -> QuantBlocks:
-    """The layout csrc/quant_x8.c reads (its top comment draws it): per group of 8 rows and block,
-    the 8 rows' fp16 d (and Q4_1's m), then their quant bytes 2 per row in turn. Same bytes; for the
-    legacy types with rows a multiple of 8 (others are returned as they are)."""
+    """The layout csrc/quant_x8.c (legacy types) or csrc/quant_kx8.c (K-quants) reads, their top
+    comments draw it: per group of 8 rows and block, the 8 rows' fields side by side (the legacy
+    types' quant bytes 2 per row in turn, the K-quants' 4). Same bytes; for rows a multiple of 8
+    (others, and other types, are returned as they are)."""
+    if blocks.layout != FILE_LAYOUT or blocks.rows % 8:
+        return blocks
+    if blocks.type in K_BLOCK_BYTES:
+        return QuantBlocks(
+            blocks.type, _permute_groups(blocks, _k_order(blocks.type)), blocks.cols, X8_LAYOUT
+        )
     head = INTERLEAVED_TYPES.get(blocks.type)
-    if head is None or blocks.layout != FILE_LAYOUT or blocks.rows % 8:
+    if head is None:
         return blocks
     n, row_bytes = blocks.data.shape
     nb = blocks.cols // 32
@@ -50,6 +60,8 @@ def interleave_rows(blocks: QuantBlocks) -> QuantBlocks:
 
 def deinterleave_rows(blocks: QuantBlocks) -> torch.Tensor:
     """``interleave_rows`` undone: the file's [rows, row_bytes] blocks."""
+    if blocks.type in K_BLOCK_BYTES:
+        return _permute_groups(blocks, np.argsort(_k_order(blocks.type)), back=True)
     head = INTERLEAVED_TYPES[blocks.type]
     n, row_bytes = blocks.data.shape
     nb = blocks.cols // 32
@@ -57,4 +69,47 @@ def deinterleave_rows(blocks: QuantBlocks) -> torch.Tensor:
     scales = x[..., : 8 * head].reshape(n // 8, nb, head // 2, 8, 2).transpose(0, 3, 1, 2, 4)
     quants = x[..., 8 * head :].reshape(n // 8, nb, -1, 8, 2).transpose(0, 3, 1, 2, 4)
     out = np.concatenate([scales.reshape(n // 8, 8, nb, head), quants.reshape(n // 8, 8, nb, -1)], axis=3)
+    return torch.from_numpy(np.ascontiguousarray(out).reshape(n, row_bytes))
+
+
+# csrc/quant_kx8.c: the K-quants (ggml Q4_K, Q5_K, Q6_K -> bytes of a 256-weight block), rows
+# interleaved by 8: each group block (the 8 rows' block b) is the 8 file blocks' bytes in the order
+# _k_order gives.
+K_BLOCK_BYTES = {12: 144, 13: 176, 14: 210}
+X8_TYPES = frozenset(INTERLEAVED_TYPES) | frozenset(K_BLOCK_BYTES)  # the types interleave_rows re-lays
+
+
+@functools.cache
+def _k_order(ggml_type: int) -> np.ndarray:
+    """For each byte of a group block, which byte of the 8 file blocks [slot, byte] (flattened) it
+    is: the fields of csrc/quant_kx8.c's top comment, in its order."""
+    bb = K_BLOCK_BYTES[ggml_type]
+    at = np.arange(8 * bb).reshape(8, bb)
+
+    def chunks(lo: int, hi: int, *shape: int) -> np.ndarray:  # bytes [lo, hi) of each slot, 4 at a time
+        return np.moveaxis(at[:, lo:hi].reshape(8, *shape, 4), 0, -2)  # [..., slot, 4]
+
+    if ggml_type == 14:  # Q6_K: d | scales (h, half, pair, sub-block of the pair, slot) | ql | qh
+        scales = at[:, 192:208].reshape(8, 2, 2, 2, 2).transpose(1, 4, 2, 3, 0)  # file: [h][2p + q][half]
+        fields = [at[:, 208:210], scales, chunks(0, 128, 2, 2, 8), chunks(128, 192, 2, 8)]
+    else:  # Q4_K / Q5_K: d | dmin | 3 scale words | (Q5_K: qh) | qs
+        qh = [chunks(16, 48, 8)] if ggml_type == 13 else []
+        qs_at = 48 if ggml_type == 13 else 16
+        fields = [at[:, 0:2], at[:, 2:4], chunks(4, 16, 3), *qh, chunks(qs_at, qs_at + 128, 4, 8)]
+    order = np.concatenate([f.reshape(-1) for f in fields])
+    assert sorted(order.tolist()) == list(range(8 * bb)), "every byte once"
+    return order
+
+
+def _permute_groups(blocks: QuantBlocks, order: np.ndarray, back: bool = False) -> torch.Tensor:
+    """[rows, row_bytes] with each group block's bytes taken in ``order`` (rows the slots of their
+    group, blocks in turn); ``back``: from the interleaved layout to the file's."""
+    n, row_bytes = blocks.data.shape
+    bb = K_BLOCK_BYTES[blocks.type]
+    nb = row_bytes // bb
+    x = blocks.data.numpy()
+    if back:
+        out = x.reshape(n // 8, nb, 8 * bb)[..., order].reshape(n // 8, nb, 8, bb).transpose(0, 2, 1, 3)
+    else:
+        out = x.reshape(n // 8, 8, nb, bb).transpose(0, 2, 1, 3).reshape(n // 8, nb, 8 * bb)[..., order]
     return torch.from_numpy(np.ascontiguousarray(out).reshape(n, row_bytes))

@@ -10,7 +10,8 @@ per call, and met by the unquantized rows with float32 FMAs (csrc/quant_dense.c)
 
 The output is summed in fp32 and rounded once to the activations' dtype, with the residual added
 before that rounding where the caller fuses it (``add_to``). A merged Linear whose projections
-differ in type (Q4_K_M files mix Q4_K and Q6_K) runs one kernel call per part.
+differ in type (Q4_K_M files mix Q4_K and Q6_K) runs one kernel call per part, each writing its
+columns of the output in place (as csrc/decode_layers.c runs it).
 """
 
 from __future__ import annotations
@@ -41,15 +42,19 @@ from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
 _Q = GGMLQuantizationType
 NEVER = 1 << 62
 _X86 = {_Q.Q4_0: 8, _Q.Q4_1: 8, _Q.Q8_0: 8, _Q.Q4_K: 32, _Q.Q5_K: 16, _Q.Q6_K: 16}
-_X86_X8 = {_Q.Q4_0: NEVER, _Q.Q4_1: NEVER, _Q.Q8_0: NEVER}
+_X86_X8 = {_Q.Q4_0: NEVER, _Q.Q4_1: NEVER, _Q.Q8_0: NEVER, _Q.Q4_K: 32, _Q.Q5_K: 16, _Q.Q6_K: 16}
 DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
+    CpuKind.AMX: _X86,
     CpuKind.AVX512_BF16: _X86,
+    CpuKind.AVX512_VNNI: _X86,
     CpuKind.AVX512: _X86,
     CpuKind.AVX2: _X86,
     CpuKind.PORTABLE: dict.fromkeys(_X86, 2),
 }
 X8_DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
+    CpuKind.AMX: _X86_X8,
     CpuKind.AVX512_BF16: _X86_X8,
+    CpuKind.AVX512_VNNI: _X86_X8,
     CpuKind.AVX512: _X86_X8,
     CpuKind.AVX2: _X86_X8,
     CpuKind.PORTABLE: dict.fromkeys(_X86_X8, 2),
@@ -84,27 +89,23 @@ class QuantLinear:
         return self._matmul(x, None)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``residual + x W^T + b``, with one rounding where there is one part and no bias."""
+        """``residual + x W^T + b``, with one rounding where there is no bias."""
         return self._matmul(x, residual)
 
     def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] == 0:  # a batch none of whose rows samples has no logits to compute
             return x.new_empty((0, self.out_features))
         x = x if x.stride(-1) == 1 else x.contiguous()
-        dense = [x.shape[0] >= at for at in self.dense_min_rows]
-        parts = self.weight.parts
-        fuse = residual is not None and self.bias is None and len(parts) == 1
-        run = self.kernels.quant_matmul_checked
-        if len(parts) == 1:
-            part = parts[0]
-            held = residual if fuse else None
-            out = run(kernel_type(part), part.data, part.cols, x, held, self.act_bytes[0], dense[0])
-        else:
-            outs = [
-                run(kernel_type(p), p.data, p.cols, x, None, b, d)
-                for p, b, d in zip(parts, self.act_bytes, dense, strict=True)
-            ]
-            out = torch.cat(outs, dim=1)
+        fuse = residual is not None and self.bias is None
+        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
+        col, rows = 0, x.shape[0]
+        plan = zip(self.weight.parts, self.act_bytes, self.dense_min_rows, strict=True)
+        for part, act_bytes, dense_at in plan:
+            cols = slice(col, col + part.rows)
+            held = residual[:, cols] if fuse and residual is not None else None
+            run = self.kernels.quant_matmul_checked
+            run(kernel_type(part), part.data, part.cols, x, held, act_bytes, rows >= dense_at, out[:, cols])
+            col += part.rows
         if self.bias is not None:
             out = out + self.bias
         return out if residual is None or fuse else residual + out

@@ -34,10 +34,10 @@ class QuantKernels:
         self._quant_act_row_bytes.argtypes = [i32, i64]
         self._quant_act_row_bytes.restype = i64
         self._quant_matmul = lib.quant_matmul
-        self._quant_matmul.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, ptr, i32, ptr, i64]
+        self._quant_matmul.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, ptr, i64, i32, ptr, i64]
         self._quant_matmul.restype = i32
         self._quant_matmul_dense = lib.quant_matmul_dense
-        self._quant_matmul_dense.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, i32, ptr, i64]
+        self._quant_matmul_dense.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, i64, i32, ptr, i64]
         self._quant_matmul_dense.restype = i32
         self._quant_get_rows = lib.quant_get_rows
         self._quant_get_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32]
@@ -88,22 +88,27 @@ class QuantKernels:
         residual: torch.Tensor | None,
         act_bytes: int,
         dense: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``quant_matmul`` for blocks ``quant_check`` passed (it returned ``act_bytes``): what a
         Linear calls per step, with only the checks that depend on x. ``dense``: the many-row path
-        (csrc/quant_dense.c), W dequantized panel by panel and x not quantized."""
+        (csrc/quant_dense.c), W dequantized panel by panel and x not quantized. ``out``: where to
+        write [M, N] (rows may be strided: a merged Linear's part writes its columns in place)."""
         assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1, "x: [M, k], rows contiguous"
         m, n = x.shape[0], w.shape[0]
-        out = torch.empty((m, n), dtype=x.dtype)
+        if out is None:
+            out = torch.empty((m, n), dtype=x.dtype)
+        assert out.shape == (m, n) and out.dtype == x.dtype and out.stride(1) == 1, "out: [M, N] in x's dtype"
         if residual is not None:
             assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1
         res = (None, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
         head = (type, w.data_ptr(), n, k, x.data_ptr(), x.stride(0), DTYPE_CODES[x.dtype], m)
+        y = (out.data_ptr(), out.stride(0), DTYPE_CODES[x.dtype])
         if dense:
-            status = self._quant_matmul_dense(*head, out.data_ptr(), DTYPE_CODES[x.dtype], *res)
+            status = self._quant_matmul_dense(*head, *y, *res)
         else:
             scratch = self._scratch(m * act_bytes)
-            status = self._quant_matmul(*head, scratch.data_ptr(), out.data_ptr(), DTYPE_CODES[x.dtype], *res)
+            status = self._quant_matmul(*head, scratch.data_ptr(), *y, *res)
         if status != 0:
             refused = f"type {type}, n={n}, k={k}, dtype {x.dtype}: status {status}"
             raise ValueError(f"quant_matmul refused {refused}")

@@ -1,15 +1,17 @@
 /* Every decoder layer of a Llama model for a step whose rows all decode (one new token each), in one
- * call, where each Linear holds GGUF blocks (one type per Linear, no bias) and the attention is the
- * paged C kernel's. It calls the kernels the modules call (gpu_worker/models/llama.py through the CPU
- * backend), in their order, on the same inputs, so its output equals theirs bit for bit (a test
- * checks it). What it saves is the ~10 Python-level calls a layer costs around them (module
- * dispatch, ctypes, a tensor per output): ~3 ms of a ~14 ms one-row step of the embedded model.
+ * call, where each Linear holds GGUF blocks (no bias) and the attention is the paged C kernel's. It
+ * calls the kernels the modules call (gpu_worker/models/llama.py through the CPU backend), in their
+ * order, on the same inputs, so its output equals theirs bit for bit (a test checks it). What it
+ * saves is the ~10 Python-level calls a layer costs around them (module dispatch, ctypes, a tensor
+ * per output): ~3 ms of a ~14 ms one-row step of the embedded model.
  *
  * Per layer, x the residual stream [rows, hidden]:
  *   h = rms_norm(x); qkv = h Wqkv^T; rotary on q and k heads (in place);
  *   attn = attention(q over the pool, after writing k and v at each row's last position);
  *   x = x + attn Wo^T; h = rms_norm(x); gu = h Wgu^T; a = silu(gate) * up; x = x + a Wdown^T
- * each Linear by quant_matmul or, from dense_min_rows rows, quant_matmul_dense (as QuantLinear). */
+ * each Linear by quant_matmul or, from dense_min_rows rows, quant_matmul_dense (as QuantLinear). A
+ * merged Linear whose projections differ in type (a Q4_K_M file's q, k in Q4_K and v in Q6_K) is
+ * up to MAX_PARTS parts, each a matmul writing its own columns of the output, as QuantLinear runs it. */
 #include "quant.h"
 #include <stdlib.h>
 
@@ -24,18 +26,26 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
                            int num_heads, int kv_heads, int head_dim, int page_size, float scale,
                            const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride);
 int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride, int x_dtype,
-                 int64_t rows, void *scratch, void *y, int y_dtype, const void *residual, int64_t res_stride);
+                 int64_t rows, void *scratch, void *y, int64_t y_stride, int y_dtype, const void *residual,
+                 int64_t res_stride);
 int quant_matmul_dense(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
-                       int x_dtype, int64_t rows, void *y, int y_dtype, const void *residual, int64_t res_stride);
+                       int x_dtype, int64_t rows, void *y, int64_t y_stride, int y_dtype, const void *residual,
+                       int64_t res_stride);
 
 enum { QKV, O, GATE_UP, DOWN, LINEARS };
+#define MAX_PARTS 3 /* q, k, v */
+
+typedef struct { /* one Linear: its parts' blocks, each [n[i], row bytes], output columns in order */
+    const uint8_t *w[MAX_PARTS];
+    int64_t type[MAX_PARTS];           /* the C kernels' type codes */
+    int64_t n[MAX_PARTS];              /* output columns; 0: no such part */
+    int64_t dense_min_rows[MAX_PARTS]; /* from how many rows the dense path */
+} decode_linear;
 
 typedef struct { /* one layer, as gpu_worker/backends/cpu/decode_layers.py fills it (ctypes) */
     const void *input_norm, *post_norm; /* [hidden], the activations' dtype */
-    const uint8_t *w[LINEARS];          /* GGUF blocks, [n, row bytes] */
-    int64_t type[LINEARS];              /* ggml type ids */
-    int64_t dense_min_rows[LINEARS];    /* from how many rows the dense path */
-    void *k_cache, *v_cache;            /* [pool tokens, kv_heads, head_dim] */
+    decode_linear linear[LINEARS];
+    void *k_cache, *v_cache; /* [pool tokens, kv_heads, head_dim] */
 } decode_layer;
 
 typedef struct { /* the model's sizes */
@@ -44,12 +54,24 @@ typedef struct { /* the model's sizes */
     int64_t dtype;
 } decode_dims;
 
-/* y = (residual +) x W^T of one Linear, by the path its row count takes. */
+/* y [rows, n] = (residual +) x W^T of one Linear, part by part, each by the path its row count takes. */
 static int linear(const decode_layer *l, int i, int64_t n, int64_t k, const void *x, int64_t rows, void *scratch,
                   void *y, int dtype, const void *residual) {
-    if (rows >= l->dense_min_rows[i])
-        return quant_matmul_dense((int)l->type[i], l->w[i], n, k, x, k, dtype, rows, y, dtype, residual, n);
-    return quant_matmul((int)l->type[i], l->w[i], n, k, x, k, dtype, rows, scratch, y, dtype, residual, n);
+    const decode_linear *lin = &l->linear[i];
+    const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4;
+    int64_t col = 0;
+    for (int p = 0; p < MAX_PARTS && lin->n[p] > 0; p++) {
+        void *yp = (char *)y + col * elem;
+        const void *rp = residual == NULL ? NULL : (const char *)residual + col * elem;
+        const int type = (int)lin->type[p];
+        const int status =
+            rows >= lin->dense_min_rows[p]
+                ? quant_matmul_dense(type, lin->w[p], lin->n[p], k, x, k, dtype, rows, yp, n, dtype, rp, n)
+                : quant_matmul(type, lin->w[p], lin->n[p], k, x, k, dtype, rows, scratch, yp, n, dtype, rp, n);
+        if (status != 0) return status;
+        col += lin->n[p];
+    }
+    return col == n ? 0 : 6; /* 6: the parts do not add up to the Linear's columns */
 }
 
 /* out [rows, hidden] = the residual stream after every layer, from x [rows, hidden] (the embedding

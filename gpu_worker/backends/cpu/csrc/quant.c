@@ -41,7 +41,8 @@ void quantize_act16(const float *x, int64_t k, void *xq) {
 const qtype_ops *quant_ops(int type) {
     const qtype_ops *ops = qtype_legacy(type);
     ops = ops != NULL ? ops : qtype_k(type);
-    return ops != NULL ? ops : qtype_x8(type);
+    ops = ops != NULL ? ops : qtype_x8(type);
+    return ops != NULL ? ops : qtype_kx8(type);
 }
 
 /* Whether quant_matmul and quant_get_rows take weights of this ggml type. */
@@ -55,14 +56,16 @@ int64_t quant_act_row_bytes(int type, int64_t k) {
     return k / ops->block * ops->act_block_bytes;
 }
 
-/* y [rows, n] (contiguous, y_dtype) = residual (rows res_stride elements apart, y_dtype; NULL: none)
- * + x W^T, x [rows, k] (x_dtype, rows x_stride elements apart), W [n, k] in blocks of ``type``.
+/* y [rows, n] (y_dtype, rows y_stride elements apart) = residual (rows res_stride elements apart,
+ * y_dtype; NULL: none) + x W^T, x [rows, k] (x_dtype, rows x_stride elements apart), W [n, k] in
+ * blocks of ``type``. (A strided y lets a merged Linear's parts write their columns in place.)
  * Summed in float32, one rounding to y_dtype at the end. scratch: rows * quant_act_row_bytes(type, k)
  * bytes. Returns 0, or nonzero (nothing written) for an unsupported type (1), k not a whole number
  * of blocks (2), an unknown dtype (3), no memory (4), or an interleaved type with n not a multiple
  * of 8 (5). */
 int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride, int x_dtype,
-                 int64_t rows, void *scratch, void *y, int y_dtype, const void *residual, int64_t res_stride) {
+                 int64_t rows, void *scratch, void *y, int64_t y_stride, int y_dtype, const void *residual,
+                 int64_t res_stride) {
     const qtype_ops *ops = quant_ops(type);
     if (ops == NULL) return 1;
     if (k <= 0 || k % ops->block != 0) return 2;
@@ -135,7 +138,7 @@ int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x
 #pragma omp simd
                             for (int64_t j = 0; j < pw; j++) v[j] += res[j];
                         }
-                        store_vec(y, y_dtype, (q0 + r) * n + p0, (int)pw, v);
+                        store_vec(y, y_dtype, (q0 + r) * y_stride + p0, (int)pw, v);
                     }
                 }
             }

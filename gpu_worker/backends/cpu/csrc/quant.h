@@ -2,8 +2,8 @@
  * Q4_1, Q8_0; quant_k.c: Q4_K, Q5_K, Q6_K) gives the driver (quant.c).
  *
  * A weight matrix [n, k] is n rows of k / block weights' blocks, exactly as the GGUF file holds
- * them (row j's blocks at w + j * (k / block) * block_bytes), or for the legacy types | QTYPE_X8
- * the same bytes with each 8 rows interleaved (quant_x8.c draws the layout). Activations meet the
+ * them (row j's blocks at w + j * (k / block) * block_bytes), or | QTYPE_X8 the same bytes with
+ * each 8 rows interleaved (quant_x8.c draws the legacy types' layout, quant_kx8.c the K-quants'). Activations meet the
  * blocks much as llama.cpp's do: each activation row is quantized per block of 32 (act_block16
  * below: 16 bits, one float scale, the block's sum), then dot products run on integers and are
  * scaled once per (sub-)block.
@@ -20,7 +20,7 @@
 #define QTYPE_Q4_K 12
 #define QTYPE_Q5_K 13
 #define QTYPE_Q6_K 14
-#define QTYPE_X8 0x100 /* | a legacy type: its rows interleaved by 8 (quant_x8.c), n a multiple of 8 */
+#define QTYPE_X8 0x100 /* | a type: its rows interleaved by 8 (quant_x8.c, quant_kx8.c), n a multiple of 8 */
 
 /* Activations, one format for every weight type: per 32 values, 16-bit integers with one float
  * scale (x ~ d * q, d = absmax / 32767, q rounded to nearest even) and the block's sum s = d * sum(q)
@@ -113,6 +113,7 @@ static inline void dequant_row_at(const qtype_ops *ops, const uint8_t *w, int64_
 const qtype_ops *qtype_legacy(int type);
 const qtype_ops *qtype_k(int type);
 const qtype_ops *qtype_x8(int type);
+const qtype_ops *qtype_kx8(int type);
 const qtype_ops *quant_ops(int type); /* any of them */
 
 #endif

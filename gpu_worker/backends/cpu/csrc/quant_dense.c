@@ -35,7 +35,7 @@ typedef struct {
     void *y;
     int y_dtype;
     const void *residual;
-    int64_t res_stride, n;
+    int64_t res_stride, y_stride;
 } outputs;
 
 #if HAVE_AVX2 || HAVE_AVX512
@@ -67,7 +67,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t n
     for (int r = 0; r < R && r0 + r < nr; r++)
         for (int c = 0; c < C && c0 + c < nc; c++) {
             const int64_t row = r0 + r, col = col0 + c0 + c;
-            put(o->y, o->y_dtype, row * o->n + col, hsum8(acc[r][c]), o->residual, row * o->res_stride + col);
+            put(o->y, o->y_dtype, row * o->y_stride + col, hsum8(acc[r][c]), o->residual, row * o->res_stride + col);
         }
 }
 #else
@@ -81,7 +81,7 @@ static inline void tile(const float *x, int64_t nr, const float *wp, int64_t nc,
 #pragma omp simd reduction(+ : s)
             for (int64_t d = 0; d < k; d++) s += a[d] * b[d];
             const int64_t row = r0 + r, col = col0 + c0 + c;
-            put(o->y, o->y_dtype, row * o->n + col, s, o->residual, row * o->res_stride + col);
+            put(o->y, o->y_dtype, row * o->y_stride + col, s, o->residual, row * o->res_stride + col);
         }
 }
 #endif
@@ -107,12 +107,14 @@ static void panel_rows(const float *x, int64_t nr, const float *wp, int64_t nc, 
     }
 }
 
-/* quant_matmul's contract (quant.c) without its scratch: y [rows, n] = residual + x W^T. Returns 0,
+/* quant_matmul's contract (quant.c) without its scratch: y [rows, n] (rows y_stride apart) = residual
+ * + x W^T. Returns 0,
  * or nonzero (nothing written) for an unsupported type (1), k not a whole number of blocks (2), an
  * unknown dtype (3), no memory (4: y partly written), or an interleaved type with n not a multiple
  * of 8 (5). */
 int quant_matmul_dense(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
-                       int x_dtype, int64_t rows, void *y, int y_dtype, const void *residual, int64_t res_stride) {
+                       int x_dtype, int64_t rows, void *y, int64_t y_stride, int y_dtype, const void *residual,
+                       int64_t res_stride) {
     const qtype_ops *ops = quant_ops(type);
     if (ops == NULL) return 1;
     if (k <= 0 || k % ops->block != 0 || k % ACT_BLOCK != 0) return 2;
@@ -127,7 +129,7 @@ int quant_matmul_dense(int type, const uint8_t *w, int64_t n, int64_t k, const v
     panel = panel < step ? step : panel;
     float *xf = aligned_alloc(32, (size_t)(rows * k) * sizeof(float));
     if (xf == NULL) return 4;
-    const outputs o = {y, y_dtype, residual, res_stride, n};
+    const outputs o = {y, y_dtype, residual, res_stride, y_stride};
     int failed = 0;
 #pragma omp parallel
     {

@@ -1,0 +1,440 @@
+/* The K-quant blocks (Q4_K, Q5_K, Q6_K; quant_k.c draws the file's layouts) with their weight rows
+ * interleaved by 8, the layout the worker holds them in (backends/cpu/layouts.py makes it at load:
+ * the same bytes, rearranged). Type code: the ggml type | QTYPE_X8.
+ *
+ * Rows 8g .. 8g + 7 form group g, stored where the file's rows were; block b of the 8 rows is one
+ * "group block" of 8 * block_bytes at b * 8 * block_bytes. In it every field of the 8 rows' blocks
+ * lies side by side, and the quant bytes in chunks of 32: 4 bytes of slot (row) 0, then of slot 1,
+ * ..., of slot 7. A chunk holds the same 4 quant byte positions of the 8 rows:
+ *   Q4_K (1152 bytes): 8 fp16 d | 8 fp16 dmin | the 12 scale bytes as 3 words: bytes 0-3 of the 8
+ *     rows (32), bytes 4-7 (32), bytes 8-11 (32) | qs chunks (g, c), g < 4 the 32-byte run of
+ *     sub-blocks 2g (low nibbles) and 2g + 1 (high), c < 8 its bytes 4c .. 4c + 3 (1024).
+ *   Q5_K (1408 bytes): as Q4_K, with the qh chunks c < 8 (qh bytes 4c .. 4c + 3; 256) before the qs.
+ *   Q6_K (1680 bytes): 8 fp16 d | the int8 scales, 16 bytes per (h, half, pair p): scale 8h + 4p +
+ *     half of the 8 rows, then scale 8h + 4p + 2 + half (128) | ql chunks (h, t, c): ql bytes 64h +
+ *     32t + 4c .. + 3 (1024) | qh chunks (h, c): qh bytes 32h + 4c .. + 3 (512).
+ *
+ * Why (as quant_x8.c for the legacy types): a chunk widened to int16 holds 2 weight pairs of each
+ * of the 8 rows, and one madd (vpdpwssd with VNNI) against the activation's 4 matching values,
+ * broadcast as a 64-bit pair of pairs, leaves each (row, pair) partial sum in its own 32-bit lane.
+ * Per sub-block the pairs are folded (a permute and an add), converted once and scaled by one
+ * vector of 8 rows' scales: nothing is summed across a row's lanes per block, as the file layout's
+ * tile must. One activation row streams each group's blocks front to back, prefetched ahead.
+ *
+ * Integer sums, for any weights and activations (|x| <= 32767, quant.c): a lane sums the products
+ * of one row and one sub-block (Q6_K: one 16-weight half), Q4_K 32 products of q <= 15 at most
+ * 15.7e6, Q5_K 32 of q <= 31 at most 32.5e6, Q6_K 16 of |q - 32| <= 32 at most 16.8e6: all far
+ * below 2^31, and the fold of a pair of lanes is one such sum. The scales multiply in float.
+ *
+ * Builds: AVX-512 (zmm; vpdpwssd where VNNI is there), AVX2 (ymm, each chunk as two 16-byte
+ * halves of 4 rows), and portable (each row's blocks rebuilt in the file's layout, then quant_k.c's
+ * plain-C tile: the reference the others are tested against, beside gguf-py's dequantization).
+ */
+#include "quant.h"
+
+#define QK 256
+#ifndef KX8_PF
+#define KX8_PF 1024 /* how far ahead (bytes) the tile prefetches its group's blocks */
+#endif
+
+static inline int kx8_block_bytes(const int type) {
+    return type == QTYPE_Q4_K ? 144 : type == QTYPE_Q5_K ? 176 : 210;
+}
+
+/* Slot s's block (of the group block at gb) rebuilt as the file's block. */
+static void plain_block_k(const uint8_t *gb, int s, const int type, uint8_t *out) {
+    if (type == QTYPE_Q6_K) {
+        for (int h = 0; h < 2; h++) {
+            for (int t = 0; t < 2; t++)
+                for (int c = 0; c < 8; c++) memcpy(out + 64 * h + 32 * t + 4 * c, gb + 144 + ((h * 2 + t) * 8 + c) * 32 + 4 * s, 4);
+            for (int c = 0; c < 8; c++) memcpy(out + 128 + 32 * h + 4 * c, gb + 1168 + (h * 8 + c) * 32 + 4 * s, 4);
+            for (int half = 0; half < 2; half++)
+                for (int j = 0; j < 4; j++) /* scale 8h + 2j + half: pair j / 2, its (j % 2)-th 8 bytes */
+                    out[192 + 8 * h + 2 * j + half] = gb[16 + ((h * 2 + half) * 2 + j / 2) * 16 + (j % 2) * 8 + s];
+        }
+        memcpy(out + 208, gb + 2 * s, 2);
+        return;
+    }
+    const int q5 = type == QTYPE_Q5_K, qs_out = q5 ? 48 : 16, qs_in = q5 ? 384 : 128;
+    memcpy(out, gb + 2 * s, 2);
+    memcpy(out + 2, gb + 16 + 2 * s, 2);
+    for (int word = 0; word < 3; word++) memcpy(out + 4 + 4 * word, gb + 32 + 32 * word + 4 * s, 4);
+    if (q5)
+        for (int c = 0; c < 8; c++) memcpy(out + 16 + 4 * c, gb + 128 + 32 * c + 4 * s, 4);
+    for (int g = 0; g < 4; g++)
+        for (int c = 0; c < 8; c++) memcpy(out + qs_out + 32 * g + 4 * c, gb + qs_in + (g * 8 + c) * 32 + 4 * s, 4);
+}
+
+/* Row s of the group at g (k weights) as float32: each block rebuilt, then the file layout's own
+ * dequantization (quant_k.c), so the values are exactly gguf-py's. */
+static inline void dequant_slot_k(const uint8_t *g, int s, int64_t k, float *out, const int type) {
+    const int bb = kx8_block_bytes(type);
+    const qtype_ops *plain_ops = qtype_k(type);
+    uint8_t plain[210];
+    for (int64_t b = 0; b < k / QK; b++) {
+        plain_block_k(g + b * 8 * bb, s, type, plain);
+        plain_ops->dequant_row(plain, QK, out + b * QK);
+    }
+}
+
+#if HAVE_AVX2 || HAVE_AVX512
+static inline __m256i pairs2_256(const int16_t *q) { /* q[0..3] in every 64-bit lane */
+    int64_t v;
+    memcpy(&v, q, sizeof v);
+    return _mm256_set1_epi64x(v);
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KX8_ZMM 1
+#define XR 4 /* activation rows per tile */
+#if defined(__AVX512VNNI__)
+#define DPW(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
+#else
+#define DPW(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16((a), (b)))
+#endif
+
+static inline __m512i pairs2(const int16_t *q) { /* q[0..3] in every 64-bit lane */
+    int64_t v;
+    memcpy(&v, q, sizeof v);
+    return _mm512_set1_epi64(v);
+}
+
+static inline __m512i widen32(const uint8_t *p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
+
+/* Lanes (row s, pair p) at 2s + p of a and of b -> [a's rows 0-7 | b's rows 0-7], pairs summed. */
+static inline __m512i fold_pairs(__m512i a, __m512i b) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    return _mm512_add_epi32(_mm512_permutex2var_epi32(a, even, b), _mm512_permutex2var_epi32(a, odd, b));
+}
+
+/* [u ... (8 lanes) | v ...] */
+static inline __m512 two8(float u, float v) {
+    return _mm512_insertf32x8(_mm512_set1_ps(u), _mm256_set1_ps(v), 1);
+}
+
+static inline __m512 fp16x8_twice(const uint8_t *p) {
+    const __m256 h = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(h), h, 1);
+}
+
+/* out[r * ldo + s] = dot(row s of the group at g, activation row r), s < 8, r < nr <= R. */
+static inline __attribute__((always_inline)) void q45_tile(const uint8_t *g, int64_t nb, const act_block16 *const *xa,
+                                                           int64_t nr, float *out, int64_t ldo, const int type,
+                                                           const int R) {
+    const int q5 = type == QTYPE_Q5_K, gbb = 8 * kx8_block_bytes(type), qs_at = q5 ? 384 : 128;
+    __m512 acc[XR];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * gbb;
+        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + KX8_PF + at), _MM_HINT_T0);
+        const __m256i wa = _mm256_loadu_si256((const __m256i *)(blk + 32));
+        const __m256i wb = _mm256_loadu_si256((const __m256i *)(blk + 64));
+        const __m256i wc = _mm256_loadu_si256((const __m256i *)(blk + 96));
+        const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m4 = _mm256_set1_epi32(0x0f0f0f0f), hi2 = _mm256_set1_epi32(0x30303030);
+        /* lane s: row s's scales (mins) 0-3 in its bytes, then 4-7 (scale_min_k4 on words) */
+        const __m256i sc03 = _mm256_and_si256(wa, m6), m03 = _mm256_and_si256(wb, m6);
+        const __m256i sc47 = _mm256_or_si256(_mm256_and_si256(wc, m4), _mm256_and_si256(_mm256_srli_epi32(wa, 2), hi2));
+        const __m256i m47 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(wc, 4), m4), _mm256_and_si256(_mm256_srli_epi32(wb, 2), hi2));
+        const __m512 d = fp16x8_twice(blk), dmin = fp16x8_twice(blk + 16);
+        for (int sb = 0; sb < 4; sb++) { /* sub-blocks 2sb (low nibbles) and 2sb + 1 (high) */
+            const __m256i scw = sb < 2 ? sc03 : sc47, mw = sb < 2 ? m03 : m47;
+            const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi32(16 * (sb & 1)), _mm256_set1_epi32(16 * (sb & 1) + 8), 1);
+            const __m512i byte = _mm512_set1_epi32(0xff);
+            const __m512 dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(
+                                                   _mm512_srlv_epi32(_mm512_inserti64x4(_mm512_castsi256_si512(scw), scw, 1), shift), byte)));
+            const __m512 dm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_and_si512(
+                                                     _mm512_srlv_epi32(_mm512_inserti64x4(_mm512_castsi256_si512(mw), mw, 1), shift), byte)));
+            __m512i lo_acc[XR], hi_acc[XR];
+            for (int r = 0; r < R; r++) lo_acc[r] = hi_acc[r] = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c++) {
+                const __m512i v = widen32(blk + qs_at + (sb * 8 + c) * 32);
+                __m512i lo = _mm512_and_si512(v, _mm512_set1_epi16(15)), hi = _mm512_srli_epi16(v, 4);
+                if (q5) { /* bit j of qh byte i: the fifth bit of sub-block j's weight i */
+                    const __m512i qh4 = _mm512_slli_epi16(widen32(blk + 128 + 32 * c), 4);
+                    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_srl_epi16(qh4, _mm_cvtsi32_si128(2 * sb)), _mm512_set1_epi16(16)));
+                    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srl_epi16(qh4, _mm_cvtsi32_si128(2 * sb + 1)), _mm512_set1_epi16(16)));
+                }
+                for (int r = 0; r < R; r++) {
+                    const act_block16 *x = xa[r] + 8 * b + 2 * sb;
+                    lo_acc[r] = DPW(lo_acc[r], lo, pairs2(x[0].q + 4 * c));
+                    hi_acc[r] = DPW(hi_acc[r], hi, pairs2(x[1].q + 4 * c));
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                const act_block16 *x = xa[r] + 8 * b + 2 * sb;
+                const __m512 dots = _mm512_cvtepi32_ps(fold_pairs(lo_acc[r], hi_acc[r]));
+                acc[r] = _mm512_fmadd_ps(dots, _mm512_mul_ps(dsc, two8(x[0].d, x[1].d)), acc[r]);
+                acc[r] = _mm512_fnmadd_ps(dm, two8(x[0].s, x[1].s), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R && r < nr; r++)
+        _mm256_storeu_ps(out + r * ldo, _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1)));
+}
+
+static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int64_t nb, const act_block16 *const *xa,
+                                                          int64_t nr, float *out, int64_t ldo, const int R) {
+    const int gbb = 8 * 210;
+    __m512 acc[XR];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * gbb;
+        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + KX8_PF + at), _MM_HINT_T0);
+        const __m512 d = fp16x8_twice(blk);
+        for (int h = 0; h < 2; h++)
+            for (int half = 0; half < 2; half++) { /* weights 16 half .. 16 half + 15 of each sub-block */
+                __m512i is[XR][4];
+                for (int r = 0; r < R; r++)
+                    for (int s = 0; s < 4; s++) is[r][s] = _mm512_setzero_si512();
+                for (int c = 4 * half; c < 4 * half + 4; c++) {
+                    const __m512i qh = widen32(blk + 1168 + (h * 8 + c) * 32);
+                    for (int t = 0; t < 2; t++) {
+                        const __m512i v = widen32(blk + 144 + ((h * 2 + t) * 8 + c) * 32);
+                        const __m512i bits = _mm512_set1_epi16(0x30), off = _mm512_set1_epi16(32);
+                        /* sub-block t: low nibbles, qh bits 2t, 2t + 1; sub-block t + 2: high nibbles,
+                         * qh bits 2t + 4, 2t + 5 (each pair moved to bits 4, 5) */
+                        const __m512i hb0 = t == 0 ? _mm512_slli_epi16(qh, 4) : _mm512_slli_epi16(qh, 2);
+                        const __m512i hb1 = t == 0 ? qh : _mm512_srli_epi16(qh, 2);
+                        const __m512i w0 = _mm512_sub_epi16(
+                            _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi16(15)), _mm512_and_si512(hb0, bits)), off);
+                        const __m512i w1 = _mm512_sub_epi16(_mm512_or_si512(_mm512_srli_epi16(v, 4), _mm512_and_si512(hb1, bits)), off);
+                        for (int r = 0; r < R; r++) {
+                            const act_block16 *x = xa[r] + 8 * b + 4 * h;
+                            is[r][t] = DPW(is[r][t], w0, pairs2(x[t].q + 4 * c));
+                            is[r][t + 2] = DPW(is[r][t + 2], w1, pairs2(x[t + 2].q + 4 * c));
+                        }
+                    }
+                }
+                for (int p = 0; p < 2; p++) { /* sub-blocks 2p, 2p + 1 */
+                    const __m128i s8 = _mm_loadu_si128((const __m128i *)(blk + 16 + ((h * 2 + half) * 2 + p) * 16));
+                    const __m512 sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s8)));
+                    for (int r = 0; r < R; r++) {
+                        const act_block16 *x = xa[r] + 8 * b + 4 * h + 2 * p;
+                        const __m512 dots = _mm512_cvtepi32_ps(fold_pairs(is[r][2 * p], is[r][2 * p + 1]));
+                        acc[r] = _mm512_fmadd_ps(dots, _mm512_mul_ps(sc, two8(x[0].d, x[1].d)), acc[r]);
+                    }
+                }
+            }
+    }
+    for (int r = 0; r < R && r < nr; r++)
+        _mm256_storeu_ps(out + r * ldo, _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1)));
+}
+
+#elif HAVE_AVX2 || HAVE_AVX512
+#define XR 2 /* activation rows per tile (16 ymm registers) */
+
+static inline __m256i widen16(const uint8_t *p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+
+/* a: lanes (row s, pair p) at 2s + p for rows 0-3, b for rows 4-7 -> rows 0-7, pairs summed. */
+static inline __m256i fold_pairs(__m256i a, __m256i b) {
+    return _mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8); /* hadd: rows 0 1 4 5 | 2 3 6 7 */
+}
+
+static inline __attribute__((always_inline)) void q45_tile(const uint8_t *g, int64_t nb, const act_block16 *const *xa,
+                                                           int64_t nr, float *out, int64_t ldo, const int type,
+                                                           const int R) {
+    const int q5 = type == QTYPE_Q5_K, gbb = 8 * kx8_block_bytes(type), qs_at = q5 ? 384 : 128;
+    __m256 acc[XR];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * gbb;
+        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + KX8_PF + at), _MM_HINT_T0);
+        const __m256i wa = _mm256_loadu_si256((const __m256i *)(blk + 32));
+        const __m256i wb = _mm256_loadu_si256((const __m256i *)(blk + 64));
+        const __m256i wc = _mm256_loadu_si256((const __m256i *)(blk + 96));
+        const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m4 = _mm256_set1_epi32(0x0f0f0f0f), hi2 = _mm256_set1_epi32(0x30303030);
+        const __m256i sc03 = _mm256_and_si256(wa, m6), m03 = _mm256_and_si256(wb, m6);
+        const __m256i sc47 = _mm256_or_si256(_mm256_and_si256(wc, m4), _mm256_and_si256(_mm256_srli_epi32(wa, 2), hi2));
+        const __m256i m47 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(wc, 4), m4), _mm256_and_si256(_mm256_srli_epi32(wb, 2), hi2));
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        for (int j = 0; j < 8; j += 2) { /* sub-blocks j (low nibbles) and j + 1 (high) */
+            const __m256i scw = j < 4 ? sc03 : sc47, mw = j < 4 ? m03 : m47, byte = _mm256_set1_epi32(0xff);
+            const __m128i sh0 = _mm_cvtsi32_si128(8 * (j % 4)), sh1 = _mm_cvtsi32_si128(8 * (j % 4) + 8);
+            const __m256 dsc0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(scw, sh0), byte)));
+            const __m256 dsc1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(scw, sh1), byte)));
+            const __m256 dm0 = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mw, sh0), byte)));
+            const __m256 dm1 = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mw, sh1), byte)));
+            __m256i ia[XR][4]; /* low nibbles rows 0-3, rows 4-7, high nibbles rows 0-3, rows 4-7 */
+            for (int r = 0; r < R; r++)
+                for (int i = 0; i < 4; i++) ia[r][i] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const uint8_t *chunk = blk + qs_at + (j / 2 * 8 + c) * 32;
+                for (int hf = 0; hf < 2; hf++) {
+                    const __m256i v = widen16(chunk + 16 * hf);
+                    __m256i lo = _mm256_and_si256(v, _mm256_set1_epi16(15)), hi = _mm256_srli_epi16(v, 4);
+                    if (q5) {
+                        const __m256i qh4 = _mm256_slli_epi16(widen16(blk + 128 + 32 * c + 16 * hf), 4);
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_srl_epi16(qh4, _mm_cvtsi32_si128(j)), _mm256_set1_epi16(16)));
+                        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srl_epi16(qh4, _mm_cvtsi32_si128(j + 1)), _mm256_set1_epi16(16)));
+                    }
+                    for (int r = 0; r < R; r++) {
+                        const act_block16 *x = xa[r] + 8 * b + j;
+                        ia[r][hf] = _mm256_add_epi32(ia[r][hf], _mm256_madd_epi16(lo, pairs2_256(x[0].q + 4 * c)));
+                        ia[r][2 + hf] = _mm256_add_epi32(ia[r][2 + hf], _mm256_madd_epi16(hi, pairs2_256(x[1].q + 4 * c)));
+                    }
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                const act_block16 *x = xa[r] + 8 * b + j;
+                const __m256 i0 = _mm256_cvtepi32_ps(fold_pairs(ia[r][0], ia[r][1]));
+                const __m256 i1 = _mm256_cvtepi32_ps(fold_pairs(ia[r][2], ia[r][3]));
+                acc[r] = _mm256_fmadd_ps(i0, _mm256_mul_ps(dsc0, _mm256_set1_ps(x[0].d)), acc[r]);
+                acc[r] = _mm256_fmadd_ps(i1, _mm256_mul_ps(dsc1, _mm256_set1_ps(x[1].d)), acc[r]);
+                acc[r] = _mm256_fnmadd_ps(dm0, _mm256_set1_ps(x[0].s), acc[r]);
+                acc[r] = _mm256_fnmadd_ps(dm1, _mm256_set1_ps(x[1].s), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R && r < nr; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
+}
+
+static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int64_t nb, const act_block16 *const *xa,
+                                                          int64_t nr, float *out, int64_t ldo, const int R) {
+    const int gbb = 8 * 210;
+    __m256 acc[XR];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * gbb;
+        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + KX8_PF + at), _MM_HINT_T0);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        for (int h = 0; h < 2; h++)
+            for (int half = 0; half < 2; half++)
+                for (int t = 0; t < 2; t++) { /* sub-blocks t (low nibbles) and t + 2 (high) */
+                    __m256i is[XR][4]; /* sub-block t rows 0-3, rows 4-7, sub-block t + 2 rows 0-3, 4-7 */
+                    for (int r = 0; r < R; r++)
+                        for (int i = 0; i < 4; i++) is[r][i] = _mm256_setzero_si256();
+                    for (int c = 4 * half; c < 4 * half + 4; c++)
+                        for (int hf = 0; hf < 2; hf++) {
+                            const __m256i qh = widen16(blk + 1168 + (h * 8 + c) * 32 + 16 * hf);
+                            const __m256i v = widen16(blk + 144 + ((h * 2 + t) * 8 + c) * 32 + 16 * hf);
+                            const __m256i bits = _mm256_set1_epi16(0x30), off = _mm256_set1_epi16(32);
+                            const __m256i hb0 = t == 0 ? _mm256_slli_epi16(qh, 4) : _mm256_slli_epi16(qh, 2);
+                            const __m256i hb1 = t == 0 ? qh : _mm256_srli_epi16(qh, 2);
+                            const __m256i w0 = _mm256_sub_epi16(
+                                _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi16(15)), _mm256_and_si256(hb0, bits)), off);
+                            const __m256i w1 =
+                                _mm256_sub_epi16(_mm256_or_si256(_mm256_srli_epi16(v, 4), _mm256_and_si256(hb1, bits)), off);
+                            for (int r = 0; r < R; r++) {
+                                const act_block16 *x = xa[r] + 8 * b + 4 * h;
+                                is[r][hf] = _mm256_add_epi32(is[r][hf], _mm256_madd_epi16(w0, pairs2_256(x[t].q + 4 * c)));
+                                is[r][2 + hf] =
+                                    _mm256_add_epi32(is[r][2 + hf], _mm256_madd_epi16(w1, pairs2_256(x[t + 2].q + 4 * c)));
+                            }
+                        }
+                    /* the scales of sub-block t (pair 0's t-th 8 bytes) and t + 2 (pair 1's) */
+                    const uint8_t *s8 = blk + 16 + (h * 2 + half) * 32 + 8 * t;
+                    const __m256 sc0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)s8))));
+                    const __m256 sc1 =
+                        _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(s8 + 16)))));
+                    for (int r = 0; r < R; r++) {
+                        const act_block16 *x = xa[r] + 8 * b + 4 * h;
+                        const __m256 i0 = _mm256_cvtepi32_ps(fold_pairs(is[r][0], is[r][1]));
+                        const __m256 i1 = _mm256_cvtepi32_ps(fold_pairs(is[r][2], is[r][3]));
+                        acc[r] = _mm256_fmadd_ps(i0, _mm256_mul_ps(sc0, _mm256_set1_ps(x[t].d)), acc[r]);
+                        acc[r] = _mm256_fmadd_ps(i1, _mm256_mul_ps(sc1, _mm256_set1_ps(x[t + 2].d)), acc[r]);
+                    }
+                }
+    }
+    for (int r = 0; r < R && r < nr; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
+}
+#endif
+
+#ifdef XR
+/* Weight rows [0, nc) (nc a multiple of 8, the first at a group's start) x activation rows [0, nr):
+ * activation rows in near-equal groups of at most XR, each group over every weight group in turn. */
+static inline __attribute__((always_inline)) void kx8_loop(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq,
+                                                           int64_t xrb, int64_t nr, int64_t nb, float *out, int64_t ldo,
+                                                           const int type) {
+    const int64_t groups = (nr + XR - 1) / XR;
+    for (int64_t ag = 0; ag < groups; ag++) {
+        const int64_t r0 = nr * ag / groups, rows = nr * (ag + 1) / groups - r0;
+        const act_block16 *xa[XR];
+        for (int r = 0; r < XR; r++) xa[r] = (const act_block16 *)(xq + (r0 + (r < rows ? r : 0)) * xrb);
+        for (int64_t c0 = 0; c0 < nc; c0 += 8) {
+            const uint8_t *g = w + c0 * wrb;
+            float *o = out + r0 * ldo + c0;
+            if (type == QTYPE_Q6_K) {
+                switch (rows) {
+                case 1: q6_tile(g, nb, xa, rows, o, ldo, 1); break;
+#if XR > 2
+                case 2: q6_tile(g, nb, xa, rows, o, ldo, 2); break;
+                case 3: q6_tile(g, nb, xa, rows, o, ldo, 3); break;
+#endif
+                default: q6_tile(g, nb, xa, rows, o, ldo, XR); break;
+                }
+            } else {
+                switch (rows) {
+                case 1: q45_tile(g, nb, xa, rows, o, ldo, type, 1); break;
+#if XR > 2
+                case 2: q45_tile(g, nb, xa, rows, o, ldo, type, 2); break;
+                case 3: q45_tile(g, nb, xa, rows, o, ldo, type, 3); break;
+#endif
+                default: q45_tile(g, nb, xa, rows, o, ldo, type, XR); break;
+                }
+            }
+        }
+    }
+}
+#define KX8_LOOP(TYPE) kx8_loop(w, wrb, nc, xq, xrb, nr, nb, out, ldo, TYPE)
+
+#else /* portable: each row of a group rebuilt in the file's layout, then quant_k.c's plain-C tile */
+
+static inline void kx8_plain(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                             int64_t nb, float *out, int64_t ldo, const int type) {
+    const int bb = kx8_block_bytes(type);
+    const qtype_ops *plain_ops = qtype_k(type);
+    uint8_t row[wrb];
+    for (int64_t c0 = 0; c0 < nc; c0 += 8)
+        for (int s = 0; s < 8; s++) {
+            for (int64_t b = 0; b < nb; b++) plain_block_k(w + c0 * wrb + b * 8 * bb, s, type, row + b * bb);
+            plain_ops->tile(row, wrb, 1, xq, xrb, nr, nb, out + c0 + s, ldo);
+        }
+}
+#define KX8_LOOP(TYPE) kx8_plain(w, wrb, nc, xq, xrb, nr, nb, out, ldo, TYPE)
+#endif
+
+static void tile_q4_k(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                      int64_t nb, float *out, int64_t ldo) {
+    KX8_LOOP(QTYPE_Q4_K);
+}
+static void tile_q5_k(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                      int64_t nb, float *out, int64_t ldo) {
+    KX8_LOOP(QTYPE_Q5_K);
+}
+static void tile_q6_k(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                      int64_t nb, float *out, int64_t ldo) {
+    KX8_LOOP(QTYPE_Q6_K);
+}
+
+static void slot_q4_k(const uint8_t *g, int s, int64_t k, float *out) { dequant_slot_k(g, s, k, out, QTYPE_Q4_K); }
+static void slot_q5_k(const uint8_t *g, int s, int64_t k, float *out) { dequant_slot_k(g, s, k, out, QTYPE_Q5_K); }
+static void slot_q6_k(const uint8_t *g, int s, int64_t k, float *out) { dequant_slot_k(g, s, k, out, QTYPE_Q6_K); }
+static void group_q4_k(const uint8_t *g, int64_t k, float *out) {
+    for (int s = 0; s < 8; s++) dequant_slot_k(g, s, k, out + s * k, QTYPE_Q4_K);
+}
+static void group_q5_k(const uint8_t *g, int64_t k, float *out) {
+    for (int s = 0; s < 8; s++) dequant_slot_k(g, s, k, out + s * k, QTYPE_Q5_K);
+}
+static void group_q6_k(const uint8_t *g, int64_t k, float *out) {
+    for (int s = 0; s < 8; s++) dequant_slot_k(g, s, k, out + s * k, QTYPE_Q6_K);
+}
+
+#define ACT_BYTES (8 * (int)sizeof(act_block16)) /* per 256 weights */
+static const qtype_ops OPS_Q4_K = {QTYPE_Q4_K | QTYPE_X8, QK, 144, ACT_BYTES, quantize_act16, tile_q4_k,
+                                   NULL, slot_q4_k, group_q4_k};
+static const qtype_ops OPS_Q5_K = {QTYPE_Q5_K | QTYPE_X8, QK, 176, ACT_BYTES, quantize_act16, tile_q5_k,
+                                   NULL, slot_q5_k, group_q5_k};
+static const qtype_ops OPS_Q6_K = {QTYPE_Q6_K | QTYPE_X8, QK, 210, ACT_BYTES, quantize_act16, tile_q6_k,
+                                   NULL, slot_q6_k, group_q6_k};
+
+const qtype_ops *qtype_kx8(int type) {
+    switch (type) {
+    case QTYPE_Q4_K | QTYPE_X8: return &OPS_Q4_K;
+    case QTYPE_Q5_K | QTYPE_X8: return &OPS_Q5_K;
+    case QTYPE_Q6_K | QTYPE_X8: return &OPS_Q6_K;
+    default: return NULL;
+    }
+}
