@@ -1,14 +1,16 @@
 """The C decode attention alone: ms per step of SmolLM2's 30 layers (9 query / 3 KV heads of 64)
-over a float32 paged KV cache, at given contexts and decode rows.
+over a paged KV cache (float32 by default), at given contexts and decode rows.
 
     python -m bench.decode_attention                                   # this checkout's build
     python -m bench.decode_attention --against OLD.so --contexts 64,512,2048 --rows 1,2,3
+    python -m bench.decode_attention --kv-dtypes float32,bfloat16,float16 --rows 1   # --kv-cache-dtype
 
 Each layer has its own K and V pool (30 of each, as in the worker), so a step reads every layer's
 KV from memory. ``--against`` takes another build of the kernels library (e.g. an older commit's,
 from ``python -c 'from gpu_worker.backends.cpu.build import build; ...'`` in that checkout) and times it
 interleaved with this one, repetition by repetition, in one process: the medians' ratio is the
-change. KV GB/s is the K and V bytes a step reads over its median time.
+change. KV GB/s is the K and V bytes a step reads over its median time. ``--kv-dtypes`` times float32
+queries over caches of each dtype, interleaved the same way (the first is the baseline of the ratio).
 """
 
 from __future__ import annotations
@@ -36,28 +38,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", default="1,2,32", help="comma list of decode rows per step")
     p.add_argument("--repeats", type=int, default=25, help="timed steps per library and shape")
     p.add_argument("--against", type=Path, default=None, help="another build of the kernels library")
+    p.add_argument("--kv-dtypes", default="float32", help="comma list of KV cache dtypes (float32 queries)")
     return p
 
 
 def step_ms(
-    kernels: CpuKernels, context: int, rows: int, repeats: int, others: list[CpuKernels]
+    kernels: CpuKernels,
+    context: int,
+    rows: int,
+    repeats: int,
+    others: list[CpuKernels],
+    kv_dtypes: tuple[torch.dtype, ...] = (torch.float32,),
 ) -> list[float]:
-    """Median ms of one step (every layer's attention) for ``kernels`` and each of ``others``, interleaved."""
+    """Median ms of one step (every layer's attention) for ``kernels`` and each of ``others`` over a
+    cache of each of ``kv_dtypes`` (libraries x dtypes, in that order), interleaved."""
     pages_per_row = -(-context // PAGE_SIZE)
     pool = pages_per_row * rows * PAGE_SIZE
-    caches = [
-        (torch.randn(pool, KV_HEADS, HEAD_DIM), torch.randn(pool, KV_HEADS, HEAD_DIM)) for _ in range(LAYERS)
-    ]
+    caches = {
+        dtype: [
+            (torch.randn(pool, KV_HEADS, HEAD_DIM).to(dtype), torch.randn(pool, KV_HEADS, HEAD_DIM).to(dtype))
+            for _ in range(LAYERS)
+        ]
+        for dtype in kv_dtypes
+    }
     page_table = torch.arange(pages_per_row * rows).view(rows, pages_per_row).contiguous()
     q, out = torch.randn(rows, HEADS, HEAD_DIM), torch.empty(rows, HEADS, HEAD_DIM)
     ids = torch.arange(rows)
-    libs = [kernels, *others]
-    times: list[list[float]] = [[] for _ in libs]
+    runs = [(lib, dtype) for lib in [kernels, *others] for dtype in kv_dtypes]
+    times: list[list[float]] = [[] for _ in runs]
     for _ in range(repeats):
-        for lib, ts in zip(libs, times, strict=True):
+        for (lib, dtype), ts in zip(runs, times, strict=True):
             decode = lib.decode_rows(ids, ids, torch.full((rows,), context), page_table, PAGE_SIZE)
             started = time.perf_counter()
-            for k_cache, v_cache in caches:
+            for k_cache, v_cache in caches[dtype]:
                 lib.attend(q, k_cache, v_cache, out, decode)
             ts.append(1e3 * (time.perf_counter() - started))
     return [statistics.median(ts) for ts in times]
@@ -70,18 +83,39 @@ def main(argv: list[str] | None = None) -> int:
     if kernels is None:
         raise SystemExit("error: the C kernels did not build (see the log line above)")
     others = [CpuKernels(args.against, acting)] if args.against else []
+    kv_dtypes = tuple(getattr(torch, name) for name in args.kv_dtypes.split(","))
     print(f"# {cpu_kind.describe(acting)}; torch threads {torch.get_num_threads()}")
+    if len(kv_dtypes) > 1:
+        return kv_dtype_table(kernels, args, kv_dtypes)
     head = "| context | rows | this build ms | KV GB/s |" + (" --against ms | speed-up |" if others else "")
     print(head)
     print("|---" * (head.count("|") - 1) + "|")
+    elem = kv_dtypes[0].itemsize
     for context in [int(x) for x in args.contexts.split(",")]:
         for rows in [int(x) for x in args.rows.split(",")]:
-            ms = step_ms(kernels, context, rows, args.repeats, others)
-            gbs = LAYERS * 2 * context * KV_HEADS * HEAD_DIM * 4 * rows / (ms[0] / 1e3) / 1e9
+            ms = step_ms(kernels, context, rows, args.repeats, others, kv_dtypes)
+            gbs = LAYERS * 2 * context * KV_HEADS * HEAD_DIM * elem * rows / (ms[0] / 1e3) / 1e9
             line = f"| {context} | {rows} | {ms[0]:.3f} | {gbs:.1f} |"
             if others:
                 line += f" {ms[1]:.3f} | {ms[1] / ms[0]:.2f}x |"
             print(line, flush=True)
+    return 0
+
+
+def kv_dtype_table(kernels: CpuKernels, args: argparse.Namespace, kv_dtypes: tuple[torch.dtype, ...]) -> int:
+    """ms per step over each KV dtype, and its speed-up over the first."""
+    names = [str(d).removeprefix("torch.") for d in kv_dtypes]
+    head = "| context | rows | " + " | ".join(f"{n} ms" for n in names) + " | "
+    head += " | ".join(f"{n} speed-up" for n in names[1:]) + " |"
+    print(head)
+    print("|---" * (head.count("|") - 1) + "|")
+    for context in [int(x) for x in args.contexts.split(",")]:
+        for rows in [int(x) for x in args.rows.split(",")]:
+            ms = step_ms(kernels, context, rows, args.repeats, [], kv_dtypes)
+            cells = (
+                " | ".join(f"{m:.3f}" for m in ms) + " | " + " | ".join(f"{ms[0] / m:.2f}x" for m in ms[1:])
+            )
+            print(f"| {context} | {rows} | {cells} |", flush=True)
     return 0
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from protocol.flags import flag, given, max_running_requests_field, seed_field
 
 WEIGHT_DTYPES = ("auto", "gguf", "bfloat16", "float32")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,7 @@ class WorkerConfig:
     ``model_path`` is an HF-layout directory (config.json + safetensors);
     ``gpu_worker.weights.model_files.resolve_model`` turns any accepted --model into one.
     ``dtype="auto"`` is bfloat16 on CUDA and on CPUs with native bf16 dot
-    products (AVX512-BF16 or AMX), float32 elsewhere; the KV pool uses the same.
+    products (AVX512-BF16 or AMX), float32 elsewhere; the KV pool's is ``kv_cache_dtype``.
     ``compile`` wraps the model's dense per-layer code in torch.compile. Each field's
     ``flag`` is its launcher option (protocol/flags.py).
     """
@@ -28,6 +29,13 @@ class WorkerConfig:
         "auto",
         "auto | cpu | torch | triton: the worker's backend (auto: triton on CUDA, cpu on CPU; "
         "torch: the generic reference path on any device; triton on CPU runs interpreted, for tests)",
+    )
+    kv_cache_dtype: str = flag(
+        "auto",
+        "the KV pool's dtype: auto (under float32 activations a 16-bit pool where the backend's "
+        "attention reads it in place: float16 for the CPU's C kernels, bfloat16 for Triton on a GPU; "
+        "else the activations' dtype), float32, bfloat16, float16",
+        choices=KV_CACHE_DTYPES,
     )
     page_size: int = flag(16, "tokens per KV page")
     kv_cache_tokens: int = flag(0, "KV pool size in tokens; 0: use --kv-mem-fraction")
@@ -90,3 +98,6 @@ class WorkerConfig:
         assert self.page_size >= 1, "page_size must be >= 1"
         assert 0.0 < self.kv_mem_fraction < 1.0, "kv_mem_fraction must be in (0, 1)"
         assert self.weight_dtype in WEIGHT_DTYPES, f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}"
+        assert self.kv_cache_dtype in KV_CACHE_DTYPES, (
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}"
+        )

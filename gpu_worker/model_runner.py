@@ -161,7 +161,9 @@ class ModelRunner:
 
     def _init_kv_pool(self) -> None:
         model = self.model
-        elem_bytes = torch.empty((), dtype=self._dtype).element_size()
+        name = self.config.kv_cache_dtype
+        kv_dtype = self.backend.kv_cache_dtype(self._dtype) if name == "auto" else _DTYPES[name]
+        elem_bytes = torch.empty((), dtype=kv_dtype).element_size()
         bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * elem_bytes
         tokens = self.backend.kv_pool_tokens(
             self.config.kv_cache_tokens, self.config.kv_mem_fraction, bytes_per_token
@@ -176,10 +178,16 @@ class ModelRunner:
             page_size=self.config.page_size,
             max_requests=self.config.max_running_requests,
             context_len=self._context_len,
-            dtype=self._dtype,
+            dtype=kv_dtype,
             device=self._device,
         )
-        logger.info("KV pool: %d pages of %d tokens", self.kv.num_pages, self.kv.page_size)
+        logger.info(
+            "KV pool: %d pages of %d tokens, %s (%d bytes a token)",
+            self.kv.num_pages,
+            self.kv.page_size,
+            str(kv_dtype).removeprefix("torch."),
+            bytes_per_token,
+        )
 
     @property
     def uses_cpu_kernels(self) -> bool:
@@ -201,6 +209,10 @@ class ModelRunner:
     @property
     def dtype(self) -> torch.dtype:
         return self._dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.kv.k[0].dtype
 
     def execute(self, batch: ForwardBatch) -> ForwardResult:
         """Run one batch; return the drawn tokens of its ``sample`` rows in row order."""

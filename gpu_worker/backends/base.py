@@ -28,6 +28,15 @@ class Backend(Protocol):
         """``--dtype auto``: the activations' dtype (``gguf_blocks``: weights kept in GGUF blocks)."""
         ...
 
+    def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """``--kv-cache-dtype auto`` under activations of ``dtype`` (asked after ``prepare_model``).
+
+        A method, not a constant: whether a 16-bit pool pays depends on the backend's attention
+        reading it in place. A decode step at a long context reads more KV than weights, and 16
+        bits halve it; a path that gathers and widens the KV per read (torch's) pays a copy for it
+        and keeps the activations' dtype. The float64 reference stays float64 on every backend."""
+        ...
+
     def quantized_types(self) -> frozenset[int]:
         """The ggml block types this backend computes on (the loader keeps those in their blocks)."""
         ...

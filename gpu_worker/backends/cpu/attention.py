@@ -110,8 +110,7 @@ def attend(
         kernels.attend(q, k_cache, v_cache, out, paged.rows, new_kv=(k, v))
         return out
     tm = meta.torch_meta
-    k_cache.index_copy_(0, tm.out_locs, k)
-    v_cache.index_copy_(0, tm.out_locs, v)
+    torch_attention.store_kv(k_cache, v_cache, k, v, tm.out_locs)
     kernels.attend(q, k_cache, v_cache, out, paged.rows)
     torch_attention.attend_into(out, tm, q, k, v, k_cache, v_cache, options)  # its extend rows
     return out

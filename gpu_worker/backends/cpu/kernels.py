@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.backends.cpu.build import BUILDS, DTYPE_CODES, ISA_PORTABLE, build
+from gpu_worker.backends.cpu.build import BUILDS, DTYPE_CODES, ISA_PORTABLE, KV_DTYPE_CODES, build
 from gpu_worker.backends.cpu.decode_rows import DecodeRows
 from gpu_worker.backends.cpu.kind import CpuKind, is_x86
 from gpu_worker.backends.cpu.quant_kernels import QuantKernels
@@ -52,7 +52,7 @@ class CpuKernels(QuantKernels):
         self._attention.restype = ctypes.c_int
         self._attention.argtypes = [
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
             ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
         ]  # fmt: skip
@@ -111,8 +111,9 @@ class CpuKernels(QuantKernels):
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """out[q_rows[i]] = softmax(q[q_rows[i]] K^T / sqrt(D)) V for each of ``rows``; q, out:
-        [T, Hq, D]; caches [N, Hkv, D] (contiguous). ``new_kv``: k, v [T, Hkv, D] (heads contiguous)
-        of which row i's K/V (row q_rows[i]) are first written at its last position."""
+        [T, Hq, D]; caches [N, Hkv, D] (contiguous; float32, bfloat16 or float16 whatever q's dtype).
+        ``new_kv``: k, v [T, Hkv, D] (heads contiguous, q's dtype) of which row i's K/V (row q_rows[i])
+        are first written at its last position, rounded to the caches' dtype."""
         _, heads, head_dim = q.shape
         assert q.stride(2) == 1 and q.stride(1) == head_dim, "q: heads and head_dim must be contiguous"
         k_ptr = v_ptr = k_stride = v_stride = 0
@@ -121,12 +122,14 @@ class CpuKernels(QuantKernels):
             k_ptr, v_ptr, k_stride, v_stride = k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0)
         status = self._attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-            DTYPE_CODES[q.dtype], rows.q_rows, rows.slots, rows.kv_lens, rows.page_table, rows.pt_stride,
+            DTYPE_CODES[q.dtype], KV_DTYPE_CODES[k_cache.dtype], rows.q_rows, rows.slots, rows.kv_lens,
+            rows.page_table, rows.pt_stride,
             rows.rows, heads, k_cache.shape[1], head_dim, rows.page_size, head_dim**-0.5,
             k_ptr, k_stride, v_ptr, v_stride,
         )  # fmt: skip
         assert status == 0, (
-            f"paged_decode_attention refused heads {heads}/{k_cache.shape[1]}, head_dim {head_dim}"
+            f"paged_decode_attention refused heads {heads}/{k_cache.shape[1]}, head_dim {head_dim}, "
+            f"{q.dtype} over a {k_cache.dtype} KV cache"
         )
 
     def decode_attention(

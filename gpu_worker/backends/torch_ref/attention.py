@@ -13,6 +13,9 @@ Rows come in two kinds, each attended in the cheapest shape torch offers:
 
 Everything here is built once per batch (``AttentionMetadata``) and shared by
 all layers; the per-layer work is a write of the new K/V and the calls above.
+A KV pool of another dtype than the activations (``--kv-cache-dtype``) is written
+rounded to its dtype and read back as the activations' (a row with no prefix
+reads its fresh K/V as computed).
 A layer's options (scale, sliding window, soft-capping) are applied by masks and,
 for soft-capping, by the explicit softmax SDPA cannot do.
 """
@@ -77,13 +80,20 @@ def attend(
     """Write the batch's new K/V (unless the caller did), then attend every row of ``meta``.
     q: [T, Hq, D], k/v: [T, Hkv, D]; rows ``meta`` does not list are left as they are in ``out``."""
     if write_kv:  # index_copy_/index_select, not advanced indexing: several times faster on CPU
-        k_cache.index_copy_(0, meta.out_locs, k)
-        v_cache.index_copy_(0, meta.out_locs, v)
+        store_kv(k_cache, v_cache, k, v, meta.out_locs)
     if meta.in_order and (options is PLAIN or options == PLAIN):
         return _decode_attention(q, k_cache, v_cache, meta.decode[0], options)
     out = torch.empty_like(q)
     attend_into(out, meta, q, k, v, k_cache, v_cache, options)
     return out
+
+
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_locs: torch.Tensor
+) -> None:
+    """The new K/V [T, Hkv, D] into pool rows ``out_locs``, rounded to the pool's dtype."""
+    k_cache.index_copy_(0, out_locs, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, out_locs, v.to(v_cache.dtype))
 
 
 def attend_into(
@@ -105,7 +115,8 @@ def attend_into(
         if row.kv_locs is None:
             row_k, row_v = k[rows], v[rows]
         else:
-            row_k, row_v = k_cache.index_select(0, row.kv_locs), v_cache.index_select(0, row.kv_locs)
+            row_k = k_cache.index_select(0, row.kv_locs).to(q.dtype)
+            row_v = v_cache.index_select(0, row.kv_locs).to(q.dtype)
         out[rows] = _extend_attention(q[rows], row_k, row_v, row, options)
 
 
@@ -120,8 +131,8 @@ def _decode_attention(
     kv_heads = k_cache.shape[1]
     # [B, L, Hkv, D] -> [B, Hkv, L, D]; the G query heads sharing a KV head act as G queries.
     shape = (rows, group.max_len, kv_heads, head_dim)
-    k = k_cache.index_select(0, group.kv_locs).view(shape).transpose(1, 2)
-    v = v_cache.index_select(0, group.kv_locs).view(shape).transpose(1, 2)
+    k = k_cache.index_select(0, group.kv_locs).to(q.dtype).view(shape).transpose(1, 2)
+    v = v_cache.index_select(0, group.kv_locs).to(q.dtype).view(shape).transpose(1, 2)
     q = q.view(rows, kv_heads, q_heads // kv_heads, head_dim)
     mask = group.mask
     if options.sliding_window > 0:  # the query is at position kv_len - 1

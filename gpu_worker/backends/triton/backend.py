@@ -45,6 +45,11 @@ class TritonBackend(TorchBackend):
         super().__init__(device)
         self._kernels = kernels
 
+    def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """bfloat16 under float32 activations on a GPU: the kernels read a 16-bit pool in place (fp32
+        math). Interpreted on the CPU (a test path) the activations', as torch's backend keeps."""
+        return torch.bfloat16 if dtype == torch.float32 and not self.host_memory else dtype
+
     def init_forward_metadata(
         self, kv: KVPool, req_pool_idx: list[int], prefix_lens: list[int], extend_lens: list[int]
     ) -> tuple[torch.Tensor, Any]:

@@ -37,9 +37,12 @@ def _write_kv_kernel(
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
     mask = (heads < num_heads) & (dims < HEAD_DIM)
+    # Rounded to the pool's dtype on the store (a 16-bit pool under float32 activations).
     k = tl.load(k_ptr + token.to(tl.int64) * stride_kt + heads * stride_kh + dims, mask=mask)
+    k = k.to(k_cache_ptr.dtype.element_ty)
     tl.store(k_cache_ptr + loc * stride_kct + heads * stride_kch + dims, k, mask=mask)
     v = tl.load(v_ptr + token.to(tl.int64) * stride_vt + heads * stride_vh + dims, mask=mask)
+    v = v.to(v_cache_ptr.dtype.element_ty)
     tl.store(v_cache_ptr + loc * stride_vct + heads * stride_vch + dims, v, mask=mask)
 
 
@@ -49,13 +52,14 @@ def write_kv(
     """Store ``k``/``v`` ``[T, Hkv, D]`` into pool rows ``out_locs`` (int64 ``[T]``), one launch for both.
 
     Any token and head strides are accepted (``k`` may be a view into a fused QKV output); the last
-    dimension of every tensor must be contiguous. ``k``/``v`` must have the pool's dtype.
+    dimension of every tensor must be contiguous. ``k``/``v`` are rounded to the pool's dtype (a 16-bit
+    pool under float32 activations: ``--kv-cache-dtype``).
     """
     num_tokens, num_heads, head_dim = k.shape
     assert v.shape == k.shape and k_cache.shape[1:] == k.shape[1:] == v_cache.shape[1:], (
         f"k {tuple(k.shape)}, v {tuple(v.shape)} do not fit the pool rows {tuple(k_cache.shape[1:])}"
     )
-    assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype, "write_kv does not convert dtypes"
+    assert k.dtype == v.dtype and k_cache.dtype == v_cache.dtype, "k and v, and the two pools, share a dtype"
     assert out_locs.shape == (num_tokens,) and out_locs.dtype == torch.int64, "out_locs: int64 [T]"
     assert all(t.stride(-1) == 1 for t in (k, v, k_cache, v_cache)), "the head dim must be contiguous"
     if num_tokens == 0:

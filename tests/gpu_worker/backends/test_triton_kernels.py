@@ -13,6 +13,7 @@ own fp16 probabilities have).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import subprocess
@@ -171,6 +172,33 @@ def test_write_kv_stores_each_token_in_its_row(dtype: torch.dtype) -> None:
     untouched[out_locs] = False
     assert torch.equal(k_cache[untouched], before_k[untouched])
     assert torch.equal(v_cache[untouched], before_v[untouched])
+
+
+@pytest.mark.parametrize("kv_dtype", [BF16, F16], ids=str)
+def test_float32_activations_over_a_16_bit_pool(kv_dtype: torch.dtype) -> None:
+    """--kv-cache-dtype: float32 K/V are rounded into the 16-bit pool as torch rounds them (to one ulp
+    of bf16 where the interpreter truncates), and float32 queries attend over the pool as stored, in
+    float32 math: against the float64 reference of those stored values, float32's tolerance."""
+    gen = torch.Generator().manual_seed(4)
+    k_cache = torch.zeros((64, 2, 32), dtype=kv_dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    k, v = (
+        torch.randn((9, 2, 32), generator=gen).to(DEVICE),
+        torch.randn((9, 2, 32), generator=gen).to(DEVICE),
+    )
+    out_locs = torch.randperm(64, generator=gen)[:9].to(DEVICE)
+    write_kv(k_cache, v_cache, k, v, out_locs)
+    tol = 2**-7 if kv_dtype == BF16 and DEVICE == "cpu" else 0.0
+    torch.testing.assert_close(k_cache[out_locs], k.to(kv_dtype), rtol=tol, atol=tol)
+    torch.testing.assert_close(v_cache[out_locs], v.to(kv_dtype), rtol=tol, atol=tol)
+
+    case = Case(F32, 64, 3, 1, 16, "mixed")
+    lens = sample_lens(case.shape, random.Random(str(kv_dtype)))
+    batch = paged_batch(
+        lens, page_size=16, q_heads=3, kv_heads=1, head_dim=64, dtype=F32, seed=5, device=DEVICE
+    )
+    batch = dataclasses.replace(batch, k_cache=batch.k_cache.to(kv_dtype), v_cache=batch.v_cache.to(kv_dtype))
+    assert_matches_reference(run_attention(batch, case), batch, case)
 
 
 INTERPRETED_AFTER_TRITON = """

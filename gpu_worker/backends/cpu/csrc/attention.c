@@ -9,15 +9,27 @@
 
 #if HAVE_AVX512
 #define BLOCK 16 /* positions per step: one vector of scores */
+#define PAIRED (-1) /* block_scores' mode: bfloat16 q against bfloat16 K (a bfloat16 model's KV) */
+
+/* Dimensions [d, d + 16) of a K or V row of ``kv_dtype`` widened to float32 (zeros past head_dim):
+ * bfloat16 by a shift, float16 by vcvtph2ps. */
+static inline __m512 load16_kv(const char *row, int kv_dtype, int d, int head_dim) {
+    const __mmask16 mask = head_dim - d >= 16 ? 0xffffu : (__mmask16)((1u << (head_dim - d)) - 1);
+    if (kv_dtype == DTYPE_F32) return _mm512_maskz_loadu_ps(mask, (const float *)row + d);
+    const __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)row + d);
+    if (kv_dtype == DTYPE_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
 
 /* The 16 scores q . K[row at[t]] (unscaled) of one query head, K rows read from kv: for each
- * 32-dimension (bfloat16) or 16-dimension (float32) block of q, one partial-sum vector per
- * position, summed by sum16 at the end. at[] must list positions in ORDER16 order. bfloat16 pairs
- * go through vdpbf16ps: a product of two bfloat16 is exact in float32, sums are float32. */
-static inline __m512 block_scores(const void *q, const void *kv, const int64_t at[16], int dtype, int head_dim) {
+ * 32-dimension (PAIRED) or 16-dimension (float32 q) block of q, one partial-sum vector per
+ * position, summed by sum16 at the end. at[] must list positions in ORDER16 order. PAIRED: bfloat16
+ * pairs go through vdpbf16ps (a product of two bfloat16 is exact in float32, sums are float32);
+ * else ``mode`` is the KV dtype, its rows widened to float32 for FMAs with the float32 q. */
+static inline __m512 block_scores(const void *q, const void *kv, const int64_t at[16], int mode, int head_dim) {
     __m512 part[16];
     for (int t = 0; t < 16; t++) part[t] = _mm512_setzero_ps();
-    if (dtype == DTYPE_BF16) {
+    if (mode == PAIRED) {
         const uint16_t *k16 = (const uint16_t *)kv;
         for (int d = 0; d < head_dim; d += 32) {
             const __mmask32 mask = head_dim - d >= 32 ? 0xffffffffu : (1u << (head_dim - d)) - 1;
@@ -26,12 +38,12 @@ static inline __m512 block_scores(const void *q, const void *kv, const int64_t a
                 part[t] = _mm512_dpbf16_ps(part[t], qb, (__m512bh)_mm512_maskz_loadu_epi16(mask, k16 + at[t] + d));
         }
     } else {
-        const float *k32 = (const float *)kv;
+        const int elem = mode == DTYPE_F32 ? 4 : 2;
         for (int d = 0; d < head_dim; d += 16) {
             const __mmask16 mask = head_dim - d >= 16 ? 0xffffu : (__mmask16)((1u << (head_dim - d)) - 1);
             const __m512 qb = _mm512_maskz_loadu_ps(mask, (const float *)q + d);
             for (int t = 0; t < 16; t++)
-                part[t] = _mm512_fmadd_ps(qb, _mm512_maskz_loadu_ps(mask, k32 + at[t] + d), part[t]);
+                part[t] = _mm512_fmadd_ps(qb, load16_kv((const char *)kv + at[t] * elem, mode, d, head_dim), part[t]);
         }
     }
     return sum16(part);
@@ -40,21 +52,29 @@ static inline __m512 block_scores(const void *q, const void *kv, const int64_t a
 /* One task of paged_decode_attention, BLOCK positions at a time: for each KV head, the scores of
  * its query heads (one vector each), their online softmax, and the weighted sum of V.
  *
- * bfloat16 weights V through vdpbf16ps as well: two positions per instruction, their V rows
- * interleaved, the probabilities rounded to bfloat16 (as torch's own CPU flash attention does
- * for bfloat16). The interleave leaves each 32-dimension accumulator in the order
- * [d 0-3, 8-11, 16-19, 24-27 | d 4-7, 12-15, 20-23, 28-31]; the end undoes it. */
-static void attend_avx512(const char *q, const void *k_cache, const void *v_cache, int dtype, const int64_t *pages,
-                          int64_t len, int page_size, int h0, int h1, int group, int head_dim, int64_t kv_row,
-                          float scale, float *res) {
-    const int elem = dtype == DTYPE_BF16 ? 2 : 4, nq = (h1 - h0) * group, bytes = (h1 - h0) * head_dim * elem;
+ * A bfloat16 model's bfloat16 KV (PAIRED) weights V through vdpbf16ps as well: two positions per
+ * instruction, their V rows interleaved, the probabilities rounded to bfloat16 (as torch's own CPU
+ * flash attention does for bfloat16). The interleave leaves each 32-dimension accumulator in the
+ * order [d 0-3, 8-11, 16-19, 24-27 | d 4-7, 12-15, 20-23, 28-31]; the end undoes it. Any other
+ * pair of dtypes computes in float32: q widened once, K and V rows as they are read. */
+static void attend_avx512(const char *q, const void *k_cache, const void *v_cache, int dtype, int kv_dtype,
+                          const int64_t *pages, int64_t len, int page_size, int h0, int h1, int group, int head_dim,
+                          int64_t kv_row, float scale, float *res) {
+    const int paired = dtype == DTYPE_BF16 && kv_dtype == DTYPE_BF16;
+    const int elem = kv_dtype == DTYPE_F32 ? 4 : 2, nq = (h1 - h0) * group, bytes = (h1 - h0) * head_dim * elem;
+    const int q_elem = paired ? 2 : 4;
     const int64_t col = (int64_t)h0 * head_dim;
     const int stride = (head_dim + 31) & ~31; /* of acc per head: whole 32-dimension blocks */
     float acc[MAX_HEADS * MAX_HEAD_DIM], m[MAX_HEADS], l[MAX_HEADS];
     float prob[MAX_HEADS][BLOCK];
+    float qf[MAX_HEADS * MAX_HEAD_DIM]; /* q in float32, when not PAIRED */
     uint32_t pairs[MAX_HEADS][BLOCK / 2]; /* bfloat16 probabilities of positions 2i, 2i+1 */
     int64_t at[BLOCK], at_k[BLOCK];        /* element offset of each position's token row; in ORDER16 */
     __m512i vpair[BLOCK / 2][MAX_HEAD_DIM / 16]; /* bfloat16 V rows of a KV head, two positions interleaved */
+    if (!paired) {
+        load_vec(q, dtype, 0, nq * head_dim, qf);
+        q = (const char *)qf;
+    }
     memset(acc, 0, (size_t)nq * stride * sizeof(float));
     for (int j = 0; j < nq; j++) {
         m[j] = -INFINITY;
@@ -75,7 +95,8 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
         prefetch_kv(k_cache, v_cache, pages, page_size, next, next_end, kv_row, col, elem, bytes, 0);
         for (int j = 0; j < nq; j++) { /* scores and the softmax update */
             const char *kv = (const char *)k_cache + (col + (int64_t)(j / group) * head_dim) * elem;
-            const __m512 raw = block_scores(q + (int64_t)j * head_dim * elem, kv, at_k, dtype, head_dim);
+            const __m512 raw =
+                block_scores(q + (int64_t)j * head_dim * q_elem, kv, at_k, paired ? PAIRED : kv_dtype, head_dim);
             const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),
                                                   _mm512_mul_ps(raw, _mm512_set1_ps(scale)));
             const float mx = fmaxf(m[j], _mm512_reduce_max_ps(s));
@@ -85,7 +106,7 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
             m[j] = mx;
             float *aj = acc + (int64_t)j * stride;
             for (int d = 0; d < stride; d++) aj[d] *= corr;
-            if (dtype == DTYPE_BF16)
+            if (paired)
                 _mm256_storeu_si256((__m256i *)pairs[j], (__m256i)_mm512_cvtneps_pbh(p));
             else
                 _mm512_storeu_ps(prob[j], p);
@@ -93,7 +114,7 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
         for (int h = h0; h < h1; h++) { /* the weighted sum of V, accumulators in registers */
             const int64_t vcol = (int64_t)h * head_dim;
             const int j0 = (h - h0) * group, npairs = (n + 1) / 2;
-            if (dtype == DTYPE_BF16) {
+            if (paired) {
                 const uint16_t *v16 = (const uint16_t *)v_cache + vcol;
                 for (int i = 0; i < npairs; i++) /* rows 2i and 2i+1 interleaved (a zero row past the end) */
                     for (int d = 0; d < head_dim; d += 32) {
@@ -117,15 +138,15 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
                         _mm512_storeu_ps(aj + 16, hi);
                     }
             } else {
-                const float *v32 = (const float *)v_cache + vcol;
+                const char *vh = (const char *)v_cache + vcol * elem;
                 for (int j = j0; j < j0 + group; j++)
                     for (int d = 0; d < head_dim; d += 16) {
                         const __mmask16 mask = head_dim - d >= 16 ? 0xffffu : (__mmask16)((1u << (head_dim - d)) - 1);
                         float *aj = acc + (int64_t)j * stride + d;
                         __m512 sum = _mm512_maskz_loadu_ps(mask, aj);
                         for (int t = 0; t < n; t++)
-                            sum = _mm512_fmadd_ps(_mm512_set1_ps(prob[j][t]), _mm512_maskz_loadu_ps(mask, v32 + at[t] + d),
-                                                  sum);
+                            sum = _mm512_fmadd_ps(_mm512_set1_ps(prob[j][t]),
+                                                  load16_kv(vh + at[t] * elem, kv_dtype, d, head_dim), sum);
                         _mm512_mask_storeu_ps(aj, mask, sum);
                     }
             }
@@ -137,7 +158,7 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
         float *rj = res + (int64_t)j * head_dim;
         for (int d = 0; d < head_dim; d++) {
             int from = d; /* where the bfloat16 interleave left dimension d */
-            if (dtype == DTYPE_BF16) {
+            if (paired) {
                 const int base = d & ~31, i = d & 31;
                 from = base + (i & 4 ? 16 : 0) + (i >> 3) * 4 + (i & 3);
             }
@@ -146,11 +167,12 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
     }
 }
 /* attend_avx512 takes whole rows (p0 = 0, no stats): an AVX-512 build splits few rows by heads. */
-static inline void attend_whole(const char *q, const void *k_cache, const void *v_cache, int dtype,
+static inline void attend_whole(const char *q, const void *k_cache, const void *v_cache, int dtype, int kv_dtype,
                                 const int64_t *pages, int64_t p0, int64_t len, int page_size, int h0, int h1, int group,
                                 int head_dim, int64_t kv_row, float scale, float *res, float *stats) {
     (void)p0, (void)stats;
-    attend_avx512(q, k_cache, v_cache, dtype, pages, len, page_size, h0, h1, group, head_dim, kv_row, scale, res);
+    attend_avx512(q, k_cache, v_cache, dtype, kv_dtype, pages, len, page_size, h0, h1, group, head_dim, kv_row, scale,
+                  res);
 }
 #define attend attend_whole
 #define SPLIT_POSITIONS 0
@@ -181,14 +203,24 @@ static inline __m256i first_lanes(int n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* Dimensions [d, d + 16) of a K, V or q row as two float32 vectors. bfloat16 is widened the way
+/* Dimensions [d, d + 16) of a K or V row as two float32 vectors. bfloat16 is widened the way
  * matmul.c does it: one 256-bit load holds dimension d + 2i in the low half of 32-bit lane i and
  * d + 2i + 1 in the high half, so lo gets the even dimensions (shift left 16) and hi the odd ones
- * (low half masked off). float32: lo = d..d+7, hi = d+8..d+15. Past head_dim: zeros, and nothing
- * read (the row may end the pool, and what follows it is not ours to multiply by zero: NaN). */
+ * (low half masked off). float32 and float16 (vcvtph2ps): lo = d..d+7, hi = d+8..d+15. Past
+ * head_dim: zeros, and nothing read (the row may end the pool, and what follows it is not ours to
+ * multiply by zero: NaN). */
 INLINE void load16(const char *row, int dtype, int d, int head_dim, __m256 *lo, __m256 *hi) {
     const int n = head_dim - d;
-    if (dtype == DTYPE_BF16) {
+    if (dtype == DTYPE_F16) {
+        const uint16_t *p = (const uint16_t *)row + d;
+        uint16_t tail[16] = {0};
+        if (n < 16) {
+            memcpy(tail, p, (size_t)n * sizeof(uint16_t));
+            p = tail;
+        }
+        *lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        *hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    } else if (dtype == DTYPE_BF16) {
         const uint16_t *p = (const uint16_t *)row + d;
         __m256i v;
         if (n >= 16) {
@@ -246,7 +278,7 @@ static inline void prefetch_rows(const char *k_cache, const char *v_cache, const
  * (q is read by the FMAs from L1): enough independent FMA chains to keep both FMA units busy. */
 INLINE void block_scores(const float *qf, int stride, const char *k, const int64_t at[BLOCK], int dtype, int head_dim,
                          int G, __m256 s[MAX_G]) {
-    const int elem = dtype == DTYPE_BF16 ? 2 : 4, P = G == 1 ? 8 : G == 2 ? 4 : 2;
+    const int elem = dtype == DTYPE_F32 ? 4 : 2, P = G == 1 ? 8 : G == 2 ? 4 : 2;
     __m256 part[MAX_G][BLOCK];
     for (int t = 0; t < BLOCK; t += P) {
         __m256 a[BLOCK][MAX_G];
@@ -296,7 +328,7 @@ static inline float softmax_step(__m256 s[NV], int n, float *m, float *lsum, flo
  * of them in registers over the step, each V block widened once for the G heads. */
 INLINE void value_pass(float *acc, int stride, const float prob[][STEP], const float *corr, const char *v,
                        const int64_t at[STEP], int n, int dtype, int head_dim, int d, int G, int DB) {
-    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
+    const int elem = dtype == DTYPE_F32 ? 4 : 2;
     __m256 lo[MAX_G][4], hi[MAX_G][4];
     for (int g = 0; g < G; g++)
         for (int b = 0; b < DB; b++) {
@@ -346,7 +378,7 @@ INLINE void step_heads(const float *qf, float *acc, int stride, const char *k, c
 INLINE void attend_steps(const float *qf, float *acc, int stride, const void *k_cache, const void *v_cache, int dtype,
                          const int64_t *pages, int64_t p0, int64_t len, int page_size, int h0, int h1, int group,
                          int head_dim, int64_t kv_row, float *m, float (*lsum)[BLOCK]) {
-    const int elem = dtype == DTYPE_BF16 ? 2 : 4, bytes = (h1 - h0) * head_dim * elem;
+    const int elem = dtype == DTYPE_F32 ? 4 : 2, bytes = (h1 - h0) * head_dim * elem;
     const int64_t col = (int64_t)h0 * head_dim;
     int64_t at[STEP], next_at[STEP]; /* element offset of each position's token row */
     if (len <= p0) return;
@@ -378,29 +410,34 @@ INLINE void attend_steps(const float *qf, float *acc, int stride, const void *k_
 }
 
 /* One task of paged_decode_attention, STEP positions at a time: for each KV head, its query heads
- * MAX_G at a time, scored and weighted together. q and the accumulators are float32 in load16's
- * order (bfloat16: each 16 dimensions as the 8 even, then the 8 odd ones); the end undoes it. */
-static void attend_avx2(const char *q, const void *k_cache, const void *v_cache, int dtype, const int64_t *pages,
-                        int64_t p0, int64_t len, int page_size, int h0, int h1, int group, int head_dim,
-                        int64_t kv_row, float scale, float *res, float *stats) {
-    const int elem = dtype == DTYPE_BF16 ? 2 : 4, nq = (h1 - h0) * group;
+ * MAX_G at a time, scored and weighted together. q (of ``dtype``) and the accumulators are float32
+ * in load16's order for the KV's ``kv_dtype`` (bfloat16: each 16 dimensions as the 8 even, then the
+ * 8 odd ones); the end undoes it. */
+static void attend_avx2(const char *q, const void *k_cache, const void *v_cache, int dtype, int kv_dtype,
+                        const int64_t *pages, int64_t p0, int64_t len, int page_size, int h0, int h1, int group,
+                        int head_dim, int64_t kv_row, float scale, float *res, float *stats) {
+    const int nq = (h1 - h0) * group;
     const int stride = (head_dim + 15) & ~15; /* of qf and acc per head: whole 16-dimension blocks */
     float qf[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(32)));
     float acc[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(32)));
     float m[MAX_HEADS], lsum[MAX_HEADS][BLOCK] __attribute__((aligned(32)));
     for (int j = 0; j < nq; j++) {
-        for (int d = 0; d < head_dim; d += 16) {
-            __m256 lo, hi;
-            load16(q + (int64_t)j * head_dim * elem, dtype, d, head_dim, &lo, &hi);
-            _mm256_store_ps(qf + j * stride + d, _mm256_mul_ps(lo, _mm256_set1_ps(scale)));
-            _mm256_store_ps(qf + j * stride + d + 8, _mm256_mul_ps(hi, _mm256_set1_ps(scale)));
+        float row[MAX_HEAD_DIM];
+        load_vec(q, dtype, (int64_t)j * head_dim, head_dim, row);
+        for (int i = 0; i < stride; i++) { /* qf[j][i]: the dimension load16 puts at i for kv_dtype */
+            const int d = i & ~15, w = i & 15;
+            const int from = kv_dtype == DTYPE_BF16 ? d + (w < 8 ? 2 * w : 2 * (w - 8) + 1) : i;
+            qf[j * stride + i] = from < head_dim ? row[from] * scale : 0.0f;
         }
         m[j] = -INFINITY;
         _mm256_store_ps(lsum[j], _mm256_setzero_ps());
     }
     memset(acc, 0, (size_t)nq * stride * sizeof(float));
-    if (dtype == DTYPE_BF16)
+    if (kv_dtype == DTYPE_BF16)
         attend_steps(qf, acc, stride, k_cache, v_cache, DTYPE_BF16, pages, p0, len, page_size, h0, h1, group,
+                     head_dim, kv_row, m, lsum);
+    else if (kv_dtype == DTYPE_F16)
+        attend_steps(qf, acc, stride, k_cache, v_cache, DTYPE_F16, pages, p0, len, page_size, h0, h1, group,
                      head_dim, kv_row, m, lsum);
     else
         attend_steps(qf, acc, stride, k_cache, v_cache, DTYPE_F32, pages, p0, len, page_size, h0, h1, group,
@@ -409,7 +446,7 @@ static void attend_avx2(const char *q, const void *k_cache, const void *v_cache,
         const float l = hsum8(_mm256_load_ps(lsum[j])), inv = len > p0 ? 1.0f / l : 0.0f;
         if (stats != NULL) stats[j] = m[j], stats[nq + j] = len > p0 ? l : 0.0f;
         for (int d = 0; d < head_dim; d++) { /* bfloat16: dimension d is where load16 put it */
-            const int from = dtype == DTYPE_BF16 ? (d & ~15) + (d & 1) * 8 + (d & 15) / 2 : d;
+            const int from = kv_dtype == DTYPE_BF16 ? (d & ~15) + (d & 1) * 8 + (d & 15) / 2 : d;
             res[(int64_t)j * head_dim + d] = acc[j * stride + from] * inv;
         }
     }
@@ -420,10 +457,10 @@ static void attend_avx2(const char *q, const void *k_cache, const void *v_cache,
 #else
 /* One task of paged_decode_attention: SCORE_CHUNK positions at a time, all heads of a position
  * together (one contiguous read of its token row). */
-static void attend_portable(const char *q, const void *k_cache, const void *v_cache, int dtype, const int64_t *pages,
-                            int64_t p0, int64_t len, int page_size, int h0, int h1, int group, int head_dim,
-                            int64_t kv_row, float scale, float *res, float *stats) {
-    const int elem = dtype == DTYPE_BF16 ? 2 : 4, nq = (h1 - h0) * group, width = (h1 - h0) * head_dim;
+static void attend_portable(const char *q, const void *k_cache, const void *v_cache, int dtype, int kv_dtype,
+                            const int64_t *pages, int64_t p0, int64_t len, int page_size, int h0, int h1, int group,
+                            int head_dim, int64_t kv_row, float scale, float *res, float *stats) {
+    const int elem = kv_dtype == DTYPE_F32 ? 4 : 2, nq = (h1 - h0) * group, width = (h1 - h0) * head_dim;
     const int64_t col = (int64_t)h0 * head_dim;
     float qf[MAX_HEADS * MAX_HEAD_DIM], acc[MAX_HEADS * MAX_HEAD_DIM], kv[MAX_HEADS * MAX_HEAD_DIM];
     float scores[MAX_HEADS][SCORE_CHUNK], m[MAX_HEADS], l[MAX_HEADS];
@@ -441,7 +478,7 @@ static void attend_portable(const char *q, const void *k_cache, const void *v_ca
             at[t] = (pages[(start + t) / page_size] * page_size + (start + t) % page_size) * kv_row + col;
         prefetch_kv(k_cache, v_cache, pages, page_size, start, start + n, kv_row, col, elem, width * elem, 0);
         for (int t = 0; t < n; t++) { /* scores of this chunk */
-            load_vec(k_cache, dtype, at[t], width, kv);
+            load_vec(k_cache, kv_dtype, at[t], width, kv);
             for (int j = 0; j < nq; j++) {
                 const float *qj = qf + (int64_t)j * head_dim, *kj = kv + (int64_t)(j / group) * head_dim;
                 float s = 0.0f;
@@ -467,7 +504,7 @@ static void attend_portable(const char *q, const void *k_cache, const void *v_ca
             for (int d = 0; d < head_dim; d++) aj[d] *= corr;
         }
         for (int t = 0; t < n; t++) { /* accumulate V */
-            load_vec(v_cache, dtype, at[t], width, kv);
+            load_vec(v_cache, kv_dtype, at[t], width, kv);
             for (int j = 0; j < nq; j++) {
                 const float p = scores[j][t], *vj = kv + (int64_t)(j / group) * head_dim;
                 float *aj = acc + (int64_t)j * head_dim;
@@ -486,14 +523,26 @@ static void attend_portable(const char *q, const void *k_cache, const void *v_ca
 #define SPLIT_POSITIONS 1
 #endif
 
-/* Row r's new K and V (heads [h0, h1)) written at its last position, by the task that then reads it. */
+/* Row r's new K and V (heads [h0, h1)), of ``dtype``, written at its last position in the KV's
+ * ``kv_dtype`` (rounded to it), by the task that then reads it. */
 static inline void write_new_kv(void *k_cache, void *v_cache, const int64_t *pages, int page_size, int64_t pos,
-                                int64_t kv_row, int h0, int h1, int head_dim, int elem, const void *k_new,
-                                const void *v_new, int64_t k_off, int64_t v_off) {
+                                int64_t kv_row, int h0, int h1, int head_dim, int dtype, int kv_dtype,
+                                const void *k_new, const void *v_new, int64_t k_off, int64_t v_off) {
     const int64_t at = (pages[pos / page_size] * page_size + pos % page_size) * kv_row + (int64_t)h0 * head_dim;
-    const size_t bytes = (size_t)(h1 - h0) * head_dim * elem;
-    memcpy((char *)k_cache + at * elem, (const char *)k_new + (k_off + (int64_t)h0 * head_dim) * elem, bytes);
-    memcpy((char *)v_cache + at * elem, (const char *)v_new + (v_off + (int64_t)h0 * head_dim) * elem, bytes);
+    const int n = (h1 - h0) * head_dim;
+    k_off += (int64_t)h0 * head_dim;
+    v_off += (int64_t)h0 * head_dim;
+    if (dtype == kv_dtype) {
+        const int elem = dtype == DTYPE_F32 ? 4 : 2;
+        memcpy((char *)k_cache + at * elem, (const char *)k_new + k_off * elem, (size_t)n * elem);
+        memcpy((char *)v_cache + at * elem, (const char *)v_new + v_off * elem, (size_t)n * elem);
+        return;
+    }
+    float row[MAX_HEADS * MAX_HEAD_DIM];
+    load_vec(k_new, dtype, k_off, n, row);
+    store_vec(k_cache, kv_dtype, at, n, row);
+    load_vec(v_new, dtype, v_off, n, row);
+    store_vec(v_cache, kv_dtype, at, n, row);
 }
 
 /* Few rows, every head of a row in one task but its positions split in ``parts`` runs (whole STEPs
@@ -503,7 +552,7 @@ static inline void write_new_kv(void *k_cache, void *v_cache, const int64_t *pag
  * heads instead left 3 KV heads on 2 threads (one idle a third of the time), each reading a third
  * of every token row. */
 static void attend_split(const void *q, int64_t q_row_stride, void *k_cache, void *v_cache, void *out, int dtype,
-                         const int64_t *q_rows, const int64_t *slots, const int64_t *kv_lens,
+                         int kv_dtype, const int64_t *q_rows, const int64_t *slots, const int64_t *kv_lens,
                          const int64_t *page_table, int64_t pt_stride, int64_t rows, int num_heads, int kv_heads,
                          int head_dim, int page_size, float scale, const void *k_new, int64_t k_new_stride,
                          const void *v_new, int64_t v_new_stride, int parts, float *part) {
@@ -519,10 +568,10 @@ static void attend_split(const void *q, int64_t q_row_stride, void *k_cache, voi
             const int64_t p0 = c * run < len ? c * run : len, p1 = p0 + run < len ? p0 + run : len;
             float *res = part + task * width;
             if (k_new != NULL && p0 < len && len <= p1)
-                write_new_kv(k_cache, v_cache, pages, page_size, len - 1, kv_row, 0, kv_heads, head_dim, elem, k_new,
-                             v_new, q_rows[r] * k_new_stride, q_rows[r] * v_new_stride);
-            attend((const char *)q + q_rows[r] * q_row_stride * elem, k_cache, v_cache, dtype, pages, p0, p1, page_size,
-                   0, kv_heads, group, head_dim, kv_row, scale, res, res + (int64_t)num_heads * head_dim);
+                write_new_kv(k_cache, v_cache, pages, page_size, len - 1, kv_row, 0, kv_heads, head_dim, dtype, kv_dtype,
+                             k_new, v_new, q_rows[r] * k_new_stride, q_rows[r] * v_new_stride);
+            attend((const char *)q + q_rows[r] * q_row_stride * elem, k_cache, v_cache, dtype, kv_dtype, pages, p0, p1,
+                   page_size, 0, kv_heads, group, head_dim, kv_row, scale, res, res + (int64_t)num_heads * head_dim);
         }
 #pragma omp for schedule(static)
         for (int64_t rh = 0; rh < rows * num_heads; rh++) {
@@ -550,12 +599,14 @@ static void attend_split(const void *q, int64_t q_row_stride, void *k_cache, voi
  * reads q row q_rows[r] and writes out row q_rows[r] (out: [*, num_heads, head_dim], contiguous).
  * Row r attends positions [0, kv_lens[r]) of request slot slots[r]: position p lives at
  * KV row page_table[slots[r] * pt_stride + p / page_size] * page_size + p % page_size of
- * k_cache / v_cache ([pool tokens, kv_heads, head_dim]). The num_heads / kv_heads query heads
- * of one KV head share its K/V rows (GQA, HF's repeat_kv order). Returns 0, or -1 on bad sizes.
+ * k_cache / v_cache ([pool tokens, kv_heads, head_dim], of ``kv_dtype``: float32, bfloat16 or
+ * float16, whatever the ``dtype`` of q and out). The num_heads / kv_heads query heads of one KV
+ * head share its K/V rows (GQA, HF's repeat_kv order). Returns 0, or -1 on bad sizes or dtypes.
  *
  * k_new / v_new (or NULL): the rows' new K/V ([*, kv_heads, head_dim], rows k_new_stride /
- * v_new_stride elements apart, read at q_rows[r]), written first at the row's last position; a
- * task writes exactly the heads it then reads, so no task waits for another.
+ * v_new_stride elements apart, read at q_rows[r], of ``dtype``), written first at the row's last
+ * position (rounded to ``kv_dtype``); a task writes exactly the heads it then reads, so no task waits
+ * for another.
  *
  * A task is one row with all its KV heads. (One task per (row, head) read 1/kv_heads of every
  * token row and ran 3x slower once the KV was out of cache, as it always is in a forward.) With
@@ -563,14 +614,16 @@ static void attend_split(const void *q, int64_t q_row_stride, void *k_cache, voi
  * SPLIT_MIN_LEN of them, else its heads (and always its heads in an AVX-512 build).
  */
 int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
-                           void *out, int dtype, const int64_t *q_rows, const int64_t *slots,
+                           void *out, int dtype, int kv_dtype, const int64_t *q_rows, const int64_t *slots,
                            const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t rows,
                            int num_heads, int kv_heads, int head_dim, int page_size, float scale,
                            const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride) {
     if (kv_heads < 1 || num_heads % kv_heads || num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM) return -1;
+    if ((dtype != DTYPE_F32 && dtype != DTYPE_BF16) || kv_dtype < DTYPE_F32 || kv_dtype > DTYPE_F16) return -1;
     const int group = num_heads / kv_heads;
     const int64_t kv_row = (int64_t)kv_heads * head_dim; /* elements per pool token */
     const int threads = omp_get_max_threads(), elem = dtype == DTYPE_BF16 ? 2 : 4;
+    const int kv_elem = kv_dtype == DTYPE_F32 ? 4 : 2;
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; r++) longest = kv_lens[r] > longest ? kv_lens[r] : longest;
     if (SPLIT_POSITIONS && rows < 2 * threads && longest >= SPLIT_MIN_LEN) {
@@ -578,8 +631,8 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
         parts = parts < MAX_SPLIT ? parts : MAX_SPLIT;
         float *part = malloc((size_t)(rows * parts * num_heads * (head_dim + 2)) * sizeof(float));
         if (part != NULL) {
-            attend_split(q, q_row_stride, (void *)k_cache, (void *)v_cache, out, dtype, q_rows, slots, kv_lens,
-                         page_table, pt_stride, rows, num_heads, kv_heads, head_dim, page_size, scale, k_new,
+            attend_split(q, q_row_stride, (void *)k_cache, (void *)v_cache, out, dtype, kv_dtype, q_rows, slots,
+                         kv_lens, page_table, pt_stride, rows, num_heads, kv_heads, head_dim, page_size, scale, k_new,
                          k_new_stride, v_new, v_new_stride, parts, part);
             free(part);
             return 0;
@@ -594,19 +647,19 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
         float res[MAX_HEADS * MAX_HEAD_DIM];
         if (k_new != NULL && kv_lens[r] > 0)
             write_new_kv((void *)k_cache, (void *)v_cache, page_table + slots[r] * pt_stride, page_size, kv_lens[r] - 1,
-                         kv_row, h0, h1, head_dim, elem, k_new, v_new, q_rows[r] * k_new_stride,
+                         kv_row, h0, h1, head_dim, dtype, kv_dtype, k_new, v_new, q_rows[r] * k_new_stride,
                          q_rows[r] * v_new_stride);
         const int64_t next = task + omp_get_num_threads(); /* most likely this thread's next task */
         if (next < rows * splits) {
             const int64_t r2 = next / splits;
             const int g0 = (int)(next % splits) * kv_heads / splits, g1 = (int)(next % splits + 1) * kv_heads / splits;
             prefetch_kv(k_cache, v_cache, page_table + slots[r2] * pt_stride, page_size, 0,
-                        kv_lens[r2] < PREFETCH_L2 ? kv_lens[r2] : PREFETCH_L2, kv_row, (int64_t)g0 * head_dim, elem,
-                        (g1 - g0) * head_dim * elem, 1);
+                        kv_lens[r2] < PREFETCH_L2 ? kv_lens[r2] : PREFETCH_L2, kv_row, (int64_t)g0 * head_dim,
+                        kv_elem, (g1 - g0) * head_dim * kv_elem, 1);
         }
         attend((const char *)q + (q_rows[r] * q_row_stride + (int64_t)q0 * head_dim) * elem, k_cache, v_cache, dtype,
-               page_table + slots[r] * pt_stride, 0, kv_lens[r], page_size, h0, h1, group, head_dim, kv_row, scale, res,
-               NULL);
+               kv_dtype, page_table + slots[r] * pt_stride, 0, kv_lens[r], page_size, h0, h1, group, head_dim, kv_row,
+               scale, res, NULL);
         const int64_t o_off = (q_rows[r] * num_heads + q0) * head_dim;
         if (dtype == DTYPE_BF16) {
             uint16_t *dst = (uint16_t *)out + o_off;

@@ -7,7 +7,8 @@
  * resolves to the copy torch already loaded, so its parallel loops share torch's
  * thread pool and follow torch.set_num_threads.
  *
- * Tensors are float32 (dtype code 0) or bfloat16 (code 1); all math is float32.
+ * Tensors are float32 (dtype code 0) or bfloat16 (code 1); all math is float32. A KV cache may
+ * also be float16 (code 2: --kv-cache-dtype), which only the attention reads and writes.
  */
 #ifndef RIVULET_COMMON_H
 #define RIVULET_COMMON_H
@@ -36,6 +37,7 @@
 
 #define DTYPE_F32 0
 #define DTYPE_BF16 1
+#define DTYPE_F16 2 /* KV caches only */
 #define MAX_HEADS 64 /* query heads (larger: the caller uses torch) */
 #define MAX_HEAD_DIM 256
 
@@ -54,12 +56,65 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded); /* a select: loops vectorize */
 }
 
-/* n elements of a float32 or bfloat16 tensor from element ``offset`` on, as float32. */
+/* IEEE half precision <-> float32, round to nearest even, on the bits (F. Giesen's
+ * half_to_float and float_to_half_fast3_rtne): no F16C needed, so every build has them. */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t shifted_exp = 0x7c00u << 13; /* the exponent mask, shifted */
+    uint32_t o = ((uint32_t)h & 0x7fffu) << 13;
+    const uint32_t exp = shifted_exp & o;
+    o += (127u - 15u) << 23; /* the exponent bias */
+    if (exp == shifted_exp) {
+        o += (128u - 16u) << 23; /* inf, NaN */
+    } else if (exp == 0) {       /* zero, subnormal: renormalized by a float subtraction */
+        const uint32_t magic_bits = 113u << 23;
+        float f, magic;
+        o += 1u << 23;
+        memcpy(&f, &o, sizeof f);
+        memcpy(&magic, &magic_bits, sizeof magic);
+        f -= magic;
+        memcpy(&o, &f, sizeof o);
+    }
+    o |= ((uint32_t)h & 0x8000u) << 16;
+    float out;
+    memcpy(&out, &o, sizeof out);
+    return out;
+}
+
+static inline uint16_t f32_to_f16(float f) {
+    const uint32_t f32_inf = 255u << 23, f16_max = (127u + 16u) << 23;
+    const uint32_t denorm_magic_bits = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t sign = u & 0x80000000u;
+    u ^= sign;
+    uint16_t o;
+    if (u >= f16_max) { /* past the largest half: inf (NaN stays NaN) */
+        o = u > f32_inf ? 0x7e00 : 0x7c00;
+    } else if (u < (113u << 23)) { /* a subnormal half: the float addition rounds it */
+        float x, magic;
+        memcpy(&x, &u, sizeof x);
+        memcpy(&magic, &denorm_magic_bits, sizeof magic);
+        x += magic;
+        memcpy(&u, &x, sizeof u);
+        o = (uint16_t)(u - denorm_magic_bits);
+    } else {
+        const uint32_t mant_odd = (u >> 13) & 1u;
+        u += ((uint32_t)(15 - 127) << 23) + 0xfffu; /* rebias; round half up ... */
+        u += mant_odd;                               /* ... to even */
+        o = (uint16_t)(u >> 13);
+    }
+    return o | (uint16_t)(sign >> 16);
+}
+
+/* n elements of a float32, bfloat16 or float16 tensor from element ``offset`` on, as float32. */
 static inline void load_vec(const void *base, int dtype, int64_t offset, int n, float *dst) {
     if (dtype == DTYPE_BF16) {
         const uint16_t *src = (const uint16_t *)base + offset;
 #pragma omp simd
         for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    } else if (dtype == DTYPE_F16) {
+        const uint16_t *src = (const uint16_t *)base + offset;
+        for (int i = 0; i < n; i++) dst[i] = f16_to_f32(src[i]);
     } else {
         memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
     }
@@ -119,12 +174,15 @@ static inline void prefetch_kv(const void *k_cache, const void *v_cache, const i
     }
 }
 
-/* n float32 values stored to a float32 or bfloat16 tensor at element ``offset``. */
+/* n float32 values stored to a float32, bfloat16 or float16 tensor at element ``offset``. */
 static inline void store_vec(void *base, int dtype, int64_t offset, int n, const float *src) {
     if (dtype == DTYPE_BF16) {
         uint16_t *dst = (uint16_t *)base + offset;
 #pragma omp simd
         for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    } else if (dtype == DTYPE_F16) {
+        uint16_t *dst = (uint16_t *)base + offset;
+        for (int i = 0; i < n; i++) dst[i] = f32_to_f16(src[i]);
     } else {
         memcpy((float *)base + offset, src, (size_t)n * sizeof(float));
     }
