@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-import random
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -24,46 +25,53 @@ from protocol.messages import (
     ToTokenizer,
 )
 from protocol.transport import Codec
-from tokenizer_proc.grammar import CompiledSpec, GrammarCompiler, GrammarRejected
+from tokenizer_proc.admission import SHUTDOWN_MESSAGE, Admission, Admitting
 from tokenizer_proc.model_info import ModelInfo
 from tokenizer_proc.request_state import Outbox, RequestTable, error_output
 from tokenizer_proc.router import Router
-from tokenizer_proc.tool_checks import parameters_json, tool_grammar, with_tool_grammar
-from tokenizer_proc.tools import template_traits
-from tokenizer_proc.validation import RequestRejected, validate_generate
+from tokenizer_proc.validation import RequestRejected
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_MESSAGE = "engine is shutting down"
-SHUTTING_DOWN = "shutting_down"  # RequestRejected.code of a request refused while draining
-
 
 class Frontend:
-    """Validates client requests, tracks them, and turns scheduler tokens into replies.
+    """Takes client frames in, tracks requests, and turns scheduler tokens into replies.
 
-    ``seed`` seeds the generator of per-request sampling seeds, so a run with the
-    same requests in the same order samples the same tokens.
+    Requests from both front doors get in through ``admission`` (admission.py); ``clock`` times
+    them for the serving metrics.
     """
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, info: ModelInfo, seed: int, router: Router | None = None
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        info: ModelInfo,
+        seed: int,
+        router: Router | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.tokenizer = tokenizer
         self.info = info
-        self.chat_traits = template_traits(tokenizer)  # what the chat template does with tools, <think>
         self.router = router or Router()
-        self.requests = RequestTable(tokenizer, on_drop=self.router.release)
-        self._rng = random.Random(seed)
+        self.requests = RequestTable(tokenizer, clock, on_drop=self.router.release)
+        self.admission = Admission(tokenizer, info, seed, self.requests, self.router)
+        self.grammars = self.admission.grammars
         self._client_codec: Codec[ClientRequest] = Codec(ClientRequest)
         # Each replica's last EngineStats (--dp-size); None until its scheduler is up.
         self.replica_stats: list[EngineStats | None] = [None] * self.router.dp_size
-        self.draining = False  # set at shutdown: running requests finish, new ones are refused
-        self.grammars = GrammarCompiler(tokenizer, info.vocab_size)
-        # ZMQ requests whose grammar compiles, by (client, rid); True once the client aborted one.
-        self._compiling: dict[tuple[bytes, str], bool] = {}
+        # ZMQ requests whose grammar compiles, by (client, rid): an abort finds them here.
+        self._compiling: dict[tuple[bytes, str], Admitting] = {}
+
+    @property
+    def draining(self) -> bool:
+        """Set at shutdown: running requests finish, new ones are refused."""
+        return self.admission.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.admission.draining = value
 
     def on_client_frames(self, frames: list[bytes]) -> Outbox:
         """A ROUTER message: [client identity, msgpack payload]. Never raises: whatever handling one
@@ -83,8 +91,8 @@ class Frontend:
         if not rid:
             logger.error("dropped a client message whose rid cannot be read: %s", message)
             return Outbox()
-        if (client_id, rid) in self._compiling:
-            self._compiling[client_id, rid] = True  # never admitted now
+        if (pending := self._compiling.get((client_id, rid))) is not None:
+            pending.ended = True  # never admitted now
         try:
             out = self.requests.fail(client_id, rid, message)
         except Exception:  # the fault's own leftovers would not end; the client hears of it anyway
@@ -110,8 +118,8 @@ class Frontend:
             case GenerateRequest():
                 return self._on_generate(client_id, msg)
             case AbortRequest():
-                if (client_id, msg.rid) in self._compiling:
-                    self._compiling[client_id, msg.rid] = True
+                if (pending := self._compiling.get((client_id, msg.rid))) is not None:
+                    pending.ended = True
                     aborted = GenerateOutput(rid=msg.rid, finish_reason=FinishReason.ABORT)
                     return Outbox(replies=[(client_id, aborted)])
                 return self.requests.abort(client_id, msg.rid)
@@ -148,9 +156,9 @@ class Frontend:
 
     def shutdown(self) -> Outbox:
         out = self.requests.fail_all(SHUTDOWN_MESSAGE)
-        for (client_id, rid), aborted in self._compiling.items():
-            if not aborted:
-                self._compiling[client_id, rid] = True  # never admitted now
+        for (client_id, rid), pending in self._compiling.items():
+            if not pending.ended:
+                pending.ended = True  # never admitted now
                 out.replies.append((client_id, error_output(rid, SHUTDOWN_MESSAGE)))
         return out
 
@@ -158,106 +166,44 @@ class Frontend:
         """A client that can no longer be reached: abort its requests so their KV is freed."""
         return self.requests.abort_client(client_id)
 
-    async def compile_grammar(self, req: GenerateRequest) -> CompiledSpec | None:
-        """Check that every tool's parameters schema compiles, whatever the tool_choice, then compile
-        ``req``'s grammar (off the event loop, once per distinct one); None when it has none. Raise
-        RequestRejected naming the tool's parameters, or ``sampling.grammar`` (``tool_choice`` when
-        the grammar is a forced call's)."""
-        for i, schema in _tool_schemas(req):
-            try:
-                await self.grammars.check_json_schema(schema)
-            except GrammarRejected as exc:
-                raise RequestRejected(
-                    f"tools[{i}].function.parameters", f"cannot be compiled: {exc}"
-                ) from None
-        if req.sampling.grammar is None:
-            return None
-        try:
-            return await self.grammars.compile(req.sampling.grammar)
-        except GrammarRejected as exc:
-            forced = req.sampling.grammar == tool_grammar(req)
-            param = "tool_choice" if forced else "sampling.grammar"
-            raise RequestRejected(param, f"cannot be compiled: {exc}") from None
-        except Exception as exc:  # a compiler fault on one odd grammar must not take the engine down
-            logger.exception("request %r: compiling its grammar failed", req.rid)
-            raise RequestRejected("sampling.grammar", f"could not be compiled: {exc!r}") from exc
-
-    async def admit_after_compile(self, client_id: bytes, req: GenerateRequest) -> Outbox:
-        """A ZMQ request of Outbox.to_compile: compile its grammar, then admit it (unless the
-        client aborted it meanwhile); a rejection is an error reply."""
-        key = (client_id, req.rid)
-        self._compiling.setdefault(key, False)
-        try:
-            grammar = await self.compile_grammar(req)
-            if self._compiling[key]:
-                return Outbox()  # aborted while compiling: its ABORT reply went out then
-            return self.admit(client_id, req, grammar)
-        except RequestRejected as exc:
-            return Outbox(replies=[(client_id, error_output(req.rid, str(exc)))])
-        except Exception as exc:  # a bug on one request: its error reply, not a task dying unheard
-            logger.exception("request %r: admitting it after its compile failed", req.rid)
-            return self.client_fault(client_id, req.rid, f"internal error: {exc!r}")
-        finally:
-            del self._compiling[key]
-
-    def admit(
-        self,
-        client_id: bytes,
-        req: GenerateRequest,
-        grammar: CompiledSpec | None = None,
-        *,
-        clamp_to_context: bool = True,
-    ) -> Outbox:
-        """Validate and start ``req`` (``grammar``: its grammar compiled, when it has one;
-        ``clamp_to_context``: see validate_generate); raise RequestRejected (the HTTP API maps it to
-        a status)."""
-        if self.draining:
-            raise RequestRejected(None, SHUTDOWN_MESSAGE, SHUTTING_DOWN)
-        self.requests.check_new_rid(client_id, req.rid)
-        try:
-            valid = validate_generate(
-                req,
-                self.tokenizer,
-                self.info,
-                self._rng,
-                grammar,
-                traits=self.chat_traits,
-                clamp_to_context=clamp_to_context,
-            )
-        except RequestRejected:
-            raise
-        except Exception as exc:  # a tokenizer bug on one odd input must not take the engine down
-            logger.exception("request %r failed in tokenization", req.rid)
-            raise RequestRejected(None, f"tokenization failed: {exc!r}") from exc
-        tokenized = self.requests.add(client_id, valid)
-        self.router.route(tokenized.rid, tokenized.n, valid.input_ids, valid.cache_salt, valid.max_new_tokens)
+    async def admit(self, client_id: bytes, req: GenerateRequest, *, clamp_to_context: bool = True) -> Outbox:
+        """Admit an HTTP request (each is a client of its own, so no abort reaches it while it
+        compiles): the whole admission, waiting for its compile; raise RequestRejected (the HTTP
+        API maps it to a status). ``clamp_to_context``: see validate_generate."""
+        pending = self.admission.begin(client_id, req, clamp_to_context=clamp_to_context)
+        tokenized = await self.admission.admit(pending)
+        assert tokenized is not None, "only an abort or shutdown ends a request while it compiles"
         return Outbox(to_scheduler=[tokenized])
 
-    def _on_generate(self, client_id: bytes, req: GenerateRequest) -> Outbox:
-        try:  # a forced tool call's grammar is set before anything looks at the request's grammar
-            req = with_tool_grammar(req)
-        except RequestRejected as exc:
-            return Outbox(replies=[(client_id, error_output(req.rid, str(exc)))])
-        grammar = None if req.sampling.grammar is None else self.grammars.cached(req.sampling.grammar)
-        tools_checked = all(self.grammars.schema_checked(schema) for _, schema in _tool_schemas(req))
-        if req.sampling.grammar is not None or not tools_checked:
-            if (client_id, req.rid) in self._compiling:
-                return Outbox(replies=[(client_id, error_output(req.rid, f"rid {req.rid!r} is in flight"))])
-            if (req.sampling.grammar is not None and grammar is None) or not tools_checked:
-                self._compiling[client_id, req.rid] = False  # from now on an abort finds it
-                return Outbox(to_compile=[(client_id, req)])
+    async def admit_after_compile(self, pending: Admitting) -> Outbox:
+        """A ZMQ request of Outbox.to_compile: compile, then start it (unless the client aborted it
+        meanwhile); a rejection is an error reply."""
+        client_id, rid = pending.key
+        self._compiling.setdefault(pending.key, pending)
         try:
-            return self.admit(client_id, req, grammar)
+            tokenized = await self.admission.admit(pending)
+            return Outbox(to_scheduler=[tokenized] if tokenized is not None else [])
+        except RequestRejected as exc:
+            return Outbox(replies=[(client_id, error_output(rid, str(exc)))])
+        except Exception as exc:  # a bug on one request: its error reply, not a task dying unheard
+            logger.exception("request %r: admitting it after its compile failed", rid)
+            return self.client_fault(client_id, rid, f"internal error: {exc!r}")
+        finally:
+            del self._compiling[pending.key]
+
+    def _on_generate(self, client_id: bytes, req: GenerateRequest) -> Outbox:
+        """A ZMQ request: started now when nothing is left to compile, else handed to the process
+        to compile off its loop (Outbox.to_compile, then admit_after_compile)."""
+        try:
+            pending = self.admission.begin(client_id, req)
+            if pending.key in self._compiling:
+                return Outbox(replies=[(client_id, error_output(req.rid, f"rid {req.rid!r} is in flight"))])
+            if not pending.compiled:
+                self._compiling[pending.key] = pending  # from now on an abort finds it
+                return Outbox(to_compile=[pending])
+            return Outbox(to_scheduler=[self.admission.start(pending)])
         except RequestRejected as exc:
             return Outbox(replies=[(client_id, error_output(req.rid, str(exc)))])
-
-
-def _tool_schemas(req: GenerateRequest) -> list[tuple[int, str]]:
-    """(index, JSON text) of each tool's parameters schema, of a chat request (what else has tools
-    is refused in validation)."""
-    if req.messages is None:
-        return []
-    return [(i, schema) for i, tool in enumerate(req.tools or []) if (schema := parameters_json(i, tool))]
 
 
 def total_stats(stats: list[EngineStats | None]) -> EngineStats | None:

@@ -18,8 +18,9 @@ import zmq
 import zmq.asyncio
 from zmq.asyncio import Socket as AsyncSocket
 
-from protocol.messages import GenerateOutput, GenerateRequest, Ready, ToTokenizer
+from protocol.messages import GenerateOutput, Ready, ToTokenizer
 from protocol.transport import HEARTBEAT_SOCKET_OPTIONS, Codec, Endpoints, make_socket
+from tokenizer_proc.admission import Admitting
 from tokenizer_proc.config import TokenizerConfig
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http.app import HttpSettings
@@ -185,8 +186,8 @@ class TokenizerServer:
             await self._send(Outbox(replies=[(client_id, PROBE) for client_id in zmq_clients]))
 
     async def _send(self, out: Outbox) -> None:
-        for client_id, req in out.to_compile:
-            task = asyncio.create_task(self._admit_after_compile(client_id, req))
+        for pending in out.to_compile:
+            task = asyncio.create_task(self._admit_after_compile(pending))
             self._compiles.add(task)
             task.add_done_callback(self._compiles.discard)
         for msg in out.to_scheduler:
@@ -207,13 +208,13 @@ class TokenizerServer:
                 )
             await self._send(Outbox(to_scheduler=aborted.to_scheduler))  # its replies could not be delivered
 
-    async def _admit_after_compile(self, client_id: bytes, req: GenerateRequest) -> None:
+    async def _admit_after_compile(self, pending: Admitting) -> None:
         """Compile a ZMQ request's grammar on the compiler's threads while this loop serves on."""
-        out = await self._frontend.admit_after_compile(client_id, req)  # never raises but on cancel
+        out = await self._frontend.admit_after_compile(pending)  # never raises but on cancel
         try:
             await self._send(out)
         except Exception:
-            logger.exception("request %r: sending its admission failed", req.rid)
+            logger.exception("request %r: sending its admission failed", pending.req.rid)
 
     async def _reply(self, client_id: bytes, reply: GenerateOutput) -> bool:
         """Send one reply; False when the client is gone (EHOSTUNREACH under ROUTER_MANDATORY)."""

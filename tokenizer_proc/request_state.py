@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -18,7 +19,6 @@ from protocol.messages import (
     FinishReason,
     FinishReq,
     GenerateOutput,
-    GenerateRequest,
     RequestError,
     TokenBatch,
     TokenizedRequest,
@@ -33,6 +33,9 @@ from tokenizer_proc.pooling import normalized
 from tokenizer_proc.stop import StopMatcher
 from tokenizer_proc.validation import RequestRejected, ValidRequest
 
+if TYPE_CHECKING:
+    from tokenizer_proc.admission import Admitting
+
 logger = logging.getLogger(__name__)
 
 Reply = tuple[bytes, GenerateOutput]  # (client identity, reply)
@@ -44,9 +47,9 @@ class Outbox:
 
     replies: list[Reply] = field(default_factory=list)
     to_scheduler: list[ToScheduler] = field(default_factory=list)
-    # Requests whose grammar is not compiled yet: the process compiles it off its event loop, then
-    # admits them (Frontend.admit_after_compile).
-    to_compile: list[tuple[bytes, GenerateRequest]] = field(default_factory=list)
+    # ZMQ requests with something to compile: the process compiles it off its event loop, then
+    # starts them (Frontend.admit_after_compile).
+    to_compile: list[Admitting] = field(default_factory=list)
 
 
 def error_output(rid: str, message: str, index: int = 0) -> GenerateOutput:

@@ -81,14 +81,21 @@ def forced_call_grammar(tools: list[Tool], choice: ToolChoice) -> Grammar | None
 
 def with_tool_grammar(req: GenerateRequest) -> GenerateRequest:
     """``req`` with the grammar of its forced tool call in ``sampling.grammar`` (unchanged when the
-    call is not forced, or the grammar is there already). Applied where a request enters the
-    engine, before anything looks at its grammar (compiling it), and again in validation."""
+    call is not forced, or the grammar is there already). Applied once, as a request begins its
+    admission (admission.py), before anything looks at its grammar."""
     grammar = tool_grammar(req)
     if grammar is None or req.sampling.grammar == grammar:
         return req
     if req.sampling.grammar is not None:
         raise RequestRejected("tool_choice", "a forced tool call cannot be combined with response_format")
     return msgspec.structs.replace(req, sampling=msgspec.structs.replace(req.sampling, grammar=grammar))
+
+
+def forces_call(req: GenerateRequest) -> bool:
+    """``req`` is a chat request whose tool_choice forces a call ("required" or a named function);
+    once admitted, its grammar is that call's."""
+    forcing = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
+    return req.messages is not None and forcing
 
 
 def tool_grammar(req: GenerateRequest) -> Grammar | None:

@@ -18,7 +18,7 @@ from protocol.sampling import WorkerGrammar, WorkerSampling
 from tokenizer_proc.grammar import CompiledSpec
 from tokenizer_proc.model_info import ModelInfo
 from tokenizer_proc.penalties import penalty_error, worker_penalties
-from tokenizer_proc.tool_checks import tool_grammar, with_tool_grammar
+from tokenizer_proc.tool_checks import forces_call
 from tokenizer_proc.tools import ChatOutputPlan, ChatTemplateTraits, render_chat, template_traits
 from tokenizer_proc.validation_error import RequestRejected as RequestRejected
 
@@ -72,6 +72,7 @@ def validate_generate(
 ) -> ValidRequest:
     """Validate ``req``, tokenize its prompt, clamp its output length; raise RequestRejected.
 
+    ``req``: a forced tool call's grammar in it already (admission.py puts it there).
     ``grammar``: the request's grammar compiled (tokenizer_proc/grammar.py), when it has one.
     ``traits``: the chat template's, probed once by the caller (probed here when not given).
     ``clamp_to_context``: a ``max_new_tokens`` beyond the room the prompt leaves in the context is
@@ -79,12 +80,14 @@ def validate_generate(
     refuse a limit the client set (context_length_exceeded)."""
     if not req.rid:
         raise RequestRejected("rid", "must be a non-empty string")
-    req = _with_checked_sampling(req, info)
+    _check_chat_only(req)
+    _check_sampling_of(req, info)
     params = req.sampling
     _check_logprob_options(req)
     _check_embed(req, info)
     _check_choices(req)
     input_ids, chat_output = _prompt_ids(req, tokenizer, info, traits)
+    assert not forces_call(req) or params.grammar is not None, "a forced tool call comes with its grammar"
     if len(input_ids) >= info.context_len:
         raise RequestRejected(
             "prompt",
@@ -133,19 +136,14 @@ def validate_generate(
     )
 
 
-def _with_checked_sampling(req: GenerateRequest, info: ModelInfo) -> GenerateRequest:
-    """``req`` with its forced tool call's grammar, its sampling checked (a fault of that grammar
-    is tool_choice's)."""
-    _check_chat_only(req)
-    req = with_tool_grammar(req)
+def _check_sampling_of(req: GenerateRequest, info: ModelInfo) -> None:
+    """``req``'s sampling checked; a fault of a forced tool call's grammar is tool_choice's."""
     try:
         _check_sampling(req.sampling, info, echo=req.echo or req.embed)  # both may generate nothing
     except RequestRejected as exc:
-        forced = tool_grammar(req)
-        if exc.param == "sampling.grammar" and forced is not None and req.sampling.grammar == forced:
+        if exc.param == "sampling.grammar" and forces_call(req):
             raise RequestRejected("tool_choice", f"(forced call) {exc.detail}") from None
         raise
-    return req
 
 
 def _check_chat_only(req: GenerateRequest) -> None:

@@ -3,6 +3,7 @@ replies split into reasoning, content and tool calls, streamed pieces adding up 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from typing import TYPE_CHECKING, Any
@@ -37,7 +38,7 @@ def qwen3_frontend(tokenizer: PreTrainedTokenizerBase, model_info: ModelInfo) ->
 def _reply(frontend: Frontend, output: str, stream: bool, rid: str, **fields: Any) -> list[GenerateOutput]:
     """Run a chat request whose model writes ``output``, one token per step; its replies."""
     req = GenerateRequest(rid=rid, messages=USER, stream=stream, **fields)
-    out = frontend.admit(CLIENT, req)
+    out = asyncio.run(frontend.admit(CLIENT, req))
     (sent,) = out.to_scheduler
     assert isinstance(sent, TokenizedRequest)
     ids = frontend.tokenizer.encode(output, add_special_tokens=False)

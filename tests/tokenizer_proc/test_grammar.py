@@ -149,13 +149,13 @@ def test_a_zmq_request_is_admitted_after_its_compile_unless_aborted_meanwhile(
     async def run() -> list[Outbox]:
         first = send(request("a"))
         assert first.to_compile and not first.to_scheduler, "not compiled yet: the process compiles it"
-        task = asyncio.create_task(frontend.admit_after_compile(*first.to_compile[0]))
+        task = asyncio.create_task(frontend.admit_after_compile(first.to_compile[0]))
         second = send(request("b"))
         assert second.to_compile
         twice = send(request("b"))
         aborted = send(AbortRequest(rid="b"))
         admitted = await task
-        late = await frontend.admit_after_compile(*second.to_compile[0])
+        late = await frontend.admit_after_compile(second.to_compile[0])
         return [admitted, twice, aborted, late, send(request("c"))]
 
     admitted, twice, aborted, late, cached = asyncio.run(run())
@@ -176,5 +176,5 @@ def test_a_compiler_fault_is_an_error_reply(
 
     monkeypatch.setattr(frontend.grammars, "_compile_now", broken)
     req = GenerateRequest(rid="f", prompt="hi", sampling=SamplingParams(grammar=Grammar(kind="json_object")))
-    out = asyncio.run(frontend.admit_after_compile(b"client-1", req))
+    out = asyncio.run(frontend.admit_after_compile(frontend.admission.begin(b"client-1", req)))
     assert not out.to_scheduler and "compiler fault" in (out.replies[0][1].error or "")

@@ -3,6 +3,7 @@ serving metrics on a fake clock, and their Prometheus rendering."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from typing import TYPE_CHECKING
 
@@ -17,10 +18,10 @@ from protocol.messages import (
     TokenBatch,
     TokenizedRequest,
 )
-from tokenizer_proc.frontend import SHUTTING_DOWN, Frontend
+from tokenizer_proc.admission import SHUTTING_DOWN
+from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.metrics import Histogram, render_prometheus
 from tokenizer_proc.model_info import ModelInfo
-from tokenizer_proc.request_state import RequestTable
 from tokenizer_proc.validation import CONTEXT_LENGTH_EXCEEDED, RequestRejected, validate_generate
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ def frontend(tokenizer: PreTrainedTokenizerBase, model_info: ModelInfo) -> Front
 
 
 def _admit(frontend: Frontend, client: bytes, rid: str) -> TokenizedRequest:
-    (req,) = frontend.admit(client, GenerateRequest(rid=rid, prompt="Hello")).to_scheduler
+    (req,) = asyncio.run(frontend.admit(client, GenerateRequest(rid=rid, prompt="Hello"))).to_scheduler
     assert isinstance(req, TokenizedRequest)
     return req
 
@@ -82,8 +83,8 @@ def test_rejections_carry_the_field_and_a_code(
 
 def test_token_timing_on_a_fake_clock(tokenizer: PreTrainedTokenizerBase, model_info: ModelInfo) -> None:
     now = [100.0]
-    frontend = Frontend(tokenizer, model_info, seed=0)
-    frontend.requests = table = RequestTable(tokenizer, clock=lambda: now[0])
+    frontend = Frontend(tokenizer, model_info, seed=0, clock=lambda: now[0])
+    table = frontend.requests
     rid = _admit(frontend, b"c", "r").rid
     for step, (at, finished) in enumerate([(100.25, None), (100.75, None), (101.0, FinishReason.LENGTH)]):
         now[0] = at

@@ -45,12 +45,11 @@ class HttpBridge:
     async def submit(self, req: GenerateRequest, *, clamp_to_context: bool = True) -> list[RequestHandle]:
         """Admit ``req`` (raises RequestRejected) and return the handles its choices' replies
         arrive on, one per choice (``req.n``). ``clamp_to_context`` False: the client set its
-        output limit, and one beyond the context is refused (Frontend.admit)."""
+        output limit, and one beyond the context is refused (validate_generate)."""
         client_id = HTTP_CLIENT_PREFIX + str(self._next_id).encode()
         self._next_id += 1
-        grammar = await self.frontend.compile_grammar(req)  # off the event loop
         try:
-            out = self.frontend.admit(client_id, req, grammar, clamp_to_context=clamp_to_context)
+            out = await self.frontend.admit(client_id, req, clamp_to_context=clamp_to_context)
         except RequestRejected:
             raise
         except Exception as exc:  # a bug: end whatever it left in the table; the app answers 500

@@ -16,7 +16,7 @@ import msgspec
 from protocol.grammar import Grammar
 from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.messages import ChatMessage, GenerateRequest, SamplingParams
-from tokenizer_proc.frontend import SHUTTING_DOWN
+from tokenizer_proc.admission import SHUTTING_DOWN
 from tokenizer_proc.http.constraints import grammar_of
 from tokenizer_proc.http.errors import ApiError, bad_param, shutting_down
 from tokenizer_proc.http.schemas import (
@@ -25,7 +25,6 @@ from tokenizer_proc.http.schemas import (
     CompletionRequest,
     SamplingFields,
 )
-from tokenizer_proc.tool_checks import with_tool_grammar
 from tokenizer_proc.validation import RequestRejected
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -86,7 +85,7 @@ def chat_request(body: ChatCompletionRequest, rid: str) -> GenerateRequest:
         raise bad_param("tool_choice", "tool_choice needs tools")
     grammar = grammar_of(body.response_format, body.regex, body.ebnf)
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    req = GenerateRequest(
+    return GenerateRequest(
         rid=rid,
         messages=[_chat_message(i, m) for i, m in enumerate(body.messages)],
         sampling=_sampling(body, limit if limit is not None else UNTIL_CONTEXT, grammar),
@@ -98,11 +97,6 @@ def chat_request(body: ChatCompletionRequest, rid: str) -> GenerateRequest:
         chat_template_kwargs=body.chat_template_kwargs,
         n=body.n,
     )
-    try:  # a forced tool call's grammar, there before the request's grammar is looked at
-        return with_tool_grammar(req)
-    except RequestRejected as exc:
-        param = exc.param or "tool_choice"
-        raise bad_param(param, f"{param} {exc.detail}") from None
 
 
 def _sglang_extensions(body: SamplingFields) -> None:

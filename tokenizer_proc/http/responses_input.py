@@ -38,8 +38,6 @@ from tokenizer_proc.http.responses_schema import (
     ResponsesRequest,
     convert_item,
 )
-from tokenizer_proc.tool_checks import with_tool_grammar
-from tokenizer_proc.validation import RequestRejected
 
 MESSAGE_ROLES = {"user", "assistant", "system", "developer"}
 TEXT_PARTS = {"input_text", "output_text", "text"}  # a message's text parts, as sent or as output
@@ -66,11 +64,7 @@ def generate_request(body: ResponsesRequest, rid: str, history: list[ChatMessage
     )
     if req.sampling.grammar is not None and choice not in ("auto", "none"):
         raise bad_param("tool_choice", "a forced tool call cannot be combined with text.format")
-    try:  # a forced tool call's grammar, there before the request's grammar is looked at
-        return with_tool_grammar(req)
-    except RequestRejected as exc:
-        param = responses_param(exc.param or "tool_choice")
-        raise bad_param(param, f"{param} {exc.detail}") from None
+    return req
 
 
 def responses_param(param: str) -> str:

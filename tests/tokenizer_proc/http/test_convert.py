@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from protocol.messages import GenerateRequest
-from tokenizer_proc.frontend import SHUTTING_DOWN
+from tokenizer_proc.admission import SHUTTING_DOWN
 from tokenizer_proc.http.convert import chat_request, completion_requests, rejection_error
 from tokenizer_proc.http.errors import ApiError, engine_error
 from tokenizer_proc.http.schemas import ChatCompletionRequest, CompletionRequest, decode_body
@@ -178,17 +178,6 @@ def test_tool_choice_without_tools_is_refused(choice: object) -> None:
     with pytest.raises(ApiError) as caught:
         chat_request(_chat(messages=[{"role": "user", "content": "hi"}], tool_choice=choice), "r")
     assert caught.value.param == "tool_choice"
-
-
-def test_a_forced_tool_choice_carries_its_grammar_from_the_start() -> None:
-    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
-    req = chat_request(_chat(tools=[tool], tool_choice="required"), "r")
-    assert req.sampling.grammar is not None and req.sampling.grammar.kind == "json_schema"
-    assert chat_request(_chat(tools=[tool]), "r").sampling.grammar is None
-    named = {"type": "function", "function": {"name": "mul"}}
-    with pytest.raises(ApiError) as caught:
-        chat_request(_chat(tools=[tool], tool_choice=named), "r")
-    assert caught.value.param == "tool_choice" and "mul" in caught.value.message
 
 
 @pytest.mark.parametrize("role", ["user", "system", "developer", "tool", "assistant"])

@@ -215,6 +215,7 @@ def test_get_and_delete(oai: openai.OpenAI) -> None:
         ({"temperature": -1}, "temperature"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 1}}}}, "text.format"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "sub"}}, "tool_choice"),
+        ({"tools": [{**TOOLS[0], "name": "bad name"}]}, "tools[0].name"),
         ({"frobnicate": 1}, "frobnicate"),
     ],
 )  # fmt: skip
