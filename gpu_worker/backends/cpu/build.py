@@ -54,6 +54,7 @@ BUILDS: dict[CpuKind, tuple[tuple[str, ...], int]] = {
 }
 BUILD_TIMEOUT_S = 120
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # csrc/common.h's
+KV_DTYPE_CODES = {**DTYPE_CODES, torch.float16: 2}  # a KV cache may also be float16
 
 
 def build(kind: CpuKind) -> Path:

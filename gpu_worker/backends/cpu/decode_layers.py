@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpu_worker.backends.cpu.kernels import DTYPE_CODES, CpuKernels
+from gpu_worker.backends.cpu.kernels import DTYPE_CODES, KV_DTYPE_CODES, CpuKernels
 from gpu_worker.backends.cpu.layouts import kernel_type
 from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.forward_context import ForwardContext
@@ -77,6 +77,7 @@ class DecodeDims(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("dtype", ctypes.c_int64),
+        ("kv_dtype", ctypes.c_int64),
     ]
 
 
@@ -124,6 +125,7 @@ class FusedDecode:
             eps=args.eps,
             scale=args.head_dim**-0.5,
             dtype=DTYPE_CODES[dtype],
+            kv_dtype=DTYPE_CODES[dtype],  # set from the pool the first time a step runs
         )
         self.dtype = dtype
         self._layers: ctypes.Array[DecodeLayer] | None = None
@@ -146,6 +148,7 @@ class FusedDecode:
                 v_cache=ctx.v_cache[i].data_ptr(),
             )
         self._layers, self._pool = array, pool
+        self.dims.kv_dtype = KV_DTYPE_CODES[ctx.k_cache[0].dtype]
         return array
 
     def __call__(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:

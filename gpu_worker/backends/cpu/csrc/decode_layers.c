@@ -21,7 +21,7 @@ void rotary(void *x, int64_t x_stride, int64_t rows, int heads, int head_dim, co
             int dtype);
 void silu_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype);
 int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
-                           void *out, int dtype, const int64_t *q_rows, const int64_t *slots,
+                           void *out, int dtype, int kv_dtype, const int64_t *q_rows, const int64_t *slots,
                            const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t rows,
                            int num_heads, int kv_heads, int head_dim, int page_size, float scale,
                            const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride);
@@ -52,6 +52,7 @@ typedef struct { /* the model's sizes */
     int64_t hidden, heads, kv_heads, head_dim, inner;
     float eps, scale; /* RMSNorm's epsilon; attention's 1 / sqrt(head_dim) */
     int64_t dtype;
+    int64_t kv_dtype; /* the KV pool's (--kv-cache-dtype) */
 } decode_dims;
 
 /* y [rows, n] = (residual +) x W^T of one Linear, part by part, each by the path its row count takes. */
@@ -103,9 +104,10 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
         rms_norm(out, hidden, l->input_norm, h, rows, (int)hidden, dims->eps, dtype);
         if ((status = linear(l, QKV, qkv_n, hidden, h, rows, scratch, qkv, dtype, NULL)) != 0) break;
         rotary(qkv, qkv_n, rows, (int)(dims->heads + dims->kv_heads), (int)d, cos, sin, dtype);
-        status = paged_decode_attention(qkv, qkv_n, l->k_cache, l->v_cache, attn, dtype, q_rows, slots, kv_lens,
-                                        page_table, pt_stride, rows, (int)dims->heads, (int)dims->kv_heads, (int)d,
-                                        (int)page_size, dims->scale, (const char *)qkv + q_out * elem, qkv_n,
+        status = paged_decode_attention(qkv, qkv_n, l->k_cache, l->v_cache, attn, dtype, (int)dims->kv_dtype, q_rows,
+                                        slots, kv_lens, page_table, pt_stride, rows, (int)dims->heads,
+                                        (int)dims->kv_heads, (int)d, (int)page_size, dims->scale,
+                                        (const char *)qkv + q_out * elem, qkv_n,
                                         (const char *)qkv + (q_out + kv_out) * elem, qkv_n);
         if (status != 0) break;
         /* y = residual + x W^T in place: each output element is read (as the residual) and then
