@@ -174,37 +174,42 @@ static inline __attribute__((always_inline)) void q45_tile(const uint8_t *g, int
         _mm256_storeu_ps(out + r * ldo, _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1)));
 }
 
+/* Q6_K: each sub-block's 6-bit quants assembled from ql and qh as bytes (32 bytes: 4 quants of each
+ * of the 8 rows), made signed (q - 32) there and only then widened: the bit work runs on half-width
+ * vectors, one vpternlogd per sub-block merging the nibble and the two high bits. */
 static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int64_t nb, const act_block16 *const *xa,
                                                           int64_t nr, float *out, int64_t ldo, const int R) {
     const int gbb = 8 * 210;
+    const __m256i low = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
     __m512 acc[XR];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + b * gbb;
         for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + KX8_PF + at), _MM_HINT_T0);
         const __m512 d = fp16x8_twice(blk);
+#pragma GCC unroll 2
         for (int h = 0; h < 2; h++)
+#pragma GCC unroll 2
             for (int half = 0; half < 2; half++) { /* weights 16 half .. 16 half + 15 of each sub-block */
                 __m512i is[XR][4];
                 for (int r = 0; r < R; r++)
                     for (int s = 0; s < 4; s++) is[r][s] = _mm512_setzero_si512();
+#pragma GCC unroll 4
                 for (int c = 4 * half; c < 4 * half + 4; c++) {
-                    const __m512i qh = widen32(blk + 1168 + (h * 8 + c) * 32);
-                    for (int t = 0; t < 2; t++) {
-                        const __m512i v = widen32(blk + 144 + ((h * 2 + t) * 8 + c) * 32);
-                        const __m512i bits = _mm512_set1_epi16(0x30), off = _mm512_set1_epi16(32);
-                        /* sub-block t: low nibbles, qh bits 2t, 2t + 1; sub-block t + 2: high nibbles,
-                         * qh bits 2t + 4, 2t + 5 (each pair moved to bits 4, 5) */
-                        const __m512i hb0 = t == 0 ? _mm512_slli_epi16(qh, 4) : _mm512_slli_epi16(qh, 2);
-                        const __m512i hb1 = t == 0 ? qh : _mm512_srli_epi16(qh, 2);
-                        const __m512i w0 = _mm512_sub_epi16(
-                            _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi16(15)), _mm512_and_si512(hb0, bits)), off);
-                        const __m512i w1 = _mm512_sub_epi16(_mm512_or_si512(_mm512_srli_epi16(v, 4), _mm512_and_si512(hb1, bits)), off);
-                        for (int r = 0; r < R; r++) {
-                            const act_block16 *x = xa[r] + 8 * b + 4 * h;
-                            is[r][t] = DPW(is[r][t], w0, pairs2(x[t].q + 4 * c));
-                            is[r][t + 2] = DPW(is[r][t + 2], w1, pairs2(x[t + 2].q + 4 * c));
-                        }
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 1168 + (h * 8 + c) * 32));
+                    const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 144 + (h * 16 + c) * 32));
+                    const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 144 + (h * 16 + 8 + c) * 32));
+                    /* sub-block s: the low (s < 2) or high nibbles of ql_(s % 2), qh bits 2s, 2s + 1 at 4, 5 */
+                    const __m256i nib[4] = {ql0, ql1, _mm256_srli_epi16(ql0, 4), _mm256_srli_epi16(ql1, 4)};
+                    const __m256i hb[4] = {_mm256_slli_epi16(qh, 4), _mm256_slli_epi16(qh, 2), qh, _mm256_srli_epi16(qh, 2)};
+                    __m512i w[4];
+                    for (int s = 0; s < 4; s++) { /* (nibble & 0x0f) | (hb & 0x30), then - 32, widened */
+                        const __m256i q = _mm256_ternarylogic_epi32(nib[s], low, _mm256_and_si256(hb[s], high2), 0xEA);
+                        w[s] = _mm512_cvtepi8_epi16(_mm256_sub_epi8(q, off));
+                    }
+                    for (int r = 0; r < R; r++) {
+                        const act_block16 *x = xa[r] + 8 * b + 4 * h;
+                        for (int s = 0; s < 4; s++) is[r][s] = DPW(is[r][s], w[s], pairs2(x[s].q + 4 * c));
                     }
                 }
                 for (int p = 0; p < 2; p++) { /* sub-blocks 2p, 2p + 1 */
