@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from protocol.messages import GenerateRequest, TokenizedRequest
+from tokenizer_proc.chat.template import template_traits
+from tokenizer_proc.chat.tool_checks import forces_call, parameters_json, with_tool_grammar
 from tokenizer_proc.grammar import CompiledSpec, GrammarCompiler, GrammarRejected
 from tokenizer_proc.model_info import ModelInfo
 from tokenizer_proc.router import Router
-from tokenizer_proc.tool_checks import forces_call, parameters_json, with_tool_grammar
-from tokenizer_proc.tools import template_traits
 from tokenizer_proc.validation import RequestRejected, validate_generate
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from protocol.messages import (
     ToScheduler,
     Usage,
 )
-from tokenizer_proc.chat_output import ChatOutputParser, ChatPiece, merge_calls
+from tokenizer_proc.chat.output import ChatOutputParser, ChatPiece, merge_calls
 from tokenizer_proc.detokenizer import IncrementalDetokenizer, TokenDecoder
 from tokenizer_proc.echo import EchoPrompt, to_client
 from tokenizer_proc.metrics import ServingMetrics

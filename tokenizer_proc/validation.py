@@ -15,11 +15,11 @@ from protocol.embedding import Pooling
 from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.messages import GenerateRequest, SamplingParams
 from protocol.sampling import WorkerGrammar, WorkerSampling
+from tokenizer_proc.chat.template import ChatOutputPlan, ChatTemplateTraits, render_chat, template_traits
+from tokenizer_proc.chat.tool_checks import forces_call
 from tokenizer_proc.grammar import CompiledSpec
 from tokenizer_proc.model_info import ModelInfo
 from tokenizer_proc.penalties import penalty_error, worker_penalties
-from tokenizer_proc.tool_checks import forces_call
-from tokenizer_proc.tools import ChatOutputPlan, ChatTemplateTraits, render_chat, template_traits
 from tokenizer_proc.validation_error import RequestRejected as RequestRejected
 
 if TYPE_CHECKING:

@@ -12,11 +12,11 @@ import pytest
 from protocol.chat import ChatMessage, NamedFunction, NamedToolChoice, Tool, ToolChoice
 from protocol.grammar import Grammar
 from protocol.messages import GenerateRequest, SamplingParams, TokenizedRequest
+from tokenizer_proc.chat.tool_checks import forced_call_grammar
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http.convert import chat_request, rejection_error
 from tokenizer_proc.http.schemas import ChatCompletionRequest, decode_body
 from tokenizer_proc.model_info import ModelInfo
-from tokenizer_proc.tool_checks import forced_call_grammar
 from tokenizer_proc.validation import RequestRejected
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ A random model writes noise, so what it proves is the plumbing, exactly: the tem
 ``enable_thinking`` (through ``chat_template_kwargs``) decides whether the prompt opens a think
 block, and the reply is then reasoning (``reasoning_content``) or content, equal token for token to
 the completion of the same prompt ids, streamed and not. The split at ``</think>`` itself is pinned
-by crafted token streams (tests/tokenizer_proc/test_chat_replies.py).
+by crafted token streams (tests/tokenizer_proc/chat/test_replies.py).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from tests.conftest import save_with_smollm2_tokenizer, tiny_config
+from tests.tokenizer_proc.chat.qwen3_style import QWEN3_STYLE_TEMPLATE
 from tests.tokenizer_proc.http.server import http_engine
-from tests.tokenizer_proc.qwen3_style import QWEN3_STYLE_TEMPLATE
 from tokenizer_proc.model_info import load_tokenizer
 
 ASK: list[Any] = [{"role": "user", "content": "Why is the sky blue?"}]

@@ -4,7 +4,7 @@ template ignores tools, so they reach it in rivulet's Hermes-style system messag
 What this proves: tools, tool_choice and a tool-call history are accepted and reach the prompt,
 replies are well-formed OpenAI objects, and streaming adds up to the whole reply. Which text the
 135M model writes is its own business; the parsing of calls is pinned by the unit tests
-(tests/tokenizer_proc/test_tool_parsers.py, test_chat_replies.py). ``tool_choice="required"``
+(tests/tokenizer_proc/chat/test_tool_parsers.py, test_replies.py). ``tool_choice="required"``
 needs constrained decoding, so its test runs once the engine accepts grammars.
 """
 

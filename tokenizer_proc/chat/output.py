@@ -8,9 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocol.chat import ToolCallDelta
-from tokenizer_proc.reasoning import ReasoningSplitter
-from tokenizer_proc.tool_parsers import ToolCallParser
-from tokenizer_proc.tools import ChatOutputPlan
+from tokenizer_proc.chat.reasoning import ReasoningSplitter
+from tokenizer_proc.chat.template import ChatOutputPlan
+from tokenizer_proc.chat.tool_parsers import ToolCallParser
 
 
 def new_call_id() -> str:

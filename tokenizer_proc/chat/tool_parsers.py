@@ -1,7 +1,7 @@
 """The model's text -> OpenAI tool calls, incrementally, for the call formats of the families we serve.
 
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number, anywhere in
-  the reply (Hermes, Qwen2.5, Qwen3, and rivulet's own fallback prompt; see tokenizer_proc/tools.py).
+  the reply (Hermes, Qwen2.5, Qwen3, and rivulet's own fallback prompt; see template.py).
 - ``json``: the reply is one JSON call object ``{"name": ..., "parameters"|"arguments": {...}}``,
   optionally after ``<|python_tag|>``, several joined by ``;`` (Llama 3.x; also a call forced by a
   grammar, which writes the bare object).
@@ -20,7 +20,7 @@ from enum import Enum
 from typing import Literal
 
 from protocol.chat import ToolCallDelta
-from tokenizer_proc.reasoning import partial_tag_len
+from tokenizer_proc.chat.reasoning import partial_tag_len
 
 ToolFormat = Literal["hermes", "json"]
 CALL_OPEN = "<tool_call>"

@@ -13,8 +13,8 @@ import pytest
 
 from protocol.chat import ChatMessage, Tool
 from protocol.messages import FinishReason, GenerateOutput, GenerateRequest, TokenBatch, TokenizedRequest
-from tests.tokenizer_proc.qwen3_style import QWEN3_STYLE_TEMPLATE
-from tokenizer_proc.chat_output import merge_calls
+from tests.tokenizer_proc.chat.qwen3_style import QWEN3_STYLE_TEMPLATE
+from tokenizer_proc.chat.output import merge_calls
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.model_info import ModelInfo
 

@@ -16,11 +16,11 @@ import pytest
 from protocol.chat import ChatMessage, NamedFunction, NamedToolChoice, Tool, ToolChoice
 from protocol.grammar import Grammar
 from protocol.messages import GenerateRequest, SamplingParams
-from tests.tokenizer_proc.qwen3_style import QWEN3_STYLE_TEMPLATE
+from tests.tokenizer_proc.chat.qwen3_style import QWEN3_STYLE_TEMPLATE
+from tokenizer_proc.chat.template import render_chat, template_traits
+from tokenizer_proc.chat.tool_checks import forced_call_grammar, with_tool_grammar
 from tokenizer_proc.grammar import GrammarCompiler
 from tokenizer_proc.model_info import ModelInfo
-from tokenizer_proc.tool_checks import forced_call_grammar, with_tool_grammar
-from tokenizer_proc.tools import render_chat, template_traits
 from tokenizer_proc.validation import RequestRejected, validate_generate
 
 if TYPE_CHECKING:

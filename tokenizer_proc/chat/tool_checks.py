@@ -82,7 +82,7 @@ def forced_call_grammar(tools: list[Tool], choice: ToolChoice) -> Grammar | None
 def with_tool_grammar(req: GenerateRequest) -> GenerateRequest:
     """``req`` with the grammar of its forced tool call in ``sampling.grammar`` (unchanged when the
     call is not forced, or the grammar is there already). Applied once, as a request begins its
-    admission (admission.py), before anything looks at its grammar."""
+    admission (tokenizer_proc/admission.py), before anything looks at its grammar."""
     grammar = tool_grammar(req)
     if grammar is None or req.sampling.grammar == grammar:
         return req

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from protocol.chat import ChatMessage, Tool
-from tokenizer_proc.reasoning import THINK_CLOSE, THINK_OPEN
-from tokenizer_proc.tool_checks import check_messages, check_template_kwargs, offered_tools
-from tokenizer_proc.tool_parsers import CALL_CLOSE, CALL_OPEN, PYTHON_TAG, ToolFormat
+from tokenizer_proc.chat.reasoning import THINK_CLOSE, THINK_OPEN
+from tokenizer_proc.chat.tool_checks import check_messages, check_template_kwargs, offered_tools
+from tokenizer_proc.chat.tool_parsers import CALL_CLOSE, CALL_OPEN, PYTHON_TAG, ToolFormat
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -9,10 +9,10 @@ import random
 import pytest
 
 from protocol.chat import ToolCallDelta
-from tokenizer_proc.chat_output import ChatOutputParser, merge_calls
-from tokenizer_proc.reasoning import ReasoningSplitter
-from tokenizer_proc.tool_parsers import ToolCallParser, ToolFormat
-from tokenizer_proc.tools import ChatOutputPlan
+from tokenizer_proc.chat.output import ChatOutputParser, merge_calls
+from tokenizer_proc.chat.reasoning import ReasoningSplitter
+from tokenizer_proc.chat.template import ChatOutputPlan
+from tokenizer_proc.chat.tool_parsers import ToolCallParser, ToolFormat
 
 NAMES = {"get_weather", "add"}
 Parsed = tuple[str, list[tuple[str | None, str | None, str]]]
