@@ -5,7 +5,7 @@
     compile  what was not cached: every tool's parameters schema checked and the grammar compiled,
              on the compiler's threads (grammar.py), off the event loop
     start    refused while draining or when its rid is in flight; validated and tokenized
-             (validation.py), tracked (request_state.RequestTable), routed to a replica (router.py)
+             (validation.py), tracked (request_table.py), routed to a replica (router.py)
 
 ``Admission.admit`` runs compile then start; ``start`` alone serves a request ``begin`` found with
 nothing to compile. A ZMQ request is begun as its frame is read and started at once when it can be;
@@ -34,7 +34,7 @@ from tokenizer_proc.validation import RequestRejected, validate_generate
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from tokenizer_proc.request_state import RequestTable
+    from tokenizer_proc.request_table import RequestTable
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,8 @@ from protocol.messages import (
 from protocol.transport import Codec
 from tokenizer_proc.admission import SHUTDOWN_MESSAGE, Admission, Admitting
 from tokenizer_proc.model_info import ModelInfo
-from tokenizer_proc.request_state import Outbox, RequestTable, error_output
+from tokenizer_proc.outbox import Outbox, error_output
+from tokenizer_proc.request_table import RequestTable
 from tokenizer_proc.router import Router
 from tokenizer_proc.validation import RequestRejected
 

@@ -27,7 +27,7 @@ from tokenizer_proc.http.app import HttpSettings
 from tokenizer_proc.http.bridge import HttpBridge, is_http_client
 from tokenizer_proc.http.server import HttpServer
 from tokenizer_proc.model_info import load_tokenizer, read_model_info
-from tokenizer_proc.request_state import Outbox
+from tokenizer_proc.outbox import Outbox
 from tokenizer_proc.router import Router
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import pytest
 from protocol.messages import FinishReason, FinishReq, GenerateOutput, TokenBatch, TokenizedRequest
 from tokenizer_proc.frontend import Frontend, rid_of
 from tokenizer_proc.model_info import ModelInfo
-from tokenizer_proc.request_state import Outbox
+from tokenizer_proc.outbox import Outbox
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -19,7 +19,7 @@ from protocol.messages import AbortRequest, FinishReason, GenerateRequest, Sampl
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.grammar import CompiledSpec, GrammarCompiler, GrammarRejected
 from tokenizer_proc.model_info import ModelInfo
-from tokenizer_proc.request_state import Outbox
+from tokenizer_proc.outbox import Outbox
 from tokenizer_proc.validation import RequestRejected, validate_generate
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 
 from protocol.messages import GenerateOutput, GenerateRequest
 from tokenizer_proc.frontend import Frontend
-from tokenizer_proc.request_state import Outbox
+from tokenizer_proc.outbox import Outbox
 from tokenizer_proc.validation_error import RequestRejected
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http.app import HttpSettings, build_app
 from tokenizer_proc.http.bridge import HttpBridge
 from tokenizer_proc.model_info import load_tokenizer, read_model_info
-from tokenizer_proc.request_state import Outbox
+from tokenizer_proc.outbox import Outbox
 
 BODY = {"prompt": "hi", "max_tokens": 2}
 KEY = {"Authorization": "Bearer k"}
