@@ -36,8 +36,10 @@ from bench.workloads import (
     WordPool,
     WorkItem,
     arrival_offsets_s,
+    compose_workload,
     parse_repeats,
     random_workload,
+    rewrite_workload,
     seeds_workload,
     shared_prefix_workload,
 )  # fmt: skip
@@ -55,12 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--served-model", default=None, help="openai: the request's model field (default: GET /v1/models)")
     add("--model", default=None, help="rivulet model dir/GGUF whose tokenizer builds exact prompts")
     add("--tokenizer", default=None, help="a tokenizer.json (or its dir) instead of --model's")
-    add("--workload", choices=("seeds", "random", "shared-prefix"), default="seeds")
+    add("--workload", choices=("seeds", "random", "shared-prefix", "rewrite", "compose"), default="seeds",
+        help="rewrite: chat prompts whose answers repeat the prompt (a list, code with one name changed); "
+             "compose: chat prompts whose answers are new text (--model's chat template)")  # fmt: skip
     add("--prompt", default="Hello", help="seeds: the prompt text that is repeated")
     add("--prompt-repeats", default="1", help='seeds: repeats per request, cycled: "512,1,1,1"')
     add("--unique-prompts", action="store_true", help="seeds: prefix each prompt with its number")
     add("--num-requests", type=int, default=32)
-    add("--max-new-tokens", type=int, default=32, help="seeds and shared-prefix: tokens per request")
+    add("--max-new-tokens", type=int, default=32, help="tokens per request (all but random)")
     add("--no-stop-on-eos", action="store_true", help="seeds: ignore EOS (random workloads always do)")
     add("--input-len", type=int, default=32, help="random: prompt tokens (upper bound)")
     add("--output-len", type=int, default=32, help="random: new tokens (upper bound)")
@@ -102,6 +106,9 @@ def build_workload(args: argparse.Namespace) -> list[WorkItem]:
             args.max_new_tokens, args.no_stop_on_eos, args.seed,
         )  # fmt: skip
     pool = WordPool(tokenizer_json(args))
+    if args.workload in ("rewrite", "compose"):
+        make = rewrite_workload if args.workload == "rewrite" else compose_workload
+        return make(pool, tokenizer_json(args).parent, args.num_requests, args.max_new_tokens, args.seed)
     if args.workload == "random":
         return random_workload(
             pool, args.num_requests, args.input_len, args.output_len, args.range_ratio, args.seed

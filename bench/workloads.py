@@ -10,6 +10,11 @@ Three generators, all returning ``WorkItem``s:
   ``[input_len * range_ratio, input_len]`` (outputs likewise).
 - ``shared_prefix_workload``: G groups x Q questions; the questions of a group share one
   P-token system prompt; the requests are shuffled.
+- ``rewrite_workload`` and ``compose_workload``: chat prompts (the model's chat template) whose
+  answers repeat the prompt (a list to repeat with numbers, code to rewrite with one name
+  changed) or do not (a short story on a topic): what speculative decoding by n-gram lookup gains
+  on, and what it must not lose on. EOS ends them (outputs of one model are the same tokens with
+  and without drafts).
 
 Exact lengths: prompts are built from a pool of single-token words (" apple"), which a
 byte-level BPE tokenizer encodes back to exactly the same ids, so ``input_ids`` (sent on
@@ -146,3 +151,83 @@ def arrival_offsets_s(
             t += rng.expovariate(request_rate)
         return offsets
     return [i * submit_interval_ms / 1e3 for i in range(num_requests)]
+
+
+_FUNCTION = """def {name}({a}, {b}):
+    total = 0
+    for item in {a}:
+        if item > {b}:
+            total += item * {k}
+        else:
+            total -= {k}
+    return total
+"""
+_CLASS = """class {cls}:
+    def __init__(self, {a}):
+        self.{a} = {a}
+        self.count = 0
+
+    def {name}(self, {b}):
+        self.count += 1
+        return self.{a} + {b} * {k}
+"""
+
+
+def _ident(rng: random.Random, pool: WordPool) -> str:
+    return pool.words[rng.randrange(len(pool.words))][1].strip()
+
+
+def _code(rng: random.Random, pool: WordPool, blocks: int) -> tuple[str, str]:
+    """(Python source of ``blocks`` functions and classes, the name of its first function)."""
+    parts, first = [], ""
+    for i in range(blocks):
+        names = {f: _ident(rng, pool) for f in ("name", "a", "b")}
+        first = first or names["name"]
+        template = _FUNCTION if i % 2 == 0 else _CLASS
+        parts.append(template.format(cls=_ident(rng, pool).capitalize(), k=rng.randint(2, 9), **names))
+    return "\n".join(parts), first
+
+
+def _chat(tokenizer_dir: Path, question: str) -> str:
+    """``question`` as one user turn in the model's chat template, ready for the answer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    messages = [{"role": "user", "content": question}]
+    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+def rewrite_workload(
+    pool: WordPool, tokenizer_dir: Path, num_requests: int, max_new_tokens: int, seed: int
+) -> list[WorkItem]:
+    """Requests whose answers repeat their prompts: every other one a list of 12-24 words to number
+    (SmolLM2-135M repeats it), the others 2-3 Python functions and classes to rewrite with one name
+    changed."""
+    rng = random.Random(seed)
+    items = []
+    for i in range(num_requests):
+        if i % 2 == 0:
+            words = [_ident(rng, pool) for _ in range(rng.randint(12, 24))]
+            lines = "\n".join(f"- {word}" for word in words)
+            question = f"Number each item of this list:\n{lines}"
+        else:
+            code, name = _code(rng, pool, rng.randint(2, 3))
+            question = (
+                f"Rewrite this Python code with the function `{name}` renamed to `{name}_v2`. "
+                f"Change nothing else and answer with the code only.\n\n```python\n{code}```"
+            )
+        items.append(WorkItem(_chat(tokenizer_dir, question), None, max_new_tokens, False))
+    return items
+
+
+def compose_workload(
+    pool: WordPool, tokenizer_dir: Path, num_requests: int, max_new_tokens: int, seed: int
+) -> list[WorkItem]:
+    """Requests whose answers are new text: a short story on a topic of two random words."""
+    rng = random.Random(seed)
+    items = []
+    for _ in range(num_requests):
+        topic = f"{_ident(rng, pool)} and {_ident(rng, pool)}"
+        question = f"Write a short story about {topic}, in about two hundred words."
+        items.append(WorkItem(_chat(tokenizer_dir, question), None, max_new_tokens, False))
+    return items

@@ -18,24 +18,19 @@ from gpu_worker import backends
 from gpu_worker import tensor_parallel as tp
 from gpu_worker.batch_checks import check_batch
 from gpu_worker.config import WorkerConfig
-from gpu_worker.forks import check_forks, copy_pages, with_forks
+from gpu_worker.forks import check_forks, copy_pages
 from gpu_worker.forward_context import ForwardContext
 from gpu_worker.kv_cache import KVPool
 from gpu_worker.models import CausalLM
 from gpu_worker.pooling import final_norm, pooled_rows
-from gpu_worker.sampling import SlotState
+from gpu_worker.sampling.draws import BatchDraws, Drawn
 from gpu_worker.sampling.grammar import SlotGrammars
-from gpu_worker.sampling.logprobs import (
-    SlotTopLogprobs,
-    asked_logprobs,
-    check_logprob_fields,
-    prompt_logprobs,
-)
+from gpu_worker.sampling.logprobs import SlotTopLogprobs, check_logprob_fields, prompt_logprobs
 from gpu_worker.sampling.penalties import SlotPenalties
-from gpu_worker.sampling.sampler import SlotSamplerParams, sample
+from gpu_worker.sampling.sampler import SlotSamplerParams
+from gpu_worker.sampling.verify import DrawPlan, check_drafts, committed
 from gpu_worker.weights.gguf_weights import GgufError
 from gpu_worker.weights.loader import load_model, round_weights
-from protocol.logprobs import TopTokens
 from protocol.messages import PENDING, ForwardBatch, ForwardResult
 
 logger = logging.getLogger(__name__)
@@ -65,10 +60,10 @@ class ModelRunner:
             config.max_running_requests, self.vocab_size, config.model_path, self.backend.host_memory
         )
         # Every per-slot sampling state, told of each batch (its new requests' settings, its tokens,
-        # its forks) before the forward.
-        self.slot_states: tuple[SlotState, ...] = (
-            self.sampler_params, self.top_logprobs, self.penalties, self.grammars
-        )  # fmt: skip
+        # its forks) before the forward, and the sampling step that reads them.
+        self.draws = BatchDraws(
+            self.sampler_params, self.top_logprobs, self.penalties, self.grammars, self.backend.greedy
+        )
         # The token each slot drew last: a row scheduled before that draw came back (overlap
         # scheduling) sends PENDING as its input and gets this one.
         self.last_tokens = torch.zeros(config.max_running_requests, dtype=torch.int64, device=self._device)
@@ -220,47 +215,27 @@ class ModelRunner:
         started = time.perf_counter()
         hidden = self.forward(batch)
         with torch.inference_mode():
-            token_ids, logprobs, top = self._sample(hidden, batch)
+            drawn = self._sample(hidden, batch)
             prompt, prompt_top = prompt_logprobs(hidden, batch, self.top_logprobs, self.model.compute_logits)
             pooled = pooled_rows(hidden, batch, final_norm(self.model)) if batch.pool else []
         forward_s = time.perf_counter() - started
         self.backend.after_batch(forward_s)
-        return ForwardResult(step=batch.step, token_ids=token_ids, logprobs=logprobs, forward_s=forward_s,
-                             top_logprobs=top, prompt_logprobs=prompt,
-                             prompt_top_logprobs=prompt_top, pooled=pooled)  # fmt: skip
+        return ForwardResult(step=batch.step, token_ids=drawn.token_ids, logprobs=drawn.logprobs,
+                             forward_s=forward_s, top_logprobs=drawn.top, prompt_logprobs=prompt,
+                             prompt_top_logprobs=prompt_top, pooled=pooled,
+                             num_tokens=drawn.num_tokens)  # fmt: skip
 
-    def _sample(
-        self, hidden: torch.Tensor, batch: ForwardBatch
-    ) -> tuple[list[int], list[float], list[TopTokens]]:
-        """The tokens drawn for the ``sample`` rows, their logprobs where asked (else []), and their
-        top-N where some row asked (else [])."""
-        rows = [i for i, flag in enumerate(batch.sample) if flag]
-        if not rows:
-            return [], [], []
-        logits = self._sampled_logits(hidden, batch)
-        slots = [batch.slots[i] for i in rows]
-        positions = [batch.prefix_lens[i] + batch.extend_lens[i] for i in rows]
-        logits, slots, positions = with_forks(logits, slots, positions, rows, batch)
-        logits = self.penalties.apply(logits, slots, positions)  # before greedy's argmax too
-        # The grammar mask after the penalties: greedy and sampled rows draw from the masked logits,
-        # and a grammar row's logprobs are those of the masked distribution, the one it was drawn from.
-        logits = self.grammars.apply(logits, slots)
-        greedy = self.sampler_params.plain_greedy(slots)
-        if greedy:
-            tokens, token_logprobs = self.backend.greedy(logits), None
-        else:
-            params = self.sampler_params.batch(slots, positions, self._device)
-            tokens, token_logprobs = sample(logits, params)
-        self.last_tokens[torch.tensor(slots, device=self._device)] = tokens
-        logprobs = token_logprobs.tolist() if token_logprobs is not None else []
-        want = [self.sampler_params.logprobs[s] for s in slots]
-        top: list[TopTokens] = []
-        # Greedy rows' logprobs, and top-N (with the chosen token's logprob from the same normalizer,
-        # so the two are bit-equal), for the rows that asked only; top_logprobs > 0 implies logprobs.
-        if self.top_logprobs.wants_top(slots) or (greedy and any(want)):
-            top_n = [self.top_logprobs.top_n[s] for s in slots]
-            logprobs, top = asked_logprobs(logits, tokens, want, top_n, logprobs)
-        return tokens.tolist(), logprobs, top
+    def _sample(self, hidden: torch.Tensor, batch: ForwardBatch) -> Drawn:
+        """The draws of the ``sample`` rows (a verify row's at each drafted position, its kept drafts
+        and draw emitted) and their forks; each drawing slot's last token is kept for PENDING."""
+        plan = DrawPlan.of(batch)
+        if not plan.starts:
+            return Drawn()
+        index = torch.tensor(plan.hidden_rows, dtype=torch.int64).to(self._device)
+        drawn = self.draws.draw(self.model.compute_logits(hidden.index_select(0, index)), plan, batch)
+        last = torch.tensor(drawn.last_tokens, dtype=torch.int64).to(self._device)
+        self.last_tokens[torch.tensor(drawn.last_slots, device=self._device)] = last
+        return drawn
 
     @torch.inference_mode()
     def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
@@ -275,6 +250,7 @@ class ModelRunner:
         check_batch(batch, self.kv.num_pages, self.kv.page_table.shape, self._context_len, self.vocab_size)
         check_logprob_fields(batch, self.vocab_size)
         check_forks(batch, self.kv.page_table.shape[0], self.kv.num_pages)
+        check_drafts(batch)
         self.kv.apply_page_deltas(batch.slots, batch.page_starts, batch.page_counts, batch.pages)
         positions, meta = self.backend.init_forward_metadata(
             self.kv, batch.slots, batch.prefix_lens, batch.extend_lens
@@ -283,8 +259,9 @@ class ModelRunner:
             positions=positions, attn=meta, k_cache=self.kv.k, v_cache=self.kv.v, backend=self.backend
         )
         input_ids = self._input_ids(batch)
-        for state in self.slot_states:
-            state.on_batch(batch, input_ids)
+        view, view_ids = committed(batch, input_ids)  # a draft is no input until it is kept
+        for state in self.draws.states:
+            state.on_batch(view, view_ids)
         hidden = self.backend.forward_decode(input_ids, ctx)
         hidden = self.model(input_ids, ctx) if hidden is None else hidden
         copy_pages(self.kv, batch.copy_src, batch.copy_dst)  # a fork's own copies of prompt pages

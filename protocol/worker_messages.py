@@ -42,6 +42,12 @@ class ForwardBatch(Msg):
 
     Pooling (empty when no row pools): ``pool[i]`` LAST asks for the final-norm hidden state of row
     ``i``'s last position, MEAN for the sum of those of its positions, None for nothing.
+
+    Speculative decoding (empty when no row drafts): a verify row ``i`` (``draft_lens[i] > 0``, a
+    sampling row whose inputs are all known) ends with ``draft_lens[i]`` drafted tokens after its
+    request's last token. It draws a token at each of its last ``draft_lens[i] + 1`` positions, as
+    a decode row would there, keeps the drafts up to the first that differs from its draw, and
+    returns them and that draw (ForwardResult.num_tokens); the KV of the drafts it drops is void.
     """
 
     step: int
@@ -70,6 +76,7 @@ class ForwardBatch(Msg):
     copy_src: list[int] = []
     copy_dst: list[int] = []
     pool: list[Pooling | None] = []
+    draft_lens: list[int] = []
 
 
 ToWorker = ForwardBatch
@@ -77,7 +84,9 @@ ToWorker = ForwardBatch
 
 class ForwardResult(Msg):
     """The tokens drawn for the rows of ``step`` whose ``sample`` was True, in row order, then for
-    its forks in order (``token_ids``, ``logprobs`` and ``top_logprobs`` alike).
+    its forks in order (``token_ids``, ``logprobs`` and ``top_logprobs`` alike). A verify row gives
+    ``num_tokens[k]`` of them (its taken drafts, then its draw); ``num_tokens`` is empty for a batch
+    without drafts (one token a row).
 
     ``logprobs`` is empty when no row's request asked for logprobs (the worker skips
     computing them); so is ``top_logprobs`` when none asked for top-N. ``error`` is set
@@ -99,6 +108,7 @@ class ForwardResult(Msg):
     prompt_logprobs: list[float] = []  # per position of ForwardBatch.prompt_logprob_lens
     prompt_top_logprobs: list[TopTokens] = []  # the same, when their requests asked for top-N
     pooled: list[list[float]] = []  # per row with ForwardBatch.pool set, in row order
+    num_tokens: list[int] = []  # per sampled row, when the batch has drafts
 
 
 FromWorker = ForwardResult

@@ -26,6 +26,9 @@ class Row:
     launched: bool = False  # applied to its request (Flight.launch): its batch was sent
     prompt_logprob_len: int = field(init=False)  # leading positions whose prompt logprobs it asks for
     forks: list[Req] = field(default_factory=list)  # choices whose first token this row's logits draw
+    # A verify row's drafted tokens (speculative.py): its last len(draft) inputs, after the request's
+    # last token; it samples at each of its last len(draft) + 1 positions.
+    draft: list[int] = field(default_factory=list)
     pool: Pooling | None = field(init=False)  # what it asks of its final hidden states (embeddings)
 
     def __post_init__(self) -> None:
@@ -74,7 +77,8 @@ def build_forward_batch(step: int, rows: list[Row], page_size: int) -> ForwardBa
         assert row.req.slot is not None, f"rid {row.req.rid}: row without a slot"
         assert not row.launched and row.start == row.req.kv_len, f"rid {row.req.rid}: built after launch"
         slots.append(row.req.slot)
-        input_ids.extend(row.req.fill_slice(row.start, row.start + row.extend_len))
+        input_ids.extend(row.req.fill_slice(row.start, row.start + row.extend_len - len(row.draft)))
+        input_ids.extend(row.draft)
         pages.extend(row.new_pages)
     forks = [(i, fork) for i, row in enumerate(rows) for fork in row.forks]
     copies = [copy for row in rows if row.forks for copy in row.req.fork_copies(page_size)]
@@ -99,6 +103,7 @@ def build_forward_batch(step: int, rows: list[Row], page_size: int) -> ForwardBa
         fork_samplers=[fork.sampler for _, fork in forks],
         copy_src=[src for src, _ in copies],
         copy_dst=[dst for _, dst in copies],
+        draft_lens=[len(row.draft) for row in rows] if any(row.draft for row in rows) else [],
         pool=[row.pool for row in rows] if any(row.pool is not None for row in rows) else [],
     )
 
@@ -132,16 +137,22 @@ class RowResult:
     prompt_logprobs: list[float] = field(default_factory=list)  # of its prompt_logprob_len positions
     prompt_top: list[TopTokens] = field(default_factory=list)  # their top-N, when its request asked
     forks: list[RowResult] = field(default_factory=list)  # the tokens drawn for its forks, in order
+    more: list[RowResult] = field(default_factory=list)  # a verify row's tokens after ``token``, in order
     pooled: list[float] | None = None  # its pooled final hidden states, when it asked (Row.pool)
 
 
 def row_results(rows: list[Row], result: ForwardResult) -> list[RowResult] | str:
     """Each row's share of ``result``, or why the result is a failure: the worker's error, or
     counts that do not match the batch."""
-    num_sampled = sum(row.sample for row in rows) + sum(len(row.forks) for row in rows)
+    num_rows = sum(row.sample for row in rows)
+    num_sampled = num_rows + sum(len(row.forks) for row in rows)
     num_prompt = sum(row.prompt_logprob_len for row in rows)
     if result.error is not None:
         return result.error
+    counts = _token_counts(rows, result)
+    if isinstance(counts, str):
+        return counts
+    num_sampled += sum(counts) - num_rows  # a verify row's taken drafts
     if len(result.token_ids) != num_sampled:
         return f"worker returned {len(result.token_ids)} tokens for {num_sampled} sampled rows and forks"
     if result.top_logprobs and len(result.top_logprobs) != num_sampled:
@@ -154,6 +165,7 @@ def row_results(rows: list[Row], result: ForwardResult) -> list[RowResult] | str
         return f"worker returned {len(result.pooled)} pooled vectors for {num_pooled} pooling rows"
     out: list[RowResult] = []
     k = p = 0
+    sampled = iter(counts)
     for row in rows:
         end = p + row.prompt_logprob_len
         prompt = (result.prompt_logprobs[p:end], prompt_top[p:end]) if end > p else _NO_PROMPT_LOGPROBS
@@ -161,8 +173,10 @@ def row_results(rows: list[Row], result: ForwardResult) -> list[RowResult] | str
         if not row.sample:
             out.append(RowResult(None, 0.0, None, *prompt))
             continue
+        count = next(sampled)
         out.append(_drawn(result, k, prompt))
-        k += 1
+        out[-1].more.extend(_drawn(result, k + j, _NO_PROMPT_LOGPROBS) for j in range(1, count))
+        k += count
     f = k  # the forks' draws follow the sampled rows', in row order
     pooled = iter(result.pooled)
     for i, (row, row_result) in enumerate(zip(rows, out, strict=True)):
@@ -171,6 +185,19 @@ def row_results(rows: list[Row], result: ForwardResult) -> list[RowResult] | str
         if row.pool is not None:
             out[i] = replace(row_result, pooled=next(pooled))
     return out
+
+
+def _token_counts(rows: list[Row], result: ForwardResult) -> list[int] | str:
+    """Tokens each sampling row returned (1, or a verify row's 1 + its taken drafts), or why the
+    result's counts cannot be this batch's."""
+    drafts = [len(row.draft) for row in rows if row.sample]
+    if not result.num_tokens:
+        return [1] * len(drafts) if not any(drafts) else "worker returned no token counts for verify rows"
+    if len(result.num_tokens) != len(drafts):
+        return f"worker returned {len(result.num_tokens)} token counts for {len(drafts)} sampled rows"
+    if not all(1 <= n <= d + 1 for n, d in zip(result.num_tokens, drafts, strict=True)):
+        return "worker returned more tokens for a row than it drafted, or none"
+    return list(result.num_tokens)
 
 
 def _drawn(result: ForwardResult, k: int, prompt: tuple[list[float], list[TopTokens]]) -> RowResult:

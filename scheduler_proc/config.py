@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from protocol.flags import flag, given, max_running_requests_field
 
 SCHEDULE_POLICIES = ("fcfs", "pack", "lpm")
+SPECULATIVE_ALGORITHMS = ("none", "ngram")
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,25 @@ class SchedulerConfig:
         600, "decode steps from the initial reservation ratio to the minimum; <= 0: fixed"
     )
     decode_log_interval: int = flag(40, "log a decode line every N decode steps")
+    # Speculative decoding (see scheduler_proc/speculative.py).
+    speculative_algorithm: str = flag(
+        "none",
+        "none | ngram: draft each running request's next tokens by looking its last n tokens up in its "
+        "prompt and output, and verify the drafts in one forward (greedy output unchanged)",
+        choices=SPECULATIVE_ALGORITHMS,
+    )
+    speculative_num_draft_tokens: int = flag(
+        3,
+        "drafted tokens per request and step (K); the default fits a verify row in one pass of the CPU's "
+        "GGUF matmul tiles (4 rows a pass)",
+    )
+    speculative_ngram_min_size: int = flag(2, "the shortest suffix (tokens) the n-gram lookup matches")
+    speculative_ngram_max_size: int = flag(4, "the longest suffix (tokens) the n-gram lookup tries first")
+    speculative_row_cost: float = given(
+        0.25,
+        "a constant: one more token row of a step as a share of a one-row step's fixed cost (the "
+        "embedded model on a 2-core Zen 4, GGUF blocks); sets when drafting pays (speculative.py)",
+    )
 
     def __post_init__(self) -> None:
         assert self.page_size >= 1, "page_size must be >= 1"
@@ -79,11 +99,22 @@ class SchedulerConfig:
         assert self.max_consecutive_prefills >= 1, "max_consecutive_prefills must be >= 1"
         assert self.clip_max_new_tokens >= 1, "clip_max_new_tokens must be >= 1"
         assert self.schedule_conservativeness > 0, "schedule_conservativeness must be > 0"
+        assert self.speculative_algorithm in SPECULATIVE_ALGORITHMS, (
+            f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}"
+        )
+        assert self.speculative_num_draft_tokens >= 1, "speculative_num_draft_tokens must be >= 1"
+        assert 1 <= self.speculative_ngram_min_size <= self.speculative_ngram_max_size, (
+            "speculative n-gram sizes must be 1 <= min <= max"
+        )
 
     @property
     def chunk_tokens(self) -> int | None:
         """The chunk budget, or None when chunked prefill is disabled."""
         return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
+
+    @property
+    def speculative(self) -> bool:
+        return self.speculative_algorithm != "none"
 
     @property
     def total_tokens(self) -> int:

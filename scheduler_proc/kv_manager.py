@@ -124,6 +124,15 @@ class KVManager:
             fork.cache_node, fork.num_tree_pages = match.node, num_shared
         fork.flight.reset(num_prompt)
 
+    def roll_back(self, req: Req) -> None:
+        """Free ``req``'s own pages past its KV: a verify row's pages for the drafts not taken (the
+        worker's page-table entries past them are rewritten with the next pages it gets)."""
+        keep = max(pages_for(req.kv_len, self.page_size), req.num_tree_pages)
+        if len(req.page_table) > keep:
+            self.pages.free(req.page_table[keep:])
+            del req.page_table[keep:]
+            req.flight.worker_pages = min(req.flight.worker_pages, keep)
+
     def decode_pages_needed(self, running: list[Req]) -> int:
         """New pages the next decode step takes: one per request whose next token starts a page."""
         return sum(1 for r in running if r.kv_len >= len(r.page_table) * self.page_size)

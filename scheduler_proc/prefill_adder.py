@@ -90,12 +90,14 @@ class PrefillAdder:
         new_token_ratio: float,
         available_pages: int,
         free_slots: int,
+        draft_tokens: int = 0,
     ) -> PrefillAdder:
-        """This round's budgets: KV is what is free minus the running requests' reservation."""
+        """This round's budgets: KV is what is free minus the running requests' reservation; the
+        input budget is what the round's drafted tokens (verify rows) left of max_prefill_tokens."""
         return cls(
             page_size=config.page_size,
             clip_max_new_tokens=config.clip_max_new_tokens,
-            rem_input_tokens=config.max_prefill_tokens,
+            rem_input_tokens=config.max_prefill_tokens - draft_tokens,
             rem_chunk_tokens=config.chunk_tokens,
             rem_total_tokens=available_pages * config.page_size
             - running_reservation_tokens(running, config, new_token_ratio),

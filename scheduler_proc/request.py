@@ -21,6 +21,7 @@ from scheduler_proc.prompt_logprobs import PromptLogprobState
 if TYPE_CHECKING:
     from scheduler_proc.batch import Row
     from scheduler_proc.radix_cache import TreeNode
+    from scheduler_proc.speculative import DraftState
 
 
 class ReqStatus(enum.Enum):
@@ -102,6 +103,19 @@ class Flight:
         """A result to ignore: the request ended while ``row`` was out, or its forward failed."""
         self._pop(row)
 
+    def land_verified(self, row: Row, tokens: list[int]) -> None:
+        """A verify row's result: ``tokens`` (its first ``len(tokens) - 1`` drafts, then its draw)
+        replace its PENDING, and the KV of the drafts after them is void: kv_len falls back. Nothing
+        of the request was sent after it (a drafting request waits for its result)."""
+        self._pop(row)
+        assert not self.rows, f"rid {row.req.rid}: a row was sent after a verify row"
+        assert 1 <= len(tokens) <= len(row.draft) + 1, f"rid {row.req.rid}: {len(tokens)} tokens verified"
+        void = len(row.draft) + 1 - len(tokens)
+        self.kv_len -= void
+        self.computed_len += row.extend_len - void
+        row.req.output_ids[row.out_index : row.out_index + 1] = tokens
+        self.check(row.req)
+
     def end_at(self, row: Row) -> None:
         """The request ends with ``row``'s token: the tokens later rows are drawing are void."""
         del row.req.output_ids[row.out_index + 1 :]
@@ -111,8 +125,10 @@ class Flight:
         self.rows.popleft()
 
     def check(self, req: Req) -> None:
-        """The invariants of a live request's flight (see the class docstring)."""
-        assert 0 <= self.computed_len <= self.kv_len <= req.seq_len, (
+        """The invariants of a live request's flight (see the class docstring); a verify row's drafts
+        have KV scheduled past seq_len until its result."""
+        drafted = sum(len(row.draft) for row in self.rows)
+        assert 0 <= self.computed_len <= self.kv_len <= req.seq_len + drafted, (
             f"rid {req.rid}: computed {self.computed_len}, kv {self.kv_len}, seq {req.seq_len}"
         )
         assert self.worker_pages <= len(req.page_table), f"rid {req.rid}: the worker has pages we lack"
@@ -169,6 +185,7 @@ class Req:
     cached_tokens: int = 0  # prompt tokens reused from the cache at the first admission
     prompt_logprobs: PromptLogprobState | None = None  # the client asked for them (echo)
     embedding: EmbeddingState | None = None  # an embedding request's pooled prompt
+    draft: DraftState | None = None  # speculative decoding's lookup and pauses (speculative.py)
     # n > 1 (see ReqStatus.FORKING): the choices forking from this request's prompt, and for a
     # FORKING choice its leader and the prompt tokens its own pages hold (the rest it shares).
     forks: list[Req] = field(default_factory=list)
@@ -266,11 +283,26 @@ class Req:
     def finish_reason_at(self, index: int, context_len: int) -> FinishReason | None:
         """Why the request ends with output token ``index``, if it does."""
         assert 0 <= index < len(self.output_ids), f"rid {self.rid}: no output token {index}"
-        if self.output_ids[index] in self.stop_token_ids:
+        return self.finish_reason_of(self.output_ids[index], index, context_len)
+
+    def finish_reason_of(self, token: int, index: int, context_len: int) -> FinishReason | None:
+        """Why the request would end with ``token`` as its output token ``index``, if it would."""
+        if token in self.stop_token_ids:
             return FinishReason.STOP
         if self.hits_length_limit(index + 1, context_len):
             return FinishReason.LENGTH
         return None
+
+    def max_draft_tokens(self, context_len: int) -> int:
+        """Drafts a verify row may carry now: with all of them taken and one more drawn, the
+        request reaches neither max_new_tokens nor the context length beyond its limit."""
+        limit = min(self.max_new_tokens, context_len - len(self.input_ids))
+        return max(limit - len(self.output_ids) - 1, 0)
+
+    @property
+    def wants_draft(self) -> bool:
+        """It drafts at its next decode step (speculative decoding on, and not paused)."""
+        return self.draft is not None and self.draft.drafting
 
 
 def fork_choices(leader: Req, n: int, page_size: int, *, share_prompt: bool) -> list[Req]:

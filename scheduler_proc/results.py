@@ -15,6 +15,7 @@ from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.outputs import OutputCollector
 from scheduler_proc.request import Req, ReqStatus
+from scheduler_proc.speculative import acceptance_floor
 
 
 class ResultHandling:
@@ -27,6 +28,8 @@ class ResultHandling:
     running: list[Req]
     reqs: dict[int, Req]
     num_generated_tokens: int
+    num_accepted_tokens: int
+    last_batch_rows: int  # decode rows of the last batch with any (sets when drafting pays)
     _in_flight: dict[int, list[Row]]
     _outputs: OutputCollector
     _log: logging.Logger
@@ -52,6 +55,9 @@ class ResultHandling:
             req.flight.drop(row)
             if not req.flight.rows:
                 self.kv.release(req, cache=req.finish_reason is not FinishReason.ERROR)
+            return
+        if row.draft:
+            self._apply_verify_row(row, result)
             return
         req.flight.land(row, token)
         if row.is_prefill:  # its prompt pages are shareable from the next round on
@@ -80,6 +86,29 @@ class ResultHandling:
             req.flight.end_at(row)
             self.running.remove(req)
             self._finish(req, reason)
+
+    def _apply_verify_row(self, row: Row, result: RowResult) -> None:
+        """A verify row's tokens (its taken drafts, then its draw) up to the first that ends the
+        request; the KV of the drafts not taken is given back (pages past the request's KV freed)."""
+        req, drawn = row.req, [result, *result.more]
+        assert req.draft is not None, f"rid {req.rid}: a verify row of a request that does not draft"
+        floor = acceptance_floor(self.last_batch_rows, self.config.speculative_row_cost)
+        req.draft.on_verified(len(row.draft), len(drawn) - 1, floor)
+        self.num_accepted_tokens += len(drawn) - 1
+        tokens = [d.token for d in drawn if d.token is not None]
+        assert len(tokens) == len(drawn), f"rid {req.rid}: a verify row drew nothing"
+        ctx = self.config.context_len
+        reasons = [req.finish_reason_of(t, row.out_index + i, ctx) for i, t in enumerate(tokens)]
+        end = next((i + 1 for i, reason in enumerate(reasons) if reason is not None), len(tokens))
+        req.flight.land_verified(row, tokens[:end])
+        self.kv.roll_back(req)
+        for token, d, reason in zip(tokens[:end], drawn, reasons, strict=False):
+            self.num_generated_tokens += 1
+            self._outputs.add_token(req.rid, token, d.logprob, reason, req.cached_tokens, d.top)
+        last = reasons[end - 1]
+        if last is not None:
+            self.running.remove(req)
+            self._finish(req, last)
 
     def _start_fork(self, fork: Req, leader: Req, result: RowResult) -> None:
         """A choice's first token, drawn from its leader's last prompt row: it shares the leader's

@@ -18,6 +18,11 @@ finishes the request. ``Req.flight`` (request.py) holds that state and asserts
 its invariants at every step. What cannot be known ahead costs little: a request that
 draws a stop token has already been given one more decode row, whose token is
 dropped. Retraction needs every token back, so it waits until nothing is in flight.
+
+Speculative decoding (``speculative_algorithm``, speculative.py): a running request that drafts
+gets a verify row (its last token and its drafts) and nothing more until that row's result is in,
+since its next draft needs every token; while such a request waits, no batch is built, so the
+overlap schedule pauses until drafting stops (it does by itself where drafts are not taken).
 """
 
 from __future__ import annotations
@@ -37,10 +42,12 @@ from scheduler_proc.batch import BatchInfo, Row, build_forward_batch
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.outputs import OutputCollector
+from scheduler_proc.page_allocator import pages_for
 from scheduler_proc.prefill_adder import Admitted, PrefillAdder
 from scheduler_proc.request import Req, ReqStatus, fork_choices, why_rejected
 from scheduler_proc.results import ResultHandling
 from scheduler_proc.retraction import pick_victim, retract
+from scheduler_proc.speculative import DraftState, NgramIndex
 from scheduler_proc.token_ratio import NewTokenRatio
 
 
@@ -83,6 +90,9 @@ class Scheduler(ResultHandling):
         self.num_prompt_tokens = 0  # of requests at their first admission
         self.num_prefill_tokens = 0  # computed by prefill rows (prompts, recomputes), since start
         self.num_cached_prompt_tokens = 0  # of those, reused from the prefix cache
+        self.num_draft_tokens = 0  # sent in verify rows (speculative decoding), since start
+        self.num_accepted_tokens = 0  # of those, taken
+        self.last_batch_rows = 1  # decode rows of the last batch that had some
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -94,8 +104,12 @@ class Scheduler(ResultHandling):
             return RequestError(rid=msg.rid, message=why)
         req = Req.from_msg(msg)
         share = not self.config.disable_radix_cache
-        for r in [req, *fork_choices(req, msg.n, self.config.page_size, share_prompt=share)]:
+        cfg = self.config
+        for r in [req, *fork_choices(req, msg.n, cfg.page_size, share_prompt=share)]:
             self.reqs[r.rid] = r
+            if cfg.speculative and r.max_new_tokens > 1:
+                index = NgramIndex(cfg.speculative_ngram_min_size, cfg.speculative_ngram_max_size)
+                r.draft = DraftState(index)
         self.waiting.append(req)
         return None
 
@@ -146,6 +160,8 @@ class Scheduler(ResultHandling):
             return None
         if self._in_flight and self._decode_needs_retraction():
             return None  # retraction needs every token back: wait for the batch in flight
+        if self._in_flight and any(req.wants_draft and req.flight.rows for req in self.running):
+            return None  # a draft needs every token of its request: wait for the batch in flight
         prefill, decode = self._next_rows()
         if not prefill and not decode:
             return None
@@ -177,7 +193,7 @@ class Scheduler(ResultHandling):
                 return [], decode
         if self.config.enable_mixed_chunk:
             decode = self._decode_rows()  # first: decode pages count before admission
-            return self._prefill_rows(), decode
+            return self._prefill_rows(sum(len(row.draft) for row in decode)), decode
         prefill = self._prefill_rows()
         if prefill:
             return prefill, []
@@ -193,7 +209,9 @@ class Scheduler(ResultHandling):
             return self._prefill_streak >= 1
         return not cfg.enable_mixed_chunk and self._prefill_streak >= cfg.max_consecutive_prefills
 
-    def _prefill_rows(self) -> list[Row]:
+    def _prefill_rows(self, draft_tokens: int = 0) -> list[Row]:
+        """The round's prefill rows; ``draft_tokens`` (the round's verify rows') count against its
+        input budget."""
         if self.chunked_req is None and not self.waiting:
             return []
         # In mixed mode the decodes' pages for this step are already taken: _decode_rows ran first.
@@ -203,6 +221,7 @@ class Scheduler(ResultHandling):
             self.new_token_ratio.value,
             self.kv.available_pages,
             self.kv.slots.num_free,
+            draft_tokens,
         )
         admitted = []
         continued = self.chunked_req
@@ -239,22 +258,56 @@ class Scheduler(ResultHandling):
             req.status = ReqStatus.CHUNKED
         return row
 
-    def _extend_row(self, req: Req, extend_len: int, new_slot: bool, is_prefill: bool) -> Row:
-        """A row extending ``req`` by ``extend_len`` tokens, with the pages they need."""
+    def _extend_row(
+        self, req: Req, extend_len: int, new_slot: bool, is_prefill: bool, draft: list[int] | None = None
+    ) -> Row:
+        """A row extending ``req`` by ``extend_len`` tokens (``draft`` the last of them), with the
+        pages they need."""
+        draft = draft or []
         page_start, new_pages = self.kv.grow(req, extend_len)
-        sample = req.kv_len + extend_len == req.seq_len and req.max_new_tokens > 0
-        return Row(req, extend_len, sample, page_start, new_pages, new_slot, is_prefill)
+        sample = req.kv_len + extend_len - len(draft) == req.seq_len and req.max_new_tokens > 0
+        return Row(req, extend_len, sample, page_start, new_pages, new_slot, is_prefill, draft=draft)
 
     def _decode_rows(self) -> list[Row]:
-        """One decode row per running request; the ratio decays on a step that needed no retraction."""
+        """One decode row per running request (a verify row where it drafts); the ratio decays on a
+        step that needed no retraction."""
         retracted = self._make_room_for_decodes()
+        decoders = self._decoders()
+        self.last_batch_rows = len(decoders) or self.last_batch_rows
+        drafts = self._drafts(decoders) if self.config.speculative else {}
         rows = []
-        for req in self._decoders():
+        for req in decoders:
             assert req.is_decoding, f"rid {req.rid}: running but not at a decode step"
-            rows.append(self._extend_row(req, 1, new_slot=False, is_prefill=False))
+            draft = drafts.get(req.rid, [])
+            rows.append(self._extend_row(req, 1 + len(draft), new_slot=False, is_prefill=False, draft=draft))
+            if req.draft is not None:
+                req.draft.on_decode_step()
+        self.num_draft_tokens += sum(len(d) for d in drafts.values())
         if rows and not retracted:
             self.new_token_ratio.on_decode_step()
         return rows
+
+    def _drafts(self, decoders: list[Req]) -> dict[int, list[int]]:
+        """rid -> the draft each drafting request's verify row carries this step, within the pages
+        left after every decode's own (no draft retracts or waits for KV) and half the round's input
+        budget (the prefill admitted beside them gets the rest)."""
+        cfg, ps = self.config, self.config.page_size
+        spare_pages = self.kv.available_pages - self.kv.decode_pages_needed(decoders)
+        budget = cfg.max_prefill_tokens // 2
+        drafts: dict[int, list[int]] = {}
+        for req in decoders:
+            if not req.wants_draft or req.flight.rows or budget <= 0:
+                continue
+            assert req.draft is not None
+            held = max(len(req.page_table), pages_for(req.kv_len + 1, ps))  # with the decode's own page
+            room = (held + spare_pages) * ps - req.kv_len - 1
+            limit = min(cfg.speculative_num_draft_tokens, req.max_draft_tokens(cfg.context_len), room, budget)
+            draft = req.draft.propose(req.fill_slice(req.draft.num_known, req.seq_len), limit)
+            if draft:
+                drafts[req.rid] = draft
+                spare_pages -= max(pages_for(req.kv_len + 1 + len(draft), ps) - held, 0)
+                budget -= len(draft)
+        return drafts
 
     def _decoders(self) -> list[Req]:
         """Running requests that get a decode row: all but those whose last token is being drawn."""

@@ -19,5 +19,11 @@ class SlotState(Protocol):
 
     def on_batch(self, batch: ForwardBatch, input_ids: torch.Tensor) -> None:
         """Take the batch's new requests' settings, its tokens (PENDING resolved in ``input_ids``)
-        and its forks (n > 1: a fork's slot starts from its parent's prompt state)."""
+        and its forks (n > 1: a fork's slot starts from its parent's prompt state). A verify row's
+        drafts are not among its tokens here (verify.py's ``committed``)."""
+        ...
+
+    def on_drafts_taken(self, slots: list[int], positions: list[int], tokens: list[int]) -> None:
+        """Drafted ``tokens`` a verify row kept, at ``positions`` of ``slots`` (one per slot, in
+        position order across calls): inputs now, as if a batch had run them."""
         ...

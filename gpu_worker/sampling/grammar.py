@@ -141,6 +141,13 @@ class SlotGrammars:
         if batch.fork_rows:
             self.fork(batch.fork_slots, batch.fork_samplers)
 
+    def on_drafts_taken(self, slots: list[int], positions: list[int], tokens: list[int]) -> None:
+        """SlotState: a kept draft (always a generated token) is followed as an input is."""
+        for slot, token in zip(slots, tokens, strict=True):
+            state = self.slots[slot]
+            if state is not None:
+                state.follow([token])
+
     def update(self, batch: ForwardBatch, input_ids: torch.Tensor) -> None:
         """Take the batch's new samplers (a slot given to a request starts a fresh matcher that
         follows its cached prefix), then feed each grammar row's generated input tokens

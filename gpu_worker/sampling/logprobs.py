@@ -39,6 +39,9 @@ class SlotTopLogprobs:
         self.update(batch.slots, batch.sampler)
         self.update(batch.fork_slots, batch.fork_samplers)
 
+    def on_drafts_taken(self, slots: list[int], positions: list[int], tokens: list[int]) -> None:
+        """SlotState: settings do not follow tokens."""
+
     def update(self, slots: list[int], params: Sequence[WorkerSampling | None]) -> None:
         for slot, p in zip(slots, params, strict=True):
             if p is not None:

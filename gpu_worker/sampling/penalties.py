@@ -135,6 +135,14 @@ class SlotPenalties:
             parents = [batch.slots[i] for i in batch.fork_rows]
             self.fork(parents, batch.fork_slots, batch.fork_samplers)
 
+    def on_drafts_taken(self, slots: list[int], positions: list[int], tokens: list[int]) -> None:
+        """SlotState: kept drafts count as the generated inputs they now are."""
+        rows = [i for i, slot in enumerate(slots) if self.params[slot] is not None]
+        if rows:
+            ids = torch.tensor([tokens[i] for i in rows], dtype=torch.int64, device=self._device)
+            where = [positions[i] for i in rows]
+            self._record([slots[i] for i in rows], where, [1] * len(rows), list(range(len(rows))), ids)
+
     def update(self, batch: ForwardBatch, input_ids: torch.Tensor) -> None:
         """Take the batch's new samplers (a slot given to a request starts from zero and its
         cached prefix), then count its input tokens (PENDING already resolved in ``input_ids``)."""

@@ -7,6 +7,7 @@ loop runs: schedule -> execute -> on_result -> take_outputs.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from gpu_worker.model_runner import ModelRunner
@@ -30,6 +31,8 @@ def generate(
     overlap: bool = False,
     batches: list[ForwardBatch] | None = None,
     n: int = 1,
+    on_added: Callable[[Scheduler], None] | None = None,
+    logprobs: list[list[float]] | None = None,
 ) -> tuple[list[list[int]], Scheduler]:
     """Greedy outputs of every prompt, served together; returns the drained scheduler too.
 
@@ -38,7 +41,9 @@ def generate(
     e.g. to force eviction and retraction). ``overlap``: the next batch is scheduled
     before the last one's result is in, as the scheduler process does (its decode rows
     then send PENDING). ``batches``, when given, collects every batch sent. ``n``: choices per
-    prompt (forking from one prefill); the outputs are then prompt-major, n per prompt.
+    prompt (forking from one prefill); the outputs are then prompt-major, n per prompt. ``on_added``
+    sees the scheduler once every request is queued (e.g. to give them other drafts). ``logprobs``,
+    when given, collects each request's token logprobs as the outputs' ([] where it did not ask).
     """
     fields: dict[str, Any] = dict(
         num_pages=runner.num_pages,
@@ -62,7 +67,11 @@ def generate(
             n=n,
         )
         assert scheduler.add(req) is None, f"request {i} rejected"
+    if on_added is not None:
+        on_added(scheduler)
     outputs: list[list[int]] = [[] for _ in range(len(prompts) * n)]
+    if logprobs is not None:
+        logprobs[:] = [[] for _ in outputs]
     in_flight: deque[ForwardBatch] = deque()
     while scheduler.has_work or in_flight:
         while len(in_flight) < (2 if overlap else 1) and (batch := scheduler.schedule()) is not None:
@@ -74,7 +83,9 @@ def generate(
         for msg in scheduler.take_outputs():
             assert not isinstance(msg, RequestError), msg.message
             assert isinstance(msg, TokenBatch)
-            for rid, token in zip(msg.rids, msg.token_ids, strict=True):
+            for rid, token, logprob in zip(msg.rids, msg.token_ids, msg.logprobs, strict=True):
                 if token >= 0:
                     outputs[rid].append(token)
+                    if logprobs is not None and samplers[rid // n].logprobs:
+                        logprobs[rid].append(logprob)
     return outputs, scheduler

@@ -173,6 +173,50 @@ def test_few_rows_split_their_positions(
 
 @needs_compiler
 @pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("prefix", [3, 300])
+def test_a_verify_rows_positions_read_each_others_new_kv(
+    kernels: cpu_kernels.CpuKernels, dtype: torch.dtype, kv_dtype: torch.dtype, threads: int, prefix: int
+) -> None:
+    """A verify row's tokens as adjacent decode rows of one slot (position p attends [0, p]), beside
+    lone decode rows and a second verify row: every row's new K/V land before any row attends (they
+    read each other's), and each row attends exactly its own positions (its later ones are NaN when
+    it reads, were it to read them)."""
+    torch.manual_seed(4)
+    page_size, heads, kv_heads, head_dim = 16, 9, 3, 64
+    # (slot, kv_len) per row: slot 0's verify row of 5 positions, a lone row, slot 2's of 3 positions.
+    rows = [(0, prefix + 1 + j) for j in range(5)] + [(1, prefix + 40)] + [(2, 7 + j) for j in range(3)]
+    pages_per_slot = -(-(prefix + 48) // page_size)
+    k_cache = torch.randn(3 * pages_per_slot * page_size, kv_heads, head_dim).to(kv_dtype)
+    v_cache = torch.randn_like(k_cache)
+    page_table = torch.randperm(3 * pages_per_slot).view(3, pages_per_slot).contiguous()
+    qkv = torch.randn(len(rows), heads + 2 * kv_heads, head_dim).to(dtype)
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    locs = [page_table[s, (n - 1) // page_size] * page_size + (n - 1) % page_size for s, n in rows]
+    for loc in locs:
+        k_cache[loc], v_cache[loc] = float("nan"), float("nan")
+    out = torch.empty(len(rows), heads, head_dim, dtype=dtype)
+    slots = torch.tensor([s for s, _ in rows])
+    lens = torch.tensor([n for _, n in rows])
+    decode = kernels.decode_rows(torch.arange(len(rows)), slots, lens, page_table, page_size)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernels.attend(q, k_cache, v_cache, out, decode, new_kv=(k, v))
+    finally:
+        torch.set_num_threads(before)
+    for r, loc in enumerate(locs):
+        assert torch.equal(k_cache[loc], k[r].to(kv_dtype)) and torch.equal(v_cache[loc], v[r].to(kv_dtype))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for r, (slot, n) in enumerate(rows):
+        pos = torch.arange(n)
+        at = page_table[slot, pos // page_size] * page_size + pos % page_size
+        expected = reference(q[r], k_cache[at], v_cache[at])
+        torch.testing.assert_close(out[r].double(), expected, rtol=tol, atol=tol)
+
+
+@needs_compiler
+@pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("num_rows", [2, 9])  # 2: short rows, heads split over threads; 9: a task per row
 def test_decode_attention_writes_the_new_kv_first(
     kernels: cpu_kernels.CpuKernels, dtype: torch.dtype, kv_dtype: torch.dtype, num_rows: int

@@ -197,6 +197,7 @@ class FakeWorker:
             )
             page_off += batch.page_counts[i]
         tokens: list[int] = []
+        counts: list[int] = []  # tokens per sampling row (a verify row keeps some drafts)
         prompt_logprobs: list[float] = []
         pooled: list[list[float]] = []
         targets = iter(batch.prompt_logprob_targets)
@@ -210,9 +211,23 @@ class FakeWorker:
                 assert row_ids.index(PENDING) == ext - 1, "PENDING is only ever a row's last input"
                 # None drawn: the row that should have failed; its request has failed with it.
                 row_ids[-1] = self.last_token.get(slot, 0)
+            draft = batch.draft_lens[i] if batch.draft_lens else 0
+            drawn = []  # a verify row's draw at each drafted position (the rest decode rows draw)
             for pos, tok in enumerate(row_ids, start=prefix):
                 h = next_hash(h, tok)
                 self._write(slot, pos, tok, h)
+                drawn.append(token_of(h))
+            if draft:
+                assert batch.sample[i] and PENDING not in batch.input_ids[tok_off : tok_off + ext]
+                drafts, kept = row_ids[ext - draft :], 0
+                while kept < draft and drafts[kept] == drawn[ext - draft - 1 + kept]:
+                    kept += 1
+                tokens.extend(drafts[:kept] + [drawn[ext - draft - 1 + kept]])
+                counts.append(kept + 1)
+                self.hashes.append(h)  # (forks never come from verify rows)
+                tok_off += ext
+                self.extend_tokens += ext
+                continue
             for k in range(batch.prompt_logprob_lens[i] if batch.prompt_logprob_lens else 0):
                 target = next(targets)
                 assert k + 1 >= ext or row_ids[k + 1] == target, (
@@ -226,6 +241,7 @@ class FakeWorker:
                 pooled.append([float(row_ids[-1]), 1.0] if last else [float(sum(row_ids)), float(ext)])
             if batch.sample[i]:
                 tokens.append(token_of(h))
+                counts.append(1)
                 self.hashes.append(h)
         self._copy_pages(batch)
         tokens += self._fork(batch)
@@ -233,7 +249,9 @@ class FakeWorker:
             error, self.fail_next = self.fail_next, None
             return ForwardResult(step=batch.step, token_ids=[], logprobs=[], forward_s=0.0, error=error)
         sampled = [slot for slot, sample in zip(batch.slots, batch.sample, strict=True) if sample]
-        self.last_token.update(zip(sampled + batch.fork_slots, tokens, strict=True))
+        ends = [sum(counts[: k + 1]) - 1 for k in range(len(counts))]
+        row_last = [tokens[e] for e in ends] + tokens[len(tokens) - len(batch.fork_slots) :]
+        self.last_token.update(zip(sampled + batch.fork_slots, row_last, strict=True))
         return ForwardResult(
             step=batch.step,
             token_ids=tokens,
@@ -241,6 +259,7 @@ class FakeWorker:
             forward_s=0.001,
             prompt_logprobs=prompt_logprobs,
             pooled=pooled,
+            num_tokens=counts if batch.draft_lens else [],
         )
 
     def _copy_pages(self, batch: ForwardBatch) -> None:
@@ -403,7 +422,9 @@ def check_invariants(sched: Scheduler) -> None:
         assert req.cache_node is None, f"rid {req.rid} waits holding a cache lock"
     for req in sched.running:
         prompt_only_ending = req.max_new_tokens == 0 and req.flight.final_scheduled  # its last row in flight
-        assert req.status is ReqStatus.RUNNING and (req.is_decoding or prompt_only_ending), (
+        drafted = sum(len(row.draft) for row in req.flight.rows)  # a verify row in flight: KV ahead
+        decoding = req.kv_len - drafted == req.seq_len - 1 and bool(req.output_ids)
+        assert req.status is ReqStatus.RUNNING and (decoding or prompt_only_ending), (
             f"rid {req.rid} running but not decoding"
         )
     if sched.chunked_req is not None:

@@ -1,7 +1,12 @@
 """The CPU backend's attention: decode rows by the C kernel, read in place through the page table
 (csrc/attention.c), every row at its own length in one call; extend rows by torch (torch_ref).
 
-A batch whose rows all decode goes to the kernel with its new K/V, which it writes itself.
+A short extend row (up to KERNEL_MAX_EXTEND tokens: a speculative verify row, a small chunk) goes to
+the kernel too, as one decode row per token, each over the positions up to its own: for a few
+queries over a long prefix that is one pass over the paged KV each, against torch's gather of the
+whole prefix and its SDPA call per layer (~1 ms for 9 queries over 500 positions, 30 layers a step).
+A batch whose rows all go to the kernel writes its new K/V there (the kernel itself, or first, where
+two of its rows are one request's), and may run as one call (decode_layers.py).
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ from gpu_worker.backends.cpu.kernels import CpuKernels
 from gpu_worker.backends.torch_ref import attention as torch_attention
 from gpu_worker.forward_context import PLAIN, AttentionOptions
 
+KERNEL_MAX_EXTEND = 16  # tokens of the longest extend row the kernel attends, a decode row per token
+
 
 @dataclass(frozen=True)
 class PagedDecodeRows:
-    """Every decode row of the batch, for the C kernel: it reads their KV through the page table."""
+    """Every decode row of the batch (a short extend row's tokens, one each), for the C kernel: it
+    reads their KV through the page table."""
 
     tokens: torch.Tensor  # [B] flat indices of their tokens (query and output rows)
     req_pool_idx: torch.Tensor  # [B] page-table rows
@@ -33,7 +41,7 @@ class CpuAttentionMetadata:
 
     torch_meta: torch_attention.AttentionMetadata  # its decode groups are empty: the kernel's rows
     paged_decode: PagedDecodeRows | None
-    all_decode: bool  # every row decodes: the tokens are arange(T)
+    all_decode: bool  # every row goes to the kernel: the tokens are arange(T)
     batch: tuple[torch.Tensor, int, list[int], list[int], list[int]]  # build_metadata's arguments
     # torch_ref's metadata with its decode groups, built on first use by a layer the kernel does not
     # take (a sliding window, soft-capping), then shared by the batch's other such layers.
@@ -67,15 +75,18 @@ def build_metadata(
     kernel does not take, its decode groups), the kernel's rows for the decode rows."""
     device = page_table.device
     positions, torch_meta = torch_attention.build_metadata(
-        page_table, page_size, req_pool_idx, prefix_lens, extend_lens, device, decode_groups=False
+        page_table, page_size, req_pool_idx, prefix_lens, extend_lens, device, KERNEL_MAX_EXTEND
     )
     starts = list(accumulate(extend_lens[:-1], initial=0))
-    decode = [i for i, n in enumerate(extend_lens) if n == 1]
+    decode = [i for i, n in enumerate(extend_lens) if n <= KERNEL_MAX_EXTEND]
     paged = None
     if decode:
-        tokens = torch.tensor([starts[i] for i in decode], dtype=torch.int64, device=device)
-        rows_t = torch.tensor([req_pool_idx[i] for i in decode], dtype=torch.int64, device=device)
-        lens = torch.tensor([prefix_lens[i] + 1 for i in decode], dtype=torch.int64, device=device)
+        # A row's tokens as adjacent decode rows of one slot (the kernel needs a slot's rows adjacent).
+        spans = [(starts[i], req_pool_idx[i], prefix_lens[i], extend_lens[i]) for i in decode]
+        tokens = torch.tensor([s + j for s, _, _, n in spans for j in range(n)], dtype=torch.int64)
+        rows_t = torch.tensor([r for _, r, _, n in spans for _ in range(n)], dtype=torch.int64)
+        lens = torch.tensor([p + j + 1 for _, _, p, n in spans for j in range(n)], dtype=torch.int64)
+        tokens, rows_t, lens = tokens.to(device), rows_t.to(device), lens.to(device)
         paged = PagedDecodeRows(
             tokens=tokens,
             req_pool_idx=rows_t,

@@ -192,11 +192,12 @@ def build_metadata(
     prefix_lens: list[int],
     extend_lens: list[int],
     device: torch.device,
-    decode_groups: bool = True,
+    kernel_max_extend: int = 0,
 ) -> tuple[torch.Tensor, AttentionMetadata]:
     """Positions [T] and the attention metadata of one batch, from its O(rows) lists.
 
-    ``decode_groups=False``: the decode rows are left out (a backend attends them its own way).
+    ``kernel_max_extend``: rows of up to that many tokens are left out (a backend's own kernel
+    attends them: the CPU's, decode rows and verify rows); their K/V are still written here.
     """
     starts = list(accumulate(extend_lens[:-1], initial=0))
     total = starts[-1] + extend_lens[-1]
@@ -213,13 +214,13 @@ def build_metadata(
     extends = tuple(
         _extend_row(page_table, page_size, req_pool_idx[i], starts[i], prefix_lens[i], n, device)
         for i, n in enumerate(extend_lens)
-        if n > 1
+        if n > max(kernel_max_extend, 1)
     )
     kv_lens = {i: prefix_lens[i] + 1 for i, n in enumerate(extend_lens) if n == 1}
     all_decode = len(kv_lens) == len(req_pool_idx)  # then the tokens are arange(T)
     decode = tuple(
         _decode_group(page_table, page_size, [(req_pool_idx[i], starts[i], kv_lens[i]) for i in rows], device)
-        for rows in (length_groups(kv_lens) if decode_groups else [])
+        for rows in (length_groups(kv_lens) if kernel_max_extend == 0 else [])
     )
     in_order = len(decode) == 1 and all_decode
     meta = AttentionMetadata(out_locs=out_locs, decode=decode, extends=extends, in_order=in_order)

@@ -177,6 +177,154 @@ static inline void attend_whole(const char *q, const void *k_cache, const void *
 #define attend attend_whole
 #define SPLIT_POSITIONS 0
 
+/* The 16 scores q . K[t] of one query against a block's K rows widened to float32 (kf[t], in
+ * block_scores' ORDER16 order), summed as block_scores sums them: the same products in the same
+ * order, so the same scores. */
+static inline __m512 widened_scores(const float *q, float (*kf)[MAX_HEAD_DIM], int head_dim) {
+    __m512 part[16];
+    for (int t = 0; t < 16; t++) part[t] = _mm512_setzero_ps();
+    for (int d = 0; d < head_dim; d += 16) {
+        const __mmask16 mask = head_dim - d >= 16 ? 0xffffu : (__mmask16)((1u << (head_dim - d)) - 1);
+        const __m512 qb = _mm512_maskz_loadu_ps(mask, q + d);
+        for (int t = 0; t < 16; t++) part[t] = _mm512_fmadd_ps(qb, _mm512_load_ps(kf[t] + d), part[t]);
+    }
+    return sum16(part);
+}
+
+/* The positions of one verify row (npos adjacent decode rows of one slot, lens[p] = lens[0] + p)
+ * over heads [h0, h1), attend_avx512's way: every query of every position in one pass over the KV,
+ * so each K and V row is read (and widened) once for all of them, and a query's scores past its own
+ * position are masked. npos * (h1 - h0) * group <= MAX_HEADS. res: [npos][(h1 - h0) * group][head_dim]. */
+static void attend_span_avx512(const char *q, int64_t q_pos_bytes, int npos, const int64_t *lens, const void *k_cache,
+                               const void *v_cache, int dtype, int kv_dtype, const int64_t *pages, int page_size,
+                               int h0, int h1, int group, int head_dim, int64_t kv_row, float scale, float *res) {
+    const int paired = dtype == DTYPE_BF16 && kv_dtype == DTYPE_BF16;
+    const int elem = kv_dtype == DTYPE_F32 ? 4 : 2, nq = (h1 - h0) * group, nall = npos * nq;
+    const int bytes = (h1 - h0) * head_dim * elem, q_elem = dtype == DTYPE_BF16 ? 2 : 4;
+    const int64_t col = (int64_t)h0 * head_dim, len = lens[npos - 1];
+    const int stride = (head_dim + 31) & ~31; /* of acc per query: whole 32-dimension blocks */
+    float acc[MAX_HEADS * MAX_HEAD_DIM], m[MAX_HEADS], l[MAX_HEADS];
+    float prob[MAX_HEADS][BLOCK];
+    float qf[MAX_HEADS * MAX_HEAD_DIM]; /* q in float32, when not PAIRED */
+    const char *qp[MAX_HEADS];             /* each query's q row */
+    uint32_t pairs[MAX_HEADS][BLOCK / 2];  /* bfloat16 probabilities of positions 2i, 2i+1 */
+    int64_t at[BLOCK], at_k[BLOCK];        /* element offset of each position's token row; in ORDER16 */
+    __m512i vpair[BLOCK / 2][MAX_HEAD_DIM / 16];
+    float kf[BLOCK][MAX_HEAD_DIM] __attribute__((aligned(64))); /* a head's K rows of a block (ORDER16) */
+    for (int jq = 0; jq < nall; jq++) {
+        const char *src = q + (jq / nq) * q_pos_bytes + (int64_t)(jq % nq) * head_dim * q_elem;
+        if (!paired) {
+            load_vec(src, dtype, 0, head_dim, qf + (int64_t)jq * head_dim);
+            src = (const char *)(qf + (int64_t)jq * head_dim);
+        }
+        qp[jq] = src;
+        m[jq] = -INFINITY;
+        l[jq] = 0.0f;
+    }
+    memset(acc, 0, (size_t)nall * stride * sizeof(float));
+    prefetch_kv(k_cache, v_cache, pages, page_size, 0, len < BLOCK ? len : BLOCK, kv_row, col, elem, bytes, 0);
+    prefetch_kv(k_cache, v_cache, pages, page_size, BLOCK, len < PREFETCH_L2 ? len : PREFETCH_L2, kv_row, col, elem,
+                bytes, 1);
+    for (int64_t start = 0; start < len; start += BLOCK) {
+        const int n = (int)(len - start < BLOCK ? len - start : BLOCK);
+        for (int t = 0; t < BLOCK; t++) { /* past the end: the last row again, its scores masked */
+            const int64_t pos = start + (t < n ? t : n - 1);
+            at[t] = (pages[pos / page_size] * page_size + pos % page_size) * kv_row;
+        }
+        for (int t = 0; t < BLOCK; t++) at_k[t] = at[ORDER16[t]];
+        const int64_t next = start + BLOCK, next_end = len < next + BLOCK ? len : next + BLOCK;
+        prefetch_kv(k_cache, v_cache, pages, page_size, next, next_end, kv_row, col, elem, bytes, 0);
+        for (int h = h0; h < h1; h++) { /* scores and the softmax update of the queries still in range */
+            const char *kv = (const char *)k_cache + (int64_t)h * head_dim * elem;
+            if (!paired) /* the head's K rows of the block, widened once for all its queries */
+                for (int t = 0; t < BLOCK; t++)
+                    for (int d = 0; d < head_dim; d += 16)
+                        _mm512_store_ps(kf[t] + d, load16_kv(kv + at_k[t] * elem, kv_dtype, d, head_dim));
+            for (int p = 0; p < npos; p++) {
+                const int64_t own = lens[p] - start;
+                if (own <= 0) continue;
+                const __mmask16 valid = (__mmask16)((1u << (own < n ? (int)own : n)) - 1);
+                for (int jj = 0; jj < group; jj++) {
+                    const int jq = p * nq + (h - h0) * group + jj;
+                    const __m512 raw = paired ? block_scores(qp[jq], kv, at_k, PAIRED, head_dim)
+                                              : widened_scores((const float *)qp[jq], kf, head_dim);
+                    const __m512 sc = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),
+                                                           _mm512_mul_ps(raw, _mm512_set1_ps(scale)));
+                    const float mx = fmaxf(m[jq], _mm512_reduce_max_ps(sc));
+                    const __m512 pr = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));
+                    const float corr = _mm512_cvtss_f32(exp512(_mm512_set1_ps(m[jq] - mx)));
+                    l[jq] = l[jq] * corr + _mm512_reduce_add_ps(pr);
+                    m[jq] = mx;
+                    float *aj = acc + (int64_t)jq * stride;
+                    for (int d = 0; d < stride; d++) aj[d] *= corr;
+                    if (paired)
+                        _mm256_storeu_si256((__m256i *)pairs[jq], (__m256i)_mm512_cvtneps_pbh(pr));
+                    else
+                        _mm512_storeu_ps(prob[jq], pr);
+                }
+            }
+        }
+        for (int h = h0; h < h1; h++) { /* V: each row widened once, weighted for every query of the head */
+            const int64_t vcol = (int64_t)h * head_dim;
+            const int npairs = (n + 1) / 2;
+            if (paired) {
+                const uint16_t *v16 = (const uint16_t *)v_cache + vcol;
+                for (int i = 0; i < npairs; i++)
+                    for (int d = 0; d < head_dim; d += 32) {
+                        const __mmask32 mask = head_dim - d >= 32 ? 0xffffffffu : (1u << (head_dim - d)) - 1;
+                        const __m512i a = _mm512_maskz_loadu_epi16(mask, v16 + at[2 * i] + d);
+                        const __m512i b = 2 * i + 1 < n ? _mm512_maskz_loadu_epi16(mask, v16 + at[2 * i + 1] + d)
+                                                        : _mm512_setzero_si512();
+                        vpair[i][d / 16] = _mm512_unpacklo_epi16(a, b);
+                        vpair[i][d / 16 + 1] = _mm512_unpackhi_epi16(a, b);
+                    }
+            }
+            const char *vh = (const char *)v_cache + vcol * elem;
+            for (int d = 0; d < head_dim; d += paired ? 32 : 16) {
+                const __mmask16 mask = head_dim - d >= 16 ? 0xffffu : (__mmask16)((1u << (head_dim - d)) - 1);
+                __m512 vrow[BLOCK];
+                if (!paired)
+                    for (int t = 0; t < n; t++) vrow[t] = load16_kv(vh + at[t] * elem, kv_dtype, d, head_dim);
+                for (int p = 0; p < npos; p++) {
+                    if (lens[p] <= start) continue;
+                    for (int jj = 0; jj < group; jj++) {
+                        const int jq = p * nq + (h - h0) * group + jj;
+                        float *aj = acc + (int64_t)jq * stride + d;
+                        if (paired) {
+                            __m512 lo = _mm512_loadu_ps(aj), hi = _mm512_loadu_ps(aj + 16);
+                            for (int i = 0; i < npairs; i++) {
+                                const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pairs[jq][i]);
+                                lo = _mm512_dpbf16_ps(lo, pp, (__m512bh)vpair[i][d / 16]);
+                                hi = _mm512_dpbf16_ps(hi, pp, (__m512bh)vpair[i][d / 16 + 1]);
+                            }
+                            _mm512_storeu_ps(aj, lo);
+                            _mm512_storeu_ps(aj + 16, hi);
+                        } else {
+                            __m512 sum = _mm512_maskz_loadu_ps(mask, aj);
+                            for (int t = 0; t < n; t++) sum = _mm512_fmadd_ps(_mm512_set1_ps(prob[jq][t]), vrow[t], sum);
+                            _mm512_mask_storeu_ps(aj, mask, sum);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (int jq = 0; jq < nall; jq++) {
+        const float inv = 1.0f / l[jq]; /* every position sees itself: l > 0 */
+        const float *aj = acc + (int64_t)jq * stride;
+        float *rj = res + (int64_t)jq * head_dim;
+        for (int d = 0; d < head_dim; d++) {
+            int from = d; /* where the bfloat16 interleave left dimension d */
+            if (paired) {
+                const int base = d & ~31, i = d & 31;
+                from = base + (i & 4 ? 16 : 0) + (i >> 3) * 4 + (i & 3);
+            }
+            rj[d] = aj[from] * inv;
+        }
+    }
+}
+
+
 #elif HAVE_AVX2
 #define BLOCK 8 /* positions per vector of scores */
 #define STEP 16 /* positions per step: STEP / BLOCK vectors of scores per query head */
@@ -593,6 +741,54 @@ static void attend_split(const void *q, int64_t q_row_stride, void *k_cache, voi
     }
 }
 
+#if HAVE_AVX512
+/* The decode rows as runs of adjacent rows of one slot at consecutive positions (a verify row's,
+ * or a lone decode row), each run in chunks of at most MAX_HEADS queries a task (attend_span_avx512):
+ * a task per chunk and KV head where there are few chunks, else per chunk with all its heads (a
+ * task reading a third of each token row ran slower once the KV was out of cache, as it is in a
+ * forward). The rows' new K/V are already in the pool. */
+static int attend_spans(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, void *out,
+                        int dtype, int kv_dtype, const int64_t *q_rows, const int64_t *slots, const int64_t *kv_lens,
+                        const int64_t *page_table, int64_t pt_stride, int64_t rows, int num_heads, int kv_heads,
+                        int head_dim, int page_size, float scale) {
+    const int group = num_heads / kv_heads, elem = dtype == DTYPE_BF16 ? 2 : 4;
+    const int64_t kv_row = (int64_t)kv_heads * head_dim;
+    int64_t runs = 0;
+    for (int64_t r = 0; r < rows; r++)
+        runs += r == 0 || slots[r] != slots[r - 1] || kv_lens[r] != kv_lens[r - 1] + 1 || q_rows[r] != q_rows[r - 1] + 1;
+    const int splits = runs < 2 * omp_get_max_threads() ? kv_heads : 1, per_task = MAX_HEADS / (num_heads / splits);
+    int64_t *chunks = malloc((size_t)(2 * rows) * sizeof(int64_t)); /* (first row, positions) */
+    if (chunks == NULL) return -2;
+    int64_t count = 0;
+    for (int64_t r = 0, end; r < rows; r = end) {
+        for (end = r + 1; end < rows && slots[end] == slots[r] && kv_lens[end] == kv_lens[end - 1] + 1 &&
+                          q_rows[end] == q_rows[end - 1] + 1;
+             end++) {
+        }
+        for (int64_t c = r; c < end; c += per_task, count++) {
+            chunks[2 * count] = c;
+            chunks[2 * count + 1] = end - c < per_task ? end - c : per_task;
+        }
+    }
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < count * splits; task++) {
+        const int64_t c0 = chunks[2 * (task / splits)], npos = chunks[2 * (task / splits) + 1];
+        const int h0 = (int)(task % splits) * kv_heads / splits, h1 = (int)(task % splits + 1) * kv_heads / splits;
+        const int q0 = h0 * group, nq = (h1 - h0) * group;
+        float res[MAX_HEADS * MAX_HEAD_DIM];
+        attend_span_avx512((const char *)q + (q_rows[c0] * q_row_stride + (int64_t)q0 * head_dim) * elem,
+                           q_row_stride * elem, (int)npos, kv_lens + c0, k_cache, v_cache, dtype, kv_dtype,
+                           page_table + slots[c0] * pt_stride, page_size, h0, h1, group, head_dim, kv_row, scale,
+                           res);
+        for (int64_t p = 0; p < npos; p++)
+            store_vec(out, dtype, (q_rows[c0 + p] * num_heads + q0) * head_dim, nq * head_dim,
+                      res + p * nq * head_dim);
+    }
+    free(chunks);
+    return 0;
+}
+#endif
+
 /* Attention of decode rows over their paged KV.
  *
  * q: [*, num_heads, head_dim] with row stride q_row_stride (elements); row r of this call
@@ -606,7 +802,8 @@ static void attend_split(const void *q, int64_t q_row_stride, void *k_cache, voi
  * k_new / v_new (or NULL): the rows' new K/V ([*, kv_heads, head_dim], rows k_new_stride /
  * v_new_stride elements apart, read at q_rows[r], of ``dtype``), written first at the row's last
  * position (rounded to ``kv_dtype``); a task writes exactly the heads it then reads, so no task waits
- * for another.
+ * for another. Rows of one slot (a verify row's positions, one row per position) must be adjacent:
+ * where any are, every row's new K/V are written before any row attends.
  *
  * A task is one row with all its KV heads. (One task per (row, head) read 1/kv_heads of every
  * token row and ran 3x slower once the KV was out of cache, as it always is in a forward.) With
@@ -622,6 +819,22 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
     if ((dtype != DTYPE_F32 && dtype != DTYPE_BF16) || kv_dtype < DTYPE_F32 || kv_dtype > DTYPE_F16) return -1;
     const int group = num_heads / kv_heads;
     const int64_t kv_row = (int64_t)kv_heads * head_dim; /* elements per pool token */
+    int shared = 0; /* adjacent rows of one slot: a verify row's positions, each reading the others' K/V */
+    for (int64_t r = 1; r < rows && !shared; r++) shared = slots[r] == slots[r - 1];
+    if (k_new != NULL && shared) {
+#pragma omp parallel for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            if (kv_lens[r] > 0)
+                write_new_kv((void *)k_cache, (void *)v_cache, page_table + slots[r] * pt_stride, page_size,
+                             kv_lens[r] - 1, kv_row, 0, kv_heads, head_dim, dtype, kv_dtype, k_new, v_new,
+                             q_rows[r] * k_new_stride, q_rows[r] * v_new_stride);
+        k_new = v_new = NULL;
+    }
+#if HAVE_AVX512
+    if (shared) /* a verify row's positions read its KV once */
+        return attend_spans(q, q_row_stride, k_cache, v_cache, out, dtype, kv_dtype, q_rows, slots, kv_lens,
+                            page_table, pt_stride, rows, num_heads, kv_heads, head_dim, page_size, scale);
+#endif
     const int threads = omp_get_max_threads(), elem = dtype == DTYPE_BF16 ? 2 : 4;
     const int kv_elem = kv_dtype == DTYPE_F32 ? 4 : 2;
     int64_t longest = 0;

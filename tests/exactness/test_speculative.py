@@ -1,0 +1,282 @@
+"""Speculative decoding served by the engine (scheduler core + model runner, no sockets): every
+request draws exactly the tokens it draws without drafts, greedy and seeded-sampled, in float64,
+over the exactness matrix: chunked prefill, prefix cache, mixed batches, retraction, the overlap
+scheduler, n > 1, penalties, grammars, stop tokens, and the logprobs of kept drafts.
+
+A random model seldom repeats its prompt, so these tests draft with an oracle: each request's
+reference continuation (its output without drafts), wrong at a position that varies by step, so
+verify rows keep all of their drafts, some, or none. One test drafts by the n-gram lookup itself.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpu_worker.config import WorkerConfig
+from gpu_worker.model_runner import ModelRunner
+from protocol.grammar import Grammar
+from protocol.messages import ForwardBatch
+from protocol.sampling import WorkerPenalties, WorkerSampling
+from scheduler_proc.scheduler import Scheduler
+from scheduler_proc.speculative import DraftState, NgramIndex
+from tests.exactness import inprocess
+from tests.models import VOCAB, save_tiny_model
+
+NEW_TOKENS = 24
+SPECULATE = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 5}
+
+
+class OracleDraft(DraftState):
+    """Drafts the request's reference continuation, up to ``max_tokens``, a random length, with one
+    token changed at a random place (or none); never pauses."""
+
+    def __init__(self, prompt_len: int, reference: list[int], seed: int, vocab: int) -> None:
+        super().__init__(NgramIndex(1, 1))
+        self.prompt_len, self.reference, self.vocab = prompt_len, reference, vocab
+        self.rng = random.Random(seed)
+
+    def propose(self, new_tokens: list[int], max_tokens: int) -> list[int]:
+        self.index.tokens.extend(new_tokens)  # keeps num_known
+        done = len(self.index.tokens) - self.prompt_len  # outputs so far; the last one is the row's input
+        draft = self.reference[done : done + self.rng.randint(1, max(max_tokens, 1))][:max_tokens]
+        wrong = self.rng.randint(0, len(draft) + 1)  # past the end: every draft right
+        if wrong < len(draft):
+            draft[wrong] = (draft[wrong] + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+        return draft
+
+    def on_verified(self, drafted: int, accepted: int, floor: float) -> None:
+        self.num_drafted += drafted
+        self.num_accepted += accepted
+
+
+def oracle(references: list[list[int]], vocab: int = VOCAB, seed: int = 0) -> Any:
+    """An ``on_added`` hook: every drafting request drafts its reference (by rid) with OracleDraft."""
+
+    def install(scheduler: Scheduler) -> None:
+        for rid, req in scheduler.reqs.items():
+            if req.draft is not None:
+                req.draft = OracleDraft(len(req.input_ids), references[rid], seed * 1000 + rid, vocab)
+
+    return install
+
+
+def flat(rows: list[list[float]]) -> list[float]:
+    return [x for row in rows for x in row]
+
+
+def check_drafted(scheduler: Scheduler) -> None:
+    """Drafts were sent, and verify rows kept all, some and none of theirs over the run."""
+    assert scheduler.num_draft_tokens > 0, "no verify row was sent"
+    assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
+    assert scheduler.kv.used_tokens == 0, "every page must be free once all requests finished"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("llama-speculative")
+    save_tiny_model("llama", False, path)
+    return path
+
+
+def runner(path: Path, page_size: int = 4, **config: Any) -> ModelRunner:
+    return ModelRunner(
+        WorkerConfig(model_path=str(path), dtype="float64", page_size=page_size, kv_cache_tokens=1024,
+                     num_threads=1, **config)
+    )  # fmt: skip
+
+
+def shared_prompts(seed: int = 3) -> list[list[int]]:
+    """Prompts of mixed lengths sharing prefixes (prefix-cache hits), one repeated."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, VOCAB) for _ in range(37)]
+    prompts = [system + [rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 9, 22)]
+    prompts += [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 5, 60)]
+    return [*prompts, prompts[1]]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("chunked_prefill_size", [5, 256])
+@pytest.mark.parametrize("mixed", [False, True], ids=["alternate", "mixed"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_greedy_tokens_unchanged(
+    model_dir: Path, page_size: int, chunked_prefill_size: int, mixed: bool, overlap: bool
+) -> None:
+    prompts = shared_prompts()
+    kwargs: dict[str, Any] = dict(chunked_prefill_size=chunked_prefill_size, enable_mixed_chunk=mixed)
+    ref, _ = inprocess.generate(runner(model_dir, page_size), prompts, NEW_TOKENS, **kwargs)
+    got, scheduler = inprocess.generate(
+        runner(model_dir, page_size), prompts, NEW_TOKENS, overlap=overlap, scheduler_overrides=SPECULATE,
+        on_added=oracle(ref), **kwargs,
+    )  # fmt: skip
+    assert got == ref
+    check_drafted(scheduler)
+
+
+def test_retraction_and_a_small_pool(model_dir: Path) -> None:
+    """A pool so small that requests are retracted and recomputed; drafts take only the pages the
+    decodes leave, and a verify row's pages past what it kept are given back."""
+    prompts = shared_prompts(seed=8)
+    kwargs: dict[str, Any] = dict(chunked_prefill_size=16, enable_mixed_chunk=True)
+    # 160 tokens for ~420 of prompts and outputs, admitted with next to no reservation
+    small = {"num_pages": 40, "schedule_conservativeness": 0.05}
+    ref, base = inprocess.generate(
+        runner(model_dir), prompts, NEW_TOKENS, scheduler_overrides=small, **kwargs
+    )
+    got, scheduler = inprocess.generate(
+        runner(model_dir), prompts, NEW_TOKENS, scheduler_overrides={**small, **SPECULATE},
+        on_added=oracle(ref), overlap=True, **kwargs,
+    )  # fmt: skip
+    assert base.num_retracted > 0 and scheduler.num_retracted > 0, "the pool must force retraction"
+    assert got == ref
+    check_drafted(scheduler)
+
+
+def sampled(seed: int, **options: Any) -> WorkerSampling:
+    fields: dict[str, Any] = dict(temperature=0.9, top_k=-1, top_p=1.0, min_p=0.0, seed=seed)
+    return WorkerSampling(**{**fields, **options})
+
+
+@pytest.mark.parametrize(
+    "filters", [{}, {"top_k": 20, "top_p": 0.9}, {"min_p": 0.05}], ids=["plain", "topk-topp", "minp"]
+)
+def test_seeded_sampling_draws_the_same_tokens(model_dir: Path, filters: dict[str, Any]) -> None:
+    """A verify row draws each position with the noise a decode row there would (sampler.py), and
+    keeps a draft exactly when that draw equals it: seeded requests draw the same tokens, with
+    their logprobs, as without drafts; n > 1 choices too."""
+    prompts = shared_prompts(seed=4)[:5]
+    samplers = [sampled(100 + i, logprobs=i % 2 == 0, **filters) for i in range(len(prompts))]
+    kwargs: dict[str, Any] = dict(chunked_prefill_size=16, enable_mixed_chunk=True, sampler=samplers, n=2)
+    ref_logprobs: list[list[float]] = []
+    ref, _ = inprocess.generate(runner(model_dir), prompts, NEW_TOKENS, logprobs=ref_logprobs, **kwargs)
+    got_logprobs: list[list[float]] = []
+    got, scheduler = inprocess.generate(
+        runner(model_dir), prompts, NEW_TOKENS, scheduler_overrides=SPECULATE, on_added=oracle(ref),
+        logprobs=got_logprobs, overlap=True, **kwargs,
+    )  # fmt: skip
+    assert got == ref
+    assert any(got_logprobs) and flat(got_logprobs) == pytest.approx(flat(ref_logprobs), abs=1e-9)
+    assert [len(lp) for lp in got_logprobs] == [len(lp) for lp in ref_logprobs]
+    check_drafted(scheduler)
+
+
+PENALTIES = [
+    None,
+    dict(presence=-2.0, frequency=0.5),
+    dict(repetition=1.8),
+    dict(bias_ids=[5, 40, 123], bias_values=[2.5, -100.0, 4.0], min_tokens=6, min_tokens_ids=[77]),
+]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_penalties_count_the_kept_drafts(model_dir: Path, temperature: float) -> None:
+    """A verify row's draw at a drafted position sees the penalty counts of the drafts before it
+    (and min_tokens' mask by its own position); the counts then follow the drafts it kept."""
+    prompts = shared_prompts(seed=6)
+    samplers = []
+    for i, prompt in enumerate(prompts):
+        config = PENALTIES[i % len(PENALTIES)]
+        penalties = None if config is None else WorkerPenalties(prompt_len=len(prompt), **config)
+        samplers.append(WorkerSampling(temperature=temperature, top_k=-1, top_p=1.0, min_p=0.0, seed=7 + i,
+                                       penalties=penalties, logprobs=True))  # fmt: skip
+    kwargs: dict[str, Any] = dict(chunked_prefill_size=8, enable_mixed_chunk=True, sampler=samplers,
+                                  stop_token_ids=(77,))  # fmt: skip
+    ref_logprobs: list[list[float]] = []
+    ref, _ = inprocess.generate(runner(model_dir), prompts, NEW_TOKENS, logprobs=ref_logprobs, **kwargs)
+    got_logprobs: list[list[float]] = []
+    got, scheduler = inprocess.generate(
+        runner(model_dir), prompts, NEW_TOKENS, scheduler_overrides=SPECULATE, on_added=oracle(ref),
+        logprobs=got_logprobs, overlap=True, **kwargs,
+    )  # fmt: skip
+    assert got == ref
+    assert flat(got_logprobs) == pytest.approx(flat(ref_logprobs), abs=1e-9)
+    check_drafted(scheduler)
+
+
+def test_stop_tokens_end_a_request_inside_its_drafts(model_dir: Path) -> None:
+    """A stop token among the kept drafts ends the request there: the tokens after it are never
+    emitted, and its KV past the stop is given back."""
+    prompts = shared_prompts(seed=9)
+    ref, _ = inprocess.generate(
+        runner(model_dir), prompts, 40, chunked_prefill_size=256, enable_mixed_chunk=True
+    )
+    stops = tuple({out[12] for out in ref})  # each request stops at its 13th token or earlier
+    kwargs: dict[str, Any] = dict(chunked_prefill_size=256, enable_mixed_chunk=True, stop_token_ids=stops)
+    ref, _ = inprocess.generate(runner(model_dir), prompts, 40, **kwargs)
+    assert all(len(out) <= 13 and out[-1] in stops for out in ref)
+    always_right = oracle([out + [0] * 40 for out in ref], seed=1)
+    got, scheduler = inprocess.generate(
+        runner(model_dir), prompts, 40, scheduler_overrides=SPECULATE, on_added=always_right, **kwargs
+    )
+    assert got == ref
+    assert scheduler.kv.used_tokens == 0
+
+
+def test_drafts_stop_at_max_tokens_and_the_context(model_dir: Path) -> None:
+    """A verify row never carries more drafts than the request may still emit, before its
+    max_new_tokens or the context length."""
+    prompts = shared_prompts(seed=2)
+    plain: dict[str, Any] = dict(chunked_prefill_size=256, enable_mixed_chunk=True)
+    ref, _ = inprocess.generate(runner(model_dir), prompts, 11, **plain)
+    batches: list[ForwardBatch] = []
+    got, scheduler = inprocess.generate(
+        runner(model_dir), prompts, 11, scheduler_overrides={**SPECULATE, "speculative_num_draft_tokens": 8},
+        on_added=oracle([out + [5] * 20 for out in ref], seed=2), batches=batches, **plain,
+    )  # fmt: skip
+    assert got == ref and all(len(out) == 11 for out in got)
+    assert scheduler.num_draft_tokens > 0
+    context = runner(model_dir).context_len
+    for batch in batches:
+        for i in range(len(batch.draft_lens)):
+            assert batch.prefix_lens[i] + batch.extend_lens[i] <= context
+
+
+GRAMMARS = [
+    Grammar(kind="regex", spec="(yes|no)( (yes|no)){0,5}"),
+    Grammar(kind="ebnf", spec='root ::= "[" [0-9] ("," [0-9])* "]"'),
+    Grammar(kind="json_schema", spec=json.dumps({"type": "object", "properties": {"a": {"type": "string"}}})),
+]
+
+
+def test_grammar_masks_follow_the_kept_drafts(tiny_llama_dir: Path) -> None:
+    """A grammar row's draw at a drafted position is masked by a matcher that took the drafts
+    before it; a draft the grammar forbids is never kept (its draw there differs)."""
+    from tokenizer_proc.grammar import GrammarCompiler
+    from tokenizer_proc.model_info import load_tokenizer
+
+    compiler = GrammarCompiler(load_tokenizer(str(tiny_llama_dir)), 49152)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (4, 17, 30, 9, 12, 25)]
+    samplers = []
+    for i, prompt in enumerate(prompts):
+        grammar = compiler.compile_blocking(GRAMMARS[i % 3]).for_request([2], len(prompt)) if i < 4 else None
+        samplers.append(WorkerSampling(temperature=0.8 * (i % 2), top_k=-1, top_p=1.0, min_p=0.0, seed=i,
+                                       grammar=grammar))  # fmt: skip
+    kwargs: dict[str, Any] = dict(chunked_prefill_size=8, enable_mixed_chunk=True, sampler=samplers,
+                                  stop_token_ids=(2,))  # fmt: skip
+    ref, _ = inprocess.generate(runner(tiny_llama_dir), prompts, NEW_TOKENS, **kwargs)
+    got, scheduler = inprocess.generate(
+        runner(tiny_llama_dir), prompts, NEW_TOKENS, scheduler_overrides=SPECULATE,
+        on_added=oracle(ref, vocab=49152), overlap=True, **kwargs,
+    )  # fmt: skip
+    assert got == ref
+    assert scheduler.num_draft_tokens > 0 and scheduler.num_accepted_tokens > 0
+
+
+def test_ngram_lookup_drafts_what_the_output_repeats(model_dir: Path) -> None:
+    """The n-gram lookup itself, on prompts whose continuation this model loops on: the same tokens
+    as without drafts, and most drafts kept once the output repeats."""
+    base = [17, 93, 4, 250, 61]
+    prompts = [base * 8, [300, 301] * 12]
+    kwargs: dict[str, Any] = dict(chunked_prefill_size=256, enable_mixed_chunk=True)
+    ref, _ = inprocess.generate(runner(model_dir), prompts, 32, **kwargs)
+    got, scheduler = inprocess.generate(
+        runner(model_dir), prompts, 32, scheduler_overrides={**SPECULATE, "speculative_ngram_min_size": 1},
+        overlap=True, **kwargs,
+    )  # fmt: skip
+    assert got == ref
+    assert scheduler.num_draft_tokens > 0
