@@ -53,7 +53,10 @@ def model_dir(
 @pytest.fixture(scope="module")
 def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpEngine]:
     tmp = tmp_path_factory.mktemp("embed-http")
-    with http_engine(model_dir, tmp, "--dtype", "float32", "--served-model-name", "tiny") as e:
+    # a float32 KV pool too: --kv-cache-dtype auto would keep float16 K/V, which moves the pooled
+    # values by ~1e-4, past what the comparison with HF in float64 allows
+    args = ("--dtype", "float32", "--kv-cache-dtype", "float32", "--served-model-name", "tiny")
+    with http_engine(model_dir, tmp, *args) as e:
         yield e
 
 
