@@ -56,7 +56,10 @@ FROM_ELSEWHERE = {
     (WorkerConfig, "tp_rank"): "the launcher: its tensor-parallel rank (--tp-size)",
     (WorkerConfig, "node_host"): "the launcher of a worker node: its address toward node 0",
     (SchedulerConfig, "worker_endpoints"): "the worker's WorkerReady: every tensor-parallel rank's socket",
+    (SchedulerConfig, "speculative_row_cost"): "a constant: a token row's share of a step's fixed cost",
 }
+# Probe values where default + 3 would break a field's own invariant (min <= max).
+PROBE_VALUES = {"speculative_ngram_min_size": 3}
 LAUNCHER_OWN_OPTIONS = {"model", "endpoint", "log_level", "help", "nnodes", "node_rank"}
 
 
@@ -69,6 +72,8 @@ def _probe(fl: Flag, name: str, default: Any, hint: Any) -> tuple[list[str], Any
         return [spelling], not default
     if fl.choices:
         value: Any = next(c for c in fl.choices if c != default)
+    elif name in PROBE_VALUES:
+        value = PROBE_VALUES[name]
     elif int in (hint, *typing.get_args(hint)):
         value = (default or 0) + 3
     elif float in (hint, *typing.get_args(hint)):
