@@ -72,6 +72,13 @@ class SchedulerStats:
                 100 * self._worker_busy_share(),
                 len(sched.waiting),
             )
+            if sched.config.speculative:  # cumulative, for benchmarks to read
+                self.logger.info(
+                    "Speculative decoding. #drafted-token: %d, #accepted-token: %d, accept rate: %.1f%%",
+                    sched.num_draft_tokens,
+                    sched.num_accepted_tokens,
+                    100 * sched.num_accepted_tokens / max(sched.num_draft_tokens, 1),
+                )
 
     def _worker_busy_share(self) -> float:
         """The worker's busy share since the previous decode line, from its own timestamps."""

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from bench import gguf_models
+from gpu_worker.backends.cpu.attention import KERNEL_MAX_EXTEND
 from gpu_worker.backends.cpu.backend import CpuBackend
 from gpu_worker.backends.cpu.layouts import X8_LAYOUT
 from gpu_worker.backends.cpu.quant import QuantLinear
@@ -89,7 +90,7 @@ def test_one_call_equals_the_modules_bit_for_bit(
     step's logits by the one call and by the modules (the same batch run again) are equal. 9 rows
     take the dense path of every Linear (set from 8 rows here; the committed table keeps some
     interleaved types on the integer path at any row count), 1 and 3 the integer one on x86. The
-    one call runs on the decode steps and on no prefill."""
+    one call runs on the decode steps and on no prefill (of rows longer than the kernel takes)."""
     runner = runner_of(quant_llama, dtype)
     fused = cpu_backend(runner).fused_decode
     assert fused is not None
@@ -107,7 +108,7 @@ def test_one_call_equals_the_modules_bit_for_bit(
 
     monkeypatch.setattr(fused.kernels, "decode_layers", counted)
     sched = MiniScheduler(runner.num_pages, runner.config.page_size)
-    lens = [5 + 7 * i for i in range(rows)]
+    lens = [KERNEL_MAX_EXTEND + 5 + 7 * i for i in range(rows)]  # a shorter row decodes through the kernel
     prefill = sched.batch([(slot, 0, list(range(3, 3 + n)), True, GREEDY) for slot, n in enumerate(lens)])
     tokens = runner.execute(prefill).token_ids
     assert not calls, "a prefill step ran the one call"
