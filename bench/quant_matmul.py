@@ -16,6 +16,7 @@ the worker's layout, rows interleaved by 8 (``q4_1_x8``, ``q4_1_x8_dense``; csrc
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from collections.abc import Callable
 
@@ -76,9 +77,10 @@ def quant_pass(
 
 
 def paths(
-    kernels: cpu_kernels.CpuKernels, shapes: list[tuple[int, int]], types: list[str]
+    kernels: cpu_kernels.CpuKernels, shapes: list[tuple[int, int]], types: list[str], only: str = ""
 ) -> dict[str, Pass]:
-    """Each path as a function of the row count, running one pass over ``shapes`` (distinct weights)."""
+    """Each path as a function of the row count, running one pass over ``shapes`` (distinct weights);
+    ``only``: a regular expression the kept paths' names match (empty: all)."""
     rng = np.random.default_rng(0)
     xs: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
@@ -105,7 +107,7 @@ def paths(
     out["c_bf16"] = lambda m: [kernels.matmul(x_for(m, w.shape[1], torch.bfloat16), w) for w in bf16]
     fp32 = [torch.randn(s) * 0.05 for s in shapes]
     out["torch_fp32"] = lambda m: [F.linear(x_for(m, w.shape[1], torch.float32), w) for w in fp32]
-    return out
+    return {name: fn for name, fn in out.items() if re.fullmatch(only, name)} if only else out
 
 
 def weight_bytes(name: str, shapes: list[tuple[int, int]]) -> int:
@@ -171,6 +173,7 @@ def main() -> None:
     ap.add_argument("--no-head", action="store_true", help="skip the 49152 x 576 head")
     ap.add_argument("--shapes", help="one layer's weights as OUTxIN,... (K-quants: IN %% 256 == 0)")
     ap.add_argument("--layers", type=int, default=LAYERS, help="layers of --shapes per pass")
+    ap.add_argument("--paths", default="", help="a regular expression: only the paths it matches (q4_k_x8.*)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -187,12 +190,12 @@ def main() -> None:
     layers = [(o, i) for _ in range(args.layers) for o, i in shapes]
     table(
         f"{args.layers} layers ({', '.join(f'{o}x{i}' for o, i in shapes)})",
-        measure(paths(kernels, layers, types), rows, args.repeats),
+        measure(paths(kernels, layers, types, args.paths), rows, args.repeats),
         layers,
     )
     if not args.no_head:
         head = [HEAD]
-        table("head 49152 x 576", measure(paths(kernels, head, types), rows, args.repeats), head)
+        table("head 49152 x 576", measure(paths(kernels, head, types, args.paths), rows, args.repeats), head)
 
 
 if __name__ == "__main__":

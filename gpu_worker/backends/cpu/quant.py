@@ -25,24 +25,30 @@ from gpu_worker.backends.cpu.layouts import X8_LAYOUT, kernel_type
 from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
 
 # From how many rows a quantized Linear takes the dense path (csrc/quant_dense.c: W dequantized to
-# float32 panel by panel, x not quantized, float32 FMAs) rather than the integer one, per CPU kind and
-# type. Measured by bench/quant_matmul.py (its numbers in docs/benchmarks.md), committed here, never
-# timed at start. AVX2 (EPYC Zen 3, 2 threads, bf16 activations), integer vs dense, ms per pass:
-# - The legacy types as the worker holds them, rows interleaved by 8 (csrc/quant_x8.c; ``X8_``):
-#   SmolLM2's four Linears x 30, Q4_1 8 rows 11.2 vs 20.5, 32: 40.0 vs 55.0, 256: 328 vs 392; Q8_0
-#   8: 12.6 vs 20.9, 32: 41.8 vs 54.6, 256: 336 vs 390; Q4_0 32: 42.5 vs 53.3, 128: 162 vs 193. The
-#   integer path wins at every row count: 16 int16 products per madd against 8 per FMA.
-# - The file's layout (rows not a multiple of 8): Q4_1 4 rows 13.8 vs 17.0, 8: 23.5 vs 22.0, 16: 45.5
-#   vs 33.1, 32: 95.8 vs 61.6, 256: 689 vs 399 (Q8_0 alike);
-# - K-quants, Linears of 1024x768, 768x1536, 3072x768 x 30: Q4_K 16 rows 37.7 vs 39.7, 32: 72.5 vs
-#   67.0; Q5_K 16: 45.6 vs 42.9; Q6_K 8: 36.3 vs 42.6, 16: 60.6 vs 45.3, 32: 116.8 vs 69.5.
-# The AVX-512 kinds run the same (AVX2) code: inferred, not measured (no such CPU this session).
-# Portable (plain C both): Q4_1 1 row 25 vs 65 ms, 2 rows 42 vs 38; the K-quants and the interleaved
-# types inferred alike.
+# float32 panel by panel, x not quantized, float32 FMAs) rather than the integer one, per CPU kind,
+# layout and type. Measured by bench/quant_matmul.py (its numbers in docs/benchmarks.md), committed
+# here, never timed at start. Integer vs dense, ms per pass:
+# - Rows interleaved by 8 (``X8_``, the layout the worker holds every weight whose rows are a multiple
+#   of 8 in: csrc/quant_x8.c, csrc/quant_kx8.c). `--shapes 3072x2048,2048x2048,16384x2048,2048x8192
+#   --layers 1 --threads 1 --paths '.*_x8.*'` (a Llama-3.2-1B layer) on a Zen 4 EPYC, each kind acted
+#   as: avx512 (zmm madd) Q4_K 32 rows 35.2 vs 58.2, 256: 276 vs 374; Q6_K 32: 47.5 vs 58.8, 256:
+#   372 vs 379; Q4_1 256: 264 vs 367; avx512_vnni and avx512_bf16 (vpdpwssd: 1.2-1.3x avx512's at 4
+#   to 32 rows) alike: the integer tile at every row count. avx2 (ymm): Q4_K 32 rows 53.6 vs 57.6,
+#   64: 106 vs 104; Q5_K 16: 37.7 vs 38.2, 32: 74.3 vs 60.4; Q6_K 8: 21.1 vs 26.2, 16: 41.5 vs 37.0;
+#   Q4_1 256: 271 vs 370 (the legacy types never: 16 int16 products per madd against 8 per FMA; on a
+#   Zen 3 EPYC, SmolLM2's shapes, Q4_1 256 rows 328 vs 392).
+# - The file's layout (rows not a multiple of 8), AVX2 (Zen 3, SmolLM2's shapes x 30): Q4_1 4 rows
+#   13.8 vs 17.0, 8: 23.5 vs 22.0, 16: 45.5 vs 33.1 (Q8_0 alike); K-quants (1024x768, 768x1536,
+#   3072x768 x 30) Q4_K 16 rows 37.7 vs 39.7, 32: 72.5 vs 67.0; Q5_K 16: 45.6 vs 42.9; Q6_K 8: 36.3
+#   vs 42.6, 16: 60.6 vs 45.3. The AVX-512 kinds run that (AVX2) code too.
+# - AMX: the avx512_bf16 code, so its table; not measured here (no AMX CPU this session): `python -m
+#   bench.quant_matmul --shapes ... --paths '.*_x8.*'` on one gives the numbers to commit.
+# Portable (plain C both): Q4_1 1 row 25 vs 65 ms, 2 rows 42 vs 38; the other types inferred alike.
 _Q = GGMLQuantizationType
 NEVER = 1 << 62
 _X86 = {_Q.Q4_0: 8, _Q.Q4_1: 8, _Q.Q8_0: 8, _Q.Q4_K: 32, _Q.Q5_K: 16, _Q.Q6_K: 16}
-_X86_X8 = {_Q.Q4_0: NEVER, _Q.Q4_1: NEVER, _Q.Q8_0: NEVER, _Q.Q4_K: 32, _Q.Q5_K: 16, _Q.Q6_K: 16}
+_X8_AVX512 = dict.fromkeys(_X86, NEVER)
+_X8_AVX2 = {_Q.Q4_0: NEVER, _Q.Q4_1: NEVER, _Q.Q8_0: NEVER, _Q.Q4_K: 64, _Q.Q5_K: 32, _Q.Q6_K: 16}
 DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
     CpuKind.AMX: _X86,
     CpuKind.AVX512_BF16: _X86,
@@ -52,12 +58,12 @@ DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
     CpuKind.PORTABLE: dict.fromkeys(_X86, 2),
 }
 X8_DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
-    CpuKind.AMX: _X86_X8,
-    CpuKind.AVX512_BF16: _X86_X8,
-    CpuKind.AVX512_VNNI: _X86_X8,
-    CpuKind.AVX512: _X86_X8,
-    CpuKind.AVX2: _X86_X8,
-    CpuKind.PORTABLE: dict.fromkeys(_X86_X8, 2),
+    CpuKind.AMX: _X8_AVX512,
+    CpuKind.AVX512_BF16: _X8_AVX512,
+    CpuKind.AVX512_VNNI: _X8_AVX512,
+    CpuKind.AVX512: _X8_AVX512,
+    CpuKind.AVX2: _X8_AVX2,
+    CpuKind.PORTABLE: dict.fromkeys(_X86, 2),
 }
 
 
