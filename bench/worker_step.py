@@ -6,6 +6,8 @@
     python bench/worker_step.py --dtype bfloat16,bfloat16:torch --rounds 3   # C kernels vs torch
     python bench/worker_step.py --dtype bfloat16,bfloat16:gguf --rounds 3    # bf16 vs GGUF blocks
     python bench/worker_step.py --dtype float32:gguf,float32:gguf-modules --rounds 3  # one call vs modules
+    python bench/worker_step.py --dtype float32:gguf --kv-cache-dtypes float32,bfloat16,float16 \
+        --decode-batches 1 --context 2048 --prefill 0 --rounds 3      # the KV pool's dtype
 
 Shapes: decode at batch 1 / 8 / 32 (every row with ``--context`` tokens of KV
 already written) and one prefill chunk of ``--prefill`` tokens. Each shape runs
@@ -101,10 +103,14 @@ def time_steps(
 def make_runner(args: argparse.Namespace, variant: str) -> ModelRunner:
     """``variant``: a dtype, with ``:torch`` appended for torch paths instead of the C kernels,
     ``:gguf`` for a GGUF's weights computed in their blocks (--weight-dtype gguf), or
-    ``:gguf-modules`` for those without the one-call decode (every layer through its modules)."""
+    ``:gguf-modules`` for those without the one-call decode (every layer through its modules); then
+    ``/kv=DTYPE`` for the KV pool's dtype (--kv-cache-dtype)."""
+    variant, _, kv = variant.partition("/kv=")
     dtype, _, attention = variant.partition(":")
     rows = max(args.decode_batches)
     extra: dict[str, Any] = {"compile": True} if args.compile else {}  # older configs lack the field
+    if kv:
+        extra["kv_cache_dtype"] = kv
     if attention == "torch":
         extra["cpu_kernels"] = False
     elif attention in ("gguf", "gguf-modules"):
@@ -152,6 +158,7 @@ def main() -> None:
         help="comma-separated: auto,float32,bfloat16; DTYPE:torch = no C kernels, DTYPE:gguf = GGUF blocks, "
         "DTYPE:gguf-modules = GGUF blocks without the one-call decode",
     )
+    p.add_argument("--kv-cache-dtypes", default="", help="comma-separated KV pool dtypes, each per --dtype")
     p.add_argument("--decode-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     p.add_argument("--context", type=int, default=96, help="KV tokens per decode row")
     p.add_argument("--prefill", type=int, default=256, help="prefill chunk tokens; 0: skip")
@@ -171,6 +178,8 @@ def main() -> None:
     p.add_argument("--json", default="", help="also write the results here")
     args = p.parse_args()
     dtypes = args.dtype.split(",")
+    if args.kv_cache_dtypes:
+        dtypes = [f"{d}/kv={kv}" for d in dtypes for kv in args.kv_cache_dtypes.split(",")]
     runners = {d: make_runner(args, d) for d in dtypes}
     if args.profile:
         for d, runner in runners.items():
@@ -184,6 +193,13 @@ def main() -> None:
             for name, step in steppers(runner, args).items():
                 times.setdefault((d, name), []).extend(time_steps(step, args.iters, args.warmup, clock))
     report(times, args)
+    for d, runner in runners.items():
+        kv = runner.kv
+        per_token = 2 * len(kv.k) * kv.k[0].shape[1] * kv.k[0].shape[2] * kv.k[0].element_size()
+        print(
+            f"{d}: KV {str(runner.kv_dtype).removeprefix('torch.')}, {per_token} bytes a token, "
+            f"{2**30 // per_token} tokens per GiB of pool"
+        )
 
 
 def report(times: dict[tuple[str, str], list[float]], args: argparse.Namespace) -> None:
