@@ -68,7 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--single-requests", type=int, default=4, help="requests of the 1-stream run")
     add("--input-len", type=int, default=32, help="prompt tokens of every request")
     add("--output-len", type=int, default=64, help="new tokens of every request (EOS ignored)")
-    add("--offline-prompts", type=int, default=256)
+    add("--offline-prompts", type=int, default=256, help="0: no offline run (nor HF generate)")
+    add(
+        "--http-only",
+        action="store_true",
+        help="with --peer-llama-cpp: measure rivulet over HTTP only (no ZMQ streams, so no busy share)",
+    )
     add("--hf-batch-sizes", default="32,64", help="HF generate's static batch sizes; the fastest is kept")
     add("--hf-threads", type=int, default=0, help="torch threads for HF; 0: torch's default")
     add("--hf-dtype", default="same", help="HF generate's dtype for the offline ratio; same: the engine's")
@@ -217,13 +222,15 @@ def measure_round(args: argparse.Namespace, dtype: str, r: int, http: bool = Fal
         t0 = time.perf_counter()
         with launch.rivulet_server(f"targets-{dtype}", flags, Path(tmp), args.model) as server:
             run: dict[str, Any] = {"startup_s": time.perf_counter() - t0}
-            run |= measure_streams(args, server, port, r)
-            run |= measure_single(args, server, r)
+            if not (http and args.http_only):
+                run |= measure_streams(args, server, port, r)
+                run |= measure_single(args, server, r)
             if http:
                 over_http = measure_http(args, f"http://127.0.0.1:{port}", r)
                 run |= {f"http_{k}": v for k, v in over_http.items()}
             run["idle_cpu_pct"] = measure_idle(server, args.idle_s)
-            run |= measure_offline(args, server, dtype, r)
+            if args.offline_prompts > 0:
+                run |= measure_offline(args, server, dtype, r)
     return run
 
 
