@@ -10,8 +10,11 @@ then the other, in alternating order, so a noisy neighbour hits both alike. Work
 bench.serving's ``rewrite`` (chat prompts whose answers repeat the prompt: a list to number, code
 to rewrite with one name changed) and ``compose`` (short stories); greedy, each request ending at
 EOS or ``--max-new-tokens``. A cell is the median (min-max) output tok/s over the rounds, and the
-ratio is speculative / plain of the same round; the acceptance rate is the speculative engine's
-own count (its log), over the whole run. Equal completion-token counts on both engines show the
+ratio is speculative / plain of the same round. On a machine shared with other busy processes the
+wall-clock rates swing with them, so each run also reports the engine's CPU time per output token
+(every process of its tree, from /proc: what the work itself cost, whatever else ran); its ratio is
+plain / speculative. The acceptance rate is the speculative engine's own count (its log lines),
+per workload. Equal completion-token counts on both engines show the
 outputs kept their lengths (greedy outputs are the same tokens: tests/exactness/test_speculative.py).
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import shlex
 import statistics
@@ -50,23 +54,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cpu_s(server: launch.Server) -> float:
+    """User + system CPU seconds of every live process of the engine's tree."""
+    server.watch()
+    total = 0
+    for pid in server.alive_pids():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(") ", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def drafted(server: launch.Server) -> tuple[int, int]:
+    """The speculative engine's cumulative (drafted, accepted) tokens, from its last log line."""
+    found = ACCEPT.findall(server.log_path.read_text(errors="replace"))
+    return (int(found[-1][0]), int(found[-1][1])) if found else (0, 0)
+
+
 def run(args: argparse.Namespace, server: launch.Server, workload: str, streams: int) -> dict[str, Any]:
     argv = ["--endpoint", server.address, "--workload", workload, "--num-requests",
             str(max(args.num_requests, streams)), "--max-new-tokens", str(args.max_new_tokens),
             "--max-concurrency", str(streams), "--no-record", "--no-progress"]  # fmt: skip
     if args.model:
         argv += ["--model", args.model]
+    cpu_before, drafts_before = cpu_s(server), drafted(server)
     summary, _ = asyncio.run(serving.benchmark(serving.build_parser().parse_args(argv)))
     assert summary.num_failed == 0, f"{summary.num_failed} requests failed"
-    return {"tok_s": summary.output_throughput, "tokens": summary.completion_tokens}
-
-
-def acceptance(server: launch.Server) -> str:
-    found = ACCEPT.findall(server.log_path.read_text(errors="replace"))
-    if not found:
-        return "-"
-    drafted, accepted = (int(x) for x in found[-1])
-    return f"{100 * accepted / max(drafted, 1):.0f}% of {drafted}"
+    cpu = cpu_s(server) - cpu_before
+    drafts = [after - before for after, before in zip(drafted(server), drafts_before, strict=True)]
+    return {"tok_s": summary.output_throughput, "tokens": summary.completion_tokens,
+            "cpu_ms": 1e3 * cpu / max(summary.completion_tokens, 1), "drafts": drafts}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,25 +107,33 @@ def main(argv: list[str] | None = None) -> int:
                     for name in order:
                         res = run(args, servers[name], workload, streams)
                         results.setdefault((workload, streams, name), []).append(res)
-                        print(f"round {r} {workload} x{streams} {name}: {res['tok_s']:.1f} tok/s", flush=True)
-            accepted = acceptance(ngram)
+                        print(f"round {r} {workload} x{streams} {name}: {res['tok_s']:.1f} tok/s, "
+                              f"{res['cpu_ms']:.1f} CPU ms/token", flush=True)  # fmt: skip
     info = machine_info()
     print(f"\n# {info.get('cpu', '')}: {info.get('cpu_features', '')}; {info.get('cores')} cores")
     print(f"# engine flags: {' '.join(base)}; speculative: {' '.join(spec)}")
-    print("| workload | streams | plain tok/s | ngram tok/s | ngram / plain | tokens (plain, ngram) |")
-    print("|---|---|---|---|---|---|")
+    print("| workload | streams | plain tok/s | ngram tok/s | ngram / plain | plain CPU ms/token | ngram CPU "
+          "ms/token | plain / ngram CPU | accepted | tokens (plain, ngram) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for workload, streams in cells:
         a, b = results[(workload, streams, "plain")], results[(workload, streams, "ngram")]
-        ratios = [y["tok_s"] / x["tok_s"] for x, y in zip(a, b, strict=True)]
-        print(f"| {workload} | {streams} | {cell(a)} | {cell(b)} | {statistics.median(ratios):.2f}x "
-              f"({min(ratios):.2f}-{max(ratios):.2f}) | {a[0]['tokens']}, {b[0]['tokens']} |")  # fmt: skip
-    print(f"\nacceptance (the speculative engine, whole run): {accepted}")
+        rate = ratio([y["tok_s"] / x["tok_s"] for x, y in zip(a, b, strict=True)])
+        cpu = ratio([x["cpu_ms"] / y["cpu_ms"] for x, y in zip(a, b, strict=True)])
+        made, kept = (sum(r["drafts"][k] for r in b) for k in (0, 1))
+        accepted = f"{100 * kept / made:.0f}% of {made}" if made else "-"
+        cells_out = [workload, str(streams), cell(a, "tok_s"), cell(b, "tok_s"), rate, cell(a, "cpu_ms"),
+                     cell(b, "cpu_ms"), cpu, accepted, f"{a[0]['tokens']}, {b[0]['tokens']}"]  # fmt: skip
+        print("| " + " | ".join(cells_out) + " |")
     return 0
 
 
-def cell(runs: list[dict[str, Any]]) -> str:
-    values = [r["tok_s"] for r in runs]
+def cell(runs: list[dict[str, Any]], key: str) -> str:
+    values = [r[key] for r in runs]
     return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
+def ratio(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
 
 
 if __name__ == "__main__":

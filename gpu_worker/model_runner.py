@@ -142,8 +142,6 @@ class ModelRunner:
 
     def _blocks_unavailable(self) -> str | None:
         """Why the weights cannot stay in GGUF blocks, whatever the activations' dtype (None: they can)."""
-        if self.config.tp_size > 1:
-            return "--tp-size splits dequantized weights"
         if self.config.weight_dtype not in ("auto", "gguf"):
             return f"--weight-dtype {self.config.weight_dtype}"
         if not self.config.gguf_path:

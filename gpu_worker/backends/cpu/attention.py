@@ -19,7 +19,7 @@ import torch
 from gpu_worker.backends.cpu.decode_rows import DecodeRows
 from gpu_worker.backends.cpu.kernels import CpuKernels
 from gpu_worker.backends.torch_ref import attention as torch_attention
-from gpu_worker.forward_context import PLAIN, AttentionOptions
+from gpu_worker.forward_context import AttentionOptions
 
 KERNEL_MAX_EXTEND = 16  # tokens of the longest extend row the kernel attends, a decode row per token
 
@@ -44,7 +44,7 @@ class CpuAttentionMetadata:
     all_decode: bool  # every row goes to the kernel: the tokens are arange(T)
     batch: tuple[torch.Tensor, int, list[int], list[int], list[int]]  # build_metadata's arguments
     # torch_ref's metadata with its decode groups, built on first use by a layer the kernel does not
-    # take (a sliding window, soft-capping), then shared by the batch's other such layers.
+    # take (soft-capping), then shared by the batch's other such layers.
     _with_groups: torch_attention.AttentionMetadata | None = field(default=None, repr=False)
 
     @property
@@ -114,14 +114,15 @@ def attend(
 ) -> torch.Tensor:
     """Write the batch's new K/V and attend every row; q: [T, Hq, D], k/v: [T, Hkv, D]."""
     paged = meta.paged_decode
-    if paged is None or (options is not PLAIN and options != PLAIN):  # the kernel: plain attention only
+    if paged is None or options.logit_softcap > 0:  # the kernel: a window and a scale, no soft-capping
         return torch_attention.attend(meta.torch_metadata(), q, k, v, k_cache, v_cache, options)
+    window, scale = options.sliding_window, options.scale
     out = torch.empty_like(q)
     if meta.all_decode:  # the kernel writes the rows' K/V itself
-        kernels.attend(q, k_cache, v_cache, out, paged.rows, new_kv=(k, v))
+        kernels.attend(q, k_cache, v_cache, out, paged.rows, (k, v), sliding_window=window, scale=scale)
         return out
     tm = meta.torch_meta
     torch_attention.store_kv(k_cache, v_cache, k, v, tm.out_locs)
-    kernels.attend(q, k_cache, v_cache, out, paged.rows)
+    kernels.attend(q, k_cache, v_cache, out, paged.rows, sliding_window=window, scale=scale)
     torch_attention.attend_into(out, tm, q, k, v, k_cache, v_cache, options)  # its extend rows
     return out

@@ -22,7 +22,7 @@ from torch import nn
 from gpu_worker.backends.cpu.kernels import DTYPE_CODES, KV_DTYPE_CODES, CpuKernels
 from gpu_worker.backends.cpu.layouts import kernel_type
 from gpu_worker.backends.cpu.quant import QuantLinear
-from gpu_worker.forward_context import ForwardContext
+from gpu_worker.forward_context import PLAIN, ForwardContext
 from gpu_worker.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,11 @@ def why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
     """Why the model's decode steps cannot run as one call (None: they can)."""
     if not isinstance(model, LlamaForCausalLM):
         return "not a Llama model"
+    if getattr(model, "tensor_parallel", None) is not None:  # tensor_parallel.shard's
+        return "tensor parallel: o and down sum over the ranks"
     layers: Any = model.model.layers
+    if any(layer.attention is not PLAIN for layer in layers):
+        return "a sliding window"
     if dtype not in DTYPE_CODES:
         return f"activations in {dtype}"
     for layer in layers:

@@ -54,7 +54,7 @@ class CpuKernels(QuantKernels):
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+            ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
         ]  # fmt: skip
 
         i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -109,9 +109,12 @@ class CpuKernels(QuantKernels):
         out: torch.Tensor,
         rows: DecodeRows,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        sliding_window: int = 0,
+        scale: float | None = None,
     ) -> None:
-        """out[q_rows[i]] = softmax(q[q_rows[i]] K^T / sqrt(D)) V for each of ``rows``; q, out:
-        [T, Hq, D]; caches [N, Hkv, D] (contiguous; float32, bfloat16 or float16 whatever q's dtype).
+        """out[q_rows[i]] = softmax(q[q_rows[i]] K^T * scale) V for each of ``rows`` (scale 1 / sqrt(D)
+        unless given; ``sliding_window`` > 0: each row attends its last ``sliding_window`` positions);
+        q, out: [T, Hq, D]; caches [N, Hkv, D] (contiguous; float32, bfloat16 or float16, any q dtype).
         ``new_kv``: k, v [T, Hkv, D] (heads contiguous, q's dtype) of which row i's K/V (row q_rows[i])
         are first written at its last position, rounded to the caches' dtype."""
         _, heads, head_dim = q.shape
@@ -124,8 +127,8 @@ class CpuKernels(QuantKernels):
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
             DTYPE_CODES[q.dtype], KV_DTYPE_CODES[k_cache.dtype], rows.q_rows, rows.slots, rows.kv_lens,
             rows.page_table, rows.pt_stride,
-            rows.rows, heads, k_cache.shape[1], head_dim, rows.page_size, head_dim**-0.5,
-            k_ptr, k_stride, v_ptr, v_stride,
+            rows.rows, heads, k_cache.shape[1], head_dim, rows.page_size,
+            head_dim**-0.5 if scale is None else scale, k_ptr, k_stride, v_ptr, v_stride, sliding_window,
         )  # fmt: skip
         assert status == 0, (
             f"paged_decode_attention refused heads {heads}/{k_cache.shape[1]}, head_dim {head_dim}, "

@@ -58,8 +58,8 @@ static inline __m512 block_scores(const void *q, const void *kv, const int64_t a
  * order [d 0-3, 8-11, 16-19, 24-27 | d 4-7, 12-15, 20-23, 28-31]; the end undoes it. Any other
  * pair of dtypes computes in float32: q widened once, K and V rows as they are read. */
 static void attend_avx512(const char *q, const void *k_cache, const void *v_cache, int dtype, int kv_dtype,
-                          const int64_t *pages, int64_t len, int page_size, int h0, int h1, int group, int head_dim,
-                          int64_t kv_row, float scale, float *res) {
+                          const int64_t *pages, int64_t p0, int64_t len, int page_size, int h0, int h1, int group,
+                          int head_dim, int64_t kv_row, float scale, float *res) {
     const int paired = dtype == DTYPE_BF16 && kv_dtype == DTYPE_BF16;
     const int elem = kv_dtype == DTYPE_F32 ? 4 : 2, nq = (h1 - h0) * group, bytes = (h1 - h0) * head_dim * elem;
     const int q_elem = paired ? 2 : 4;
@@ -80,10 +80,11 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
         m[j] = -INFINITY;
         l[j] = 0.0f;
     }
-    prefetch_kv(k_cache, v_cache, pages, page_size, 0, len < BLOCK ? len : BLOCK, kv_row, col, elem, bytes, 0);
-    prefetch_kv(k_cache, v_cache, pages, page_size, BLOCK, len < PREFETCH_L2 ? len : PREFETCH_L2, kv_row, col, elem,
-                bytes, 1);
-    for (int64_t start = 0; start < len; start += BLOCK) {
+    prefetch_kv(k_cache, v_cache, pages, page_size, p0, len < p0 + BLOCK ? len : p0 + BLOCK, kv_row, col, elem, bytes,
+                0);
+    prefetch_kv(k_cache, v_cache, pages, page_size, p0 + BLOCK, len < p0 + PREFETCH_L2 ? len : p0 + PREFETCH_L2, kv_row,
+                col, elem, bytes, 1);
+    for (int64_t start = p0; start < len; start += BLOCK) {
         const int n = (int)(len - start < BLOCK ? len - start : BLOCK);
         const __mmask16 valid = (__mmask16)((1u << n) - 1);
         for (int t = 0; t < BLOCK; t++) { /* past the end: the last row again, its scores masked */
@@ -153,7 +154,7 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
         }
     }
     for (int j = 0; j < nq; j++) {
-        const float inv = len > 0 ? 1.0f / l[j] : 0.0f;
+        const float inv = len > p0 ? 1.0f / l[j] : 0.0f;
         const float *aj = acc + (int64_t)j * stride;
         float *rj = res + (int64_t)j * head_dim;
         for (int d = 0; d < head_dim; d++) {
@@ -166,13 +167,14 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
         }
     }
 }
-/* attend_avx512 takes whole rows (p0 = 0, no stats): an AVX-512 build splits few rows by heads. */
+/* attend_avx512 takes a row's positions [p0, len) whole (no stats): an AVX-512 build splits few rows
+ * by heads, never by positions. */
 static inline void attend_whole(const char *q, const void *k_cache, const void *v_cache, int dtype, int kv_dtype,
                                 const int64_t *pages, int64_t p0, int64_t len, int page_size, int h0, int h1, int group,
                                 int head_dim, int64_t kv_row, float scale, float *res, float *stats) {
-    (void)p0, (void)stats;
-    attend_avx512(q, k_cache, v_cache, dtype, kv_dtype, pages, len, page_size, h0, h1, group, head_dim, kv_row, scale,
-                  res);
+    (void)stats;
+    attend_avx512(q, k_cache, v_cache, dtype, kv_dtype, pages, p0, len, page_size, h0, h1, group, head_dim, kv_row,
+                  scale, res);
 }
 #define attend attend_whole
 #define SPLIT_POSITIONS 0
@@ -323,7 +325,6 @@ static void attend_span_avx512(const char *q, int64_t q_pos_bytes, int npos, con
         }
     }
 }
-
 
 #elif HAVE_AVX2
 #define BLOCK 8 /* positions per vector of scores */
@@ -693,6 +694,9 @@ static inline void write_new_kv(void *k_cache, void *v_cache, const int64_t *pag
     store_vec(v_cache, kv_dtype, at, n, row);
 }
 
+/* The first position a row of ``len`` positions attends: its last ``window`` ones (0: all). */
+static inline int64_t window_start(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
+
 /* Few rows, every head of a row in one task but its positions split in ``parts`` runs (whole STEPs
  * of 16): each task leaves its heads' outputs normalized over its run with their softmax max and
  * sum (part: [rows * parts][num_heads * head_dim + 2 * num_heads]), then each (row, head) is the
@@ -703,17 +707,17 @@ static void attend_split(const void *q, int64_t q_row_stride, void *k_cache, voi
                          int kv_dtype, const int64_t *q_rows, const int64_t *slots, const int64_t *kv_lens,
                          const int64_t *page_table, int64_t pt_stride, int64_t rows, int num_heads, int kv_heads,
                          int head_dim, int page_size, float scale, const void *k_new, int64_t k_new_stride,
-                         const void *v_new, int64_t v_new_stride, int parts, float *part) {
+                         const void *v_new, int64_t v_new_stride, int64_t window, int parts, float *part) {
     const int group = num_heads / kv_heads, elem = dtype == DTYPE_BF16 ? 2 : 4;
     const int64_t kv_row = (int64_t)kv_heads * head_dim, width = (int64_t)num_heads * (head_dim + 2);
 #pragma omp parallel
     {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < rows * parts; task++) {
-            const int64_t r = task / parts, c = task % parts, len = kv_lens[r];
-            const int64_t *pages = page_table + slots[r] * pt_stride;
-            const int64_t run = ((len + parts - 1) / parts + 15) / 16 * 16;
-            const int64_t p0 = c * run < len ? c * run : len, p1 = p0 + run < len ? p0 + run : len;
+            const int64_t r = task / parts, c = task % parts, len = kv_lens[r], first = window_start(len, window);
+            const int64_t *pages = page_table + slots[r] * pt_stride, span = len - first;
+            const int64_t run = ((span + parts - 1) / parts + 15) / 16 * 16;
+            const int64_t p0 = first + (c * run < span ? c * run : span), p1 = p0 + run < len ? p0 + run : len;
             float *res = part + task * width;
             if (k_new != NULL && p0 < len && len <= p1)
                 write_new_kv(k_cache, v_cache, pages, page_size, len - 1, kv_row, 0, kv_heads, head_dim, dtype, kv_dtype,
@@ -793,7 +797,8 @@ static int attend_spans(const void *q, int64_t q_row_stride, const void *k_cache
  *
  * q: [*, num_heads, head_dim] with row stride q_row_stride (elements); row r of this call
  * reads q row q_rows[r] and writes out row q_rows[r] (out: [*, num_heads, head_dim], contiguous).
- * Row r attends positions [0, kv_lens[r]) of request slot slots[r]: position p lives at
+ * Row r attends positions [0, kv_lens[r]) of request slot slots[r] (with ``window`` > 0 only the last
+ * ``window`` of them: a sliding-window layer, as HF's mask keeps p > last - window): position p lives at
  * KV row page_table[slots[r] * pt_stride + p / page_size] * page_size + p % page_size of
  * k_cache / v_cache ([pool tokens, kv_heads, head_dim], of ``kv_dtype``: float32, bfloat16 or
  * float16, whatever the ``dtype`` of q and out). The num_heads / kv_heads query heads of one KV
@@ -814,7 +819,8 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
                            void *out, int dtype, int kv_dtype, const int64_t *q_rows, const int64_t *slots,
                            const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t rows,
                            int num_heads, int kv_heads, int head_dim, int page_size, float scale,
-                           const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride) {
+                           const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride,
+                           int64_t window) {
     if (kv_heads < 1 || num_heads % kv_heads || num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM) return -1;
     if ((dtype != DTYPE_F32 && dtype != DTYPE_BF16) || kv_dtype < DTYPE_F32 || kv_dtype > DTYPE_F16) return -1;
     const int group = num_heads / kv_heads;
@@ -831,14 +837,17 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
         k_new = v_new = NULL;
     }
 #if HAVE_AVX512
-    if (shared) /* a verify row's positions read its KV once */
+    if (shared && window == 0) /* a verify row's positions read its KV once (no window: they share it) */
         return attend_spans(q, q_row_stride, k_cache, v_cache, out, dtype, kv_dtype, q_rows, slots, kv_lens,
                             page_table, pt_stride, rows, num_heads, kv_heads, head_dim, page_size, scale);
 #endif
     const int threads = omp_get_max_threads(), elem = dtype == DTYPE_BF16 ? 2 : 4;
     const int kv_elem = kv_dtype == DTYPE_F32 ? 4 : 2;
     int64_t longest = 0;
-    for (int64_t r = 0; r < rows; r++) longest = kv_lens[r] > longest ? kv_lens[r] : longest;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t span = kv_lens[r] - window_start(kv_lens[r], window);
+        longest = span > longest ? span : longest;
+    }
     if (SPLIT_POSITIONS && rows < 2 * threads && longest >= SPLIT_MIN_LEN) {
         int parts = (int)((2 * threads + rows - 1) / rows); /* about 2 runs a thread */
         parts = parts < MAX_SPLIT ? parts : MAX_SPLIT;
@@ -846,7 +855,7 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
         if (part != NULL) {
             attend_split(q, q_row_stride, (void *)k_cache, (void *)v_cache, out, dtype, kv_dtype, q_rows, slots,
                          kv_lens, page_table, pt_stride, rows, num_heads, kv_heads, head_dim, page_size, scale, k_new,
-                         k_new_stride, v_new, v_new_stride, parts, part);
+                         k_new_stride, v_new, v_new_stride, window, parts, part);
             free(part);
             return 0;
         }
@@ -864,15 +873,15 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
                          q_rows[r] * v_new_stride);
         const int64_t next = task + omp_get_num_threads(); /* most likely this thread's next task */
         if (next < rows * splits) {
-            const int64_t r2 = next / splits;
+            const int64_t r2 = next / splits, from = window_start(kv_lens[r2], window);
             const int g0 = (int)(next % splits) * kv_heads / splits, g1 = (int)(next % splits + 1) * kv_heads / splits;
-            prefetch_kv(k_cache, v_cache, page_table + slots[r2] * pt_stride, page_size, 0,
-                        kv_lens[r2] < PREFETCH_L2 ? kv_lens[r2] : PREFETCH_L2, kv_row, (int64_t)g0 * head_dim,
-                        kv_elem, (g1 - g0) * head_dim * kv_elem, 1);
+            prefetch_kv(k_cache, v_cache, page_table + slots[r2] * pt_stride, page_size, from,
+                        kv_lens[r2] < from + PREFETCH_L2 ? kv_lens[r2] : from + PREFETCH_L2, kv_row,
+                        (int64_t)g0 * head_dim, kv_elem, (g1 - g0) * head_dim * kv_elem, 1);
         }
         attend((const char *)q + (q_rows[r] * q_row_stride + (int64_t)q0 * head_dim) * elem, k_cache, v_cache, dtype,
-               kv_dtype, page_table + slots[r] * pt_stride, 0, kv_lens[r], page_size, h0, h1, group, head_dim, kv_row,
-               scale, res, NULL);
+               kv_dtype, page_table + slots[r] * pt_stride, window_start(kv_lens[r], window), kv_lens[r], page_size, h0,
+               h1, group, head_dim, kv_row, scale, res, NULL);
         const int64_t o_off = (q_rows[r] * num_heads + q0) * head_dim;
         if (dtype == DTYPE_BF16) {
             uint16_t *dst = (uint16_t *)out + o_off;

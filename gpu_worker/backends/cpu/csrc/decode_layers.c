@@ -24,7 +24,8 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
                            void *out, int dtype, int kv_dtype, const int64_t *q_rows, const int64_t *slots,
                            const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t rows,
                            int num_heads, int kv_heads, int head_dim, int page_size, float scale,
-                           const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride);
+                           const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride,
+                           int64_t window);
 int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride, int x_dtype,
                  int64_t rows, void *scratch, void *y, int64_t y_stride, int y_dtype, const void *residual,
                  int64_t res_stride);
@@ -108,7 +109,8 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
                                         slots, kv_lens, page_table, pt_stride, rows, (int)dims->heads,
                                         (int)dims->kv_heads, (int)d, (int)page_size, dims->scale,
                                         (const char *)qkv + q_out * elem, qkv_n,
-                                        (const char *)qkv + (q_out + kv_out) * elem, qkv_n);
+                                        (const char *)qkv + (q_out + kv_out) * elem, qkv_n,
+                                        0 /* full attention: decode_layers.py refuses windowed models */);
         if (status != 0) break;
         /* y = residual + x W^T in place: each output element is read (as the residual) and then
          * written by the same thread, once, and no other output is read after */
