@@ -151,7 +151,7 @@ def replica_cpus(dp_size: int, cores: list[int] | None = None) -> list[tuple[int
         return [()]
     cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
     if dp_size > len(cores):
-        logger.warning("--dp-size %d > %d cores: replicas share cores", dp_size, len(cores))
+        logger.warning("%d worker processes > %d cores: they share cores", dp_size, len(cores))
         return [(cores[i % len(cores)],) for i in range(dp_size)]
     share = len(cores) // dp_size
     return [tuple(cores[i * share : (i + 1) * share]) for i in range(dp_size)]

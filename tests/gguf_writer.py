@@ -140,7 +140,7 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
     if arch in ("gemma2", "gemma3", "qwen3") or head_dim != cfg.hidden_size // heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     if arch in ("gemma2", "gemma3", "phi3") and getattr(cfg, "sliding_window", None):
         writer.add_sliding_window(cfg.sliding_window)
     if arch in ("gemma2", "gemma3") and cfg.query_pre_attn_scalar != head_dim:

@@ -11,7 +11,7 @@ from protocol.sampling import WorkerSampling
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3_text", "phi3", "mistral_window")
 # More configs of those families (rope scalings, a multimodal config), for tests/gpu_worker/test_families.py.
-VARIANTS = ("llama3_rope", "qwen2_yarn", "phi3_longrope", "gemma3")
+VARIANTS = ("llama3_rope", "qwen2_yarn", "phi3_longrope", "phi4_mini", "gemma3")
 WINDOW = 16  # the tiny models' sliding window: shorter than most test prompts
 GREEDY = WorkerSampling(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0)
 VOCAB = 500
@@ -57,23 +57,25 @@ def tiny_config(kind: str, tie: bool) -> Any:
         case "qwen2_yarn":
             rope = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64)
             return transformers.Qwen2Config(rope_parameters=rope, **decoder)
-        case "phi3" | "phi3_longrope":
-            return _phi3_config(kind == "phi3_longrope", decoder)
+        case "phi3" | "phi3_longrope" | "phi4_mini":
+            return _phi3_config(kind != "phi3", decoder, partial=0.75 if kind == "phi4_mini" else 1.0)
         case "gemma2" | "gemma3_text" | "gemma3":
             return _gemma_config(kind, decoder)
     raise ValueError(kind)
 
 
-def _phi3_config(longrope: bool, decoder: dict[str, Any]) -> Any:
-    """Phi-3 with a sliding window (Phi-3-mini-4k has one); LongRoPE over a 64-token original length."""
+def _phi3_config(longrope: bool, decoder: dict[str, Any], partial: float = 1.0) -> Any:
+    """Phi-3 with a sliding window (Phi-3-mini-4k has one); LongRoPE over a 64-token original length;
+    ``partial`` < 1: only that share of each head rotates (Phi-4-mini: 0.75, with LongRoPE)."""
     import transformers
 
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial}
     if longrope:
-        half = 64 // 4 // 2  # head_dim 16 / 2 factors
+        half = int(64 // 4 * partial) // 2  # head_dim 16 * partial / 2 factors
         rope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=64,
                     short_factor=[1.0 + 0.1 * i for i in range(half)],
-                    long_factor=[2.0 + 0.5 * i for i in range(half)])  # fmt: skip
+                    long_factor=[2.0 + 0.5 * i for i in range(half)],
+                    partial_rotary_factor=partial)  # fmt: skip
     return transformers.Phi3Config(
         sliding_window=None if longrope else WINDOW, rope_parameters=rope, pad_token_id=0,
         original_max_position_embeddings=64, **decoder,

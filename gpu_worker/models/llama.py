@@ -48,11 +48,13 @@ class LlamaArgs:
     tie_embeddings: bool
     context_len: int
     sliding_windows: tuple[int, ...]  # per layer; 0: full attention
+    rotary_dim: int  # the leading dimensions of each head that rotate (Phi-4-mini: 3/4 of them)
 
     @classmethod
     def from_hf(cls, cfg: Any) -> LlamaArgs:
         model_type = cfg.model_type
         heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         return cls(
             vocab_size=cfg.vocab_size,
@@ -61,7 +63,7 @@ class LlamaArgs:
             num_layers=cfg.num_hidden_layers,
             num_heads=heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            head_dim=head_dim,
             eps=cfg.rms_norm_eps,
             act=cfg.hidden_act,
             qkv_bias=model_type == "qwen2" or attention_bias,
@@ -71,7 +73,14 @@ class LlamaArgs:
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             context_len=cfg.max_position_embeddings,
             sliding_windows=sliding_windows(cfg),
+            rotary_dim=int(head_dim * partial_rotary_factor(cfg)),
         )
+
+
+def partial_rotary_factor(cfg: Any) -> float:
+    """The share of each head's dimensions that rotate (transformers 5 keeps it in rope_parameters)."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    return float(params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0))
 
 
 def sliding_windows(cfg: Any) -> tuple[int, ...]:
@@ -92,6 +101,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.rotary_dim = args.rotary_dim
         hidden, q_out, kv_out = (
             args.hidden_size,
             args.num_heads * args.head_dim,
@@ -117,6 +127,11 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
             q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
+        elif self.rotary_dim < head_dim:  # partial rotary: the leading dimensions rotate, the rest pass
+            rd = self.rotary_dim
+            qk = qkv[:, : heads + kv_heads]
+            qk = torch.cat((apply_rotary(qk[..., :rd], cos, sin), qk[..., rd:]), dim=-1)
+            q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         elif self.fused is not None:  # in place: q and k stay views of qkv
             self.fused.rotary_(qkv, heads + kv_heads, cos, sin)
             q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
@@ -190,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = rotary_cache(hf_config, args.head_dim, args.context_len)
+        self.rotary = rotary_cache(hf_config, args.rotary_dim, args.context_len)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [T, hidden] before the final norm."""

@@ -77,7 +77,12 @@ def test_smollm2_bf16_first_logits_as_close_to_float64_as_hf_bf16(smollm2_dir: P
     model: Any = runner.model
     logits: list[torch.Tensor] = []
     compute = model.compute_logits
-    model.compute_logits = lambda hidden: logits.append(compute(hidden)) or logits[-1]
+
+    def kept(hidden: torch.Tensor) -> torch.Tensor:
+        logits.append(compute(hidden))
+        return logits[-1]
+
+    model.compute_logits = kept
     hf = {
         dt: AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=dt).eval()
         for dt in (torch.float64, torch.bfloat16)

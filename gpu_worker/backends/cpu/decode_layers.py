@@ -104,6 +104,8 @@ def why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
         return f"activations in {dtype}"
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
+        if attn.rotary_dim < attn.head_dim:
+            return "partial rotary"
         if attn.qk_norm or mlp.act is not torch.nn.functional.silu or mlp.fused is None:
             return "Q/K norms, an activation other than SiLU, or no fused kernels"
         if layer.input_layernorm.fused is None or attn.fused is None:
