@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
@@ -280,3 +281,33 @@ def test_ngram_lookup_drafts_what_the_output_repeats(model_dir: Path) -> None:
     )  # fmt: skip
     assert got == ref
     assert scheduler.num_draft_tokens > 0
+
+
+LINES = "Number these lines:\napples\nbananas\ncherries\ndates\nelderberries\nfigs\ngrapes\n"
+
+
+def test_the_embedded_model_copies_with_drafts_as_without_by_the_top2_rule(smollm2_dir: Path) -> None:
+    """The production path (GGUF blocks, float32 activations, float16 KV, verify rows through the C
+    kernel and the one-call decode): a prompt whose answer repeats its words (the 135M model does not
+    copy code verbatim: its rewrites wander), drafted by the n-gram lookup, gives HF float32's greedy
+    tokens by the top-2 rule (a verify row's positions take other matmul row counts than decode rows,
+    so a near tie may flip), and most drafts are kept."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gpu_worker.weights.model_files import source_gguf
+    from tests.exactness.test_smollm2_bf16 import first_divergence_within_top2
+    from tests.exactness.test_smollm2_fp32 import EOS, chat_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompt = chat_prompt(tokenizer, LINES)
+    gguf = source_gguf(None)
+    config = WorkerConfig(model_path=str(smollm2_dir), gguf_path=str(gguf), kv_cache_tokens=2048)
+    (got,), scheduler = inprocess.generate(
+        ModelRunner(config), [prompt], 64, chunked_prefill_size=256, enable_mixed_chunk=True,
+        stop_token_ids=(EOS,), scheduler_overrides={"speculative_algorithm": "ngram"}, overlap=True,
+    )  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False)
+    first_divergence_within_top2(hf, prompt, got, out[0, len(prompt) :].tolist())
+    assert scheduler.num_accepted_tokens > scheduler.num_draft_tokens / 2 > 0
