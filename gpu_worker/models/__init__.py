@@ -26,6 +26,8 @@ _MODELS = {
     "mistral": ("llama", "LlamaForCausalLM"),
     "qwen2": ("llama", "LlamaForCausalLM"),
     "qwen3": ("llama", "LlamaForCausalLM"),
+    "qwen3_moe": ("moe", "Qwen3MoeForCausalLM"),
+    "mixtral": ("moe", "MixtralForCausalLM"),
     "gemma2": ("gemma", "GemmaForCausalLM"),
     "gemma3_text": ("gemma", "GemmaForCausalLM"),
     "gemma3": ("gemma", "GemmaForCausalLM"),

@@ -1,4 +1,5 @@
-"""One decoder for the Llama family: Llama, SmolLM2, Mistral, Qwen2, Qwen3 (and Phi-3, phi3.py).
+"""One decoder for the Llama family: Llama, SmolLM2, Mistral, Qwen2, Qwen3 (and Phi-3, phi3.py; the
+mixtures of experts Qwen3-MoE and Mixtral, moe.py, swap the MLP of some layers: ``feed_forward``).
 
 They differ only in flags read from the HF config: biases on q/k/v (Qwen2) or on
 every projection (Llama's ``attention_bias``), an RMSNorm per head on q and k
@@ -10,8 +11,9 @@ are merged into one matmul each, whose row blocks carry the checkpoint's names.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +71,7 @@ class LlamaArgs:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             context_len=cfg.max_position_embeddings,
             sliding_windows=sliding_windows(cfg),
@@ -163,8 +165,14 @@ class MLP(nn.Module):
         return self.down_proj.add_to(residual, self.act(gate) * up)
 
 
+class FeedForward(Protocol):
+    """A layer's feed-forward block: ``MLP``, or a mixture of experts (moe.py)."""
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor: ...
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs, layer: int) -> None:
+    def __init__(self, args: LlamaArgs, layer: int, mlp: FeedForward) -> None:
         super().__init__()
         self.layer = layer
         window = args.sliding_windows[layer]
@@ -172,7 +180,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.eps)
         self.self_attn = Attention(args, layer)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.eps)
-        self.mlp = MLP(args)
+        self.mlp = mlp
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
@@ -184,10 +192,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaBody(nn.Module):
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaArgs, feed_forward: Callable[[int], FeedForward]) -> None:
         super().__init__()
         self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i, feed_forward(i)) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.eps)
 
 
@@ -201,11 +209,15 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers, self.num_kv_heads, self.head_dim = args.num_layers, args.num_kv_heads, args.head_dim
         self.num_heads = args.num_heads
         self.context_len = args.context_len
-        self.model = LlamaBody(args)
+        self.model = LlamaBody(args, lambda layer: self.feed_forward(hf_config, layer))
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = rotary_cache(hf_config, args.rotary_dim, args.context_len)
+
+    def feed_forward(self, hf_config: Any, layer: int) -> FeedForward:
+        """Layer ``layer``'s feed-forward block: the dense MLP here (moe.py's models: experts)."""
+        return MLP(self.args)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [T, hidden] before the final norm."""

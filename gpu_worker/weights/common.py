@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from gpu_worker.models.layers import MergedLinear
+from gpu_worker.models.moe import Experts
 
 
 class WeightMismatchError(ValueError):
@@ -16,10 +17,16 @@ def weight_targets(model: nn.Module, params: dict[str, nn.Parameter]) -> dict[st
     """Checkpoint name -> the tensor it fills: a parameter, or a row block of a MergedLinear's.
 
     ``model.layers.0.self_attn.qkv_proj.weight`` is not a checkpoint name; its
-    blocks are, as ``model.layers.0.self_attn.q_proj.weight`` and so on.
+    blocks are, as ``model.layers.0.self_attn.q_proj.weight`` and so on. Stacked experts' blocks
+    are named per expert: ``model.layers.0.mlp.experts.3.gate_proj.weight``.
     """
     targets: dict[str, torch.Tensor] = dict(params)
     for module_name, module in model.named_modules():
+        if isinstance(module, Experts):  # stacked experts: each expert's projections by name
+            for param_name, _ in module.named_parameters(recurse=False):
+                del targets[f"{module_name}.{param_name}"]
+            targets.update({f"{module_name}.{n}": view for n, view in module.checkpoint_views().items()})
+            continue
         if not isinstance(module, MergedLinear) or module.fused_checkpoint:
             continue  # (Phi-3's checkpoint holds qkv_proj and gate_up_proj as one tensor each)
         parent = module_name.rpartition(".")[0]

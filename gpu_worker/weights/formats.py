@@ -100,3 +100,32 @@ def dequantize_blocks(ggml_type: int, data: np.ndarray, shape: tuple[int, ...]) 
 
     values = gguf.quants.dequantize(np.ascontiguousarray(data), gguf.GGMLQuantizationType(ggml_type))
     return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
+
+
+@dataclass(frozen=True)
+class QuantizedExperts:
+    """A mixture-of-experts layer's expert weights as a GGUF stacks them: per projection (gate, up:
+    [inner, hidden] per expert; down: [hidden, inner]) one ``QuantBlocks`` of all experts' rows,
+    expert e's the rows [e * rows, (e + 1) * rows). The three may differ in type."""
+
+    gate: QuantBlocks
+    up: QuantBlocks
+    down: QuantBlocks
+    num_experts: int
+
+    @property
+    def projections(self) -> tuple[QuantBlocks, QuantBlocks, QuantBlocks]:
+        return self.gate, self.up, self.down
+
+    def expert(self, e: int) -> tuple[QuantBlocks, QuantBlocks, QuantBlocks]:
+        """Expert e's gate, up and down blocks: views of its rows."""
+        out = []
+        for part in self.projections:
+            rows = part.rows // self.num_experts
+            out.append(QuantBlocks(part.type, part.data.narrow(0, e * rows, rows), part.cols, part.layout))
+        return out[0], out[1], out[2]
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 gate_up [E, 2 * inner, hidden] (gate rows first) and down [E, hidden, inner]."""
+        gate, up, down = (p.dequantize().view(self.num_experts, -1, p.cols) for p in self.projections)
+        return torch.cat([gate, up], dim=1), down

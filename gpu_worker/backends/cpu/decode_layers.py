@@ -23,7 +23,7 @@ from gpu_worker.backends.cpu.kernels import DTYPE_CODES, KV_DTYPE_CODES, CpuKern
 from gpu_worker.backends.cpu.layouts import kernel_type
 from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.forward_context import PLAIN, ForwardContext
-from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.models.llama import MLP, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,8 @@ def why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
         return f"activations in {dtype}"
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(mlp, MLP):
+            return "mixture-of-experts layers"
         if attn.rotary_dim < attn.head_dim:
             return "partial rotary"
         if attn.qk_norm or mlp.act is not torch.nn.functional.silu or mlp.fused is None:
