@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-        "gemma3_text": "gemma3", "gemma3": "gemma3", "phi3": "phi3"}  # fmt: skip
+        "gemma3_text": "gemma3", "gemma3": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe",
+        "mixtral": "llama"}  # fmt: skip
 # A multimodal checkpoint's language model, in transformers' module names.
 _TEXT_PREFIX = re.compile(r"^model\.language_model\.")
 _VISION = re.compile(r"^model\.(vision_tower|multi_modal_projector)\.")
@@ -54,7 +55,7 @@ def write_gguf(
     names = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)
     held: dict[str, torch.Tensor] = {}
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    for key, tensor in model.state_dict().items():
+    for key, tensor in _split_experts(model.state_dict()).items():
         name = _TEXT_PREFIX.sub("model.", key)
         if _VISION.match(name) or (tied and name == "lm_head.weight"):
             continue  # the vision tower; a tied head (the file holds the embedding once)
@@ -67,7 +68,7 @@ def write_gguf(
         if arch.startswith("gemma") and "norm." in gguf_name:
             data = data + np.float32(1.0)
         kind = gguf_name.split(".")[-2]
-        if types and kind in types and data.ndim == 2:
+        if types and kind in types and data.ndim in (2, 3):  # 3: stacked experts
             blocks = gguf.quants.quantize(data, types[kind])
             writer.add_tensor(gguf_name, blocks, raw_dtype=types[kind])
             data = gguf.quants.dequantize(blocks, types[kind])
@@ -79,11 +80,40 @@ def write_gguf(
             data = data - np.float32(1.0)
         held[key] = torch.from_numpy(np.array(data, dtype=np.float32)).to(tensor.dtype)
     _rope_tensors(writer, arch, cfg)
+    _join_experts(held)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return held
+
+
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def _split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' stacked experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as the converter
+    names them: ``experts.gate_proj`` / ``up_proj`` / ``down_proj`` [E, rows, cols] each."""
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        match = _STACKED.match(key)
+        if match is None:
+            out[key] = tensor
+        elif match.group(2) == "down_proj":
+            out[f"{match.group(1)}.down_proj.weight"] = tensor
+        else:
+            gate, up = tensor.chunk(2, dim=1)
+            out[f"{match.group(1)}.gate_proj.weight"], out[f"{match.group(1)}.up_proj.weight"] = gate, up
+    return out
+
+
+def _join_experts(held: dict[str, torch.Tensor]) -> None:
+    """``_split_experts`` undone on the tensors as written (transformers' state dict names)."""
+    for key in [k for k in held if k.endswith(".experts.gate_proj.weight")]:
+        prefix = key.removesuffix(".gate_proj.weight")
+        gate, up = held.pop(key), held.pop(f"{prefix}.up_proj.weight")
+        held[f"{prefix}.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        held[f"{prefix}.down_proj"] = held.pop(f"{prefix}.down_proj.weight")
 
 
 def copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> None:
@@ -127,6 +157,7 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
     writer.add_eos_token_id(cfg.eos_token_id)
     if getattr(cfg, "pad_token_id", None) is not None:
         writer.add_pad_token_id(cfg.pad_token_id)
+    _expert_metadata(writer, cfg)
     rope = cfg.rope_parameters
     if arch == "gemma3":
         writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
@@ -159,6 +190,18 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
             math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
         )
         writer.add_rope_scaling_orig_ctx_len(original)
+
+
+def _expert_metadata(writer: gguf.GGUFWriter, cfg: Any) -> None:
+    """What the converter writes of a mixture of experts (Mixtral's and Qwen3-MoE's)."""
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if not experts:
+        return
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if cfg.model_type == "qwen3_moe":
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        writer.add_expert_weights_norm(cfg.norm_topk_prob)
 
 
 def _rope_tensors(writer: gguf.GGUFWriter, arch: str, cfg: Any) -> None:

@@ -92,11 +92,16 @@ def _rope_scaling(header: GgufHeader, config: dict[str, Any]) -> None:
 
 
 def _llama(header: GgufHeader) -> dict[str, Any]:
-    config = _decoder(header, "llama") | {"hidden_act": "silu"}
+    """Llama's architecture, which Mistral's and Mixtral's files (``expert_count``) use too."""
+    mixtral = bool(_key(header, "expert_count"))
+    config = _decoder(header, "mixtral" if mixtral else "llama") | {"hidden_act": "silu"}
     config.pop("sliding_window", None)  # Mistral's files: llama.cpp reads no window either
     factors = header.read_floats("rope_freqs.weight")
     if factors is not None:  # Llama 3.1+: the llama3 scaling, as llama.cpp applies it
         config[FREQ_FACTORS_KEY] = factors
+    if mixtral:  # every layer sparse, its experts' size the feed-forward length; top-k renormalised
+        config["num_local_experts"] = int(_key(header, "expert_count"))
+        config["num_experts_per_tok"] = int(_key(header, "expert_used_count"))
     return config
 
 
@@ -110,6 +115,21 @@ def _qwen2(header: GgufHeader) -> dict[str, Any]:
 def _qwen3(header: GgufHeader) -> dict[str, Any]:
     config = _decoder(header, "qwen3") | {"hidden_act": "silu"}
     config.pop("sliding_window", None)
+    return config
+
+
+def _qwen3moe(header: GgufHeader) -> dict[str, Any]:
+    """Qwen3-MoE. Its dense layers (HF's ``mlp_only_layers``) are the ones without a router tensor;
+    llama.cpp renormalises the top-k probabilities unless the file says otherwise."""
+    config = _decoder(header, "qwen3_moe") | {"hidden_act": "silu", "decoder_sparse_step": 1}
+    config.pop("sliding_window", None)
+    layers = config["num_hidden_layers"]
+    config["num_experts"] = int(_key(header, "expert_count"))
+    config["num_experts_per_tok"] = int(_key(header, "expert_used_count"))
+    config["moe_intermediate_size"] = int(_key(header, "expert_feed_forward_length"))
+    config["norm_topk_prob"] = bool(_key(header, "expert_weights_norm", True))
+    routed = {i for i in range(layers) if header.tensor(f"blk.{i}.ffn_gate_inp.weight") is not None}
+    config["mlp_only_layers"] = [i for i in range(layers) if i not in routed]
     return config
 
 
@@ -190,6 +210,7 @@ _BUILDERS: dict[str, Callable[[GgufHeader], dict[str, Any]]] = {
     "llama": _llama,
     "qwen2": _qwen2,
     "qwen3": _qwen3,
+    "qwen3moe": _qwen3moe,
     "gemma2": _gemma2,
     "gemma3": _gemma3,
     "phi3": _phi3,

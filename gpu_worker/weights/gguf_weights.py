@@ -17,6 +17,9 @@ some of them, undone here as transformers' own GGUF loader undoes them:
   subtracted in float32, as transformers does.
 - Phi-3: q/k/v and gate/up stay fused as HF's checkpoint holds them (``MergedLinear.fused_checkpoint``).
 Qwen2/3 files hold HF's tensors as they are.
+A mixture of experts' file (Qwen3-MoE's ``qwen3moe``; Mixtral's, of llama's architecture) stacks each
+expert projection into one tensor [experts, rows, cols] (``ffn_gate_exps`` ...): kept, its blocks stay
+as they lie (``QuantizedExperts``), else each expert's block is filled from its dequantized values.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ import torch
 from torch import nn
 
 from gpu_worker.models.layers import Embedding, Linear, MergedLinear
+from gpu_worker.models.moe import Experts
 from gpu_worker.weights.common import WeightMismatchError, copy_checked, is_tied, weight_targets
-from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight, dequantize_blocks
+from gpu_worker.weights.formats import QuantBlocks, QuantizedExperts, QuantizedWeight, dequantize_blocks
 from gpu_worker.weights.gguf_file import TensorEntry, read_header
 
 logger = logging.getLogger(__name__)
@@ -50,7 +54,16 @@ _COMMON_LAYER = {
     "ffn_down": "mlp.down_proj",
 }
 _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-_LLAMA = {**_COMMON_LAYER, "ffn_norm": "post_attention_layernorm"}
+# A sparse layer's router and stacked experts ([experts, rows, cols] each): one tensor per projection,
+# which names no expert (``STACKED``); the checkpoint names one per expert (``experts.{e}.gate_proj``).
+_MOE = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+STACKED = re.compile(r"^(.*\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
+_LLAMA = {**_COMMON_LAYER, "ffn_norm": "post_attention_layernorm", **_MOE}  # Mixtral's files are llama's
 _GEMMA = {
     **_COMMON_LAYER,
     "post_attention_norm": "post_attention_layernorm",
@@ -63,6 +76,7 @@ LAYER_TENSORS = {
     "llama": _LLAMA,
     "qwen2": _LLAMA,
     "qwen3": {**_LLAMA, **_QK_NORMS},
+    "qwen3moe": {**_LLAMA, **_QK_NORMS},
     "gemma2": _GEMMA,
     "gemma3": {**_GEMMA, **_QK_NORMS},
     "phi3": {
@@ -173,6 +187,7 @@ def load_gguf_weights(model: nn.Module, path: Path, keep: frozenset[int]) -> Non
     tied = {name for name, p in params.items() if is_tied(model, name, p)}
     targets = weight_targets(model, params)
     modules = _weight_modules(model)
+    experts = {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
     pending: dict[nn.Module, dict[str | None, QuantBlocks]] = defaultdict(dict)
     loaded: set[str] = set()
     dequantized: Counter[str] = Counter()
@@ -181,6 +196,11 @@ def load_gguf_weights(model: nn.Module, path: Path, keep: frozenset[int]) -> Non
     with torch.no_grad():
         for name, ggml_type, data, shape in read_tensors(path, num_heads, num_kv_heads):
             if name in tied:
+                continue
+            stacked = STACKED.match(name)
+            if stacked is not None and stacked.group(1) in experts:
+                entry = (ggml_type, data, shape)
+                loaded.update(_load_stacked(experts, stacked, entry, targets, keep, pending, dequantized))
                 continue
             if name not in targets:
                 unexpected.append(name)
@@ -197,8 +217,11 @@ def load_gguf_weights(model: nn.Module, path: Path, keep: frozenset[int]) -> Non
         if missing or unexpected:
             raise WeightMismatchError(f"missing weights {missing[:8]}, unexpected weights {unexpected[:8]}")
         shared = _shared_weights(model)
-        for module, blocks in pending.items():
-            _attach(module, blocks, dequantized)
+        for module, kept in pending.items():
+            if isinstance(module, Experts):
+                _attach_experts(module, kept, dequantized)
+                continue
+            _attach(module, kept, dequantized)
             for other in shared.get(id(module), ()):  # a tied head reads the embedding's blocks
                 other.quantized, other.weight = module.quantized, module.weight
     if dequantized:
@@ -206,6 +229,56 @@ def load_gguf_weights(model: nn.Module, path: Path, keep: frozenset[int]) -> Non
             "GGUF tensors without a quantized kernel, dequantized at load: %s",
             ", ".join(f"{count} {name}" for name, count in sorted(dequantized.items())),
         )
+
+
+def _load_stacked(
+    experts: dict[str, Experts],
+    stacked: re.Match[str],
+    entry: tuple[int, np.ndarray, tuple[int, ...]],
+    targets: dict[str, torch.Tensor],
+    keep: frozenset[int],
+    pending: dict[nn.Module, dict[str | None, QuantBlocks]],
+    dequantized: Counter[str],
+) -> list[str]:
+    """A stacked expert tensor ([experts, rows, cols]): its blocks as the file holds them (every
+    expert's rows in turn) into ``pending`` where its type is kept, else dequantized into each
+    expert's block. Returns the per-expert names it filled."""
+    prefix, proj = stacked.groups()
+    module, (ggml_type, data, shape) = experts[prefix], entry
+    names = [f"{prefix}.{e}.{proj}.weight" for e in range(module.num_experts)]
+    want = (module.num_experts, *targets[names[0]].shape)
+    if tuple(shape) != want:
+        raise WeightMismatchError(f"{prefix}.{proj}: GGUF shape {tuple(shape)} != {want}")
+    if ggml_type in keep:
+        pending[module][proj] = QuantBlocks(ggml_type, torch.from_numpy(data), shape[-1])
+        return names
+    if ggml_type not in (0, 1):  # F32, F16
+        dequantized[_type_name(ggml_type)] += 1
+    values = dequantize_blocks(ggml_type, data, shape)
+    for e, name in enumerate(names):
+        targets[name].copy_(values[e])
+    return names
+
+
+def _attach_experts(
+    module: Experts, blocks: dict[str | None, QuantBlocks], dequantized: Counter[str]
+) -> None:
+    """Give ``module`` its stacked blocks, or (a projection of a type without kernels beside them)
+    dequantize the kept projections into its parameters instead."""
+    if set(blocks) != {"gate_proj", "up_proj", "down_proj"}:
+        views = module.checkpoint_views()
+        for proj, part in blocks.items():
+            dequantized[f"{_type_name(part.type)} (beside a dense projection)"] += 1
+            values = part.dequantize().view(module.num_experts, -1, part.cols)
+            for e in range(module.num_experts):
+                views[f"{e}.{proj}.weight"].copy_(values[e])
+        return
+    weight = QuantizedExperts(blocks["gate_proj"], blocks["up_proj"], blocks["down_proj"], module.num_experts)
+    dtype = module.gate_up_proj.dtype
+    module.quantized = weight
+    # Never written (torch.empty): empty parameters free their address space.
+    module.gate_up_proj = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+    module.down_proj = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
 
 def _type_name(ggml_type: int) -> str:
