@@ -34,6 +34,7 @@ from gpu_worker.backends.base import ALL_REDUCE
 from gpu_worker.backends.cpu import attention as cpu_attention
 from gpu_worker.backends.cpu import kernels as cpu_kernels
 from gpu_worker.backends.cpu.decode_layers import FusedDecode, fused_decode
+from gpu_worker.backends.cpu.experts import QuantExperts, interleave_experts
 from gpu_worker.backends.cpu.kind import CpuKind, describe, requested_kind
 from gpu_worker.backends.cpu.layouts import interleave_rows
 from gpu_worker.backends.cpu.matmul import PLANS, CpuLinear
@@ -42,12 +43,13 @@ from gpu_worker.backends.cpu.threads import ThreadTuner, shape_class
 from gpu_worker.backends.memory import kv_pool_tokens
 from gpu_worker.backends.torch_ref import attention as torch_attention
 from gpu_worker.models.layers import Embedding, Linear
+from gpu_worker.models.moe import Experts
 
 if TYPE_CHECKING:
     from gpu_worker.config import WorkerConfig
     from gpu_worker.forward_context import AttentionOptions, ForwardContext
     from gpu_worker.kv_cache import KVPool
-from gpu_worker.weights.formats import QuantizedWeight
+from gpu_worker.weights.formats import QuantizedExperts, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +149,11 @@ def _attach_quantized(
         if weight is None:
             continue
         assert kernels is not None, "quantized weights are loaded only where the kernels run"
+        if isinstance(module, Experts) and isinstance(weight, QuantizedExperts):  # experts.py
+            module.quantized = interleave_experts(weight)
+            module.impl = QuantExperts(module.quantized, kernels, module.act_mul)
+            paths["gguf experts"] += 1
+            continue
         if id(weight) not in interleaved:
             parts = tuple(interleave_rows(part) for part in weight.parts)
             interleaved[id(weight)] = (weight, QuantizedWeight(parts))
