@@ -151,7 +151,7 @@ def _attach_quantized(
         assert kernels is not None, "quantized weights are loaded only where the kernels run"
         if isinstance(module, Experts) and isinstance(weight, QuantizedExperts):  # experts.py
             module.quantized = interleave_experts(weight)
-            module.impl = QuantExperts(module.quantized, kernels, module.act_mul)
+            module.impl = QuantExperts(module.quantized, kernels, module.act, module.act_mul)
             paths["gguf experts"] += 1
             continue
         if id(weight) not in interleaved:

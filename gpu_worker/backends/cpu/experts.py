@@ -1,10 +1,13 @@
 """A mixture of experts' experts computed on a GGUF's stacked blocks (models/moe.py's ``Experts``).
 
 The model hands over the step's rows grouped by expert (``ExpertGroups``: the (token, expert) pairs
-sorted by expert). Each expert that has rows runs its gate and up projections over all of them in
-one ``QuantLinear`` (two parts, each writing its columns of [rows, 2 * inner]), silu(gate) * up, then
-its down projection: its weights are read once per step, whatever the number of rows that chose it,
-by the same kernels, and the same row-count plan (integer or dense path), as any Linear on blocks.
+sorted by expert). Each expert that has rows runs its gate and up projections over all of them,
+silu(gate) * up, then its down projection: its weights are read once per step, whatever the number
+of rows that chose it, by the same kernels, and the same row-count plan (integer or dense path), as
+any Linear on blocks. With SiLU (Qwen3-MoE's, Mixtral's) the whole block is one C call
+(csrc/moe.c: the rows gathered, every expert with rows, the weighted sum back per token); otherwise,
+and as the reference its test compares with, ``per_expert`` runs each expert's two ``QuantLinear``
+calls from Python.
 
 Blocks are re-laid by 8 rows (layouts.py) where each expert's rows are a multiple of 8, so no group
 of 8 rows spans two experts and each expert's rows stay a slice of the stacked tensor.
@@ -12,15 +15,29 @@ of 8 rows spans two experts and each expert's rows stay a slice of the stacked t
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from gpu_worker.backends.cpu.kernels import CpuKernels
-from gpu_worker.backends.cpu.layouts import interleave_rows
+from gpu_worker.backends.cpu.layouts import interleave_rows, kernel_type
 from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.models.moe import ExpertGroups
 from gpu_worker.weights.formats import QuantBlocks, QuantizedExperts, QuantizedWeight
+
+
+class MoeProjection(ctypes.Structure):
+    """csrc/moe.c's ``moe_projection``: one projection of every expert, stacked."""
+
+    _fields_ = [
+        ("w", ctypes.c_void_p),
+        ("type", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("row_bytes", ctypes.c_int64),
+        ("dense_min_rows", ctypes.c_int64),
+    ]
 
 
 def interleave_experts(weight: QuantizedExperts) -> QuantizedExperts:
@@ -41,6 +58,7 @@ class QuantExperts:
         self,
         weight: QuantizedExperts,
         kernels: CpuKernels,
+        act: Callable[[torch.Tensor], torch.Tensor],
         act_mul: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
         self.weight = weight
@@ -51,12 +69,43 @@ class QuantExperts:
             gate, up, down = weight.expert(e)
             self.gate_up.append(QuantLinear(QuantizedWeight((gate, up)), None, kernels))
             self.down.append(QuantLinear(QuantizedWeight((down,)), None, kernels))
+        self.kernels = kernels
+        self.one_call = act is F.silu
+        # Per projection: expert 0's QuantLinear part holds the row-count plan of every expert's.
+        plans = (
+            self.gate_up[0].dense_min_rows[0],
+            self.gate_up[0].dense_min_rows[1],
+            self.down[0].dense_min_rows[0],
+        )
+        self.projections = (MoeProjection * 3)(
+            *(
+                MoeProjection(
+                    p.data.data_ptr(), kernel_type(p), p.rows // weight.num_experts, p.data.shape[1], plan
+                )
+                for p, plan in zip(weight.projections, plans, strict=True)
+            )
+        )
+        self.hidden, self.inner = (
+            weight.down.rows // weight.num_experts,
+            weight.gate.rows // weight.num_experts,
+        )
 
     def tensors(self) -> list[torch.Tensor]:
         """What the experts hold (for the worker's count of weight bytes)."""
         return [part.data for part in self.weight.projections]
 
     def __call__(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        if not self.one_call:
+            return self.per_expert(x, groups)
+        spans = torch.tensor(groups.spans, dtype=torch.int64).reshape(-1, 3)
+        x = x.contiguous()
+        weights = groups.weights.reshape(-1).contiguous()
+        return self.kernels.moe_experts(
+            self.projections, self.hidden, self.inner, x, groups.tokens, weights, spans
+        )
+
+    def per_expert(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        """The same, each expert's two matmuls called from Python (the C call's reference)."""
         rows = x.index_select(0, groups.tokens)
         out = torch.empty_like(rows)
         for expert, start, count in groups.spans:

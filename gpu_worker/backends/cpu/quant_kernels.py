@@ -45,6 +45,9 @@ class QuantKernels:
         self._decode_layers = lib.decode_layers
         self._decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64]
         self._decode_layers.restype = i32
+        self._moe_experts = lib.moe_experts
+        self._moe_experts.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i32]
+        self._moe_experts.restype = i32
         self._local = threading.local()
         self._act_row_bytes = functools.cache(lambda type, k: int(self._quant_act_row_bytes(type, k)))
 
@@ -161,6 +164,32 @@ class QuantKernels:
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"decode_layers failed: status {status}")
+
+    def moe_experts(
+        self,
+        projections: ctypes.Array[Any],
+        hidden: int,
+        inner: int,
+        x: torch.Tensor,
+        tokens: torch.Tensor,
+        weights: torch.Tensor,
+        spans: torch.Tensor,
+    ) -> torch.Tensor:
+        """A mixture of experts' experts over grouped rows in one call (csrc/moe.c; the structs are
+        gpu_worker/backends/cpu/experts.py's): [T, hidden] in x's dtype from x [T, hidden] (contiguous),
+        the pairs' ``tokens`` (int64) and ``weights`` (x's dtype) sorted by expert, and ``spans``
+        (int64 [S, 3]: expert, start, count)."""
+        assert x.is_contiguous() and x.dim() == 2 and x.shape[1] == hidden, "x: contiguous [T, hidden]"
+        assert tokens.dtype == torch.int64 and tokens.is_contiguous() and spans.dtype == torch.int64
+        assert weights.dtype == x.dtype and weights.is_contiguous() and len(weights) == len(tokens)
+        out = torch.empty_like(x)
+        status = self._moe_experts(
+            ctypes.byref(projections), hidden, inner, x.data_ptr(), tokens.data_ptr(), weights.data_ptr(),
+            spans.data_ptr(), spans.shape[0], len(tokens), x.shape[0], out.data_ptr(), DTYPE_CODES[x.dtype],
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"moe_experts failed: status {status}")
+        return out
 
 
 @functools.cache

@@ -1,0 +1,62 @@
+"""csrc/moe.c: a mixture of experts' block in one C call equals the same kernels called expert by
+expert from Python (``QuantExperts.per_expert``), and the experts' dequantized weights in torch."""
+
+from __future__ import annotations
+
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from gpu_worker.backends.cpu import kernels as cpu_kernels
+from gpu_worker.backends.cpu.experts import QuantExperts, interleave_experts
+from gpu_worker.backends.cpu.kind import requested_kind
+from gpu_worker.models.moe import ExpertGroups, Experts
+from gpu_worker.weights.formats import QuantBlocks, QuantizedExperts
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler to build the kernels"
+)
+
+EXPERTS, HIDDEN, INNER, TOP_K = 6, 64, 32, 2
+
+
+def stacked_blocks(rng: np.random.Generator, qtype: Q, rows: int, cols: int) -> QuantBlocks:
+    w = (rng.standard_normal((EXPERTS * rows, cols)) * 0.3).astype(np.float32)
+    return QuantBlocks(int(qtype), torch.from_numpy(gguf.quants.quantize(w, qtype)), cols)
+
+
+def groups_of(tokens: int, dtype: torch.dtype, seed: int) -> ExpertGroups:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)])
+    weights = torch.rand(tokens, TOP_K, generator=gen)
+    return ExpertGroups.of(ids, (weights / weights.sum(-1, keepdim=True)).to(dtype), EXPERTS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_one_call_equals_expert_by_expert(dtype: torch.dtype, tokens: int) -> None:
+    """Same kernels, same order, same roundings: equal bit for bit, at one row, a few, and rows
+    enough for the dense path on some experts; and close to torch on the dequantized weights."""
+    kernels = cpu_kernels.load(requested_kind())
+    if kernels is None:
+        pytest.skip("the C kernels did not build")
+    rng = np.random.default_rng(tokens)
+    gate, up = stacked_blocks(rng, Q.Q8_0, INNER, HIDDEN), stacked_blocks(rng, Q.Q4_0, INNER, HIDDEN)
+    down = stacked_blocks(rng, Q.Q4_1, HIDDEN, INNER)
+    loaded = QuantizedExperts(gate, up, down, EXPERTS)
+    reference = Experts(EXPERTS, HIDDEN, INNER, "silu")
+    reference.gate_up_proj.data, reference.down_proj.data = loaded.dequantize()
+    module = Experts(EXPERTS, HIDDEN, INNER, "silu")
+    module.fused = kernels
+    experts = QuantExperts(interleave_experts(loaded), kernels, module.act, module.act_mul)
+    assert experts.one_call
+    x = torch.from_numpy(rng.standard_normal((tokens, HIDDEN)).astype(np.float32)).to(dtype)
+    groups = groups_of(tokens, dtype, seed=tokens)
+    got = experts(x, groups)
+    assert torch.equal(got, experts.per_expert(x, groups))
+    want = reference(x.float(), groups_of(tokens, torch.float32, seed=tokens))
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05 * float(want.abs().max()))
