@@ -27,8 +27,11 @@ This module imports nothing heavy: it runs before torch loads.
 from __future__ import annotations
 
 import enum
+import getpass
 import os
 import platform
+import tempfile
+from pathlib import Path
 
 ENV_VAR = "RIVULET_CPU_KIND"
 
@@ -157,6 +160,13 @@ def apply_to_environ() -> CpuKind:
     kind = requested_kind()
     if os.environ.get(ENV_VAR, "").strip().lower() not in ("", "native"):
         os.environ.update(_LIBRARY_ENV[kind])
+        # torch.compile's cache keys do not hold ATen's capability: a kernel cached while acting as
+        # another kind loads here and computes NaN (seen: avx512's graphs run as avx2). One cache
+        # directory per kind, under the one the user would get.
+        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+            user = getpass.getuser().replace("/", "_")
+            root = Path(tempfile.gettempdir()) / f"torchinductor_{user}"
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / f"rivulet-{kind.value}")
     return kind
 
 
