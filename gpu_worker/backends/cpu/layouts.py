@@ -39,37 +39,16 @@ def interleave_rows(blocks: QuantBlocks) -> QuantBlocks:
     comments draw it: per group of 8 rows and block, the 8 rows' fields side by side (the legacy
     types' quant bytes 2 per row in turn, the K-quants' 4). Same bytes; for rows a multiple of 8
     (others, and other types, are returned as they are)."""
-    if blocks.layout != FILE_LAYOUT or blocks.rows % 8:
+    if blocks.layout != FILE_LAYOUT or blocks.rows % 8 or blocks.type not in X8_TYPES:
         return blocks
-    if blocks.type in K_BLOCK_BYTES:
-        return QuantBlocks(
-            blocks.type, _permute_groups(blocks, _k_order(blocks.type)), blocks.cols, X8_LAYOUT
-        )
-    head = INTERLEAVED_TYPES.get(blocks.type)
-    if head is None:
-        return blocks
-    n, row_bytes = blocks.data.shape
-    nb = blocks.cols // 32
-    x = blocks.data.numpy().reshape(n // 8, 8, nb, row_bytes // nb)  # [group, slot, block, byte]
-    scales = x[..., :head].reshape(n // 8, 8, nb, head // 2, 2).transpose(0, 2, 3, 1, 4)
-    quants = x[..., head:].reshape(n // 8, 8, nb, -1, 2).transpose(0, 2, 3, 1, 4)
-    out = np.concatenate([scales.reshape(n // 8, nb, -1), quants.reshape(n // 8, nb, -1)], axis=2)
-    data = torch.from_numpy(np.ascontiguousarray(out).reshape(n, row_bytes))
-    return QuantBlocks(blocks.type, data, blocks.cols, layout=X8_LAYOUT)
+    return QuantBlocks(
+        blocks.type, _permute_groups(blocks, _group_order(blocks.type)), blocks.cols, X8_LAYOUT
+    )
 
 
 def deinterleave_rows(blocks: QuantBlocks) -> torch.Tensor:
     """``interleave_rows`` undone: the file's [rows, row_bytes] blocks."""
-    if blocks.type in K_BLOCK_BYTES:
-        return _permute_groups(blocks, np.argsort(_k_order(blocks.type)), back=True)
-    head = INTERLEAVED_TYPES[blocks.type]
-    n, row_bytes = blocks.data.shape
-    nb = blocks.cols // 32
-    x = blocks.data.numpy().reshape(n // 8, nb, row_bytes // nb * 8)
-    scales = x[..., : 8 * head].reshape(n // 8, nb, head // 2, 8, 2).transpose(0, 3, 1, 2, 4)
-    quants = x[..., 8 * head :].reshape(n // 8, nb, -1, 8, 2).transpose(0, 3, 1, 2, 4)
-    out = np.concatenate([scales.reshape(n // 8, 8, nb, head), quants.reshape(n // 8, 8, nb, -1)], axis=3)
-    return torch.from_numpy(np.ascontiguousarray(out).reshape(n, row_bytes))
+    return _permute_groups(blocks, np.argsort(_group_order(blocks.type)), back=True)
 
 
 # csrc/quant_kx8.c: the K-quants (ggml Q4_K, Q5_K, Q6_K -> bytes of a 256-weight block), rows
@@ -77,6 +56,20 @@ def deinterleave_rows(blocks: QuantBlocks) -> torch.Tensor:
 # _k_order gives.
 K_BLOCK_BYTES = {12: 144, 13: 176, 14: 210}
 X8_TYPES = frozenset(INTERLEAVED_TYPES) | frozenset(K_BLOCK_BYTES)  # the types interleave_rows re-lays
+_BLOCK_BYTES = {2: 18, 3: 20, 8: 34} | K_BLOCK_BYTES  # of one file block, per ggml type
+
+
+@functools.cache
+def _group_order(ggml_type: int) -> np.ndarray:
+    """For each byte of a group block (the 8 rows' block b, interleaved), which byte of the 8 file
+    blocks [slot, byte] (flattened) it is."""
+    if ggml_type in K_BLOCK_BYTES:
+        return _k_order(ggml_type)
+    head, bb = INTERLEAVED_TYPES[ggml_type], _BLOCK_BYTES[ggml_type]
+    at = np.arange(8 * bb).reshape(8, bb)  # the scales 2 bytes per slot in turn, then the quants
+    scales = at[:, :head].reshape(8, head // 2, 2).transpose(1, 0, 2)
+    quants = at[:, head:].reshape(8, -1, 2).transpose(1, 0, 2)
+    return np.concatenate([scales.reshape(-1), quants.reshape(-1)])
 
 
 @functools.cache
@@ -103,13 +96,16 @@ def _k_order(ggml_type: int) -> np.ndarray:
 
 def _permute_groups(blocks: QuantBlocks, order: np.ndarray, back: bool = False) -> torch.Tensor:
     """[rows, row_bytes] with each group block's bytes taken in ``order`` (rows the slots of their
-    group, blocks in turn); ``back``: from the interleaved layout to the file's."""
+    group, blocks in turn); ``back``: from the interleaved layout to the file's. torch's byte gather
+    over [group blocks, 8 * block bytes] (multi-threaded; numpy's took 4x as long, most of a 1B
+    Q4_K_M model's start-up)."""
     n, row_bytes = blocks.data.shape
-    bb = K_BLOCK_BYTES[blocks.type]
+    bb = _BLOCK_BYTES[blocks.type]
     nb = row_bytes // bb
-    x = blocks.data.numpy()
+    index = torch.from_numpy(order.astype(np.int64))
+    x = blocks.data
     if back:
-        out = x.reshape(n // 8, nb, 8 * bb)[..., order].reshape(n // 8, nb, 8, bb).transpose(0, 2, 1, 3)
+        out = x.reshape(n // 8 * nb, 8 * bb)[:, index].view(n // 8, nb, 8, bb).transpose(1, 2)
     else:
-        out = x.reshape(n // 8, 8, nb, bb).transpose(0, 2, 1, 3).reshape(n // 8, nb, 8 * bb)[..., order]
-    return torch.from_numpy(np.ascontiguousarray(out).reshape(n, row_bytes))
+        out = x.view(n // 8, 8, nb, bb).transpose(1, 2).reshape(n // 8 * nb, 8 * bb)[:, index]
+    return out.reshape(n, row_bytes)
