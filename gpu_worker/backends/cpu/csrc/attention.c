@@ -59,7 +59,7 @@ static inline __m512 block_scores(const void *q, const void *kv, const int64_t a
  * pair of dtypes computes in float32: q widened once, K and V rows as they are read. */
 static void attend_avx512(const char *q, const void *k_cache, const void *v_cache, int dtype, int kv_dtype,
                           const int64_t *pages, int64_t p0, int64_t len, int page_size, int h0, int h1, int group,
-                          int head_dim, int64_t kv_row, float scale, float *res) {
+                          int head_dim, int64_t kv_row, float scale, float *res, float *stats) {
     const int paired = dtype == DTYPE_BF16 && kv_dtype == DTYPE_BF16;
     const int elem = kv_dtype == DTYPE_F32 ? 4 : 2, nq = (h1 - h0) * group, bytes = (h1 - h0) * head_dim * elem;
     const int q_elem = paired ? 2 : 4;
@@ -156,6 +156,7 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
     for (int j = 0; j < nq; j++) {
         const float inv = len > p0 ? 1.0f / l[j] : 0.0f;
         const float *aj = acc + (int64_t)j * stride;
+        if (stats != NULL) stats[j] = m[j], stats[nq + j] = len > p0 ? l[j] : 0.0f;
         float *rj = res + (int64_t)j * head_dim;
         for (int d = 0; d < head_dim; d++) {
             int from = d; /* where the bfloat16 interleave left dimension d */
@@ -167,17 +168,16 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
         }
     }
 }
-/* attend_avx512 takes a row's positions [p0, len) whole (no stats): an AVX-512 build splits few rows
- * by heads, never by positions. */
-static inline void attend_whole(const char *q, const void *k_cache, const void *v_cache, int dtype, int kv_dtype,
-                                const int64_t *pages, int64_t p0, int64_t len, int page_size, int h0, int h1, int group,
-                                int head_dim, int64_t kv_row, float scale, float *res, float *stats) {
-    (void)stats;
+/* attend_avx512 over positions [p0, len), its softmax max and sum per query head in stats (when given):
+ * few long rows split their positions (attend_split), as the AVX2 build does. */
+static inline void attend_run(const char *q, const void *k_cache, const void *v_cache, int dtype, int kv_dtype,
+                              const int64_t *pages, int64_t p0, int64_t len, int page_size, int h0, int h1, int group,
+                              int head_dim, int64_t kv_row, float scale, float *res, float *stats) {
     attend_avx512(q, k_cache, v_cache, dtype, kv_dtype, pages, p0, len, page_size, h0, h1, group, head_dim, kv_row,
-                  scale, res);
+                  scale, res, stats);
 }
-#define attend attend_whole
-#define SPLIT_POSITIONS 0
+#define attend attend_run
+#define SPLIT_POSITIONS 1
 
 /* The 16 scores q . K[t] of one query against a block's K rows widened to float32 (kf[t], in
  * block_scores' ORDER16 order), summed as block_scores sums them: the same products in the same
@@ -813,7 +813,7 @@ static int attend_spans(const void *q, int64_t q_row_stride, const void *k_cache
  * A task is one row with all its KV heads. (One task per (row, head) read 1/kv_heads of every
  * token row and ran 3x slower once the KV was out of cache, as it always is in a forward.) With
  * fewer rows than twice the threads, a row's positions are split (attend_split) once some row has
- * SPLIT_MIN_LEN of them, else its heads (and always its heads in an AVX-512 build).
+ * SPLIT_MIN_LEN of them, else its heads.
  */
 int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
                            void *out, int dtype, int kv_dtype, const int64_t *q_rows, const int64_t *slots,
