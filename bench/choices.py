@@ -26,11 +26,8 @@ from typing import Any
 
 import httpx
 
-if __package__ in (None, ""):  # run as a script: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import launch
-from bench.records import append_record, make_record
+from bench.lib import launch
+from bench.lib.records import append_record, make_record
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "choices.jsonl"
 VOCAB_FLOOR, VOCAB_CEIL = 100, 40000  # random prompt ids: ordinary tokens of the embedded model's vocab

@@ -21,9 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 
 from gpu_worker.backends.cpu import kind as cpu_kind

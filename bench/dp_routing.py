@@ -30,11 +30,8 @@ from typing import Any
 
 import httpx
 
-if __package__ in (None, ""):  # run as a script: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import launch, serving
-from bench.records import append_record, make_record
+from bench.lib import launch, serving
+from bench.lib.records import append_record, make_record
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "dp_routing.jsonl"
 POLICIES = ("cache_aware", "round_robin", "least_load")

@@ -29,11 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import launch
-from bench.records import append_record, make_record
+from bench.lib import launch
+from bench.lib.records import append_record, make_record
 from client import AsyncClient, Client, Grammar
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "grammar_cost.jsonl"

@@ -2,9 +2,9 @@
 asks for ``top_logprobs=20``, against the same step where nobody asks (and where that one asks
 only for its chosen token's logprob).
 
-    python bench/logprobs_cost.py                      # SmolLM2, auto dtype, 32 rows
-    python bench/logprobs_cost.py --rows 32 --rounds 5 --json out.json
-    python bench/logprobs_cost.py --num-threads 1 --clock cpu   # steadier on a shared machine
+    python -m bench.logprobs_cost                      # SmolLM2, auto dtype, 32 rows
+    python -m bench.logprobs_cost --rows 32 --rounds 5 --json out.json
+    python -m bench.logprobs_cost --num-threads 1 --clock cpu   # steadier on a shared machine
 
 The configurations run round-robin on one runner (A B C A B C ...), so a noisy neighbour hits
 each alike; every step re-sends slot 0's sampler, in every configuration, so they differ only
@@ -17,18 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import msgspec
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.worker_step import GREEDY, PAGE_SIZE, batch  # noqa: E402
-from gpu_worker.config import WorkerConfig  # noqa: E402
-from gpu_worker.model_runner import ModelRunner  # noqa: E402
-from gpu_worker.weights.model_files import resolve_model  # noqa: E402
+from bench.lib.worker_batches import GREEDY, PAGE_SIZE, batch
+from gpu_worker.config import WorkerConfig
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.weights.model_files import resolve_model
 from protocol.sampling import WorkerSampling
 
 CONFIGS = {

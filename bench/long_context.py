@@ -27,13 +27,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import launch, llama_cpp, serving
-from bench.llama_cpp import Peer, peer_gguf
-from bench.records import append_record, machine_info, make_record
-from bench.sweep import free_port
+from bench.lib import launch, llama_cpp, serving
+from bench.lib.launch import free_port
+from bench.lib.llama_cpp import Peer, peer_gguf
+from bench.lib.records import append_record, machine_info, make_record
 from gpu_worker.backends.cpu import kind as cpu_kind
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "long_context.jsonl"

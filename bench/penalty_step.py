@@ -18,10 +18,6 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner

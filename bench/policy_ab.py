@@ -4,7 +4,7 @@
     python -m bench.policy_ab --groups admission --repeats 3
     python -m bench.policy_ab --groups recovery
 
-Each group starts one engine per configuration (bench/sweep.py's runner: its own
+Each group starts one engine per configuration (bench/lib/sweep_runner.py: its own
 launcher each, stopped by pid), runs the same workload against each A B C A B C,
 and prints a table of medians (min-max over repeats) and deltas against the first
 row. ``recovery`` runs one engine with a KV pool too small for its load and prints
@@ -27,11 +27,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import launch, report, serving, sweep, sweeps
-from bench.metrics import RequestResult
+from bench.lib import launch, report, serving, sweep_runner, sweeps
+from bench.lib.metrics import RequestResult
 
 # Every engine: float32 (bf16 matmuls are slow on CPUs without native bf16), a fixed KV pool
 # (kv-mem-fraction would give each of several engines a fifth of the RAM), the seeds' budget.
@@ -143,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "policy-ab.json")
     args = p.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="rivulet-policy-ab-"))
-    opts = sweep.SweepOptions(repeats=args.repeats, workdir=workdir)
+    opts = sweep_runner.SweepOptions(repeats=args.repeats, workdir=workdir)
     command = shlex.join(["python", "-m", "bench.policy_ab", *(argv or sys.argv[1:])])
     out: dict[str, Any] = {"command": command, "sweeps": []}
     for name in args.groups.split(","):
@@ -152,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         group = groups()[name]
         print(f"== {group.title}", flush=True)
-        result = asdict(sweep.run_sweep(group, opts))
+        result = asdict(sweep_runner.run_sweep(group, opts))
         result.pop("pids", None)
         out["sweeps"].append(result)
         print(report.pair_table(result))

@@ -31,11 +31,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import launch, serving
-from bench.records import machine_info
+from bench.lib import launch, serving
+from bench.lib.records import machine_info
 
 ACCEPT = re.compile(r"#drafted-token: (\d+), #accepted-token: (\d+)")
 

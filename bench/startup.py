@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.launch import rivulet_server
+from bench.lib.launch import rivulet_server
 
 
 def tree_bytes(root: Path) -> int:
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
 
-    from bench import gguf_models
+    from bench.lib import gguf_models
     from gpu_worker.weights.model_files import cache_root
 
     model = gguf_models.resolve(args.model)  # made (once) in the user's cache, before any timing

@@ -32,18 +32,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import httpx
 
-from bench import launch, llama_cpp, offline, serving
-from bench.llama_cpp import Peer, peer_gguf
-from bench.metrics import RequestResult, Summary
-from bench.probes import Sample, busy_share, cpu_percent, parse_prometheus, steady_window_s, tree_cpu_ticks
-from bench.records import append_record, machine_info, make_record
-from bench.sweep import free_port
-from bench.targets_table import PEER_TARGETS, RATIOS, TARGETS, format_table, summarize_runs
+from bench.lib import launch, llama_cpp, offline, serving
+from bench.lib.launch import free_port
+from bench.lib.llama_cpp import Peer, peer_gguf
+from bench.lib.metrics import RequestResult, Summary
+from bench.lib.probes import (
+    Sample,
+    busy_share,
+    cpu_percent,
+    parse_prometheus,
+    steady_window_s,
+    tree_cpu_ticks,
+)
+from bench.lib.records import append_record, machine_info, make_record
+from bench.lib.targets_table import PEER_TARGETS, RATIOS, TARGETS, format_table, summarize_runs
 from gpu_worker.backends.cpu import kind as cpu_kind
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "targets.jsonl"
@@ -288,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         acting = cpu_kind.apply_to_environ()
     except cpu_kind.CpuKindError as exc:
         raise SystemExit(f"error: {exc}") from None
-    from bench import gguf_models  # (numpy and gguf: after the kind is applied, to be safe)
+    from bench.lib import gguf_models  # (numpy and gguf: after the kind is applied, to be safe)
 
     args.model = gguf_models.resolve(args.model)  # a bench model's name (llama1b-q4_k_m): made once
     peer = make_peer(args, acting) if args.peer_llama_cpp else None

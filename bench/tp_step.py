@@ -26,14 +26,11 @@ import multiprocessing
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HIDDEN, VOCAB = 512, 49152
 SHAPES = {"decode1": (1, 1), "decode32": (32, 1), "prefill256": (1, 256)}  # rows, tokens per row
@@ -70,7 +67,7 @@ def _serve(
     os.sched_setaffinity(0, cores)
     import torch
 
-    from bench.worker_step import PAGE_SIZE, prepare, prepare_prefill
+    from bench.lib.worker_batches import PAGE_SIZE, prepare, prepare_prefill
     from gpu_worker.backends.cpu.shm_allreduce import ShmAllReduce
     from gpu_worker.backends.torch_ref.backend import gloo_all_reduce
     from gpu_worker.config import WorkerConfig

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.launch import rivulet_server
+from bench.lib.launch import rivulet_server
 
 HELD = re.compile(r"weights held: ([0-9.]+) MB")
 PATHS = re.compile(r"matmul paths \(Linears\): ([^;]+);")

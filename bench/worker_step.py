@@ -1,12 +1,12 @@
 """Per-step cost of the model runner alone: no sockets, no scheduler, one process.
 
-    python bench/worker_step.py                       # SmolLM2, auto dtype
-    python bench/worker_step.py --dtype float32,bfloat16 --rounds 3 --json out.json
-    python bench/worker_step.py --profile decode32    # torch.profiler table of one shape
-    python bench/worker_step.py --dtype bfloat16,bfloat16:torch --rounds 3   # C kernels vs torch
-    python bench/worker_step.py --dtype bfloat16,bfloat16:gguf --rounds 3    # bf16 vs GGUF blocks
-    python bench/worker_step.py --dtype float32:gguf,float32:gguf-modules --rounds 3  # one call vs modules
-    python bench/worker_step.py --dtype float32:gguf --kv-cache-dtypes float32,bfloat16,float16 \
+    python -m bench.worker_step                       # SmolLM2, auto dtype
+    python -m bench.worker_step --dtype float32,bfloat16 --rounds 3 --json out.json
+    python -m bench.worker_step --profile decode32    # torch.profiler table of one shape
+    python -m bench.worker_step --dtype bfloat16,bfloat16:torch --rounds 3   # C kernels vs torch
+    python -m bench.worker_step --dtype bfloat16,bfloat16:gguf --rounds 3    # bf16 vs GGUF blocks
+    python -m bench.worker_step --dtype float32:gguf,float32:gguf-modules --rounds 3  # one call vs modules
+    python -m bench.worker_step --dtype float32:gguf --kv-cache-dtypes float32,bfloat16,float16 \
         --decode-batches 1 --context 2048 --prefill 0 --rounds 3      # the KV pool's dtype
 
 Shapes: decode at batch 1 / 8 / 32 (every row with ``--context`` tokens of KV
@@ -21,62 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpu_worker.backends.cpu.backend import CpuBackend  # noqa: E402
-from gpu_worker.config import WorkerConfig  # noqa: E402
-from gpu_worker.model_runner import ModelRunner  # noqa: E402
-from gpu_worker.weights.model_files import resolve_model, source_gguf  # noqa: E402
-from protocol.messages import ForwardBatch
-from protocol.sampling import WorkerSampling
-
-GREEDY = WorkerSampling(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0)
-PAGE_SIZE = 16
-
-
-def batch(step: int, rows: int, prefix_len: int, extend_len: int, first: bool) -> ForwardBatch:
-    """``rows`` rows in slots 0..rows-1, each owning pages [slot * P, (slot + 1) * P).
-
-    ``first``: the batch that hands the pages out and sets the sampler (later
-    steps repeat the same positions and overwrite the same KV, as far as cost goes
-    the same as a real decode at that context).
-    """
-    pages_per_row = -(-(prefix_len + extend_len + 1) // PAGE_SIZE)  # + the decode steps' token
-    return ForwardBatch(
-        step=step,
-        slots=list(range(rows)),
-        prefix_lens=[prefix_len] * rows,
-        extend_lens=[extend_len] * rows,
-        input_ids=[(7 * i + 11) % 40000 + 100 for i in range(rows * extend_len)],
-        page_starts=[0] * rows,
-        page_counts=[pages_per_row if first else 0] * rows,
-        pages=[p for r in range(rows) for p in range(r * pages_per_row, (r + 1) * pages_per_row)]
-        if first
-        else [],
-        sample=[True] * rows,
-        sampler=[GREEDY if first else None] * rows,
-    )
-
-
-def prepare(runner: ModelRunner, rows: int, context: int) -> Callable[[int], None]:
-    """Fill ``rows`` slots with ``context`` tokens of KV; return a step(step_no) running one decode."""
-    runner.execute(batch(0, rows, 0, context, first=True))
-    return lambda step: _run(runner, batch(step, rows, context, 1, first=False))
-
-
-def prepare_prefill(runner: ModelRunner, tokens: int) -> Callable[[int], None]:
-    runner.execute(batch(0, 1, 0, tokens, first=True))
-    return lambda step: _run(runner, batch(step, 1, 0, tokens, first=False))
-
-
-def _run(runner: ModelRunner, b: ForwardBatch) -> None:
-    runner.execute(b)
+from bench.lib.worker_batches import PAGE_SIZE, prepare, prepare_prefill
+from gpu_worker.backends.cpu.backend import CpuBackend
+from gpu_worker.config import WorkerConfig
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.weights.model_files import resolve_model, source_gguf
 
 
 def shapes(args: argparse.Namespace) -> dict[str, tuple[int, int]]:

@@ -117,7 +117,7 @@ def _join_experts(held: dict[str, torch.Tensor]) -> None:
 
 
 def copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> None:
-    """Every ``tokenizer.*`` field of ``source`` (bench/gguf_models.py does the same)."""
+    """Every ``tokenizer.*`` field of ``source`` (bench/lib/gguf_models.py does the same)."""
     reader = gguf.GGUFReader(str(source))
     for key, field in reader.fields.items():
         if key.startswith("tokenizer.") and not key.endswith(

@@ -7,7 +7,7 @@ A ```bash block's commands are read as the shell would split them. What each kin
   their flags (they must agree) on a temp endpoint and a free HTTP port;
 - ``python -m client ...``, ``python -c ...`` and ```python blocks are requests: run against that
   engine (the default endpoint and port 8000 replaced by the engine's);
-- ``python -m bench.X ...`` / ``python bench/X.py ...``: parsed by that module's own argparse parser;
+- ``python -m bench.X ...`` (the one way a bench script runs): parsed by that module's own argparse parser;
   run against the engine with the tiny settings of the block's marker
   ``<!-- docs-test: smoke ARGS -->`` (ARGS appended), or only parsed under
   ``<!-- docs-test: parse-only (why) -->``; an unmarked bench block is an error;
@@ -104,8 +104,10 @@ def commands(script: str) -> Iterator[list[str]]:
 def kind_of(cmd: list[str]) -> str:
     if cmd[:2] == ["python", "launcher.py"]:
         return "engine"
-    if cmd[:2] == ["python", "-m"] and cmd[2].startswith("bench.") or re.fullmatch(r"bench/\w+\.py", cmd[1]):
+    if cmd[:2] == ["python", "-m"] and cmd[2].startswith("bench."):
         return "bench"
+    if re.fullmatch(r"bench/.+\.py", cmd[1]):
+        raise AssertionError(f"bench scripts run as python -m bench.NAME: {shlex.join(cmd)}")
     if cmd[:3] == ["python", "-m", "client"]:
         return "client"
     if cmd[:2] == ["python", "-c"]:

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from bench import serving, sweep, sweeps
-from bench.launch import pid_alive, rejected_flags
-from bench.records import read_records
+from bench import serving as serving_script
+from bench import sweep
+from bench.lib import serving, sweep_runner, sweeps
+from bench.lib.launch import pid_alive, rejected_flags
+from bench.lib.records import read_records
 from tests.integration.engine import running_engine
 
 ENGINE_FLAGS = ("--num-threads", "1", "--kv-cache-tokens", "2048")
@@ -25,10 +27,10 @@ def test_serving_counts_every_token_of_a_real_engine(
         random_args = ["--workload", "random", "--num-requests", "6", "--input-len", "20",
                        "--output-len", "5", "--range-ratio", "0.5", "--max-concurrency", "3",
                        "--label", "r"]  # fmt: skip
-        assert serving.main([*target, *random_args]) == 0
+        assert serving_script.main([*target, *random_args]) == 0
         seeds_args = ["--prompt-repeats", "40,1", "--unique-prompts", "--num-requests", "4",
                       "--max-new-tokens", "3", "--no-stop-on-eos", "--submit-interval-ms", "20"]  # fmt: skip
-        assert serving.main([*target, *seeds_args]) == 0
+        assert serving_script.main([*target, *seeds_args]) == 0
     out = capsys.readouterr().out
     assert out.count("=== streaming benchmark ===") == 2 and "Label: r" in out
     rand, seeds = read_records(records)
@@ -53,9 +55,9 @@ def test_sweep_interleaves_reports_na_and_stops_every_engine(tiny_llama_dir: Pat
     spec = sweeps.Sweep(
         "t", "test", "-", tuple(sweeps.Variant(e.label, e, workload) for e in (a, b, missing))
     )
-    opts = sweep.SweepOptions(repeats=2, model=str(tiny_llama_dir), engine_flags=ENGINE_FLAGS,
+    opts = sweep_runner.SweepOptions(repeats=2, model=str(tiny_llama_dir), engine_flags=ENGINE_FLAGS,
                               workdir=tmp_path / "w", records=tmp_path / "runs.jsonl")  # fmt: skip
-    result = sweep.run_sweep(spec, opts)
+    result = sweep_runner.run_sweep(spec, opts)
     status = {v.label: v.status for v in result.variants}
     assert status["chunk 16"] == status["cap 1"] == "ok"
     assert status["future"].startswith("n/a (flag not available") and "--no-such-flag-yet" in status["future"]

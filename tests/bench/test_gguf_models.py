@@ -1,4 +1,4 @@
-"""bench/gguf_models.py on a small shape: llama.cpp's Q4_K_M mix, sane random weights, the embedded
+"""bench/lib/gguf_models.py on a small shape: llama.cpp's Q4_K_M mix, sane random weights, the embedded
 GGUF's tokenizer fields, and bench model names resolved to made files."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import gguf
 import numpy as np
 import pytest
 
-from bench import gguf_models
-from bench.gguf_models import Q, Shape
+from bench.lib import gguf_models
+from bench.lib.gguf_models import Q, Shape
 from gpu_worker.weights.model_files import embedded_gguf_path
 
 SMALL = Shape("small", hidden=256, layers=16, heads=4, kv_heads=2, ffn=512)

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from bench import gguf_models
-from bench.gguf_models import QWEN3_MOE_30B, Q, Shape
+from bench.lib import gguf_models
+from bench.lib.gguf_models import QWEN3_MOE_30B, Q, Shape
 from gpu_worker.backends.cpu.experts import QuantExperts
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner

@@ -8,7 +8,7 @@ import pytest
 
 from bench import grammar_cost
 from bench.grammar_cost import SCHEMAS, format_table, schema_grammar
-from bench.records import read_records
+from bench.lib.records import read_records
 
 
 def test_the_table_gives_the_ratio_and_the_ttft_added() -> None:

@@ -1,4 +1,5 @@
-"""bench/llama_cpp.py without llama.cpp: cmake flags per kind, the cache, the command, --peer resolution.
+"""bench/llama_cpp.py and bench/lib/llama_cpp.py without llama.cpp: cmake flags per kind, the cache,
+the command, --peer resolution.
 
 The one real build compiles a stand-in CMake project with a ``llama-server`` target (seconds),
 so the download of the sdist and llama.cpp's own 6-12 minute build are never needed here.
@@ -14,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from bench import llama_cpp
+from bench import llama_cpp as llama_cpp_script
+from bench.lib import llama_cpp
 from gpu_worker.backends.cpu.kind import CpuKind
 
 
@@ -77,12 +79,12 @@ def test_path_looks_in_the_cache_dir(
 ) -> None:
     monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
     assert llama_cpp.binary_path("avx2") == tmp_path / "llama.cpp" / "avx2" / "llama-server"
-    assert llama_cpp.main(["path", "--kind", "avx2"]) == 1
+    assert llama_cpp_script.main(["path", "--kind", "avx2"]) == 1
     assert "python -m bench.llama_cpp build --kind avx2" in capsys.readouterr().err
     built = _fake_binary(llama_cpp.binary_path("avx2"))
-    assert llama_cpp.main(["path", "--kind", "avx2"]) == 0
+    assert llama_cpp_script.main(["path", "--kind", "avx2"]) == 0
     assert capsys.readouterr().out.strip() == str(built)
-    assert llama_cpp.main(["path", "--kind", "avx512"]) == 1
+    assert llama_cpp_script.main(["path", "--kind", "avx512"]) == 1
 
 
 def test_build_skips_a_cached_binary_unless_forced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from bench import long_context
-from bench.launch import descendants, pid_alive
-from bench.records import read_records
+from bench.lib.launch import descendants, pid_alive
+from bench.lib.records import read_records
 
 
 def _run(tps32: float, ttft32: float, tps512: float, ttft512: float) -> dict[str, float]:

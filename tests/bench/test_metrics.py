@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench.metrics import Dist, RequestResult, format_block, percentile, samples_ms, summarize
+from bench.lib.metrics import Dist, RequestResult, format_block, percentile, samples_ms, summarize
 
 
 def test_percentile_interpolates_between_order_statistics() -> None:

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from bench.backends import OpenAIBackend, parse_event
-from bench.metrics import RequestResult, summarize
-from bench.serving import run_requests
-from bench.workloads import WorkItem
+from bench.lib.backends import OpenAIBackend, parse_event
+from bench.lib.metrics import RequestResult, summarize
+from bench.lib.serving import run_requests
+from bench.lib.workloads import WorkItem
 
 
 class FakeServer:

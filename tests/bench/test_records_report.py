@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench import report, writeup
-from bench.metrics import RequestResult, Summary, samples_ms, summarize
-from bench.records import RECORD_KEYS, SCHEMA_VERSION, append_record, make_record, read_records
+from bench.lib import report, writeup
+from bench.lib.metrics import RequestResult, Summary, samples_ms, summarize
+from bench.lib.records import RECORD_KEYS, SCHEMA_VERSION, append_record, make_record, read_records
 
 SUMMARY_KEYS = {
     "num_requests", "num_failed", "prompt_tokens", "completion_tokens", "cached_tokens", "duration_s",
@@ -105,7 +105,7 @@ def test_a_new_sweep_keeps_the_sections_measured_by_hand(tmp_path: Path) -> None
 
 
 def test_a_later_sweep_replaces_its_namesake_and_says_when_it_ran() -> None:
-    from bench.sweep import merge
+    from bench.lib.sweep_runner import merge
 
     base: dict[str, Any] = {"time": "t0", "sweeps": [{"name": "a", "v": 1}, {"name": "b", "v": 1}]}
     later: dict[str, Any] = {"time": "t1", "git_commit": "c1", "command": "python -m bench.sweep --sweeps b",

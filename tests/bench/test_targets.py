@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
-from bench import llama_cpp, probes, targets
-from bench.launch import pid_alive
-from bench.metrics import RequestResult
-from bench.records import read_records
+from bench import targets
+from bench.lib import llama_cpp, probes
+from bench.lib.launch import pid_alive
+from bench.lib.metrics import RequestResult
+from bench.lib.records import read_records
 from gpu_worker.backends.cpu import kind as cpu_kind
 
 METRICS_TEXT = """\

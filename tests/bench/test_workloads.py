@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.workloads import (
+from bench.lib.workloads import (
     WordPool,
     arrival_offsets_s,
     parse_repeats,

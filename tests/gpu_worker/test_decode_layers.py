@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from bench import gguf_models
+from bench.lib import gguf_models
 from gpu_worker.backends.cpu.attention import KERNEL_MAX_EXTEND
 from gpu_worker.backends.cpu.backend import CpuBackend
 from gpu_worker.backends.cpu.layouts import X8_LAYOUT
@@ -42,7 +42,7 @@ ONE_TYPE = {
 MIXED = ONE_TYPE | {"attn_q": Q.Q8_0, "attn_k": Q.Q4_1, "attn_v": Q.Q4_0, "ffn_up": Q.Q4_1}
 
 
-# A 4-layer Llama in llama.cpp's Q4_K_M mix (bench/gguf_models.py: v and down in Q6_K in layers 2
+# A 4-layer Llama in llama.cpp's Q4_K_M mix (bench/lib/gguf_models.py: v and down in Q6_K in layers 2
 # and 3, Q4_K elsewhere, the tied embedding Q6_K), with SmolLM2's vocabulary.
 SMALL_Q4_K_M = gguf_models.Shape("small", hidden=256, layers=4, heads=4, kv_heads=2, ffn=512)
 

@@ -7,8 +7,8 @@ import contextlib
 import os
 from collections.abc import Sequence
 
-from bench import launch
-from bench.metrics import RequestResult
+from bench.lib import launch
+from bench.lib.metrics import RequestResult
 
 BUSY_COUNTER, BUSY_CLOCK = "rivulet_worker_busy_seconds_total", "rivulet_worker_clock_seconds"
 STATS_LAG_S = 0.5  # the scheduler sends the worker's counters at most this often (STATS_INTERVAL_S)

@@ -17,7 +17,7 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 RECORD_KEYS = ("schema", "kind", "time", "git_commit", "machine", "config", "metrics", "samples")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def git_commit() -> str:

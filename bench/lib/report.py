@@ -1,7 +1,7 @@
 """The tables of docs/benchmarks.md, from a sweep manifest (a plain dict, see sweep.py).
 
-Each cell is the median over repeats with the spread (min-max) in parentheses. bench/writeup.py
-writes the file from these tables and bench/plots.py's PNGs (CDFs of TTFT and ITL per
+Each cell is the median over repeats with the spread (min-max) in parentheses. bench/lib/writeup.py
+writes the file from these tables and bench/lib/plots.py's PNGs (CDFs of TTFT and ITL per
 configuration; throughput and TTFT p99 against concurrency).
 """
 

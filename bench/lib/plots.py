@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.report import values
+from bench.lib.report import values
 
 
 def _pyplot() -> Any:

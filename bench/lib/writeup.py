@@ -6,7 +6,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from bench import plots, report
+from bench.lib import plots, report
 
 LLAMA_CPP_RECIPE = """\
 llama.cpp serves the same GGUF over the OpenAI API, so it is measured by the same code
@@ -121,7 +121,7 @@ python -m bench.offline --baseline hf      # 64 prompts at once, rivulet vs HF g
 python -m bench.sweep                      # the scheduling pairs + concurrency + offline, ~20 min
 python -m bench.sweep --quick              # the same with tiny workloads
 python -m bench.targets                    # the serving targets (below)
-python bench/logprobs_cost.py              # a 32-stream decode step: no logprobs vs top_logprobs=20
+python -m bench.logprobs_cost              # a 32-stream decode step: no logprobs vs top_logprobs=20
 python -m bench.penalty_cost               # 32 streams with penalties on every request vs without
 python -m bench.penalty_step               # the worker's 32-row decode step with and without them
 python -m bench.grammar_cost               # 32 streams with a JSON schema each vs without; schema TTFT

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 300.0
 STOP_GRACE_S = 10.0
 ARGPARSE_EXIT = 2  # argparse's exit status for a bad command line
@@ -197,3 +198,9 @@ def openai_server(
     with _started(Server(name, proc, base_url.rstrip("/"), log_path)) as server:
         _wait_http_ready(server, time.monotonic() + ready_timeout_s)
         yield server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -7,11 +7,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from bench.probes import BUSY_CLOCK, BUSY_COUNTER
-from bench.report import cell
+from bench.lib.probes import BUSY_CLOCK, BUSY_COUNTER
+from bench.lib.report import cell
 
 if TYPE_CHECKING:
-    from bench.llama_cpp import Peer
+    from bench.lib.llama_cpp import Peer
 
 ANCHOR_HEADERS = ("HF generate fp32", "HF generate bf16", "llama.cpp Q4_1 -np 32", "roofline bf16")
 

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from bench.workloads import WorkItem
+from bench.lib.workloads import WorkItem
 from client import AsyncClient
 from protocol.messages import FinishReason
 
