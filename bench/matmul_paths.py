@@ -27,7 +27,7 @@ KIND = apply_to_environ()  # before torch loads
 import torch  # noqa: E402
 
 from gpu_worker.backends.cpu import kernels as cpu_kernels  # noqa: E402
-from gpu_worker.backends.cpu.matmul import _blocked, _blocked_linear, can_pack  # noqa: E402
+from gpu_worker.backends.cpu.matmul import can_pack, onednn_blocked, onednn_linear  # noqa: E402
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, o, gate_up, down [out, in]
 LAYERS = 30
@@ -50,15 +50,15 @@ def _paths(kernels: cpu_kernels.CpuKernels | None) -> dict[str, Callable[[torch.
     if kernels is not None:
         paths["c"] = lambda x: [kernels.matmul(x_for(x, w.shape[1]), w) for w in plain]
     if can_pack(torch.bfloat16, KIND):
-        packed = [_blocked(w) for w in plain]
+        packed = [onednn_blocked(w) for w in plain]
         paths["onednn"] = lambda x: (
-            [_blocked_linear(x_for(x, w.shape[1]), p, None) for w, p in zip(plain, packed, strict=True)]
+            [onednn_linear(x_for(x, w.shape[1]), p, None) for w, p in zip(plain, packed, strict=True)]
         )
     if can_pack(torch.float32, KIND):
-        fp32 = [_blocked(w.float()) for w in plain]
+        fp32 = [onednn_blocked(w.float()) for w in plain]
         paths["onednn_fp32"] = lambda x: (
             [
-                _blocked_linear(x_for(x, w.shape[1]).float(), p, None).bfloat16()
+                onednn_linear(x_for(x, w.shape[1]).float(), p, None).bfloat16()
                 for w, p in zip(plain, fp32, strict=True)
             ]
         )

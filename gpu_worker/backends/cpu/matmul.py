@@ -72,12 +72,14 @@ def can_pack(dtype: torch.dtype, kind: CpuKind) -> bool:
     return usable and (dtype == torch.float32 or (dtype == torch.bfloat16 and kind.includes(CpuKind.AVX512)))
 
 
-def _blocked(weight: torch.Tensor) -> torch.Tensor:
+def onednn_blocked(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] in oneDNN's blocked layout, for ``onednn_linear``."""
     # The row-count hint picks the blocking; 32 suits decode batches, any count still works.
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 32)
 
 
-def _blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias) with ``weight`` from ``onednn_blocked``."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -107,9 +109,9 @@ class CpuLinear:
         self.kernels = kernels
         self.bias = None if bias is None else bias.detach()
         self.plain = weight.detach().contiguous() if self.c_max_rows > 0 else None
-        self.packed = _blocked(weight) if in_between and can_pack(dtype, kind) else None
+        self.packed = onednn_blocked(weight) if in_between and can_pack(dtype, kind) else None
         self.unpacked = weight.detach() if in_between and self.packed is None else None
-        self.fp32 = _blocked(weight.float()) if self.fp32_min_rows is not None else None
+        self.fp32 = onednn_blocked(weight.float()) if self.fp32_min_rows is not None else None
         self.fp32_bias = None if bias is None or self.fp32 is None else bias.detach().float()
 
     def tensors(self) -> list[torch.Tensor]:
@@ -144,11 +146,11 @@ class CpuLinear:
             return self.kernels.matmul(x, self.plain, self.bias, residual)
         if self.fp32_min_rows is not None and rows >= self.fp32_min_rows:
             assert self.fp32 is not None
-            out = _blocked_linear(x.to(torch.float32), self.fp32, self.fp32_bias).to(x.dtype)
+            out = onednn_linear(x.to(torch.float32), self.fp32, self.fp32_bias).to(x.dtype)
             return out if residual is None else residual + out
         if self.packed is not None:
             if residual is None:
-                return _blocked_linear(x, self.packed, self.bias)
+                return onednn_linear(x, self.packed, self.bias)
             # The add as the matmul's post-op: one op, one rounding of the sum.
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
         assert self.unpacked is not None, "a row count no path takes"
