@@ -38,7 +38,7 @@ from launcher_flags import (
     tokenizer_config,
     worker_config,
 )
-from protocol import WorkerReady
+from protocol import Ready, WorkerReady
 from protocol.transport import Endpoints, replica_name
 
 __all__ = [
@@ -71,10 +71,13 @@ def _signal_wakeup() -> tuple[socket.socket, socket.socket]:
     return rsock, wsock
 
 
-def _start(engine: Engine, args: argparse.Namespace, endpoints: Endpoints, model_path: str) -> WorkerReady:
+def _start(
+    engine: Engine, args: argparse.Namespace, endpoints: Endpoints, model_path: str
+) -> tuple[WorkerReady, Ready]:
     """Start every child of the head node: the workers (one per data-parallel replica and this
     node's tensor-parallel ranks, each on its share of the cores) and the tokenizer, then each
-    replica's scheduler once its worker reported its KV pool. Returns replica 0's WorkerReady."""
+    replica's scheduler once its worker reported its KV pool. Returns replica 0's WorkerReady and
+    the tokenizer's Ready (with the HTTP port it bound)."""
     from gpu_worker.weights.model_files import source_gguf
 
     replicas, ranks = range(args.dp_size), range(args.tp_size // args.nnodes)  # this node's ranks
@@ -95,9 +98,9 @@ def _start(engine: Engine, args: argparse.Namespace, endpoints: Endpoints, model
         assert isinstance(ready, WorkerReady), "the worker must report its KV pool"
         engine.start(replica_name("scheduler", i), scheduler_config(args, ready, i), endpoints.replica(i))
     engine.wait_ready({replica_name("scheduler", i) for i in replicas}, READY_TIMEOUT_S)
-    first = readies[workers[0]]
-    assert isinstance(first, WorkerReady)
-    return first
+    first, tokenizer = readies[workers[0]], readies["tokenizer"]
+    assert isinstance(first, WorkerReady) and isinstance(tokenizer, Ready)
+    return first, tokenizer
 
 
 def _start_worker_node(
@@ -153,13 +156,14 @@ def serve(args: argparse.Namespace) -> int:
     endpoints = Endpoints.in_dir(run_dir, client=endpoint)
     engine = Engine(endpoints, args.log_level)
     try:
-        ready = _start(engine, args, endpoints, model_path)
+        ready, tokenizer = _start(engine, args, endpoints, model_path)
         pids = " ".join(f"{n}={p.pid}" for n, p in engine.children.items())
         logger.info(
             "model %s on %s/%s: %d KV pages of %d tokens, context %d",
             model_path, ready.device, ready.dtype, ready.num_pages, ready.page_size, ready.context_len,
         )  # fmt: skip
-        http = f" http=http://{args.http_host}:{args.http_port}" if args.http_port is not None else ""
+        port = tokenizer.http_port  # the one bound: --http-port 0 takes any free port
+        http = f" http=http://{args.http_host}:{port}" if port is not None else ""
         print(f"rivulet ready: endpoint={endpoint}{http} pids: {pids}", flush=True)
         engine.supervise(wakeup)
         logger.info("shutting down")

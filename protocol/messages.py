@@ -277,6 +277,7 @@ class Ready(Msg):
 
     proc: str
     pid: int
+    http_port: int | None = None  # the tokenizer's: the port its HTTP API bound (--http-port 0: any free one)
 
 
 class WorkerReady(Msg):

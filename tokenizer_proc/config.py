@@ -19,7 +19,9 @@ class TokenizerConfig:
     model_path: str = given("", "the launcher: --model resolved to an HF directory")
     seed: int = seed_field()
     http_host: str = flag("127.0.0.1", "HTTP bind address (default: loopback only)", name="--host")
-    http_port: int | None = flag(None, "HTTP API port (default: off)")
+    http_port: int | None = flag(
+        None, "HTTP API port (default: off; 0: any free port, named in the ready line)"
+    )
     api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on /v1")
     served_model_name: str = flag(
         "rivulet", "model id on /v1 (default: model name)", unset_default=None

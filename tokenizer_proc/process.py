@@ -118,7 +118,9 @@ class TokenizerServer:
         try:
             if self._http is not None:
                 await self._http.start()
-            await self._to_launcher.send(self._codec.encode(Ready(proc="tokenizer", pid=os.getpid())))
+            http_port = None if self._http is None else self._http.port
+            ready = Ready(proc="tokenizer", pid=os.getpid(), http_port=http_port)
+            await self._to_launcher.send(self._codec.encode(ready))
             await asyncio.wait([stopper, *loops], return_when=asyncio.FIRST_COMPLETED)
             for task in loops:
                 if task.done():

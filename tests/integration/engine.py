@@ -24,13 +24,14 @@ class RunningEngine:
     endpoint: str
     child_pids: dict[str, int]
     log_path: Path
+    ready_line: str = ""  # "rivulet ready: endpoint=... [http=http://HOST:PORT] pids: ..."
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self) -> dict[str, int]:
         """Wait for the Ready line; its children's pids by name (gpu_worker.1: replica 1's)."""
-        line = _read_ready_line(self.proc, READY_TIMEOUT_S)
+        line = self.ready_line = _read_ready_line(self.proc, READY_TIMEOUT_S)
         pairs = re.findall(r"([\w.]+)=(\d+)", line.split("pids:", 1)[1])
         self.child_pids.update({name: int(pid) for name, pid in pairs})
         return self.child_pids
