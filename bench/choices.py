@@ -7,7 +7,7 @@ One engine is started with its HTTP API; each round sends a fresh random prompt 
 ``--input-len`` token ids once with n = 1 and once with n = ``--n`` (alternating which goes first),
 streamed, temperature 1, EOS ignored, and measures the time to the first streamed chunk (TTFT)
 and the prompt tokens the engine computed (``rivulet_prefill_tokens_total`` in /metrics, read
-before and after: prefix-cache hits and forked choices skip it). The issue's targets: prompt
+before and after: prefix-cache hits and forked choices skip it). The targets: prompt
 tokens computed for n = 8 equal the prompt's length, TTFT within 1.5x of n = 1.
 """
 

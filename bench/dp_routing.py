@@ -10,7 +10,7 @@ interleaved), on bench/serving.py's shared-prefix workload: ``--groups`` groups 
 ``--questions`` questions behind ``--system-len``-token system prompts, ``--concurrency`` in
 flight, each replica's KV pool (``--kv-cache-tokens``) holding about half of the prefixes. It
 reports the prefix-cache hit rate (cached / prompt tokens, from /metrics) and TTFT p50; the
-issue's target is cache_aware's hit rate >= 1.8x round_robin's, with a lower TTFT p50.
+target is cache_aware's hit rate >= 1.8x round_robin's, with a lower TTFT p50.
 
 ``streams``: 32 streams of the random workload on ``--dp-size 1`` (every core to one worker)
 and ``--dp-size 2`` (a core each), interleaved; it reports output tok/s and the ratio.

@@ -9,7 +9,7 @@ only for its chosen token's logprob).
 The configurations run round-robin on one runner (A B C A B C ...), so a noisy neighbour hits
 each alike; every step re-sends slot 0's sampler, in every configuration, so they differ only
 in what slot 0 asks. The median step time is reported, and each configuration's ratio to the
-plain one (the issue's target: top_logprobs=20 within 10%).
+plain one (the target: top_logprobs=20 within 10%).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ One engine is started; each round runs bench/serving.py's random workload (32 re
 32 in flight, greedy, EOS ignored) once without penalties and once with presence, frequency
 and repetition penalties plus a logit_bias on every request, alternating which goes first,
 each on fresh prompts of the same lengths (so no run hits the other's prefix cache). Prints
-a table (output tok/s, TPOT p50, with / without per round; the issue's target is a ratio of
+a table (output tok/s, TPOT p50, with / without per round; the target is a ratio of
 at least 0.85) and appends one record.
 """
 

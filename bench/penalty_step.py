@@ -7,7 +7,7 @@ One ModelRunner, two groups of 32 slots with the same prompts: one greedy, one g
 with presence, frequency and repetition penalties and a logit_bias. After each group's
 prefill, decode steps of the two groups alternate (A B A B ...), so a noisy neighbour on
 a shared CPU hits both alike; the median step time of each is reported, and their ratio
-is the output tok/s with penalties over without (the issue's target: at least 0.85).
+is the output tok/s with penalties over without (the target: at least 0.85).
 bench/penalty_cost.py measures the same through the whole engine, where the CPU is quiet.
 """
 

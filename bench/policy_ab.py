@@ -31,10 +31,10 @@ from bench.lib import launch, report, serving, sweep_runner, sweeps
 from bench.lib.metrics import RequestResult
 
 # Every engine: float32 (bf16 matmuls are slow on CPUs without native bf16), a fixed KV pool
-# (kv-mem-fraction would give each of several engines a fifth of the RAM), the seeds' budget.
+# (kv-mem-fraction would give each of several engines a fifth of the RAM), roseinfer's budget.
 COMMON = ("--dtype", "float32", "--kv-cache-tokens", "16384", "--max-prefill-tokens", "256")
 HOL = ("--prompt", "Hello", "--prompt-repeats", "512,1,1,1", "--unique-prompts", "--no-stop-on-eos")
-# The seeds' burst: all requests at once. Scaled to ~1 minute per run with SmolLM2 on 2 cores
+# roseinfer's burst: all requests at once. Scaled to ~1 minute per run with SmolLM2 on 2 cores
 # shared with other work (5-10 output tok/s at the time of writing).
 BURST = (*HOL, "--num-requests", "12", "--max-new-tokens", "16")
 # Arrivals spread out, so prefills keep landing between decode steps of running requests.

@@ -1,4 +1,4 @@
-"""Online streaming benchmark: the seeds' benchmark_streaming, against rivulet or any OpenAI server.
+"""Online streaming benchmark: roseinfer's benchmark_streaming, against rivulet or any OpenAI server.
 
     python launcher.py &        # wait for "rivulet ready"
     python -m bench.serving --prompt Hello --prompt-repeats "512,1,1,1" --unique-prompts \\
@@ -7,7 +7,7 @@
         --workload random --input-len 32 --output-len 32 --max-concurrency 16
 
 Every request streams; TTFT, ITL, TPOT and latency are taken at the client as each chunk arrives
-(bench/lib/serving.py, bench/lib/metrics.py). Prints the seeds' block and appends one JSON record
+(bench/lib/serving.py, bench/lib/metrics.py). Prints benchmark_streaming's block and appends one JSON record
 per run to --result-file.
 """
 

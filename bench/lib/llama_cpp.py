@@ -63,7 +63,7 @@ ISA_ON = {
     "amx": _AVX2_ON | {"AVX512", "AVX512_BF16", "AVX512_VNNI", "AMX_TILE", "AMX_INT8", "AMX_BF16"},
 }
 # The build ``--peer-llama-cpp auto`` takes for a kind rivulet acts as, where it is not the kind's own:
-# llama.cpp's AMX path crashed (ggml_backend_amx_mul_mat) on the version measured in issue 31, so an
+# llama.cpp's AMX path crashed (ggml_backend_amx_mul_mat) on the version measured, so an
 # AMX CPU's peer is the avx512_bf16 build (AMX off); a later AMX build can be passed as a PATH.
 PEER_BUILD = {"amx": "avx512_bf16"}
 

@@ -1,6 +1,6 @@
 """Latency and throughput metrics from client-side timestamps (pure: no I/O, no clocks).
 
-Definitions follow the seeds' benchmark_streaming (DESIGN.md section 4):
+Definitions follow roseinfer's benchmark_streaming:
 
 - TTFT: first token's arrival - submit time.
 - ITL: every gap between consecutive tokens of one request, pooled over requests.
@@ -155,7 +155,8 @@ def _fmt(d: Dist) -> str:
 
 
 def format_block(s: Summary, header: dict[str, str]) -> str:
-    """The seeds' "=== streaming benchmark ===" block, plus mean, request rate and cached tokens."""
+    """benchmark_streaming's "=== streaming benchmark ===" block, plus mean, request rate and cached
+    tokens."""
     lines = ["=== streaming benchmark ==="]
     lines += [f"{k}: {v}" for k, v in header.items()]
     lines += [

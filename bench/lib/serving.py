@@ -1,4 +1,4 @@
-"""The online streaming benchmark's run (the seeds' benchmark_streaming), against rivulet over ZMQ
+"""The online streaming benchmark's run (roseinfer's benchmark_streaming), against rivulet over ZMQ
 or any OpenAI-compatible server: the parser its flags come from, the workload they build, and the
 requests sent at their arrival times with a concurrency cap. Every request streams; TTFT, ITL, TPOT
 and latency are taken at the client as each chunk arrives (bench/lib/metrics.py). The command is
@@ -39,7 +39,7 @@ DEFAULT_RESULTS = Path(__file__).resolve().parents[1] / "results" / "serving.jso
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="rivulet streaming benchmark (the seeds' benchmark_streaming)")
+    p = argparse.ArgumentParser(description="rivulet streaming benchmark (roseinfer's benchmark_streaming)")
     add = p.add_argument
     add("--backend", choices=("zmq", "openai"), default="zmq")
     add("--endpoint", default=None, help="zmq: the engine's client socket (default: $RIVULET_ENDPOINT)")

@@ -2,7 +2,7 @@
 
 Three generators, all returning ``WorkItem``s:
 
-- ``seeds_workload``: the seeds' "Hello" prompts, ``--prompt-repeats "512,1,1,1"`` cycling
+- ``seeds_workload``: benchmark_streaming's "Hello" prompts, ``--prompt-repeats "512,1,1,1"`` cycling
   over requests (request i repeats the prompt ``repeats[i % len(repeats)]`` times),
   ``--unique-prompts`` putting "SEED.NUMBER: " first so no two prompts share a prefix (nor do
   two runs with different seeds, which keeps a prefix cache from carrying hits between runs).
@@ -83,7 +83,7 @@ def seeds_workload(
     ignore_eos: bool,
     seed: int = 0,
 ) -> list[WorkItem]:
-    """The seeds' benchmark_streaming prompts (text only: the engine tokenizes them)."""
+    """roseinfer's benchmark_streaming prompts (text only: the engine tokenizes them)."""
     items = []
     for i in range(num_requests):
         text = " ".join([prompt] * repeats[i % len(repeats)])

@@ -1,7 +1,8 @@
 """A decode step's decoder layers in one C call (csrc/decode_layers.c), for Llama models on GGUF blocks.
 
-At one stream a step of the embedded model spends ~10 ms in its matmuls and ~4 ms around them: ~270
-kernel calls a step, each a module call, a ctypes call and an output tensor in Python. When every row
+At one stream a step of the embedded model makes ~270 kernel calls, each a module call, a ctypes
+call and an output tensor in Python: a large share of the step around its matmuls (docs/benchmarks.md,
+the one-call decode). When every row
 of a step decodes and every Linear of every layer is a ``QuantLinear`` without bias, the layers run as
 one call that makes the same kernel calls in the same order, so the hidden states equal the modules'
 bit for bit (tests/gpu_worker/test_decode_layers.py). A merged Linear whose projections differ in type

@@ -97,8 +97,8 @@ def _k_order(ggml_type: int) -> np.ndarray:
 def _permute_groups(blocks: QuantBlocks, order: np.ndarray, back: bool = False) -> torch.Tensor:
     """[rows, row_bytes] with each group block's bytes taken in ``order`` (rows the slots of their
     group, blocks in turn); ``back``: from the interleaved layout to the file's. torch's byte gather
-    over [group blocks, 8 * block bytes] (multi-threaded; numpy's took 4x as long, most of a 1B
-    Q4_K_M model's start-up)."""
+    over [group blocks, 8 * block bytes] (multi-threaded; numpy's fancy indexing was most of a 1B
+    Q4_K_M model's start-up: ``python -m bench.startup``)."""
     n, row_bytes = blocks.data.shape
     bb = _BLOCK_BYTES[blocks.type]
     nb = row_bytes // bb

@@ -44,22 +44,21 @@ class MatmulPlan:
         assert self.fp32_min_rows is None or self.fp32_min_rows > self.c_max_rows, "paths overlap"
 
 
-# bf16 models, per kind (bench/matmul_paths.py, SmolLM2's 30 layers of weights, 2 threads):
+# bf16 models, per kind, from `python -m bench.matmul_paths` on each (its numbers in docs/benchmarks.md,
+# "What decides each matmul path"):
 PLANS: dict[CpuKind, MatmulPlan] = {
-    # Zen 5: the C gemv at 1 row (10.05 -> 9.46 ms a step); oneDNN bf16 beat its fp32 at every count.
+    # Zen 5: the C gemv at 1 row is faster than oneDNN; oneDNN bf16 beat its fp32 at every count.
     CpuKind.AVX512_BF16: MatmulPlan(c_max_rows=1, fp32_min_rows=None),
     # AMX: oneDNN's bf16 matmul takes the tiles from 2 rows (its brgemm); the C gemv at 1 row as on
     # Zen 5. Not measured here (no AMX CPU this session): `python -m bench.matmul_paths` on one.
     CpuKind.AMX: MatmulPlan(c_max_rows=1, fp32_min_rows=None),
-    # Xeon without BF16 or AMX: oneDNN bf16 emulated ran 0.83 ms a layer at 16 rows against 0.70 in
-    # fp32 (12.2 vs 8.0 at 256); below 16 rows the weights' bytes decide, which the C kernel (the
-    # AVX2 build) halves against fp32 as on AVX2. Inferred, not measured: no such CPU this session;
-    # bench/matmul_paths.py on one gives the numbers to commit here.
+    # Xeon without BF16 or AMX: oneDNN bf16 is emulated, slower than its fp32 from 16 rows; below 16
+    # rows the weights' bytes decide, which the C kernel (the AVX2 build) halves against fp32 as on
+    # AVX2. Rows 1-15 inferred, not measured: `python -m bench.matmul_paths` on such a CPU decides.
     CpuKind.AVX512: MatmulPlan(c_max_rows=8, fp32_min_rows=16),
     CpuKind.AVX512_VNNI: MatmulPlan(c_max_rows=8, fp32_min_rows=16),  # (VNNI adds nothing to bf16)
-    # AVX2 (EPYC Zen 3, 2 cores; no oneDNN bf16 there). ms per 30-layer pass, C vs oneDNN fp32:
-    # 1 row 13.9 vs 30.1, 8: 21.9 vs 43.3, 32: 59.9 vs 77.9, 48: 108.7 vs 116.4, 64: 146.9 vs 140.7,
-    # 256: 476.8 vs 439.7. C through 48 rows, fp32 from 49.
+    # AVX2 (no oneDNN bf16 there): the C kernel through 48 rows, oneDNN fp32 from 49, where they
+    # crossed on an EPYC Zen 3.
     CpuKind.AVX2: MatmulPlan(c_max_rows=48, fp32_min_rows=49),
     # Portable: whatever torch does, in fp32 (bf16 matmuls are emulated element by element).
     CpuKind.PORTABLE: MatmulPlan(c_max_rows=0, fp32_min_rows=1),

@@ -1,10 +1,11 @@
 """The tensor-parallel all-reduce: through shared memory where every rank is on this machine (the C
 kernels' ``shm_all_reduce``, csrc/shm_allreduce.c), else gloo.
 
-gloo sums over loopback TCP: tens of microseconds per call even for one decode row's 576 floats,
-and a Llama step makes two calls per layer. Ranks on one machine need no socket: each copies its
+gloo sums over loopback TCP, a round trip per call even for one decode row's floats, and a Llama
+step makes two calls per layer. Ranks on one machine need no socket: each copies its
 partial sums into a region they all map, waits on the others' counters, sums its slice of every
-rank's values and copies the total back (bench/tp_step.py measures both; the faster is the default).
+rank's values and copies the total back. ``python -m bench.tp_step`` measures both (docs/benchmarks.md,
+"Tensor parallel on CPU"): shared memory is the faster, and the default.
 ``--tp-all-reduce gloo`` keeps gloo; ``shm`` refuses to start where the region cannot be used.
 """
 

@@ -1,19 +1,17 @@
 """How many CPU threads each forward uses, chosen from measured step times.
 
-On a small shared CPU the best thread count flips with what else runs. On the
-2-core dev machine, SmolLM2 bf16 (bench/worker_step.py): with the second core
-idle, 2 threads beat 1 by 1.3x at decode batch 1, 1.5x at batch 32 and 2x on
-a 256-token prefill; with one busy process beside the worker (the scheduler,
-the tokenizer, a client, or another tenant), 2 threads ran 2-4x SLOWER than 1,
-because every op waits at a barrier for the thread that lost its core. A fixed
-choice is wrong half the time, so the worker keeps the recent step times per
-(batch shape class, thread count), uses the count with the lower median, and
-re-tries the other for a few steps now and then, less and less often while it
-keeps losing. Medians, not means: a neighbour's burst makes single steps slow.
+On a small shared CPU the best thread count flips with what else runs: with the
+other cores idle more threads are faster at every shape, and with one busy process
+beside the worker (the scheduler, the tokenizer, a client, or another tenant) they
+are slower, because every op waits at a barrier for the thread that lost its core
+(docs/benchmarks.md, "Worker threads"). A fixed choice is wrong half the time,
+so the worker keeps the recent step times per (batch shape class, thread count),
+uses the count with the lower median, and re-tries the other for a few steps now
+and then, less and less often while it keeps losing. Medians, not means: a
+neighbour's burst makes single steps slow.
 
 Opt-in (``--tune-threads``): on an idle machine the re-tries and the many
-shape classes of a serving mix cost more than they find (32 streams: 190 vs
-221 tok/s with all cores fixed, medians of 3 interleaved runs).
+shape classes of a serving mix cost more than they find (docs/benchmarks.md).
 
 This module is pure: no torch, no clock. The runner measures and applies.
 """

@@ -9,7 +9,7 @@
  *
  * Why: at one activation row a matmul is bound by the weights' bytes, and with the file's layout
  * each (row, block) costs a horizontal sum or a scalar scale (a half converted, multiplied and
- * broadcast per row): the one-row tile ran at ~7 GB/s a core where the memory gives 12-15. Here one
+ * broadcast per row): the one-row tile ran well below the memory's pace (docs/benchmarks.md). Here one
  * 16-byte chunk widened to 16 int16 holds 2 weights of each of the 8 rows, so one madd against the
  * activation's 2 matching values, broadcast, gives each row's partial sum in its own 32-bit lane: a
  * block of 8 rows ends as one vector of 8 sums, met by one vector of 8 scales (one conversion of 8
@@ -82,7 +82,7 @@ static inline __attribute__((always_inline)) void x8_tile(const uint8_t *g, int6
                     s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(v, pair(xa[r][b].q + 2 * c)));
             }
         } else {
-#pragma GCC unroll 2 /* fully unrolled, gcc 12 spilled the accumulators: Q4_1 at 256 rows 422 -> 328 ms */
+#pragma GCC unroll 2 /* fully unrolled, gcc 12 spills the accumulators (docs/benchmarks.md) */
             for (int c = 0; c < 8; c++) {
                 const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * c)));
                 __m256i lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0f)), hi = _mm256_srli_epi16(v, 4);
