@@ -252,7 +252,7 @@ def test_decode_attention_writes_the_new_kv_first(
 def test_small_ops_match_the_torch_code_they_replace(
     kernels: cpu_kernels.CpuKernels, dtype: torch.dtype, rows: int
 ) -> None:
-    """RMSNorm (strided rows, a dim past one 256-element piece), rotary in place (other heads
+    """RMSNorm (strided rows, a dim past one 256-element piece, per head), rotary in place (other heads
     untouched), silu * up (magnitudes where exp saturates): bfloat16 bit for bit, float32 to rounding."""
     torch.manual_seed(1)
     same = torch.equal if dtype == torch.bfloat16 else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -264,6 +264,15 @@ def test_small_ops_match_the_torch_code_they_replace(
         else weight * F.rms_norm(x.float(), weight.shape, None, 1e-5).to(dtype)
     )
     assert same(kernels.rms_norm(x, weight, 1e-5), ref)
+
+    # RMSNorm per head (Qwen3's q and k norms): [T, heads, dim] views of a token's row, one call
+    # in float32 (bfloat16 keeps torch's path: over 64 dims the sums differ in the last bit).
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.randn(64).to(dtype)
+    heads = torch.randn(rows, 15, 64).to(dtype)[:, 3:12]
+    plain = norm(heads)
+    norm.fused = kernels
+    assert same(norm(heads), plain)
 
     qkv = torch.randn(rows, 15, 64).to(dtype)
     cos, signed_sin = torch.randn(rows, 1, 64).to(dtype), torch.randn(rows, 1, 64).to(dtype)
