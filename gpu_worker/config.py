@@ -45,7 +45,7 @@ class WorkerConfig:
     tune_threads: bool = flag(
         False,
         "with --num-threads 0: use all cores or half per batch shape, whichever measures faster "
-        "(for a CPU shared with other busy processes; costs ~15%% on an idle one)",
+        "(for a CPU shared with other busy processes; slower on an idle one)",
         negatable=True,
     )
     compile: bool = flag(

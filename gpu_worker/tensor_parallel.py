@@ -13,9 +13,9 @@ Per decoder layer (Megatron's split):
 The LM head is vocab-parallel: each rank computes the logits of its share of the vocabulary
 (``VocabGathered``), then every rank holds all of them and draws the same tokens (same seeds), so
 each keeps its per-slot state; rank 0 alone replies. A replicated head would have each rank read
-the whole table per step; bench/tp_step.py measured the split head plus its gather at 0.5-0.7x
-its time at 1 and 32 rows (docs/benchmarks.md). The embedding (a row lookup, cheap) and the norms
-are replicated.
+the whole table per step; the split head plus its gather takes less time at 1 and 32 rows
+(``python -m bench.tp_step``; docs/benchmarks.md, tensor parallel on CPU). The embedding (a row
+lookup, cheap) and the norms are replicated.
 A GGUF's blocks stay blocks (``QuantizedWeight``): a column-parallel Linear keeps whole rows, a
 row-parallel one its share of each row's blocks, which needs the share of the input to be whole
 blocks (32 or 256 weights); a split that is not is refused at start, naming the tensor. The

@@ -2,13 +2,13 @@
 
 ``resolve_model`` (gpu_worker/weights/model_files.py) gives a GGUF a directory holding config.json,
 generation_config.json and ``gguf.json`` (the file's path), no tokenizer: building one means reading
-the vocabulary (128k strings for Llama 3) and the merges, a few seconds, and the tokenizer process
-does it here, while the worker loads the weights. transformers builds it from the metadata
+the vocabulary (128k strings for Llama 3) and the merges, which takes seconds, and the tokenizer
+process does it here, while the worker loads the weights. transformers builds it from the metadata
 (``gguf_file=``) with the class its ``AutoTokenizer`` picks for the model type, as it would for the
 file itself; called through ``AutoTokenizer`` that path would also parse every metadata field with
-gguf's slow reader to make a config (30 s for a Llama 3 vocabulary on a small CPU), so the class is
-called directly. The saved files (tokenizer.json about 10 MB for 128k tokens) make every later start
-an ordinary HF directory load.
+gguf's slow reader to make a config (far slower still for a Llama 3 vocabulary: docs/benchmarks.md),
+so the class is called directly. The saved files (tokenizer.json about 10 MB for 128k tokens) make
+every later start an ordinary HF directory load.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ class GrammarError(ValueError):
 
 
 class CompiledGrammars:
-    """The model's xgrammar TokenizerInfo, built on first use (~1 s, once: it reads every token of
+    """The model's xgrammar TokenizerInfo, built on first use (once, slow: it reads every token of
     the tokenizer at ``model_path``), and the deserialized grammars by key, least recently used
     dropped first."""
 
@@ -206,7 +206,7 @@ class SlotGrammars:
         width = logits.shape[-1]
         bitmask = self._bitmask(rows, slots, width)
         if self.host_memory and logits.dtype in XGRAMMAR_CPU_DTYPES:
-            # xgrammar's C++ loop: ~0.3 ms for 32 rows of 49k, where unpacking in torch takes ~15.
+            # xgrammar's C++ loop, far faster than unpacking the bits in torch (docs/benchmarks.md).
             xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=rows)
             return logits
         # Elsewhere (CUDA, float64): unpack the bits on the logits' device, 32x less to copy there.

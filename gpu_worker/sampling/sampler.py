@@ -64,7 +64,8 @@ def gumbel_noise(
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
     """The first maximal index of each row of the logits as they are: float32 holds every bf16/fp16
     value exactly, so this picks what the float32 path picks, without the copy and the logsumexp
-    (1.6 vs 0.45 ms at 32 rows). A backend may pick faster (the CPU's C argmax: Backend.greedy)."""
+    (docs/benchmarks.md has both times). A backend may pick faster (the CPU's C argmax:
+    Backend.greedy)."""
     return logits.max(dim=-1).indices
 
 
@@ -74,7 +75,7 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, t
     if params.all_greedy and not params.want_logprobs:
         return greedy_pick(logits), None
     logits = logits if logits.dtype == torch.float64 else logits.float()
-    # max(dim) returns the first maximal index, as argmax does, and is ~1.7x faster on CPU.
+    # max(dim) returns the first maximal index, as argmax does, and is faster on CPU.
     best, greedy = logits.max(dim=-1)
     log_total = torch.logsumexp(logits, dim=-1)  # logit - logsumexp: no whole log_softmax table
     if params.all_greedy:
@@ -147,7 +148,7 @@ class SlotSamplerParams:
 
     def plain_greedy(self, slots: list[int]) -> bool:
         """Every row greedy: ``greedy_pick`` is the whole draw, and the caller skips building a
-        SamplingBatch (~15 small tensor ops, ~0.15 ms a step); the rows that ask for logprobs get
+        SamplingBatch (~15 small tensor ops a step); the rows that ask for logprobs get
         them computed alone (gpu_worker/logprobs.py), not the whole batch's."""
         self._check_assigned(slots)
         return all(self.greedy[s] for s in slots)

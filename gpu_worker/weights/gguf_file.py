@@ -1,12 +1,13 @@
 """A GGUF file's header: its metadata and where each tensor lies, read without the ``gguf`` package.
 
 ``gguf.GGUFReader`` builds numpy views of every metadata field, a tokenizer's 128k strings and 280k
-merges included: about 4 s for the embedded model's 49k-token vocabulary on a small CPU. This reader
-walks the header once with ``struct`` and keeps string arrays (the vocabulary, the merges) only where
-asked, their count otherwise, so a start reads a Llama 3 header in a fraction of a second and needs no
-cache. The layout (GGUF v2/v3, little-endian): magic, version, tensor count, metadata count; each
-metadata key, value type and value; each tensor's name, dimensions (innermost first), ggml type and
-offset into the data section, which starts at the next ``general.alignment`` boundary.
+merges included, which takes seconds even for the embedded model's 49k-token vocabulary
+(docs/benchmarks.md). This reader walks the header once with ``struct`` and keeps string arrays (the
+vocabulary, the merges) only where asked, their count otherwise, so a start reads a Llama 3 header
+quickly and needs no cache. The layout (GGUF v2/v3, little-endian): magic, version, tensor count,
+metadata count; each metadata key, value type and value; each tensor's name, dimensions (innermost
+first), ggml type and offset into the data section, which starts at the next ``general.alignment``
+boundary.
 """
 
 from __future__ import annotations

@@ -210,9 +210,10 @@ def pin_attributes(model: nn.Module) -> None:
     """Put every module's submodules, parameters and buffers in its instance ``__dict__``.
 
     nn.Module keeps them in side tables reached through ``__getattr__``, a Python call per
-    lookup (~0.45 us, against ~0.04 from the instance dict). A decode step looks up ~30 per
-    layer: ~0.4 ms of a ~9 ms one-row step. Reassigning one later stays correct: nn.Module's
-    ``__setattr__`` drops the instance-dict entry before it registers the new value.
+    lookup, far slower than an instance-dict hit; a decode step makes ~30 such lookups per layer,
+    a visible share of a one-row step (docs/benchmarks.md, "Numbers behind the code's choices").
+    Reassigning one later stays correct: nn.Module's ``__setattr__`` drops the instance-dict entry
+    before it registers the new value.
     """
     for module in model.modules():
         for table in (module._modules, module._parameters, module._buffers):
@@ -290,8 +291,9 @@ class CpuBackend:
         return self.fused_decode(input_ids, ctx) if self.fused_decode is not None else None
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        """The C argmax (0.1 ms at 32 rows, against 0.45 in torch) where the kernels take the logits'
-        dtype; float32 holds every bf16 value exactly, so it picks what a float32 argmax picks."""
+        """The C argmax (one pass over each row, faster than torch's: docs/benchmarks.md)
+        where the kernels take the logits' dtype; float32 holds every bf16 value exactly, so it picks
+        what a float32 argmax picks."""
         if self.kernels is not None and logits.stride(1) == 1 and logits.dtype in cpu_kernels.DTYPE_CODES:
             return self.kernels.argmax(logits)
         return logits.max(dim=-1).indices

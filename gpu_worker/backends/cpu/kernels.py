@@ -7,10 +7,11 @@ Why C: torch has no paged attention on CPU. Its SDPA wants each decode row's KV
 gathered into a padded copy first. The kernel walks each row's pages in place
 instead, every row at its own length (no padding), prefetching the scattered
 pages ahead of use, scoring 16 positions per step in vector registers (two
-8-lane vectors on AVX2, one on AVX-512). The small ops replace 2-8 torch dispatches each (~5 us apiece)
-with one call, reproducing the torch code's roundings (bf16: bit-equal). The
-matmul streams plain [out, in] bf16 weights, widened to fp32 in registers where
-the CPU has no bf16 dot product: decode is bound by memory, so half the bytes of
+8-lane vectors on AVX2, one on AVX-512). The small ops replace 2-8 torch
+dispatches each (each a fixed cost that small tensors do not hide:
+docs/benchmarks.md) with one call, reproducing the torch code's roundings (bf16:
+bit-equal). The matmul streams plain [out, in] bf16 weights, widened to fp32 in
+registers where the CPU has no bf16 dot product: decode is bound by memory, so half the bytes of
 fp32 weights is most of the speed.
 
 Built per CPU kind by build.py. No compiler, or a failed build: ``load()`` returns None, the

@@ -6,8 +6,8 @@ CPU kinds differ in what they do fast. Three paths exist:
 
 - ``c``: our C few-row matmul (kernels.py) over the plain [out, in] bf16 weights,
   widened to fp32 in registers on AVX2 (half the bytes of fp32 weights), dot
-  products by vdpbf16ps on AVX-512 BF16. It starts at once, where oneDNN needs
-  ~30% of a small matrix's time to get going.
+  products by vdpbf16ps on AVX-512 BF16. It starts at once, where oneDNN's
+  per-call start-up is a large share of a small matrix's time (docs/benchmarks.md).
 - ``onednn``: oneDNN's matmul on weights packed once in its blocked layout, in
   the model's dtype. bf16 packing needs AVX-512 BW/VL/DQ (torch refuses it on
   AVX2), so AVX2 never takes it for bf16.
@@ -50,7 +50,7 @@ PLANS: dict[CpuKind, MatmulPlan] = {
     # Zen 5: the C gemv at 1 row is faster than oneDNN; oneDNN bf16 beat its fp32 at every count.
     CpuKind.AVX512_BF16: MatmulPlan(c_max_rows=1, fp32_min_rows=None),
     # AMX: oneDNN's bf16 matmul takes the tiles from 2 rows (its brgemm); the C gemv at 1 row as on
-    # Zen 5. Not measured here (no AMX CPU this session): `python -m bench.matmul_paths` on one.
+    # Zen 5. Not yet measured on an AMX CPU: `python -m bench.matmul_paths` on one decides.
     CpuKind.AMX: MatmulPlan(c_max_rows=1, fp32_min_rows=None),
     # Xeon without BF16 or AMX: oneDNN bf16 is emulated, slower than its fp32 from 16 rows; below 16
     # rows the weights' bytes decide, which the C kernel (the AVX2 build) halves against fp32 as on

@@ -26,24 +26,19 @@ from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
 
 # From how many rows a quantized Linear takes the dense path (csrc/quant_dense.c: W dequantized to
 # float32 panel by panel, x not quantized, float32 FMAs) rather than the integer one, per CPU kind,
-# layout and type. Measured by bench/quant_matmul.py (its numbers in docs/benchmarks.md), committed
-# here, never timed at start. Integer vs dense, ms per pass:
+# layout and type. Measured by bench/quant_matmul.py on each kind and committed here, never timed at
+# start; the integer-vs-dense numbers behind each row and their commands are in docs/benchmarks.md
+# ("Numbers behind the code's choices"). In short:
 # - Rows interleaved by 8 (``X8_``, the layout the worker holds every weight whose rows are a multiple
-#   of 8 in: csrc/quant_x8.c, csrc/quant_kx8.c). `--shapes 3072x2048,2048x2048,16384x2048,2048x8192
-#   --layers 1 --threads 1 --paths '.*_x8.*'` (a Llama-3.2-1B layer) on a Zen 4 EPYC, each kind acted
-#   as: avx512 (zmm madd) Q4_K 32 rows 35.2 vs 58.2, 256: 276 vs 374; Q6_K 32: 47.5 vs 58.8, 256:
-#   372 vs 379; Q4_1 256: 264 vs 367; avx512_vnni and avx512_bf16 (vpdpwssd: 1.2-1.3x avx512's at 4
-#   to 32 rows) alike: the integer tile at every row count. avx2 (ymm): Q4_K 32 rows 53.6 vs 57.6,
-#   64: 106 vs 104; Q5_K 16: 37.7 vs 38.2, 32: 74.3 vs 60.4; Q6_K 8: 21.1 vs 26.2, 16: 41.5 vs 37.0;
-#   Q4_1 256: 271 vs 370 (the legacy types never: 16 int16 products per madd against 8 per FMA; on a
-#   Zen 3 EPYC, SmolLM2's shapes, Q4_1 256 rows 328 vs 392).
-# - The file's layout (rows not a multiple of 8), AVX2 (Zen 3, SmolLM2's shapes x 30): Q4_1 4 rows
-#   13.8 vs 17.0, 8: 23.5 vs 22.0, 16: 45.5 vs 33.1 (Q8_0 alike); K-quants (1024x768, 768x1536,
-#   3072x768 x 30) Q4_K 16 rows 37.7 vs 39.7, 32: 72.5 vs 67.0; Q5_K 16: 45.6 vs 42.9; Q6_K 8: 36.3
-#   vs 42.6, 16: 60.6 vs 45.3. The AVX-512 kinds run that (AVX2) code too.
-# - AMX: the avx512_bf16 code, so its table; not measured here (no AMX CPU this session): `python -m
+#   of 8 in: csrc/quant_x8.c, csrc/quant_kx8.c): on the AVX-512 kinds the integer tile wins at every
+#   row count (avx512_vnni and avx512_bf16 run vpdpwssd, faster than avx512's madd, so alike). On
+#   avx2 the K-quants cross over to the dense path at 16 to 64 rows by type; the legacy types never
+#   do (16 int16 products per madd against 8 per FMA).
+# - The file's layout (rows not a multiple of 8), AVX2 code on every x86 kind: the dense path wins
+#   from 8 rows for the legacy types, 16 or 32 for the K-quants.
+# - AMX: the avx512_bf16 code, so its table; not yet measured on an AMX CPU: `python -m
 #   bench.quant_matmul --shapes ... --paths '.*_x8.*'` on one gives the numbers to commit.
-# Portable (plain C both): Q4_1 1 row 25 vs 65 ms, 2 rows 42 vs 38; the other types inferred alike.
+# - Portable (plain C both): the dense path from 2 rows (measured for Q4_1, the other types alike).
 _Q = GGMLQuantizationType
 NEVER = 1 << 62
 _X86 = {_Q.Q4_0: 8, _Q.Q4_1: 8, _Q.Q8_0: 8, _Q.Q4_K: 32, _Q.Q5_K: 16, _Q.Q6_K: 16}

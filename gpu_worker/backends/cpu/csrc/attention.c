@@ -810,8 +810,9 @@ static int attend_spans(const void *q, int64_t q_row_stride, const void *k_cache
  * for another. Rows of one slot (a verify row's positions, one row per position) must be adjacent:
  * where any are, every row's new K/V are written before any row attends.
  *
- * A task is one row with all its KV heads. (One task per (row, head) read 1/kv_heads of every
- * token row and ran 3x slower once the KV was out of cache, as it always is in a forward.) With
+ * A task is one row with all its KV heads. (One task per (row, head) reads 1/kv_heads of every
+ * token row, which is far slower once the KV is out of cache, as it always is in a forward:
+ * docs/benchmarks.md.) With
  * fewer rows than twice the threads, a row's positions are split (attend_split) once some row has
  * SPLIT_MIN_LEN of them, else its heads.
  */

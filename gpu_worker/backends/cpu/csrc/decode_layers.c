@@ -3,7 +3,7 @@
  * calls the kernels the modules call (gpu_worker/models/llama.py through the CPU backend), in their
  * order, on the same inputs, so its output equals theirs bit for bit (a test checks it). What it
  * saves is the ~10 Python-level calls a layer costs around them (module dispatch, ctypes, a tensor
- * per output): ~3 ms of a ~14 ms one-row step of the embedded model.
+ * per output), a large share of a one-row step (docs/benchmarks.md, the one-call decode).
  *
  * Per layer, x the residual stream [rows, hidden]:
  *   h = rms_norm(x); qkv = h Wqkv^T; rotary on q and k heads (in place);

@@ -7,7 +7,7 @@
 #if HAVE_AVX512
 /* One row x [k]: 16 weight rows at a time (their dot products summed by sum16), threads taking
  * contiguous blocks: each streams its share of W front to back, without the per-call start-up that
- * costs oneDNN ~30% on matrices of ~1 MB. */
+ * weighs on oneDNN's time for a matrix of about a megabyte (docs/benchmarks.md). */
 static void gemv_avx512(const uint16_t *x, const uint16_t *w, const uint16_t *bias, const uint16_t *residual,
                         uint16_t *out, int n_out, int k) {
     const int blocks = (n_out + 15) / 16;
