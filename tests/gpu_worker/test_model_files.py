@@ -10,6 +10,8 @@ import gguf
 import pytest
 
 import launcher
+from gpu_worker.models import SUPPORTED_MODEL_TYPES
+from gpu_worker.weights.gguf_config import ARCHITECTURES
 from gpu_worker.weights.model_files import ModelNotSupportedError, embedded_gguf_path, resolve_model
 from tokenizer_proc.gguf_tokenizer import ensure_tokenizer
 from tokenizer_proc.model_info import load_tokenizer, read_model_info
@@ -86,9 +88,10 @@ def test_unsupported_architecture_stops_the_launcher_in_one_line(
         assert launcher.main(["--model", str(model), "--endpoint", f"ipc://{tmp_path}/ep"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and name in err[0], err
-        assert "supported: llama, mistral, qwen2, qwen3, gemma2, gemma3_text, gemma3, phi3, gpt2" in err[
-            0
-        ] or ("supported: llama, qwen2, qwen3, gemma2, gemma3, phi3" in err[0]), err[0]
+        listed = ARCHITECTURES if model == path else SUPPORTED_MODEL_TYPES  # a GGUF's, an HF config's
+        assert f"(supported: {', '.join(listed)})" in err[0], err[0]
+    assert {"llama", "qwen3moe", "gemma3", "phi3"} <= set(ARCHITECTURES)
+    assert {"mistral", "qwen3_moe", "mixtral", "gemma3_text", "gpt2"} <= set(SUPPORTED_MODEL_TYPES)
 
 
 @pytest.mark.parametrize("kind", ["gemma3_text", "qwen2_yarn"])
