@@ -67,7 +67,7 @@ class ExpertGroups:
 
     tokens: torch.Tensor  # int64 [T * k]
     weights: torch.Tensor  # [T * k, 1], the activations' dtype
-    spans: tuple[tuple[int, int, int], ...]
+    spans: torch.Tensor  # int64 [experts with pairs, 3]: (expert, start, count) rows
     num_tokens: int
 
     @classmethod
@@ -75,17 +75,14 @@ class ExpertGroups:
         """From each token's top-k ``expert_ids`` and their ``weights`` ([T, k] both)."""
         flat = expert_ids.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=num_experts).tolist()
-        spans, start = [], 0
-        for expert, count in enumerate(counts):
-            if count:
-                spans.append((expert, start, count))
-                start += count
+        counts = torch.bincount(flat, minlength=num_experts)
+        used = counts.nonzero().flatten()
+        starts = counts.cumsum(0) - counts
         top_k = expert_ids.shape[1]
         return cls(
             tokens=order // top_k,
             weights=weights.flatten().index_select(0, order).unsqueeze(1),
-            spans=tuple(spans),
+            spans=torch.stack((used, starts[used], counts[used]), dim=1),
             num_tokens=expert_ids.shape[0],
         )
 
@@ -135,7 +132,7 @@ class Experts(nn.Module):
         assert self.quantized is None, "stacked blocks are computed by a backend's impl alone"
         rows = x.index_select(0, groups.tokens)
         out = torch.empty_like(rows)
-        for expert, start, count in groups.spans:
+        for expert, start, count in groups.spans.tolist():
             gate_up = F.linear(rows[start : start + count], self.gate_up_proj[expert])
             out[start : start + count] = F.linear(self.act_mul(gate_up), self.down_proj[expert])
         return groups.combine(out)

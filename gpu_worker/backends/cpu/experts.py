@@ -97,18 +97,17 @@ class QuantExperts:
     def __call__(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         if not self.one_call:
             return self.per_expert(x, groups)
-        spans = torch.tensor(groups.spans, dtype=torch.int64).reshape(-1, 3)
         x = x.contiguous()
         weights = groups.weights.reshape(-1).contiguous()
         return self.kernels.moe_experts(
-            self.projections, self.hidden, self.inner, x, groups.tokens, weights, spans
+            self.projections, self.hidden, self.inner, x, groups.tokens, weights, groups.spans
         )
 
     def per_expert(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """The same, each expert's two matmuls called from Python (the C call's reference)."""
         rows = x.index_select(0, groups.tokens)
         out = torch.empty_like(rows)
-        for expert, start, count in groups.spans:
+        for expert, start, count in groups.spans.tolist():
             gate_up = self.gate_up[expert](rows[start : start + count])
             out[start : start + count] = self.down[expert](self.act_mul(gate_up))
         return groups.combine(out)
