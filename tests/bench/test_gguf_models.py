@@ -63,7 +63,16 @@ def test_random_blocks_have_the_asked_spread(qtype: Q) -> None:
     assert w.shape == (16, 1024) and abs(float(w.mean())) < 6e-3 and 0.04 < float(w.std()) < 0.06
 
 
-def test_names_resolve_to_made_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("name", "shape", "file_name"),
+    [
+        ("llama1b-q4_k_m", gguf_models.LLAMA_1B, "llama1b-shape-q4_k_m-v1.gguf"),
+        ("qwen3moe30b-q4_k_m", gguf_models.QWEN3_MOE_30B, "qwen3moe30b-shape-q4_k_m-v1.gguf"),
+    ],
+)
+def test_names_resolve_to_made_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, shape: Shape, file_name: str
+) -> None:
     made: list[tuple[Shape, str]] = []
 
     def fake_write(path: Path, shape: Shape, file_type: str) -> Path:
@@ -74,9 +83,11 @@ def test_names_resolve_to_made_files(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
     monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(gguf_models, "write_model", fake_write)
-    path = gguf_models.resolve("llama1b-q4_k_m")
-    assert path is not None and Path(path).is_file() and made == [(gguf_models.LLAMA_1B, "q4_k_m")]
-    assert gguf_models.resolve("llama1b-q4_k_m") == path and len(made) == 1  # made once
+    path = gguf_models.resolve(name)
+    assert path is not None and Path(path).is_file() and Path(path).name == file_name
+    assert made == [(shape, "q4_k_m")]
+    assert gguf_models.resolve(name) == path and len(made) == 1  # made once
     assert gguf_models.resolve(None) is None and gguf_models.resolve(str(tmp_path)) == str(tmp_path)
+    bad = name.replace("q4_k_m", "q2_k")
     with pytest.raises(ValueError, match="no bench model"):
-        gguf_models.resolve("llama1b-q2_k")
+        gguf_models.resolve(bad)

@@ -1,5 +1,5 @@
 """bench/gguf_models.py's Qwen3-30B-A3B-shaped mixture of experts: llama.cpp's Q4_K_M mix on the full
-shape (from the tensor list, no 3 GB file), its name resolved, and a small version of the same shape
+shape (from the tensor list, no 3 GB file) and a small version of the same shape
 written and served by the real loader with its experts kept in their blocks."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bench.lib import gguf_models
-from bench.lib.gguf_models import QWEN3_MOE_30B, Q, Shape
+from bench.lib.gguf_models import QWEN3_MOE_30B, Q
 from gpu_worker.backends.cpu.experts import QuantExperts
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
@@ -55,24 +55,6 @@ def test_full_shape_q4_k_m_mix_and_size() -> None:
         for qtype, dims in tensors.values()
     )
     assert 3.1e9 < nbytes < 3.2e9, nbytes
-
-
-def test_moe_name_resolves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    made: list[tuple[Shape, str]] = []
-
-    def fake_write(path: Path, shape: Shape, file_type: str) -> Path:
-        made.append((shape, file_type))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(b"GGUF")
-        return path
-
-    monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(gguf_models, "write_model", fake_write)
-    path = gguf_models.resolve("qwen3moe30b-q4_k_m")
-    assert path is not None and Path(path).name == "qwen3moe30b-shape-q4_k_m-v1.gguf"
-    assert made == [(QWEN3_MOE_30B, "q4_k_m")]
-    with pytest.raises(ValueError, match="qwen3moe30b-q4_k_m"):
-        gguf_models.resolve("qwen3moe30b-q2_k")
 
 
 def test_small_moe_serves_with_experts_in_blocks(tmp_path: Path) -> None:
