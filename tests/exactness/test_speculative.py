@@ -137,6 +137,21 @@ def test_retraction_and_a_small_pool(model_dir: Path) -> None:
     check_drafted(scheduler)
 
 
+def with_and_without_drafts(
+    model_dir: Path, prompts: list[list[int]], kwargs: dict[str, Any]
+) -> tuple[list[list[int]], list[list[float]], list[list[int]], list[list[float]], Scheduler]:
+    """``prompts`` served plainly, then speculating (overlapped) with the plain outputs as oracle
+    drafts: (tokens, logprobs, the speculating run's tokens, its logprobs, its scheduler)."""
+    ref_logprobs: list[list[float]] = []
+    ref, _ = inprocess.generate(runner(model_dir), prompts, NEW_TOKENS, logprobs=ref_logprobs, **kwargs)
+    got_logprobs: list[list[float]] = []
+    got, scheduler = inprocess.generate(
+        runner(model_dir), prompts, NEW_TOKENS, scheduler_overrides=SPECULATE, on_added=oracle(ref),
+        logprobs=got_logprobs, overlap=True, **kwargs,
+    )  # fmt: skip
+    return ref, ref_logprobs, got, got_logprobs, scheduler
+
+
 def sampled(seed: int, **options: Any) -> WorkerSampling:
     fields: dict[str, Any] = dict(temperature=0.9, top_k=-1, top_p=1.0, min_p=0.0, seed=seed)
     return WorkerSampling(**{**fields, **options})
@@ -152,13 +167,7 @@ def test_seeded_sampling_draws_the_same_tokens(model_dir: Path, filters: dict[st
     prompts = shared_prompts(seed=4)[:5]
     samplers = [sampled(100 + i, logprobs=i % 2 == 0, **filters) for i in range(len(prompts))]
     kwargs: dict[str, Any] = dict(chunked_prefill_size=16, enable_mixed_chunk=True, sampler=samplers, n=2)
-    ref_logprobs: list[list[float]] = []
-    ref, _ = inprocess.generate(runner(model_dir), prompts, NEW_TOKENS, logprobs=ref_logprobs, **kwargs)
-    got_logprobs: list[list[float]] = []
-    got, scheduler = inprocess.generate(
-        runner(model_dir), prompts, NEW_TOKENS, scheduler_overrides=SPECULATE, on_added=oracle(ref),
-        logprobs=got_logprobs, overlap=True, **kwargs,
-    )  # fmt: skip
+    ref, ref_logprobs, got, got_logprobs, scheduler = with_and_without_drafts(model_dir, prompts, kwargs)
     assert got == ref
     assert any(got_logprobs) and flat(got_logprobs) == pytest.approx(flat(ref_logprobs), abs=1e-9)
     assert [len(lp) for lp in got_logprobs] == [len(lp) for lp in ref_logprobs]
@@ -186,13 +195,7 @@ def test_penalties_count_the_kept_drafts(model_dir: Path, temperature: float) ->
                                        penalties=penalties, logprobs=True))  # fmt: skip
     kwargs: dict[str, Any] = dict(chunked_prefill_size=8, enable_mixed_chunk=True, sampler=samplers,
                                   stop_token_ids=(77,))  # fmt: skip
-    ref_logprobs: list[list[float]] = []
-    ref, _ = inprocess.generate(runner(model_dir), prompts, NEW_TOKENS, logprobs=ref_logprobs, **kwargs)
-    got_logprobs: list[list[float]] = []
-    got, scheduler = inprocess.generate(
-        runner(model_dir), prompts, NEW_TOKENS, scheduler_overrides=SPECULATE, on_added=oracle(ref),
-        logprobs=got_logprobs, overlap=True, **kwargs,
-    )  # fmt: skip
+    ref, ref_logprobs, got, got_logprobs, scheduler = with_and_without_drafts(model_dir, prompts, kwargs)
     assert got == ref
     assert flat(got_logprobs) == pytest.approx(flat(ref_logprobs), abs=1e-9)
     check_drafted(scheduler)
