@@ -49,6 +49,20 @@ static inline __m512 block_scores(const void *q, const void *kv, const int64_t a
     return sum16(part);
 }
 
+/* aj[0, 32) += the bfloat16 probability pairs times the pair-interleaved V rows' dimensions
+ * [d, d + 32) (vpair: two positions a vector, as attend_avx512 lays them out). */
+static inline void add_pairs(float *aj, const uint32_t *pairs, int npairs, __m512i vpair[][MAX_HEAD_DIM / 16],
+                             int d) {
+    __m512 lo = _mm512_loadu_ps(aj), hi = _mm512_loadu_ps(aj + 16);
+    for (int i = 0; i < npairs; i++) {
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pairs[i]);
+        lo = _mm512_dpbf16_ps(lo, pp, (__m512bh)vpair[i][d / 16]);
+        hi = _mm512_dpbf16_ps(hi, pp, (__m512bh)vpair[i][d / 16 + 1]);
+    }
+    _mm512_storeu_ps(aj, lo);
+    _mm512_storeu_ps(aj + 16, hi);
+}
+
 /* One task of paged_decode_attention, BLOCK positions at a time: for each KV head, the scores of
  * its query heads (one vector each), their online softmax, and the weighted sum of V.
  *
@@ -127,17 +141,8 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
                         vpair[i][d / 16 + 1] = _mm512_unpackhi_epi16(a, b);
                     }
                 for (int j = j0; j < j0 + group; j++)
-                    for (int d = 0; d < stride; d += 32) {
-                        float *aj = acc + (int64_t)j * stride + d;
-                        __m512 lo = _mm512_loadu_ps(aj), hi = _mm512_loadu_ps(aj + 16);
-                        for (int i = 0; i < npairs; i++) {
-                            const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pairs[j][i]);
-                            lo = _mm512_dpbf16_ps(lo, pp, (__m512bh)vpair[i][d / 16]);
-                            hi = _mm512_dpbf16_ps(hi, pp, (__m512bh)vpair[i][d / 16 + 1]);
-                        }
-                        _mm512_storeu_ps(aj, lo);
-                        _mm512_storeu_ps(aj + 16, hi);
-                    }
+                    for (int d = 0; d < stride; d += 32)
+                        add_pairs(acc + (int64_t)j * stride + d, pairs[j], npairs, vpair, d);
             } else {
                 const char *vh = (const char *)v_cache + vcol * elem;
                 for (int j = j0; j < j0 + group; j++)
@@ -293,14 +298,7 @@ static void attend_span_avx512(const char *q, int64_t q_pos_bytes, int npos, con
                         const int jq = p * nq + (h - h0) * group + jj;
                         float *aj = acc + (int64_t)jq * stride + d;
                         if (paired) {
-                            __m512 lo = _mm512_loadu_ps(aj), hi = _mm512_loadu_ps(aj + 16);
-                            for (int i = 0; i < npairs; i++) {
-                                const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pairs[jq][i]);
-                                lo = _mm512_dpbf16_ps(lo, pp, (__m512bh)vpair[i][d / 16]);
-                                hi = _mm512_dpbf16_ps(hi, pp, (__m512bh)vpair[i][d / 16 + 1]);
-                            }
-                            _mm512_storeu_ps(aj, lo);
-                            _mm512_storeu_ps(aj + 16, hi);
+                            add_pairs(aj, pairs[jq], npairs, vpair, d);
                         } else {
                             __m512 sum = _mm512_maskz_loadu_ps(mask, aj);
                             for (int t = 0; t < n; t++) sum = _mm512_fmadd_ps(_mm512_set1_ps(prob[jq][t]), vrow[t], sum);
