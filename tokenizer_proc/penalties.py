@@ -1,8 +1,8 @@
 """Check a request's penalties, logit_bias and min_tokens, and turn them into WorkerPenalties.
 
 The ranges are OpenAI's (presence and frequency in [-2, 2], logit_bias values in
-[-100, 100], at most 300 entries) and vLLM's for the extensions (repetition > 0,
-min_tokens <= max_tokens). A request whose penalties change no logit gets no
+[-100, 100], at most 300 entries) and vLLM's for the extensions (repetition > 0, here within
+REPETITION_RANGE so float32 logits stay finite; min_tokens <= max_tokens). A request whose penalties change no logit gets no
 WorkerPenalties at all, so the worker keeps its fast path for it.
 """
 
@@ -17,6 +17,8 @@ from tokenizer_proc.model_info import ModelInfo
 MAX_LOGIT_BIAS = 300  # OpenAI's cap on logit_bias entries
 PENALTY_LIMIT = 2.0  # presence and frequency lie in [-2, 2]
 BIAS_LIMIT = 100.0  # logit_bias values lie in [-100, 100]
+# repetition divides or multiplies float32 logits: kept where neither overflows nor reaches zero.
+REPETITION_RANGE = (1e-6, 1e6)
 
 
 def penalty_error(params: SamplingParams, info: ModelInfo) -> tuple[str, str] | None:
@@ -26,9 +28,9 @@ def penalty_error(params: SamplingParams, info: ModelInfo) -> tuple[str, str] | 
         value = getattr(params, name)
         if not (math.isfinite(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT):
             return f"sampling.{name}", f"must be in [-2, 2], got {value}"
-    rep = params.repetition_penalty
-    if not (math.isfinite(rep) and rep > 0):
-        return "sampling.repetition_penalty", f"must be a finite number > 0, got {rep}"
+    rep, (low, high) = params.repetition_penalty, REPETITION_RANGE
+    if not low <= rep <= high:  # NaN fails both comparisons
+        return "sampling.repetition_penalty", f"must be in [{low:g}, {high:g}], got {rep}"
     if not 0 <= params.min_tokens <= params.max_new_tokens:
         limit = params.max_new_tokens
         return "sampling.min_tokens", f"must be in [0, max_tokens = {limit}], got {params.min_tokens}"

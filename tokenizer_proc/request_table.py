@@ -165,14 +165,14 @@ class RequestTable:
         if err.rid not in self._states:
             return Outbox()
         state = self._drop(err.rid, FinishReason.ERROR)
-        return Outbox(replies=[(state.client_id, error_output(state.client_rid, err.message))])
+        return Outbox(replies=[(state.client_id, error_output(state.client_rid, err.message, state.index))])
 
     def fail_all(self, message: str) -> Outbox:
         """Error replies for every in-flight request (shutdown)."""
         out = Outbox()
         for rid in list(self._states):
             state = self._drop(rid, FinishReason.ERROR)
-            out.replies.append((state.client_id, error_output(state.client_rid, message)))
+            out.replies.append((state.client_id, error_output(state.client_rid, message, state.index)))
         return out
 
     def _on_row(

@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 SEED_LIMIT = 2**63  # seeds travel as signed 64-bit ints
+# The worker scales float32 logits by 1/temperature: below GREEDY_BELOW a temperature is greedy (the
+# scaled logits would overflow, and the draw is the argmax anyway), above MAX_TEMPERATURE refused.
+GREEDY_BELOW = 1e-5
+MAX_TEMPERATURE = 1e6
 
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
@@ -108,7 +112,7 @@ def validate_generate(
     # Drawn only once the request is accepted, so rejected requests do not shift later seeds.
     seed = params.seed if params.seed is not None else rng.randrange(SEED_LIMIT)
     sampler = WorkerSampling(
-        temperature=float(params.temperature),
+        temperature=float(params.temperature) if params.temperature >= GREEDY_BELOW else 0.0,
         top_k=params.top_k,
         top_p=float(params.top_p),
         min_p=float(params.min_p),
@@ -204,9 +208,9 @@ def _check_sampling(params: SamplingParams, info: ModelInfo, *, echo: bool) -> N
     min_new = 0 if echo else 1  # echo with max_new_tokens 0 only scores the prompt
     if params.max_new_tokens < min_new:
         raise RequestRejected("sampling.max_new_tokens", f"must be >= {min_new}, got {params.max_new_tokens}")
-    if not math.isfinite(params.temperature) or params.temperature < 0:
+    if not 0 <= params.temperature <= MAX_TEMPERATURE:  # NaN fails both comparisons
         raise RequestRejected(
-            "sampling.temperature", f"must be a finite number >= 0, got {params.temperature}"
+            "sampling.temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {params.temperature}"
         )
     if not 0 < params.top_p <= 1:
         raise RequestRejected("sampling.top_p", f"must be in (0, 1], got {params.top_p}")

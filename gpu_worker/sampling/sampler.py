@@ -97,10 +97,11 @@ def _filter(scaled: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     rank = torch.arange(values.shape[-1], device=values.device)[None, :]
     top_k = torch.where(params.top_k > 0, params.top_k, values.shape[-1])
     removed = rank >= top_k[:, None]
-    # Mass strictly before a token already reaches top_p: the first token always stays.
+    # Mass strictly before a token already reaches top_p.
     nucleus = (probs.cumsum(dim=-1) - probs) >= params.top_p[:, None].to(probs.dtype)
     removed |= nucleus & (params.top_p < 1.0)[:, None]  # rounding must not cut a top_p=1 row's tail
     removed |= probs < (params.min_p[:, None].to(probs.dtype) * probs[:, :1])
+    removed[:, 0] = False  # the likeliest token stays, however small top_p is in float32
     values = values.masked_fill(removed, float("-inf"))
     return torch.empty_like(scaled).scatter_(1, order, values)
 

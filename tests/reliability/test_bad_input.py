@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -84,6 +85,8 @@ HTTP_CASES: list[tuple[str, str, Any, int, str | None]] = [
         "frequency_penalty",
     ),
     ("repetition_penalty zero", "completions", {**OK, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("repetition_penalty 1e300", "completions", {**OK, "repetition_penalty": 1e300}, 400, "repetition_penalty"),
+    ("temperature 1e300", "completions", {**OK, "temperature": 1e300}, 400, "temperature"),
     ("logit_bias id outside the vocab", "completions", {**OK, "logit_bias": {"49152": 1}}, 400, "logit_bias"),
     (
         "logit_bias key not an id",
@@ -281,6 +284,31 @@ def test_bad_zmq_frame(engine: HttpEngine, name: str, frames: list[bytes], says:
     assert reply.finish_reason is FinishReason.ERROR and reply.error and says in reply.error, reply
     with Client(engine.engine.endpoint, timeout_s=30) as c:
         assert c.generate("Hello", max_new_tokens=2).finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+EXTREME_IN_RANGE = [
+    {"temperature": 1e-300},  # greedy: 1/temperature would overflow float32
+    {"temperature": 1.0, "top_p": 1e-300},  # rounds to 0 in float32: the likeliest token stays
+    {"temperature": 1e6},
+    {"repetition_penalty": 1e-6},
+    {"repetition_penalty": 1e6},
+]
+
+
+def test_extreme_values_in_range_are_served_alongside_others(engine: HttpEngine) -> None:
+    """Extreme but accepted sampling values run in one batch with a plain request and fail none of
+    them (1e300 as repetition_penalty once failed the forward step, and every row in it); the two
+    that leave only the likeliest token give the greedy text."""
+    base = {"prompt": "The sky is", "max_tokens": 4, "ignore_eos": True}
+    greedy = _post(engine, "completions", {**base, "temperature": 0}).json()["choices"][0]["text"]
+    with ThreadPoolExecutor(len(EXTREME_IN_RANGE) + 1) as pool:
+        bodies = [{**base, **extra} for extra in EXTREME_IN_RANGE] + [{**base, "temperature": 0}]
+        replies = list(pool.map(lambda body: _post(engine, "completions", body), bodies))
+    for body, reply in zip(bodies, replies, strict=True):
+        assert reply.status_code == 200, (body, reply.text)
+        assert reply.json()["usage"]["completion_tokens"] == 4, (body, reply.text)
+    texts = [reply.json()["choices"][0]["text"] for reply in replies]
+    assert texts[0] == texts[1] == texts[-1] == greedy, texts
 
 
 def test_a_limit_beyond_the_context_is_context_length_exceeded(engine: HttpEngine) -> None:

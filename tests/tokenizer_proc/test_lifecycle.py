@@ -14,6 +14,7 @@ from protocol.messages import (
     FinishReason,
     FinishReq,
     GenerateRequest,
+    RequestError,
     SamplingParams,
     TokenBatch,
     TokenizedRequest,
@@ -55,6 +56,18 @@ def test_a_vanished_client_loses_all_its_requests_and_only_its(frontend: Fronten
     assert frontend.requests.client_ids() == {b"stays"} and len(frontend.requests) == 1
     assert frontend.client_gone(b"gone").to_scheduler == []  # nothing left to abort
     assert other not in mine
+
+
+def test_errors_for_the_choices_of_one_request_name_each_choice(frontend: Frontend) -> None:
+    """A forward failure ends each of n choices with one error reply that carries the choice's index;
+    so does shutting down. (A reply with index 0 for every choice read as repeated finals.)"""
+    request = GenerateRequest(rid="r", prompt="Hello", n=3)
+    (req,) = asyncio.run(frontend.admit(b"c", request)).to_scheduler
+    assert isinstance(req, TokenizedRequest) and req.n == 3
+    failed = frontend.requests.on_request_error(RequestError(rid=req.rid + 2, message="boom"))
+    assert [(reply.index, reply.error) for _, reply in failed.replies] == [(2, "boom")]
+    rest = frontend.requests.fail_all("shutting down")
+    assert sorted(reply.index for _, reply in rest.replies) == [0, 1]
 
 
 def test_engine_stats_are_kept(frontend: Frontend) -> None:
