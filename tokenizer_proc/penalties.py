@@ -2,8 +2,8 @@
 
 The ranges are OpenAI's (presence and frequency in [-2, 2], logit_bias values in
 [-100, 100], at most 300 entries) and vLLM's for the extensions (repetition > 0, here within
-REPETITION_RANGE so float32 logits stay finite; min_tokens <= max_tokens). A request whose penalties change no logit gets no
-WorkerPenalties at all, so the worker keeps its fast path for it.
+REPETITION_RANGE so float32 logits stay finite; min_tokens <= max_tokens). A request whose
+penalties change no logit gets no WorkerPenalties at all, so the worker keeps its fast path for it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ offending field, so the client learns exactly what to fix.
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
