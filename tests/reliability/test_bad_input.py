@@ -85,7 +85,13 @@ HTTP_CASES: list[tuple[str, str, Any, int, str | None]] = [
         "frequency_penalty",
     ),
     ("repetition_penalty zero", "completions", {**OK, "repetition_penalty": 0}, 400, "repetition_penalty"),
-    ("repetition_penalty 1e300", "completions", {**OK, "repetition_penalty": 1e300}, 400, "repetition_"),
+    (
+        "repetition_penalty 1e300",
+        "completions",
+        {**OK, "repetition_penalty": 1e300},
+        400,
+        "repetition_penalty",
+    ),
     ("temperature 1e300", "completions", {**OK, "temperature": 1e300}, 400, "temperature"),
     ("logit_bias id outside the vocab", "completions", {**OK, "logit_bias": {"49152": 1}}, 400, "logit_bias"),
     (
