@@ -112,7 +112,7 @@ def validate_generate(
     seed = params.seed if params.seed is not None else rng.randrange(SEED_LIMIT)
     sampler = WorkerSampling(
         temperature=float(params.temperature) if params.temperature >= GREEDY_BELOW else 0.0,
-        top_k=params.top_k,
+        top_k=min(params.top_k, info.vocab_size),  # any larger top_k keeps the whole vocabulary
         top_p=float(params.top_p),
         min_p=float(params.min_p),
         seed=seed,

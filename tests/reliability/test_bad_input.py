@@ -317,6 +317,16 @@ def test_extreme_values_in_range_are_served_alongside_others(engine: HttpEngine)
     assert texts[0] == texts[1] == texts[-1] == greedy, texts
 
 
+def test_a_top_k_past_int64_is_the_whole_vocabulary(engine: HttpEngine) -> None:
+    """msgpack carries ints up to 2**64 - 1, past the worker's int64 top_k table: such a top_k keeps
+    every token, as any top_k of at least the vocabulary does (once it failed the forward step)."""
+    with Client(engine.engine.endpoint, timeout_s=30) as c:
+        reply = c.generate("The sky is", max_new_tokens=3, top_k=2**64 - 1, seed=1, ignore_eos=True)
+        assert (reply.finish_reason, reply.error, len(reply.token_ids)) == (FinishReason.LENGTH, None, 3)
+        same = c.generate("The sky is", max_new_tokens=3, top_k=-1, seed=1, ignore_eos=True)
+    assert reply.token_ids == same.token_ids
+
+
 def test_a_limit_beyond_the_context_is_context_length_exceeded(engine: HttpEngine) -> None:
     """A max_tokens the client set that cannot fit beside the prompt is refused, as OpenAI and vLLM
     do; one that fits exactly runs, and an absent one is still lowered to fit."""
