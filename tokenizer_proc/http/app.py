@@ -20,11 +20,11 @@ from starlette.routing import Route
 from protocol.messages import FinishReason, GenerateRequest
 from tokenizer_proc.http.bridge import HttpBridge
 from tokenizer_proc.http.choices import EventStream, submit_all, whole_replies
+from tokenizer_proc.http.completion_bodies import ResponseShape, best_choices, total_usage
 from tokenizer_proc.http.constraints import grammar_field
 from tokenizer_proc.http.convert import chat_request, completion_requests, rejection_error
 from tokenizer_proc.http.embeddings import EmbeddingsApi
 from tokenizer_proc.http.errors import ApiError, engine_error, shutting_down, starting
-from tokenizer_proc.http.responses import ResponseShape, best_choices, total_usage
 from tokenizer_proc.http.responses_api import ResponsesApi
 from tokenizer_proc.http.responses_store import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S, ResponseStore
 from tokenizer_proc.http.schemas import ChatCompletionRequest, CompletionRequest, decode_body

@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from protocol.messages import FinishReason, GenerateOutput, GenerateRequest, Usage
 from tokenizer_proc.http.bridge import HttpBridge, RequestHandle
-from tokenizer_proc.http.responses import DONE_EVENT, ResponseShape
+from tokenizer_proc.http.completion_bodies import DONE_EVENT, ResponseShape
 
 
 async def submit_all(

@@ -10,7 +10,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from protocol.chat import ToolCallDelta
 from protocol.messages import FinishReason, GenerateOutput, Usage
-from tokenizer_proc.http.responses import ResponseShape
+from tokenizer_proc.http.completion_bodies import ResponseShape
 from tokenizer_proc.token_bytes import TokenTexts
 
 if TYPE_CHECKING:

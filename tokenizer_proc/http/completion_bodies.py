@@ -1,4 +1,5 @@
-"""Engine replies -> OpenAI response bodies: whole completions and server-sent-event chunks.
+"""Engine replies -> the bodies of completions and chat completions: whole replies and
+server-sent-event chunks (the Responses API builds its own in ``responses_*.py``).
 
 One response may hold several choices (a completions request with a batch of prompts, n > 1):
 choice ``index`` is ``prompt * n + choice``; usage is summed over them, each prompt counted once.
