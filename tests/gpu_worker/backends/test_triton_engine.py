@@ -21,6 +21,9 @@ from gpu_worker.model_runner import ModelRunner
 from tests.exactness import inprocess
 from tests.models import VOCAB, save_tiny_model
 
+pytest.importorskip("triton")  # a dependency on Linux x86-64 only
+pytestmark = pytest.mark.triton_interpreter
+
 NEW_TOKENS = 10
 TIE = 1e-3  # float32 logits closer than this may order either way between two exact implementations
 

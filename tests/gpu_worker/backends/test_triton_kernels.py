@@ -22,11 +22,15 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import triton
 
-from gpu_worker.backends.triton import attention
-from gpu_worker.backends.triton.kernels import attention_rows, paged_attention, write_kv
 from tests.gpu_worker.backends.attention_reference import PagedBatch, paged_batch, reference_attention
+
+# triton is a dependency on Linux x86-64 only; the kernel modules import it, so they come after this.
+triton = pytest.importorskip("triton")
+from gpu_worker.backends.triton import attention  # noqa: E402
+from gpu_worker.backends.triton.kernels import attention_rows, paged_attention, write_kv  # noqa: E402
+
+pytestmark = pytest.mark.triton_interpreter
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-9}
