@@ -31,8 +31,15 @@ class TokenizerConfig:
     dp_routing: str = flag(
         "cache_aware", "how requests pick a replica", choices=("cache_aware", "round_robin", "least_load")
     )
+    pooling: str = flag(
+        "auto",
+        "how embeddings pool the prompt's hidden states: auto (the model's sentence-transformers"
+        " Pooling module, else the last token), last or mean (whatever the model's files say)",
+        choices=("auto", "last", "mean"),
+    )
 
     def __post_init__(self) -> None:
         assert self.shutdown_timeout_s >= 0, f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}"
         assert self.http_port is None or 0 <= self.http_port < 65536, f"bad http_port {self.http_port}"
         assert self.dp_size >= 1, f"dp_size must be >= 1, got {self.dp_size}"
+        assert self.pooling in ("auto", "last", "mean"), f"bad pooling {self.pooling!r}"

@@ -39,8 +39,9 @@ def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
     return built if built is not None else AutoTokenizer.from_pretrained(model_path)
 
 
-def read_model_info(model_path: str, tokenizer: PreTrainedTokenizerBase) -> ModelInfo:
-    """Context length and vocab from config.json; EOS ids from every place that may name them.
+def read_model_info(model_path: str, tokenizer: PreTrainedTokenizerBase, pooling: str = "auto") -> ModelInfo:
+    """Context length and vocab from config.json; EOS ids from every place that may name them;
+    the embeddings' spec, pooled as ``pooling`` (--pooling) says.
 
     EOS ids are the union of generation_config.json, config.json and the tokenizer's
     eos token: instruct models often end turns with a token that only one of them lists.
@@ -57,7 +58,7 @@ def read_model_info(model_path: str, tokenizer: PreTrainedTokenizerBase) -> Mode
         for token_id in _as_id_list(source):
             if token_id not in eos:
                 eos.append(token_id)
-    embedding = read_embedding_spec(Path(model_path), config)
+    embedding = read_embedding_spec(Path(model_path), config, pooling)
     return ModelInfo(
         context_len=context_len, vocab_size=vocab_size, eos_token_ids=tuple(eos), embedding=embedding
     )

@@ -5,6 +5,7 @@ Pooling comes from a sentence-transformers Pooling module when the model directo
 (``modules.json`` -> its ``config.json``: ``pooling_mode_lasttoken`` or ``pooling_mode_mean_tokens``);
 without one a decoder LM pools its last token. Other modes (CLS, max, ...) are not done: such a
 model's embedding requests are refused, naming the mode, rather than answered with other values.
+``--pooling last`` or ``mean`` sets the pooling whatever the files say (``auto``: as they say).
 ``dimensions`` may cut a vector only for a model whose config.json says it was trained for it
 (``matryoshka_dimensions``: the sizes; ``is_matryoshka``: any size), as vLLM reads it.
 """
@@ -45,12 +46,13 @@ class EmbeddingSpec:
         return f"must be one of this model's sizes {sizes}, got {dimensions}"
 
 
-def read_embedding_spec(model_dir: Path, config: dict[str, Any]) -> EmbeddingSpec:
-    """The spec from ``model_dir``'s files; ``config``: its config.json (the LM's part)."""
+def read_embedding_spec(model_dir: Path, config: dict[str, Any], pooling: str = "auto") -> EmbeddingSpec:
+    """The spec from ``model_dir``'s files; ``config``: its config.json (the LM's part);
+    ``pooling``: ``auto`` (the files' pooling) or a ``Pooling`` value that overrides them."""
     hidden = int(config.get("hidden_size") or config.get("n_embd") or 0)
     sizes = tuple(int(d) for d in config.get("matryoshka_dimensions") or ())
-    pooling, unsupported = _pooling(model_dir)
-    return EmbeddingSpec(pooling, unsupported, hidden, sizes, bool(config.get("is_matryoshka")))
+    chosen, unsupported = _pooling(model_dir) if pooling == "auto" else (Pooling(pooling), "")
+    return EmbeddingSpec(chosen, unsupported, hidden, sizes, bool(config.get("is_matryoshka")))
 
 
 def _pooling(model_dir: Path) -> tuple[Pooling | None, str]:

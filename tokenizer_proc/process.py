@@ -53,7 +53,7 @@ def run_tokenizer(config: TokenizerConfig, endpoints: Endpoints) -> None:
     stops at once; either way every request still in flight gets an error reply.
     """
     tokenizer = load_tokenizer(config.model_path)
-    info = read_model_info(config.model_path, tokenizer)
+    info = read_model_info(config.model_path, tokenizer, config.pooling)
     logger.info(
         "tokenizer ready: context %d, vocab %d, eos %s", info.context_len, info.vocab_size, info.eos_token_ids
     )

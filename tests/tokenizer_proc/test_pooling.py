@@ -40,6 +40,15 @@ def test_pooling_from_the_model_files(tmp_path: Path) -> None:
     assert cls.pooling is None and "pooling_mode_cls_token" in cls.unsupported
 
 
+def test_the_pooling_flag_overrides_the_model_files(tmp_path: Path) -> None:
+    assert read_embedding_spec(tmp_path, {}, "mean").pooling is Pooling.MEAN  # no ST config: LAST
+    assert read_embedding_spec(tmp_path, {}, "auto").pooling is Pooling.LAST
+    mean = _st_model(tmp_path / "m", pooling_mode_mean_tokens=True)
+    assert read_embedding_spec(mean, {}, "last").pooling is Pooling.LAST
+    cls = read_embedding_spec(_st_model(tmp_path / "c", pooling_mode_cls_token=True), {}, "mean")
+    assert (cls.pooling, cls.unsupported) == (Pooling.MEAN, "")
+
+
 def test_dimensions_only_where_the_model_has_them() -> None:
     plain = EmbeddingSpec(hidden_size=64)
     assert plain.dimensions_error(64) is None and "cannot be shortened" in (plain.dimensions_error(32) or "")

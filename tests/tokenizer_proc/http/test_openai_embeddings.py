@@ -66,15 +66,17 @@ def oai(engine: HttpEngine) -> Iterator[openai.OpenAI]:
         yield client
 
 
-def _reference(model_dir: Path, ids: list[int]) -> np.ndarray:
-    """HF float64: the final hidden state (after the final norm), pooled as configured, normalized."""
+def _reference(model_dir: Path, ids: list[int], mean: bool | None = None) -> np.ndarray:
+    """HF float64: the final hidden state (after the final norm), pooled, normalized; ``mean`` None:
+    pooled as the model's files say (our fixture's sentence-transformers config is mean)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float64)
     with torch.no_grad():
         states = model.model(torch.tensor([ids])).last_hidden_state[0]
-    pooled = states.mean(0) if (model_dir / "modules.json").exists() else states[-1]
+    mean = (model_dir / "modules.json").exists() if mean is None else mean
+    pooled = states.mean(0) if mean else states[-1]
     return (pooled / pooled.norm()).numpy()
 
 
@@ -163,3 +165,20 @@ def test_dimensions(oai: openai.OpenAI, model_dir: Path) -> None:
 def test_bad_requests(engine: HttpEngine, body: dict[str, object], status: int, param: str) -> None:
     got = httpx.post(engine.v1 + "/embeddings", json=body)
     assert got.status_code == status and got.json()["error"]["param"] == param, got.text
+
+
+def test_pooling_flag_mean_on_a_model_without_its_config(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """``--pooling mean`` on the tiny Llama, which has no sentence-transformers config (so ``auto``
+    would pool its last token): the vector is HF's mean over every position, not its last one."""
+    args = ("--dtype", "float32", "--kv-cache-dtype", "float32", "--pooling", "mean")
+    with http_engine(tiny_llama_dir, tmp_path, *args) as e:
+        body = {"input": LONG, "encoding_format": "float"}
+        before = metrics(e.base_url)["rivulet_cached_prompt_tokens_total"]
+        got = [np.array(httpx.post(e.v1 + "/embeddings", json=body).json()["data"][0]["embedding"])]
+        got.append(np.array(httpx.post(e.v1 + "/embeddings", json=body).json()["data"][0]["embedding"]))
+        cached = metrics(e.base_url)["rivulet_cached_prompt_tokens_total"] - before
+    ids = load_tokenizer(str(tiny_llama_dir)).encode(LONG)
+    np.testing.assert_allclose(got[0], _reference(tiny_llama_dir, ids, mean=True), atol=2e-5)
+    assert not np.allclose(got[0], _reference(tiny_llama_dir, ids, mean=False), atol=1e-2)
+    np.testing.assert_allclose(got[1], got[0], atol=1e-6)
+    assert cached == 0, "MEAN computes every position, the second time too"
