@@ -43,7 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--endpoint", default=DEFAULT_ENDPOINT, help="client socket: ipc://PATH or tcp://127.0.0.1:PORT"
     )
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        help="Python logging level of the launcher and every process it starts: "
+        "DEBUG, INFO, WARNING or ERROR",
+    )
     p.add_argument("--nnodes", type=int, default=1, help="machines the tensor-parallel ranks spread over")
     p.add_argument(
         "--node-rank",
