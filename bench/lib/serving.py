@@ -29,8 +29,8 @@ from bench.lib.workloads import (
     compose_workload,
     parse_repeats,
     random_workload,
+    repeated_prompt_workload,
     rewrite_workload,
-    seeds_workload,
     shared_prefix_workload,
 )  # fmt: skip
 from client import EngineError, default_endpoint
@@ -47,15 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
     add("--served-model", default=None, help="openai: the request's model field (default: GET /v1/models)")
     add("--model", default=None, help="rivulet model dir/GGUF whose tokenizer builds exact prompts")
     add("--tokenizer", default=None, help="a tokenizer.json (or its dir) instead of --model's")
-    add("--workload", choices=("seeds", "random", "shared-prefix", "rewrite", "compose"), default="seeds",
-        help="rewrite: chat prompts whose answers repeat the prompt (a list, code with one name changed); "
+    add("--workload", choices=("repeated-prompt", "random", "shared-prefix", "rewrite", "compose"),
+        default="repeated-prompt",
+        help="repeated-prompt: --prompt repeated per request, cycling --prompt-repeats; "
+             "rewrite: chat prompts whose answers repeat the prompt (a list, code with one name changed); "
              "compose: chat prompts whose answers are new text (--model's chat template)")  # fmt: skip
-    add("--prompt", default="Hello", help="seeds: the prompt text that is repeated")
-    add("--prompt-repeats", default="1", help='seeds: repeats per request, cycled: "512,1,1,1"')
-    add("--unique-prompts", action="store_true", help="seeds: prefix each prompt with its number")
+    add("--prompt", default="Hello", help="repeated-prompt: the prompt text that is repeated")
+    add("--prompt-repeats", default="1", help='repeated-prompt: repeats per request, cycled: "512,1,1,1"')
+    add("--unique-prompts", action="store_true", help="repeated-prompt: prefix each prompt with its number")
     add("--num-requests", type=int, default=32)
     add("--max-new-tokens", type=int, default=32, help="tokens per request (all but random)")
-    add("--no-stop-on-eos", action="store_true", help="seeds: ignore EOS (random workloads always do)")
+    add("--no-stop-on-eos", action="store_true",
+        help="repeated-prompt: ignore EOS (random workloads always do)")  # fmt: skip
     add("--input-len", type=int, default=32, help="random: prompt tokens (upper bound)")
     add("--output-len", type=int, default=32, help="random: new tokens (upper bound)")
     add("--range-ratio", type=float, default=1.0, help="random: lengths uniform in [len*ratio, len]")
@@ -90,8 +93,8 @@ def tokenizer_json(args: argparse.Namespace) -> Path:
 
 
 def build_workload(args: argparse.Namespace) -> list[WorkItem]:
-    if args.workload == "seeds":
-        return seeds_workload(
+    if args.workload == "repeated-prompt":
+        return repeated_prompt_workload(
             args.prompt, parse_repeats(args.prompt_repeats), args.num_requests, args.unique_prompts,
             args.max_new_tokens, args.no_stop_on_eos, args.seed,
         )  # fmt: skip

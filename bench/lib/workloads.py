@@ -1,11 +1,12 @@
 """Benchmark workloads: what each request asks for and when it is sent. Seeded and reproducible.
 
-Three generators, all returning ``WorkItem``s:
+Five generators, all returning ``WorkItem``s:
 
-- ``seeds_workload``: benchmark_streaming's "Hello" prompts, ``--prompt-repeats "512,1,1,1"`` cycling
-  over requests (request i repeats the prompt ``repeats[i % len(repeats)]`` times),
-  ``--unique-prompts`` putting "SEED.NUMBER: " first so no two prompts share a prefix (nor do
-  two runs with different seeds, which keeps a prefix cache from carrying hits between runs).
+- ``repeated_prompt_workload`` (``--workload repeated-prompt``, the default): benchmark_streaming's
+  "Hello" prompts, ``--prompt-repeats "512,1,1,1"`` cycling over requests (request i repeats the
+  prompt ``repeats[i % len(repeats)]`` times), ``--unique-prompts`` putting "SEED.NUMBER: " first
+  so no two prompts share a prefix (nor do two runs with different seeds, which keeps a prefix
+  cache from carrying hits between runs).
 - ``random_workload``: prompts of random words with exact token lengths drawn uniformly from
   ``[input_len * range_ratio, input_len]`` (outputs likewise).
 - ``shared_prefix_workload``: G groups x Q questions; the questions of a group share one
@@ -74,7 +75,7 @@ def parse_repeats(spec: str) -> list[int]:
     return repeats
 
 
-def seeds_workload(
+def repeated_prompt_workload(
     prompt: str,
     repeats: list[int],
     num_requests: int,

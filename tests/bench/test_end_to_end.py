@@ -1,4 +1,4 @@
-"""serving.py and the sweep against real engines on the tiny model (no timing assertions)."""
+"""python -m bench.serving and bench.sweep against real engines on the tiny model (no timing assertions)."""
 
 from __future__ import annotations
 
@@ -28,12 +28,13 @@ def test_serving_counts_every_token_of_a_real_engine(
                        "--output-len", "5", "--range-ratio", "0.5", "--max-concurrency", "3",
                        "--label", "r"]  # fmt: skip
         assert serving_script.main([*target, *random_args]) == 0
-        seeds_args = ["--prompt-repeats", "40,1", "--unique-prompts", "--num-requests", "4",
-                      "--max-new-tokens", "3", "--no-stop-on-eos", "--submit-interval-ms", "20"]  # fmt: skip
-        assert serving_script.main([*target, *seeds_args]) == 0
+        repeated_args = ["--prompt-repeats", "40,1", "--unique-prompts", "--num-requests", "4",
+                         "--max-new-tokens", "3", "--no-stop-on-eos",
+                         "--submit-interval-ms", "20"]  # fmt: skip
+        assert serving_script.main([*target, *repeated_args]) == 0
     out = capsys.readouterr().out
     assert out.count("=== streaming benchmark ===") == 2 and "Label: r" in out
-    rand, seeds = read_records(records)
+    rand, repeated = read_records(records)
     items = serving.build_workload(serving.build_parser().parse_args([*common, *random_args]))
     m = rand["metrics"]
     assert (m["num_requests"], m["num_failed"]) == (6, 0)
@@ -43,7 +44,8 @@ def test_serving_counts_every_token_of_a_real_engine(
     assert len(rand["samples"]["ttft_ms"]) == 6
     assert len(rand["samples"]["itl_ms"]) == sum(it.max_new_tokens - 1 for it in items)
     assert rand["config"]["workload"] == "random" and rand["config"]["label"] == "r"
-    assert seeds["metrics"]["completion_tokens"] == 12 and seeds["metrics"]["prompt_tokens"] > 2 * 40
+    assert repeated["config"]["workload"] == "repeated-prompt"  # the default
+    assert repeated["metrics"]["completion_tokens"] == 12 and repeated["metrics"]["prompt_tokens"] > 2 * 40
 
 
 @pytest.mark.timeout(240)

@@ -71,7 +71,7 @@ def test_no_samples_gives_none_not_nan() -> None:
     assert "TTFT p50/p95/p99: n/a" in format_block(s, {})
 
 
-def test_block_has_the_seeds_lines_and_samples_are_in_ms() -> None:
+def test_block_has_benchmark_streamings_lines_and_samples_are_in_ms() -> None:
     r = RequestResult(0.0, [0.25, 0.5], finish_s=0.5, prompt_tokens=3, completion_tokens=2)
     block = format_block(summarize([r]), {"Model": "tiny"})
     expected = ("=== streaming benchmark ===", "Model: tiny", "Prompt tokens (total): 3",

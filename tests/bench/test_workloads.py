@@ -1,4 +1,5 @@
-"""Workload generators: reproducible with a seed, exact token lengths, the seeds' prompt shapes."""
+"""Workload generators: reproducible with a seed, exact token lengths, the repeated-prompt workload's
+prompt shapes (repeats cycled over requests, numbered unique prompts)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from bench.lib.workloads import (
     arrival_offsets_s,
     parse_repeats,
     random_workload,
-    seeds_workload,
+    repeated_prompt_workload,
     shared_prefix_workload,
 )
 
@@ -23,15 +24,15 @@ def pool(smollm2_dir: Path) -> WordPool:
     return WordPool(smollm2_dir / "tokenizer.json")
 
 
-def test_seeds_prompts_cycle_the_repeats_and_are_unique() -> None:
-    items = seeds_workload("Hello", parse_repeats("512,1,1,1"), 8, True, 32, True)
+def test_repeated_prompts_cycle_the_repeats_and_are_unique() -> None:
+    items = repeated_prompt_workload("Hello", parse_repeats("512,1,1,1"), 8, True, 32, True)
     assert [it.text.count("Hello") for it in items] == [512, 1, 1, 1, 512, 1, 1, 1]
     assert len({it.text for it in items}) == 8
     assert items[0].text.startswith("0.0: Hello Hello") and items[5].text == "0.5: Hello"
-    reseeded = seeds_workload("Hello", [1], 2, True, 8, True, seed=3)
+    reseeded = repeated_prompt_workload("Hello", [1], 2, True, 8, True, seed=3)
     assert [it.text for it in reseeded] == ["3.0: Hello", "3.1: Hello"]
     assert all(it.input_ids is None and it.max_new_tokens == 32 and it.ignore_eos for it in items)
-    plain = seeds_workload("Hi", [2], 3, False, 8, False)
+    plain = repeated_prompt_workload("Hi", [2], 3, False, 8, False)
     assert [it.text for it in plain] == ["Hi Hi"] * 3 and not plain[0].ignore_eos
 
 
