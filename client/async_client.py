@@ -21,6 +21,8 @@ from client.common import (
     check_reply,
     connect_dealer,
     default_endpoint,
+    embed_input,
+    embedding_of,
     make_request,
     single_choice,
 )
@@ -76,6 +78,13 @@ class AsyncClient:
             return await self._next(req.rid)
         finally:
             await self._forget(req.rid)
+
+    async def embed(self, prompt: str | list[int]) -> list[float]:
+        """The embedding of one text or one list of token ids: the prompt's final hidden states
+        pooled as the engine's model says (or its ``--pooling``) and L2-normalized; an error reply
+        (a bad token id, a model whose pooling is not supported) raises EngineError."""
+        text, input_ids = embed_input(prompt)
+        return embedding_of(await self.generate(text, input_ids=input_ids, embed=True))
 
     async def generate_choices(
         self, prompt: str | None = None, **options: Unpack[GenerateOptions]

@@ -22,6 +22,8 @@ from client.common import (
     check_reply,
     connect_dealer,
     default_endpoint,
+    embed_input,
+    embedding_of,
     make_request,
     single_choice,
 )
@@ -88,6 +90,13 @@ class Client:
             return self._next(req.rid)
         finally:
             self._forget(req.rid)
+
+    def embed(self, prompt: str | list[int]) -> list[float]:
+        """The embedding of one text or one list of token ids: the prompt's final hidden states
+        pooled as the engine's model says (or its ``--pooling``) and L2-normalized; an error reply
+        (a bad token id, a model whose pooling is not supported) raises EngineError."""
+        text, input_ids = embed_input(prompt)
+        return embedding_of(self.generate(text, input_ids=input_ids, embed=True))
 
     def flush_cache(self) -> None:
         """Drop the engine's cached prefixes (those no running request holds); returns once it is asked."""

@@ -139,6 +139,18 @@ def single_choice(req: GenerateRequest) -> None:
         raise ValueError("generate(stream=False) returns one reply: use generate_choices for n > 1")
 
 
+def embed_input(prompt: str | list[int]) -> tuple[str | None, list[int] | None]:
+    """``embed``'s one input as ``generate``'s ``prompt`` or ``input_ids``."""
+    return (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+
+
+def embedding_of(reply: GenerateOutput) -> list[float]:
+    """The vector of an embed request's final reply (error replies raised before this)."""
+    if reply.embedding is None:
+        raise EngineError("the engine's final reply to an embed request carries no embedding")
+    return reply.embedding
+
+
 def check_reply(reply: GenerateOutput) -> GenerateOutput:
     """Raise EngineError for an error reply; pass any other reply through."""
     if reply.finish_reason is FinishReason.ERROR:

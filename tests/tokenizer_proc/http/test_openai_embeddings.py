@@ -5,6 +5,7 @@ checked against HF transformers in float64: the final-norm hidden states, pooled
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import shutil
@@ -16,7 +17,7 @@ import numpy as np
 import openai
 import pytest
 
-from client import Client
+from client import AsyncClient, Client, EngineError
 from tests.tokenizer_proc.http.server import HttpEngine, http_engine, metrics
 from tokenizer_proc.model_info import load_tokenizer
 
@@ -117,6 +118,30 @@ def test_the_zmq_client_gets_the_same_vector(oai: openai.OpenAI, engine: HttpEng
         reply = c.generate(TEXTS[0], embed=True)
     assert reply.embedding is not None and reply.text == "" and reply.token_ids == []
     np.testing.assert_allclose(reply.embedding, over_http.embedding, atol=1e-6)
+
+
+def test_the_clients_embed_gives_the_routes_vector(
+    oai: openai.OpenAI, engine: HttpEngine, model_dir: Path
+) -> None:
+    """``Client.embed`` and ``AsyncClient.embed``, of a text and of its token ids, give the vector
+    /v1/embeddings gives; an error reply (a token id past the vocabulary) raises EngineError."""
+    over_http = oai.embeddings.create(model="tiny", input=TEXTS[1], encoding_format="float").data[0]
+    ids = load_tokenizer(str(model_dir)).encode(TEXTS[1])
+    with Client(engine.engine.endpoint, timeout_s=60) as c:
+        got = [c.embed(TEXTS[1]), c.embed(ids)]
+        with pytest.raises(EngineError, match="vocab"):
+            c.embed([1, 99999999])
+
+    async def embed_async() -> list[list[float]]:
+        async with AsyncClient(engine.engine.endpoint, timeout_s=60) as c:
+            with pytest.raises(EngineError, match="vocab"):
+                await c.embed([99999999])
+            return list(await asyncio.gather(c.embed(TEXTS[1]), c.embed(ids)))
+
+    got += asyncio.run(embed_async())
+    for vector in got:
+        assert isinstance(vector, list) and len(vector) == 64 and abs(np.linalg.norm(vector) - 1) < 1e-9
+        np.testing.assert_allclose(vector, over_http.embedding, atol=1e-6)
 
 
 def test_last_token_pooling_uses_the_prefix_cache(
