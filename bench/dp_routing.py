@@ -6,7 +6,7 @@ replica is worth on this machine.
     python -m bench.dp_routing --part streams --rounds 3
 
 ``routing``: ``--dp-size 2`` with each routing policy in turn (a fresh engine each, rounds
-interleaved), on bench/serving.py's shared-prefix workload: ``--groups`` groups of
+interleaved), on the shared-prefix workload (bench/lib/workloads.py): ``--groups`` groups of
 ``--questions`` questions behind ``--system-len``-token system prompts, ``--concurrency`` in
 flight, each replica's KV pool (``--kv-cache-tokens``) holding about half of the prefixes. It
 reports the prefix-cache hit rate (cached / prompt tokens, from /metrics) and TTFT p50; the

@@ -9,7 +9,7 @@ token, 30 MB at 1024 tokens, against 97 MB of GGUF weights). bench/targets.py's 
 has 32-token prompts and 64 new tokens; this measures the same workload past them.
 
 Round r starts rivulet's server (``launcher.py --http-port P``) and, for each prompt length, runs
-bench/serving.py's random workload at concurrency 1 through POST /v1/completions; then the same on
+the random workload (bench/lib/workloads.py) at concurrency 1 through POST /v1/completions; then the same on
 ``llama-server -np 1`` (one slot, so it holds the whole context; targets' ``-np 32`` splits its 8192
 tokens into 256-token slots). Decode tok/s = 1000 / TPOT p50; TTFT p50 is the prompt's prefill.
 Cells are medians (min-max) of the rounds; the ratio is rivulet / llama.cpp of the same round.

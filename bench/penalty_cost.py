@@ -3,7 +3,7 @@
     flock /tmp/rivulet-cpu.lock python -m bench.penalty_cost                 # the embedded model
     python -m bench.penalty_cost --rounds 3 --engine-flags "--dtype float32"
 
-One engine is started; each round runs bench/serving.py's random workload (32 requests at
+One engine is started; each round runs the random workload (bench/lib/workloads.py; 32 requests at
 32 in flight, greedy, EOS ignored) once without penalties and once with presence, frequency
 and repetition penalties plus a logit_bias on every request, alternating which goes first,
 each on fresh prompts of the same lengths (so no run hits the other's prefix cache). Prints

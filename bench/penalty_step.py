@@ -8,7 +8,7 @@ with presence, frequency and repetition penalties and a logit_bias. After each g
 prefill, decode steps of the two groups alternate (A B A B ...), so a noisy neighbour on
 a shared CPU hits both alike; the median step time of each is reported, and their ratio
 is the output tok/s with penalties over without (the target: at least 0.85).
-bench/penalty_cost.py measures the same through the whole engine, where the CPU is quiet.
+``python -m bench.penalty_cost`` measures the same through the whole engine, where the CPU is quiet.
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ from bench.lib.metrics import RequestResult
 # (kv-mem-fraction would give each of several engines a fifth of the RAM), roseinfer's budget.
 COMMON = ("--dtype", "float32", "--kv-cache-tokens", "16384", "--max-prefill-tokens", "256")
 HOL = ("--prompt", "Hello", "--prompt-repeats", "512,1,1,1", "--unique-prompts", "--no-stop-on-eos")
-# roseinfer's burst: all requests at once. Scaled to ~1 minute per run with SmolLM2 on 2 cores
-# shared with other work (5-10 output tok/s at the time of writing).
+# roseinfer's burst: all requests at once, scaled down (12 requests, 16 new tokens) so that a run of the
+# embedded model on a small shared CPU stays short.
 BURST = (*HOL, "--num-requests", "12", "--max-new-tokens", "16")
 # Arrivals spread out, so prefills keep landing between decode steps of running requests.
 STREAM = (*HOL, "--num-requests", "12", "--max-new-tokens", "16", "--submit-interval-ms", "2000")

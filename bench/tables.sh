@@ -4,7 +4,7 @@
 # output goes to OUT/NAME.txt; the sweep rewrites the generated half of benchmarks.md itself, the
 # sections after its "sections below" marker are pasted from OUT by hand, each naming its commit.
 #
-#     bash bench/tables.sh /tmp/tables            # everything (~1.5 h on 2 cores)
+#     bash bench/tables.sh /tmp/tables            # everything (hours on a small machine)
 #     bash bench/tables.sh /tmp/tables targets    # only the steps named
 set -euo pipefail
 OUT=${1:?usage: bench/tables.sh OUT_DIR [STEP ...]}

@@ -7,7 +7,7 @@
 Round r starts one fresh engine per dtype (``launcher.py --dtype D --http-port P``) and on it
 measures, in order: start-up to the Ready line, 32 concurrent streams (with the worker's busy
 counters sampled from GET /metrics while they decode), 1 stream, idle CPU of the whole process
-tree, and bench/offline.py's 256 prompts against HF generate of the same dtype in this process.
+tree, and ``python -m bench.offline``'s 256 prompts against HF generate of the same dtype in this process.
 Every measurement of round r comes before round r+1; a cell is the median over rounds with
 (min-max). Anchor columns are reference numbers from another machine, not measured here.
 
@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _serving_args(
     args: argparse.Namespace, address: str, n: int, concurrency: int, seed: int, http: bool = False
 ) -> Any:
-    """bench/serving.py's arguments for one run: rivulet's ZMQ ``address``, or with ``http`` a base URL."""
+    """``python -m bench.serving``'s arguments for one run: rivulet's ZMQ ``address``, or with ``http``
+    a base URL."""
     model = ["--model", args.model] if args.model else []
     target = ["--backend", "openai", "--base-url", address] if http else ["--endpoint", address]
     argv = [*target, *model, "--workload", "random", "--num-requests", str(n),
@@ -167,7 +168,7 @@ def measure_single(args: argparse.Namespace, server: launch.Server, r: int) -> d
 
 
 def measure_http(args: argparse.Namespace, base_url: str, r: int) -> dict[str, Any]:
-    """32 streams then 1 stream through POST /v1/completions (bench/serving.py --backend openai).
+    """32 streams then 1 stream through POST /v1/completions (``python -m bench.serving --backend openai``).
 
     The same code and prompts measure rivulet's HTTP API and llama.cpp's server in round r.
     """
@@ -197,7 +198,7 @@ def measure_idle(server: launch.Server, seconds: float) -> float:
 
 
 def measure_offline(args: argparse.Namespace, server: launch.Server, dtype: str, r: int) -> dict[str, Any]:
-    """bench/offline.py on this engine, HF generate (of --hf-dtype) beside it (one round)."""
+    """``python -m bench.offline`` on this engine, HF generate (of --hf-dtype) beside it (one round)."""
     model = ["--model", args.model] if args.model else []
     argv = ["--endpoint", server.address, *model, "--dtype", dtype, "--seed", str(2000 + r),
             "--num-prompts", str(args.offline_prompts), "--input-len", str(args.input_len),

@@ -2,7 +2,7 @@
 
 Token times are taken when the tokenizer turns a scheduler row into a client
 reply, i.e. where the token leaves the engine toward the client, so queueing and
-scheduling delays count (DESIGN.md §4).
+scheduling delays count, as they do for the client.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The tables of docs/benchmarks.md, from a sweep manifest (a plain dict, see sweep.py).
+"""The tables of docs/benchmarks.md, from a sweep manifest (a plain dict, see bench/sweep.py).
 
 Each cell is the median over repeats with the spread (min-max) in parentheses. bench/lib/writeup.py
 writes the file from these tables and bench/lib/plots.py's PNGs (CDFs of TTFT and ITL per

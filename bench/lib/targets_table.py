@@ -114,9 +114,9 @@ def format_table(
     if peer is not None:
         notes += [
             'Rows without "over HTTP" measure rivulet through its ZMQ client. The llama.cpp rows and the '
-            "ratios measure both engines through POST /v1/completions (bench/serving.py --backend openai), "
-            "same prompts; each round runs rivulet, then llama.cpp; a ratio cell is the median of the "
-            "per-round ratios.",
+            "ratios measure both engines through POST /v1/completions "
+            "(python -m bench.serving --backend openai), same prompts; each round runs rivulet, then "
+            "llama.cpp; a ratio cell is the median of the per-round ratios.",
             f"llama.cpp: `{peer.shown()}` (the same GGUF; rivulet per --weight-dtype)",
         ]
         notes += [peer.warning] if peer.warning else []

@@ -1,4 +1,4 @@
-"""Write docs/benchmarks.md and its PNGs from a sweep manifest (see sweep.py for its shape)."""
+"""Write docs/benchmarks.md and its PNGs from a sweep manifest (see bench/sweep.py for its shape)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from bench.lib import plots, report
 
 LLAMA_CPP_RECIPE = """\
 llama.cpp serves the same GGUF over the OpenAI API, so it is measured by the same code
-(`bench/serving.py --backend openai`). `bench/llama_cpp.py` builds its C++ `llama-server` once per
-CPU kind and caches it; llama.cpp is not a dependency of rivulet and no binary is committed:
+(`python -m bench.serving --backend openai`). `python -m bench.llama_cpp` builds its C++
+`llama-server` once per CPU kind and caches it; llama.cpp is not a dependency of rivulet and no
+binary is committed:
 
 <!-- docs-test: parse-only (builds llama.cpp, minutes) -->
 ```bash
@@ -43,7 +44,7 @@ python -m bench.sweep --sweeps concurrency \\
 TARGETS_HOWTO = """\
 ## Serving targets: throughput, latency, busy share, idle cost, start-up (`bench/targets.py`)
 
-Numbers from: each run pasted below names its commit and CPU (bench/targets.py prints the CPU line).
+Numbers from: each run pasted below names its commit and CPU (`python -m bench.targets` prints the CPU line).
 
 One command measures every serving target and prints its markdown table
 (CPU-heavy: run it under the shared lock so no other benchmark overlaps it):
@@ -67,14 +68,14 @@ Each round starts a fresh engine per dtype (`launcher.py --dtype D --http-port P
 - 1 stream: 4 requests one at a time: decode tok/s = 1 / TPOT p50, and output tok/s;
 - idle CPU: utime + stime of the launcher and every descendant (`/proc`) over 10 s once the
   engine has served those requests, as % of one core;
-- offline: `bench/offline.py` with 256 prompts on that engine, then HF `generate` of the same
+- offline: `python -m bench.offline` with 256 prompts on that engine, then HF `generate` of the same
   dtype in the benchmark's process (the faster of static batch 32 and 64): the ratio.
 
 Round r measures every dtype before round r + 1; a cell is the median over rounds with (min-max).
 The JSON record is appended to `bench/results/targets.jsonl`. The anchor columns are reference
 numbers from a 2-vCPU AMD Zen 5, not measured on this machine.
 
-llama.cpp beside rivulet (`bench/llama_cpp.py` builds it, see Peers above):
+llama.cpp beside rivulet (`python -m bench.llama_cpp build` builds it, see Peers above):
 
 <!-- docs-test: parse-only (minutes) -->
 ```bash
@@ -84,7 +85,7 @@ RIVULET_CPU_KIND=avx2 python -m bench.targets --peer-llama-cpp auto         # bo
 ```
 
 With a peer, each rivulet round also runs the 32-stream and 1-stream workloads over rivulet's HTTP API
-(`POST /v1/completions`, `bench/serving.py --backend openai`), then starts
+(`POST /v1/completions`, `python -m bench.serving --backend openai`), then starts
 `llama-server -m <the embedded GGUF> --port P -np 32 -c 8192 -t <cores>` and runs the same workloads with
 the same prompts through the same code, then stops it (rivulet round, llama.cpp round, ...). The table
 gains rivulet's and llama.cpp's HTTP numbers and the ratios rivulet / llama.cpp of 32-stream output tok/s
@@ -133,6 +134,11 @@ python -m bench.quant_matmul               # the GGUF block kernels per type and
 python -m bench.weight_memory              # the worker's weight bytes per --weight-dtype
 python -m bench.long_context --peer-llama-cpp auto   # 1 stream at 32-2048-token prompts vs llama-server
 python -m bench.decode_attention           # the C decode attention alone, by context and row count
+python -m bench.worker_step                # the model runner's step alone, per batch shape and dtype
+python -m bench.policy_ab                  # the scheduling knobs A/B, and recovery after retraction
+python -m bench.speculative                # n-gram speculative decoding against none, per workload
+python -m bench.startup                    # launcher to Ready, first start and warm, and bytes written
+python -m bench.gguf_models                # the bigger bench GGUFs (llama1b-*, qwen3moe30b-*)
 ```
 
 `bench.sweep` starts its own engines (one per configuration, always stopped), runs the
@@ -208,7 +214,7 @@ def write_docs(manifest: dict[str, Any], out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = [
         "# Benchmarks", "",
-        "Written by `bench/sweep.py` from one run, and after its marker from the commands of "
+        "Written by `python -m bench.sweep` from one run, and after its marker from the commands of "
         "`bench/tables.sh`; regenerate rather than edit. "
         f"Command: `{manifest['command']}`", "",
         *_machine_lines(manifest), "",

@@ -150,7 +150,7 @@ class SlotSamplerParams:
     def plain_greedy(self, slots: list[int]) -> bool:
         """Every row greedy: ``greedy_pick`` is the whole draw, and the caller skips building a
         SamplingBatch (~15 small tensor ops a step); the rows that ask for logprobs get
-        them computed alone (gpu_worker/logprobs.py), not the whole batch's."""
+        them computed alone (gpu_worker/sampling/logprobs.py), not the whole batch's."""
         self._check_assigned(slots)
         return all(self.greedy[s] for s in slots)
 

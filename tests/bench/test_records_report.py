@@ -98,9 +98,9 @@ def test_a_new_sweep_keeps_the_sections_measured_by_hand(tmp_path: Path) -> None
     manifest = {"time": "now", "git_commit": "abc", "machine": machine, "model": "tiny", "engine_flags": [],
                 "repeats": 3, "note": "noisy", "command": "c", "sweeps": []}  # fmt: skip
     path = writeup.write_docs(manifest, tmp_path)
-    path.write_text(path.read_text() + "## Issue 99\n\nNumbers from: commit `def`.\n")
+    path.write_text(path.read_text() + "## Pasted by hand\n\nNumbers from: commit `def`.\n")
     again = writeup.write_docs({**manifest, "git_commit": "ghi"}, tmp_path).read_text()
-    assert "commit `ghi`" in again and again.endswith("## Issue 99\n\nNumbers from: commit `def`.\n")
+    assert "commit `ghi`" in again and again.endswith("## Pasted by hand\n\nNumbers from: commit `def`.\n")
     assert again.count(writeup.BY_HAND) == 1
 
 

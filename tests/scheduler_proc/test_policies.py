@@ -1,4 +1,6 @@
-"""Admission policies and the prefill/decode knobs on the pure core (seeds 000-002, issue 4)."""
+"""Admission policies and the prefill/decode knobs on the pure scheduler core: fcfs and pack
+admission, --force-fifo-every, --max-overtakes, --prefill-max-requests, --max-running-requests,
+--max-consecutive-prefills and --decode-first."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def config(**overrides: object) -> SchedulerConfig:
     return SchedulerConfig(**base)
 
 
-# ---------------------------------------------------------------- the seed's admission semantics
+# ---------------------------------------------------------------- what fcfs and pack admit in one round
 
 
 def test_pack_admits_the_short_ones_and_leaves_the_long_head() -> None:

@@ -16,7 +16,7 @@ CPU kinds differ in what they do fast. Three paths exist:
   differs, then one rounding to bf16): where the CPU's fp32 kernels outrun its
   bf16 ones.
 
-``PLANS`` is measured once per CPU kind by ``bench/matmul_paths.py`` and
+``PLANS`` is measured once per CPU kind by ``python -m bench.matmul_paths`` and
 committed here, never timed at start (a busy machine would change the choice,
 and with it the summation order). Its comments quote the bench's numbers.
 """

@@ -26,9 +26,9 @@ from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
 
 # From how many rows a quantized Linear takes the dense path (csrc/quant_dense.c: W dequantized to
 # float32 panel by panel, x not quantized, float32 FMAs) rather than the integer one, per CPU kind,
-# layout and type. Measured by bench/quant_matmul.py on each kind and committed here, never timed at
-# start; the integer-vs-dense numbers behind each row and their commands are in docs/benchmarks.md
-# ("Numbers behind the code's choices"). In short:
+# layout and type. Measured by ``python -m bench.quant_matmul`` on each kind and committed here, never
+# timed at start; the integer-vs-dense numbers behind each row and their commands are in
+# docs/benchmarks.md ("Numbers behind the code's choices"). In short:
 # - Rows interleaved by 8 (``X8_``, the layout the worker holds every weight whose rows are a multiple
 #   of 8 in: csrc/quant_x8.c, csrc/quant_kx8.c): on the AVX-512 kinds the integer tile wins at every
 #   row count (avx512_vnni and avx512_bf16 run vpdpwssd, faster than avx512's madd, so alike). On

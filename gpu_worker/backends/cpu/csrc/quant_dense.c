@@ -6,7 +6,7 @@
  * path (quant.c) reads the blocks as they are. At many rows each weight meets every row, and the
  * integer tile pays per (row, weight row, block) a widening, two madds, an add, a conversion and a
  * scaled FMA for 32 products, where a float tile pays 4 FMAs; the blocks are widened once per
- * panel here, not once per group of activation rows. bench/quant_matmul.py measures where the
+ * panel here, not once per group of activation rows. python -m bench.quant_matmul measures where the
  * paths cross per CPU kind (gpu_worker/backends/cpu/quant.py holds the table).
  *
  * Numerics: activations are not quantized (bf16 activations widen exactly to float32); weights are
@@ -99,7 +99,7 @@ static void panel_rows(const float *x, int64_t nr, const float *wp, int64_t nc, 
             case 2: tile(x, nr, wp, nc, k, r0, c0, col0, o, 2, TC); break;
             case 3: tile(x, nr, wp, nc, k, r0, c0, col0, o, 3, TC); break;
             /* Every full group. ``default`` is never reached (rows <= TR), but with the full tile under
-             * it alone gcc 12 built that tile much slower (bench/quant_matmul.py; docs/benchmarks.md,
+             * it alone gcc 12 built that tile much slower (python -m bench.quant_matmul; docs/benchmarks.md,
              * the dense path's compiler regression). */
             case 4: tile(x, nr, wp, nc, k, r0, c0, col0, o, 4, TC); break;
             default: tile(x, nr, wp, nc, k, r0, c0, col0, o, TR, TC);
