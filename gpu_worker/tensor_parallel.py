@@ -43,7 +43,7 @@ AllReduce = Callable[[torch.Tensor], None]  # sums a contiguous float32/float64 
 
 
 def init_group(rank: int, world: int, init_addr: str) -> None:
-    """Join the ranks' process group (gloo; NCCL comes with the CUDA worker) over a TCP store."""
+    """Join the ranks' process group (gloo, on any device) over a TCP store."""
     dist.init_process_group("gloo", init_method=f"tcp://{init_addr}", rank=rank, world_size=world)
 
 
