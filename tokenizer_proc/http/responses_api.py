@@ -50,8 +50,11 @@ class ResponsesApi:
         history = self._history(body.previous_response_id)
         run_id = item_id("resp")
         req = generate_request(body, run_id, history)
+        # A max_output_tokens the client set that cannot fit beside the prompt is refused
+        # (context_length_exceeded), as chat and completions do; no limit is the rest of the context.
+        limit_set = body.max_output_tokens is not None
         try:
-            handles = await self.api.bridge.submit(req)
+            handles = await self.api.bridge.submit(req, clamp_to_context=not limit_set)
         except RequestRejected as exc:
             raise _rejection(exc) from None
         instructions = 1 if body.instructions else 0

@@ -228,6 +228,25 @@ def test_what_is_not_supported_is_a_400_naming_it(
     assert isinstance(err.value.body, dict) and err.value.body["param"] == param, err.value.body
 
 
+def test_max_output_tokens_beyond_the_context_is_context_length_exceeded(oai: openai.OpenAI) -> None:
+    """A max_output_tokens that cannot fit beside the prompt in the tiny Llama's 1024-token context
+    is a 400 context_length_exceeded naming it, streamed or not, as chat's max_completion_tokens;
+    one that fits exactly runs."""
+    text = "river " * 990
+    probe = oai.responses.create(model="tiny", input=text, max_output_tokens=1, store=False)
+    assert probe.usage is not None
+    room = 1024 - probe.usage.input_tokens
+    assert 0 < room < 64, room
+    for limit, stream in [(10**9, False), (room + 1, False), (room + 1, True)]:
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.responses.create(model="tiny", input=text, max_output_tokens=limit, stream=stream)
+        body = err.value.body
+        assert isinstance(body, dict) and body["code"] == "context_length_exceeded", body
+        assert body["param"] == "max_output_tokens" and str(limit) in body["message"], body
+    exact = oai.responses.create(model="tiny", input=text, max_output_tokens=room, temperature=0, store=False)
+    assert exact.usage is not None and 0 < exact.usage.output_tokens <= room
+
+
 def test_logprobs_are_included_when_asked(oai: openai.OpenAI) -> None:
     r = oai.responses.create(model="tiny", input="Hi", max_output_tokens=4, temperature=0, top_logprobs=2,
                              include=["message.output_text.logprobs"])  # fmt: skip
