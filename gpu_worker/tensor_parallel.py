@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.models.layers import Conv1D, Linear, MergedLinear
+from gpu_worker.models.layers import Linear, MergedLinear
 from gpu_worker.weights.formats import QuantizedWeight
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a contiguous float32/float64 tensor in place
@@ -83,13 +83,13 @@ def shard(model: Any, rank: int, world: int) -> list[nn.Module]:
         elif hasattr(module, "gate_up_proj"):  # its MLP
             _columns(module.gate_up_proj, rank, world)
             reduce.append(_rows(module.down_proj, rank, world, f"{name}.down_proj"))
-        elif hasattr(module, "c_attn"):  # GPT-2's attention: q, k, v blocks along the output columns
+        elif hasattr(module, "c_attn"):  # GPT-2's attention: c_attn's q, k, v row blocks
             module.num_heads //= world
-            _conv_columns(module.c_attn, rank, world, blocks=3)
-            reduce.append(_conv_rows(module.c_proj, rank, world))
+            _columns(module.c_attn, rank, world)
+            reduce.append(_rows(module.c_proj, rank, world, f"{name}.c_proj"))
         elif hasattr(module, "c_fc"):  # GPT-2's MLP
-            _conv_columns(module.c_fc, rank, world, blocks=1)
-            reduce.append(_conv_rows(module.c_proj, rank, world))
+            _columns(module.c_fc, rank, world)
+            reduce.append(_rows(module.c_proj, rank, world, f"{name}.c_proj"))
     model.num_heads //= world
     model.num_kv_heads //= world
     model.tensor_parallel = (rank, world)  # a backend's one-call paths read it (no all-reduce there)
@@ -169,20 +169,6 @@ def _rows(linear: Linear, rank: int, world: int, name: str) -> Linear:
     return linear
 
 
-def _conv_columns(conv: Conv1D, rank: int, world: int, blocks: int) -> None:
-    width = conv.weight.shape[1] // blocks
-    spans = [(b * width, width) for b in range(blocks)]
-    _set(conv.weight, torch.cat([_part(conv.weight[:, s : s + w], 1, rank, world) for s, w in spans], dim=1))
-    _set(conv.bias, torch.cat([_part(conv.bias[s : s + w], 0, rank, world) for s, w in spans]))
-
-
-def _conv_rows(conv: Conv1D, rank: int, world: int) -> Conv1D:
-    _set(conv.weight, _part(conv.weight, 0, rank, world))
-    if rank != 0:
-        _set(conv.bias, torch.zeros_like(conv.bias))
-    return conv
-
-
 class AllReduced:
     """A row-parallel projection: this rank's partial product, summed over the ranks by ``reduce``
     (in float32 for bf16/fp16 activations), then the residual added once."""
@@ -195,8 +181,6 @@ class AllReduced:
 
     def _plain(self, x: torch.Tensor) -> torch.Tensor:
         m: Any = self._module
-        if isinstance(m, Conv1D):
-            return torch.addmm(m.bias, x, m.weight)
         return F.linear(x, m.weight, m.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Names come from the ``gguf`` package's own HF -> GGUF name map (not from the loader under test), and
 the converter's changes are made as it makes them: Llama's Q/K rows permuted per head, Gemma's norms
 stored as 1 + w, Phi-3's fused projections kept, Llama 3's rope scaling as a ``rope_freqs`` tensor,
-LongRoPE's factors as ``rope_factors_long/short``. tests/gpu_worker/test_families.py checks that
+LongRoPE's factors as ``rope_factors_long/short``, GPT-2's Conv1D weights transposed to [out, in] and
+its tied head written again as ``output``. tests/gpu_worker/test_families.py checks that
 transformers' own GGUF loader reads these files back as the HF model they came from.
 """
 
@@ -20,10 +21,11 @@ import torch
 
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
         "gemma3_text": "gemma3", "gemma3": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe",
-        "mixtral": "llama"}  # fmt: skip
+        "mixtral": "llama", "gpt2": "gpt2"}  # fmt: skip
 # A multimodal checkpoint's language model, in transformers' module names.
 _TEXT_PREFIX = re.compile(r"^model\.language_model\.")
 _VISION = re.compile(r"^model\.(vision_tower|multi_modal_projector)\.")
+_CONV1D = re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$")  # GPT-2's [in, out] weights
 
 
 def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -62,22 +64,25 @@ def write_gguf(
         stem, _, suffix = name.rpartition(".")
         gguf_name = f"{names.get_name(stem)}.{suffix}"
         data = tensor.float().numpy()
+        if arch == "gpt2" and _CONV1D.search(name):  # the converter's transpose; undone below
+            data = np.ascontiguousarray(data.T)
         heads = _permuted_heads(arch, gguf_name, cfg)
         if heads:
             data = llama_cpp_permute(data, heads)
         if arch.startswith("gemma") and "norm." in gguf_name:
             data = data + np.float32(1.0)
         kind = gguf_name.split(".")[-2]
-        if types and kind in types and data.ndim in (2, 3):  # 3: stacked experts
-            blocks = gguf.quants.quantize(data, types[kind])
-            writer.add_tensor(gguf_name, blocks, raw_dtype=types[kind])
-            data = gguf.quants.dequantize(blocks, types[kind])
-        else:
-            writer.add_tensor(gguf_name, data)
+        qtype = types.get(kind) if types and data.ndim in (2, 3) else None  # 3: stacked experts
+        written = _add_tensor(writer, gguf_name, data, qtype)
+        if arch == "gpt2" and gguf_name == "token_embd.weight":  # the converter's copy as the head
+            _add_tensor(writer, "output.weight", data, qtype)
+        data = written
         if heads:
             data = llama_cpp_permute_inverse(data, heads)
         if arch.startswith("gemma") and "norm." in gguf_name:
             data = data - np.float32(1.0)
+        if arch == "gpt2" and _CONV1D.search(name):
+            data = data.T
         held[key] = torch.from_numpy(np.array(data, dtype=np.float32)).to(tensor.dtype)
     _rope_tensors(writer, arch, cfg)
     _join_experts(held)
@@ -86,6 +91,16 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return held
+
+
+def _add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: Any) -> np.ndarray:
+    """``data`` written as ``name``, in ``qtype``'s blocks (None: F32); returns the values it holds."""
+    if qtype is None:
+        writer.add_tensor(name, data)
+        return data
+    blocks = gguf.quants.quantize(data, qtype)
+    writer.add_tensor(name, blocks, raw_dtype=qtype)
+    return np.asarray(gguf.quants.dequantize(blocks, qtype))
 
 
 _STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
@@ -142,7 +157,23 @@ def _permuted_heads(arch: str, gguf_name: str, cfg: Any) -> int:
     return 0
 
 
+def _gpt2_metadata(writer: gguf.GGUFWriter, cfg: Any) -> None:
+    """convert_hf_to_gguf.py's GPT2Model.set_gguf_parameters (its context length is n_ctx, which
+    transformers' GPT2Config names n_positions), and the token ids its vocabulary step writes."""
+    writer.add_block_count(cfg.n_layer)
+    writer.add_context_length(cfg.n_positions)
+    writer.add_embedding_length(cfg.n_embd)
+    writer.add_feed_forward_length(4 * cfg.n_embd)
+    writer.add_head_count(cfg.n_head)
+    writer.add_layer_norm_eps(cfg.layer_norm_epsilon)
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+
+
 def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
+    if arch == "gpt2":
+        _gpt2_metadata(writer, cfg)
+        return
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     writer.add_context_length(cfg.max_position_embeddings)
@@ -205,7 +236,7 @@ def _expert_metadata(writer: gguf.GGUFWriter, cfg: Any) -> None:
 
 
 def _rope_tensors(writer: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
-    rope = cfg.rope_parameters
+    rope = getattr(cfg, "rope_parameters", None) or {}  # GPT-2: none
     if arch == "llama" and rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_factors(cfg))
     if arch == "phi3" and rope.get("rope_type") == "longrope":

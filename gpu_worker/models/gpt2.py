@@ -1,4 +1,10 @@
-"""GPT-2: LayerNorm, learned positions, fused Conv1D q/k/v, GELU MLP, tied lm_head."""
+"""GPT-2: LayerNorm, learned positions, fused q/k/v, GELU MLP, tied lm_head.
+
+HF's checkpoint holds the projections as Conv1D weights, [in, out]; ours are Linears, [out, in], as a
+GGUF holds them (llama.cpp's converter transposes them), so the backends' matmuls and a GGUF's blocks
+serve GPT-2 as they serve the other families. The safetensors loader transposes the checkpoint's
+(``checkpoint_transposed``).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ import torch
 from torch import nn
 
 from gpu_worker.forward_context import ForwardContext, paged_attention
-from gpu_worker.models.layers import Conv1D, Embedding, LayerNorm, Linear, activation
+from gpu_worker.models.layers import Embedding, LayerNorm, Linear, MergedLinear, activation
 
 
 class GPT2Attention(nn.Module):
@@ -16,8 +22,11 @@ class GPT2Attention(nn.Module):
         super().__init__()
         self.layer, self.num_heads = layer, cfg.n_head
         self.head_dim = cfg.n_embd // cfg.n_head
-        self.c_attn = Conv1D(cfg.n_embd, 3 * cfg.n_embd)
-        self.c_proj = Conv1D(cfg.n_embd, cfg.n_embd)
+        hidden = cfg.n_embd
+        # q, k, v rows in turn, one checkpoint tensor (tensor parallel splits each block)
+        self.c_attn = MergedLinear(hidden, {"q": hidden, "k": hidden, "v": hidden}, bias=True)
+        self.c_attn.fused_checkpoint = True
+        self.c_proj = Linear(hidden, hidden, bias=True)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         tokens = x.shape[0]
@@ -30,8 +39,8 @@ class GPT2MLP(nn.Module):
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         inner = cfg.n_inner or 4 * cfg.n_embd
-        self.c_fc = Conv1D(cfg.n_embd, inner)
-        self.c_proj = Conv1D(inner, cfg.n_embd)
+        self.c_fc = Linear(cfg.n_embd, inner, bias=True)
+        self.c_proj = Linear(inner, cfg.n_embd, bias=True)
         self.act = activation(cfg.activation_function)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,6 +74,8 @@ class GPT2LMHeadModel(nn.Module):
 
     # Original OpenAI checkpoints name weights without the "transformer." prefix.
     checkpoint_prefix = "transformer."
+    # The checkpoint's Conv1D weights, [in, out]: the loader transposes them into our Linears.
+    checkpoint_transposed = r"\.(c_attn|c_proj|c_fc)\.weight$"
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()

@@ -96,23 +96,6 @@ class MergedLinear(Linear):
         self.sizes = list(shards.values())
 
 
-class Conv1D(nn.Module):
-    """GPT-2's projection: weight stored [in, out], ``y = b + x W``. ``impl``, where set, computes
-    it instead (as for Linear)."""
-
-    impl: LinearImpl | None = None
-
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(in_features, out_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.impl is not None:
-            return self.impl(x)
-        return torch.addmm(self.bias, x, self.weight)
-
-
 class Embedding(nn.Module):
     """Rows of a [num, dim] table; ``impl`` and ``quantized`` as in ``Linear``."""
 

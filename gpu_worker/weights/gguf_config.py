@@ -61,15 +61,20 @@ def _decoder(header: GgufHeader, model_type: str) -> dict[str, Any]:
         "tie_word_embeddings": header.tensor("output.weight") is None,
         "rope_parameters": {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))},
     }
-    for name in ("bos", "eos", "padding"):
-        token = md.get(f"tokenizer.ggml.{name}_token_id")
-        if token is not None:
-            config[f"{'pad' if name == 'padding' else name}_token_id"] = int(token)
+    _token_ids(md, config)
     window = key("attention.sliding_window")
     if window:
         config["sliding_window"] = int(window)
     _rope_scaling(header, config)
     return config
+
+
+def _token_ids(md: dict[str, Any], config: dict[str, Any]) -> None:
+    """The file's bos, eos and padding token ids, where it states them."""
+    for name in ("bos", "eos", "padding"):
+        token = md.get(f"tokenizer.ggml.{name}_token_id")
+        if token is not None:
+            config[f"{'pad' if name == 'padding' else name}_token_id"] = int(token)
 
 
 def _rope_scaling(header: GgufHeader, config: dict[str, Any]) -> None:
@@ -206,6 +211,28 @@ def _phi3(header: GgufHeader) -> dict[str, Any]:
     return config
 
 
+def _gpt2(header: GgufHeader) -> dict[str, Any]:
+    """GPT-2's config (learned positions, no rope): the position count is its table's rows;
+    llama.cpp runs the tanh GELU, HF's ``gelu_new``. The converter writes the tied head as an
+    ``output`` tensor of its own (a copy), so such a file loads untied."""
+    embedding, positions = header.tensor("token_embd.weight"), header.tensor("position_embd.weight")
+    assert embedding is not None and positions is not None, f"{header.path} has no token/position table"
+    config: dict[str, Any] = {
+        "model_type": "gpt2",
+        "vocab_size": int(embedding.shape[1]),
+        "n_embd": int(_key(header, "embedding_length")),
+        "n_layer": int(_key(header, "block_count")),
+        "n_head": int(_key(header, "attention.head_count")),
+        "n_inner": int(_key(header, "feed_forward_length")),
+        "n_positions": int(positions.shape[1]),
+        "layer_norm_epsilon": float(_key(header, "attention.layer_norm_epsilon", 1e-5)),
+        "activation_function": "gelu_new",
+        "tie_word_embeddings": header.tensor("output.weight") is None,
+    }
+    _token_ids(header.metadata, config)
+    return config
+
+
 _BUILDERS: dict[str, Callable[[GgufHeader], dict[str, Any]]] = {
     "llama": _llama,
     "qwen2": _qwen2,
@@ -214,6 +241,7 @@ _BUILDERS: dict[str, Callable[[GgufHeader], dict[str, Any]]] = {
     "gemma2": _gemma2,
     "gemma3": _gemma3,
     "phi3": _phi3,
+    "gpt2": _gpt2,
 }
 ARCHITECTURES = tuple(_BUILDERS)
 

@@ -16,6 +16,8 @@ some of them, undone here as transformers' own GGUF loader undoes them:
 - Gemma 2/3: every RMSNorm weight stored as 1 + w (HF's Gemma norms multiply by 1 + w): 1 is
   subtracted in float32, as transformers does.
 - Phi-3: q/k/v and gate/up stay fused as HF's checkpoint holds them (``MergedLinear.fused_checkpoint``).
+- GPT-2: the converter transposes HF's Conv1D weights to [out, in], as our Linears hold them; its
+  tensors sit under ``transformer.`` (``transformer.h.N``, ``wte``, ``wpe``, ``ln_f``).
 Qwen2/3 files hold HF's tensors as they are.
 A mixture of experts' file (Qwen3-MoE's ``qwen3moe``; Mixtral's, of llama's architecture) stacks each
 expert projection into one tensor [experts, rows, cols] (``ffn_gate_exps`` ...): kept, its blocks stay
@@ -87,11 +89,25 @@ LAYER_TENSORS = {
         "ffn_up": "mlp.gate_up_proj",
         "ffn_down": "mlp.down_proj",
     },
+    "gpt2": {
+        "attn_norm": "ln_1",
+        "attn_qkv": "attn.c_attn",
+        "attn_output": "attn.c_proj",
+        "ffn_norm": "ln_2",
+        "ffn_up": "mlp.c_fc",
+        "ffn_down": "mlp.c_proj",
+    },
 }
 ARCHITECTURES = tuple(LAYER_TENSORS)
 _PERMUTED_QK = ("llama",)  # the converter permutes these architectures' Q/K rows
 _NORMS_PLUS_ONE = ("gemma2", "gemma3")  # the converter stores Gemma's norms as 1 + w
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Where an architecture's checkpoint puts its layers and global tensors, where not as Llama's.
+_LAYERS_AT = {"gpt2": "transformer.h"}
+_GLOBALS = {
+    "gpt2": {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
+             "output_norm": "transformer.ln_f", "output": "lm_head"},
+}  # fmt: skip
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # Rope factors: gguf_config.py reads them into the config.
 _IGNORED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -111,11 +127,12 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
         layer, tensor, kind = match.groups()
         if tensor not in layer_tensors:
             raise GgufError(f"GGUF tensor {gguf_name} has no place in a {arch} model")
-        return f"model.layers.{layer}.{layer_tensors[tensor]}.{kind}"
+        return f"{_LAYERS_AT.get(arch, 'model.layers')}.{layer}.{layer_tensors[tensor]}.{kind}"
     stem, _, kind = gguf_name.rpartition(".")
-    if stem not in _GLOBAL_TENSORS:
+    global_tensors = _GLOBALS.get(arch, _GLOBAL_TENSORS)
+    if stem not in global_tensors:
         raise GgufError(f"GGUF tensor {gguf_name} has no place in a {arch} model")
-    return f"{_GLOBAL_TENSORS[stem]}.{kind}"
+    return f"{global_tensors[stem]}.{kind}"
 
 
 def unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:

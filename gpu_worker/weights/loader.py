@@ -5,7 +5,9 @@ one-for-one copy: a weight the checkpoint lacks, a weight we do not know, or a
 shape mismatch is an error. Tied embeddings share one tensor and the
 checkpoint may omit ``lm_head.weight``. A merged projection (``qkv_proj``)
 is filled block by block from the checkpoint's separate ones (``q_proj`` ...),
-each of which must be present exactly as a plain weight would.
+each of which must be present exactly as a plain weight would. A weight the
+checkpoint holds [in, out] (GPT-2's Conv1D: the model's ``checkpoint_transposed``)
+is transposed into its [out, in] Linear.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = {name for name, p in params.items() if is_tied(model, name, p)}
     targets = weight_targets(model, params)
+    transposed = re.compile(getattr(model, "checkpoint_transposed", "(?!)"))  # "(?!)": none
     loaded: set[str] = set()
     unexpected: list[str] = []
     with torch.no_grad():
@@ -123,7 +126,8 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
                     if name not in targets:
                         unexpected.append(key)
                         continue
-                    copy_checked(targets[name], f.get_tensor(key), name)
+                    tensor = f.get_tensor(key)
+                    copy_checked(targets[name], tensor.t() if transposed.search(name) else tensor, name)
                     loaded.add(name)
     missing = sorted(set(targets) - loaded - tied)
     if missing or unexpected:

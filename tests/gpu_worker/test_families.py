@@ -4,7 +4,8 @@ directory and from a GGUF file written as llama.cpp's converter writes it (tests
 Families: Gemma 2 (soft-capping, sliding/global layers, query_pre_attn_scalar), Gemma 3 text and
 the text model of its multimodal config (QK norms, local/global rope, linear scaling), Phi-3 (fused
 projections, a sliding window; LongRoPE; Phi-4-mini's partial rotary), Mistral with a sliding
-window, Llama 3's rope scaling, Qwen2's YaRN and Qwen3 (QK norms). Each runs the scheduling
+window, Llama 3's rope scaling, Qwen2's YaRN, Qwen3 (QK norms) and GPT-2 (learned positions,
+LayerNorm with biases, fused q/k/v written [out, in], the tied head written again). Each runs the scheduling
 scenario of test_models.py (whole prompts, a prompt chunked over three batches, shared prefix
 pages, decode rows mixed with extend rows). The GGUF written for a family is also read by
 transformers' own GGUF loader, which must find the HF model's weights in it: the file follows
@@ -40,6 +41,7 @@ KINDS = [
     "llama3_rope",
     "qwen2_yarn",
     "qwen3",
+    "gpt2",
 ]
 # HF runs Gemma 2 with its eager attention, whose softmax is float32 even in a float64 model.
 ATOL = {"gemma2": 1e-5}
@@ -62,7 +64,7 @@ def family(
     (rounded to float32, as the F32 GGUF holds them)."""
     kind: str = request.param
     path = tmp_path_factory.mktemp(kind)
-    model = save_tiny_model(kind, kind.startswith("gemma"), path)  # llama.cpp's Gemma is tied
+    model = save_tiny_model(kind, kind.startswith("gemma") or kind == "gpt2", path)  # as llama.cpp's are
     held = write_gguf(path / "model.gguf", model)
     model.load_state_dict(held, strict=False)
     model.save_pretrained(path, safe_serialization=True)
@@ -101,13 +103,17 @@ def test_transformers_reads_our_gguf_as_the_hf_model(family: tuple[str, Path, Pa
         pytest.skip("transformers' GGUF config reader drops LongRoPE's factors; the weights are phi3's")
     if kind == "qwen3":
         pytest.skip("transformers' GGUF config reader ignores qwen3.attention.key_length (head_dim 32)")
+    # GPT-2: transformers takes the vocabulary size from tokenizer fields (none here) and the
+    # positions from n_ctx, which GPT2Config no longer reads: its tables are GPT-2's default sizes,
+    # not the file's; every layer tensor (the transposed projections) is compared.
+    resized = ("transformer.wte.weight", "transformer.wpe.weight", "lm_head.weight") if kind == "gpt2" else ()
     theirs = AutoModelForCausalLM.from_pretrained(
-        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float64
+        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float64, ignore_mismatched_sizes=bool(resized)
     )
     ours = {k.replace("model.language_model.", "model."): v for k, v in hf.state_dict().items()}
     checked = 0
     for name, tensor in theirs.state_dict().items():
-        if name in ours:
+        if name in ours and name not in resized:
             torch.testing.assert_close(tensor, ours[name], rtol=0, atol=1e-6, msg=name)
             checked += 1
     assert checked >= 3 * 2 + 2, f"only {checked} tensors in common"
@@ -150,12 +156,12 @@ QUANT_TYPES = {kind: Q.Q8_0 for kind in ("attn_q", "attn_k", "attn_v", "attn_qkv
                                          "ffn_up", "ffn_down", "token_embd", "output")}  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["gemma3_text", "phi3", "qwen2_yarn"])
+@pytest.mark.parametrize("kind", ["gemma3_text", "phi3", "qwen2_yarn", "gpt2"])
 def test_blocks_kept_for_every_family(kind: str, tmp_path: Path) -> None:
-    """A family's GGUF with Q8_0 weights keeps them in blocks (Phi-3's fused q/k/v as one) and
+    """A family's GGUF with Q8_0 weights keeps them in blocks (Phi-3's and GPT-2's fused q/k/v as one) and
     computes as the same file dequantized does, within the kernels' rounding of activations
     (test_gguf_weights.py's bound)."""
-    model = save_tiny_model(kind, kind.startswith("gemma"), tmp_path)
+    model = save_tiny_model(kind, kind.startswith("gemma") or kind == "gpt2", tmp_path)
     gguf_file = tmp_path / "model.gguf"
     write_gguf(gguf_file, model, QUANT_TYPES)
     prompt = list(range(3, 300, 7))
