@@ -7,11 +7,17 @@
 last ``response.completed`` (``response.incomplete`` when max_output_tokens cut it,
 ``response.failed`` when the engine failed it). Every event has ``event:`` its type and a
 ``sequence_number`` counting from 0. No ``[DONE]``: OpenAI's Responses stream has none.
+
+A failure mid-stream (an engine error reply, or a fault of ours while making the events) closes
+the item being written as ``incomplete`` (every item added gets its ``output_item.done``), then
+sends OpenAI's ``error`` event (``code``, ``message``, ``param``) and ``response.failed`` (its
+``error`` the same), which ends the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import msgspec
@@ -25,6 +31,7 @@ from tokenizer_proc.http.errors import engine_error
 from tokenizer_proc.http.responses_output import Event
 from tokenizer_proc.http.responses_run import ResponseRun
 
+logger = logging.getLogger(__name__)
 _ENCODER = msgspec.json.Encoder()
 _FINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.incomplete",
                  "cancelled": "response.failed"}  # fmt: skip
@@ -47,22 +54,39 @@ class ResponseEventStream(Response):
             start = self.run.body("in_progress")
             await self._send(send, [{"type": "response.created", "response": start},
                                     {"type": "response.in_progress", "response": start}])  # fmt: skip
-            while not self.handle.finished:
-                await self._send(send, self._events(await self.handle.next()))
+            failed = False
+            while not (self.handle.finished or failed):
+                events, failed = self._events_or_failure(await self.handle.next())
+                await self._send(send, events)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             watcher.cancel()
             await self.handle.close()
 
+    def _events_or_failure(self, reply: GenerateOutput) -> tuple[list[Event], bool]:
+        """The events of ``reply``, and whether they ended the response as failed."""
+        try:
+            if reply.finish_reason is FinishReason.ERROR:
+                error = engine_error(reply.error or "the engine failed the request")
+                # OpenAI's error codes of a response: a prompt the engine cannot take, or its fault
+                code = "server_error" if error.status >= 500 else "invalid_prompt"
+                return self._failure(code, error.message), True
+            return self._events(reply), False
+        except Exception as exc:  # a bug of ours: the client still hears the response failed
+            logger.exception("response %s failed while streaming", self.run.id)
+            return self._failure("server_error", f"internal error: {exc!r}"), True
+
+    def _failure(self, code: str, message: str) -> list[Event]:
+        """Close the item being written, then OpenAI's ``error`` event and ``response.failed``."""
+        events = self.run.output.finish("incomplete")
+        error = {"code": code, "message": message}
+        return [
+            *events,
+            {"type": "error", **error, "param": None},
+            {"type": "response.failed", "response": self.run.body("failed", error=error)},
+        ]
+
     def _events(self, reply: GenerateOutput) -> list[Event]:
-        if reply.finish_reason is FinishReason.ERROR:
-            error = engine_error(reply.error or "the engine failed the request")
-            # OpenAI's error codes of a response: a prompt the engine cannot take, or its own fault
-            failed = {
-                "code": "server_error" if error.status >= 500 else "invalid_prompt",
-                "message": error.message,
-            }
-            return [{"type": "response.failed", "response": self.run.body("failed", error=failed)}]
         if reply.finish_reason is None:
             return self.run.output.feed(reply)
         body, events = self.run.finish(reply)
