@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpu_worker.model_runner import ModelRunner
-from protocol import ForwardBatch, RequestError, TokenBatch, TokenizedRequest, WorkerSampling
+from protocol import FinishReq, ForwardBatch, RequestError, TokenBatch, TokenizedRequest, WorkerSampling
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.scheduler import Scheduler
 from tests.models import GREEDY
@@ -33,6 +33,7 @@ def generate(
     n: int = 1,
     on_added: Callable[[Scheduler], None] | None = None,
     logprobs: list[list[float]] | None = None,
+    on_tokens: Callable[[TokenBatch], list[FinishReq]] | None = None,
 ) -> tuple[list[list[int]], Scheduler]:
     """Greedy outputs of every prompt, served together; returns the drained scheduler too.
 
@@ -44,6 +45,9 @@ def generate(
     prompt (forking from one prefill); the outputs are then prompt-major, n per prompt. ``on_added``
     sees the scheduler once every request is queued (e.g. to give them other drafts). ``logprobs``,
     when given, collects each request's token logprobs as the outputs' ([] where it did not ask).
+    ``on_tokens`` sees every TokenBatch as the tokenizer process does (e.g. a RequestTable matching
+    stop strings) and returns its FinishReqs, which the scheduler takes before the next batch is
+    scheduled, as its process does when they arrive between two batches.
     """
     fields: dict[str, Any] = dict(
         num_pages=runner.num_pages,
@@ -88,4 +92,6 @@ def generate(
                     outputs[rid].append(token)
                     if logprobs is not None and samplers[rid // n].logprobs:
                         logprobs[rid].append(logprob)
+            for finish in on_tokens(msg) if on_tokens is not None else []:
+                scheduler.abort(finish.rid, finish.reason)
     return outputs, scheduler

@@ -1,7 +1,7 @@
 """Speculative decoding served by the engine (scheduler core + model runner, no sockets): every
 request draws exactly the tokens it draws without drafts, greedy and seeded-sampled, in float64,
 over the exactness matrix: chunked prefill, prefix cache, mixed batches, retraction, the overlap
-scheduler, n > 1, penalties, grammars, stop tokens, and the logprobs of kept drafts.
+scheduler, n > 1, penalties, grammars, stop tokens and stop strings, and the logprobs of kept drafts.
 
 A random model seldom repeats its prompt, so these tests draft with an oracle: each request's
 reference continuation (its output without drafts), wrong at a position that varies by step, so
@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -21,12 +22,19 @@ import torch
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
 from protocol.grammar import Grammar
-from protocol.messages import ForwardBatch
+from protocol.messages import FinishReason, FinishReq, ForwardBatch, GenerateOutput, TokenBatch
 from protocol.sampling import WorkerPenalties, WorkerSampling
 from scheduler_proc.scheduler import Scheduler
 from scheduler_proc.speculative import DraftState, NgramIndex
 from tests.exactness import inprocess
 from tests.models import VOCAB, save_tiny_model
+from tokenizer_proc.detokenizer import IncrementalDetokenizer
+from tokenizer_proc.model_info import load_tokenizer
+from tokenizer_proc.request_table import RequestTable
+from tokenizer_proc.validation import ValidRequest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 NEW_TOKENS = 24
 SPECULATE = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 5}
@@ -55,13 +63,24 @@ class OracleDraft(DraftState):
         self.num_accepted += accepted
 
 
-def oracle(references: list[list[int]], vocab: int = VOCAB, seed: int = 0) -> Any:
-    """An ``on_added`` hook: every drafting request drafts its reference (by rid) with OracleDraft."""
+class ReferenceDraft(OracleDraft):
+    """Drafts the next ``max_tokens`` of the reference as they are: every verify row keeps them all."""
+
+    def propose(self, new_tokens: list[int], max_tokens: int) -> list[int]:
+        self.index.tokens.extend(new_tokens)
+        done = len(self.index.tokens) - self.prompt_len
+        return self.reference[done : done + max_tokens]
+
+
+def oracle(
+    references: list[list[int]], vocab: int = VOCAB, seed: int = 0, draft: type[OracleDraft] = OracleDraft
+) -> Any:
+    """An ``on_added`` hook: every drafting request drafts its reference (by rid) with ``draft``."""
 
     def install(scheduler: Scheduler) -> None:
         for rid, req in scheduler.reqs.items():
             if req.draft is not None:
-                req.draft = OracleDraft(len(req.input_ids), references[rid], seed * 1000 + rid, vocab)
+                req.draft = draft(len(req.input_ids), references[rid], seed * 1000 + rid, vocab)
 
     return install
 
@@ -220,6 +239,102 @@ def test_stop_tokens_end_a_request_inside_its_drafts(model_dir: Path) -> None:
     assert scheduler.kv.used_tokens == 0
 
 
+GREEDY_LOGPROBS = WorkerSampling(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0, logprobs=True)
+
+
+class Detokenizing:
+    """The tokenizer process's RequestTable on an ``inprocess.generate`` run (its ``on_tokens``):
+    request i is client rid "i", greedy with logprobs, ``stops[i]`` its stop strings, streamed when
+    i is odd. Keeps each request's replies and the tokens each TokenBatch brought it."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], stops: list[str]
+    ) -> None:
+        self.table = RequestTable(tokenizer)
+        for i, (prompt, stop) in enumerate(zip(prompts, stops, strict=True)):
+            valid = ValidRequest(client_rid=str(i), input_ids=prompt, max_new_tokens=NEW_TOKENS,
+                                 stop_token_ids=[], stop=(stop,), sampler=GREEDY_LOGPROBS, stream=i % 2 == 1,
+                                 logprobs=True)  # fmt: skip
+            assert self.table.add(b"client", valid).rid == i, "the table numbers rids as generate does"
+        self.replies: dict[str, list[GenerateOutput]] = defaultdict(list)
+        self.batches: dict[int, list[list[int]]] = defaultdict(list)  # rid -> its tokens per TokenBatch
+
+    def __call__(self, batch: TokenBatch) -> list[FinishReq]:
+        rows: dict[int, list[int]] = defaultdict(list)
+        for rid, token in zip(batch.rids, batch.token_ids, strict=True):
+            if token >= 0:
+                rows[rid].append(token)
+        for rid, tokens in rows.items():
+            self.batches[rid].append(tokens)
+        out = self.table.on_token_batch(batch)
+        for _, reply in out.replies:
+            self.replies[reply.rid].append(reply)
+        return [msg for msg in out.to_scheduler if isinstance(msg, FinishReq)]
+
+    def result(self, i: int) -> tuple[str, list[int], FinishReason | None, list[float]]:
+        """Request i's text, token ids, finish reason and logprobs, over all its replies."""
+        replies = self.replies[str(i)]
+        assert all(r.finish_reason is None for r in replies[:-1]), "one final reply, the last"
+        logprobs = [lp for r in replies for lp in r.logprobs or []]
+        return "".join(r.text for r in replies), [t for r in replies for t in r.token_ids], \
+            replies[-1].finish_reason, logprobs  # fmt: skip
+
+    def batch_of(self, rid: int, index: int) -> tuple[int, int]:
+        """(the TokenBatch that brought output token ``index`` of ``rid``, how many of its tokens
+        came after that one in it)."""
+        seen = 0
+        for number, tokens in enumerate(self.batches[rid]):
+            if index < seen + len(tokens):
+                return number, seen + len(tokens) - index - 1
+            seen += len(tokens)
+        raise AssertionError(f"rid {rid} never got output token {index}")
+
+
+def stop_across(tokenizer: PreTrainedTokenizerBase, output: list[int], first: int, last: int) -> str:
+    """A stop string from the last character of output token ``first``'s text to the first of token
+    ``last``'s (every token between whole): token ``last`` completes it, and it occurs nowhere earlier."""
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    texts = [detokenizer.add([token]) for token in output]
+    assert texts[first] and texts[last], f"tokens {first} and {last} must have text: {texts}"
+    stop = texts[first][-1] + "".join(texts[first + 1 : last]) + texts[last][0]
+    start = len("".join(texts[: first + 1])) - 1
+    assert "".join(texts).find(stop) == start, f"{stop!r} occurs before token {first}: {texts}"
+    return stop
+
+
+def test_stop_strings_inside_and_across_kept_drafts(model_dir: Path, smollm2_dir: Path) -> None:
+    """A stop string completed by a kept draft ends the request there, as the tokenizer process sees
+    it: the same text, token ids, finish reason and logprobs as without drafts, whether the string
+    lies inside one verify row's drafts or across two rows; the drafts kept past it are dropped."""
+    tokenizer = load_tokenizer(str(smollm2_dir))  # the tiny model's ids (< 500: bytes, short merges)
+    prompts = shared_prompts(seed=5)[:4]
+    kwargs: dict[str, Any] = dict(chunked_prefill_size=256, enable_mixed_chunk=True, sampler=GREEDY_LOGPROBS)
+    ref, _ = inprocess.generate(runner(model_dir), prompts, NEW_TOKENS, **kwargs)
+    spans = [(1, 3), (5, 7), (8, 9), (0, 2)]  # (first, last) output token of each stop string
+    stops = [stop_across(tokenizer, out, *span) for out, span in zip(ref, spans, strict=True)]
+    plain = Detokenizing(tokenizer, prompts, stops)
+    inprocess.generate(runner(model_dir), prompts, NEW_TOKENS, on_tokens=plain, overlap=True, **kwargs)
+    spec = Detokenizing(tokenizer, prompts, stops)
+    _, scheduler = inprocess.generate(
+        runner(model_dir), prompts, NEW_TOKENS, scheduler_overrides=SPECULATE, overlap=True, on_tokens=spec,
+        on_added=oracle(ref, draft=ReferenceDraft), **kwargs,
+    )  # fmt: skip
+    for i, (_, last) in enumerate(spans):
+        text, ids, reason, logprobs = spec.result(i)
+        want_text, want_ids, want_reason, want_logprobs = plain.result(i)
+        assert (want_ids, want_reason) == (ref[i][: last + 1], FinishReason.STOP), f"request {i} plain"
+        assert (text, ids, reason) == (want_text, want_ids, want_reason), f"request {i}"
+        assert len(logprobs) == len(ids) and logprobs == pytest.approx(want_logprobs, abs=1e-9)
+    # (TokenBatch, tokens after it there) of each stop string's first and last token; batch 0 brings
+    # the prefill's token, each later one a verify row's kept drafts and its last draw
+    where = [(spec.batch_of(i, first), spec.batch_of(i, last)) for i, (first, last) in enumerate(spans)]
+    assert all(after > 0 for _, (_, after) in where), f"a kept draft completes each stop string: {where}"
+    assert where[0][0][0] == where[0][1][0] == 1 and where[2][0][0] == where[2][1][0] == 2, where  # inside
+    assert 1 == where[1][0][0] < where[1][1][0] and where[3][0][0] == 0 < where[3][1][0], where  # across
+    assert scheduler.num_accepted_tokens == scheduler.num_draft_tokens > 0
+    assert scheduler.kv.used_tokens == 0, "a request stopped by the tokenizer gives back its pages"
+
+
 def test_drafts_stop_at_max_tokens_and_the_context(model_dir: Path) -> None:
     """A verify row never carries more drafts than the request may still emit, before its
     max_new_tokens or the context length."""
@@ -250,7 +365,6 @@ def test_grammar_masks_follow_the_kept_drafts(tiny_llama_dir: Path) -> None:
     """A grammar row's draw at a drafted position is masked by a matcher that took the drafts
     before it; a draft the grammar forbids is never kept (its draw there differs)."""
     from tokenizer_proc.grammar import GrammarCompiler
-    from tokenizer_proc.model_info import load_tokenizer
 
     compiler = GrammarCompiler(load_tokenizer(str(tiny_llama_dir)), 49152)
     rng = random.Random(1)
