@@ -70,6 +70,7 @@ class GenerateOptions(TypedDict, total=False):
     # Chat (messages) only, as in OpenAI's API: the reply's tool_calls and reasoning_text are parsed out.
     tools: list[dict[str, Any]] | None  # [{"type": "function", "function": {"name", "parameters", ...}}]
     tool_choice: str | dict[str, Any]  # "auto" (default), "none", "required", or {"type": "function", ...}
+    parallel_tool_calls: bool  # False: the reply keeps only its first tool call
     # extra chat template variables, e.g. {"enable_thinking": False}
     chat_template_kwargs: dict[str, Any] | None
     n: int  # choices from one prefill (choice i samples with seed + i); replies carry ``index``
@@ -105,6 +106,7 @@ def make_request(prompt: str | None, stream: bool, options: GenerateOptions) -> 
         echo=options.get("echo", False),
         tools=msgspec.convert(tools, list[Tool]) if tools is not None else None,
         tool_choice=msgspec.convert(options.get("tool_choice", "auto"), ToolChoice),
+        parallel_tool_calls=options.get("parallel_tool_calls", True),
         chat_template_kwargs=options.get("chat_template_kwargs"),
         n=options.get("n", 1),
         embed=options.get("embed", False),

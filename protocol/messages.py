@@ -113,6 +113,7 @@ class GenerateRequest(ClientMsg, tag="generate"):
     # variables for the chat template (e.g. {"enable_thinking": false}).
     tools: list[Tool] | None = None
     tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True  # False: a reply keeps only its first tool call
     chat_template_kwargs: dict[str, Any] | None = None
     # n > 1: n choices drawn from one prefill of the prompt, choice i with seed + i (a seed is
     # drawn when none is given); every reply carries its choice's ``index``.

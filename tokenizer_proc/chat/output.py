@@ -25,9 +25,15 @@ class ChatPiece:
 
 
 class ChatOutputParser:
-    """Feeds a reply's text through the reasoning splitter and the tool-call parser its plan asks for."""
+    """Feeds a reply's text through the reasoning splitter and the tool-call parser its plan asks for.
+
+    ``first_call_only`` (parallel_tool_calls false): the model may still write several calls, since
+    the prompt cannot forbid it, so every call after the first is parsed (its text is no content)
+    and dropped; the reply carries one call, as OpenAI's does.
+    """
 
     def __init__(self, plan: ChatOutputPlan, new_id: Callable[[], str] = new_call_id) -> None:
+        self._first_call_only = plan.first_call_only
         self._reasoning = ReasoningSplitter(plan.starts_in_reasoning) if plan.reasoning else None
         self._tools = None
         if plan.tool_format is not None:
@@ -51,6 +57,8 @@ class ChatOutputParser:
         if final:
             more_content, more_calls = self._tools.finish()
             content, calls = content + more_content, calls + more_calls
+        if self._first_call_only:
+            calls = [call for call in calls if call.index == 0]
         return ChatPiece(content, reasoning, calls)
 
 

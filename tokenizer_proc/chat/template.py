@@ -56,6 +56,7 @@ class ChatOutputPlan:
     tool_names: frozenset[str]
     reasoning: bool  # split <think>...</think> out of the reply
     starts_in_reasoning: bool  # the prompt ended inside an open think block
+    first_call_only: bool = False  # parallel_tool_calls false: calls after the first are dropped
 
 
 def template_traits(tokenizer: PreTrainedTokenizerBase) -> ChatTemplateTraits:
@@ -98,6 +99,7 @@ def render_chat(
         # a forced call's grammar makes the reply the bare call object, even after an open <think>
         reasoning=traits.thinks and not forced,
         starts_in_reasoning=traits.thinks and not forced and _ends_inside_think(text),
+        first_call_only=not req.parallel_tool_calls,
     )
     return text, plan
 

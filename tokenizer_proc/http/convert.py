@@ -94,6 +94,7 @@ def chat_request(body: ChatCompletionRequest, rid: str) -> GenerateRequest:
         top_logprobs=top,
         tools=body.tools,
         tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
+        parallel_tool_calls=body.parallel_tool_calls is not False,
         chat_template_kwargs=body.chat_template_kwargs,
         n=body.n,
     )

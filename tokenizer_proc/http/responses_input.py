@@ -60,6 +60,7 @@ def generate_request(body: ResponsesRequest, rid: str, history: list[ChatMessage
         top_logprobs=body.top_logprobs or 0,
         tools=tools or None,
         tool_choice=choice,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
         chat_template_kwargs=_template_kwargs(body),
     )
     if req.sampling.grammar is not None and choice not in ("auto", "none"):

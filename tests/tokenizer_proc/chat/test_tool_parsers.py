@@ -154,6 +154,24 @@ def test_chat_output_splits_reasoning_before_parsing_calls() -> None:
         assert parser.made_calls
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    """Two calls written: ``first_call_only`` gives the first, whole or at any cut; the second's
+    text is not content. Without it both come."""
+    call = '<tool_call>{{"name": "add", "arguments": {{"a": {}}}}}</tool_call>'
+    text = "Sure. " + call.format(1) + " and " + call.format(2)
+    ids = iter(range(10**4))
+    for first_only, expected in [(True, ['{"a": 1}']), (False, ['{"a": 1}', '{"a": 2}'])]:
+        plan = ChatOutputPlan(tool_format="hermes", tool_names=frozenset({"add"}), reasoning=False,
+                              starts_in_reasoning=False, first_call_only=first_only)  # fmt: skip
+        for cut in range(len(text) + 1):
+            parser = ChatOutputParser(plan, new_id=lambda: f"call_{next(ids)}")
+            first, last = parser.feed(text[:cut], final=False), parser.feed(text[cut:], final=True)
+            calls = merge_calls(first.tool_calls + last.tool_calls)
+            assert [c.arguments for c in calls] == expected, cut
+            assert [c.index for c in calls] == list(range(len(expected)))
+            assert first.content + last.content == "Sure. and ", cut  # the parser trims around calls
+
+
 FRAGMENTS = [
     "<tool_call>", "</tool_call>", "<tool_", "</tool", "<", "{", "}", "[", "]", '"', "\\", ":", ",", " ",
     "\n", '"name"', '"arguments"', '"parameters"', '"add"', '"get_weather"', '"x"', "1", "text",

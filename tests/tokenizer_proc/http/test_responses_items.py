@@ -75,6 +75,8 @@ def test_request_mapping() -> None:
     grammar = generate_request(_body(text=fmt), "r", []).sampling.grammar
     assert grammar is not None and (grammar.kind, grammar.strict) == ("json_schema", True)
     assert generate_request(_body(include=["message.output_text.logprobs"]), "r", []).logprobs
+    assert req.parallel_tool_calls  # OpenAI's default
+    assert not generate_request(_body(tools=[TOOL], parallel_tool_calls=False), "r", []).parallel_tool_calls
 
 
 @pytest.mark.parametrize(
