@@ -1,4 +1,5 @@
-"""lm-evaluation-harness's ``local-completions`` loglikelihood requests, replayed on a running engine.
+"""lm-evaluation-harness's ``local-completions`` loglikelihood requests and ``local-chat-completions``
+generation requests, replayed on a running engine.
 
 Its exact request shape: several token-id prompts in one request, ``echo=true, logprobs=1,
 max_tokens=1, temperature=0`` (and max_tokens 0, which other harnesses send); it reads
@@ -6,6 +7,11 @@ max_tokens=1, temperature=0`` (and max_tokens 0, which other harnesses send); it
 engine serves the tiny Llama in float64 with 8-token prefill chunks, and every prompt position's
 logprob must equal HF's float64 ``log_softmax`` within TOLERANCE (JSON carries float64 exactly).
 The ZMQ client's ``generate`` takes the same options.
+
+``local-chat-completions`` (``LocalChatCompletion._create_payload``) posts one conversation per
+request: ``messages``, ``max_tokens`` (its ``max_gen_toks``, 256 by default), ``temperature: 0``,
+``stop`` (the task's ``until`` plus the EOS string, cut to 4) and ``seed: 1234``, and reads
+``choices[i].message.content`` by ``index``.
 """
 
 from __future__ import annotations
@@ -110,3 +116,38 @@ def test_zmq_client_echo_with_top_logprobs(engine64: HttpEngine, hf_model: Any) 
             max(abs(a - b) for a, b in zip(top.logprobs, expected.topk(4).values.tolist(), strict=True))
             < TOLERANCE
         )
+
+
+def _lm_eval_chat(
+    engine: HttpEngine, messages: list[dict[str, str]], max_tokens: int, stop: list[str]
+) -> Any:
+    body = {"messages": messages, "model": "tiny", "max_tokens": max_tokens, "temperature": 0,
+            "stop": stop[:4], "seed": 1234}  # fmt: skip
+    resp = httpx.post(engine.v1 + "/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_lm_eval_chat_completions_request(engine64: HttpEngine) -> None:
+    """A few-shot conversation (lm-eval's ``--apply_chat_template --fewshot_as_multiturn``) in its
+    request shape: the reply is the greedy text cut before the first stop string, every time."""
+    messages = [
+        {"role": "system", "content": "Answer with a number."},
+        {"role": "user", "content": "Question: 2 + 2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "Question: 3 + 5?"},
+    ]
+    free = _lm_eval_chat(engine64, messages, 24, ["Question:", "</s>"])  # text of the random model
+    text = free["choices"][0]["message"]["content"]
+    assert free["choices"][0]["finish_reason"] == "length" and len(text) > 12, text
+    cut = text[8:11]  # a stop string the greedy reply is sure to write
+    out = _lm_eval_chat(engine64, messages, 24, ["Question:", cut, "</s>", "<|im_end|>", "\n\n"])
+    [choice] = out["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] == "stop"
+    assert choice["message"]["content"] == text[: text.index(cut)], (text, cut)
+    assert out["usage"]["prompt_tokens"] == free["usage"]["prompt_tokens"]
+    again = _lm_eval_chat(engine64, messages, 24, ["Question:", cut, "</s>", "<|im_end|>"])
+    assert again["choices"][0]["message"]["content"] == choice["message"]["content"]
+    default = _lm_eval_chat(engine64, messages[-1:], 256, ["Question:"])  # lm-eval's max_gen_toks
+    assert default["choices"][0]["finish_reason"] in ("stop", "length")
+    assert default["usage"]["completion_tokens"] <= 256
