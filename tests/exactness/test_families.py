@@ -21,6 +21,12 @@ NEW_TOKENS = 8
 PROMPT_LENS = (1, 3, 17, 40, 64, 9)
 
 
+def exactness_prompts() -> list[list[int]]:
+    """Random prompts of PROMPT_LENS tokens (seed 7): one token, a few, past a page, several chunks."""
+    rng = random.Random(7)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in PROMPT_LENS]
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_model(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -28,8 +34,7 @@ def family_model(
     """(model dir, prompts, HF greedy outputs) for one family."""
     path = tmp_path_factory.mktemp(request.param)
     model = save_tiny_model(request.param, request.param in ("qwen2", "gpt2"), path)  # float64, EOS off
-    rng = random.Random(7)
-    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in PROMPT_LENS]
+    prompts = exactness_prompts()
     expected = []
     with torch.no_grad():
         for prompt in prompts:
