@@ -164,6 +164,75 @@ def test_tool_results_in_the_input(oai: openai.OpenAI) -> None:
     assert r.output_text == text and r.tool_choice == "none"
 
 
+def _reassembled(events: list[Any]) -> list[tuple[str, str, str]]:
+    """The output items a stream's events build, as (type, name, text or arguments), each checked
+    against its ``output_item.done``; the events must add, fill and finish every item in turn."""
+    items: dict[int, list[str]] = {}
+    for e in events:
+        if e.type == "response.output_item.added":
+            assert e.output_index not in items and e.output_index == len(items)
+            items[e.output_index] = [e.item.type, getattr(e.item, "name", ""), ""]
+        elif e.type in ("response.output_text.delta", "response.function_call_arguments.delta"):
+            items[e.output_index][2] += e.delta
+        elif e.type == "response.output_item.done":
+            kind, name, built = items[e.output_index]
+            done = e.item.arguments if kind == "function_call" else e.item.content[0].text
+            assert (e.item.type, done) == (kind, built), (e.item, built)
+    return [(kind, name, built) for kind, name, built in (items[i] for i in sorted(items))]
+
+
+def _items(response: Any) -> list[tuple[str, str, str]]:
+    return [
+        (o.type, o.name, o.arguments) if o.type == "function_call" else (o.type, "", o.content[0].text)
+        for o in response.output
+    ]
+
+
+def test_a_multi_turn_tool_call_whole_and_streamed(oai: openai.OpenAI) -> None:
+    """Response 1 calls the tool (forced: a random model calls nothing of its own); response 2
+    continues it by previous_response_id with the call's output, tools offered but not to be called,
+    and answers in text. Each turn whole and streamed (the stream helper reading every event): the
+    events rebuild the whole response's items, and both conversations go on alike."""
+    first_kw: Any = {"model": "tiny", "input": "Add 2 and 3.", "tools": TOOLS, "tool_choice": "required",
+                     "temperature": 0}  # fmt: skip
+    first = oai.responses.create(**first_kw)
+    with oai.responses.stream(**first_kw) as stream:
+        first_events = list(stream)
+        first_streamed = stream.get_final_response()
+    [(kind, name, arguments)] = _items(first)
+    assert (kind, name, first.status) == ("function_call", "add", "completed")
+    jsonschema.validate(json.loads(arguments), ADD)
+    assert _reassembled(first_events) == _items(first_streamed) == _items(first)
+
+    def second_kw(previous: Any) -> Any:
+        [call] = [o for o in previous.output if o.type == "function_call"]
+        result = {"type": "function_call_output", "call_id": call.call_id, "output": "5"}
+        return {"model": "tiny", "input": [result], "previous_response_id": previous.id, "tools": TOOLS,
+                "tool_choice": "none", "max_output_tokens": 8, "temperature": 0}  # fmt: skip
+
+    second = oai.responses.create(**second_kw(first))
+    # the streamed turn continues the streamed first turn: its call has other ids, and the prompt
+    # (the template's Hermes-style text) shows no ids, so the conversation is the same
+    with oai.responses.stream(**second_kw(first_streamed)) as stream:
+        second_events: list[Any] = list(stream)
+    second_streamed = second_events[-1].response
+    assert second_events[-1].type == "response.incomplete"  # 8 tokens of noise
+    assert [kind for kind, _, _ in _items(second)] == ["message"] and second.output_text
+    assert _reassembled(second_events) == _items(second_streamed) == _items(second)
+    assert (
+        second.previous_response_id == first.id and second_streamed.previous_response_id == first_streamed.id
+    )
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": arguments}}
+    messages: Any = [
+        {"role": "user", "content": "Add 2 and 3."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+    ]
+    text, usage = _chat_text(oai, messages, 8)
+    assert second.output_text == text and second.usage is not None and second_streamed.usage is not None
+    assert second.usage.input_tokens == second_streamed.usage.input_tokens == usage.prompt_tokens
+
+
 def test_previous_response_id_continues_the_conversation(oai: openai.OpenAI) -> None:
     first = oai.responses.create(model="tiny", input="Hi there, how are you?", max_output_tokens=5,
                                  temperature=0, instructions="Only in the first.")  # fmt: skip
