@@ -78,6 +78,10 @@ def test_tensor_names_map_to_the_checkpoints() -> None:
     assert hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
     assert hf_name("output.weight") == "lm_head.weight"
     assert hf_name("rope_freqs.weight") is None
+    assert hf_name("blk.1.attn_qkv.weight", "gpt2") == "transformer.h.1.attn.c_attn.weight"
+    assert hf_name("blk.0.ffn_down.bias", "gpt2") == "transformer.h.0.mlp.c_proj.bias"
+    assert hf_name("position_embd.weight", "gpt2") == "transformer.wpe.weight"
+    assert hf_name("output_norm.bias", "gpt2") == "transformer.ln_f.bias"
     with pytest.raises(GgufError, match="blk.0.ssm_a"):
         hf_name("blk.0.ssm_a.weight")
 
