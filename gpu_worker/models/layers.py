@@ -1,7 +1,9 @@
 """Small building blocks shared by our model files.
 
 Parameters are created with ``torch.empty`` (no random init: the loader
-overwrites every one of them), so building a model costs only its allocation.
+overwrites every one of them), and nothing else is: ``load_model`` builds a model
+with them on the meta device (weights/common.py, ``parameters_on_meta``), so
+building one allocates nothing and a weight kept in a GGUF's blocks never is.
 Each block mirrors the op order of the HF reference where that order decides
 rounding, so float64 runs can be compared with HF to ~1e-12.
 """

@@ -1,9 +1,20 @@
-"""What both weight loaders (safetensors and GGUF) share: checkpoint names -> the tensors they fill."""
+"""What both weight loaders (safetensors and GGUF) share: checkpoint names -> the tensors they fill,
+and parameters built without memory, given it only where a weight is to be written.
+
+``load_model`` builds a model under ``parameters_on_meta``: every parameter on the meta device (a
+shape, no memory). Each loader then gives real memory (``materialize``) to the parameters it writes;
+a weight a GGUF's blocks replace never has any, so a file whose float32 copy would not fit in memory
+(or in the address space a ``ulimit -v`` allows) loads in its blocks.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
+from typing import Any
+
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from gpu_worker.models.layers import MergedLinear
 from gpu_worker.models.moe import Experts
@@ -49,3 +60,43 @@ def copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
     if param.shape != tensor.shape:
         raise WeightMismatchError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
     param.copy_(tensor)
+
+
+class parameters_on_meta(TorchFunctionMode):  # noqa: N801 (used as a context manager, like torch.device)
+    """While building a model: ``torch.empty`` without a device makes a meta tensor. Our layers make
+    every parameter, and nothing else, with ``torch.empty`` (models/layers.py); buffers (rotary
+    tables) are computed by other ops, on the model's device, and stay real."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.empty and kwargs.get("device") is None:
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
+def materialize(model: nn.Module, device: torch.device, skip: Collection[nn.Parameter] = ()) -> None:
+    """Unwritten memory on ``device`` for every parameter of ``model`` still on the meta device,
+    but those in ``skip`` (the weights a GGUF's blocks replace). A parameter two modules hold (a
+    tied head) stays one."""
+    skipped = {id(p) for p in skip}
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not param.is_meta or id(param) in skipped:
+                continue
+            if id(param) not in made:
+                memory = torch.empty(param.shape, dtype=param.dtype, device=device)
+                made[id(param)] = nn.Parameter(memory, requires_grad=False)
+            setattr(module, name, made[id(param)])
+
+
+def check_loaded(model: nn.Module) -> None:
+    """Every parameter and buffer holds memory once its loader is done (none on the meta device)."""
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not left, f"tensors left on the meta device after loading: {left[:4]}"

@@ -7,6 +7,8 @@ file's block bytes, mapped, not copied: llama.cpp's mmap), which the CPU backend
 (gpu_worker/backends/cpu/quant.py). Tensors of other types, and every tensor where ``keep`` is empty
 (TP before its split, --weight-dtype bfloat16/float32, --compile, other devices), are dequantized
 by ``gguf`` one at a time into their parameter: the float32 copy of the whole model never exists.
+The model is built with its parameters on the meta device (common.py): the weights the blocks replace
+are never allocated, the others get their memory just before they are filled.
 
 Per architecture (``LAYER_TENSORS``), llama.cpp's converter names the tensors its own way and changes
 some of them, undone here as transformers' own GGUF loader undoes them:
@@ -39,9 +41,9 @@ from torch import nn
 
 from gpu_worker.models.layers import Embedding, Linear, MergedLinear
 from gpu_worker.models.moe import Experts
-from gpu_worker.weights.common import WeightMismatchError, copy_checked, is_tied, weight_targets
+from gpu_worker.weights.common import WeightMismatchError, copy_checked, is_tied, materialize, weight_targets
 from gpu_worker.weights.formats import QuantBlocks, QuantizedExperts, QuantizedWeight, dequantize_blocks
-from gpu_worker.weights.gguf_file import TensorEntry, read_header
+from gpu_worker.weights.gguf_file import GgufHeader, TensorEntry, read_header
 
 logger = logging.getLogger(__name__)
 
@@ -154,15 +156,19 @@ def _tensor_data(mapped: np.ndarray, entry: TensorEntry) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def read_tensors(
-    path: Path, num_heads: int, num_kv_heads: int
-) -> Iterator[tuple[str, int, np.ndarray, tuple[int, ...]]]:
-    """(HF name, ggml type, data as [rows, row bytes or values] in HF row order, HF shape) of every
-    tensor we load, lazily (the file is mapped, not read)."""
-    header = read_header(path)
+def _architecture(header: GgufHeader) -> str:
     arch = header.architecture
     if arch not in LAYER_TENSORS:
         raise GgufError(f"GGUF architecture {arch!r} is not one we read ({', '.join(ARCHITECTURES)})")
+    return arch
+
+
+def read_tensors(
+    header: GgufHeader, num_heads: int, num_kv_heads: int
+) -> Iterator[tuple[str, int, np.ndarray, tuple[int, ...]]]:
+    """(HF name, ggml type, data as [rows, row bytes or values] in HF row order, HF shape) of every
+    tensor we load, lazily (the file is mapped, not read)."""
+    path, arch = header.path, _architecture(header)
     # Copy-on-write: blocks kept as they lie are views of the file's pages (read as first used,
     # shared with the page cache, never copied); nothing writes to them.
     mapped = np.memmap(path, dtype=np.uint8, mode="c")
@@ -194,24 +200,27 @@ def _weight_modules(model: nn.Module) -> dict[str, tuple[nn.Module, str | None]]
     return out
 
 
-def load_gguf_weights(model: nn.Module, path: Path, keep: frozenset[int]) -> None:
+def load_gguf_weights(model: nn.Module, path: Path, keep: frozenset[int], device: torch.device) -> None:
     """Fill ``model`` from the GGUF at ``path``: tensors of a type in ``keep`` stay quantized (on
-    their module's ``quantized``), the rest are dequantized into the parameters. Strict both ways,
-    as the safetensors loader is."""
+    their module's ``quantized``), the rest are dequantized into the parameters, which get their
+    memory on ``device`` here (built on the meta device: common.py). Strict both ways, as the
+    safetensors loader is."""
     import gguf
 
+    header = read_header(path)
+    modules = _weight_modules(model)
+    experts = {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
+    materialize(model, device, skip=_kept_in_blocks(header, keep, modules, experts))
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = {name for name, p in params.items() if is_tied(model, name, p)}
     targets = weight_targets(model, params)
-    modules = _weight_modules(model)
-    experts = {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
     pending: dict[nn.Module, dict[str | None, QuantBlocks]] = defaultdict(dict)
     loaded: set[str] = set()
     dequantized: Counter[str] = Counter()
     unexpected: list[str] = []
     num_heads, num_kv_heads = int(model.num_heads), int(model.num_kv_heads)  # type: ignore[arg-type]
     with torch.no_grad():
-        for name, ggml_type, data, shape in read_tensors(path, num_heads, num_kv_heads):
+        for name, ggml_type, data, shape in read_tensors(header, num_heads, num_kv_heads):
             if name in tied:
                 continue
             stacked = STACKED.match(name)
@@ -246,6 +255,29 @@ def load_gguf_weights(model: nn.Module, path: Path, keep: frozenset[int]) -> Non
             "GGUF tensors without a quantized kernel, dequantized at load: %s",
             ", ".join(f"{count} {name}" for name, count in sorted(dequantized.items())),
         )
+
+
+def _kept_in_blocks(
+    header: GgufHeader,
+    keep: frozenset[int],
+    modules: dict[str, tuple[nn.Module, str | None]],
+    experts: dict[str, Experts],
+) -> list[nn.Parameter]:
+    """The parameters the file's blocks will replace, never to be allocated: the weight of each
+    Linear or embedding whose every tensor (each part of a merged one) is of a type in ``keep``,
+    and the stacked pair of each Experts whose three projections are (else ``_attach`` and
+    ``_attach_experts`` dequantize into the parameter)."""
+    arch = _architecture(header)
+    types = {hf_name(e.name, arch): e.type for e in header.tensors}
+    names: dict[nn.Module, list[str]] = defaultdict(list)
+    for name, (module, _) in modules.items():
+        names[module].append(name)
+    kept = [cast(nn.Parameter, m.weight) for m, ns in names.items() if all(types.get(n) in keep for n in ns)]
+    for prefix, module in experts.items():
+        stacked = [f"{prefix}.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")]
+        if all(types.get(name) in keep for name in stacked):
+            kept += [module.gate_up_proj, module.down_proj]
+    return kept
 
 
 def _load_stacked(

@@ -25,7 +25,15 @@ from safetensors import safe_open
 from torch import nn
 
 from gpu_worker.models import CausalLM, model_class
-from gpu_worker.weights.common import WeightMismatchError, copy_checked, is_tied, weight_targets
+from gpu_worker.weights.common import (
+    WeightMismatchError,
+    check_loaded,
+    copy_checked,
+    is_tied,
+    materialize,
+    parameters_on_meta,
+    weight_targets,
+)
 from gpu_worker.weights.gguf_weights import load_gguf_weights
 from gpu_worker.weights.model_files import gguf_of
 
@@ -71,16 +79,21 @@ def load_model(
     the checkpoint's safetensors, or with ``gguf`` (by default the GGUF whose metadata directory
     ``model_path`` is: model_files.py), from that file, blocks of the ggml types in ``keep`` left
     quantized and the rest dequantized tensor by tensor (gguf_weights.py). Returns the model and
-    its (text model's) HF config."""
+    its (text model's) HF config.
+
+    The model is built with its parameters on the meta device (common.py): a weight kept in blocks
+    is never allocated, the others are as their loader fills them."""
     gguf = gguf if gguf is not None else gguf_of(model_path)
     hf_config = load_hf_config(model_path)
     cls = model_class(hf_config.model_type)
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), _default_dtype(dtype), parameters_on_meta():
         model = cls(hf_config)
     if gguf is None:
+        materialize(model, device)
         load_weights(model, safetensors_files(Path(model_path)))
     else:
-        load_gguf_weights(model, gguf, keep)
+        load_gguf_weights(model, gguf, keep, device)
+    check_loaded(model)
     return cast(CausalLM, model.eval()), hf_config.get_text_config()
 
 
