@@ -84,7 +84,9 @@ def assert_rows_attend(
 
 @needs_compiler
 @pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 16), (6, 2, 80), (4, 1, 128)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 16), (6, 2, 80), (4, 1, 128), (8, 4, 256)]
+)  # 256: Gemma's heads, the kernel's MAX_HEAD_DIM
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_decode_attention_matches_float64(
     kernels: cpu_kernels.CpuKernels,
@@ -128,7 +130,7 @@ def test_decode_attention_matches_float64(
 @pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("lens", [[1000], [2], [40, 333], [17, 1, 260]])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (6, 2, 80)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (6, 2, 80), (8, 4, 256)])
 def test_few_rows_split_their_positions(
     kernels: cpu_kernels.CpuKernels,
     dtype: torch.dtype,
@@ -175,15 +177,23 @@ def test_few_rows_split_their_positions(
 @pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("prefix", [3, 300])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 4, 256)])
 def test_a_verify_rows_positions_read_each_others_new_kv(
-    kernels: cpu_kernels.CpuKernels, dtype: torch.dtype, kv_dtype: torch.dtype, threads: int, prefix: int
+    kernels: cpu_kernels.CpuKernels,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    threads: int,
+    prefix: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
 ) -> None:
     """A verify row's tokens as adjacent decode rows of one slot (position p attends [0, p]), beside
     lone decode rows and a second verify row: every row's new K/V land before any row attends (they
     read each other's), and each row attends exactly its own positions (its later ones are NaN when
     it reads, were it to read them)."""
     torch.manual_seed(4)
-    page_size, heads, kv_heads, head_dim = 16, 9, 3, 64
+    page_size = 16
     # (slot, kv_len) per row: slot 0's verify row of 5 positions, a lone row, slot 2's of 3 positions.
     rows = [(0, prefix + 1 + j) for j in range(5)] + [(1, prefix + 40)] + [(2, 7 + j) for j in range(3)]
     pages_per_slot = -(-(prefix + 48) // page_size)
