@@ -7,8 +7,8 @@ only for its chosen token's logprob).
     python -m bench.logprobs_cost --num-threads 1 --clock cpu   # steadier on a shared machine
 
 The configurations run round-robin on one runner (A B C A B C ...), so a noisy neighbour hits
-each alike; every step re-sends slot 0's sampler, in every configuration, so they differ only
-in what slot 0 asks. The median step time is reported, and each configuration's ratio to the
+each alike; every step re-sends req_pool_idx 0's sampler, in every configuration, so they differ only
+in what req_pool_idx 0 asks. The median step time is reported, and each configuration's ratio to the
 plain one (the target: top_logprobs=20 within 10%).
 """
 

@@ -3,7 +3,7 @@
     python -m bench.penalty_step                      # SmolLM2, the engine's dtype
     python -m bench.penalty_step --iters 60 --context 256
 
-One ModelRunner, two groups of 32 slots with the same prompts: one greedy, one greedy
+One ModelRunner, two groups of 32 requests with the same prompts: one greedy, one greedy
 with presence, frequency and repetition penalties and a logit_bias. After each group's
 prefill, decode steps of the two groups alternate (A B A B ...), so a noisy neighbour on
 a shared CPU hits both alike; the median step time of each is reported, and their ratio
@@ -34,21 +34,21 @@ def sampler(penalties: WorkerPenalties | None) -> WorkerSampling:
 
 def step_batch(
     step: int,
-    slots: list[int],
+    req_pool_idx: list[int],
     ids: list[list[int]],
     prefix: int,
     first: WorkerSampling | None,
-    pages_per_slot: int,
+    pages_per_request: int,
 ) -> ForwardBatch:
-    """Rows ``ids[i]`` at ``prefix`` for ``slots``; ``first`` (the prefill) hands out each slot's
-    ``pages_per_slot`` pages (enough for the whole run) and its sampler."""
-    pages_per_slot = pages_per_slot if first is not None else 0
+    """Rows ``ids[i]`` at ``prefix`` for ``req_pool_idx``; ``first`` (the prefill) hands out each
+    request's ``pages_per_request`` pages (enough for the whole run) and its sampler."""
+    pages_per_request = pages_per_request if first is not None else 0
     return ForwardBatch(
-        step=step, slots=slots, prefix_lens=[prefix] * len(slots), extend_lens=[len(r) for r in ids],
-        input_ids=[t for r in ids for t in r], page_starts=[0] * len(slots),
-        page_counts=[pages_per_slot] * len(slots),
-        pages=[s * pages_per_slot + p for s in slots for p in range(pages_per_slot)],
-        sample=[True] * len(slots), sampler=[first] * len(slots),
+        step=step, req_pool_idx=req_pool_idx, prefix_lens=[prefix] * len(req_pool_idx),
+        extend_lens=[len(r) for r in ids], input_ids=[t for r in ids for t in r],
+        page_starts=[0] * len(req_pool_idx), page_counts=[pages_per_request] * len(req_pool_idx),
+        pages=[s * pages_per_request + p for s in req_pool_idx for p in range(pages_per_request)],
+        sample=[True] * len(req_pool_idx), sampler=[first] * len(req_pool_idx),
     )  # fmt: skip
 
 
@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     args = p.parse_args(argv)
     rows = args.rows
-    pages_per_slot = -(-(args.context + args.iters + 1) // PAGE_SIZE)
-    pages = 2 * rows * pages_per_slot
+    pages_per_request = -(-(args.context + args.iters + 1) // PAGE_SIZE)
+    pages = 2 * rows * pages_per_request
     runner = ModelRunner(
         WorkerConfig(model_path=str(resolve_model(None)), dtype=args.dtype, page_size=PAGE_SIZE,
                      kv_cache_tokens=pages * PAGE_SIZE, max_running_requests=2 * rows)
@@ -75,12 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         "with": (list(range(rows, 2 * rows)), sampler(pen)),
     }
     last: dict[str, list[int]] = {}
-    for name, (slots, s) in groups.items():
-        last[name] = runner.execute(step_batch(0, slots, prompts, 0, s, pages_per_slot)).token_ids
+    for name, (req_pool_idx, s) in groups.items():
+        last[name] = runner.execute(step_batch(0, req_pool_idx, prompts, 0, s, pages_per_request)).token_ids
     times: dict[str, list[float]] = {name: [] for name in groups}
     for i in range(args.iters):
-        for name, (slots, _) in groups.items():
-            b = step_batch(i + 1, slots, [[t] for t in last[name]], args.context + i, None, 0)
+        for name, (req_pool_idx, _) in groups.items():
+            b = step_batch(i + 1, req_pool_idx, [[t] for t in last[name]], args.context + i, None, 0)
             started = time.perf_counter()
             last[name] = runner.execute(b).token_ids
             times[name].append(time.perf_counter() - started)

@@ -14,7 +14,7 @@ def check_batch(
     batch: ForwardBatch, num_pages: int, page_table_shape: torch.Size, context_len: int, vocab_size: int
 ) -> None:
     """Reject a malformed batch before it reaches an index op (a CUDA index fault kills the process)."""
-    rows = len(batch.slots)
+    rows = len(batch.req_pool_idx)
     fields = (
         batch.prefix_lens,
         batch.extend_lens,
@@ -27,9 +27,9 @@ def check_batch(
         raise ValueError(f"batch {batch.step}: row fields must all have {rows} > 0 entries")
     if len(batch.input_ids) != sum(batch.extend_lens) or len(batch.pages) != sum(batch.page_counts):
         raise ValueError(f"batch {batch.step}: input_ids / pages do not match extend_lens / page_counts")
-    max_slots, pages_per_request = page_table_shape
-    if len(set(batch.slots)) != rows or not all(0 <= s < max_slots for s in batch.slots):
-        raise ValueError(f"batch {batch.step}: slots must be distinct and in [0, {max_slots})")
+    max_requests, pages_per_request = page_table_shape
+    if len(set(batch.req_pool_idx)) != rows or not all(0 <= i < max_requests for i in batch.req_pool_idx):
+        raise ValueError(f"batch {batch.step}: req_pool_idx must be distinct and in [0, {max_requests})")
     if any(n < 1 for n in batch.extend_lens) or any(p < 0 for p in batch.prefix_lens):
         raise ValueError(f"batch {batch.step}: extend_lens must be >= 1 and prefix_lens >= 0")
     if any(p + n > context_len for p, n in zip(batch.prefix_lens, batch.extend_lens, strict=True)):

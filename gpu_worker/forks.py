@@ -1,9 +1,9 @@
-"""n > 1 in the worker: forks, which draw a first token for their own slot from another row's logits,
+"""n > 1 in the worker: forks, which draw a first token for their own req_pool_idx from another row's logits,
 and KV page copies (ForwardBatch's fork_* and copy_* fields).
 
-A fork is choice i > 0 of a request whose prompt the batch's row ``fork_rows[j]`` ends: its slot
+A fork is choice i > 0 of a request whose prompt the batch's row ``fork_rows[j]`` ends: its req_pool_idx
 gets its own sampler (the row's, with seed + i) and the row's penalty counts (the prompt's tokens),
-and its token is drawn from a copy of the row's logits, with every per-slot step the row's own draw
+and its token is drawn from a copy of the row's logits, with every per-request step the row's own draw
 has. The scheduler shares the prompt's full KV pages between the choices; a page it cannot share
 (the partly filled last one, or all of them without a prefix cache) is copied here after the forward
 that wrote it, before any later batch can write the page the fork will decode into.
@@ -17,17 +17,19 @@ from gpu_worker.kv_cache import KVPool
 from protocol.messages import ForwardBatch
 
 
-def check_forks(batch: ForwardBatch, max_slots: int, num_pages: int) -> None:
+def check_forks(batch: ForwardBatch, max_requests: int, num_pages: int) -> None:
     """Reject fork and copy fields that do not fit the batch, before they reach an index op."""
     forks = len(batch.fork_rows)
-    if len(batch.fork_slots) != forks or len(batch.fork_samplers) != forks:
+    if len(batch.fork_req_pool_idx) != forks or len(batch.fork_samplers) != forks:
         raise ValueError(f"batch {batch.step}: fork fields must all have {forks} entries")
     if not all(0 <= i < len(batch.sample) and batch.sample[i] for i in batch.fork_rows):
         raise ValueError(f"batch {batch.step}: a fork's row must be a sampling row of the batch")
-    taken = set(batch.slots)
-    bad_slot = any(not 0 <= s < max_slots or s in taken for s in batch.fork_slots)
-    if len(set(batch.fork_slots)) != forks or bad_slot:
-        raise ValueError(f"batch {batch.step}: fork slots must be distinct, in [0, {max_slots}) and rowless")
+    taken = set(batch.req_pool_idx)
+    bad_idx = any(not 0 <= s < max_requests or s in taken for s in batch.fork_req_pool_idx)
+    if len(set(batch.fork_req_pool_idx)) != forks or bad_idx:
+        raise ValueError(
+            f"batch {batch.step}: fork_req_pool_idx must be distinct, in [0, {max_requests}) and rowless"
+        )
     copies = len(batch.copy_src)
     if len(batch.copy_dst) != copies or len(set(batch.copy_dst)) != copies:
         raise ValueError(f"batch {batch.step}: copy_src and copy_dst must pair up, each copy_dst once")
@@ -50,17 +52,17 @@ def copy_pages(kv: KVPool, src: list[int], dst: list[int]) -> None:
 
 
 def with_forks(
-    logits: torch.Tensor, slots: list[int], positions: list[int], rows: list[int], batch: ForwardBatch
+    logits: torch.Tensor, req_pool_idx: list[int], positions: list[int], rows: list[int], batch: ForwardBatch
 ) -> tuple[torch.Tensor, list[int], list[int]]:
-    """The sampled rows' ``logits``, ``slots`` and ``positions`` (of batch rows ``rows``) followed by
-    the forks': each a copy of its row's logits, drawn for its slot at its row's position."""
+    """The sampled rows' ``logits``, ``req_pool_idx`` and ``positions`` (of batch rows ``rows``) followed by
+    the forks': each a copy of its row's logits, drawn for its req_pool_idx at its row's position."""
     if not batch.fork_rows:
-        return logits, slots, positions
+        return logits, req_pool_idx, positions
     index_of = {row: k for k, row in enumerate(rows)}
     parents = [index_of[row] for row in batch.fork_rows]
     forked = logits.index_select(0, torch.tensor(parents, dtype=torch.int64, device=logits.device))
     return (
         torch.cat([logits, forked]),
-        slots + list(batch.fork_slots),
+        req_pool_idx + list(batch.fork_req_pool_idx),
         positions + [positions[k] for k in parents],
     )

@@ -5,7 +5,7 @@ Layout: per layer one K and one V tensor of shape
 writing a batch's new K/V is a single indexed store and gathering a row's
 history is a single index_select, whatever the page size. The page table is
 ``[max_running_requests, ceil(context_len / page_size)]`` of page numbers; the
-scheduler owns the allocator and only ever tells us which pages a slot got.
+scheduler owns the allocator and only ever tells us which pages a req_pool_idx (a row) got.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 
 class KVPool:
-    """K/V tensors of every layer plus the request-slot page table."""
+    """K/V tensors of every layer plus the page table (one row per req_pool_idx)."""
 
     def __init__(
         self,
@@ -41,15 +41,16 @@ class KVPool:
         self.page_table = torch.zeros((max_requests, pages_per_request), dtype=torch.int64, device=device)
 
     def apply_page_deltas(
-        self, slots: list[int], page_starts: list[int], page_counts: list[int], pages: list[int]
+        self, req_pool_idx: list[int], page_starts: list[int], page_counts: list[int], pages: list[int]
     ) -> None:
-        """Row i appends ``page_counts[i]`` of the flat ``pages`` to ``slots[i]`` at ``page_starts[i]``."""
+        """Row i appends ``page_counts[i]`` of the flat ``pages`` to page-table row ``req_pool_idx[i]``, from
+        index ``page_starts[i]``."""
         total = len(pages)
         if total == 0:
             return
         device = self.page_table.device
         counts = torch.tensor(page_counts, device=device)
-        rows = torch.repeat_interleave(torch.tensor(slots, device=device), counts, output_size=total)
+        rows = torch.repeat_interleave(torch.tensor(req_pool_idx, device=device), counts, output_size=total)
         first = torch.repeat_interleave(torch.tensor(page_starts, device=device), counts, output_size=total)
         offsets = torch.cumsum(counts, 0) - counts  # where each row's run starts in ``pages``
         within = torch.arange(total, device=device) - torch.repeat_interleave(

@@ -24,10 +24,10 @@ from gpu_worker.kv_cache import KVPool
 from gpu_worker.models import CausalLM
 from gpu_worker.pooling import final_norm, pooled_rows
 from gpu_worker.sampling.draws import BatchDraws, Drawn
-from gpu_worker.sampling.grammar import SlotGrammars
-from gpu_worker.sampling.logprobs import SlotTopLogprobs, check_logprob_fields, prompt_logprobs
-from gpu_worker.sampling.penalties import SlotPenalties
-from gpu_worker.sampling.sampler import SlotSamplerParams
+from gpu_worker.sampling.grammar import ReqPoolGrammars
+from gpu_worker.sampling.logprobs import ReqPoolTopLogprobs, check_logprob_fields, prompt_logprobs
+from gpu_worker.sampling.penalties import ReqPoolPenalties
+from gpu_worker.sampling.sampler import ReqPoolSamplerParams
 from gpu_worker.sampling.verify import DrawPlan, check_drafts, committed
 from gpu_worker.weights.gguf_weights import GgufError
 from gpu_worker.weights.loader import load_model, round_weights
@@ -44,27 +44,28 @@ _DTYPES = {
 
 
 class ModelRunner:
-    """Owns the model weights, the paged KV pool and per-slot sampler settings."""
+    """Owns the model weights, the paged KV pool and the per-request sampling state (by req_pool_idx)."""
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self._init_device()
         self._init_model()
         self._init_kv_pool()
-        self.sampler_params = SlotSamplerParams(config.max_running_requests)
-        self.top_logprobs = SlotTopLogprobs(config.max_running_requests)
-        self.penalties = SlotPenalties(
+        self.sampler_params = ReqPoolSamplerParams(config.max_running_requests)
+        self.top_logprobs = ReqPoolTopLogprobs(config.max_running_requests)
+        self.penalties = ReqPoolPenalties(
             config.max_running_requests, self.vocab_size, self._device, self._dtype
         )
-        self.grammars = SlotGrammars(
+        self.grammars = ReqPoolGrammars(
             config.max_running_requests, self.vocab_size, config.model_path, self.backend.host_memory
         )
-        # Every per-slot sampling state, told of each batch (its new requests' settings, its tokens,
-        # its forks) before the forward, and the sampling step that reads them.
+        # Every per-request sampling state (indexed by req_pool_idx), told of each batch (its new
+        # requests' settings, its tokens, its forks) before the forward, and the sampling step that
+        # reads them.
         self.draws = BatchDraws(
             self.sampler_params, self.top_logprobs, self.penalties, self.grammars, self.backend.greedy
         )
-        # The token each slot drew last: a row scheduled before that draw came back (overlap
+        # The token each req_pool_idx drew last: a row scheduled before that draw came back (overlap
         # scheduling) sends PENDING as its input and gets this one.
         self.last_tokens = torch.zeros(config.max_running_requests, dtype=torch.int64, device=self._device)
 
@@ -209,7 +210,7 @@ class ModelRunner:
 
     def execute(self, batch: ForwardBatch) -> ForwardResult:
         """Run one batch; return the drawn tokens of its ``sample`` rows in row order."""
-        self.backend.before_batch(len(batch.slots), len(batch.input_ids))
+        self.backend.before_batch(len(batch.req_pool_idx), len(batch.input_ids))
         started = time.perf_counter()
         hidden = self.forward(batch)
         with torch.inference_mode():
@@ -225,14 +226,14 @@ class ModelRunner:
 
     def _sample(self, hidden: torch.Tensor, batch: ForwardBatch) -> Drawn:
         """The draws of the ``sample`` rows (a verify row's at each drafted position, its kept drafts
-        and draw emitted) and their forks; each drawing slot's last token is kept for PENDING."""
+        and draw emitted) and their forks; each drawing request's last token is kept for PENDING."""
         plan = DrawPlan.of(batch)
         if not plan.starts:
             return Drawn()
         index = torch.tensor(plan.hidden_rows, dtype=torch.int64).to(self._device)
         drawn = self.draws.draw(self.model.compute_logits(hidden.index_select(0, index)), plan, batch)
         last = torch.tensor(drawn.last_tokens, dtype=torch.int64).to(self._device)
-        self.last_tokens[torch.tensor(drawn.last_slots, device=self._device)] = last
+        self.last_tokens[torch.tensor(drawn.last_req_pool_idx, device=self._device)] = last
         return drawn
 
     @torch.inference_mode()
@@ -249,9 +250,9 @@ class ModelRunner:
         check_logprob_fields(batch, self.vocab_size)
         check_forks(batch, self.kv.page_table.shape[0], self.kv.num_pages)
         check_drafts(batch)
-        self.kv.apply_page_deltas(batch.slots, batch.page_starts, batch.page_counts, batch.pages)
+        self.kv.apply_page_deltas(batch.req_pool_idx, batch.page_starts, batch.page_counts, batch.pages)
         positions, meta = self.backend.init_forward_metadata(
-            self.kv, batch.slots, batch.prefix_lens, batch.extend_lens
+            self.kv, batch.req_pool_idx, batch.prefix_lens, batch.extend_lens
         )
         ctx = ForwardContext(
             positions=positions, attn=meta, k_cache=self.kv.k, v_cache=self.kv.v, backend=self.backend
@@ -273,13 +274,13 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, last))
 
     def _input_ids(self, batch: ForwardBatch) -> torch.Tensor:
-        """The batch's token ids, each PENDING replaced by the token its slot drew last."""
+        """The batch's token ids, each PENDING replaced by the token its request drew last."""
         input_ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self._device)
         if min(batch.input_ids) >= 0:
             return input_ids
         ends = list(accumulate(batch.extend_lens))
         rows = [i for i, end in enumerate(ends) if batch.input_ids[end - 1] == PENDING]
         where = torch.tensor([ends[i] - 1 for i in rows], device=self._device)
-        slots = torch.tensor([batch.slots[i] for i in rows], device=self._device)
-        input_ids[where] = self.last_tokens[slots]
+        req_pool_idx = torch.tensor([batch.req_pool_idx[i] for i in rows], device=self._device)
+        input_ids[where] = self.last_tokens[req_pool_idx]
         return input_ids

@@ -37,9 +37,9 @@ def final_norm(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def check_pool(batch: ForwardBatch) -> None:
     """Reject a malformed ``pool`` before it reaches an index op."""
-    if batch.pool and len(batch.pool) != len(batch.slots):
+    if batch.pool and len(batch.pool) != len(batch.req_pool_idx):
         raise ValueError(
-            f"batch {batch.step}: pool has {len(batch.pool)} entries for {len(batch.slots)} rows"
+            f"batch {batch.step}: pool has {len(batch.pool)} entries for {len(batch.req_pool_idx)} rows"
         )
 
 

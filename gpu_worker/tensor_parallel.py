@@ -12,7 +12,7 @@ Per decoder layer (Megatron's split):
 
 The LM head is vocab-parallel: each rank computes the logits of its share of the vocabulary
 (``VocabGathered``), then every rank holds all of them and draws the same tokens (same seeds), so
-each keeps its per-slot state; rank 0 alone replies. A replicated head would have each rank read
+each keeps its per-request state; rank 0 alone replies. A replicated head would have each rank read
 the whole table per step; the split head plus its gather takes less time at 1 and 32 rows
 (``python -m bench.tp_step``; docs/benchmarks.md, tensor parallel on CPU). The embedding (a row
 lookup, cheap) and the norms are replicated.

@@ -60,7 +60,7 @@ def source_of(f: Field[Any]) -> str | None:
 
 
 def max_running_requests_field() -> Any:
-    return flag(128, "request slots: the cap on admitted, unfinished requests")
+    return flag(128, "the cap on admitted, unfinished requests (each holds a row of the page table)")
 
 
 def seed_field() -> Any:

@@ -62,6 +62,7 @@ class WorkerSampling(msgspec.Struct, frozen=True, kw_only=True, array_like=True)
 
     @property
     def needs_prefix_ids(self) -> bool:
-        """The worker's per-slot state of this request follows its tokens (penalty counts, a
-        grammar's matcher), so a slot given to it past position 0 needs the cached prefix's ids."""
+        """The worker's per-request state of this request (indexed by its req_pool_idx) follows its
+        tokens (penalty counts, a grammar's matcher), so a req_pool_idx given to it past position 0
+        needs the cached prefix's ids."""
         return self.penalties is not None or self.grammar is not None

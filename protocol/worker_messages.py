@@ -12,29 +12,30 @@ from protocol.embedding import Pooling
 from protocol.logprobs import TopTokens
 from protocol.sampling import WorkerSampling
 
-PENDING = -1  # in ForwardBatch.input_ids: the token this row's slot drew last (overlap scheduling)
+PENDING = -1  # in ForwardBatch.input_ids: the token this row's request drew last (overlap scheduling)
 
 
 class ForwardBatch(Msg):
     """One forward pass: extend rows (prefill chunks) and decode rows alike.
 
-    Row ``i`` belongs to request slot ``slots[i]``; its ``extend_lens[i]`` new
+    Row ``i`` belongs to the request whose page-table row is ``req_pool_idx[i]`` (its
+    req_pool_idx: the worker's per-request state is indexed by it too); its ``extend_lens[i]`` new
     tokens (``input_ids``, flattened over rows) sit at positions
     ``prefix_lens[i] .. prefix_lens[i] + extend_lens[i] - 1``. A decode row is
     an extend row of length 1.
 
     Page-table deltas: row ``i`` appends ``page_counts[i]`` pages (taken in order
-    from the flat ``pages``) to its slot's page table at index ``page_starts[i]``.
-    A token at position p lives in KV slot
-    ``page_table[slot][p // page_size] * page_size + p % page_size``.
+    from the flat ``pages``) to its page-table row at index ``page_starts[i]``.
+    A token at position p lives at the KV location (its row of the K/V pool; the backends' ``out_locs``)
+    ``page_table[req_pool_idx[i]][p // page_size] * page_size + p % page_size``.
 
     ``sample[i]`` is False for a chunk that is not the end of its prompt: its KV
-    is written but no token is drawn. ``sampler[i]`` is sent when a slot is
-    (re)assigned to a request and None afterwards; the worker keeps it per slot.
+    is written but no token is drawn. ``sampler[i]`` is sent when a req_pool_idx
+    is (re)assigned to a request and None afterwards; the worker keeps it per req_pool_idx.
 
     A row's last input may be ``PENDING``: the scheduler sent this batch before the
     previous one's result came back (overlap scheduling), and the worker, which
-    runs batches in order, uses the token it drew last for that slot.
+    runs batches in order, uses the token it drew last for that req_pool_idx.
 
     Prompt logprobs (empty lists when no row wants them): row ``i`` wants the logprobs at its
     first ``prompt_logprob_lens[i]`` positions, of the tokens that follow them, given flat in
@@ -51,7 +52,7 @@ class ForwardBatch(Msg):
     """
 
     step: int
-    slots: list[int]
+    req_pool_idx: list[int]
     prefix_lens: list[int]
     extend_lens: list[int]
     input_ids: list[int]
@@ -62,16 +63,16 @@ class ForwardBatch(Msg):
     sampler: list[WorkerSampling | None]
     prompt_logprob_lens: list[int] = []
     prompt_logprob_targets: list[int] = []
-    # Per row (or [] when no row needs it): a row that (re)assigns the slot of a request with
+    # Per row (or [] when no row needs it): a row that (re)assigns the req_pool_idx of a request with
     # penalties and starts past 0 (a cached prefix) carries fill_ids[:prefix_len], the tokens the
     # worker's penalty counts need but never gets as inputs; every other row has [].
     prefix_ids: list[list[int]] = []
-    # Forks (n > 1): fork j draws a token for slot ``fork_slots[j]``, with ``fork_samplers[j]``, from
-    # the logits of row ``fork_rows[j]`` (a sampling row); the slot starts with that row's penalty
-    # counts. After the forward, KV page ``copy_src[k]`` is copied to ``copy_dst[k]``: a fork's own
-    # copy of a prompt page it cannot share (the partly filled last one).
+    # Forks (n > 1): fork j draws a token for req_pool_idx ``fork_req_pool_idx[j]``, with
+    # ``fork_samplers[j]``, from the logits of row ``fork_rows[j]`` (a sampling row); the fork starts
+    # with that row's penalty counts. After the forward, KV page ``copy_src[k]`` is copied to
+    # ``copy_dst[k]``: a fork's own copy of a prompt page it cannot share (the partly filled last one).
     fork_rows: list[int] = []
-    fork_slots: list[int] = []
+    fork_req_pool_idx: list[int] = []
     fork_samplers: list[WorkerSampling] = []
     copy_src: list[int] = []
     copy_dst: list[int] = []

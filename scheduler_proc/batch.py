@@ -17,9 +17,9 @@ class Row:
     req: Req
     extend_len: int
     sample: bool  # the row reaches the end of fill_ids: the worker draws the next token
-    page_start: int  # index in the slot's page table where new_pages go
+    page_start: int  # index in the request's page-table row where new_pages go
     new_pages: list[int]
-    new_slot: bool  # the slot was (re)assigned this round: the worker gets the sampler
+    new_req_pool_idx: bool  # its req_pool_idx was (re)assigned this round: the worker gets the sampler
     is_prefill: bool  # part of a prompt (or a recompute), not a decode step
     out_index: int = -1  # sampling rows: the index in output_ids of the token they draw (at launch)
     start: int = field(init=False)  # the request's kv_len when the row was built: its first position
@@ -33,7 +33,7 @@ class Row:
 
     def __post_init__(self) -> None:
         assert self.extend_len >= 1, f"rid {self.req.rid}: empty row"
-        assert self.req.slot is not None, f"rid {self.req.rid}: row without a slot"
+        assert self.req.req_pool_idx is not None, f"rid {self.req.rid}: row without a req_pool_idx"
         self.start = self.req.kv_len
         state = self.req.prompt_logprobs
         self.prompt_logprob_len = state.row_len(self.start, self.extend_len) if state is not None else 0
@@ -59,7 +59,7 @@ class BatchInfo:
 
     @classmethod
     def of(cls, step: int, prefill: list[Row], decode: list[Row], num_decoding: int) -> BatchInfo:
-        cached = sum(r.start for r in prefill if r.new_slot)
+        cached = sum(r.start for r in prefill if r.new_req_pool_idx)
         return cls(step, len(prefill), sum(r.extend_len for r in prefill), cached, len(decode), num_decoding)
 
 
@@ -67,16 +67,16 @@ def build_forward_batch(step: int, rows: list[Row], page_size: int) -> ForwardBa
     """The wire form of ``rows``, built before they launch (``Flight.launch`` moves kv_len on).
 
     A decode row whose input token is still being drawn by a batch in flight sends
-    ``PENDING`` (-1); the worker substitutes the token it drew last for that slot.
+    ``PENDING`` (-1); the worker substitutes the token it drew last for that req_pool_idx.
     """
-    slots: list[int] = []
+    req_pool_idx: list[int] = []
     input_ids: list[int] = []
     pages: list[int] = []
     prompt_logprobs = any(row.prompt_logprob_len for row in rows)
     for row in rows:
-        assert row.req.slot is not None, f"rid {row.req.rid}: row without a slot"
+        assert row.req.req_pool_idx is not None, f"rid {row.req.rid}: row without a req_pool_idx"
         assert not row.launched and row.start == row.req.kv_len, f"rid {row.req.rid}: built after launch"
-        slots.append(row.req.slot)
+        req_pool_idx.append(row.req.req_pool_idx)
         input_ids.extend(row.req.fill_slice(row.start, row.start + row.extend_len - len(row.draft)))
         input_ids.extend(row.draft)
         pages.extend(row.new_pages)
@@ -84,7 +84,7 @@ def build_forward_batch(step: int, rows: list[Row], page_size: int) -> ForwardBa
     copies = [copy for row in rows if row.forks for copy in row.req.fork_copies(page_size)]
     return ForwardBatch(
         step=step,
-        slots=slots,
+        req_pool_idx=req_pool_idx,
         prefix_lens=[row.start for row in rows],
         extend_lens=[row.extend_len for row in rows],
         input_ids=input_ids,
@@ -92,14 +92,14 @@ def build_forward_batch(step: int, rows: list[Row], page_size: int) -> ForwardBa
         page_counts=[len(row.new_pages) for row in rows],
         pages=pages,
         sample=[row.sample for row in rows],
-        sampler=[row.req.sampler if row.new_slot else None for row in rows],
+        sampler=[row.req.sampler if row.new_req_pool_idx else None for row in rows],
         prompt_logprob_lens=[row.prompt_logprob_len for row in rows] if prompt_logprobs else [],
         prompt_logprob_targets=[t for row in rows for t in row.prompt_logprob_targets()]
         if prompt_logprobs
         else [],
         prefix_ids=state_prefix_ids(rows),
         fork_rows=[i for i, _ in forks],
-        fork_slots=[_slot(fork) for _, fork in forks],
+        fork_req_pool_idx=[_req_pool_idx(fork) for _, fork in forks],
         fork_samplers=[fork.sampler for _, fork in forks],
         copy_src=[src for src, _ in copies],
         copy_dst=[dst for _, dst in copies],
@@ -108,17 +108,17 @@ def build_forward_batch(step: int, rows: list[Row], page_size: int) -> ForwardBa
     )
 
 
-def _slot(req: Req) -> int:
-    assert req.slot is not None, f"rid {req.rid}: a fork without a slot"
-    return req.slot
+def _req_pool_idx(req: Req) -> int:
+    assert req.req_pool_idx is not None, f"rid {req.rid}: a fork without a req_pool_idx"
+    return req.req_pool_idx
 
 
 def state_prefix_ids(rows: list[Row]) -> list[list[int]]:
     """ForwardBatch.prefix_ids: the cached prefix of each row that gives a request with penalties or
-    a grammar its slot (the worker's counts and matchers follow only its inputs), [] for other rows;
+    a grammar its req_pool_idx (the worker's counts and matchers follow only its inputs), [] for other rows;
     [] for none."""
     prefix_ids = [
-        row.req.fill_slice(0, row.start) if row.new_slot and row.req.sampler.needs_prefix_ids else []
+        row.req.fill_slice(0, row.start) if row.new_req_pool_idx and row.req.sampler.needs_prefix_ids else []
         for row in rows
     ]
     return prefix_ids if any(prefix_ids) else []

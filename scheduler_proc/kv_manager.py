@@ -1,4 +1,4 @@
-"""Which KV pages and request slots each request holds: prefix hits, growth, caching, release.
+"""Which KV pages and page-table row (req_pool_idx) each request holds: prefix hits, growth, caching, release.
 
 A request's page table is ``[tree pages | own pages]``:
 
@@ -9,7 +9,7 @@ A request's page table is ``[tree pages | own pages]``:
 so every page is exactly one of: free, evictable (tree, unlocked), protected
 (tree, locked) or owned by one request, and ``check_integrity`` asserts the sum.
 The scheduler decides who runs; this object is the only code that takes or
-gives back page and slot ids.
+gives back page ids and req_pool_idx.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from scheduler_proc.config import SchedulerConfig
-from scheduler_proc.page_allocator import PageAllocator, SlotPool, pages_for
+from scheduler_proc.page_allocator import PageAllocator, ReqPool, pages_for
 from scheduler_proc.radix_cache import RadixCache
 from scheduler_proc.request import Req
 
@@ -29,12 +29,12 @@ class EvictableAccount(Protocol):
 
 
 class KVManager:
-    """Page tables of live requests over a PageAllocator, a SlotPool and (unless disabled) a RadixCache."""
+    """Page tables of live requests over a PageAllocator, a ReqPool and (unless disabled) a RadixCache."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.page_size = config.page_size
         self.pages = PageAllocator(config.num_pages)
-        self.slots = SlotPool(config.max_running_requests)
+        self.req_pool = ReqPool(config.max_running_requests)
         self.cache = None if config.disable_radix_cache else RadixCache(config.page_size, self.pages.free)
 
     # ------------------------------------------------------------------ prefix hits
@@ -77,11 +77,11 @@ class KVManager:
 
     # ------------------------------------------------------------------ growth
 
-    def assign_slot(self, req: Req) -> None:
-        assert req.slot is None, f"rid {req.rid} already has slot {req.slot}"
-        req.slot = self.slots.alloc()
-        assert req.slot is not None, f"rid {req.rid}: admitted without a free slot"
-        req.flight.worker_pages = 0  # a fresh slot: the worker gets the whole page table
+    def assign_req_pool_idx(self, req: Req) -> None:
+        assert req.req_pool_idx is None, f"rid {req.rid} already has req_pool_idx {req.req_pool_idx}"
+        req.req_pool_idx = self.req_pool.alloc()
+        assert req.req_pool_idx is not None, f"rid {req.rid}: admitted without a free req_pool_idx"
+        req.flight.worker_pages = 0  # a fresh page-table row: the worker gets the whole page table
 
     def grow(self, req: Req, extend_len: int) -> tuple[int, list[int]]:
         """Pages for ``req``'s next ``extend_len`` tokens, evicting cached pages if short.
@@ -98,9 +98,9 @@ class KVManager:
         return start, req.page_table[start:]
 
     def admit_forks(self, req: Req) -> None:
-        """Slots, and their own prompt pages (still to be copied), for the choices forking from ``req``."""
+        """A req_pool_idx and own prompt pages (still to be copied) for each choice forking from ``req``."""
         for fork in req.forks:
-            self.assign_slot(fork)
+            self.assign_req_pool_idx(fork)
             num_pages = pages_for(fork.fork_tail_tokens, self.page_size)
             self._make_free(num_pages)
             pages = self.pages.alloc(num_pages)
@@ -181,9 +181,9 @@ class KVManager:
         self.pages.free(req.page_table[own_from:])
         self._unlock(req)
         req.page_table, req.num_tree_pages, req.flight.worker_pages = [], 0, 0
-        if req.slot is not None:
-            self.slots.free(req.slot)
-            req.slot = None
+        if req.req_pool_idx is not None:
+            self.req_pool.free(req.req_pool_idx)
+            req.req_pool_idx = None
 
     def flush_cache(self) -> int:
         """Evict every cached page no live request holds; returns how many were freed."""

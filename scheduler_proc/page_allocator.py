@@ -1,8 +1,8 @@
-"""KV bookkeeping on the scheduler side: which pages and request slots are free.
+"""KV bookkeeping on the scheduler side: which pages and page-table rows are free.
 
 The worker owns the memory; the scheduler owns the ids. A page id ``p`` names
-KV slots ``[p * page_size, (p + 1) * page_size)``; a request slot names one row
-of the worker's page table.
+KV locations (rows of the K/V pool) ``[p * page_size, (p + 1) * page_size)``; a request's
+``req_pool_idx`` names its row of the worker's page table.
 """
 
 from __future__ import annotations
@@ -51,14 +51,14 @@ class PageAllocator:
         self._free.extend(reversed(pages))
 
 
-class SlotPool:
-    """The ``max_running_requests`` rows of the worker's page table."""
+class ReqPool:
+    """The ``max_running_requests`` rows of the worker's page table, by req_pool_idx."""
 
-    def __init__(self, num_slots: int) -> None:
-        assert num_slots >= 1, "need at least one request slot"
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._is_free = [True] * num_slots
+    def __init__(self, size: int) -> None:
+        assert size >= 1, "need at least one page-table row"
+        self.size = size
+        self._free = list(range(size - 1, -1, -1))
+        self._is_free = [True] * size
 
     @property
     def num_free(self) -> int:
@@ -67,12 +67,12 @@ class SlotPool:
     def alloc(self) -> int | None:
         if not self._free:
             return None
-        slot = self._free.pop()
-        self._is_free[slot] = False
-        return slot
+        idx = self._free.pop()
+        self._is_free[idx] = False
+        return idx
 
-    def free(self, slot: int) -> None:
-        assert 0 <= slot < self.num_slots, f"slot {slot} out of range"
-        assert not self._is_free[slot], f"slot {slot} freed twice"
-        self._is_free[slot] = True
-        self._free.append(slot)
+    def free(self, idx: int) -> None:
+        assert 0 <= idx < self.size, f"req_pool_idx {idx} out of range"
+        assert not self._is_free[idx], f"req_pool_idx {idx} freed twice"
+        self._is_free[idx] = True
+        self._free.append(idx)

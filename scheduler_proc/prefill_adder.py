@@ -12,7 +12,7 @@ Three budgets, all in tokens:
   charged its own pages only (its output is reserved once its last chunk runs).
 
 The choices forking from an n > 1 request (``Req.forks``) are admitted with it:
-one slot each, and their own prompt pages and reserved output counted with its.
+one req_pool_idx each, and their own prompt pages and reserved output counted with its.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class AddResult(enum.Enum):
 
     CONTINUE = "continue"  # admitted; budgets left for more
     NO_TOKEN = "no_token"  # KV (with reservations) cannot hold it
-    NO_SLOT = "no_slot"  # max_running_requests reached
+    NO_REQ_POOL_IDX = "no_req_pool_idx"  # max_running_requests reached
     NO_BUDGET = "no_budget"  # the input or chunk budget is spent or too small, or the chunked_req is taken
 
 
@@ -51,7 +51,7 @@ class Admitted(NamedTuple):
     extend_len: int  # tokens it extends this round
 
 
-REFUSED_NO_SLOT = AddOutcome(0, AddResult.NO_SLOT)
+REFUSED_NO_SLOT = AddOutcome(0, AddResult.NO_REQ_POOL_IDX)
 REFUSED_NO_TOKEN = AddOutcome(0, AddResult.NO_TOKEN)
 REFUSED_NO_BUDGET = AddOutcome(0, AddResult.NO_BUDGET)
 
@@ -68,7 +68,7 @@ class PrefillAdder:
         rem_chunk_tokens: int | None,
         rem_total_tokens: float,
         available_pages: int,
-        free_slots: int,
+        free_req_pool_idxs: int,
     ) -> None:
         self.page_size = page_size
         self.clip_max_new_tokens = clip_max_new_tokens
@@ -77,7 +77,7 @@ class PrefillAdder:
         self.rem_total_tokens = rem_total_tokens
         # The hard limit: free plus evictable pages, what allocation can get (KVManager.available_pages).
         self.available_pages = available_pages
-        self.free_slots = free_slots
+        self.free_req_pool_idxs = free_req_pool_idxs
         self.can_run_list: list[Admitted] = []  # in the order admitted
         self.new_chunked_req: Req | None = None
         self.chunked_in_progress = False  # the old chunked_req still has chunks after this round
@@ -89,7 +89,7 @@ class PrefillAdder:
         running: list[Req],
         new_token_ratio: float,
         available_pages: int,
-        free_slots: int,
+        free_req_pool_idxs: int,
         draft_tokens: int = 0,
     ) -> PrefillAdder:
         """This round's budgets: KV is what is free minus the running requests' reservation; the
@@ -102,7 +102,7 @@ class PrefillAdder:
             rem_total_tokens=available_pages * config.page_size
             - running_reservation_tokens(running, config, new_token_ratio),
             available_pages=available_pages,
-            free_slots=free_slots,
+            free_req_pool_idxs=free_req_pool_idxs,
         )
 
     def on_evictable_change(self, delta_pages: int) -> None:
@@ -123,8 +123,8 @@ class PrefillAdder:
             self._new_pages(req, extend_len),
             self._new_pages(req, extend_len + reserve),
         )
-        if req.slot is None:  # its first admission: its forks come in with it
-            self.free_slots -= 1 + len(req.forks)
+        if req.req_pool_idx is None:  # its first admission: its forks come in with it
+            self.free_req_pool_idxs -= 1 + len(req.forks)
             new_pages += req.fork_pages(self.page_size, 0)
             reserved_pages += req.fork_pages(self.page_size, reserve)
         self.rem_total_tokens -= reserved_pages * self.page_size
@@ -135,8 +135,8 @@ class PrefillAdder:
         self._take(req, extend_len, reserve)
         if self.rem_input_tokens <= 0 or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0):
             return AddOutcome(extend_len, AddResult.NO_BUDGET)
-        if self.free_slots <= 0:
-            return AddOutcome(extend_len, AddResult.NO_SLOT)
+        if self.free_req_pool_idxs <= 0:
+            return AddOutcome(extend_len, AddResult.NO_REQ_POOL_IDX)
         return AddOutcome(extend_len, AddResult.CONTINUE)
 
     def add_chunked_req(self, req: Req) -> int:
@@ -169,7 +169,7 @@ class PrefillAdder:
         ``whole_only`` (pack's greedy pass): admit only if the whole prompt fits what
         is left of the input and chunk budgets, never truncated or over budget.
         """
-        if self.free_slots < 1 + len(req.forks):
+        if self.free_req_pool_idxs < 1 + len(req.forks):
             return REFUSED_NO_SLOT
         extend = req.extend_input_len
         reserve = req.reserve_tokens(self.clip_max_new_tokens)

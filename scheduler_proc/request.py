@@ -27,12 +27,12 @@ if TYPE_CHECKING:
 class ReqStatus(enum.Enum):
     """Where a request stands.
 
-    WAITING: in the waiting queue, no slot, no pages, ``kv_len == 0``.
-    CHUNKED: the one ``chunked_req``; holds a slot and the pages of its first ``kv_len`` tokens.
+    WAITING: in the waiting queue, no req_pool_idx, no pages, ``kv_len == 0``.
+    CHUNKED: the one ``chunked_req``; holds a req_pool_idx and the pages of its first ``kv_len`` tokens.
     RUNNING: prefill done (or its last chunk is in flight); decodes one token per step.
-    FINISHED: ended; its slot and pages are free (or freed when its in-flight batch returns).
+    FINISHED: ended; its req_pool_idx and pages are free (or freed when its in-flight batch returns).
     FORKING: choice i > 0 of an n > 1 request, in its ``leader``'s ``forks`` and in no queue; from
-        the leader's admission it holds a slot and its own copies of the prompt pages it cannot
+        the leader's admission it holds a req_pool_idx and its own copies of the prompt pages it cannot
         share. Its first token is drawn from the leader's last prompt row; when that row
         returns it shares the leader's cached prompt pages and runs as any other request.
     """
@@ -161,7 +161,7 @@ class Req:
     appends ``PENDING`` to ``output_ids`` when it is scheduled and the worker's
     token replaces it on the result; a batch scheduled in between (overlap) sends
     ``PENDING`` as input and the worker substitutes the token it just drew for
-    that slot (``Flight`` holds these lengths and the rows out). ``page_table``
+    that req_pool_idx (``Flight`` holds these lengths and the rows out). ``page_table``
     covers ``[0, len(page_table) * page_size)``, always at least ``[0, kv_len)``.
     """
 
@@ -171,7 +171,7 @@ class Req:
     stop_token_ids: frozenset[int]
     sampler: WorkerSampling
     output_ids: list[int] = field(default_factory=list)
-    slot: int | None = None
+    req_pool_idx: int | None = None  # its row of the worker's page table, while it holds one
     page_table: list[int] = field(default_factory=list)
     flight: Flight = field(default_factory=Flight)
     status: ReqStatus = ReqStatus.WAITING
@@ -198,8 +198,8 @@ class Req:
         assert self.max_new_tokens >= 0, f"rid {self.rid}: max_new_tokens must be >= 0"
         assert isinstance(self.stop_token_ids, frozenset), "stop_token_ids must be a frozenset"
         assert 0 <= self.kv_len <= self.seq_len, f"rid {self.rid}: kv_len {self.kv_len} out of range"
-        assert self.status is ReqStatus.WAITING and self.slot is None and not self.page_table, (
-            f"rid {self.rid}: a new request starts waiting, without slot or pages"
+        assert self.status is ReqStatus.WAITING and self.req_pool_idx is None and not self.page_table, (
+            f"rid {self.rid}: a new request starts waiting, without a req_pool_idx or pages"
         )
 
     @classmethod
@@ -359,7 +359,7 @@ def why_rejected(msg: TokenizedRequest, config: SchedulerConfig, *, duplicate: b
 
 
 def _why_choices_rejected(msg: TokenizedRequest, config: SchedulerConfig) -> str | None:
-    """Why an n > 1 request could never run: its choices are admitted together (one slot each,
+    """Why an n > 1 request could never run: its choices are admitted together (one req_pool_idx each,
     the prompt's pages once and each choice's own pages), so together they must fit."""
     choices, n, max_new, ps = msg.n, len(msg.input_ids), msg.max_new_tokens, config.page_size
     if choices < 1:

@@ -2,12 +2,12 @@
 
 Every request is in exactly one place while it lives:
 
-    waiting (deque)        -> no slot, no pages, kv_len == 0; arrival order, retracted at the front
-    chunked_req (one)      -> slot, pages of [0, kv_len); more prompt chunks to go
-    running (list)         -> slot, pages; kv_len == seq_len - 1, or its last chunk is in flight
+    waiting (deque)        -> no req_pool_idx, no pages, kv_len == 0; arrival order, retracted at the front
+    chunked_req (one)      -> req_pool_idx, pages of [0, kv_len); more prompt chunks to go
+    running (list)         -> req_pool_idx, pages; kv_len == seq_len - 1, or its last chunk is in flight
     a leader's forks       -> choices 1.. of an n > 1 request until its prompt is computed (FORKING)
 
-A finished request is in none of them; its pages and slot are freed at once,
+A finished request is in none of them; its pages and req_pool_idx are freed at once,
 or when the last batch still carrying it returns (``Req.flight.rows``).
 
 Overlap (``overlap_schedule``): the next batch is built and sent while the worker
@@ -220,7 +220,7 @@ class Scheduler(ResultHandling):
             self.running,
             self.new_token_ratio.value,
             self.kv.available_pages,
-            self.kv.slots.num_free,
+            self.kv.req_pool.num_free,
             draft_tokens,
         )
         admitted = []
@@ -240,15 +240,15 @@ class Scheduler(ResultHandling):
         return [self._prefill_row(req, extend_len) for req, extend_len in admitted]
 
     def _prefill_row(self, req: Req, extend_len: int) -> Row:
-        new_slot = req.slot is None
+        new_req_pool_idx = req.req_pool_idx is None
         if req.status is ReqStatus.WAITING:
-            self.kv.assign_slot(req)
+            self.kv.assign_req_pool_idx(req)
             self.kv.admit_forks(req)
             if req.num_retractions == 0:  # a recompute after retraction is no cache hit for the client
                 req.cached_tokens = min(req.kv_len, len(req.input_ids))
                 self.num_prompt_tokens += len(req.input_ids)
                 self.num_cached_prompt_tokens += req.cached_tokens
-        row = self._extend_row(req, extend_len, new_slot, is_prefill=True)
+        row = self._extend_row(req, extend_len, new_req_pool_idx, is_prefill=True)
         if row.start + extend_len == req.seq_len:  # its prompt's end: it decodes next, or ends (max 0)
             row.forks = list(req.forks)  # their first tokens come from this row's logits
             req.status = ReqStatus.RUNNING
@@ -259,14 +259,19 @@ class Scheduler(ResultHandling):
         return row
 
     def _extend_row(
-        self, req: Req, extend_len: int, new_slot: bool, is_prefill: bool, draft: list[int] | None = None
+        self,
+        req: Req,
+        extend_len: int,
+        new_req_pool_idx: bool,
+        is_prefill: bool,
+        draft: list[int] | None = None,
     ) -> Row:
         """A row extending ``req`` by ``extend_len`` tokens (``draft`` the last of them), with the
         pages they need."""
         draft = draft or []
         page_start, new_pages = self.kv.grow(req, extend_len)
         sample = req.kv_len + extend_len - len(draft) == req.seq_len and req.max_new_tokens > 0
-        return Row(req, extend_len, sample, page_start, new_pages, new_slot, is_prefill, draft=draft)
+        return Row(req, extend_len, sample, page_start, new_pages, new_req_pool_idx, is_prefill, draft=draft)
 
     def _decode_rows(self) -> list[Row]:
         """One decode row per running request (a verify row where it drafts); the ratio decays on a
@@ -279,7 +284,9 @@ class Scheduler(ResultHandling):
         for req in decoders:
             assert req.is_decoding, f"rid {req.rid}: running but not at a decode step"
             draft = drafts.get(req.rid, [])
-            rows.append(self._extend_row(req, 1 + len(draft), new_slot=False, is_prefill=False, draft=draft))
+            rows.append(
+                self._extend_row(req, 1 + len(draft), new_req_pool_idx=False, is_prefill=False, draft=draft)
+            )
             if req.draft is not None:
                 req.draft.on_decode_step()
         self.num_draft_tokens += sum(len(d) for d in drafts.values())

@@ -1,4 +1,4 @@
-"""Forward batches for timing the model runner alone: ``rows`` greedy rows in fixed slots and pages,
+"""Forward batches for timing the model runner alone: ``rows`` greedy rows in fixed page-table rows and pages,
 their KV filled once, then the same decode (or prefill) step repeated."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ PAGE_SIZE = 16
 
 
 def batch(step: int, rows: int, prefix_len: int, extend_len: int, first: bool) -> ForwardBatch:
-    """``rows`` rows in slots 0..rows-1, each owning pages [slot * P, (slot + 1) * P).
+    """``rows`` rows at req_pool_idx 0..rows-1, each owning pages [req_pool_idx * P, (req_pool_idx + 1) * P).
 
     ``first``: the batch that hands the pages out and sets the sampler (later
     steps repeat the same positions and overwrite the same KV, as far as cost goes
@@ -26,7 +26,7 @@ def batch(step: int, rows: int, prefix_len: int, extend_len: int, first: bool) -
     pages_per_row = -(-(prefix_len + extend_len + 1) // PAGE_SIZE)  # + the decode steps' token
     return ForwardBatch(
         step=step,
-        slots=list(range(rows)),
+        req_pool_idx=list(range(rows)),
         prefix_lens=[prefix_len] * rows,
         extend_lens=[extend_len] * rows,
         input_ids=[(7 * i + 11) % 40000 + 100 for i in range(rows * extend_len)],
@@ -41,7 +41,7 @@ def batch(step: int, rows: int, prefix_len: int, extend_len: int, first: bool) -
 
 
 def prepare(runner: ModelRunner, rows: int, context: int) -> Callable[[int], None]:
-    """Fill ``rows`` slots with ``context`` tokens of KV; return a step(step_no) running one decode."""
+    """Fill ``rows`` requests with ``context`` tokens of KV; return a step(step_no) running one decode."""
     runner.execute(batch(0, rows, 0, context, first=True))
     return lambda step: _run(runner, batch(step, rows, context, 1, first=False))
 

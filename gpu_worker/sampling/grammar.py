@@ -1,10 +1,10 @@
-"""Constrained decoding in the worker: one xgrammar matcher per request slot, and a token mask on
-the sampled rows whose request has a grammar.
+"""Constrained decoding in the worker: one xgrammar matcher per request (by req_pool_idx), and a token
+mask on the sampled rows whose request has a grammar.
 
 Where the state lives, and why here: under overlap scheduling the scheduler sends a decode row
-whose input is PENDING (the token its slot drew last) before it has seen that token; only the
+whose input is PENDING (the token its request drew last) before it has seen that token; only the
 worker knows token t when it builds the mask for t + 1. A matcher in the scheduler would force
-grammar rows out of overlap, so the matcher lives here, next to the per-slot penalty state.
+grammar rows out of overlap, so the matcher lives here, next to the per-request penalty state.
 
 Like the penalty counts (penalties.py) a matcher follows the tokens the worker *runs*, never what
 it draws: a row's inputs are its positions [prefix_len, prefix_len + extend_len), and those from
@@ -13,7 +13,7 @@ mask is built. So:
 
 - a decode row's input is the token drawn last (PENDING resolved), and the matcher has accepted
   every emitted token when it masks the next one;
-- a slot given to a request (a new one, or a retracted one sent again) starts a fresh matcher,
+- a req_pool_idx given to a request (a new one, or a retracted one sent again) starts a fresh matcher,
   which follows the generated part of the cached prefix (``ForwardBatch.prefix_ids``) and then the
   recompute's inputs: a retracted request's matcher is rebuilt from its output tokens;
 - the void row scheduled after a request's last token (overlap) feeds that token, EOS for a
@@ -98,8 +98,8 @@ class CompiledGrammars:
 
 
 @dataclass
-class _SlotMatcher:
-    """One slot's matcher; ``stop_only`` once it terminated or rejected a token."""
+class _Matcher:
+    """One request's matcher; ``stop_only`` once it terminated or rejected a token."""
 
     matcher: xgrammar.GrammarMatcher
     prompt_len: int
@@ -124,50 +124,50 @@ class _SlotMatcher:
             self.stop_only = self.matcher.is_terminated()
 
 
-class SlotGrammars:
-    """Which slots have a grammar (a matcher per slot, None for most) and the two steps of a batch:
+class ReqPoolGrammars:
+    """Which requests have a grammar (a matcher per req_pool_idx, None for most) and the two steps of a batch:
     ``update`` from its samplers and input tokens, then ``apply`` to its sampled rows' logits."""
 
     def __init__(self, max_requests: int, vocab_size: int, model_path: str, host_memory: bool = True) -> None:
         self.vocab_size = vocab_size
         self.host_memory = host_memory  # the logits live in host memory (the backend says)
         self.compiled = CompiledGrammars(model_path, vocab_size)
-        self.slots: list[_SlotMatcher | None] = [None] * max_requests
+        self.matchers: list[_Matcher | None] = [None] * max_requests
         self._batch_matcher: xgrammar.BatchGrammarMatcher | None = None  # fills rows' masks in threads
 
     def on_batch(self, batch: ForwardBatch, input_ids: torch.Tensor) -> None:
-        """SlotState: the batch's tokens, then its forks."""
+        """ReqPoolState: the batch's tokens, then its forks."""
         self.update(batch, input_ids)
         if batch.fork_rows:
-            self.fork(batch.fork_slots, batch.fork_samplers)
+            self.fork(batch.fork_req_pool_idx, batch.fork_samplers)
 
-    def on_drafts_taken(self, slots: list[int], positions: list[int], tokens: list[int]) -> None:
-        """SlotState: a kept draft (always a generated token) is followed as an input is."""
-        for slot, token in zip(slots, tokens, strict=True):
-            state = self.slots[slot]
+    def on_drafts_taken(self, req_pool_idx: list[int], positions: list[int], tokens: list[int]) -> None:
+        """ReqPoolState: a kept draft (always a generated token) is followed as an input is."""
+        for idx, token in zip(req_pool_idx, tokens, strict=True):
+            state = self.matchers[idx]
             if state is not None:
                 state.follow([token])
 
     def update(self, batch: ForwardBatch, input_ids: torch.Tensor) -> None:
-        """Take the batch's new samplers (a slot given to a request starts a fresh matcher that
+        """Take the batch's new samplers (a req_pool_idx given to a request starts a fresh matcher that
         follows its cached prefix), then feed each grammar row's generated input tokens
         (``input_ids``: the batch's tokens with PENDING resolved)."""
-        for i, (slot, sampler) in enumerate(zip(batch.slots, batch.sampler, strict=True)):
+        for i, (idx, sampler) in enumerate(zip(batch.req_pool_idx, batch.sampler, strict=True)):
             if sampler is None:
                 continue
-            self.slots[slot] = None
+            self.matchers[idx] = None
             if sampler.grammar is not None:
                 started = self._start(sampler.grammar)
-                self.slots[slot] = started
+                self.matchers[idx] = started
                 if batch.prefix_ids and batch.prefix_ids[i]:
                     started.follow(batch.prefix_ids[i][started.prompt_len :])
-        rows = [i for i, slot in enumerate(batch.slots) if self.slots[slot] is not None]
+        rows = [i for i, idx in enumerate(batch.req_pool_idx) if self.matchers[idx] is not None]
         if not rows:
             return
         starts = list(accumulate(batch.extend_lens, initial=0))
         spans: list[tuple[int, int]] = []
         for i in rows:
-            state = self.slots[batch.slots[i]]
+            state = self.matchers[batch.req_pool_idx[i]]
             assert state is not None, "rows holds grammar rows only"
             skip = max(0, state.prompt_len - batch.prefix_lens[i])  # prompt tokens of this row
             spans.append((starts[i] + min(skip, batch.extend_lens[i]), starts[i + 1]))
@@ -177,34 +177,34 @@ class SlotGrammars:
         tokens = input_ids.index_select(0, torch.tensor(flat, device=input_ids.device)).tolist()
         offset = 0
         for i, (begin, end) in zip(rows, spans, strict=True):
-            state = self.slots[batch.slots[i]]
+            state = self.matchers[batch.req_pool_idx[i]]
             assert state is not None, "rows holds grammar rows only"
             state.follow(tokens[offset : offset + end - begin])
             offset += end - begin
 
-    def fork(self, slots: list[int], samplers: list[WorkerSampling]) -> None:
+    def fork(self, req_pool_idx: list[int], samplers: list[WorkerSampling]) -> None:
         """Forks (n > 1) start their own matchers: a fork's first token is drawn where its parent's
         prompt ends, before the parent's matcher has followed any generated token."""
-        for slot, sampler in zip(slots, samplers, strict=True):
-            self.slots[slot] = self._start(sampler.grammar) if sampler.grammar is not None else None
+        for idx, sampler in zip(req_pool_idx, samplers, strict=True):
+            self.matchers[idx] = self._start(sampler.grammar) if sampler.grammar is not None else None
 
-    def _start(self, grammar: WorkerGrammar) -> _SlotMatcher:
+    def _start(self, grammar: WorkerGrammar) -> _Matcher:
         import xgrammar
 
         compiled = self.compiled.get(grammar)
         matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=grammar.stop_token_ids)
-        return _SlotMatcher(matcher, grammar.prompt_len, list(grammar.stop_token_ids), grammar.key)
+        return _Matcher(matcher, grammar.prompt_len, list(grammar.stop_token_ids), grammar.key)
 
-    def apply(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
-        """``logits`` [rows, vocab] of the sampled rows at ``slots``, with -inf, in place, on every
+    def apply(self, logits: torch.Tensor, req_pool_idx: list[int]) -> torch.Tensor:
+        """``logits`` [rows, vocab] of the sampled rows at ``req_pool_idx``, with -inf, in place, on every
         token a grammar row's matcher does not allow next; untouched when no row has a grammar."""
-        rows = [r for r, slot in enumerate(slots) if self.slots[slot] is not None]
+        rows = [r for r, idx in enumerate(req_pool_idx) if self.matchers[idx] is not None]
         if not rows:
             return logits
         import xgrammar
 
         width = logits.shape[-1]
-        bitmask = self._bitmask(rows, slots, width)
+        bitmask = self._bitmask(rows, req_pool_idx, width)
         if self.host_memory and logits.dtype in XGRAMMAR_CPU_DTYPES:
             # xgrammar's C++ loop, far faster than unpacking the bits in torch (docs/benchmarks.md).
             xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=rows)
@@ -217,16 +217,16 @@ class SlotGrammars:
         masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
         return logits.index_copy_(0, index, masked)
 
-    def _bitmask(self, rows: list[int], slots: list[int], width: int) -> torch.Tensor:
-        """[len(slots), ceil(width / 32)] int32 on the CPU, xgrammar's packed mask (bit set: allowed)
+    def _bitmask(self, rows: list[int], req_pool_idx: list[int], width: int) -> torch.Tensor:
+        """[len(req_pool_idx), ceil(width / 32)] int32 on the CPU, xgrammar's packed mask (bit set: allowed)
         filled at the grammar ``rows`` (the other rows are never read)."""
         import xgrammar
 
-        bitmask = torch.zeros(len(slots), (width + BITS - 1) // BITS, dtype=torch.int32)
+        bitmask = torch.zeros(len(req_pool_idx), (width + BITS - 1) // BITS, dtype=torch.int32)
         live: list[xgrammar.GrammarMatcher] = []
         live_rows: list[int] = []
         for row in rows:
-            state = self.slots[slots[row]]
+            state = self.matchers[req_pool_idx[row]]
             assert state is not None, "rows holds grammar rows only"
             if state.stop_only:
                 for token in state.stop_token_ids:

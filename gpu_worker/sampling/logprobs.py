@@ -28,27 +28,27 @@ NO_TOP = TopTokens([], [])
 NEG_INF = float("-inf")
 
 
-class SlotTopLogprobs:
-    """How many alternatives each request slot asked for, set when the slot is (re)assigned."""
+class ReqPoolTopLogprobs:
+    """How many alternatives each request asked for, set when its req_pool_idx is (re)assigned."""
 
     def __init__(self, max_requests: int) -> None:
         self.top_n = [0] * max_requests
 
     def on_batch(self, batch: ForwardBatch, input_ids: torch.Tensor) -> None:
-        """SlotState: the settings of the batch's rows and forks."""
-        self.update(batch.slots, batch.sampler)
-        self.update(batch.fork_slots, batch.fork_samplers)
+        """ReqPoolState: the settings of the batch's rows and forks."""
+        self.update(batch.req_pool_idx, batch.sampler)
+        self.update(batch.fork_req_pool_idx, batch.fork_samplers)
 
-    def on_drafts_taken(self, slots: list[int], positions: list[int], tokens: list[int]) -> None:
-        """SlotState: settings do not follow tokens."""
+    def on_drafts_taken(self, req_pool_idx: list[int], positions: list[int], tokens: list[int]) -> None:
+        """ReqPoolState: settings do not follow tokens."""
 
-    def update(self, slots: list[int], params: Sequence[WorkerSampling | None]) -> None:
-        for slot, p in zip(slots, params, strict=True):
+    def update(self, req_pool_idx: list[int], params: Sequence[WorkerSampling | None]) -> None:
+        for idx, p in zip(req_pool_idx, params, strict=True):
             if p is not None:
-                self.top_n[slot] = p.top_logprobs
+                self.top_n[idx] = p.top_logprobs
 
-    def wants_top(self, slots: list[int]) -> bool:
-        return any(self.top_n[s] for s in slots)
+    def wants_top(self, req_pool_idx: list[int]) -> bool:
+        return any(self.top_n[s] for s in req_pool_idx)
 
 
 def _wide(logits: torch.Tensor) -> torch.Tensor:
@@ -93,7 +93,7 @@ def prompt_positions(batch: ForwardBatch) -> list[int]:
 def prompt_logprobs(
     hidden: torch.Tensor,
     batch: ForwardBatch,
-    top: SlotTopLogprobs,
+    top: ReqPoolTopLogprobs,
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[list[float], list[TopTokens]]:
     """(logprob of each wanted position's next token, the top-N at each, or [] when none asked),
@@ -102,7 +102,7 @@ def prompt_logprobs(
     if not batch.prompt_logprob_lens:
         return [], []
     positions = prompt_positions(batch)
-    top_n = [top.top_n[slot] for slot, n in zip(batch.slots, batch.prompt_logprob_lens, strict=True)
+    top_n = [top.top_n[idx] for idx, n in zip(batch.req_pool_idx, batch.prompt_logprob_lens, strict=True)
              for _ in range(n)]  # fmt: skip
     device = hidden.device
     targets = torch.tensor(batch.prompt_logprob_targets, dtype=torch.int64, device=device)
@@ -139,7 +139,7 @@ def check_logprob_fields(batch: ForwardBatch, vocab_size: int) -> None:
         if targets:
             raise ValueError(f"batch {batch.step}: prompt_logprob_targets without prompt_logprob_lens")
         return
-    if len(lens) != len(batch.slots):
+    if len(lens) != len(batch.req_pool_idx):
         raise ValueError(f"batch {batch.step}: prompt_logprob_lens must have one entry per row")
     if any(not 0 <= n <= e for n, e in zip(lens, batch.extend_lens, strict=True)):
         raise ValueError(f"batch {batch.step}: prompt_logprob_lens must be in [0, extend_lens]")

@@ -106,8 +106,8 @@ def _filter(scaled: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     return torch.empty_like(scaled).scatter_(1, order, values)
 
 
-class SlotSamplerParams:
-    """Sampler settings per request slot, set when a slot is (re)assigned.
+class ReqPoolSamplerParams:
+    """Sampler settings per request (by req_pool_idx), set when a req_pool_idx is (re)assigned.
 
     Kept on the CPU: choosing the greedy / filter paths then needs no device sync,
     and each step ships only its rows' values.
@@ -125,44 +125,45 @@ class SlotSamplerParams:
         self.assigned = [False] * max_requests
 
     def on_batch(self, batch: ForwardBatch, input_ids: torch.Tensor) -> None:
-        """SlotState: the settings of the batch's rows and forks."""
-        self.update(batch.slots, batch.sampler)
-        self.update(batch.fork_slots, batch.fork_samplers)
+        """ReqPoolState: the settings of the batch's rows and forks."""
+        self.update(batch.req_pool_idx, batch.sampler)
+        self.update(batch.fork_req_pool_idx, batch.fork_samplers)
 
-    def on_drafts_taken(self, slots: list[int], positions: list[int], tokens: list[int]) -> None:
-        """SlotState: settings do not follow tokens."""
+    def on_drafts_taken(self, req_pool_idx: list[int], positions: list[int], tokens: list[int]) -> None:
+        """ReqPoolState: settings do not follow tokens."""
 
-    def update(self, slots: list[int], params: Sequence[WorkerSampling | None]) -> None:
-        for slot, p in zip(slots, params, strict=True):
+    def update(self, req_pool_idx: list[int], params: Sequence[WorkerSampling | None]) -> None:
+        for idx, p in zip(req_pool_idx, params, strict=True):
             if p is None:
                 continue
             seed = p.seed & 0xFFFFFFFFFFFFFFFF  # any Python int, negative ones included
-            self.temperature[slot] = p.temperature
-            self.top_k[slot] = p.top_k
-            self.top_p[slot] = p.top_p
-            self.min_p[slot] = p.min_p
-            self.seed[slot] = seed & _MASK32
-            self.seed_hi[slot] = seed >> 32
-            self.logprobs[slot] = p.logprobs
-            self.greedy[slot] = p.temperature <= 0
-            self.assigned[slot] = True
+            self.temperature[idx] = p.temperature
+            self.top_k[idx] = p.top_k
+            self.top_p[idx] = p.top_p
+            self.min_p[idx] = p.min_p
+            self.seed[idx] = seed & _MASK32
+            self.seed_hi[idx] = seed >> 32
+            self.logprobs[idx] = p.logprobs
+            self.greedy[idx] = p.temperature <= 0
+            self.assigned[idx] = True
 
-    def plain_greedy(self, slots: list[int]) -> bool:
+    def plain_greedy(self, req_pool_idx: list[int]) -> bool:
         """Every row greedy: ``greedy_pick`` is the whole draw, and the caller skips building a
         SamplingBatch (~15 small tensor ops a step); the rows that ask for logprobs get
         them computed alone (gpu_worker/sampling/logprobs.py), not the whole batch's."""
-        self._check_assigned(slots)
-        return all(self.greedy[s] for s in slots)
+        self._check_assigned(req_pool_idx)
+        return all(self.greedy[s] for s in req_pool_idx)
 
-    def _check_assigned(self, slots: list[int]) -> None:
-        missing = [s for s in slots if not self.assigned[s]]
+    def _check_assigned(self, req_pool_idx: list[int]) -> None:
+        missing = [s for s in req_pool_idx if not self.assigned[s]]
         if missing:
-            raise ValueError(f"slots {missing} sample without sampler params")
+            raise ValueError(f"req_pool_idx {missing} sample without sampler params")
 
-    def batch(self, slots: list[int], positions: list[int], device: torch.device) -> SamplingBatch:
-        """The rows ``slots`` (drawing the tokens at ``positions``) as a SamplingBatch on ``device``."""
-        self._check_assigned(slots)
-        index = torch.tensor(slots, dtype=torch.int64)
+    def batch(self, req_pool_idx: list[int], positions: list[int], device: torch.device) -> SamplingBatch:
+        """The requests ``req_pool_idx`` (drawing the tokens at ``positions``) as a SamplingBatch on
+        ``device``."""
+        self._check_assigned(req_pool_idx)
+        index = torch.tensor(req_pool_idx, dtype=torch.int64)
         temperature, top_k = self.temperature[index], self.top_k[index]
         top_p, min_p = self.top_p[index], self.min_p[index]
         any_filter = bool((top_k > 0).any() or (top_p < 1.0).any() or (min_p > 0.0).any())
@@ -176,5 +177,5 @@ class SlotSamplerParams:
             positions=torch.tensor(positions, dtype=torch.int64).to(device),
             all_greedy=bool((temperature <= 0).all()),
             any_filter=any_filter,
-            want_logprobs=any(self.logprobs[s] for s in slots),
+            want_logprobs=any(self.logprobs[s] for s in req_pool_idx),
         )

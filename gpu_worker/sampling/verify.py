@@ -14,9 +14,9 @@ rejected draft's replacement is that draw, distributed as p with d removed and r
 when every draft is kept the last position's draw is the bonus token. So a seeded request draws
 the same tokens with speculation as without it.
 
-A drafted token is not an input yet for the per-slot states (penalty counts, grammar matchers):
-``committed`` hides the drafts from ``SlotState.on_batch``, and the runner hands them the drafts a
-row keeps (``SlotState.on_drafts_taken``), position by position where a state changes the next
+A drafted token is not an input yet for the per-request states (penalty counts, grammar matchers):
+``committed`` hides the drafts from ``ReqPoolState.on_batch``, and the runner hands them the drafts a
+row keeps (``ReqPoolState.on_drafts_taken``), position by position where a state changes the next
 draw (``DrawPlan.stateful``).
 """
 
@@ -38,7 +38,7 @@ class DrawPlan:
 
     hidden_rows: list[int]  # per logits row: its token's index in the batch's hidden states
     batch_rows: list[int]  # per logits row: the batch row it belongs to
-    slots: list[int]  # per logits row
+    req_pool_idx: list[int]  # per logits row
     positions: list[int]  # per logits row: the position of the token it draws
     starts: list[int]  # per sampling row: its first logits row
     drafts: list[list[int]]  # per sampling row: its drafted tokens ([] for a plain row)
@@ -48,7 +48,7 @@ class DrawPlan:
         ends = list(accumulate(batch.extend_lens))
         hidden_rows: list[int] = []
         batch_rows: list[int] = []
-        slots: list[int] = []
+        req_pool_idx: list[int] = []
         positions: list[int] = []
         starts: list[int] = []
         drafts: list[list[int]] = []
@@ -62,9 +62,9 @@ class DrawPlan:
             for j in range(d + 1):
                 hidden_rows.append(ends[i] - 1 - d + j)
                 batch_rows.append(i)
-                slots.append(batch.slots[i])
+                req_pool_idx.append(batch.req_pool_idx[i])
                 positions.append(first_drawn + j)
-        return cls(hidden_rows, batch_rows, slots, positions, starts, drafts)
+        return cls(hidden_rows, batch_rows, req_pool_idx, positions, starts, drafts)
 
     @property
     def has_drafts(self) -> bool:
@@ -85,7 +85,7 @@ class DrawPlan:
 
 
 def committed(batch: ForwardBatch, input_ids: torch.Tensor) -> tuple[ForwardBatch, torch.Tensor]:
-    """The batch and its input ids as the per-slot states see them: without any row's drafts (a
+    """The batch and its input ids as the per-request states see them: without any row's drafts (a
     draft is an input only once it is kept)."""
     if not any(batch.draft_lens):
         return batch, input_ids
@@ -106,7 +106,7 @@ def check_drafts(batch: ForwardBatch) -> None:
     samples, has no PENDING input (its request waited for its last token) and no forks."""
     if not batch.draft_lens:
         return
-    rows = len(batch.slots)
+    rows = len(batch.req_pool_idx)
     if len(batch.draft_lens) != rows:
         raise ValueError(f"batch {batch.step}: draft_lens must have one entry per row")
     ends = list(accumulate(batch.extend_lens))

@@ -78,7 +78,7 @@ def test_choice_i_equals_a_single_request_with_seed_plus_i(
     # choice early, so overlap schedules no void row; the pool is large enough for no retraction).
     computed = sum(len(b.input_ids) for b in batches)
     assert computed == sum(len(p) for p in prompts) + sum(len(out) - 1 for out in got)
-    assert sum(len(b.fork_slots) for b in batches) == len(prompts) * (N - 1)
+    assert sum(len(b.fork_req_pool_idx) for b in batches) == len(prompts) * (N - 1)
     assert bool(sum(len(b.copy_src) for b in batches)) == (
         not cache or any(len(p) % page_size for p in prompts)
     )

@@ -146,4 +146,4 @@ def test_retraction_and_overlap_change_no_token(tiny_llama_dir: Path) -> None:
     assert any(PENDING in b.input_ids for b in batches), "overlap must send PENDING decode inputs"
     given = [s for b in batches for s in b.sampler if s is not None]
     assert len(given) > 12, "the tiny pool must retract requests (their sampler sent again)"
-    assert any(ids for b in batches for ids in b.prefix_ids), "a slot must start from a cached prefix"
+    assert any(ids for b in batches for ids in b.prefix_ids), "a req_pool_idx must start from a cached prefix"

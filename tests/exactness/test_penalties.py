@@ -2,7 +2,7 @@
 the reference applied step by step to HF's float64 logits, token for token (greedy).
 
 A tiny random Llama in float64; prompts share long prefixes (so the prefix cache hands
-slots a cached prefix the worker only learns from ``prefix_ids``), chunked prefill, a KV
+a new req_pool_idx a cached prefix the worker only learns from ``prefix_ids``), chunked prefill, a KV
 pool so small that requests are retracted and recomputed, and the overlap scheduler
 (decode inputs arrive as PENDING).
 """
@@ -126,7 +126,9 @@ def test_penalties_match_the_reference(
         assert g == e, f"prompt {i} ({penalties[i]})"
     if tiny_pool:
         assert sched.num_retracted > 0, "the tiny pool must force retraction"
-        assert any(b.prefix_ids for b in batches), "a slot with penalties must start from a cached prefix"
+        assert any(b.prefix_ids for b in batches), (
+            "a req_pool_idx with penalties must start from a cached prefix"
+        )
     if overlap:
         assert any(PENDING in b.input_ids for b in batches), "overlap must send PENDING decode inputs"
     assert sched.kv.available_pages == sched.config.num_pages, "pages leaked"

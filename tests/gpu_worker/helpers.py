@@ -31,7 +31,7 @@ class MiniScheduler:
     held: dict[int, list[int]] = field(default_factory=dict)
     shared: dict[int, list[int]] = field(
         default_factory=dict
-    )  # slot -> cached pages to send with its next row
+    )  # req_pool_idx -> cached pages to send with its next row
     step: int = 0
 
     def __post_init__(self) -> None:
@@ -39,17 +39,17 @@ class MiniScheduler:
         if self.shuffle_seed is not None:
             random.Random(self.shuffle_seed).shuffle(self.free)
 
-    def share(self, src_slot: int, dst_slot: int, num_pages: int) -> None:
-        """Give ``dst_slot`` the first pages of ``src_slot`` (a cached prefix); sent with its next row."""
-        self.held[dst_slot] = []
-        self.shared[dst_slot] = self.held[src_slot][:num_pages]
+    def share(self, src_idx: int, dst_idx: int, num_pages: int) -> None:
+        """Give ``dst_idx`` the first pages of ``src_idx`` (a cached prefix); sent with its next row."""
+        self.held[dst_idx] = []
+        self.shared[dst_idx] = self.held[src_idx][:num_pages]
 
     def batch(self, rows: list[tuple[int, int, list[int], bool, WorkerSampling | None]]) -> ForwardBatch:
-        """rows: (slot, prefix_len, new token ids, sample, sampler params or None)."""
+        """rows: (req_pool_idx, prefix_len, new token ids, sample, sampler params or None)."""
         fields: dict[str, list[Any]] = {
             k: []
             for k in (
-                "slots",
+                "req_pool_idx",
                 "prefix_lens",
                 "extend_lens",
                 "input_ids",
@@ -60,13 +60,13 @@ class MiniScheduler:
                 "sampler",
             )
         }
-        for slot, prefix_len, ids, sample, params in rows:
-            owned = self.held.setdefault(slot, [])
+        for idx, prefix_len, ids, sample, params in rows:
+            owned = self.held.setdefault(idx, [])
             start = len(owned)
-            owned.extend(self.shared.pop(slot, []))
+            owned.extend(self.shared.pop(idx, []))
             need = -(-(prefix_len + len(ids)) // self.page_size) - len(owned)
             owned.extend(self.free.pop(0) for _ in range(max(need, 0)))
-            fields["slots"].append(slot)
+            fields["req_pool_idx"].append(idx)
             fields["prefix_lens"].append(prefix_len)
             fields["extend_lens"].append(len(ids))
             fields["input_ids"].extend(ids)

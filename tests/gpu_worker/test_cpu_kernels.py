@@ -102,25 +102,25 @@ def test_decode_attention_matches_float64(
     only where asked (the others keep their sentinel)."""
     torch.manual_seed(0)
     lens = [1, 5, 16, 17, 63, 64, 65, 200]
-    slots = [3, 0, 6, 2, 5, 1, 8, 7]
+    req_pool_idx = [3, 0, 6, 2, 5, 1, 8, 7]
     q_rows = [0, 2, 3, 5, 6, 8, 9, 10]  # rows 1, 4, 7 of q/out are not decode rows
-    pages_per_slot = -(-max(lens) // page_size)
-    num_pages = 9 * pages_per_slot + 3
+    pages_per_request = -(-max(lens) // page_size)
+    num_pages = 9 * pages_per_request + 3
     k_cache = torch.randn(num_pages * page_size, kv_heads, head_dim).to(kv_dtype)
     v_cache = torch.randn(num_pages * page_size, kv_heads, head_dim).to(kv_dtype)
-    page_table = torch.zeros(10, pages_per_slot + 2, dtype=torch.int64)
-    page_table[:9, :pages_per_slot] = torch.randperm(num_pages)[: 9 * pages_per_slot].view(9, -1)
+    page_table = torch.zeros(10, pages_per_request + 2, dtype=torch.int64)
+    page_table[:9, :pages_per_request] = torch.randperm(num_pages)[: 9 * pages_per_request].view(9, -1)
     qkv = (torch.randn(11, heads + 2 * kv_heads, head_dim) * 3).to(dtype)  # peaky softmax rows too
     q = qkv[:, :heads]  # rows strided like the model's fused qkv output
     out = torch.full((11, heads, head_dim), 7.0, dtype=dtype)
     as_i64 = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
     kernels.decode_attention(
-        q, k_cache, v_cache, out, as_i64(q_rows), as_i64(slots), as_i64(lens), page_table, page_size
+        q, k_cache, v_cache, out, as_i64(q_rows), as_i64(req_pool_idx), as_i64(lens), page_table, page_size
     )
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for row, slot, n in zip(q_rows, slots, lens, strict=True):
+    for row, idx, n in zip(q_rows, req_pool_idx, lens, strict=True):
         pos = torch.arange(n)
-        locs = page_table[slot, pos // page_size] * page_size + pos % page_size
+        locs = page_table[idx, pos // page_size] * page_size + pos % page_size
         ref = reference(q[row], k_cache[locs], v_cache[locs])
         torch.testing.assert_close(out[row].double(), ref, rtol=tol, atol=tol)
     assert (out[[1, 4, 7]] == 7.0).all(), "rows that are not decode rows stay untouched"
@@ -188,27 +188,27 @@ def test_a_verify_rows_positions_read_each_others_new_kv(
     kv_heads: int,
     head_dim: int,
 ) -> None:
-    """A verify row's tokens as adjacent decode rows of one slot (position p attends [0, p]), beside
+    """A verify row's tokens as adjacent decode rows of one request (position p attends [0, p]), beside
     lone decode rows and a second verify row: every row's new K/V land before any row attends (they
     read each other's), and each row attends exactly its own positions (its later ones are NaN when
     it reads, were it to read them)."""
     torch.manual_seed(4)
     page_size = 16
-    # (slot, kv_len) per row: slot 0's verify row of 5 positions, a lone row, slot 2's of 3 positions.
+    # (req_pool_idx, kv_len) per row: request 0's verify row of 5 positions, a lone row, request 2's of 3.
     rows = [(0, prefix + 1 + j) for j in range(5)] + [(1, prefix + 40)] + [(2, 7 + j) for j in range(3)]
-    pages_per_slot = -(-(prefix + 48) // page_size)
-    k_cache = torch.randn(3 * pages_per_slot * page_size, kv_heads, head_dim).to(kv_dtype)
+    pages_per_request = -(-(prefix + 48) // page_size)
+    k_cache = torch.randn(3 * pages_per_request * page_size, kv_heads, head_dim).to(kv_dtype)
     v_cache = torch.randn_like(k_cache)
-    page_table = torch.randperm(3 * pages_per_slot).view(3, pages_per_slot).contiguous()
+    page_table = torch.randperm(3 * pages_per_request).view(3, pages_per_request).contiguous()
     qkv = torch.randn(len(rows), heads + 2 * kv_heads, head_dim).to(dtype)
     q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
     locs = [page_table[s, (n - 1) // page_size] * page_size + (n - 1) % page_size for s, n in rows]
     for loc in locs:
         k_cache[loc], v_cache[loc] = float("nan"), float("nan")
     out = torch.empty(len(rows), heads, head_dim, dtype=dtype)
-    slots = torch.tensor([s for s, _ in rows])
+    req_pool_idx = torch.tensor([s for s, _ in rows])
     lens = torch.tensor([n for _, n in rows])
-    decode = kernels.decode_rows(torch.arange(len(rows)), slots, lens, page_table, page_size)
+    decode = kernels.decode_rows(torch.arange(len(rows)), req_pool_idx, lens, page_table, page_size)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -218,9 +218,9 @@ def test_a_verify_rows_positions_read_each_others_new_kv(
     for r, loc in enumerate(locs):
         assert torch.equal(k_cache[loc], k[r].to(kv_dtype)) and torch.equal(v_cache[loc], v[r].to(kv_dtype))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for r, (slot, n) in enumerate(rows):
+    for r, (idx, n) in enumerate(rows):
         pos = torch.arange(n)
-        at = page_table[slot, pos // page_size] * page_size + pos % page_size
+        at = page_table[idx, pos // page_size] * page_size + pos % page_size
         expected = reference(q[r], k_cache[at], v_cache[at])
         torch.testing.assert_close(out[r].double(), expected, rtol=tol, atol=tol)
 

@@ -109,11 +109,11 @@ def test_one_call_equals_the_modules_bit_for_bit(
     monkeypatch.setattr(fused.kernels, "decode_layers", counted)
     sched = MiniScheduler(runner.num_pages, runner.config.page_size)
     lens = [KERNEL_MAX_EXTEND + 5 + 7 * i for i in range(rows)]  # a shorter row decodes through the kernel
-    prefill = sched.batch([(slot, 0, list(range(3, 3 + n)), True, GREEDY) for slot, n in enumerate(lens)])
+    prefill = sched.batch([(idx, 0, list(range(3, 3 + n)), True, GREEDY) for idx, n in enumerate(lens)])
     tokens = runner.execute(prefill).token_ids
     assert not calls, "a prefill step ran the one call"
     for step in range(20):
-        batch = sched.batch([(slot, lens[slot] + step, [tokens[slot]], True, None) for slot in range(rows)])
+        batch = sched.batch([(idx, lens[idx] + step, [tokens[idx]], True, None) for idx in range(rows)])
         one_call = runner.compute_logits(batch)
         cpu_backend(runner).fused_decode = None
         modules = runner.compute_logits(batch)  # the same K/V rewritten with the same values

@@ -139,15 +139,15 @@ def test_sliding_window_prompt_longer_than_the_window(tmp_path: Path) -> None:
     assert runner.context_len == 256, "the window must not cap the context"
     for chunks in ([100], [40, 40, 20]):
         sched = MiniScheduler(runner.num_pages, 16)
-        slot, done, got = len(chunks), 0, []
+        idx, done, got = len(chunks), 0, []
         for i, n in enumerate(chunks):
             last = i == len(chunks) - 1
-            batch = sched.batch([(slot, done, prompt[done : done + n], last, GREEDY if i == 0 else None)])
+            batch = sched.batch([(idx, done, prompt[done : done + n], last, GREEDY if i == 0 else None)])
             tokens = runner.execute(batch).token_ids
             done += n
         got.append(tokens[0])
         while len(got) < len(want):
-            batch = sched.batch([(slot, len(prompt) + len(got) - 1, [got[-1]], True, None)])
+            batch = sched.batch([(idx, len(prompt) + len(got) - 1, [got[-1]], True, None)])
             got.append(runner.execute(batch).token_ids[0])
         assert got == want, chunks
 

@@ -14,25 +14,26 @@ from protocol.messages import ForwardBatch
 from tests.models import GREEDY
 
 BASE = ForwardBatch(
-    step=1, slots=[0, 1], prefix_lens=[0, 5], extend_lens=[6, 1], input_ids=[1] * 7, page_starts=[0, 2],
-    page_counts=[2, 0], pages=[3, 4], sample=[True, False], sampler=[GREEDY, None],
-    fork_rows=[0, 0], fork_slots=[2, 3], fork_samplers=[GREEDY, GREEDY], copy_src=[4, 4], copy_dst=[5, 6],
+    step=1, req_pool_idx=[0, 1], prefix_lens=[0, 5], extend_lens=[6, 1], input_ids=[1] * 7,
+    page_starts=[0, 2], page_counts=[2, 0], pages=[3, 4], sample=[True, False], sampler=[GREEDY, None],
+    fork_rows=[0, 0], fork_req_pool_idx=[2, 3], fork_samplers=[GREEDY, GREEDY], copy_src=[4, 4],
+    copy_dst=[5, 6],
 )  # fmt: skip
 
 
 def test_a_well_formed_batch_passes() -> None:
-    check_forks(BASE, max_slots=4, num_pages=8)
+    check_forks(BASE, max_requests=4, num_pages=8)
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"fork_slots": [2]}, "entries"),
+        ({"fork_req_pool_idx": [2]}, "entries"),
         ({"fork_rows": [0, 1]}, "sampling row"),
         ({"fork_rows": [0, 2]}, "sampling row"),
-        ({"fork_slots": [2, 2]}, "distinct"),
-        ({"fork_slots": [2, 1]}, "rowless"),
-        ({"fork_slots": [2, 4]}, "in [0, 4)"),
+        ({"fork_req_pool_idx": [2, 2]}, "distinct"),
+        ({"fork_req_pool_idx": [2, 1]}, "rowless"),
+        ({"fork_req_pool_idx": [2, 4]}, "in [0, 4)"),
         ({"copy_dst": [5]}, "pair up"),
         ({"copy_dst": [5, 5]}, "pair up"),
         ({"copy_dst": [5, 4]}, "both copied"),
@@ -41,7 +42,7 @@ def test_a_well_formed_batch_passes() -> None:
 )
 def test_malformed_fork_fields_are_refused(change: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
-        check_forks(msgspec.structs.replace(BASE, **change), max_slots=4, num_pages=8)
+        check_forks(msgspec.structs.replace(BASE, **change), max_requests=4, num_pages=8)
 
 
 def test_copy_pages_copies_every_layer_and_nothing_else() -> None:
@@ -58,9 +59,9 @@ def test_copy_pages_copies_every_layer_and_nothing_else() -> None:
 
 def test_forks_draw_from_copies_of_their_rows_logits() -> None:
     logits = torch.arange(6.0).view(2, 3)
-    batch = msgspec.structs.replace(BASE, sample=[True, True], fork_rows=[1, 0], fork_slots=[2, 3])
-    out, slots, positions = with_forks(logits, [0, 1], [6, 6], [0, 1], batch)
-    assert torch.equal(out, torch.cat([logits, logits[[1, 0]]])) and slots == [0, 1, 2, 3]
+    batch = msgspec.structs.replace(BASE, sample=[True, True], fork_rows=[1, 0], fork_req_pool_idx=[2, 3])
+    out, req_pool_idx, positions = with_forks(logits, [0, 1], [6, 6], [0, 1], batch)
+    assert torch.equal(out, torch.cat([logits, logits[[1, 0]]])) and req_pool_idx == [0, 1, 2, 3]
     assert positions == [6, 6, 6, 6]
     out[2, 0] = -1.0
     assert logits[1, 0] == 3.0, "a fork's logits are its own (penalties change them in place)"

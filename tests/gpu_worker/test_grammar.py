@@ -1,6 +1,6 @@
 """The worker's grammar masks (gpu_worker/sampling/grammar.py) on the embedded model's real vocabulary: a
-matcher per slot that follows the tokens the worker runs, through a fresh slot, a cached prefix
-(retraction), the void row after EOS and a token the grammar rejects; free rows untouched."""
+matcher per req_pool_idx that follows the tokens the worker runs, through a req_pool_idx given anew, a
+cached prefix (retraction), the void row after EOS and a token the grammar rejects; free rows untouched."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import torch
 
-from gpu_worker.sampling.grammar import GrammarError, SlotGrammars
+from gpu_worker.sampling.grammar import GrammarError, ReqPoolGrammars
 from protocol.grammar import Grammar
 from protocol.messages import ForwardBatch
 from protocol.sampling import WorkerSampling
@@ -39,8 +39,8 @@ def compiler(tokenizer: PreTrainedTokenizerBase) -> GrammarCompiler:
 
 
 @pytest.fixture
-def grammars(smollm2_dir: Path) -> SlotGrammars:
-    return SlotGrammars(4, VOCAB, str(smollm2_dir))
+def grammars(smollm2_dir: Path) -> ReqPoolGrammars:
+    return ReqPoolGrammars(4, VOCAB, str(smollm2_dir))
 
 
 def sampler(
@@ -51,19 +51,19 @@ def sampler(
 
 
 def batch(rows: list[tuple[int, int, list[int], WorkerSampling | None]], **extra: Any) -> ForwardBatch:
-    """One row per (slot, prefix_len, input ids, sampler or None), every row sampled."""
+    """One row per (req_pool_idx, prefix_len, input ids, sampler or None), every row sampled."""
     return ForwardBatch(
-        step=0, slots=[r[0] for r in rows], prefix_lens=[r[1] for r in rows],
+        step=0, req_pool_idx=[r[0] for r in rows], prefix_lens=[r[1] for r in rows],
         extend_lens=[len(r[2]) for r in rows], input_ids=[t for r in rows for t in r[2]],
         page_starts=[0] * len(rows), page_counts=[0] * len(rows), pages=[], sample=[True] * len(rows),
         sampler=[r[3] for r in rows], **extra,
     )  # fmt: skip
 
 
-def allowed(grammars: SlotGrammars, b: ForwardBatch, row: int = 0) -> set[int]:
+def allowed(grammars: ReqPoolGrammars, b: ForwardBatch, row: int = 0) -> set[int]:
     """The tokens row ``row`` may draw after ``b`` ran (its logits all 0 before the mask)."""
     grammars.update(b, torch.tensor(b.input_ids))
-    logits = grammars.apply(torch.zeros(len(b.slots), VOCAB), b.slots)
+    logits = grammars.apply(torch.zeros(len(b.req_pool_idx), VOCAB), b.req_pool_idx)
     return set(torch.nonzero(logits[row] == 0).flatten().tolist())
 
 
@@ -74,7 +74,7 @@ def token(tokenizer: PreTrainedTokenizerBase, text: str) -> int:
 
 
 def test_the_mask_follows_the_generated_tokens_to_eos(
-    grammars: SlotGrammars, compiler: GrammarCompiler, tokenizer: PreTrainedTokenizerBase
+    grammars: ReqPoolGrammars, compiler: GrammarCompiler, tokenizer: PreTrainedTokenizerBase
 ) -> None:
     s = sampler(compiler, Grammar(kind="regex", spec="(yes|no)!"))
     first = allowed(grammars, batch([(1, 0, PROMPT, s)]))
@@ -89,9 +89,9 @@ def test_the_mask_follows_the_generated_tokens_to_eos(
 
 
 def test_a_retracted_request_rebuilds_its_matcher_from_its_output(
-    grammars: SlotGrammars, compiler: GrammarCompiler, tokenizer: PreTrainedTokenizerBase
+    grammars: ReqPoolGrammars, compiler: GrammarCompiler, tokenizer: PreTrainedTokenizerBase
 ) -> None:
-    """The slot is given again with a cached prefix (prompt + "yes") and the recompute's last input."""
+    """A req_pool_idx given anew with a cached prefix (prompt + "yes") and the recompute's last input."""
     s = sampler(compiler, Grammar(kind="regex", spec="(yes|no)!"))
     yes, bang = token(tokenizer, "yes"), token(tokenizer, "!")
     assert allowed(grammars, batch([(2, 4, [bang], s)], prefix_ids=[[*PROMPT, yes]])) == {EOS}
@@ -100,14 +100,14 @@ def test_a_retracted_request_rebuilds_its_matcher_from_its_output(
 
 
 def test_a_rejected_token_leaves_only_eos(
-    grammars: SlotGrammars, compiler: GrammarCompiler, tokenizer: PreTrainedTokenizerBase
+    grammars: ReqPoolGrammars, compiler: GrammarCompiler, tokenizer: PreTrainedTokenizerBase
 ) -> None:
     s = sampler(compiler, Grammar(kind="regex", spec="(yes|no)!"))
     assert allowed(grammars, batch([(0, 0, [*PROMPT, token(tokenizer, "maybe")], s)])) == {EOS}
 
 
 def test_free_rows_keep_their_logits_and_a_free_batch_its_tensor(
-    grammars: SlotGrammars, compiler: GrammarCompiler
+    grammars: ReqPoolGrammars, compiler: GrammarCompiler
 ) -> None:
     json_sampler = sampler(compiler, Grammar(kind="json_object"))
     free = batch([(0, 0, PROMPT, sampler(compiler, None))])
@@ -118,14 +118,14 @@ def test_free_rows_keep_their_logits_and_a_free_batch_its_tensor(
     grammars.update(mixed, torch.tensor(mixed.input_ids))
     logits = torch.randn(2, VOCAB)
     before = logits.clone()
-    grammars.apply(logits, mixed.slots)
+    grammars.apply(logits, mixed.req_pool_idx)
     assert torch.equal(logits[0], before[0])
     finite = torch.isfinite(logits[1])
     assert 0 < int(finite.sum()) < VOCAB and torch.equal(logits[1][finite], before[1][finite])
 
 
 def test_json_allows_no_free_whitespace(
-    grammars: SlotGrammars, compiler: GrammarCompiler, tokenizer: PreTrainedTokenizerBase
+    grammars: ReqPoolGrammars, compiler: GrammarCompiler, tokenizer: PreTrainedTokenizerBase
 ) -> None:
     s = sampler(compiler, Grammar(kind="json_object"))
     opened = allowed(grammars, batch([(0, 0, [*PROMPT, token(tokenizer, "{")], s)]))
@@ -134,15 +134,15 @@ def test_json_allows_no_free_whitespace(
     assert '"' in texts and "}" in texts
 
 
-def test_a_slot_given_to_a_free_request_drops_its_matcher(
-    grammars: SlotGrammars, compiler: GrammarCompiler
+def test_a_req_pool_idx_given_to_a_free_request_drops_its_matcher(
+    grammars: ReqPoolGrammars, compiler: GrammarCompiler
 ) -> None:
     allowed(grammars, batch([(0, 0, PROMPT, sampler(compiler, Grammar(kind="json_object")))]))
     assert len(allowed(grammars, batch([(0, 0, PROMPT, sampler(compiler, None))]))) == VOCAB
 
 
 def test_a_grammar_the_worker_cannot_load_fails_the_batch_not_the_worker(
-    grammars: SlotGrammars, compiler: GrammarCompiler
+    grammars: ReqPoolGrammars, compiler: GrammarCompiler
 ) -> None:
     good = sampler(compiler, Grammar(kind="regex", spec="x"))
     assert good.grammar is not None
@@ -160,7 +160,9 @@ def token_of_x(compiler: GrammarCompiler) -> int:
     return int(ids[0])
 
 
-def test_strict_schemas_allow_no_unlisted_property(grammars: SlotGrammars, compiler: GrammarCompiler) -> None:
+def test_strict_schemas_allow_no_unlisted_property(
+    grammars: ReqPoolGrammars, compiler: GrammarCompiler
+) -> None:
     import xgrammar
 
     schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})

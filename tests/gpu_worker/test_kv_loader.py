@@ -36,8 +36,10 @@ def small_pool(page_size: int = 4) -> KVPool:
 def test_page_deltas_land_where_the_scheduler_said() -> None:
     pool = small_pool()
     assert pool.page_table.shape == (3, 8) and pool.k[0].shape == (40, 2, 8)
-    pool.apply_page_deltas(slots=[2, 0], page_starts=[0, 0], page_counts=[3, 1], pages=[9, 4, 7, 1])
-    pool.apply_page_deltas(slots=[0, 1, 2], page_starts=[1, 0, 3], page_counts=[2, 0, 1], pages=[5, 6, 8])
+    pool.apply_page_deltas(req_pool_idx=[2, 0], page_starts=[0, 0], page_counts=[3, 1], pages=[9, 4, 7, 1])
+    pool.apply_page_deltas(
+        req_pool_idx=[0, 1, 2], page_starts=[1, 0, 3], page_counts=[2, 0, 1], pages=[5, 6, 8]
+    )
     assert pool.page_table[2, :4].tolist() == [9, 4, 7, 8]
     assert pool.page_table[0, :3].tolist() == [1, 5, 6]
     assert pool.page_table[1].tolist() == [0] * 8
@@ -110,7 +112,7 @@ def test_malformed_batches_are_rejected_before_indexing(llama_dir: Path) -> None
     def batch(**changes: object) -> ForwardBatch:
         fields: dict[str, object] = dict(
             step=1,
-            slots=[0],
+            req_pool_idx=[0],
             prefix_lens=[0],
             extend_lens=[2],
             input_ids=[3, 4],
@@ -125,7 +127,7 @@ def test_malformed_batches_are_rejected_before_indexing(llama_dir: Path) -> None
 
     for bad in (
         dict(pages=[16]),
-        dict(slots=[4]),
+        dict(req_pool_idx=[4]),
         dict(input_ids=[3, 500]),
         dict(extend_lens=[3]),
         dict(page_starts=[64]),

@@ -3,7 +3,7 @@
 One scenario per (model, tie, page size), shaped like real scheduling: whole
 prompts, a prompt chunked over three batches, a prompt whose prefix pages are
 shared from another request, decode rows mixed with extend rows, non-contiguous
-slots and shuffled pages.
+req_pool_idx values and shuffled pages.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ MODELS = [
     ("mistral", False),
 ]
 NEW_TOKENS = 6
-SLOTS = [5, 0, 3, 7, 2]  # request i uses SLOTS[i]
+REQ_POOL_IDX = [5, 0, 3, 7, 2]  # request i uses REQ_POOL_IDX[i]
 SHARED_TOKENS = 16  # request 4 reuses request 2's first 16 tokens of KV
 
 
@@ -88,29 +88,30 @@ def run_scenario(
             out[r].append(token)
 
     def decode_row(r: int) -> tuple[int, int, list[int], bool, Any]:
-        return (SLOTS[r], len(prompts[r]) + len(out[r]) - 1, [out[r][-1]], True, None)
+        return (REQ_POOL_IDX[r], len(prompts[r]) + len(out[r]) - 1, [out[r][-1]], True, None)
 
     p = prompts
     step(
         [
-            (SLOTS[0], 0, p[0], True, GREEDY),
-            (SLOTS[1], 0, p[1], True, GREEDY),
-            (SLOTS[2], 0, p[2], True, GREEDY),
-            (SLOTS[3], 0, p[3][:16], False, GREEDY),
+            (REQ_POOL_IDX[0], 0, p[0], True, GREEDY),
+            (REQ_POOL_IDX[1], 0, p[1], True, GREEDY),
+            (REQ_POOL_IDX[2], 0, p[2], True, GREEDY),
+            (REQ_POOL_IDX[3], 0, p[3][:16], False, GREEDY),
         ],
         [0, 1, 2, 3],
     )
     step(
-        [decode_row(0), decode_row(1), decode_row(2), (SLOTS[3], 16, p[3][16:32], False, None)], [0, 1, 2, 3]
+        [decode_row(0), decode_row(1), decode_row(2), (REQ_POOL_IDX[3], 16, p[3][16:32], False, None)],
+        [0, 1, 2, 3],
     )
-    sched.share(SLOTS[2], SLOTS[4], SHARED_TOKENS // sched.page_size)
+    sched.share(REQ_POOL_IDX[2], REQ_POOL_IDX[4], SHARED_TOKENS // sched.page_size)
     step(
         [
             decode_row(0),
             decode_row(1),
             decode_row(2),
-            (SLOTS[3], 32, p[3][32:], True, None),
-            (SLOTS[4], SHARED_TOKENS, p[4][SHARED_TOKENS:], True, GREEDY),
+            (REQ_POOL_IDX[3], 32, p[3][32:], True, None),
+            (REQ_POOL_IDX[4], SHARED_TOKENS, p[4][SHARED_TOKENS:], True, GREEDY),
         ],
         [0, 1, 2, 3, 4],
         check=True,
@@ -232,7 +233,7 @@ def test_compiled_dense_code_matches_hf(tiny_models: dict) -> None:
         assert tokens == hf_greedy(hf, prompt)
 
 
-def test_pending_inputs_take_the_token_the_slot_drew_last(tiny_models: dict) -> None:
+def test_pending_inputs_take_the_token_the_request_drew_last(tiny_models: dict) -> None:
     """Overlap scheduling: a decode row sent before its input was drawn carries PENDING."""
     path, hf = tiny_models[("llama", False)]
     runner = ModelRunner(
@@ -240,15 +241,15 @@ def test_pending_inputs_take_the_token_the_slot_drew_last(tiny_models: dict) -> 
     )
     sched = MiniScheduler(runner.num_pages, 4)
     prompts = make_prompts(seed=3)[:2]
-    first = runner.execute(sched.batch([(SLOTS[r], 0, prompts[r], True, GREEDY) for r in range(2)]))
+    first = runner.execute(sched.batch([(REQ_POOL_IDX[r], 0, prompts[r], True, GREEDY) for r in range(2)]))
     out = [[token] for token in first.token_ids]
     for _ in range(5):
         rows: list[tuple[int, int, list[int], bool, Any]] = [
-            (SLOTS[r], len(prompts[r]) + len(out[r]) - 1, [PENDING], True, None) for r in range(2)
+            (REQ_POOL_IDX[r], len(prompts[r]) + len(out[r]) - 1, [PENDING], True, None) for r in range(2)
         ]
         for r, token in enumerate(runner.execute(sched.batch(rows)).token_ids):
             out[r].append(token)
     for r in range(2):
         assert out[r] == hf_greedy(hf, prompts[r])[:6]
     with pytest.raises(ValueError, match="PENDING may only be a row's last token"):
-        runner.execute(sched.batch([(SLOTS[0], 20, [PENDING, 5], True, None)]))
+        runner.execute(sched.batch([(REQ_POOL_IDX[0], 20, [PENDING, 5], True, None)]))

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from gpu_worker.sampling.penalties import SlotPenalties, check_prefix_ids
+from gpu_worker.sampling.penalties import ReqPoolPenalties, check_prefix_ids
 from protocol.messages import PENDING, ForwardBatch
 from protocol.sampling import WorkerPenalties, WorkerSampling
 from tests.gpu_worker.penalty_reference import penalized
@@ -23,10 +23,10 @@ def sampler(penalties: WorkerPenalties | None) -> WorkerSampling:
 
 
 def batch(rows: Sequence[tuple[int, int, list[int], WorkerSampling | None]], **extra: Any) -> ForwardBatch:
-    """rows: (slot, prefix_len, input ids, sampler or None); pages are not looked at here."""
+    """rows: (req_pool_idx, prefix_len, input ids, sampler or None); pages are not looked at here."""
     return ForwardBatch(
         step=0,
-        slots=[r[0] for r in rows],
+        req_pool_idx=[r[0] for r in rows],
         prefix_lens=[r[1] for r in rows],
         extend_lens=[len(r[2]) for r in rows],
         input_ids=[t for r in rows for t in r[2]],
@@ -39,7 +39,7 @@ def batch(rows: Sequence[tuple[int, int, list[int], WorkerSampling | None]], **e
     )
 
 
-def feed(table: SlotPenalties, fb: ForwardBatch) -> None:
+def feed(table: ReqPoolPenalties, fb: ForwardBatch) -> None:
     table.update(fb, torch.tensor(fb.input_ids, dtype=torch.int64))
 
 
@@ -55,13 +55,13 @@ PENALTIES = [
 
 
 def test_batched_penalties_equal_the_reference_through_chunks_and_decodes() -> None:
-    """Five slots with penalties and one without; prompts in two chunks (one with a cached
+    """Five requests with penalties and one without; prompts in two chunks (one with a cached
     prefix in prefix_ids), then decode steps whose inputs repeat tokens."""
     rng = random.Random(0)
-    table = SlotPenalties(8, VOCAB, CPU, torch.float64)
-    prompts = {slot: [rng.randrange(VOCAB) for _ in range(p.prompt_len)] for slot, p in enumerate(PENALTIES)}
+    table = ReqPoolPenalties(8, VOCAB, CPU, torch.float64)
+    prompts = {idx: [rng.randrange(VOCAB) for _ in range(p.prompt_len)] for idx, p in enumerate(PENALTIES)}
     prompts[5] = [1, 2, 3]
-    samplers = {slot: sampler(p) for slot, p in enumerate(PENALTIES)} | {5: sampler(None)}
+    samplers = {idx: sampler(p) for idx, p in enumerate(PENALTIES)} | {5: sampler(None)}
     # Slot 0's first 2 prompt tokens are a cached prefix: the worker gets them as prefix_ids.
     first = [(s, 2 if s == 0 else 0, prompts[s][2 if s == 0 else 0 : 4], samplers[s]) for s in range(6)]
     prefix_ids = [prompts[0][:2]] + [[] for _ in range(5)]
@@ -74,7 +74,7 @@ def test_batched_penalties_equal_the_reference_through_chunks_and_decodes() -> N
         got = table.apply(logits.clone(), list(range(6)), positions)
         for s, p in enumerate(PENALTIES):
             expected = penalized(logits[s], prompts[s], outputs[s], p)
-            assert torch.equal(got[s], expected), f"slot {s}, step {step}"
+            assert torch.equal(got[s], expected), f"req_pool_idx {s}, step {step}"
         assert torch.equal(got[5], logits[5]), "a row without penalties is left as it is"
         drawn = [rng.choice(prompts[s] + [rng.randrange(VOCAB)]) for s in range(6)]  # repeats on purpose
         for s in range(6):
@@ -83,7 +83,7 @@ def test_batched_penalties_equal_the_reference_through_chunks_and_decodes() -> N
 
 
 def test_only_the_rows_with_penalties_are_touched_in_a_mixed_batch() -> None:
-    table = SlotPenalties(4, VOCAB, CPU, torch.float32)
+    table = ReqPoolPenalties(4, VOCAB, CPU, torch.float32)
     p = WorkerPenalties(prompt_len=2, repetition=2.0, bias_ids=[5], bias_values=[10.0])
     feed(table, batch([(1, 0, [5, 6], sampler(None)), (3, 0, [5, 6], sampler(p))]))
     logits = torch.randn(2, VOCAB).bfloat16()
@@ -93,8 +93,8 @@ def test_only_the_rows_with_penalties_are_touched_in_a_mixed_batch() -> None:
     assert torch.equal(got[1], penalized(logits[1], [5, 6], [], p).float())
 
 
-def test_no_penalties_is_the_fast_path_and_a_reused_slot_starts_clean() -> None:
-    table = SlotPenalties(4, VOCAB, CPU, torch.float32)
+def test_no_penalties_is_the_fast_path_and_a_reused_req_pool_idx_starts_clean() -> None:
+    table = ReqPoolPenalties(4, VOCAB, CPU, torch.float32)
     feed(table, batch([(0, 0, [1, 2, 3], sampler(None)), (1, 0, [4], sampler(None))]))
     logits = torch.randn(2, VOCAB)
     assert table.apply(logits, [0, 1], [3, 1]) is logits, "no row uses penalties: the logits as they came"
@@ -103,28 +103,28 @@ def test_no_penalties_is_the_fast_path_and_a_reused_slot_starts_clean() -> None:
     feed(table, batch([(0, 0, [9], sampler(p))]))
     feed(table, batch([(0, 1, [9], None)]))  # 9 generated once
     assert table.apply(torch.zeros(1, VOCAB), [0], [2])[0, 9] == -1.0
-    # The slot goes to a new request (a retracted one sent again looks the same): counts restart.
+    # The req_pool_idx goes to a new request (a retracted one sent again looks the same): counts restart.
     feed(table, batch([(0, 0, [4, 4], sampler(WorkerPenalties(prompt_len=1, frequency=1.0)))]))
     again = table.apply(torch.zeros(1, VOCAB), [0], [2])[0]
     assert again[9] == 0.0 and again[4] == -1.0, "4 at position 1 is generated, 9 is the old request's"
     feed(table, batch([(0, 0, [4], sampler(None))]))
     logits = torch.zeros(1, VOCAB)
-    assert table.apply(logits, [0], [1]) is logits, "a slot reused without penalties is plain again"
+    assert table.apply(logits, [0], [1]) is logits, "a req_pool_idx reused without penalties is plain again"
 
 
 def test_pending_inputs_are_counted_as_the_tokens_they_stand_for() -> None:
     """Under overlap the decode input arrives as PENDING; the runner resolves it before update."""
-    table = SlotPenalties(2, VOCAB, CPU, torch.float64)
+    table = ReqPoolPenalties(2, VOCAB, CPU, torch.float64)
     p = WorkerPenalties(prompt_len=2, presence=1.0)
     feed(table, batch([(0, 0, [3, 4], sampler(p))]))
     pending = batch([(0, 2, [PENDING], None)])
-    table.update(pending, torch.tensor([11]))  # the token the slot drew last was 11
+    table.update(pending, torch.tensor([11]))  # the token the req_pool_idx drew last was 11
     got = table.apply(torch.zeros(1, VOCAB, dtype=torch.float64), [0], [3])[0]
     assert got[11] == -1.0 and got[3] == 0.0 and got[4] == 0.0
 
 
 def test_min_tokens_masks_stop_ids_until_enough_were_generated() -> None:
-    table = SlotPenalties(1, VOCAB, CPU, torch.float32)
+    table = ReqPoolPenalties(1, VOCAB, CPU, torch.float32)
     p = WorkerPenalties(prompt_len=3, min_tokens=2, min_tokens_ids=[2, 7])
     feed(table, batch([(0, 0, [1, 1, 1], sampler(p))]))
     logits = torch.zeros(1, VOCAB)
@@ -147,10 +147,10 @@ def test_prefix_ids_must_match_the_rows() -> None:
 
 
 def test_many_distinct_tokens_grow_the_seen_lists() -> None:
-    """Hundreds of distinct prompt and output tokens per slot (past the first width of seen_ids),
-    two slots in chunks of different sizes: still the reference, at every step."""
+    """Hundreds of distinct prompt and output tokens per req_pool_idx (past the first width of seen_ids),
+    two requests in chunks of different sizes: still the reference, at every step."""
     vocab, rng = 2000, random.Random(3)
-    table = SlotPenalties(3, vocab, CPU, torch.float64)
+    table = ReqPoolPenalties(3, vocab, CPU, torch.float64)
     pens = {
         0: WorkerPenalties(prompt_len=300, repetition=1.4, frequency=0.2),
         2: WorkerPenalties(prompt_len=150, presence=0.9),

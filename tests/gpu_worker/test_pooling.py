@@ -14,7 +14,7 @@ from protocol.messages import ForwardBatch
 from tests.models import GREEDY
 
 BATCH = ForwardBatch(
-    step=1, slots=[0, 1, 2], prefix_lens=[0, 0, 4], extend_lens=[3, 2, 1], input_ids=[1] * 6,
+    step=1, req_pool_idx=[0, 1, 2], prefix_lens=[0, 0, 4], extend_lens=[3, 2, 1], input_ids=[1] * 6,
     page_starts=[0, 0, 1], page_counts=[1, 1, 0], pages=[3, 4], sample=[False, True, True],
     sampler=[GREEDY, GREEDY, None], pool=[Pooling.MEAN, None, Pooling.LAST],
 )  # fmt: skip

@@ -25,10 +25,10 @@ def recv(sock: zmq.Socket, decode_type: object) -> object:
     return msgspec.msgpack.decode(sock.recv(), type=decode_type)
 
 
-def one_row(step: int, slot: int, ids: list[int], pages: list[int], logprobs: bool = True) -> ForwardBatch:
+def one_row(step: int, idx: int, ids: list[int], pages: list[int], logprobs: bool = True) -> ForwardBatch:
     return ForwardBatch(
         step=step,
-        slots=[slot],
+        req_pool_idx=[idx],
         prefix_lens=[0],
         extend_lens=[len(ids)],
         input_ids=ids,

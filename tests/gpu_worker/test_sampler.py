@@ -5,24 +5,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.sampling.sampler import SlotSamplerParams, sample
+from gpu_worker.sampling.sampler import ReqPoolSamplerParams, sample
 from protocol.sampling import WorkerSampling
 
 
 def params(
     rows: list[WorkerSampling], positions: list[int] | None = None
-) -> tuple[SlotSamplerParams, list[int], list[int]]:
-    table = SlotSamplerParams(len(rows))
-    slots = list(range(len(rows)))
-    table.update(slots, list(rows))
-    return table, slots, positions if positions is not None else [10] * len(rows)
+) -> tuple[ReqPoolSamplerParams, list[int], list[int]]:
+    table = ReqPoolSamplerParams(len(rows))
+    req_pool_idx = list(range(len(rows)))
+    table.update(req_pool_idx, list(rows))
+    return table, req_pool_idx, positions if positions is not None else [10] * len(rows)
 
 
 def draw(
     rows: list[WorkerSampling], logits: torch.Tensor, positions: list[int] | None = None
 ) -> torch.Tensor:
-    table, slots, pos = params(rows, positions)
-    tokens, _ = sample(logits, table.batch(slots, pos, torch.device("cpu")))
+    table, req_pool_idx, pos = params(rows, positions)
+    tokens, _ = sample(logits, table.batch(req_pool_idx, pos, torch.device("cpu")))
     return tokens
 
 
@@ -41,8 +41,8 @@ def sp(
 
 def test_greedy_is_argmax_with_raw_logprobs() -> None:
     logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(0))
-    table, slots, pos = params([sp(temperature=0.0, seed=i) for i in range(8)])
-    tokens, logprobs = sample(logits, table.batch(slots, pos, torch.device("cpu")))
+    table, req_pool_idx, pos = params([sp(temperature=0.0, seed=i) for i in range(8)])
+    tokens, logprobs = sample(logits, table.batch(req_pool_idx, pos, torch.device("cpu")))
     assert torch.equal(tokens, logits.argmax(-1))
     expected = torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1)
     torch.testing.assert_close(logprobs, expected)
@@ -113,7 +113,7 @@ def test_large_and_negative_seeds_are_accepted() -> None:
 
 
 def test_sampling_without_params_is_an_error() -> None:
-    table = SlotSamplerParams(4)
+    table = ReqPoolSamplerParams(4)
     with pytest.raises(ValueError, match="sampler params"):
         table.batch([2], [0], torch.device("cpu"))
 
@@ -123,20 +123,20 @@ def test_greedy_rows_without_logprobs_skip_them_and_pick_the_same_tokens() -> No
     equal the float32 path's, ties included (the first maximal index)."""
     logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(4)).bfloat16()
     logits[3, 17] = logits[3, 250] = logits[3].max() + 1  # a tie: the first index wins
-    plain, slots, pos = params([sp(temperature=0.0, seed=i, logprobs=False) for i in range(8)])
-    tokens, logprobs = sample(logits, plain.batch(slots, pos, torch.device("cpu")))
+    plain, req_pool_idx, pos = params([sp(temperature=0.0, seed=i, logprobs=False) for i in range(8)])
+    tokens, logprobs = sample(logits, plain.batch(req_pool_idx, pos, torch.device("cpu")))
     assert logprobs is None
     assert torch.equal(tokens, logits.float().argmax(-1)) and tokens[3] == 17
     one_asks = [sp(temperature=0.0, seed=i, logprobs=i == 0) for i in range(8)]
-    asking, slots, pos = params(one_asks)
-    tokens_lp, logprobs = sample(logits, asking.batch(slots, pos, torch.device("cpu")))
+    asking, req_pool_idx, pos = params(one_asks)
+    tokens_lp, logprobs = sample(logits, asking.batch(req_pool_idx, pos, torch.device("cpu")))
     assert logprobs is not None and torch.equal(tokens_lp, tokens)
     expected = torch.log_softmax(logits.float(), -1).gather(1, tokens[:, None]).squeeze(1)
     torch.testing.assert_close(logprobs, expected)
 
 
 def test_plain_greedy_when_every_row_is_greedy() -> None:
-    table, slots, _ = params(
+    table, req_pool_idx, _ = params(
         [
             sp(temperature=0.0, logprobs=False),
             sp(temperature=0.0, logprobs=False),
@@ -148,4 +148,4 @@ def test_plain_greedy_when_every_row_is_greedy() -> None:
     assert not table.plain_greedy([0, 2]), "a sampled row needs the whole sampler"
     assert table.plain_greedy([1, 3]), "logprobs are computed for the rows that ask, apart from the draw"
     with pytest.raises(ValueError, match="sampler params"):
-        SlotSamplerParams(4).plain_greedy([1])
+        ReqPoolSamplerParams(4).plain_greedy([1])

@@ -1,7 +1,7 @@
 """Verify rows in the worker (sampling/verify.py, sampling/draws.py): where a batch draws, which drafts
 a row keeps, the states' view without drafts, and rejection sampling keeping the target distribution.
 
-The statistical test draws a one-draft verify row in 6000 slots at once, each with its own seed:
+The statistical test draws a one-draft verify row for 6000 requests at once, each with its own seed:
 the first token emitted (the draft when kept, else the replacement) must follow p at the first
 position, and the token after a kept draft p at the second; chi-square at a fixed seed set, so the
 test is deterministic (critical values at p = 0.001).
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from gpu_worker.sampling.draws import BatchDraws
-from gpu_worker.sampling.grammar import SlotGrammars
-from gpu_worker.sampling.logprobs import SlotTopLogprobs
-from gpu_worker.sampling.penalties import SlotPenalties
-from gpu_worker.sampling.sampler import SlotSamplerParams
+from gpu_worker.sampling.grammar import ReqPoolGrammars
+from gpu_worker.sampling.logprobs import ReqPoolTopLogprobs
+from gpu_worker.sampling.penalties import ReqPoolPenalties
+from gpu_worker.sampling.sampler import ReqPoolSamplerParams
 from gpu_worker.sampling.verify import DrawPlan, check_drafts, committed
 from protocol.messages import ForwardBatch
 from protocol.sampling import WorkerSampling
@@ -26,12 +26,13 @@ CHI2_CRITICAL_5_DOF = 20.52  # p = 0.001
 
 
 def batch(
-    slots: list[int], prefix_lens: list[int], inputs: list[list[int]], drafts: list[int]
+    req_pool_idx: list[int], prefix_lens: list[int], inputs: list[list[int]], drafts: list[int]
 ) -> ForwardBatch:
     return ForwardBatch(
-        step=1, slots=slots, prefix_lens=prefix_lens, extend_lens=[len(x) for x in inputs],
-        input_ids=[t for x in inputs for t in x], page_starts=[0] * len(slots), page_counts=[0] * len(slots),
-        pages=[], sample=[True] * len(slots), sampler=[None] * len(slots), draft_lens=drafts,
+        step=1, req_pool_idx=req_pool_idx, prefix_lens=prefix_lens, extend_lens=[len(x) for x in inputs],
+        input_ids=[t for x in inputs for t in x], page_starts=[0] * len(req_pool_idx),
+        page_counts=[0] * len(req_pool_idx), pages=[], sample=[True] * len(req_pool_idx),
+        sampler=[None] * len(req_pool_idx), draft_lens=drafts,
     )  # fmt: skip
 
 
@@ -39,7 +40,7 @@ def test_the_plan_draws_every_drafted_position_and_keeps_the_prefix_that_matches
     b = batch([4, 7, 2], [10, 3, 0], [[5, 1, 2, 3], [9], [8, 8]], [3, 0, 1])
     plan = DrawPlan.of(b)
     assert plan.hidden_rows == [0, 1, 2, 3, 4, 5, 6]
-    assert plan.slots == [4, 4, 4, 4, 7, 2, 2]
+    assert plan.req_pool_idx == [4, 4, 4, 4, 7, 2, 2]
     assert plan.positions == [11, 12, 13, 14, 4, 1, 2]  # the position of the token each draws
     assert plan.starts == [0, 4, 5] and plan.drafts == [[1, 2, 3], [], [8]]
     # row 0 keeps 1, 2 and draws 6 where 3 was drafted; row 2's draft 8 differs from its draw 4
@@ -76,12 +77,12 @@ def test_draft_fields_that_do_not_fit_are_refused(
         check_drafts(b)
 
 
-def draws(slots: int) -> tuple[BatchDraws, SlotSamplerParams]:
-    params = SlotSamplerParams(slots)
-    penalties = SlotPenalties(slots, VOCAB, torch.device("cpu"), torch.float64)
-    grammars = SlotGrammars(slots, VOCAB, "", host_memory=True)
+def draws(max_requests: int) -> tuple[BatchDraws, ReqPoolSamplerParams]:
+    params = ReqPoolSamplerParams(max_requests)
+    penalties = ReqPoolPenalties(max_requests, VOCAB, torch.device("cpu"), torch.float64)
+    grammars = ReqPoolGrammars(max_requests, VOCAB, "", host_memory=True)
     return BatchDraws(
-        params, SlotTopLogprobs(slots), penalties, grammars, lambda x: x.max(-1).indices
+        params, ReqPoolTopLogprobs(max_requests), penalties, grammars, lambda x: x.max(-1).indices
     ), params
 
 

@@ -191,7 +191,7 @@ def test_every_policy_gives_the_fcfs_tokens(engines: dict[str, RunningEngine]) -
     assert retractions >= 3, f"the tiny pool must force retraction, saw {retractions}"
 
 
-# ---------------------------------------------------------------- aborts (on the 2-slot engine)
+# ------------------------------------------------- aborts (on the engine of 2 running requests)
 
 
 def _whole_pool_fits(client: Client) -> None:
@@ -212,7 +212,7 @@ def test_abort_waiting_and_running_requests(engines: dict[str, RunningEngine]) -
             client.generate(input_ids=[5 + i] * 20, max_new_tokens=480, ignore_eos=True, stream=True, rid=rid)
             for i, rid in enumerate("ab")
         )
-        # Both hold a slot (the engine's two), and their 2 x 32 pages fit the 64: no retraction.
+        # Both hold a req_pool_idx (the engine's two), and their 2 x 32 pages fit the 64: no retraction.
         first_a, first_b = next(a), next(b)
         assert first_a.finish_reason is None and first_b.finish_reason is None
         waiting = client.generate(input_ids=[11] * 30, max_new_tokens=4, temperature=0, stream=True, rid="w")
@@ -220,7 +220,7 @@ def test_abort_waiting_and_running_requests(engines: dict[str, RunningEngine]) -
         client.abort("w")
         w_chunks = _drain(waiting)
         assert w_chunks[-1].finish_reason is FinishReason.ABORT
-        assert not any(c.token_ids for c in w_chunks), "aborted while waiting for a slot: no token"
+        assert not any(c.token_ids for c in w_chunks), "aborted while waiting for a req_pool_idx: no token"
         assert next(a).finish_reason is None, "the running ones carry on"
         client.abort("a")
         a_rest = _drain(a)

@@ -101,7 +101,7 @@ CASES = [
         ToWorker,
         ForwardBatch(
             step=1,
-            slots=[0, 1],
+            req_pool_idx=[0, 1],
             prefix_lens=[0, 5],
             extend_lens=[3, 1],
             input_ids=[4, 5, 6, 7],

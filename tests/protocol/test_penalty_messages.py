@@ -47,7 +47,7 @@ def test_forward_batch_with_penalties_and_prefix_ids_round_trips() -> None:
     )
     sampler = WorkerSampling(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=1, penalties=penalties)
     batch = ForwardBatch(
-        step=1, slots=[0, 1], prefix_lens=[2, 0], extend_lens=[1, 1], input_ids=[5, 6],
+        step=1, req_pool_idx=[0, 1], prefix_lens=[2, 0], extend_lens=[1, 1], input_ids=[5, 6],
         page_starts=[0, 0], page_counts=[1, 1], pages=[0, 1], sample=[True, True],
         sampler=[sampler, None], prefix_ids=[[8, 9], []],
     )  # fmt: skip

@@ -1,7 +1,7 @@
 """Test helpers: a fake worker that checks the ForwardBatch contract, and a driver loop.
 
 The fake worker's tokens are a pure function of the token sequence already in a
-slot's KV (a rolling hash of fill_ids), so chunking, batching, retraction and
+request's KV (a rolling hash of fill_ids), so chunking, batching, retraction and
 recompute must all give the same tokens as ``reference_output``.
 """
 
@@ -113,68 +113,70 @@ class FakeWorker:
     """Consumes ForwardBatch like the GPU worker would, asserting the contract on the way.
 
     KV is modelled per position as (token, hash of the sequence up to it). A row
-    reads its prefix through its slot's page table: pages it has not read since
+    reads its prefix through its req_pool_idx's page table: pages it has not read since
     they were last written are checked to hold one unbroken hash chain, so a
     prefix shared from another request must hold exactly the right tokens, and a
-    page overwritten while a slot still uses it is caught the moment it is read.
+    page overwritten while a req_pool_idx still uses it is caught the moment it is read.
     Tokens are a pure function of the sequence, as in ``reference_output``.
     """
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.page_size = config.page_size
         self.num_pages = config.num_pages
-        self.num_slots = config.max_running_requests
+        self.max_requests = config.max_running_requests
         self.tables: dict[int, list[int]] = {}
         self.content: dict[tuple[int, int], tuple[int, int]] = {}  # (page, offset) -> (token, hash)
         self.gen: dict[int, int] = {}  # page -> how many times one of its positions was overwritten
-        self.seen: dict[int, dict[int, int]] = {}  # slot -> page -> gen when the slot last read or wrote it
+        self.seen: dict[
+            int, dict[int, int]
+        ] = {}  # req_pool_idx -> page -> gen when the req_pool_idx last read or wrote it
         self.fail_next: str | None = None
         self.extend_tokens = 0  # prompt and decode tokens computed, over all batches
-        self.last_token: dict[int, int] = {}  # slot -> the token its last sampling row drew
-        self.seeds: dict[int, int] = {}  # slot -> its sampler's seed
+        self.last_token: dict[int, int] = {}  # req_pool_idx -> the token its last sampling row drew
+        self.seeds: dict[int, int] = {}  # req_pool_idx -> its sampler's seed
         self.hashes: list[int] = []  # the last batch's: hash at each sampling row's last position
 
-    def _at(self, slot: int, pos: int) -> tuple[int, int]:
-        table = self.tables[slot]
-        assert pos // self.page_size < len(table), f"slot {slot}: position {pos} has no page"
+    def _at(self, idx: int, pos: int) -> tuple[int, int]:
+        table = self.tables[idx]
+        assert pos // self.page_size < len(table), f"req_pool_idx {idx}: position {pos} has no page"
         page = table[pos // self.page_size]
         kv = self.content.get((page, pos % self.page_size))
-        assert kv is not None, f"slot {slot}: position {pos} read before it was written"
+        assert kv is not None, f"req_pool_idx {idx}: position {pos} read before it was written"
         return kv
 
-    def _check_prefix(self, slot: int, prefix: int) -> int:
-        """The hash at ``prefix - 1`` (0 for none), checking pages this slot has not seen as they are."""
-        seen, ps = self.seen[slot], self.page_size
+    def _check_prefix(self, idx: int, prefix: int) -> int:
+        """The hash at ``prefix - 1`` (0 for none), checking pages this request has not seen as they are."""
+        seen, ps = self.seen[idx], self.page_size
         for j in range(-(-prefix // ps)):
-            page = self.tables[slot][j]
+            page = self.tables[idx][j]
             if seen.get(page) == self.gen.get(page, 0):
                 continue
-            h = self._at(slot, j * ps - 1)[1] if j else 0
+            h = self._at(idx, j * ps - 1)[1] if j else 0
             for pos in range(j * ps, min((j + 1) * ps, prefix)):
-                tok, stored = self._at(slot, pos)
-                assert stored == next_hash(h, tok), f"slot {slot}: KV at {pos} is not this sequence's"
+                tok, stored = self._at(idx, pos)
+                assert stored == next_hash(h, tok), f"req_pool_idx {idx}: KV at {pos} is not this sequence's"
                 h = stored
             seen[page] = self.gen.get(page, 0)
-        return self._at(slot, prefix - 1)[1] if prefix else 0
+        return self._at(idx, prefix - 1)[1] if prefix else 0
 
-    def _write(self, slot: int, pos: int, tok: int, h: int) -> None:
-        page = self.tables[slot][pos // self.page_size]
+    def _write(self, idx: int, pos: int, tok: int, h: int) -> None:
+        page = self.tables[idx][pos // self.page_size]
         if (page, pos % self.page_size) in self.content:
             self.gen[page] = self.gen.get(page, 0) + 1
         self.content[(page, pos % self.page_size)] = (tok, h)
-        self.seen[slot][page] = self.gen.get(page, 0)
+        self.seen[idx][page] = self.gen.get(page, 0)
 
-    def _apply_pages(self, slot: int, start: int, pages: list[int]) -> None:
-        table = self.tables[slot]
-        assert 0 <= start <= len(table), f"slot {slot}: pages start at {start}, table has {len(table)}"
+    def _apply_pages(self, idx: int, start: int, pages: list[int]) -> None:
+        table = self.tables[idx]
+        assert 0 <= start <= len(table), f"req_pool_idx {idx}: pages start at {start}, table has {len(table)}"
         for page in pages:
             assert 0 <= page < self.num_pages, f"page {page} out of range"
         table[start : start + len(pages)] = pages
-        assert len(set(table)) == len(table), f"a page twice in slot {slot}'s table"
+        assert len(set(table)) == len(table), f"a page twice in req_pool_idx {idx}'s table"
 
     def run(self, batch: ForwardBatch) -> ForwardResult:
-        n = len(batch.slots)
-        assert len(set(batch.slots)) == n, "a slot appears twice in one batch"
+        n = len(batch.req_pool_idx)
+        assert len(set(batch.req_pool_idx)) == n, "a req_pool_idx appears twice in one batch"
         for field in (
             batch.prefix_lens,
             batch.extend_lens,
@@ -187,13 +189,15 @@ class FakeWorker:
         assert sum(batch.extend_lens) == len(batch.input_ids), "input_ids do not match extend_lens"
         assert sum(batch.page_counts) == len(batch.pages), "pages do not match page_counts"
         page_off = 0
-        for i, slot in enumerate(batch.slots):  # like the worker: every page delta lands before the forward
-            assert 0 <= slot < self.num_slots, f"slot {slot} out of range"
+        for i, idx in enumerate(
+            batch.req_pool_idx
+        ):  # like the worker: every page delta lands before the forward
+            assert 0 <= idx < self.max_requests, f"req_pool_idx {idx} out of range"
             if (sampler := batch.sampler[i]) is not None:
-                self.tables[slot], self.seen[slot], self.seeds[slot] = [], {}, sampler.seed
-            assert slot in self.tables, f"slot {slot} used before it got a sampler"
+                self.tables[idx], self.seen[idx], self.seeds[idx] = [], {}, sampler.seed
+            assert idx in self.tables, f"req_pool_idx {idx} used before it got a sampler"
             self._apply_pages(
-                slot, batch.page_starts[i], batch.pages[page_off : page_off + batch.page_counts[i]]
+                idx, batch.page_starts[i], batch.pages[page_off : page_off + batch.page_counts[i]]
             )
             page_off += batch.page_counts[i]
         tokens: list[int] = []
@@ -202,20 +206,20 @@ class FakeWorker:
         pooled: list[list[float]] = []
         targets = iter(batch.prompt_logprob_targets)
         tok_off = 0
-        for i, slot in enumerate(batch.slots):
+        for i, idx in enumerate(batch.req_pool_idx):
             prefix, ext = batch.prefix_lens[i], batch.extend_lens[i]
             assert ext >= 1, "empty row"
-            h = self._check_prefix(slot, prefix)
+            h = self._check_prefix(idx, prefix)
             row_ids = batch.input_ids[tok_off : tok_off + ext]
-            if PENDING in row_ids:  # the token this slot's previous row drew (overlap scheduling)
+            if PENDING in row_ids:  # the token this req_pool_idx's previous row drew (overlap scheduling)
                 assert row_ids.index(PENDING) == ext - 1, "PENDING is only ever a row's last input"
                 # None drawn: the row that should have failed; its request has failed with it.
-                row_ids[-1] = self.last_token.get(slot, 0)
+                row_ids[-1] = self.last_token.get(idx, 0)
             draft = batch.draft_lens[i] if batch.draft_lens else 0
             drawn = []  # a verify row's draw at each drafted position (the rest decode rows draw)
             for pos, tok in enumerate(row_ids, start=prefix):
                 h = next_hash(h, tok)
-                self._write(slot, pos, tok, h)
+                self._write(idx, pos, tok, h)
                 drawn.append(token_of(h))
             if draft:
                 assert batch.sample[i] and PENDING not in batch.input_ids[tok_off : tok_off + ext]
@@ -248,10 +252,10 @@ class FakeWorker:
         if self.fail_next is not None:  # like the worker: a failed forward draws no token
             error, self.fail_next = self.fail_next, None
             return ForwardResult(step=batch.step, token_ids=[], logprobs=[], forward_s=0.0, error=error)
-        sampled = [slot for slot, sample in zip(batch.slots, batch.sample, strict=True) if sample]
+        sampled = [idx for idx, sample in zip(batch.req_pool_idx, batch.sample, strict=True) if sample]
         ends = [sum(counts[: k + 1]) - 1 for k in range(len(counts))]
-        row_last = [tokens[e] for e in ends] + tokens[len(tokens) - len(batch.fork_slots) :]
-        self.last_token.update(zip(sampled + batch.fork_slots, row_last, strict=True))
+        row_last = [tokens[e] for e in ends] + tokens[len(tokens) - len(batch.fork_req_pool_idx) :]
+        self.last_token.update(zip(sampled + batch.fork_req_pool_idx, row_last, strict=True))
         return ForwardResult(
             step=batch.step,
             token_ids=tokens,
@@ -274,22 +278,22 @@ class FakeWorker:
                     self.content.pop((dst, off), None)
                 else:
                     self.content[(dst, off)] = kv
-            self.gen[dst] = self.gen.get(dst, 0) + 1  # every slot reading dst checks it anew
+            self.gen[dst] = self.gen.get(dst, 0) + 1  # every req_pool_idx reading dst checks it anew
 
     def _fork(self, batch: ForwardBatch) -> list[int]:
-        """The forks' tokens, drawn from their rows' last positions; each fork slot starts fresh."""
+        """The forks' tokens, drawn from their rows' last positions; each fork req_pool_idx starts fresh."""
         sampled_index = {row: k for k, row in enumerate(i for i, smp in enumerate(batch.sample) if smp)}
         tokens = []
         hashes, self.hashes = self.hashes, []
-        for row, slot, fork_sampler in zip(
-            batch.fork_rows, batch.fork_slots, batch.fork_samplers, strict=True
+        for row, idx, fork_sampler in zip(
+            batch.fork_rows, batch.fork_req_pool_idx, batch.fork_samplers, strict=True
         ):
             assert row in sampled_index, "a fork of a row that does not sample"
-            assert slot not in batch.slots, "a fork slot also has a row in its batch"
-            choice = fork_sampler.seed - self.seeds[batch.slots[row]]
+            assert idx not in batch.req_pool_idx, "a fork req_pool_idx also has a row in its batch"
+            choice = fork_sampler.seed - self.seeds[batch.req_pool_idx[row]]
             assert choice >= 1, "a fork's seed is not its leader's + its choice"
             tokens.append(fork_token(hashes[sampled_index[row]], choice))
-            self.tables[slot], self.seen[slot], self.seeds[slot] = [], {}, fork_sampler.seed
+            self.tables[idx], self.seen[idx], self.seeds[idx] = [], {}, fork_sampler.seed
         return tokens
 
 
@@ -392,7 +396,7 @@ class Driver:
         assert not self.sched.has_work and not self.sched.reqs
         self.sched.kv.check_integrity([])
         assert self.sched.kv.available_pages == self.config.num_pages, "pages leaked"
-        assert self.sched.kv.slots.num_free == self.config.max_running_requests, "slots leaked"
+        assert self.sched.kv.req_pool.num_free == self.config.max_running_requests, "req_pool_idx leaked"
         self.sched.flush_cache()
         assert self.sched.kv.pages.num_free == self.config.num_pages, "flush left pages behind"
 
@@ -400,7 +404,7 @@ class Driver:
 def batch_kinds(batches: list[ForwardBatch]) -> list[str]:
     """'P' prefill only, 'D' decode only, 'M' both, per batch.
 
-    A decode row continues a slot (no sampler), extends 1 token and samples; anything else is prefill.
+    A decode row continues a req_pool_idx (no sampler), extends 1 token and samples; anything else is prefill.
     """
     out = []
     for b in batches:
@@ -418,7 +422,12 @@ def check_invariants(sched: Scheduler) -> None:
     live = queued + forking
     assert sorted(r.rid for r in live) == sorted(sched.reqs), "a request is lost or in two places"
     for req in sched.waiting:
-        assert req.status is ReqStatus.WAITING and req.slot is None and not req.page_table and req.kv_len == 0
+        assert (
+            req.status is ReqStatus.WAITING
+            and req.req_pool_idx is None
+            and not req.page_table
+            and req.kv_len == 0
+        )
         assert req.cache_node is None, f"rid {req.rid} waits holding a cache lock"
     for req in sched.running:
         prompt_only_ending = req.max_new_tokens == 0 and req.flight.final_scheduled  # its last row in flight
@@ -434,17 +443,19 @@ def check_invariants(sched: Scheduler) -> None:
         leader = fork.leader
         assert fork.status is ReqStatus.FORKING and leader is not None and fork in leader.forks
         assert fork.kv_len == 0 and not fork.output_ids and fork.cache_node is None
-        admitted = leader.slot is not None
-        assert (fork.slot is not None) == admitted, f"rid {fork.rid}: a slot before its leader's"
+        admitted = leader.req_pool_idx is not None
+        assert (fork.req_pool_idx is not None) == admitted, (
+            f"rid {fork.rid}: a req_pool_idx before its leader's"
+        )
         want = -(-fork.fork_tail_tokens // ps) if admitted else 0
         assert len(fork.page_table) == want, f"rid {fork.rid}: {len(fork.page_table)} own pages, not {want}"
     held = [r for r in queued if r.status is not ReqStatus.WAITING] + sched.in_flight_reqs()
-    held += [fork for fork in forking if fork.slot is not None]
+    held += [fork for fork in forking if fork.req_pool_idx is not None]
     holders = list({id(r): r for r in held}.values())
     sched.kv.check_integrity(holders)
-    slots = [r.slot for r in holders]
-    assert None not in slots and len(slots) == len(set(slots)), "slots broken"
-    assert len(slots) + sched.kv.slots.num_free == sched.kv.slots.num_slots, "slots leaked"
+    req_pool_idx = [r.req_pool_idx for r in holders]
+    assert None not in req_pool_idx and len(req_pool_idx) == len(set(req_pool_idx)), "req_pool_idx broken"
+    assert len(req_pool_idx) + sched.kv.req_pool.num_free == sched.kv.req_pool.size, "req_pool_idx leaked"
     for req in holders:
         if req.status is ReqStatus.FORKING:
             continue

@@ -34,8 +34,8 @@ def test_each_choice_equals_its_reference_and_the_prompt_is_computed_once(
     assert len({tuple(d.tokens[c]) for c in range(n)}) == n, "the choices drew different first tokens"
     # Prompt once, then one decode token per output but the last (no stop: overlap adds no void row).
     assert d.worker.extend_tokens == prompt_len + decode_tokens({c: d.tokens[c] for c in range(n)})
-    forked = [b for b in d.batches if b.fork_slots]
-    assert len(forked) == 1 and len(forked[0].fork_slots) == n - 1, "one batch draws every fork"
+    forked = [b for b in d.batches if b.fork_req_pool_idx]
+    assert len(forked) == 1 and len(forked[0].fork_req_pool_idx) == n - 1, "one batch draws every fork"
     copies = len(forked[0].copy_src)
     pages = -(-prompt_len // 4)
     assert copies == (n - 1) * (pages if not cache else int(prompt_len % 4 != 0)), "pages copied"
@@ -72,8 +72,8 @@ def test_a_choice_may_end_with_its_first_token() -> None:
 def test_aborting_the_leader_before_its_prompt_lands_ends_every_choice() -> None:
     d = Driver(config(chunked_prefill_size=8))
     d.submit(0, prompt(40, 4), 10, n=3)
-    d.step()  # the first chunk: the choices hold slots and pages, waiting to fork
-    assert d.sched.reqs[1].status is ReqStatus.FORKING and d.sched.reqs[1].slot is not None
+    d.step()  # the first chunk: the choices hold req_pool_idx and pages, waiting to fork
+    assert d.sched.reqs[1].status is ReqStatus.FORKING and d.sched.reqs[1].req_pool_idx is not None
     d.abort(0)
     assert d.finished == {0: FinishReason.ABORT, 1: FinishReason.ABORT, 2: FinishReason.ABORT}
     d.run()
@@ -84,7 +84,7 @@ def test_aborting_one_choice_while_the_fork_is_in_flight_leaves_the_others() -> 
     p = prompt(10, 5)
     d = Driver(config())
     d.submit(0, p, 6, n=3)
-    d.step(in_flight_hook=lambda batch: d.abort(1) if batch.fork_slots else None)
+    d.step(in_flight_hook=lambda batch: d.abort(1) if batch.fork_req_pool_idx else None)
     d.run()
     assert d.finished[1] is FinishReason.ABORT and d.tokens[1] == []
     for c in (0, 2):

@@ -9,7 +9,7 @@ from tests.scheduler_proc.harness import small_config as config
 
 
 def decode_inputs(batch: ForwardBatch) -> list[int]:
-    return [batch.input_ids[sum(batch.extend_lens[: i + 1]) - 1] for i in range(len(batch.slots))]
+    return [batch.input_ids[sum(batch.extend_lens[: i + 1]) - 1] for i in range(len(batch.req_pool_idx))]
 
 
 def test_two_batches_in_flight_and_decode_inputs_are_pending_tokens() -> None:

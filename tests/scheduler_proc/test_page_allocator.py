@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_proc.page_allocator import PageAllocator, SlotPool
+from scheduler_proc.page_allocator import PageAllocator, ReqPool
 
 
 def test_alloc_returns_distinct_pages_until_short() -> None:
@@ -33,8 +33,8 @@ def test_alloc_zero_and_double_free() -> None:
         alloc.free([7])
 
 
-def test_slot_pool() -> None:
-    pool = SlotPool(2)
+def test_req_pool() -> None:
+    pool = ReqPool(2)
     s0, s1 = pool.alloc(), pool.alloc()
     assert s0 is not None and s1 is not None and s0 != s1
     assert pool.alloc() is None and pool.num_free == 0

@@ -49,7 +49,7 @@ def test_when_nothing_fits_the_head_goes_alone(policy: str) -> None:
     d.submit(0, prompt(100, 0), 2)
     d.submit(1, prompt(100, 1), 2)
     batch = d.step()
-    assert batch is not None and batch.extend_lens == [100] and batch.slots == [0]
+    assert batch is not None and batch.extend_lens == [100] and batch.req_pool_idx == [0]
     assert [r.rid for r in d.sched.waiting] == [1]
 
 
@@ -154,7 +154,7 @@ def test_prefill_max_requests_caps_each_round() -> None:
         d.submit(rid, prompt(3, rid), 4)
     d.run()
     prefills = [b for b in d.batches if any(s is not None for s in b.sampler)]
-    assert [len(b.slots) for b in prefills] == [2, 2, 1]
+    assert [len(b.req_pool_idx) for b in prefills] == [2, 2, 1]
     d.assert_no_leak()
 
 

@@ -36,15 +36,15 @@ def adder(**overrides: int | float | None) -> PrefillAdder:
         rem_chunk_tokens=256,
         rem_total_tokens=100_000,
         available_pages=100_000,
-        free_slots=8,
+        free_req_pool_idxs=8,
     )
     budget.update(overrides)
     return PrefillAdder(**budget)
 
 
 def rows_of(batch: ForwardBatch) -> list[tuple[int, int, int, bool]]:
-    """(slot, prefix_len, extend_len, sample) per row."""
-    return list(zip(batch.slots, batch.prefix_lens, batch.extend_lens, batch.sample, strict=True))
+    """(req_pool_idx, prefix_len, extend_len, sample) per row."""
+    return list(zip(batch.req_pool_idx, batch.prefix_lens, batch.extend_lens, batch.sample, strict=True))
 
 
 def config(**overrides: int | float | bool) -> SchedulerConfig:
@@ -80,7 +80,7 @@ def test_adder_stops_when_input_budget_is_spent_but_admits_a_big_head_alone() ->
     assert [n for _, n in alone.can_run_list] == [150], "a prompt over the budget still runs, alone"
 
 
-def test_adder_kv_reservation_and_slots() -> None:
+def test_adder_kv_reservation_and_req_pool() -> None:
     # 30 prompt + 20 reserved output = 50 tokens of KV needed.
     assert adder(rem_total_tokens=49).add_one_req(req(1, 30, max_new=20)).result is AddResult.NO_TOKEN
     assert adder(rem_total_tokens=50).add_one_req(req(1, 30, max_new=20)).result is AddResult.CONTINUE
@@ -91,13 +91,15 @@ def test_adder_kv_reservation_and_slots() -> None:
     )
     # Pages are whole: 50 tokens on 16-token pages cost 64.
     assert adder(page_size=16, rem_total_tokens=63).add_one_req(req(1, 30, 20)).result is AddResult.NO_TOKEN
-    a = adder(free_slots=1)
-    assert a.add_one_req(req(1, 5)).result is AddResult.NO_SLOT, "admitted, and no slot is left"
-    assert a.add_one_req(req(2, 5)).result is AddResult.NO_SLOT and len(a.can_run_list) == 1
+    a = adder(free_req_pool_idxs=1)
+    assert a.add_one_req(req(1, 5)).result is AddResult.NO_REQ_POOL_IDX, (
+        "admitted, and no req_pool_idx is left"
+    )
+    assert a.add_one_req(req(2, 5)).result is AddResult.NO_REQ_POOL_IDX and len(a.can_run_list) == 1
 
 
 def test_add_one_req_says_whether_the_request_got_in_and_what_it_extends() -> None:
-    a = adder(free_slots=1, rem_chunk_tokens=256)
+    a = adder(free_req_pool_idxs=1, rem_chunk_tokens=256)
     got = a.add_one_req(req(1, 1000))
     assert got.admitted and got.extend_len == 256, "admitted, truncated into the chunked_req"
     refused = a.add_one_req(req(2, 5))
@@ -114,7 +116,7 @@ def test_a_refused_request_gives_its_cached_prefix_back_to_the_cache_and_the_bud
     kv = d.sched.kv
     evictable = kv.evictable_pages
     assert evictable > 0
-    a = PrefillAdder.for_round(cfg, [], 1.0, kv.available_pages, kv.slots.num_free)
+    a = PrefillAdder.for_round(cfg, [], 1.0, kv.available_pages, kv.req_pool.num_free)
     budget = (a.available_pages, a.rem_total_tokens)
     big = Req(
         rid=1, input_ids=[*shared, 5, 6, 7], max_new_tokens=250, stop_token_ids=frozenset(), sampler=sampler()
@@ -187,10 +189,10 @@ def test_chunking_disabled_admits_the_whole_prompt() -> None:
     d.assert_no_leak()
 
 
-def _first_batch_of(d: Driver, slot_rid_prefix: int) -> int:
-    """Index of the first batch with a fresh row (sampler sent) of prompt length ``slot_rid_prefix``."""
+def _first_batch_of(d: Driver, prompt_len: int) -> int:
+    """Index of the first batch with a fresh row (sampler sent) of prompt length ``prompt_len``."""
     for i, b in enumerate(d.batches):
-        if any(s is not None and e == slot_rid_prefix for s, e in zip(b.sampler, b.extend_lens, strict=True)):
+        if any(s is not None and e == prompt_len for s, e in zip(b.sampler, b.extend_lens, strict=True)):
             return i
     raise AssertionError("never admitted")
 
@@ -210,7 +212,7 @@ def _reservation_run(new_token_ratio: float) -> Driver:
 def test_kv_reservation_holds_a_request_back_until_running_ones_finish() -> None:
     d = _reservation_run(1.0)
     # A runs alone: 1 prefill + 49 decodes, its 50th token ends it; B comes right after.
-    assert all(len(b.slots) == 1 for b in d.batches[:50])
+    assert all(len(b.req_pool_idx) == 1 for b in d.batches[:50])
     assert _first_batch_of(d, 30) == 50, "B admitted only once A finished"
     assert len(d.tokens[0]) == 50 and d.sched.num_retracted == 0
     # At ratio 0.5 A reserves 25 tokens: B fits at once and runs beside A.

@@ -91,18 +91,18 @@ def test_mixed_puts_all_decodes_beside_the_chunk_and_non_mixed_alternates(mixed:
     if mixed:
         assert batch_kinds(d.batches)[1:6] == ["M"] * 5
         for b in d.batches[1:6]:
-            assert sorted(b.slots) == [0, 1, 2], "every running decode rides with the chunk"
+            assert sorted(b.req_pool_idx) == [0, 1, 2], "every running decode rides with the chunk"
     else:
         # After a prefill, a decode: the long prompt's chunks never starve 0 and 1.
         assert batch_kinds(d.batches)[1:7] == ["D", "P", "D", "P", "D", "P"]
-        assert all(sorted(b.slots) == [0, 1] for b in d.batches[1:7:2])
+        assert all(sorted(b.req_pool_idx) == [0, 1] for b in d.batches[1:7:2])
     d.run()
     for rid, (n, seed, max_new) in {0: (8, 0, 30), 1: (8, 1, 30), 2: (300, 2, 3)}.items():
         assert d.tokens[rid] == reference_output(prompt(n, seed), max_new, [], 512)[0]
     d.assert_no_leak()
 
 
-def test_one_token_batch_per_step_and_sampler_only_on_a_new_slot() -> None:
+def test_one_token_batch_per_step_and_sampler_only_on_a_new_req_pool_idx() -> None:
     d = Driver(config())
     for rid in range(3):
         d.submit(rid, prompt(5, rid), 4)

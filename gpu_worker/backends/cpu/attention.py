@@ -82,7 +82,7 @@ def build_metadata(
     decode = [i for i, n in enumerate(extend_lens) if n <= KERNEL_MAX_EXTEND]
     paged = None
     if decode:
-        # A row's tokens as adjacent decode rows of one slot (the kernel needs a slot's rows adjacent).
+        # A row's tokens as adjacent decode rows of one request (the kernel needs a request's rows adjacent).
         spans = [(starts[i], req_pool_idx[i], prefix_lens[i], extend_lens[i]) for i in decode]
         tokens = torch.tensor([s + j for s, _, _, n in spans for j in range(n)], dtype=torch.int64)
         rows_t = torch.tensor([r for _, r, _, n in spans for _ in range(n)], dtype=torch.int64)

@@ -11,7 +11,7 @@ Its steps, in this order (each depends on the one before):
    Not with --compile: a compiled graph cannot read oneDNN's opaque blocked tensors.
    A Linear or embedding the loader gave a GGUF's quantized blocks gets a ``QuantLinear`` or
    ``QuantEmbedding`` (quant.py) instead; the runner loads blocks only where the kernels run.
-4. Modules with a ``fused`` slot (RMSNorm, rotary, silu * up) get the kernels, unless --compile
+4. Modules with a ``fused`` attribute (RMSNorm, rotary, silu * up) get the kernels, unless --compile
    fuses those ops itself (a C call would break its graph).
 5. Attributes pinned in each module's instance dict (the model's layout is final after this).
 6. Where the model fits it (decode_layers.py: a Llama whose every layer Linear holds GGUF blocks),

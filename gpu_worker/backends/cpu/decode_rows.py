@@ -11,7 +11,7 @@ class DecodeRows(NamedTuple):
     """Decode rows as the attention kernel reads them: pointers to int64 tensors, and sizes."""
 
     q_rows: int
-    slots: int
+    req_pool_idx: int
     kv_lens: int
     page_table: int
     pt_stride: int

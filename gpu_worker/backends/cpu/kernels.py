@@ -86,20 +86,20 @@ class CpuKernels(QuantKernels):
     def decode_rows(
         self,
         q_rows: torch.Tensor,
-        slots: torch.Tensor,
+        req_pool_idx: torch.Tensor,
         kv_lens: torch.Tensor,
         page_table: torch.Tensor,
         page_size: int,
     ) -> DecodeRows:
         """The raw arguments for ``attend`` of decode rows: checked once, used by every layer.
-        Row i reads q row q_rows[i] and attends positions [0, kv_lens[i]) of request slot
-        slots[i] through ``page_table``."""
+        Row i reads q row q_rows[i] and attends positions [0, kv_lens[i]) of page-table row
+        req_pool_idx[i]."""
         assert page_table.is_contiguous() and page_table.dtype == torch.int64
-        for t in (q_rows, slots, kv_lens):
+        for t in (q_rows, req_pool_idx, kv_lens):
             assert t.dtype == torch.int64 and t.is_contiguous() and len(t) == len(q_rows)
         return DecodeRows(
-            q_rows.data_ptr(), slots.data_ptr(), kv_lens.data_ptr(), page_table.data_ptr(),
-            page_table.shape[1], len(q_rows), page_size, (q_rows, slots, kv_lens, page_table),
+            q_rows.data_ptr(), req_pool_idx.data_ptr(), kv_lens.data_ptr(), page_table.data_ptr(),
+            page_table.shape[1], len(q_rows), page_size, (q_rows, req_pool_idx, kv_lens, page_table),
         )  # fmt: skip
 
     def attend(
@@ -126,7 +126,7 @@ class CpuKernels(QuantKernels):
             k_ptr, v_ptr, k_stride, v_stride = k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0)
         status = self._attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-            DTYPE_CODES[q.dtype], KV_DTYPE_CODES[k_cache.dtype], rows.q_rows, rows.slots, rows.kv_lens,
+            DTYPE_CODES[q.dtype], KV_DTYPE_CODES[k_cache.dtype], rows.q_rows, rows.req_pool_idx, rows.kv_lens,
             rows.page_table, rows.pt_stride,
             rows.rows, heads, k_cache.shape[1], head_dim, rows.page_size,
             head_dim**-0.5 if scale is None else scale, k_ptr, k_stride, v_ptr, v_stride, sliding_window,
@@ -143,14 +143,16 @@ class CpuKernels(QuantKernels):
         v_cache: torch.Tensor,
         out: torch.Tensor,
         q_rows: torch.Tensor,
-        slots: torch.Tensor,
+        req_pool_idx: torch.Tensor,
         kv_lens: torch.Tensor,
         page_table: torch.Tensor,
         page_size: int,
     ) -> None:
         """``attend`` in one call, for one-off use (tests)."""
         assert out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
-        self.attend(q, k_cache, v_cache, out, self.decode_rows(q_rows, slots, kv_lens, page_table, page_size))
+        self.attend(
+            q, k_cache, v_cache, out, self.decode_rows(q_rows, req_pool_idx, kv_lens, page_table, page_size)
+        )
 
     # The dense layer's small ops: one call each where torch takes 2-8 (RMSNorm, rotary, silu * up).
     # Same roundings as the torch code they replace; callers check layout (rows stride, last dim 1).

@@ -159,7 +159,7 @@ class QuantKernels:
         cos / sin [T, 1, head_dim] at the rows' positions, the attention's ``rows``."""
         status = self._decode_layers(
             ctypes.byref(layers), n_layers, ctypes.byref(dims), x.data_ptr(), out.data_ptr(), rows.rows,
-            cos.data_ptr(), sin.data_ptr(), rows.q_rows, rows.slots, rows.kv_lens, rows.page_table,
+            cos.data_ptr(), sin.data_ptr(), rows.q_rows, rows.req_pool_idx, rows.kv_lens, rows.page_table,
             rows.pt_stride, rows.page_size,
         )  # fmt: skip
         if status != 0:

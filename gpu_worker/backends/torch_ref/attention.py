@@ -2,7 +2,7 @@
 
 Rows come in two kinds, each attended in the cheapest shape torch offers:
 - decode rows (one new token): batched calls over groups of rows of similar KV
-  length (usually one group). A group's KV is gathered by slot index into
+  length (usually one group). A group's KV is gathered by KV location into
   [rows, max_len], padded, with a length mask (none when all lengths agree).
   Grouping by length bounds the padding: one long row no longer makes every
   short row gather and attend over its length. The query heads of a KV head
@@ -42,7 +42,7 @@ class ExtendRow:
     start: int
     length: int
     prefix_len: int
-    kv_locs: torch.Tensor | None  # [prefix_len + length] KV slots; None when prefix_len == 0
+    kv_locs: torch.Tensor | None  # [prefix_len + length] KV locations; None when prefix_len == 0
     mask: torch.Tensor | None  # [length, prefix_len + length] bool; None: plain causal
 
 
@@ -51,7 +51,7 @@ class DecodeGroup:
     """Decode rows of similar KV length, attended in one call."""
 
     tokens: torch.Tensor  # [B] flat indices of their tokens
-    kv_locs: torch.Tensor  # [B * L] KV slots, row-major, padded with a valid slot of the same row
+    kv_locs: torch.Tensor  # [B * L] KV locations, row-major, padded with a valid one of the same row
     max_len: int  # L
     mask: torch.Tensor | None  # [B, 1, 1, L] bool, True = attend; None: every row has L tokens
     kv_lens: torch.Tensor  # [B] KV tokens of each row, its new one included
@@ -61,7 +61,7 @@ class DecodeGroup:
 class AttentionMetadata:
     """Where this batch's K/V go and what each row's queries attend to."""
 
-    out_locs: torch.Tensor  # [T] KV slot of every new token
+    out_locs: torch.Tensor  # [T] KV location of every new token
     decode: tuple[DecodeGroup, ...]
     extends: tuple[ExtendRow, ...]
     in_order: bool  # every row decodes (tokens are arange(T)), in one group
@@ -260,15 +260,15 @@ def kv_locations(
 def _decode_group(
     page_table: torch.Tensor, page_size: int, rows: list[tuple[int, int, int]], device: torch.device
 ) -> DecodeGroup:
-    """rows: (page-table row, flat token index, KV length)."""
+    """rows: (req_pool_idx, flat token index, KV length)."""
     lens = [n for _, _, n in rows]
     kv_lens = torch.tensor(lens, device=device)
     max_len = max(lens)
     grid = torch.arange(max_len, device=device)[None, :]
     # Padding reads the row's own last position: never unwritten memory (NaN * 0 is NaN).
     positions = torch.minimum(grid, kv_lens[:, None] - 1)
-    row_slots = torch.tensor([slot for slot, _, _ in rows], device=device)[:, None]
-    locs = kv_locations(page_table, page_size, row_slots, positions).view(-1)
+    req_pool_idx = torch.tensor([idx for idx, _, _ in rows], device=device)[:, None]
+    locs = kv_locations(page_table, page_size, req_pool_idx, positions).view(-1)
     tokens = torch.tensor([token for _, token, _ in rows], device=device)
     mask = None if min(lens) == max_len else (grid < kv_lens[:, None])[:, None, None, :]
     return DecodeGroup(tokens=tokens, kv_locs=locs, max_len=max_len, mask=mask, kv_lens=kv_lens)
@@ -277,7 +277,7 @@ def _decode_group(
 def _extend_row(
     page_table: torch.Tensor,
     page_size: int,
-    slot: int,
+    req_pool_idx: int,
     start: int,
     prefix_len: int,
     length: int,
@@ -287,7 +287,7 @@ def _extend_row(
         return ExtendRow(start=start, length=length, prefix_len=0, kv_locs=None, mask=None)
     kv_len = prefix_len + length
     kv_pos = torch.arange(kv_len, device=device)
-    kv_locs = kv_locations(page_table, page_size, torch.tensor(slot, device=device), kv_pos)
+    kv_locs = kv_locations(page_table, page_size, torch.tensor(req_pool_idx, device=device), kv_pos)
     q_pos = torch.arange(prefix_len, kv_len, device=device)
     mask = kv_pos[None, :] <= q_pos[:, None]
     return ExtendRow(start=start, length=length, prefix_len=prefix_len, kv_locs=kv_locs, mask=mask)

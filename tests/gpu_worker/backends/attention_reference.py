@@ -45,8 +45,8 @@ def paged_batch(
     page_table = torch.zeros((len(lens) + 2, pages_per_request), dtype=torch.int64)
     free = torch.randperm(num_pages, generator=gen).tolist()
     req_pool_idx = random.Random(seed).sample(range(len(lens) + 2), len(lens))
-    for slot, count in zip(req_pool_idx, pages_per_row, strict=True):
-        page_table[slot, :count] = torch.tensor([free.pop() for _ in range(count)])
+    for idx, count in zip(req_pool_idx, pages_per_row, strict=True):
+        page_table[idx, :count] = torch.tensor([free.pop() for _ in range(count)])
     shape = (num_pages * page_size, kv_heads, head_dim)
     return PagedBatch(
         q=torch.randn((sum(e for _, e in lens), q_heads, head_dim), generator=gen).to(dtype).to(device),
@@ -68,9 +68,9 @@ def reference_attention(
     outs = []
     q_start = 0
     rows = zip(batch.req_pool_idx, batch.prefix_lens, batch.extend_lens, strict=True)
-    for slot, prefix_len, extend_len in rows:
+    for idx, prefix_len, extend_len in rows:
         kv_pos = torch.arange(prefix_len + extend_len)
-        locs = batch.page_table[slot].cpu()[kv_pos // batch.page_size] * batch.page_size
+        locs = batch.page_table[idx].cpu()[kv_pos // batch.page_size] * batch.page_size
         locs += kv_pos % batch.page_size
         k = batch.k_cache.cpu()[locs].double().repeat_interleave(q_heads // kv_heads, dim=1)
         v = batch.v_cache.cpu()[locs].double().repeat_interleave(q_heads // kv_heads, dim=1)

@@ -198,7 +198,7 @@ static inline __m512 widened_scores(const float *q, float (*kf)[MAX_HEAD_DIM], i
     return sum16(part);
 }
 
-/* The positions of one verify row (npos adjacent decode rows of one slot, lens[p] = lens[0] + p)
+/* The positions of one verify row (npos adjacent decode rows of one request, lens[p] = lens[0] + p)
  * over heads [h0, h1), attend_avx512's way: every query of every position in one pass over the KV,
  * so each K and V row is read (and widened) once for all of them, and a query's scores past its own
  * position are masked. npos * (h1 - h0) * group <= MAX_HEADS. res: [npos][(h1 - h0) * group][head_dim]. */
@@ -702,7 +702,7 @@ static inline int64_t window_start(int64_t len, int64_t window) { return window 
  * heads instead left 3 KV heads on 2 threads (one idle a third of the time), each reading a third
  * of every token row. */
 static void attend_split(const void *q, int64_t q_row_stride, void *k_cache, void *v_cache, void *out, int dtype,
-                         int kv_dtype, const int64_t *q_rows, const int64_t *slots, const int64_t *kv_lens,
+                         int kv_dtype, const int64_t *q_rows, const int64_t *req_pool_idx, const int64_t *kv_lens,
                          const int64_t *page_table, int64_t pt_stride, int64_t rows, int num_heads, int kv_heads,
                          int head_dim, int page_size, float scale, const void *k_new, int64_t k_new_stride,
                          const void *v_new, int64_t v_new_stride, int64_t window, int parts, float *part) {
@@ -713,7 +713,7 @@ static void attend_split(const void *q, int64_t q_row_stride, void *k_cache, voi
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < rows * parts; task++) {
             const int64_t r = task / parts, c = task % parts, len = kv_lens[r], first = window_start(len, window);
-            const int64_t *pages = page_table + slots[r] * pt_stride, span = len - first;
+            const int64_t *pages = page_table + req_pool_idx[r] * pt_stride, span = len - first;
             const int64_t run = ((span + parts - 1) / parts + 15) / 16 * 16;
             const int64_t p0 = first + (c * run < span ? c * run : span), p1 = p0 + run < len ? p0 + run : len;
             float *res = part + task * width;
@@ -744,26 +744,27 @@ static void attend_split(const void *q, int64_t q_row_stride, void *k_cache, voi
 }
 
 #if HAVE_AVX512
-/* The decode rows as runs of adjacent rows of one slot at consecutive positions (a verify row's,
+/* The decode rows as runs of adjacent rows of one request at consecutive positions (a verify row's,
  * or a lone decode row), each run in chunks of at most MAX_HEADS queries a task (attend_span_avx512):
  * a task per chunk and KV head where there are few chunks, else per chunk with all its heads (a
  * task reading a third of each token row ran slower once the KV was out of cache, as it is in a
  * forward). The rows' new K/V are already in the pool. */
 static int attend_spans(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, void *out,
-                        int dtype, int kv_dtype, const int64_t *q_rows, const int64_t *slots, const int64_t *kv_lens,
-                        const int64_t *page_table, int64_t pt_stride, int64_t rows, int num_heads, int kv_heads,
-                        int head_dim, int page_size, float scale) {
+                        int dtype, int kv_dtype, const int64_t *q_rows, const int64_t *req_pool_idx,
+                        const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t rows,
+                        int num_heads, int kv_heads, int head_dim, int page_size, float scale) {
     const int group = num_heads / kv_heads, elem = dtype == DTYPE_BF16 ? 2 : 4;
     const int64_t kv_row = (int64_t)kv_heads * head_dim;
     int64_t runs = 0;
     for (int64_t r = 0; r < rows; r++)
-        runs += r == 0 || slots[r] != slots[r - 1] || kv_lens[r] != kv_lens[r - 1] + 1 || q_rows[r] != q_rows[r - 1] + 1;
+        runs += r == 0 || req_pool_idx[r] != req_pool_idx[r - 1] || kv_lens[r] != kv_lens[r - 1] + 1 ||
+                q_rows[r] != q_rows[r - 1] + 1;
     const int splits = runs < 2 * omp_get_max_threads() ? kv_heads : 1, per_task = MAX_HEADS / (num_heads / splits);
     int64_t *chunks = malloc((size_t)(2 * rows) * sizeof(int64_t)); /* (first row, positions) */
     if (chunks == NULL) return -2;
     int64_t count = 0;
     for (int64_t r = 0, end; r < rows; r = end) {
-        for (end = r + 1; end < rows && slots[end] == slots[r] && kv_lens[end] == kv_lens[end - 1] + 1 &&
+        for (end = r + 1; end < rows && req_pool_idx[end] == req_pool_idx[r] && kv_lens[end] == kv_lens[end - 1] + 1 &&
                           q_rows[end] == q_rows[end - 1] + 1;
              end++) {
         }
@@ -780,7 +781,7 @@ static int attend_spans(const void *q, int64_t q_row_stride, const void *k_cache
         float res[MAX_HEADS * MAX_HEAD_DIM];
         attend_span_avx512((const char *)q + (q_rows[c0] * q_row_stride + (int64_t)q0 * head_dim) * elem,
                            q_row_stride * elem, (int)npos, kv_lens + c0, k_cache, v_cache, dtype, kv_dtype,
-                           page_table + slots[c0] * pt_stride, page_size, h0, h1, group, head_dim, kv_row, scale,
+                           page_table + req_pool_idx[c0] * pt_stride, page_size, h0, h1, group, head_dim, kv_row, scale,
                            res);
         for (int64_t p = 0; p < npos; p++)
             store_vec(out, dtype, (q_rows[c0 + p] * num_heads + q0) * head_dim, nq * head_dim,
@@ -795,9 +796,9 @@ static int attend_spans(const void *q, int64_t q_row_stride, const void *k_cache
  *
  * q: [*, num_heads, head_dim] with row stride q_row_stride (elements); row r of this call
  * reads q row q_rows[r] and writes out row q_rows[r] (out: [*, num_heads, head_dim], contiguous).
- * Row r attends positions [0, kv_lens[r]) of request slot slots[r] (with ``window`` > 0 only the last
+ * Row r attends positions [0, kv_lens[r]) of page-table row req_pool_idx[r] (with ``window`` > 0 only the last
  * ``window`` of them: a sliding-window layer, as HF's mask keeps p > last - window): position p lives at
- * KV row page_table[slots[r] * pt_stride + p / page_size] * page_size + p % page_size of
+ * KV row page_table[req_pool_idx[r] * pt_stride + p / page_size] * page_size + p % page_size of
  * k_cache / v_cache ([pool tokens, kv_heads, head_dim], of ``kv_dtype``: float32, bfloat16 or
  * float16, whatever the ``dtype`` of q and out). The num_heads / kv_heads query heads of one KV
  * head share its K/V rows (GQA, HF's repeat_kv order). Returns 0, or -1 on bad sizes or dtypes.
@@ -805,7 +806,7 @@ static int attend_spans(const void *q, int64_t q_row_stride, const void *k_cache
  * k_new / v_new (or NULL): the rows' new K/V ([*, kv_heads, head_dim], rows k_new_stride /
  * v_new_stride elements apart, read at q_rows[r], of ``dtype``), written first at the row's last
  * position (rounded to ``kv_dtype``); a task writes exactly the heads it then reads, so no task waits
- * for another. Rows of one slot (a verify row's positions, one row per position) must be adjacent:
+ * for another. Rows of one request (a verify row's positions, one row per position) must be adjacent:
  * where any are, every row's new K/V are written before any row attends.
  *
  * A task is one row with all its KV heads. (One task per (row, head) reads 1/kv_heads of every
@@ -815,7 +816,7 @@ static int attend_spans(const void *q, int64_t q_row_stride, const void *k_cache
  * SPLIT_MIN_LEN of them, else its heads.
  */
 int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
-                           void *out, int dtype, int kv_dtype, const int64_t *q_rows, const int64_t *slots,
+                           void *out, int dtype, int kv_dtype, const int64_t *q_rows, const int64_t *req_pool_idx,
                            const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t rows,
                            int num_heads, int kv_heads, int head_dim, int page_size, float scale,
                            const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride,
@@ -824,20 +825,20 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
     if ((dtype != DTYPE_F32 && dtype != DTYPE_BF16) || kv_dtype < DTYPE_F32 || kv_dtype > DTYPE_F16) return -1;
     const int group = num_heads / kv_heads;
     const int64_t kv_row = (int64_t)kv_heads * head_dim; /* elements per pool token */
-    int shared = 0; /* adjacent rows of one slot: a verify row's positions, each reading the others' K/V */
-    for (int64_t r = 1; r < rows && !shared; r++) shared = slots[r] == slots[r - 1];
+    int shared = 0; /* adjacent rows of one request: a verify row's positions, each reading the others' K/V */
+    for (int64_t r = 1; r < rows && !shared; r++) shared = req_pool_idx[r] == req_pool_idx[r - 1];
     if (k_new != NULL && shared) {
 #pragma omp parallel for schedule(static)
         for (int64_t r = 0; r < rows; r++)
             if (kv_lens[r] > 0)
-                write_new_kv((void *)k_cache, (void *)v_cache, page_table + slots[r] * pt_stride, page_size,
+                write_new_kv((void *)k_cache, (void *)v_cache, page_table + req_pool_idx[r] * pt_stride, page_size,
                              kv_lens[r] - 1, kv_row, 0, kv_heads, head_dim, dtype, kv_dtype, k_new, v_new,
                              q_rows[r] * k_new_stride, q_rows[r] * v_new_stride);
         k_new = v_new = NULL;
     }
 #if HAVE_AVX512
     if (shared && window == 0) /* a verify row's positions read its KV once (no window: they share it) */
-        return attend_spans(q, q_row_stride, k_cache, v_cache, out, dtype, kv_dtype, q_rows, slots, kv_lens,
+        return attend_spans(q, q_row_stride, k_cache, v_cache, out, dtype, kv_dtype, q_rows, req_pool_idx, kv_lens,
                             page_table, pt_stride, rows, num_heads, kv_heads, head_dim, page_size, scale);
 #endif
     const int threads = omp_get_max_threads(), elem = dtype == DTYPE_BF16 ? 2 : 4;
@@ -852,7 +853,7 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
         parts = parts < MAX_SPLIT ? parts : MAX_SPLIT;
         float *part = malloc((size_t)(rows * parts * num_heads * (head_dim + 2)) * sizeof(float));
         if (part != NULL) {
-            attend_split(q, q_row_stride, (void *)k_cache, (void *)v_cache, out, dtype, kv_dtype, q_rows, slots,
+            attend_split(q, q_row_stride, (void *)k_cache, (void *)v_cache, out, dtype, kv_dtype, q_rows, req_pool_idx,
                          kv_lens, page_table, pt_stride, rows, num_heads, kv_heads, head_dim, page_size, scale, k_new,
                          k_new_stride, v_new, v_new_stride, window, parts, part);
             free(part);
@@ -867,20 +868,20 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
         const int q0 = h0 * group, nq = (h1 - h0) * group;
         float res[MAX_HEADS * MAX_HEAD_DIM];
         if (k_new != NULL && kv_lens[r] > 0)
-            write_new_kv((void *)k_cache, (void *)v_cache, page_table + slots[r] * pt_stride, page_size, kv_lens[r] - 1,
-                         kv_row, h0, h1, head_dim, dtype, kv_dtype, k_new, v_new, q_rows[r] * k_new_stride,
-                         q_rows[r] * v_new_stride);
+            write_new_kv((void *)k_cache, (void *)v_cache, page_table + req_pool_idx[r] * pt_stride, page_size,
+                         kv_lens[r] - 1, kv_row, h0, h1, head_dim, dtype, kv_dtype, k_new, v_new,
+                         q_rows[r] * k_new_stride, q_rows[r] * v_new_stride);
         const int64_t next = task + omp_get_num_threads(); /* most likely this thread's next task */
         if (next < rows * splits) {
             const int64_t r2 = next / splits, from = window_start(kv_lens[r2], window);
             const int g0 = (int)(next % splits) * kv_heads / splits, g1 = (int)(next % splits + 1) * kv_heads / splits;
-            prefetch_kv(k_cache, v_cache, page_table + slots[r2] * pt_stride, page_size, from,
+            prefetch_kv(k_cache, v_cache, page_table + req_pool_idx[r2] * pt_stride, page_size, from,
                         kv_lens[r2] < from + PREFETCH_L2 ? kv_lens[r2] : from + PREFETCH_L2, kv_row,
                         (int64_t)g0 * head_dim, kv_elem, (g1 - g0) * head_dim * kv_elem, 1);
         }
         attend((const char *)q + (q_rows[r] * q_row_stride + (int64_t)q0 * head_dim) * elem, k_cache, v_cache, dtype,
-               kv_dtype, page_table + slots[r] * pt_stride, window_start(kv_lens[r], window), kv_lens[r], page_size, h0,
-               h1, group, head_dim, kv_row, scale, res, NULL);
+               kv_dtype, page_table + req_pool_idx[r] * pt_stride, window_start(kv_lens[r], window), kv_lens[r],
+               page_size, h0, h1, group, head_dim, kv_row, scale, res, NULL);
         const int64_t o_off = (q_rows[r] * num_heads + q0) * head_dim;
         if (dtype == DTYPE_BF16) {
             uint16_t *dst = (uint16_t *)out + o_off;

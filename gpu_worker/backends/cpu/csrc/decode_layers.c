@@ -21,7 +21,7 @@ void rotary(void *x, int64_t x_stride, int64_t rows, int heads, int head_dim, co
             int dtype);
 void silu_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype);
 int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
-                           void *out, int dtype, int kv_dtype, const int64_t *q_rows, const int64_t *slots,
+                           void *out, int dtype, int kv_dtype, const int64_t *q_rows, const int64_t *req_pool_idx,
                            const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t rows,
                            int num_heads, int kv_heads, int head_dim, int page_size, float scale,
                            const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride,
@@ -81,7 +81,7 @@ static int linear(const decode_layer *l, int i, int64_t n, int64_t k, const void
  * are paged_decode_attention's (q_rows: the rows in order). Returns 0, 1 (no memory), or 100 + the
  * status of the kernel call that refused. */
 int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dims *dims, const void *x, void *out,
-                  int64_t rows, const void *cos, const void *sin, const int64_t *q_rows, const int64_t *slots,
+                  int64_t rows, const void *cos, const void *sin, const int64_t *q_rows, const int64_t *req_pool_idx,
                   const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t page_size) {
     const int dtype = (int)dims->dtype, elem = dtype == DTYPE_BF16 ? 2 : 4;
     const int64_t hidden = dims->hidden, d = dims->head_dim, inner = dims->inner;
@@ -106,7 +106,7 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
         if ((status = linear(l, QKV, qkv_n, hidden, h, rows, scratch, qkv, dtype, NULL)) != 0) break;
         rotary(qkv, qkv_n, rows, (int)(dims->heads + dims->kv_heads), (int)d, cos, sin, dtype);
         status = paged_decode_attention(qkv, qkv_n, l->k_cache, l->v_cache, attn, dtype, (int)dims->kv_dtype, q_rows,
-                                        slots, kv_lens, page_table, pt_stride, rows, (int)dims->heads,
+                                        req_pool_idx, kv_lens, page_table, pt_stride, rows, (int)dims->heads,
                                         (int)dims->kv_heads, (int)d, (int)page_size, dims->scale,
                                         (const char *)qkv + q_out * elem, qkv_n,
                                         (const char *)qkv + (q_out + kv_out) * elem, qkv_n,
