@@ -84,10 +84,13 @@ class ModelRunner:
         self.model, self.hf_config = self._load()
         model = self.model
         assert isinstance(model, torch.nn.Module), "our models are nn.Modules"
-        reduced = tp.shard(model, self.config.tp_rank, self.config.tp_size) if self.config.tp_size > 1 else []
-        self.backend.prepare_model(model, self._dtype)
-        if reduced:  # after the backend: the reductions wrap whatever computes each sharded module
-            tp.wrap_reductions(reduced, self.backend.all_reduce(self.config))
+        config = self.config
+        group = (
+            tp.TensorParallel(config.tp_rank, config.tp_size, self.backend.all_reduce(config))
+            if config.tp_size > 1
+            else None
+        )
+        self.backend.prepare_model(model, self._dtype, group)
         self._context_len = int(self.model.context_len)
         self.vocab_size = int(self.hf_config.vocab_size)
         logger.info(

@@ -20,15 +20,17 @@ A GGUF's blocks stay blocks (``QuantizedWeight``): a column-parallel Linear keep
 row-parallel one its share of each row's blocks, which needs the share of the input to be whole
 blocks (32 or 256 weights); a split that is not is refused at start, naming the tensor. The
 embedding stays whole on every rank (mapped from the file, shared by the page cache).
-``shard`` runs on the full model as loaded, before the device backend readies it;
-``wrap_reductions`` after, around whatever matmul the backend chose, with the all-reduce of
-shm_allreduce.py (shared memory on one machine, else gloo). The model files stay
-free of this: they read their head counts from their modules, which ``shard`` sets.
+A backend's ``prepare_model`` applies both through ``prepare_rank``: ``shard`` on the full model as
+loaded, then the backend's own layouts and kernels on this rank's part, then ``wrap_reductions``
+around whatever matmul it chose, with the all-reduce the runner passes in (``TensorParallel``: the
+backend's ``all_reduce``, shared memory on one machine for the CPU's, else gloo). The model files
+stay free of this: they read their head counts from their modules, which ``shard`` sets.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +42,16 @@ from gpu_worker.models.layers import Linear, MergedLinear
 from gpu_worker.weights.formats import QuantizedWeight
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a contiguous float32/float64 tensor in place
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """What a backend's ``prepare_model`` needs under --tp-size > 1: this rank, the group's size, and
+    the in-place sum over the group's ranks."""
+
+    rank: int
+    world: int
+    all_reduce: AllReduce
 
 
 def init_group(rank: int, world: int, init_addr: str) -> None:
@@ -212,6 +224,18 @@ class VocabGathered(AllReduced):
         logits[:, start:stop] = part
         self._reduce(logits)
         return logits.to(part.dtype)
+
+
+def prepare_rank(model: nn.Module, tp: TensorParallel | None, prepare: Callable[[], None]) -> None:
+    """Run a backend's ``prepare`` (layouts, kernels) on this rank's part of ``model``: sharded
+    before, so the backend lays out only that part; the row-parallel modules' matmuls, whichever
+    ``prepare`` chose, routed through ``tp.all_reduce`` after. Without ``tp``, ``prepare`` alone."""
+    if tp is None:
+        prepare()
+        return
+    reduced = shard(model, tp.rank, tp.world)
+    prepare()
+    wrap_reductions(reduced, tp.all_reduce)
 
 
 def wrap_reductions(modules: list[nn.Module], reduce: AllReduce) -> None:

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from gpu_worker.config import WorkerConfig
     from gpu_worker.forward_context import AttentionOptions, ForwardContext
     from gpu_worker.kv_cache import KVPool
+    from gpu_worker.tensor_parallel import TensorParallel
 
 ALL_REDUCE = Callable[[torch.Tensor], None]
 
@@ -45,9 +46,11 @@ class Backend(Protocol):
         """The KV pool's size in tokens: ``configured`` if > 0, else a share of free memory."""
         ...
 
-    def prepare_model(self, model: nn.Module, dtype: torch.dtype) -> None:
-        """Ready a loaded model: weight layouts, per-Linear kernels, fused ops. The one owner of
-        what a built model's modules compute with; nothing else mutates it after this."""
+    def prepare_model(self, model: nn.Module, dtype: torch.dtype, tp: TensorParallel | None) -> None:
+        """Ready a loaded model: under tensor parallel (``tp``) this rank's shard of it and the
+        all-reduce around its row-parallel matmuls (``tensor_parallel.prepare_rank``), weight
+        layouts, per-Linear kernels, fused ops. The one owner of what a loaded model's modules compute
+        with: nothing else shards, wraps or lays them out, before or after this."""
         ...
 
     def init_forward_metadata(
@@ -77,7 +80,7 @@ class Backend(Protocol):
         ...
 
     def all_reduce(self, config: WorkerConfig) -> ALL_REDUCE:
-        """The tensor-parallel sum over ranks (in place)."""
+        """The tensor-parallel sum over ranks (in place), for ``prepare_model``'s ``tp``."""
         ...
 
     def before_batch(self, rows: int, tokens: int) -> None:

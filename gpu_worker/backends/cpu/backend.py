@@ -1,7 +1,8 @@
 """The CPU backend (``CpuBackend``) and the one entry point that readies a loaded model for this
 CPU: ``prepare_model``.
 
-Its steps, in this order (each depends on the one before):
+Its steps, in this order (each depends on the one before), on this rank's shard of the model under
+tensor parallel (``CpuBackend.prepare_model`` runs them inside ``tensor_parallel.prepare_rank``):
 1. The CPU kind (kind.py): RIVULET_CPU_KIND or the CPU's own; it decides everything below.
 2. The C kernels built for that kind (kernels.py), where the model's dtype and head shapes fit
    them and they are not turned off (--disable-cpu-kernels).
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from gpu_worker import tensor_parallel
 from gpu_worker.backends.base import ALL_REDUCE
 from gpu_worker.backends.cpu import attention as cpu_attention
 from gpu_worker.backends.cpu import kernels as cpu_kernels
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from gpu_worker.config import WorkerConfig
     from gpu_worker.forward_context import AttentionOptions, ForwardContext
     from gpu_worker.kv_cache import KVPool
+    from gpu_worker.tensor_parallel import TensorParallel
 from gpu_worker.weights.formats import QuantizedExperts, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -256,11 +259,14 @@ class CpuBackend:
     def kv_pool_tokens(self, configured: int, mem_fraction: float, bytes_per_token: int) -> int:
         return kv_pool_tokens(configured, mem_fraction, bytes_per_token, self.device)
 
-    def prepare_model(self, model: nn.Module, dtype: torch.dtype) -> None:
-        if self.config.compile:
-            compile_layers(model)
-        setup = prepare_model(model, dtype, self.config.cpu_kernels, self.config.compile)
-        self.kernels, self.fused_decode = setup.kernels, setup.decode_layers
+    def prepare_model(self, model: nn.Module, dtype: torch.dtype, tp: TensorParallel | None) -> None:
+        def prepare() -> None:  # on this rank's shard under tensor parallel
+            if self.config.compile:
+                compile_layers(model)
+            setup = prepare_model(model, dtype, self.config.cpu_kernels, self.config.compile)
+            self.kernels, self.fused_decode = setup.kernels, setup.decode_layers
+
+        tensor_parallel.prepare_rank(model, tp, prepare)
 
     def init_forward_metadata(
         self, kv: KVPool, req_pool_idx: list[int], prefix_lens: list[int], extend_lens: list[int]

@@ -1,7 +1,8 @@
 """The torch reference backend: torch's own ops on any device and dtype (float64 included).
 
 It is the float64 reference of the exact tests and the path of any device no other backend
-takes; it prepares nothing, so a model runs exactly as its modules are written.
+takes; it prepares nothing but tensor parallel's shard, so a model runs exactly as its modules are
+written.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gpu_worker import tensor_parallel
 from gpu_worker.backends.base import ALL_REDUCE
 from gpu_worker.backends.memory import kv_pool_tokens
 from gpu_worker.backends.torch_ref import attention
@@ -20,6 +22,7 @@ if TYPE_CHECKING:
     from gpu_worker.config import WorkerConfig
     from gpu_worker.forward_context import AttentionOptions, ForwardContext
     from gpu_worker.kv_cache import KVPool
+    from gpu_worker.tensor_parallel import TensorParallel
 
 
 def gloo_all_reduce(t: torch.Tensor) -> None:
@@ -51,8 +54,8 @@ class TorchBackend:
     def kv_pool_tokens(self, configured: int, mem_fraction: float, bytes_per_token: int) -> int:
         return kv_pool_tokens(configured, mem_fraction, bytes_per_token, self.device)
 
-    def prepare_model(self, model: nn.Module, dtype: torch.dtype) -> None:
-        return None
+    def prepare_model(self, model: nn.Module, dtype: torch.dtype, tp: TensorParallel | None) -> None:
+        tensor_parallel.prepare_rank(model, tp, lambda: None)
 
     def init_forward_metadata(
         self, kv: KVPool, req_pool_idx: list[int], prefix_lens: list[int], extend_lens: list[int]
