@@ -187,11 +187,6 @@ class ModelRunner:
         )
 
     @property
-    def uses_cpu_kernels(self) -> bool:
-        """Whether decode rows are attended by our C kernel (else by torch or Triton)."""
-        return getattr(self.backend, "kernels", None) is not None
-
-    @property
     def num_pages(self) -> int:
         return self.kv.num_pages
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.backends.cpu import kernels as cpu_kernels
+from gpu_worker.backends.cpu.backend import CpuBackend
 from gpu_worker.backends.cpu.kind import CpuKind, requested_kind
 from gpu_worker.backends.cpu.matmul import CpuLinear
 from gpu_worker.config import WorkerConfig
@@ -345,6 +346,13 @@ def test_kernel_refuses_shapes_beyond_its_buffers() -> None:
     assert not cpu_kernels.CpuKernels.supports(8, 8, 512, torch.float32)  # head_dim beyond MAX_HEAD_DIM
 
 
+def attends_in_c(runner: ModelRunner) -> bool:
+    """Whether the runner's decode rows go to the C attention kernel: the CPU backend, its kernels
+    built for the model (else torch attends)."""
+    backend = runner.backend
+    return isinstance(backend, CpuBackend) and backend.kernels is not None
+
+
 @pytest.fixture(scope="module")
 def float32_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
     out = {}
@@ -371,7 +379,7 @@ def test_runner_with_kernel_matches_hf(
             max_running_requests=8, num_threads=1, kv_cache_dtype=kv_cache_dtype,
         )
     )  # fmt: skip
-    assert runner.uses_cpu_kernels, "float32 on CPU with a compiler: decode rows go to the kernel"
+    assert attends_in_c(runner), "float32 on CPU with a compiler: decode rows go to the kernel"
     expected_kv = torch.float32 if kv_cache_dtype == "float32" else torch.float16
     assert runner.kv_dtype == expected_kv, "auto: 16-bit KV where the kernels read it"
     users = [m for m in runner.model.modules() if hasattr(type(m), "fused")]  # type: ignore[attr-defined]
@@ -401,7 +409,7 @@ def test_no_working_compiler_falls_back_to_torch(
         runner = ModelRunner(
             WorkerConfig(model_path=str(path), dtype="float32", kv_cache_tokens=256, num_threads=1)
         )
-        assert not runner.uses_cpu_kernels
+        assert not attends_in_c(runner)
         prompts = make_prompts(seed=5)
         got = run_scenario(runner, MiniScheduler(runner.num_pages, 16), prompts, hf, atol=1e-4)
         assert got[0] == hf_greedy(hf, prompts[0])
