@@ -17,7 +17,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 class HFGenerate:
     """A model loaded once; ``run`` times greedy generation over a list of token-id prompts."""
 
-    def __init__(self, model_dir: Path, dtype: str, num_threads: int = 0) -> None:
+    def __init__(self, model_dir: Path, dtype: str, num_threads: int = 0, gguf: Path | None = None) -> None:
+        """``gguf``: load the weights from that file (transformers dequantizes it), since the engine
+        keeps a GGUF's metadata in ``model_dir`` but no copy of its weights."""
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -25,7 +27,11 @@ class HFGenerate:
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.torch = torch
-        self.model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        where = {"gguf_file": gguf.name} if gguf is not None else {}
+        source = gguf.parent if gguf is not None else model_dir
+        self.model: Any = AutoModelForCausalLM.from_pretrained(
+            source, dtype=getattr(torch, dtype), **where
+        ).eval()
         config = self.model.generation_config
         eos = config.eos_token_id
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else eos

@@ -82,6 +82,12 @@ def resolve_dtype(name: str, model: str | None = None) -> str:
     return auto_dtype(gguf_blocks=source_gguf(model) is not None)
 
 
+def _source_gguf(model: str | None) -> Path | None:
+    from gpu_worker.weights.model_files import source_gguf
+
+    return source_gguf(model)
+
+
 def _model_dir(model: str | None) -> Path:
     from gpu_worker.weights.model_files import resolve_model
 
@@ -129,7 +135,11 @@ def run_offline(args: argparse.Namespace) -> OfflineResult:
     config = {k: v for k, v in vars(args).items() if k not in ("result_file", "no_record")}
     result = OfflineResult(config=config)
     hf_dtype = args.dtype if args.hf_dtype == "same" else args.hf_dtype
-    hf = HFGenerate(model_dir, hf_dtype, args.hf_threads) if args.baseline == "hf" else None
+    hf = (
+        HFGenerate(model_dir, hf_dtype, args.hf_threads, _source_gguf(args.model))
+        if args.baseline == "hf"
+        else None
+    )
     if hf is not None:
         sizes = [int(x) for x in args.hf_batch_sizes.split(",")]
         result.hf_batch_rates = hf.best_batch_size(prompts, args.output_len, sizes)
