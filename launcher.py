@@ -140,13 +140,12 @@ def _free_port() -> int:
 
 def serve(args: argparse.Namespace) -> int:
     """Start the engine, print the endpoint, supervise until a signal or a child's death."""
-    from gpu_worker.weights.model_files import check_tensor_parallel, resolve_model
+    from gpu_worker.weights.model_files import resolve_model
 
     endpoint = check_endpoint(args.endpoint)
     if endpoint.startswith("ipc://"):
         os.makedirs(os.path.dirname(endpoint[len("ipc://") :]) or ".", exist_ok=True)
     model_dir = resolve_model(args.model)
-    check_tensor_parallel(model_dir, args.tp_size)
     model_path = str(model_dir)
     if args.node_rank > 0:
         return serve_worker_node(args, model_path)

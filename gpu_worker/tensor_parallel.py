@@ -1,5 +1,6 @@
 """Tensor parallel (--tp-size N): each worker rank holds 1/N of every layer's attention heads and
-MLP columns, and one all-reduce per projection back into the residual stream.
+MLP columns (or of a mixture's experts), and one all-reduce per projection back into the residual
+stream.
 
 Per decoder layer (Megatron's split):
 
@@ -9,6 +10,19 @@ Per decoder layer (Megatron's split):
     o, down (GPT-2: both c_proj)          row-parallel: this rank's input columns, the partial
                                           products summed over the ranks (``AllReduced``); the
                                           bias added once (rank 0 keeps it, the others zero it)
+
+A mixture of experts' sparse block is expert-parallel: each rank holds a contiguous range of the
+experts, whole (``_experts``); the router is replicated, so every rank routes every token alike and
+computes the (token, expert) pairs of its own experts, weighted as one rank weights them; their
+weighted sum per token (zeros where a token chose none of them) is summed over the ranks by the
+same all-reduce (``ExpertsAllReduced``): one per sparse block. Not each expert's rows split: a
+GGUF's K-quant blocks hold 256 weights along an expert's input, and Qwen3-30B-A3B's down projection
+has 768 (3 blocks), which 2 ranks would cut; whole experts keep every block whole at any rank count,
+and each rank reads 1/N of the experts' bytes either way. Contiguous ranges, not round-robin: a
+rank's experts are one slice of the stacked weights or blocks (a view of the file, no gather), and
+its pairs one slice of the pairs sorted by expert. A token's terms are added in ascending expert
+order within a rank, the ranks' sums then in rank order: with top-2 the same floats as one rank
+(a + b either way), with more the same sum within rounding, as the row-parallel Linears' are.
 
 The LM head is vocab-parallel: each rank computes the logits of its share of the vocabulary
 (``VocabGathered``), then every rank holds all of them and draws the same tokens (same seeds), so
@@ -39,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.models.layers import Linear, MergedLinear
+from gpu_worker.models.moe import ExpertGroups, Experts
 from gpu_worker.weights.formats import QuantizedWeight
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a contiguous float32/float64 tensor in place
@@ -87,7 +102,9 @@ def shard(model: Any, rank: int, world: int) -> list[nn.Module]:
     reduce: list[nn.Module] = []
     module: Any  # a layer of the model's, by the attributes it has
     for name, module in model.named_modules():
-        if hasattr(module, "qkv_proj"):  # the Llama family's (and Gemma's) Attention
+        if isinstance(module, Experts):  # a sparse block's experts (before the MLP: gate_up_proj)
+            reduce.append(_experts(module, rank, world))
+        elif hasattr(module, "qkv_proj"):  # the Llama family's (and Gemma's) Attention
             module.num_heads //= world
             module.num_kv_heads //= world
             _columns(module.qkv_proj, rank, world)
@@ -125,6 +142,25 @@ def _vocab_rows(head: Linear, rank: int, world: int) -> Linear:
         head.bias = nn.Parameter(head.bias.detach()[start:stop], requires_grad=False)
     head.vocab_span = (start, stop, vocab)  # type: ignore[assignment]
     return head
+
+
+def expert_range(num_experts: int, rank: int, world: int) -> tuple[int, int]:
+    """(first, count): rank's contiguous share of the experts, the first ``num_experts % world``
+    ranks one more."""
+    base, extra = divmod(num_experts, world)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+def _experts(experts: Experts, rank: int, world: int) -> Experts:
+    """Keep this rank's experts, whole: a slice of the stacked weights (or of the GGUF's blocks)."""
+    first, count = expert_range(experts.routed_experts, rank, world)
+    if experts.quantized is not None:
+        experts.quantized = experts.quantized.experts_of(first, count)
+    else:
+        _set(experts.gate_up_proj, experts.gate_up_proj.detach()[first : first + count].clone())
+        _set(experts.down_proj, experts.down_proj.detach()[first : first + count].clone())
+    experts.first_expert, experts.num_experts = first, count
+    return experts
 
 
 def _part(t: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
@@ -196,16 +232,37 @@ class AllReduced:
         return F.linear(x, m.weight, m.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(x)
-        if y.dtype in (torch.float32, torch.float64) and y.is_contiguous():
-            self._reduce(y)
-            return y
-        wide = y.float().contiguous()
-        self._reduce(wide)
-        return wide.to(y.dtype)
+        return _summed(self._matmul(x), self._reduce)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return residual + self(x)
+
+
+def _summed(y: torch.Tensor, reduce: AllReduce) -> torch.Tensor:
+    """``y`` summed over the ranks (in float32 for bf16/fp16)."""
+    if y.dtype in (torch.float32, torch.float64) and y.is_contiguous():
+        reduce(y)
+        return y
+    wide = y.float().contiguous()
+    reduce(wide)
+    return wide.to(y.dtype)
+
+
+class ExpertsAllReduced:
+    """An expert-parallel sparse block's experts: this rank's experts' weighted outputs (the
+    backend's ``impl``, or torch's), summed over the ranks by ``reduce``; every rank reduces, even
+    one no token chose an expert of this step."""
+
+    def __init__(self, experts: Experts, reduce: AllReduce) -> None:
+        self._experts = experts.impl if experts.impl is not None else experts.compute
+        self._reduce = reduce
+
+    def __call__(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        if len(groups.tokens):
+            y = self._experts(x, groups)
+        else:
+            y = x.new_zeros(groups.num_tokens, x.shape[1])
+        return _summed(y, self._reduce)
 
 
 class VocabGathered(AllReduced):
@@ -228,8 +285,9 @@ class VocabGathered(AllReduced):
 
 def prepare_rank(model: nn.Module, tp: TensorParallel | None, prepare: Callable[[], None]) -> None:
     """Run a backend's ``prepare`` (layouts, kernels) on this rank's part of ``model``: sharded
-    before, so the backend lays out only that part; the row-parallel modules' matmuls, whichever
-    ``prepare`` chose, routed through ``tp.all_reduce`` after. Without ``tp``, ``prepare`` alone."""
+    before, so the backend lays out only that part; the row-parallel modules' matmuls (and the
+    experts' computation), whichever ``prepare`` chose, routed through ``tp.all_reduce`` after.
+    Without ``tp``, ``prepare`` alone."""
     if tp is None:
         prepare()
         return
@@ -242,5 +300,8 @@ def wrap_reductions(modules: list[nn.Module], reduce: AllReduce) -> None:
     """Route each row-parallel module's matmul (the backend's, or torch's) through ``reduce``, and
     the LM head's through the gather of every rank's logits."""
     for module in modules:
+        if isinstance(module, Experts):
+            module.impl = ExpertsAllReduced(module, reduce)
+            continue
         gathered = hasattr(module, "vocab_span")
         module.impl = (VocabGathered if gathered else AllReduced)(module, reduce)  # type: ignore[assignment]

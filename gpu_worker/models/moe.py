@@ -15,6 +15,10 @@ blocks from the checkpoint's ``experts.{e}.gate_proj`` etc. A GGUF's stacked blo
 Rows are grouped by expert (``ExpertGroups``): the step's (token, expert) pairs sorted by expert,
 so each expert that has rows runs once over all of its rows, its weights read once per step however
 many rows chose it.
+
+Under tensor parallel an ``Experts`` holds a contiguous range of the experts (``first_expert``,
+``num_experts``: tensor_parallel.py sets them) and computes the pairs routed to those alone; the
+router is whole on every rank.
 """
 
 from __future__ import annotations
@@ -86,6 +90,22 @@ class ExpertGroups:
             num_tokens=expert_ids.shape[0],
         )
 
+    def held(self, first: int, count: int) -> ExpertGroups:
+        """The pairs of experts [first, first + count) alone, those experts numbered from 0: one
+        slice of the sorted pairs (a contiguous range of experts holds a contiguous range of pairs)."""
+        experts = self.spans[:, 0]
+        mine = (experts >= first) & (experts < first + count)
+        spans = self.spans[mine]
+        start = int(spans[0, 1]) if len(spans) else 0
+        stop = int(spans[-1, 1] + spans[-1, 2]) if len(spans) else 0
+        shift = torch.tensor([first, start, 0], dtype=spans.dtype)
+        return ExpertGroups(
+            tokens=self.tokens[start:stop],
+            weights=self.weights[start:stop],
+            spans=spans - shift,
+            num_tokens=self.num_tokens,
+        )
+
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         """[T, hidden]: each token's weighted expert outputs (``expert_out`` [T * k, hidden], sorted
         as the pairs are) summed in ascending expert order, as HF's eager experts add them."""
@@ -102,15 +122,17 @@ class ExpertsImpl(Protocol):
 class Experts(nn.Module):
     """E SwiGLU experts, weights stacked. ``impl`` (set by a backend) computes them instead of the
     torch code below; ``quantized`` (set by the GGUF loader instead of the parameters) only an
-    ``impl`` reads."""
+    ``impl`` reads. It holds the experts [first_expert, first_expert + num_experts) of the router's
+    ``routed_experts`` (all of them but under tensor parallel)."""
 
     impl: ExpertsImpl | None = None
+    first_expert = 0
     quantized: QuantizedExperts | None = None
     fused: FusedOps | None = None  # set by a device backend: silu(gate) * up in one call
 
     def __init__(self, num_experts: int, hidden: int, inner: int, act: str) -> None:
         super().__init__()
-        self.num_experts, self.inner = num_experts, inner
+        self.num_experts, self.routed_experts, self.inner = num_experts, num_experts, inner
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner), requires_grad=False)
         self.act = activation(act)
@@ -126,9 +148,15 @@ class Experts(nn.Module):
         return views
 
     def forward(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
-        """[T, hidden]: each token's experts' outputs, weighted and summed."""
+        """[T, hidden]: each token's experts' outputs, weighted and summed (over the experts held)."""
+        if self.num_experts < self.routed_experts:
+            groups = groups.held(self.first_expert, self.num_experts)
         if self.impl is not None:
             return self.impl(x, groups)
+        return self.compute(x, groups)
+
+    def compute(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        """``forward``'s torch code, over groups of the experts held (numbered from 0)."""
         assert self.quantized is None, "stacked blocks are computed by a backend's impl alone"
         rows = x.index_select(0, groups.tokens)
         out = torch.empty_like(rows)
@@ -160,7 +188,7 @@ class SparseMoeBlock(nn.Module):
         top, expert_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
-        return ExpertGroups.of(expert_ids, top.to(x.dtype), self.experts.num_experts)
+        return ExpertGroups.of(expert_ids, top.to(x.dtype), self.experts.routed_experts)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``residual + moe(x)``."""

@@ -125,6 +125,16 @@ class QuantizedExperts:
             out.append(QuantBlocks(part.type, part.data.narrow(0, e * rows, rows), part.cols, part.layout))
         return out[0], out[1], out[2]
 
+    def experts_of(self, first: int, count: int) -> QuantizedExperts:
+        """Experts [first, first + count): each projection's rows of them, a view of the blocks
+        (whole rows, so every block stays whole)."""
+        parts = []
+        for part in self.projections:
+            rows = part.rows // self.num_experts
+            data = part.data.narrow(0, first * rows, count * rows)
+            parts.append(QuantBlocks(part.type, data, part.cols, part.layout))
+        return QuantizedExperts(parts[0], parts[1], parts[2], count)
+
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 gate_up [E, 2 * inner, hidden] (gate rows first) and down [E, hidden, inner]."""
         gate, up, down = (p.dequantize().view(self.num_experts, -1, p.cols) for p in self.projections)

@@ -81,19 +81,6 @@ def check_supported(config: dict, where: str) -> None:
         )
 
 
-# Mixtures of experts: their experts are not split over tensor-parallel ranks.
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
-
-
-def check_tensor_parallel(model_dir: Path, tp_size: int) -> None:
-    """Raise ModelNotSupportedError for --tp-size > 1 on a mixture of experts."""
-    model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
-    if tp_size > 1 and model_type in MOE_MODEL_TYPES:
-        raise ModelNotSupportedError(
-            f"--tp-size {tp_size}: {model_type} is a mixture of experts, which runs on one rank (--tp-size 1)"
-        )
-
-
 def source_gguf(model: str | None) -> Path | None:
     """The .gguf file ``model`` names (the embedded one for None), or None for an HF directory."""
     path = Path(model).expanduser() if model else embedded_gguf_path()

@@ -21,7 +21,7 @@ from gpu_worker.backends.cpu.experts import QuantExperts
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.moe import ExpertGroups, Experts
-from gpu_worker.weights.model_files import ModelNotSupportedError, check_tensor_parallel, resolve_model
+from gpu_worker.weights.model_files import resolve_model
 from tests.exactness import inprocess
 from tests.gguf_writer import write_gguf
 
@@ -214,11 +214,3 @@ def test_transformers_reads_our_qwen3moe_gguf(moe_model: tuple[Path, Any]) -> No
     for name in checked:
         torch.testing.assert_close(theirs.state_dict()[name], ours[name], rtol=0, atol=1e-6, msg=name)
     assert len(checked) >= 3 * 2, checked
-
-
-def test_tensor_parallel_refused_at_start(moe_model: tuple[Path, Any]) -> None:
-    """--tp-size > 1 on a mixture of experts stops the launcher with one line (before any child)."""
-    path, hf = moe_model
-    check_tensor_parallel(path, 1)
-    with pytest.raises(ModelNotSupportedError, match=f"{hf.config.model_type} is a mixture of experts"):
-        check_tensor_parallel(path, 2)

@@ -6,6 +6,10 @@ a prefix); a model whose heads do not divide is refused at start, naming them. A
 stay blocks on every rank: with the activations of one rank (float32), 2 and 3 ranks' greedy tokens
 are one rank's (a near tie may flip, to one rank's second choice: the partial sums of o and down
 add in another order), and the embedded model answers alike at 3 ranks on every CPU kind.
+
+Mixtures of experts (Qwen3-MoE, Mixtral) run expert-parallel (each rank its range of the experts,
+the router on every rank): 2 and 3 ranks give one rank's tokens in float64 from an HF directory,
+and, with the experts kept in their GGUF blocks, in float32 by the same near-tie rule.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from tests.conftest import TOKENIZER_FILES
 from tests.gguf_writer import write_gguf
 from tests.gpu_worker.helpers import KINDS
 from tests.gpu_worker.test_gguf_weights import TYPES
+from tests.gpu_worker.test_tp_moe import tp_moe_config
 from tests.integration.engine import launched, running_engine, wait_gone
 from tests.models import VOCAB, save_tiny_model
 
@@ -147,6 +152,15 @@ def test_gguf_blocks_ranks_equal_one(
 ) -> None:
     one = gguf_one_rank
     many = greedy_top2(gguf_llama, tmp_path / f"tp{ranks}", "--tp-size", str(ranks))
+    assert_one_ranks_tokens(one, many)
+    log = (tmp_path / f"tp{ranks}" / "launcher.log").read_text(errors="replace")
+    assert "gguf Q8_0+Q4_1+Q4_0" in log and "on cpu/float32" in log, "the ranks keep the blocks"
+    assert f"tp{ranks - 1}" in log, f"{ranks} worker ranks ran"
+
+
+def assert_one_ranks_tokens(one: Top2, many: Top2) -> None:
+    """``many`` ranks' greedy tokens are one rank's, but where a near tie flipped (to one rank's
+    second choice, the rest following it), in one prompt at most."""
     assert len({tuple(tokens) for tokens, _ in one}) > 1, "the prompts gave different outputs"
     for (want, top2), (got, _) in zip(one, many, strict=True):
         for i, (a, b) in enumerate(zip(want, got, strict=True)):
@@ -155,9 +169,58 @@ def test_gguf_blocks_ranks_equal_one(
                 break
     same = sum(want == got for (want, _), (got, _) in zip(one, many, strict=True))
     assert same >= len(one) - 1, f"only {same} of {len(one)} prompts gave one rank's tokens"
-    log = (tmp_path / f"tp{ranks}" / "launcher.log").read_text(errors="replace")
-    assert "gguf Q8_0+Q4_1+Q4_0" in log and "on cpu/float32" in log, "the ranks keep the blocks"
-    assert f"tp{ranks - 1}" in log, f"{ranks} worker ranks ran"
+
+
+@pytest.mark.parametrize(("kind", "top_k"), [("qwen3_moe", 4), ("mixtral", 2)])
+def test_moe_ranks_equal_one_in_float64(kind: str, top_k: int, tmp_path: Path, smollm2_dir: Path) -> None:
+    """An HF directory's experts split 4 + 4 and 3 + 3 + 2 (Qwen3-MoE's top 4: a token's experts
+    on several ranks): one rank's tokens at 2 and 3 ranks."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tmp_path / "model"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tp_moe_config(kind, top_k)).save_pretrained(model_dir)
+    for name in TOKENIZER_FILES:
+        if (smollm2_dir / name).is_file():
+            shutil.copy(smollm2_dir / name, model_dir / name)
+    (tmp_path / "tp1").mkdir()
+    one = list(greedy(model_dir, tmp_path / "tp1"))
+    assert len({tuple(t) for t in one}) > 1, "the prompts gave different outputs"
+    for ranks in (2, 3):
+        (tmp_path / f"tp{ranks}").mkdir()
+        many = list(greedy(model_dir, tmp_path / f"tp{ranks}", "--tp-size", str(ranks)))
+        assert many == one, f"--tp-size {ranks}"
+        assert f"tp{ranks - 1}" in (tmp_path / f"tp{ranks}" / "launcher.log").read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def gguf_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Qwen3-MoE of SmolLM2's vocabulary and tokenizer fields as a GGUF of Q8_0 experts and
+    attention (top 4 of 8 experts)."""
+    from transformers import AutoModelForCausalLM
+
+    from gpu_worker.weights.model_files import embedded_gguf_path
+    from tests.exactness.test_moe import QUANT
+
+    out = tmp_path_factory.mktemp("tp-gguf-moe")
+    config = tp_moe_config("qwen3_moe", top_k=4)
+    config.vocab_size = 49152
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    write_gguf(out / "model.gguf", model, QUANT, tokenizer_from=embedded_gguf_path())
+    return out / "model.gguf"
+
+
+def test_gguf_moe_blocks_ranks_equal_one(gguf_moe: Path, tmp_path: Path) -> None:
+    """Each rank's experts stay in their Q8_0 blocks (the CPU kernels, csrc/moe.c): 2 and 3 ranks
+    give one rank's float32 tokens (near ties aside)."""
+    one = greedy_top2(gguf_moe, tmp_path / "tp1")
+    for ranks in (2, 3):
+        many = greedy_top2(gguf_moe, tmp_path / f"tp{ranks}", "--tp-size", str(ranks))
+        assert_one_ranks_tokens(one, many)
+        log = (tmp_path / f"tp{ranks}" / "launcher.log").read_text(errors="replace")
+        assert "gguf experts 2" in log and "on cpu/float32" in log, "the ranks keep the experts' blocks"
+        assert f"tp{ranks - 1}" in log, f"{ranks} worker ranks ran"
 
 
 def test_two_nodes_on_one_machine_equal_one_rank(tiny_llama_dir: Path, tmp_path: Path) -> None:
