@@ -150,11 +150,16 @@ def gguf_one_rank(gguf_llama: Path, tmp_path_factory: pytest.TempPathFactory) ->
 def test_gguf_blocks_ranks_equal_one(
     gguf_llama: Path, gguf_one_rank: Top2, ranks: int, tmp_path: Path
 ) -> None:
-    one = gguf_one_rank
-    many = greedy_top2(gguf_llama, tmp_path / f"tp{ranks}", "--tp-size", str(ranks))
+    assert_ranks_equal_one(gguf_llama, gguf_one_rank, ranks, tmp_path, kept="gguf Q8_0+Q4_1+Q4_0")
+
+
+def assert_ranks_equal_one(model: Path, one: Top2, ranks: int, tmp_path: Path, kept: str) -> None:
+    """``ranks`` ranks give ``one`` rank's tokens (``assert_one_ranks_tokens``), every rank ran, and
+    the log's weights line says ``kept``: the ranks compute on the blocks, in float32."""
+    many = greedy_top2(model, tmp_path / f"tp{ranks}", "--tp-size", str(ranks))
     assert_one_ranks_tokens(one, many)
     log = (tmp_path / f"tp{ranks}" / "launcher.log").read_text(errors="replace")
-    assert "gguf Q8_0+Q4_1+Q4_0" in log and "on cpu/float32" in log, "the ranks keep the blocks"
+    assert kept in log and "on cpu/float32" in log, f"the ranks keep the blocks ({kept})"
     assert f"tp{ranks - 1}" in log, f"{ranks} worker ranks ran"
 
 
@@ -216,11 +221,7 @@ def test_gguf_moe_blocks_ranks_equal_one(gguf_moe: Path, tmp_path: Path) -> None
     give one rank's float32 tokens (near ties aside)."""
     one = greedy_top2(gguf_moe, tmp_path / "tp1")
     for ranks in (2, 3):
-        many = greedy_top2(gguf_moe, tmp_path / f"tp{ranks}", "--tp-size", str(ranks))
-        assert_one_ranks_tokens(one, many)
-        log = (tmp_path / f"tp{ranks}" / "launcher.log").read_text(errors="replace")
-        assert "gguf experts 2" in log and "on cpu/float32" in log, "the ranks keep the experts' blocks"
-        assert f"tp{ranks - 1}" in log, f"{ranks} worker ranks ran"
+        assert_ranks_equal_one(gguf_moe, one, ranks, tmp_path, kept="gguf experts 2")
 
 
 def test_two_nodes_on_one_machine_equal_one_rank(tiny_llama_dir: Path, tmp_path: Path) -> None:

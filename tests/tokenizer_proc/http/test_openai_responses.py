@@ -34,6 +34,17 @@ SCHEMA: dict[str, Any] = {
 FORMAT: Any = {"format": {"type": "json_schema", "name": "place", "schema": SCHEMA, "strict": True}}
 
 
+def _added_as_chat(arguments: str) -> Any:
+    """The chat conversation the add tool's call and its result "5" make: what /v1/responses
+    continues from."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": arguments}}
+    return [
+        {"role": "user", "content": "Add 2 and 3."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+    ]
+
+
 def _chat_text(oai: openai.OpenAI, messages: list[ChatCompletionMessageParam], n: int) -> tuple[str, Any]:
     out = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=n, temperature=0)
     return out.choices[0].message.content or "", out.usage
@@ -154,12 +165,7 @@ def test_tool_results_in_the_input(oai: openai.OpenAI) -> None:
     r = oai.responses.create(
         model="tiny", input=items, tools=TOOLS, tool_choice="none", max_output_tokens=6, temperature=0
     )
-    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": arguments}}
-    messages: Any = [
-        {"role": "user", "content": "Add 2 and 3."},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
-    ]
+    messages = _added_as_chat(arguments)
     text, _ = _chat_text(oai, messages, 6)
     assert r.output_text == text and r.tool_choice == "none"
 
@@ -222,12 +228,7 @@ def test_a_multi_turn_tool_call_whole_and_streamed(oai: openai.OpenAI) -> None:
     assert (
         second.previous_response_id == first.id and second_streamed.previous_response_id == first_streamed.id
     )
-    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": arguments}}
-    messages: Any = [
-        {"role": "user", "content": "Add 2 and 3."},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
-    ]
+    messages = _added_as_chat(arguments)
     text, usage = _chat_text(oai, messages, 8)
     assert second.output_text == text and second.usage is not None and second_streamed.usage is not None
     assert second.usage.input_tokens == second_streamed.usage.input_tokens == usage.prompt_tokens
