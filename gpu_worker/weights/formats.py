@@ -119,11 +119,7 @@ class QuantizedExperts:
 
     def expert(self, e: int) -> tuple[QuantBlocks, QuantBlocks, QuantBlocks]:
         """Expert e's gate, up and down blocks: views of its rows."""
-        out = []
-        for part in self.projections:
-            rows = part.rows // self.num_experts
-            out.append(QuantBlocks(part.type, part.data.narrow(0, e * rows, rows), part.cols, part.layout))
-        return out[0], out[1], out[2]
+        return self.experts_of(e, 1).projections
 
     def experts_of(self, first: int, count: int) -> QuantizedExperts:
         """Experts [first, first + count): each projection's rows of them, a view of the blocks

@@ -34,9 +34,7 @@ def drafted_and_accepted(engine: RunningEngine) -> tuple[int, int]:
 
 
 @pytest.mark.timeout(600)
-def test_the_launcher_speculating_gives_the_plain_engines_greedy_tokens(
-    smollm2_dir: Path, tmp_path: Path
-) -> None:
+def test_the_launcher_speculating_gives_the_plain_engines_greedy_tokens(tmp_path: Path) -> None:
     """Float32 activations on GGUF blocks: a verify row's positions take other matmul row counts
     than decode rows, so a near tie may flip (docs/speculative.md); the tokens are equal, or equal
     up to a position where both are the plain engine's top 2."""
