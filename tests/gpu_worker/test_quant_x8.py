@@ -23,6 +23,8 @@ from gpu_worker.backends.cpu.layouts import (
     kernel_type,
 )
 from gpu_worker.weights.formats import QuantBlocks
+from gpu_worker.backends.cpu.kind import CpuKind
+from tests.gpu_worker.helpers import KINDS
 from tests.gpu_worker.quant_reference import EPS32, HALF_STEP, activations, check_quant_matmul
 from tests.gpu_worker.test_quant_kernels import LEGACY, weights
 
@@ -65,7 +67,7 @@ def test_layout_is_the_one_the_kernels_read(qtype: Q) -> None:
 
 @pytest.mark.parametrize("qtype", LEGACY, ids=[t.name for t in LEGACY])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 32, 256])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 32, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_integer_path_matches_float64(
     kernels: cpu_kernels.CpuKernels, qtype: Q, n: int, k: int, rows: int, dtype: torch.dtype
@@ -114,3 +116,23 @@ def test_rows_not_a_multiple_of_8_are_refused(kernels: cpu_kernels.CpuKernels) -
     for dense in (False, True):
         with pytest.raises(ValueError, match="status 5"):
             kernels.quant_matmul(int(Q.Q8_0) | X8, torch.from_numpy(blocks), 96, x, dense=dense)
+
+
+@pytest.mark.skipif(len(KINDS) < 2, reason="this CPU runs one kind")
+@pytest.mark.parametrize("qtype", LEGACY, ids=[t.name for t in LEGACY])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 9, 17])
+def test_every_kind_gives_the_same_bits(qtype: Q, rows: int) -> None:
+    """The AVX-512 kinds' tile takes 16 weight rows and 8 activation rows a pass, the AVX2 one 8 and
+    4; each output lane does the same integer sums and float operations in the same order, so every
+    kind this CPU runs (portable aside: its own tile) gives the same bits, odd groups included."""
+    n, k = 40, 576  # two pairs of groups and an odd one
+    x8, _, _ = held(qtype, n, k)
+    x = activations(rows, k, torch.float32, rows + 3)
+    outs = {
+        kind: cpu_kernels.CpuKernels(cpu_kernels.build(kind), kind).quant_matmul(kernel_type(x8), x8.data, k, x)
+        for kind in KINDS
+        if kind != CpuKind.PORTABLE
+    }
+    first = next(iter(outs.values()))
+    for kind, y in outs.items():
+        assert torch.equal(y, first), kind
