@@ -92,7 +92,8 @@ class ResultHandling:
         request; the KV of the drafts not taken is given back (pages past the request's KV freed)."""
         req, drawn = row.req, [result, *result.more]
         assert req.draft is not None, f"rid {req.rid}: a verify row of a request that does not draft"
-        floor = acceptance_floor(self.last_batch_rows, self.config.speculative_row_cost)
+        skips = self.config.overlap_schedule and self.last_batch_rows > 1  # scheduler._decoders
+        floor = acceptance_floor(self.last_batch_rows, self.config.speculative_row_cost, len(row.draft), skips)
         req.draft.on_verified(len(row.draft), len(drawn) - 1, floor)
         self.num_accepted_tokens += len(drawn) - 1
         tokens = [d.token for d in drawn if d.token is not None]

@@ -21,8 +21,9 @@ dropped. Retraction needs every token back, so it waits until nothing is in flig
 
 Speculative decoding (``speculative_algorithm``, speculative.py): a running request that drafts
 gets a verify row (its last token and its drafts) and nothing more until that row's result is in,
-since its next draft needs every token; while such a request waits, no batch is built, so the
-overlap schedule pauses until drafting stops (it does by itself where drafts are not taken).
+since its next draft needs every token: under the overlap schedule it skips the batch built while
+its row is in flight and drafts in the one after, while the other requests stay overlapped (alone,
+it waits for its result).
 """
 
 from __future__ import annotations
@@ -160,8 +161,6 @@ class Scheduler(ResultHandling):
             return None
         if self._in_flight and self._decode_needs_retraction():
             return None  # retraction needs every token back: wait for the batch in flight
-        if self._in_flight and any(req.wants_draft and req.flight.rows for req in self.running):
-            return None  # a draft needs every token of its request: wait for the batch in flight
         prefill, decode = self._next_rows()
         if not prefill and not decode:
             return None
@@ -317,8 +316,14 @@ class Scheduler(ResultHandling):
         return drafts
 
     def _decoders(self) -> list[Req]:
-        """Running requests that get a decode row: all but those whose last token is being drawn."""
-        return [req for req in self.running if not req.flight.final_scheduled]
+        """Running requests that get a decode row: all but those whose last token is being drawn, and
+        those that draft with a row in flight (a draft needs every token of its request: it skips
+        this batch and drafts in the next, while the others stay overlapped)."""
+        return [
+            req
+            for req in self.running
+            if not req.flight.final_scheduled and not (req.wants_draft and req.flight.rows)
+        ]
 
     def _decode_needs_retraction(self) -> bool:
         return self.kv.decode_pages_needed(self._decoders()) > self.kv.available_pages

@@ -18,8 +18,8 @@ batch of B rows each row's token is 1/B of the step's output. Drafting pays whil
 exceeds the share of the step that grows with its rows, B r / (1 + B r): about 0.2 for one stream,
 0.9 for 32, where only a request copying its prompt word for word keeps drafting. While a request
 drafts, it is not overlapped: its next row waits for its last result (the draft needs every
-token), so a workload with nothing to look up must stop drafting soon to keep the overlap schedule's
-gain.
+token). Under the overlap schedule it skips the batch built meanwhile, so beside other requests it
+has a row in every other batch, and its drafts pay only if a verify keeps more than one of them.
 """
 
 from __future__ import annotations
@@ -32,11 +32,14 @@ FIRST_PAUSE_STEPS = 16  # decode steps of the first pause; each pause in a row d
 MAX_PAUSE_STEPS = 1024
 
 
-def acceptance_floor(rows: int, row_cost: float) -> float:
+def acceptance_floor(rows: int, row_cost: float, drafted: int = 1, skips: bool = False) -> float:
     """The acceptance rate under which drafting slows a batch of ``rows`` token rows down: the share
     of its step's cost that grows with its rows, one more row costing ``row_cost`` of a one-row
-    step's fixed part."""
-    return rows * row_cost / (1 + rows * row_cost)
+    step's fixed part. ``skips``: the request skips every other batch while it drafts (the overlap
+    schedule with other requests running), so its ``drafted`` tokens must also bring more than the
+    one token a skipped batch would have: at least 1 / drafted."""
+    floor = rows * row_cost / (1 + rows * row_cost)
+    return max(floor, 1 / drafted) if skips else floor
 
 
 class NgramIndex:

@@ -80,6 +80,9 @@ def test_low_acceptance_pauses_longer_each_time_and_a_paying_draft_resets_it() -
 def test_the_floor_grows_with_the_batch() -> None:
     floors = [acceptance_floor(rows, 0.25) for rows in (1, 4, 32)]
     assert floors == sorted(floors) and floors[0] == pytest.approx(0.2) and floors[-1] > 0.88
+    # skipping every other batch, 3 drafts must keep more than one a verify: 1/3, over 4 rows' 0.5
+    assert acceptance_floor(2, 0.25, 3, skips=True) == pytest.approx(1 / 3)
+    assert acceptance_floor(4, 0.25, 3, skips=True) == acceptance_floor(4, 0.25) == pytest.approx(0.5)
 
 
 class OracleDraft(DraftState):
@@ -164,6 +167,29 @@ def test_drafts_take_at_most_half_the_input_budget_and_the_rest_goes_to_prefill(
         assert drafted <= 12
         prefill = sum(n for n, s in zip(batch.extend_lens, batch.sampler, strict=True) if s is not None)
         assert drafted == 0 or prefill <= 24 - drafted or prefill == max(batch.extend_lens)
+
+
+def test_a_drafting_request_skips_the_batch_built_while_its_row_flies_and_the_others_stay_overlapped() -> None:
+    """Two requests, one drafting: while its verify row is in flight the next batch is built
+    without it (the other's decode row rides on, overlapped), and it is back in the one after."""
+    driver = Driver(small_config(**SPECULATE))
+    serve_two = [(random_prompt(40, 11), 30), (random_prompt(40, 12), 30)]
+    for rid, (prompt, max_new) in enumerate(serve_two):
+        assert driver.submit(rid, prompt, max_new, stop=[7]) is None
+    drafter = driver.sched.reqs[0]
+    ref, _ = reference_output(serve_two[0][0], 30, [7], driver.config.context_len)
+    drafter.draft = OracleDraft(serve_two[0][0], ref, 0)
+    driver.sched.reqs[1].draft = None  # never drafts
+    driver.run()
+    verify_steps = [i for i, b in enumerate(driver.batches) if any(b.draft_lens)]
+    assert len(verify_steps) > 3
+    for i in verify_steps[:-1]:
+        after = driver.batches[i + 1]
+        assert len(after.req_pool_idx) == 1 and not any(after.draft_lens), "the other alone, overlapped"
+    assert max(b - a for a, b in zip(verify_steps, verify_steps[1:])) <= 2, "it drafts every other batch"
+    for rid, (prompt, max_new) in enumerate(serve_two):
+        assert driver.tokens[rid] == reference_output(prompt, max_new, [7], driver.config.context_len)[0]
+    driver.assert_no_leak()
 
 
 def test_a_drafting_request_waits_for_its_result_and_overlap_resumes_once_drafting_pauses() -> None:
