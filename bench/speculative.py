@@ -16,12 +16,21 @@ wall-clock rates swing with them, so each run also reports the engine's CPU time
 plain / speculative. The acceptance rate is the speculative engine's own count (its log lines),
 per workload. Equal completion-token counts on both engines show the
 outputs kept their lengths (greedy outputs are the same tokens: tests/exactness/test_speculative.py).
+
+With ``--peer-llama-cpp PATH|auto`` (bench/llama_cpp.py builds llama-server per CPU kind) llama.cpp's
+server runs beside them on the same GGUF, twice: plain, and with its n-gram speculation
+(``--peer-spec-flags``, default ``--spec-type ngram-simple`` with a 2-token lookup and 3 drafted
+tokens, as ours); every engine is then measured over HTTP (``POST /v1/completions``, streamed, the
+same prompts as text), in the same rounds, and llama.cpp's acceptance comes from its log.
+
+    python -m bench.speculative --workloads rewrite --peer-llama-cpp auto --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import re
 import shlex
@@ -31,10 +40,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.lib import launch, serving
+from bench.lib import launch, llama_cpp, serving
 from bench.lib.records import machine_info
+from gpu_worker.backends.cpu import kind as cpu_kind
 
 ACCEPT = re.compile(r"#drafted-token: (\d+), #accepted-token: (\d+)")
+PEER_ACCEPT = re.compile(r"draft acceptance = [\d.]+ \(\s*(\d+) accepted /\s*(\d+) generated\)")
+PEER_SPEC_FLAGS = (
+    "--spec-type ngram-simple --spec-ngram-simple-size-n 2 --spec-ngram-simple-size-m 3 --spec-draft-n-max 3"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rounds", type=int, default=3)
     add("--engine-flags", default="", help="flags of both engines")
     add("--spec-flags", default="", help="more flags of the speculative engine")
+    add("--peer-llama-cpp", default=None, help="llama-server PATH or auto: llama.cpp beside rivulet, all over HTTP")
+    add("--peer-spec-flags", default=PEER_SPEC_FLAGS, help="llama-server's flags for its n-gram speculation")
     return p
 
 
@@ -66,13 +82,20 @@ def cpu_s(server: launch.Server) -> float:
 
 
 def drafted(server: launch.Server) -> tuple[int, int]:
-    """The speculative engine's cumulative (drafted, accepted) tokens, from its last log line."""
-    found = ACCEPT.findall(server.log_path.read_text(errors="replace"))
+    """The engine's cumulative (drafted, accepted) tokens: rivulet's last log line, or the sum of
+    llama-server's per-request lines."""
+    text = server.log_path.read_text(errors="replace")
+    if server.name.startswith("llama.cpp"):
+        lines = PEER_ACCEPT.findall(text)
+        return sum(int(g) for _, g in lines), sum(int(a) for a, _ in lines)
+    found = ACCEPT.findall(text)
     return (int(found[-1][0]), int(found[-1][1])) if found else (0, 0)
 
 
 def run(args: argparse.Namespace, server: launch.Server, workload: str, streams: int) -> dict[str, Any]:
-    argv = ["--endpoint", server.address, "--workload", workload, "--num-requests",
+    http = server.address.startswith("http")
+    target = ["--backend", "openai", "--base-url", server.address] if http else ["--endpoint", server.address]
+    argv = [*target, "--workload", workload, "--num-requests",
             str(max(args.num_requests, streams)), "--max-new-tokens", str(args.max_new_tokens),
             "--max-concurrency", str(streams), "--no-record", "--no-progress"]  # fmt: skip
     if args.model:
@@ -92,14 +115,27 @@ def main(argv: list[str] | None = None) -> int:
     spec = base + ["--speculative-algorithm", "ngram", *shlex.split(args.spec_flags)]
     cells = [(w, int(c)) for w in args.workloads.split(",") for c in args.concurrency.split(",")]
     results: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
-    with tempfile.TemporaryDirectory(prefix="rivulet-spec-") as tmp:
-        with (
-            launch.rivulet_server("plain", base, Path(tmp, "plain"), args.model) as plain,
-            launch.rivulet_server("ngram", spec, Path(tmp, "ngram"), args.model) as ngram,
-        ):
-            servers = {"plain": plain, "ngram": ngram}
+    peer = make_peer(args) if args.peer_llama_cpp else None
+    with tempfile.TemporaryDirectory(prefix="rivulet-spec-") as tmp, contextlib.ExitStack() as stack:
+        servers = {}
+        for name, flags in (("plain", base), ("ngram", spec)):
+            if peer is None:
+                servers[name] = stack.enter_context(launch.rivulet_server(name, flags, Path(tmp, name), args.model))
+            else:
+                port = launch.free_port()
+                flags = [*flags, "--http-port", str(port)]
+                server = stack.enter_context(launch.rivulet_server(name, flags, Path(tmp, name), args.model))
+                server.address = f"http://127.0.0.1:{port}"
+                servers[name] = server
+        if peer is not None:
+            for name, extra in (("llama.cpp", []), ("llama.cpp ngram", shlex.split(args.peer_spec_flags))):
+                port = launch.free_port()
+                url, work = f"http://127.0.0.1:{port}", Path(tmp, name.replace(" ", "-"))
+                servers[name] = stack.enter_context(launch.openai_server(name, peer.command(port) + extra, url, work))
+        if True:
+            names = list(servers)
             for r in range(args.rounds):
-                order = ["plain", "ngram"] if r % 2 == 0 else ["ngram", "plain"]
+                order = names if r % 2 == 0 else names[::-1]
                 for workload, streams in cells:
                     for name in order:
                         res = run(args, servers[name], workload, streams)
@@ -122,6 +158,19 @@ def main(argv: list[str] | None = None) -> int:
                      cell(b, "cpu_ms"), cpu, accepted, f"{a[0]['tokens']}, {b[0]['tokens']}"]  # fmt: skip
         print("| " + " | ".join(cells_out) + " |")
     return 0
+
+
+def make_peer(args: argparse.Namespace) -> llama_cpp.Peer:
+    """llama-server for the kind rivulet acts as, on the same GGUF, every core, 32 slots."""
+    acting = cpu_kind.requested_kind()
+    try:
+        binary, warning = llama_cpp.resolve_peer(args.peer_llama_cpp, acting, cpu_kind.native_kind())
+    except llama_cpp.LlamaCppError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return llama_cpp.Peer(binary, llama_cpp.peer_gguf(args.model), cores, llama_cpp.PARALLEL, warning)
 
 
 def cell(runs: list[dict[str, Any]], key: str) -> str:

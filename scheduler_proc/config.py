@@ -73,11 +73,11 @@ class SchedulerConfig:
         choices=SPECULATIVE_ALGORITHMS,
     )
     speculative_num_draft_tokens: int = flag(
-        3,
-        "drafted tokens per request and step (K); the default fits a verify row in one pass of the CPU's "
-        "GGUF matmul tiles (4 rows a pass)",
+        7,
+        "the most tokens a request drafts a step (K); each request drafts 2 more after a verify that kept "
+        "all its drafts and 1 fewer otherwise; 1 + 7 rows fit one pass of the AVX-512 tiles of Q4_0/Q4_1/Q8_0",
     )
-    speculative_ngram_min_size: int = flag(2, "the shortest suffix (tokens) the n-gram lookup matches")
+    speculative_ngram_min_size: int = flag(1, "the shortest suffix (tokens) the n-gram lookup matches")
     speculative_ngram_max_size: int = flag(4, "the longest suffix (tokens) the n-gram lookup tries first")
     speculative_row_cost: float = given(
         0.25,

@@ -97,6 +97,7 @@ class DraftState:
     num_drafted: int = 0  # totals, for the logs and tests
     num_accepted: int = 0
     num_verifies: int = 0
+    length: int = 1 << 30  # drafted tokens it asks for: grows by 2 after a verify that kept all, else shrinks by 1
 
     @property
     def drafting(self) -> bool:
@@ -111,7 +112,7 @@ class DraftState:
         """A draft of up to ``max_tokens`` after the request's tokens, ``new_tokens`` being those
         after ``num_known``; [] when it finds none (which may pause drafting)."""
         self.index.extend(new_tokens)
-        draft = self.index.draft(max_tokens)
+        draft = self.index.draft(min(max_tokens, self.length))
         if draft:
             self.no_draft_streak = 0
         elif max_tokens > 0:
@@ -127,6 +128,7 @@ class DraftState:
         self.num_drafted += drafted
         self.num_accepted += accepted
         self.num_verifies += 1
+        self.length = drafted + 2 if accepted == drafted else max(drafted - 1, 1)
         rate = accepted / drafted
         self.acceptance = (1 - ACCEPTANCE_WEIGHT) * self.acceptance + ACCEPTANCE_WEIGHT * rate
         if self.acceptance < floor:

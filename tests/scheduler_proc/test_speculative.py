@@ -77,6 +77,17 @@ def test_low_acceptance_pauses_longer_each_time_and_a_paying_draft_resets_it() -
     assert state.pause_steps == FIRST_PAUSE_STEPS
 
 
+def test_the_draft_grows_after_a_verify_that_kept_all_and_shrinks_after_one_that_did_not() -> None:
+    state = DraftState(NgramIndex(1, 2))
+    first = state.propose(list(range(20)) * 3, 7)  # a period of 20: any suffix has a long continuation
+    assert len(first) == 7
+    lengths = []
+    for drafted, accepted in [(7, 7), (7, 2), (6, 0), (5, 4), (4, 4), (6, 6)]:
+        state.on_verified(drafted, accepted, floor=0.0)
+        lengths.append(len(state.propose([], 7)))
+    assert lengths == [7, 6, 5, 4, 6, 7]  # +2 after all kept (at most K), -1 otherwise (at least 1)
+
+
 def test_the_floor_grows_with_the_batch() -> None:
     floors = [acceptance_floor(rows, 0.25) for rows in (1, 4, 32)]
     assert floors == sorted(floors) and floors[0] == pytest.approx(0.2) and floors[-1] > 0.88
