@@ -62,7 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rounds", type=int, default=3)
     add("--engine-flags", default="", help="flags of both engines")
     add("--spec-flags", default="", help="more flags of the speculative engine")
-    add("--peer-llama-cpp", default=None, help="llama-server PATH or auto: llama.cpp beside rivulet, all over HTTP")
+    add(
+        "--peer-llama-cpp",
+        default=None,
+        help="llama-server PATH or auto: llama.cpp beside rivulet, all over HTTP",
+    )
     add("--peer-spec-flags", default=PEER_SPEC_FLAGS, help="llama-server's flags for its n-gram speculation")
     return p
 
@@ -120,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         servers = {}
         for name, flags in (("plain", base), ("ngram", spec)):
             if peer is None:
-                servers[name] = stack.enter_context(launch.rivulet_server(name, flags, Path(tmp, name), args.model))
+                servers[name] = stack.enter_context(
+                    launch.rivulet_server(name, flags, Path(tmp, name), args.model)
+                )
             else:
                 port = launch.free_port()
                 flags = [*flags, "--http-port", str(port)]
@@ -131,17 +137,18 @@ def main(argv: list[str] | None = None) -> int:
             for name, extra in (("llama.cpp", []), ("llama.cpp ngram", shlex.split(args.peer_spec_flags))):
                 port = launch.free_port()
                 url, work = f"http://127.0.0.1:{port}", Path(tmp, name.replace(" ", "-"))
-                servers[name] = stack.enter_context(launch.openai_server(name, peer.command(port) + extra, url, work))
-        if True:
-            names = list(servers)
-            for r in range(args.rounds):
-                order = names if r % 2 == 0 else names[::-1]
-                for workload, streams in cells:
-                    for name in order:
-                        res = run(args, servers[name], workload, streams)
-                        results.setdefault((workload, streams, name), []).append(res)
-                        print(f"round {r} {workload} x{streams} {name}: {res['tok_s']:.1f} tok/s, "
-                              f"{res['cpu_ms']:.1f} CPU ms/token", flush=True)  # fmt: skip
+                servers[name] = stack.enter_context(
+                    launch.openai_server(name, peer.command(port) + extra, url, work)
+                )
+        names = list(servers)
+        for r in range(args.rounds):
+            order = names if r % 2 == 0 else names[::-1]
+            for workload, streams in cells:
+                for name in order:
+                    res = run(args, servers[name], workload, streams)
+                    results.setdefault((workload, streams, name), []).append(res)
+                    print(f"round {r} {workload} x{streams} {name}: {res['tok_s']:.1f} tok/s, "
+                          f"{res['cpu_ms']:.1f} CPU ms/token", flush=True)  # fmt: skip
     info = machine_info()
     print(f"\n# {info.get('cpu', '')}: {info.get('cpu_features', '')}; {info.get('cores')} cores")
     print(f"# engine flags: {' '.join(base)}; speculative: {' '.join(spec)}")
@@ -157,6 +164,22 @@ def main(argv: list[str] | None = None) -> int:
         cells_out = [workload, str(streams), cell(a, "tok_s"), cell(b, "tok_s"), rate, cell(a, "cpu_ms"),
                      cell(b, "cpu_ms"), cpu, accepted, f"{a[0]['tokens']}, {b[0]['tokens']}"]  # fmt: skip
         print("| " + " | ".join(cells_out) + " |")
+    if peer is not None:
+        print(f"\n# llama.cpp: {peer.shown()}; ngram: {args.peer_spec_flags}; every engine over HTTP")
+        head = ["workload", "streams", "llama.cpp tok/s", "llama.cpp ngram tok/s", "its ngram / plain",
+                "its accepted", "rivulet ngram / its ngram", "rivulet plain / its plain"]  # fmt: skip
+        print("| " + " | ".join(head) + " |")
+        print("|---|---|---|---|---|---|---|---|")
+        for workload, streams in cells:
+            mine, plain = results[(workload, streams, "ngram")], results[(workload, streams, "plain")]
+            a, b = results[(workload, streams, "llama.cpp")], results[(workload, streams, "llama.cpp ngram")]
+            made, kept = (sum(r["drafts"][k] for r in b) for k in (0, 1))
+            accepted = f"{100 * kept / made:.0f}% of {made}" if made else "-"
+            cells_out = [workload, str(streams), cell(a, "tok_s"), cell(b, "tok_s"),
+                         ratio([y["tok_s"] / x["tok_s"] for x, y in zip(a, b, strict=True)]), accepted,
+                         ratio([x["tok_s"] / y["tok_s"] for x, y in zip(mine, b, strict=True)]),
+                         ratio([x["tok_s"] / y["tok_s"] for x, y in zip(plain, a, strict=True)])]  # fmt: skip
+            print("| " + " | ".join(cells_out) + " |")
     return 0
 
 

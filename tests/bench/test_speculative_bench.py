@@ -1,0 +1,32 @@
+"""bench.speculative's reading of each engine's acceptance counts from its log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from bench.speculative import drafted
+
+
+def test_rivulet_counts_are_its_last_cumulative_line(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    log.write_text(
+        "Speculative decoding. #drafted-token: 10, #accepted-token: 7, accept rate: 70.0%\n"
+        "Speculative decoding. #drafted-token: 25, #accepted-token: 20, accept rate: 80.0%\n"
+    )
+    assert drafted(SimpleNamespace(name="ngram", log_path=log)) == (25, 20)
+
+
+def test_llama_cpp_counts_are_the_sum_of_its_per_request_lines(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    log.write_text(
+        "slot print_timing: id  0 | task 5 | "
+        "draft acceptance = 0.57143 (    4 accepted /     7 generated), mean len =  1.50\n"
+        "srv  update_slots: all slots are idle\n"
+        "slot print_timing: id  1 | task 9 | "
+        "draft acceptance = 0.90000 (   18 accepted /    20 generated), mean len =  3.10\n"
+    )
+    assert drafted(SimpleNamespace(name="llama.cpp ngram", log_path=log)) == (27, 22)
+    assert drafted(SimpleNamespace(name="llama.cpp", log_path=tmp_path / "server.log")) == (27, 22)
+    log.write_text("no speculation here\n")
+    assert drafted(SimpleNamespace(name="llama.cpp", log_path=log)) == (0, 0)
