@@ -74,8 +74,8 @@ class SchedulerConfig:
     )
     speculative_num_draft_tokens: int = flag(
         7,
-        "the most tokens a request drafts a step (K); each request drafts 2 more after a verify that kept "
-        "all its drafts and 1 fewer otherwise; 1 + 7 rows fit one pass of the AVX-512 tiles of Q4_0/Q4_1/Q8_0",
+        "the most tokens a request drafts a step (K); a request drafts 3 at first, 2 more after a verify "
+        "that kept all and 1 fewer otherwise; 1 + 7 rows fit one pass of the AVX-512 Q4_0/Q4_1/Q8_0 tiles",
     )
     speculative_ngram_min_size: int = flag(1, "the shortest suffix (tokens) the n-gram lookup matches")
     speculative_ngram_max_size: int = flag(4, "the longest suffix (tokens) the n-gram lookup tries first")

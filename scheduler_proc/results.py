@@ -93,7 +93,9 @@ class ResultHandling:
         req, drawn = row.req, [result, *result.more]
         assert req.draft is not None, f"rid {req.rid}: a verify row of a request that does not draft"
         skips = self.config.overlap_schedule and self.last_batch_rows > 1  # scheduler._decoders
-        floor = acceptance_floor(self.last_batch_rows, self.config.speculative_row_cost, len(row.draft), skips)
+        floor = acceptance_floor(
+            self.last_batch_rows, self.config.speculative_row_cost, len(row.draft), skips
+        )
         req.draft.on_verified(len(row.draft), len(drawn) - 1, floor)
         self.num_accepted_tokens += len(drawn) - 1
         tokens = [d.token for d in drawn if d.token is not None]

@@ -48,7 +48,7 @@ from scheduler_proc.prefill_adder import Admitted, PrefillAdder
 from scheduler_proc.request import Req, ReqStatus, fork_choices, why_rejected
 from scheduler_proc.results import ResultHandling
 from scheduler_proc.retraction import pick_victim, retract
-from scheduler_proc.speculative import DraftState, NgramIndex
+from scheduler_proc.speculative import DraftState, NgramIndex, first_draft_length
 from scheduler_proc.token_ratio import NewTokenRatio
 
 
@@ -300,6 +300,7 @@ class Scheduler(ResultHandling):
         cfg, ps = self.config, self.config.page_size
         spare_pages = self.kv.available_pages - self.kv.decode_pages_needed(decoders)
         budget = cfg.max_prefill_tokens // 2
+        first = first_draft_length(cfg.speculative_num_draft_tokens, len(decoders), cfg.speculative_row_cost)
         drafts: dict[int, list[int]] = {}
         for req in decoders:
             if not req.wants_draft or req.flight.rows or budget <= 0:
@@ -308,7 +309,7 @@ class Scheduler(ResultHandling):
             held = max(len(req.page_table), pages_for(req.kv_len + 1, ps))  # with the decode's own page
             room = (held + spare_pages) * ps - req.kv_len - 1
             limit = min(cfg.speculative_num_draft_tokens, req.max_draft_tokens(cfg.context_len), room, budget)
-            draft = req.draft.propose(req.fill_slice(req.draft.num_known, req.seq_len), limit)
+            draft = req.draft.propose(req.fill_slice(req.draft.num_known, req.seq_len), limit, first)
             if draft:
                 drafts[req.rid] = draft
                 spare_pages -= max(pages_for(req.kv_len + 1 + len(draft), ps) - held, 0)

@@ -32,6 +32,14 @@ FIRST_PAUSE_STEPS = 16  # decode steps of the first pause; each pause in a row d
 MAX_PAUSE_STEPS = 1024
 
 
+def first_draft_length(max_tokens: int, rows: int, row_cost: float) -> int:
+    """A request's first draft in a batch of ``rows`` token rows: all ``max_tokens`` for one stream,
+    where drafts pay at a low acceptance, and shorter as acceptance_floor rises with the rows (a
+    first try that misses costs more than it may gain): in proportion to 1 - floor, at least 1."""
+    one, floor = acceptance_floor(1, row_cost), acceptance_floor(rows, row_cost)
+    return min(max_tokens, max(1, round(max_tokens * (1 - floor) / (1 - one))))
+
+
 def acceptance_floor(rows: int, row_cost: float, drafted: int = 1, skips: bool = False) -> float:
     """The acceptance rate under which drafting slows a batch of ``rows`` token rows down: the share
     of its step's cost that grows with its rows, one more row costing ``row_cost`` of a one-row
@@ -97,7 +105,7 @@ class DraftState:
     num_drafted: int = 0  # totals, for the logs and tests
     num_accepted: int = 0
     num_verifies: int = 0
-    length: int = 1 << 30  # drafted tokens it asks for: grows by 2 after a verify that kept all, else shrinks by 1
+    length: int | None = None  # tokens it drafts next (at first first_length): +2 after all kept, else -1
 
     @property
     def drafting(self) -> bool:
@@ -108,10 +116,13 @@ class DraftState:
         """Tokens of the request the index holds: ``propose`` takes the ones after them."""
         return len(self.index.tokens)
 
-    def propose(self, new_tokens: list[int], max_tokens: int) -> list[int]:
+    def propose(self, new_tokens: list[int], max_tokens: int, first_length: int | None = None) -> list[int]:
         """A draft of up to ``max_tokens`` after the request's tokens, ``new_tokens`` being those
-        after ``num_known``; [] when it finds none (which may pause drafting)."""
+        after ``num_known``; [] when it finds none (which may pause drafting). Its first draft has
+        at most ``first_length`` tokens (default: ``max_tokens``)."""
         self.index.extend(new_tokens)
+        if self.length is None:
+            self.length = max_tokens if first_length is None else first_length
         draft = self.index.draft(min(max_tokens, self.length))
         if draft:
             self.no_draft_streak = 0

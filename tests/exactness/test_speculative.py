@@ -49,7 +49,7 @@ class OracleDraft(DraftState):
         self.prompt_len, self.reference, self.vocab = prompt_len, reference, vocab
         self.rng = random.Random(seed)
 
-    def propose(self, new_tokens: list[int], max_tokens: int) -> list[int]:
+    def propose(self, new_tokens: list[int], max_tokens: int, first_length: int | None = None) -> list[int]:
         self.index.tokens.extend(new_tokens)  # keeps num_known
         done = len(self.index.tokens) - self.prompt_len  # outputs so far; the last one is the row's input
         draft = self.reference[done : done + self.rng.randint(1, max(max_tokens, 1))][:max_tokens]
@@ -66,7 +66,7 @@ class OracleDraft(DraftState):
 class ReferenceDraft(OracleDraft):
     """Drafts the next ``max_tokens`` of the reference as they are: every verify row keeps them all."""
 
-    def propose(self, new_tokens: list[int], max_tokens: int) -> list[int]:
+    def propose(self, new_tokens: list[int], max_tokens: int, first_length: int | None = None) -> list[int]:
         self.index.tokens.extend(new_tokens)
         done = len(self.index.tokens) - self.prompt_len
         return self.reference[done : done + max_tokens]

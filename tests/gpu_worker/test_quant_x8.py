@@ -129,7 +129,9 @@ def test_every_kind_gives_the_same_bits(qtype: Q, rows: int) -> None:
     x8, _, _ = held(qtype, n, k)
     x = activations(rows, k, torch.float32, rows + 3)
     outs = {
-        kind: cpu_kernels.CpuKernels(cpu_kernels.build(kind), kind).quant_matmul(kernel_type(x8), x8.data, k, x)
+        kind: cpu_kernels.CpuKernels(cpu_kernels.build(kind), kind).quant_matmul(
+            kernel_type(x8), x8.data, k, x
+        )
         for kind in KINDS
         if kind != CpuKind.PORTABLE
     }

@@ -18,6 +18,7 @@ from scheduler_proc.speculative import (
     DraftState,
     NgramIndex,
     acceptance_floor,
+    first_draft_length,
 )
 from tests.scheduler_proc.harness import Driver, random_prompt, reference_output, small_config
 
@@ -79,13 +80,25 @@ def test_low_acceptance_pauses_longer_each_time_and_a_paying_draft_resets_it() -
 
 def test_the_draft_grows_after_a_verify_that_kept_all_and_shrinks_after_one_that_did_not() -> None:
     state = DraftState(NgramIndex(1, 2))
-    first = state.propose(list(range(20)) * 3, 7)  # a period of 20: any suffix has a long continuation
-    assert len(first) == 7
+    first = state.propose(list(range(20)) * 3, 7, first_length=first_draft_length(7, 1, 0.25))
+    assert len(first) == 7  # one stream: all it may
     lengths = []
-    for drafted, accepted in [(7, 7), (7, 2), (6, 0), (5, 4), (4, 4), (6, 6)]:
+    for drafted, accepted in [(7, 2), (6, 6), (7, 7), (7, 4), (6, 0), (5, 0), (4, 0), (3, 0), (2, 0), (1, 0)]:
         state.on_verified(drafted, accepted, floor=0.0)
         lengths.append(len(state.propose([], 7)))
-    assert lengths == [7, 6, 5, 4, 6, 7]  # +2 after all kept (at most K), -1 otherwise (at least 1)
+    assert lengths == [
+        6,
+        7,
+        7,
+        6,
+        5,
+        4,
+        3,
+        2,
+        1,
+        1,
+    ]  # +2 after all kept (at most K), -1 otherwise (at least 1)
+    assert [first_draft_length(7, rows, 0.25) for rows in (1, 2, 4, 32)] == [7, 6, 4, 1]
 
 
 def test_the_floor_grows_with_the_batch() -> None:
@@ -104,7 +117,7 @@ class OracleDraft(DraftState):
         self.prompt_len, self.reference = len(prompt), reference
         self.rng = random.Random(seed)
 
-    def propose(self, new_tokens: list[int], max_tokens: int) -> list[int]:
+    def propose(self, new_tokens: list[int], max_tokens: int, first_length: int | None = None) -> list[int]:
         self.index.tokens.extend(new_tokens)
         done = len(self.index.tokens) - self.prompt_len
         draft = list(self.reference[done : done + max_tokens])
@@ -180,7 +193,9 @@ def test_drafts_take_at_most_half_the_input_budget_and_the_rest_goes_to_prefill(
         assert drafted == 0 or prefill <= 24 - drafted or prefill == max(batch.extend_lens)
 
 
-def test_a_drafting_request_skips_the_batch_built_while_its_row_flies_and_the_others_stay_overlapped() -> None:
+def test_a_drafting_request_skips_the_batch_built_while_its_row_flies_and_the_others_stay_overlapped() -> (
+    None
+):
     """Two requests, one drafting: while its verify row is in flight the next batch is built
     without it (the other's decode row rides on, overlapped), and it is back in the one after."""
     driver = Driver(small_config(**SPECULATE))
@@ -197,7 +212,8 @@ def test_a_drafting_request_skips_the_batch_built_while_its_row_flies_and_the_ot
     for i in verify_steps[:-1]:
         after = driver.batches[i + 1]
         assert len(after.req_pool_idx) == 1 and not any(after.draft_lens), "the other alone, overlapped"
-    assert max(b - a for a, b in zip(verify_steps, verify_steps[1:])) <= 2, "it drafts every other batch"
+    gaps = [b - a for a, b in zip(verify_steps, verify_steps[1:], strict=False)]
+    assert max(gaps) <= 2, "it drafts every other batch"
     for rid, (prompt, max_new) in enumerate(serve_two):
         assert driver.tokens[rid] == reference_output(prompt, max_new, [7], driver.config.context_len)[0]
     driver.assert_no_leak()
