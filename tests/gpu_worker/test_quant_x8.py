@@ -14,6 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from gpu_worker.backends.cpu import kernels as cpu_kernels
+from gpu_worker.backends.cpu.kind import CpuKind
 from gpu_worker.backends.cpu.layouts import (
     X8,
     X8_LAYOUT,
@@ -23,7 +24,6 @@ from gpu_worker.backends.cpu.layouts import (
     kernel_type,
 )
 from gpu_worker.weights.formats import QuantBlocks
-from gpu_worker.backends.cpu.kind import CpuKind
 from tests.gpu_worker.helpers import KINDS
 from tests.gpu_worker.quant_reference import EPS32, HALF_STEP, activations, check_quant_matmul
 from tests.gpu_worker.test_quant_kernels import LEGACY, weights

@@ -252,8 +252,8 @@ static inline __attribute__((always_inline)) void x16_rows(const uint8_t *w, int
                                                            const act_block16 *const *xa, int64_t rows,
                                                            int64_t nb, float *out, int64_t ldo, const int type) {
     int64_t c0 = 0;
-    const int one_q8 = type == QTYPE_Q8_0 && rows == 1; /* measured: the 8-row tile streams Q8_0 faster at one row */
-    for (; !one_q8 && c0 + 16 <= nc; c0 += 16) {
+    /* one row: the 8-row tile, one stream per group, reads memory faster (bench.quant_matmul) */
+    for (; rows > 1 && c0 + 16 <= nc; c0 += 16) {
         const uint8_t *g = w + c0 * wrb;
         float *o = out + c0;
         switch (rows) {
@@ -267,7 +267,7 @@ static inline __attribute__((always_inline)) void x16_rows(const uint8_t *w, int
         default: x16_tile(g, wrb, nb, xa, rows, o, ldo, type, ZR); break;
         }
     }
-    for (; c0 < nc; c0 += 8) /* an odd group (or Q8_0's one row): XR activation rows at a time */
+    for (; c0 < nc; c0 += 8) /* an odd group (or one row): XR activation rows at a time */
         for (int64_t r0 = 0; r0 < rows; r0 += XR) {
             const int64_t n = rows - r0 < XR ? rows - r0 : XR;
             const act_block16 *xb[XR];
