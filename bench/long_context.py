@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shlex
 import statistics
 import sys
@@ -29,7 +28,7 @@ from typing import Any
 
 from bench.lib import launch, llama_cpp, serving
 from bench.lib.launch import free_port
-from bench.lib.llama_cpp import Peer, peer_gguf
+from bench.lib.llama_cpp import Peer
 from bench.lib.records import append_record, machine_info, make_record
 from gpu_worker.backends.cpu import kind as cpu_kind
 
@@ -127,13 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: {exc}") from None
     peer = None
     if args.peer_llama_cpp:
-        try:
-            binary, warning = llama_cpp.resolve_peer(args.peer_llama_cpp, acting, cpu_kind.native_kind())
-        except llama_cpp.LlamaCppError as exc:
-            raise SystemExit(f"error: {exc}") from None
-        if warning:
-            print(warning, file=sys.stderr, flush=True)
-        peer = Peer(binary, peer_gguf(args.model), len(os.sched_getaffinity(0)), 1, warning)
+        peer = llama_cpp.make_peer(args.peer_llama_cpp, acting, args.model, parallel=1)
+        if peer.warning:
+            print(peer.warning, file=sys.stderr, flush=True)
     from gpu_worker.weights.model_files import resolve_model
 
     resolve_model(args.model)  # the GGUF's conversion, once, before the first round

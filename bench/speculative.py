@@ -119,7 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = base + ["--speculative-algorithm", "ngram", *shlex.split(args.spec_flags)]
     cells = [(w, int(c)) for w in args.workloads.split(",") for c in args.concurrency.split(",")]
     results: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
-    peer = make_peer(args) if args.peer_llama_cpp else None
+    peer = None
+    if args.peer_llama_cpp:
+        peer = llama_cpp.make_peer(args.peer_llama_cpp, cpu_kind.requested_kind(), args.model)
+        if peer.warning:
+            print(peer.warning, file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="rivulet-spec-") as tmp, contextlib.ExitStack() as stack:
         servers = {}
         for name, flags in (("plain", base), ("ngram", spec)):
@@ -181,19 +185,6 @@ def main(argv: list[str] | None = None) -> int:
                          ratio([x["tok_s"] / y["tok_s"] for x, y in zip(plain, a, strict=True)])]  # fmt: skip
             print("| " + " | ".join(cells_out) + " |")
     return 0
-
-
-def make_peer(args: argparse.Namespace) -> llama_cpp.Peer:
-    """llama-server for the kind rivulet acts as, on the same GGUF, every core, 32 slots."""
-    acting = cpu_kind.requested_kind()
-    try:
-        binary, warning = llama_cpp.resolve_peer(args.peer_llama_cpp, acting, cpu_kind.native_kind())
-    except llama_cpp.LlamaCppError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return llama_cpp.Peer(binary, llama_cpp.peer_gguf(args.model), cores, llama_cpp.PARALLEL, warning)
 
 
 def cell(runs: list[dict[str, Any]], key: str) -> str:

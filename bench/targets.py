@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import shlex
 import sys
 import tempfile
@@ -36,7 +35,7 @@ import httpx
 
 from bench.lib import launch, llama_cpp, offline, serving
 from bench.lib.launch import free_port
-from bench.lib.llama_cpp import Peer, peer_gguf
+from bench.lib.llama_cpp import Peer
 from bench.lib.metrics import RequestResult, Summary
 from bench.lib.probes import (
     Sample,
@@ -239,16 +238,6 @@ def measure_round(args: argparse.Namespace, dtype: str, r: int, http: bool = Fal
     return run
 
 
-def make_peer(args: argparse.Namespace, acting: cpu_kind.CpuKind) -> Peer:
-    try:
-        binary, warning = llama_cpp.resolve_peer(args.peer_llama_cpp, acting, cpu_kind.native_kind())
-    except llama_cpp.LlamaCppError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = args.peer_threads or cores
-    return Peer(binary, peer_gguf(args.model), threads, max(llama_cpp.PARALLEL, args.streams), warning)
-
-
 def measure_peer(args: argparse.Namespace, peer: Peer, r: int) -> dict[str, Any]:
     """Start llama.cpp's server, measure what measure_http measures on rivulet, stop it."""
     port = free_port()
@@ -296,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     from bench.lib import gguf_models  # (numpy and gguf: after the kind is applied, to be safe)
 
     args.model = gguf_models.resolve(args.model)  # a bench model's name (llama1b-q4_k_m): made once
-    peer = make_peer(args, acting) if args.peer_llama_cpp else None
+    peer = None
+    if args.peer_llama_cpp:
+        parallel = max(llama_cpp.PARALLEL, args.streams)
+        peer = llama_cpp.make_peer(args.peer_llama_cpp, acting, args.model, parallel, args.peer_threads)
     if peer is not None and peer.warning:
         print(peer.warning, file=sys.stderr, flush=True)
     command = shlex.join(["python", "-m", "bench.targets", *(argv if argv is not None else sys.argv[1:])])

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpu_worker.backends.cpu.kind import CpuKind
+from gpu_worker.backends.cpu.kind import CpuKind, native_kind
 from gpu_worker.weights.model_files import cache_root
 
 SDIST = "llama-cpp-python"
@@ -241,6 +241,20 @@ class Peer:
 
     def shown(self) -> str:
         return shlex.join(self.command(0)).replace("--port 0", "--port {port}")
+
+
+def make_peer(
+    spec: str, acting: CpuKind, model: str | None, parallel: int = PARALLEL, threads: int = 0
+) -> Peer:
+    """The peer a bench's ``--peer-llama-cpp SPEC`` names, on ``model``'s GGUF, with ``threads``
+    (0: every core this process may run on); exits with the reason where there is none. Its
+    ``warning`` is for the caller to print."""
+    try:
+        binary, warning = resolve_peer(spec, acting, native_kind())
+    except LlamaCppError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return Peer(binary, peer_gguf(model), threads or cores, parallel, warning)
 
 
 def peer_gguf(model: str | None) -> Path:
