@@ -11,6 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from bench.lib.gguf_models import random_blocks
 from gpu_worker.backends.cpu import kernels as cpu_kernels
 from gpu_worker.backends.cpu.experts import QuantExperts, interleave_experts
 from gpu_worker.backends.cpu.kind import requested_kind
@@ -27,6 +28,11 @@ EXPERTS, HIDDEN, INNER, TOP_K = 6, 64, 32, 2
 def stacked_blocks(rng: np.random.Generator, qtype: Q, rows: int, cols: int) -> QuantBlocks:
     w = (rng.standard_normal((EXPERTS * rows, cols)) * 0.3).astype(np.float32)
     return QuantBlocks(int(qtype), torch.from_numpy(gguf.quants.quantize(w, qtype)), cols)
+
+
+def k_blocks(rng: np.random.Generator, qtype: Q, rows: int, cols: int) -> QuantBlocks:
+    """Random K-quant blocks (gguf-py cannot quantize them) of sane scales."""
+    return QuantBlocks(int(qtype), torch.from_numpy(random_blocks(qtype, EXPERTS * rows, cols, rng)), cols)
 
 
 def groups_of(tokens: int, dtype: torch.dtype, seed: int) -> ExpertGroups:
@@ -58,5 +64,30 @@ def test_one_call_equals_expert_by_expert(dtype: torch.dtype, tokens: int) -> No
     groups = groups_of(tokens, dtype, seed=tokens)
     got = experts(x, groups)
     assert torch.equal(got, experts.per_expert(x, groups))
+    want = reference(x.float(), groups_of(tokens, torch.float32, seed=tokens))
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_one_call_equals_expert_by_expert_on_k_quants(dtype: torch.dtype, tokens: int) -> None:
+    """The same on Q4_K_M's expert types (gate and up Q4_K, down Q6_K, interleaved by 8), whose
+    experts' panels the one region shares out over threads by rows: bit for bit."""
+    kernels = cpu_kernels.load(requested_kind())
+    if kernels is None:
+        pytest.skip("the C kernels did not build")
+    hidden = inner = 256
+    rng = np.random.default_rng(100 + tokens)
+    gate, up = k_blocks(rng, Q.Q4_K, inner, hidden), k_blocks(rng, Q.Q4_K, inner, hidden)
+    loaded = QuantizedExperts(gate, up, k_blocks(rng, Q.Q6_K, hidden, inner), EXPERTS)
+    module = Experts(EXPERTS, hidden, inner, "silu")
+    module.fused = kernels
+    experts = QuantExperts(interleave_experts(loaded), kernels, module.act, module.act_mul)
+    x = torch.from_numpy(rng.standard_normal((tokens, hidden)).astype(np.float32)).to(dtype)
+    groups = groups_of(tokens, dtype, seed=tokens)
+    got = experts(x, groups)
+    assert torch.equal(got, experts.per_expert(x, groups))
+    reference = Experts(EXPERTS, hidden, inner, "silu")
+    reference.gate_up_proj.data, reference.down_proj.data = loaded.dequantize()
     want = reference(x.float(), groups_of(tokens, torch.float32, seed=tokens))
     torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05 * float(want.abs().max()))

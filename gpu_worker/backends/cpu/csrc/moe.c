@@ -6,20 +6,29 @@
  * with pairs, over all of its rows at once (its weights read once per step):
  *   gu = x_rows [Wgate; Wup]^T (gate and up each a matmul writing its half); a = silu(gate) * up;
  *   y_rows = a Wdown^T
- * each matmul by quant_matmul or, from dense_min_rows rows, quant_matmul_dense (as QuantLinear runs
- * it). Then out[token] += y * weight per pair, pairs in order (experts ascending, as the torch path
- * and HF's eager experts add them), the product rounded to the activations' dtype before the add. */
+ * Then out[token] += y * weight per pair, pairs in order (experts ascending, as the torch path and
+ * HF's eager experts add them), the product rounded to the activations' dtype before the add.
+ *
+ * Two OpenMP regions run the whole block: the pairs' rows quantized, every expert's gate and up,
+ * silu * up and the quantized act rows; then every expert's down and the weighted sum (split by
+ * hidden columns). The gate/up and down phases share the (expert, column panel) units out by their
+ * cost, rows plus a panel's read, so a thread streams a run of experts' panels whatever the number
+ * of experts with rows: two regions a block, where a matmul per expert and projection each had its
+ * own (24 regions a layer at one row, some 330 at 32). Each output element
+ * is computed by the same tile, with the same rounding, as quant_matmul computes it, and summed in
+ * the same order, so the result is quant_matmul's, bit for bit, expert by expert.
+ *
+ * A projection of an expert with its dense_min_rows rows or more (a long prefill) runs as
+ * quant_matmul_dense (as QuantLinear runs it), between the regions: gate and up before the first,
+ * down between the first (up to the quantized act rows) and the second (down, the sum). */
 #include "quant.h"
 #include <stdlib.h>
 
 void silu_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype);
-int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride, int x_dtype,
-                 int64_t rows, void *scratch, void *y, int64_t y_stride, int y_dtype, const void *residual,
-                 int64_t res_stride);
+void silu_mul_row(const void *gate_up, void *out, int inner, int dtype);
 int quant_matmul_dense(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
                        int x_dtype, int64_t rows, void *y, int64_t y_stride, int y_dtype, const void *residual,
                        int64_t res_stride);
-int64_t quant_act_row_bytes(int type, int64_t k);
 
 typedef struct { /* one projection of every expert, stacked: expert e's n rows are rows [e n, (e + 1) n) */
     const uint8_t *w;
@@ -30,77 +39,217 @@ typedef struct { /* one projection of every expert, stacked: expert e's n rows a
 
 enum { GATE, UP, DOWN, PROJECTIONS };
 
-static int expert_matmul(const moe_projection *p, int64_t e, int64_t k, const void *x, int64_t rows, void *scratch,
-                         void *y, int64_t y_stride, int dtype) {
-    const uint8_t *w = p->w + e * p->n * p->row_bytes;
-    const int type = (int)p->type;
-    return rows >= p->dense_min_rows
-               ? quant_matmul_dense(type, w, p->n, k, x, k, dtype, rows, y, y_stride, dtype, NULL, 0)
-               : quant_matmul(type, w, p->n, k, x, k, dtype, rows, scratch, y, y_stride, dtype, NULL, 0);
+#define PANEL_BYTES (48 * 1024) /* of weight rows per panel, as quant.c's */
+#define PANEL_MAX 128           /* columns */
+#define ROW_CHUNK 32            /* activation rows per tile call */
+#define PANEL_ROWS 4            /* a panel's read, in rows' worth of compute, for the split */
+
+/* Columns of a panel: whole groups of 8, the weights in L2 while the expert's rows pass. */
+static int64_t panel_cols(int64_t row_bytes) {
+    int64_t panel = PANEL_BYTES / row_bytes / 8 * 8;
+    return panel < 8 ? 8 : panel > PANEL_MAX ? PANEL_MAX : panel;
 }
 
-/* out[tokens[i]] += y[i] * weights[i] over the pairs in order, from zero, each product and each sum
- * rounded to dtype (torch's multiply and index_add_). Returns 0, or 1 (no memory). */
-static int combine(const void *y, const int64_t *tokens, const void *weights, int64_t pairs, int64_t tokens_n,
-                   int64_t hidden, void *out, int dtype) {
-    float *sum = calloc((size_t)(tokens_n * hidden), sizeof(float));
-    float *term = malloc((size_t)hidden * sizeof(float));
-    if (sum == NULL || term == NULL) {
-        free(sum);
-        free(term);
-        return 1;
+/* y rows [count] (dtype, y_stride apart) = the rows' quantized activations xq (xrb apart) times
+ * columns [c0, c1) of expert e's projection p: tiles of at most ROW_CHUNK rows, stored as quant.c
+ * stores them. */
+static void panel_matmul(const moe_projection *p, const qtype_ops *ops, int64_t e, int64_t nb, const uint8_t *xq,
+                         int64_t xrb, int64_t count, int64_t c0, int64_t c1, void *y, int64_t y_stride, int dtype) {
+    const uint8_t *w = p->w + e * p->n * p->row_bytes;
+    float buf[ROW_CHUNK * PANEL_MAX];
+    const int64_t pw = c1 - c0;
+    for (int64_t q0 = 0; q0 < count; q0 += ROW_CHUNK) {
+        const int64_t qr = count - q0 < ROW_CHUNK ? count - q0 : ROW_CHUNK;
+        ops->tile(w + c0 * p->row_bytes, p->row_bytes, pw, xq + q0 * xrb, xrb, qr, nb, buf, pw);
+        for (int64_t r = 0; r < qr; r++) store_vec(y, dtype, (q0 + r) * y_stride + c0, (int)pw, buf + r * pw);
     }
-    for (int64_t i = 0; i < pairs; i++) {
-        float wt;
-        load_vec(weights, dtype, i, 1, &wt);
-        load_vec(y, dtype, i * hidden, (int)hidden, term);
-        float *dst = sum + tokens[i] * hidden;
-        for (int64_t j = 0; j < hidden; j++) term[j] *= wt;
-        round_vec(dtype, term, (int)hidden);
-        for (int64_t j = 0; j < hidden; j++) dst[j] += term[j];
-        round_vec(dtype, dst, (int)hidden);
+}
+
+/* Thread t of nt's share [*first, *last) of the units u = span * per_span + panel (per_span
+ * panels a span; a unit of span s costs its rows + PANEL_ROWS, a span whose bit ``mask`` of
+ * dense[s] is set nothing):
+ * the units whose cost midpoint falls in its fraction of the total, a contiguous run. */
+static void my_units(const int64_t *spans, int64_t n_spans, const char *dense, int mask, int64_t per_span, int t,
+                     int nt, int64_t *first, int64_t *last) {
+    double total = 0.0;
+    for (int64_t s = 0; s < n_spans; s++)
+        if ((dense[s] & mask) != mask) total += (double)per_span * (double)(spans[3 * s + 2] + PANEL_ROWS);
+    const double lo = total * t / nt, hi = total * (t + 1) / nt;
+    double at = 0.0;
+    *first = *last = 0;
+    int found = 0;
+    for (int64_t s = 0; s < n_spans; s++) {
+        if ((dense[s] & mask) == mask) continue;
+        const double cost = (double)(spans[3 * s + 2] + PANEL_ROWS);
+        for (int64_t u = 0; u < per_span; u++, at += cost) {
+            const double mid = at + 0.5 * cost;
+            if (mid < lo) continue;
+            if (mid >= hi) return;
+            if (!found) *first = s * per_span + u, found = 1;
+            *last = s * per_span + u + 1;
+        }
     }
-    store_vec(out, dtype, 0, (int)(tokens_n * hidden), sum);
-    free(sum);
-    free(term);
-    return 0;
+}
+
+/* Rows [start, start + count) of projection p of expert e on the dense path (quant_matmul_dense):
+ * y (y_stride apart) = x (k values a row, contiguous) W^T. */
+static int dense_part(const moe_projection *p, int64_t e, int64_t k, const char *x, int64_t count, char *y,
+                      int64_t y_stride, int dtype) {
+    return quant_matmul_dense((int)p->type, p->w + e * p->n * p->row_bytes, p->n, k, x, k, dtype, count, y, y_stride,
+                              dtype, NULL, 0);
+}
+
+/* xq (one act row) = row ``src`` of n values (dtype) quantized; tmp: n floats. */
+static void quantize_row(const qtype_ops *ops, const void *src, int64_t n, int dtype, float *tmp, uint8_t *xq) {
+    if (dtype == DTYPE_F32) {
+        ops->quantize_act((const float *)src, n, xq);
+    } else {
+        load_vec(src, dtype, 0, (int)n, tmp);
+        ops->quantize_act(tmp, n, xq);
+    }
 }
 
 /* out [tokens_n, hidden] (written whole) = each token's experts' outputs, weighted and summed; x
  * [tokens_n, hidden] rows contiguous; weights [pairs] in x's dtype; spans [n_spans][3]. Returns 0, 1
- * (no memory), 7 (an expert size that does not match the projections), or 100 + the status of the
- * matmul that refused. */
+ * (no memory), 7 (an expert size that does not match the projections), 8 (projections whose
+ * activation formats differ, or unsupported types or sizes), or 100 + the status of a dense matmul
+ * that refused. */
 int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const void *x, const int64_t *tokens,
                 const void *weights, const int64_t *spans, int64_t n_spans, int64_t pairs, int64_t tokens_n,
                 void *out, int dtype) {
     if (proj[GATE].n != inner || proj[UP].n != inner || proj[DOWN].n != hidden) return 7;
+    const qtype_ops *gate_ops = quant_ops((int)proj[GATE].type), *up_ops = quant_ops((int)proj[UP].type);
+    const qtype_ops *down_ops = quant_ops((int)proj[DOWN].type);
+    if (gate_ops == NULL || up_ops == NULL || down_ops == NULL) return 8;
+    if (gate_ops->quantize_act != up_ops->quantize_act || gate_ops->act_block_bytes != up_ops->act_block_bytes ||
+        gate_ops->block != up_ops->block || hidden % gate_ops->block != 0 || inner % down_ops->block != 0)
+        return 8;
+    if (((gate_ops->type | up_ops->type | down_ops->type) & QTYPE_X8) && (inner % 8 != 0 || hidden % 8 != 0)) return 8;
     const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4;
-    int64_t act_bytes = quant_act_row_bytes((int)proj[GATE].type, hidden);
-    const int64_t up_bytes = quant_act_row_bytes((int)proj[UP].type, hidden);
-    const int64_t down_bytes = quant_act_row_bytes((int)proj[DOWN].type, inner);
-    act_bytes = up_bytes > act_bytes ? up_bytes : act_bytes;
-    act_bytes = down_bytes > act_bytes ? down_bytes : act_bytes;
-    /* one arena: the pairs' rows of x, gate_up, act, y, then the quantized activations */
+    const int64_t nb_h = hidden / gate_ops->block, xrb = nb_h * gate_ops->act_block_bytes;
+    const int64_t nb_i = inner / down_ops->block, arb = nb_i * down_ops->act_block_bytes;
+    /* one arena: the pairs' rows of x, gate_up, act, y; the quantized x and act rows; the sums */
     const int64_t at_gu = pairs * hidden * elem, at_act = at_gu + pairs * 2 * inner * elem;
-    const int64_t at_y = at_act + pairs * inner * elem, at_scratch = (at_y + pairs * hidden * elem + 63) & ~(int64_t)63;
-    char *arena = malloc((size_t)(at_scratch + pairs * act_bytes));
+    const int64_t at_y = at_act + pairs * inner * elem, at_xq = (at_y + pairs * hidden * elem + 63) & ~(int64_t)63;
+    const int64_t at_aq = at_xq + pairs * xrb, at_sum = (at_aq + pairs * arb + 63) & ~(int64_t)63;
+    const int64_t at_skip = at_sum + tokens_n * hidden * (int64_t)sizeof(float);
+    char *arena = malloc((size_t)(at_skip + n_spans));
     if (arena == NULL) return 1;
     char *rows = arena, *gu = arena + at_gu, *act = arena + at_act, *y = arena + at_y;
-    void *scratch = arena + at_scratch;
+    uint8_t *xq = (uint8_t *)arena + at_xq, *aq = (uint8_t *)arena + at_aq;
+    float *sum = (float *)(arena + at_sum);
+    char *dense = arena + at_skip; /* per span: bit p set, projection p on the dense path */
+    enum { D_GATE = 1, D_UP = 2, D_DOWN = 4 };
     for (int64_t i = 0; i < pairs; i++)
         memcpy(rows + i * hidden * elem, (const char *)x + tokens[i] * hidden * elem, (size_t)(hidden * elem));
     int status = 0;
     for (int64_t s = 0; s < n_spans && status == 0; s++) {
         const int64_t e = spans[3 * s], start = spans[3 * s + 1], count = spans[3 * s + 2];
+        dense[s] = (char)((count >= proj[GATE].dense_min_rows ? D_GATE : 0) |
+                          (count >= proj[UP].dense_min_rows ? D_UP : 0) |
+                          (count >= proj[DOWN].dense_min_rows ? D_DOWN : 0));
         const char *xs = rows + start * hidden * elem;
-        char *gus = gu + start * 2 * inner * elem, *acts = act + start * inner * elem;
-        if ((status = expert_matmul(&proj[GATE], e, hidden, xs, count, scratch, gus, 2 * inner, dtype)) != 0) break;
-        status = expert_matmul(&proj[UP], e, hidden, xs, count, scratch, gus + inner * elem, 2 * inner, dtype);
-        if (status != 0) break;
-        silu_mul(gus, acts, count, (int)inner, dtype);
-        status = expert_matmul(&proj[DOWN], e, inner, acts, count, scratch, y + start * hidden * elem, hidden, dtype);
+        char *gus = gu + start * 2 * inner * elem;
+        if (dense[s] & D_GATE) status = dense_part(&proj[GATE], e, hidden, xs, count, gus, 2 * inner, dtype);
+        if ((dense[s] & D_UP) && status == 0)
+            status = dense_part(&proj[UP], e, hidden, xs, count, gus + inner * elem, 2 * inner, dtype);
     }
-    if (status == 0 && combine(y, tokens, weights, pairs, tokens_n, hidden, out, dtype) != 0) status = -99;
+    if (status != 0) {
+        free(arena);
+        return 100 + status;
+    }
+    const int64_t gu_panel = panel_cols(proj[GATE].row_bytes > proj[UP].row_bytes ? proj[GATE].row_bytes
+                                                                                   : proj[UP].row_bytes);
+    const int64_t down_panel = panel_cols(proj[DOWN].row_bytes);
+    const int64_t gu_units = (inner + gu_panel - 1) / gu_panel, down_units = (hidden + down_panel - 1) / down_panel;
+    int failed = 0;
+#pragma omp parallel
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        float *tmp = malloc((size_t)(hidden > inner ? hidden : inner) * sizeof(float));
+        if (tmp == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* the pairs' rows, quantized (rows on the dense path too: cheap, and no branch per pair) */
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < pairs; i++)
+            if (tmp != NULL) quantize_row(gate_ops, rows + i * hidden * elem, hidden, dtype, tmp, xq + i * xrb);
+        int failed_here;
+#pragma omp atomic read
+        failed_here = failed;
+        if (!failed_here) {
+            int64_t first, last;
+            my_units(spans, n_spans, dense, D_GATE | D_UP, gu_units, t, nt, &first, &last);
+            for (int64_t unit = first; unit < last; unit++) {
+                const int64_t s = unit / gu_units, u = unit % gu_units;
+                const int64_t e = spans[3 * s], start = spans[3 * s + 1], count = spans[3 * s + 2];
+                const int64_t c0 = u * gu_panel, c1 = c0 + gu_panel < inner ? c0 + gu_panel : inner;
+                char *gus = gu + start * 2 * inner * elem;
+                if (!(dense[s] & D_GATE))
+                    panel_matmul(&proj[GATE], gate_ops, e, nb_h, xq + start * xrb, xrb, count, c0, c1, gus,
+                                 2 * inner, dtype);
+                if (!(dense[s] & D_UP))
+                    panel_matmul(&proj[UP], up_ops, e, nb_h, xq + start * xrb, xrb, count, c0, c1,
+                                 gus + inner * elem, 2 * inner, dtype);
+            }
+        }
+#pragma omp barrier
+        /* act = silu(gate) * up per pair, then quantized for down */
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < pairs; i++) {
+            if (failed_here) continue;
+            silu_mul_row(gu + i * 2 * inner * elem, act + i * inner * elem, (int)inner, dtype);
+            quantize_row(down_ops, act + i * inner * elem, inner, dtype, tmp, aq + i * arb);
+        }
+        free(tmp);
+    }
+    for (int64_t s = 0; s < n_spans && status == 0 && !failed; s++)
+        if (dense[s] & D_DOWN) {
+            const int64_t start = spans[3 * s + 1];
+            status = dense_part(&proj[DOWN], spans[3 * s], inner, act + start * inner * elem, spans[3 * s + 2],
+                                y + start * hidden * elem, hidden, dtype);
+        }
+    if (status != 0 || failed) {
+        free(arena);
+        return status != 0 ? 100 + status : 1;
+    }
+#pragma omp parallel
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t first, last;
+        my_units(spans, n_spans, dense, D_DOWN, down_units, t, nt, &first, &last);
+        for (int64_t unit = first; unit < last; unit++) {
+            const int64_t s = unit / down_units, u = unit % down_units;
+            const int64_t e = spans[3 * s], start = spans[3 * s + 1], count = spans[3 * s + 2];
+            const int64_t c0 = u * down_panel, c1 = c0 + down_panel < hidden ? c0 + down_panel : hidden;
+            if (!(dense[s] & D_DOWN))
+                panel_matmul(&proj[DOWN], down_ops, e, nb_i, aq + start * arb, arb, count, c0, c1,
+                             y + start * hidden * elem, hidden, dtype);
+        }
+#pragma omp barrier
+        /* out[token] += y * weight, pairs in order, each product and sum rounded to dtype; the
+         * hidden columns split over threads (each element's order is the pairs') */
+        const int64_t h0 = hidden * t / nt / 16 * 16, h1 = t == nt - 1 ? hidden : hidden * (t + 1) / nt / 16 * 16;
+        const int hn = (int)(h1 - h0);
+        float term[256];
+        for (int64_t tok = 0; tok < tokens_n; tok++) memset(sum + tok * hidden + h0, 0, (size_t)hn * sizeof(float));
+        for (int64_t i = 0; i < pairs; i++) {
+            float wt;
+            load_vec(weights, dtype, i, 1, &wt);
+            float *dst = sum + tokens[i] * hidden + h0;
+            for (int j0 = 0; j0 < hn; j0 += 256) {
+                const int n = hn - j0 < 256 ? hn - j0 : 256;
+                load_vec(y, dtype, i * hidden + h0 + j0, n, term);
+                for (int j = 0; j < n; j++) term[j] *= wt;
+                round_vec(dtype, term, n);
+                for (int j = 0; j < n; j++) dst[j0 + j] += term[j];
+                round_vec(dtype, dst + j0, n);
+            }
+        }
+        for (int64_t tok = 0; tok < tokens_n && hn > 0; tok++)
+            store_vec(out, dtype, tok * hidden + h0, hn, sum + tok * hidden + h0);
+    }
     free(arena);
-    return status == 0 ? 0 : status == -99 ? 1 : 100 + status;
+    return 0;
 }

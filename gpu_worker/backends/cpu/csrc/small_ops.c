@@ -62,46 +62,51 @@ void rotary(void *x, int64_t x_stride, int64_t rows, int heads, int head_dim, co
     }
 }
 
-/* out[r, i] = silu(gate[r, i]) * up[r, i] of gate_up rows [gate (inner) | up (inner)], silu's result
+/* out[i] = silu(gate[i]) * up[i] of one gate_up row [gate (inner) | up (inner)], silu's result
  * rounded to the dtype before the product, as torch's two ops do. */
-void silu_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype) {
-#pragma omp parallel for if (rows >= PARALLEL_ROWS)
-    for (int64_t r = 0; r < rows; r++) {
-        float g[PIECE], u[PIECE];
-        for (int i0 = 0; i0 < inner; i0 += PIECE) {
-            const int n = inner - i0 < PIECE ? inner - i0 : PIECE;
-            load_vec(gate_up, dtype, r * 2 * inner + i0, n, g);
-            load_vec(gate_up, dtype, r * 2 * inner + inner + i0, n, u);
+void silu_mul_row(const void *gate_up, void *out, int inner, int dtype) {
+    float g[PIECE], u[PIECE];
+    for (int i0 = 0; i0 < inner; i0 += PIECE) {
+        const int n = inner - i0 < PIECE ? inner - i0 : PIECE;
+        load_vec(gate_up, dtype, i0, n, g);
+        load_vec(gate_up, dtype, inner + i0, n, u);
 #if HAVE_AVX512 /* gcc leaves the scalar loop below unvectorized */
-            for (int i = 0; i < n; i += 16) {
-                const __mmask16 m = n - i >= 16 ? 0xffffu : (__mmask16)((1u << (n - i)) - 1);
-                const __m512 x = _mm512_maskz_loadu_ps(m, g + i), one = _mm512_set1_ps(1.0f);
-                const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
-                const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-                const __m512 exp_minus_x = _mm512_mask_div_ps(e, neg, one, e);
-                _mm512_mask_storeu_ps(g + i, m, _mm512_div_ps(x, _mm512_add_ps(one, exp_minus_x)));
-            }
-#elif HAVE_AVX2 /* as the AVX-512 path, the last partial vector under a mask */
-            for (int i = 0; i < n; i += 8) {
-                const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-                const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - i), lanes);
-                const __m256 x = _mm256_maskload_ps(g + i, m), one = _mm256_set1_ps(1.0f);
-                const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)));
-                const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
-                const __m256 exp_minus_x = _mm256_blendv_ps(e, _mm256_div_ps(one, e), neg);
-                _mm256_maskstore_ps(g + i, m, _mm256_div_ps(x, _mm256_add_ps(one, exp_minus_x)));
-            }
-#else
-            for (int i = 0; i < n; i++) {
-                const float e = exp_nonpositive(-fabsf(g[i])); /* exp(-g) is e for g >= 0, 1 / e below */
-                g[i] = g[i] / (1.0f + (g[i] < 0.0f ? 1.0f / e : e));
-            }
-#endif
-            round_vec(dtype, g, n);
-            for (int i = 0; i < n; i++) g[i] *= u[i];
-            store_vec(out, dtype, r * inner + i0, n, g);
+        for (int i = 0; i < n; i += 16) {
+            const __mmask16 m = n - i >= 16 ? 0xffffu : (__mmask16)((1u << (n - i)) - 1);
+            const __m512 x = _mm512_maskz_loadu_ps(m, g + i), one = _mm512_set1_ps(1.0f);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+            const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+            const __m512 exp_minus_x = _mm512_mask_div_ps(e, neg, one, e);
+            _mm512_mask_storeu_ps(g + i, m, _mm512_div_ps(x, _mm512_add_ps(one, exp_minus_x)));
         }
+#elif HAVE_AVX2 /* as the AVX-512 path, the last partial vector under a mask */
+        for (int i = 0; i < n; i += 8) {
+            const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - i), lanes);
+            const __m256 x = _mm256_maskload_ps(g + i, m), one = _mm256_set1_ps(1.0f);
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)));
+            const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+            const __m256 exp_minus_x = _mm256_blendv_ps(e, _mm256_div_ps(one, e), neg);
+            _mm256_maskstore_ps(g + i, m, _mm256_div_ps(x, _mm256_add_ps(one, exp_minus_x)));
+        }
+#else
+        for (int i = 0; i < n; i++) {
+            const float e = exp_nonpositive(-fabsf(g[i])); /* exp(-g) is e for g >= 0, 1 / e below */
+            g[i] = g[i] / (1.0f + (g[i] < 0.0f ? 1.0f / e : e));
+        }
+#endif
+        round_vec(dtype, g, n);
+        for (int i = 0; i < n; i++) g[i] *= u[i];
+        store_vec(out, dtype, i0, n, g);
     }
+}
+
+/* silu_mul_row over rows [rows, 2 * inner] -> [rows, inner]. */
+void silu_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype) {
+    const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4;
+#pragma omp parallel for if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++)
+        silu_mul_row((const char *)gate_up + r * 2 * inner * elem, (char *)out + r * inner * elem, inner, dtype);
 }
 
 #if HAVE_AVX2
