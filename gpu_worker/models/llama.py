@@ -128,7 +128,12 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(tokens, heads + 2 * kv_heads, head_dim)
         if self.qk_norm:
             q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
-            q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
+            if self.fused is not None and self.rotary_dim == head_dim:  # both normed heads, one rotary call
+                qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+                self.fused.rotary_(qk, heads + kv_heads, cos, sin)
+                q, k = qk[:, :heads], qk[:, heads:]
+            else:
+                q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
         elif self.rotary_dim < head_dim:  # partial rotary: the leading dimensions rotate, the rest pass
             rd = self.rotary_dim
             qk = qkv[:, : heads + kv_heads]
