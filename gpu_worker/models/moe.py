@@ -173,8 +173,19 @@ class Experts(nn.Module):
         return self.act(gate) * up
 
 
+class RouterImpl(Protocol):
+    """A device backend's router in one call: each row's top-k expert ids [T, k] and their weights
+    [T, k] (renormalised as the block's ``norm_topk_prob`` says), as ``SparseMoeBlock.route``'s torch
+    code computes them."""
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class SparseMoeBlock(nn.Module):
-    """The router (``gate``) and the experts of one layer, HF's module names."""
+    """The router (``gate``) and the experts of one layer, HF's module names. ``router`` (set by a
+    device backend) routes instead of the torch code."""
+
+    router: RouterImpl | None = None
 
     def __init__(self, hidden: int, act: str, moe: MoeArgs) -> None:
         super().__init__()
@@ -184,6 +195,9 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> ExpertGroups:
         """Each row's top-k experts and their probabilities, grouped by expert."""
+        if self.router is not None:
+            expert_ids, weights = self.router(x.contiguous())
+            return ExpertGroups.of(expert_ids, weights, self.experts.routed_experts)
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         top, expert_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

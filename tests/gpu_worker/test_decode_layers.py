@@ -3,6 +3,7 @@ bit for bit the modules' hidden states, on decode steps only, for the models it 
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,12 @@ import torch
 from bench.lib import gguf_models
 from gpu_worker.backends.cpu.attention import KERNEL_MAX_EXTEND
 from gpu_worker.backends.cpu.backend import CpuBackend
+from gpu_worker.backends.cpu.experts import QuantRouter
 from gpu_worker.backends.cpu.layouts import X8_LAYOUT
 from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.models.moe import SparseMoeBlock
 from gpu_worker.weights.model_files import resolve_model
 from tests.gpu_worker.helpers import GREEDY, MiniScheduler
 from tests.gpu_worker.test_gguf_weights import Q, make_random_llama
@@ -91,7 +94,13 @@ def test_one_call_equals_the_modules_bit_for_bit(
     take the dense path of every Linear (set from 8 rows here; the committed table keeps some
     interleaved types on the integer path at any row count), 1 and 3 the integer one on x86. The
     one call runs on the decode steps and on no prefill (of rows longer than the kernel takes)."""
-    runner = runner_of(quant_llama, dtype)
+    assert_one_call_equals_the_modules(runner_of(quant_llama, dtype), rows, monkeypatch)
+
+
+def assert_one_call_equals_the_modules(
+    runner: ModelRunner, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefill ``rows`` prompts, then 20 decode steps each run by the one call and by the modules."""
     fused = cpu_backend(runner).fused_decode
     assert fused is not None
     if rows == 9:
@@ -121,6 +130,42 @@ def test_one_call_equals_the_modules_bit_for_bit(
         assert torch.equal(one_call, modules), (step, float((one_call - modules).abs().max()))
         tokens = one_call.float().argmax(dim=-1).tolist()
     assert len(calls) == 20
+
+
+# Qwen3 (Q/K norms per head) and Qwen3-MoE (8 experts, 2 a token, every layer sparse) in the
+# Q4_K_M mix, small, written by the bench's maker and read by the real loader.
+SMALL_QWEN3 = gguf_models.Shape(
+    "small-qwen3", hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, arch="qwen3", rope_theta=1e6, eps=1e-6
+)
+SMALL_QWEN3_MOE = dataclasses.replace(
+    SMALL_QWEN3, name="small-qwen3moe", arch="qwen3moe", tied=False, experts=8, experts_used=2, expert_ffn=256
+)
+
+
+@pytest.fixture(scope="module", params=[SMALL_QWEN3, SMALL_QWEN3_MOE], ids=lambda shape: shape.name)
+def qwen3_model(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    out = tmp_path_factory.mktemp(request.param.name)
+    path = gguf_models.write_model(out / "model.gguf", request.param, "q4_k_m")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RIVULET_CACHE_DIR", str(out / "cache"))
+        return resolve_model(str(path)), path
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9], ids=["1row", "3rows", "9rows_dense"])
+def test_qwen3_norms_and_experts_run_in_the_one_call(
+    qwen3_model: tuple[Path, Path], rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Q/K norms per head, and a router with experts in place of the MLP, in the one call: the
+    modules' logits bit for bit (float32; in bf16 the modules norm q and k with torch and the one
+    call declines, as a bf16 runner shows)."""
+    runner = runner_of(qwen3_model, "float32")
+    sparse = [m for m in runner.model.modules() if isinstance(m, SparseMoeBlock)]  # type: ignore[attr-defined]
+    assert all(isinstance(m.router, QuantRouter) for m in sparse)
+    assert_one_call_equals_the_modules(runner, rows, monkeypatch)
+    if rows == 1:
+        assert cpu_backend(runner_of(qwen3_model, "bfloat16")).fused_decode is None
 
 
 def test_merged_parts_of_types_run_in_the_one_call(tmp_path: Path) -> None:

@@ -91,3 +91,29 @@ def test_one_call_equals_expert_by_expert_on_k_quants(dtype: torch.dtype, tokens
     reference.gate_up_proj.data, reference.down_proj.data = loaded.dequantize()
     want = reference(x.float(), groups_of(tokens, torch.float32, seed=tokens))
     torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "norm_topk"), [(1, True), (7, False), (40, True)])
+def test_the_c_router_picks_torchs_experts_with_its_weights(
+    dtype: torch.dtype, tokens: int, norm_topk: bool
+) -> None:
+    """csrc/moe.c's moe_route against the torch route of models/moe.py (softmax in float32, top-k,
+    renormalised where norm_topk): the same experts in the same order, weights within float32's
+    rounding (then the dtype's)."""
+    kernels = cpu_kernels.load(requested_kind())
+    if kernels is None:
+        pytest.skip("the C kernels did not build")
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 256, generator=gen).to(dtype)
+    weight = (torch.randn(32, 256, generator=gen) * 0.2).to(dtype)
+    ids, weights = kernels.moe_route(x, weight, 4, norm_topk)
+    probs = torch.softmax(x.double() @ weight.double().T, dim=-1)
+    top, want_ids = torch.topk(probs, 4, dim=-1)
+    if norm_topk:
+        top = top / top.sum(dim=-1, keepdim=True)
+    assert torch.equal(ids, want_ids)
+    assert weights.dtype == dtype
+    torch.testing.assert_close(
+        weights.double(), top.to(dtype).double(), rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=0
+    )

@@ -36,7 +36,7 @@ from gpu_worker.backends.base import ALL_REDUCE
 from gpu_worker.backends.cpu import attention as cpu_attention
 from gpu_worker.backends.cpu import kernels as cpu_kernels
 from gpu_worker.backends.cpu.decode_layers import FusedDecode, fused_decode
-from gpu_worker.backends.cpu.experts import QuantExperts, interleave_experts
+from gpu_worker.backends.cpu.experts import QuantExperts, QuantRouter, interleave_experts
 from gpu_worker.backends.cpu.kind import CpuKind, describe, requested_kind
 from gpu_worker.backends.cpu.layouts import interleave_rows
 from gpu_worker.backends.cpu.matmul import PLANS, CpuLinear
@@ -45,7 +45,7 @@ from gpu_worker.backends.cpu.threads import ThreadTuner, shape_class
 from gpu_worker.backends.memory import kv_pool_tokens
 from gpu_worker.backends.torch_ref import attention as torch_attention
 from gpu_worker.models.layers import Embedding, Linear
-from gpu_worker.models.moe import Experts
+from gpu_worker.models.moe import Experts, SparseMoeBlock
 
 if TYPE_CHECKING:
     from gpu_worker.config import WorkerConfig
@@ -113,6 +113,8 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compi
     kernels = cpu_kernels.load(kind) if fits else None
     paths: Counter[str] = Counter()
     _attach_quantized(model, dtype, kernels, paths)
+    if kernels is not None and not compiled:
+        _attach_routers(model, dtype, kernels)
     if not compiled:
         for module in model.modules():
             if isinstance(module, Linear) and module.impl is None and module.weight.dtype in _CPU_LINEAR:
@@ -168,6 +170,15 @@ def _attach_quantized(
             paths[f"gguf {types}"] += 1
         elif isinstance(module, Embedding):
             module.impl = QuantEmbedding(weight, dtype, kernels)
+
+
+def _attach_routers(model: nn.Module, dtype: torch.dtype, kernels: cpu_kernels.CpuKernels) -> None:
+    """A QuantRouter for every sparse block whose experts are on blocks (a GGUF's), so the modules
+    route as the one-call decode does (experts.py)."""
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock) and isinstance(module.experts.impl, QuantExperts):
+            weight = module.gate.weight.to(dtype)
+            module.router = QuantRouter(weight, module.top_k, module.norm_topk_prob, kernels)
 
 
 def _embedding_form(model: nn.Module, dtype: torch.dtype) -> str:

@@ -7,8 +7,10 @@ of a step decodes and every Linear of every layer is a ``QuantLinear`` without b
 one call that makes the same kernel calls in the same order, so the hidden states equal the modules'
 bit for bit (tests/gpu_worker/test_decode_layers.py). A merged Linear whose projections differ in type
 (a Q4_K_M file's q/k in Q4_K beside v in Q6_K) is passed as its parts, each run on its own columns, as
-``QuantLinear`` runs them. Any other step, or model, runs the modules: prefill chunks and mixed
-batches, bf16 or fp32 weights, Q/K norms, biases, --compile.
+``QuantLinear`` runs them. Qwen3's per-head Q/K norms (float32 activations: in bf16 the modules norm
+with torch) and a mixture of experts in place of the MLP (experts on blocks, routed by the
+``QuantRouter`` the modules route with too) run in the one call as well. Any other step, or model,
+runs the modules: prefill chunks and mixed batches, bf16 or fp32 weights, biases, --compile.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpu_worker.backends.cpu.experts import MoeProjection, QuantExperts, QuantRouter
 from gpu_worker.backends.cpu.kernels import DTYPE_CODES, KV_DTYPE_CODES, CpuKernels
 from gpu_worker.backends.cpu.layouts import kernel_type
 from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.forward_context import PLAIN, ForwardContext
 from gpu_worker.models.llama import MLP, LlamaForCausalLM
+from gpu_worker.models.moe import SparseMoeBlock
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +67,14 @@ class DecodeLayer(ctypes.Structure):
         ("linear", DecodeLinear * 4),
         ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("router", ctypes.c_void_p),
+        ("experts", ctypes.POINTER(MoeProjection)),
+        ("n_experts", ctypes.c_int64),
+        ("top_k", ctypes.c_int64),
+        ("norm_topk", ctypes.c_int64),
+        ("expert_inner", ctypes.c_int64),
     ]
 
 
@@ -83,13 +95,22 @@ class DecodeDims(ctypes.Structure):
 
 
 def _linears(layer: Any) -> list[QuantLinear] | None:
-    """The layer's four Linears' QuantLinears, if each is one without bias (of up to MAX_PARTS parts)."""
-    modules = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    """The layer's Linears' QuantLinears (q/k/v, o, and the MLP's gate/up and down where it has an MLP),
+    if each is one without bias (of up to MAX_PARTS parts)."""
+    modules = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+    if isinstance(layer.mlp, MLP):
+        modules += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
     impls = [getattr(m, "impl", None) for m in modules]
     fit = all(
         isinstance(i, QuantLinear) and len(i.weight.parts) <= MAX_PARTS and i.bias is None for i in impls
     )
     return impls if fit else None  # type: ignore[return-value]
+
+
+def _one_call_experts(mlp: Any) -> bool:
+    """Whether a sparse block's router and experts run in C (QuantRouter, QuantExperts' one call)."""
+    impl = mlp.experts.impl
+    return isinstance(mlp.router, QuantRouter) and isinstance(impl, QuantExperts) and impl.one_call
 
 
 def why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
@@ -105,12 +126,17 @@ def why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
         return f"activations in {dtype}"
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if not isinstance(mlp, MLP):
-            return "mixture-of-experts layers"
+        if isinstance(mlp, SparseMoeBlock):
+            if not _one_call_experts(mlp) or mlp.experts.num_experts < mlp.experts.routed_experts:
+                return "mixture-of-experts layers whose router or experts are not in C"
+        elif not isinstance(mlp, MLP):
+            return "a feed-forward block of another kind"
+        elif mlp.act is not torch.nn.functional.silu or mlp.fused is None:
+            return "an activation other than SiLU, or no fused kernels"
         if attn.rotary_dim < attn.head_dim:
             return "partial rotary"
-        if attn.qk_norm or mlp.act is not torch.nn.functional.silu or mlp.fused is None:
-            return "Q/K norms, an activation other than SiLU, or no fused kernels"
+        if attn.qk_norm and (dtype != torch.float32 or attn.q_norm.fused is None):
+            return "Q/K norms on bf16 activations (normed by torch there)"
         if layer.input_layernorm.fused is None or attn.fused is None:
             return "no fused kernels"
         if _linears(layer) is None:
@@ -149,13 +175,23 @@ class FusedDecode:
         for i, layer in enumerate(layers):
             impls = _linears(layer)
             assert impls is not None
+            attn, mlp = layer.self_attn, layer.mlp
             array[i] = DecodeLayer(
                 input_norm=layer.input_layernorm.weight.data_ptr(),
                 post_norm=layer.post_attention_layernorm.weight.data_ptr(),
                 linear=(DecodeLinear * 4)(*(DecodeLinear.of(impl) for impl in impls)),
                 k_cache=ctx.k_cache[i].data_ptr(),
                 v_cache=ctx.v_cache[i].data_ptr(),
+                q_norm=attn.q_norm.weight.data_ptr() if attn.qk_norm else None,
+                k_norm=attn.k_norm.weight.data_ptr() if attn.qk_norm else None,
             )
+            if isinstance(mlp, SparseMoeBlock):
+                experts, router = mlp.experts.impl, mlp.router
+                assert isinstance(experts, QuantExperts) and isinstance(router, QuantRouter)  # why_not's
+                array[i].router = router.weight.data_ptr()
+                array[i].experts = ctypes.cast(experts.projections, ctypes.POINTER(MoeProjection))
+                array[i].n_experts, array[i].top_k = router.weight.shape[0], router.top_k
+                array[i].norm_topk, array[i].expert_inner = int(router.norm_topk), experts.inner
         self._layers, self._pool = array, pool
         self.dims.kv_dtype = KV_DTYPE_CODES[ctx.k_cache[0].dtype]
         return array

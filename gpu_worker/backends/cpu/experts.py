@@ -51,6 +51,19 @@ def interleave_experts(weight: QuantizedExperts) -> QuantizedExperts:
     return QuantizedExperts(gate, up, down, weight.num_experts)
 
 
+class QuantRouter:
+    """The router of a block whose experts are on blocks, in one C call (csrc/moe.c's moe_route):
+    its logits, softmax, top-k and renormalisation, as the one-call decode routes (decode_layers.c),
+    so that both pick the same experts with the same weights, bit for bit."""
+
+    def __init__(self, weight: torch.Tensor, top_k: int, norm_topk: bool, kernels: CpuKernels) -> None:
+        self.weight = weight.detach().contiguous()  # [E, hidden], the activations' dtype
+        self.top_k, self.norm_topk, self.kernels = top_k, norm_topk, kernels
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.moe_route(x, self.weight, self.top_k, self.norm_topk)
+
+
 class QuantExperts:
     """The experts over grouped rows, on blocks: one gate/up call and one down call per expert with rows."""
 

@@ -48,6 +48,9 @@ class QuantKernels:
         self._moe_experts = lib.moe_experts
         self._moe_experts.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i32]
         self._moe_experts.restype = i32
+        self._moe_route = lib.moe_route
+        self._moe_route.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, ptr, ptr, i32]
+        self._moe_route.restype = i32
         self._local = threading.local()
         self._act_row_bytes = functools.cache(lambda type, k: int(self._quant_act_row_bytes(type, k)))
 
@@ -190,6 +193,25 @@ class QuantKernels:
         if status != 0:
             raise RuntimeError(f"moe_experts failed: status {status}")
         return out
+
+    def moe_route(
+        self, x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A mixture of experts' router in one call (csrc/moe.c): each row's top_k experts (int64
+        [T, top_k], the likelier first) and their softmax probabilities, renormalised to sum to 1
+        where ``norm_topk``, in x's dtype; x [T, hidden] and the router's ``weight`` [E, hidden]
+        contiguous, of x's dtype."""
+        assert x.is_contiguous() and weight.is_contiguous() and weight.dtype == x.dtype
+        assert x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1]
+        ids = torch.empty((x.shape[0], top_k), dtype=torch.int64)
+        weights = torch.empty((x.shape[0], top_k), dtype=x.dtype)
+        status = self._moe_route(
+            x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0], top_k, int(norm_topk),
+            ids.data_ptr(), weights.data_ptr(), DTYPE_CODES[x.dtype],
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"moe_route failed: status {status}")
+        return ids, weights
 
 
 @functools.cache

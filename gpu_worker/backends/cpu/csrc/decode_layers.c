@@ -11,7 +11,14 @@
  *   x = x + attn Wo^T; h = rms_norm(x); gu = h Wgu^T; a = silu(gate) * up; x = x + a Wdown^T
  * each Linear by quant_matmul or, from dense_min_rows rows, quant_matmul_dense (as QuantLinear). A
  * merged Linear whose projections differ in type (a Q4_K_M file's q, k in Q4_K and v in Q6_K) is
- * up to MAX_PARTS parts, each a matmul writing its own columns of the output, as QuantLinear runs it. */
+ * up to MAX_PARTS parts, each a matmul writing its own columns of the output, as QuantLinear runs it.
+ *
+ * Qwen3's per-head norms (q_norm, k_norm) run on q's and k's heads in place before the rotary. A
+ * layer with a router has a mixture of experts in place of the MLP (Qwen3-MoE's, Mixtral's):
+ *   h = rms_norm(x); each row's top-k experts and weights (moe_route); the (row, expert) pairs
+ *   grouped by expert, stably (as models/moe.py's ExpertGroups.of sorts them); x = x + the experts'
+ *   weighted sum (moe_experts)
+ * the calls the modules make through backends/cpu/experts.py, in their order. */
 #include "quant.h"
 #include <stdlib.h>
 
@@ -45,8 +52,12 @@ typedef struct { /* one Linear: its parts' blocks, each [n[i], row bytes], outpu
 
 typedef struct { /* one layer, as gpu_worker/backends/cpu/decode_layers.py fills it (ctypes) */
     const void *input_norm, *post_norm; /* [hidden], the activations' dtype */
-    decode_linear linear[LINEARS];
-    void *k_cache, *v_cache; /* [pool tokens, kv_heads, head_dim] */
+    decode_linear linear[LINEARS];      /* GATE_UP and DOWN unused (n = 0) where a router is */
+    void *k_cache, *v_cache;            /* [pool tokens, kv_heads, head_dim] */
+    const void *q_norm, *k_norm;        /* [head_dim]: Qwen3's norms per head; NULL: none */
+    const void *router;                 /* [n_experts, hidden]: a mixture of experts; NULL: the MLP */
+    const moe_projection *experts;      /* [3]: the experts' gate, up, down (moe.c) */
+    int64_t n_experts, top_k, norm_topk, expert_inner;
 } decode_layer;
 
 typedef struct { /* the model's sizes */
@@ -76,6 +87,29 @@ static int linear(const decode_layer *l, int i, int64_t n, int64_t k, const void
     return col == n ? 0 : 6; /* 6: the parts do not add up to the Linear's columns */
 }
 
+/* The pairs (row r, its k-th expert ids[r top_k + k]) sorted by expert, stably: tokens[j] the row
+ * and w_sorted[j] the weight of sorted pair j; spans (expert, start, count) per expert with pairs,
+ * experts ascending. next: n_experts scratch. Returns the number of spans. */
+static int64_t group_pairs(const int64_t *ids, const void *w, int64_t pairs, int64_t top_k, int64_t n_experts,
+                           int64_t *next, int64_t *tokens, void *w_sorted, int64_t *spans, int64_t elem) {
+    memset(next, 0, (size_t)n_experts * sizeof(int64_t));
+    for (int64_t i = 0; i < pairs; i++) next[ids[i]]++;
+    int64_t n_spans = 0, at = 0;
+    for (int64_t e = 0; e < n_experts; e++) {
+        const int64_t count = next[e];
+        next[e] = at;
+        if (count == 0) continue;
+        spans[3 * n_spans] = e, spans[3 * n_spans + 1] = at, spans[3 * n_spans + 2] = count;
+        n_spans++, at += count;
+    }
+    for (int64_t i = 0; i < pairs; i++) {
+        const int64_t j = next[ids[i]]++;
+        tokens[j] = i / top_k;
+        memcpy((char *)w_sorted + j * elem, (const char *)w + i * elem, (size_t)elem);
+    }
+    return n_spans;
+}
+
 /* out [rows, hidden] = the residual stream after every layer, from x [rows, hidden] (the embedding
  * rows; not written). cos / sin: [rows, head_dim] at the rows' positions. The attention arguments
  * are paged_decode_attention's (q_rows: the rows in order). Returns 0, 1 (no memory), or 100 + the
@@ -94,16 +128,36 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
     int64_t k_max = hidden > q_out ? hidden : q_out; /* the Linears' inputs: hidden, q_out, hidden, inner */
     k_max = k_max > inner ? k_max : inner;
     const int64_t scratch_at = (total + 63) & ~(int64_t)63;
-    char *arena = malloc((size_t)(scratch_at + rows * (k_max / ACT_BLOCK) * (int64_t)sizeof(act_block16)));
+    /* the mixtures of experts': y [rows, hidden], then ids, the sorted tokens, next and spans
+     * (int64), the weights and the sorted weights (dtype), at the layers' largest sizes */
+    int64_t top_k = 0, n_experts = 0;
+    for (int64_t li = 0; li < n_layers; li++)
+        if (layers[li].router != NULL) {
+            top_k = layers[li].top_k > top_k ? layers[li].top_k : top_k;
+            n_experts = layers[li].n_experts > n_experts ? layers[li].n_experts : n_experts;
+        }
+    const int64_t moe_at = scratch_at + rows * (k_max / ACT_BLOCK) * (int64_t)sizeof(act_block16);
+    const int64_t pairs_max = rows * top_k, ints_at = moe_at + rows * hidden * elem;
+    const int64_t floats_at = ints_at + (2 * pairs_max + 4 * n_experts) * (int64_t)sizeof(int64_t);
+    char *arena = malloc((size_t)(floats_at + 2 * pairs_max * elem));
     if (arena == NULL) return 1;
     void *h = arena + at[0], *qkv = arena + at[1], *attn = arena + at[2], *gu = arena + at[3], *act = arena + at[4];
-    void *scratch = arena + scratch_at;
+    void *scratch = arena + scratch_at, *moe_y = arena + moe_at;
+    int64_t *ids = (int64_t *)(arena + ints_at), *tokens = ids + pairs_max, *next = tokens + pairs_max;
+    int64_t *spans = next + n_experts;
+    void *weights = arena + floats_at, *w_sorted = arena + floats_at + pairs_max * elem;
     memcpy(out, x, (size_t)(rows * hidden * elem));
     int status = 0;
     for (int64_t li = 0; li < n_layers && status == 0; li++) {
         const decode_layer *l = layers + li;
         rms_norm(out, hidden, l->input_norm, h, rows, (int)hidden, dims->eps, dtype);
         if ((status = linear(l, QKV, qkv_n, hidden, h, rows, scratch, qkv, dtype, NULL)) != 0) break;
+        if (l->q_norm != NULL) /* each row's q heads, then its k heads, normed in place */
+            for (int64_t r = 0; r < rows; r++) {
+                char *row = (char *)qkv + r * qkv_n * elem;
+                rms_norm(row, d, l->q_norm, row, dims->heads, (int)d, dims->eps, dtype);
+                rms_norm(row + q_out * elem, d, l->k_norm, row + q_out * elem, dims->kv_heads, (int)d, dims->eps, dtype);
+            }
         rotary(qkv, qkv_n, rows, (int)(dims->heads + dims->kv_heads), (int)d, cos, sin, dtype);
         status = paged_decode_attention(qkv, qkv_n, l->k_cache, l->v_cache, attn, dtype, (int)dims->kv_dtype, q_rows,
                                         req_pool_idx, kv_lens, page_table, pt_stride, rows, (int)dims->heads,
@@ -116,6 +170,26 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
          * written by the same thread, once, and no other output is read after */
         if ((status = linear(l, O, hidden, q_out, attn, rows, scratch, out, dtype, out)) != 0) break;
         rms_norm(out, hidden, l->post_norm, h, rows, (int)hidden, dims->eps, dtype);
+        if (l->router != NULL) {
+            const int64_t pairs = rows * l->top_k;
+            status = moe_route(h, rows, hidden, l->router, l->n_experts, l->top_k, (int)l->norm_topk, ids, weights,
+                               dtype);
+            if (status != 0) break;
+            const int64_t n_spans = group_pairs(ids, weights, pairs, l->top_k, l->n_experts, next, tokens, w_sorted,
+                                                spans, elem);
+            status = moe_experts(l->experts, hidden, l->expert_inner, h, tokens, w_sorted, spans, n_spans, pairs, rows,
+                                 moe_y, dtype);
+            if (status != 0) break;
+            float a[256], b[256]; /* x = x + y, rounded to the dtype (torch's add) */
+            for (int64_t i0 = 0; i0 < rows * hidden; i0 += 256) {
+                const int n = rows * hidden - i0 < 256 ? (int)(rows * hidden - i0) : 256;
+                load_vec(out, dtype, i0, n, a);
+                load_vec(moe_y, dtype, i0, n, b);
+                for (int i = 0; i < n; i++) a[i] += b[i];
+                store_vec(out, dtype, i0, n, a);
+            }
+            continue;
+        }
         if ((status = linear(l, GATE_UP, 2 * inner, hidden, h, rows, scratch, gu, dtype, NULL)) != 0) break;
         silu_mul(gu, act, rows, (int)inner, dtype);
         status = linear(l, DOWN, hidden, inner, act, rows, scratch, out, dtype, out);

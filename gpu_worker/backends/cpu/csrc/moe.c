@@ -30,13 +30,6 @@ int quant_matmul_dense(int type, const uint8_t *w, int64_t n, int64_t k, const v
                        int x_dtype, int64_t rows, void *y, int64_t y_stride, int y_dtype, const void *residual,
                        int64_t res_stride);
 
-typedef struct { /* one projection of every expert, stacked: expert e's n rows are rows [e n, (e + 1) n) */
-    const uint8_t *w;
-    int64_t type;           /* the C kernels' type code */
-    int64_t n, row_bytes;   /* an expert's rows; bytes of one row */
-    int64_t dense_min_rows; /* from how many rows the dense path */
-} moe_projection;
-
 enum { GATE, UP, DOWN, PROJECTIONS };
 
 #define PANEL_BYTES (48 * 1024) /* of weight rows per panel, as quant.c's */
@@ -252,4 +245,64 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
     }
     free(arena);
     return 0;
+}
+
+/* The router of rows x [rows, hidden] (dtype): per row the logits against w [n_experts, hidden]
+ * (dtype; summed in float32), their softmax in float32, the top_k experts (the larger probability
+ * first, the lower expert on a tie) into ids [rows, top_k], and their probabilities, divided by
+ * their sum where norm_topk, rounded to dtype into weights [rows, top_k]. The module path
+ * (models/moe.py's route, through backends/cpu/experts.py) and decode_layers.c both route with this
+ * call, so the one-call decode picks the modules' experts with the modules' weights, bit for bit.
+ * Returns 0, or 1 (no memory), or 2 (top_k outside [1, n_experts]). */
+int moe_route(const void *x, int64_t rows, int64_t hidden, const void *w, int64_t n_experts, int64_t top_k,
+              int norm_topk, int64_t *ids, void *weights, int dtype) {
+    if (top_k < 1 || top_k > n_experts) return 2;
+    float *logits = malloc((size_t)(rows * n_experts) * sizeof(float));
+    if (logits == NULL) return 1;
+    int failed = 0;
+#pragma omp parallel if (rows * n_experts * hidden >= 1 << 16)
+    {
+        float *xr = malloc((size_t)hidden * sizeof(float)), *wr = malloc((size_t)hidden * sizeof(float));
+        if (xr == NULL || wr == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < rows * n_experts; i++) {
+            if (xr == NULL || wr == NULL) continue;
+            const int64_t r = i / n_experts, e = i % n_experts;
+            load_vec(x, dtype, r * hidden, (int)hidden, xr); /* (one row's values: cheap beside w's) */
+            load_vec(w, dtype, e * hidden, (int)hidden, wr);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < hidden; j++) sum += xr[j] * wr[j];
+            logits[i] = sum;
+        }
+        free(xr);
+        free(wr);
+    }
+    for (int64_t r = 0; r < rows && !failed; r++) {
+        float *p = logits + r * n_experts, top[top_k];
+        float max = p[0], total = 0.0f;
+        for (int64_t e = 1; e < n_experts; e++) max = p[e] > max ? p[e] : max;
+        for (int64_t e = 0; e < n_experts; e++) total += p[e] = expf(p[e] - max);
+        for (int64_t e = 0; e < n_experts; e++) p[e] /= total;
+        float chosen = 0.0f;
+        for (int64_t k = 0; k < top_k; k++) { /* the k-th largest: a pass each (top_k is small) */
+            int64_t best = -1;
+            for (int64_t e = 0; e < n_experts; e++) {
+                int taken = 0;
+                for (int64_t j = 0; j < k; j++) taken |= ids[r * top_k + j] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            ids[r * top_k + k] = best;
+            top[k] = p[best];
+            chosen += p[best];
+        }
+        if (norm_topk)
+            for (int64_t k = 0; k < top_k; k++) top[k] /= chosen;
+        store_vec(weights, dtype, r * top_k, (int)top_k, top);
+    }
+    free(logits);
+    return failed;
 }

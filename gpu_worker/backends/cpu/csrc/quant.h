@@ -109,6 +109,21 @@ static inline void dequant_row_at(const qtype_ops *ops, const uint8_t *w, int64_
         LOOP(QTYPE_Q8_0);                                                                                     \
     }
 
+/* One projection of every expert of a mixture of experts, stacked (moe.c): expert e's n rows are
+ * rows [e n, (e + 1) n). */
+typedef struct {
+    const uint8_t *w;
+    int64_t type;           /* the C kernels' type code */
+    int64_t n, row_bytes;   /* an expert's rows; bytes of one row */
+    int64_t dense_min_rows; /* from how many rows the dense path */
+} moe_projection;
+
+int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const void *x, const int64_t *tokens,
+                const void *weights, const int64_t *spans, int64_t n_spans, int64_t pairs, int64_t tokens_n,
+                void *out, int dtype);
+int moe_route(const void *x, int64_t rows, int64_t hidden, const void *w, int64_t n_experts, int64_t top_k,
+              int norm_topk, int64_t *ids, void *weights, int dtype);
+
 /* The ops of ``type`` if the file implements it, else NULL. */
 const qtype_ops *qtype_legacy(int type);
 const qtype_ops *qtype_k(int type);
