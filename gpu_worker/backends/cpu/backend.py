@@ -39,6 +39,7 @@ from gpu_worker.backends.cpu.decode_layers import FusedDecode, fused_decode
 from gpu_worker.backends.cpu.experts import QuantExperts, QuantRouter, interleave_experts
 from gpu_worker.backends.cpu.kind import CpuKind, describe, requested_kind
 from gpu_worker.backends.cpu.layouts import interleave_rows
+from gpu_worker.backends.cpu.malloc import keep_freed_memory
 from gpu_worker.backends.cpu.matmul import PLANS, CpuLinear
 from gpu_worker.backends.cpu.quant import QuantEmbedding, QuantLinear
 from gpu_worker.backends.cpu.threads import ThreadTuner, shape_class
@@ -138,6 +139,7 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compi
         weight_bytes(model) / 1e6,
     )
     decode = fused_decode(model, kernels, dtype) if not compiled else None
+    keep_freed_memory()  # the weights are in place: from here on, steps reuse what they free
     return CpuSetup(kind=kind, kernels=kernels, decode_layers=decode)
 
 
