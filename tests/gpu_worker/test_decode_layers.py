@@ -132,17 +132,22 @@ def assert_one_call_equals_the_modules(
     assert len(calls) == 20
 
 
-# Qwen3 (Q/K norms per head) and Qwen3-MoE (8 experts, 2 a token, every layer sparse) in the
-# Q4_K_M mix, small, written by the bench's maker and read by the real loader.
+# Qwen3 (Q/K norms per head), Qwen3-MoE and Mixtral (8 experts, 2 a token, every layer sparse) in
+# the Q4_K_M mix, small, written by the bench's maker and read by the real loader.
 SMALL_QWEN3 = gguf_models.Shape(
     "small-qwen3", hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, arch="qwen3", rope_theta=1e6, eps=1e-6
 )
 SMALL_QWEN3_MOE = dataclasses.replace(
     SMALL_QWEN3, name="small-qwen3moe", arch="qwen3moe", tied=False, experts=8, experts_used=2, expert_ffn=256
 )
+SMALL_MIXTRAL = dataclasses.replace(
+    SMALL_QWEN3_MOE, name="small-mixtral", arch="llama", ffn=256
+)  # no Q/K norms
 
 
-@pytest.fixture(scope="module", params=[SMALL_QWEN3, SMALL_QWEN3_MOE], ids=lambda shape: shape.name)
+@pytest.fixture(
+    scope="module", params=[SMALL_QWEN3, SMALL_QWEN3_MOE, SMALL_MIXTRAL], ids=lambda shape: shape.name
+)
 def qwen3_model(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, Path]:
@@ -159,13 +164,17 @@ def test_qwen3_norms_and_experts_run_in_the_one_call(
 ) -> None:
     """Q/K norms per head, and a router with experts in place of the MLP, in the one call: the
     modules' logits bit for bit (float32; in bf16 the modules norm q and k with torch and the one
-    call declines, as a bf16 runner shows)."""
+    call declines for models with those norms, as a bf16 runner shows)."""
     runner = runner_of(qwen3_model, "float32")
     sparse = [m for m in runner.model.modules() if isinstance(m, SparseMoeBlock)]  # type: ignore[attr-defined]
     assert all(isinstance(m.router, QuantRouter) for m in sparse)
     assert_one_call_equals_the_modules(runner, rows, monkeypatch)
-    if rows == 1:
-        assert cpu_backend(runner_of(qwen3_model, "bfloat16")).fused_decode is None
+    if rows == 1:  # bf16: the one call where no Q/K norms are (Mixtral), the modules where they are
+        norms = any(getattr(m, "qk_norm", False) for m in runner.model.modules())  # type: ignore[attr-defined]
+        bf16 = runner_of(qwen3_model, "bfloat16")
+        assert (cpu_backend(bf16).fused_decode is None) == norms
+        if not norms:
+            assert_one_call_equals_the_modules(bf16, 3, monkeypatch)
 
 
 def test_merged_parts_of_types_run_in_the_one_call(tmp_path: Path) -> None:
