@@ -114,10 +114,11 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compi
     kernels = cpu_kernels.load(kind) if fits else None
     paths: Counter[str] = Counter()
     _attach_quantized(model, dtype, kernels, paths)
-    if kernels is not None and not compiled:
-        _attach_routers(model, dtype, kernels)
+    routed = _attach_routers(model, dtype, kernels) if kernels is not None and not compiled else set()
     if not compiled:
         for module in model.modules():
+            if id(module) in routed:  # its QuantRouter holds the weight: no matmul copy of it
+                continue
             if isinstance(module, Linear) and module.impl is None and module.weight.dtype in _CPU_LINEAR:
                 impl = CpuLinear(module.weight, module.bias, kind, kernels)
                 module.impl = impl
@@ -174,13 +175,16 @@ def _attach_quantized(
             module.impl = QuantEmbedding(weight, dtype, kernels)
 
 
-def _attach_routers(model: nn.Module, dtype: torch.dtype, kernels: cpu_kernels.CpuKernels) -> None:
+def _attach_routers(model: nn.Module, dtype: torch.dtype, kernels: cpu_kernels.CpuKernels) -> set[int]:
     """A QuantRouter for every sparse block whose experts are on blocks (a GGUF's), so the modules
-    route as the one-call decode does (experts.py)."""
+    route as the one-call decode does (experts.py); returns the ids of the gate Linears it replaces."""
+    routed = set()
     for module in model.modules():
         if isinstance(module, SparseMoeBlock) and isinstance(module.experts.impl, QuantExperts):
             weight = module.gate.weight.to(dtype)
             module.router = QuantRouter(weight, module.top_k, module.norm_topk_prob, kernels)
+            routed.add(id(module.gate))
+    return routed
 
 
 def _embedding_form(model: nn.Module, dtype: torch.dtype) -> str:

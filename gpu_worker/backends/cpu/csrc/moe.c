@@ -32,30 +32,14 @@ int quant_matmul_dense(int type, const uint8_t *w, int64_t n, int64_t k, const v
 
 enum { GATE, UP, DOWN, PROJECTIONS };
 
-#define PANEL_BYTES (48 * 1024) /* of weight rows per panel, as quant.c's */
-#define PANEL_MAX 128           /* columns */
-#define ROW_CHUNK 32            /* activation rows per tile call */
-#define PANEL_ROWS 4            /* a panel's read, in rows' worth of compute, for the split */
-
-/* Columns of a panel: whole groups of 8, the weights in L2 while the expert's rows pass. */
-static int64_t panel_cols(int64_t row_bytes) {
-    int64_t panel = PANEL_BYTES / row_bytes / 8 * 8;
-    return panel < 8 ? 8 : panel > PANEL_MAX ? PANEL_MAX : panel;
-}
+#define PANEL_ROWS 4 /* a panel's read, in rows' worth of compute, for the split */
 
 /* y rows [count] (dtype, y_stride apart) = the rows' quantized activations xq (xrb apart) times
- * columns [c0, c1) of expert e's projection p: tiles of at most ROW_CHUNK rows, stored as quant.c
- * stores them. */
+ * columns [c0, c1) of expert e's projection p, as quant_matmul computes them. */
 static void panel_matmul(const moe_projection *p, const qtype_ops *ops, int64_t e, int64_t nb, const uint8_t *xq,
                          int64_t xrb, int64_t count, int64_t c0, int64_t c1, void *y, int64_t y_stride, int dtype) {
-    const uint8_t *w = p->w + e * p->n * p->row_bytes;
-    float buf[ROW_CHUNK * PANEL_MAX];
-    const int64_t pw = c1 - c0;
-    for (int64_t q0 = 0; q0 < count; q0 += ROW_CHUNK) {
-        const int64_t qr = count - q0 < ROW_CHUNK ? count - q0 : ROW_CHUNK;
-        ops->tile(w + c0 * p->row_bytes, p->row_bytes, pw, xq + q0 * xrb, xrb, qr, nb, buf, pw);
-        for (int64_t r = 0; r < qr; r++) store_vec(y, dtype, (q0 + r) * y_stride + c0, (int)pw, buf + r * pw);
-    }
+    quant_panel(ops, p->w + e * p->n * p->row_bytes, p->row_bytes, nb, c0, c1 - c0, xq, xrb, 0, count, y, y_stride,
+                dtype, NULL, 0);
 }
 
 /* Thread t of nt's share [*first, *last) of the units u = span * per_span + panel (per_span
@@ -151,9 +135,9 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
         free(arena);
         return 100 + status;
     }
-    const int64_t gu_panel = panel_cols(proj[GATE].row_bytes > proj[UP].row_bytes ? proj[GATE].row_bytes
-                                                                                   : proj[UP].row_bytes);
-    const int64_t down_panel = panel_cols(proj[DOWN].row_bytes);
+    const int64_t gu_panel = quant_panel_cols(proj[GATE].row_bytes > proj[UP].row_bytes ? proj[GATE].row_bytes
+                                                                                         : proj[UP].row_bytes);
+    const int64_t down_panel = quant_panel_cols(proj[DOWN].row_bytes);
     const int64_t gu_units = (inner + gu_panel - 1) / gu_panel, down_units = (hidden + down_panel - 1) / down_panel;
     int failed = 0;
 #pragma omp parallel
@@ -258,29 +242,40 @@ int moe_route(const void *x, int64_t rows, int64_t hidden, const void *w, int64_
               int norm_topk, int64_t *ids, void *weights, int dtype) {
     if (top_k < 1 || top_k > n_experts) return 2;
     float *logits = malloc((size_t)(rows * n_experts) * sizeof(float));
-    if (logits == NULL) return 1;
+    float *xf = malloc((size_t)(rows * hidden) * sizeof(float)); /* x as float32, once */
+    if (logits == NULL || xf == NULL) {
+        free(logits);
+        free(xf);
+        return 1;
+    }
+    load_vec(x, dtype, 0, (int)(rows * hidden), xf);
     int failed = 0;
 #pragma omp parallel if (rows * n_experts * hidden >= 1 << 16)
     {
-        float *xr = malloc((size_t)hidden * sizeof(float)), *wr = malloc((size_t)hidden * sizeof(float));
-        if (xr == NULL || wr == NULL) {
+        /* bf16 router rows widened here; float32 ones read in place */
+        float *wr = dtype == DTYPE_F32 ? NULL : malloc((size_t)hidden * sizeof(float));
+        if (dtype != DTYPE_F32 && wr == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < rows * n_experts; i++) {
-            if (xr == NULL || wr == NULL) continue;
             const int64_t r = i / n_experts, e = i % n_experts;
-            load_vec(x, dtype, r * hidden, (int)hidden, xr); /* (one row's values: cheap beside w's) */
-            load_vec(w, dtype, e * hidden, (int)hidden, wr);
+            const float *we = (const float *)w + e * hidden;
+            if (dtype != DTYPE_F32) {
+                if (wr == NULL) continue;
+                load_vec(w, dtype, e * hidden, (int)hidden, wr);
+                we = wr;
+            }
+            const float *xr = xf + r * hidden;
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j < hidden; j++) sum += xr[j] * wr[j];
+            for (int64_t j = 0; j < hidden; j++) sum += xr[j] * we[j];
             logits[i] = sum;
         }
-        free(xr);
         free(wr);
     }
+    free(xf);
     for (int64_t r = 0; r < rows && !failed; r++) {
         float *p = logits + r * n_experts, top[top_k];
         float max = p[0], total = 0.0f;

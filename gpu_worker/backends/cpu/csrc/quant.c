@@ -56,6 +56,36 @@ int64_t quant_act_row_bytes(int type, int64_t k) {
     return k / ops->block * ops->act_block_bytes;
 }
 
+/* Columns in a panel of weight rows of row_bytes each: whole units, PANEL_BYTES at most (L2 holds
+ * them and a chunk of activation rows), and at most PANEL_MAX. */
+int64_t quant_panel_cols(int64_t row_bytes) {
+    const int64_t panel = PANEL_BYTES / row_bytes / COL_UNIT * COL_UNIT;
+    return panel < COL_UNIT ? COL_UNIT : panel > PANEL_MAX ? PANEL_MAX : panel;
+}
+
+/* y rows [r0, r1) of columns [c0, c0 + pw) (pw <= PANEL_MAX): W's rows there (wrb bytes each, nb
+ * blocks) met by the quantized activation rows xq (xrb bytes apart) in tiles of ROW_CHUNK rows,
+ * residual (NULL: none) added, each stored once in y_dtype. One thread's work: the panel's weights
+ * stay in L2 while the chunks pass. */
+void quant_panel(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int64_t nb, int64_t c0, int64_t pw,
+                 const uint8_t *xq, int64_t xrb, int64_t r0, int64_t r1, void *y, int64_t y_stride, int y_dtype,
+                 const void *residual, int64_t res_stride) {
+    float buf[ROW_CHUNK * PANEL_MAX], res[PANEL_MAX];
+    for (int64_t q0 = r0; q0 < r1; q0 += ROW_CHUNK) {
+        const int64_t qr = r1 - q0 < ROW_CHUNK ? r1 - q0 : ROW_CHUNK;
+        ops->tile(w + c0 * wrb, wrb, pw, xq + q0 * xrb, xrb, qr, nb, buf, pw);
+        for (int64_t r = 0; r < qr; r++) {
+            float *v = buf + r * pw;
+            if (residual != NULL) {
+                load_vec(residual, y_dtype, (q0 + r) * res_stride + c0, (int)pw, res);
+#pragma omp simd
+                for (int64_t j = 0; j < pw; j++) v[j] += res[j];
+            }
+            store_vec(y, y_dtype, (q0 + r) * y_stride + c0, (int)pw, v);
+        }
+    }
+}
+
 /* y [rows, n] (y_dtype, rows y_stride elements apart) = residual (rows res_stride elements apart,
  * y_dtype; NULL: none) + x W^T, x [rows, k] (x_dtype, rows x_stride elements apart), W [n, k] in
  * blocks of ``type``. (A strided y lets a merged Linear's parts write their columns in place.)
@@ -73,8 +103,7 @@ int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x
     if ((type & QTYPE_X8) && n % 8 != 0) return 5;
     if (n <= 0 || rows <= 0) return 0;
     const int64_t nb = k / ops->block, wrb = nb * ops->block_bytes, xrb = nb * ops->act_block_bytes;
-    int64_t panel = PANEL_BYTES / wrb / COL_UNIT * COL_UNIT;
-    panel = panel < COL_UNIT ? COL_UNIT : panel > PANEL_MAX ? PANEL_MAX : panel;
+    const int64_t panel = quant_panel_cols(wrb);
     const int64_t units = (n + COL_UNIT - 1) / COL_UNIT;
     uint8_t *xq = (uint8_t *)scratch;
     int failed = 0;
@@ -125,23 +154,9 @@ int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x
             const int64_t c0 = units * cp / col_parts * COL_UNIT, c1_units = units * (cp + 1) / col_parts * COL_UNIT;
             const int64_t c1 = c1_units < n ? c1_units : n;
             const int64_t r0 = rows * rp / row_parts, r1 = rows * (rp + 1) / row_parts;
-            float buf[ROW_CHUNK * PANEL_MAX], res[PANEL_MAX];
-            for (int64_t p0 = c0; p0 < c1; p0 += panel) {
-                const int64_t pw = c1 - p0 < panel ? c1 - p0 : panel;
-                for (int64_t q0 = r0; q0 < r1; q0 += ROW_CHUNK) {
-                    const int64_t qr = r1 - q0 < ROW_CHUNK ? r1 - q0 : ROW_CHUNK;
-                    ops->tile(w + p0 * wrb, wrb, pw, xq + q0 * xrb, xrb, qr, nb, buf, pw);
-                    for (int64_t r = 0; r < qr; r++) {
-                        float *v = buf + r * pw;
-                        if (residual != NULL) {
-                            load_vec(residual, y_dtype, (q0 + r) * res_stride + p0, (int)pw, res);
-#pragma omp simd
-                            for (int64_t j = 0; j < pw; j++) v[j] += res[j];
-                        }
-                        store_vec(y, y_dtype, (q0 + r) * y_stride + p0, (int)pw, v);
-                    }
-                }
-            }
+            for (int64_t p0 = c0; p0 < c1; p0 += panel)
+                quant_panel(ops, w, wrb, nb, p0, c1 - p0 < panel ? c1 - p0 : panel, xq, xrb, r0, r1, y, y_stride,
+                            y_dtype, residual, res_stride);
         }
     }
     return failed ? 4 : 0;

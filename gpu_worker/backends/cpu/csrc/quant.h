@@ -109,6 +109,13 @@ static inline void dequant_row_at(const qtype_ops *ops, const uint8_t *w, int64_
         LOOP(QTYPE_Q8_0);                                                                                     \
     }
 
+/* quant.c's panel of a matmul, for drivers that share out their own panels (moe.c): the columns in
+ * a panel of weight rows of row_bytes each, and y rows [r0, r1) of columns [c0, c0 + pw). */
+int64_t quant_panel_cols(int64_t row_bytes);
+void quant_panel(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int64_t nb, int64_t c0, int64_t pw,
+                 const uint8_t *xq, int64_t xrb, int64_t r0, int64_t r1, void *y, int64_t y_stride, int y_dtype,
+                 const void *residual, int64_t res_stride);
+
 /* One projection of every expert of a mixture of experts, stacked (moe.c): expert e's n rows are
  * rows [e n, (e + 1) n). */
 typedef struct {
