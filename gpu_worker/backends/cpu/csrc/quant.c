@@ -37,6 +37,68 @@ void quantize_act16(const float *x, int64_t k, void *xq) {
     }
 }
 
+/* Values 32j .. 32j + 31 of x (at v) into out: see quant.h. */
+static inline void quantize_block8(const float *v, act_block8 *out, int j) {
+    float amax = 0.0f, asum = 0.0f;
+    int32_t sq[2] = {0, 0}, sr[2] = {0, 0};
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+    amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    asum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const int two = amax * 32.0f > ACT8_SPREAD * asum;
+    const __m512 ta = _mm512_mul_ps(a, _mm512_set1_ps(inv)), tb = _mm512_mul_ps(b, _mm512_set1_ps(inv));
+    const __m512 qa = _mm512_roundscale_ps(ta, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 qb = _mm512_roundscale_ps(tb, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i ia = _mm512_cvtps_epi32(qa), ib = _mm512_cvtps_epi32(qb);
+    _mm_storeu_si128((__m128i *)(out->q + 32 * j), _mm512_cvtepi32_epi8(ia));
+    _mm_storeu_si128((__m128i *)(out->q + 32 * j + 16), _mm512_cvtepi32_epi8(ib));
+    sq[0] = _mm512_reduce_add_epi32(ia);
+    sq[1] = _mm512_reduce_add_epi32(ib);
+    __m512i ra = _mm512_setzero_si512(), rb = _mm512_setzero_si512();
+    if (two) {
+        ra = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(ta, qa), _mm512_set1_ps(128.0f)));
+        rb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(tb, qb), _mm512_set1_ps(128.0f)));
+        sr[0] = _mm512_reduce_add_epi32(ra);
+        sr[1] = _mm512_reduce_add_epi32(rb);
+    }
+    _mm_storeu_si128((__m128i *)(out->r + 32 * j), _mm512_cvtepi32_epi8(ra));
+    _mm_storeu_si128((__m128i *)(out->r + 32 * j + 16), _mm512_cvtepi32_epi8(rb));
+#else
+#pragma omp simd reduction(max : amax) reduction(+ : asum)
+    for (int i = 0; i < 32; i++) {
+        amax = fmaxf(amax, fabsf(v[i]));
+        asum += fabsf(v[i]);
+    }
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const int two = amax * 32.0f > ACT8_SPREAD * asum;
+    for (int i = 0; i < 32; i++) {
+        const float t = v[i] * inv; /* |t| <= 127 */
+        const float q = rintf(t);
+        const int32_t r = two ? (int32_t)rintf((t - q) * 128.0f) : 0; /* |t - q| <= 0.5: |r| <= 64 */
+        out->q[32 * j + i] = (int8_t)q;
+        out->r[32 * j + i] = (int8_t)r;
+        sq[i / 16] += (int32_t)q;
+        sr[i / 16] += r;
+    }
+#endif
+    const float d = amax / 127.0f;
+    out->h[2 * j] = d * (float)sq[0] + d / 128.0f * (float)sr[0];
+    out->h[2 * j + 1] = d * (float)sq[1] + d / 128.0f * (float)sr[1];
+    out->d[j] = d;
+    out->s[j] = out->h[2 * j] + out->h[2 * j + 1];
+    out->two |= two << j;
+}
+
+void quantize_act8(const float *x, int64_t k, void *xq) {
+    for (int64_t b = 0; b < k / 256; b++) {
+        act_block8 *out = (act_block8 *)xq + b;
+        out->two = 0;
+        memset(out->pad, 0, sizeof out->pad);
+        for (int j = 0; j < 8; j++) quantize_block8(x + b * 256 + 32 * j, out, j);
+    }
+}
+
 /* The ops of ``type`` from whichever file implements it, else NULL. */
 const qtype_ops *quant_ops(int type) {
     const qtype_ops *ops = qtype_legacy(type);
@@ -61,6 +123,13 @@ int64_t quant_act_row_bytes(int type, int64_t k) {
 int64_t quant_panel_cols(int64_t row_bytes) {
     const int64_t panel = PANEL_BYTES / row_bytes / COL_UNIT * COL_UNIT;
     return panel < COL_UNIT ? COL_UNIT : panel > PANEL_MAX ? PANEL_MAX : panel;
+}
+
+/* The same for the 8-bit activations' tiles (quant_kx8.c), which take 16 columns at a time and
+ * hold a few of their blocks unpacked in L1, not the panel: whole 16s, PANEL_BYTES or 16 columns. */
+int64_t quant_panel_cols_a8(int64_t row_bytes) {
+    const int64_t panel = PANEL_BYTES / row_bytes / 16 * 16;
+    return panel < 16 ? 16 : panel > PANEL_MAX ? PANEL_MAX : panel;
 }
 
 /* y rows [r0, r1) of columns [c0, c0 + pw) (pw <= PANEL_MAX): W's rows there (wrb bytes each, nb
@@ -103,7 +172,7 @@ int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x
     if ((type & QTYPE_X8) && n % 8 != 0) return 5;
     if (n <= 0 || rows <= 0) return 0;
     const int64_t nb = k / ops->block, wrb = nb * ops->block_bytes, xrb = nb * ops->act_block_bytes;
-    const int64_t panel = quant_panel_cols(wrb);
+    const int64_t panel = (type & QTYPE_A8) ? quant_panel_cols_a8(wrb) : quant_panel_cols(wrb);
     const int64_t units = (n + COL_UNIT - 1) / COL_UNIT;
     uint8_t *xq = (uint8_t *)scratch;
     int failed = 0;

@@ -21,6 +21,7 @@
 #define QTYPE_Q5_K 13
 #define QTYPE_Q6_K 14
 #define QTYPE_X8 0x100 /* | a type: its rows interleaved by 8 (quant_x8.c, quant_kx8.c), n a multiple of 8 */
+#define QTYPE_A8 0x200 /* | an interleaved K-quant type: its activations in act_block8 (quant_kx8.c) */
 
 /* Activations, one format for every weight type: per 32 values, 16-bit integers with one float
  * scale (x ~ d * q, d = absmax / 32767, q rounded to nearest even) and the block's sum s = d * sum(q)
@@ -40,6 +41,27 @@ typedef struct {
 
 /* One activation row of k float32 values (k a multiple of 32) -> k / 32 act_block16 at xq. */
 void quantize_act16(const float *x, int64_t k, void *xq);
+
+/* Activations for many rows on the K-quants (act_block8: 256 values, a K-quant block's): per 32
+ * values, 8-bit integers q with one float step (x ~ d q, d = absmax / 127) and, where the 32 need
+ * more, a second 8-bit pass r of what is left, at a 128th of the step (x ~ d q + d / 128 r, |r| <=
+ * 64): about 14 bits there. The 32 need it when their absmax stands ACT8_SPREAD times above their
+ * mean |x|: one channel far above the rest, as SmolLM2's hidden states carry, where 8 bits alone
+ * leave the others a few steps (quant.h's act_block16 note); elsewhere r is all zero and skipped.
+ * vpdpbusd multiplies 64 byte pairs an instruction, vpdpwssd 32 word pairs: many rows are bound by
+ * those multiplies, so 8 bits halve them. */
+#define ACT8_SPREAD 6.0f
+typedef struct {
+    float d[8];  /* per 32 values: q's step (r's: d / 128) */
+    float s[8];  /* per 32 values: their sum as quantized, d sum(q) + d / 128 sum(r) */
+    float h[16]; /* per 16 values: the same (Q6_K's 16-value sub-blocks) */
+    int32_t two; /* bit j: values 32j .. 32j + 31 have the residual pass */
+    int32_t pad[3];
+    int8_t q[256];
+    int8_t r[256];
+} act_block8; /* 656 bytes */
+
+void quantize_act8(const float *x, int64_t k, void *xq);
 
 /* A GGUF block's fp16 scale as float32, exactly (F16C on x86-64-v3 and up; subnormals included). */
 static inline float fp16_to_f32(uint16_t h) {
@@ -112,6 +134,7 @@ static inline void dequant_row_at(const qtype_ops *ops, const uint8_t *w, int64_
 /* quant.c's panel of a matmul, for drivers that share out their own panels (moe.c): the columns in
  * a panel of weight rows of row_bytes each, and y rows [r0, r1) of columns [c0, c0 + pw). */
 int64_t quant_panel_cols(int64_t row_bytes);
+int64_t quant_panel_cols_a8(int64_t row_bytes);
 void quant_panel(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int64_t nb, int64_t c0, int64_t pw,
                  const uint8_t *xq, int64_t xrb, int64_t r0, int64_t r1, void *y, int64_t y_stride, int y_dtype,
                  const void *residual, int64_t res_stride);

@@ -31,6 +31,7 @@
  * plain-C tile: the reference the others are tested against, beside gguf-py's dequantization).
  */
 #include "quant.h"
+#include <stdlib.h>
 
 #define QK 256
 #ifndef KX8_PF
@@ -119,6 +120,30 @@ static inline __m512 fp16x8_twice(const uint8_t *p) {
     return _mm512_insertf32x8(_mm512_castps256_ps512(h), h, 1);
 }
 
+/* Q4_K's 12 scale bytes of the 8 rows as 4 words: lane s of each holds row s's scales 0-3, mins
+ * 0-3, scales 4-7, mins 4-7 in its bytes (scale_min_k4 on words). */
+static inline void q4k_scale_words(const uint8_t *blk, __m256i words[4]) {
+    const __m256i wa = _mm256_loadu_si256((const __m256i *)(blk + 32));
+    const __m256i wb = _mm256_loadu_si256((const __m256i *)(blk + 64));
+    const __m256i wc = _mm256_loadu_si256((const __m256i *)(blk + 96));
+    const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m4 = _mm256_set1_epi32(0x0f0f0f0f), hi2 = _mm256_set1_epi32(0x30303030);
+    words[0] = _mm256_and_si256(wa, m6);
+    words[1] = _mm256_and_si256(wb, m6);
+    words[2] = _mm256_or_si256(_mm256_and_si256(wc, m4), _mm256_and_si256(_mm256_srli_epi32(wa, 2), hi2));
+    words[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(wc, 4), m4), _mm256_and_si256(_mm256_srli_epi32(wb, 2), hi2));
+}
+
+/* Sub-blocks 2sb and 2sb + 1 of the 8 rows: d * scale and dmin * min, [rows of 2sb | rows of 2sb + 1]. */
+static inline void q4k_sb_scales(const __m256i words[4], __m512 d, __m512 dmin, int sb, __m512 *dsc, __m512 *dm) {
+    const __m256i scw = sb < 2 ? words[0] : words[2], mw = sb < 2 ? words[1] : words[3];
+    const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi32(16 * (sb & 1)), _mm256_set1_epi32(16 * (sb & 1) + 8), 1);
+    const __m512i byte = _mm512_set1_epi32(0xff);
+    *dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(
+                                _mm512_srlv_epi32(_mm512_inserti64x4(_mm512_castsi256_si512(scw), scw, 1), shift), byte)));
+    *dm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_and_si512(
+                                  _mm512_srlv_epi32(_mm512_inserti64x4(_mm512_castsi256_si512(mw), mw, 1), shift), byte)));
+}
+
 /* out[r * ldo + s] = dot(row s of the group at g, activation row r), s < 8, r < nr <= R. */
 static inline __attribute__((always_inline)) void q45_tile(const uint8_t *g, int64_t nb, const act_block16 *const *xa,
                                                            int64_t nr, float *out, int64_t ldo, const int type,
@@ -129,23 +154,12 @@ static inline __attribute__((always_inline)) void q45_tile(const uint8_t *g, int
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + b * gbb;
         for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + KX8_PF + at), _MM_HINT_T0);
-        const __m256i wa = _mm256_loadu_si256((const __m256i *)(blk + 32));
-        const __m256i wb = _mm256_loadu_si256((const __m256i *)(blk + 64));
-        const __m256i wc = _mm256_loadu_si256((const __m256i *)(blk + 96));
-        const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m4 = _mm256_set1_epi32(0x0f0f0f0f), hi2 = _mm256_set1_epi32(0x30303030);
-        /* lane s: row s's scales (mins) 0-3 in its bytes, then 4-7 (scale_min_k4 on words) */
-        const __m256i sc03 = _mm256_and_si256(wa, m6), m03 = _mm256_and_si256(wb, m6);
-        const __m256i sc47 = _mm256_or_si256(_mm256_and_si256(wc, m4), _mm256_and_si256(_mm256_srli_epi32(wa, 2), hi2));
-        const __m256i m47 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(wc, 4), m4), _mm256_and_si256(_mm256_srli_epi32(wb, 2), hi2));
+        __m256i words[4];
+        q4k_scale_words(blk, words);
         const __m512 d = fp16x8_twice(blk), dmin = fp16x8_twice(blk + 16);
         for (int sb = 0; sb < 4; sb++) { /* sub-blocks 2sb (low nibbles) and 2sb + 1 (high) */
-            const __m256i scw = sb < 2 ? sc03 : sc47, mw = sb < 2 ? m03 : m47;
-            const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi32(16 * (sb & 1)), _mm256_set1_epi32(16 * (sb & 1) + 8), 1);
-            const __m512i byte = _mm512_set1_epi32(0xff);
-            const __m512 dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(
-                                                   _mm512_srlv_epi32(_mm512_inserti64x4(_mm512_castsi256_si512(scw), scw, 1), shift), byte)));
-            const __m512 dm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_and_si512(
-                                                     _mm512_srlv_epi32(_mm512_inserti64x4(_mm512_castsi256_si512(mw), mw, 1), shift), byte)));
+            __m512 dsc, dm;
+            q4k_sb_scales(words, d, dmin, sb, &dsc, &dm);
             __m512i lo_acc[XR], hi_acc[XR];
             for (int r = 0; r < R; r++) lo_acc[r] = hi_acc[r] = _mm512_setzero_si512();
             for (int c = 0; c < 8; c++) {
@@ -225,6 +239,285 @@ static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int6
     }
     for (int r = 0; r < R && r < nr; r++)
         _mm256_storeu_ps(out + r * ldo, _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1)));
+}
+
+/* The 8-bit activations' tiles (act_block8; many rows). Two groups side by side, 16 weight rows:
+ * their blocks are unpacked a slice at a time into unsigned bytes, a zmm holding 4 weights of each
+ * of the 16 rows (one chunk of each group), with the sub-blocks' float scales beside them; then
+ * every activation row of the call meets the slice: one vpdpbusd per (chunk, row) against the 4
+ * activation bytes broadcast, no fold, a scale multiply per sub-block and row. Q6_K's weights stay
+ * unsigned (q, not q - 32): its offset is -32 d scale times the activation's 16-value sum (h).
+ * Where a tile row's 32 values have the residual pass, r meets the weights too, at a 128th of the
+ * scale; a row without it adds r's zero products, so a row's output does not depend on the rows
+ * beside it. Integer sums: a lane sums at most 32 products of q <= 31 (Q4_K, Q5_K) or 16 of
+ * q <= 63 (Q6_K) by |x| <= 127, below 2^18. */
+#if defined(__AVX512VNNI__)
+#define DPB(acc, a, b) _mm512_dpbusd_epi32((acc), (a), (b))
+#else /* maddubs' int16 pair sums: 2 * 63 * 127 at most, below its saturation */
+#define DPB(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16(_mm512_maddubs_epi16((a), (b)), _mm512_set1_epi16(1)))
+#endif
+#define XR8 8      /* activation rows per 8-bit tile */
+#define A8_SLICE 4 /* 256-weight blocks unpacked at a time (20-24 KB: L1 holds them and XR8 rows' blocks) */
+#define U45 80     /* zmm per unpacked Q4_K/Q5_K block: per sub-block pair 8 chunks x (low, high), dsc, dm */
+#define U6 96      /* zmm per unpacked Q6_K block: per (half h, 16-value half) 4 x 4 chunks, dsc and 32 dsc x 4 */
+
+typedef int32_t __attribute__((may_alias, aligned(1))) int32_any;
+/* acc + the products of w's bytes (unsigned) and q[0..3] (signed) in every lane, summed by 4. */
+static inline __m512i dpb4(__m512i acc, __m512i w, const int8_t *q) {
+#if defined(__AVX512VNNI__) /* the broadcast as vpdpbusd's {1to16} operand: no instruction of its own (gcc does not fold it) */
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_any *)q));
+    return acc;
+#else
+    return DPB(acc, w, _mm512_set1_epi32(*(const int32_any *)q));
+#endif
+}
+
+static inline __m512i two_chunks(const uint8_t *a, const uint8_t *b) { /* 32 bytes of each group */
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)), _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+/* The blocks of the next slice (next bytes on from blk, of bb bytes each) into L1, and further on into L2. */
+static inline void a8_prefetch(const uint8_t *blk, int64_t bb) {
+    for (int64_t at = 0; at < bb; at += 64) {
+        _mm_prefetch((const char *)(blk + A8_SLICE * bb + at), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + 4 * A8_SLICE * bb + at), _MM_HINT_T1);
+    }
+}
+
+/* Q4_K/Q5_K blocks [b0, b0 + nb) of the groups at g0 and g1 (tile rows 0-7 and 8-15), unpacked to u. */
+static void q45_unpack8(const uint8_t *g0, const uint8_t *g1, int64_t b0, int64_t nb, __m512i *u, const int type) {
+    const int q5 = type == QTYPE_Q5_K, gbb = 8 * kx8_block_bytes(type), qs_at = q5 ? 384 : 128;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), one = _mm512_set1_epi8(1);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk[2] = {g0 + (b0 + b) * gbb, g1 + (b0 + b) * gbb};
+        a8_prefetch(blk[0], gbb);
+        a8_prefetch(blk[1], gbb);
+        __m256i words[2][4];
+        __m512 d[2], dmin[2];
+        for (int g = 0; g < 2; g++) {
+            q4k_scale_words(blk[g], words[g]);
+            d[g] = fp16x8_twice(blk[g]);
+            dmin[g] = fp16x8_twice(blk[g] + 16);
+        }
+        for (int sb = 0; sb < 4; sb++) {
+            __m512i *p = u + b * U45 + sb * 20;
+            for (int c = 0; c < 8; c++) {
+                const __m512i v = two_chunks(blk[0] + qs_at + (sb * 8 + c) * 32, blk[1] + qs_at + (sb * 8 + c) * 32);
+                __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                if (q5) { /* bit j of qh byte i: the fifth bit of sub-block j's weight i */
+                    const __m512i qh = two_chunks(blk[0] + 128 + 32 * c, blk[1] + 128 + 32 * c);
+                    lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * sb), one), 4));
+                    hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * sb + 1), one), 4));
+                }
+                _mm512_store_si512(p + 2 * c, lo);
+                _mm512_store_si512(p + 2 * c + 1, hi);
+            }
+            __m512 dsc[2], dm[2]; /* each [rows of 2sb | rows of 2sb + 1] of one group */
+            for (int g = 0; g < 2; g++) q4k_sb_scales(words[g], d[g], dmin[g], sb, &dsc[g], &dm[g]);
+            _mm512_store_ps((float *)(p + 16), _mm512_shuffle_f32x4(dsc[0], dsc[1], 0x44));
+            _mm512_store_ps((float *)(p + 17), _mm512_shuffle_f32x4(dsc[0], dsc[1], 0xEE));
+            _mm512_store_ps((float *)(p + 18), _mm512_shuffle_f32x4(dm[0], dm[1], 0x44));
+            _mm512_store_ps((float *)(p + 19), _mm512_shuffle_f32x4(dm[0], dm[1], 0xEE));
+        }
+    }
+}
+
+/* Q6_K blocks [b0, b0 + nb) of the groups at g0 and g1, unpacked to u: per (h, half) the 6-bit q of
+ * sub-blocks s = 0-3 (weights 32 s + 16 half .. + 15 of the 128 at h), 4 chunks each, then dsc and
+ * 32 dsc of each s. */
+static void q6_unpack8(const uint8_t *g0, const uint8_t *g1, int64_t b0, int64_t nb, __m512i *u) {
+    const int gbb = 8 * 210;
+    const __m512i low = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk[2] = {g0 + (b0 + b) * gbb, g1 + (b0 + b) * gbb};
+        a8_prefetch(blk[0], gbb);
+        a8_prefetch(blk[1], gbb);
+        const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk[0]))),
+                                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk[1])), 1);
+        for (int h = 0; h < 2; h++)
+            for (int half = 0; half < 2; half++) {
+                __m512i *p = u + b * U6 + (h * 2 + half) * 24;
+                for (int ci = 0; ci < 4; ci++) {
+                    const int c = 4 * half + ci;
+                    const __m512i qh = two_chunks(blk[0] + 1168 + (h * 8 + c) * 32, blk[1] + 1168 + (h * 8 + c) * 32);
+                    const __m512i ql0 = two_chunks(blk[0] + 144 + (h * 16 + c) * 32, blk[1] + 144 + (h * 16 + c) * 32);
+                    const __m512i ql1 = two_chunks(blk[0] + 144 + (h * 16 + 8 + c) * 32, blk[1] + 144 + (h * 16 + 8 + c) * 32);
+                    /* sub-block s: the low (s < 2) or high nibbles of ql_(s % 2), qh bits 2s, 2s + 1 at 4, 5 */
+                    const __m512i nib[4] = {ql0, ql1, _mm512_srli_epi16(ql0, 4), _mm512_srli_epi16(ql1, 4)};
+                    const __m512i hb[4] = {_mm512_slli_epi16(qh, 4), _mm512_slli_epi16(qh, 2), qh, _mm512_srli_epi16(qh, 2)};
+                    for (int sb = 0; sb < 4; sb++)
+                        _mm512_store_si512(p + 4 * sb + ci,
+                                           _mm512_ternarylogic_epi32(nib[sb], low, _mm512_and_si512(hb[sb], high2), 0xEA));
+                }
+                const __m128i s0 = _mm_loadu_si128((const __m128i *)(blk[0] + 16 + (h * 2 + half) * 32));
+                const __m128i s1 = _mm_loadu_si128((const __m128i *)(blk[1] + 16 + (h * 2 + half) * 32));
+                const __m128i s2 = _mm_loadu_si128((const __m128i *)(blk[0] + 16 + (h * 2 + half) * 32 + 16));
+                const __m128i s3 = _mm_loadu_si128((const __m128i *)(blk[1] + 16 + (h * 2 + half) * 32 + 16));
+                for (int sb = 0; sb < 4; sb++) { /* scale 8h + 2 sb + half: bytes 8 sb .. + 7 of the 32 */
+                    const __m128i a = sb < 2 ? s0 : s2, c = sb < 2 ? s1 : s3;
+                    const __m128i both = (sb & 1) ? _mm_unpackhi_epi64(a, c) : _mm_unpacklo_epi64(a, c);
+                    const __m512 dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(both)));
+                    _mm512_store_ps((float *)(p + 16 + sb), dsc);
+                    _mm512_store_ps((float *)(p + 20 + sb), _mm512_mul_ps(dsc, _mm512_set1_ps(32.0f)));
+                }
+            }
+    }
+}
+
+/* One pass (q's or r's: FIELD) of Q4_K/Q5_K sub-blocks 2sb, 2sb + 1 of the tile's rows. */
+#define Q45_PASS(FIELD)                                                                          \
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm512_setzero_si512();                         \
+    for (int c = 0; c < 8; c++) {                                                                \
+        const __m512i wl = _mm512_load_si512(p + 2 * c), wh = _mm512_load_si512(p + 2 * c + 1); \
+        for (int r = 0; r < R; r++) {                                                            \
+            lo[r] = dpb4(lo[r], wl, x[r]->FIELD + 64 * sb + 4 * c);                              \
+            hi[r] = dpb4(hi[r], wh, x[r]->FIELD + 64 * sb + 32 + 4 * c);                         \
+        }                                                                                        \
+    }
+
+/* acc[r] = dot(tile row j, activation row r) for j < 16, r < R, over the nb unpacked blocks at u. */
+static inline __attribute__((always_inline)) void q45_tile8(const __m512i *u, int64_t nb, const act_block8 *const *xa,
+                                                            __m512 *acc, const int R) {
+    __m512i lo[XR8], hi[XR8];
+    for (int64_t b = 0; b < nb; b++) {
+        const act_block8 *x[XR8];
+        int two = 0;
+        for (int r = 0; r < R; r++) {
+            x[r] = xa[r] + b;
+            two |= x[r]->two;
+        }
+        for (int sb = 0; sb < 4; sb++) {
+            const __m512i *p = u + b * U45 + sb * 20;
+            const __m512 dsc_lo = _mm512_load_ps((const float *)(p + 16)), dsc_hi = _mm512_load_ps((const float *)(p + 17));
+            Q45_PASS(q)
+            for (int r = 0; r < R; r++) {
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(dsc_lo, _mm512_set1_ps(x[r]->d[2 * sb])), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(dsc_hi, _mm512_set1_ps(x[r]->d[2 * sb + 1])), acc[r]);
+                acc[r] = _mm512_fnmadd_ps(_mm512_load_ps((const float *)(p + 18)), _mm512_set1_ps(x[r]->s[2 * sb]), acc[r]);
+                acc[r] = _mm512_fnmadd_ps(_mm512_load_ps((const float *)(p + 19)), _mm512_set1_ps(x[r]->s[2 * sb + 1]), acc[r]);
+            }
+            if ((two >> (2 * sb)) & 3) { /* r's products, at a 128th of q's step */
+                __asm__ volatile("" ::: "memory"); /* the weights loaded again, not held across the pass */
+                const __m512 rsc_lo = _mm512_mul_ps(dsc_lo, _mm512_set1_ps(1.0f / 128.0f));
+                const __m512 rsc_hi = _mm512_mul_ps(dsc_hi, _mm512_set1_ps(1.0f / 128.0f));
+                Q45_PASS(r)
+                for (int r = 0; r < R; r++) {
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(rsc_lo, _mm512_set1_ps(x[r]->d[2 * sb])), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(rsc_hi, _mm512_set1_ps(x[r]->d[2 * sb + 1])), acc[r]);
+                }
+            }
+        }
+    }
+}
+
+/* One pass (FIELD) of Q6_K sub-block s, 16 weights of each tile row, into is. */
+#define Q6_PASS(FIELD)                                                                       \
+    for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();                              \
+    for (int ci = 0; ci < 4; ci++) {                                                         \
+        const __m512i wq = _mm512_load_si512(p + 4 * sb + ci);                               \
+        for (int r = 0; r < R; r++) is[r] = dpb4(is[r], wq, x[r]->FIELD + at + 4 * ci);      \
+    }
+
+static inline __attribute__((always_inline)) void q6_tile8(const __m512i *u, int64_t nb, const act_block8 *const *xa,
+                                                           __m512 *acc, const int R) {
+    __m512i is[XR8];
+    for (int64_t b = 0; b < nb; b++) {
+        const act_block8 *x[XR8];
+        int two = 0;
+        for (int r = 0; r < R; r++) {
+            x[r] = xa[r] + b;
+            two |= x[r]->two;
+        }
+        for (int h = 0; h < 2; h++)
+            for (int half = 0; half < 2; half++) {
+                const __m512i *p = u + b * U6 + (h * 2 + half) * 24;
+                for (int sb = 0; sb < 4; sb++) { /* the activation's 32-value block 4h + sb, its half */
+                    const int j = 4 * h + sb, at = 32 * j + 16 * half;
+                    const __m512 dsc = _mm512_load_ps((const float *)(p + 16 + sb));
+                    Q6_PASS(q)
+                    for (int r = 0; r < R; r++) {
+                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dsc, _mm512_set1_ps(x[r]->d[j])), acc[r]);
+                        acc[r] = _mm512_fnmadd_ps(_mm512_load_ps((const float *)(p + 20 + sb)), _mm512_set1_ps(x[r]->h[2 * j + half]), acc[r]);
+                    }
+                    if ((two >> j) & 1) {
+                        __asm__ volatile("" ::: "memory");
+                        const __m512 rsc = _mm512_mul_ps(dsc, _mm512_set1_ps(1.0f / 128.0f));
+                        Q6_PASS(r)
+                        for (int r = 0; r < R; r++)
+                            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(rsc, _mm512_set1_ps(x[r]->d[j])), acc[r]);
+                    }
+                }
+            }
+    }
+}
+
+/* out[r * ldo + j] (+)= the tile's dot products for r < nr <= R, j < width (16, or 8 where the
+ * second group repeats the first); first: store, else add to what out holds. */
+static inline __attribute__((always_inline)) void tile8(const __m512i *u, int64_t nb, const act_block8 *const *xa,
+                                                        int64_t nr, float *out, int64_t ldo, int width, int first,
+                                                        const int type, const int R) {
+    __m512 acc[XR8];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    if (type == QTYPE_Q6_K) {
+        q6_tile8(u, nb, xa, acc, R);
+    } else {
+        q45_tile8(u, nb, xa, acc, R);
+    }
+    const __mmask16 keep = width == 16 ? 0xffff : 0x00ff;
+    for (int r = 0; r < R && r < nr; r++) {
+        const __m512 prev = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(keep, out + r * ldo);
+        _mm512_mask_storeu_ps(out + r * ldo, keep, _mm512_add_ps(prev, acc[r]));
+    }
+}
+
+/* Weight rows [0, nc) x activation rows [0, nr) on 8-bit activations (rows of act_block8): each pair
+ * of groups unpacked a slice of blocks at a time, every activation row over the slice. */
+static inline __attribute__((always_inline)) void kx8_loop8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq,
+                                                            int64_t xrb, int64_t nr, int64_t nb, float *out, int64_t ldo,
+                                                            const int type) {
+    const int per_block = type == QTYPE_Q6_K ? U6 : U45;
+    __m512i *u = aligned_alloc(64, (size_t)A8_SLICE * per_block * sizeof(__m512i));
+    if (u == NULL) abort(); /* 24 KB at most */
+    const int64_t groups = (nr + XR8 - 1) / XR8;
+    for (int64_t c0 = 0; c0 < nc; c0 += 16) {
+        const int width = nc - c0 >= 16 ? 16 : 8;
+        const uint8_t *g0 = w + c0 * wrb, *g1 = width == 16 ? g0 + 8 * wrb : g0;
+        for (int64_t b0 = 0; b0 < nb; b0 += A8_SLICE) {
+            const int64_t sl = nb - b0 < A8_SLICE ? nb - b0 : A8_SLICE;
+            if (type == QTYPE_Q6_K) {
+                q6_unpack8(g0, g1, b0, sl, u);
+            } else {
+                q45_unpack8(g0, g1, b0, sl, u, type);
+            }
+            for (int64_t ag = 0; ag < groups; ag++) {
+                const int64_t r0 = nr * ag / groups, rows = nr * (ag + 1) / groups - r0;
+                const act_block8 *xa[XR8];
+                for (int r = 0; r < XR8; r++) xa[r] = (const act_block8 *)(xq + (r0 + (r < rows ? r : 0)) * xrb) + b0;
+                float *o = out + r0 * ldo + c0;
+                switch (rows) {
+                case 1: tile8(u, sl, xa, rows, o, ldo, width, b0 == 0, type, 1); break;
+                case 2: tile8(u, sl, xa, rows, o, ldo, width, b0 == 0, type, 2); break;
+                case 3: tile8(u, sl, xa, rows, o, ldo, width, b0 == 0, type, 3); break;
+                case 4: tile8(u, sl, xa, rows, o, ldo, width, b0 == 0, type, 4); break;
+                default: tile8(u, sl, xa, rows, o, ldo, width, b0 == 0, type, XR8); break;
+                }
+            }
+        }
+    }
+    free(u);
+}
+
+static void tile_q4_k_a8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                         int64_t nb, float *out, int64_t ldo) {
+    kx8_loop8(w, wrb, nc, xq, xrb, nr, nb, out, ldo, QTYPE_Q4_K);
+}
+static void tile_q5_k_a8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                         int64_t nb, float *out, int64_t ldo) {
+    kx8_loop8(w, wrb, nc, xq, xrb, nr, nb, out, ldo, QTYPE_Q5_K);
+}
+static void tile_q6_k_a8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                         int64_t nb, float *out, int64_t ldo) {
+    kx8_loop8(w, wrb, nc, xq, xrb, nr, nb, out, ldo, QTYPE_Q6_K);
 }
 
 #elif HAVE_AVX2 || HAVE_AVX512
@@ -435,8 +728,22 @@ static const qtype_ops OPS_Q5_K = {QTYPE_Q5_K | QTYPE_X8, QK, 176, ACT_BYTES, qu
 static const qtype_ops OPS_Q6_K = {QTYPE_Q6_K | QTYPE_X8, QK, 210, ACT_BYTES, quantize_act16, tile_q6_k,
                                    NULL, slot_q6_k, group_q6_k};
 
+#ifdef KX8_ZMM
+#define A8_OPS(NAME, TYPE, BYTES, TILE, SLOT, GROUP)                                                             \
+    static const qtype_ops NAME = {TYPE | QTYPE_X8 | QTYPE_A8, QK, BYTES, (int)sizeof(act_block8), quantize_act8, \
+                                   TILE, NULL, SLOT, GROUP};
+A8_OPS(OPS_Q4_K_A8, QTYPE_Q4_K, 144, tile_q4_k_a8, slot_q4_k, group_q4_k)
+A8_OPS(OPS_Q5_K_A8, QTYPE_Q5_K, 176, tile_q5_k_a8, slot_q5_k, group_q5_k)
+A8_OPS(OPS_Q6_K_A8, QTYPE_Q6_K, 210, tile_q6_k_a8, slot_q6_k, group_q6_k)
+#endif
+
 const qtype_ops *qtype_kx8(int type) {
     switch (type) {
+#ifdef KX8_ZMM
+    case QTYPE_Q4_K | QTYPE_X8 | QTYPE_A8: return &OPS_Q4_K_A8;
+    case QTYPE_Q5_K | QTYPE_X8 | QTYPE_A8: return &OPS_Q5_K_A8;
+    case QTYPE_Q6_K | QTYPE_X8 | QTYPE_A8: return &OPS_Q6_K_A8;
+#endif
     case QTYPE_Q4_K | QTYPE_X8: return &OPS_Q4_K;
     case QTYPE_Q5_K | QTYPE_X8: return &OPS_Q5_K;
     case QTYPE_Q6_K | QTYPE_X8: return &OPS_Q6_K;
