@@ -10,7 +10,8 @@ head is timed on its own. Best of ``--repeats`` passes each, paths interleaved. 
 streams every weight byte once: GB/s = weight bytes / time, against the machine's memory bandwidth.
 x is bfloat16 for the quantized and bf16 paths, float32 for torch's. Each quantized type runs
 its integer path (``q4_1``) and its dequantized-panel path (``q4_1_dense``); the legacy types also in
-the worker's layout, rows interleaved by 8 (``q4_1_x8``, ``q4_1_x8_dense``; csrc/quant_x8.c).
+the worker's layout, rows interleaved by 8 (``q4_1_x8``, ``q4_1_x8_dense``; csrc/quant_x8.c), and the
+K-quants there with 8-bit activations where the build has them (``q4_k_x8_a8``; csrc/quant_kx8.c).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from gpu_worker.backends.cpu import kernels as cpu_kernels  # noqa: E402
-from gpu_worker.backends.cpu.layouts import X8_TYPES, interleave_rows, kernel_type  # noqa: E402
+from gpu_worker.backends.cpu.layouts import A8, X8_TYPES, interleave_rows, kernel_type  # noqa: E402
 from gpu_worker.weights.formats import QuantBlocks  # noqa: E402
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, o, gate_up, down [out, in]
@@ -103,6 +104,8 @@ def paths(
             ws8 = [(b.data, b.cols) for b in x8]
             out[f"{name}_x8"] = quant_pass(kernels, kernel_type(x8[0]), ws8, x_for, dense=False)
             out[f"{name}_x8_dense"] = quant_pass(kernels, kernel_type(x8[0]), ws8, x_for, dense=True)
+            if kernels.quant_supported(kernel_type(x8[0]) | A8):  # 8-bit activations (AVX-512 builds)
+                out[f"{name}_x8_a8"] = quant_pass(kernels, kernel_type(x8[0]) | A8, ws8, x_for, dense=False)
     bf16 = [torch.randn(s).bfloat16() * 0.05 for s in shapes]
     out["c_bf16"] = lambda m: [kernels.matmul(x_for(m, w.shape[1], torch.bfloat16), w) for w in bf16]
     fp32 = [torch.randn(s) * 0.05 for s in shapes]
@@ -113,7 +116,7 @@ def paths(
 def weight_bytes(name: str, shapes: list[tuple[int, int]]) -> int:
     """Bytes one pass of path ``name`` streams from its weights."""
     elems = sum(o * i for o, i in shapes)
-    base = name.removesuffix("_dense").removesuffix("_x8")
+    base = name.removesuffix("_a8").removesuffix("_dense").removesuffix("_x8")
     if base in TYPES:
         size, block_bytes = gguf.GGML_QUANT_SIZES[TYPES[base]]
         return elems // size * block_bytes

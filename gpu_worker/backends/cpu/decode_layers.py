@@ -44,6 +44,7 @@ class DecodeLinear(ctypes.Structure):
         ("type", ctypes.c_int64 * MAX_PARTS),
         ("n", ctypes.c_int64 * MAX_PARTS),
         ("dense_min_rows", ctypes.c_int64 * MAX_PARTS),
+        ("a8_min_rows", ctypes.c_int64 * MAX_PARTS),
     ]
 
     @classmethod
@@ -55,6 +56,7 @@ class DecodeLinear(ctypes.Structure):
             type=(ctypes.c_int64 * MAX_PARTS)(*(kernel_type(p) for p in parts), *[0] * pad),
             n=(ctypes.c_int64 * MAX_PARTS)(*(p.rows for p in parts), *[0] * pad),
             dense_min_rows=(ctypes.c_int64 * MAX_PARTS)(*impl.dense_min_rows, *[0] * pad),
+            a8_min_rows=(ctypes.c_int64 * MAX_PARTS)(*impl.a8_min_rows, *[0] * pad),
         )
 
 

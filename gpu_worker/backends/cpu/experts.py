@@ -37,6 +37,7 @@ class MoeProjection(ctypes.Structure):
         ("n", ctypes.c_int64),
         ("row_bytes", ctypes.c_int64),
         ("dense_min_rows", ctypes.c_int64),
+        ("a8_min_rows", ctypes.c_int64),
     ]
 
 
@@ -84,16 +85,21 @@ class QuantExperts:
             self.down.append(QuantLinear(QuantizedWeight((down,)), None, kernels))
         self.kernels = kernels
         self.one_call = act is F.silu
+        # Gate and up share their quantized rows: 8-bit activations from the later of their two
+        # thresholds, for both (quant.py's A8_MIN_ROWS gives the K-quants one threshold a kind).
+        gate_up_a8 = max(self.gate_up[0].a8_min_rows)
+        for linear in self.gate_up:
+            linear.a8_min_rows = [gate_up_a8, gate_up_a8]
         # Per projection: expert 0's QuantLinear part holds the row-count plan of every expert's.
         plans = (
-            self.gate_up[0].dense_min_rows[0],
-            self.gate_up[0].dense_min_rows[1],
-            self.down[0].dense_min_rows[0],
+            (self.gate_up[0].dense_min_rows[0], gate_up_a8),
+            (self.gate_up[0].dense_min_rows[1], gate_up_a8),
+            (self.down[0].dense_min_rows[0], self.down[0].a8_min_rows[0]),
         )
         self.projections = (MoeProjection * 3)(
             *(
                 MoeProjection(
-                    p.data.data_ptr(), kernel_type(p), p.rows // weight.num_experts, p.data.shape[1], plan
+                    p.data.data_ptr(), kernel_type(p), p.rows // weight.num_experts, p.data.shape[1], *plan
                 )
                 for p, plan in zip(weight.projections, plans, strict=True)
             )

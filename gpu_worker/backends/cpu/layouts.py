@@ -31,6 +31,9 @@ def dequantize(blocks: QuantBlocks) -> torch.Tensor:
 
 # csrc/quant_x8.c: the legacy 32-weight types, rows interleaved by 8 (a flag on the type code).
 X8 = 0x100
+# csrc/quant_kx8.c: an interleaved K-quant met by 8-bit activations (csrc/quant.h's act_block8), the
+# many-row path where the build has it (quant.py's A8_MIN_ROWS): a flag on the type code of a call.
+A8 = 0x200
 INTERLEAVED_TYPES = {2: 2, 3: 4, 8: 2}  # ggml Q4_0, Q4_1, Q8_0 -> bytes of fp16 scales a block starts with
 
 

@@ -5,8 +5,12 @@ bytes, which are the file's: Q4_1 0.625 bytes a weight against bf16's 2): each a
 quantized to 16 bits per block of 32 (csrc/quant.h says why 16, not llama.cpp's 8: the embedded
 model's outlier channels), and the kernel multiplies integers, scaling once per block; the 16-bit
 rounding of activations is the error this adds (half a step of absmax / 32767 per value), and the
-tests bound it. Many rows (bound by arithmetic): W is dequantized to float32 panel by panel, once
-per call, and met by the unquantized rows with float32 FMAs (csrc/quant_dense.c).
+tests bound it. Many rows (bound by arithmetic): on the AVX-512 builds the K-quants' rows meet 8-bit
+activations from ``A8_MIN_ROWS`` rows (csrc/quant.h's act_block8: 8 bits per 32 values, llama.cpp's
+precision, with a second 8-bit pass where a block's absmax stands far above its mean, so outlier
+channels keep ~14 bits), twice the products per instruction; elsewhere W is dequantized to float32
+panel by panel, once per call, and met by the unquantized rows with float32 FMAs
+(csrc/quant_dense.c), where that is the faster (``DENSE_MIN_ROWS``).
 
 The output is summed in fp32 and rounded once to the activations' dtype, with the residual added
 before that rounding where the caller fuses it (``add_to``). A merged Linear whose projections
@@ -21,7 +25,7 @@ from gguf import GGMLQuantizationType
 
 from gpu_worker.backends.cpu.kernels import CpuKernels
 from gpu_worker.backends.cpu.kind import CpuKind
-from gpu_worker.backends.cpu.layouts import X8_LAYOUT, kernel_type
+from gpu_worker.backends.cpu.layouts import A8, X8_LAYOUT, kernel_type
 from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
 
 # From how many rows a quantized Linear takes the dense path (csrc/quant_dense.c: W dequantized to
@@ -62,6 +66,30 @@ X8_DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
 }
 
 
+# From how many rows an interleaved K-quant Linear meets 8-bit activations (csrc/quant.h's
+# act_block8, csrc/quant_kx8.c's vpdpbusd tiles) rather than 16-bit ones, per CPU kind: the AVX-512
+# builds have those tiles (vpdpbusd with VNNI, maddubs without); the others never take them. Below
+# the threshold a step streams its weights once and the 16-bit tile, which reads them in place, is
+# the faster; from it, twice the products per instruction win. Measured by ``python -m
+# bench.quant_matmul --paths '.*_x8(_a8)?$'`` (docs/benchmarks.md, "8-bit activations").
+_A8_ZMM = {_Q.Q4_K: 8, _Q.Q5_K: 8, _Q.Q6_K: 8}
+A8_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
+    CpuKind.AMX: _A8_ZMM,
+    CpuKind.AVX512_BF16: _A8_ZMM,
+    CpuKind.AVX512_VNNI: _A8_ZMM,
+    CpuKind.AVX512: _A8_ZMM,
+    CpuKind.AVX2: {},
+    CpuKind.PORTABLE: {},
+}
+
+
+def a8_min_rows(kernels: CpuKernels, part: QuantBlocks) -> int:
+    """From how many activation rows ``part`` meets 8-bit activations (NEVER: not on this build)."""
+    if part.layout != X8_LAYOUT or not kernels.quant_supported(kernel_type(part) | A8):
+        return NEVER
+    return A8_MIN_ROWS[kernels.kind].get(GGMLQuantizationType(part.type), NEVER)
+
+
 def dense_min_rows(kind: CpuKind, part: QuantBlocks) -> int:
     """From how many activation rows ``part`` takes the dense path on this CPU kind."""
     table = X8_DENSE_MIN_ROWS if part.layout == X8_LAYOUT else DENSE_MIN_ROWS
@@ -80,6 +108,7 @@ class QuantLinear:
         self.kernels = kernels
         self.out_features = weight.rows
         self.dense_min_rows = [dense_min_rows(kernels.kind, p) for p in weight.parts]
+        self.a8_min_rows = [a8_min_rows(kernels, p) for p in weight.parts]
 
     def tensors(self) -> list[torch.Tensor]:
         """What this Linear holds (for the worker's count of weight bytes)."""
@@ -100,12 +129,13 @@ class QuantLinear:
         fuse = residual is not None and self.bias is None
         out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
         col, rows = 0, x.shape[0]
-        plan = zip(self.weight.parts, self.act_bytes, self.dense_min_rows, strict=True)
-        for part, act_bytes, dense_at in plan:
+        plan = zip(self.weight.parts, self.act_bytes, self.dense_min_rows, self.a8_min_rows, strict=True)
+        for part, act_bytes, dense_at, a8_at in plan:
             cols = slice(col, col + part.rows)
             held = residual[:, cols] if fuse and residual is not None else None
+            type = kernel_type(part) | (A8 if rows >= a8_at else 0)
             run = self.kernels.quant_matmul_checked
-            run(kernel_type(part), part.data, part.cols, x, held, act_bytes, rows >= dense_at, out[:, cols])
+            run(type, part.data, part.cols, x, held, act_bytes, rows >= dense_at, out[:, cols])
             col += part.rows
         if self.bias is not None:
             out = out + self.bias

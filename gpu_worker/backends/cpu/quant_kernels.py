@@ -16,7 +16,9 @@ import gguf
 import torch
 
 from gpu_worker.backends.cpu.build import DTYPE_CODES
-from gpu_worker.backends.cpu.layouts import X8
+from gpu_worker.backends.cpu.layouts import A8, X8
+
+ACT8_BLOCK_BYTES = 656  # sizeof(act_block8), csrc/quant.h
 
 if TYPE_CHECKING:
     from gpu_worker.backends.cpu.decode_rows import DecodeRows
@@ -42,6 +44,9 @@ class QuantKernels:
         self._quant_get_rows = lib.quant_get_rows
         self._quant_get_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32]
         self._quant_get_rows.restype = None
+        self._quantize_act8 = lib.quantize_act8
+        self._quantize_act8.argtypes = [ptr, i64, ptr]
+        self._quantize_act8.restype = None
         self._decode_layers = lib.decode_layers
         self._decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64]
         self._decode_layers.restype = i32
@@ -69,7 +74,8 @@ class QuantKernels:
     ) -> torch.Tensor:
         """x [M, K] @ W.T (+ residual) -> [M, N] in x's dtype (float32 or bfloat16), W [N, K] held as
         blocks ``w`` (uint8 [N, row bytes], contiguous). x rows are quantized to 16 bits per block of
-        32 (csrc/quant.h), or with ``dense`` meet W dequantized to float32 (csrc/quant_dense.c); sums
+        32 (csrc/quant.h), or 8 where ``type`` has the ``A8`` flag (act_block8), or with ``dense`` meet
+        W dequantized to float32 (csrc/quant_dense.c); sums
         in float32, one rounding at the end. x and residual rows may be strided (last dim
         contiguous); residual [M, N] in x's dtype."""
         return self.quant_matmul_checked(type, w, k, x, residual, self.quant_check(type, w, k), dense)
@@ -127,6 +133,14 @@ class QuantKernels:
         if buf is None or buf.numel() < nbytes:
             buf = self._local.scratch = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
         return buf
+
+    def quantize_act8(self, x: torch.Tensor) -> torch.Tensor:
+        """One float32 row of k values (k a multiple of 256) as the 8-bit tiles meet it: k / 256
+        csrc/quant.h ``act_block8`` structs, as uint8 [k / 256, 656] (for tests and benches)."""
+        assert x.dtype == torch.float32 and x.dim() == 1 and x.is_contiguous() and x.shape[0] % 256 == 0
+        out = torch.zeros((x.shape[0] // 256, ACT8_BLOCK_BYTES), dtype=torch.uint8)
+        self._quantize_act8(x.data_ptr(), x.shape[0], out.data_ptr())
+        return out
 
     def quant_get_rows(
         self, type: int, w: torch.Tensor, k: int, ids: torch.Tensor, dtype: torch.dtype
@@ -216,6 +230,6 @@ class QuantKernels:
 
 @functools.cache
 def quant_row_bytes(type: int, k: int) -> int:
-    """Bytes of one row of k weights in blocks of ggml type ``type`` (either layout)."""
-    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type & ~X8)]
+    """Bytes of one row of k weights in blocks of ggml type ``type`` (either layout, any activations)."""
+    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type & ~(X8 | A8))]
     return k // block * block_bytes

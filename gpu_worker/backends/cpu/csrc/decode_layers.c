@@ -48,6 +48,7 @@ typedef struct { /* one Linear: its parts' blocks, each [n[i], row bytes], outpu
     int64_t type[MAX_PARTS];           /* the C kernels' type codes */
     int64_t n[MAX_PARTS];              /* output columns; 0: no such part */
     int64_t dense_min_rows[MAX_PARTS]; /* from how many rows the dense path */
+    int64_t a8_min_rows[MAX_PARTS];    /* from how many rows 8-bit activations (type | QTYPE_A8) */
 } decode_linear;
 
 typedef struct { /* one layer, as gpu_worker/backends/cpu/decode_layers.py fills it (ctypes) */
@@ -76,7 +77,7 @@ static int linear(const decode_layer *l, int i, int64_t n, int64_t k, const void
     for (int p = 0; p < MAX_PARTS && lin->n[p] > 0; p++) {
         void *yp = (char *)y + col * elem;
         const void *rp = residual == NULL ? NULL : (const char *)residual + col * elem;
-        const int type = (int)lin->type[p];
+        const int type = (int)lin->type[p] | (rows >= lin->a8_min_rows[p] ? QTYPE_A8 : 0);
         const int status =
             rows >= lin->dense_min_rows[p]
                 ? quant_matmul_dense(type, lin->w[p], lin->n[p], k, x, k, dtype, rows, yp, n, dtype, rp, n)
@@ -121,7 +122,7 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
     const int64_t hidden = dims->hidden, d = dims->head_dim, inner = dims->inner;
     const int64_t q_out = dims->heads * d, kv_out = dims->kv_heads * d, qkv_n = q_out + 2 * kv_out;
     /* one arena: h, qkv, attn, gate_up, act (each [rows, its width]) and the integer path's
-     * quantized activations (the widest input: rows * (k / 32) act_block16) */
+     * quantized activations (the widest input, in the larger format) */
     const int64_t widths[5] = {hidden, qkv_n, q_out, 2 * inner, inner};
     int64_t total = 0, at[5];
     for (int i = 0; i < 5; i++) at[i] = total, total += rows * widths[i] * elem;
@@ -136,7 +137,7 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
             top_k = layers[li].top_k > top_k ? layers[li].top_k : top_k;
             n_experts = layers[li].n_experts > n_experts ? layers[li].n_experts : n_experts;
         }
-    const int64_t moe_at = scratch_at + rows * (k_max / ACT_BLOCK) * (int64_t)sizeof(act_block16);
+    const int64_t moe_at = scratch_at + rows * act_row_bytes_max(k_max);
     const int64_t pairs_max = rows * top_k, ints_at = moe_at + rows * hidden * elem;
     const int64_t floats_at = ints_at + (2 * pairs_max + 4 * n_experts) * (int64_t)sizeof(int64_t);
     char *arena = malloc((size_t)(floats_at + 2 * pairs_max * elem));

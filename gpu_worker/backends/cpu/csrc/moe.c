@@ -20,7 +20,9 @@
  *
  * A projection of an expert with its dense_min_rows rows or more (a long prefill) runs as
  * quant_matmul_dense (as QuantLinear runs it), between the regions: gate and up before the first,
- * down between the first (up to the quantized act rows) and the second (down, the sum). */
+ * down between the first (up to the quantized act rows) and the second (down, the sum). One with
+ * its a8_min_rows rows or more meets 8-bit activations (type | QTYPE_A8, as QuantLinear's call):
+ * its expert's rows are quantized in that format. */
 #include "quant.h"
 #include <stdlib.h>
 
@@ -95,6 +97,7 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
                 const void *weights, const int64_t *spans, int64_t n_spans, int64_t pairs, int64_t tokens_n,
                 void *out, int dtype) {
     if (proj[GATE].n != inner || proj[UP].n != inner || proj[DOWN].n != hidden) return 7;
+    if (proj[GATE].a8_min_rows != proj[UP].a8_min_rows) return 8;
     const qtype_ops *gate_ops = quant_ops((int)proj[GATE].type), *up_ops = quant_ops((int)proj[UP].type);
     const qtype_ops *down_ops = quant_ops((int)proj[DOWN].type);
     if (gate_ops == NULL || up_ops == NULL || down_ops == NULL) return 8;
@@ -102,21 +105,30 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
         gate_ops->block != up_ops->block || hidden % gate_ops->block != 0 || inner % down_ops->block != 0)
         return 8;
     if (((gate_ops->type | up_ops->type | down_ops->type) & QTYPE_X8) && (inner % 8 != 0 || hidden % 8 != 0)) return 8;
+    /* the 8-bit activations' ops, where a span may take them (NULL: none) */
+    const qtype_ops *gate8 = NULL, *up8 = NULL, *down8 = NULL;
+    if (proj[GATE].a8_min_rows <= pairs) {
+        gate8 = quant_ops((int)proj[GATE].type | QTYPE_A8), up8 = quant_ops((int)proj[UP].type | QTYPE_A8);
+        if (gate8 == NULL || up8 == NULL) return 8;
+    }
+    if (proj[DOWN].a8_min_rows <= pairs && (down8 = quant_ops((int)proj[DOWN].type | QTYPE_A8)) == NULL) return 8;
     const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4;
-    const int64_t nb_h = hidden / gate_ops->block, xrb = nb_h * gate_ops->act_block_bytes;
-    const int64_t nb_i = inner / down_ops->block, arb = nb_i * down_ops->act_block_bytes;
+    const int64_t nb_h = hidden / gate_ops->block, nb_i = inner / down_ops->block;
+    const int64_t xrb = gate8 != NULL ? act_row_bytes_max(hidden) : nb_h * gate_ops->act_block_bytes;
+    const int64_t arb = down8 != NULL ? act_row_bytes_max(inner) : nb_i * down_ops->act_block_bytes;
     /* one arena: the pairs' rows of x, gate_up, act, y; the quantized x and act rows; the sums */
     const int64_t at_gu = pairs * hidden * elem, at_act = at_gu + pairs * 2 * inner * elem;
     const int64_t at_y = at_act + pairs * inner * elem, at_xq = (at_y + pairs * hidden * elem + 63) & ~(int64_t)63;
     const int64_t at_aq = at_xq + pairs * xrb, at_sum = (at_aq + pairs * arb + 63) & ~(int64_t)63;
     const int64_t at_skip = at_sum + tokens_n * hidden * (int64_t)sizeof(float);
-    char *arena = malloc((size_t)(at_skip + n_spans));
+    char *arena = malloc((size_t)(at_skip + n_spans + pairs));
     if (arena == NULL) return 1;
     char *rows = arena, *gu = arena + at_gu, *act = arena + at_act, *y = arena + at_y;
     uint8_t *xq = (uint8_t *)arena + at_xq, *aq = (uint8_t *)arena + at_aq;
     float *sum = (float *)(arena + at_sum);
-    char *dense = arena + at_skip; /* per span: bit p set, projection p on the dense path */
-    enum { D_GATE = 1, D_UP = 2, D_DOWN = 4 };
+    char *dense = arena + at_skip; /* per span: bit p set, projection p on the dense path; A_* on 8 bits */
+    char *pair_span = dense + n_spans; /* per pair: its span's bits */
+    enum { D_GATE = 1, D_UP = 2, D_DOWN = 4, A_GU = 8, A_DOWN = 16 };
     for (int64_t i = 0; i < pairs; i++)
         memcpy(rows + i * hidden * elem, (const char *)x + tokens[i] * hidden * elem, (size_t)(hidden * elem));
     int status = 0;
@@ -124,7 +136,10 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
         const int64_t e = spans[3 * s], start = spans[3 * s + 1], count = spans[3 * s + 2];
         dense[s] = (char)((count >= proj[GATE].dense_min_rows ? D_GATE : 0) |
                           (count >= proj[UP].dense_min_rows ? D_UP : 0) |
-                          (count >= proj[DOWN].dense_min_rows ? D_DOWN : 0));
+                          (count >= proj[DOWN].dense_min_rows ? D_DOWN : 0) |
+                          (gate8 != NULL && count >= proj[GATE].a8_min_rows ? A_GU : 0) |
+                          (down8 != NULL && count >= proj[DOWN].a8_min_rows ? A_DOWN : 0));
+        memset(pair_span + start, dense[s], (size_t)count);
         const char *xs = rows + start * hidden * elem;
         char *gus = gu + start * 2 * inner * elem;
         if (dense[s] & D_GATE) status = dense_part(&proj[GATE], e, hidden, xs, count, gus, 2 * inner, dtype);
@@ -135,9 +150,11 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
         free(arena);
         return 100 + status;
     }
-    const int64_t gu_panel = quant_panel_cols(proj[GATE].row_bytes > proj[UP].row_bytes ? proj[GATE].row_bytes
-                                                                                         : proj[UP].row_bytes);
-    const int64_t down_panel = quant_panel_cols(proj[DOWN].row_bytes);
+    /* panels of whole 16 columns where the 8-bit tiles (16 columns at a time) may run */
+    const int64_t gu_bytes = proj[GATE].row_bytes > proj[UP].row_bytes ? proj[GATE].row_bytes : proj[UP].row_bytes;
+    const int64_t gu_panel = gate8 != NULL ? quant_panel_cols_a8(gu_bytes) : quant_panel_cols(gu_bytes);
+    const int64_t down_panel =
+        down8 != NULL ? quant_panel_cols_a8(proj[DOWN].row_bytes) : quant_panel_cols(proj[DOWN].row_bytes);
     const int64_t gu_units = (inner + gu_panel - 1) / gu_panel, down_units = (hidden + down_panel - 1) / down_panel;
     int failed = 0;
 #pragma omp parallel
@@ -151,7 +168,9 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
         /* the pairs' rows, quantized (rows on the dense path too: cheap, and no branch per pair) */
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < pairs; i++)
-            if (tmp != NULL) quantize_row(gate_ops, rows + i * hidden * elem, hidden, dtype, tmp, xq + i * xrb);
+            if (tmp != NULL)
+                quantize_row(pair_span[i] & A_GU ? gate8 : gate_ops, rows + i * hidden * elem, hidden, dtype, tmp,
+                             xq + i * xrb);
         int failed_here;
 #pragma omp atomic read
         failed_here = failed;
@@ -163,11 +182,12 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
                 const int64_t e = spans[3 * s], start = spans[3 * s + 1], count = spans[3 * s + 2];
                 const int64_t c0 = u * gu_panel, c1 = c0 + gu_panel < inner ? c0 + gu_panel : inner;
                 char *gus = gu + start * 2 * inner * elem;
+                const int a8 = dense[s] & A_GU;
                 if (!(dense[s] & D_GATE))
-                    panel_matmul(&proj[GATE], gate_ops, e, nb_h, xq + start * xrb, xrb, count, c0, c1, gus,
-                                 2 * inner, dtype);
+                    panel_matmul(&proj[GATE], a8 ? gate8 : gate_ops, e, nb_h, xq + start * xrb, xrb, count, c0, c1,
+                                 gus, 2 * inner, dtype);
                 if (!(dense[s] & D_UP))
-                    panel_matmul(&proj[UP], up_ops, e, nb_h, xq + start * xrb, xrb, count, c0, c1,
+                    panel_matmul(&proj[UP], a8 ? up8 : up_ops, e, nb_h, xq + start * xrb, xrb, count, c0, c1,
                                  gus + inner * elem, 2 * inner, dtype);
             }
         }
@@ -177,7 +197,8 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
         for (int64_t i = 0; i < pairs; i++) {
             if (failed_here) continue;
             silu_mul_row(gu + i * 2 * inner * elem, act + i * inner * elem, (int)inner, dtype);
-            quantize_row(down_ops, act + i * inner * elem, inner, dtype, tmp, aq + i * arb);
+            quantize_row(pair_span[i] & A_DOWN ? down8 : down_ops, act + i * inner * elem, inner, dtype, tmp,
+                         aq + i * arb);
         }
         free(tmp);
     }
@@ -201,8 +222,8 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
             const int64_t e = spans[3 * s], start = spans[3 * s + 1], count = spans[3 * s + 2];
             const int64_t c0 = u * down_panel, c1 = c0 + down_panel < hidden ? c0 + down_panel : hidden;
             if (!(dense[s] & D_DOWN))
-                panel_matmul(&proj[DOWN], down_ops, e, nb_i, aq + start * arb, arb, count, c0, c1,
-                             y + start * hidden * elem, hidden, dtype);
+                panel_matmul(&proj[DOWN], dense[s] & A_DOWN ? down8 : down_ops, e, nb_i, aq + start * arb, arb, count,
+                             c0, c1, y + start * hidden * elem, hidden, dtype);
         }
 #pragma omp barrier
         /* out[token] += y * weight, pairs in order, each product and sum rounded to dtype; the

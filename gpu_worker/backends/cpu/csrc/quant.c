@@ -115,7 +115,9 @@ int quant_supported(int type) { return quant_ops(type) != NULL; }
 int64_t quant_act_row_bytes(int type, int64_t k) {
     const qtype_ops *ops = quant_ops(type);
     if (ops == NULL || k <= 0 || k % ops->block != 0) return 0;
-    return k / ops->block * ops->act_block_bytes;
+    const qtype_ops *a8 = quant_ops(type | QTYPE_A8); /* the same weights on 8-bit activations: the larger */
+    const int64_t bytes = k / ops->block * ops->act_block_bytes;
+    return a8 != NULL && k / a8->block * a8->act_block_bytes > bytes ? k / a8->block * a8->act_block_bytes : bytes;
 }
 
 /* Columns in a panel of weight rows of row_bytes each: whole units, PANEL_BYTES at most (L2 holds
@@ -159,7 +161,7 @@ void quant_panel(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int64_t nb
  * y_dtype; NULL: none) + x W^T, x [rows, k] (x_dtype, rows x_stride elements apart), W [n, k] in
  * blocks of ``type``. (A strided y lets a merged Linear's parts write their columns in place.)
  * Summed in float32, one rounding to y_dtype at the end. scratch: rows * quant_act_row_bytes(type, k)
- * bytes. Returns 0, or nonzero (nothing written) for an unsupported type (1), k not a whole number
+ * bytes (the type without QTYPE_A8: that size fits both). Returns 0, or nonzero (nothing written) for an unsupported type (1), k not a whole number
  * of blocks (2), an unknown dtype (3), no memory (4), or an interleaved type with n not a multiple
  * of 8 (5). */
 int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride, int x_dtype,

@@ -63,6 +63,12 @@ typedef struct {
 
 void quantize_act8(const float *x, int64_t k, void *xq);
 
+/* Bytes of the larger of the two activation formats for a row of k values. */
+static inline int64_t act_row_bytes_max(int64_t k) {
+    const int64_t b16 = k / ACT_BLOCK * (int64_t)sizeof(act_block16), b8 = k / 256 * (int64_t)sizeof(act_block8);
+    return b16 > b8 ? b16 : b8;
+}
+
 /* A GGUF block's fp16 scale as float32, exactly (F16C on x86-64-v3 and up; subnormals included). */
 static inline float fp16_to_f32(uint16_t h) {
 #if HAVE_AVX2 || HAVE_AVX512
@@ -146,6 +152,7 @@ typedef struct {
     int64_t type;           /* the C kernels' type code */
     int64_t n, row_bytes;   /* an expert's rows; bytes of one row */
     int64_t dense_min_rows; /* from how many rows the dense path */
+    int64_t a8_min_rows;    /* from how many rows 8-bit activations (type | QTYPE_A8); gate's and up's alike */
 } moe_projection;
 
 int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const void *x, const int64_t *tokens,
