@@ -72,7 +72,7 @@ X8_DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
 # the threshold a step streams its weights once and the 16-bit tile, which reads them in place, is
 # the faster; from it, twice the products per instruction win. Measured by ``python -m
 # bench.quant_matmul --paths '.*_x8(_a8)?$'`` (docs/benchmarks.md, "8-bit activations").
-_A8_ZMM = {_Q.Q4_K: 8, _Q.Q5_K: 8, _Q.Q6_K: 8}
+_A8_ZMM = {_Q.Q4_K: 8, _Q.Q5_K: 6, _Q.Q6_K: 8}
 A8_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
     CpuKind.AMX: _A8_ZMM,
     CpuKind.AVX512_BF16: _A8_ZMM,
