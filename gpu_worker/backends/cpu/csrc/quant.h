@@ -31,7 +31,9 @@
  * few steps: the embedded model then answers "What is the capital of France?" with "L'Etoile, la
  * Marseillaise, ..." (16 bits: "The capital of France is Paris.", as dequantized weights do).
  * _mm256_madd_epi16 multiplies 16 pairs of int16 per instruction, as many products per instruction
- * as int8's maddubs + madd pair, so the precision costs no multiply throughput. */
+ * as int8's maddubs + madd pair, so the precision costs no multiply throughput there. (vpdpbusd does
+ * multiply twice vpdpwssd's products: act_block8 below, for many rows, where multiplies bound the
+ * step, keeps 8 bits and gives the outlier blocks a second pass.) */
 #define ACT_BLOCK 32
 typedef struct {
     float d;
