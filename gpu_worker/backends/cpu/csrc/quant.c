@@ -175,7 +175,8 @@ int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x
     if (n <= 0 || rows <= 0) return 0;
     const int64_t nb = k / ops->block, wrb = nb * ops->block_bytes, xrb = nb * ops->act_block_bytes;
     const int64_t panel = (type & QTYPE_A8) ? quant_panel_cols_a8(wrb) : quant_panel_cols(wrb);
-    const int64_t units = (n + COL_UNIT - 1) / COL_UNIT;
+    const int64_t unit = (type & QTYPE_A8) ? 16 : COL_UNIT; /* the 8-bit tiles take 16 columns at a time */
+    const int64_t units = (n + unit - 1) / unit;
     uint8_t *xq = (uint8_t *)scratch;
     int failed = 0;
     if (rows == 1) { /* one row (decode): quantized here, so the region below has no barrier but its end */
@@ -222,7 +223,7 @@ int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x
 #pragma omp atomic read
         failed_here = failed;
         if (!failed_here && rp < row_parts) {
-            const int64_t c0 = units * cp / col_parts * COL_UNIT, c1_units = units * (cp + 1) / col_parts * COL_UNIT;
+            const int64_t c0 = units * cp / col_parts * unit, c1_units = units * (cp + 1) / col_parts * unit;
             const int64_t c1 = c1_units < n ? c1_units : n;
             const int64_t r0 = rows * rp / row_parts, r1 = rows * (rp + 1) / row_parts;
             for (int64_t p0 = c0; p0 < c1; p0 += panel)
