@@ -105,13 +105,15 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
         gate_ops->block != up_ops->block || hidden % gate_ops->block != 0 || inner % down_ops->block != 0)
         return 8;
     if (((gate_ops->type | up_ops->type | down_ops->type) & QTYPE_X8) && (inner % 8 != 0 || hidden % 8 != 0)) return 8;
-    /* the 8-bit activations' ops, where a span may take them (NULL: none) */
+    /* the 8-bit activations' ops, where some span takes them (NULL: none does) */
+    int64_t most = 0;
+    for (int64_t s = 0; s < n_spans; s++) most = spans[3 * s + 2] > most ? spans[3 * s + 2] : most;
     const qtype_ops *gate8 = NULL, *up8 = NULL, *down8 = NULL;
-    if (proj[GATE].a8_min_rows <= pairs) {
+    if (proj[GATE].a8_min_rows <= most) {
         gate8 = quant_ops((int)proj[GATE].type | QTYPE_A8), up8 = quant_ops((int)proj[UP].type | QTYPE_A8);
         if (gate8 == NULL || up8 == NULL) return 8;
     }
-    if (proj[DOWN].a8_min_rows <= pairs && (down8 = quant_ops((int)proj[DOWN].type | QTYPE_A8)) == NULL) return 8;
+    if (proj[DOWN].a8_min_rows <= most && (down8 = quant_ops((int)proj[DOWN].type | QTYPE_A8)) == NULL) return 8;
     const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4;
     const int64_t nb_h = hidden / gate_ops->block, nb_i = inner / down_ops->block;
     const int64_t xrb = gate8 != NULL ? act_row_bytes_max(hidden) : nb_h * gate_ops->act_block_bytes;
