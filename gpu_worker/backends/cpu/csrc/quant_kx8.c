@@ -29,9 +29,10 @@
  * Builds: AVX-512 (zmm; vpdpwssd where VNNI is there), AVX2 (ymm, each chunk as two 16-byte
  * halves of 4 rows), and portable (each row's blocks rebuilt in the file's layout, then quant_k.c's
  * plain-C tile: the reference the others are tested against, beside gguf-py's dequantization).
+ * The AVX-512 builds also have tiles for 8-bit activations (act_block8, type | QTYPE_A8: many
+ * rows), which unpack the same layout a slice at a time; they are described where they start.
  */
 #include "quant.h"
-#include <stdlib.h>
 
 #define QK 256
 #ifndef KX8_PF
@@ -285,7 +286,7 @@ static inline void a8_prefetch(const uint8_t *blk, int64_t bb) {
 }
 
 /* Q4_K/Q5_K blocks [b0, b0 + nb) of the groups at g0 and g1 (tile rows 0-7 and 8-15), unpacked to u. */
-static void q45_unpack8(const uint8_t *g0, const uint8_t *g1, int64_t b0, int64_t nb, __m512i *u, const int type) {
+__attribute__((noinline)) static void q45_unpack8(const uint8_t *g0, const uint8_t *g1, int64_t b0, int64_t nb, __m512i *u, const int type) {
     const int q5 = type == QTYPE_Q5_K, gbb = 8 * kx8_block_bytes(type), qs_at = q5 ? 384 : 128;
     const __m512i m4 = _mm512_set1_epi8(0x0f), one = _mm512_set1_epi8(1);
     for (int64_t b = 0; b < nb; b++) {
@@ -325,7 +326,7 @@ static void q45_unpack8(const uint8_t *g0, const uint8_t *g1, int64_t b0, int64_
 /* Q6_K blocks [b0, b0 + nb) of the groups at g0 and g1, unpacked to u: per (h, half) the 6-bit q of
  * sub-blocks s = 0-3 (weights 32 s + 16 half .. + 15 of the 128 at h), 4 chunks each, then dsc and
  * 32 dsc of each s. */
-static void q6_unpack8(const uint8_t *g0, const uint8_t *g1, int64_t b0, int64_t nb, __m512i *u) {
+__attribute__((noinline)) static void q6_unpack8(const uint8_t *g0, const uint8_t *g1, int64_t b0, int64_t nb, __m512i *u) {
     const int gbb = 8 * 210;
     const __m512i low = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30);
     for (int64_t b = 0; b < nb; b++) {
@@ -475,9 +476,7 @@ static inline __attribute__((always_inline)) void tile8(const __m512i *u, int64_
 static inline __attribute__((always_inline)) void kx8_loop8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq,
                                                             int64_t xrb, int64_t nr, int64_t nb, float *out, int64_t ldo,
                                                             const int type) {
-    const int per_block = type == QTYPE_Q6_K ? U6 : U45;
-    __m512i *u = aligned_alloc(64, (size_t)A8_SLICE * per_block * sizeof(__m512i));
-    if (u == NULL) abort(); /* 24 KB at most */
+    __m512i u[A8_SLICE * U6]; /* the slice unpacked (24 KB at most; zmm-aligned) */
     const int64_t groups = (nr + XR8 - 1) / XR8;
     for (int64_t c0 = 0; c0 < nc; c0 += 16) {
         const int width = nc - c0 >= 16 ? 16 : 8;
@@ -504,7 +503,6 @@ static inline __attribute__((always_inline)) void kx8_loop8(const uint8_t *w, in
             }
         }
     }
-    free(u);
 }
 
 static void tile_q4_k_a8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
