@@ -114,7 +114,7 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
                 block_scores(q + (int64_t)j * head_dim * q_elem, kv, at_k, paired ? PAIRED : kv_dtype, head_dim);
             const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),
                                                   _mm512_mul_ps(raw, _mm512_set1_ps(scale)));
-            const float mx = fmaxf(m[j], _mm512_reduce_max_ps(s));
+            const float mx = max_f(m[j], _mm512_reduce_max_ps(s));
             const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
             const float corr = _mm512_cvtss_f32(exp512(_mm512_set1_ps(m[j] - mx))); /* first block: 0 */
             l[j] = l[j] * corr + _mm512_reduce_add_ps(p);
@@ -257,7 +257,7 @@ static void attend_span_avx512(const char *q, int64_t q_pos_bytes, int npos, con
                                               : widened_scores((const float *)qp[jq], kf, head_dim);
                     const __m512 sc = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),
                                                            _mm512_mul_ps(raw, _mm512_set1_ps(scale)));
-                    const float mx = fmaxf(m[jq], _mm512_reduce_max_ps(sc));
+                    const float mx = max_f(m[jq], _mm512_reduce_max_ps(sc));
                     const __m512 pr = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));
                     const float corr = _mm512_cvtss_f32(exp512(_mm512_set1_ps(m[jq] - mx)));
                     l[jq] = l[jq] * corr + _mm512_reduce_add_ps(pr);
@@ -728,7 +728,7 @@ static void attend_split(const void *q, int64_t q_row_stride, void *k_cache, voi
             const int64_t r = rh / num_heads, j = rh % num_heads;
             const float *first = part + r * parts * width, *stats = first + (int64_t)num_heads * head_dim;
             float top = -INFINITY, w[MAX_SPLIT], total = 0.0f, o[MAX_HEAD_DIM] = {0};
-            for (int c = 0; c < parts; c++) top = fmaxf(top, stats[c * width + j]);
+            for (int c = 0; c < parts; c++) top = max_f(top, stats[c * width + j]);
             for (int c = 0; c < parts; c++) {
                 const float m = stats[c * width + j], l = stats[c * width + num_heads + j];
                 w[c] = l > 0.0f ? l * exp_nonpositive(m - top) : 0.0f;

@@ -41,6 +41,10 @@
 #define MAX_HEADS 64 /* query heads (larger: the caller uses torch) */
 #define MAX_HEAD_DIM 256
 
+/* fmaxf's result (a NaN argument yields the other one), inlined: without -ffinite-math-only gcc
+ * calls libm's fmaxf through the PLT, once per element in a loop. */
+static inline float max_f(float a, float b) { return (b > a || a != a) ? b : a; }
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;

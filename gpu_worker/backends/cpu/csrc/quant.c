@@ -23,7 +23,10 @@ void quantize_act16(const float *x, int64_t k, void *xq) {
         const float *v = x + b * ACT_BLOCK;
         float amax = 0.0f;
 #pragma omp simd reduction(max : amax)
-        for (int i = 0; i < ACT_BLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
+        for (int i = 0; i < ACT_BLOCK; i++) {
+            const float a = fabsf(v[i]);
+            amax = a > amax ? a : amax; /* (fmaxf is a libm call per value here) */
+        }
         const float d = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
         int32_t sum = 0;
 #pragma omp simd reduction(+ : sum)
@@ -67,7 +70,7 @@ static inline void quantize_block8(const float *v, act_block8 *out, int j) {
 #else
 #pragma omp simd reduction(max : amax) reduction(+ : asum)
     for (int i = 0; i < 32; i++) {
-        amax = fmaxf(amax, fabsf(v[i]));
+        amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
         asum += fabsf(v[i]);
     }
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
