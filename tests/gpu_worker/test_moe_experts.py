@@ -15,6 +15,7 @@ from bench.lib.gguf_models import random_blocks
 from gpu_worker.backends.cpu import kernels as cpu_kernels
 from gpu_worker.backends.cpu.experts import QuantExperts, interleave_experts
 from gpu_worker.backends.cpu.kind import requested_kind
+from gpu_worker.backends.cpu.quant import NEVER
 from gpu_worker.models.moe import ExpertGroups, Experts
 from gpu_worker.weights.formats import QuantBlocks, QuantizedExperts
 
@@ -72,7 +73,8 @@ def test_one_call_equals_expert_by_expert(dtype: torch.dtype, tokens: int) -> No
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 def test_one_call_equals_expert_by_expert_on_k_quants(dtype: torch.dtype, tokens: int) -> None:
     """The same on Q4_K_M's expert types (gate and up Q4_K, down Q6_K, interleaved by 8), whose
-    experts' panels the one region shares out over threads by rows: bit for bit."""
+    experts' panels the one region shares out over threads by rows: bit for bit, with the experts
+    whose spans reach A8_MIN_ROWS on 8-bit activations where the build has them."""
     kernels = cpu_kernels.load(requested_kind())
     if kernels is None:
         pytest.skip("the C kernels did not build")
@@ -85,6 +87,8 @@ def test_one_call_equals_expert_by_expert_on_k_quants(dtype: torch.dtype, tokens
     experts = QuantExperts(interleave_experts(loaded), kernels, module.act, module.act_mul)
     x = torch.from_numpy(rng.standard_normal((tokens, hidden)).astype(np.float32)).to(dtype)
     groups = groups_of(tokens, dtype, seed=tokens)
+    if tokens == 40 and experts.gate_up[0].a8_min_rows[0] < NEVER:  # some experts on 8-bit activations
+        assert int(groups.spans[:, 2].max()) >= experts.gate_up[0].a8_min_rows[0]
     got = experts(x, groups)
     assert torch.equal(got, experts.per_expert(x, groups))
     reference = Experts(EXPERTS, hidden, inner, "silu")
