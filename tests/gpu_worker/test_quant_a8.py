@@ -18,7 +18,6 @@ from gpu_worker.backends.cpu import kernels as cpu_kernels
 from gpu_worker.backends.cpu.kind import CpuKind
 from gpu_worker.backends.cpu.layouts import A8, interleave_rows, kernel_type
 from gpu_worker.backends.cpu.quant import A8_MIN_ROWS, NEVER, QuantLinear, a8_min_rows
-from gpu_worker.backends.cpu.quant_kernels import ACT8_BLOCK_BYTES
 from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
 from tests.gpu_worker.helpers import KINDS
 from tests.gpu_worker.quant_reference import EPS32
@@ -180,4 +179,4 @@ def test_kinds_without_the_tiles_never_take_them() -> None:
         lib = cpu_kernels.CpuKernels(cpu_kernels.build(kind), kind)
         assert not lib.quant_supported(kernel_type(blocks) | A8)
         assert a8_min_rows(lib, blocks) == NEVER
-    assert ACT8.itemsize == ACT8_BLOCK_BYTES
+        assert lib.act8_block_bytes == ACT8.itemsize, "the test's view of act_block8 is csrc/quant.h's"

@@ -18,8 +18,6 @@ import torch
 from gpu_worker.backends.cpu.build import DTYPE_CODES
 from gpu_worker.backends.cpu.layouts import A8, X8
 
-ACT8_BLOCK_BYTES = 656  # sizeof(act_block8), csrc/quant.h
-
 if TYPE_CHECKING:
     from gpu_worker.backends.cpu.decode_rows import DecodeRows
 
@@ -47,6 +45,8 @@ class QuantKernels:
         self._quantize_act8 = lib.quantize_act8
         self._quantize_act8.argtypes = [ptr, i64, ptr]
         self._quantize_act8.restype = None
+        lib.quant_act8_block_bytes.restype = i64
+        self.act8_block_bytes = int(lib.quant_act8_block_bytes())  # sizeof(act_block8), csrc/quant.h
         self._decode_layers = lib.decode_layers
         self._decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64]
         self._decode_layers.restype = i32
@@ -74,10 +74,9 @@ class QuantKernels:
     ) -> torch.Tensor:
         """x [M, K] @ W.T (+ residual) -> [M, N] in x's dtype (float32 or bfloat16), W [N, K] held as
         blocks ``w`` (uint8 [N, row bytes], contiguous). x rows are quantized to 16 bits per block of
-        32 (csrc/quant.h), or 8 where ``type`` has the ``A8`` flag (act_block8), or with ``dense`` meet
-        W dequantized to float32 (csrc/quant_dense.c); sums
-        in float32, one rounding at the end. x and residual rows may be strided (last dim
-        contiguous); residual [M, N] in x's dtype."""
+        32 (csrc/quant.h), or to 8 where ``type`` has the ``A8`` flag (act_block8), or with ``dense``
+        meet W dequantized to float32 (csrc/quant_dense.c); sums in float32, one rounding at the end.
+        x and residual rows may be strided (last dim contiguous); residual [M, N] in x's dtype."""
         return self.quant_matmul_checked(type, w, k, x, residual, self.quant_check(type, w, k), dense)
 
     def quant_check(self, type: int, w: torch.Tensor, k: int) -> int:
@@ -136,9 +135,9 @@ class QuantKernels:
 
     def quantize_act8(self, x: torch.Tensor) -> torch.Tensor:
         """One float32 row of k values (k a multiple of 256) as the 8-bit tiles meet it: k / 256
-        csrc/quant.h ``act_block8`` structs, as uint8 [k / 256, 656] (for tests and benches)."""
+        csrc/quant.h ``act_block8`` structs, as uint8 [k / 256, act8_block_bytes] (for tests)."""
         assert x.dtype == torch.float32 and x.dim() == 1 and x.is_contiguous() and x.shape[0] % 256 == 0
-        out = torch.zeros((x.shape[0] // 256, ACT8_BLOCK_BYTES), dtype=torch.uint8)
+        out = torch.zeros((x.shape[0] // 256, self.act8_block_bytes), dtype=torch.uint8)
         self._quantize_act8(x.data_ptr(), x.shape[0], out.data_ptr())
         return out
 

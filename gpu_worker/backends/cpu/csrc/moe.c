@@ -152,11 +152,10 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
         free(arena);
         return 100 + status;
     }
-    /* panels of whole 16 columns where the 8-bit tiles (16 columns at a time) may run */
+    /* panels in the 8-bit tiles' units where some span runs them */
     const int64_t gu_bytes = proj[GATE].row_bytes > proj[UP].row_bytes ? proj[GATE].row_bytes : proj[UP].row_bytes;
-    const int64_t gu_panel = gate8 != NULL ? quant_panel_cols_a8(gu_bytes) : quant_panel_cols(gu_bytes);
-    const int64_t down_panel =
-        down8 != NULL ? quant_panel_cols_a8(proj[DOWN].row_bytes) : quant_panel_cols(proj[DOWN].row_bytes);
+    const int64_t gu_panel = quant_panel_cols(gate8 != NULL ? gate8 : gate_ops, gu_bytes);
+    const int64_t down_panel = quant_panel_cols(down8 != NULL ? down8 : down_ops, proj[DOWN].row_bytes);
     const int64_t gu_units = (inner + gu_panel - 1) / gu_panel, down_units = (hidden + down_panel - 1) / down_panel;
     int failed = 0;
 #pragma omp parallel

@@ -93,6 +93,9 @@ static inline void quantize_block8(const float *v, act_block8 *out, int j) {
     out->two |= two << j;
 }
 
+/* sizeof(act_block8), for the Python side's view of the format (quant_kernels.py). */
+int64_t quant_act8_block_bytes(void) { return (int64_t)sizeof(act_block8); }
+
 void quantize_act8(const float *x, int64_t k, void *xq) {
     for (int64_t b = 0; b < k / 256; b++) {
         act_block8 *out = (act_block8 *)xq + b;
@@ -120,21 +123,19 @@ int64_t quant_act_row_bytes(int type, int64_t k) {
     if (ops == NULL || k <= 0 || k % ops->block != 0) return 0;
     const qtype_ops *a8 = quant_ops(type | QTYPE_A8); /* the same weights on 8-bit activations: the larger */
     const int64_t bytes = k / ops->block * ops->act_block_bytes;
-    return a8 != NULL && k / a8->block * a8->act_block_bytes > bytes ? k / a8->block * a8->act_block_bytes : bytes;
+    const int64_t bytes8 = a8 == NULL ? 0 : k / a8->block * a8->act_block_bytes;
+    return bytes > bytes8 ? bytes : bytes8;
 }
 
-/* Columns in a panel of weight rows of row_bytes each: whole units, PANEL_BYTES at most (L2 holds
- * them and a chunk of activation rows), and at most PANEL_MAX. */
-int64_t quant_panel_cols(int64_t row_bytes) {
-    const int64_t panel = PANEL_BYTES / row_bytes / COL_UNIT * COL_UNIT;
-    return panel < COL_UNIT ? COL_UNIT : panel > PANEL_MAX ? PANEL_MAX : panel;
-}
+/* Columns per unit of the thread split and the panel for ``ops``' tile: COL_UNIT, or 16 for the
+ * 8-bit activations' tiles (quant_kx8.c), which take 16 columns at a time. */
+static int64_t col_unit(const qtype_ops *ops) { return (ops->type & QTYPE_A8) ? 16 : COL_UNIT; }
 
-/* The same for the 8-bit activations' tiles (quant_kx8.c), which take 16 columns at a time and
- * hold a few of their blocks unpacked in L1, not the panel: whole 16s, PANEL_BYTES or 16 columns. */
-int64_t quant_panel_cols_a8(int64_t row_bytes) {
-    const int64_t panel = PANEL_BYTES / row_bytes / 16 * 16;
-    return panel < 16 ? 16 : panel > PANEL_MAX ? PANEL_MAX : panel;
+/* Columns in a panel of weight rows of row_bytes each for ``ops``' tile: whole units, PANEL_BYTES at
+ * most (L2 holds them and a chunk of activation rows), and at most PANEL_MAX. */
+int64_t quant_panel_cols(const qtype_ops *ops, int64_t row_bytes) {
+    const int64_t unit = col_unit(ops), panel = PANEL_BYTES / row_bytes / unit * unit;
+    return panel < unit ? unit : panel > PANEL_MAX ? PANEL_MAX : panel;
 }
 
 /* y rows [r0, r1) of columns [c0, c0 + pw) (pw <= PANEL_MAX): W's rows there (wrb bytes each, nb
@@ -164,9 +165,9 @@ void quant_panel(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int64_t nb
  * y_dtype; NULL: none) + x W^T, x [rows, k] (x_dtype, rows x_stride elements apart), W [n, k] in
  * blocks of ``type``. (A strided y lets a merged Linear's parts write their columns in place.)
  * Summed in float32, one rounding to y_dtype at the end. scratch: rows * quant_act_row_bytes(type, k)
- * bytes (the type without QTYPE_A8: that size fits both). Returns 0, or nonzero (nothing written) for an unsupported type (1), k not a whole number
- * of blocks (2), an unknown dtype (3), no memory (4), or an interleaved type with n not a multiple
- * of 8 (5). */
+ * bytes (of the type without QTYPE_A8: that size fits both formats). Returns 0, or nonzero (nothing
+ * written) for an unsupported type (1), k not a whole number of blocks (2), an unknown dtype (3), no
+ * memory (4), or an interleaved type with n not a multiple of 8 (5). */
 int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride, int x_dtype,
                  int64_t rows, void *scratch, void *y, int64_t y_stride, int y_dtype, const void *residual,
                  int64_t res_stride) {
@@ -177,9 +178,7 @@ int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x
     if ((type & QTYPE_X8) && n % 8 != 0) return 5;
     if (n <= 0 || rows <= 0) return 0;
     const int64_t nb = k / ops->block, wrb = nb * ops->block_bytes, xrb = nb * ops->act_block_bytes;
-    const int64_t panel = (type & QTYPE_A8) ? quant_panel_cols_a8(wrb) : quant_panel_cols(wrb);
-    const int64_t unit = (type & QTYPE_A8) ? 16 : COL_UNIT; /* the 8-bit tiles take 16 columns at a time */
-    const int64_t units = (n + unit - 1) / unit;
+    const int64_t panel = quant_panel_cols(ops, wrb), unit = col_unit(ops), units = (n + unit - 1) / unit;
     uint8_t *xq = (uint8_t *)scratch;
     int failed = 0;
     if (rows == 1) { /* one row (decode): quantized here, so the region below has no barrier but its end */

@@ -49,7 +49,7 @@ void quantize_act16(const float *x, int64_t k, void *xq);
  * more, a second 8-bit pass r of what is left, at a 128th of the step (x ~ d q + d / 128 r, |r| <=
  * 64): about 14 bits there. The 32 need it when their absmax stands ACT8_SPREAD times above their
  * mean |x|: one channel far above the rest, as SmolLM2's hidden states carry, where 8 bits alone
- * leave the others a few steps (quant.h's act_block16 note); elsewhere r is all zero and skipped.
+ * leave the others a few steps (act_block16's note above); elsewhere r is all zero and skipped.
  * vpdpbusd multiplies 64 byte pairs an instruction, vpdpwssd 32 word pairs: many rows are bound by
  * those multiplies, so 8 bits halve them. */
 #define ACT8_SPREAD 6.0f
@@ -140,9 +140,8 @@ static inline void dequant_row_at(const qtype_ops *ops, const uint8_t *w, int64_
     }
 
 /* quant.c's panel of a matmul, for drivers that share out their own panels (moe.c): the columns in
- * a panel of weight rows of row_bytes each, and y rows [r0, r1) of columns [c0, c0 + pw). */
-int64_t quant_panel_cols(int64_t row_bytes);
-int64_t quant_panel_cols_a8(int64_t row_bytes);
+ * a panel of weight rows of row_bytes each for ops' tile, and y rows [r0, r1) of columns [c0, c0 + pw). */
+int64_t quant_panel_cols(const qtype_ops *ops, int64_t row_bytes);
 void quant_panel(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int64_t nb, int64_t c0, int64_t pw,
                  const uint8_t *xq, int64_t xrb, int64_t r0, int64_t r1, void *y, int64_t y_stride, int y_dtype,
                  const void *residual, int64_t res_stride);

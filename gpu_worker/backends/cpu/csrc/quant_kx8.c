@@ -376,36 +376,29 @@ __attribute__((noinline)) static void q6_unpack8(const uint8_t *g0, const uint8_
         }                                                                                        \
     }
 
-/* acc[r] = dot(tile row j, activation row r) for j < 16, r < R, over the nb unpacked blocks at u. */
-static inline __attribute__((always_inline)) void q45_tile8(const __m512i *u, int64_t nb, const act_block8 *const *xa,
-                                                            __m512 *acc, const int R) {
+/* acc[r] += dot(tile row j, activation row r) for j < 16, r < R, over one unpacked block at u;
+ * x[r]: row r's activation block, two: their residual-pass bits or'ed. */
+static inline __attribute__((always_inline)) void q45_block8(const __m512i *u, const act_block8 *const *x, int two,
+                                                             __m512 *acc, const int R) {
     __m512i lo[XR8], hi[XR8];
-    for (int64_t b = 0; b < nb; b++) {
-        const act_block8 *x[XR8];
-        int two = 0;
+    for (int sb = 0; sb < 4; sb++) {
+        const __m512i *p = u + sb * 20;
+        const __m512 dsc_lo = _mm512_load_ps((const float *)(p + 16)), dsc_hi = _mm512_load_ps((const float *)(p + 17));
+        Q45_PASS(q)
         for (int r = 0; r < R; r++) {
-            x[r] = xa[r] + b;
-            two |= x[r]->two;
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(dsc_lo, _mm512_set1_ps(x[r]->d[2 * sb])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(dsc_hi, _mm512_set1_ps(x[r]->d[2 * sb + 1])), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(_mm512_load_ps((const float *)(p + 18)), _mm512_set1_ps(x[r]->s[2 * sb]), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(_mm512_load_ps((const float *)(p + 19)), _mm512_set1_ps(x[r]->s[2 * sb + 1]), acc[r]);
         }
-        for (int sb = 0; sb < 4; sb++) {
-            const __m512i *p = u + b * U45 + sb * 20;
-            const __m512 dsc_lo = _mm512_load_ps((const float *)(p + 16)), dsc_hi = _mm512_load_ps((const float *)(p + 17));
-            Q45_PASS(q)
+        if ((two >> (2 * sb)) & 3) { /* r's products, at a 128th of q's step */
+            __asm__ volatile("" ::: "memory"); /* the weights loaded again, not held across the pass */
+            const __m512 rsc_lo = _mm512_mul_ps(dsc_lo, _mm512_set1_ps(1.0f / 128.0f));
+            const __m512 rsc_hi = _mm512_mul_ps(dsc_hi, _mm512_set1_ps(1.0f / 128.0f));
+            Q45_PASS(r)
             for (int r = 0; r < R; r++) {
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(dsc_lo, _mm512_set1_ps(x[r]->d[2 * sb])), acc[r]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(dsc_hi, _mm512_set1_ps(x[r]->d[2 * sb + 1])), acc[r]);
-                acc[r] = _mm512_fnmadd_ps(_mm512_load_ps((const float *)(p + 18)), _mm512_set1_ps(x[r]->s[2 * sb]), acc[r]);
-                acc[r] = _mm512_fnmadd_ps(_mm512_load_ps((const float *)(p + 19)), _mm512_set1_ps(x[r]->s[2 * sb + 1]), acc[r]);
-            }
-            if ((two >> (2 * sb)) & 3) { /* r's products, at a 128th of q's step */
-                __asm__ volatile("" ::: "memory"); /* the weights loaded again, not held across the pass */
-                const __m512 rsc_lo = _mm512_mul_ps(dsc_lo, _mm512_set1_ps(1.0f / 128.0f));
-                const __m512 rsc_hi = _mm512_mul_ps(dsc_hi, _mm512_set1_ps(1.0f / 128.0f));
-                Q45_PASS(r)
-                for (int r = 0; r < R; r++) {
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(rsc_lo, _mm512_set1_ps(x[r]->d[2 * sb])), acc[r]);
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(rsc_hi, _mm512_set1_ps(x[r]->d[2 * sb + 1])), acc[r]);
-                }
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(rsc_lo, _mm512_set1_ps(x[r]->d[2 * sb])), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(rsc_hi, _mm512_set1_ps(x[r]->d[2 * sb + 1])), acc[r]);
             }
         }
     }
@@ -419,37 +412,30 @@ static inline __attribute__((always_inline)) void q45_tile8(const __m512i *u, in
         for (int r = 0; r < R; r++) is[r] = dpb4(is[r], wq, x[r]->FIELD + at + 4 * ci);      \
     }
 
-static inline __attribute__((always_inline)) void q6_tile8(const __m512i *u, int64_t nb, const act_block8 *const *xa,
-                                                           __m512 *acc, const int R) {
+/* The same for Q6_K: its 16-value sub-blocks, the offset term from the activation's 16-value sums. */
+static inline __attribute__((always_inline)) void q6_block8(const __m512i *u, const act_block8 *const *x, int two,
+                                                            __m512 *acc, const int R) {
     __m512i is[XR8];
-    for (int64_t b = 0; b < nb; b++) {
-        const act_block8 *x[XR8];
-        int two = 0;
-        for (int r = 0; r < R; r++) {
-            x[r] = xa[r] + b;
-            two |= x[r]->two;
-        }
-        for (int h = 0; h < 2; h++)
-            for (int half = 0; half < 2; half++) {
-                const __m512i *p = u + b * U6 + (h * 2 + half) * 24;
-                for (int sb = 0; sb < 4; sb++) { /* the activation's 32-value block 4h + sb, its half */
-                    const int j = 4 * h + sb, at = 32 * j + 16 * half;
-                    const __m512 dsc = _mm512_load_ps((const float *)(p + 16 + sb));
-                    Q6_PASS(q)
-                    for (int r = 0; r < R; r++) {
-                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dsc, _mm512_set1_ps(x[r]->d[j])), acc[r]);
-                        acc[r] = _mm512_fnmadd_ps(_mm512_load_ps((const float *)(p + 20 + sb)), _mm512_set1_ps(x[r]->h[2 * j + half]), acc[r]);
-                    }
-                    if ((two >> j) & 1) {
-                        __asm__ volatile("" ::: "memory");
-                        const __m512 rsc = _mm512_mul_ps(dsc, _mm512_set1_ps(1.0f / 128.0f));
-                        Q6_PASS(r)
-                        for (int r = 0; r < R; r++)
-                            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(rsc, _mm512_set1_ps(x[r]->d[j])), acc[r]);
-                    }
+    for (int h = 0; h < 2; h++)
+        for (int half = 0; half < 2; half++) {
+            const __m512i *p = u + (h * 2 + half) * 24;
+            for (int sb = 0; sb < 4; sb++) { /* the activation's 32-value block 4h + sb, its half */
+                const int j = 4 * h + sb, at = 32 * j + 16 * half;
+                const __m512 dsc = _mm512_load_ps((const float *)(p + 16 + sb));
+                Q6_PASS(q)
+                for (int r = 0; r < R; r++) {
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dsc, _mm512_set1_ps(x[r]->d[j])), acc[r]);
+                    acc[r] = _mm512_fnmadd_ps(_mm512_load_ps((const float *)(p + 20 + sb)), _mm512_set1_ps(x[r]->h[2 * j + half]), acc[r]);
+                }
+                if ((two >> j) & 1) {
+                    __asm__ volatile("" ::: "memory");
+                    const __m512 rsc = _mm512_mul_ps(dsc, _mm512_set1_ps(1.0f / 128.0f));
+                    Q6_PASS(r)
+                    for (int r = 0; r < R; r++)
+                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(rsc, _mm512_set1_ps(x[r]->d[j])), acc[r]);
                 }
             }
-    }
+        }
 }
 
 /* out[r * ldo + j] (+)= the tile's dot products for r < nr <= R, j < width (16, or 8 where the
@@ -459,10 +445,18 @@ static inline __attribute__((always_inline)) void tile8(const __m512i *u, int64_
                                                         const int type, const int R) {
     __m512 acc[XR8];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    if (type == QTYPE_Q6_K) {
-        q6_tile8(u, nb, xa, acc, R);
-    } else {
-        q45_tile8(u, nb, xa, acc, R);
+    for (int64_t b = 0; b < nb; b++) {
+        const act_block8 *x[XR8];
+        int two = 0;
+        for (int r = 0; r < R; r++) {
+            x[r] = xa[r] + b;
+            two |= x[r]->two;
+        }
+        if (type == QTYPE_Q6_K) {
+            q6_block8(u + b * U6, x, two, acc, R);
+        } else {
+            q45_block8(u + b * U45, x, two, acc, R);
+        }
     }
     const __mmask16 keep = width == 16 ? 0xffff : 0x00ff;
     for (int r = 0; r < R && r < nr; r++) {
