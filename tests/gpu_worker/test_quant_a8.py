@@ -1,4 +1,4 @@
-"""The K-quants met by 8-bit activations (csrc/quant.h's act_block8, csrc/quant_kx8.c's vpdpbusd
+"""The interleaved types (the K-quants and the legacy Q4_0, Q4_1, Q8_0) met by 8-bit activations (csrc/quant.h's act_block8, csrc/quant_kx8.c's vpdpbusd
 tiles: the many-row path of the AVX-512 builds). The quantization itself (its bound per value, the
 residual pass where a block's absmax stands far above its mean, the sums), the tiles against
 float64 on gguf-py's dequantization of the file's blocks, a row's output whatever rows are beside
@@ -21,6 +21,7 @@ from gpu_worker.backends.cpu.quant import A8_MIN_ROWS, NEVER, QuantLinear, a8_mi
 from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
 from tests.gpu_worker.helpers import KINDS
 from tests.gpu_worker.quant_reference import EPS32
+from tests.gpu_worker import test_quant_kernels as legacy
 from tests.gpu_worker.test_quant_k_kernels import K_TYPES, QK, activations, weights
 
 pytestmark = pytest.mark.skipif(
@@ -33,6 +34,7 @@ ACT8 = np.dtype(
 )  # fmt: skip
 SPREAD = 6.0  # csrc/quant.h's ACT8_SPREAD
 SHAPES = [(16, 256), (24, 512), (48, 1536), (16, 17 * QK)]  # one pair of groups; a lone group; 17 blocks
+A8_TYPES = [*K_TYPES, *legacy.LEGACY]
 
 
 def kinds_with_tiles() -> list[CpuKind]:
@@ -62,7 +64,14 @@ def values(blocks: np.ndarray) -> np.ndarray:
 def held(qtype: Q, n: int, k: int) -> tuple[QuantBlocks, np.ndarray, np.ndarray]:
     """(blocks interleaved, float64 dequantization, per-weight bound on the terms the 8-bit tiles
     sum). Q6_K's tiles multiply the unsigned q and subtract 32 d sc times the activation's sum, so
-    its terms are |d sc| (q + 32) <= |w| + 64 |d sc|."""
+    its terms are |d sc| (q + 32) <= |w| + 64 |d sc|; Q8_0's likewise q + 128 and 128 d: |w| + 256
+    |d|. (Q4_0's d q and 8 d, Q4_1's d q and m: within the legacy tests' bound.)"""
+    if qtype in legacy.LEGACY:
+        blocks, deq, bound = legacy.weights(qtype, n, k)
+        if qtype == Q.Q8_0:
+            d = blocks.reshape(n, k // 32, 34)[..., :2].copy().view(np.float16).astype(np.float64)
+            bound = np.abs(deq) + 256 * np.abs(d).repeat(32, axis=-1).reshape(n, k)
+        return interleave_rows(QuantBlocks(int(qtype), torch.from_numpy(blocks), k)), deq, bound
     blocks, deq, bound = weights(qtype, n, k)
     if qtype == Q.Q6_K:
         per_block = blocks.reshape(-1, 210)
@@ -70,6 +79,16 @@ def held(qtype: Q, n: int, k: int) -> tuple[QuantBlocks, np.ndarray, np.ndarray]
         sc = per_block[:, 192:208].view(np.int8).astype(np.float64)  # [blocks, 16]
         bound = np.abs(deq) + 64 * np.abs(d * sc).repeat(16, axis=1).reshape(n, k)
     return interleave_rows(QuantBlocks(int(qtype), torch.from_numpy(blocks), k)), deq, bound
+
+
+def a8_type(kernels: cpu_kernels.CpuKernels, blocks: QuantBlocks) -> int:
+    """The 8-bit activations' type code of ``blocks``; skips where this kind has no such tile (Q8_0
+    without VNNI: its unsigned q would saturate maddubs)."""
+    t = kernel_type(blocks) | A8
+    if not kernels.quant_supported(t):
+        assert blocks.type == Q.Q8_0 and kernels.kind == CpuKind.AVX512
+        pytest.skip("Q8_0 has no 8-bit tile without VNNI")
+    return t
 
 
 @pytest.mark.parametrize("k", [256, 2048])
@@ -101,7 +120,7 @@ def test_quantization_bounds_each_value_and_passes_twice_where_a_block_stands_ou
     assert np.allclose(blocks["s"].reshape(6, -1), h.reshape(6, -1, 2).sum(axis=-1), rtol=1e-6, atol=1e-30)
 
 
-@pytest.mark.parametrize("qtype", K_TYPES, ids=[t.name for t in K_TYPES])
+@pytest.mark.parametrize("qtype", A8_TYPES, ids=[t.name for t in A8_TYPES])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("rows", [1, 8, 13, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -115,7 +134,7 @@ def test_tiles_match_float64(
     x8, deq, bound = held(qtype, n, k)
     x = activations(rows, k, rows * 5 + n, dtype)
     residual = torch.randn(rows, n).to(dtype) if rows % 2 else None
-    y = kernels.quant_matmul(kernel_type(x8) | A8, x8.data, k, x, residual)
+    y = kernels.quant_matmul(a8_type(kernels, x8), x8.data, k, x, residual)
     assert y.shape == (rows, n) and y.dtype == dtype
     got = y.double().numpy()
     xq = values(quantized(kernels, x))
@@ -130,7 +149,7 @@ def test_tiles_match_float64(
     assert (np.abs(got - (res64 + x64 @ deq.T)) <= tol_b).all()
 
 
-@pytest.mark.parametrize("qtype", K_TYPES, ids=[t.name for t in K_TYPES])
+@pytest.mark.parametrize("qtype", A8_TYPES, ids=[t.name for t in A8_TYPES])
 def test_a_rows_output_does_not_depend_on_the_rows_beside_it(
     kernels: cpu_kernels.CpuKernels, qtype: Q
 ) -> None:
@@ -140,7 +159,7 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(
     x = activations(12, 1024, 3, torch.float32)
     x[5, 300] = 5000.0
     x[9] *= 1e-3
-    t = kernel_type(x8) | A8
+    t = a8_type(kernels, x8)
     together = kernels.quant_matmul(t, x8.data, 1024, x)
     for i in range(12):
         assert torch.equal(kernels.quant_matmul(t, x8.data, 1024, x[i : i + 1]), together[i : i + 1])
@@ -148,13 +167,14 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(
     assert torch.equal(kernels.quant_matmul(t, x8.data, 1024, x[order]), together[order])
 
 
-@pytest.mark.parametrize("qtype", K_TYPES, ids=[t.name for t in K_TYPES])
+@pytest.mark.parametrize("qtype", A8_TYPES, ids=[t.name for t in A8_TYPES])
 def test_every_kind_with_the_tiles_gives_the_same_bits(qtype: Q) -> None:
     """vpdpbusd (the VNNI builds) and maddubs + madd (AVX-512 without VNNI) sum the same integers."""
-    libs = [cpu_kernels.CpuKernels(cpu_kernels.build(kind), kind) for kind in kinds_with_tiles()]
-    if len(libs) < 2:
-        pytest.skip("fewer than two kinds with the 8-bit tiles here")
     x8, _, _ = held(qtype, 40, 512)
+    libs = [cpu_kernels.CpuKernels(cpu_kernels.build(kind), kind) for kind in kinds_with_tiles()]
+    libs = [lib for lib in libs if lib.quant_supported(kernel_type(x8) | A8)]
+    if len(libs) < 2:
+        pytest.skip("fewer than two kinds with this type's 8-bit tiles here")
     x = activations(19, 512, 11, torch.bfloat16)
     outs = [lib.quant_matmul(kernel_type(x8) | A8, x8.data, 512, x) for lib in libs]
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
@@ -180,3 +200,16 @@ def test_kinds_without_the_tiles_never_take_them() -> None:
         assert not lib.quant_supported(kernel_type(blocks) | A8)
         assert a8_min_rows(lib, blocks) == NEVER
         assert lib.act8_block_bytes == ACT8.itemsize, "the test's view of act_block8 is csrc/quant.h's"
+
+
+def test_legacy_rows_take_8_bits_only_where_k_is_whole_blocks_of_256(kernels: cpu_kernels.CpuKernels) -> None:
+    """SmolLM2's Q4_1 Linears of k = 576 (its hidden size) keep the 16-bit tile at any row count; its
+    down projection (k = 1536) takes the 8-bit one from the table's rows, whose bits it then gives."""
+    x576, x1536 = (held(Q.Q4_1, 16, k)[0] for k in (576, 1536))
+    assert a8_min_rows(kernels, x576) == NEVER
+    at = a8_min_rows(kernels, x1536)
+    assert at == A8_MIN_ROWS[kernels.kind][Q.Q4_1] < NEVER
+    linear = QuantLinear(QuantizedWeight((x1536,)), None, kernels)
+    x = activations(at, 1536, 5, torch.float32)
+    assert torch.equal(linear(x), kernels.quant_matmul(kernel_type(x1536) | A8, x1536.data, 1536, x))
+    assert not torch.equal(linear(x), kernels.quant_matmul(kernel_type(x1536), x1536.data, 1536, x))

@@ -5,7 +5,7 @@ bytes, which are the file's: Q4_1 0.625 bytes a weight against bf16's 2): each a
 quantized to 16 bits per block of 32 (csrc/quant.h says why 16, not llama.cpp's 8: the embedded
 model's outlier channels), and the kernel multiplies integers, scaling once per block; the 16-bit
 rounding of activations is the error this adds (half a step of absmax / 32767 per value), and the
-tests bound it. Many rows (bound by arithmetic): on the AVX-512 builds the K-quants' rows meet 8-bit
+tests bound it. Many rows (bound by arithmetic): on the AVX-512 builds the interleaved rows meet 8-bit
 activations from ``A8_MIN_ROWS`` rows (csrc/quant.h's act_block8: 8 bits per 32 values, llama.cpp's
 precision, with a second 8-bit pass where a block's absmax stands far above its mean, so outlier
 channels keep ~14 bits), twice the products per instruction; elsewhere W is dequantized to float32
@@ -66,18 +66,21 @@ X8_DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
 }
 
 
-# From how many rows an interleaved K-quant Linear meets 8-bit activations (csrc/quant.h's
-# act_block8, csrc/quant_kx8.c's vpdpbusd tiles) rather than 16-bit ones, per CPU kind: the AVX-512
-# builds have those tiles (vpdpbusd with VNNI, maddubs without); the others never take them. Below
-# the threshold a step streams its weights once and the 16-bit tile, which reads them in place, is
-# the faster; from it, twice the products per instruction win. Measured by ``python -m
-# bench.quant_matmul --paths '.*_x8(_a8)?$'`` (docs/benchmarks.md, "8-bit activations").
+# From how many rows an interleaved Linear meets 8-bit activations (csrc/quant.h's act_block8,
+# csrc/quant_kx8.c's vpdpbusd tiles; its k a multiple of 256) rather than 16-bit ones, per CPU kind:
+# the AVX-512 builds have those tiles (vpdpbusd with VNNI, maddubs without, where Q8_0 has none);
+# the others never take them. Below the threshold a step streams its weights once and the 16-bit
+# tile, which reads them in place, is the faster; from it, twice the products per instruction win.
+# Measured by ``python -m bench.quant_matmul --paths '.*_x8(_a8)?$'`` (docs/benchmarks.md, "8-bit
+# activations").
+A8_BLOCK = 256  # act_block8's values: a Linear's k must be a multiple
 _A8_ZMM = {_Q.Q4_K: 8, _Q.Q5_K: 6, _Q.Q6_K: 8}
+_A8_VNNI = {**_A8_ZMM, _Q.Q4_0: 4, _Q.Q4_1: 6, _Q.Q8_0: 8}
 A8_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
-    CpuKind.AMX: _A8_ZMM,
-    CpuKind.AVX512_BF16: _A8_ZMM,
-    CpuKind.AVX512_VNNI: _A8_ZMM,
-    CpuKind.AVX512: _A8_ZMM,
+    CpuKind.AMX: _A8_VNNI,
+    CpuKind.AVX512_BF16: _A8_VNNI,
+    CpuKind.AVX512_VNNI: _A8_VNNI,
+    CpuKind.AVX512: {**_A8_ZMM, _Q.Q4_0: 8, _Q.Q4_1: 8},
     CpuKind.AVX2: {},
     CpuKind.PORTABLE: {},
 }
@@ -85,7 +88,7 @@ A8_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
 
 def a8_min_rows(kernels: CpuKernels, part: QuantBlocks) -> int:
     """From how many activation rows ``part`` meets 8-bit activations (NEVER: not on this build)."""
-    if part.layout != X8_LAYOUT or not kernels.quant_supported(kernel_type(part) | A8):
+    if part.layout != X8_LAYOUT or part.cols % A8_BLOCK or not kernels.quant_supported(kernel_type(part) | A8):
         return NEVER
     return A8_MIN_ROWS[kernels.kind].get(GGMLQuantizationType(part.type), NEVER)
 

@@ -38,8 +38,9 @@ enum { GATE, UP, DOWN, PROJECTIONS };
 
 /* y rows [count] (dtype, y_stride apart) = the rows' quantized activations xq (xrb apart) times
  * columns [c0, c1) of expert e's projection p, as quant_matmul computes them. */
-static void panel_matmul(const moe_projection *p, const qtype_ops *ops, int64_t e, int64_t nb, const uint8_t *xq,
-                         int64_t xrb, int64_t count, int64_t c0, int64_t c1, void *y, int64_t y_stride, int dtype) {
+static void panel_matmul(const moe_projection *p, const qtype_ops *ops, int64_t e, const uint8_t *xq, int64_t xrb,
+                         int64_t count, int64_t c0, int64_t c1, void *y, int64_t y_stride, int dtype) {
+    const int64_t nb = p->row_bytes / ops->block_bytes; /* in ops' blocks (8-bit legacy ops: 8 blocks of 32) */
     quant_panel(ops, p->w + e * p->n * p->row_bytes, p->row_bytes, nb, c0, c1 - c0, xq, xrb, 0, count, y, y_stride,
                 dtype, NULL, 0);
 }
@@ -111,9 +112,11 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
     const qtype_ops *gate8 = NULL, *up8 = NULL, *down8 = NULL;
     if (proj[GATE].a8_min_rows <= most) {
         gate8 = quant_ops((int)proj[GATE].type | QTYPE_A8), up8 = quant_ops((int)proj[UP].type | QTYPE_A8);
-        if (gate8 == NULL || up8 == NULL) return 8;
+        if (gate8 == NULL || up8 == NULL || hidden % gate8->block != 0) return 8;
     }
-    if (proj[DOWN].a8_min_rows <= most && (down8 = quant_ops((int)proj[DOWN].type | QTYPE_A8)) == NULL) return 8;
+    if (proj[DOWN].a8_min_rows <= most &&
+        ((down8 = quant_ops((int)proj[DOWN].type | QTYPE_A8)) == NULL || inner % down8->block != 0))
+        return 8;
     const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4;
     const int64_t nb_h = hidden / gate_ops->block, nb_i = inner / down_ops->block;
     const int64_t xrb = gate8 != NULL ? act_row_bytes_max(hidden) : nb_h * gate_ops->act_block_bytes;
@@ -185,10 +188,10 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
                 char *gus = gu + start * 2 * inner * elem;
                 const int a8 = dense[s] & A_GU;
                 if (!(dense[s] & D_GATE))
-                    panel_matmul(&proj[GATE], a8 ? gate8 : gate_ops, e, nb_h, xq + start * xrb, xrb, count, c0, c1,
+                    panel_matmul(&proj[GATE], a8 ? gate8 : gate_ops, e, xq + start * xrb, xrb, count, c0, c1,
                                  gus, 2 * inner, dtype);
                 if (!(dense[s] & D_UP))
-                    panel_matmul(&proj[UP], a8 ? up8 : up_ops, e, nb_h, xq + start * xrb, xrb, count, c0, c1,
+                    panel_matmul(&proj[UP], a8 ? up8 : up_ops, e, xq + start * xrb, xrb, count, c0, c1,
                                  gus + inner * elem, 2 * inner, dtype);
             }
         }
@@ -223,7 +226,7 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
             const int64_t e = spans[3 * s], start = spans[3 * s + 1], count = spans[3 * s + 2];
             const int64_t c0 = u * down_panel, c1 = c0 + down_panel < hidden ? c0 + down_panel : hidden;
             if (!(dense[s] & D_DOWN))
-                panel_matmul(&proj[DOWN], dense[s] & A_DOWN ? down8 : down_ops, e, nb_i, aq + start * arb, arb, count,
+                panel_matmul(&proj[DOWN], dense[s] & A_DOWN ? down8 : down_ops, e, aq + start * arb, arb, count,
                              c0, c1, y + start * hidden * elem, hidden, dtype);
         }
 #pragma omp barrier

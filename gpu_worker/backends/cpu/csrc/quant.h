@@ -21,7 +21,7 @@
 #define QTYPE_Q5_K 13
 #define QTYPE_Q6_K 14
 #define QTYPE_X8 0x100 /* | a type: its rows interleaved by 8 (quant_x8.c, quant_kx8.c), n a multiple of 8 */
-#define QTYPE_A8 0x200 /* | an interleaved K-quant type: its activations in act_block8 (quant_kx8.c) */
+#define QTYPE_A8 0x200 /* | an interleaved type: its activations in act_block8 (quant_kx8.c; k a multiple of 256) */
 
 /* Activations, one format for every weight type: per 32 values, 16-bit integers with one float
  * scale (x ~ d * q, d = absmax / 32767, q rounded to nearest even) and the block's sum s = d * sum(q)

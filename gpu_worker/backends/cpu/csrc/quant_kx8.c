@@ -30,7 +30,8 @@
  * halves of 4 rows), and portable (each row's blocks rebuilt in the file's layout, then quant_k.c's
  * plain-C tile: the reference the others are tested against, beside gguf-py's dequantization).
  * The AVX-512 builds also have tiles for 8-bit activations (act_block8, type | QTYPE_A8: many
- * rows), which unpack the same layout a slice at a time; they are described where they start.
+ * rows), which unpack the same layout a slice at a time, and quant_x8.c's legacy layout too (Q4_0,
+ * Q4_1; Q8_0 where VNNI is); they are described where they start.
  */
 #include "quant.h"
 
@@ -251,7 +252,7 @@ static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int6
  * Where a tile row's 32 values have the residual pass, r meets the weights too, at a 128th of the
  * scale; a row without it adds r's zero products, so a row's output does not depend on the rows
  * beside it. Integer sums: a lane sums at most 32 products of q <= 31 (Q4_K, Q5_K) or 16 of
- * q <= 63 (Q6_K) by |x| <= 127, below 2^18. */
+ * q <= 63 (Q6_K) by |x| <= 127, below 2^18 (Q8_0's 32 of q <= 255: below 2^21). */
 #if defined(__AVX512VNNI__)
 #define DPB(acc, a, b) _mm512_dpbusd_epi32((acc), (a), (b))
 #else /* maddubs' int16 pair sums: 2 * 63 * 127 at most, below its saturation */
@@ -275,6 +276,12 @@ static inline __m512i dpb4(__m512i acc, __m512i w, const int8_t *q) {
 
 static inline __m512i two_chunks(const uint8_t *a, const uint8_t *b) { /* 32 bytes of each group */
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)), _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+/* 8 fp16 of the first group and 8 of the second as 16 floats. */
+static inline __m512 fp16x8_pair(const uint8_t *a, const uint8_t *b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)a))),
+                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)), 1);
 }
 
 /* The blocks of the next slice (next bytes on from blk, of bb bytes each) into L1, and further on into L2. */
@@ -333,8 +340,7 @@ __attribute__((noinline)) static void q6_unpack8(const uint8_t *g0, const uint8_
         const uint8_t *blk[2] = {g0 + (b0 + b) * gbb, g1 + (b0 + b) * gbb};
         a8_prefetch(blk[0], gbb);
         a8_prefetch(blk[1], gbb);
-        const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk[0]))),
-                                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk[1])), 1);
+        const __m512 d = fp16x8_pair(blk[0], blk[1]);
         for (int h = 0; h < 2; h++)
             for (int half = 0; half < 2; half++) {
                 __m512i *p = u + b * U6 + (h * 2 + half) * 24;
@@ -362,6 +368,45 @@ __attribute__((noinline)) static void q6_unpack8(const uint8_t *g0, const uint8_
                     _mm512_store_ps((float *)(p + 20 + sb), _mm512_mul_ps(dsc, _mm512_set1_ps(32.0f)));
                 }
             }
+    }
+}
+
+/* The legacy types' blocks (quant_x8.c's layout: per block of 32, 8 fp16 d [, 8 fp16 m], then
+ * chunks of 2 quant bytes of each of the 8 rows) on the same tiles: 8 blocks of 32 make one
+ * 256-weight block, block j of them sub-block j of Q4_K's slice, with d as its scale and, as its
+ * min, 8 d (Q4_0: d (q - 8)), -m (Q4_1: d q + m) or 128 d (Q8_0, its q made unsigned: d (q + 128 -
+ * 128)). A zmm of 4 weights of each of 16 rows is two chunks of each group (32 bytes apart in
+ * memory: 2 bytes of each row, then the next 2) with their 16-bit words interleaved row by row. */
+__attribute__((noinline)) static void legacy_unpack8(const uint8_t *g0, const uint8_t *g1, int64_t b0, int64_t nb, __m512i *u,
+                                                     const int type) {
+    const int bb = type == QTYPE_Q8_0 ? 34 : type == QTYPE_Q4_1 ? 20 : 18, head = type == QTYPE_Q4_1 ? 32 : 16;
+    const int64_t gbb = 64 * bb; /* a group's 8 blocks of 32 */
+    const __m512i m4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+    /* word 2s: row s's word of the first chunk, 2s + 1: of the second; the same for the second group */
+    const __m512i order = _mm512_set_epi16(31, 23, 30, 22, 29, 21, 28, 20, 27, 19, 26, 18, 25, 17, 24, 16,
+                                           15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+    for (int64_t b = 0; b < nb; b++) {
+        a8_prefetch(g0 + (b0 + b) * gbb, gbb);
+        a8_prefetch(g1 + (b0 + b) * gbb, gbb);
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *blk[2] = {g0 + (b0 + b) * gbb + j * 8 * bb, g1 + (b0 + b) * gbb + j * 8 * bb};
+            __m512i *p = u + b * U45 + (j / 2) * 20 + (j % 2);
+            for (int c = 0; c < (type == QTYPE_Q8_0 ? 8 : 4); c++) {
+                const __m512i v = _mm512_permutexvar_epi16(order, two_chunks(blk[0] + head + 32 * c, blk[1] + head + 32 * c));
+                if (type == QTYPE_Q8_0) {
+                    _mm512_store_si512(p + 2 * c, _mm512_xor_si512(v, flip));
+                } else { /* low nibbles: weights 4c .. 4c + 3, high: 16 + 4c .. */
+                    _mm512_store_si512(p + 2 * c, _mm512_and_si512(v, m4));
+                    _mm512_store_si512(p + 2 * (c + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+                }
+            }
+            const __m512 d = fp16x8_pair(blk[0], blk[1]);
+            const __m512 dm = type == QTYPE_Q4_1   ? _mm512_sub_ps(_mm512_setzero_ps(), fp16x8_pair(blk[0] + 16, blk[1] + 16))
+                              : type == QTYPE_Q8_0 ? _mm512_mul_ps(d, _mm512_set1_ps(128.0f))
+                                                   : _mm512_mul_ps(d, _mm512_set1_ps(8.0f));
+            _mm512_store_ps((float *)(p + 16), d);
+            _mm512_store_ps((float *)(p + 18), dm);
+        }
     }
 }
 
@@ -479,6 +524,8 @@ static inline __attribute__((always_inline)) void kx8_loop8(const uint8_t *w, in
             const int64_t sl = nb - b0 < A8_SLICE ? nb - b0 : A8_SLICE;
             if (type == QTYPE_Q6_K) {
                 q6_unpack8(g0, g1, b0, sl, u);
+            } else if (type == QTYPE_Q4_0 || type == QTYPE_Q4_1 || type == QTYPE_Q8_0) {
+                legacy_unpack8(g0, g1, b0, sl, u, type);
             } else {
                 q45_unpack8(g0, g1, b0, sl, u, type);
             }
@@ -511,6 +558,20 @@ static void tile_q6_k_a8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_
                          int64_t nb, float *out, int64_t ldo) {
     kx8_loop8(w, wrb, nc, xq, xrb, nr, nb, out, ldo, QTYPE_Q6_K);
 }
+static void tile_q4_0_a8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                         int64_t nb, float *out, int64_t ldo) {
+    kx8_loop8(w, wrb, nc, xq, xrb, nr, nb, out, ldo, QTYPE_Q4_0);
+}
+static void tile_q4_1_a8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                         int64_t nb, float *out, int64_t ldo) {
+    kx8_loop8(w, wrb, nc, xq, xrb, nr, nb, out, ldo, QTYPE_Q4_1);
+}
+#if defined(__AVX512VNNI__)
+static void tile_q8_0_a8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                         int64_t nb, float *out, int64_t ldo) {
+    kx8_loop8(w, wrb, nc, xq, xrb, nr, nb, out, ldo, QTYPE_Q8_0);
+}
+#endif
 
 #elif HAVE_AVX2 || HAVE_AVX512
 #define XR 2 /* activation rows per tile (16 ymm registers) */
@@ -727,6 +788,20 @@ static const qtype_ops OPS_Q6_K = {QTYPE_Q6_K | QTYPE_X8, QK, 210, ACT_BYTES, qu
 A8_OPS(OPS_Q4_K_A8, QTYPE_Q4_K, 144, tile_q4_k_a8, slot_q4_k, group_q4_k)
 A8_OPS(OPS_Q5_K_A8, QTYPE_Q5_K, 176, tile_q5_k_a8, slot_q5_k, group_q5_k)
 A8_OPS(OPS_Q6_K_A8, QTYPE_Q6_K, 210, tile_q6_k_a8, slot_q6_k, group_q6_k)
+/* the legacy types: a "block" of 8 blocks of 32 (the act_block8's 256), dequantized by quant_x8.c */
+static void slot_x8(const uint8_t *g, int s, int64_t k, float *out, int type) { qtype_x8(type | QTYPE_X8)->dequant_slot(g, s, k, out); }
+static void group_x8(const uint8_t *g, int64_t k, float *out, int type) { qtype_x8(type | QTYPE_X8)->dequant_group(g, k, out); }
+static void slot_q4_0(const uint8_t *g, int s, int64_t k, float *out) { slot_x8(g, s, k, out, QTYPE_Q4_0); }
+static void slot_q4_1(const uint8_t *g, int s, int64_t k, float *out) { slot_x8(g, s, k, out, QTYPE_Q4_1); }
+static void group_q4_0(const uint8_t *g, int64_t k, float *out) { group_x8(g, k, out, QTYPE_Q4_0); }
+static void group_q4_1(const uint8_t *g, int64_t k, float *out) { group_x8(g, k, out, QTYPE_Q4_1); }
+A8_OPS(OPS_Q4_0_A8, QTYPE_Q4_0, 8 * 18, tile_q4_0_a8, slot_q4_0, group_q4_0)
+A8_OPS(OPS_Q4_1_A8, QTYPE_Q4_1, 8 * 20, tile_q4_1_a8, slot_q4_1, group_q4_1)
+#if defined(__AVX512VNNI__) /* Q8_0's unsigned q (up to 255) would saturate maddubs' pair sums */
+static void slot_q8_0(const uint8_t *g, int s, int64_t k, float *out) { slot_x8(g, s, k, out, QTYPE_Q8_0); }
+static void group_q8_0(const uint8_t *g, int64_t k, float *out) { group_x8(g, k, out, QTYPE_Q8_0); }
+A8_OPS(OPS_Q8_0_A8, QTYPE_Q8_0, 8 * 34, tile_q8_0_a8, slot_q8_0, group_q8_0)
+#endif
 #endif
 
 const qtype_ops *qtype_kx8(int type) {
@@ -735,6 +810,11 @@ const qtype_ops *qtype_kx8(int type) {
     case QTYPE_Q4_K | QTYPE_X8 | QTYPE_A8: return &OPS_Q4_K_A8;
     case QTYPE_Q5_K | QTYPE_X8 | QTYPE_A8: return &OPS_Q5_K_A8;
     case QTYPE_Q6_K | QTYPE_X8 | QTYPE_A8: return &OPS_Q6_K_A8;
+    case QTYPE_Q4_0 | QTYPE_X8 | QTYPE_A8: return &OPS_Q4_0_A8;
+    case QTYPE_Q4_1 | QTYPE_X8 | QTYPE_A8: return &OPS_Q4_1_A8;
+#if defined(__AVX512VNNI__)
+    case QTYPE_Q8_0 | QTYPE_X8 | QTYPE_A8: return &OPS_Q8_0_A8;
+#endif
 #endif
     case QTYPE_Q4_K | QTYPE_X8: return &OPS_Q4_K;
     case QTYPE_Q5_K | QTYPE_X8: return &OPS_Q5_K;
