@@ -14,7 +14,7 @@ from gpu_worker.inbox import Inbox
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.tensor_parallel import gather_strings, init_group
 from protocol.messages import ForwardBatch, ForwardResult, ToWorker, WorkerReady
-from protocol.transport import Codec, Endpoints, make_socket
+from protocol.transport import Codec, Endpoints, freeze_startup_heap, make_socket
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ def run_worker(config: WorkerConfig, endpoints: Endpoints) -> None:
     outbox = make_socket(ctx, zmq.PUSH, endpoints.from_worker, bind=False) if config.tp_rank == 0 else None
     launcher = make_socket(ctx, zmq.PUSH, endpoints.to_launcher, bind=False)
     codec: Codec[ToWorker] = Codec(ToWorker)
+    freeze_startup_heap()
     launcher.send(codec.encode(_ready(runner, config, rank_endpoints)))
     busy_s = 0.0  # seconds spent on batches, from a frame's arrival to its reply
     while True:

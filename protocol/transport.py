@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
@@ -130,3 +131,12 @@ class Endpoints:
             from_worker=ipc("from_worker"),
             to_launcher=ipc("to_launcher"),
         )
+
+
+def freeze_startup_heap() -> None:
+    """Move what a process built before serving (modules, the model, tables) out of the cyclic
+    collector's sight, once, as it announces itself ready. A full collection otherwise walks all of it
+    (37 ms in the worker of a 1B GGUF, between two decode steps), and the younger ones its survivors;
+    what serving allocates is still collected."""
+    gc.collect()
+    gc.freeze()

@@ -21,7 +21,7 @@ from protocol.messages import (
     TokenizedRequest,
     ToScheduler,
 )
-from protocol.transport import Codec, Endpoints, make_socket, replica_name
+from protocol.transport import Codec, Endpoints, freeze_startup_heap, make_socket, replica_name
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.scheduler import Scheduler
 from scheduler_proc.stats import SchedulerStats
@@ -176,6 +176,7 @@ def run_scheduler(config: SchedulerConfig, endpoints: Endpoints) -> None:
     ctx = zmq.Context()
     try:
         proc = SchedulerProcess(config, endpoints, ctx)
+        freeze_startup_heap()
         proc.announce()
         proc.run_forever()
     finally:

@@ -19,7 +19,7 @@ import zmq.asyncio
 from zmq.asyncio import Socket as AsyncSocket
 
 from protocol.messages import GenerateOutput, Ready, ToTokenizer
-from protocol.transport import HEARTBEAT_SOCKET_OPTIONS, Codec, Endpoints, make_socket
+from protocol.transport import HEARTBEAT_SOCKET_OPTIONS, Codec, Endpoints, freeze_startup_heap, make_socket
 from tokenizer_proc.admission import Admitting
 from tokenizer_proc.config import TokenizerConfig
 from tokenizer_proc.frontend import Frontend
@@ -121,6 +121,7 @@ class TokenizerServer:
                 await self._http.start()
             http_port = None if self._http is None else self._http.port
             ready = Ready(proc="tokenizer", pid=os.getpid(), http_port=http_port)
+            freeze_startup_heap()
             await self._to_launcher.send(self._codec.encode(ready))
             await asyncio.wait([stopper, *loops], return_when=asyncio.FIRST_COMPLETED)
             for task in loops:

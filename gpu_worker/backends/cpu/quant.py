@@ -88,7 +88,11 @@ A8_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
 
 def a8_min_rows(kernels: CpuKernels, part: QuantBlocks) -> int:
     """From how many activation rows ``part`` meets 8-bit activations (NEVER: not on this build)."""
-    if part.layout != X8_LAYOUT or part.cols % A8_BLOCK or not kernels.quant_supported(kernel_type(part) | A8):
+    if (
+        part.layout != X8_LAYOUT
+        or part.cols % A8_BLOCK
+        or not kernels.quant_supported(kernel_type(part) | A8)
+    ):
         return NEVER
     return A8_MIN_ROWS[kernels.kind].get(GGMLQuantizationType(part.type), NEVER)
 

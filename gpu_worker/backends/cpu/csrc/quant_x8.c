@@ -17,7 +17,9 @@
  *
  * Low nibbles of chunk c's bytes are weights 2c, 2c + 1 of each row, high nibbles weights 16 + 2c,
  * 17 + 2c: a widened chunk masked meets the activation pair (2c, 2c + 1), shifted meets
- * (16 + 2c, 17 + 2c). Q8_0's chunk c is weights 2c, 2c + 1.
+ * (16 + 2c, 17 + 2c). Q8_0's chunk c is weights 2c, 2c + 1. Q4_0's q - 8 is never formed: the
+ * integers meet q, and 8 d times the activation block's sum s is taken off once per block (as Q4_1
+ * adds m s), two subtractions a chunk fewer, which at one row is what bounds the tile.
  *
  * Integer sums: a row's 32 products of one block are summed in int32 before the conversion to
  * float: |qw| <= 128 and |qx| <= 32767, so at most 32 * 128 * 32767 = 134,213,632 < 2^31. Above 2^24
@@ -57,6 +59,12 @@ static inline void dequant_slot(const uint8_t *g, int s, int64_t k, float *out, 
 
 #if HAVE_AVX2 || HAVE_AVX512
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) /* the same sums, one instruction */
+#define DPW8(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
+#else
+#define DPW8(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
+#endif
+
 static inline __m256i pair(const int16_t *q) { /* q[0], q[1] in every 32-bit lane */
     int32_t v;
     memcpy(&v, q, sizeof v);
@@ -79,21 +87,17 @@ static inline __attribute__((always_inline)) void x8_tile(const uint8_t *g, int6
             for (int c = 0; c < 16; c++) {
                 const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * c)));
                 for (int r = 0; r < R; r++)
-                    s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(v, pair(xa[r][b].q + 2 * c)));
+                    s[r] = DPW8(s[r], v, pair(xa[r][b].q + 2 * c));
             }
         } else {
 #pragma GCC unroll 2 /* fully unrolled, gcc 12 spills the accumulators (docs/benchmarks.md) */
             for (int c = 0; c < 8; c++) {
                 const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * c)));
-                __m256i lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0f)), hi = _mm256_srli_epi16(v, 4);
-                if (type == QTYPE_Q4_0) {
-                    lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(8));
-                    hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(8));
-                }
+                const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0f)), hi = _mm256_srli_epi16(v, 4);
                 for (int r = 0; r < R; r++)
-                    s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(lo, pair(xa[r][b].q + 2 * c)));
+                    s[r] = DPW8(s[r], lo, pair(xa[r][b].q + 2 * c));
                 for (int r = 0; r < R; r++)
-                    s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(hi, pair(xa[r][b].q + 16 + 2 * c)));
+                    s[r] = DPW8(s[r], hi, pair(xa[r][b].q + 16 + 2 * c));
             }
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
@@ -102,6 +106,9 @@ static inline __attribute__((always_inline)) void x8_tile(const uint8_t *g, int6
         if (type == QTYPE_Q4_1) {
             const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
             for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xa[r][b].s), acc[r]);
+        } else if (type == QTYPE_Q4_0) {
+            const __m256 m = _mm256_mul_ps(d, _mm256_set1_ps(8.0f));
+            for (int r = 0; r < R; r++) acc[r] = _mm256_fnmadd_ps(m, _mm256_set1_ps(xa[r][b].s), acc[r]);
         }
     }
     for (int r = 0; r < R && r < nr; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
@@ -224,11 +231,7 @@ static inline __attribute__((always_inline)) void x16_tile(const uint8_t *g, int
         } else {
             for (int c = 0; c < 8; c++) {
                 const __m512i v = widen_two(q + 16 * c, q2 + 16 * c, 0);
-                __m512i lo = _mm512_and_si512(v, _mm512_set1_epi16(0x0f)), hi = _mm512_srli_epi16(v, 4);
-                if (type == QTYPE_Q4_0) {
-                    lo = _mm512_sub_epi16(lo, _mm512_set1_epi16(8));
-                    hi = _mm512_sub_epi16(hi, _mm512_set1_epi16(8));
-                }
+                const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi16(0x0f)), hi = _mm512_srli_epi16(v, 4);
                 for (int r = 0; r < R; r++) {
                     s[r] = DPW(s[r], lo, pair16(xa[r][b].q + 2 * c));
                     s[r] = DPW(s[r], hi, pair16(xa[r][b].q + 16 + 2 * c));
@@ -241,6 +244,9 @@ static inline __attribute__((always_inline)) void x16_tile(const uint8_t *g, int
         if (type == QTYPE_Q4_1) {
             const __m512 m = halves_two(blk + 16, blk2 + 16);
             for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xa[r][b].s), acc[r]);
+        } else if (type == QTYPE_Q4_0) {
+            const __m512 m = _mm512_mul_ps(d, _mm512_set1_ps(8.0f));
+            for (int r = 0; r < R; r++) acc[r] = _mm512_fnmadd_ps(m, _mm512_set1_ps(xa[r][b].s), acc[r]);
         }
     }
     for (int r = 0; r < R && r < nr; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
