@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from gpu_worker.backends.cpu.experts import QuantExperts
+from gpu_worker.backends.cpu.layouts import X8_LAYOUT
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.moe import ExpertGroups, Experts
@@ -189,6 +190,12 @@ def test_experts_kept_in_blocks(kind: str, tmp_path: Path) -> None:
     runner = runner_for(tmp_path, "gguf", page_size=16, dtype="float32", weight_dtype="gguf")
     impls = [m.impl for m in runner.model.modules() if isinstance(m, Experts)]  # type: ignore[attr-defined]
     assert len(impls) == 2 and all(isinstance(impl, QuantExperts) for impl in impls)
+    # every re-laid block tensor, the experts' and the attention's, in the one huge-page arena
+    held = [w for m in runner.model.modules() if (w := getattr(m, "quantized", None)) is not None]  # type: ignore[attr-defined]
+    relaid = [
+        p.data for w in held for p in getattr(w, "parts", None) or w.projections if p.layout == X8_LAYOUT
+    ]
+    assert len(relaid) >= 2 * 3 and len({t.untyped_storage().data_ptr() for t in relaid}) == 1
     prompts = make_prompts(seed=6)
     got, _ = inprocess.generate(runner, prompts, NEW_TOKENS, chunked_prefill_size=16, enable_mixed_chunk=True)
     assert got == hf_greedy(hf, prompts)

@@ -1,9 +1,10 @@
-"""The interleaved types (the K-quants and the legacy Q4_0, Q4_1, Q8_0) met by 8-bit activations (csrc/quant.h's act_block8, csrc/quant_kx8.c's vpdpbusd
-tiles: the many-row path of the AVX-512 builds). The quantization itself (its bound per value, the
-residual pass where a block's absmax stands far above its mean, the sums), the tiles against
-float64 on gguf-py's dequantization of the file's blocks, a row's output whatever rows are beside
-it, the same bits on every kind that has the tiles, and QuantLinear, the one-call decode's plan
-and the experts taking them from A8_MIN_ROWS rows."""
+"""The interleaved types (the K-quants; the legacy Q4_0, Q4_1, Q8_0) met by 8-bit activations
+(csrc/quant.h's act_block8, csrc/quant_kx8.c's vpdpbusd tiles: the many-row path of the AVX-512
+builds). The quantization itself (its bound per value, the residual pass where a block's absmax
+stands far above its mean, the sums), the tiles against float64 on gguf-py's dequantization of the
+file's blocks, a row's output whatever rows are beside it, the same bits on every kind that has the
+tiles, and QuantLinear, the one-call decode's plan and the experts taking them from A8_MIN_ROWS
+rows."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from gpu_worker.backends.cpu.kind import CpuKind
 from gpu_worker.backends.cpu.layouts import A8, interleave_rows, kernel_type
 from gpu_worker.backends.cpu.quant import A8_MIN_ROWS, NEVER, QuantLinear, a8_min_rows
 from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
+from tests.gpu_worker import test_quant_kernels as legacy
 from tests.gpu_worker.helpers import KINDS
 from tests.gpu_worker.quant_reference import EPS32
-from tests.gpu_worker import test_quant_kernels as legacy
 from tests.gpu_worker.test_quant_k_kernels import K_TYPES, QK, activations, weights
 
 pytestmark = pytest.mark.skipif(
@@ -203,13 +204,15 @@ def test_kinds_without_the_tiles_never_take_them() -> None:
 
 
 def test_legacy_rows_take_8_bits_only_where_k_is_whole_blocks_of_256(kernels: cpu_kernels.CpuKernels) -> None:
-    """SmolLM2's Q4_1 Linears of k = 576 (its hidden size) keep the 16-bit tile at any row count; its
-    down projection (k = 1536) takes the 8-bit one from the table's rows, whose bits it then gives."""
-    x576, x1536 = (held(Q.Q4_1, 16, k)[0] for k in (576, 1536))
+    """A Q4_0 Linear of k = 576 (SmolLM2's hidden size) keeps the 16-bit tile at any row count; one of
+    k = 1536 takes the 8-bit one from the table's rows, whose bits it then gives. Q4_1 (the embedded
+    model's type) never does."""
+    x576, x1536 = (held(Q.Q4_0, 16, k)[0] for k in (576, 1536))
     assert a8_min_rows(kernels, x576) == NEVER
     at = a8_min_rows(kernels, x1536)
-    assert at == A8_MIN_ROWS[kernels.kind][Q.Q4_1] < NEVER
+    assert at == A8_MIN_ROWS[kernels.kind][Q.Q4_0] < NEVER
     linear = QuantLinear(QuantizedWeight((x1536,)), None, kernels)
     x = activations(at, 1536, 5, torch.float32)
     assert torch.equal(linear(x), kernels.quant_matmul(kernel_type(x1536) | A8, x1536.data, 1536, x))
     assert not torch.equal(linear(x), kernels.quant_matmul(kernel_type(x1536), x1536.data, 1536, x))
+    assert a8_min_rows(kernels, held(Q.Q4_1, 16, 1536)[0]) == NEVER

@@ -36,9 +36,10 @@ from gpu_worker.backends.base import ALL_REDUCE
 from gpu_worker.backends.cpu import attention as cpu_attention
 from gpu_worker.backends.cpu import kernels as cpu_kernels
 from gpu_worker.backends.cpu.decode_layers import FusedDecode, fused_decode
-from gpu_worker.backends.cpu.experts import QuantExperts, QuantRouter, interleave_experts
+from gpu_worker.backends.cpu.experts import QuantExperts, QuantRouter, interleave_experts, relaid_experts
+from gpu_worker.backends.cpu.hugepages import HugePageArena, arena_bytes
 from gpu_worker.backends.cpu.kind import CpuKind, describe, requested_kind
-from gpu_worker.backends.cpu.layouts import interleave_rows
+from gpu_worker.backends.cpu.layouts import interleave_rows, interleaves
 from gpu_worker.backends.cpu.malloc import keep_freed_memory
 from gpu_worker.backends.cpu.matmul import PLANS, CpuLinear
 from gpu_worker.backends.cpu.quant import QuantEmbedding, QuantLinear
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
     from gpu_worker.forward_context import AttentionOptions, ForwardContext
     from gpu_worker.kv_cache import KVPool
     from gpu_worker.tensor_parallel import TensorParallel
-from gpu_worker.weights.formats import QuantizedExperts, QuantizedWeight
+from gpu_worker.weights.formats import QuantBlocks, QuantizedExperts, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -152,18 +153,22 @@ def _attach_quantized(
     import gguf
 
     interleaved: dict[int, tuple[QuantizedWeight, QuantizedWeight]] = {}  # id: (as loaded, interleaved)
+    arena = HugePageArena(arena_bytes([p.data.numel() for p in _relaid_parts(model)]))
     for module in model.modules():
         weight = getattr(module, "quantized", None)
         if weight is None:
             continue
         assert kernels is not None, "quantized weights are loaded only where the kernels run"
         if isinstance(module, Experts) and isinstance(weight, QuantizedExperts):  # experts.py
-            module.quantized = interleave_experts(weight)
+            module.quantized = interleave_experts(weight, arena)
             module.impl = QuantExperts(module.quantized, kernels, module.act, module.act_mul)
             paths["gguf experts"] += 1
             continue
         if id(weight) not in interleaved:
-            parts = tuple(interleave_rows(part) for part in weight.parts)
+            parts = tuple(
+                interleave_rows(part, arena.take(tuple(part.data.shape)) if interleaves(part) else None)
+                for part in weight.parts
+            )
             interleaved[id(weight)] = (weight, QuantizedWeight(parts))
         weight = interleaved[id(weight)][1]
         setattr(module, "quantized", weight)  # noqa: B010 (nn.Module types attributes as Tensor | Module)
@@ -173,6 +178,21 @@ def _attach_quantized(
             paths[f"gguf {types}"] += 1
         elif isinstance(module, Embedding):
             module.impl = QuantEmbedding(weight, dtype, kernels)
+
+
+def _relaid_parts(model: nn.Module) -> list[QuantBlocks]:
+    """Every block tensor ``_attach_quantized`` re-lays (once each, a tied head's with its embedding's)."""
+    seen: dict[int, QuantBlocks] = {}
+    for module in model.modules():
+        weight = getattr(module, "quantized", None)
+        if isinstance(module, Experts) and isinstance(weight, QuantizedExperts):
+            found = relaid_experts(weight)
+        elif isinstance(weight, QuantizedWeight):
+            found = [part for part in weight.parts if interleaves(part)]
+        else:
+            found = []
+        seen |= {id(part): part for part in found}
+    return list(seen.values())
 
 
 def _attach_routers(model: nn.Module, dtype: torch.dtype, kernels: cpu_kernels.CpuKernels) -> set[int]:

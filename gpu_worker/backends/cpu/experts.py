@@ -21,8 +21,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from gpu_worker.backends.cpu.hugepages import HugePageArena
 from gpu_worker.backends.cpu.kernels import CpuKernels
-from gpu_worker.backends.cpu.layouts import interleave_rows, kernel_type
+from gpu_worker.backends.cpu.layouts import interleave_rows, interleaves, kernel_type
 from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.models.moe import ExpertGroups
 from gpu_worker.weights.formats import QuantBlocks, QuantizedExperts, QuantizedWeight
@@ -41,12 +42,20 @@ class MoeProjection(ctypes.Structure):
     ]
 
 
-def interleave_experts(weight: QuantizedExperts) -> QuantizedExperts:
-    """Each projection's rows interleaved by 8 (layouts.py) where an expert's rows are whole groups."""
+def relaid_experts(weight: QuantizedExperts) -> list[QuantBlocks]:
+    """The projections ``interleave_experts`` re-lays: those whose experts' rows are whole groups."""
+    return [p for p in weight.projections if (p.rows // weight.num_experts) % 8 == 0 and interleaves(p)]
+
+
+def interleave_experts(weight: QuantizedExperts, arena: HugePageArena | None = None) -> QuantizedExperts:
+    """Each projection's rows interleaved by 8 (layouts.py) where an expert's rows are whole groups,
+    written into ``arena`` if given."""
+    relay = {id(p) for p in relaid_experts(weight)}
 
     def relaid(part: QuantBlocks) -> QuantBlocks:
-        per_expert = part.rows // weight.num_experts
-        return interleave_rows(part) if per_expert % 8 == 0 else part
+        if id(part) not in relay:
+            return part
+        return interleave_rows(part, None if arena is None else arena.take(tuple(part.data.shape)))
 
     gate, up, down = (relaid(part) for part in weight.projections)
     return QuantizedExperts(gate, up, down, weight.num_experts)

@@ -37,15 +37,21 @@ A8 = 0x200
 INTERLEAVED_TYPES = {2: 2, 3: 4, 8: 2}  # ggml Q4_0, Q4_1, Q8_0 -> bytes of fp16 scales a block starts with
 
 
-def interleave_rows(blocks: QuantBlocks) -> QuantBlocks:
+def interleaves(blocks: QuantBlocks) -> bool:
+    """Whether ``interleave_rows`` re-lays these blocks (rather than returning them as they are)."""
+    return blocks.layout == FILE_LAYOUT and blocks.rows % 8 == 0 and blocks.type in X8_TYPES
+
+
+def interleave_rows(blocks: QuantBlocks, out: torch.Tensor | None = None) -> QuantBlocks:
     """The layout csrc/quant_x8.c (legacy types) or csrc/quant_kx8.c (K-quants) reads, their top
     comments draw it: per group of 8 rows and block, the 8 rows' fields side by side (the legacy
     types' quant bytes 2 per row in turn, the K-quants' 4). Same bytes; for rows a multiple of 8
-    (others, and other types, are returned as they are)."""
-    if blocks.layout != FILE_LAYOUT or blocks.rows % 8 or blocks.type not in X8_TYPES:
+    (others, and other types, are returned as they are). ``out``: where to write them (uint8 of the
+    blocks' shape, contiguous; hugepages.py's arena), else a new tensor."""
+    if not interleaves(blocks):
         return blocks
     return QuantBlocks(
-        blocks.type, _permute_groups(blocks, _group_order(blocks.type)), blocks.cols, X8_LAYOUT
+        blocks.type, _permute_groups(blocks, _group_order(blocks.type), out=out), blocks.cols, X8_LAYOUT
     )
 
 
@@ -97,7 +103,9 @@ def _k_order(ggml_type: int) -> np.ndarray:
     return order
 
 
-def _permute_groups(blocks: QuantBlocks, order: np.ndarray, back: bool = False) -> torch.Tensor:
+def _permute_groups(
+    blocks: QuantBlocks, order: np.ndarray, back: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """[rows, row_bytes] with each group block's bytes taken in ``order`` (rows the slots of their
     group, blocks in turn); ``back``: from the interleaved layout to the file's. torch's byte gather
     over [group blocks, 8 * block bytes] (multi-threaded; numpy's fancy indexing was most of a 1B
@@ -108,7 +116,10 @@ def _permute_groups(blocks: QuantBlocks, order: np.ndarray, back: bool = False) 
     index = torch.from_numpy(order.astype(np.int64))
     x = blocks.data
     if back:
-        out = x.reshape(n // 8 * nb, 8 * bb)[:, index].view(n // 8, nb, 8, bb).transpose(1, 2)
-    else:
-        out = x.view(n // 8, 8, nb, bb).transpose(1, 2).reshape(n // 8 * nb, 8 * bb)[:, index]
-    return out.reshape(n, row_bytes)
+        back_out = x.reshape(n // 8 * nb, 8 * bb)[:, index].view(n // 8, nb, 8, bb).transpose(1, 2)
+        return back_out.reshape(n, row_bytes)
+    groups = x.view(n // 8, 8, nb, bb).transpose(1, 2).reshape(n // 8 * nb, 8 * bb)
+    if out is None:
+        return groups[:, index].reshape(n, row_bytes)
+    out.view(n // 8 * nb, 8 * bb).copy_(groups[:, index])  # (index_select's out= gathers slower)
+    return out
