@@ -107,9 +107,9 @@ def _permute_groups(
     blocks: QuantBlocks, order: np.ndarray, back: bool = False, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """[rows, row_bytes] with each group block's bytes taken in ``order`` (rows the slots of their
-    group, blocks in turn); ``back``: from the interleaved layout to the file's. torch's byte gather
-    over [group blocks, 8 * block bytes] (multi-threaded; numpy's fancy indexing was most of a 1B
-    Q4_K_M model's start-up: ``python -m bench.startup``)."""
+    group, blocks in turn), written to ``out`` if given; ``back``: from the interleaved layout to the
+    file's. torch's byte gather over [group blocks, 8 * block bytes] (multi-threaded; numpy's fancy
+    indexing was most of a 1B Q4_K_M model's start-up: ``python -m bench.startup``)."""
     n, row_bytes = blocks.data.shape
     bb = _BLOCK_BYTES[blocks.type]
     nb = row_bytes // bb
@@ -119,7 +119,7 @@ def _permute_groups(
         back_out = x.reshape(n // 8 * nb, 8 * bb)[:, index].view(n // 8, nb, 8, bb).transpose(1, 2)
         return back_out.reshape(n, row_bytes)
     groups = x.view(n // 8, 8, nb, bb).transpose(1, 2).reshape(n // 8 * nb, 8 * bb)
-    if out is None:
-        return groups[:, index].reshape(n, row_bytes)
-    out.view(n // 8 * nb, 8 * bb).copy_(groups[:, index])  # (index_select's out= gathers slower)
+    out = torch.empty((n, row_bytes), dtype=torch.uint8) if out is None else out
+    # gather with a broadcast index: 5x faster than indexing groups[:, index] (38 MB: 8.5 vs 42 ms)
+    torch.gather(groups, 1, index.expand(groups.shape[0], -1), out=out.view(n // 8 * nb, 8 * bb))
     return out
