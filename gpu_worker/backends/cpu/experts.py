@@ -42,18 +42,22 @@ class MoeProjection(ctypes.Structure):
     ]
 
 
+def _relays(weight: QuantizedExperts, part: QuantBlocks) -> bool:
+    """Whether ``interleave_experts`` re-lays this projection: its experts' rows are whole groups."""
+    return (part.rows // weight.num_experts) % 8 == 0 and interleaves(part)
+
+
 def relaid_experts(weight: QuantizedExperts) -> list[QuantBlocks]:
-    """The projections ``interleave_experts`` re-lays: those whose experts' rows are whole groups."""
-    return [p for p in weight.projections if (p.rows // weight.num_experts) % 8 == 0 and interleaves(p)]
+    """The projections ``interleave_experts`` re-lays."""
+    return [part for part in weight.projections if _relays(weight, part)]
 
 
 def interleave_experts(weight: QuantizedExperts, arena: HugePageArena | None = None) -> QuantizedExperts:
     """Each projection's rows interleaved by 8 (layouts.py) where an expert's rows are whole groups,
     written into ``arena`` if given."""
-    relay = {id(p) for p in relaid_experts(weight)}
 
     def relaid(part: QuantBlocks) -> QuantBlocks:
-        if id(part) not in relay:
+        if not _relays(weight, part):
             return part
         return interleave_rows(part, None if arena is None else arena.take(tuple(part.data.shape)))
 

@@ -13,6 +13,7 @@ small pages.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 
 import torch
@@ -42,16 +43,19 @@ class HugePageArena:
 
     def take(self, shape: tuple[int, ...]) -> torch.Tensor:
         """An uninitialised contiguous uint8 tensor of ``shape`` from the arena (ValueError: full)."""
-        n = 1
-        for size in shape:
-            n *= size
+        n = math.prod(shape)
         if self._at + n > self._end:
             raise ValueError(f"arena full: {n} bytes asked, {self._end - self._at} left")
         out = self._all[self._at : self._at + n].view(shape)
-        self._at += -(-n // ALIGN) * ALIGN
+        self._at += _aligned(n)
         return out
 
 
 def arena_bytes(sizes: list[int]) -> int:
     """Bytes an arena needs for tensors of these byte sizes, each placed at ALIGN."""
-    return sum(-(-n // ALIGN) * ALIGN for n in sizes)
+    return sum(_aligned(n) for n in sizes)
+
+
+def _aligned(n: int) -> int:
+    """n rounded up to a whole number of ALIGN."""
+    return -(-n // ALIGN) * ALIGN

@@ -379,7 +379,7 @@ __attribute__((noinline)) static void q6_unpack8(const uint8_t *g0, const uint8_
  * memory: 2 bytes of each row, then the next 2) with their 16-bit words interleaved row by row. */
 __attribute__((noinline)) static void legacy_unpack8(const uint8_t *g0, const uint8_t *g1, int64_t b0, int64_t nb, __m512i *u,
                                                      const int type) {
-    const int bb = type == QTYPE_Q8_0 ? 34 : type == QTYPE_Q4_1 ? 20 : 18, head = type == QTYPE_Q4_1 ? 32 : 16;
+    const int bb = qtype_x8(type | QTYPE_X8)->block_bytes, head = type == QTYPE_Q4_1 ? 32 : 16;
     const int64_t gbb = 64 * bb; /* a group's 8 blocks of 32 */
     const __m512i m4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
     /* word 2s: row s's word of the first chunk, 2s + 1: of the second; the same for the second group */
@@ -546,31 +546,19 @@ static inline __attribute__((always_inline)) void kx8_loop8(const uint8_t *w, in
     }
 }
 
-static void tile_q4_k_a8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
-                         int64_t nb, float *out, int64_t ldo) {
-    kx8_loop8(w, wrb, nc, xq, xrb, nr, nb, out, ldo, QTYPE_Q4_K);
-}
-static void tile_q5_k_a8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
-                         int64_t nb, float *out, int64_t ldo) {
-    kx8_loop8(w, wrb, nc, xq, xrb, nr, nb, out, ldo, QTYPE_Q5_K);
-}
-static void tile_q6_k_a8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
-                         int64_t nb, float *out, int64_t ldo) {
-    kx8_loop8(w, wrb, nc, xq, xrb, nr, nb, out, ldo, QTYPE_Q6_K);
-}
-static void tile_q4_0_a8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
-                         int64_t nb, float *out, int64_t ldo) {
-    kx8_loop8(w, wrb, nc, xq, xrb, nr, nb, out, ldo, QTYPE_Q4_0);
-}
-static void tile_q4_1_a8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
-                         int64_t nb, float *out, int64_t ldo) {
-    kx8_loop8(w, wrb, nc, xq, xrb, nr, nb, out, ldo, QTYPE_Q4_1);
-}
+/* tile_<type>_a8: kx8_loop8 with the type a constant in each copy */
+#define A8_TILE(NAME, TYPE)                                                                                    \
+    static void NAME(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,  \
+                     int64_t nb, float *out, int64_t ldo) {                                                    \
+        kx8_loop8(w, wrb, nc, xq, xrb, nr, nb, out, ldo, TYPE);                                                \
+    }
+A8_TILE(tile_q4_k_a8, QTYPE_Q4_K)
+A8_TILE(tile_q5_k_a8, QTYPE_Q5_K)
+A8_TILE(tile_q6_k_a8, QTYPE_Q6_K)
+A8_TILE(tile_q4_0_a8, QTYPE_Q4_0)
+A8_TILE(tile_q4_1_a8, QTYPE_Q4_1)
 #if defined(__AVX512VNNI__)
-static void tile_q8_0_a8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
-                         int64_t nb, float *out, int64_t ldo) {
-    kx8_loop8(w, wrb, nc, xq, xrb, nr, nb, out, ldo, QTYPE_Q8_0);
-}
+A8_TILE(tile_q8_0_a8, QTYPE_Q8_0)
 #endif
 
 #elif HAVE_AVX2 || HAVE_AVX512
