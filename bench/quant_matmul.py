@@ -3,15 +3,21 @@ beside the C bf16 matmul and torch's fp32 linear on the same shapes.
 
     python -m bench.quant_matmul                          # this CPU as it is
     RIVULET_CPU_KIND=avx2 python -m bench.quant_matmul    # acting as an AVX2-only CPU
+    python -m bench.quant_matmul --against OLD.so         # this build against another, interleaved
 
 One pass multiplies x [rows, in] by the 120 distinct weights of SmolLM2's 30 layers (qkv, o, gate_up,
 down; ~106 M weights), so they come from memory as in a real step, not from cache; the 49152 x 576
 head is timed on its own. Best of ``--repeats`` passes each, paths interleaved. At one row the pass
 streams every weight byte once: GB/s = weight bytes / time, against the machine's memory bandwidth.
-x is bfloat16 for the quantized and bf16 paths, float32 for torch's. Each quantized type runs
-its integer path (``q4_1``) and its dequantized-panel path (``q4_1_dense``); the legacy types also in
-the worker's layout, rows interleaved by 8 (``q4_1_x8``, ``q4_1_x8_dense``; csrc/quant_x8.c), and the
+x is bfloat16 for the quantized and bf16 paths, float32 for torch's. Each quantized type runs its
+integer path (``q4_1``) and its dequantized-panel path (``q4_1_dense``); the legacy types also in the
+worker's layout, rows interleaved by 8 (``q4_1_x8``, ``q4_1_x8_dense``; csrc/quant_x8.c), and the
 K-quants there with 8-bit activations where the build has them (``q4_k_x8_a8``; csrc/quant_kx8.c).
+
+``--against`` takes another build of the kernels library (an older commit's, from
+~/.cache/rivulet/kernels): its paths run on the same weights, interleaved with this build's
+(``NAME@against``), and each path gets the ratio this build / the other per row count. On a machine
+whose bandwidth moves by the hour, only such interleaved ratios compare two builds.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import argparse
 import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from gpu_worker.backends.cpu.kind import apply_to_environ, describe
 
@@ -44,6 +51,7 @@ TYPES = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationTy
 K_QUANTS = {gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K}
 
 Pass = Callable[[int], object]
+AGAINST = "@against"  # the suffix of the --against build's paths
 
 
 def quantized(
@@ -116,7 +124,7 @@ def paths(
 def weight_bytes(name: str, shapes: list[tuple[int, int]]) -> int:
     """Bytes one pass of path ``name`` streams from its weights."""
     elems = sum(o * i for o, i in shapes)
-    base = name.removesuffix("_a8").removesuffix("_dense").removesuffix("_x8")
+    base = name.removesuffix(AGAINST).removesuffix("_a8").removesuffix("_dense").removesuffix("_x8")
     if base in TYPES:
         size, block_bytes = gguf.GGML_QUANT_SIZES[TYPES[base]]
         return elems // size * block_bytes
@@ -148,6 +156,10 @@ def table(title: str, best: dict[int, dict[str, float]], shapes: list[tuple[int,
         cells = [f"{n} {weight_bytes(n, shapes) / best[1][n] / 1e6:.1f}" for n in names]
         mb = [f"{n} {weight_bytes(n, shapes) / 1e6:.0f}" for n in names]
         print(f"GB/s at 1 row: {', '.join(cells)}  (MB per pass: {', '.join(mb)})")
+    for n in names:
+        if n + AGAINST in names:
+            ratios = ", ".join(f"{m} rows {times[n] / times[n + AGAINST]:.3f}" for m, times in best.items())
+            print(f"{n}: this build / --against: {ratios}")
     macs = sum(o * i for o, i in shapes)
     for m in best:
         if m > 1:
@@ -177,6 +189,7 @@ def main() -> None:
     ap.add_argument("--shapes", help="one layer's weights as OUTxIN,... (K-quants: IN %% 256 == 0)")
     ap.add_argument("--layers", type=int, default=LAYERS, help="layers of --shapes per pass")
     ap.add_argument("--paths", default="", help="a regular expression: only the paths it matches (q4_k_x8.*)")
+    ap.add_argument("--against", type=Path, default=None, help="another build of the kernels library")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -191,14 +204,20 @@ def main() -> None:
     if args.shapes:
         shapes = tuple((int(s.split("x")[0]), int(s.split("x")[1])) for s in args.shapes.split(","))
     layers = [(o, i) for _ in range(args.layers) for o, i in shapes]
-    table(
-        f"{args.layers} layers ({', '.join(f'{o}x{i}' for o, i in shapes)})",
-        measure(paths(kernels, layers, types, args.paths), rows, args.repeats),
-        layers,
-    )
+    other = cpu_kernels.CpuKernels(args.against, KIND) if args.against else None
+
+    def both(weights: list[tuple[int, int]]) -> dict[str, Pass]:
+        """This build's paths, then the other's on the same weights (``paths`` seeds its draws)."""
+        fns = paths(kernels, weights, types, args.paths)
+        if other is not None:
+            fns |= {name + AGAINST: fn for name, fn in paths(other, weights, types, args.paths).items()}
+        return fns
+
+    title = f"{args.layers} layers ({', '.join(f'{o}x{i}' for o, i in shapes)})"
+    table(title, measure(both(layers), rows, args.repeats), layers)
     if not args.no_head:
         head = [HEAD]
-        table("head 49152 x 576", measure(paths(kernels, head, types, args.paths), rows, args.repeats), head)
+        table("head 49152 x 576", measure(both(head), rows, args.repeats), head)
 
 
 if __name__ == "__main__":
