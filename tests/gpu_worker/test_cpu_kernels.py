@@ -228,6 +228,44 @@ def test_a_verify_rows_positions_read_each_others_new_kv(
 
 @needs_compiler
 @pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(9, 3, 64), (32, 4, 128), (20, 2, 48), (4, 4, 80)]
+)
+def test_a_row_gives_the_same_bits_alone_and_inside_a_verify_row(
+    kernels: cpu_kernels.CpuKernels,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+) -> None:
+    """A lone decode row (its query heads met a KV head's group at a time, up to 8, each K and V row
+    widened once for them) and the same position inside a verify row (each query head on its own) sum
+    the same products in the same order: the same bits, whatever the group size (3, 8, 10, 1)."""
+    torch.manual_seed(6)
+    page_size, n, prefix = 16, 5, 37  # short: a lone row's positions are not split over threads
+    pages = -(-(prefix + n) // page_size)
+    k_cache = torch.randn(pages * page_size, kv_heads, head_dim).to(kv_dtype)
+    v_cache = torch.randn_like(k_cache)
+    page_table = torch.randperm(pages).view(1, pages).contiguous()
+    q = torch.randn(n, heads, head_dim).to(dtype)
+    lens = torch.arange(prefix + 1, prefix + 1 + n)
+    together = torch.empty(n, heads, head_dim, dtype=dtype)
+    verify = kernels.decode_rows(
+        torch.arange(n), torch.zeros(n, dtype=torch.int64), lens, page_table, page_size
+    )
+    kernels.attend(q, k_cache, v_cache, together, verify)
+    for j in range(n):
+        alone = torch.empty(1, heads, head_dim, dtype=dtype)
+        row = kernels.decode_rows(
+            torch.arange(1), torch.zeros(1, dtype=torch.int64), lens[j : j + 1], page_table, page_size
+        )
+        kernels.attend(q[j : j + 1], k_cache, v_cache, alone, row)
+        assert torch.equal(alone[0], together[j]), f"position {j}"
+
+
+@needs_compiler
+@pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("num_rows", [2, 9])  # 2: short rows, heads split over threads; 9: a task per row
 def test_decode_attention_writes_the_new_kv_first(
     kernels: cpu_kernels.CpuKernels, dtype: torch.dtype, kv_dtype: torch.dtype, num_rows: int

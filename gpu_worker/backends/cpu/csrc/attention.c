@@ -49,6 +49,62 @@ static inline __m512 block_scores(const void *q, const void *kv, const int64_t a
     return sum16(part);
 }
 
+/* block_scores of GN query heads that share one KV head (GQA: q the first head's float32 values, the
+ * others head_dim apart), into raw[0, GN): each K row's 16 dimensions are read and widened once for
+ * all GN heads, where block_scores per head widens them GN times. Per head, every lane sums the
+ * same products in the same order as block_scores (and sum16 reduces them alike): the same bits. */
+static inline __attribute__((always_inline)) void group_scores(const float *q, const char *kv, const int64_t at[16],
+                                                               int mode, int head_dim, __m512 *raw, const int GN) {
+    const int elem = mode == DTYPE_F32 ? 4 : 2;
+    __m512 part[8][16];
+    for (int t = 0; t < 16; t++) {
+        __m512 a[8];
+        for (int i = 0; i < GN; i++) a[i] = _mm512_setzero_ps();
+        for (int d = 0; d < head_dim; d += 16) {
+            const __mmask16 mask = head_dim - d >= 16 ? 0xffffu : (__mmask16)((1u << (head_dim - d)) - 1);
+            const __m512 k = load16_kv(kv + at[t] * elem, mode, d, head_dim);
+            for (int i = 0; i < GN; i++)
+                a[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, q + (int64_t)i * head_dim + d), k, a[i]);
+        }
+        for (int i = 0; i < GN; i++) part[i][t] = a[i];
+    }
+    for (int i = 0; i < GN; i++) raw[i] = sum16(part[i]);
+}
+
+/* acc[i] (GN heads' float32 accumulators, stride apart) += prob[i][t] V[t] over the block's n
+ * positions (rows at[t], float32 or widened): each V row's 16 dimensions read and widened once for
+ * all GN heads; per head and lane the same FMAs in the same order as one head at a time. */
+static inline __attribute__((always_inline)) void group_values(float *acc, int stride, const float (*prob)[BLOCK],
+                                                               const char *vh, const int64_t *at, int n, int kv_dtype,
+                                                               int head_dim, const int GN) {
+    const int elem = kv_dtype == DTYPE_F32 ? 4 : 2;
+    for (int d = 0; d < head_dim; d += 16) {
+        const __mmask16 mask = head_dim - d >= 16 ? 0xffffu : (__mmask16)((1u << (head_dim - d)) - 1);
+        __m512 sum[8];
+        for (int i = 0; i < GN; i++) sum[i] = _mm512_maskz_loadu_ps(mask, acc + (int64_t)i * stride + d);
+        for (int t = 0; t < n; t++) {
+            const __m512 v = load16_kv(vh + at[t] * elem, kv_dtype, d, head_dim);
+            for (int i = 0; i < GN; i++) sum[i] = _mm512_fmadd_ps(_mm512_set1_ps(prob[i][t]), v, sum[i]);
+        }
+        for (int i = 0; i < GN; i++) _mm512_mask_storeu_ps(acc + (int64_t)i * stride + d, mask, sum[i]);
+    }
+}
+
+/* group_scores and group_values over any number of heads, 8 at a time (GN a constant in each). */
+#define GROUPS_OF_8(CALL)                                                                                     \
+    for (int g0 = 0; g0 < group; g0 += 8) {                                                                   \
+        switch (group - g0 < 8 ? group - g0 : 8) {                                                            \
+        case 1: CALL(1); break;                                                                               \
+        case 2: CALL(2); break;                                                                               \
+        case 3: CALL(3); break;                                                                               \
+        case 4: CALL(4); break;                                                                               \
+        case 5: CALL(5); break;                                                                               \
+        case 6: CALL(6); break;                                                                               \
+        case 7: CALL(7); break;                                                                               \
+        default: CALL(8); break;                                                                              \
+        }                                                                                                     \
+    }
+
 /* aj[0, 32) += the bfloat16 probability pairs times the pair-interleaved V rows' dimensions
  * [d, d + 32) (vpair: two positions a vector, as attend_avx512 lays them out). */
 static inline void add_pairs(float *aj, const uint32_t *pairs, int npairs, __m512i vpair[][MAX_HEAD_DIM / 16],
@@ -108,10 +164,19 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
         for (int t = 0; t < BLOCK; t++) at_k[t] = at[ORDER16[t]];
         const int64_t next = start + BLOCK, next_end = len < next + BLOCK ? len : next + BLOCK;
         prefetch_kv(k_cache, v_cache, pages, page_size, next, next_end, kv_row, col, elem, bytes, 0);
+        __m512 raws[MAX_HEADS];
+        if (!paired) /* float32 q: each KV head's group of query heads at once */
+            for (int h = h0; h < h1; h++) {
+                const char *kv = (const char *)k_cache + (int64_t)h * head_dim * elem;
+                const float *qh = (const float *)q + (int64_t)(h - h0) * group * head_dim;
+#define SCORES(GN) group_scores(qh + (int64_t)g0 * head_dim, kv, at_k, kv_dtype, head_dim, raws + (h - h0) * group + g0, GN)
+                GROUPS_OF_8(SCORES)
+#undef SCORES
+            }
         for (int j = 0; j < nq; j++) { /* scores and the softmax update */
             const char *kv = (const char *)k_cache + (col + (int64_t)(j / group) * head_dim) * elem;
             const __m512 raw =
-                block_scores(q + (int64_t)j * head_dim * q_elem, kv, at_k, paired ? PAIRED : kv_dtype, head_dim);
+                paired ? block_scores(q + (int64_t)j * head_dim * q_elem, kv, at_k, PAIRED, head_dim) : raws[j];
             const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),
                                                   _mm512_mul_ps(raw, _mm512_set1_ps(scale)));
             const float mx = max_f(m[j], _mm512_reduce_max_ps(s));
@@ -145,16 +210,9 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
                         add_pairs(acc + (int64_t)j * stride + d, pairs[j], npairs, vpair, d);
             } else {
                 const char *vh = (const char *)v_cache + vcol * elem;
-                for (int j = j0; j < j0 + group; j++)
-                    for (int d = 0; d < head_dim; d += 16) {
-                        const __mmask16 mask = head_dim - d >= 16 ? 0xffffu : (__mmask16)((1u << (head_dim - d)) - 1);
-                        float *aj = acc + (int64_t)j * stride + d;
-                        __m512 sum = _mm512_maskz_loadu_ps(mask, aj);
-                        for (int t = 0; t < n; t++)
-                            sum = _mm512_fmadd_ps(_mm512_set1_ps(prob[j][t]),
-                                                  load16_kv(vh + at[t] * elem, kv_dtype, d, head_dim), sum);
-                        _mm512_mask_storeu_ps(aj, mask, sum);
-                    }
+#define VALUES(GN) group_values(acc + (int64_t)(j0 + g0) * stride, stride, prob + j0 + g0, vh, at, n, kv_dtype, head_dim, GN)
+                GROUPS_OF_8(VALUES)
+#undef VALUES
             }
         }
     }
