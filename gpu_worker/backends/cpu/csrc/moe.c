@@ -275,6 +275,24 @@ int moe_route(const void *x, int64_t rows, int64_t hidden, const void *w, int64_
     }
     load_vec(x, dtype, 0, (int)(rows * hidden), xf);
     int failed = 0;
+#if HAVE_AVX512
+    if (dtype == DTYPE_F32 && hidden % 16 == 0) { /* 4 experts against every row in turn: 4 FMA chains, not 1, and
+                                                    * the 4 experts' weights stay in L1 while the rows pass */
+        const int64_t quads = (n_experts + 3) / 4;
+#pragma omp parallel for schedule(static) if (rows * n_experts * hidden >= 1 << 16)
+        for (int64_t i = 0; i < rows * quads; i++) {
+            const int64_t r = i % rows, e0 = i / rows * 4, ne = n_experts - e0 < 4 ? n_experts - e0 : 4;
+            const float *xr = xf + r * hidden, *we = (const float *)w + e0 * hidden;
+            __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int64_t j = 0; j < hidden; j += 16) {
+                const __m512 xv = _mm512_loadu_ps(xr + j);
+                for (int k = 0; k < 4; k++)
+                    if (k < ne) a[k] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(we + k * hidden + j), a[k]);
+            }
+            for (int k = 0; k < ne; k++) logits[r * n_experts + e0 + k] = _mm512_reduce_add_ps(a[k]);
+        }
+    } else
+#endif
 #pragma omp parallel if (rows * n_experts * hidden >= 1 << 16)
     {
         /* bf16 router rows widened here; float32 ones read in place */
@@ -301,7 +319,9 @@ int moe_route(const void *x, int64_t rows, int64_t hidden, const void *w, int64_
         free(wr);
     }
     free(xf);
-    for (int64_t r = 0; r < rows && !failed; r++) {
+#pragma omp parallel for schedule(static) if (rows >= 8 && !failed)
+    for (int64_t r = 0; r < rows; r++) {
+        if (failed) continue;
         float *p = logits + r * n_experts, top[top_k];
         float max = p[0], total = 0.0f;
         for (int64_t e = 1; e < n_experts; e++) max = p[e] > max ? p[e] : max;
