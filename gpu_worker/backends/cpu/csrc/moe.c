@@ -121,7 +121,8 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
     const int64_t nb_h = hidden / gate_ops->block, nb_i = inner / down_ops->block;
     const int64_t xrb = gate8 != NULL ? act_row_bytes_max(hidden) : nb_h * gate_ops->act_block_bytes;
     const int64_t arb = down8 != NULL ? act_row_bytes_max(inner) : nb_i * down_ops->act_block_bytes;
-    /* one arena: the pairs' rows of x, gate_up, act, y; the quantized x and act rows; the sums */
+    /* one arena: the pairs' rows of x (copied for dense spans only), gate_up, act, y; the quantized x
+     * and act rows; the sums */
     const int64_t at_gu = pairs * hidden * elem, at_act = at_gu + pairs * 2 * inner * elem;
     const int64_t at_y = at_act + pairs * inner * elem, at_xq = (at_y + pairs * hidden * elem + 63) & ~(int64_t)63;
     const int64_t at_aq = at_xq + pairs * xrb, at_sum = (at_aq + pairs * arb + 63) & ~(int64_t)63;
@@ -134,8 +135,6 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
     char *dense = arena + at_skip; /* per span: bit p set, projection p on the dense path; A_* on 8 bits */
     char *pair_span = dense + n_spans; /* per pair: its span's bits */
     enum { D_GATE = 1, D_UP = 2, D_DOWN = 4, A_GU = 8, A_DOWN = 16 };
-    for (int64_t i = 0; i < pairs; i++)
-        memcpy(rows + i * hidden * elem, (const char *)x + tokens[i] * hidden * elem, (size_t)(hidden * elem));
     int status = 0;
     for (int64_t s = 0; s < n_spans && status == 0; s++) {
         const int64_t e = spans[3 * s], start = spans[3 * s + 1], count = spans[3 * s + 2];
@@ -145,6 +144,11 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
                           (gate8 != NULL && count >= proj[GATE].a8_min_rows ? A_GU : 0) |
                           (down8 != NULL && count >= proj[DOWN].a8_min_rows ? A_DOWN : 0));
         memset(pair_span + start, dense[s], (size_t)count);
+        if (!(dense[s] & (D_GATE | D_UP))) continue;
+        /* the dense path reads its span's rows of x side by side; the integer path quantizes each
+         * pair's row from x where it is */
+        for (int64_t i = start; i < start + count; i++)
+            memcpy(rows + i * hidden * elem, (const char *)x + tokens[i] * hidden * elem, (size_t)(hidden * elem));
         const char *xs = rows + start * hidden * elem;
         char *gus = gu + start * 2 * inner * elem;
         if (dense[s] & D_GATE) status = dense_part(&proj[GATE], e, hidden, xs, count, gus, 2 * inner, dtype);
@@ -169,11 +173,11 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
 #pragma omp atomic write
             failed = 1;
         }
-        /* the pairs' rows, quantized (rows on the dense path too: cheap, and no branch per pair) */
+        /* the pairs' rows, quantized from x (rows on the dense path too: cheap, and no branch per pair) */
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < pairs; i++)
             if (tmp != NULL)
-                quantize_row(pair_span[i] & A_GU ? gate8 : gate_ops, rows + i * hidden * elem, hidden, dtype, tmp,
+                quantize_row(pair_span[i] & A_GU ? gate8 : gate_ops, (const char *)x + tokens[i] * hidden * elem, hidden, dtype, tmp,
                              xq + i * xrb);
         int failed_here;
 #pragma omp atomic read
