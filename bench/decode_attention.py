@@ -98,10 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     print(head)
     print("|---" * (head.count("|") - 1) + "|")
     elem = kv_dtypes[0].itemsize
+    layers, _, kv_heads, head_dim = SHAPES[args.shape]
     for context in [int(x) for x in args.contexts.split(",")]:
         for rows in [int(x) for x in args.rows.split(",")]:
             ms = step_ms(kernels, context, rows, args.repeats, others, kv_dtypes, args.shape)
-            layers, _, kv_heads, head_dim = SHAPES[args.shape]
             gbs = layers * 2 * context * kv_heads * head_dim * elem * rows / (ms[0] / 1e3) / 1e9
             line = f"| {context} | {rows} | {ms[0]:.3f} | {gbs:.1f} |"
             if others:

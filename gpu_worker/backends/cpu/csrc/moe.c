@@ -176,9 +176,10 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
         /* the pairs' rows, quantized from x (rows on the dense path too: cheap, and no branch per pair) */
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < pairs; i++)
-            if (tmp != NULL)
-                quantize_row(pair_span[i] & A_GU ? gate8 : gate_ops, (const char *)x + tokens[i] * hidden * elem, hidden, dtype, tmp,
-                             xq + i * xrb);
+            if (tmp != NULL) {
+                const char *xi = (const char *)x + tokens[i] * hidden * elem;
+                quantize_row(pair_span[i] & A_GU ? gate8 : gate_ops, xi, hidden, dtype, tmp, xq + i * xrb);
+            }
         int failed_here;
 #pragma omp atomic read
         failed_here = failed;
