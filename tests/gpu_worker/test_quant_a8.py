@@ -123,7 +123,7 @@ def test_quantization_bounds_each_value_and_passes_twice_where_a_block_stands_ou
 
 @pytest.mark.parametrize("qtype", A8_TYPES, ids=[t.name for t in A8_TYPES])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-@pytest.mark.parametrize("rows", [1, 8, 13, 40])
+@pytest.mark.parametrize("rows", [1, 8, 13, 40, 150])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_tiles_match_float64(
     kernels: cpu_kernels.CpuKernels, qtype: Q, n: int, k: int, rows: int, dtype: torch.dtype
