@@ -155,16 +155,18 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(
     kernels: cpu_kernels.CpuKernels, qtype: Q
 ) -> None:
     """Rows whose blocks take the residual pass share tiles with rows whose blocks do not: each row's
-    output is the bits it has alone, in any order."""
+    output is the bits it has alone, in any order, and whichever path its call takes (up to 16 rows
+    of Q4_K, 12 of Q5_K, the tile reads the blocks where they lie; 40 rows unpack them first)."""
     x8, _, _ = held(qtype, 24, 1024)
-    x = activations(12, 1024, 3, torch.float32)
+    x = activations(40, 1024, 3, torch.float32)
     x[5, 300] = 5000.0
     x[9] *= 1e-3
     t = a8_type(kernels, x8)
     together = kernels.quant_matmul(t, x8.data, 1024, x)
+    assert torch.equal(kernels.quant_matmul(t, x8.data, 1024, x[:12]), together[:12])
     for i in range(12):
         assert torch.equal(kernels.quant_matmul(t, x8.data, 1024, x[i : i + 1]), together[i : i + 1])
-    order = torch.tensor([9, 5, 0, 11, 3])
+    order = torch.tensor([9, 5, 0, 11, 3, 30])
     assert torch.equal(kernels.quant_matmul(t, x8.data, 1024, x[order]), together[order])
 
 
@@ -183,14 +185,18 @@ def test_every_kind_with_the_tiles_gives_the_same_bits(qtype: Q) -> None:
 
 def test_quant_linear_takes_8_bits_from_the_tables_rows(kernels: cpu_kernels.CpuKernels) -> None:
     """Below A8_MIN_ROWS a Linear gives the 16-bit tile's bits, from it the 8-bit tile's, part by part
-    (a Q4_K_M layer's q/k/v: Q4_K, Q4_K, Q6_K)."""
+    (a Q4_K_M layer's q/k/v: Q4_K, Q4_K, Q6_K; Q4_K takes 8 bits from fewer rows than Q6_K)."""
     parts = [held(qtype, 16, 512)[0] for qtype in (Q.Q4_K, Q.Q4_K, Q.Q6_K)]
     linear = QuantLinear(QuantizedWeight(tuple(parts)), None, kernels)
-    at = A8_MIN_ROWS[kernels.kind][Q.Q4_K]
-    assert linear.a8_min_rows == [at, at, A8_MIN_ROWS[kernels.kind][Q.Q6_K]]
-    for rows, flag in ((at - 1, 0), (at, A8)):
+    at, at6 = A8_MIN_ROWS[kernels.kind][Q.Q4_K], A8_MIN_ROWS[kernels.kind][Q.Q6_K]
+    assert linear.a8_min_rows == [at, at, at6]
+    for rows in sorted({at - 1, at, at6 - 1, at6}):
         x = activations(rows, 512, rows, torch.bfloat16)
-        want = torch.cat([kernels.quant_matmul(kernel_type(p) | flag, p.data, 512, x) for p in parts], dim=1)
+        outs = [
+            kernels.quant_matmul(kernel_type(p) | (A8 if rows >= least else 0), p.data, 512, x)
+            for p, least in zip(parts, linear.a8_min_rows, strict=True)
+        ]
+        want = torch.cat(outs, dim=1)
         assert torch.equal(linear(x), want)
 
 

@@ -449,6 +449,61 @@ static inline __attribute__((always_inline)) void q45_block8(const __m512i *u, c
     }
 }
 
+/* One pass (q's or r's: FIELD) of Q4_K/Q5_K sub-blocks 2sb, 2sb + 1 of the tile's rows, each chunk
+ * of the two groups unpacked in registers as q45_unpack8 unpacks it to memory. */
+#define Q45_DIRECT_PASS(FIELD)                                                                                    \
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm512_setzero_si512();                                         \
+    for (int c = 0; c < 8; c++) {                                                                                \
+        const __m512i v = two_chunks(blk0 + qs_at + (sb * 8 + c) * 32, blk1 + qs_at + (sb * 8 + c) * 32);          \
+        __m512i wl = _mm512_and_si512(v, m4), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);                 \
+        if (q5) {                                                                                                \
+            const __m512i qh = two_chunks(blk0 + 128 + 32 * c, blk1 + 128 + 32 * c);                             \
+            wl = _mm512_or_si512(wl, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * sb), one), 4));     \
+            wh = _mm512_or_si512(wh, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * sb + 1), one), 4)); \
+        }                                                                                                        \
+        for (int r = 0; r < R; r++) {                                                                            \
+            lo[r] = dpb4(lo[r], wl, x[r]->FIELD + 64 * sb + 4 * c);                                              \
+            hi[r] = dpb4(hi[r], wh, x[r]->FIELD + 64 * sb + 32 + 4 * c);                                         \
+        }                                                                                                        \
+    }
+
+/* q45_block8 on block blk0 of the first group and blk1 of the second, read where they lie: for a few
+ * rows, which would not repay unpacking a slice to memory first. The same integer sums and float
+ * steps in the same order, so the same bits. */
+static inline __attribute__((always_inline)) void q45_direct8(const uint8_t *blk0, const uint8_t *blk1,
+                                                              const act_block8 *const *x, int two, __m512 *acc,
+                                                              const int type, const int R) {
+    const int q5 = type == QTYPE_Q5_K, qs_at = q5 ? 384 : 128;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), one = _mm512_set1_epi8(1);
+    __m256i words[2][4];
+    q4k_scale_words(blk0, words[0]);
+    q4k_scale_words(blk1, words[1]);
+    const __m512 d[2] = {fp16x8_twice(blk0), fp16x8_twice(blk1)}, dmin[2] = {fp16x8_twice(blk0 + 16), fp16x8_twice(blk1 + 16)};
+    __m512i lo[XR8], hi[XR8];
+    for (int sb = 0; sb < 4; sb++) {
+        __m512 dsc[2], dm[2];
+        for (int g = 0; g < 2; g++) q4k_sb_scales(words[g], d[g], dmin[g], sb, &dsc[g], &dm[g]);
+        const __m512 dsc_lo = _mm512_shuffle_f32x4(dsc[0], dsc[1], 0x44), dsc_hi = _mm512_shuffle_f32x4(dsc[0], dsc[1], 0xEE);
+        const __m512 dm_lo = _mm512_shuffle_f32x4(dm[0], dm[1], 0x44), dm_hi = _mm512_shuffle_f32x4(dm[0], dm[1], 0xEE);
+        Q45_DIRECT_PASS(q)
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(dsc_lo, _mm512_set1_ps(x[r]->d[2 * sb])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(dsc_hi, _mm512_set1_ps(x[r]->d[2 * sb + 1])), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(dm_lo, _mm512_set1_ps(x[r]->s[2 * sb]), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(dm_hi, _mm512_set1_ps(x[r]->s[2 * sb + 1]), acc[r]);
+        }
+        if ((two >> (2 * sb)) & 3) { /* r's products, at a 128th of q's step */
+            const __m512 rsc_lo = _mm512_mul_ps(dsc_lo, _mm512_set1_ps(1.0f / 128.0f));
+            const __m512 rsc_hi = _mm512_mul_ps(dsc_hi, _mm512_set1_ps(1.0f / 128.0f));
+            Q45_DIRECT_PASS(r)
+            for (int r = 0; r < R; r++) {
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(rsc_lo, _mm512_set1_ps(x[r]->d[2 * sb])), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(rsc_hi, _mm512_set1_ps(x[r]->d[2 * sb + 1])), acc[r]);
+            }
+        }
+    }
+}
+
 /* One pass (FIELD) of Q6_K sub-block s, 16 weights of each tile row, into is. */
 #define Q6_PASS(FIELD)                                                                       \
     for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();                              \
@@ -510,13 +565,71 @@ static inline __attribute__((always_inline)) void tile8(const __m512i *u, int64_
     }
 }
 
+/* tile8 for Q4_K/Q5_K, its blocks read where they lie (q45_direct8): out[r * ldo + j] = the tile's dot
+ * products, summed a slice (A8_SLICE blocks) at a time as tile8 sums them, so the same bits. */
+static inline __attribute__((always_inline)) void tile8_direct(const uint8_t *g0, const uint8_t *g1, int64_t nb,
+                                                               const act_block8 *const *xa, int64_t nr, float *out,
+                                                               int64_t ldo, int width, const int type, const int R) {
+    const int64_t gbb = 8 * kx8_block_bytes(type);
+    __m512 acc[XR8], total[XR8];
+    for (int r = 0; r < R; r++) total[r] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += A8_SLICE) {
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t b = b0; b < nb && b < b0 + A8_SLICE; b++) {
+            const uint8_t *blk0 = g0 + b * gbb, *blk1 = g1 + b * gbb;
+            for (int64_t at = 0; at < gbb; at += 64) {
+                _mm_prefetch((const char *)(blk0 + KX8_PF + at), _MM_HINT_T0);
+                _mm_prefetch((const char *)(blk1 + KX8_PF + at), _MM_HINT_T0);
+            }
+            const act_block8 *x[XR8];
+            int two = 0;
+            for (int r = 0; r < R; r++) {
+                x[r] = xa[r] + b;
+                two |= x[r]->two;
+            }
+            q45_direct8(blk0, blk1, x, two, acc, type, R);
+        }
+        for (int r = 0; r < R; r++) total[r] = _mm512_add_ps(total[r], acc[r]);
+    }
+    const __mmask16 keep = width == 16 ? 0xffff : 0x00ff;
+    for (int r = 0; r < R && r < nr; r++) _mm512_mask_storeu_ps(out + r * ldo, keep, total[r]);
+}
+
+/* Up to how many rows a call takes Q4_K/Q5_K by tile8_direct: unpacking a slice to memory first
+ * pays for itself only over more row groups than these (docs/benchmarks.md, "Few rows on 8 bits"). */
+static inline int64_t direct_rows(const int type) { return type == QTYPE_Q4_K ? 16 : type == QTYPE_Q5_K ? 12 : 0; }
+
 /* Weight rows [0, nc) x activation rows [0, nr) on 8-bit activations (rows of act_block8): each pair
- * of groups unpacked a slice of blocks at a time, every activation row over the slice. */
+ * of groups unpacked a slice of blocks at a time, every activation row over the slice; or, for a few
+ * rows of Q4_K/Q5_K, each row group over the blocks as they lie (the same bits either way). */
 static inline __attribute__((always_inline)) void kx8_loop8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq,
                                                             int64_t xrb, int64_t nr, int64_t nb, float *out, int64_t ldo,
                                                             const int type) {
     __m512i u[A8_SLICE * U6]; /* the slice unpacked (24 KB at most; zmm-aligned) */
     const int64_t groups = (nr + XR8 - 1) / XR8;
+    if (nr <= direct_rows(type)) { /* each row group reads the group blocks where they lie */
+        for (int64_t c0 = 0; c0 < nc; c0 += 16) {
+            const int width = nc - c0 >= 16 ? 16 : 8;
+            const uint8_t *g0 = w + c0 * wrb, *g1 = width == 16 ? g0 + 8 * wrb : g0;
+            for (int64_t ag = 0; ag < groups; ag++) {
+                const int64_t r0 = nr * ag / groups, rows = nr * (ag + 1) / groups - r0;
+                const act_block8 *xa[XR8];
+                for (int r = 0; r < XR8; r++) xa[r] = (const act_block8 *)(xq + (r0 + (r < rows ? r : 0)) * xrb);
+                float *o = out + r0 * ldo + c0;
+                switch (rows) {
+                case 1: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, type, 1); break;
+                case 2: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, type, 2); break;
+                case 3: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, type, 3); break;
+                case 4: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, type, 4); break;
+                case 5: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, type, 5); break;
+                case 6: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, type, 6); break;
+                case 7: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, type, 7); break;
+                default: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, type, XR8); break;
+                }
+            }
+        }
+        return;
+    }
     for (int64_t c0 = 0; c0 < nc; c0 += 16) {
         const int width = nc - c0 >= 16 ? 16 : 8;
         const uint8_t *g0 = w + c0 * wrb, *g1 = width == 16 ? g0 + 8 * wrb : g0;
