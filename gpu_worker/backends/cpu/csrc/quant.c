@@ -17,7 +17,7 @@
 #define PANEL_MAX 128           /* columns */
 #define ROW_CHUNK 128           /* activation rows per tile call: the 8-bit activations' tiles unpack a slice of
                                  * weights once per call for every row of it (32 rows: unpacking was a seventh of
-                                 * the tile; docs/benchmarks.md, "The tile's row chunk") */
+                                 * the tile; docs/benchmarks.md, "Few rows on 8 bits, and the tile's row chunk") */
 
 void quantize_act16(const float *x, int64_t k, void *xq) {
     act_block16 *out = (act_block16 *)xq;
