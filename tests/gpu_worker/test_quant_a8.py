@@ -156,7 +156,8 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(
 ) -> None:
     """Rows whose blocks take the residual pass share tiles with rows whose blocks do not: each row's
     output is the bits it has alone, in any order, and whichever path its call takes (up to 16 rows
-    of Q4_K, 12 of Q5_K, the tile reads the blocks where they lie; 40 rows unpack them first)."""
+    of Q4_K, 12 of the others but Q6_K, the tile reads the blocks where they lie; 40 rows unpack them
+    first)."""
     x8, _, _ = held(qtype, 24, 1024)
     x = activations(40, 1024, 3, torch.float32)
     x[5, 300] = 5000.0

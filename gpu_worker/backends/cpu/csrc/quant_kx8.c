@@ -504,6 +504,74 @@ static inline __attribute__((always_inline)) void q45_direct8(const uint8_t *blk
     }
 }
 
+/* One pass (FIELD) of legacy blocks 2sb and 2sb + 1 (as sub-blocks 2sb, 2sb + 1 of q45_block8's),
+ * each chunk of the two groups reordered in registers as legacy_unpack8 reorders it to memory. */
+#define LEGACY_DIRECT_PASS(FIELD)                                                                                     \
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm512_setzero_si512();                                            \
+    if (type == QTYPE_Q8_0) {                                                                                       \
+        for (int c = 0; c < 8; c++) {                                                                               \
+            const __m512i wl = _mm512_xor_si512(_mm512_permutexvar_epi16(order, two_chunks(l0[0] + head + 32 * c, l1[0] + head + 32 * c)), flip); \
+            const __m512i wh = _mm512_xor_si512(_mm512_permutexvar_epi16(order, two_chunks(l0[1] + head + 32 * c, l1[1] + head + 32 * c)), flip); \
+            for (int r = 0; r < R; r++) {                                                                           \
+                lo[r] = dpb4(lo[r], wl, x[r]->FIELD + 64 * sb + 4 * c);                                             \
+                hi[r] = dpb4(hi[r], wh, x[r]->FIELD + 64 * sb + 32 + 4 * c);                                        \
+            }                                                                                                       \
+        }                                                                                                           \
+    } else { /* low nibbles: weights 4c .. 4c + 3, high: 16 + 4c .. (the integer sums in any order are the same) */ \
+        for (int c = 0; c < 4; c++) {                                                                               \
+            const __m512i vl = _mm512_permutexvar_epi16(order, two_chunks(l0[0] + head + 32 * c, l1[0] + head + 32 * c)); \
+            const __m512i vh = _mm512_permutexvar_epi16(order, two_chunks(l0[1] + head + 32 * c, l1[1] + head + 32 * c)); \
+            const __m512i wl0 = _mm512_and_si512(vl, m4), wl1 = _mm512_and_si512(_mm512_srli_epi16(vl, 4), m4);   \
+            const __m512i wh0 = _mm512_and_si512(vh, m4), wh1 = _mm512_and_si512(_mm512_srli_epi16(vh, 4), m4);   \
+            for (int r = 0; r < R; r++) {                                                                           \
+                lo[r] = dpb4(lo[r], wl0, x[r]->FIELD + 64 * sb + 4 * c);                                            \
+                lo[r] = dpb4(lo[r], wl1, x[r]->FIELD + 64 * sb + 16 + 4 * c);                                       \
+                hi[r] = dpb4(hi[r], wh0, x[r]->FIELD + 64 * sb + 32 + 4 * c);                                       \
+                hi[r] = dpb4(hi[r], wh1, x[r]->FIELD + 64 * sb + 48 + 4 * c);                                       \
+            }                                                                                                       \
+        }                                                                                                           \
+    }
+
+/* q45_block8 on the 8 legacy blocks of 32 at g0 (the first group) and g1 (the second) that make one
+ * 256-weight block, read where they lie: block j as sub-block j, its d and min as legacy_unpack8 makes
+ * them. The same bits as the unpacking tile. */
+static inline __attribute__((always_inline)) void legacy_direct8(const uint8_t *g0, const uint8_t *g1,
+                                                                 const act_block8 *const *x, int two, __m512 *acc,
+                                                                 const int type, const int R) {
+    const int bb = qtype_x8(type | QTYPE_X8)->block_bytes, head = type == QTYPE_Q4_1 ? 32 : 16;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+    const __m512i order = _mm512_set_epi16(31, 23, 30, 22, 29, 21, 28, 20, 27, 19, 26, 18, 25, 17, 24, 16,
+                                           15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+    __m512i lo[XR8], hi[XR8];
+    for (int sb = 0; sb < 4; sb++) {
+        const uint8_t *l0[2] = {g0 + 2 * sb * 8 * bb, g0 + (2 * sb + 1) * 8 * bb};
+        const uint8_t *l1[2] = {g1 + 2 * sb * 8 * bb, g1 + (2 * sb + 1) * 8 * bb};
+        __m512 dsc[2], dmin[2];
+        for (int t = 0; t < 2; t++) {
+            dsc[t] = fp16x8_pair(l0[t], l1[t]);
+            dmin[t] = type == QTYPE_Q4_1   ? _mm512_sub_ps(_mm512_setzero_ps(), fp16x8_pair(l0[t] + 16, l1[t] + 16))
+                      : type == QTYPE_Q8_0 ? _mm512_mul_ps(dsc[t], _mm512_set1_ps(128.0f))
+                                           : _mm512_mul_ps(dsc[t], _mm512_set1_ps(8.0f));
+        }
+        LEGACY_DIRECT_PASS(q)
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(dsc[0], _mm512_set1_ps(x[r]->d[2 * sb])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(dsc[1], _mm512_set1_ps(x[r]->d[2 * sb + 1])), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(dmin[0], _mm512_set1_ps(x[r]->s[2 * sb]), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(dmin[1], _mm512_set1_ps(x[r]->s[2 * sb + 1]), acc[r]);
+        }
+        if ((two >> (2 * sb)) & 3) { /* r's products, at a 128th of q's step */
+            const __m512 rsc_lo = _mm512_mul_ps(dsc[0], _mm512_set1_ps(1.0f / 128.0f));
+            const __m512 rsc_hi = _mm512_mul_ps(dsc[1], _mm512_set1_ps(1.0f / 128.0f));
+            LEGACY_DIRECT_PASS(r)
+            for (int r = 0; r < R; r++) {
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(rsc_lo, _mm512_set1_ps(x[r]->d[2 * sb])), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(rsc_hi, _mm512_set1_ps(x[r]->d[2 * sb + 1])), acc[r]);
+            }
+        }
+    }
+}
+
 /* One pass (FIELD) of Q6_K sub-block s, 16 weights of each tile row, into is. */
 #define Q6_PASS(FIELD)                                                                       \
     for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();                              \
@@ -565,12 +633,14 @@ static inline __attribute__((always_inline)) void tile8(const __m512i *u, int64_
     }
 }
 
-/* tile8 for Q4_K/Q5_K, its blocks read where they lie (q45_direct8): out[r * ldo + j] = the tile's dot
- * products, summed a slice (A8_SLICE blocks) at a time as tile8 sums them, so the same bits. */
+/* tile8 for Q4_K/Q5_K and the legacy types, their blocks read where they lie (q45_direct8,
+ * legacy_direct8): out[r * ldo + j] = the tile's dot products, summed a slice (A8_SLICE blocks) at a
+ * time as tile8 sums them, so the same bits. */
 static inline __attribute__((always_inline)) void tile8_direct(const uint8_t *g0, const uint8_t *g1, int64_t nb,
                                                                const act_block8 *const *xa, int64_t nr, float *out,
                                                                int64_t ldo, int width, const int type, const int R) {
-    const int64_t gbb = 8 * kx8_block_bytes(type);
+    const int legacy = type == QTYPE_Q4_0 || type == QTYPE_Q4_1 || type == QTYPE_Q8_0;
+    const int64_t gbb = legacy ? 64 * qtype_x8(type | QTYPE_X8)->block_bytes : 8 * kx8_block_bytes(type);
     __m512 acc[XR8], total[XR8];
     for (int r = 0; r < R; r++) total[r] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += A8_SLICE) {
@@ -587,7 +657,11 @@ static inline __attribute__((always_inline)) void tile8_direct(const uint8_t *g0
                 x[r] = xa[r] + b;
                 two |= x[r]->two;
             }
-            q45_direct8(blk0, blk1, x, two, acc, type, R);
+            if (legacy) {
+                legacy_direct8(blk0, blk1, x, two, acc, type, R);
+            } else {
+                q45_direct8(blk0, blk1, x, two, acc, type, R);
+            }
         }
         for (int r = 0; r < R; r++) total[r] = _mm512_add_ps(total[r], acc[r]);
     }
@@ -595,13 +669,14 @@ static inline __attribute__((always_inline)) void tile8_direct(const uint8_t *g0
     for (int r = 0; r < R && r < nr; r++) _mm512_mask_storeu_ps(out + r * ldo, keep, total[r]);
 }
 
-/* Up to how many rows a call takes Q4_K/Q5_K by tile8_direct: unpacking a slice to memory first
- * pays for itself only over more row groups than these (docs/benchmarks.md, "Few rows on 8 bits"). */
-static inline int64_t direct_rows(const int type) { return type == QTYPE_Q4_K ? 16 : type == QTYPE_Q5_K ? 12 : 0; }
+/* Up to how many rows a call takes a type by tile8_direct (every type but Q6_K, whose 6-bit weights
+ * take more work to assemble per row group): unpacking a slice to memory first pays for itself only
+ * over more row groups than these (docs/benchmarks.md, "Few rows on 8 bits"). */
+static inline int64_t direct_rows(const int type) { return type == QTYPE_Q4_K ? 16 : type == QTYPE_Q6_K ? 0 : 12; }
 
 /* Weight rows [0, nc) x activation rows [0, nr) on 8-bit activations (rows of act_block8): each pair
  * of groups unpacked a slice of blocks at a time, every activation row over the slice; or, for a few
- * rows of Q4_K/Q5_K, each row group over the blocks as they lie (the same bits either way). */
+ * rows of any type but Q6_K, each row group over the blocks as they lie (the same bits either way). */
 static inline __attribute__((always_inline)) void kx8_loop8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq,
                                                             int64_t xrb, int64_t nr, int64_t nb, float *out, int64_t ldo,
                                                             const int type) {
