@@ -155,9 +155,8 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(
     kernels: cpu_kernels.CpuKernels, qtype: Q
 ) -> None:
     """Rows whose blocks take the residual pass share tiles with rows whose blocks do not: each row's
-    output is the bits it has alone, in any order, and whichever path its call takes (up to 16 rows
-    of Q4_K, 12 of the others but Q6_K, the tile reads the blocks where they lie; 40 rows unpack them
-    first)."""
+    output is the bits it has alone, in any order, and whichever path its call takes (up to 8-16 rows
+    the tile reads the blocks where they lie; 40 rows unpack them first)."""
     x8, _, _ = held(qtype, 24, 1024)
     x = activations(40, 1024, 3, torch.float32)
     x[5, 300] = 5000.0
@@ -186,7 +185,7 @@ def test_every_kind_with_the_tiles_gives_the_same_bits(qtype: Q) -> None:
 
 def test_quant_linear_takes_8_bits_from_the_tables_rows(kernels: cpu_kernels.CpuKernels) -> None:
     """Below A8_MIN_ROWS a Linear gives the 16-bit tile's bits, from it the 8-bit tile's, part by part
-    (a Q4_K_M layer's q/k/v: Q4_K, Q4_K, Q6_K; Q4_K takes 8 bits from fewer rows than Q6_K)."""
+    (a Q4_K_M layer's q/k/v: Q4_K, Q4_K, Q6_K, whose thresholds may differ)."""
     parts = [held(qtype, 16, 512)[0] for qtype in (Q.Q4_K, Q.Q4_K, Q.Q6_K)]
     linear = QuantLinear(QuantizedWeight(tuple(parts)), None, kernels)
     at, at6 = A8_MIN_ROWS[kernels.kind][Q.Q4_K], A8_MIN_ROWS[kernels.kind][Q.Q6_K]

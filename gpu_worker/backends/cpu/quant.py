@@ -74,10 +74,9 @@ X8_DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
 # Measured by ``python -m bench.quant_matmul --paths '.*_x8(_a8)?$'`` (docs/benchmarks.md, "8-bit
 # activations").
 A8_BLOCK = 256  # act_block8's values: a Linear's k must be a multiple
-# Q4_K from 5 rows, Q5_K from 4, Q4_0 and Q8_0 from 2: up to 12-16 rows their tiles read the blocks
-# where they lie (csrc/quant_kx8.c's tile8_direct; docs/benchmarks.md, "Few rows on 8 bits"); Q6_K
-# unpacks them first.
-_A8_ZMM = {_Q.Q4_K: 5, _Q.Q5_K: 4, _Q.Q6_K: 8, _Q.Q4_0: 2}
+# Q4_K and Q6_K from 5 rows, Q5_K from 4, Q4_0 and Q8_0 from 2: up to 8-16 rows their tiles read the
+# blocks where they lie (csrc/quant_kx8.c's tile8_direct; docs/benchmarks.md, "Few rows on 8 bits").
+_A8_ZMM = {_Q.Q4_K: 5, _Q.Q5_K: 4, _Q.Q6_K: 5, _Q.Q4_0: 2}
 # Q4_1 is left on 16 bits: the one Q4_1 file in use is the embedded SmolLM2, whose MLP inputs carry
 # channels far above the rest; on 8 bits its prefill moved the logits by 4.5e-3 of their spread
 # (tests/exactness/test_smollm2_gguf.py holds them within 1e-3; 16 bits: 1e-4). Its tiles are built

@@ -572,6 +572,58 @@ static inline __attribute__((always_inline)) void legacy_direct8(const uint8_t *
     }
 }
 
+/* One pass (FIELD) of Q6_K sub-block sb's 16 weights at (h, half) of the tile's rows, each weight
+ * vector assembled in registers as q6_unpack8 assembles it to memory. */
+#define Q6_DIRECT_PASS(FIELD)                                                                                  \
+    for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();                                               \
+    for (int ci = 0; ci < 4; ci++) {                                                                          \
+        const int c = 4 * half + ci;                                                                          \
+        const __m512i qh = two_chunks(blk0 + 1168 + (h * 8 + c) * 32, blk1 + 1168 + (h * 8 + c) * 32);          \
+        const __m512i ql = two_chunks(blk0 + 144 + (h * 16 + 8 * (sb & 1) + c) * 32,                          \
+                                      blk1 + 144 + (h * 16 + 8 * (sb & 1) + c) * 32);                          \
+        const __m512i nib = sb < 2 ? ql : _mm512_srli_epi16(ql, 4);                                           \
+        const __m512i hb = sb == 0   ? _mm512_slli_epi16(qh, 4)                                               \
+                           : sb == 1 ? _mm512_slli_epi16(qh, 2)                                               \
+                           : sb == 2 ? qh                                                                     \
+                                     : _mm512_srli_epi16(qh, 2);                                              \
+        const __m512i wq = _mm512_ternarylogic_epi32(nib, low, _mm512_and_si512(hb, high2), 0xEA);           \
+        for (int r = 0; r < R; r++) is[r] = dpb4(is[r], wq, x[r]->FIELD + at + 4 * ci);                       \
+    }
+
+/* q6_block8 on the block of the first group at blk0 and of the second at blk1, read where they lie. */
+static inline __attribute__((always_inline)) void q6_direct8(const uint8_t *blk0, const uint8_t *blk1,
+                                                             const act_block8 *const *x, int two, __m512 *acc,
+                                                             const int R) {
+    const __m512i low = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30);
+    const __m512 d = fp16x8_pair(blk0, blk1);
+    __m512i is[XR8];
+    for (int h = 0; h < 2; h++)
+        for (int half = 0; half < 2; half++) {
+            const __m128i s0 = _mm_loadu_si128((const __m128i *)(blk0 + 16 + (h * 2 + half) * 32));
+            const __m128i s1 = _mm_loadu_si128((const __m128i *)(blk1 + 16 + (h * 2 + half) * 32));
+            const __m128i s2 = _mm_loadu_si128((const __m128i *)(blk0 + 16 + (h * 2 + half) * 32 + 16));
+            const __m128i s3 = _mm_loadu_si128((const __m128i *)(blk1 + 16 + (h * 2 + half) * 32 + 16));
+            for (int sb = 0; sb < 4; sb++) {
+                const int j = 4 * h + sb, at = 32 * j + 16 * half;
+                const __m128i a = sb < 2 ? s0 : s2, c2 = sb < 2 ? s1 : s3;
+                const __m128i both = (sb & 1) ? _mm_unpackhi_epi64(a, c2) : _mm_unpacklo_epi64(a, c2);
+                const __m512 dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(both)));
+                const __m512 dsc32 = _mm512_mul_ps(dsc, _mm512_set1_ps(32.0f));
+                Q6_DIRECT_PASS(q)
+                for (int r = 0; r < R; r++) {
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dsc, _mm512_set1_ps(x[r]->d[j])), acc[r]);
+                    acc[r] = _mm512_fnmadd_ps(dsc32, _mm512_set1_ps(x[r]->h[2 * j + half]), acc[r]);
+                }
+                if ((two >> j) & 1) {
+                    const __m512 rsc = _mm512_mul_ps(dsc, _mm512_set1_ps(1.0f / 128.0f));
+                    Q6_DIRECT_PASS(r)
+                    for (int r = 0; r < R; r++)
+                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(rsc, _mm512_set1_ps(x[r]->d[j])), acc[r]);
+                }
+            }
+        }
+}
+
 /* One pass (FIELD) of Q6_K sub-block s, 16 weights of each tile row, into is. */
 #define Q6_PASS(FIELD)                                                                       \
     for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();                              \
@@ -633,8 +685,7 @@ static inline __attribute__((always_inline)) void tile8(const __m512i *u, int64_
     }
 }
 
-/* tile8 for Q4_K/Q5_K and the legacy types, their blocks read where they lie (q45_direct8,
- * legacy_direct8): out[r * ldo + j] = the tile's dot products, summed a slice (A8_SLICE blocks) at a
+/* tile8 with the blocks read where they lie (q45_direct8, q6_direct8, legacy_direct8): out[r * ldo + j] = the tile's dot products, summed a slice (A8_SLICE blocks) at a
  * time as tile8 sums them, so the same bits. */
 static inline __attribute__((always_inline)) void tile8_direct(const uint8_t *g0, const uint8_t *g1, int64_t nb,
                                                                const act_block8 *const *xa, int64_t nr, float *out,
@@ -657,7 +708,9 @@ static inline __attribute__((always_inline)) void tile8_direct(const uint8_t *g0
                 x[r] = xa[r] + b;
                 two |= x[r]->two;
             }
-            if (legacy) {
+            if (type == QTYPE_Q6_K) {
+                q6_direct8(blk0, blk1, x, two, acc, R);
+            } else if (legacy) {
                 legacy_direct8(blk0, blk1, x, two, acc, type, R);
             } else {
                 q45_direct8(blk0, blk1, x, two, acc, type, R);
@@ -669,14 +722,14 @@ static inline __attribute__((always_inline)) void tile8_direct(const uint8_t *g0
     for (int r = 0; r < R && r < nr; r++) _mm512_mask_storeu_ps(out + r * ldo, keep, total[r]);
 }
 
-/* Up to how many rows a call takes a type by tile8_direct (every type but Q6_K, whose 6-bit weights
- * take more work to assemble per row group): unpacking a slice to memory first pays for itself only
- * over more row groups than these (docs/benchmarks.md, "Few rows on 8 bits"). */
-static inline int64_t direct_rows(const int type) { return type == QTYPE_Q4_K ? 16 : type == QTYPE_Q6_K ? 0 : 12; }
+/* Up to how many rows a call takes a type by tile8_direct (Q6_K's 6-bit weights take the most work to
+ * assemble per row group): unpacking a slice to memory first pays for itself only over more row
+ * groups than these (docs/benchmarks.md, "Few rows on 8 bits"). */
+static inline int64_t direct_rows(const int type) { return type == QTYPE_Q4_K ? 16 : type == QTYPE_Q6_K ? 8 : 12; }
 
 /* Weight rows [0, nc) x activation rows [0, nr) on 8-bit activations (rows of act_block8): each pair
  * of groups unpacked a slice of blocks at a time, every activation row over the slice; or, for a few
- * rows of any type but Q6_K, each row group over the blocks as they lie (the same bits either way). */
+ * rows (direct_rows), each row group over the blocks as they lie (the same bits either way). */
 static inline __attribute__((always_inline)) void kx8_loop8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq,
                                                             int64_t xrb, int64_t nr, int64_t nb, float *out, int64_t ldo,
                                                             const int type) {
