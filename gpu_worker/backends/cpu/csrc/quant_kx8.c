@@ -421,6 +421,26 @@ __attribute__((noinline)) static void legacy_unpack8(const uint8_t *g0, const ui
         }                                                                                        \
     }
 
+/* acc[r] += the integer sums lo[r] and hi[r] of sub-blocks 2sb and 2sb + 1 (q's pass, or r's), each
+ * at its weight scale (sc_lo, sc_hi: [16 rows]) times row r's step. */
+static inline __attribute__((always_inline)) void q45_scale8(__m512 *acc, const __m512i *lo, const __m512i *hi,
+                                                             __m512 sc_lo, __m512 sc_hi, const act_block8 *const *x,
+                                                             int sb, const int R) {
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(sc_lo, _mm512_set1_ps(x[r]->d[2 * sb])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(sc_hi, _mm512_set1_ps(x[r]->d[2 * sb + 1])), acc[r]);
+    }
+}
+
+/* acc[r] -= the min terms of sub-blocks 2sb and 2sb + 1: their mins (dm_lo, dm_hi) times row r's sums. */
+static inline __attribute__((always_inline)) void q45_mins8(__m512 *acc, __m512 dm_lo, __m512 dm_hi,
+                                                            const act_block8 *const *x, int sb, const int R) {
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm512_fnmadd_ps(dm_lo, _mm512_set1_ps(x[r]->s[2 * sb]), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(dm_hi, _mm512_set1_ps(x[r]->s[2 * sb + 1]), acc[r]);
+    }
+}
+
 /* acc[r] += dot(tile row j, activation row r) for j < 16, r < R, over one unpacked block at u;
  * x[r]: row r's activation block, two: their residual-pass bits or'ed. */
 static inline __attribute__((always_inline)) void q45_block8(const __m512i *u, const act_block8 *const *x, int two,
@@ -430,21 +450,13 @@ static inline __attribute__((always_inline)) void q45_block8(const __m512i *u, c
         const __m512i *p = u + sb * 20;
         const __m512 dsc_lo = _mm512_load_ps((const float *)(p + 16)), dsc_hi = _mm512_load_ps((const float *)(p + 17));
         Q45_PASS(q)
-        for (int r = 0; r < R; r++) {
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(dsc_lo, _mm512_set1_ps(x[r]->d[2 * sb])), acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(dsc_hi, _mm512_set1_ps(x[r]->d[2 * sb + 1])), acc[r]);
-            acc[r] = _mm512_fnmadd_ps(_mm512_load_ps((const float *)(p + 18)), _mm512_set1_ps(x[r]->s[2 * sb]), acc[r]);
-            acc[r] = _mm512_fnmadd_ps(_mm512_load_ps((const float *)(p + 19)), _mm512_set1_ps(x[r]->s[2 * sb + 1]), acc[r]);
-        }
+        q45_scale8(acc, lo, hi, dsc_lo, dsc_hi, x, sb, R);
+        q45_mins8(acc, _mm512_load_ps((const float *)(p + 18)), _mm512_load_ps((const float *)(p + 19)), x, sb, R);
         if ((two >> (2 * sb)) & 3) { /* r's products, at a 128th of q's step */
             __asm__ volatile("" ::: "memory"); /* the weights loaded again, not held across the pass */
-            const __m512 rsc_lo = _mm512_mul_ps(dsc_lo, _mm512_set1_ps(1.0f / 128.0f));
-            const __m512 rsc_hi = _mm512_mul_ps(dsc_hi, _mm512_set1_ps(1.0f / 128.0f));
             Q45_PASS(r)
-            for (int r = 0; r < R; r++) {
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(rsc_lo, _mm512_set1_ps(x[r]->d[2 * sb])), acc[r]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(rsc_hi, _mm512_set1_ps(x[r]->d[2 * sb + 1])), acc[r]);
-            }
+            q45_scale8(acc, lo, hi, _mm512_mul_ps(dsc_lo, _mm512_set1_ps(1.0f / 128.0f)),
+                       _mm512_mul_ps(dsc_hi, _mm512_set1_ps(1.0f / 128.0f)), x, sb, R);
         }
     }
 }
@@ -486,20 +498,12 @@ static inline __attribute__((always_inline)) void q45_direct8(const uint8_t *blk
         const __m512 dsc_lo = _mm512_shuffle_f32x4(dsc[0], dsc[1], 0x44), dsc_hi = _mm512_shuffle_f32x4(dsc[0], dsc[1], 0xEE);
         const __m512 dm_lo = _mm512_shuffle_f32x4(dm[0], dm[1], 0x44), dm_hi = _mm512_shuffle_f32x4(dm[0], dm[1], 0xEE);
         Q45_DIRECT_PASS(q)
-        for (int r = 0; r < R; r++) {
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(dsc_lo, _mm512_set1_ps(x[r]->d[2 * sb])), acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(dsc_hi, _mm512_set1_ps(x[r]->d[2 * sb + 1])), acc[r]);
-            acc[r] = _mm512_fnmadd_ps(dm_lo, _mm512_set1_ps(x[r]->s[2 * sb]), acc[r]);
-            acc[r] = _mm512_fnmadd_ps(dm_hi, _mm512_set1_ps(x[r]->s[2 * sb + 1]), acc[r]);
-        }
+        q45_scale8(acc, lo, hi, dsc_lo, dsc_hi, x, sb, R);
+        q45_mins8(acc, dm_lo, dm_hi, x, sb, R);
         if ((two >> (2 * sb)) & 3) { /* r's products, at a 128th of q's step */
-            const __m512 rsc_lo = _mm512_mul_ps(dsc_lo, _mm512_set1_ps(1.0f / 128.0f));
-            const __m512 rsc_hi = _mm512_mul_ps(dsc_hi, _mm512_set1_ps(1.0f / 128.0f));
             Q45_DIRECT_PASS(r)
-            for (int r = 0; r < R; r++) {
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(rsc_lo, _mm512_set1_ps(x[r]->d[2 * sb])), acc[r]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(rsc_hi, _mm512_set1_ps(x[r]->d[2 * sb + 1])), acc[r]);
-            }
+            q45_scale8(acc, lo, hi, _mm512_mul_ps(dsc_lo, _mm512_set1_ps(1.0f / 128.0f)),
+                       _mm512_mul_ps(dsc_hi, _mm512_set1_ps(1.0f / 128.0f)), x, sb, R);
         }
     }
 }
@@ -554,20 +558,12 @@ static inline __attribute__((always_inline)) void legacy_direct8(const uint8_t *
                                            : _mm512_mul_ps(dsc[t], _mm512_set1_ps(8.0f));
         }
         LEGACY_DIRECT_PASS(q)
-        for (int r = 0; r < R; r++) {
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(dsc[0], _mm512_set1_ps(x[r]->d[2 * sb])), acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(dsc[1], _mm512_set1_ps(x[r]->d[2 * sb + 1])), acc[r]);
-            acc[r] = _mm512_fnmadd_ps(dmin[0], _mm512_set1_ps(x[r]->s[2 * sb]), acc[r]);
-            acc[r] = _mm512_fnmadd_ps(dmin[1], _mm512_set1_ps(x[r]->s[2 * sb + 1]), acc[r]);
-        }
+        q45_scale8(acc, lo, hi, dsc[0], dsc[1], x, sb, R);
+        q45_mins8(acc, dmin[0], dmin[1], x, sb, R);
         if ((two >> (2 * sb)) & 3) { /* r's products, at a 128th of q's step */
-            const __m512 rsc_lo = _mm512_mul_ps(dsc[0], _mm512_set1_ps(1.0f / 128.0f));
-            const __m512 rsc_hi = _mm512_mul_ps(dsc[1], _mm512_set1_ps(1.0f / 128.0f));
             LEGACY_DIRECT_PASS(r)
-            for (int r = 0; r < R; r++) {
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(rsc_lo, _mm512_set1_ps(x[r]->d[2 * sb])), acc[r]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(rsc_hi, _mm512_set1_ps(x[r]->d[2 * sb + 1])), acc[r]);
-            }
+            q45_scale8(acc, lo, hi, _mm512_mul_ps(dsc[0], _mm512_set1_ps(1.0f / 128.0f)),
+                       _mm512_mul_ps(dsc[1], _mm512_set1_ps(1.0f / 128.0f)), x, sb, R);
         }
     }
 }
