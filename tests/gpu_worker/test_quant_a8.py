@@ -30,8 +30,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 ACT8 = np.dtype(
-    [("d", "<f4", 8), ("s", "<f4", 8), ("h", "<f4", 16), ("two", "<i4"), ("pad", "<i4", 3),
-     ("q", "i1", 256), ("r", "i1", 256)]
+    [("d", "<f4", 8), ("s", "<f4", 8), ("qsum", "<i2", 16), ("rsum", "<i2", 16), ("two", "<i4"),
+     ("pad", "<i4", 3), ("q", "i1", 256), ("r", "i1", 256)]
 )  # fmt: skip
 SPREAD = 6.0  # csrc/quant.h's ACT8_SPREAD
 SHAPES = [(16, 256), (24, 512), (48, 1536), (16, 17 * QK)]  # one pair of groups; a lone group; 17 blocks
@@ -115,10 +115,12 @@ def test_quantization_bounds_each_value_and_passes_twice_where_a_block_stands_ou
     err = np.abs(xb - values(blocks).reshape(6, -1, 32))
     step = np.where(two, d / 128, d)[..., None]
     assert (err <= step * (0.5 + 1e-3) + 1e-30).all()
-    sums = values(blocks).reshape(6, -1, 16).sum(axis=-1)
-    h = blocks["h"].reshape(6, -1).astype(np.float64)
-    assert np.allclose(h, sums, rtol=1e-5, atol=1e-6 * np.abs(x.double().numpy()).max())
-    assert np.allclose(blocks["s"].reshape(6, -1), h.reshape(6, -1, 2).sum(axis=-1), rtol=1e-6, atol=1e-30)
+    for field in ("q", "r"):  # Q6_K's offset terms: each 16 values' integer sum, exactly
+        want = blocks[field].astype(np.int64).reshape(6, -1, 16).sum(axis=-1)
+        assert np.array_equal(blocks[field + "sum"].reshape(6, -1), want)
+    sums = values(blocks).reshape(6, -1, 32).sum(axis=-1)
+    atol = 1e-6 * np.abs(x.double().numpy()).max()
+    assert np.allclose(blocks["s"].reshape(6, -1), sums, rtol=1e-5, atol=atol)
 
 
 @pytest.mark.parametrize("qtype", A8_TYPES, ids=[t.name for t in A8_TYPES])

@@ -88,10 +88,13 @@ static inline void quantize_block8(const float *v, act_block8 *out, int j) {
     }
 #endif
     const float d = amax / 127.0f;
-    out->h[2 * j] = d * (float)sq[0] + d / 128.0f * (float)sr[0];
-    out->h[2 * j + 1] = d * (float)sq[1] + d / 128.0f * (float)sr[1];
+    const float h0 = d * (float)sq[0] + d / 128.0f * (float)sr[0], h1 = d * (float)sq[1] + d / 128.0f * (float)sr[1];
     out->d[j] = d;
-    out->s[j] = out->h[2 * j] + out->h[2 * j + 1];
+    out->s[j] = h0 + h1;
+    for (int i = 0; i < 2; i++) {
+        out->qsum[2 * j + i] = (int16_t)sq[i]; /* |sum| <= 16 * 127 */
+        out->rsum[2 * j + i] = (int16_t)sr[i];
+    }
     out->two |= two << j;
 }
 

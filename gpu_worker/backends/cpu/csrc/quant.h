@@ -54,10 +54,11 @@ void quantize_act16(const float *x, int64_t k, void *xq);
  * those multiplies, so 8 bits halve them. */
 #define ACT8_SPREAD 6.0f
 typedef struct {
-    float d[8];  /* per 32 values: q's step (r's: d / 128) */
-    float s[8];  /* per 32 values: their sum as quantized, d sum(q) + d / 128 sum(r) */
-    float h[16]; /* per 16 values: the same (Q6_K's 16-value sub-blocks) */
-    int32_t two; /* bit j: values 32j .. 32j + 31 have the residual pass */
+    float d[8];         /* per 32 values: q's step (r's: d / 128) */
+    float s[8];         /* per 32 values: their sum as quantized, d sum(q) + d / 128 sum(r) */
+    int16_t qsum[16];   /* per 16 values: sum(q) (Q6_K's weights are q - 32: its offset's products) */
+    int16_t rsum[16];   /* per 16 values: sum(r) */
+    int32_t two;        /* bit j: values 32j .. 32j + 31 have the residual pass */
     int32_t pad[3];
     int8_t q[256];
     int8_t r[256];

@@ -261,7 +261,8 @@ static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int6
 #define XR8 8      /* activation rows per 8-bit tile */
 #define A8_SLICE 4 /* 256-weight blocks unpacked at a time (20-24 KB: L1 holds them and XR8 rows' blocks) */
 #define U45 80     /* zmm per unpacked Q4_K/Q5_K block: per sub-block pair 8 chunks x (low, high), dsc, dm */
-#define U6 96      /* zmm per unpacked Q6_K block: per (half h, 16-value half) 4 x 4 chunks, dsc and 32 dsc x 4 */
+#define U6H 20     /* zmm per (h, 16-value half) of an unpacked Q6_K block: 4 x 4 chunks, then dsc x 4 */
+#define U6 (4 * U6H) /* zmm per unpacked Q6_K block */
 
 typedef int32_t __attribute__((may_alias, aligned(1))) int32_any;
 /* acc + the products of w's bytes (unsigned) and q[0..3] (signed) in every lane, summed by 4. */
@@ -331,8 +332,8 @@ __attribute__((noinline)) static void q45_unpack8(const uint8_t *g0, const uint8
 }
 
 /* Q6_K blocks [b0, b0 + nb) of the groups at g0 and g1, unpacked to u: per (h, half) the 6-bit q of
- * sub-blocks s = 0-3 (weights 32 s + 16 half .. + 15 of the 128 at h), 4 chunks each, then dsc and
- * 32 dsc of each s. */
+ * sub-blocks s = 0-3 (weights 32 s + 16 half .. + 15 of the 128 at h), 4 chunks each, then the dsc
+ * of each s. */
 __attribute__((noinline)) static void q6_unpack8(const uint8_t *g0, const uint8_t *g1, int64_t b0, int64_t nb, __m512i *u) {
     const int gbb = 8 * 210;
     const __m512i low = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30);
@@ -343,7 +344,7 @@ __attribute__((noinline)) static void q6_unpack8(const uint8_t *g0, const uint8_
         const __m512 d = fp16x8_pair(blk[0], blk[1]);
         for (int h = 0; h < 2; h++)
             for (int half = 0; half < 2; half++) {
-                __m512i *p = u + b * U6 + (h * 2 + half) * 24;
+                __m512i *p = u + b * U6 + (h * 2 + half) * U6H;
                 for (int ci = 0; ci < 4; ci++) {
                     const int c = 4 * half + ci;
                     const __m512i qh = two_chunks(blk[0] + 1168 + (h * 8 + c) * 32, blk[1] + 1168 + (h * 8 + c) * 32);
@@ -365,7 +366,6 @@ __attribute__((noinline)) static void q6_unpack8(const uint8_t *g0, const uint8_
                     const __m128i both = (sb & 1) ? _mm_unpackhi_epi64(a, c) : _mm_unpacklo_epi64(a, c);
                     const __m512 dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(both)));
                     _mm512_store_ps((float *)(p + 16 + sb), dsc);
-                    _mm512_store_ps((float *)(p + 20 + sb), _mm512_mul_ps(dsc, _mm512_set1_ps(32.0f)));
                 }
             }
     }
@@ -568,12 +568,12 @@ static inline __attribute__((always_inline)) void legacy_direct8(const uint8_t *
     }
 }
 
-/* One pass (FIELD) of Q6_K sub-block sb's 16 weights at (h, half) of the tile's rows, each weight
- * vector assembled in registers as q6_unpack8 assembles it to memory. */
-#define Q6_DIRECT_PASS(FIELD)                                                                                  \
+/* One pass (FIELD) of Q6_K sub-block sb's 16 weights at (h, HALF) of the tile's rows into is, each
+ * weight vector assembled in registers as q6_unpack8 assembles it to memory. */
+#define Q6_DIRECT_PASS(FIELD, HALF)                                                                            \
     for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();                                               \
     for (int ci = 0; ci < 4; ci++) {                                                                          \
-        const int c = 4 * half + ci;                                                                          \
+        const int c = 4 * (HALF) + ci;                                                                        \
         const __m512i qh = two_chunks(blk0 + 1168 + (h * 8 + c) * 32, blk1 + 1168 + (h * 8 + c) * 32);          \
         const __m512i ql = two_chunks(blk0 + 144 + (h * 16 + 8 * (sb & 1) + c) * 32,                          \
                                       blk1 + 144 + (h * 16 + 8 * (sb & 1) + c) * 32);                          \
@@ -583,8 +583,47 @@ static inline __attribute__((always_inline)) void legacy_direct8(const uint8_t *
                            : sb == 2 ? qh                                                                     \
                                      : _mm512_srli_epi16(qh, 2);                                              \
         const __m512i wq = _mm512_ternarylogic_epi32(nib, low, _mm512_and_si512(hb, high2), 0xEA);           \
-        for (int r = 0; r < R; r++) is[r] = dpb4(is[r], wq, x[r]->FIELD + at + 4 * ci);                       \
+        for (int r = 0; r < R; r++) is[r] = dpb4(is[r], wq, x[r]->FIELD + 32 * j + 16 * (HALF) + 4 * ci);    \
     }
+
+/* One pass (FIELD) of Q6_K sub-block sb's 16 weights at (h, HALF), unpacked at P, into is. */
+#define Q6_PASS(FIELD, P, HALF)                                                                     \
+    for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();                                     \
+    for (int ci = 0; ci < 4; ci++) {                                                                \
+        const __m512i wq = _mm512_load_si512((P) + 4 * sb + ci);                                    \
+        for (int r = 0; r < R; r++) is[r] = dpb4(is[r], wq, x[r]->FIELD + 32 * j + 16 * (HALF) + 4 * ci); \
+    }
+
+/* t[r] (=, or += where not FIRST) the pass's sums in is, the weights' offset of 32 taken off them in
+ * integers (OFF: the activation's 16-value sums; the difference is exact), times the half's scales DSC. */
+#define Q6_TERM(OFF, HALF, DSC, FIRST)                                                                       \
+    for (int r = 0; r < R; r++) {                                                                           \
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(is[r], _mm512_set1_epi32(32 * x[r]->OFF[2 * j + (HALF)]))); \
+        t[r] = (FIRST) ? _mm512_mul_ps(v, (DSC)) : _mm512_fmadd_ps(v, (DSC), t[r]);                        \
+    }
+
+/* Q6_K's sums of the activation's 32-value block j (the 16-value halves of its sub-block sb at h,
+ * each with its scales dsc0, dsc1) into acc: sum over both halves of (q - 32) a dsc, then times the
+ * block's step; the residual pass the same at a 128th of it. PASS(FIELD, HALF) leaves a half's
+ * integer sums in is. */
+#define Q6_BLOCK_J(PASS, dsc0, dsc1)                                                            \
+    PASS(q, 0)                                                                                  \
+    Q6_TERM(qsum, 0, dsc0, 1)                                                                    \
+    PASS(q, 1)                                                                                  \
+    Q6_TERM(qsum, 1, dsc1, 0)                                                                    \
+    for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(t[r], _mm512_set1_ps(x[r]->d[j]), acc[r]); \
+    if ((two >> j) & 1) {                                                                       \
+        __asm__ volatile("" ::: "memory"); /* the weights loaded again, not held across the pass */ \
+        PASS(r, 0)                                                                              \
+        Q6_TERM(rsum, 0, dsc0, 1)                                                                \
+        PASS(r, 1)                                                                              \
+        Q6_TERM(rsum, 1, dsc1, 0)                                                                \
+        for (int r = 0; r < R; r++)                                                             \
+            acc[r] = _mm512_fmadd_ps(t[r], _mm512_set1_ps(x[r]->d[j] * (1.0f / 128.0f)), acc[r]); \
+    }
+
+#define Q6_DIRECT(FIELD, HALF) Q6_DIRECT_PASS(FIELD, HALF)
+#define Q6_UNPACKED(FIELD, HALF) Q6_PASS(FIELD, p + (HALF) * U6H, HALF)
 
 /* q6_block8 on the block of the first group at blk0 and of the second at blk1, read where they lie. */
 static inline __attribute__((always_inline)) void q6_direct8(const uint8_t *blk0, const uint8_t *blk1,
@@ -593,65 +632,39 @@ static inline __attribute__((always_inline)) void q6_direct8(const uint8_t *blk0
     const __m512i low = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30);
     const __m512 d = fp16x8_pair(blk0, blk1);
     __m512i is[XR8];
-    for (int h = 0; h < 2; h++)
-        for (int half = 0; half < 2; half++) {
-            const __m128i s0 = _mm_loadu_si128((const __m128i *)(blk0 + 16 + (h * 2 + half) * 32));
-            const __m128i s1 = _mm_loadu_si128((const __m128i *)(blk1 + 16 + (h * 2 + half) * 32));
-            const __m128i s2 = _mm_loadu_si128((const __m128i *)(blk0 + 16 + (h * 2 + half) * 32 + 16));
-            const __m128i s3 = _mm_loadu_si128((const __m128i *)(blk1 + 16 + (h * 2 + half) * 32 + 16));
-            for (int sb = 0; sb < 4; sb++) {
-                const int j = 4 * h + sb, at = 32 * j + 16 * half;
-                const __m128i a = sb < 2 ? s0 : s2, c2 = sb < 2 ? s1 : s3;
+    __m512 t[XR8];
+    for (int h = 0; h < 2; h++) {
+        __m128i sc[2][4]; /* per half: scale bytes 0-15 and 16-31 of the (h, half) run, of each group */
+        for (int half = 0; half < 2; half++)
+            for (int i = 0; i < 4; i++)
+                sc[half][i] = _mm_loadu_si128((const __m128i *)((i & 1 ? blk1 : blk0) + 16 + (h * 2 + half) * 32 + 16 * (i / 2)));
+        for (int sb = 0; sb < 4; sb++) {
+            const int j = 4 * h + sb;
+            __m512 dsc[2];
+            for (int half = 0; half < 2; half++) {
+                const __m128i a = sc[half][sb < 2 ? 0 : 2], c2 = sc[half][sb < 2 ? 1 : 3];
                 const __m128i both = (sb & 1) ? _mm_unpackhi_epi64(a, c2) : _mm_unpacklo_epi64(a, c2);
-                const __m512 dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(both)));
-                const __m512 dsc32 = _mm512_mul_ps(dsc, _mm512_set1_ps(32.0f));
-                Q6_DIRECT_PASS(q)
-                for (int r = 0; r < R; r++) {
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dsc, _mm512_set1_ps(x[r]->d[j])), acc[r]);
-                    acc[r] = _mm512_fnmadd_ps(dsc32, _mm512_set1_ps(x[r]->h[2 * j + half]), acc[r]);
-                }
-                if ((two >> j) & 1) {
-                    const __m512 rsc = _mm512_mul_ps(dsc, _mm512_set1_ps(1.0f / 128.0f));
-                    Q6_DIRECT_PASS(r)
-                    for (int r = 0; r < R; r++)
-                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(rsc, _mm512_set1_ps(x[r]->d[j])), acc[r]);
-                }
+                dsc[half] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(both)));
             }
+            Q6_BLOCK_J(Q6_DIRECT, dsc[0], dsc[1])
         }
+    }
 }
 
-/* One pass (FIELD) of Q6_K sub-block s, 16 weights of each tile row, into is. */
-#define Q6_PASS(FIELD)                                                                       \
-    for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();                              \
-    for (int ci = 0; ci < 4; ci++) {                                                         \
-        const __m512i wq = _mm512_load_si512(p + 4 * sb + ci);                               \
-        for (int r = 0; r < R; r++) is[r] = dpb4(is[r], wq, x[r]->FIELD + at + 4 * ci);      \
-    }
-
-/* The same for Q6_K: its 16-value sub-blocks, the offset term from the activation's 16-value sums. */
+/* The same for Q6_K: its 16-value sub-blocks in pairs, one pair per activation block of 32. */
 static inline __attribute__((always_inline)) void q6_block8(const __m512i *u, const act_block8 *const *x, int two,
                                                             __m512 *acc, const int R) {
     __m512i is[XR8];
-    for (int h = 0; h < 2; h++)
-        for (int half = 0; half < 2; half++) {
-            const __m512i *p = u + (h * 2 + half) * 24;
-            for (int sb = 0; sb < 4; sb++) { /* the activation's 32-value block 4h + sb, its half */
-                const int j = 4 * h + sb, at = 32 * j + 16 * half;
-                const __m512 dsc = _mm512_load_ps((const float *)(p + 16 + sb));
-                Q6_PASS(q)
-                for (int r = 0; r < R; r++) {
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dsc, _mm512_set1_ps(x[r]->d[j])), acc[r]);
-                    acc[r] = _mm512_fnmadd_ps(_mm512_load_ps((const float *)(p + 20 + sb)), _mm512_set1_ps(x[r]->h[2 * j + half]), acc[r]);
-                }
-                if ((two >> j) & 1) {
-                    __asm__ volatile("" ::: "memory");
-                    const __m512 rsc = _mm512_mul_ps(dsc, _mm512_set1_ps(1.0f / 128.0f));
-                    Q6_PASS(r)
-                    for (int r = 0; r < R; r++)
-                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(rsc, _mm512_set1_ps(x[r]->d[j])), acc[r]);
-                }
-            }
+    __m512 t[XR8];
+    for (int h = 0; h < 2; h++) {
+        const __m512i *p = u + h * 2 * U6H;
+        for (int sb = 0; sb < 4; sb++) { /* the activation's 32-value block 4h + sb */
+            const int j = 4 * h + sb;
+            const __m512 dsc0 = _mm512_load_ps((const float *)(p + 16 + sb));
+            const __m512 dsc1 = _mm512_load_ps((const float *)(p + U6H + 16 + sb));
+            Q6_BLOCK_J(Q6_UNPACKED, dsc0, dsc1)
         }
+    }
 }
 
 /* out[r * ldo + j] (+)= the tile's dot products for r < nr <= R, j < width (16, or 8 where the
@@ -721,7 +734,7 @@ static inline __attribute__((always_inline)) void tile8_direct(const uint8_t *g0
 /* Up to how many rows a call takes a type by tile8_direct (Q6_K's 6-bit weights take the most work to
  * assemble per row group): unpacking a slice to memory first pays for itself only over more row
  * groups than these (docs/benchmarks.md, "Few rows on 8 bits"). */
-static inline int64_t direct_rows(const int type) { return type == QTYPE_Q4_K ? 32 : type == QTYPE_Q6_K ? 8 : 12; }
+static inline int64_t direct_rows(const int type) { return type == QTYPE_Q4_K ? 32 : type == QTYPE_Q6_K ? 7 : 12; }
 
 /* Weight rows [0, nc) x activation rows [0, nr) on 8-bit activations (rows of act_block8): each pair
  * of groups unpacked a slice of blocks at a time, every activation row over the slice; or, for a few
@@ -729,7 +742,7 @@ static inline int64_t direct_rows(const int type) { return type == QTYPE_Q4_K ? 
 static inline __attribute__((always_inline)) void kx8_loop8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq,
                                                             int64_t xrb, int64_t nr, int64_t nb, float *out, int64_t ldo,
                                                             const int type) {
-    __m512i u[A8_SLICE * U6]; /* the slice unpacked (24 KB at most; zmm-aligned) */
+    __m512i u[A8_SLICE * U6]; /* the slice unpacked (20 KB; zmm-aligned) */
     const int64_t groups = (nr + XR8 - 1) / XR8;
     if (nr <= direct_rows(type)) { /* each row group reads the group blocks where they lie */
         for (int64_t c0 = 0; c0 < nc; c0 += 16) {
