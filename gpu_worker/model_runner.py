@@ -228,8 +228,10 @@ class ModelRunner:
         plan = DrawPlan.of(batch)
         if not plan.starts:
             return Drawn()
-        index = torch.tensor(plan.hidden_rows, dtype=torch.int64).to(self._device)
-        drawn = self.draws.draw(self.model.compute_logits(hidden.index_select(0, index)), plan, batch)
+        if plan.hidden_rows != list(range(hidden.shape[0])):  # (a decode step: every row, in order)
+            index = torch.tensor(plan.hidden_rows, dtype=torch.int64).to(self._device)
+            hidden = hidden.index_select(0, index)
+        drawn = self.draws.draw(self.model.compute_logits(hidden), plan, batch)
         last = torch.tensor(drawn.last_tokens, dtype=torch.int64).to(self._device)
         self.last_tokens[torch.tensor(drawn.last_req_pool_idx, device=self._device)] = last
         return drawn

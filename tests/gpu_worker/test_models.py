@@ -214,6 +214,28 @@ def test_length_groups_bound_the_padding() -> None:
     assert length_groups({i: 90 + i % 7 for i in range(32)}) == [list(range(32))]
 
 
+def test_decode_only_metadata_is_the_general_paths() -> None:
+    """A batch of decode rows only (the CPU backend's kernel attends them) takes a short path: its
+    positions and KV write locations are those the general path gives the same rows beside an
+    extend row."""
+    from gpu_worker.backends.torch_ref.attention import build_metadata
+
+    page_size, cpu = 4, torch.device("cpu")
+    page_table = torch.randperm(6 * 8, generator=torch.Generator().manual_seed(3)).view(6, 8)
+    rows, prefix = [4, 0, 2, 5], [0, 9, 13, 30]
+    positions, meta = build_metadata(page_table, page_size, rows, prefix, [1] * 4, cpu, kernel_max_extend=16)
+    assert positions.tolist() == prefix and meta.decode == () and meta.extends == () and not meta.in_order
+    pairs = zip(rows, prefix, strict=True)
+    want = [int(page_table[r, p // page_size]) * page_size + p % page_size for r, p in pairs]
+    assert meta.out_locs.tolist() == want
+    # The general path: the same decode rows after a 20-token extend row (row 1, 3 tokens cached).
+    g_positions, g_meta = build_metadata(
+        page_table, page_size, [1, *rows], [3, *prefix], [20, *[1] * 4], cpu, kernel_max_extend=16
+    )
+    assert torch.equal(g_positions[20:], positions) and torch.equal(g_meta.out_locs[20:], meta.out_locs)
+    assert g_positions.dtype == positions.dtype and g_meta.out_locs.dtype == meta.out_locs.dtype
+
+
 @pytest.mark.timeout(600)
 def test_compiled_dense_code_matches_hf(tiny_models: dict) -> None:
     """--compile: every layer's compiled forward gives HF's tokens too."""

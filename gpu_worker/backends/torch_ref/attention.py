@@ -199,6 +199,17 @@ def build_metadata(
     ``kernel_max_extend``: rows of up to that many tokens are left out (a backend's own kernel
     attends them: the CPU's, decode rows and verify rows); their K/V are still written here.
     """
+    if kernel_max_extend > 0 and device.type == "cpu" and all(n == 1 for n in extend_lens):
+        # Only decode rows, all the kernel's (a steady decode step on the CPU): each row's one position
+        # and KV location, read from the page table as numbers (a dozen small torch ops cost more).
+        table = page_table.numpy()
+        locs = [
+            int(table[r, p // page_size]) * page_size + p % page_size
+            for r, p in zip(req_pool_idx, prefix_lens, strict=True)
+        ]
+        positions = torch.tensor(prefix_lens, dtype=torch.int64)
+        out_locs = torch.tensor(locs, dtype=page_table.dtype)
+        return positions, AttentionMetadata(out_locs=out_locs, decode=(), extends=(), in_order=False)
     starts = list(accumulate(extend_lens[:-1], initial=0))
     total = starts[-1] + extend_lens[-1]
     lens = torch.tensor(extend_lens, device=device)
