@@ -570,7 +570,7 @@ static inline __attribute__((always_inline)) void legacy_direct8(const uint8_t *
 
 /* One pass (FIELD) of Q6_K sub-block sb's 16 weights at (h, HALF) of the tile's rows into is, each
  * weight vector assembled in registers as q6_unpack8 assembles it to memory. */
-#define Q6_DIRECT_PASS(FIELD, HALF)                                                                            \
+#define Q6_DIRECT(FIELD, HALF)                                                                                 \
     for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();                                               \
     for (int ci = 0; ci < 4; ci++) {                                                                          \
         const int c = 4 * (HALF) + ci;                                                                        \
@@ -622,7 +622,6 @@ static inline __attribute__((always_inline)) void legacy_direct8(const uint8_t *
             acc[r] = _mm512_fmadd_ps(t[r], _mm512_set1_ps(x[r]->d[j] * (1.0f / 128.0f)), acc[r]); \
     }
 
-#define Q6_DIRECT(FIELD, HALF) Q6_DIRECT_PASS(FIELD, HALF)
 #define Q6_UNPACKED(FIELD, HALF) Q6_PASS(FIELD, p + (HALF) * U6H, HALF)
 
 /* q6_block8 on the block of the first group at blk0 and of the second at blk1, read where they lie. */
@@ -667,6 +666,17 @@ static inline __attribute__((always_inline)) void q6_block8(const __m512i *u, co
     }
 }
 
+/* x[r] = block b of activation row r (r < R); returns their residual-pass bits or'ed. */
+static inline __attribute__((always_inline)) int block_rows(const act_block8 *const *xa, int64_t b,
+                                                            const act_block8 **x, const int R) {
+    int two = 0;
+    for (int r = 0; r < R; r++) {
+        x[r] = xa[r] + b;
+        two |= x[r]->two;
+    }
+    return two;
+}
+
 /* out[r * ldo + j] (+)= the tile's dot products for r < nr <= R, j < width (16, or 8 where the
  * second group repeats the first); first: store, else add to what out holds. */
 static inline __attribute__((always_inline)) void tile8(const __m512i *u, int64_t nb, const act_block8 *const *xa,
@@ -676,11 +686,7 @@ static inline __attribute__((always_inline)) void tile8(const __m512i *u, int64_
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const act_block8 *x[XR8];
-        int two = 0;
-        for (int r = 0; r < R; r++) {
-            x[r] = xa[r] + b;
-            two |= x[r]->two;
-        }
+        const int two = block_rows(xa, b, x, R);
         if (type == QTYPE_Q6_K) {
             q6_block8(u + b * U6, x, two, acc, R);
         } else {
@@ -712,11 +718,7 @@ static inline __attribute__((always_inline)) void tile8_direct(const uint8_t *g0
                 _mm_prefetch((const char *)(blk1 + KX8_PF + at), _MM_HINT_T0);
             }
             const act_block8 *x[XR8];
-            int two = 0;
-            for (int r = 0; r < R; r++) {
-                x[r] = xa[r] + b;
-                two |= x[r]->two;
-            }
+            const int two = block_rows(xa, b, x, R);
             if (type == QTYPE_Q6_K) {
                 q6_direct8(blk0, blk1, x, two, acc, R);
             } else if (legacy) {
@@ -732,7 +734,7 @@ static inline __attribute__((always_inline)) void tile8_direct(const uint8_t *g0
 }
 
 /* Up to how many rows a call takes a type by tile8_direct (Q6_K's 6-bit weights take the most work to
- * assemble per row group): unpacking a slice to memory first pays for itself only over more row
+ * assemble per row group, and at 8 rows its two halves' sums spill registers): unpacking a slice to memory first pays for itself only over more row
  * groups than these (docs/benchmarks.md, "Few rows on 8 bits"). */
 static inline int64_t direct_rows(const int type) { return type == QTYPE_Q4_K ? 32 : type == QTYPE_Q6_K ? 7 : 12; }
 
