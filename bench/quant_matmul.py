@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.lib.floor import read_bandwidth  # noqa: E402
 from gpu_worker.backends.cpu import kernels as cpu_kernels  # noqa: E402
 from gpu_worker.backends.cpu.layouts import A8, X8_TYPES, interleave_rows, kernel_type  # noqa: E402
 from gpu_worker.weights.formats import QuantBlocks  # noqa: E402
@@ -165,18 +166,6 @@ def table(title: str, best: dict[int, dict[str, float]], shapes: list[tuple[int,
         if m > 1:
             fast = min(best[m], key=lambda n: best[m][n])
             print(f"{m} rows: best {fast}, {2 * macs * m / best[m][fast] / 1e6:.1f} GFLOP/s")
-
-
-def read_bandwidth(mb: int = 256, repeats: int = 10) -> float:
-    """GB/s of a streaming read on all threads (torch's sum over ``mb`` MB of float32, best of
-    ``repeats``): the memory's pace, against which a one-row pass's GB/s is read."""
-    t = torch.ones(mb << 18)  # mb MB of float32
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        t.sum()
-        best = min(best, time.perf_counter() - started)
-    return t.numel() * 4 / best / 1e9
 
 
 def main() -> None:

@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from bench.lib import launch, llama_cpp, offline, serving
+from bench.lib.floor import decode_bytes, read_bandwidth
 from bench.lib.launch import free_port
 from bench.lib.llama_cpp import Peer
 from bench.lib.metrics import RequestResult, Summary
@@ -46,7 +47,7 @@ from bench.lib.probes import (
     tree_cpu_ticks,
 )
 from bench.lib.records import append_record, machine_info, make_record
-from bench.lib.targets_table import PEER_TARGETS, RATIOS, TARGETS, format_table, summarize_runs
+from bench.lib.targets_table import PEER_COPIED, PEER_TARGETS, RATIOS, TARGETS, format_table, summarize_runs
 from gpu_worker.backends.cpu import kind as cpu_kind
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "targets.jsonl"
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--hf-threads", type=int, default=0, help="torch threads for HF; 0: torch's default")
     add("--hf-dtype", default="same", help="HF generate's dtype for the offline ratio; same: the engine's")
     add("--idle-s", type=float, default=10.0, help="how long idle CPU is measured")
+    p.set_defaults(decode_bytes=None)  # main's: the weight bytes a token reads (GGUF), for the floor
     add("--result-file", type=Path, default=DEFAULT_RESULTS, help="JSON Lines file the record is appended to")
     add("--no-record", action="store_true")
     add(
@@ -177,6 +179,8 @@ def measure_http(args: argparse.Namespace, base_url: str, r: int) -> dict[str, A
         ("single", args.single_requests, 1, HTTP_SEED + 1000 + r),
     ):
         bench_args = _serving_args(args, base_url, n, concurrency, seed, http=True)
+        if name == "single" and args.decode_bytes:  # the memory's pace now, the engine idle
+            out["read_gbps"] = read_bandwidth()
         summary, _ = asyncio.run(serving.benchmark(bench_args))
         assert summary.num_failed == 0, f"{summary.num_failed} of the {name} requests to {base_url} failed"
         if name == "streams":
@@ -184,6 +188,8 @@ def measure_http(args: argparse.Namespace, base_url: str, r: int) -> dict[str, A
         else:
             tpot_ms = summary.tpot_ms.p50
             out |= {"decode1_tps": 1e3 / tpot_ms if tpot_ms else None, "out1_tps": summary.output_throughput}
+            if tpot_ms and args.decode_bytes:  # a token's time over its floor: weight bytes / read pace
+                out["decode1_floor_x"] = tpot_ms / (args.decode_bytes / out["read_gbps"] / 1e6)
     return out
 
 
@@ -257,7 +263,7 @@ def peer_ratios(rivulet_run: dict[str, Any], peer_run: dict[str, Any]) -> dict[s
         mine, peer = rivulet_run.get(ours), peer_run.get(theirs)
         out[f"llama_{theirs}"] = peer
         out[ratio] = mine / peer if mine is not None and peer else None
-    return out
+    return out | {f"llama_{key}": peer_run.get(key) for key in PEER_COPIED}
 
 
 # --------------------------------------------------------------------------
@@ -285,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     from bench.lib import gguf_models  # (numpy and gguf: after the kind is applied, to be safe)
 
     args.model = gguf_models.resolve(args.model)  # a bench model's name (llama1b-q4_k_m): made once
+    from gpu_worker.weights.model_files import source_gguf
+
+    gguf = source_gguf(args.model)
+    args.decode_bytes = decode_bytes(gguf) if gguf is not None else None  # the one-stream floor's bytes
     peer = None
     if args.peer_llama_cpp:
         parallel = max(llama_cpp.PARALLEL, args.streams)

@@ -51,11 +51,17 @@ PEER_TARGETS = (
     Target("llama_decode1_tps", "1 stream over HTTP: llama.cpp decode tok/s", "-", None,
            ("-", "-", "97-126", "-")),
     Target("decode1_ratio", "1 stream: rivulet / llama.cpp decode tok/s (HTTP both)", "-", None),
+    Target("http_decode1_floor_x",
+           "1 stream over HTTP: rivulet ms a token / floor (weight bytes / read GB/s)", "<= 1.1",
+           lambda x: x <= 1.1),
+    Target("llama_decode1_floor_x", "1 stream over HTTP: llama.cpp ms a token / floor", "-", None),
+    Target("http_read_gbps", "memory read GB/s before rivulet's 1 stream (torch sum, 256 MB)", "-", None),
 )  # fmt: skip
 RATIOS = {  # ratio key -> (rivulet's key, llama.cpp's key in its round)
     "out32_ratio": ("http_out32_tps", "out32_tps"),
     "decode1_ratio": ("http_decode1_tps", "decode1_tps"),
 }
+PEER_COPIED = ("decode1_floor_x",)  # llama.cpp's own numbers of its round, shown as llama_<key>
 
 
 def summarize_runs(
@@ -99,7 +105,7 @@ def format_table(
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for t in (t for t in (*TARGETS, *PEER_TARGETS) if t.key in by_dtype[dtypes[0]]):
         values = [by_dtype[d][t.key] for d in dtypes]
-        show = _ratio_cell if t.key in RATIOS else cell
+        show = _ratio_cell if t.key in RATIOS or t.key.endswith("_floor_x") else cell
         cells = [show([x for x in s["runs"] if x is not None]) if "median" in s else "n/a" for s in values]
         lines.append(
             "| " + " | ".join([t.label, t.goal, *cells, *(_verdict(t, s) for s in values), *t.anchors]) + " |"

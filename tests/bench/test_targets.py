@@ -130,9 +130,10 @@ def _rows(table: str) -> dict[str, list[str]]:
 
 def test_peer_ratios_pair_each_round_with_llama_cpps_round() -> None:
     rivulet = {"http_out32_tps": 900.0, "http_decode1_tps": 100.0, "out32_tps": 1000.0}
-    peer = {"out32_tps": 200.0, "decode1_tps": 125.0, "ttft32_ms": 50.0}
+    peer = {"out32_tps": 200.0, "decode1_tps": 125.0, "ttft32_ms": 50.0, "decode1_floor_x": 1.3}
     assert targets.peer_ratios(rivulet, peer) == {
         "llama_out32_tps": 200.0, "out32_ratio": 4.5, "llama_decode1_tps": 125.0, "decode1_ratio": 0.8,
+        "llama_decode1_floor_x": 1.3,
     }  # fmt: skip
     missing = targets.peer_ratios({"http_out32_tps": 900.0}, {"out32_tps": 0.0})
     assert missing["out32_ratio"] is None and missing["decode1_ratio"] is None
@@ -170,15 +171,18 @@ def test_main_interleaves_rivulet_and_llama_cpp_rounds(
 
     def fake_round(args: Any, dtype: str, r: int, http: bool = False) -> dict[str, Any]:
         calls.append(f"rivulet {dtype} {r} http={http}")
-        return {"startup_s": 3.0, "http_out32_tps": 400.0 + 100 * r, "http_decode1_tps": 50.0}
+        assert args.decode_bytes == 1234
+        return {"startup_s": 3.0, "http_out32_tps": 400.0 + 100 * r, "http_decode1_tps": 50.0,
+                "http_decode1_floor_x": 1.05 + r / 100}  # fmt: skip
 
     def fake_peer(args: Any, peer: targets.Peer, r: int) -> dict[str, Any]:
         calls.append(f"llama.cpp {r} {peer.binary.name} -t {peer.threads}")
-        return {"out32_tps": 200.0, "decode1_tps": 100.0}
+        return {"out32_tps": 200.0, "decode1_tps": 100.0, "decode1_floor_x": 1.4}
 
     monkeypatch.setattr(targets, "measure_round", fake_round)
     monkeypatch.setattr(targets, "measure_peer", fake_peer)
     monkeypatch.setattr(gpu_worker.weights.model_files, "resolve_model", lambda model: tmp_path)
+    monkeypatch.setattr(targets, "decode_bytes", lambda path: 1234 if path.name == "m.gguf" else 0)
     binary = tmp_path / "my-llama-server"
     binary.write_text("#!/bin/sh\n")
     binary.chmod(0o755)
@@ -197,10 +201,14 @@ def test_main_interleaves_rivulet_and_llama_cpp_rounds(
     assert f"CPU: {cpu_kind.describe(acting)}" in out
     ratio32 = _rows(out)["32 streams: rivulet / llama.cpp output tok/s (HTTP both)"]
     assert ratio32[2:4] == ["2.25 (2.00-2.50)", "2.25 (2.00-2.50)"]  # float32, bfloat16
+    floor = _rows(out)["1 stream over HTTP: rivulet ms a token / floor (weight bytes / read GB/s)"]
+    assert floor[1] == "<= 1.1" and floor[2] == "1.06 (1.05-1.06)" and floor[4] == "yes"
+    assert _rows(out)["1 stream over HTTP: llama.cpp ms a token / floor"][2] == "1.40 (1.40-1.40)"
     (rec,) = read_records(record)
     assert rec["machine"]["cpu_kind"] == acting.value
     assert set(rec["machine"]["cpu_flags"]) == set(cpu_kind.REPORTED_FLAGS)
-    assert rec["metrics"]["peer"]["runs"] == [{"out32_tps": 200.0, "decode1_tps": 100.0}] * 2
+    peer_run = {"out32_tps": 200.0, "decode1_tps": 100.0, "decode1_floor_x": 1.4}
+    assert rec["metrics"]["peer"]["runs"] == [peer_run] * 2
     assert rec["metrics"]["peer"]["command"].endswith(f"-m {gguf} --port {{port}} -np 32 -c 8192 -t 3")
     assert [run["out32_ratio"] for run in rec["metrics"]["runs"]["float32"]] == [2.0, 2.5]
     assert rec["metrics"]["targets"]["bfloat16"]["decode1_ratio"]["median"] == 0.5
@@ -252,10 +260,13 @@ def test_a_peer_round_on_a_fake_llama_server(tiny_llama_dir: Path, tmp_path: Pat
     argv = ["--model", str(tiny_llama_dir), "--streams", "3", "--stream-requests", "6",
             "--single-requests", "2", "--input-len", "8", "--output-len", "4"]  # fmt: skip
     args = targets.build_parser().parse_args(argv)
+    args.decode_bytes = 50_000_000  # as main sets it for a GGUF: the floor is measured too
     peer = targets.Peer(script, Path("/m/x.gguf"), threads=2, parallel=32)
     run = targets.measure_peer(args, peer, 0)
-    for key in ("out32_tps", "ttft32_ms", "decode1_tps", "out1_tps", "startup_s"):
+    for key in ("out32_tps", "ttft32_ms", "decode1_tps", "out1_tps", "startup_s", "read_gbps"):
         assert run[key] > 0, key
+    floor_ms = args.decode_bytes / run["read_gbps"] / 1e6
+    assert run["decode1_floor_x"] == pytest.approx(1e3 / run["decode1_tps"] / floor_ms)
     assert argv_file.read_text().split()[2:] == ["--port", argv_file.read_text().split()[3], "-np", "32",
                                                  "-c", "8192", "-t", "2"]  # fmt: skip
     assert [pid for pid in targets.launch.descendants(os.getpid()) if pid_alive(pid)] == []
