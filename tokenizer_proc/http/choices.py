@@ -79,7 +79,8 @@ class EventStream(Response):
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         merged: asyncio.Queue[tuple[int, GenerateOutput]] = asyncio.Queue()
         tasks = [asyncio.create_task(abort_on_disconnect(self.handles, receive))]
-        tasks += [asyncio.create_task(_forward(i, h, merged)) for i, h in enumerate(self.handles)]
+        if len(self.handles) > 1:  # (one choice is read from its own queue: a task switch less a token)
+            tasks += [asyncio.create_task(_forward(i, h, merged)) for i, h in enumerate(self.handles)]
         try:
             if await self._send_choices(merged, send):
                 usage = self.shape.usage_event(self._usages)
@@ -95,8 +96,9 @@ class EventStream(Response):
         """Relay replies until every choice is done (True) or one failed (False: its error event
         ends the stream, no [DONE])."""
         remaining = len(self.handles)
+        single = self.handles[0] if remaining == 1 else None
         while remaining:
-            index, reply = await merged.get()
+            index, reply = (0, await single.next()) if single is not None else await merged.get()
             for event in self.shape.events(index, reply):
                 await send({"type": "http.response.body", "body": event, "more_body": True})
             if reply.finish_reason is FinishReason.ERROR:
