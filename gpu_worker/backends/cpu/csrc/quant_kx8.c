@@ -36,8 +36,13 @@
 #include "quant.h"
 
 #define QK 256
+/* How far ahead, in group blocks, the 16-bit tiles prefetch their group's blocks: about 7 KB
+ * (Q4_K 6 x 1152 bytes, Q6_K 4 x 1680). At 1 KB ahead a row's stream fell behind the memory's pace:
+ * one to four rows ran 1.1-1.25x slower (docs/benchmarks.md, "Prefetching further ahead"). */
+#define PF_Q45 6
+#define PF_Q6 4
 #ifndef KX8_PF
-#define KX8_PF 1024 /* how far ahead (bytes) the tile prefetches its group's blocks */
+#define KX8_PF 1024 /* how far ahead (bytes) the 8-bit tiles read in place prefetch their groups' blocks */
 #endif
 
 static inline int kx8_block_bytes(const int type) {
@@ -155,7 +160,7 @@ static inline __attribute__((always_inline)) void q45_tile(const uint8_t *g, int
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + b * gbb;
-        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + KX8_PF + at), _MM_HINT_T0);
+        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + PF_Q45 * gbb + at), _MM_HINT_T0);
         __m256i words[4];
         q4k_scale_words(blk, words);
         const __m512 d = fp16x8_twice(blk), dmin = fp16x8_twice(blk + 16);
@@ -201,7 +206,7 @@ static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int6
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + b * gbb;
-        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + KX8_PF + at), _MM_HINT_T0);
+        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + PF_Q6 * gbb + at), _MM_HINT_T0);
         const __m512 d = fp16x8_twice(blk);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++)
@@ -831,7 +836,7 @@ static inline __attribute__((always_inline)) void q45_tile(const uint8_t *g, int
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + b * gbb;
-        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + KX8_PF + at), _MM_HINT_T0);
+        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + PF_Q45 * gbb + at), _MM_HINT_T0);
         const __m256i wa = _mm256_loadu_si256((const __m256i *)(blk + 32));
         const __m256i wb = _mm256_loadu_si256((const __m256i *)(blk + 64));
         const __m256i wc = _mm256_loadu_si256((const __m256i *)(blk + 96));
@@ -889,7 +894,7 @@ static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int6
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + b * gbb;
-        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + KX8_PF + at), _MM_HINT_T0);
+        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + PF_Q6 * gbb + at), _MM_HINT_T0);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         for (int h = 0; h < 2; h++)
             for (int half = 0; half < 2; half++)
