@@ -82,7 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--hf-threads", type=int, default=0, help="torch threads for HF; 0: torch's default")
     add("--hf-dtype", default="same", help="HF generate's dtype for the offline ratio; same: the engine's")
     add("--idle-s", type=float, default=10.0, help="how long idle CPU is measured")
-    p.set_defaults(decode_bytes=None)  # main's: the weight bytes a token reads (GGUF), for the floor
     add("--result-file", type=Path, default=DEFAULT_RESULTS, help="JSON Lines file the record is appended to")
     add("--no-record", action="store_true")
     add(
@@ -98,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="llama-server -t; 0: every core this process may use (like --num-threads 0)",
     )
+    p.set_defaults(decode_bytes=None)  # set by main: the weight bytes a token reads (a GGUF), for the floor
     return p
 
 
