@@ -77,12 +77,18 @@ class EventStream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        merged: asyncio.Queue[tuple[int, GenerateOutput]] = asyncio.Queue()
         tasks = [asyncio.create_task(abort_on_disconnect(self.handles, receive))]
-        if len(self.handles) > 1:  # (one choice is read from its own queue: a task switch less a token)
+        if len(self.handles) == 1:  # one choice is read from its own queue: a task switch less a token
+            only = self.handles[0]
+
+            async def next_reply() -> tuple[int, GenerateOutput]:
+                return 0, await only.next()
+        else:
+            merged: asyncio.Queue[tuple[int, GenerateOutput]] = asyncio.Queue()
             tasks += [asyncio.create_task(_forward(i, h, merged)) for i, h in enumerate(self.handles)]
+            next_reply = merged.get
         try:
-            if await self._send_choices(merged, send):
+            if await self._send_choices(next_reply, send):
                 usage = self.shape.usage_event(self._usages)
                 for event in ([usage] if usage is not None else []) + [DONE_EVENT]:
                     await send({"type": "http.response.body", "body": event, "more_body": True})
@@ -92,13 +98,14 @@ class EventStream(Response):
                 task.cancel()
             await close_all(self.handles)
 
-    async def _send_choices(self, merged: asyncio.Queue[tuple[int, GenerateOutput]], send: Send) -> bool:
-        """Relay replies until every choice is done (True) or one failed (False: its error event
-        ends the stream, no [DONE])."""
+    async def _send_choices(
+        self, next_reply: Callable[[], Awaitable[tuple[int, GenerateOutput]]], send: Send
+    ) -> bool:
+        """Relay replies (each with its choice's index) until every choice is done (True) or one
+        failed (False: its error event ends the stream, no [DONE])."""
         remaining = len(self.handles)
-        single = self.handles[0] if remaining == 1 else None
         while remaining:
-            index, reply = (0, await single.next()) if single is not None else await merged.get()
+            index, reply = await next_reply()
             for event in self.shape.events(index, reply):
                 await send({"type": "http.response.body", "body": event, "more_body": True})
             if reply.finish_reason is FinishReason.ERROR:

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 from itertools import accumulate
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -202,13 +203,10 @@ def build_metadata(
     if kernel_max_extend > 0 and device.type == "cpu" and all(n == 1 for n in extend_lens):
         # Only decode rows, all the kernel's (a steady decode step on the CPU): each row's one position
         # and KV location, read from the page table as numbers (a dozen small torch ops cost more).
-        table = page_table.numpy()
-        locs = [
-            int(table[r, p // page_size]) * page_size + p % page_size
-            for r, p in zip(req_pool_idx, prefix_lens, strict=True)
-        ]
-        positions = torch.tensor(prefix_lens, dtype=torch.int64)
-        out_locs = torch.tensor(locs, dtype=page_table.dtype)
+        table, pos = page_table.numpy(), np.asarray(prefix_lens, dtype=np.int64)
+        locs = table[np.asarray(req_pool_idx), pos // page_size] * page_size + pos % page_size
+        positions = torch.from_numpy(pos)
+        out_locs = torch.from_numpy(locs.astype(table.dtype, copy=False))
         return positions, AttentionMetadata(out_locs=out_locs, decode=(), extends=(), in_order=False)
     starts = list(accumulate(extend_lens[:-1], initial=0))
     total = starts[-1] + extend_lens[-1]

@@ -741,8 +741,9 @@ static inline __attribute__((always_inline)) void tile8_direct(const uint8_t *g0
 }
 
 /* Up to how many rows a call takes a type by tile8_direct (Q6_K's 6-bit weights take the most work to
- * assemble per row group, and at 8 rows its two halves' sums spill registers): unpacking a slice to memory first pays for itself only over more row
- * groups than these (docs/benchmarks.md, "Few rows on 8 bits"). */
+ * assemble per row group, and at 8 rows its two halves' sums spill registers): unpacking a slice to
+ * memory first pays for itself only over more row groups than these (docs/benchmarks.md, "Few rows
+ * on 8 bits"). */
 static inline int64_t direct_rows(const int type) { return type == QTYPE_Q4_K ? 32 : type == QTYPE_Q6_K ? 7 : 12; }
 
 /* Weight rows [0, nc) x activation rows [0, nr) on 8-bit activations (rows of act_block8): each pair
