@@ -198,6 +198,8 @@ def main() -> None:
     def both(weights: list[tuple[int, int]]) -> dict[str, Pass]:
         """This build's paths, then the other's on the same weights (``paths`` seeds its draws)."""
         fns = paths(kernels, weights, types, args.paths)
+        if not fns:
+            raise SystemExit(f"no path of {types} matches --paths {args.paths!r} (a match of the whole name)")
         if other is not None:
             fns |= {name + AGAINST: fn for name, fn in paths(other, weights, types, args.paths).items()}
         return fns

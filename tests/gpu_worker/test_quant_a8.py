@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 ACT8 = np.dtype(
-    [("d", "<f4", 8), ("s", "<f4", 8), ("qsum", "<i2", 16), ("rsum", "<i2", 16), ("two", "<i4"),
+    [("d", "<f4", 8), ("s", "<f4", 8), ("qoff", "<i4", 16), ("roff", "<i4", 16), ("two", "<i4"),
      ("pad", "<i4", 3), ("q", "i1", 256), ("r", "i1", 256)]
 )  # fmt: skip
 SPREAD = 6.0  # csrc/quant.h's ACT8_SPREAD
@@ -115,9 +115,9 @@ def test_quantization_bounds_each_value_and_passes_twice_where_a_block_stands_ou
     err = np.abs(xb - values(blocks).reshape(6, -1, 32))
     step = np.where(two, d / 128, d)[..., None]
     assert (err <= step * (0.5 + 1e-3) + 1e-30).all()
-    for field in ("q", "r"):  # Q6_K's offset terms: each 16 values' integer sum, exactly
-        want = blocks[field].astype(np.int64).reshape(6, -1, 16).sum(axis=-1)
-        assert np.array_equal(blocks[field + "sum"].reshape(6, -1), want)
+    for field in ("q", "r"):  # Q6_K's offset terms: -32 times each 16 values' integer sum, exactly
+        want = -32 * blocks[field].astype(np.int64).reshape(6, -1, 16).sum(axis=-1)
+        assert np.array_equal(blocks[field + "off"].reshape(6, -1), want)
     sums = values(blocks).reshape(6, -1, 32).sum(axis=-1)
     atol = 1e-6 * np.abs(x.double().numpy()).max()
     assert np.allclose(blocks["s"].reshape(6, -1), sums, rtol=1e-5, atol=atol)

@@ -92,8 +92,8 @@ static inline void quantize_block8(const float *v, act_block8 *out, int j) {
     out->d[j] = d;
     out->s[j] = h0 + h1;
     for (int i = 0; i < 2; i++) {
-        out->qsum[2 * j + i] = (int16_t)sq[i]; /* |sum| <= 16 * 127 */
-        out->rsum[2 * j + i] = (int16_t)sr[i];
+        out->qoff[2 * j + i] = -32 * sq[i];
+        out->roff[2 * j + i] = -32 * sr[i];
     }
     out->two |= two << j;
 }

@@ -575,10 +575,16 @@ static inline __attribute__((always_inline)) void legacy_direct8(const uint8_t *
     }
 }
 
+/* is[r] = the start of a pass's sums: the weights' offset of 32 times the activation's 16 values,
+ * -32 sum(q) (or r's), stored with them (a broadcast load, no instruction of the tile's own); the
+ * passes add the unsigned q's products, so the sums come out exact as sum((q - 32) a). */
+#define Q6_START(FIELD, HALF) \
+    for (int r = 0; r < R; r++) is[r] = _mm512_set1_epi32(x[r]->FIELD##off[2 * j + (HALF)]);
+
 /* One pass (FIELD) of Q6_K sub-block sb's 16 weights at (h, HALF) of the tile's rows into is, each
  * weight vector assembled in registers as q6_unpack8 assembles it to memory. */
 #define Q6_DIRECT(FIELD, HALF)                                                                                 \
-    for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();                                               \
+    Q6_START(FIELD, HALF)                                                                                     \
     for (int ci = 0; ci < 4; ci++) {                                                                          \
         const int c = 4 * (HALF) + ci;                                                                        \
         const __m512i qh = two_chunks(blk0 + 1168 + (h * 8 + c) * 32, blk1 + 1168 + (h * 8 + c) * 32);          \
@@ -593,20 +599,11 @@ static inline __attribute__((always_inline)) void legacy_direct8(const uint8_t *
         for (int r = 0; r < R; r++) is[r] = dpb4(is[r], wq, x[r]->FIELD + 32 * j + 16 * (HALF) + 4 * ci);    \
     }
 
-/* One pass (FIELD) of Q6_K sub-block sb's 16 weights at (h, HALF), unpacked at P, into is. */
-#define Q6_PASS(FIELD, P, HALF)                                                                     \
-    for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();                                     \
-    for (int ci = 0; ci < 4; ci++) {                                                                \
-        const __m512i wq = _mm512_load_si512((P) + 4 * sb + ci);                                    \
-        for (int r = 0; r < R; r++) is[r] = dpb4(is[r], wq, x[r]->FIELD + 32 * j + 16 * (HALF) + 4 * ci); \
-    }
-
-/* t[r] (=, or += where not FIRST) the pass's sums in is, the weights' offset of 32 taken off them in
- * integers (OFF: the activation's 16-value sums; the difference is exact), times the half's scales DSC. */
-#define Q6_TERM(OFF, HALF, DSC, FIRST)                                                                       \
-    for (int r = 0; r < R; r++) {                                                                           \
-        const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(is[r], _mm512_set1_epi32(32 * x[r]->OFF[2 * j + (HALF)]))); \
-        t[r] = (FIRST) ? _mm512_mul_ps(v, (DSC)) : _mm512_fmadd_ps(v, (DSC), t[r]);                        \
+/* t[r] (=, or += where not FIRST) the pass's sums in is times the half's scales DSC. */
+#define Q6_TERM(HALF, DSC, FIRST)                                                                \
+    for (int r = 0; r < R; r++) {                                                               \
+        const __m512 v = _mm512_cvtepi32_ps(is[r]);                                              \
+        t[r] = (FIRST) ? _mm512_mul_ps(v, (DSC)) : _mm512_fmadd_ps(v, (DSC), t[r]);            \
     }
 
 /* Q6_K's sums of the activation's 32-value block j (the 16-value halves of its sub-block sb at h,
@@ -615,21 +612,19 @@ static inline __attribute__((always_inline)) void legacy_direct8(const uint8_t *
  * integer sums in is. */
 #define Q6_BLOCK_J(PASS, dsc0, dsc1)                                                            \
     PASS(q, 0)                                                                                  \
-    Q6_TERM(qsum, 0, dsc0, 1)                                                                    \
+    Q6_TERM(0, dsc0, 1)                                                                          \
     PASS(q, 1)                                                                                  \
-    Q6_TERM(qsum, 1, dsc1, 0)                                                                    \
+    Q6_TERM(1, dsc1, 0)                                                                          \
     for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(t[r], _mm512_set1_ps(x[r]->d[j]), acc[r]); \
     if ((two >> j) & 1) {                                                                       \
         __asm__ volatile("" ::: "memory"); /* the weights loaded again, not held across the pass */ \
         PASS(r, 0)                                                                              \
-        Q6_TERM(rsum, 0, dsc0, 1)                                                                \
+        Q6_TERM(0, dsc0, 1)                                                                      \
         PASS(r, 1)                                                                              \
-        Q6_TERM(rsum, 1, dsc1, 0)                                                                \
+        Q6_TERM(1, dsc1, 0)                                                                      \
         for (int r = 0; r < R; r++)                                                             \
             acc[r] = _mm512_fmadd_ps(t[r], _mm512_set1_ps(x[r]->d[j] * (1.0f / 128.0f)), acc[r]); \
     }
-
-#define Q6_UNPACKED(FIELD, HALF) Q6_PASS(FIELD, p + (HALF) * U6H, HALF)
 
 /* q6_block8 on the block of the first group at blk0 and of the second at blk1, read where they lie. */
 static inline __attribute__((always_inline)) void q6_direct8(const uint8_t *blk0, const uint8_t *blk1,
@@ -657,18 +652,46 @@ static inline __attribute__((always_inline)) void q6_direct8(const uint8_t *blk0
     }
 }
 
-/* The same for Q6_K: its 16-value sub-blocks in pairs, one pair per activation block of 32. */
+/* Both halves' passes (FIELD) of the unpacked sub-block sb's 32 weights at p: each half into its own
+ * sums (is0, is1), so each row keeps two chains of products in flight, not one. */
+#define Q6_PASS2(FIELD)                                                                              \
+    for (int r = 0; r < R; r++) {                                                                    \
+        is0[r] = _mm512_set1_epi32(x[r]->FIELD##off[2 * j]);                                         \
+        is1[r] = _mm512_set1_epi32(x[r]->FIELD##off[2 * j + 1]);                                     \
+    }                                                                                                \
+    for (int ci = 0; ci < 4; ci++) {                                                                 \
+        const __m512i w0 = _mm512_load_si512(p + 4 * sb + ci), w1 = _mm512_load_si512(p + U6H + 4 * sb + ci); \
+        for (int r = 0; r < R; r++) {                                                                \
+            is0[r] = dpb4(is0[r], w0, x[r]->FIELD + 32 * j + 4 * ci);                                \
+            is1[r] = dpb4(is1[r], w1, x[r]->FIELD + 32 * j + 16 + 4 * ci);                           \
+        }                                                                                            \
+    }
+
+/* acc[r] += (the halves' sums at their scales dsc0, dsc1) times STEP (row r's), as Q6_BLOCK_J sums. */
+#define Q6_TERM2(STEP)                                                                                          \
+    for (int r = 0; r < R; r++) {                                                                              \
+        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is1[r]), dsc1, _mm512_mul_ps(_mm512_cvtepi32_ps(is0[r]), dsc0)); \
+        acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(STEP), acc[r]);                                             \
+    }
+
+/* The same for Q6_K: its 16-value sub-blocks in pairs, one pair per activation block of 32, both
+ * halves of a pair at once (Q6_BLOCK_J's sums in its order, so the same bits). */
 static inline __attribute__((always_inline)) void q6_block8(const __m512i *u, const act_block8 *const *x, int two,
                                                             __m512 *acc, const int R) {
-    __m512i is[XR8];
-    __m512 t[XR8];
+    __m512i is0[XR8], is1[XR8];
     for (int h = 0; h < 2; h++) {
         const __m512i *p = u + h * 2 * U6H;
         for (int sb = 0; sb < 4; sb++) { /* the activation's 32-value block 4h + sb */
             const int j = 4 * h + sb;
             const __m512 dsc0 = _mm512_load_ps((const float *)(p + 16 + sb));
             const __m512 dsc1 = _mm512_load_ps((const float *)(p + U6H + 16 + sb));
-            Q6_BLOCK_J(Q6_UNPACKED, dsc0, dsc1)
+            Q6_PASS2(q)
+            Q6_TERM2(x[r]->d[j])
+            if ((two >> j) & 1) {
+                __asm__ volatile("" ::: "memory"); /* the weights loaded again, not held across the pass */
+                Q6_PASS2(r)
+                Q6_TERM2(x[r]->d[j] * (1.0f / 128.0f))
+            }
         }
     }
 }
@@ -740,11 +763,11 @@ static inline __attribute__((always_inline)) void tile8_direct(const uint8_t *g0
     for (int r = 0; r < R && r < nr; r++) _mm512_mask_storeu_ps(out + r * ldo, keep, total[r]);
 }
 
-/* Up to how many rows a call takes a type by tile8_direct (Q6_K's 6-bit weights take the most work to
- * assemble per row group, and at 8 rows its two halves' sums spill registers): unpacking a slice to
- * memory first pays for itself only over more row groups than these (docs/benchmarks.md, "Few rows
- * on 8 bits"). */
-static inline int64_t direct_rows(const int type) { return type == QTYPE_Q4_K ? 32 : type == QTYPE_Q6_K ? 7 : 12; }
+/* Up to how many rows a call takes a type by tile8_direct: unpacking a slice to memory first pays for
+ * itself only over more row groups than these (docs/benchmarks.md, "Few rows on 8 bits"; Q6_K's 6-bit
+ * weights, the most work to assemble per row group, from 13 rows since its passes start from the
+ * stored offsets). */
+static inline int64_t direct_rows(const int type) { return type == QTYPE_Q4_K ? 32 : 12; }
 
 /* Weight rows [0, nc) x activation rows [0, nr) on 8-bit activations (rows of act_block8): each pair
  * of groups unpacked a slice of blocks at a time, every activation row over the slice; or, for a few
