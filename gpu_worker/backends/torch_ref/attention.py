@@ -155,8 +155,14 @@ def _extend_attention(
         if options.sliding_window > 0:
             mask &= kv_pos[None, :] > q_pos[:, None] - options.sliding_window
     gqa = q.shape[1] != k.shape[1]
-    out = _sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, mask is None, options, gqa)
-    return out.transpose(0, 1)
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, L, D]
+    if q.dtype in (torch.float32, torch.float64):
+        # As a batch of one: torch's fused CPU attention takes only 4-D inputs (on 3-D ones it runs
+        # its unfused math, 4x slower on a 256-row prefill chunk), 1e-6 from the math in float32.
+        # (In 16 bits it rounds the probabilities to them; the math keeps them in float32.)
+        q, k, v = q[None], k[None], v[None]
+        return _sdpa(q, k, v, mask, mask is None, options, gqa)[0].transpose(0, 1)
+    return _sdpa(q, k, v, mask, mask is None, options, gqa).transpose(0, 1)
 
 
 def _sdpa(
