@@ -155,15 +155,16 @@ def _extend_attention(
         if options.sliding_window > 0:
             mask &= kv_pos[None, :] > q_pos[:, None] - options.sliding_window
     gqa = q.shape[1] != k.shape[1]
-    # [1, heads, L, D], a batch of one: torch's fused CPU attention takes only 4-D inputs (on 3-D ones
-    # SDPA runs its unfused math, 4x slower on a 256-row prefill chunk; the two 1e-6 apart in float32)
-    dtype = q.dtype
-    q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
-    if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-        # in 16 bits the fused kernel rounds the probabilities to them; the math, as here, keeps
-        # them in float32 (the two differ in the last bit of 1 output in 4000)
-        q, k, v = q.float(), k.float(), v.float()
-    return _sdpa(q, k, v, mask, mask is None, options, gqa)[0].transpose(0, 1).to(dtype)
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, L, D]
+    if q.dtype in (torch.float32, torch.float64):
+        # As a batch of one: torch's fused CPU attention takes only 4-D inputs (on 3-D ones it runs
+        # its unfused math, 4x slower on a 256-row prefill chunk), 1e-6 from the math in float32.
+        # 16-bit dtypes keep the math's bits: the fused kernel rounds the probabilities to 16 bits,
+        # and even widened to float32 for it the last bit of 1 output in 4000 moves, which turns the
+        # embedded model's near-tied first answer token in bfloat16 (docs/benchmarks.md).
+        q, k, v = q[None], k[None], v[None]
+        return _sdpa(q, k, v, mask, mask is None, options, gqa)[0].transpose(0, 1)
+    return _sdpa(q, k, v, mask, mask is None, options, gqa).transpose(0, 1)
 
 
 def _sdpa(
