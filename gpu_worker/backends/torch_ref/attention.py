@@ -162,8 +162,7 @@ def _extend_attention(
         # 16-bit dtypes keep the math's bits: the fused kernel rounds the probabilities to 16 bits,
         # and even widened to float32 for it the last bit of 1 output in 4000 moves, which turns the
         # embedded model's near-tied first answer token in bfloat16 (docs/benchmarks.md).
-        q, k, v = q[None], k[None], v[None]
-        return _sdpa(q, k, v, mask, mask is None, options, gqa)[0].transpose(0, 1)
+        return _sdpa(q[None], k[None], v[None], mask, mask is None, options, gqa)[0].transpose(0, 1)
     return _sdpa(q, k, v, mask, mask is None, options, gqa).transpose(0, 1)
 
 

@@ -56,7 +56,7 @@ void quantize_act16(const float *x, int64_t k, void *xq);
 typedef struct {
     float d[8];         /* per 32 values: q's step (r's: d / 128) */
     float s[8];         /* per 32 values: their sum as quantized, d sum(q) + d / 128 sum(r) */
-    int32_t qoff[16];   /* per 16 values: -32 sum(q), Q6_K's offset (its weights are q - 32) times q */
+    int32_t qoff[16];   /* per 16 values: -32 sum(q), a Q6_K pass's first sums (its weights are q - 32) */
     int32_t roff[16];   /* per 16 values: -32 sum(r) */
     int32_t two;        /* bit j: values 32j .. 32j + 31 have the residual pass */
     int32_t pad[3];

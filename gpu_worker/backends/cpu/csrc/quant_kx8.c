@@ -608,21 +608,21 @@ static inline __attribute__((always_inline)) void legacy_direct8(const uint8_t *
 
 /* Q6_K's sums of the activation's 32-value block j (the 16-value halves of its sub-block sb at h,
  * each with its scales dsc0, dsc1) into acc: sum over both halves of (q - 32) a dsc, then times the
- * block's step; the residual pass the same at a 128th of it. PASS(FIELD, HALF) leaves a half's
- * integer sums in is. */
-#define Q6_BLOCK_J(PASS, dsc0, dsc1)                                                            \
-    PASS(q, 0)                                                                                  \
-    Q6_TERM(0, dsc0, 1)                                                                          \
-    PASS(q, 1)                                                                                  \
-    Q6_TERM(1, dsc1, 0)                                                                          \
+ * block's step; the residual pass the same at a 128th of it. Each half is assembled in registers
+ * (Q6_DIRECT), its integer sums in is, then scaled (Q6_TERM). */
+#define Q6_BLOCK_J(dsc0, dsc1)                                                               \
+    Q6_DIRECT(q, 0)                                                                          \
+    Q6_TERM(0, dsc0, 1)                                                                      \
+    Q6_DIRECT(q, 1)                                                                          \
+    Q6_TERM(1, dsc1, 0)                                                                      \
     for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(t[r], _mm512_set1_ps(x[r]->d[j]), acc[r]); \
-    if ((two >> j) & 1) {                                                                       \
+    if ((two >> j) & 1) {                                                                    \
         __asm__ volatile("" ::: "memory"); /* the weights loaded again, not held across the pass */ \
-        PASS(r, 0)                                                                              \
-        Q6_TERM(0, dsc0, 1)                                                                      \
-        PASS(r, 1)                                                                              \
-        Q6_TERM(1, dsc1, 0)                                                                      \
-        for (int r = 0; r < R; r++)                                                             \
+        Q6_DIRECT(r, 0)                                                                      \
+        Q6_TERM(0, dsc0, 1)                                                                  \
+        Q6_DIRECT(r, 1)                                                                      \
+        Q6_TERM(1, dsc1, 0)                                                                  \
+        for (int r = 0; r < R; r++)                                                          \
             acc[r] = _mm512_fmadd_ps(t[r], _mm512_set1_ps(x[r]->d[j] * (1.0f / 128.0f)), acc[r]); \
     }
 
@@ -647,7 +647,7 @@ static inline __attribute__((always_inline)) void q6_direct8(const uint8_t *blk0
                 const __m128i both = (sb & 1) ? _mm_unpackhi_epi64(a, c2) : _mm_unpacklo_epi64(a, c2);
                 dsc[half] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(both)));
             }
-            Q6_BLOCK_J(Q6_DIRECT, dsc[0], dsc[1])
+            Q6_BLOCK_J(dsc[0], dsc[1])
         }
     }
 }
