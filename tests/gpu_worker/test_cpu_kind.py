@@ -97,3 +97,20 @@ def test_launcher_refuses_a_kind_the_cpu_lacks_before_starting_anything() -> Non
 def test_describe_names_the_kind_and_the_flags() -> None:
     line = cpu_kind.describe(CpuKind.PORTABLE)
     assert line.startswith("cpu kind portable") and "avx2=" in line and "avx512_bf16=" in line
+
+
+def test_weights_prefetch_non_temporally_on_amd_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cpu_kind.PREFETCH_ENV_VAR, raising=False)
+    monkeypatch.setattr(cpu_kind, "is_x86", lambda: True)
+    assert cpu_kind.weight_prefetch_nta("AuthenticAMD") is True
+    assert cpu_kind.weight_prefetch_nta("GenuineIntel") is False
+    monkeypatch.setenv(cpu_kind.PREFETCH_ENV_VAR, "t0")
+    assert cpu_kind.weight_prefetch_nta("AuthenticAMD") is False
+    monkeypatch.setenv(cpu_kind.PREFETCH_ENV_VAR, "NTA")
+    assert cpu_kind.weight_prefetch_nta("GenuineIntel") is True
+    monkeypatch.setenv(cpu_kind.PREFETCH_ENV_VAR, "l2")
+    with pytest.raises(CpuKindError, match="RIVULET_WEIGHT_PREFETCH"):
+        cpu_kind.weight_prefetch_nta("AuthenticAMD")
+    monkeypatch.delenv(cpu_kind.PREFETCH_ENV_VAR)
+    monkeypatch.setattr(cpu_kind, "is_x86", lambda: False)
+    assert cpu_kind.weight_prefetch_nta("AuthenticAMD") is False

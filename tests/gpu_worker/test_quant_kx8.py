@@ -127,3 +127,26 @@ def test_rows_not_a_multiple_of_8_are_refused(kernels: cpu_kernels.CpuKernels) -
     for dense in (False, True):
         with pytest.raises(ValueError, match="status 5"):
             kernels.quant_matmul(int(Q.Q4_K) | X8, torch.from_numpy(blocks), 256, x, dense=dense)
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=[t.name for t in K_TYPES])
+def test_weight_prefetch_hint_changes_no_bit(kernels: cpu_kernels.CpuKernels, qtype: Q) -> None:
+    """The few-row tiles' weight prefetch (common.h's weight_prefetch_nta, as the loader set it from
+    kind.weight_prefetch_nta) is a hint: either way the same bits at 1 and 3 rows."""
+    import ctypes
+
+    from gpu_worker.backends.cpu import kind as cpu_kind
+
+    hint = ctypes.c_int.in_dll(ctypes.CDLL(str(kernels.path)), "weight_prefetch_nta")
+    assert hint.value == int(cpu_kind.weight_prefetch_nta())
+    x8, _, _ = held(qtype, 48, 1536)
+    try:
+        for rows in (1, 3):
+            x = activations(rows, 1536, rows, torch.float32)
+            ys = []
+            for nta in (0, 1):
+                hint.value = nta
+                ys.append(kernels.quant_matmul(kernel_type(x8), x8.data, 1536, x))
+            assert torch.equal(ys[0], ys[1])
+    finally:
+        hint.value = int(cpu_kind.weight_prefetch_nta())

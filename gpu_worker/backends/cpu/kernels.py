@@ -30,7 +30,7 @@ import torch
 
 from gpu_worker.backends.cpu.build import BUILDS, DTYPE_CODES, ISA_PORTABLE, KV_DTYPE_CODES, build
 from gpu_worker.backends.cpu.decode_rows import DecodeRows
-from gpu_worker.backends.cpu.kind import CpuKind, is_x86
+from gpu_worker.backends.cpu.kind import CpuKind, is_x86, weight_prefetch_nta
 from gpu_worker.backends.cpu.quant_kernels import QuantKernels
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class CpuKernels(QuantKernels):
         expected = BUILDS[kind][1] if is_x86() else ISA_PORTABLE
         if self.isa != expected:
             raise RuntimeError(f"kernels for {kind.value} built as ISA {self.isa}, not {expected}")
+        ctypes.c_int.in_dll(lib, "weight_prefetch_nta").value = int(weight_prefetch_nta())
         self._attention = lib.paged_decode_attention
         self._attention.restype = ctypes.c_int
         self._attention.argtypes = [

@@ -170,6 +170,31 @@ def apply_to_environ() -> CpuKind:
     return kind
 
 
+PREFETCH_ENV_VAR = "RIVULET_WEIGHT_PREFETCH"
+
+
+def cpu_vendor() -> str:
+    """The vendor_id line of /proc/cpuinfo ("AuthenticAMD", "GenuineIntel"; empty where none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
+
+
+def weight_prefetch_nta(vendor: str | None = None) -> bool:
+    """Whether the few-row tiles prefetch the weights they stream non-temporally (csrc/common.h's
+    weight_prefetch_nta): on AMD, where it was measured faster; ``RIVULET_WEIGHT_PREFETCH=nta`` or
+    ``=t0`` chooses either way (to measure a CPU that was not)."""
+    chosen = os.environ.get(PREFETCH_ENV_VAR, "").strip().lower()
+    if chosen in ("nta", "t0"):
+        return chosen == "nta"
+    if chosen:
+        raise CpuKindError(f"{PREFETCH_ENV_VAR}={chosen!r} is not one of nta, t0")
+    return is_x86() and (cpu_vendor() if vendor is None else vendor) == "AuthenticAMD"
+
+
 def describe(kind: CpuKind) -> str:
     """One line for logs and benches: the kind acted as, the native one, and the CPU's key flags."""
     native = native_kind()

@@ -162,7 +162,7 @@ static inline __attribute__((always_inline)) void q45_tile(const uint8_t *g, int
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + b * gbb;
-        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + PF_Q45 * gbb + at), _MM_HINT_T0);
+        for (int at = 0; at < gbb; at += 64) prefetch_weights(blk + PF_Q45 * gbb + at);
         __m256i words[4];
         q4k_scale_words(blk, words);
         const __m512 d = fp16x8_twice(blk), dmin = fp16x8_twice(blk + 16);
@@ -208,7 +208,7 @@ static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int6
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + b * gbb;
-        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + PF_Q6 * gbb + at), _MM_HINT_T0);
+        for (int at = 0; at < gbb; at += 64) prefetch_weights(blk + PF_Q6 * gbb + at);
         const __m512 d = fp16x8_twice(blk);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++)
@@ -862,7 +862,7 @@ static inline __attribute__((always_inline)) void q45_tile(const uint8_t *g, int
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + b * gbb;
-        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + PF_Q45 * gbb + at), _MM_HINT_T0);
+        for (int at = 0; at < gbb; at += 64) prefetch_weights(blk + PF_Q45 * gbb + at);
         const __m256i wa = _mm256_loadu_si256((const __m256i *)(blk + 32));
         const __m256i wb = _mm256_loadu_si256((const __m256i *)(blk + 64));
         const __m256i wc = _mm256_loadu_si256((const __m256i *)(blk + 96));
@@ -920,7 +920,7 @@ static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int6
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + b * gbb;
-        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + PF_Q6 * gbb + at), _MM_HINT_T0);
+        for (int at = 0; at < gbb; at += 64) prefetch_weights(blk + PF_Q6 * gbb + at);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         for (int h = 0; h < 2; h++)
             for (int half = 0; half < 2; half++)

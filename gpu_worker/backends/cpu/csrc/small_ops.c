@@ -201,3 +201,6 @@ void argmax_rows(const void *x, int64_t row_stride, int64_t rows, int n, int dty
 
 /* The instruction set this build targets (ISA_* in common.h): the loader checks it is the one it asked for. */
 int kernel_isa(void) { return ISA; }
+
+/* common.h's: set by the loader (kernels.py, from kind.weight_prefetch_nta) before any call. */
+int weight_prefetch_nta = 0;
