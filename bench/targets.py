@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -37,7 +38,7 @@ from bench.lib import launch, llama_cpp, offline, serving
 from bench.lib.floor import decode_bytes, read_bandwidth
 from bench.lib.launch import free_port
 from bench.lib.llama_cpp import Peer
-from bench.lib.metrics import RequestResult, Summary
+from bench.lib.metrics import RequestResult, Summary, summarize
 from bench.lib.probes import (
     Sample,
     busy_share,
@@ -90,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH|auto",
         help="also measure llama.cpp's llama-server (PATH, or auto: the build of the CPU kind rivulet acts "
         "as, from `python -m bench.llama_cpp build`) on the same GGUF, interleaved with rivulet",
+    )
+    add(
+        "--paired-requests",
+        type=int,
+        default=8,
+        help="with --peer-llama-cpp: 1-stream requests to each engine with both servers up, alternating "
+        "(0: none)",
     )
     add(
         "--peer-threads",
@@ -256,6 +264,55 @@ def measure_peer(args: argparse.Namespace, peer: Peer, r: int) -> dict[str, Any]
     return run
 
 
+def measure_paired(args: argparse.Namespace, peer: Peer, dtype: str, r: int) -> dict[str, Any]:
+    """One stream on rivulet and llama.cpp with both servers up: ``--paired-requests`` requests each,
+    sent in pairs (one to each engine, the pair's first alternating), the same prompt for both of
+    a pair. A pair meets the machine a second apart, where measure_http's one-stream runs of a round
+    come 20-30 s apart: on a shared host the memory's read pace can move by half in that time, and
+    one engine's run lands on the fast pace while the other's lands on the slow one. Returns the
+    medians of each engine's per-request TPOT as tok/s and the median of the pairs' ratios."""
+    rport, lport = free_port(), free_port()
+    flags = ["--dtype", dtype, "--http-port", str(rport), *shlex.split(args.engine_flags)]
+    urls = {"rivulet": f"http://127.0.0.1:{rport}", "llama.cpp": f"http://127.0.0.1:{lport}"}
+    with (
+        tempfile.TemporaryDirectory(prefix="rivulet-targets-paired-") as tmp,
+        launch.rivulet_server(f"targets-paired-{dtype}", flags, Path(tmp), args.model),
+        launch.openai_server("llama.cpp", peer.command(lport), urls["llama.cpp"], Path(tmp)),
+    ):
+        tpot = asyncio.run(_paired_tpots(args, urls, HTTP_SEED + 2000 + r))
+    ratios = [theirs / mine for mine, theirs in zip(tpot["rivulet"], tpot["llama.cpp"], strict=True)]
+    return {
+        "paired_decode1_tps": 1e3 / statistics.median(tpot["rivulet"]),
+        "llama_paired_decode1_tps": 1e3 / statistics.median(tpot["llama.cpp"]),
+        "paired_decode1_ratio": statistics.median(ratios),
+    }
+
+
+async def _paired_tpots(args: argparse.Namespace, urls: dict[str, str], seed: int) -> dict[str, list[float]]:
+    """Each engine's TPOT (ms) per request of the paired run, in pair order."""
+    bench_args = _serving_args(args, urls["rivulet"], args.paired_requests, 1, seed, http=True)
+    items = serving.build_workload(bench_args)
+    backends = {
+        name: serving.make_backend(argparse.Namespace(**{**vars(bench_args), "base_url": url}))
+        for name, url in urls.items()
+    }
+    tpot: dict[str, list[float]] = {name: [] for name in urls}
+    try:
+        for backend in backends.values():
+            await serving.warm_up(backend, bench_args.warmup_requests)
+        for i, item in enumerate(items):
+            for name in list(urls)[:: 1 if i % 2 == 0 else -1]:
+                (res,) = await serving.run_requests(backends[name], [item], [0.0], 1, False)
+                assert not res.error, f"a paired request to {name} failed: {res.error}"
+                ms = summarize([res]).tpot_ms.p50
+                assert ms is not None, f"a paired request to {name} streamed fewer than 2 tokens"
+                tpot[name].append(ms)
+    finally:
+        for backend in backends.values():
+            await backend.close()
+    return tpot
+
+
 def peer_ratios(rivulet_run: dict[str, Any], peer_run: dict[str, Any]) -> dict[str, Any]:
     """llama.cpp's numbers of the same round beside rivulet's, and rivulet / llama.cpp (None: n/a)."""
     out: dict[str, Any] = {}
@@ -319,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1}/{args.repeats} llama.cpp: {_shown(peer_runs[-1])}", flush=True)
             for dtype in dtypes:
                 runs[dtype][-1] |= peer_ratios(runs[dtype][-1], peer_runs[-1])
+            if args.paired_requests > 0:  # both up, requests alternating: the one-stream ratio at one pace
+                runs[dtypes[0]][-1] |= measure_paired(args, peer, dtypes[0], r)
+                print(f"round {r + 1}/{args.repeats} paired: {_shown(runs[dtypes[0]][-1])}", flush=True)
     shown_targets = (*TARGETS, *PEER_TARGETS) if peer is not None else TARGETS
     by_dtype = {d: summarize_runs(rs, shown_targets) for d, rs in runs.items()}
     machine = machine_info() | cpu_record(acting)

@@ -56,6 +56,10 @@ PEER_TARGETS = (
            lambda x: x <= 1.1),
     Target("llama_decode1_floor_x", "1 stream over HTTP: llama.cpp ms a token / floor", "-", None),
     Target("http_read_gbps", "memory read GB/s before rivulet's 1 stream (torch sum, 256 MB)", "-", None),
+    Target("paired_decode1_tps", "1 stream, paired requests: rivulet decode tok/s", "-", None),
+    Target("llama_paired_decode1_tps", "1 stream, paired requests: llama.cpp decode tok/s", "-", None),
+    Target("paired_decode1_ratio", "1 stream, paired requests: rivulet / llama.cpp (median of pairs)", "-",
+           None),
 )  # fmt: skip
 RATIOS = {  # ratio key -> (rivulet's key, llama.cpp's key in its round)
     "out32_ratio": ("http_out32_tps", "out32_tps"),
@@ -105,7 +109,7 @@ def format_table(
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for t in (t for t in (*TARGETS, *PEER_TARGETS) if t.key in by_dtype[dtypes[0]]):
         values = [by_dtype[d][t.key] for d in dtypes]
-        show = _ratio_cell if t.key in RATIOS or t.key.endswith("_floor_x") else cell
+        show = _ratio_cell if t.key in RATIOS or t.key.endswith(("_floor_x", "_ratio")) else cell
         cells = [show([x for x in s["runs"] if x is not None]) if "median" in s else "n/a" for s in values]
         lines.append(
             "| " + " | ".join([t.label, t.goal, *cells, *(_verdict(t, s) for s in values), *t.anchors]) + " |"
@@ -122,7 +126,10 @@ def format_table(
             'Rows without "over HTTP" measure rivulet through its ZMQ client. The llama.cpp rows and the '
             "ratios measure both engines through POST /v1/completions "
             "(python -m bench.serving --backend openai), same prompts; each round runs rivulet, then "
-            "llama.cpp; a ratio cell is the median of the per-round ratios.",
+            "llama.cpp; a ratio cell is the median of the per-round ratios. The paired rows start both "
+            "servers together after the round and send one request to each in turn (--paired-requests "
+            "each, the first of a pair alternating): a pair meets the machine at one memory pace; that "
+            "ratio is the median of a round's pairs.",
             f"llama.cpp: `{peer.shown()}` (the same GGUF; rivulet per --weight-dtype)",
         ]
         notes += [peer.warning] if peer.warning else []

@@ -179,8 +179,14 @@ def test_main_interleaves_rivulet_and_llama_cpp_rounds(
         calls.append(f"llama.cpp {r} {peer.binary.name} -t {peer.threads}")
         return {"out32_tps": 200.0, "decode1_tps": 100.0, "decode1_floor_x": 1.4}
 
+    def fake_paired(args: Any, peer: targets.Peer, dtype: str, r: int) -> dict[str, Any]:
+        calls.append(f"paired {dtype} {r}")
+        ratio = 1.5 + r / 10
+        return {"paired_decode1_tps": 60.0, "llama_paired_decode1_tps": 40.0, "paired_decode1_ratio": ratio}
+
     monkeypatch.setattr(targets, "measure_round", fake_round)
     monkeypatch.setattr(targets, "measure_peer", fake_peer)
+    monkeypatch.setattr(targets, "measure_paired", fake_paired)
     monkeypatch.setattr(gpu_worker.weights.model_files, "resolve_model", lambda model: tmp_path)
     monkeypatch.setattr(targets, "decode_bytes", lambda path: 1234 if path.name == "m.gguf" else 0)
     binary = tmp_path / "my-llama-server"
@@ -194,7 +200,9 @@ def test_main_interleaves_rivulet_and_llama_cpp_rounds(
     assert targets.main(argv) == 0
     assert calls == [
         "rivulet float32 0 http=True", "rivulet bfloat16 0 http=True", "llama.cpp 0 my-llama-server -t 3",
+        "paired float32 0",
         "rivulet float32 1 http=True", "rivulet bfloat16 1 http=True", "llama.cpp 1 my-llama-server -t 3",
+        "paired float32 1",
     ]  # fmt: skip
     out = capsys.readouterr().out
     acting = cpu_kind.requested_kind()
@@ -204,6 +212,8 @@ def test_main_interleaves_rivulet_and_llama_cpp_rounds(
     floor = _rows(out)["1 stream over HTTP: rivulet ms a token / floor (weight bytes / read GB/s)"]
     assert floor[1] == "<= 1.1" and floor[2] == "1.06 (1.05-1.06)" and floor[4] == "yes"
     assert _rows(out)["1 stream over HTTP: llama.cpp ms a token / floor"][2] == "1.40 (1.40-1.40)"
+    paired = _rows(out)["1 stream, paired requests: rivulet / llama.cpp (median of pairs)"]
+    assert paired[2:4] == ["1.55 (1.50-1.60)", "n/a"]  # the first dtype's engine only
     (rec,) = read_records(record)
     assert rec["machine"]["cpu_kind"] == acting.value
     assert set(rec["machine"]["cpu_flags"]) == set(cpu_kind.REPORTED_FLAGS)
@@ -269,4 +279,25 @@ def test_a_peer_round_on_a_fake_llama_server(tiny_llama_dir: Path, tmp_path: Pat
     assert run["decode1_floor_x"] == pytest.approx(1e3 / run["decode1_tps"] / floor_ms)
     assert argv_file.read_text().split()[2:] == ["--port", argv_file.read_text().split()[3], "-np", "32",
                                                  "-c", "8192", "-t", "2"]  # fmt: skip
+    assert [pid for pid in targets.launch.descendants(os.getpid()) if pid_alive(pid)] == []
+
+
+@pytest.mark.timeout(300)
+def test_paired_requests_on_both_servers_at_once(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """measure_paired for real: rivulet and the stand-in llama-server up together, requests to each in
+    turn, each engine's TPOT and the pairs' ratio; every process stopped after."""
+    script = tmp_path / "llama-server"
+    launcher = Path(targets.__file__).resolve().parents[1] / "launcher.py"
+    script.write_text(FAKE_LLAMA_SERVER.format(
+        python=sys.executable, argv_file=str(tmp_path / "argv"), launcher=str(launcher),
+        model=str(tiny_llama_dir), tmp=tmp_path,
+    ))  # fmt: skip
+    script.chmod(0o755)
+    argv = ["--model", str(tiny_llama_dir), "--paired-requests", "3", "--input-len", "8", "--output-len", "6",
+            "--engine-flags", "--num-threads 1 --kv-cache-tokens 2048"]  # fmt: skip
+    args = targets.build_parser().parse_args(argv)
+    peer = targets.Peer(script, Path("/m/x.gguf"), threads=2, parallel=32)
+    run = targets.measure_paired(args, peer, "float32", 0)
+    assert set(run) == {"paired_decode1_tps", "llama_paired_decode1_tps", "paired_decode1_ratio"}
+    assert all(v > 0 for v in run.values())
     assert [pid for pid in targets.launch.descendants(os.getpid()) if pid_alive(pid)] == []
