@@ -8,6 +8,12 @@
     python -m bench.worker_step --dtype float32:gguf,float32:gguf-modules --rounds 3  # one call vs modules
     python -m bench.worker_step --dtype float32:gguf --kv-cache-dtypes float32,bfloat16,float16 \
         --decode-batches 1 --context 2048 --prefill 0 --rounds 3      # the KV pool's dtype
+    python -m bench.worker_step --model M --dtype float32:gguf --toggle weight_prefetch_nta \
+        --decode-batches 1,2,4 --prefill 0 --iters 100 --rounds 2     # a C switch, 0 / 1 on alternate steps
+
+``--toggle NAME`` takes an int the kernels library exports (a C global such as common.h's
+``weight_prefetch_nta``) and sets it to 0 and 1 on alternate steps (0 1 1 0 ...), for the ratio of
+its two settings in one process, where the machine's pace moves minute to minute.
 
 Shapes: decode at batch 1 / 8 / 32 (every row with ``--context`` tokens of KV
 already written) and one prefill chunk of ``--prefill`` tokens. Each shape runs
@@ -19,6 +25,7 @@ several dtypes the runners are built once and the shapes run round-robin
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
 import time
@@ -130,6 +137,7 @@ def main() -> None:
         help="cpu: this process's CPU time (with --num-threads 1, steadier on a shared machine)",
     )
     p.add_argument("--json", default="", help="also write the results here")
+    p.add_argument("--toggle", default="", help="an int the kernels library exports: 0, 1 on alternate steps")
     args = p.parse_args()
     dtypes = args.dtype.split(",")
     if args.kv_cache_dtypes:
@@ -141,6 +149,10 @@ def main() -> None:
             profile(runner, steppers(runner, args)[args.profile], args)
         return
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.toggle:
+        for d, runner in runners.items():
+            toggled(runner, d, args, clock)
+        return
     times: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.rounds):
         for d, runner in runners.items():
@@ -154,6 +166,32 @@ def main() -> None:
             f"{d}: KV {str(runner.kv_dtype).removeprefix('torch.')}, {per_token} bytes a token, "
             f"{2**30 // per_token} tokens per GiB of pool"
         )
+
+
+def toggled(runner: ModelRunner, dtype: str, args: argparse.Namespace, clock: Callable[[], float]) -> None:
+    """Every shape's steps with the library's int ``args.toggle`` at 0 and 1 in turn (0 1 1 0 ...):
+    the median ms of each setting and their ratio."""
+    kernels = getattr(runner.backend, "kernels", None)
+    if kernels is None:
+        raise SystemExit(f"--toggle: {dtype} runs without the C kernels")
+    switch = ctypes.c_int.in_dll(ctypes.CDLL(str(kernels.path)), args.toggle)
+    kept = switch.value
+    times: dict[tuple[str, int], list[float]] = {}
+    try:
+        for _ in range(args.rounds):
+            for name, step in steppers(runner, args).items():
+                time_steps(step, args.warmup, 0, clock)
+                for i in range(args.iters):
+                    for value in (0, 1) if i % 2 == 0 else (1, 0):
+                        switch.value = value
+                        times.setdefault((name, value), []).extend(time_steps(step, 1, 0, clock))
+    finally:
+        switch.value = kept
+    print(f"{dtype}: {args.toggle} 0 and 1 on alternate steps, {args.iters} pairs x {args.rounds} rounds, "
+          f"context {args.context}, median {args.clock} ms/step")  # fmt: skip
+    for name in shapes(args):
+        off, on = (statistics.median(times[(name, v)]) * 1e3 for v in (0, 1))
+        print(f"{name:<12} {args.toggle}=0 {off:9.2f}  {args.toggle}=1 {on:9.2f}  1 / 0 {on / off:.3f}")
 
 
 def report(times: dict[tuple[str, str], list[float]], args: argparse.Namespace) -> None:

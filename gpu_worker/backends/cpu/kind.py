@@ -184,9 +184,9 @@ def cpu_vendor() -> str:
 
 
 def weight_prefetch_nta(vendor: str | None = None) -> bool:
-    """Whether the few-row tiles prefetch the weights they stream non-temporally (csrc/common.h's
-    weight_prefetch_nta): on AMD, where it was measured faster; ``RIVULET_WEIGHT_PREFETCH=nta`` or
-    ``=t0`` chooses either way (to measure a CPU that was not)."""
+    """Whether the K-quants' few-row tiles prefetch the weights they stream non-temporally
+    (csrc/common.h's weight_prefetch_nta): on AMD, where it was measured faster;
+    ``RIVULET_WEIGHT_PREFETCH=nta`` or ``=t0`` chooses either way (to measure a CPU that was not)."""
     chosen = os.environ.get(PREFETCH_ENV_VAR, "").strip().lower()
     if chosen in ("nta", "t0"):
         return chosen == "nta"

@@ -178,18 +178,20 @@ static inline void prefetch_kv(const void *k_cache, const void *v_cache, const i
     }
 }
 
-/* Whether the few-row tiles prefetch the weights they stream non-temporally (set once, at load,
- * by kernels.py from kind.weight_prefetch_nta). Such a tile reads each weight block once a step.
- * An ordinary prefetch leaves the line in L2, and AMD's Zen writes every line L2 evicts into its
- * L3 (a victim cache): some 300 MB of weights a step pass through L3 there, pushing out what the
- * step does read again (the KV cache, a mixture of experts' float32 routers, the activations).
- * prefetchnta fetches the line for one use. On the Zen 5 here, in one process (docs/benchmarks.md,
- * "Weights prefetched non-temporally"): the Qwen3-MoE shape's one-row step 0.94-0.98 of the time,
- * 2-4 rows 0.93-0.99, a dense 1B's one row 0.96-1.01. Intel's caches take the hint otherwise and
- * were not measured: they keep the ordinary prefetch. */
+/* Whether the K-quants' 16-bit tiles (one to a few rows) prefetch the weights they stream
+ * non-temporally (set once, at load, by kernels.py from kind.weight_prefetch_nta). Such a tile reads
+ * each weight block once a step. An ordinary prefetch leaves the line in L2, and AMD's Zen writes
+ * every line L2 evicts into its L3 (a victim cache): some 300-700 MB of weights a step pass through
+ * L3 there, pushing out what the step does read again (the KV cache, a mixture of experts' float32
+ * routers, the activations). prefetchnta fetches the line for one use. On the Zen 5 here, steps
+ * alternating the two in one process (docs/benchmarks.md, "Weights prefetched non-temporally"): the
+ * Qwen3-MoE shape's one-row step 0.94-0.99 of the time, the 1B Q4_K_M's 0.93-1.01, 2-4 rows
+ * 0.96-0.99. The legacy types' tiles (quant_x8.c) keep the ordinary prefetch: the embedded Q4_1
+ * model's 4-row step came out 0.93 in one hour and 1.08-1.09 in the next, the 1B Q4_0's 0.99-1.01.
+ * Intel's caches take the hint otherwise and were not measured: they keep the ordinary prefetch. */
 extern int weight_prefetch_nta;
 
-/* One line of streamed weights, prefetched as weight_prefetch_nta says. */
+/* One line of streamed K-quant weights, prefetched as weight_prefetch_nta says. */
 static inline void prefetch_weights(const void *p) {
     if (weight_prefetch_nta) {
         __builtin_prefetch(p, 0, 0);

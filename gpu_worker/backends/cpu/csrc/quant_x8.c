@@ -80,7 +80,7 @@ static inline __attribute__((always_inline)) void x8_tile(const uint8_t *g, int6
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + b * 8 * bb, *q = blk + head;
-        for (int at = 0; at < 8 * bb; at += 64) prefetch_weights(blk + X8_PF + at);
+        for (int at = 0; at < 8 * bb; at += 64) _mm_prefetch((const char *)(blk + X8_PF + at), _MM_HINT_T0);
         __m256i s[XR];
         for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
         if (type == QTYPE_Q8_0) {
@@ -218,8 +218,8 @@ static inline __attribute__((always_inline)) void x16_tile(const uint8_t *g, int
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + b * 8 * bb, *blk2 = g2 + b * 8 * bb, *q = blk + head, *q2 = blk2 + head;
         for (int at = 0; at < 8 * bb; at += 64) {
-            prefetch_weights(blk + X8_PF + at);
-            prefetch_weights(blk2 + X8_PF + at);
+            _mm_prefetch((const char *)(blk + X8_PF + at), _MM_HINT_T0);
+            _mm_prefetch((const char *)(blk2 + X8_PF + at), _MM_HINT_T0);
         }
         __m512i s[ZR];
         for (int r = 0; r < R; r++) s[r] = _mm512_setzero_si512();
