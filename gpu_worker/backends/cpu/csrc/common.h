@@ -185,7 +185,7 @@ static inline void prefetch_kv(const void *k_cache, const void *v_cache, const i
  * L3 there, pushing out what the step does read again (the KV cache, a mixture of experts' float32
  * routers, the activations). prefetchnta fetches the line for one use. On the Zen 5 here, steps
  * alternating the two in one process (docs/benchmarks.md, "Weights prefetched non-temporally"): the
- * Qwen3-MoE shape's one-row step 0.94-0.99 of the time, the 1B Q4_K_M's 0.93-1.01, 2-4 rows
+ * Qwen3-MoE shape's one-row step 0.94-0.99 of the time, the 1B Q4_K_M's 0.93-1.02, 2-4 rows
  * 0.96-0.99. The legacy types' tiles (quant_x8.c) keep the ordinary prefetch: the embedded Q4_1
  * model's 4-row step came out 0.93 in one hour and 1.08-1.09 in the next, the 1B Q4_0's 0.99-1.01.
  * Intel's caches take the hint otherwise and were not measured: they keep the ordinary prefetch. */
