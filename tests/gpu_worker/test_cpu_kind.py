@@ -94,6 +94,15 @@ def test_launcher_refuses_a_kind_the_cpu_lacks_before_starting_anything() -> Non
     assert "RIVULET_CPU_KIND='sse9' is not one of" in done.stderr
 
 
+def test_launcher_refuses_an_unknown_weight_prefetch_before_starting_anything() -> None:
+    env = {**os.environ, cpu_kind.PREFETCH_ENV_VAR: "l2"}
+    done = subprocess.run(
+        [sys.executable, "launcher.py"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert "RIVULET_WEIGHT_PREFETCH='l2' is not one of nta, t0" in done.stderr
+
+
 def test_describe_names_the_kind_and_the_flags() -> None:
     line = cpu_kind.describe(CpuKind.PORTABLE)
     assert line.startswith("cpu kind portable") and "avx2=" in line and "avx512_bf16=" in line

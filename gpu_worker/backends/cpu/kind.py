@@ -156,8 +156,10 @@ def apply_to_environ() -> CpuKind:
     """Point oneDNN, ATen and MKL at the requested kind (before torch loads); return the kind.
 
     Without RIVULET_CPU_KIND the environment is left alone and the libraries see the whole CPU.
+    A RIVULET_WEIGHT_PREFETCH that names no choice is refused here too, before anything starts.
     """
     kind = requested_kind()
+    weight_prefetch_nta()
     if os.environ.get(ENV_VAR, "").strip().lower() not in ("", "native"):
         os.environ.update(_LIBRARY_ENV[kind])
         # torch.compile's cache keys do not hold ATen's capability: a kernel cached while acting as
