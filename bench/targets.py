@@ -229,13 +229,18 @@ def measure_offline(args: argparse.Namespace, server: launch.Server, dtype: str,
     }
 
 
+def _engine_flags(args: argparse.Namespace, dtype: str, port: int) -> list[str]:
+    """launcher.py's flags for a rivulet engine of ``dtype`` serving HTTP on ``port``."""
+    return ["--dtype", dtype, "--http-port", str(port), *shlex.split(args.engine_flags)]
+
+
 def measure_round(args: argparse.Namespace, dtype: str, r: int, http: bool = False) -> dict[str, Any]:
     """Start an engine (timing its start-up), measure every target on it, stop it.
 
     ``http``: also 32 streams and 1 stream over its HTTP API (``http_*`` keys), the peer's terms.
     """
     port = free_port()
-    flags = ["--dtype", dtype, "--http-port", str(port), *shlex.split(args.engine_flags)]
+    flags = _engine_flags(args, dtype, port)
     with tempfile.TemporaryDirectory(prefix="rivulet-targets-") as tmp:
         t0 = time.perf_counter()
         with launch.rivulet_server(f"targets-{dtype}", flags, Path(tmp), args.model) as server:
@@ -272,7 +277,7 @@ def measure_paired(args: argparse.Namespace, peer: Peer, dtype: str, r: int) -> 
     one engine's run lands on the fast pace while the other's lands on the slow one. Returns the
     medians of each engine's per-request TPOT as tok/s and the median of the pairs' ratios."""
     rport, lport = free_port(), free_port()
-    flags = ["--dtype", dtype, "--http-port", str(rport), *shlex.split(args.engine_flags)]
+    flags = _engine_flags(args, dtype, rport)
     urls = {"rivulet": f"http://127.0.0.1:{rport}", "llama.cpp": f"http://127.0.0.1:{lport}"}
     with (
         tempfile.TemporaryDirectory(prefix="rivulet-targets-paired-") as tmp,

@@ -109,7 +109,7 @@ def format_table(
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for t in (t for t in (*TARGETS, *PEER_TARGETS) if t.key in by_dtype[dtypes[0]]):
         values = [by_dtype[d][t.key] for d in dtypes]
-        show = _ratio_cell if t.key in RATIOS or t.key.endswith(("_floor_x", "_ratio")) else cell
+        show = _ratio_cell if t.key.endswith(("_ratio", "_floor_x")) else cell
         cells = [show([x for x in s["runs"] if x is not None]) if "median" in s else "n/a" for s in values]
         lines.append(
             "| " + " | ".join([t.label, t.goal, *cells, *(_verdict(t, s) for s in values), *t.anchors]) + " |"

@@ -85,22 +85,22 @@ def test_torch_in_a_fresh_process_follows_the_override() -> None:
     assert done.stdout.strip() == "DEFAULT"
 
 
-def test_launcher_refuses_a_kind_the_cpu_lacks_before_starting_anything() -> None:
-    env = {**os.environ, cpu_kind.ENV_VAR: "sse9"}
+@pytest.mark.parametrize(
+    ("var", "value", "message"),
+    [
+        (cpu_kind.ENV_VAR, "sse9", "RIVULET_CPU_KIND='sse9' is not one of"),
+        (cpu_kind.PREFETCH_ENV_VAR, "l2", "RIVULET_WEIGHT_PREFETCH='l2' is not one of nta, t0"),
+    ],
+)
+def test_launcher_refuses_an_unknown_setting_before_starting_anything(
+    var: str, value: str, message: str
+) -> None:
+    env = {**os.environ, var: value}
     done = subprocess.run(
         [sys.executable, "launcher.py"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2
-    assert "RIVULET_CPU_KIND='sse9' is not one of" in done.stderr
-
-
-def test_launcher_refuses_an_unknown_weight_prefetch_before_starting_anything() -> None:
-    env = {**os.environ, cpu_kind.PREFETCH_ENV_VAR: "l2"}
-    done = subprocess.run(
-        [sys.executable, "launcher.py"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 2
-    assert "RIVULET_WEIGHT_PREFETCH='l2' is not one of nta, t0" in done.stderr
+    assert message in done.stderr
 
 
 def test_describe_names_the_kind_and_the_flags() -> None:

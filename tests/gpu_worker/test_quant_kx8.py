@@ -6,6 +6,7 @@ this machine runs."""
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 
 import gguf
@@ -15,6 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from gpu_worker.backends.cpu import kernels as cpu_kernels
+from gpu_worker.backends.cpu import kind as cpu_kind
 from gpu_worker.backends.cpu.layouts import (
     X8,
     X8_LAYOUT,
@@ -133,10 +135,6 @@ def test_rows_not_a_multiple_of_8_are_refused(kernels: cpu_kernels.CpuKernels) -
 def test_weight_prefetch_hint_changes_no_bit(kernels: cpu_kernels.CpuKernels, qtype: Q) -> None:
     """The few-row tiles' weight prefetch (common.h's weight_prefetch_nta, as the loader set it from
     kind.weight_prefetch_nta) is a hint: either way the same bits at 1 and 3 rows."""
-    import ctypes
-
-    from gpu_worker.backends.cpu import kind as cpu_kind
-
     hint = ctypes.c_int.in_dll(ctypes.CDLL(str(kernels.path)), "weight_prefetch_nta")
     assert hint.value == int(cpu_kind.weight_prefetch_nta())
     x8, _, _ = held(qtype, 48, 1536)

@@ -101,14 +101,19 @@ _LIBRARY_ENV: dict[CpuKind, dict[str, str]] = {
 REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "avx_vnni")
 
 
-def cpu_flags() -> frozenset[str]:
-    """The flags line of /proc/cpuinfo (empty where there is none)."""
+def _cpuinfo(*keys: str) -> str:
+    """The value of /proc/cpuinfo's first line that starts with one of ``keys`` ("" where none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
+            line = next((line for line in f if line.startswith(keys)), "")
     except OSError:
-        return frozenset()
-    return frozenset(line.partition(":")[2].split())
+        return ""
+    return line.partition(":")[2].strip()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The flags line of /proc/cpuinfo (empty where there is none)."""
+    return frozenset(_cpuinfo("flags", "Features").split())
 
 
 def is_x86() -> bool:
@@ -177,12 +182,7 @@ PREFETCH_ENV_VAR = "RIVULET_WEIGHT_PREFETCH"
 
 def cpu_vendor() -> str:
     """The vendor_id line of /proc/cpuinfo ("AuthenticAMD", "GenuineIntel"; empty where none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
-    return line.partition(":")[2].strip()
+    return _cpuinfo("vendor_id")
 
 
 def weight_prefetch_nta(vendor: str | None = None) -> bool:
