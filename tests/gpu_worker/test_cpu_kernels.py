@@ -89,7 +89,7 @@ def assert_rows_attend(
     ("heads", "kv_heads", "head_dim"),
     [(9, 3, 64), (8, 2, 64), (4, 4, 16), (6, 2, 80), (4, 1, 128), (4, 2, 128), (8, 4, 256), (20, 1, 64)],
 )  # 256: Gemma's heads, the kernel's MAX_HEAD_DIM; (8, 2, 64) and (4, 2, 128): q and the values' sums held in
-# registers (4 and 2 query heads a KV head); (20, 1, 64): more than 16 query heads in one softmax update
+# registers (4 and 2 query heads a KV head); (20, 1, 64): a KV head's 20 query heads met 8, 8, then 4 (held)
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_decode_attention_matches_float64(
     kernels: cpu_kernels.CpuKernels,

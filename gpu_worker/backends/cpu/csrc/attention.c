@@ -225,42 +225,24 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
                 GROUPS_OF_8(SCORES)
 #undef SCORES
             }
-        for (int j0 = 0; j0 < nq; j0 += 16) { /* scores and the softmax update, 16 query heads at a time */
-            const int nj = nq - j0 < 16 ? nq - j0 : 16;
-            const __mmask16 heads = (__mmask16)((1u << nj) - 1);
-            __m512 s[16], w[16];
-            for (int i = 0; i < nj; i++) {
-                const int j = j0 + i;
-                const char *kv = (const char *)k_cache + (col + (int64_t)(j / group) * head_dim) * elem;
-                const __m512 raw =
-                    paired ? block_scores(q + (int64_t)j * head_dim * q_elem, kv, at_k, PAIRED, head_dim) : raws[j];
-                s[i] = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), _mm512_mul_ps(raw, _mm512_set1_ps(scale)));
-            }
-            for (int i = nj; i < 16; i++) s[i] = s[0]; /* lanes past the heads: finite, never stored */
-            for (int i = 0; i < 16; i++) w[i] = s[ORDER16[i]];
-            const __m512 m_old = _mm512_mask_loadu_ps(_mm512_setzero_ps(), heads, m + j0);
-            const __m512 m_new = _mm512_max_ps(fold16(w, 1), m_old);
-            const __m512 corr = exp512(_mm512_sub_ps(m_old, m_new)); /* first block: 0 (m_old -inf) */
-            float mx[16], cr[16];
-            _mm512_storeu_ps(mx, m_new);
-            _mm512_storeu_ps(cr, corr);
-            __m512 p[16];
-            for (int i = 0; i < 16; i++)
-                p[i] = i < nj ? _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s[i], _mm512_set1_ps(mx[i]))))
-                              : _mm512_setzero_ps();
-            for (int i = 0; i < 16; i++) w[i] = p[ORDER16[i]];
-            const __m512 l_old = _mm512_mask_loadu_ps(_mm512_setzero_ps(), heads, l + j0);
-            _mm512_mask_storeu_ps(l + j0, heads, _mm512_fmadd_ps(l_old, corr, sum16(w)));
-            _mm512_mask_storeu_ps(m + j0, heads, m_new);
-            for (int i = 0; i < nj; i++) {
-                float *aj = acc + (int64_t)(j0 + i) * stride;
-                for (int d = 0; d < stride; d += 16)
-                    _mm512_storeu_ps(aj + d, _mm512_mul_ps(_mm512_loadu_ps(aj + d), _mm512_set1_ps(cr[i])));
-                if (paired)
-                    _mm256_storeu_si256((__m256i *)pairs[j0 + i], (__m256i)_mm512_cvtneps_pbh(p[i]));
-                else
-                    _mm512_storeu_ps(prob[j0 + i], p[i]);
-            }
+        for (int j = 0; j < nq; j++) { /* scores and the softmax update */
+            const char *kv = (const char *)k_cache + (col + (int64_t)(j / group) * head_dim) * elem;
+            const __m512 raw =
+                paired ? block_scores(q + (int64_t)j * head_dim * q_elem, kv, at_k, PAIRED, head_dim) : raws[j];
+            const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),
+                                                  _mm512_mul_ps(raw, _mm512_set1_ps(scale)));
+            const float mx = max_f(m[j], _mm512_reduce_max_ps(s));
+            const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
+            const float corr = _mm512_cvtss_f32(exp512(_mm512_set1_ps(m[j] - mx))); /* first block: 0 */
+            l[j] = l[j] * corr + _mm512_reduce_add_ps(p);
+            m[j] = mx;
+            float *aj = acc + (int64_t)j * stride;
+            for (int d = 0; d < stride; d += 16) /* stride: whole vectors */
+                _mm512_storeu_ps(aj + d, _mm512_mul_ps(_mm512_loadu_ps(aj + d), _mm512_set1_ps(corr)));
+            if (paired)
+                _mm256_storeu_si256((__m256i *)pairs[j], (__m256i)_mm512_cvtneps_pbh(p));
+            else
+                _mm512_storeu_ps(prob[j], p);
         }
         for (int h = h0; h < h1; h++) { /* the weighted sum of V, accumulators in registers */
             const int64_t vcol = (int64_t)h * head_dim;

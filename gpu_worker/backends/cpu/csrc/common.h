@@ -222,25 +222,20 @@ static inline void round_vec(int dtype, float *v, int n) {
 }
 
 #if HAVE_AVX512
-/* Lane i of the result: the sum (or with MAX, the largest) of the 16 lanes of v[ORDER16[i]]. Four
- * halving rounds of shuffles and adds: 45 instructions for 16 sums, where 16 separate horizontal
- * sums take ~130. */
+/* Lane i of the result: the sum of the 16 lanes of v[ORDER16[i]]. Four halving rounds of
+ * shuffles and adds: 45 instructions for 16 sums, where 16 separate horizontal sums take ~130. */
 static const int ORDER16[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15}; /* its own inverse */
 
-static inline __m512 fold16(const __m512 v[16], const int MAX) {
-#define FOLD(a, b) (MAX ? _mm512_max_ps((a), (b)) : _mm512_add_ps((a), (b)))
+static inline __m512 sum16(const __m512 v[16]) {
     __m512 w[8], x[4], y[2];
     for (int i = 0; i < 8; i++) /* 256-bit halves */
-        w[i] = FOLD(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
     for (int i = 0; i < 4; i++) /* 128-bit quarters */
-        x[i] = FOLD(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
     for (int i = 0; i < 2; i++) /* pairs within 128 bits */
-        y[i] = FOLD(_mm512_shuffle_ps(x[i], x[i + 2], 0x88), _mm512_shuffle_ps(x[i], x[i + 2], 0xDD));
-    return FOLD(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
-#undef FOLD
+        y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[i], x[i + 2], 0x88), _mm512_shuffle_ps(x[i], x[i + 2], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
 }
-
-static inline __m512 sum16(const __m512 v[16]) { return fold16(v, 0); }
 
 /* exp(x) for x <= 0, lane-wise: exp_nonpositive's polynomial, with 2^n applied by vscalefps. */
 static inline __m512 exp512(__m512 x) {
