@@ -58,8 +58,8 @@ static __attribute__((noinline)) void group_scores_held(const float *q, const ch
                                                                     const int GN, const int ND);
 static inline __attribute__((always_inline)) void group_scores(const float *q, const char *kv, const int64_t at[16],
                                                                int mode, int head_dim, __m512 *raw, const int GN) {
-    if (head_dim == 64 && GN <= 4) return group_scores_held(q, kv, at, mode, raw, GN, 4);
-    if (head_dim == 128 && GN <= 2) return group_scores_held(q, kv, at, mode, raw, GN, 8);
+    if (head_dim == 64 && GN == 4) return group_scores_held(q, kv, at, mode, raw, GN, 4);
+    if (head_dim == 128 && GN == 2) return group_scores_held(q, kv, at, mode, raw, GN, 8);
     const int elem = mode == DTYPE_F32 ? 4 : 2;
     __m512 part[8][16];
     for (int t = 0; t < 16; t++) {
@@ -76,7 +76,7 @@ static inline __attribute__((always_inline)) void group_scores(const float *q, c
     for (int i = 0; i < GN; i++) raw[i] = sum16(part[i]);
 }
 
-/* group_scores where the GN heads' q fill at most 16 vectors (head_dim = 16 ND): q held in registers
+/* group_scores where the GN heads' q fill 16 vectors (head_dim = 16 ND): q held in registers
  * for the block, not loaded again for each position. The same products in the same order per lane,
  * so the same bits. Not inlined (nor group_values_held): in attend_avx512's frame their registers'
  * spills moved its other arrays, and the Qwen3-MoE shape's steps (which take neither) ran 0.6x. */
@@ -99,7 +99,7 @@ static __attribute__((noinline)) void group_scores_held(const float *q, const ch
     for (int i = 0; i < GN; i++) raw[i] = sum16(part[i]);
 }
 
-/* group_values where the GN heads' accumulators fill at most 16 vectors (head_dim = 16 ND): all of
+/* group_values where the GN heads' accumulators fill 16 vectors (head_dim = 16 ND): all of
  * them held in registers over the block, each V row read and widened once. The same FMAs in the same
  * order per lane, so the same bits. */
 static __attribute__((noinline)) void group_values_held(float *acc, int stride, const float (*prob)[BLOCK],
@@ -127,8 +127,8 @@ static __attribute__((noinline)) void group_values_held(float *acc, int stride, 
 static inline __attribute__((always_inline)) void group_values(float *acc, int stride, const float (*prob)[BLOCK],
                                                                const char *vh, const int64_t *at, int n, int kv_dtype,
                                                                int head_dim, const int GN) {
-    if (head_dim == 64 && GN <= 4) return group_values_held(acc, stride, prob, vh, at, n, kv_dtype, GN, 4);
-    if (head_dim == 128 && GN <= 2) return group_values_held(acc, stride, prob, vh, at, n, kv_dtype, GN, 8);
+    if (head_dim == 64 && GN == 4) return group_values_held(acc, stride, prob, vh, at, n, kv_dtype, GN, 4);
+    if (head_dim == 128 && GN == 2) return group_values_held(acc, stride, prob, vh, at, n, kv_dtype, GN, 8);
     const int elem = kv_dtype == DTYPE_F32 ? 4 : 2;
     for (int d = 0; d < head_dim; d += 16) {
         const __mmask16 mask = head_dim - d >= 16 ? 0xffffu : (__mmask16)((1u << (head_dim - d)) - 1);
