@@ -19,5 +19,7 @@ def test_pinned_attributes_are_the_registered_ones_and_follow_reassignment() -> 
     new_weight = nn.Parameter(torch.zeros(3, 4), requires_grad=False)
     first.weight = new_weight  # as the CPU backend does after loading
     assert first.weight is new_weight and first._parameters["weight"] is new_weight
+    with torch.no_grad():  # the layer's parameters start uninitialised: a NaN there would never compare equal
+        first.bias.copy_(torch.tensor([1.0, -2.0, 3.0]))
     x = torch.ones(1, 4)
     assert torch.equal(first(x), first.bias.expand(1, 3)), "the forward reads the reassigned weight"
