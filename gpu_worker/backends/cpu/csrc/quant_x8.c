@@ -32,6 +32,12 @@
 #define X8_PF 4096 /* how far ahead (bytes) the tile prefetches its group's blocks (1024: Q4_0's one row 1.1x slower) */
 #endif
 #define XR 4 /* activation rows per tile */
+#ifndef X8_ROW_PF
+/* x8_row's distance: it takes a block in about 0.7 of x8_tile's time, so the same distance in bytes
+ * is less time ahead (1B Q4_0's 4 layers, one row, memory-bound: 4096 1.05x, 8192 1.00-1.03x
+ * x8_tile's time; bench.quant_matmul --against) */
+#define X8_ROW_PF 8192
+#endif
 
 static inline int block_bytes(const int type) { return type == QTYPE_Q8_0 ? 34 : type == QTYPE_Q4_1 ? 20 : 18; }
 
@@ -252,13 +258,61 @@ static inline __attribute__((always_inline)) void x16_tile(const uint8_t *g, int
     for (int r = 0; r < R && r < nr; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 
+/* x8_tile for one activation row, a zmm holding two chunks of the group's block (chunk 2i in lanes
+ * 0-7, 2i + 1 in lanes 8-15, each lane one row's pair of weights), the activation's pairs placed to
+ * match by one permute of its 32 values each: half the multiplies and loads of x8_tile's ymm. The
+ * two halves' integer sums are added (exactly) before x8_tile's float steps, in its order: the same
+ * bits. */
+static inline __attribute__((always_inline)) void x8_row(const uint8_t *g, int64_t nb, const act_block16 *x,
+                                                         float *out, const int type) {
+    const int bb = block_bytes(type), head = type == QTYPE_Q4_1 ? 32 : 16;
+    __m512i idx[8]; /* pairs 2i (lanes 0-7) and 2i + 1 (lanes 8-15) of the activation's 16 */
+    for (int i = 0; i < 8; i++)
+        idx[i] = _mm512_inserti64x4(_mm512_set1_epi32(2 * i), _mm256_set1_epi32(2 * i + 1), 1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * 8 * bb, *q = blk + head;
+        for (int at = 0; at < 8 * bb; at += 64) _mm_prefetch((const char *)(blk + X8_ROW_PF + at), _MM_HINT_T0);
+        const __m512i xv = _mm512_loadu_si512(x[b].q);
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        if (type == QTYPE_Q8_0) {
+            for (int i = 0; i < 8; i += 2) {
+                s0 = DPW(s0, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * i))),
+                         _mm512_permutexvar_epi32(idx[i], xv));
+                s1 = DPW(s1, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * i + 32))),
+                         _mm512_permutexvar_epi32(idx[i + 1], xv));
+            }
+        } else { /* low nibbles: pairs 0-7 of the activation, high: 8-15 */
+            for (int i = 0; i < 4; i++) {
+                const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * i)));
+                s0 = DPW(s0, _mm512_and_si512(v, _mm512_set1_epi16(0x0f)), _mm512_permutexvar_epi32(idx[i], xv));
+                s1 = DPW(s1, _mm512_srli_epi16(v, 4), _mm512_permutexvar_epi32(idx[4 + i], xv));
+            }
+        }
+        const __m512i sum = _mm512_add_epi32(s0, s1);
+        const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s8), _mm256_mul_ps(d, _mm256_set1_ps(x[b].d)), acc);
+        if (type == QTYPE_Q4_1) {
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+            acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x[b].s), acc);
+        } else if (type == QTYPE_Q4_0) {
+            acc = _mm256_fnmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(8.0f)), _mm256_set1_ps(x[b].s), acc);
+        }
+    }
+    _mm256_storeu_ps(out, acc);
+}
+
 /* One group of at most ZR activation rows over weight rows [0, nc): pairs of groups through
  * x16_tile, a last odd group through x8_tile (at most XR activation rows a call). */
 static inline __attribute__((always_inline)) void x16_rows(const uint8_t *w, int64_t wrb, int64_t nc,
                                                            const act_block16 *const *xa, int64_t rows,
                                                            int64_t nb, float *out, int64_t ldo, const int type) {
     int64_t c0 = 0;
-    /* one row: the 8-row tile, one stream per group, reads memory faster (bench.quant_matmul) */
+    if (rows == 1) { /* one row: a group at a time, one stream per group, reads memory faster (bench.quant_matmul) */
+        for (; c0 < nc; c0 += 8) x8_row(w + c0 * wrb, nb, xa[0], out + c0, type);
+        return;
+    }
     for (; rows > 1 && c0 + 16 <= nc; c0 += 16) {
         const uint8_t *g = w + c0 * wrb;
         float *o = out + c0;
