@@ -49,13 +49,54 @@ static inline __m512 block_scores(const void *q, const void *kv, const int64_t a
     return sum16(part);
 }
 
+/* group_scores (below) where the GN heads' q fill 16 vectors (head_dim = 16 ND): q held in registers
+ * for the block, not loaded again for each position. The same products in the same order per lane,
+ * so the same bits. Not inlined (nor group_values_held): in attend_avx512's frame their registers'
+ * spills moved its other arrays, and the Qwen3-MoE shape's steps (which take neither) ran 0.6x. */
+static __attribute__((noinline)) void group_scores_held(const float *q, const char *kv, const int64_t at[16],
+                                                        int mode, __m512 *raw, const int GN, const int ND) {
+    const int elem = mode == DTYPE_F32 ? 4 : 2;
+    __m512 qr[16], part[4][16];
+    for (int i = 0; i < GN; i++)
+        for (int c = 0; c < ND; c++) qr[i * ND + c] = _mm512_loadu_ps(q + (i * ND + c) * 16);
+    for (int t = 0; t < 16; t++) {
+        __m512 k[8];
+        for (int c = 0; c < ND; c++) k[c] = load16_kv(kv + at[t] * elem, mode, 16 * c, 16 * ND);
+        for (int i = 0; i < GN; i++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int c = 0; c < ND; c++) a = _mm512_fmadd_ps(qr[i * ND + c], k[c], a);
+            part[i][t] = a;
+        }
+    }
+    for (int i = 0; i < GN; i++) raw[i] = sum16(part[i]);
+}
+
+/* group_values (below) where the GN heads' accumulators fill 16 vectors (head_dim = 16 ND): all of
+ * them held in registers over the block, each V row read and widened once. The same FMAs in the same
+ * order per lane, so the same bits. */
+static __attribute__((noinline)) void group_values_held(float *acc, int stride, const float (*prob)[BLOCK],
+                                                        const char *vh, const int64_t *at, int n, int kv_dtype,
+                                                        const int GN, const int ND) {
+    const int elem = kv_dtype == DTYPE_F32 ? 4 : 2;
+    __m512 sum[16];
+    for (int i = 0; i < GN; i++)
+        for (int c = 0; c < ND; c++) sum[i * ND + c] = _mm512_loadu_ps(acc + (int64_t)i * stride + 16 * c);
+    for (int t = 0; t < n; t++) {
+        __m512 v[8];
+        for (int c = 0; c < ND; c++) v[c] = load16_kv(vh + at[t] * elem, kv_dtype, 16 * c, 16 * ND);
+        for (int i = 0; i < GN; i++) {
+            const __m512 p = _mm512_set1_ps(prob[i][t]);
+            for (int c = 0; c < ND; c++) sum[i * ND + c] = _mm512_fmadd_ps(p, v[c], sum[i * ND + c]);
+        }
+    }
+    for (int i = 0; i < GN; i++)
+        for (int c = 0; c < ND; c++) _mm512_storeu_ps(acc + (int64_t)i * stride + 16 * c, sum[i * ND + c]);
+}
+
 /* block_scores of GN query heads that share one KV head (GQA: q the first head's float32 values, the
  * others head_dim apart), into raw[0, GN): each K row's 16 dimensions are read and widened once for
  * all GN heads, where block_scores per head widens them GN times. Per head, every lane sums the
  * same products in the same order as block_scores (and sum16 reduces them alike): the same bits. */
-static __attribute__((noinline)) void group_scores_held(const float *q, const char *kv,
-                                                                    const int64_t at[16], int mode, __m512 *raw,
-                                                                    const int GN, const int ND);
 static inline __attribute__((always_inline)) void group_scores(const float *q, const char *kv, const int64_t at[16],
                                                                int mode, int head_dim, __m512 *raw, const int GN) {
     if (head_dim == 64 && GN == 4) return group_scores_held(q, kv, at, mode, raw, GN, 4);
@@ -74,51 +115,6 @@ static inline __attribute__((always_inline)) void group_scores(const float *q, c
         for (int i = 0; i < GN; i++) part[i][t] = a[i];
     }
     for (int i = 0; i < GN; i++) raw[i] = sum16(part[i]);
-}
-
-/* group_scores where the GN heads' q fill 16 vectors (head_dim = 16 ND): q held in registers
- * for the block, not loaded again for each position. The same products in the same order per lane,
- * so the same bits. Not inlined (nor group_values_held): in attend_avx512's frame their registers'
- * spills moved its other arrays, and the Qwen3-MoE shape's steps (which take neither) ran 0.6x. */
-static __attribute__((noinline)) void group_scores_held(const float *q, const char *kv,
-                                                                    const int64_t at[16], int mode, __m512 *raw,
-                                                                    const int GN, const int ND) {
-    const int elem = mode == DTYPE_F32 ? 4 : 2;
-    __m512 qr[16], part[4][16];
-    for (int i = 0; i < GN; i++)
-        for (int c = 0; c < ND; c++) qr[i * ND + c] = _mm512_loadu_ps(q + (i * ND + c) * 16);
-    for (int t = 0; t < 16; t++) {
-        __m512 k[8];
-        for (int c = 0; c < ND; c++) k[c] = load16_kv(kv + at[t] * elem, mode, 16 * c, 16 * ND);
-        for (int i = 0; i < GN; i++) {
-            __m512 a = _mm512_setzero_ps();
-            for (int c = 0; c < ND; c++) a = _mm512_fmadd_ps(qr[i * ND + c], k[c], a);
-            part[i][t] = a;
-        }
-    }
-    for (int i = 0; i < GN; i++) raw[i] = sum16(part[i]);
-}
-
-/* group_values where the GN heads' accumulators fill 16 vectors (head_dim = 16 ND): all of
- * them held in registers over the block, each V row read and widened once. The same FMAs in the same
- * order per lane, so the same bits. */
-static __attribute__((noinline)) void group_values_held(float *acc, int stride, const float (*prob)[BLOCK],
-                                                                    const char *vh, const int64_t *at, int n,
-                                                                    int kv_dtype, const int GN, const int ND) {
-    const int elem = kv_dtype == DTYPE_F32 ? 4 : 2;
-    __m512 sum[16];
-    for (int i = 0; i < GN; i++)
-        for (int c = 0; c < ND; c++) sum[i * ND + c] = _mm512_loadu_ps(acc + (int64_t)i * stride + 16 * c);
-    for (int t = 0; t < n; t++) {
-        __m512 v[8];
-        for (int c = 0; c < ND; c++) v[c] = load16_kv(vh + at[t] * elem, kv_dtype, 16 * c, 16 * ND);
-        for (int i = 0; i < GN; i++) {
-            const __m512 p = _mm512_set1_ps(prob[i][t]);
-            for (int c = 0; c < ND; c++) sum[i * ND + c] = _mm512_fmadd_ps(p, v[c], sum[i * ND + c]);
-        }
-    }
-    for (int i = 0; i < GN; i++)
-        for (int c = 0; c < ND; c++) _mm512_storeu_ps(acc + (int64_t)i * stride + 16 * c, sum[i * ND + c]);
 }
 
 /* acc[i] (GN heads' float32 accumulators, stride apart) += prob[i][t] V[t] over the block's n

@@ -303,8 +303,9 @@ static inline __attribute__((always_inline)) void x8_row(const uint8_t *g, int64
     _mm256_storeu_ps(out, acc);
 }
 
-/* One group of at most ZR activation rows over weight rows [0, nc): pairs of groups through
- * x16_tile, a last odd group through x8_tile (at most XR activation rows a call). */
+/* One group of at most ZR activation rows over weight rows [0, nc): one row through x8_row, a group
+ * at a time; more rows through x16_tile, pairs of groups, a last odd group through x8_tile (at most
+ * XR activation rows a call). */
 static inline __attribute__((always_inline)) void x16_rows(const uint8_t *w, int64_t wrb, int64_t nc,
                                                            const act_block16 *const *xa, int64_t rows,
                                                            int64_t nb, float *out, int64_t ldo, const int type) {
@@ -313,7 +314,7 @@ static inline __attribute__((always_inline)) void x16_rows(const uint8_t *w, int
         for (; c0 < nc; c0 += 8) x8_row(w + c0 * wrb, nb, xa[0], out + c0, type);
         return;
     }
-    for (; rows > 1 && c0 + 16 <= nc; c0 += 16) {
+    for (; c0 + 16 <= nc; c0 += 16) {
         const uint8_t *g = w + c0 * wrb;
         float *o = out + c0;
         switch (rows) {
