@@ -211,17 +211,40 @@ def flags_markdown(parser: argparse.ArgumentParser | None = None) -> str:
         "Generated from the launcher's parser by `python -m launcher_flags > docs/flags.md`;",
         "`tests/test_launcher_flags.py` fails when this file and the parser disagree.",
         "",
+        "A switch's default is what you get without it: `off` means not given (without",
+        "`--disable-overlap-schedule` the overlap schedule runs). A flag with a `--no-` form takes",
+        "either spelling; an empty default is stated in the help (or there is none).",
+        "",
         "| flag | default | what |",
         "|---|---|---|",
     ]
     for action in parser._actions:  # argparse lists its options only here
-        if not action.option_strings or action.help == argparse.SUPPRESS:
-            continue
-        spelling = max(action.option_strings, key=len)
-        default = "" if action.default in (None, argparse.SUPPRESS) else f"`{action.default}`"
-        what = " ".join((action.help or "").split()).replace("|", "\\|")
-        lines.append(f"| `{spelling}` | {default} | {what} |")
+        if action.option_strings and action.help != argparse.SUPPRESS:
+            lines.append(flag_row(action))
     return "\n".join(lines) + "\n"
+
+
+def flag_row(action: argparse.Action) -> str:
+    """One option's row: every spelling, the default a user gets without it, the help and choices."""
+    spellings = " / ".join(f"`{s}`" for s in action.option_strings)
+    what = " ".join((action.help or "").split())
+    if action.choices is not None:
+        what += "; choices: " + ", ".join(f"`{c}`" for c in action.choices)
+    return f"| {spellings} | {default_cell(action)} | {what.replace('|', chr(92) + '|')} |"
+
+
+def default_cell(action: argparse.Action) -> str:
+    """What the user gets without the option, in the words a reader of the flag expects."""
+    if action.default in (None, argparse.SUPPRESS):
+        return ""  # decided at start (its help says how) or there is no value
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return "on" if action.default else "off"
+    if action.nargs == 0 and isinstance(action.const, bool):
+        # store_true / store_false: the parser default is the opposite of what the switch stores,
+        # so printing it would read `True` for --disable-...; the switch itself is off.
+        assert action.default is not action.const, f"{action.dest}: a switch that changes nothing"
+        return "off"
+    return f"`{action.default}`"
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ import subprocess
 import sys
 import tomllib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,37 +119,60 @@ def kind_of(cmd: list[str]) -> str:
 
 
 class _Parsed(BaseException):  # not an Exception: a script's own handlers must not catch it
-    def __init__(self, namespace: argparse.Namespace) -> None:
-        self.namespace = namespace
+    def __init__(self, parser: argparse.ArgumentParser, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
+        self.parser, self.args, self.kwargs = parser, args, kw
 
 
 def script_args(cmd: list[str]) -> argparse.Namespace:
     """The namespace a bench or client script's own argparse parser makes of ``cmd``'s arguments:
     the script runs in this process until its first ``parse_args``, which stops it."""
     module, args = (cmd[2], cmd[3:]) if cmd[1] == "-m" else (None, cmd[2:])
+    with _stopped_at_parse_args([module or cmd[1], *args]) as parsing:
+        try:
+            _run_script(module, cmd[1])
+            raise AssertionError(f"{shlex.join(cmd)}: the script never parsed its arguments")
+        except _Parsed as parsed:
+            stopped = parsed
+        except SystemExit as exc:
+            raise AssertionError(f"{shlex.join(cmd)}: it exited before parsing ({exc})") from None
+        try:
+            return parsing(stopped)
+        except SystemExit as exc:
+            raise AssertionError(f"{shlex.join(cmd)}: its parser refused the arguments ({exc})") from None
+
+
+def script_parser(module: str) -> argparse.ArgumentParser:
+    """The parser ``python -m module`` parses its command line with (nothing parsed)."""
+    with _stopped_at_parse_args([module]):
+        try:
+            _run_script(module, "")
+        except _Parsed as parsed:
+            return parsed.parser
+    raise AssertionError(f"python -m {module}: the script never parsed its arguments")
+
+
+@contextmanager
+def _stopped_at_parse_args(argv: list[str]) -> Iterator[Callable[[_Parsed], argparse.Namespace]]:
+    """While inside, a script's first ``parse_args`` raises _Parsed instead of parsing; the value
+    yielded parses what was stopped, with the real parser, under the same ``sys.argv``."""
     real = argparse.ArgumentParser.parse_args
 
     def capture(self: argparse.ArgumentParser, *a: Any, **kw: Any) -> Any:
-        raise _Parsed(real(self, *a, **kw))
+        raise _Parsed(self, a, kw)
 
-    argv = [module or cmd[1], *args]
     with (
         mock.patch.object(argparse.ArgumentParser, "parse_args", capture),
         mock.patch.object(sys, "argv", argv),
     ):
-        try:
-            warnings.filterwarnings(
-                "ignore", "'.*' found in sys.modules", RuntimeWarning
-            )  # runpy's, harmless
-            if module:
-                runpy.run_module(module, run_name="__main__", alter_sys=True)
-            else:
-                runpy.run_path(str(REPO / cmd[1]), run_name="__main__")
-        except _Parsed as parsed:
-            return parsed.namespace
-        except SystemExit as exc:
-            raise AssertionError(f"{shlex.join(cmd)}: its parser refused the arguments ({exc})") from None
-    raise AssertionError(f"{shlex.join(cmd)}: the script never parsed its arguments")
+        yield lambda parsed: real(parsed.parser, *parsed.args, **parsed.kwargs)
+
+
+def _run_script(module: str | None, path: str) -> None:
+    warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)  # runpy's, harmless
+    if module:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(str(REPO / path), run_name="__main__")
 
 
 def engine_args(cmd: list[str]) -> argparse.Namespace:
