@@ -52,19 +52,18 @@ def test_the_http_conversion_leaves_the_forced_grammar_to_admission(frontend: Fr
     assert frontend.admission.begin(b"c", req).req.sampling.grammar is not None
 
 
-@pytest.mark.parametrize(
-    ("req", "detail"),
-    [
-        (_chat(NamedToolChoice(function=NamedFunction(name="mul"))), "mul"),
-        (_chat("required", sampling=SamplingParams(grammar=Grammar(kind="json_object"))), "combined"),
-    ],
-)
-def test_a_forced_call_that_cannot_be_is_refused_naming_tool_choice(
-    frontend: Frontend, req: GenerateRequest, detail: str
-) -> None:
+def test_a_forced_call_replaces_the_clients_grammar(frontend: Frontend) -> None:
+    """A format is for text and a forced call writes none (OpenAI accepts both at once)."""
+    req = _chat("required", sampling=SamplingParams(grammar=Grammar(kind="json_object")))
+    pending = frontend.admission.begin(b"c", req)
+    assert pending.forced and pending.req.sampling.grammar == forced_call_grammar(TOOLS, "required")
+
+
+def test_a_forced_call_that_cannot_be_is_refused_naming_tool_choice(frontend: Frontend) -> None:
+    req = _chat(NamedToolChoice(function=NamedFunction(name="mul")))
     with pytest.raises(RequestRejected) as caught:
         frontend.admission.begin(b"c", req)
-    assert caught.value.param == "tool_choice" and detail in caught.value.detail
+    assert caught.value.param == "tool_choice" and "mul" in caught.value.detail
     error = rejection_error(caught.value, chat=True, max_param="max_tokens")
     assert (error.status, error.param) == (400, "tool_choice")
     assert error.message == f"tool_choice {caught.value.detail}"

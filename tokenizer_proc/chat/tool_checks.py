@@ -81,13 +81,14 @@ def forced_call_grammar(tools: list[Tool], choice: ToolChoice) -> Grammar | None
 
 def with_tool_grammar(req: GenerateRequest) -> GenerateRequest:
     """``req`` with the grammar of its forced tool call in ``sampling.grammar`` (unchanged when the
-    call is not forced, or the grammar is there already). Applied once, as a request begins its
-    admission (tokenizer_proc/admission.py), before anything looks at its grammar."""
+    call is not forced). Applied once, as a request begins its admission
+    (tokenizer_proc/admission.py), before anything looks at its grammar.
+
+    A forced call replaces the client's own grammar (``response_format``, ``text.format``): as at
+    OpenAI, the format is for text and a forced call writes none."""
     grammar = tool_grammar(req)
     if grammar is None or req.sampling.grammar == grammar:
         return req
-    if req.sampling.grammar is not None:
-        raise RequestRejected("tool_choice", "a forced tool call cannot be combined with response_format")
     return msgspec.structs.replace(req, sampling=msgspec.structs.replace(req.sampling, grammar=grammar))
 
 

@@ -51,7 +51,7 @@ def generate_request(body: ResponsesRequest, rid: str, history: list[ChatMessage
     tools = function_tools(body.tools)
     choice = tool_choice(body.tool_choice, tools)
     logprobs = LOGPROBS_INCLUDE in (body.include or []) or bool(body.top_logprobs)
-    req = GenerateRequest(
+    return GenerateRequest(
         rid=rid,
         messages=instructions + history + input_messages(body.input),
         sampling=_sampling(body),
@@ -63,9 +63,6 @@ def generate_request(body: ResponsesRequest, rid: str, history: list[ChatMessage
         parallel_tool_calls=body.parallel_tool_calls is not False,
         chat_template_kwargs=_template_kwargs(body),
     )
-    if req.sampling.grammar is not None and choice not in ("auto", "none"):
-        raise bad_param("tool_choice", "a forced tool call cannot be combined with text.format")
-    return req
 
 
 def responses_param(param: str) -> str:

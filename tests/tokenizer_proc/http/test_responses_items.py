@@ -89,8 +89,6 @@ def test_request_mapping() -> None:
         ({"tools": [TOOL, {"type": "mcp", "server_label": "x"}]}, "tools[1].type"),
         ({"tools": [{**TOOL, "colour": 1}]}, "tools[0].colour"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"tools": [TOOL], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
-         "tool_choice"),
         ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ],

@@ -1,0 +1,68 @@
+"""What the OpenAI API accepts, rivulet accepts (issue 51, items 1-6), through the ``openai``
+package against the shared tiny engine.
+
+The tiny model's weights are random: the tests pin protocol outcomes (a grammar made the reply a
+call, a field was accepted and echoed), never its prose. Tools take only enum arguments, so a
+forced call is a few tokens whatever the weights.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+
+PICK_ARGS = {
+    "type": "object",
+    "properties": {"colour": {"type": "string", "enum": ["red", "blue"]}},
+    "required": ["colour"],
+    "additionalProperties": False,
+}
+PICK: ChatCompletionToolParam = {"type": "function", "function": {"name": "pick", "parameters": PICK_ARGS}}
+STOP: ChatCompletionToolParam = {"type": "function", "function": {"name": "stop", "parameters": PICK_ARGS}}
+ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Pick a colour."}]
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+RESPONSE_FORMAT: Any = {
+    "type": "json_schema",
+    "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True},
+}
+TEXT_FORMAT: Any = {
+    "format": {"type": "json_schema", "name": "answer", "schema": ANSWER_SCHEMA, "strict": True}
+}
+
+
+def _responses_tool(tool: ChatCompletionToolParam) -> Any:
+    return {"type": "function", **tool["function"]}
+
+
+# Item 1: a forced call beside a format: the format is for text, and a forced call writes none.
+
+
+def test_chat_forced_call_beside_response_format_is_a_call(oai: openai.OpenAI) -> None:
+    r = oai.chat.completions.create(
+        model="tiny", messages=ASK, tools=[PICK, STOP], tool_choice="required",
+        response_format=RESPONSE_FORMAT, max_tokens=40,
+    )  # fmt: skip
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name in {"pick", "stop"}
+    assert json.loads(call.function.arguments)["colour"] in {"red", "blue"}
+
+
+def test_responses_forced_call_beside_text_format_is_a_call(oai: openai.OpenAI) -> None:
+    r = oai.responses.create(
+        model="tiny", input="Pick a colour.", tools=[_responses_tool(PICK)],
+        tool_choice={"type": "function", "name": "pick"}, text=TEXT_FORMAT, max_output_tokens=40,
+    )  # fmt: skip
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert r.status == "completed" and len(calls) == 1, r.output
+    assert calls[0].name == "pick" and json.loads(calls[0].arguments)["colour"] in {"red", "blue"}
+    assert r.text.format.type == "json_schema", "the format is echoed as sent"
