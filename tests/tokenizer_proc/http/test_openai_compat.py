@@ -65,4 +65,5 @@ def test_responses_forced_call_beside_text_format_is_a_call(oai: openai.OpenAI) 
     calls = [item for item in r.output if item.type == "function_call"]
     assert r.status == "completed" and len(calls) == 1, r.output
     assert calls[0].name == "pick" and json.loads(calls[0].arguments)["colour"] in {"red", "blue"}
+    assert r.text is not None and r.text.format is not None
     assert r.text.format.type == "json_schema", "the format is echoed as sent"
