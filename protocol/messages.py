@@ -267,6 +267,10 @@ class EngineStats(Msg):
     worker_busy_s: float = 0.0
     worker_clock_s: float = 0.0
     prefill_tokens: int = 0  # computed by prefill rows since start (cache hits and forks skip it)
+    # Speculative decoding since start, as verify rows come back: drafts checked, kept, and the rows.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    verify_rows: int = 0
     replica: int = 0  # the data-parallel replica (--dp-size) whose scheduler sends it
 
 

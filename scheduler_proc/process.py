@@ -80,11 +80,11 @@ class SchedulerProcess:
                 self.to_tokenizer.send(self.encoder.encode(out))
             idle = batch is None
             if idle and not self.scheduler.has_work:
-                self.stats.on_idle()
+                self.stats.on_idle(self.scheduler)
 
     def _publish_stats(self) -> None:
         """Throttled while busy; sent on change before blocking idle, so no timer wakes the engine."""
-        sched = self.scheduler
+        sched, drafts = self.scheduler, self.scheduler.draft_totals
         stats = EngineStats(
             num_running=len(sched.running) + (sched.chunked_req is not None),
             num_waiting=len(sched.waiting),
@@ -94,6 +94,9 @@ class SchedulerProcess:
             worker_busy_s=self.stats.worker_busy_s,
             worker_clock_s=self.stats.worker_clock_s,
             prefill_tokens=sched.num_prefill_tokens,
+            draft_tokens=drafts.drafted,
+            accepted_draft_tokens=drafts.accepted,
+            verify_rows=drafts.verify_rows,
             replica=sched.config.replica,
         )
         now = time.monotonic()

@@ -28,7 +28,9 @@ class ResultHandling:
     running: list[Req]
     reqs: dict[int, Req]
     num_generated_tokens: int
+    num_draft_tokens: int
     num_accepted_tokens: int
+    num_verify_rows: int
     last_batch_rows: int  # decode rows of the last batch with any (sets when drafting pays)
     _in_flight: dict[int, list[Row]]
     _outputs: OutputCollector
@@ -97,7 +99,9 @@ class ResultHandling:
             self.last_batch_rows, self.config.speculative_row_cost, len(row.draft), skips
         )
         req.draft.on_verified(len(row.draft), len(drawn) - 1, floor)
+        self.num_draft_tokens += len(row.draft)
         self.num_accepted_tokens += len(drawn) - 1
+        self.num_verify_rows += 1
         tokens = [d.token for d in drawn if d.token is not None]
         assert len(tokens) == len(drawn), f"rid {req.rid}: a verify row drew nothing"
         ctx = self.config.context_len

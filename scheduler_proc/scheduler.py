@@ -48,7 +48,7 @@ from scheduler_proc.prefill_adder import Admitted, PrefillAdder
 from scheduler_proc.request import Req, ReqStatus, fork_choices, why_rejected
 from scheduler_proc.results import ResultHandling
 from scheduler_proc.retraction import pick_victim, retract
-from scheduler_proc.speculative import DraftState, NgramIndex, first_draft_length
+from scheduler_proc.speculative import DraftState, DraftTotals, NgramIndex, first_draft_length
 from scheduler_proc.token_ratio import NewTokenRatio
 
 
@@ -91,8 +91,11 @@ class Scheduler(ResultHandling):
         self.num_prompt_tokens = 0  # of requests at their first admission
         self.num_prefill_tokens = 0  # computed by prefill rows (prompts, recomputes), since start
         self.num_cached_prompt_tokens = 0  # of those, reused from the prefix cache
-        self.num_draft_tokens = 0  # sent in verify rows (speculative decoding), since start
-        self.num_accepted_tokens = 0  # of those, taken
+        # Speculative decoding, since start, counted as verify rows come back (a row whose request
+        # ended while it was out is no verify): drafts checked, drafts kept, and the rows.
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_verify_rows = 0
         self.last_batch_rows = 1  # decode rows of the last batch that had some
 
     # ------------------------------------------------------------------ requests in and out
@@ -288,7 +291,6 @@ class Scheduler(ResultHandling):
             )
             if req.draft is not None:
                 req.draft.on_decode_step()
-        self.num_draft_tokens += sum(len(d) for d in drafts.values())
         if rows and not retracted:
             self.new_token_ratio.on_decode_step()
         return rows
@@ -344,6 +346,11 @@ class Scheduler(ResultHandling):
             self.new_token_ratio.on_retract()
             self._log.warning("new_token_ratio raised %.3f -> %.3f", old, self.new_token_ratio.value)
         return retracted
+
+    @property
+    def draft_totals(self) -> DraftTotals:
+        """Speculative decoding's counts since start (for the logs and EngineStats)."""
+        return DraftTotals(self.num_draft_tokens, self.num_accepted_tokens, self.num_verify_rows)
 
     @property
     def cache_hit_rate(self) -> float:

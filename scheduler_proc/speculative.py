@@ -92,6 +92,33 @@ class NgramIndex:
         return out
 
 
+@dataclass(frozen=True)
+class DraftTotals:
+    """Verify rows' counts over a span (since start, or between two log lines): drafts checked,
+    drafts kept, and the rows."""
+
+    drafted: int = 0
+    accepted: int = 0
+    verify_rows: int = 0
+
+    def __sub__(self, earlier: DraftTotals) -> DraftTotals:
+        return DraftTotals(
+            self.drafted - earlier.drafted,
+            self.accepted - earlier.accepted,
+            self.verify_rows - earlier.verify_rows,
+        )
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens a verify row gave on average: its kept drafts and the token drawn after them (a
+        decode row gives 1); 0.0 over no rows."""
+        return 1 + self.accepted / self.verify_rows if self.verify_rows else 0.0
+
+
 @dataclass
 class DraftState:
     """One request's drafting: its n-gram index over the tokens known so far, and whether it drafts

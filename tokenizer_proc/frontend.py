@@ -223,6 +223,9 @@ def total_stats(stats: list[EngineStats | None]) -> EngineStats | None:
         worker_busy_s=sum(s.worker_busy_s for s in known),
         worker_clock_s=max(s.worker_clock_s for s in known),
         prefill_tokens=sum(s.prefill_tokens for s in known),
+        draft_tokens=sum(s.draft_tokens for s in known),
+        accepted_draft_tokens=sum(s.accepted_draft_tokens for s in known),
+        verify_rows=sum(s.verify_rows for s in known),
     )
 
 

@@ -113,6 +113,7 @@ def render_prometheus(m: ServingMetrics, stats: EngineStats | None, in_flight: i
             "The worker's monotonic clock at its last reply (busy share = d busy / d clock).",
             stats.worker_clock_s,
         )
+        out += speculation_samples(stats)
     one("rivulet_num_requests_in_flight", "gauge", "Requests the front door is serving.", in_flight)
     one("rivulet_prompt_tokens_total", "counter", "Prompt tokens admitted.", m.prompt_tokens)
     one("rivulet_generation_tokens_total", "counter", "Tokens generated.", m.generation_tokens)
@@ -140,6 +141,29 @@ def render_prometheus(m: ServingMetrics, stats: EngineStats | None, in_flight: i
     )
     out += m.e2e_s.render("rivulet_e2e_request_latency_seconds", "Time from arrival to the last reply.")
     return "\n".join(out) + "\n"
+
+
+def speculation_samples(stats: EngineStats) -> list[str]:
+    """Speculative decoding's counts (all 0 without ``--speculative-algorithm``), each counted as a
+    verify row comes back, and the two ratios since start (a window's: the counters' rates)."""
+    drafted, accepted, rows = stats.draft_tokens, stats.accepted_draft_tokens, stats.verify_rows
+    series = [
+        ("rivulet_spec_draft_tokens_total", "counter",
+         "Draft tokens verified (the drafts of every verify row that came back).", drafted),
+        ("rivulet_spec_accepted_tokens_total", "counter", "Draft tokens their verify rows kept.",
+         accepted),
+        ("rivulet_spec_verify_rows_total", "counter",
+         "Verify rows: a drafting request's step, its last token and its drafts.", rows),
+        ("rivulet_spec_acceptance_ratio", "gauge", "Accepted / draft tokens since start.",
+         accepted / drafted if drafted else 0.0),
+        ("rivulet_spec_accept_length", "gauge",
+         "Tokens a verify row gave on average since start: its kept drafts and the token drawn after them.",
+         1 + accepted / rows if rows else 0.0),
+    ]  # fmt: skip
+    out: list[str] = []
+    for name, kind, help_text, value in series:
+        out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value!r}"]
+    return out
 
 
 def render_replicas(replicas: list[EngineStats | None], routed: list[int]) -> str:

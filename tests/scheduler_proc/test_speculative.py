@@ -11,16 +11,18 @@ from typing import Any
 
 import pytest
 
+from protocol.messages import FinishReason
 from scheduler_proc.scheduler import Scheduler
 from scheduler_proc.speculative import (
     FIRST_PAUSE_STEPS,
     NO_DRAFT_LIMIT,
     DraftState,
+    DraftTotals,
     NgramIndex,
     acceptance_floor,
     first_draft_length,
 )
-from tests.scheduler_proc.harness import Driver, random_prompt, reference_output, small_config
+from tests.scheduler_proc.harness import VOCAB, Driver, random_prompt, reference_output, small_config
 
 SPECULATE: dict[str, Any] = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 4}
 
@@ -239,3 +241,48 @@ def test_without_speculation_no_request_drafts() -> None:
     driver = Driver(small_config())
     serve(driver, workload(7, n=4), oracle=False)
     assert sched.config.speculative is False and all(not b.draft_lens for b in driver.batches)
+
+
+class TwoOfThree(DraftState):
+    """Drafts the fake worker's next 3 tokens with the third wrong (none when fewer may go): every
+    verify row keeps 2 drafts and draws the third token."""
+
+    def __init__(self, prompt_len: int, reference: list[int]) -> None:
+        super().__init__(NgramIndex(1, 1))
+        self.prompt_len, self.reference = prompt_len, reference
+
+    def propose(self, new_tokens: list[int], max_tokens: int, first_length: int | None = None) -> list[int]:
+        self.index.tokens.extend(new_tokens)
+        done = len(self.index.tokens) - self.prompt_len
+        right = self.reference[done : done + 2]
+        return [*right, (self.reference[done + 2] + 1) % VOCAB] if max_tokens >= 3 else []
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_drafts_accepted_and_verify_rows_are_counted_as_the_rows_come_back(overlap: bool) -> None:
+    """11 tokens: the prompt's row draws 1, three verify rows 3 each (2 of 3 drafts kept), and the
+    last, with no room for a draft (max_new_tokens), is a decode row."""
+    driver = Driver(small_config(overlap_schedule=overlap, **SPECULATE))
+    prompt = random_prompt(20, 8)
+    ref, _ = reference_output(prompt, 11, [], driver.config.context_len)
+    assert driver.submit(0, prompt, 11) is None
+    state = driver.sched.reqs[0].draft = TwoOfThree(len(prompt), ref)
+    driver.run()
+    assert driver.tokens[0] == ref
+    totals = driver.sched.draft_totals
+    assert totals == DraftTotals(drafted=9, accepted=6, verify_rows=3)
+    assert (state.num_drafted, state.num_accepted, state.num_verifies) == (9, 6, 3)
+    assert totals.acceptance_rate == pytest.approx(2 / 3) and totals.accept_length == 3.0
+    assert totals - DraftTotals(3, 2, 1) == DraftTotals(6, 4, 2) and DraftTotals().accept_length == 0.0
+
+
+def test_a_verify_row_whose_request_ended_while_it_was_out_counts_nothing() -> None:
+    driver = Driver(small_config(**SPECULATE))
+    prompt = random_prompt(20, 9)
+    ref, _ = reference_output(prompt, 11, [], driver.config.context_len)
+    assert driver.submit(0, prompt, 11) is None
+    driver.sched.reqs[0].draft = TwoOfThree(len(prompt), ref)
+    driver.step()  # the prompt's row
+    driver.step(in_flight_hook=lambda batch: driver.abort(0) if batch.draft_lens else None)
+    assert driver.batches[-1].draft_lens == [3] and driver.finished[0] is FinishReason.ABORT
+    assert driver.sched.draft_totals == DraftTotals()

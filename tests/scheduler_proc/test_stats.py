@@ -6,7 +6,8 @@ import pytest
 
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.stats import SchedulerStats
-from tests.scheduler_proc.harness import Driver
+from tests.scheduler_proc.harness import Driver, random_prompt, reference_output, small_config
+from tests.scheduler_proc.test_speculative import SPECULATE, TwoOfThree
 
 
 class FakeClock:
@@ -50,7 +51,7 @@ def test_one_prefill_line_per_prefill_batch_and_a_decode_line_every_n(
     assert "gen throughput (token/s): 4.00, worker busy: 80.0%" in decode_lines[1], (
         "3 steps x 2 tokens in 1.5 s"
     )
-    stats.on_idle()
+    stats.on_idle(d.sched)
     clock.now_s += 1000.0
     d.submit(2, [7], 4)
     before = len(caplog.records)
@@ -65,3 +66,42 @@ def test_one_prefill_line_per_prefill_batch_and_a_decode_line_every_n(
     assert len(caplog.records) == before + 2, "a prefill line and one decode line"
     # 1 + 2 tokens in 0.75 s, worker busy 0.1 of every 0.25 s: the 1000 s of idleness are in neither.
     assert "gen throughput (token/s): 4.00, worker busy: 40.0%" in caplog.records[-1].getMessage()
+
+
+def run_logged(d: Driver, stats: SchedulerStats) -> None:
+    while d.sched.has_work:
+        d.step(in_flight_hook=lambda _: stats.on_batch(d.sched))
+
+
+def test_speculation_shows_in_the_decode_line_and_once_more_when_idle(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """TwoOfThree keeps 2 of every 3 drafts: 3 verify rows, then a decode row; a line every 3 decode
+    batches, each logged as its batch is sent (its result not yet in)."""
+    d = Driver(small_config(overlap_schedule=False, **SPECULATE))
+    stats = SchedulerStats(3, logging.getLogger("rivulet.scheduler"), FakeClock())
+    prompt = random_prompt(20, 8)
+    ref, _ = reference_output(prompt, 11, [], d.config.context_len)
+    d.submit(0, prompt, 11)
+    d.sched.reqs[0].draft = TwoOfThree(len(prompt), ref)
+    with caplog.at_level(logging.INFO, logger="rivulet.scheduler"):
+        run_logged(d, stats)
+        stats.on_idle(d.sched)
+        stats.on_idle(d.sched)  # nothing verified since: no line
+        d.submit(1, random_prompt(5, 9), 6)
+        d.sched.reqs[1].draft = None  # decode rows only: a window with no verify row
+        run_logged(d, stats)
+    lines = [r.getMessage() for r in caplog.records if not r.getMessage().startswith("Prefill")]
+    drafts = (
+        "Speculative decoding. #drafted-token: {}, #accepted-token: {}, #verify-row: {}, "
+        "accept rate: 66.7%, accept len: 3.00"
+    )
+    assert [line.split("#queue-req: 0")[-1] for line in lines] == [
+        ", accept len: 3.00",  # the first two verify rows back, the third in flight
+        drafts.format(6, 4, 2),
+        drafts.format(9, 6, 3),  # idle
+        ", accept len: 3.00",  # the third
+        drafts.format(9, 6, 3),
+        ", accept len: -",
+        drafts.format(9, 6, 3),
+    ]
