@@ -1,6 +1,6 @@
 """The real launcher with --speculative-algorithm ngram on the embedded SmolLM2, beside a plain one:
 a chat prompt whose answer repeats its words gives the plain engine's greedy tokens, and the
-speculating engine's log says drafts were kept."""
+speculating engine's log and /metrics say drafts were kept."""
 
 from __future__ import annotations
 
@@ -12,10 +12,14 @@ import pytest
 from client import Client
 from protocol import FinishReason, GenerateOutput
 from tests.integration.engine import RunningEngine, launched
+from tests.tokenizer_proc.http.server import free_port, wait_idle_and_free
 
 LINES = "Number these lines:\napples\nbananas\ncherries\ndates\nelderberries\nfigs\ngrapes\n"
-# the scheduler's cumulative counts, logged with every --decode-log-interval'th decode line
-ACCEPTED = re.compile(r"Speculative decoding\. #drafted-token: (\d+), #accepted-token: (\d+)")
+# the scheduler's counts since start, logged with every --decode-log-interval'th decode line and
+# when the engine goes idle
+ACCEPTED = re.compile(
+    r"Speculative decoding\. #drafted-token: (\d+), #accepted-token: (\d+), #verify-row: (\d+)"
+)
 FLAGS = ("--chunked-prefill-size", "256", "--decode-log-interval", "1")
 
 
@@ -27,10 +31,24 @@ def answer(engine: RunningEngine) -> GenerateOutput:
         )
 
 
-def drafted_and_accepted(engine: RunningEngine) -> tuple[int, int]:
+def logged_drafts(engine: RunningEngine) -> tuple[int, int, int]:
+    """(drafted, accepted, verify rows) of the last speculation line."""
     found = ACCEPTED.findall(engine.log())
-    assert found, "the speculating engine logged no decode line with its drafts"
-    return int(found[-1][0]), int(found[-1][1])
+    assert found, "the speculating engine logged no line with its drafts"
+    drafted, accepted, rows = found[-1]
+    return int(drafted), int(accepted), int(rows)
+
+
+def metered_drafts(base_url: str) -> tuple[int, int, int]:
+    """(drafted, accepted, verify rows) from /metrics once the engine is idle (its last count sent),
+    the two ratios checked against them."""
+    m = wait_idle_and_free(base_url, 30.0)
+    names = ("draft_tokens", "accepted_tokens", "verify_rows")
+    drafted, accepted, rows = (int(m[f"rivulet_spec_{name}_total"]) for name in names)
+    assert 0 < rows <= drafted, f"{rows} verify rows carried {drafted} drafts"
+    assert m["rivulet_spec_acceptance_ratio"] == pytest.approx(accepted / drafted)
+    assert m["rivulet_spec_accept_length"] == pytest.approx(1 + accepted / rows)
+    return drafted, accepted, rows
 
 
 @pytest.mark.timeout(600)
@@ -40,15 +58,20 @@ def test_the_launcher_speculating_gives_the_plain_engines_greedy_tokens(tmp_path
     up to a position where both are the plain engine's top 2."""
     (tmp_path / "plain").mkdir()
     (tmp_path / "ngram").mkdir()
+    port = free_port()
+    ngram_flags = (*FLAGS, "--speculative-algorithm", "ngram", "--http-port", str(port))
     with (
         launched(None, tmp_path / "plain", *FLAGS) as plain,
-        launched(None, tmp_path / "ngram", *FLAGS, "--speculative-algorithm", "ngram") as ngram,
+        launched(None, tmp_path / "ngram", *ngram_flags) as ngram,
     ):
         plain.wait_ready()
         ngram.wait_ready()
         want, got = answer(plain), answer(ngram)
-        drafted, accepted = drafted_and_accepted(ngram)
+        metered = metered_drafts(f"http://127.0.0.1:{port}")
+        drafted, accepted, rows = logged_drafts(ngram)
         assert not ACCEPTED.search(plain.log()), "the plain engine drafts nothing"
+        assert "accept len" not in plain.log() and "accept len: " in ngram.log()
+    assert metered == (drafted, accepted, rows), "/metrics and the log count the same drafts"
     assert want.text.count("grapes") > 2, f"the answer must repeat its words: {want.text!r}"
     assert accepted > drafted / 2 > 0, f"{accepted} of {drafted} drafts kept"
     assert got.finish_reason is want.finish_reason is not FinishReason.ERROR
