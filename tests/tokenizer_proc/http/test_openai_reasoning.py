@@ -6,6 +6,12 @@ A random model writes noise, so what it proves is the plumbing, exactly: the tem
 block, and the reply is then reasoning (``reasoning_content``) or content, equal token for token to
 the completion of the same prompt ids, streamed and not. The split at ``</think>`` itself is pinned
 by crafted token streams (tests/tokenizer_proc/chat/test_replies.py).
+
+Token for token needs both runs to compute the same bits: the engine has no prefix cache. With it,
+the second of two requests for one prompt reuses its first 16 tokens and computes the other 3 on
+other kernels (attention in the C kernel over the paged KV, not torch's SDPA over fresh K/V): valid,
+other bits. And in bfloat16 this random model's greedy choice meets exact ties (acting as AVX2, the
+thinking reply's 6th token: "ph" and "MY" both at logprob -4.058), so those bits decide the reply.
 """
 
 from __future__ import annotations
@@ -41,20 +47,20 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Pa
 
 @pytest.fixture(scope="module")
 def qwen3(qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    with http_engine(qwen3_dir, tmp_path_factory.mktemp("qwen3-http"), "--served-model-name", "q") as engine:
+    args = ("--served-model-name", "q", "--disable-radix-cache")  # the module's docstring says why
+    with http_engine(qwen3_dir, tmp_path_factory.mktemp("qwen3-http"), *args) as engine:
         with openai.OpenAI(base_url=engine.v1, api_key="none", max_retries=0, timeout=60.0) as client:
             yield client
 
 
-def _completion_of_prompt(client: openai.OpenAI, qwen3_dir: Path, **template_kwargs: Any) -> str:
+def _completion_of_prompt(client: openai.OpenAI, qwen3_dir: Path, **template_kwargs: Any) -> Any:
     """What the model writes after the chat prompt, asked through the completions endpoint."""
     tokenizer = load_tokenizer(str(qwen3_dir))
     text = tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False, **template_kwargs)
     ids = tokenizer.encode(text, add_special_tokens=False)
-    out = client.completions.create(
+    return client.completions.create(
         model="q", prompt=ids, max_tokens=TOKENS, temperature=0, extra_body={"ignore_eos": True}
     )
-    return out.choices[0].text
 
 
 def _chat(client: openai.OpenAI, **kw: Any) -> Any:
@@ -64,15 +70,22 @@ def _chat(client: openai.OpenAI, **kw: Any) -> Any:
 
 
 def test_thinking_reply_is_reasoning_content(qwen3: openai.OpenAI, qwen3_dir: Path) -> None:
-    expected = _completion_of_prompt(qwen3, qwen3_dir)
+    completion = _completion_of_prompt(qwen3, qwen3_dir)
+    expected = completion.choices[0].text
     assert "</think>" not in expected and expected.strip()  # the model never closes the block it is in
-    message = _chat(qwen3).choices[0].message
+    chat = _chat(qwen3)
+    # the same prompt ids, each computed whole, so the same bits (the module's docstring says why)
+    usages = [
+        (u.prompt_tokens, u.prompt_tokens_details.cached_tokens) for u in (completion.usage, chat.usage)
+    ]
+    assert usages[0] == usages[1] and usages[0][1] == 0
+    message = chat.choices[0].message
     assert message.model_extra["reasoning_content"] == expected.lstrip()
     assert message.content == ""
 
 
 def test_enable_thinking_false_gives_content(qwen3: openai.OpenAI, qwen3_dir: Path) -> None:
-    expected = _completion_of_prompt(qwen3, qwen3_dir, enable_thinking=False)
+    expected = _completion_of_prompt(qwen3, qwen3_dir, enable_thinking=False).choices[0].text
     message = _chat(qwen3, chat_template_kwargs={"enable_thinking": False}).choices[0].message
     assert message.content == expected and "reasoning_content" not in (message.model_extra or {})
 
