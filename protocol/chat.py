@@ -59,14 +59,34 @@ class NamedFunction(ClientStruct, kw_only=True):
     name: str
 
 
-class NamedToolChoice(ClientStruct, kw_only=True):
+class NamedToolChoice(ClientStruct, kw_only=True, tag_field="type", tag="function"):
     """``tool_choice`` that forces one function: ``{"type": "function", "function": {"name": ...}}``."""
 
-    type: Literal["function"] = "function"
     function: NamedFunction
 
 
-ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
+class AllowedTool(ClientStruct, kw_only=True):
+    """A tool ``allowed_tools`` lists, by name (a client may send its whole definition: only the
+    name counts)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class AllowedTools(ClientStruct, kw_only=True):
+    mode: Literal["auto", "required"]
+    tools: list[AllowedTool]
+
+
+class AllowedToolsChoice(ClientStruct, kw_only=True, tag_field="type", tag="allowed_tools"):
+    """``tool_choice`` that offers only the listed tools, called freely (``auto``) or at least once
+    (``required``): ``{"type": "allowed_tools", "allowed_tools": {"mode": ..., "tools": [...]}}``.
+    The other tools stay defined but are not offered (so a client can keep its tool list fixed)."""
+
+    allowed_tools: AllowedTools
+
+
+ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice | AllowedToolsChoice
 
 
 class ToolCallDelta(ClientStruct, kw_only=True):

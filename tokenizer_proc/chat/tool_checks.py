@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from protocol.chat import ChatMessage, NamedToolChoice, Tool, ToolChoice
+from protocol.chat import AllowedToolsChoice, ChatMessage, NamedToolChoice, Tool, ToolChoice
 from protocol.grammar import Grammar
 from protocol.messages import GenerateRequest
 from tokenizer_proc.validation_error import RequestRejected
@@ -50,9 +50,27 @@ def offered_tools(tools: list[Tool] | None, choice: ToolChoice) -> tuple[list[To
         if choice.function.name not in names:
             raise RequestRejected("tool_choice", f"names {choice.function.name!r}, which is not among tools")
         return [t for t in tools if t.function.name == choice.function.name], True
+    if isinstance(choice, AllowedToolsChoice):
+        return _allowed_tools(tools, choice), choice.allowed_tools.mode == "required"
     if choice == "required" and not tools:
         raise RequestRejected("tool_choice", '"required" needs tools')
     return ([] if choice == "none" else tools), choice == "required"
+
+
+def _allowed_tools(tools: list[Tool], choice: AllowedToolsChoice) -> list[Tool]:
+    """The tools ``allowed_tools`` lists, each of which must be among ``tools``."""
+    names = {t.function.name for t in tools}
+    listed = choice.allowed_tools.tools
+    for j, allowed in enumerate(listed):
+        if allowed.function.name not in names:
+            raise RequestRejected(
+                f"tool_choice.allowed_tools.tools[{j}]",
+                f"names {allowed.function.name!r}, which is not among tools",
+            )
+    if not listed and choice.allowed_tools.mode == "required":
+        raise RequestRejected("tool_choice.allowed_tools.tools", 'must list a tool with mode "required"')
+    allowed_names = {allowed.function.name for allowed in listed}
+    return [t for t in tools if t.function.name in allowed_names]
 
 
 def parameters_json(i: int, tool: Tool) -> str | None:
@@ -93,9 +111,11 @@ def with_tool_grammar(req: GenerateRequest) -> GenerateRequest:
 
 
 def forces_call(req: GenerateRequest) -> bool:
-    """``req`` is a chat request whose tool_choice forces a call ("required" or a named function);
-    once admitted, its grammar is that call's."""
-    forcing = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
+    """``req`` is a chat request whose tool_choice forces a call ("required", a named function, or
+    allowed tools in mode "required"); once admitted, its grammar is that call's."""
+    choice = req.tool_choice
+    allowed_required = isinstance(choice, AllowedToolsChoice) and choice.allowed_tools.mode == "required"
+    forcing = choice == "required" or isinstance(choice, NamedToolChoice) or allowed_required
     return req.messages is not None and forcing
 
 

@@ -15,6 +15,9 @@ from typing import Any
 import msgspec
 
 from protocol.chat import (
+    AllowedTool,
+    AllowedTools,
+    AllowedToolsChoice,
     ChatMessage,
     FunctionCall,
     FunctionDef,
@@ -30,6 +33,7 @@ from tokenizer_proc.http.convert import UNTIL_CONTEXT
 from tokenizer_proc.http.errors import bad_param
 from tokenizer_proc.http.responses_schema import (
     LOGPROBS_INCLUDE,
+    AllowedToolsIn,
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionToolIn,
@@ -69,6 +73,7 @@ def responses_param(param: str) -> str:
     """A chat-side field name as the Responses API spells it."""
     if param.startswith("messages"):
         return "input"
+    param = param.replace("tool_choice.allowed_tools.", "tool_choice.")  # Responses' form is flat
     return param.replace(".function.", ".")  # tools[1].function.name -> tools[1].name
 
 
@@ -146,7 +151,9 @@ def function_tools(tools: list[dict[str, Any]] | None) -> list[Tool]:
 
 
 def tool_choice(value: str | dict[str, Any] | None, tools: list[Tool]) -> ToolChoice:
-    """``auto`` (the default), ``none``, ``required`` or ``{"type": "function", "name": ...}``."""
+    """``auto`` (the default), ``none``, ``required``, ``{"type": "function", "name": ...}`` or
+    ``{"type": "allowed_tools", "mode": ..., "tools": [{"type": "function", "name": ...}, ...]}``
+    (whether the listed tools exist is the engine's check, tool_checks.py)."""
     if value is None:
         return "auto"
     if value != "none" and not tools:
@@ -157,9 +164,24 @@ def tool_choice(value: str | dict[str, Any] | None, tools: list[Tool]) -> ToolCh
         if set(value) - {"type", "name"}:
             raise bad_param("tool_choice", f"unknown fields {sorted(set(value) - {'type', 'name'})}")
         return NamedToolChoice(function=NamedFunction(name=value["name"]))
+    if isinstance(value, dict) and value.get("type") == "allowed_tools":
+        spec = convert_item(value, AllowedToolsIn, "tool_choice")
+        listed = [_allowed_tool(j, tool) for j, tool in enumerate(spec.tools)]
+        return AllowedToolsChoice(allowed_tools=AllowedTools(mode=spec.mode, tools=listed))
     raise bad_param(
-        "tool_choice", 'tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}'
+        "tool_choice",
+        'tool_choice must be "auto", "none", "required", {"type": "function", "name": ...} '
+        'or {"type": "allowed_tools", "mode": ..., "tools": [...]}',
     )
+
+
+def _allowed_tool(j: int, tool: dict[str, Any]) -> AllowedTool:
+    """One tool of ``allowed_tools``: a function, by name (the rest of a definition sent whole is
+    not read: the tool is defined in ``tools``)."""
+    name = tool.get("name")
+    if tool.get("type") != "function" or not isinstance(name, str):
+        raise bad_param(f"tool_choice.tools[{j}]", 'must be {"type": "function", "name": ...}')
+    return AllowedTool(function=FunctionDef(name=name))
 
 
 def text_grammar(body: ResponsesRequest) -> Grammar | None:

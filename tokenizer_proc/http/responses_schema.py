@@ -155,6 +155,15 @@ class ReasoningItem(Body):
     status: str | None = None
 
 
+class AllowedToolsIn(Body):
+    """``tool_choice`` ``{"type": "allowed_tools", "mode": ..., "tools": [...]}``; the tools are
+    read one by one (responses_input.py)."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[dict[str, Any]]
+
+
 class FunctionToolIn(Body):
     """A function tool, Responses-style (flat: no ``function`` wrapper)."""
 

@@ -11,8 +11,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 import openai
+import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+
+from protocol.chat import Tool, ToolChoice
+from tokenizer_proc.chat.tool_checks import offered_tools
 
 PICK_ARGS = {
     "type": "object",
@@ -67,3 +72,60 @@ def test_responses_forced_call_beside_text_format_is_a_call(oai: openai.OpenAI) 
     assert calls[0].name == "pick" and json.loads(calls[0].arguments)["colour"] in {"red", "blue"}
     assert r.text is not None and r.text.format is not None
     assert r.text.format.type == "json_schema", "the format is echoed as sent"
+
+
+# Item 2: tool_choice allowed_tools: only the listed tools are offered, called freely or at least once.
+
+
+def test_chat_allowed_tools_required_calls_a_listed_tool(oai: openai.OpenAI) -> None:
+    choice: Any = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "stop"}}]}}  # fmt: skip
+    r = oai.chat.completions.create(
+        model="tiny", messages=ASK, tools=[PICK, STOP], tool_choice=choice, max_tokens=40
+    )
+    calls = r.choices[0].message.tool_calls or []
+    assert [c.function.name for c in calls] == ["stop"], r.choices[0]  # type: ignore[union-attr]
+
+
+def test_allowed_tools_auto_offers_only_the_listed_tools() -> None:
+    tools = msgspec.convert([PICK, STOP], list[Tool])
+    choice = msgspec.json.decode(
+        b'{"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": '
+        b'[{"type": "function", "function": {"name": "pick"}}]}}',
+        type=ToolChoice,
+    )
+    offered, forced = offered_tools(tools, choice)
+    assert [t.function.name for t in offered] == ["pick"] and not forced
+
+
+def test_responses_allowed_tools_required_calls_a_listed_tool(oai: openai.OpenAI) -> None:
+    r = oai.responses.create(
+        model="tiny", input="Pick a colour.", tools=[_responses_tool(PICK), _responses_tool(STOP)],
+        tool_choice=_responses_allowed("required", "pick"), max_output_tokens=40,
+    )  # fmt: skip
+    assert [item.name for item in r.output if item.type == "function_call"] == ["pick"], r.output
+    assert r.tool_choice.type == "allowed_tools", "echoed as sent"  # type: ignore[union-attr]
+
+
+def test_allowed_tools_naming_an_unknown_tool_is_a_400_naming_it(oai: openai.OpenAI) -> None:
+    listed = [{"type": "function", "function": {"name": name}} for name in ("pick", "fly")]
+    chat_choice: Any = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": listed}}
+    with pytest.raises(openai.BadRequestError) as chat:
+        oai.chat.completions.create(model="tiny", messages=ASK, tools=[PICK], tool_choice=chat_choice)
+    assert _error(chat.value)["param"] == "tool_choice.allowed_tools.tools[1]"
+    assert "'fly'" in _error(chat.value)["message"]
+    with pytest.raises(openai.BadRequestError) as responses:
+        oai.responses.create(
+            model="tiny", input="x", tools=[_responses_tool(PICK)],
+            tool_choice=_responses_allowed("auto", "fly"),
+        )  # fmt: skip
+    assert _error(responses.value)["param"] == "tool_choice.tools[0]"
+
+
+def _responses_allowed(mode: str, *names: str) -> Any:
+    return {"type": "allowed_tools", "mode": mode, "tools": [{"type": "function", "name": n} for n in names]}
+
+
+def _error(exc: openai.APIStatusError) -> dict[str, Any]:
+    assert isinstance(exc.body, dict), exc.body
+    return exc.body
