@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from protocol.messages import FinishReason, GenerateRequest
 from tokenizer_proc.http.bridge import HttpBridge
+from tokenizer_proc.http.chat_fields import reply_echo
 from tokenizer_proc.http.choices import EventStream, submit_all, whole_replies
 from tokenizer_proc.http.completion_bodies import ResponseShape, best_choices, total_usage
 from tokenizer_proc.http.constraints import grammar_field
@@ -123,6 +124,8 @@ class OpenAiApi:
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             texts=self.texts,
             choices_per_prompt=drawn,
+            echo=reply_echo(body) if chat else {},
+            legacy_functions=chat and bool(body.functions),
         )
         if reqs[0].stream:
             return EventStream(handles, shape)

@@ -15,6 +15,7 @@ import msgspec
 from protocol.chat import ToolCallDelta
 from protocol.logprobs import TopLogprobs
 from protocol.messages import FinishReason, GenerateOutput, Usage
+from tokenizer_proc.http.chat_fields import legacy_call
 from tokenizer_proc.http.errors import engine_error
 from tokenizer_proc.http.logprob_format import chat_logprobs, completion_logprobs
 from tokenizer_proc.token_bytes import TokenTexts
@@ -113,6 +114,8 @@ class ResponseShape:
     include_usage: bool
     texts: TokenTexts
     choices_per_prompt: int = 1  # n: the choices of one prompt, which share its usage
+    echo: dict[str, Any] = field(default_factory=dict)  # request fields the chat object repeats
+    legacy_functions: bool = False  # the request said ``functions``: calls are ``function_call``
     text_offsets: dict[int, int] = field(default_factory=dict)  # per choice: characters sent so far
     sent_role: set[int] = field(default_factory=set)  # chat choices whose role chunk went out
 
@@ -128,10 +131,10 @@ class ResponseShape:
             assert reply.finish_reason is not None, "a whole response needs the final reply"
             choice: dict[str, Any] = {"index": index, "logprobs": self._logprobs(index, reply)}
             if self.chat:
-                choice["message"] = chat_message(reply)
+                choice["message"] = self._legacy(chat_message(reply))
             else:
                 choice["text"] = (reply.prompt_text or "") + reply.text
-            choice["finish_reason"] = reply.finish_reason.value
+            choice["finish_reason"] = self._finish_reason(reply.finish_reason)
             choices.append(choice)
         if usage is None:
             usage = total_usage([r.usage for r in replies], self.choices_per_prompt)
@@ -150,8 +153,8 @@ class ResponseShape:
         text = (reply.prompt_text or "") + reply.text
         shows = text or reply.reasoning_text or reply.tool_calls
         if shows or final or (self.logprobs and (reply.token_ids or reply.prompt_token_ids)):
-            reason = reply.finish_reason.value if reply.finish_reason is not None else None
-            delta = chat_delta(text, reply, final)
+            reason = self._finish_reason(reply.finish_reason) if reply.finish_reason is not None else None
+            delta = self._legacy(chat_delta(text, reply, final))
             events.append(
                 self._chunk(index, delta if self.chat else text, reason, self._logprobs(index, reply))
             )
@@ -174,7 +177,20 @@ class ResponseShape:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
     def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, **self.echo}
+
+    def _finish_reason(self, reason: FinishReason) -> str:
+        if self.legacy_functions and reason is FinishReason.TOOL_CALLS:
+            return "function_call"
+        return reason.value
+
+    def _legacy(self, message: dict[str, Any]) -> dict[str, Any]:
+        """A message or delta with its tool call as the legacy ``function_call`` (there is at
+        most one: legacy requests allow one call)."""
+        calls = message.pop("tool_calls", None) if self.legacy_functions else None
+        if calls:
+            message["function_call"] = legacy_call(calls[0])
+        return message
 
     def _chunk(self, index: int, content: Any, reason: str | None, logprobs: Any) -> bytes:
         choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": reason}

@@ -17,6 +17,7 @@ from protocol.grammar import Grammar
 from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.messages import ChatMessage, GenerateRequest, SamplingParams
 from tokenizer_proc.admission import SHUTTING_DOWN
+from tokenizer_proc.http.chat_fields import check_accepted_fields, legacy_history, template_kwargs, tools_of
 from tokenizer_proc.http.constraints import grammar_of
 from tokenizer_proc.http.errors import ApiError, bad_param, shutting_down
 from tokenizer_proc.http.schemas import (
@@ -81,21 +82,23 @@ def chat_request(body: ChatCompletionRequest, rid: str) -> GenerateRequest:
     top = _top_logprobs("top_logprobs", body.top_logprobs or 0)
     if top and not body.logprobs:
         raise bad_param("top_logprobs", "top_logprobs needs logprobs=true")
-    if body.tool_choice is not None and body.tool_choice != "none" and not body.tools:
+    check_accepted_fields(body)
+    tools, choice, one_call = tools_of(body)
+    if choice is not None and choice != "none" and not tools:
         raise bad_param("tool_choice", "tool_choice needs tools")
     grammar = grammar_of(body.response_format, body.regex, body.ebnf)
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return GenerateRequest(
         rid=rid,
-        messages=[_chat_message(i, m) for i, m in enumerate(body.messages)],
+        messages=[_chat_message(i, m) for i, m in enumerate(legacy_history(body.messages))],
         sampling=_sampling(body, limit if limit is not None else UNTIL_CONTEXT, grammar),
         stream=body.stream,
         logprobs=body.logprobs,
         top_logprobs=top,
-        tools=body.tools,
-        tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
-        parallel_tool_calls=body.parallel_tool_calls is not False,
-        chat_template_kwargs=body.chat_template_kwargs,
+        tools=tools,
+        tool_choice=choice if choice is not None else "auto",
+        parallel_tool_calls=not one_call,
+        chat_template_kwargs=template_kwargs(body),
         n=body.n,
     )
 

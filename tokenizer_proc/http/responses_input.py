@@ -29,6 +29,7 @@ from protocol.chat import (
 from protocol.chat import ToolChoice as ToolChoice
 from protocol.grammar import Grammar
 from protocol.messages import GenerateRequest, SamplingParams
+from tokenizer_proc.http.chat_fields import effort_kwargs
 from tokenizer_proc.http.convert import UNTIL_CONTEXT
 from tokenizer_proc.http.errors import bad_param
 from tokenizer_proc.http.responses_schema import (
@@ -209,13 +210,5 @@ def _sampling(body: ResponsesRequest) -> SamplingParams:
 
 
 def _template_kwargs(body: ResponsesRequest) -> dict[str, Any] | None:
-    """``reasoning.effort`` as the template variable ``reasoning_effort`` (vLLM's spelling); effort
-    "none" also sets ``enable_thinking`` false (Qwen3's switch). A template reading neither answers
-    as it would without them."""
-    effort = body.reasoning.effort if body.reasoning is not None else None
-    if effort is None:
-        return None
-    kwargs: dict[str, Any] = {"reasoning_effort": effort}
-    if effort == "none":
-        kwargs["enable_thinking"] = False
-    return kwargs
+    """``reasoning.effort`` as template variables, as chat's ``reasoning_effort``."""
+    return effort_kwargs(body.reasoning.effort if body.reasoning is not None else None) or None

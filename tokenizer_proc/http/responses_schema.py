@@ -12,13 +12,13 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
+from tokenizer_proc.http.chat_fields import REASONING_EFFORTS, SERVICE_TIERS
 from tokenizer_proc.http.errors import bad_param
 from tokenizer_proc.http.schemas import Body, Int64, invalid_field
 
 T = TypeVar("T")
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one ``include`` value served
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 class TextFormat(Body):
@@ -87,7 +87,7 @@ def unsupported_fields(body: ResponsesRequest) -> None:
         ("prompt", body.prompt is not None, "stored prompt templates are not supported"),
         ("max_tool_calls", body.max_tool_calls is not None, "max_tool_calls is not supported"),
         ("truncation", body.truncation not in (None, "disabled"), 'only truncation "disabled" is supported'),
-        ("service_tier", body.service_tier not in (None, "auto", "default"), "only auto or default"),
+        ("service_tier", body.service_tier not in SERVICE_TIERS, "service_tier must be auto or default"),
         ("stream_options", body.stream_options is not None and not body.stream, "needs stream=true"),
         ("stream_options.include_obfuscation", _obfuscation(body), "stream obfuscation is not supported"),
         ("text.verbosity", body.text is not None and body.text.verbosity not in (None, "medium"),

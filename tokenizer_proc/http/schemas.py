@@ -9,11 +9,11 @@ nothing downstream ever sees a number it cannot encode.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
-from protocol.chat import Tool, ToolCall, ToolChoice
+from protocol.chat import FunctionCall, FunctionDef, NamedFunction, Tool, ToolCall, ToolChoice
 from tokenizer_proc.http.errors import ApiError
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
@@ -84,6 +84,7 @@ class ChatMessageIn(Body):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
+    function_call: FunctionCall | None = None  # legacy: an assistant's one call (role "function" answers)
     tool_call_id: str | None = None
     refusal: str | None = None
     reasoning_content: str | None = None
@@ -105,6 +106,20 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     separate_reasoning: bool = True
     stream_reasoning: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM, SGLang): template variables
+    reasoning_effort: str | None = None  # the template variable reasoning_effort (convert.py)
+    # OpenAI's legacy spelling of tools / tool_choice, mapped to them (convert.py)
+    functions: list[FunctionDef] | None = None
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
+    # Accepted without effect here, some at their neutral value only (convert.py); service_tier and
+    # metadata are echoed as OpenAI echoes them.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None  # no chat completion is stored: nothing can be retrieved later
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None  # rivulet's prefix cache finds shared prefixes itself
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    safety_identifier: str | None = None
+    verbosity: str | None = None
+    modalities: list[str] | None = None
 
 
 _PATH = re.compile(r" - at `\$\.?(.*)`$")

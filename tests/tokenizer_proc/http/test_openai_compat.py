@@ -18,6 +18,8 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolPara
 
 from protocol.chat import Tool, ToolChoice
 from tokenizer_proc.chat.tool_checks import offered_tools
+from tokenizer_proc.http.convert import chat_request
+from tokenizer_proc.http.schemas import ChatCompletionRequest, decode_body
 
 PICK_ARGS = {
     "type": "object",
@@ -129,3 +131,46 @@ def _responses_allowed(mode: str, *names: str) -> Any:
 def _error(exc: openai.APIStatusError) -> dict[str, Any]:
     assert isinstance(exc.body, dict), exc.body
     return exc.body
+
+
+# Item 3: chat-completions fields OpenAI documents: accepted, echoed where its reply echoes them.
+
+
+def test_chat_accepts_openais_request_fields_and_echoes_tier_and_metadata(oai: openai.OpenAI) -> None:
+    r = oai.chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=2, metadata={"run": "7"}, store=True, service_tier="auto",
+        prompt_cache_key="k", prompt_cache_retention="in_memory", safety_identifier="u-1",
+        reasoning_effort="low", verbosity="medium", modalities=["text"],
+    )  # fmt: skip
+    assert r.service_tier == "default" and r.metadata == {"run": "7"}
+    assert r.choices[0].finish_reason in {"stop", "length"}
+
+
+def test_reasoning_effort_is_a_template_variable() -> None:
+    body = {"messages": ASK, "reasoning_effort": "none", "chat_template_kwargs": {"x": 1}}
+    req = chat_request(decode_body(msgspec.json.encode(body), ChatCompletionRequest), "r")
+    assert req.chat_template_kwargs == {"reasoning_effort": "none", "enable_thinking": False, "x": 1}
+
+
+def test_legacy_functions_are_tools_answered_as_function_call(oai: openai.OpenAI) -> None:
+    functions: Any = [PICK["function"]]
+    r = oai.chat.completions.create(
+        model="tiny", messages=ASK, functions=functions, function_call={"name": "pick"}, max_tokens=40
+    )
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "function_call" and message.tool_calls is None, r.choices[0]
+    assert message.function_call is not None and message.function_call.name == "pick"
+    assert json.loads(message.function_call.arguments)["colour"] in {"red", "blue"}
+    history: Any = [*ASK, {"role": "assistant", "content": None, "function_call": {
+        "name": "pick", "arguments": message.function_call.arguments}},
+        {"role": "function", "name": "pick", "content": "picked"}]  # fmt: skip
+    chunks = list(oai.chat.completions.create(
+        model="tiny", messages=history, functions=functions, function_call={"name": "pick"},
+        max_tokens=40, stream=True,
+    ))  # fmt: skip
+    names = [
+        c.choices[0].delta.function_call.name
+        for c in chunks
+        if c.choices and c.choices[0].delta.function_call
+    ]
+    assert names[0] == "pick" and chunks[-1].choices[0].finish_reason == "function_call"
