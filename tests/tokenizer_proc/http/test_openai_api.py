@@ -102,6 +102,10 @@ def test_completion_top_logprobs_streamed_and_whole(oai: openai.OpenAI) -> None:
 def test_chat_top_logprobs_streamed_and_whole(oai: openai.OpenAI) -> None:
     kwargs = {"model": "tiny", "messages": CHAT, "max_tokens": 5, "temperature": 0, "logprobs": True,
               "top_logprobs": 3}  # fmt: skip
+    # Floats compared exactly: both requests must compute the same rows. A first request for this
+    # prompt computes it whole, a later one only what follows its cached pages, on other kernels
+    # (other bits): one request beforehand gives both the same cached prefix.
+    oai.chat.completions.create(**kwargs)  # type: ignore[call-overload]
     whole = oai.chat.completions.create(**kwargs)  # type: ignore[call-overload]
     content = whole.choices[0].logprobs.content
     assert content and len(content) == whole.usage.completion_tokens
@@ -114,7 +118,9 @@ def test_chat_top_logprobs_streamed_and_whole(oai: openai.OpenAI) -> None:
         assert entry.token.startswith("bytes:") or entry.bytes == list(entry.token.encode())
     text = bytes(b for entry in content for b in entry.bytes or [])
     assert text.decode(errors="replace") == whole.choices[0].message.content, "bytes join up to the text"
-    chunks = list(oai.chat.completions.create(stream=True, **kwargs))  # type: ignore[call-overload]
+    chunks = list(oai.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))  # type: ignore[call-overload]
+    cached = [u.prompt_tokens_details.cached_tokens for u in (whole.usage, chunks[-1].usage)]
+    assert cached[0] == cached[1] > 0, cached
     streamed = [
         e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []
     ]
