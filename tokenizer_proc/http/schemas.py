@@ -43,11 +43,12 @@ class SamplingFields(Body, kw_only=True):
     stop: str | list[str] | None = None
     stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
-    stream: bool = False
+    # Fields OpenAI marks nullable: null is the default (the property gives it).
+    stream_sent: bool | None = msgspec.field(default=None, name="stream")
     stream_options: StreamOptions | None = None
-    n: Int64 = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n_sent: Int64 | None = msgspec.field(default=None, name="n")
+    presence_penalty_sent: float | None = msgspec.field(default=None, name="presence_penalty")
+    frequency_penalty_sent: float | None = msgspec.field(default=None, name="frequency_penalty")
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     repetition_penalty: float | None = None  # extension (vLLM, SGLang): > 0, 1 is off
@@ -60,15 +61,35 @@ class SamplingFields(Body, kw_only=True):
     regex: str | None = None  # extension (SGLang): the output matches this regular expression
     ebnf: str | None = None  # extension (SGLang): the output follows this grammar (start rule ``root``)
 
+    @property
+    def stream(self) -> bool:
+        return bool(self.stream_sent)
+
+    @property
+    def n(self) -> int:
+        return 1 if self.n_sent is None else self.n_sent
+
+    @property
+    def presence_penalty(self) -> float:
+        return self.presence_penalty_sent or 0.0
+
+    @property
+    def frequency_penalty(self) -> float:
+        return self.frequency_penalty_sent or 0.0
+
 
 class CompletionRequest(SamplingFields, kw_only=True):
     """``POST /v1/completions``: ``prompt`` is a string, or token ids, or a batch of either."""
 
     prompt: str | list[str | Int64 | list[Int64]]
     logprobs: Int64 | None = None  # legacy API: the chosen token's logprob and the N (<= 20) likeliest
-    echo: bool = False
+    echo_sent: bool | None = msgspec.field(default=None, name="echo")  # null: false
     suffix: str | None = None
     best_of: Int64 | None = None
+
+    @property
+    def echo(self) -> bool:
+        return bool(self.echo_sent)
 
 
 class ContentPart(Body):
@@ -96,7 +117,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
     messages: list[ChatMessageIn]
     max_completion_tokens: Int64 | None = None
-    logprobs: bool = False
+    logprobs_sent: bool | None = msgspec.field(default=None, name="logprobs")  # null: false
     top_logprobs: Int64 | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Tool] | None = None
@@ -120,6 +141,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     safety_identifier: str | None = None
     verbosity: str | None = None
     modalities: list[str] | None = None
+
+    @property
+    def logprobs(self) -> bool:
+        return bool(self.logprobs_sent)
 
 
 _PATH = re.compile(r" - at `\$\.?(.*)`$")

@@ -174,3 +174,19 @@ def test_legacy_functions_are_tools_answered_as_function_call(oai: openai.OpenAI
         if c.choices and c.choices[0].delta.function_call
     ]
     assert names[0] == "pick" and chunks[-1].choices[0].finish_reason == "function_call"
+
+
+# Item 4: an explicit null where OpenAI marks the field nullable is the default.
+
+
+def test_chat_nulls_are_the_defaults(oai: openai.OpenAI) -> None:
+    nulls = {"n": None, "logprobs": None, "stream": None, "presence_penalty": None, "frequency_penalty": None}
+    r = oai.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, extra_body=nulls)
+    assert len(r.choices) == 1 and r.choices[0].logprobs is None and r.object == "chat.completion"
+
+
+def test_completions_nulls_are_the_defaults(oai: openai.OpenAI) -> None:
+    nulls = {"n": None, "stream": None, "presence_penalty": None, "frequency_penalty": None, "echo": None}
+    r = oai.completions.create(model="tiny", prompt="Hello", max_tokens=2, extra_body=nulls)
+    assert len(r.choices) == 1 and not r.choices[0].text.startswith("Hello")
+    assert r.object == "text_completion"
