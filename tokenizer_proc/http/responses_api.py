@@ -15,18 +15,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from protocol.chat import ChatMessage
-from protocol.messages import FinishReason
+from protocol.messages import FinishReason, GenerateRequest
+from tokenizer_proc.http.bridge import RequestHandle
 from tokenizer_proc.http.choices import whole_replies
 from tokenizer_proc.http.convert import rejection_error
 from tokenizer_proc.http.errors import ApiError, engine_error
-from tokenizer_proc.http.responses_input import generate_request, responses_param
+from tokenizer_proc.http.responses_input import generate_request, responses_param, without_oldest_item
 from tokenizer_proc.http.responses_output import OutputItems, item_id
 from tokenizer_proc.http.responses_run import ResponseRun, echo_fields
 from tokenizer_proc.http.responses_schema import ResponsesRequest, unsupported_fields
 from tokenizer_proc.http.responses_store import ResponseStore
 from tokenizer_proc.http.responses_stream import ResponseEventStream
 from tokenizer_proc.http.schemas import decode_body
-from tokenizer_proc.validation import RequestRejected
+from tokenizer_proc.validation import CONTEXT_LENGTH_EXCEEDED, RequestRejected
 
 if TYPE_CHECKING:
     from tokenizer_proc.http.app import OpenAiApi
@@ -49,15 +50,8 @@ class ResponsesApi:
         unsupported_fields(body)
         history = self._history(body.previous_response_id)
         run_id = item_id("resp")
-        req = generate_request(body, run_id, history)
-        # A max_output_tokens the client set that cannot fit beside the prompt is refused
-        # (context_length_exceeded), as chat and completions do; no limit is the rest of the context.
-        limit_set = body.max_output_tokens is not None
-        try:
-            handles = await self.api.bridge.submit(req, clamp_to_context=not limit_set)
-        except RequestRejected as exc:
-            raise _rejection(exc) from None
         instructions = 1 if body.instructions else 0
+        req, handles = await self._submit(body, generate_request(body, run_id, history), instructions)
         assert req.messages is not None, "a Responses request is a chat request"
         run = ResponseRun(
             id=run_id,
@@ -74,6 +68,24 @@ class ResponsesApi:
             raise engine_error(reply.error or "the engine failed the request")
         result, _ = run.finish(reply)
         return _json(result)
+
+    async def _submit(
+        self, body: ResponsesRequest, req: GenerateRequest, instructions: int
+    ) -> tuple[GenerateRequest, list[RequestHandle]]:
+        """Submit ``req``, and the request submitted. A max_output_tokens the client set that
+        cannot fit beside the prompt is refused (context_length_exceeded), as chat and completions
+        do; no limit is the rest of the context. ``truncation: "auto"``: while the input does not
+        fit, its oldest item is dropped (the instructions stay), one at a time, as OpenAI does."""
+        limit_set = body.max_output_tokens is not None
+        while True:
+            try:
+                return req, await self.api.bridge.submit(req, clamp_to_context=not limit_set)
+            except RequestRejected as exc:
+                too_long = exc.code == CONTEXT_LENGTH_EXCEEDED and body.truncation == "auto"
+                shorter = without_oldest_item(req, instructions) if too_long else None
+                if shorter is None:
+                    raise _rejection(exc) from None
+                req = shorter
 
     async def retrieve(self, request: Request) -> Response:
         self.api.authorize(request)

@@ -70,6 +70,19 @@ def generate_request(body: ResponsesRequest, rid: str, history: list[ChatMessage
     )
 
 
+def without_oldest_item(req: GenerateRequest, kept: int) -> GenerateRequest | None:
+    """``req`` without its oldest conversation item after the first ``kept`` messages (the
+    instructions), and without the results of calls it drops (a tool message must follow its
+    call); None when only one item is left to drop. ``truncation: "auto"``'s step."""
+    assert req.messages is not None, "a Responses request is a chat request"
+    rest = req.messages[kept + 1 :]
+    while rest and rest[0].role == "tool":
+        rest = rest[1:]
+    if not rest:
+        return None
+    return msgspec.structs.replace(req, messages=req.messages[:kept] + rest)
+
+
 def responses_param(param: str) -> str:
     """A chat-side field name as the Responses API spells it."""
     if param.startswith("messages"):

@@ -39,9 +39,9 @@ def echo_fields(body: ResponsesRequest, model: str) -> dict[str, Any]:
         "text": {"format": text_format, "verbosity": "medium"},
         "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
         "tools": body.tools or [], "top_logprobs": body.top_logprobs or 0,
-        "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": "disabled",
+        "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": body.truncation or "disabled",
         "user": body.user, "safety_identifier": body.safety_identifier,
-        "prompt_cache_key": body.prompt_cache_key,
+        "prompt_cache_key": body.prompt_cache_key, "prompt_cache_retention": body.prompt_cache_retention,
     }  # fmt: skip
 
 

@@ -71,7 +71,8 @@ class ResponsesRequest(Body):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None  # a routing hint at OpenAI; rivulet's cache finds prefixes itself
     service_tier: str | None = None
-    truncation: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None  # auto: responses_api.py drops old items
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # echoed; the cache is in memory
     # Accepted only absent or at their neutral value (unsupported_fields):
     background: bool | None = None
     conversation: Any = None
@@ -86,7 +87,6 @@ def unsupported_fields(body: ResponsesRequest) -> None:
         ("conversation", body.conversation is not None, "not supported; use previous_response_id"),
         ("prompt", body.prompt is not None, "stored prompt templates are not supported"),
         ("max_tool_calls", body.max_tool_calls is not None, "max_tool_calls is not supported"),
-        ("truncation", body.truncation not in (None, "disabled"), 'only truncation "disabled" is supported'),
         ("service_tier", body.service_tier not in SERVICE_TIERS, "service_tier must be auto or default"),
         ("stream_options", body.stream_options is not None and not body.stream, "needs stream=true"),
         ("stream_options.include_obfuscation", _obfuscation(body), "stream obfuscation is not supported"),

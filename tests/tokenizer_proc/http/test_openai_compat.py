@@ -16,9 +16,11 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
-from protocol.chat import Tool, ToolChoice
+from protocol.chat import ChatMessage, FunctionCall, Tool, ToolCall, ToolChoice
+from protocol.messages import GenerateRequest
 from tokenizer_proc.chat.tool_checks import offered_tools
 from tokenizer_proc.http.convert import chat_request
+from tokenizer_proc.http.responses_input import without_oldest_item
 from tokenizer_proc.http.schemas import ChatCompletionRequest, decode_body
 
 PICK_ARGS = {
@@ -190,3 +192,35 @@ def test_completions_nulls_are_the_defaults(oai: openai.OpenAI) -> None:
     r = oai.completions.create(model="tiny", prompt="Hello", max_tokens=2, extra_body=nulls)
     assert len(r.choices) == 1 and not r.choices[0].text.startswith("Hello")
     assert r.object == "text_completion"
+
+
+# Item 5: Responses truncation "auto" drops the oldest input items until the input fits.
+
+
+def test_responses_truncation_auto_drops_the_oldest_items(oai: openai.OpenAI) -> None:
+    """Eight user items of ~200 tokens each do not fit the tiny Llama's 1024-token context."""
+    items: Any = [{"role": "user", "content": f"item {i}: " + "apple " * 200} for i in range(8)]
+    with pytest.raises(openai.BadRequestError) as whole:
+        oai.responses.create(model="tiny", input=items, max_output_tokens=2)
+    assert _error(whole.value)["code"] == "context_length_exceeded"
+    r = oai.responses.create(
+        model="tiny", instructions="Be brief.", input=items, max_output_tokens=2, truncation="auto",
+        prompt_cache_retention="in_memory",
+    )  # fmt: skip
+    assert r.status in {"completed", "incomplete"} and r.usage is not None
+    assert 200 * 2 < r.usage.input_tokens < 1024 - 2, "some items dropped, the newest kept"
+    assert r.truncation == "auto" and r.prompt_cache_retention == "in_memory"
+    assert r.instructions == "Be brief."
+
+
+def test_truncation_keeps_the_instructions_and_drops_orphaned_results() -> None:
+    call = ToolCall(id="c", function=FunctionCall(name="pick", arguments="{}"))
+    messages = [
+        ChatMessage(role="system", content="rules"),
+        ChatMessage(role="assistant", content=None, tool_calls=[call]),
+        ChatMessage(role="tool", content="red", tool_call_id="c"),
+        ChatMessage(role="user", content="again"),
+    ]
+    shorter = without_oldest_item(GenerateRequest(rid="r", messages=messages), kept=1)
+    assert shorter is not None and shorter.messages == [messages[0], messages[3]]
+    assert without_oldest_item(shorter, kept=1) is None, "the newest item is never dropped"

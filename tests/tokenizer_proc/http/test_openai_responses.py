@@ -274,7 +274,6 @@ def test_get_and_delete(oai: openai.OpenAI) -> None:
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tool_choice": {"type": "web_search_preview"}, "tools": TOOLS}, "tool_choice"),
         ({"background": True}, "background"),
-        ({"truncation": "auto"}, "truncation"),
         ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
         ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning.summary"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
