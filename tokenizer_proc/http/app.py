@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hmac
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -32,6 +33,8 @@ from tokenizer_proc.http.schemas import ChatCompletionRequest, CompletionRequest
 from tokenizer_proc.metrics import render_prometheus, render_replicas
 from tokenizer_proc.token_bytes import TokenTexts
 from tokenizer_proc.validation import RequestRejected
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -202,9 +205,20 @@ def build_app(bridge: HttpBridge, settings: HttpSettings) -> Starlette:
     return Starlette(routes=routes, exception_handlers=handlers)
 
 
+def _answer(request: Request, error: ApiError) -> Response:
+    """``error``'s response; a client's error (4xx) is logged at INFO, since uvicorn's access log
+    is off and the operator must see why a client failed."""
+    if 400 <= error.status < 500:
+        logger.info(
+            "%s %s -> %d %s (param %s): %s", request.method, request.url.path, error.status,
+            error.code, error.param, error.message,
+        )  # fmt: skip
+    return error.response()
+
+
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError), f"routed {type(exc).__name__} to the ApiError handler"
-    return exc.response()
+    return _answer(request, exc)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
@@ -215,4 +229,4 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own 404/405 in OpenAI's shape."""
     assert isinstance(exc, HTTPException), f"routed {type(exc).__name__} to the HTTPException handler"
-    return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}").response()
+    return _answer(request, ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))

@@ -9,6 +9,7 @@ forced call is a few tokens whatever the weights.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import msgspec
@@ -18,6 +19,7 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolPara
 
 from protocol.chat import ChatMessage, FunctionCall, Tool, ToolCall, ToolChoice
 from protocol.messages import GenerateRequest
+from tests.tokenizer_proc.http.server import HttpEngine
 from tokenizer_proc.chat.tool_checks import offered_tools
 from tokenizer_proc.http.convert import chat_request
 from tokenizer_proc.http.responses_input import without_oldest_item
@@ -224,3 +226,26 @@ def test_truncation_keeps_the_instructions_and_drops_orphaned_results() -> None:
     shorter = without_oldest_item(GenerateRequest(rid="r", messages=messages), kept=1)
     assert shorter is not None and shorter.messages == [messages[0], messages[3]]
     assert without_oldest_item(shorter, kept=1) is None, "the newest item is never dropped"
+
+
+# The operator sees every 4xx in the log (uvicorn's access log is off).
+
+
+def test_a_4xx_is_logged_with_route_status_param_and_message(oai: openai.OpenAI, api: HttpEngine) -> None:
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model="tiny", messages=ASK, extra_body={"verbosity": "loud"})
+    with pytest.raises(openai.NotFoundError):
+        oai.models.with_raw_response.retrieve("nothing-here")
+    logged = _wait_for_line(api, "/v1/chat/completions -> 400 invalid_value (param verbosity):")
+    assert 'only verbosity "medium" is supported' in logged
+    assert "GET /v1/models/nothing-here -> 404" in _wait_for_line(api, "/v1/models/nothing-here")
+
+
+def _wait_for_line(api: HttpEngine, needle: str) -> str:
+    """The first log line holding ``needle``, waiting for the tokenizer process to write it."""
+    for _ in range(100):
+        lines = [line for line in api.engine.log().splitlines() if needle in line]
+        if lines:
+            return lines[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no log line holds {needle!r}")
