@@ -10,8 +10,11 @@ stopped and the launcher exits non-zero naming the child; SIGINT/SIGTERM stop
 everything within a few seconds. Children also die with the launcher
 (PR_SET_PDEATHSIG), so no process is ever orphaned.
 
-The command line comes from the process configs' fields (launcher_flags.py); the
-children and their supervision live in launcher_engine.py.
+Before any child starts, whatever the flags, the model's config and this machine rule out (a
+--tp-size that does not split the heads, a busy endpoint or port, a CUDA device torch cannot use)
+is refused in one line with exit status 2 (launcher_checks.py). The command line comes from the
+process configs' fields (launcher_flags.py); the children and their supervision live in
+launcher_engine.py.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ import signal
 import socket
 import sys
 import tempfile
+from pathlib import Path
 
 from gpu_worker.backends.cpu.kind import CpuKindError, apply_to_environ
 from gpu_worker.weights.model_files import ModelNotFoundError, ModelNotSupportedError
+from launcher_checks import StartRefused, check_device, check_endpoints_free, check_flags, check_model
 from launcher_engine import LOG_FORMAT, ChildDied, Engine
 from launcher_flags import (
     build_parser,
@@ -138,17 +143,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, model_path: str) -> int:
     """Start the engine, print the endpoint, supervise until a signal or a child's death."""
-    from gpu_worker.weights.model_files import resolve_model
-
-    endpoint = check_endpoint(args.endpoint)
+    endpoint = args.endpoint
     if endpoint.startswith("ipc://"):
         os.makedirs(os.path.dirname(endpoint[len("ipc://") :]) or ".", exist_ok=True)
-    model_dir = resolve_model(args.model)
-    model_path = str(model_dir)
-    if args.node_rank > 0:
-        return serve_worker_node(args, model_path)
     run_dir = tempfile.mkdtemp(prefix="rivulet-")
     wakeup, _wakeup_writer = _signal_wakeup()
     drain_s = 0.0  # only a stop by signal drains
@@ -203,18 +202,29 @@ def serve_worker_node(args: argparse.Namespace, model_path: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    check_nodes(args)
     logging.basicConfig(level=args.log_level, format=LOG_FORMAT, stream=sys.stderr)
-    try:  # before any child starts: they inherit the libraries' settings for the CPU kind
-        apply_to_environ()
-    except CpuKindError as exc:
+    try:  # every refusal before any child starts: one line, exit 2
+        model_dir = _check_start(args)
+    except (StartRefused, CpuKindError, ModelNotFoundError, ModelNotSupportedError) as exc:
         print(f"rivulet: {exc}", file=sys.stderr)
         return 2
-    try:
-        return serve(args)
-    except (ModelNotFoundError, ModelNotSupportedError) as exc:  # before any child started
-        print(f"rivulet: {exc}", file=sys.stderr)
-        return 2
+    if args.node_rank > 0:
+        return serve_worker_node(args, str(model_dir))
+    return serve(args, str(model_dir))
+
+
+def _check_start(args: argparse.Namespace) -> Path:
+    """The checks of launcher_checks.py, cheapest first; the model's HF-layout directory."""
+    from gpu_worker.weights.model_files import resolve_model
+
+    check_flags(args)
+    apply_to_environ()  # before any child starts: they inherit the libraries' settings for the CPU kind
+    model_dir = resolve_model(args.model)
+    check_model(args, model_dir)
+    if args.node_rank == 0:
+        check_endpoints_free(args)
+    check_device(args)  # last: a CUDA device costs a probe that imports torch
+    return model_dir
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 
 from client.async_client import AsyncClient
 from client.client import Client
-from client.common import DEFAULT_ENDPOINT, ENDPOINT_ENV, EngineError, default_endpoint
+from client.common import DEFAULT_ENDPOINT, ENDPOINT_ENV, EngineError, EngineUnreachable, default_endpoint
 from protocol.grammar import Grammar
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "AsyncClient",
     "Client",
     "EngineError",
+    "EngineUnreachable",
     "Grammar",
     "default_endpoint",
 ]

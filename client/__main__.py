@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from client.client import Client
-from client.common import EngineError, default_endpoint
+from client.common import EngineError, EngineUnreachable, default_endpoint
 from protocol.messages import GenerateOutput
 
 
@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stream the completion; exit 1 with a message on an engine error or timeout."""
+    """Stream the completion; exit 1 with a message on an engine error, no engine, or a timeout."""
     args = parse_args(argv)
     with Client(args.endpoint, timeout_s=args.timeout) as client:
         messages = [{"role": "user", "content": args.prompt}] if args.chat else None
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for delta in stream:
                 _write(delta)
-        except (EngineError, TimeoutError) as exc:
+        except (EngineError, EngineUnreachable, TimeoutError) as exc:
             print(f"\nerror: {exc}", file=sys.stderr)
             return 1
     print()

@@ -12,8 +12,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 from zmq.asyncio import Socket as AsyncSocket
+from zmq.utils.monitor import parse_monitor_message
 
 from client.common import (
+    CONNECT_TIMEOUT_S,
     LOST_CONNECTION,
     ChoiceCount,
     EngineError,
@@ -24,6 +26,7 @@ from client.common import (
     embed_input,
     embedding_of,
     make_request,
+    nothing_listening,
     single_choice,
 )
 from protocol.messages import AbortRequest, ClientReply, GenerateOutput, GenerateRequest
@@ -38,12 +41,23 @@ class AsyncClient:
     A single receiver task reads every reply and routes it to its request's
     queue by rid. Waiting longer than ``timeout_s`` for a reply raises
     TimeoutError (and aborts the request); an error reply raises EngineError.
+    Until an engine has answered at the endpoint, a request waits
+    ``connect_timeout_s`` at most, then raises EngineUnreachable.
     """
 
-    def __init__(self, endpoint: str | None = None, timeout_s: float = 300.0) -> None:
-        assert timeout_s > 0, f"timeout_s must be positive, got {timeout_s}"
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        timeout_s: float = 300.0,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+    ) -> None:
+        assert timeout_s > 0 and connect_timeout_s > 0, (
+            f"timeouts must be positive: {timeout_s}, {connect_timeout_s}"
+        )
         self.endpoint = endpoint or default_endpoint()
         self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._connected = False  # an engine answered (a handshake) and has not dropped since
         self._ctx = zmq.asyncio.Context()
         # connect_dealer is typed for sync sockets; an asyncio context makes asyncio sockets.
         sock, monitor = connect_dealer(self._ctx, self.endpoint)
@@ -148,10 +162,7 @@ class AsyncClient:
             await self._forget(rid)
 
     async def _next(self, rid: str) -> GenerateOutput:
-        try:
-            item = await asyncio.wait_for(self._pending[rid].get(), self.timeout_s)
-        except TimeoutError:
-            raise TimeoutError(f"no reply for request {rid!r} within {self.timeout_s} s") from None
+        item = await self._wait(rid)
         if isinstance(item, EngineError):  # the receiver itself failed
             self._pending.pop(rid, None)
             self._choices.forget(rid)
@@ -160,9 +171,25 @@ class AsyncClient:
             del self._pending[rid]  # finished: nothing to abort any more
         return check_reply(item)
 
+    async def _wait(self, rid: str) -> GenerateOutput | EngineError:
+        """The next item of ``rid``'s queue, within ``connect_timeout_s`` while no engine has answered,
+        else within ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        while True:
+            limit_s = self.timeout_s if self._connected else min(self.timeout_s, self.connect_timeout_s)
+            try:
+                return await asyncio.wait_for(self._pending[rid].get(), started + limit_s - loop.time())
+            except TimeoutError:
+                if not self._connected:
+                    raise nothing_listening(self.endpoint, limit_s) from None
+                if loop.time() - started >= self.timeout_s:
+                    raise TimeoutError(f"no reply for request {rid!r} within {self.timeout_s} s") from None
+
     async def _receive_loop(self) -> None:
         while True:
             frame = await self._sock.recv()
+            self._connected = True
             try:
                 reply = self._codec.decode(frame)
             except msgspec.DecodeError as exc:
@@ -178,9 +205,13 @@ class AsyncClient:
                 logger.debug("dropping a reply for %r, which is no longer in flight", reply.rid)
 
     async def _watch_connection(self) -> None:
-        """The engine connection dropped (the engine died or stopped): fail every waiting request."""
+        """An engine answered; or the connection dropped (the engine died or stopped): then every
+        waiting request fails, and the next one waits for an engine to answer again."""
         while True:
-            await self._monitor.recv_multipart()  # only EVENT_DISCONNECTED is subscribed
+            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            self._connected = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+            if self._connected:
+                continue
             await asyncio.sleep(0.05)  # let the receiver route the engine's last replies first
             self._fail_all(EngineError(LOST_CONNECTION))
 

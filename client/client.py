@@ -15,6 +15,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from client.common import (
+    CONNECT_TIMEOUT_S,
     LOST_CONNECTION,
     ChoiceCount,
     EngineError,
@@ -25,6 +26,7 @@ from client.common import (
     embed_input,
     embedding_of,
     make_request,
+    nothing_listening,
     single_choice,
 )
 from protocol.messages import (
@@ -46,13 +48,24 @@ class Client:
     Replies are demultiplexed by rid: while one request waits, replies for the
     others are buffered, so several streams can be consumed interleaved.
     Waiting for a reply longer than ``timeout_s`` raises TimeoutError (and
-    aborts the request in the engine); an error reply raises EngineError.
+    aborts the request in the engine); an error reply raises EngineError. Until
+    an engine has answered at the endpoint, a request waits ``connect_timeout_s``
+    at most, then raises EngineUnreachable ("nothing is listening at ...").
     """
 
-    def __init__(self, endpoint: str | None = None, timeout_s: float = 300.0) -> None:
-        assert timeout_s > 0, f"timeout_s must be positive, got {timeout_s}"
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        timeout_s: float = 300.0,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+    ) -> None:
+        assert timeout_s > 0 and connect_timeout_s > 0, (
+            f"timeouts must be positive: {timeout_s}, {connect_timeout_s}"
+        )
         self.endpoint = endpoint or default_endpoint()
         self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._connected = False  # an engine answered (a handshake) and has not dropped since
         self._ctx = zmq.Context()
         self._sock, self._monitor = connect_dealer(self._ctx, self.endpoint)
         self._poller = zmq.Poller()
@@ -161,16 +174,20 @@ class Client:
     def _next(self, rid: str) -> GenerateOutput:
         """The next reply for ``rid``, receiving (and buffering others') until it comes."""
         queue = self._pending[rid]
-        deadline = time.monotonic() + self.timeout_s
+        started = time.monotonic()
         while not queue:
-            remaining_ms = (deadline - time.monotonic()) * 1000
+            limit_s = self.timeout_s if self._connected else min(self.timeout_s, self.connect_timeout_s)
+            remaining_ms = (started + limit_s - time.monotonic()) * 1000
             ready = dict(self._poller.poll(max(1, int(remaining_ms)))) if remaining_ms > 0 else {}
-            if not ready:
+            if not ready and not self._connected:
+                raise nothing_listening(self.endpoint, limit_s)
+            if not ready and time.monotonic() - started >= self.timeout_s:
                 raise TimeoutError(f"no reply for request {rid!r} within {self.timeout_s} s")
             if self._sock in ready:
+                self._connected = True
                 self._dispatch(self._sock.recv())
             if self._monitor in ready:
-                self._on_disconnect()
+                self._on_monitor_event()
         reply = queue.popleft()
         if reply.finish_reason is not None and self._choices.finished(reply):
             del self._pending[rid]  # finished: nothing to abort any more
@@ -190,9 +207,12 @@ class Client:
         else:
             logger.debug("dropping a reply for %r, which is no longer in flight", reply.rid)
 
-    def _on_disconnect(self) -> None:
-        """The engine connection dropped (the engine died or stopped): fail every waiting request."""
-        recv_monitor_message(self._monitor)
+    def _on_monitor_event(self) -> None:
+        """An engine answered; or the connection dropped (the engine died or stopped): then every
+        waiting request fails, and the next one waits for an engine to answer again."""
+        self._connected = recv_monitor_message(self._monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        if self._connected:
+            return
         while self._sock.poll(0):  # the engine's last replies (e.g. "shutting down") come first
             self._dispatch(self._sock.recv())
         for rid, queue in self._pending.items():

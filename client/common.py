@@ -18,21 +18,37 @@ from protocol.transport import HEARTBEAT_SOCKET_OPTIONS
 DEFAULT_ENDPOINT = "ipc:///tmp/rivulet/client.sock"
 ENDPOINT_ENV = "RIVULET_ENDPOINT"
 LOST_CONNECTION = "lost the connection to the engine"
+# How long a request waits for an engine to answer at all: ZMQ's handshake, which a live engine's
+# I/O thread completes in milliseconds however busy the engine is. Past it, with no handshake,
+# nothing is listening; once one succeeded, a reply may take the whole timeout_s (a long prefill).
+CONNECT_TIMEOUT_S = 5.0
 
 
 class EngineError(RuntimeError):
     """The engine rejected or failed a request; the message is the engine's reason."""
 
 
+class EngineUnreachable(ConnectionError):
+    """No engine answered at the client's endpoint within its connect timeout."""
+
+
+def nothing_listening(endpoint: str, waited_s: float) -> EngineUnreachable:
+    return EngineUnreachable(
+        f"nothing is listening at {endpoint}: no engine answered within {waited_s:g} s "
+        "(is the launcher running, with this --endpoint?)"
+    )
+
+
 def connect_dealer(ctx: zmq.Context, endpoint: str) -> tuple[zmq.Socket, zmq.Socket]:
-    """The client's DEALER and a monitor socket that reports when the engine connection drops.
+    """The client's DEALER and a monitor socket that reports when an engine answered (the
+    handshake succeeded) and when the connection drops.
 
     A connection whose heartbeats stop is dropped, which the monitor reports.
     """
     sock = ctx.socket(zmq.DEALER)
     for option, value in HEARTBEAT_SOCKET_OPTIONS:
         sock.setsockopt(option, value)
-    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
     sock.connect(endpoint)
     return sock, monitor
 

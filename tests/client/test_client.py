@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import zmq
 
-from client import DEFAULT_ENDPOINT, AsyncClient, Client, EngineError, default_endpoint
+from client import DEFAULT_ENDPOINT, AsyncClient, Client, EngineError, EngineUnreachable, default_endpoint
 from client.__main__ import main
 from protocol.chat import NamedToolChoice, ToolCallDelta
 from protocol.messages import (
@@ -69,14 +69,86 @@ def _delta(
     return GenerateOutput(rid=rid, text=text, finish_reason=finish, usage=usage, error=error)
 
 
-def test_timeout_without_engine(endpoint: str) -> None:
-    with Client(endpoint, timeout_s=0.2) as client:
-        start = time.monotonic()
-        with pytest.raises(TimeoutError):
+def test_nothing_listening_fails_fast_naming_the_endpoint(
+    endpoint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No engine at the endpoint: the request fails once no handshake came within the connect
+    timeout, not after the reply timeout (300 s by default), and says so."""
+    with Client(endpoint, connect_timeout_s=0.2) as client:
+        with pytest.raises(EngineUnreachable, match=f"nothing is listening at {endpoint}"):
             client.generate("hello")
-        with pytest.raises(TimeoutError):
+        with pytest.raises(EngineUnreachable, match="nothing is listening"):
             next(iter(client.generate("hello", stream=True)))
-        assert time.monotonic() - start < 30.0, "timed out waits must not stack up"
+    assert main(["hello", "--endpoint", endpoint]) == 1  # the CLI, at the default connect timeout
+    assert f"nothing is listening at {endpoint}" in capsys.readouterr().err
+
+
+def test_async_nothing_listening_fails_fast(endpoint: str) -> None:
+    async def run() -> None:
+        async with AsyncClient(endpoint, connect_timeout_s=0.2) as client:
+            with pytest.raises(EngineUnreachable, match=f"nothing is listening at {endpoint}"):
+                await client.generate("hello")
+
+    asyncio.run(run())
+
+
+def _answer_after(engine: FakeEngine, delay_s: float, requests: int = 1) -> threading.Thread:
+    """A thread that answers the next ``requests`` GenerateRequests (not aborts, nor a prompt
+    "silent"), each ``delay_s`` after it came."""
+
+    def serve() -> None:
+        answered = 0
+        while answered < requests:
+            ident, req = engine.recv()
+            if isinstance(req, GenerateRequest) and req.prompt != "silent":
+                time.sleep(delay_s)
+                engine.reply(ident, _delta(req.rid, "late", FinishReason.STOP))
+                answered += 1
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    return thread
+
+
+def test_a_first_reply_slower_than_the_connect_timeout_is_waited_for(
+    engine: FakeEngine, endpoint: str
+) -> None:
+    """The connect timeout bounds the wait for an engine to answer (ZMQ's handshake), not for a
+    reply: a long prefill's first token may come much later."""
+    thread = _answer_after(engine, 1.5, requests=2)
+    try:
+        with Client(endpoint, timeout_s=30.0, connect_timeout_s=0.5) as client:
+            assert client.generate("slow").text == "late"
+
+        async def run() -> None:
+            async with AsyncClient(endpoint, timeout_s=30.0, connect_timeout_s=0.5) as client:
+                reply = await client.generate("slow")
+                assert reply.text == "late"
+
+        asyncio.run(run())
+    finally:
+        thread.join(10)
+
+
+def test_timeout_once_the_engine_answered(engine: FakeEngine, endpoint: str) -> None:
+    """An engine that answered once and then stays silent: the reply timeout, a TimeoutError."""
+    with Client(endpoint, timeout_s=2.0) as client:
+        _answer_after(engine, 0.0)  # the first request only
+        assert client.generate("first").text == "late"
+        with pytest.raises(TimeoutError, match="no reply"):
+            client.generate("silent")
+
+    async def run() -> None:
+        async with AsyncClient(endpoint, timeout_s=2.0) as client:
+            assert (await client.generate("first")).text == "late"
+            with pytest.raises(TimeoutError, match="no reply"):
+                await client.generate("silent")
+
+    thread = _answer_after(engine, 0.0)
+    try:
+        asyncio.run(run())
+    finally:
+        thread.join(10)
 
 
 def test_interleaved_streams_are_demultiplexed(engine: FakeEngine, endpoint: str) -> None:
@@ -155,15 +227,6 @@ def test_async_client_demultiplexes_concurrent_requests(engine: FakeEngine, endp
         asyncio.run(run())
     finally:
         thread.join(10)
-
-
-def test_async_client_timeout(endpoint: str) -> None:
-    async def run() -> None:
-        async with AsyncClient(endpoint, timeout_s=0.2) as client:
-            with pytest.raises(TimeoutError):
-                await client.generate("hello")
-
-    asyncio.run(run())
 
 
 def test_default_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -71,6 +72,8 @@ def build(kind: CpuKind) -> Path:
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
+    logger.info("compiling the CPU kernels for %s (first start only, about a minute)", kind.value)
+    started = time.perf_counter()
     # Build beside the target and rename: a concurrent builder never sees half a file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
@@ -88,5 +91,7 @@ def build(kind: CpuKind) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    logger.info("built CPU kernels for %s: %s", kind.value, target)
+    logger.info(
+        "built the CPU kernels for %s in %.0f s: %s", kind.value, time.perf_counter() - started, target
+    )
     return target
