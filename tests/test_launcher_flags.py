@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import subprocess
+import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,8 @@ from protocol import WorkerReady
 from protocol.flags import Flag, flag_of, source_of
 from scheduler_proc.config import SchedulerConfig
 from tokenizer_proc.config import TokenizerConfig
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _ready(device: str) -> WorkerReady:
@@ -159,11 +164,38 @@ def test_fields_set_elsewhere_arrive_from_the_worker_and_the_launcher() -> None:
         (["--nnodes", "2", "--node-rank", "2", "--tp-size", "2"], "expected 0 <= rank < nnodes"),
         (["--nnodes", "2", "--tp-size", "2", "--dp-size", "2", "--dist-init-addr", "h:1"], "not supported"),
         (["--dist-init-addr", "nohost"], "expected HOST:PORT"),
+        (["--endpoint", "tcp://10.1.2.3:5555"], "binds loopback only"),
+        (["--model", "/no/such/model"], "neither an HF model directory nor a .gguf file"),
+        # The embedded SmolLM2: 9 attention heads, 3 KV heads.
+        (
+            ["--tp-size", "2"],
+            r"--tp-size 2 does not divide the model's 9 attention heads and 3 KV heads .*1 or 3",
+        ),
+        # A CPU-only torch has no CUDA; a CUDA one has no device 99.
+        (
+            ["--device", "cuda:99"],
+            r"--device cuda:99: (this torch .* without CUDA|no CUDA device|this machine has)",
+        ),
+        (["--device", "cuda", "--attention-backend", "cpu"], "runs on the CPU, not --device cuda"),
+        (["--dtype", "fp8"], "--dtype fp8: expected one of auto, float32"),
+        (["--attention-backend", "flash"], "expected one of auto, cpu, torch, triton"),
+        (["--page-size", "0"], "page_size must be >= 1"),
+        (["--max-prefill-tokens", "0"], "max_prefill_tokens must be >= 1"),  # the scheduler's
+        (["--weight-dtype", "gguf", "--compile"], "--weight-dtype gguf: --compile"),
+        (["--weight-dtype", "gguf", "--disable-cpu-kernels"], "--weight-dtype gguf: .*--disable-cpu-kernels"),
     ],
 )
-def test_node_flags_that_do_not_fit_are_refused(argv: list[str], error: str) -> None:
-    with pytest.raises(SystemExit, match=error):
-        launcher.check_nodes(launcher.build_parser().parse_args(argv))
+def test_what_flags_and_model_rule_out_is_refused_before_loading(
+    argv: list[str], error: str, tmp_path: Path
+) -> None:
+    """One line on stderr and exit status 2, from the launcher alone: a child started (the worker
+    loading the model) would log lines of its own, and its death exits 1."""
+    endpoint = f"ipc://{tmp_path}/client.sock"
+    cmd = [sys.executable, "launcher.py", "--endpoint", endpoint, *argv]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("rivulet: ") and re.search(error, line), line
 
 
 def test_node_flags_that_fit_pass() -> None:
