@@ -34,7 +34,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # gpu_worker/mod
 CUDA_DEVICE = re.compile(r"cuda(?::(\d+))?")
 PROBE_TIMEOUT_S = 2.0  # a live engine accepts a unix-socket connection at once
 # What this machine's torch can do with CUDA, asked in a child so the launcher itself never loads torch.
-TORCH_PROBE = "import torch; print(torch.__version__, torch.version.cuda or '-', torch.cuda.device_count())"
+TORCH_PROBE = (
+    "import torch; print(torch.__version__, int(torch.backends.cuda.is_built()), torch.cuda.device_count())"
+)
 TORCH_PROBE_TIMEOUT_S = 120.0
 
 
@@ -113,8 +115,8 @@ def check_device(args: argparse.Namespace) -> None:
     probe = _torch_cuda()
     if probe is None:
         return
-    version, cuda, count = probe
-    if cuda == "-":
+    version, built, count = probe
+    if not built:
         raise StartRefused(f"--device {args.device}: this torch ({version}) is built without CUDA")
     index = int(found.group(1) or 0)
     if index >= count:
@@ -122,9 +124,9 @@ def check_device(args: argparse.Namespace) -> None:
         raise StartRefused(f"--device {args.device}: {seen}")
 
 
-def _torch_cuda() -> tuple[str, str, int] | None:
-    """This torch's version, its CUDA version ("-": none) and the CUDA devices it sees; None when
-    the probe failed (the worker then says why)."""
+def _torch_cuda() -> tuple[str, bool, int] | None:
+    """This torch's version, whether it is built with CUDA (or ROCm, which torch calls cuda too) and
+    the CUDA devices it sees; None when the probe failed (the worker then says why)."""
     try:
         done = subprocess.run(
             [sys.executable, "-c", TORCH_PROBE], capture_output=True, text=True, timeout=TORCH_PROBE_TIMEOUT_S
@@ -132,8 +134,8 @@ def _torch_cuda() -> tuple[str, str, int] | None:
     except subprocess.TimeoutExpired:
         return None
     try:
-        version, cuda, count = done.stdout.split()
-        return version, cuda, int(count)
+        version, built, count = done.stdout.split()
+        return version, built == "1", int(count)
     except ValueError:
         logger.warning("could not ask torch about CUDA: %s", done.stderr.strip()[-500:])
         return None
