@@ -13,6 +13,12 @@ neighbour's burst makes single steps slow.
 Opt-in (``--tune-threads``): on an idle machine the re-tries and the many
 shape classes of a serving mix cost more than they find (docs/benchmarks.md).
 
+The worker's OpenMP threads also wait passively by default (``openmp_env``): libgomp's own
+default spins up to ~300,000 times at every barrier and between parallel regions, and on a
+shared CPU the spinning thread holds the core its sibling needs to reach the barrier, so every
+region waits a time slice (docs/benchmarks.md, "A shared CPU"). A passive wait sleeps on a futex
+and wakes the sibling at once.
+
 This module is pure: no torch, no clock. The runner measures and applies.
 """
 
@@ -20,12 +26,25 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 WINDOW = 5  # recent step times kept per (class, thread count)
 RETRY_STEPS = 3  # consecutive steps a re-try runs the other count
 FIRST_RETRY_EVERY = 8  # steps of the used count between re-tries, at first
 MAX_RETRY_EVERY = 512  # the interval doubles on every lost re-try up to this
+
+
+# Read once, when libgomp loads (with torch): the worker sets them before it imports torch.
+OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def openmp_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What the worker adds to its environment before libgomp loads: a passive wait, unless the
+    user chose a wait policy or a spin count of their own."""
+    if any(name in environ for name in OPENMP_WAIT_VARS):
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def shape_class(rows: int, tokens: int) -> tuple[str, int]:
