@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 
-from gpu_worker.backends.cpu.threads import MAX_RETRY_EVERY, RETRY_STEPS, ThreadTuner, shape_class
+import pytest
+
+from gpu_worker.backends.cpu.threads import (
+    MAX_RETRY_EVERY,
+    OPENMP_WAIT_VARS,
+    RETRY_STEPS,
+    ThreadTuner,
+    openmp_env,
+    shape_class,
+)
 
 DECODE = shape_class(32, 32)
 
@@ -65,3 +77,24 @@ def test_shape_classes_split_decode_from_prefill_by_size() -> None:
     assert shape_class(20, 20) == shape_class(32, 32)
     assert shape_class(1, 256)[0] == "extend" and shape_class(1, 256) == shape_class(3, 200)
     assert shape_class(4, 4) != shape_class(1, 4)
+
+
+def test_openmp_waits_passively_unless_the_user_chose() -> None:
+    assert openmp_env({"PATH": "/bin"}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert openmp_env({"OMP_WAIT_POLICY": "active"}) == {}
+    assert openmp_env({"GOMP_SPINCOUNT": "10000"}) == {}
+
+
+# libgomp's spin count shows the policy it took: 0 passive, 300000 with none set, 3e10 active.
+@pytest.mark.parametrize(("user", "spins"), [({}, "0"), ({"OMP_WAIT_POLICY": "active"}, "30000000000")])
+def test_the_worker_sets_the_wait_policy_before_torch_loads_libgomp(user: dict[str, str], spins: str) -> None:
+    """libgomp reads its environment once, as torch loads it: OMP_DISPLAY_ENV makes it print what it read."""
+    inherited = {k: v for k, v in os.environ.items() if k not in OPENMP_WAIT_VARS}
+    env = inherited | user | {"OMP_DISPLAY_ENV": "VERBOSE"}
+    code = (
+        "import sys, gpu_worker.process as p; assert 'torch' not in sys.modules, 'torch loaded too early'; "
+        "p._set_openmp_env(); import torch; torch.ones(4).sum()"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"GOMP_SPINCOUNT = '{spins}'" in done.stderr, done.stderr[-2000:]
