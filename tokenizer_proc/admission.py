@@ -86,7 +86,7 @@ class Admission:
     def begin(self, client_id: bytes, req: GenerateRequest, *, clamp_to_context: bool = True) -> Admitting:
         """``req`` with its forced tool call's grammar, before anything looks at its grammar; what
         the compiler has of it already. Raise RequestRejected (a bad tool)."""
-        req = with_tool_grammar(req)
+        req = with_tool_grammar(req, self.chat_traits.tool_format)
         grammar = None if req.sampling.grammar is None else self.grammars.cached(req.sampling.grammar)
         schemas_checked = all(self.grammars.schema_checked(schema) for _, schema in tool_schemas(req))
         return Admitting(

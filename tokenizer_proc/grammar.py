@@ -22,17 +22,20 @@ fixes the separators to ``", "`` and ``": "`` on one line, so a small model cann
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import json
 import re
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from protocol.grammar import Grammar
 from protocol.sampling import WorkerGrammar
+from tokenizer_proc.chat.tool_parsers import CALL_CLOSE, CALL_OPEN
 
 if TYPE_CHECKING:
     import xgrammar
@@ -180,19 +183,85 @@ def _check_schema(schema: str) -> None:
 
 
 def _compile(compiler: xgrammar.GrammarCompiler, grammar: Grammar) -> xgrammar.CompiledGrammar:
+    if grammar.kind == "json_schema" and not grammar.spec.strip():
+        raise GrammarRejected("json_schema needs a schema")
+    return compiler.compile_grammar(_xgrammar_of(grammar))
+
+
+def _xgrammar_of(grammar: Grammar) -> xgrammar.Grammar:
+    """``grammar`` as xgrammar's (not yet compiled for a vocabulary): the one place a kind is read."""
+    import xgrammar
+
     match grammar.kind:
         case "json_schema":
-            if not grammar.spec.strip():
-                raise GrammarRejected("json_schema needs a schema")
-            strict = grammar.strict
-            return compiler.compile_json_schema(grammar.spec, any_whitespace=False, strict_mode=strict)
+            return xgrammar.Grammar.from_json_schema(
+                grammar.spec, any_whitespace=False, strict_mode=grammar.strict
+            )
         case "json_object":
-            return compiler.compile_json_schema(ANY_JSON_OBJECT, any_whitespace=False, strict_mode=False)
+            return xgrammar.Grammar.from_json_schema(ANY_JSON_OBJECT, any_whitespace=False, strict_mode=False)
         case "regex":
-            return compiler.compile_regex(grammar.spec)
+            return xgrammar.Grammar.from_regex(grammar.spec)
         case "ebnf":
-            return compiler.compile_grammar(grammar.spec)
+            return xgrammar.Grammar.from_ebnf(grammar.spec)
     raise GrammarRejected(f"unknown grammar kind {grammar.kind!r}")
+
+
+class FormatRejected(GrammarRejected):
+    """The format of a call-or-format grammar cannot be converted."""
+
+
+class CallRejected(GrammarRejected):
+    """The call grammar of tool ``index`` cannot be converted."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+@functools.lru_cache(maxsize=CACHE_ENTRIES)
+def call_or_format_grammar(
+    text_format: Grammar, calls: tuple[tuple[int, str], ...], tool_format: str, parallel: bool
+) -> Grammar:
+    """One grammar for a reply that is tool calls in the model's syntax or text in ``text_format``
+    (tools offered with tool_choice auto beside response_format): ``calls`` holds (tool index, the
+    JSON schema of one call object) per offered tool. ``tool_format``: ``hermes`` calls are
+    ``<tool_call>`` blocks, one per line; ``json`` ones bare objects joined by "; " (see
+    chat/tool_parsers.py, which reads them back). Built as an xgrammar structural tag ("or" of
+    the format and the calls) and carried as its EBNF text, so it is compiled and cached like any
+    grammar; a few milliseconds at most for the conversions, once per distinct request (cached).
+    Raise FormatRejected or CallRejected."""
+    import xgrammar
+
+    try:
+        text = _as_format(text_format)
+    except Exception as exc:  # xgrammar raises RuntimeError (and its own types) on bad input
+        raise FormatRejected(_clean(str(exc))) from exc
+    leaves = []
+    for index, schema in calls:
+        try:
+            leaves.append(_as_format(Grammar(kind="json_schema", spec=schema)))
+        except Exception as exc:
+            raise CallRejected(index, _clean(str(exc))) from exc
+    call: dict[str, Any] = leaves[0] if len(leaves) == 1 else {"type": "or", "elements": leaves}
+    tag = {
+        "type": "structural_tag",
+        "format": {"type": "or", "elements": [text, _calls(call, tool_format, parallel)]},
+    }
+    return Grammar(kind="ebnf", spec=str(xgrammar.Grammar.from_structural_tag(json.dumps(tag))))
+
+
+def _as_format(grammar: Grammar) -> dict[str, Any]:
+    """A structural tag's leaf: xgrammar's own EBNF of the grammar (compact JSON, strictness as set)."""
+    return {"type": "grammar", "grammar": str(_xgrammar_of(grammar))}
+
+
+def _calls(call: dict[str, Any], tool_format: str, parallel: bool) -> dict[str, Any]:
+    if tool_format == "hermes":
+        block = {"type": "tag", "begin": f"{CALL_OPEN}\n", "content": call, "end": f"\n{CALL_CLOSE}"}
+        return {"type": "tags_with_separator", "tags": [block], "separator": "\n", "at_least_one": True,
+                "stop_after_first": not parallel}  # fmt: skip
+    more = {"type": "sequence", "elements": [{"type": "const_string", "value": "; "}, call]}
+    return {"type": "sequence", "elements": [call, {"type": "star", "content": more}]} if parallel else call
 
 
 def _clean(message: str) -> str:

@@ -93,12 +93,14 @@ def render_chat(
         conversation = _with_tool_system_prompt(conversation, tool_dicts)
         tool_dicts = None
     text = _render(tokenizer, conversation, tool_dicts, kwargs)
+    # A forced call's grammar makes the reply the bare call object, and a call-or-format grammar
+    # (tools beside a grammar) calls or text in the format, even after an open <think>.
+    constrained = forced or bool(tools and req.sampling.grammar is not None)
     plan = ChatOutputPlan(
         tool_format=("json" if forced else traits.tool_format) if tools else None,
         tool_names=frozenset(t.function.name for t in tools),
-        # a forced call's grammar makes the reply the bare call object, even after an open <think>
-        reasoning=traits.thinks and not forced,
-        starts_in_reasoning=traits.thinks and not forced and _ends_inside_think(text),
+        reasoning=traits.thinks and not constrained,
+        starts_in_reasoning=traits.thinks and not constrained and _ends_inside_think(text),
         first_call_only=not req.parallel_tool_calls,
     )
     return text, plan

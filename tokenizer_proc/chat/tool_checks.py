@@ -16,6 +16,8 @@ import msgspec
 from protocol.chat import AllowedToolsChoice, ChatMessage, NamedToolChoice, Tool, ToolChoice
 from protocol.grammar import Grammar
 from protocol.messages import GenerateRequest
+from tokenizer_proc.chat.tool_parsers import ToolFormat
+from tokenizer_proc.grammar import CallRejected, FormatRejected, call_or_format_grammar
 from tokenizer_proc.validation_error import RequestRejected
 
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule, plus '.' (some tool names have it)
@@ -97,17 +99,39 @@ def forced_call_grammar(tools: list[Tool], choice: ToolChoice) -> Grammar | None
     return Grammar(kind="json_schema", spec=json.dumps(schema))
 
 
-def with_tool_grammar(req: GenerateRequest) -> GenerateRequest:
-    """``req`` with the grammar of its forced tool call in ``sampling.grammar`` (unchanged when the
-    call is not forced). Applied once, as a request begins its admission
-    (tokenizer_proc/admission.py), before anything looks at its grammar.
+def with_tool_grammar(req: GenerateRequest, tool_format: ToolFormat = "hermes") -> GenerateRequest:
+    """``req`` with the grammar its tools set in ``sampling.grammar`` (unchanged when they set
+    none). Applied once, as a request begins its admission (tokenizer_proc/admission.py), before
+    anything looks at its grammar; ``tool_format``: how the model writes calls (its template's).
 
     A forced call replaces the client's own grammar (``response_format``, ``text.format``): as at
-    OpenAI, the format is for text and a forced call writes none."""
+    OpenAI, the format is for text and a forced call writes none. Tools offered freely beside the
+    client's grammar make one grammar of both: calls in ``tool_format``, or text in the format."""
     grammar = tool_grammar(req)
+    if grammar is None and req.messages is not None and req.sampling.grammar is not None:
+        grammar = _call_or_format(req, tool_format)
     if grammar is None or req.sampling.grammar == grammar:
         return req
     return msgspec.structs.replace(req, sampling=msgspec.structs.replace(req.sampling, grammar=grammar))
+
+
+def _call_or_format(req: GenerateRequest, tool_format: ToolFormat) -> Grammar | None:
+    """The call-or-format grammar of a chat request that offers tools freely beside its grammar;
+    None when it offers none. A fault names the format (``sampling.grammar``) or the tool."""
+    assert req.sampling.grammar is not None, "a call-or-format grammar needs the client's format"
+    offered, _ = offered_tools(req.tools, req.tool_choice)
+    if not offered:
+        return None
+    index = {t.function.name: i for i, t in enumerate(req.tools or [])}
+    calls = tuple((index[t.function.name], json.dumps(call_schema(t))) for t in offered)
+    try:
+        return call_or_format_grammar(req.sampling.grammar, calls, tool_format, req.parallel_tool_calls)
+    except FormatRejected as exc:
+        raise RequestRejected("sampling.grammar", f"cannot be compiled: {exc}") from None
+    except CallRejected as exc:
+        raise RequestRejected(
+            f"tools[{exc.index}].function.parameters", f"cannot be compiled: {exc}"
+        ) from None
 
 
 def forces_call(req: GenerateRequest) -> bool:

@@ -249,3 +249,36 @@ def _wait_for_line(api: HttpEngine, needle: str) -> str:
             return lines[0]
         time.sleep(0.05)
     raise AssertionError(f"no log line holds {needle!r}")
+
+
+# Item 6: tools with tool_choice auto beside a format: a call or text in the format, one grammar.
+
+LT, BRACE = "44", "107"  # SmolLM2's tokens "<" (a <tool_call> block starts so) and "{"
+
+
+def test_chat_auto_tools_beside_a_format_may_call_or_answer_in_it(oai: openai.OpenAI) -> None:
+    """A logit bias picks the branch: "<" opens a call (the model could never call before),
+    "{" the format; the grammar writes the rest either way."""
+    ask: Any = dict(model="tiny", messages=ASK, tools=[PICK, STOP], tool_choice="auto",
+                    response_format=RESPONSE_FORMAT, max_tokens=60, temperature=0)  # fmt: skip
+    # One call: the bias would otherwise open one call after another.
+    called = oai.chat.completions.create(**ask, logit_bias={LT: 100}, parallel_tool_calls=False)
+    calls = called.choices[0].message.tool_calls or []
+    assert called.choices[0].finish_reason == "tool_calls" and calls, called.choices[0]
+    assert json.loads(calls[0].function.arguments)["colour"] in {"red", "blue"}  # type: ignore[union-attr]
+    answered = oai.chat.completions.create(**ask, logit_bias={BRACE: 100})
+    assert answered.choices[0].finish_reason == "stop" and not answered.choices[0].message.tool_calls
+    assert json.loads(answered.choices[0].message.content or "")["answer"] in {"yes", "no"}
+
+
+def test_responses_auto_tools_beside_a_format_answer_a_call_or_the_format(oai: openai.OpenAI) -> None:
+    r = oai.responses.create(
+        model="tiny", input="Pick a colour.", tools=[_responses_tool(PICK)], text=TEXT_FORMAT,
+        max_output_tokens=60, temperature=0,
+    )  # fmt: skip
+    assert r.status == "completed", r
+    calls = [item for item in r.output if item.type == "function_call"]
+    if calls:
+        assert calls[0].name == "pick" and json.loads(calls[0].arguments)["colour"] in {"red", "blue"}
+    else:
+        assert json.loads(r.output_text)["answer"] in {"yes", "no"}
