@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 from gpu_worker.backends.cpu.kind import CpuKindError, apply_to_environ
+from gpu_worker.weights.gguf_file import GgufFormatError
 from gpu_worker.weights.model_files import ModelNotFoundError, ModelNotSupportedError
 from launcher_checks import StartRefused, check_device, check_endpoints_free, check_flags, check_model
 from launcher_engine import LOG_FORMAT, ChildDied, Engine
@@ -202,10 +203,14 @@ def serve_worker_node(args: argparse.Namespace, model_path: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format=LOG_FORMAT, stream=sys.stderr)
     try:  # every refusal before any child starts: one line, exit 2
+        logging.basicConfig(level=args.log_level, format=LOG_FORMAT, stream=sys.stderr)
+    except ValueError as exc:
+        print(f"rivulet: --log-level {args.log_level}: {exc}", file=sys.stderr)
+        return 2
+    try:
         model_dir = _check_start(args)
-    except (StartRefused, CpuKindError, ModelNotFoundError, ModelNotSupportedError) as exc:
+    except (StartRefused, CpuKindError, ModelNotFoundError, ModelNotSupportedError, GgufFormatError) as exc:
         print(f"rivulet: {exc}", file=sys.stderr)
         return 2
     if args.node_rank > 0:

@@ -166,6 +166,9 @@ def test_fields_set_elsewhere_arrive_from_the_worker_and_the_launcher() -> None:
         (["--dist-init-addr", "nohost"], "expected HOST:PORT"),
         (["--endpoint", "tcp://10.1.2.3:5555"], "binds loopback only"),
         (["--model", "/no/such/model"], "neither an HF model directory nor a .gguf file"),
+        (["--model", str(Path(__file__))], "neither an HF model directory"),
+        (["--model", "{tmp}/junk.gguf"], "junk.gguf is not a GGUF file"),
+        (["--log-level", "LOUD"], "--log-level LOUD: Unknown level"),
         # The embedded SmolLM2: 9 attention heads, 3 KV heads.
         (
             ["--tp-size", "2"],
@@ -190,8 +193,9 @@ def test_what_flags_and_model_rule_out_is_refused_before_loading(
 ) -> None:
     """One line on stderr and exit status 2, from the launcher alone: a child started (the worker
     loading the model) would log lines of its own, and its death exits 1."""
+    (tmp_path / "junk.gguf").write_text("no GGUF magic here")
     endpoint = f"ipc://{tmp_path}/client.sock"
-    cmd = [sys.executable, "launcher.py", "--endpoint", endpoint, *argv]
+    cmd = [sys.executable, "launcher.py", "--endpoint", endpoint, *(a.format(tmp=tmp_path) for a in argv)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout) == (2, ""), done.stderr
     (line,) = done.stderr.splitlines()
