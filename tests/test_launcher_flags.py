@@ -214,3 +214,10 @@ def test_docs_flags_md_is_the_parser() -> None:
 
     docs = Path(__file__).resolve().parent.parent / "docs" / "flags.md"
     assert docs.read_text() == flags_markdown(), "run: python -m launcher_flags > docs/flags.md"
+
+
+def test_the_dtypes_checked_at_start_are_the_workers() -> None:
+    import launcher_checks
+    from gpu_worker import model_runner
+
+    assert set(launcher_checks.DTYPES) == {"auto", *model_runner._DTYPES}
