@@ -20,14 +20,17 @@ from tokenizer_proc.http.errors import bad_param
 from tokenizer_proc.http.schemas import ChatCompletionRequest, ChatMessageIn
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
-SERVICE_TIERS = (None, "auto", "default")  # one tier serves every request here: it answers "default"
+# OpenAI's tiers and verbosities, all accepted: one tier serves every request here (the reply says
+# "default", the tier that served it), and no template reads a verbosity.
+SERVICE_TIERS = (None, "auto", "default", "flex", "scale", "priority")
+VERBOSITIES = (None, "low", "medium", "high")
 
 
 def check_accepted_fields(body: ChatCompletionRequest) -> None:
-    """A 400 naming a field set to what rivulet cannot do (audio out, a tier or verbosity of its own)."""
+    """A 400 naming a field set to what rivulet cannot do (audio out) or OpenAI does not name."""
     refused: list[tuple[str, bool, str]] = [
-        ("service_tier", body.service_tier not in SERVICE_TIERS, "service_tier must be auto or default"),
-        ("verbosity", body.verbosity not in (None, "medium"), 'only verbosity "medium" is supported'),
+        ("service_tier", body.service_tier not in SERVICE_TIERS, f"must be one of {list(SERVICE_TIERS[1:])}"),
+        ("verbosity", body.verbosity not in VERBOSITIES, f"must be one of {list(VERBOSITIES[1:])}"),
         ("modalities", any(m != "text" for m in body.modalities or []), 'only "text" output is supported'),
         ("reasoning_effort", body.reasoning_effort not in (None, *REASONING_EFFORTS),
          f"reasoning_effort must be one of {list(REASONING_EFFORTS)}"),

@@ -27,6 +27,7 @@ def echo_fields(body: ResponsesRequest, model: str) -> dict[str, Any]:
         fmt = body.text.format
         text_format = {k: v for k, v in _fields(fmt).items() if v is not None}
     effort = body.reasoning.effort if body.reasoning is not None else None
+    verbosity = (body.text.verbosity if body.text is not None else None) or "medium"
     return {
         "object": "response", "model": model, "background": False,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
@@ -36,7 +37,7 @@ def echo_fields(body: ResponsesRequest, model: str) -> dict[str, Any]:
         "reasoning": {"effort": effort, "summary": None}, "service_tier": "default",
         "store": body.store is not False,
         "temperature": 1.0 if body.temperature is None else body.temperature,
-        "text": {"format": text_format, "verbosity": "medium"},
+        "text": {"format": text_format, "verbosity": verbosity},
         "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
         "tools": body.tools or [], "top_logprobs": body.top_logprobs or 0,
         "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": body.truncation or "disabled",

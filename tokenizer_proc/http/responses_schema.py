@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from tokenizer_proc.http.chat_fields import REASONING_EFFORTS, SERVICE_TIERS
+from tokenizer_proc.http.chat_fields import REASONING_EFFORTS, SERVICE_TIERS, VERBOSITIES
 from tokenizer_proc.http.errors import bad_param
 from tokenizer_proc.http.schemas import Body, Int64, invalid_field
 
@@ -87,11 +87,11 @@ def unsupported_fields(body: ResponsesRequest) -> None:
         ("conversation", body.conversation is not None, "not supported; use previous_response_id"),
         ("prompt", body.prompt is not None, "stored prompt templates are not supported"),
         ("max_tool_calls", body.max_tool_calls is not None, "max_tool_calls is not supported"),
-        ("service_tier", body.service_tier not in SERVICE_TIERS, "service_tier must be auto or default"),
+        ("service_tier", body.service_tier not in SERVICE_TIERS, f"must be one of {list(SERVICE_TIERS[1:])}"),
         ("stream_options", body.stream_options is not None and not body.stream, "needs stream=true"),
         ("stream_options.include_obfuscation", _obfuscation(body), "stream obfuscation is not supported"),
-        ("text.verbosity", body.text is not None and body.text.verbosity not in (None, "medium"),
-         'only verbosity "medium" is supported'),
+        ("text.verbosity", body.text is not None and body.text.verbosity not in VERBOSITIES,
+         f"must be one of {list(VERBOSITIES[1:])}"),
     ]  # fmt: skip
     for param, asked, message in refused:
         if asked:

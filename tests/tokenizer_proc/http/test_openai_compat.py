@@ -142,9 +142,9 @@ def _error(exc: openai.APIStatusError) -> dict[str, Any]:
 
 def test_chat_accepts_openais_request_fields_and_echoes_tier_and_metadata(oai: openai.OpenAI) -> None:
     r = oai.chat.completions.create(
-        model="tiny", messages=ASK, max_tokens=2, metadata={"run": "7"}, store=True, service_tier="auto",
+        model="tiny", messages=ASK, max_tokens=2, metadata={"run": "7"}, store=True, service_tier="flex",
         prompt_cache_key="k", prompt_cache_retention="in_memory", safety_identifier="u-1",
-        reasoning_effort="low", verbosity="medium", modalities=["text"],
+        reasoning_effort="low", verbosity="low", modalities=["text"],
     )  # fmt: skip
     assert r.service_tier == "default" and r.metadata == {"run": "7"}
     assert r.choices[0].finish_reason in {"stop", "length"}
@@ -207,11 +207,13 @@ def test_responses_truncation_auto_drops_the_oldest_items(oai: openai.OpenAI) ->
     assert _error(whole.value)["code"] == "context_length_exceeded"
     r = oai.responses.create(
         model="tiny", instructions="Be brief.", input=items, max_output_tokens=2, truncation="auto",
-        prompt_cache_retention="in_memory",
+        prompt_cache_retention="in_memory", service_tier="priority", text={"verbosity": "high"},
     )  # fmt: skip
     assert r.status in {"completed", "incomplete"} and r.usage is not None
     assert 200 * 2 < r.usage.input_tokens < 1024 - 2, "some items dropped, the newest kept"
     assert r.truncation == "auto" and r.prompt_cache_retention == "in_memory"
+    assert r.service_tier == "default", "the tier that served it"
+    assert r.text is not None and r.text.verbosity == "high"
     assert r.instructions == "Be brief."
 
 
@@ -237,7 +239,7 @@ def test_a_4xx_is_logged_with_route_status_param_and_message(oai: openai.OpenAI,
     with pytest.raises(openai.NotFoundError):
         oai.models.with_raw_response.retrieve("nothing-here")
     logged = _wait_for_line(api, "/v1/chat/completions -> 400 invalid_value (param verbosity):")
-    assert 'only verbosity "medium" is supported' in logged
+    assert "must be one of ['low', 'medium', 'high']" in logged
     assert "GET /v1/models/nothing-here -> 404" in _wait_for_line(api, "/v1/models/nothing-here")
 
 
