@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import openai
 import pytest
+from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import SecretStr
@@ -39,6 +40,20 @@ def test_bind_tools_with_a_forced_tool_calls_it(sent: Sent, responses_api: bool)
     (call,) = reply.tool_calls
     assert call["name"] == "lookup" and call["args"]["city"] in CITIES
     assert lookup.invoke(call["args"]) == "sunny"  # the parsed arguments are the tool's own
+
+
+@pytest.mark.parametrize("responses_api", [False, True], ids=["chat", "responses"])
+def test_a_tool_round_trip_then_a_structured_answer(sent: Sent, responses_api: bool) -> None:
+    """The call LangChain parsed, and the tool's result, go back as history the engine accepts."""
+    chat = _chat(sent, use_responses_api=responses_api)
+    call_reply = chat.bind_tools([lookup], tool_choice="lookup").invoke(ASK)
+    (call,) = call_reply.tool_calls
+    result = ToolMessage(lookup.invoke(call["args"]), tool_call_id=call["id"])
+    history = [HumanMessage(ASK), call_reply, result]
+    verdict = chat.with_structured_output(Verdict, method="json_schema").invoke(history)
+    assert isinstance(verdict, Verdict)
+    endpoint, field = ("responses", "input") if responses_api else ("chat/completions", "messages")
+    assert [len(body[field]) for body in sent.to(endpoint)] == [1, 3]
 
 
 @pytest.mark.parametrize("method", ["function_calling", "json_schema"])
