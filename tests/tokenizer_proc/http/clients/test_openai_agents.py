@@ -22,8 +22,12 @@ from agents import (
 
 from tests.tokenizer_proc.http.clients.common import API_KEY, ASK, CITIES, MODEL, Sent, Verdict
 
-set_tracing_disabled(True)  # the env switch in conftest.py covers the import; this covers the runs
 ENDPOINTS = {"responses": "responses", "chat": "chat/completions"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_tracing() -> None:
+    set_tracing_disabled(True)  # the env switch in conftest.py covers the import, this the runs
 
 
 def _lookup_tool(ran: list[str]) -> FunctionTool:
