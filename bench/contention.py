@@ -177,6 +177,12 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def thread_changes(log_path: Path) -> list[str]:
+    """The worker's "worker threads A -> B" lines in an engine's log."""
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    return [line.strip() for line in text.splitlines() if "worker threads" in line]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     variants = [parse_variant(s) for s in args.variant or DEFAULT_VARIANTS]
@@ -191,14 +197,17 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):
             for phase in args.phases.split(","):
                 run_phase(args, urls, phase, rows)
+        changes = {v.name: thread_changes(Path(tmp) / v.name / "engine.log") for v in variants}
     ordered = sorted(
         rows.values(), key=lambda row: (row.phase, [v.name for v in variants].index(row.variant))
     )
     print(format_table(ordered), flush=True)
+    for name, lines in changes.items():  # the worker's contention guard logs each change of threads
+        print(f"{name}: {len(lines)} thread-count changes" + "".join(f"\n  {line}" for line in lines[:8]))
     if args.json is not None:
         payload = {"commit": git_commit(), "cpu": cpu_model(), "cpu_features": cpu_features(),
                    "config": {k: str(v) for k, v in vars(args).items()},
-                   "rows": [vars(row) for row in ordered]}  # fmt: skip
+                   "rows": [vars(row) for row in ordered], "thread_changes": changes}  # fmt: skip
         args.json.write_text(json.dumps(payload, indent=1))
     return 0
 

@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
-from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
-from gpu_worker.backends.cpu.threads import openmp_env
 from gpu_worker.config import WorkerConfig
 from gpu_worker.inbox import Inbox
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.tensor_parallel import gather_strings, init_group
 from protocol.messages import ForwardBatch, ForwardResult, ToWorker, WorkerReady
 from protocol.transport import Codec, Endpoints, freeze_startup_heap, make_socket
-
-if TYPE_CHECKING:
-    from gpu_worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +25,6 @@ def run_worker(config: WorkerConfig, endpoints: Endpoints) -> None:
     A malformed frame is logged and dropped (there is no step to answer); a batch
     whose forward fails is answered with ``ForwardResult.error`` and serving goes on.
     """
-    _set_openmp_env()
-    # Imported only now: torch loads libgomp, which reads its settings once (threads.openmp_env).
-    from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.tensor_parallel import gather_strings, init_group
-
     if config.cpu_ids:  # before torch sizes its thread pool: its threads follow the affinity
         os.sched_setaffinity(0, config.cpu_ids)
     if config.tp_size > 1:  # the ranks meet before loading: they agree on the KV pool
@@ -65,13 +56,6 @@ def run_worker(config: WorkerConfig, endpoints: Endpoints) -> None:
         busy_s += now - received
         if outbox is not None:
             outbox.send(codec.encode(msgspec.structs.replace(result, busy_s=busy_s, clock_s=now)))
-
-
-def _set_openmp_env() -> None:
-    added = openmp_env(os.environ)
-    if added and "torch" in sys.modules:  # a worker run in a process that had torch already
-        logger.warning("torch was loaded before the worker started: OpenMP keeps its own wait policy")
-    os.environ.update(added)
 
 
 def _execute(runner: ModelRunner, batch: ForwardBatch) -> ForwardResult:

@@ -1,20 +1,23 @@
-"""The thread-count tuner against a simulated machine whose best count flips."""
+"""The thread-count tuner and the contention guard against simulated machines whose best count flips."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from gpu_worker.backends.cpu.threads import (
+    CALM_SHARE,
+    CONTENDED_SHARE,
+    FIRST_CALM_WINDOWS,
+    MAX_CALM_WINDOWS,
     MAX_RETRY_EVERY,
-    OPENMP_WAIT_VARS,
     RETRY_STEPS,
+    WINDOW_S,
+    ContentionGuard,
     ThreadTuner,
-    openmp_env,
     shape_class,
 )
 
@@ -79,22 +82,68 @@ def test_shape_classes_split_decode_from_prefill_by_size() -> None:
     assert shape_class(4, 4) != shape_class(1, 4)
 
 
-def test_openmp_waits_passively_unless_the_user_chose() -> None:
-    assert openmp_env({"PATH": "/bin"}) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert openmp_env({"OMP_WAIT_POLICY": "active"}) == {}
-    assert openmp_env({"GOMP_SPINCOUNT": "10000"}) == {}
+# The contention guard: steps of 10 ms, a window of WINDOW_S; a step waits ``share`` of its time.
+STEP_S = 0.01
 
 
-# libgomp's spin count shows the policy it took: 0 passive, 300000 with none set, 3e10 active.
-@pytest.mark.parametrize(("user", "spins"), [({}, "0"), ({"OMP_WAIT_POLICY": "active"}, "30000000000")])
-def test_the_worker_sets_the_wait_policy_before_torch_loads_libgomp(user: dict[str, str], spins: str) -> None:
-    """libgomp reads its environment once, as torch loads it: OMP_DISPLAY_ENV makes it print what it read."""
-    inherited = {k: v for k, v in os.environ.items() if k not in OPENMP_WAIT_VARS}
-    env = inherited | user | {"OMP_DISPLAY_ENV": "VERBOSE"}
-    code = (
-        "import sys, gpu_worker.process as p; assert 'torch' not in sys.modules, 'torch loaded too early'; "
-        "p._set_openmp_env(); import torch; torch.ones(4).sum()"
-    )
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert f"GOMP_SPINCOUNT = '{spins}'" in done.stderr, done.stderr[-2000:]
+def guard_run(guard: ContentionGuard, share: float, seconds: float) -> list[int]:
+    """The thread counts the guard returns over ``seconds`` of steps that waited ``share``."""
+    return [guard.record(STEP_S, share * STEP_S) for _ in range(round(seconds / STEP_S))]
+
+
+def test_guard_keeps_every_core_while_the_steps_do_not_wait() -> None:
+    guard = ContentionGuard(4)
+    assert set(guard_run(guard, CALM_SHARE / 2, 10.0)) == {4}
+    assert set(guard_run(guard, CONTENDED_SHARE * 0.9, 10.0)) == {4}, "a busy but workable machine"
+
+
+def test_guard_halves_within_a_window_of_contention_and_comes_back_when_calm() -> None:
+    guard = ContentionGuard(2)
+    used = guard_run(guard, 0.6, 1.0)
+    assert used.index(1) < WINDOW_S / STEP_S, "one window of waiting is enough"
+    assert set(used[round(WINDOW_S / STEP_S) :]) == {1}, "and it stays down while the waits go on"
+    calm = guard_run(guard, 0.0, 1.0)
+    assert calm.index(2) == FIRST_CALM_WINDOWS * WINDOW_S / STEP_S - 1
+    assert set(calm[calm.index(2) :]) == {2}
+
+
+def test_guard_waits_ever_longer_before_returning_into_contention() -> None:
+    """One busy neighbour: half the cores look calm, all of them contended at once."""
+    guard = ContentionGuard(2)
+    used = []
+    for _ in range(round(60.0 / STEP_S)):
+        share = 0.5 if guard.threads == 2 else 0.0
+        used.append(guard.record(STEP_S, share * STEP_S))
+    returns = [i for i in range(1, len(used)) if used[i] == 2 and used[i - 1] == 1]
+    gaps = [b - a for a, b in zip(returns, returns[1:], strict=False)]
+    assert gaps == sorted(gaps) and len(gaps) >= 4, gaps
+    assert gaps[-1] >= MAX_CALM_WINDOWS * WINDOW_S / STEP_S, "the calm needed doubles up to its cap"
+    assert used.count(2) < 0.02 * len(used), "all cores only in rarer and rarer tries"
+
+
+def test_guard_returns_quickly_again_once_a_return_held() -> None:
+    guard = ContentionGuard(2)
+    for _ in range(3):  # returns into contention: the calm needed grows
+        guard_run(guard, 0.6, 0.2)
+        guard_run(guard, 0.0, 5.0)
+    guard_run(guard, 0.0, 1.0)  # a return that held
+    guard_run(guard, 0.6, 0.1)
+    back = guard_run(guard, 0.0, 1.0)
+    assert back.index(2) == FIRST_CALM_WINDOWS * WINDOW_S / STEP_S - 1
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the guard needs two cores to give one back")
+def test_the_cpu_backend_guards_by_default_and_not_where_the_user_chose_threads() -> None:
+    from gpu_worker.backends.cpu.backend import CpuBackend, run_delay_s
+    from gpu_worker.config import WorkerConfig
+
+    delay = run_delay_s()
+    assert delay is not None and delay >= 0.0, "Linux tells a thread's run-queue delay"
+    cores = len(os.sched_getaffinity(0))
+    try:
+        guarded = CpuBackend(WorkerConfig(model_path="."))._guard
+        assert guarded is not None and guarded.full == cores
+        assert CpuBackend(WorkerConfig(model_path=".", num_threads=cores))._guard is None
+        assert CpuBackend(WorkerConfig(model_path=".", tune_threads=True))._guard is None
+    finally:
+        torch.set_num_threads(cores)

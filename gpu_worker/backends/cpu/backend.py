@@ -43,7 +43,7 @@ from gpu_worker.backends.cpu.layouts import interleave_rows, interleaves
 from gpu_worker.backends.cpu.malloc import keep_freed_memory
 from gpu_worker.backends.cpu.matmul import PLANS, CpuLinear
 from gpu_worker.backends.cpu.quant import QuantEmbedding, QuantLinear
-from gpu_worker.backends.cpu.threads import ThreadTuner, shape_class
+from gpu_worker.backends.cpu.threads import ContentionGuard, ThreadTuner, shape_class
 from gpu_worker.backends.memory import kv_pool_tokens
 from gpu_worker.backends.torch_ref import attention as torch_attention
 from gpu_worker.models.layers import Embedding, Linear
@@ -277,10 +277,15 @@ class CpuBackend:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(config.num_threads or cores)
         self._tuner: ThreadTuner | None = None
-        if config.tune_threads and config.num_threads == 0 and cores > 1:
-            self._tuner = ThreadTuner((cores, max(1, cores // 2)))
+        self._guard: ContentionGuard | None = None
+        if config.num_threads == 0 and cores > 1:
+            if config.tune_threads:
+                self._tuner = ThreadTuner((cores, max(1, cores // 2)))
+            elif run_delay_s() is not None:
+                self._guard = ContentionGuard(cores)
         self._shape: tuple[str, int] | None = None
         self._threads = torch.get_num_threads()
+        self._delay_before_s = 0.0
 
     def auto_dtype(self, gguf_blocks: bool) -> str:
         return auto_dtype(gguf_blocks=gguf_blocks)
@@ -347,7 +352,9 @@ class CpuBackend:
         return pick_all_reduce(config)
 
     def before_batch(self, rows: int, tokens: int) -> None:
-        """Set the torch thread count the tuner picks for this batch's shape class."""
+        """Set the torch thread count the tuner picks for this batch's shape class, or the guard's."""
+        if self._guard is not None:
+            self._delay_before_s = run_delay_s() or 0.0
         if self._tuner is None:
             return
         self._shape = shape_class(rows, tokens)
@@ -358,6 +365,25 @@ class CpuBackend:
     def after_batch(self, seconds: float) -> None:
         if self._tuner is not None and self._shape is not None:
             self._tuner.record(self._shape, self._threads, seconds)
+        if self._guard is not None:
+            waited_s = (run_delay_s() or 0.0) - self._delay_before_s
+            threads = self._guard.record(seconds, waited_s)
+            if threads != torch.get_num_threads():
+                why = (
+                    "its steps wait for a core" if threads < self._guard.full else "the cores are free again"
+                )
+                logger.info("worker threads %d -> %d: %s", torch.get_num_threads(), threads, why)
+                torch.set_num_threads(threads)
+
+
+def run_delay_s() -> float | None:
+    """Seconds this thread has waited on a run queue for a core (Linux schedstat), None where the
+    kernel does not tell."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def compile_layers(model: nn.Module) -> None:

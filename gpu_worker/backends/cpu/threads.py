@@ -13,11 +13,13 @@ neighbour's burst makes single steps slow.
 Opt-in (``--tune-threads``): on an idle machine the re-tries and the many
 shape classes of a serving mix cost more than they find (docs/benchmarks.md).
 
-The worker's OpenMP threads also wait passively by default (``openmp_env``): libgomp's own
-default spins up to ~300,000 times at every barrier and between parallel regions, and on a
-shared CPU the spinning thread holds the core its sibling needs to reach the barrier, so every
-region waits a time slice (docs/benchmarks.md, "A shared CPU"). A passive wait sleeps on a futex
-and wakes the sibling at once.
+By default (neither ``--num-threads`` nor ``--tune-threads``) a ``ContentionGuard`` watches
+how long the worker's thread waited for a core during each step (the kernel's run-queue delay):
+with every core free that is near zero, and libgomp's spinning threads at all cores are the
+fastest choice; once other work takes the cores, a spinning thread holds the core its sibling
+needs to reach the barrier and every parallel region waits a time slice (docs/benchmarks.md,
+"A shared CPU"), so the guard drops to half the cores and comes back once the waits are gone,
+waiting longer each time the machine sends it back.
 
 This module is pure: no torch, no clock. The runner measures and applies.
 """
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 WINDOW = 5  # recent step times kept per (class, thread count)
@@ -35,16 +36,52 @@ FIRST_RETRY_EVERY = 8  # steps of the used count between re-tries, at first
 MAX_RETRY_EVERY = 512  # the interval doubles on every lost re-try up to this
 
 
-# Read once, when libgomp loads (with torch): the worker sets them before it imports torch.
-OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+CONTENDED_SHARE = 0.2  # a step that waited for a core this share of its time: the cores are shared
+CALM_SHARE = 0.05  # below this the machine is the worker's again
+WINDOW_S = 0.05  # the guard judges the waits of at least this much stepping at once
+FIRST_CALM_WINDOWS = 4  # calm windows before all cores again, doubled on every return that fails
+MAX_CALM_WINDOWS = 256
 
 
-def openmp_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """What the worker adds to its environment before libgomp loads: a passive wait, unless the
-    user chose a wait policy or a spin count of their own."""
-    if any(name in environ for name in OPENMP_WAIT_VARS):
-        return {}
-    return {"OMP_WAIT_POLICY": "PASSIVE"}
+class ContentionGuard:
+    """All cores while the worker's steps do not wait for one; half of them while they do.
+
+    ``record(step_s, waited_s)`` takes a step's wall time and its run-queue delay and returns the
+    thread count for the next step. The judgement is per window of ``WINDOW_S`` seconds of steps,
+    so one step's hiccup decides nothing. A return to all cores that meets contention again at
+    once doubles the calm windows the next return needs: a machine with one busy neighbour does
+    not make the worker flip every few steps.
+    """
+
+    def __init__(self, cores: int) -> None:
+        assert cores >= 2, "one core has nothing to give back"
+        self.full, self.reduced = cores, max(1, cores // 2)
+        self.threads = cores
+        self._step_s = self._waited_s = 0.0
+        self._calm = 0  # calm windows in a row while reduced
+        self._calm_needed = FIRST_CALM_WINDOWS
+        self._just_returned = False  # the first window after a return to all cores
+
+    def record(self, step_s: float, waited_s: float) -> int:
+        self._step_s += step_s
+        self._waited_s += waited_s
+        if self._step_s < WINDOW_S:
+            return self.threads
+        share = self._waited_s / self._step_s
+        self._step_s = self._waited_s = 0.0
+        if self.threads == self.full:
+            if share > CONTENDED_SHARE:
+                if self._just_returned:
+                    self._calm_needed = min(2 * self._calm_needed, MAX_CALM_WINDOWS)
+                self.threads, self._calm = self.reduced, 0
+            elif self._just_returned:
+                self._calm_needed = FIRST_CALM_WINDOWS  # the return held: the next one is quick again
+            self._just_returned = False
+            return self.threads
+        self._calm = self._calm + 1 if share < CALM_SHARE else 0
+        if self._calm >= self._calm_needed:
+            self.threads, self._just_returned = self.full, True
+        return self.threads
 
 
 def shape_class(rows: int, tokens: int) -> tuple[str, int]:
