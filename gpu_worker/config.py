@@ -41,7 +41,9 @@ class WorkerConfig:
     kv_cache_tokens: int = flag(0, "KV pool size in tokens; 0: use --kv-mem-fraction")
     kv_mem_fraction: float = flag(0.2, "KV pool share of free device memory (CPU: available RAM)")
     max_running_requests: int = max_running_requests_field()
-    num_threads: int = flag(0, "worker torch threads; 0: all cores, half of them while steps wait for a core (docs/cpu.md)")
+    num_threads: int = flag(
+        0, "worker torch threads; 0: all cores, half of them while steps wait for a core (docs/cpu.md)"
+    )
     tune_threads: bool = flag(
         False,
         "with --num-threads 0: use all cores or half per batch shape, whichever measures faster, "
