@@ -42,6 +42,7 @@ from launcher_flags import (
     replica_cpus,
     scheduler_config,
     tokenizer_config,
+    warn_deprecated,
     worker_config,
 )
 from protocol import Ready, WorkerReady
@@ -208,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"rivulet: --log-level {args.log_level}: {exc}", file=sys.stderr)
         return 2
+    warn_deprecated(args)
     try:
         model_dir = _check_start(args)
     except (StartRefused, CpuKindError, ModelNotFoundError, ModelNotSupportedError, GgufFormatError) as exc:

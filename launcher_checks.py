@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpu_worker.backends import NAMES as ATTENTION_BACKENDS
+from gpu_worker.backends import NAMES as DEVICE_BACKENDS
 from gpu_worker.weights.model_files import source_gguf
 from launcher_flags import check_endpoint, check_nodes, config_from_args, scheduler_config, worker_config
 from protocol import WorkerReady
@@ -63,9 +63,9 @@ def check_flags(args: argparse.Namespace) -> None:
         raise StartRefused(f"a flag out of range: {exc}") from None
     if args.dtype not in DTYPES:
         raise StartRefused(f"--dtype {args.dtype}: expected one of {', '.join(DTYPES)}")
-    if args.attention_backend not in ("auto", *ATTENTION_BACKENDS):
-        names = ", ".join(("auto", *ATTENTION_BACKENDS))
-        raise StartRefused(f"--attention-backend {args.attention_backend}: expected one of {names}")
+    if args.device_backend not in ("auto", *DEVICE_BACKENDS):
+        names = ", ".join(("auto", *DEVICE_BACKENDS))
+        raise StartRefused(f"--device-backend {args.device_backend}: expected one of {names}")
     why_not = _why_no_gguf_blocks(args) if args.weight_dtype == "gguf" else None
     if why_not is not None:
         raise StartRefused(f"--weight-dtype gguf: {why_not}")
@@ -80,7 +80,7 @@ def _why_no_gguf_blocks(args: argparse.Namespace) -> str | None:
         return "--compile runs torch's matmuls"
     if not args.cpu_kernels:
         return "the block kernels are the CPU's C kernels, which --disable-cpu-kernels turns off"
-    if args.attention_backend in ("torch", "triton") or args.device.startswith("cuda"):
+    if args.device_backend in ("torch", "triton") or args.device.startswith("cuda"):
         return "only the cpu backend computes on GGUF blocks"
     if args.dtype not in ("auto", "float32", "bfloat16"):
         return f"quantized kernels take float32 or bfloat16 activations, not {args.dtype}"
@@ -110,8 +110,8 @@ def check_device(args: argparse.Namespace) -> None:
     found = CUDA_DEVICE.fullmatch(args.device)
     if found is None:
         return  # auto, cpu, or another torch device: the worker's torch.device() judges it
-    if args.attention_backend == "cpu":
-        raise StartRefused(f"--attention-backend cpu runs on the CPU, not --device {args.device}")
+    if args.device_backend == "cpu":
+        raise StartRefused(f"--device-backend cpu runs on the CPU, not --device {args.device}")
     probe = _torch_cuda()
     if probe is None:
         return

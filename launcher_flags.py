@@ -5,7 +5,8 @@ option here: spelling, help, default, type and choices all come from the field
 (protocol/flags.py), and its parsed value goes to that field under the field's name.
 A field two configs share (``--seed``, ``--max-running-requests``) is one option
 feeding both. ``given(...)`` fields are not options: the launcher passes them in.
-So adding an option is adding a field, in one place.
+So adding an option is adding a field, in one place. A renamed flag keeps its old spelling for
+a release (``DEPRECATED_SPELLINGS``): the same effect, and one warning line at start.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import os
 import socket
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,6 +34,10 @@ EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"  # the HTTP model id when --model 
 # The configs whose flag fields make up the command line, in --help order.
 PROCESS_CONFIGS: tuple[type, ...] = (SchedulerConfig, WorkerConfig, TokenizerConfig)
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# A renamed flag's old spelling, accepted for one release: config field -> the old spelling.
+# --attention-backend chose the whole device backend (matmuls, GGUF kernels, threads), not only
+# attention, which is what vLLM's and SGLang's flag of that name choose.
+DEPRECATED_SPELLINGS = {"device_backend": "--attention-backend"}
 
 C = TypeVar("C")
 
@@ -70,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             added[f.name] = (spelling, f.default)
             _add_option(p, f.name, fl, f.default, hints[f.name])
+            if f.name in DEPRECATED_SPELLINGS:
+                _add_deprecated_spelling(p, f.name, spelling, f.default)
+    p.set_defaults(deprecated_spellings=())
     return p
 
 
@@ -86,6 +95,39 @@ def _add_option(p: argparse.ArgumentParser, dest: str, fl: Flag, default: Any, h
         return
     kind = next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
     p.add_argument(spelling, dest=dest, type=kind, default=unset, choices=fl.choices, help=fl.help)
+
+
+class _DeprecatedSpelling(argparse.Action):
+    """A renamed flag's old spelling: sets the same field, and notes the (old, new) spellings in
+    ``args.deprecated_spellings`` for ``warn_deprecated`` (logging is set up after parsing)."""
+
+    def __init__(self, *args: Any, new_spelling: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.new_spelling = new_spelling
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.deprecated_spellings = (*namespace.deprecated_spellings, (option_string, self.new_spelling))
+
+
+def _add_deprecated_spelling(p: argparse.ArgumentParser, dest: str, spelling: str, default: Any) -> None:
+    old = DEPRECATED_SPELLINGS[dest]
+    what = f"deprecated spelling of {spelling}, accepted for one release: the same effect"
+    p.add_argument(
+        old, dest=dest, action=_DeprecatedSpelling, new_spelling=spelling, default=default, help=what
+    )
+
+
+def warn_deprecated(args: argparse.Namespace) -> None:
+    """One warning line per old spelling on the command line (the launcher calls it at start)."""
+    for old, new in args.deprecated_spellings:
+        logger.warning("%s is deprecated and goes in the next release: use %s (the same effect)", old, new)
 
 
 def config_from_args(cls: type[C], args: argparse.Namespace, **given: Any) -> C:

@@ -25,10 +25,11 @@ class WorkerConfig:
     model_path: str = given("", "the launcher: --model resolved to an HF directory")
     device: str = flag("auto", "auto | cpu | cuda | cuda:N (auto: cuda if present, else cpu)")
     dtype: str = flag("auto", "auto | float32 | bfloat16 | float16 | float64")
-    attention_backend: str = flag(
+    device_backend: str = flag(
         "auto",
-        "auto | cpu | torch | triton: the worker's backend (auto: triton on CUDA, cpu on CPU; "
-        "torch: the generic reference path on any device; triton on CPU runs interpreted, for tests)",
+        "auto | cpu | torch | triton: the worker's device backend, its matmuls, attention and kernels "
+        "(auto: triton on CUDA, cpu on CPU; torch: the generic reference path on any device; triton "
+        "on CPU runs interpreted, for tests)",
     )
     kv_cache_dtype: str = flag(
         "auto",

@@ -179,9 +179,9 @@ def test_fields_set_elsewhere_arrive_from_the_worker_and_the_launcher() -> None:
             ["--device", "cuda:99"],
             r"--device cuda:99: (this torch .* without CUDA|no CUDA device|this machine has)",
         ),
-        (["--device", "cuda", "--attention-backend", "cpu"], "runs on the CPU, not --device cuda"),
+        (["--device", "cuda", "--device-backend", "cpu"], "runs on the CPU, not --device cuda"),
         (["--dtype", "fp8"], "--dtype fp8: expected one of auto, float32"),
-        (["--attention-backend", "flash"], "expected one of auto, cpu, torch, triton"),
+        (["--device-backend", "flash"], "expected one of auto, cpu, torch, triton"),
         (["--page-size", "0"], "page_size must be >= 1"),
         (["--max-prefill-tokens", "0"], "max_prefill_tokens must be >= 1"),  # the scheduler's
         (["--weight-dtype", "gguf", "--compile"], "--weight-dtype gguf: --compile"),
@@ -200,6 +200,27 @@ def test_what_flags_and_model_rule_out_is_refused_before_loading(
     assert (done.returncode, done.stdout) == (2, ""), done.stderr
     (line,) = done.stderr.splitlines()
     assert line.startswith("rivulet: ") and re.search(error, line), line
+
+
+def test_the_old_spelling_of_a_renamed_flag_sets_the_same_field() -> None:
+    parse = launcher.build_parser().parse_args
+    old, new = parse(["--attention-backend", "torch"]), parse(["--device-backend", "torch"])
+    assert launcher.worker_config(old, "/m") == launcher.worker_config(new, "/m")
+    assert launcher.worker_config(old, "/m").device_backend == "torch"
+    assert old.deprecated_spellings == (("--attention-backend", "--device-backend"),)
+    assert new.deprecated_spellings == ()
+
+
+def test_the_old_spelling_warns_in_one_line_at_start(tmp_path: Path) -> None:
+    """The launcher names the new spelling before anything else, then judges the value as the new
+    flag's (here a refusal, so that no engine starts)."""
+    argv = ["--endpoint", f"ipc://{tmp_path}/client.sock", "--attention-backend", "flash"]
+    done = subprocess.run([sys.executable, "launcher.py", *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    warning, refusal = done.stderr.splitlines()
+    assert re.search(r"--attention-backend is deprecated .*: use --device-backend", warning), warning
+    assert refusal.startswith("rivulet: --device-backend flash: expected one of auto"), refusal
 
 
 def test_node_flags_that_fit_pass() -> None:

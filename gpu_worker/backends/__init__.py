@@ -1,6 +1,6 @@
 """The worker's device backends: what differs by device or CPU kind sits behind ``Backend``.
 
-One backend is chosen once at start (``create``) from the device and ``--attention-backend``:
+One backend is chosen once at start (``create``) from the device and ``--device-backend``:
 - ``torch_ref/``: torch's generic path on any device; the float64 reference of the exact tests.
 - ``cpu/``: the CPU kinds' C kernels, weight layouts, GGUF block matmuls and thread tuning.
 - ``triton/``: Triton kernels for paged attention and the K/V write (default on CUDA; on CPU
@@ -32,15 +32,15 @@ def pick_device(name: str) -> torch.device:
 
 
 def create(config: WorkerConfig) -> Backend:
-    """The backend ``config`` asks for (``--attention-backend``; auto: triton on CUDA, cpu on CPU)."""
+    """The backend ``config`` asks for (``--device-backend``; auto: triton on CUDA, cpu on CPU)."""
     device = pick_device(config.device)
-    name = config.attention_backend
+    name = config.device_backend
     if name == "auto":
         name = "cpu" if device.type == "cpu" else "triton"
     match name:
         case "cpu":
             if device.type != "cpu":
-                raise ValueError(f"--attention-backend cpu runs on the CPU, not {device}")
+                raise ValueError(f"--device-backend cpu runs on the CPU, not {device}")
             from gpu_worker.backends.cpu.backend import CpuBackend
 
             return CpuBackend(config)
@@ -53,4 +53,4 @@ def create(config: WorkerConfig) -> Backend:
 
             return TritonBackend(device)
         case _:
-            raise ValueError(f"--attention-backend {name!r} is not one of auto, {', '.join(NAMES)}")
+            raise ValueError(f"--device-backend {name!r} is not one of auto, {', '.join(NAMES)}")

@@ -83,7 +83,7 @@ def test_backends_agree_in_float64(family_model: tuple[Path, list, list], backen
         WorkerConfig(
             model_path=str(path),
             dtype="float64",
-            attention_backend=backend,
+            device_backend=backend,
             page_size=16,
             kv_cache_tokens=2048,
             num_threads=1,

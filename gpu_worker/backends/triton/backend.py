@@ -1,6 +1,6 @@
 """The Triton backend: paged attention and the K/V write as Triton kernels, everything else torch.
 
-The default on CUDA. ``--attention-backend triton`` selects it on the CPU too, where its kernels
+The default on CUDA. ``--device-backend triton`` selects it on the CPU too, where its kernels
 run under Triton's interpreter (slowly, element for element as written): that is how every
 machine without a GPU tests them end to end.
 """

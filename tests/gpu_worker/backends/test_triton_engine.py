@@ -50,7 +50,7 @@ def test_triton_backend_greedy_matches_hf_float32(family: str, tmp_path: Path) -
         WorkerConfig(
             model_path=str(tmp_path),
             dtype="float32",
-            attention_backend="triton",
+            device_backend="triton",
             page_size=4,
             kv_cache_tokens=1024,
             num_threads=1,
