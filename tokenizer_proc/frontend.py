@@ -25,7 +25,7 @@ from protocol.messages import (
     ToTokenizer,
 )
 from protocol.transport import Codec
-from tokenizer_proc.admission import SHUTDOWN_MESSAGE, Admission, Admitting
+from tokenizer_proc.intake import SHUTDOWN_MESSAGE, Admitting, Intake
 from tokenizer_proc.model_info import ModelInfo
 from tokenizer_proc.outbox import Outbox, error_output
 from tokenizer_proc.request_table import RequestTable
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 class Frontend:
     """Takes client frames in, tracks requests, and turns scheduler tokens into replies.
 
-    Requests from both front doors get in through ``admission`` (admission.py); ``clock`` times
+    Requests from both front doors get in through ``intake`` (intake.py); ``clock`` times
     them for the serving metrics.
     """
 
@@ -57,8 +57,8 @@ class Frontend:
         self.info = info
         self.router = router or Router()
         self.requests = RequestTable(tokenizer, clock, on_drop=self.router.release)
-        self.admission = Admission(tokenizer, info, seed, self.requests, self.router)
-        self.grammars = self.admission.grammars
+        self.intake = Intake(tokenizer, info, seed, self.requests, self.router)
+        self.grammars = self.intake.grammars
         self._client_codec: Codec[ClientRequest] = Codec(ClientRequest)
         # Each replica's last EngineStats (--dp-size); None until its scheduler is up.
         self.replica_stats: list[EngineStats | None] = [None] * self.router.dp_size
@@ -68,11 +68,11 @@ class Frontend:
     @property
     def draining(self) -> bool:
         """Set at shutdown: running requests finish, new ones are refused."""
-        return self.admission.draining
+        return self.intake.draining
 
     @draining.setter
     def draining(self, value: bool) -> None:
-        self.admission.draining = value
+        self.intake.draining = value
 
     def on_client_frames(self, frames: list[bytes]) -> Outbox:
         """A ROUTER message: [client identity, msgpack payload]. Never raises: whatever handling one
@@ -171,8 +171,8 @@ class Frontend:
         """Admit an HTTP request (each is a client of its own, so no abort reaches it while it
         compiles): the whole admission, waiting for its compile; raise RequestRejected (the HTTP
         API maps it to a status). ``clamp_to_context``: see validate_generate."""
-        pending = self.admission.begin(client_id, req, clamp_to_context=clamp_to_context)
-        tokenized = await self.admission.admit(pending)
+        pending = self.intake.begin(client_id, req, clamp_to_context=clamp_to_context)
+        tokenized = await self.intake.admit(pending)
         assert tokenized is not None, "only an abort or shutdown ends a request while it compiles"
         return Outbox(to_scheduler=[tokenized])
 
@@ -182,7 +182,7 @@ class Frontend:
         client_id, rid = pending.key
         self._compiling.setdefault(pending.key, pending)
         try:
-            tokenized = await self.admission.admit(pending)
+            tokenized = await self.intake.admit(pending)
             return Outbox(to_scheduler=[tokenized] if tokenized is not None else [])
         except RequestRejected as exc:
             return Outbox(replies=[(client_id, error_output(rid, str(exc)))])
@@ -196,13 +196,13 @@ class Frontend:
         """A ZMQ request: started now when nothing is left to compile, else handed to the process
         to compile off its loop (Outbox.to_compile, then admit_after_compile)."""
         try:
-            pending = self.admission.begin(client_id, req)
+            pending = self.intake.begin(client_id, req)
             if pending.key in self._compiling:
                 return Outbox(replies=[(client_id, error_output(req.rid, f"rid {req.rid!r} is in flight"))])
             if not pending.compiled:
                 self._compiling[pending.key] = pending  # from now on an abort finds it
                 return Outbox(to_compile=[pending])
-            return Outbox(to_scheduler=[self.admission.start(pending)])
+            return Outbox(to_scheduler=[self.intake.start(pending)])
         except RequestRejected as exc:
             return Outbox(replies=[(client_id, error_output(req.rid, str(exc)))])
 

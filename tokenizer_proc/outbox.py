@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from protocol.messages import FinishReason, GenerateOutput, ToScheduler
 
 if TYPE_CHECKING:
-    from tokenizer_proc.admission import Admitting
+    from tokenizer_proc.intake import Admitting
 
 Reply = tuple[bytes, GenerateOutput]  # (client identity, reply)
 

@@ -20,12 +20,12 @@ from zmq.asyncio import Socket as AsyncSocket
 
 from protocol.messages import GenerateOutput, Ready, ToTokenizer
 from protocol.transport import HEARTBEAT_SOCKET_OPTIONS, Codec, Endpoints, freeze_startup_heap, make_socket
-from tokenizer_proc.admission import Admitting
 from tokenizer_proc.config import TokenizerConfig
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http.app import HttpSettings
 from tokenizer_proc.http.bridge import HttpBridge, is_http_client
 from tokenizer_proc.http.server import HttpServer
+from tokenizer_proc.intake import Admitting
 from tokenizer_proc.model_info import load_tokenizer, read_model_info
 from tokenizer_proc.outbox import Outbox
 from tokenizer_proc.router import Router

@@ -75,7 +75,7 @@ def validate_generate(
 ) -> ValidRequest:
     """Validate ``req``, tokenize its prompt, clamp its output length; raise RequestRejected.
 
-    ``req``: a forced tool call's grammar in it already (admission.py puts it there).
+    ``req``: a forced tool call's grammar in it already (intake.py puts it there).
     ``grammar``: the request's grammar compiled (tokenizer_proc/grammar.py), when it has one.
     ``traits``: the chat template's, probed once by the caller (probed here when not given).
     ``clamp_to_context``: a ``max_new_tokens`` beyond the room the prompt leaves in the context is

@@ -20,8 +20,8 @@ from protocol.messages import (
     TokenizedRequest,
     Usage,
 )
-from tokenizer_proc.admission import SHUTDOWN_MESSAGE
 from tokenizer_proc.frontend import Frontend
+from tokenizer_proc.intake import SHUTDOWN_MESSAGE
 from tokenizer_proc.model_info import ModelInfo
 
 if TYPE_CHECKING:

@@ -176,5 +176,5 @@ def test_a_compiler_fault_is_an_error_reply(
 
     monkeypatch.setattr(frontend.grammars, "_compile_now", broken)
     req = GenerateRequest(rid="f", prompt="hi", sampling=SamplingParams(grammar=Grammar(kind="json_object")))
-    out = asyncio.run(frontend.admit_after_compile(frontend.admission.begin(b"client-1", req)))
+    out = asyncio.run(frontend.admit_after_compile(frontend.intake.begin(b"client-1", req)))
     assert not out.to_scheduler and "compiler fault" in (out.replies[0][1].error or "")

@@ -19,8 +19,8 @@ from protocol.messages import (
     TokenBatch,
     TokenizedRequest,
 )
-from tokenizer_proc.admission import SHUTTING_DOWN
 from tokenizer_proc.frontend import Frontend
+from tokenizer_proc.intake import SHUTTING_DOWN
 from tokenizer_proc.metrics import Histogram, render_prometheus
 from tokenizer_proc.model_info import ModelInfo
 from tokenizer_proc.validation import CONTEXT_LENGTH_EXCEEDED, RequestRejected, validate_generate

@@ -101,7 +101,7 @@ def forced_call_grammar(tools: list[Tool], choice: ToolChoice) -> Grammar | None
 
 def with_tool_grammar(req: GenerateRequest, tool_format: ToolFormat = "hermes") -> GenerateRequest:
     """``req`` with the grammar its tools set in ``sampling.grammar`` (unchanged when they set
-    none). Applied once, as a request begins its admission (tokenizer_proc/admission.py), before
+    none). Applied once, as a request begins its admission (tokenizer_proc/intake.py), before
     anything looks at its grammar; ``tool_format``: how the model writes calls (its template's).
 
     A forced call replaces the client's own grammar (``response_format``, ``text.format``): as at

@@ -16,7 +16,6 @@ import msgspec
 from protocol.grammar import Grammar
 from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.messages import ChatMessage, GenerateRequest, SamplingParams
-from tokenizer_proc.admission import SHUTTING_DOWN
 from tokenizer_proc.http.chat_fields import check_accepted_fields, legacy_history, template_kwargs, tools_of
 from tokenizer_proc.http.constraints import grammar_of
 from tokenizer_proc.http.errors import ApiError, bad_param, shutting_down
@@ -26,6 +25,7 @@ from tokenizer_proc.http.schemas import (
     CompletionRequest,
     SamplingFields,
 )
+from tokenizer_proc.intake import SHUTTING_DOWN
 from tokenizer_proc.validation import RequestRejected
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 from starlette.responses import Response
 
-from tokenizer_proc.admission import SHUTDOWN_MESSAGE, SHUTTING_DOWN
+from tokenizer_proc.intake import SHUTDOWN_MESSAGE, SHUTTING_DOWN
 
 # OpenAI's error "type" by status class.
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",

@@ -6,10 +6,10 @@ import msgspec
 import pytest
 
 from protocol.messages import GenerateRequest
-from tokenizer_proc.admission import SHUTTING_DOWN
 from tokenizer_proc.http.convert import chat_request, completion_requests, rejection_error
 from tokenizer_proc.http.errors import ApiError, engine_error
 from tokenizer_proc.http.schemas import ChatCompletionRequest, CompletionRequest, decode_body
+from tokenizer_proc.intake import SHUTTING_DOWN
 from tokenizer_proc.validation import RequestRejected
 
 

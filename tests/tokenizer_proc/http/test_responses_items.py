@@ -68,7 +68,7 @@ def test_request_mapping() -> None:
         ChatMessage(role="user", content="hi"),
     ]
     assert (req.sampling.max_new_tokens, req.sampling.temperature, req.sampling.top_p) == (7, 0.5, 0.9)
-    # the forced call: its grammar is put in as the request is admitted (tokenizer_proc/admission.py)
+    # the forced call: its grammar is put in as the request is admitted (tokenizer_proc/intake.py)
     assert isinstance(req.tool_choice, NamedToolChoice) and req.sampling.grammar is None
     assert req.chat_template_kwargs == {"reasoning_effort": "none", "enable_thinking": False}
     fmt = {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}, "strict": True}}

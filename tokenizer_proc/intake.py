@@ -1,4 +1,5 @@
-"""How a generate request gets into the engine: one path for both front doors (ZMQ and HTTP).
+"""The tokenizer's intake: how a generate request gets into the engine, one path for both front doors
+(ZMQ and HTTP).
 
     begin    the forced tool call's grammar put in ``sampling.grammar`` (here, and nowhere else);
              the grammar and the tools' parameters schemas looked up in the compiler's caches
@@ -7,7 +8,7 @@
     start    refused while draining or when its rid is in flight; validated and tokenized
              (validation.py), tracked (request_table.py), routed to a replica (router.py)
 
-``Admission.admit`` runs compile then start; ``start`` alone serves a request ``begin`` found with
+``Intake.admit`` runs compile then start; ``start`` alone serves a request ``begin`` found with
 nothing to compile. A ZMQ request is begun as its frame is read and started at once when it can be;
 otherwise the process awaits ``admit`` for it as a task while its loop serves on
 (``Frontend.admit_after_compile``), and an abort or shutdown meanwhile ends it (``Admitting.ended``).
@@ -59,7 +60,7 @@ class Admitting:
         return self.client_id, self.req.rid
 
 
-class Admission:
+class Intake:
     """Begins, compiles, validates, tracks and routes requests for both front doors.
 
     ``seed`` seeds the generator of per-request sampling seeds, so a run with the same requests in

@@ -1,4 +1,4 @@
-"""The one admission path (tokenizer_proc/admission.py): a forced tool call's grammar is put in
+"""The one way in (tokenizer_proc/intake.py): a forced tool call's grammar is put in
 where a request begins, whichever door it came by, and both doors start the same request."""
 
 from __future__ import annotations
@@ -38,31 +38,31 @@ def _chat(choice: ToolChoice, **fields: Any) -> GenerateRequest:
 
 
 def test_a_forced_choice_gets_its_grammar_as_it_begins(frontend: Frontend) -> None:
-    pending = frontend.admission.begin(b"c", _chat("required"))
+    pending = frontend.intake.begin(b"c", _chat("required"))
     assert pending.forced and pending.req.sampling.grammar == forced_call_grammar(TOOLS, "required")
-    free = frontend.admission.begin(b"c", _chat("auto"))
+    free = frontend.intake.begin(b"c", _chat("auto"))
     assert not free.forced and free.req.sampling.grammar is None
     assert not free.compiled, "its tool's parameters schema is still to be checked"
 
 
-def test_the_http_conversion_leaves_the_forced_grammar_to_admission(frontend: Frontend) -> None:
+def test_the_http_conversion_leaves_the_forced_grammar_to_the_intake(frontend: Frontend) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL], "tool_choice": "required"}
     req = chat_request(decode_body(msgspec.json.encode(body), ChatCompletionRequest), "r")
     assert req.sampling.grammar is None
-    assert frontend.admission.begin(b"c", req).req.sampling.grammar is not None
+    assert frontend.intake.begin(b"c", req).req.sampling.grammar is not None
 
 
 def test_a_forced_call_replaces_the_clients_grammar(frontend: Frontend) -> None:
     """A format is for text and a forced call writes none (OpenAI accepts both at once)."""
     req = _chat("required", sampling=SamplingParams(grammar=Grammar(kind="json_object")))
-    pending = frontend.admission.begin(b"c", req)
+    pending = frontend.intake.begin(b"c", req)
     assert pending.forced and pending.req.sampling.grammar == forced_call_grammar(TOOLS, "required")
 
 
 def test_a_forced_call_that_cannot_be_is_refused_naming_tool_choice(frontend: Frontend) -> None:
     req = _chat(NamedToolChoice(function=NamedFunction(name="mul")))
     with pytest.raises(RequestRejected) as caught:
-        frontend.admission.begin(b"c", req)
+        frontend.intake.begin(b"c", req)
     assert caught.value.param == "tool_choice" and "mul" in caught.value.detail
     error = rejection_error(caught.value, chat=True, max_param="max_tokens")
     assert (error.status, error.param) == (400, "tool_choice")
