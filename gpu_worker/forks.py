@@ -17,28 +17,6 @@ from gpu_worker.kv_cache import KVPool
 from protocol.messages import ForwardBatch
 
 
-def check_forks(batch: ForwardBatch, max_requests: int, num_pages: int) -> None:
-    """Reject fork and copy fields that do not fit the batch, before they reach an index op."""
-    forks = len(batch.fork_rows)
-    if len(batch.fork_req_pool_idx) != forks or len(batch.fork_samplers) != forks:
-        raise ValueError(f"batch {batch.step}: fork fields must all have {forks} entries")
-    if not all(0 <= i < len(batch.sample) and batch.sample[i] for i in batch.fork_rows):
-        raise ValueError(f"batch {batch.step}: a fork's row must be a sampling row of the batch")
-    taken = set(batch.req_pool_idx)
-    bad_idx = any(not 0 <= s < max_requests or s in taken for s in batch.fork_req_pool_idx)
-    if len(set(batch.fork_req_pool_idx)) != forks or bad_idx:
-        raise ValueError(
-            f"batch {batch.step}: fork_req_pool_idx must be distinct, in [0, {max_requests}) and rowless"
-        )
-    copies = len(batch.copy_src)
-    if len(batch.copy_dst) != copies or len(set(batch.copy_dst)) != copies:
-        raise ValueError(f"batch {batch.step}: copy_src and copy_dst must pair up, each copy_dst once")
-    if set(batch.copy_src) & set(batch.copy_dst):
-        raise ValueError(f"batch {batch.step}: a page is both copied and copied into")
-    if copies and not all(0 <= p < num_pages for p in (*batch.copy_src, *batch.copy_dst)):
-        raise ValueError(f"batch {batch.step}: copied pages must be in [0, {num_pages})")
-
-
 def copy_pages(kv: KVPool, src: list[int], dst: list[int]) -> None:
     """Every layer's K and V of page ``src[k]`` into page ``dst[k]``."""
     if not src:

@@ -16,19 +16,19 @@ import torch
 
 from gpu_worker import backends
 from gpu_worker import tensor_parallel as tp
-from gpu_worker.batch_checks import check_batch
+from gpu_worker.batch_checks import BatchLimits, check_batch
 from gpu_worker.config import WorkerConfig
-from gpu_worker.forks import check_forks, copy_pages
+from gpu_worker.forks import copy_pages
 from gpu_worker.forward_context import ForwardContext
 from gpu_worker.kv_cache import KVPool
 from gpu_worker.models import CausalLM
-from gpu_worker.pooling import final_norm, pooled_rows
+from gpu_worker.pooling import final_norm, pooled_rows, why_no_pooling
 from gpu_worker.sampling.draws import BatchDraws, Drawn
 from gpu_worker.sampling.grammar import ReqPoolGrammars
-from gpu_worker.sampling.logprobs import ReqPoolTopLogprobs, check_logprob_fields, prompt_logprobs
+from gpu_worker.sampling.logprobs import ReqPoolTopLogprobs, prompt_logprobs
 from gpu_worker.sampling.penalties import ReqPoolPenalties
 from gpu_worker.sampling.sampler import ReqPoolSamplerParams
-from gpu_worker.sampling.verify import DrawPlan, check_drafts, committed
+from gpu_worker.sampling.verify import DrawPlan, committed
 from gpu_worker.weights.gguf_weights import GgufError
 from gpu_worker.weights.loader import load_model, round_weights
 from protocol.messages import PENDING, ForwardBatch, ForwardResult
@@ -51,6 +51,7 @@ class ModelRunner:
         self._init_device()
         self._init_model()
         self._init_kv_pool()
+        self.batch_limits = self._batch_limits()
         self.sampler_params = ReqPoolSamplerParams(config.max_running_requests)
         self.top_logprobs = ReqPoolTopLogprobs(config.max_running_requests)
         self.penalties = ReqPoolPenalties(
@@ -186,6 +187,17 @@ class ModelRunner:
             bytes_per_token,
         )
 
+    def _batch_limits(self) -> BatchLimits:
+        max_requests, pages_per_request = self.kv.page_table.shape
+        return BatchLimits(
+            max_requests=max_requests,
+            pages_per_request=pages_per_request,
+            num_pages=self.kv.num_pages,
+            context_len=self._context_len,
+            vocab_size=self.vocab_size,
+            why_no_pooling=why_no_pooling(self.model),
+        )
+
     @property
     def num_pages(self) -> int:
         return self.kv.num_pages
@@ -246,10 +258,7 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Apply the batch's page deltas and sampler settings, run the forward, and return the
         hidden states [tokens of the batch, hidden] (before the final norm)."""
-        check_batch(batch, self.kv.num_pages, self.kv.page_table.shape, self._context_len, self.vocab_size)
-        check_logprob_fields(batch, self.vocab_size)
-        check_forks(batch, self.kv.page_table.shape[0], self.kv.num_pages)
-        check_drafts(batch)
+        check_batch(batch, self.batch_limits, self.sampler_params.assigned)  # every rule, before any use
         self.kv.apply_page_deltas(batch.req_pool_idx, batch.page_starts, batch.page_counts, batch.pages)
         positions, meta = self.backend.init_forward_metadata(
             self.kv, batch.req_pool_idx, batch.prefix_lens, batch.extend_lens

@@ -35,21 +35,22 @@ def final_norm(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     raise NotImplementedError(f"{type(model).__name__}: no final norm at {_FINAL_NORM_PATHS}")
 
 
-def check_pool(batch: ForwardBatch) -> None:
-    """Reject a malformed ``pool`` before it reaches an index op."""
-    if batch.pool and len(batch.pool) != len(batch.req_pool_idx):
-        raise ValueError(
-            f"batch {batch.step}: pool has {len(batch.pool)} entries for {len(batch.req_pool_idx)} rows"
-        )
+def why_no_pooling(model: Any) -> str | None:
+    """Why ``model`` cannot pool its hidden states (no final norm to apply); None when it can."""
+    try:
+        final_norm(model)
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
 
 
 def pooled_rows(
     hidden: torch.Tensor, batch: ForwardBatch, norm: Callable[[torch.Tensor], torch.Tensor]
 ) -> list[list[float]]:
-    """Per row with ``pool`` set, in row order: its pooled final-norm hidden state ([] for none)."""
+    """Per row with ``pool`` set, in row order: its pooled final-norm hidden state ([] for none).
+    The pool rules were checked with the batch's others, before its forward (batch_checks.py)."""
     if not batch.pool:
         return []
-    check_pool(batch)
     ends = list(accumulate(batch.extend_lens))
     spans = [
         (ends[i] - 1 if kind is Pooling.LAST else ends[i] - batch.extend_lens[i], ends[i])

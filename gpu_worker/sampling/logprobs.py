@@ -17,7 +17,7 @@ from itertools import accumulate
 
 import torch
 
-from protocol.logprobs import MAX_TOP_LOGPROBS, TopTokens
+from protocol.logprobs import TopTokens
 from protocol.messages import ForwardBatch
 from protocol.sampling import WorkerSampling
 
@@ -123,27 +123,3 @@ def prompt_logprobs(
         elif any(top_n):
             tops += [NO_TOP] * len(index)
     return logprobs, tops
-
-
-def check_logprob_fields(batch: ForwardBatch, vocab_size: int) -> None:
-    """Reject malformed top-N and prompt-logprob fields before they reach an index op."""
-    params = [p for p in batch.sampler if p is not None]
-    if any(
-        not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS or (p.top_logprobs and not p.logprobs) for p in params
-    ):
-        raise ValueError(
-            f"batch {batch.step}: top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], with logprobs"
-        )
-    lens, targets = batch.prompt_logprob_lens, batch.prompt_logprob_targets
-    if not lens:
-        if targets:
-            raise ValueError(f"batch {batch.step}: prompt_logprob_targets without prompt_logprob_lens")
-        return
-    if len(lens) != len(batch.req_pool_idx):
-        raise ValueError(f"batch {batch.step}: prompt_logprob_lens must have one entry per row")
-    if any(not 0 <= n <= e for n, e in zip(lens, batch.extend_lens, strict=True)):
-        raise ValueError(f"batch {batch.step}: prompt_logprob_lens must be in [0, extend_lens]")
-    if len(targets) != sum(lens) or any(not 0 <= t < vocab_size for t in targets):
-        raise ValueError(
-            f"batch {batch.step}: prompt_logprob_targets must be sum(lens) ids in the vocabulary"
-        )

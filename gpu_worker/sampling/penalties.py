@@ -284,28 +284,3 @@ def _mask_min_tokens(
     ]
     if where:
         x.view(-1).index_fill_(0, torch.tensor(where, dtype=torch.int64, device=x.device), float("-inf"))
-
-
-def check_prefix_ids(batch: ForwardBatch, vocab_size: int) -> None:
-    """Reject ``prefix_ids`` that do not match the batch: each row with a sampler with penalties or
-    a grammar carries exactly its ``prefix_len`` ids, in the vocabulary; every other row carries none."""
-    if not batch.prefix_ids:
-        needs = [i for i, s in enumerate(batch.sampler) if _penalized(s) and batch.prefix_lens[i] > 0]
-        if needs:
-            raise ValueError(
-                f"batch {batch.step}: rows {needs} give a request penalties or a grammar but lack prefix_ids"
-            )
-        return
-    if len(batch.prefix_ids) != len(batch.req_pool_idx):
-        raise ValueError(f"batch {batch.step}: prefix_ids must have one entry per row")
-    for i, ids in enumerate(batch.prefix_ids):
-        expected = batch.prefix_lens[i] if _penalized(batch.sampler[i]) else 0
-        if len(ids) != expected:
-            raise ValueError(f"batch {batch.step}: row {i} has {len(ids)} prefix_ids, expected {expected}")
-        if ids and not (0 <= min(ids) and max(ids) < vocab_size):
-            raise ValueError(f"batch {batch.step}: prefix_ids must be in [0, {vocab_size})")
-
-
-def _penalized(sampler: WorkerSampling | None) -> bool:
-    """The row's request keeps per-request state that follows its tokens (penalties or a grammar)."""
-    return sampler is not None and sampler.needs_prefix_ids

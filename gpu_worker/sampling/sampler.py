@@ -122,6 +122,8 @@ class ReqPoolSamplerParams:
         self.seed_hi = torch.zeros(max_requests, dtype=torch.int64)
         self.logprobs = [False] * max_requests
         self.greedy = [True] * max_requests  # temperature 0, as a list: plain_greedy needs no tensor op
+        # Which req_pool_idx got settings: a sampling row of one that did not is refused before
+        # its forward (batch_checks.py), so every row sampled here has its own.
         self.assigned = [False] * max_requests
 
     def on_batch(self, batch: ForwardBatch, input_ids: torch.Tensor) -> None:
@@ -151,18 +153,11 @@ class ReqPoolSamplerParams:
         """Every row greedy: ``greedy_pick`` is the whole draw, and the caller skips building a
         SamplingBatch (~15 small tensor ops a step); the rows that ask for logprobs get
         them computed alone (gpu_worker/sampling/logprobs.py), not the whole batch's."""
-        self._check_assigned(req_pool_idx)
         return all(self.greedy[s] for s in req_pool_idx)
-
-    def _check_assigned(self, req_pool_idx: list[int]) -> None:
-        missing = [s for s in req_pool_idx if not self.assigned[s]]
-        if missing:
-            raise ValueError(f"req_pool_idx {missing} sample without sampler params")
 
     def batch(self, req_pool_idx: list[int], positions: list[int], device: torch.device) -> SamplingBatch:
         """The requests ``req_pool_idx`` (drawing the tokens at ``positions``) as a SamplingBatch on
         ``device``."""
-        self._check_assigned(req_pool_idx)
         index = torch.tensor(req_pool_idx, dtype=torch.int64)
         temperature, top_k = self.temperature[index], self.top_k[index]
         top_p, min_p = self.top_p[index], self.min_p[index]

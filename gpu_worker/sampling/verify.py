@@ -28,7 +28,7 @@ from itertools import accumulate
 import msgspec
 import torch
 
-from protocol.messages import PENDING, ForwardBatch
+from protocol.messages import ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -99,23 +99,3 @@ def committed(batch: ForwardBatch, input_ids: torch.Tensor) -> tuple[ForwardBatc
         batch, extend_lens=lens, input_ids=[batch.input_ids[k] for k in keep], draft_lens=[]
     )
     return view, input_ids.index_select(0, torch.tensor(keep, dtype=torch.int64, device=input_ids.device))
-
-
-def check_drafts(batch: ForwardBatch) -> None:
-    """Reject draft_lens that do not fit the batch: per row, 0 <= d < extend_len; a verify row
-    samples, has no PENDING input (its request waited for its last token) and no forks."""
-    if not batch.draft_lens:
-        return
-    rows = len(batch.req_pool_idx)
-    if len(batch.draft_lens) != rows:
-        raise ValueError(f"batch {batch.step}: draft_lens must have one entry per row")
-    ends = list(accumulate(batch.extend_lens))
-    for i, d in enumerate(batch.draft_lens):
-        if not 0 <= d < batch.extend_lens[i]:
-            raise ValueError(f"batch {batch.step}: row {i} drafts {d} of {batch.extend_lens[i]} tokens")
-        if d and not batch.sample[i]:
-            raise ValueError(f"batch {batch.step}: row {i} drafts but does not sample")
-        if d and PENDING in batch.input_ids[ends[i] - batch.extend_lens[i] : ends[i]]:
-            raise ValueError(f"batch {batch.step}: verify row {i} has a PENDING input")
-        if d and i in batch.fork_rows:
-            raise ValueError(f"batch {batch.step}: verify row {i} has forks")

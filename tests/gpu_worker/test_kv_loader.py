@@ -1,22 +1,18 @@
-"""KV pool sizing and page-table deltas; strict weight loading; batch validation."""
+"""KV pool sizing and page-table deltas; strict weight loading (batch validation: test_batch_checks.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from gpu_worker.backends.memory import CPU_MAX_KV_TOKENS, available_ram_bytes, kv_pool_tokens
-from gpu_worker.config import WorkerConfig
 from gpu_worker.kv_cache import KVPool
-from gpu_worker.model_runner import ModelRunner
 from gpu_worker.weights.loader import WeightMismatchError, load_model
-from protocol.messages import ForwardBatch
-from tests.gpu_worker.helpers import GREEDY, save_tiny_model
+from tests.gpu_worker.helpers import save_tiny_model
 
 
 def small_pool(page_size: int = 4) -> KVPool:
@@ -95,51 +91,3 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path: Path) -> None:
     assert isinstance(one, nn.Module) and isinstance(sharded, nn.Module)
     for (name, a), (_, b) in zip(one.state_dict().items(), sharded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
-
-
-def test_malformed_batches_are_rejected_before_indexing(llama_dir: Path) -> None:
-    runner = ModelRunner(
-        WorkerConfig(
-            model_path=str(llama_dir),
-            dtype="float64",
-            kv_cache_tokens=64,
-            num_threads=1,
-            page_size=4,
-            max_running_requests=4,
-        )
-    )
-
-    def batch(**changes: object) -> ForwardBatch:
-        fields: dict[str, object] = dict(
-            step=1,
-            req_pool_idx=[0],
-            prefix_lens=[0],
-            extend_lens=[2],
-            input_ids=[3, 4],
-            page_starts=[0],
-            page_counts=[1],
-            pages=[0],
-            sample=[True],
-            sampler=[GREEDY],
-        )
-        fields.update(changes)
-        return ForwardBatch(**fields)  # type: ignore[arg-type]
-
-    for bad in (
-        dict(pages=[16]),
-        dict(req_pool_idx=[4]),
-        dict(input_ids=[3, 500]),
-        dict(extend_lens=[3]),
-        dict(page_starts=[64]),
-        dict(prefix_lens=[255]),
-        dict(prompt_logprob_lens=[3], prompt_logprob_targets=[4, 5, 6]),  # more positions than the row
-        dict(prompt_logprob_lens=[1], prompt_logprob_targets=[500]),  # outside the vocabulary
-        dict(prompt_logprob_lens=[1], prompt_logprob_targets=[]),
-        dict(prompt_logprob_targets=[4]),
-        dict(sampler=[msgspec.structs.replace(GREEDY, logprobs=True, top_logprobs=21)]),
-        dict(sampler=[msgspec.structs.replace(GREEDY, top_logprobs=2)]),  # top-N without logprobs
-    ):
-        with pytest.raises(ValueError):
-            runner.execute(batch(**bad))
-    result = runner.execute(batch())
-    assert result.step == 1 and len(result.token_ids) == 1 and result.forward_s > 0

@@ -6,10 +6,9 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-import pytest
 import torch
 
-from gpu_worker.sampling.penalties import ReqPoolPenalties, check_prefix_ids
+from gpu_worker.sampling.penalties import ReqPoolPenalties
 from protocol.messages import PENDING, ForwardBatch
 from protocol.sampling import WorkerPenalties, WorkerSampling
 from tests.gpu_worker.penalty_reference import penalized
@@ -131,19 +130,6 @@ def test_min_tokens_masks_stop_ids_until_enough_were_generated() -> None:
     logits[0, 2] = 50.0
     masked = [bool(torch.isinf(table.apply(logits.clone(), [0], [pos])[0, 2])) for pos in (3, 4, 5, 6)]
     assert masked == [True, True, False, False]
-
-
-def test_prefix_ids_must_match_the_rows() -> None:
-    p = sampler(WorkerPenalties(prompt_len=4, presence=1.0))
-    check_prefix_ids(batch([(0, 0, [1], p), (1, 3, [1], sampler(None))]), VOCAB)  # nothing needed
-    with pytest.raises(ValueError, match="lack prefix_ids"):
-        check_prefix_ids(batch([(0, 3, [1], p)]), VOCAB)
-    with pytest.raises(ValueError, match="expected 3"):
-        check_prefix_ids(batch([(0, 3, [1], p)], prefix_ids=[[1, 2]]), VOCAB)
-    with pytest.raises(ValueError, match="expected 0"):
-        check_prefix_ids(batch([(0, 3, [1], sampler(None))], prefix_ids=[[1, 2, 3]]), VOCAB)
-    with pytest.raises(ValueError, match="in \\[0"):
-        check_prefix_ids(batch([(0, 3, [1], p)], prefix_ids=[[1, 2, VOCAB]]), VOCAB)
 
 
 def test_many_distinct_tokens_grow_the_seen_lists() -> None:

@@ -31,8 +31,6 @@ def test_pooled_rows_norm_each_position_then_pool() -> None:
     pooled = pooled_rows(hidden, BATCH, norm)
     assert pooled == [[2 * (0 + 2 + 4), 2 * (1 + 3 + 5)], [20.0, 22.0]] and calls == [4]
     assert pooled_rows(hidden, msgspec.structs.replace(BATCH, pool=[]), norm) == []
-    with pytest.raises(ValueError, match="pool has 2 entries"):
-        pooled_rows(hidden, msgspec.structs.replace(BATCH, pool=[None, Pooling.LAST]), norm)
 
 
 def test_final_norm_is_found_on_our_models() -> None:

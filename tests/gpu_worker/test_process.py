@@ -13,6 +13,7 @@ import zmq
 
 from gpu_worker.config import WorkerConfig
 from gpu_worker.process import run_worker
+from protocol.embedding import Pooling
 from protocol.messages import ForwardBatch, ForwardResult, WorkerReady
 from protocol.transport import Codec, Endpoints, make_socket
 from tests.gpu_worker.helpers import GREEDY, save_tiny_model
@@ -77,6 +78,17 @@ def test_worker_serves_batches_and_survives_bad_input(tmp_path: Path) -> None:
         unasked = recv(results, ForwardResult)
         assert isinstance(unasked, ForwardResult) and unasked.token_ids == served.token_ids
         assert unasked.logprobs == [], "no row asked for logprobs: the worker skips them"
+        # A pooling rule broken (two pool entries for one row): refused before the forward, then served.
+        to_worker.send(
+            codec.encode(msgspec.structs.replace(one_row(4, 3, [3, 4], [4]), pool=[None, Pooling.LAST]))
+        )
+        to_worker.send(codec.encode(msgspec.structs.replace(one_row(5, 3, [3, 4], [4]), pool=[Pooling.LAST])))
+        refused, pooled = recv(results, ForwardResult), recv(results, ForwardResult)
+        assert isinstance(refused, ForwardResult) and isinstance(pooled, ForwardResult)
+        assert refused.step == 4 and "BatchError: batch 4: pool has 2 entries for 1 rows" in (
+            refused.error or ""
+        )
+        assert pooled.step == 5 and pooled.error is None and len(pooled.pooled) == 1
         # The busy counter runs on the worker's clock: it grows with each batch, never past the clock.
         assert 0 < failed.busy_s < served.busy_s and failed.clock_s < served.clock_s
         assert served.busy_s - failed.busy_s <= served.clock_s - failed.clock_s

@@ -17,7 +17,7 @@ from gpu_worker.sampling.grammar import ReqPoolGrammars
 from gpu_worker.sampling.logprobs import ReqPoolTopLogprobs
 from gpu_worker.sampling.penalties import ReqPoolPenalties
 from gpu_worker.sampling.sampler import ReqPoolSamplerParams
-from gpu_worker.sampling.verify import DrawPlan, check_drafts, committed
+from gpu_worker.sampling.verify import DrawPlan, committed
 from protocol.messages import ForwardBatch
 from protocol.sampling import WorkerSampling
 
@@ -57,24 +57,6 @@ def test_the_states_see_no_draft_until_it_is_kept() -> None:
     assert not view.draft_lens
     plain = batch([4], [10], [[5]], [])
     assert committed(plain, torch.tensor([5]))[0] is plain
-
-
-@pytest.mark.parametrize(
-    ("inputs", "drafts", "sample", "why"),
-    [
-        ([[5, 1]], [2], [True], "drafts 2 of 2"),
-        ([[5, 1]], [1, 0], [True], "one entry per row"),
-        ([[5, 1]], [1], [False], "does not sample"),
-        ([[-1, 1]], [1], [True], "PENDING"),
-    ],
-)
-def test_draft_fields_that_do_not_fit_are_refused(
-    inputs: list[list[int]], drafts: list[int], sample: list[bool], why: str
-) -> None:
-    b = batch([0], [4], inputs, drafts)
-    b = ForwardBatch(**{**{f: getattr(b, f) for f in b.__struct_fields__}, "sample": sample})
-    with pytest.raises(ValueError, match=why):
-        check_drafts(b)
 
 
 def draws(max_requests: int) -> tuple[BatchDraws, ReqPoolSamplerParams]:
