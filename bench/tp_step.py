@@ -69,7 +69,7 @@ def _serve(
 
     from bench.lib.worker_batches import PAGE_SIZE, prepare, prepare_prefill
     from gpu_worker.backends.cpu.shm_allreduce import ShmAllReduce
-    from gpu_worker.backends.torch_ref.backend import gloo_all_reduce
+    from gpu_worker.backends.torch.backend import gloo_all_reduce
     from gpu_worker.config import WorkerConfig
     from gpu_worker.model_runner import ModelRunner
     from gpu_worker.tensor_parallel import init_group

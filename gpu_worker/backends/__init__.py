@@ -1,7 +1,7 @@
 """The worker's device backends: what differs by device or CPU kind sits behind ``Backend``.
 
 One backend is chosen once at start (``create``) from the device and ``--device-backend``:
-- ``torch_ref/``: torch's generic path on any device; the float64 reference of the exact tests.
+- ``torch/``: torch's generic path on any device; the float64 reference of the exact tests.
 - ``cpu/``: the CPU kinds' C kernels, weight layouts, GGUF block matmuls and thread tuning.
 - ``triton/``: Triton kernels for paged attention and the K/V write (default on CUDA; on CPU
   they run under Triton's interpreter, which is how every machine tests them).
@@ -45,7 +45,7 @@ def create(config: WorkerConfig) -> Backend:
 
             return CpuBackend(config)
         case "torch":
-            from gpu_worker.backends.torch_ref.backend import TorchBackend
+            from gpu_worker.backends.torch.backend import TorchBackend
 
             return TorchBackend(device)
         case "triton":

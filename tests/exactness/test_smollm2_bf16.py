@@ -17,7 +17,7 @@ import torch
 from gpu_worker.backends.cpu.backend import auto_dtype
 from gpu_worker.backends.cpu.kind import CpuKind, requested_kind
 from gpu_worker.backends.cpu.matmul import PLANS, CpuLinear
-from gpu_worker.backends.torch_ref.backend import TorchBackend
+from gpu_worker.backends.torch.backend import TorchBackend
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.layers import Linear

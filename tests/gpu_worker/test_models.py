@@ -172,7 +172,7 @@ def test_rope_theta_from_old_and_new_config_spellings() -> None:
 
 def test_decode_rows_grouped_by_length_match_hf(tiny_models: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """With no padding allowance, the scenario's decode rows split into several length groups."""
-    from gpu_worker.backends.torch_ref import attention
+    from gpu_worker.backends.torch import attention
 
     monkeypatch.setattr(attention, "PAD_FLOOR_TOKENS", 0)
     groups = attention.length_groups({0: 3, 1: 47, 2: 20, 3: 45})
@@ -200,7 +200,7 @@ def _count(groups: list[list[int]], seen: list[int]) -> list[list[int]]:
 
 
 def test_length_groups_bound_the_padding() -> None:
-    from gpu_worker.backends.torch_ref.attention import PAD_FLOOR_TOKENS, length_groups
+    from gpu_worker.backends.torch.attention import PAD_FLOOR_TOKENS, length_groups
 
     rng = random.Random(5)
     lens = {i: rng.choice([rng.randrange(1, 64), rng.randrange(1000, 8000)]) for i in range(128)}
@@ -218,7 +218,7 @@ def test_decode_only_metadata_is_the_general_paths() -> None:
     """A batch of decode rows only (the CPU backend's kernel attends them) takes a short path: its
     positions and KV write locations are those the general path gives the same rows beside an
     extend row."""
-    from gpu_worker.backends.torch_ref.attention import build_metadata
+    from gpu_worker.backends.torch.attention import build_metadata
 
     page_size, cpu = 4, torch.device("cpu")
     page_table = torch.randperm(6 * 8, generator=torch.Generator().manual_seed(3)).view(6, 8)

@@ -17,7 +17,7 @@ import torch
 from gpu_worker.backends.cpu import kernels as cpu_kernels
 from gpu_worker.backends.cpu.kind import requested_kind
 from gpu_worker.backends.cpu.shm_allreduce import PIECE_BYTES, ShmAllReduce
-from gpu_worker.backends.torch_ref.backend import gloo_all_reduce
+from gpu_worker.backends.torch.backend import gloo_all_reduce
 from gpu_worker.tensor_parallel import init_group
 
 SIZES = (576, 32 * 576, PIECE_BYTES // 4 * 2 + 123)  # the last: three rounds in float32, five in float64

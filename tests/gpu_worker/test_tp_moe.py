@@ -15,7 +15,7 @@ import torch
 
 from gpu_worker.backends.cpu.backend import CpuBackend
 from gpu_worker.backends.cpu.experts import QuantExperts
-from gpu_worker.backends.torch_ref.backend import TorchBackend
+from gpu_worker.backends.torch.backend import TorchBackend
 from gpu_worker.config import WorkerConfig
 from gpu_worker.models.moe import Experts, SparseMoeBlock
 from gpu_worker.tensor_parallel import ExpertsAllReduced, TensorParallel, expert_range

@@ -12,7 +12,7 @@ import torch
 
 from gpu_worker.backends.cpu.backend import CpuBackend
 from gpu_worker.backends.cpu.matmul import CpuLinear
-from gpu_worker.backends.torch_ref.backend import TorchBackend
+from gpu_worker.backends.torch.backend import TorchBackend
 from gpu_worker.config import WorkerConfig
 from gpu_worker.tensor_parallel import AllReduced, TensorParallel
 from gpu_worker.weights.loader import load_model

@@ -1,5 +1,5 @@
 """The CPU backend's attention: decode rows by the C kernel, read in place through the page table
-(csrc/attention.c), every row at its own length in one call; extend rows by torch (torch_ref).
+(csrc/attention.c), every row at its own length in one call; extend rows by torch (the torch backend's).
 
 A short extend row (up to KERNEL_MAX_EXTEND tokens: a speculative verify row, a small chunk) goes to
 the kernel too, as one decode row per token, each over the positions up to its own: for a few
@@ -19,7 +19,7 @@ import torch
 
 from gpu_worker.backends.cpu.decode_rows import DecodeRows
 from gpu_worker.backends.cpu.kernels import CpuKernels
-from gpu_worker.backends.torch_ref import attention as torch_attention
+from gpu_worker.backends.torch import attention as torch_attention
 from gpu_worker.forward_context import AttentionOptions
 
 KERNEL_MAX_EXTEND = 16  # tokens of the longest extend row the kernel attends, a decode row per token
@@ -38,13 +38,13 @@ class PagedDecodeRows:
 
 @dataclass
 class CpuAttentionMetadata:
-    """torch_ref's metadata of the extend rows, and the decode rows for the kernel (None: none)."""
+    """the torch backend's metadata of the extend rows, and the decode rows for the kernel (None: none)."""
 
     torch_meta: torch_attention.AttentionMetadata  # its decode groups are empty: the kernel's rows
     paged_decode: PagedDecodeRows | None
     all_decode: bool  # every row goes to the kernel: the tokens are arange(T)
     batch: tuple[torch.Tensor, int, list[int], list[int], list[int]]  # build_metadata's arguments
-    # torch_ref's metadata with its decode groups, built on first use by a layer the kernel does not
+    # the torch backend's metadata with its decode groups, built on first use by a layer the kernel does not
     # take (soft-capping), then shared by the batch's other such layers.
     _with_groups: torch_attention.AttentionMetadata | None = field(default=None, repr=False)
 
@@ -53,7 +53,7 @@ class CpuAttentionMetadata:
         return self.all_decode
 
     def torch_metadata(self) -> torch_attention.AttentionMetadata:
-        """torch_ref's metadata of every row."""
+        """the torch backend's metadata of every row."""
         if self.paged_decode is None:
             return self.torch_meta
         if self._with_groups is None:
@@ -72,7 +72,7 @@ def build_metadata(
     prefix_lens: list[int],
     extend_lens: list[int],
 ) -> tuple[torch.Tensor, CpuAttentionMetadata]:
-    """Positions [T] and the batch's metadata: torch_ref's for the extend rows (and, for layers the
+    """Positions [T] and the batch's metadata: the torch backend's for the extend rows (and, for layers the
     kernel does not take, its decode groups), the kernel's rows for the decode rows."""
     device = page_table.device
     positions, torch_meta = torch_attention.build_metadata(

@@ -45,7 +45,7 @@ from gpu_worker.backends.cpu.matmul import PLANS, CpuLinear
 from gpu_worker.backends.cpu.quant import QuantEmbedding, QuantLinear
 from gpu_worker.backends.cpu.threads import ContentionGuard, ThreadTuner, shape_class
 from gpu_worker.backends.memory import kv_pool_tokens
-from gpu_worker.backends.torch_ref import attention as torch_attention
+from gpu_worker.backends.torch import attention as torch_attention
 from gpu_worker.models.layers import Embedding, Linear
 from gpu_worker.models.moe import Experts, SparseMoeBlock
 

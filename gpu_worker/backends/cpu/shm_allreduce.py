@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from gpu_worker.backends.cpu import kernels as cpu_kernels
 from gpu_worker.backends.cpu.kind import requested_kind
-from gpu_worker.backends.torch_ref.backend import gloo_all_reduce
+from gpu_worker.backends.torch.backend import gloo_all_reduce
 from gpu_worker.config import WorkerConfig
 from gpu_worker.tensor_parallel import AllReduce, agree_min, gather_strings
 

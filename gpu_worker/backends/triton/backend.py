@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gpu_worker.backends.torch_ref.attention import kv_locations
-from gpu_worker.backends.torch_ref.backend import TorchBackend
+from gpu_worker.backends.torch.attention import kv_locations
+from gpu_worker.backends.torch.backend import TorchBackend
 
 if TYPE_CHECKING:
     from gpu_worker.backends.triton.kernels import AttentionRows

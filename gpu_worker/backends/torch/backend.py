@@ -14,7 +14,7 @@ import torch
 from gpu_worker import tensor_parallel
 from gpu_worker.backends.base import ALL_REDUCE
 from gpu_worker.backends.memory import kv_pool_tokens
-from gpu_worker.backends.torch_ref import attention
+from gpu_worker.backends.torch import attention
 
 if TYPE_CHECKING:
     from torch import nn
@@ -32,7 +32,7 @@ def gloo_all_reduce(t: torch.Tensor) -> None:
 
 
 class TorchBackend:
-    """torch's SDPA over K/V gathered through the page table (backends/torch_ref/attention.py)."""
+    """torch's SDPA over K/V gathered through the page table (backends/torch/attention.py)."""
 
     name = "torch"
 
