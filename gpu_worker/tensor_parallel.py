@@ -2,14 +2,15 @@
 MLP columns (or of a mixture's experts), and one all-reduce per projection back into the residual
 stream.
 
-Per decoder layer (Megatron's split):
+Per decoder layer (Megatron's split), as each layer declares it when the model builds it
+(``Split``, models/contract.py); nothing here knows a projection's name:
 
-    q/k/v, gate/up (GPT-2: c_attn, c_fc)  column-parallel: this rank's heads / MLP columns, no
-                                          communication; the attention runs on its own heads
-                                          and KV pool (its KV heads only)
-    o, down (GPT-2: both c_proj)          row-parallel: this rank's input columns, the partial
-                                          products summed over the ranks (``AllReduced``); the
-                                          bias added once (rank 0 keeps it, the others zero it)
+    Split.COLUMN (q/k/v, gate/up)  this rank's heads / MLP columns (each part of a merged Linear
+                                   split on its own), no communication; the attention runs on its
+                                   own heads (``AttentionLayer.split_heads``) and KV pool
+    Split.ROW (o, down)            this rank's input columns, the partial products summed over the
+                                   ranks (``AllReduced``); the bias added once (rank 0 keeps it,
+                                   the others zero it)
 
 A mixture of experts' sparse block is expert-parallel: each rank holds a contiguous range of the
 experts, whole (``_experts``); the router is replicated, so every rank routes every token alike and
@@ -52,6 +53,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.models.contract import AttentionLayer, Split
 from gpu_worker.models.layers import Linear, MergedLinear
 from gpu_worker.models.moe import ExpertGroups, Experts
 from gpu_worker.weights.formats import QuantizedWeight
@@ -97,34 +99,31 @@ def check_divisible(model: Any, world: int) -> None:
 
 
 def shard(model: Any, rank: int, world: int) -> list[nn.Module]:
-    """Keep this rank's part of every layer in place; returns the row-parallel modules."""
+    """Keep this rank's part of every layer in place, as each layer's declared ``Split`` says (and
+    1/N of each attention block's heads); returns the modules whose outputs are summed or gathered
+    over the ranks (row-parallel and vocab-parallel Linears, expert-parallel experts)."""
     check_divisible(model, world)
     reduce: list[nn.Module] = []
-    module: Any  # a layer of the model's, by the attributes it has
     for name, module in model.named_modules():
-        if isinstance(module, Experts):  # a sparse block's experts (before the MLP: gate_up_proj)
+        if isinstance(module, AttentionLayer):
+            module.split_heads(world)
+        if isinstance(module, Experts):
             reduce.append(_experts(module, rank, world))
-        elif hasattr(module, "qkv_proj"):  # the Llama family's (and Gemma's) Attention
-            module.num_heads //= world
-            module.num_kv_heads //= world
-            _columns(module.qkv_proj, rank, world)
-            reduce.append(_rows(module.o_proj, rank, world, f"{name}.o_proj"))
-        elif hasattr(module, "gate_up_proj"):  # its MLP
-            _columns(module.gate_up_proj, rank, world)
-            reduce.append(_rows(module.down_proj, rank, world, f"{name}.down_proj"))
-        elif hasattr(module, "c_attn"):  # GPT-2's attention: c_attn's q, k, v row blocks
-            module.num_heads //= world
-            _columns(module.c_attn, rank, world)
-            reduce.append(_rows(module.c_proj, rank, world, f"{name}.c_proj"))
-        elif hasattr(module, "c_fc"):  # GPT-2's MLP
-            _columns(module.c_fc, rank, world)
-            reduce.append(_rows(module.c_proj, rank, world, f"{name}.c_proj"))
+        elif isinstance(module, Linear):
+            match module.split:
+                case Split.COLUMN:
+                    _columns(module, rank, world)
+                case Split.ROW:
+                    reduce.append(_rows(module, rank, world, name))
+                case Split.VOCAB:
+                    reduce.append(_vocab_rows(module, rank, world))
+                case Split.REPLICATED:
+                    pass
+                case _:
+                    raise AssertionError(f"{name}: a Linear cannot split as {module.split}")
     model.num_heads //= world
     model.num_kv_heads //= world
     model.tensor_parallel = (rank, world)  # a backend's one-call paths read it (no all-reduce there)
-    head = getattr(model, "lm_head", None)
-    if isinstance(head, Linear):
-        reduce.append(_vocab_rows(head, rank, world))
     return reduce
 
 
@@ -140,7 +139,7 @@ def _vocab_rows(head: Linear, rank: int, world: int) -> Linear:
         head.weight = nn.Parameter(head.weight.detach()[start:stop], requires_grad=False)
     if head.bias is not None:
         head.bias = nn.Parameter(head.bias.detach()[start:stop], requires_grad=False)
-    head.vocab_span = (start, stop, vocab)  # type: ignore[assignment]
+    head.vocab_span = (start, stop, vocab)
     return head
 
 
@@ -189,11 +188,7 @@ def _columns(linear: Linear, rank: int, world: int) -> None:
     if linear.bias is not None:
         _set(linear.bias, torch.cat([_part(linear.bias[s : s + r], 0, rank, world) for s, r in parts]))
     if isinstance(linear, MergedLinear):
-        sizes = [rows // world for _, rows in parts]
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        names = list(linear.shards)
-        linear.shards = {name: (start, rows) for name, start, rows in zip(names, starts, sizes, strict=True)}
-        linear.sizes = sizes
+        linear.set_parts(list(linear.shards), [rows // world for _, rows in parts])
 
 
 def _rows(linear: Linear, rank: int, world: int, name: str) -> Linear:
@@ -221,15 +216,13 @@ class AllReduced:
     """A row-parallel projection: this rank's partial product, summed over the ranks by ``reduce``
     (in float32 for bf16/fp16 activations), then the residual added once."""
 
-    def __init__(self, module: nn.Module, reduce: AllReduce) -> None:
-        impl = getattr(module, "impl", None)
+    def __init__(self, module: Linear, reduce: AllReduce) -> None:
         self._module = module
-        self._matmul = impl if impl is not None else self._plain
+        self._matmul = module.impl if module.impl is not None else self._plain
         self._reduce = reduce
 
     def _plain(self, x: torch.Tensor) -> torch.Tensor:
-        m: Any = self._module
-        return F.linear(x, m.weight, m.bias)
+        return F.linear(x, self._module.weight, self._module.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return _summed(self._matmul(x), self._reduce)
@@ -269,9 +262,10 @@ class VocabGathered(AllReduced):
     """The vocab-parallel LM head: this rank's logits placed in a zeroed row of the whole
     vocabulary, summed over the ranks (so gathered: each logit is one rank's, plus zeros)."""
 
-    def __init__(self, module: nn.Module, reduce: AllReduce) -> None:
+    def __init__(self, module: Linear, reduce: AllReduce) -> None:
         super().__init__(module, reduce)
-        self._span: tuple[int, int, int] = module.vocab_span  # type: ignore[assignment]  # _vocab_rows's
+        assert module.vocab_span is not None, "a vocab-parallel head holds its span (_vocab_rows)"
+        self._span = module.vocab_span
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         part = self._matmul(x)
@@ -301,7 +295,8 @@ def wrap_reductions(modules: list[nn.Module], reduce: AllReduce) -> None:
     the LM head's through the gather of every rank's logits."""
     for module in modules:
         if isinstance(module, Experts):
-            module.impl = ExpertsAllReduced(module, reduce)
-            continue
-        gathered = hasattr(module, "vocab_span")
-        module.impl = (VocabGathered if gathered else AllReduced)(module, reduce)  # type: ignore[assignment]
+            module.attach(impl=ExpertsAllReduced(module, reduce))
+        else:
+            assert isinstance(module, Linear), f"{type(module).__name__} is not reduced over the ranks"
+            gathered = module.split is Split.VOCAB
+            module.attach(impl=(VocabGathered if gathered else AllReduced)(module, reduce))

@@ -2,7 +2,8 @@
 
 Every model exposes ``num_layers``, ``num_kv_heads``, ``head_dim`` and
 ``context_len``, ``forward(input_ids, ctx) -> hidden [T, H]`` (before the final
-norm) and ``compute_logits(hidden) -> [N, vocab]``.
+norm), ``compute_logits(hidden) -> [N, vocab]`` and ``decoder_layers()``; it builds its layers from
+the worker's layer types (contract.py).
 
 Importing this package imports no torch: the launcher checks ``SUPPORTED_MODEL_TYPES`` before
 any process starts.
@@ -45,6 +46,9 @@ class CausalLM(Protocol):
     num_kv_heads: int
     head_dim: int
     context_len: int
+    tensor_parallel: tuple[int, int] | None  # (rank, world), set by tensor_parallel.shard
+
+    def decoder_layers(self) -> nn.ModuleList: ...
 
     def __call__(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
 

@@ -19,13 +19,14 @@ import torch
 from torch import nn
 
 from gpu_worker.forward_context import PLAIN, AttentionOptions, ForwardContext, paged_attention
+from gpu_worker.models.contract import AttentionLayer, Layer, Split
 from gpu_worker.models.layers import Embedding, Linear, MergedLinear, activation, apply_rotary
 from gpu_worker.models.rope import rotary_cache
 
 SLIDING = "sliding_attention"
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(Layer):
     """``norm(x) * (1 + w)``, the statistics and the scale in float32, rounded once to x's dtype."""
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -43,7 +44,7 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(AttentionLayer):
     def __init__(self, cfg: Any, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -54,7 +55,7 @@ class GemmaAttention(nn.Module):
         self.qkv_proj = MergedLinear(
             cfg.hidden_size, {"q_proj": q_out, "k_proj": kv_out, "v_proj": kv_out}, bias
         )
-        self.o_proj = Linear(q_out, cfg.hidden_size, bias)
+        self.o_proj = Linear(q_out, cfg.hidden_size, bias, Split.ROW)
         self.qk_norm = cfg.model_type.startswith("gemma3")
         if self.qk_norm:
             self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -66,7 +67,10 @@ class GemmaAttention(nn.Module):
             sliding_window=int(cfg.sliding_window or 0) if sliding else 0,
             logit_softcap=float(getattr(cfg, "attn_logit_softcapping", None) or 0.0),
         )
-        self.options = PLAIN if options == PLAIN else options  # the backends test PLAIN by identity
+        self.attention = PLAIN if options == PLAIN else options  # the backends test PLAIN by identity
+
+    def options(self) -> dict[str, Any]:
+        return {"qk_norm": self.qk_norm, "attention": self.attention}
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
@@ -78,24 +82,27 @@ class GemmaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        attended = paged_attention(self.layer, q, k, v, ctx, self.options)
+        attended = paged_attention(self.layer, q, k, v, ctx, self.attention)
         return self.o_proj(attended.flatten(1))
 
 
-class GemmaMLP(nn.Module):
+class GemmaMLP(Layer):
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         inner = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate_proj": inner, "up_proj": inner}, False)
-        self.down_proj = Linear(inner, cfg.hidden_size, False)
+        self.down_proj = Linear(inner, cfg.hidden_size, False, Split.ROW)
         self.act = activation(cfg.hidden_activation)
+
+    def options(self) -> dict[str, Any]:
+        return {"act": self.act}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(Layer):
     def __init__(self, cfg: Any, layer: int) -> None:
         super().__init__()
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -125,6 +132,8 @@ class GemmaBody(nn.Module):
 class GemmaForCausalLM(nn.Module):
     """Gemma 2 / Gemma 3 causal LM over the paged KV pool."""
 
+    tensor_parallel: tuple[int, int] | None = None  # (rank, world): tensor_parallel.shard's
+
     # A multimodal Gemma 3 checkpoint: its language model under language_model. (or
     # model.language_model.), beside a vision tower we do not serve.
     checkpoint_renames = (
@@ -141,7 +150,7 @@ class GemmaForCausalLM(nn.Module):
         self.num_kv_heads, self.head_dim = cfg.num_key_value_heads, cfg.head_dim
         self.context_len = cfg.max_position_embeddings
         self.model = GemmaBody(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, Split.VOCAB)
         if getattr(hf_config, "tie_word_embeddings", True):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.final_softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
@@ -152,6 +161,9 @@ class GemmaForCausalLM(nn.Module):
             cfg, self.head_dim, self.context_len, _layer_type(cfg, "full_attention")
         )
         self.local_rotary = rotary_cache(cfg, self.head_dim, self.context_len, _layer_type(cfg, SLIDING))
+
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [T, hidden] before the final norm."""

@@ -14,19 +14,21 @@ import torch
 from torch import nn
 
 from gpu_worker.forward_context import ForwardContext, paged_attention
+from gpu_worker.models.contract import AttentionLayer, Layer, Split
 from gpu_worker.models.layers import Embedding, LayerNorm, Linear, MergedLinear, activation
 
 
-class GPT2Attention(nn.Module):
+class GPT2Attention(AttentionLayer):
     def __init__(self, cfg: Any, layer: int) -> None:
         super().__init__()
-        self.layer, self.num_heads = layer, cfg.n_head
+        self.layer, self.num_heads, self.num_kv_heads = layer, cfg.n_head, cfg.n_head
         self.head_dim = cfg.n_embd // cfg.n_head
         hidden = cfg.n_embd
         # q, k, v rows in turn, one checkpoint tensor (tensor parallel splits each block)
-        self.c_attn = MergedLinear(hidden, {"q": hidden, "k": hidden, "v": hidden}, bias=True)
-        self.c_attn.fused_checkpoint = True
-        self.c_proj = Linear(hidden, hidden, bias=True)
+        self.c_attn = MergedLinear(
+            hidden, {"q": hidden, "k": hidden, "v": hidden}, True, fused_checkpoint=True
+        )
+        self.c_proj = Linear(hidden, hidden, True, Split.ROW)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         tokens = x.shape[0]
@@ -35,19 +37,22 @@ class GPT2Attention(nn.Module):
         return self.c_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
-class GPT2MLP(nn.Module):
+class GPT2MLP(Layer):
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         inner = cfg.n_inner or 4 * cfg.n_embd
-        self.c_fc = Linear(cfg.n_embd, inner, bias=True)
-        self.c_proj = Linear(inner, cfg.n_embd, bias=True)
+        self.c_fc = Linear(cfg.n_embd, inner, True, Split.COLUMN)
+        self.c_proj = Linear(inner, cfg.n_embd, True, Split.ROW)
         self.act = activation(cfg.activation_function)
+
+    def options(self) -> dict[str, Any]:
+        return {"act": self.act}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))
 
 
-class GPT2Block(nn.Module):
+class GPT2Block(Layer):
     def __init__(self, cfg: Any, layer: int) -> None:
         super().__init__()
         self.ln_1 = LayerNorm(cfg.n_embd, cfg.layer_norm_epsilon)
@@ -72,6 +77,8 @@ class GPT2Body(nn.Module):
 class GPT2LMHeadModel(nn.Module):
     """GPT-2 causal LM over the paged KV pool."""
 
+    tensor_parallel: tuple[int, int] | None = None  # (rank, world): tensor_parallel.shard's
+
     # Original OpenAI checkpoints name weights without the "transformer." prefix.
     checkpoint_prefix = "transformer."
     # The checkpoint's Conv1D weights, [in, out]: the loader transposes them into our Linears.
@@ -86,9 +93,12 @@ class GPT2LMHeadModel(nn.Module):
         self.head_dim = cfg.n_embd // cfg.n_head
         self.context_len = cfg.n_positions
         self.transformer = GPT2Body(cfg)
-        self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, False, Split.VOCAB)
         if getattr(cfg, "tie_word_embeddings", True):
             self.lm_head.weight = self.transformer.wte.weight
+
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.transformer.h
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [T, hidden] before the final LayerNorm."""

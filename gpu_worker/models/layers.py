@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gpu_worker.models.contract import Layer, Split
 
 if TYPE_CHECKING:
     from gpu_worker.weights.formats import QuantizedWeight
@@ -46,22 +48,31 @@ class FusedOps(Protocol):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
 
-class Linear(nn.Module):
-    """``y = x W^T + b`` with HF's [out, in] weight layout.
+class Linear(Layer):
+    """``y = x W^T + b`` with HF's [out, in] weight layout, and its tensor-parallel ``split``.
 
-    A device backend may set ``impl``: the matmul in its own weight layouts (on CPU,
-    gpu_worker/backends/cpu/matmul.py), which then owns the weights. ``quantized``: the weight as a
-    GGUF's blocks (gguf_weights.py), set by the loader instead of ``weight``; only a backend
-    with kernels for them computes on it.
+    Kernel slot ``impl``: a device backend's matmul in its own weight layouts (on CPU,
+    gpu_worker/backends/cpu/matmul.py); ``release_weight`` then frees the loaded weight it copied.
+    Weight slots: ``weight`` and ``bias``, or ``quantized``: the weight as a GGUF's blocks
+    (gguf_weights.py), which only a backend with kernels for them computes on. ``vocab_span``: the
+    vocabulary rows this rank holds, where tensor parallel splits an LM head (``Split.VOCAB``).
     """
 
+    kernel_slots = ("impl",)
     impl: LinearImpl | None = None
     quantized: QuantizedWeight | None = None
+    vocab_span: tuple[int, int, int] | None = None  # (start, stop, vocab)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, split: Split = Split.REPLICATED
+    ) -> None:
         super().__init__()
+        self.split = split
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def options(self) -> dict[str, Any]:
+        return {"bias": self.bias is not None}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl is not None:
@@ -74,33 +85,42 @@ class Linear(nn.Module):
             return self.impl.add_to(residual, x)
         return residual + self(x)
 
+    def release_weight(self) -> None:
+        """Free the loaded weight once ``impl`` holds its own copies (a tied embedding keeps its own
+        reference, so a shared table stays)."""
+        assert self.impl is not None, "the weight is released only to a backend's matmul"
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
 
 class MergedLinear(Linear):
-    """Several projections of one input in a single matmul (q/k/v, or gate/up).
+    """Several projections of one input in a single matmul (q/k/v, or gate/up): column-parallel,
+    each part split on its own.
 
     ``shards`` names the checkpoint's separate projections (siblings of this
     module, e.g. ``q_proj``) and the block of output rows each one fills, in
     order; the loader copies each checkpoint weight into its block. ``fused_checkpoint``: the
-    checkpoint holds this merged weight as one tensor under this module's own name (Phi-3); the
-    shards then only say where each projection's rows are (tensor parallel splits them).
+    checkpoint holds this merged weight as one tensor under this module's own name (Phi-3, GPT-2);
+    the shards then only say where each projection's rows are (tensor parallel splits them).
     """
 
-    fused_checkpoint: bool = False
+    def __init__(
+        self, in_features: int, shards: dict[str, int], bias: bool, fused_checkpoint: bool = False
+    ) -> None:
+        super().__init__(in_features, sum(shards.values()), bias, Split.COLUMN)
+        self.fused_checkpoint = fused_checkpoint
+        self.set_parts(list(shards), list(shards.values()))
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(shards.values()), bias)
-        starts = [0]
-        for rows in shards.values():
-            starts.append(starts[-1] + rows)
-        self.shards = {
-            name: (start, rows) for (name, rows), start in zip(shards.items(), starts, strict=False)
-        }
-        self.sizes = list(shards.values())
+    def set_parts(self, names: list[str], sizes: list[int]) -> None:
+        """The parts' names and row counts, in order (tensor parallel sets this rank's)."""
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.shards = {name: (start, rows) for name, start, rows in zip(names, starts, sizes, strict=True)}
+        self.sizes = sizes
 
 
-class Embedding(nn.Module):
-    """Rows of a [num, dim] table; ``impl`` and ``quantized`` as in ``Linear``."""
+class Embedding(Layer):
+    """Rows of a [num, dim] table, whole on every rank; ``impl`` and ``quantized`` as in ``Linear``."""
 
+    kernel_slots = ("impl",)
     impl: EmbeddingImpl | None = None
     quantized: QuantizedWeight | None = None
 
@@ -114,7 +134,7 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Layer):
     """RMSNorm whose statistics are taken in float32, as HF does for every model dtype.
 
     (For bf16 this is the accurate choice; for float64 it matches the reference bit for bit.)
@@ -122,6 +142,7 @@ class RMSNorm(nn.Module):
     float32 [T, heads, dim] ones.
     """
 
+    kernel_slots = ("fused",)
     fused: FusedOps | None = None
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -144,7 +165,7 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.to(torch.float32), self.weight.shape, None, self.eps).to(x.dtype)
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(Layer):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)

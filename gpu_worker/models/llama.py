@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.forward_context import PLAIN, AttentionOptions, ForwardContext, paged_attention
+from gpu_worker.models.contract import AttentionLayer, Layer, Split
 from gpu_worker.models.layers import (
     Embedding,
     FusedOps,
@@ -51,6 +52,7 @@ class LlamaArgs:
     context_len: int
     sliding_windows: tuple[int, ...]  # per layer; 0: full attention
     rotary_dim: int  # the leading dimensions of each head that rotate (Phi-4-mini: 3/4 of them)
+    fused_checkpoint: bool  # q/k/v and gate/up one tensor each in the checkpoint (Phi-3)
 
     @classmethod
     def from_hf(cls, cfg: Any) -> LlamaArgs:
@@ -76,6 +78,7 @@ class LlamaArgs:
             context_len=cfg.max_position_embeddings,
             sliding_windows=sliding_windows(cfg),
             rotary_dim=int(head_dim * partial_rotary_factor(cfg)),
+            fused_checkpoint=model_type == "phi3",
         )
 
 
@@ -96,8 +99,9 @@ def sliding_windows(cfg: Any) -> tuple[int, ...]:
     return (window,) * cfg.num_hidden_layers
 
 
-class Attention(nn.Module):
-    fused: FusedOps | None = None  # set by a device backend: rotary in place, one call
+class Attention(AttentionLayer):
+    kernel_slots = ("fused",)
+    fused: FusedOps | None = None  # a device backend's: rotary in place, one call
 
     def __init__(self, args: LlamaArgs, layer: int) -> None:
         super().__init__()
@@ -111,13 +115,19 @@ class Attention(nn.Module):
         )
         # One matmul for q, k and v; the checkpoint's q_proj/k_proj/v_proj fill its row blocks.
         self.qkv_proj = MergedLinear(
-            hidden, {"q_proj": q_out, "k_proj": kv_out, "v_proj": kv_out}, args.qkv_bias
+            hidden,
+            {"q_proj": q_out, "k_proj": kv_out, "v_proj": kv_out},
+            args.qkv_bias,
+            args.fused_checkpoint,
         )
-        self.o_proj = Linear(q_out, hidden, args.o_bias)
+        self.o_proj = Linear(q_out, hidden, args.o_bias, Split.ROW)
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.eps)
             self.k_norm = RMSNorm(args.head_dim, args.eps)
         self.qk_norm = args.qk_norm
+
+    def options(self) -> dict[str, Any]:
+        return {"qk_norm": self.qk_norm, "partial_rotary": self.rotary_dim < self.head_dim}
 
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -149,17 +159,21 @@ class Attention(nn.Module):
         return q, k, v
 
 
-class MLP(nn.Module):
-    fused: FusedOps | None = None  # set by a device backend: silu(gate) * up in one call
+class MLP(Layer):
+    kernel_slots = ("fused",)
+    fused: FusedOps | None = None  # a device backend's: silu(gate) * up in one call
 
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         inner = args.intermediate_size
         self.gate_up_proj = MergedLinear(
-            args.hidden_size, {"gate_proj": inner, "up_proj": inner}, args.mlp_bias
+            args.hidden_size, {"gate_proj": inner, "up_proj": inner}, args.mlp_bias, args.fused_checkpoint
         )
-        self.down_proj = Linear(inner, args.hidden_size, args.mlp_bias)
+        self.down_proj = Linear(inner, args.hidden_size, args.mlp_bias, Split.ROW)
         self.act = activation(args.act)
+
+    def options(self) -> dict[str, Any]:
+        return {"act": self.act}
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``residual + mlp(x)``."""
@@ -176,7 +190,7 @@ class FeedForward(Protocol):
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor: ...
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Layer):
     def __init__(self, args: LlamaArgs, layer: int, mlp: FeedForward) -> None:
         super().__init__()
         self.layer = layer
@@ -186,6 +200,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(args, layer)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.eps)
         self.mlp = mlp
+
+    def options(self) -> dict[str, Any]:
+        return {"attention": self.attention}
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
@@ -207,6 +224,8 @@ class LlamaBody(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM over the paged KV pool."""
 
+    tensor_parallel: tuple[int, int] | None = None  # (rank, world): tensor_parallel.shard's
+
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
         args = LlamaArgs.from_hf(hf_config)
@@ -215,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_heads = args.num_heads
         self.context_len = args.context_len
         self.model = LlamaBody(args, lambda layer: self.feed_forward(hf_config, layer))
-        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, False, Split.VOCAB)
         if args.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = rotary_cache(hf_config, args.rotary_dim, args.context_len)
@@ -223,6 +242,9 @@ class LlamaForCausalLM(nn.Module):
     def feed_forward(self, hf_config: Any, layer: int) -> FeedForward:
         """Layer ``layer``'s feed-forward block: the dense MLP here (moe.py's models: experts)."""
         return MLP(self.args)
+
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [T, hidden] before the final norm."""

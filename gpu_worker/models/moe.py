@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.models.contract import Layer, Split
 from gpu_worker.models.layers import FusedOps, Linear, activation
 from gpu_worker.models.llama import MLP, FeedForward, LlamaForCausalLM
 
@@ -119,16 +120,18 @@ class ExpertsImpl(Protocol):
     def __call__(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor: ...
 
 
-class Experts(nn.Module):
+class Experts(Layer):
     """E SwiGLU experts, weights stacked. ``impl`` (set by a backend) computes them instead of the
     torch code below; ``quantized`` (set by the GGUF loader instead of the parameters) only an
     ``impl`` reads. It holds the experts [first_expert, first_expert + num_experts) of the router's
     ``routed_experts`` (all of them but under tensor parallel)."""
 
+    split = Split.EXPERTS
+    kernel_slots = ("impl", "fused")
     impl: ExpertsImpl | None = None
     first_expert = 0
     quantized: QuantizedExperts | None = None
-    fused: FusedOps | None = None  # set by a device backend: silu(gate) * up in one call
+    fused: FusedOps | None = None  # a device backend's: silu(gate) * up in one call
 
     def __init__(self, num_experts: int, hidden: int, inner: int, act: str) -> None:
         super().__init__()
@@ -136,6 +139,9 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner), requires_grad=False)
         self.act = activation(act)
+
+    def options(self) -> dict[str, Any]:
+        return {"act": self.act}
 
     def checkpoint_views(self) -> dict[str, torch.Tensor]:
         """The checkpoint's per-expert names (relative to this module) -> the blocks they fill."""
@@ -181,10 +187,11 @@ class RouterImpl(Protocol):
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-class SparseMoeBlock(nn.Module):
-    """The router (``gate``) and the experts of one layer, HF's module names. ``router`` (set by a
-    device backend) routes instead of the torch code."""
+class SparseMoeBlock(Layer):
+    """The router (``gate``, replicated under tensor parallel) and the experts of one layer, HF's
+    module names. Kernel slot ``router``: a device backend's, routing instead of the torch code."""
 
+    kernel_slots = ("router",)
     router: RouterImpl | None = None
 
     def __init__(self, hidden: int, act: str, moe: MoeArgs) -> None:
@@ -192,6 +199,9 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
         self.gate = Linear(hidden, moe.num_experts, bias=False)
         self.experts = Experts(moe.num_experts, hidden, moe.inner, act)
+
+    def options(self) -> dict[str, Any]:
+        return {"top_k": self.top_k, "norm_topk_prob": self.norm_topk_prob}
 
     def route(self, x: torch.Tensor) -> ExpertGroups:
         """Each row's top-k experts and their probabilities, grouped by expert."""

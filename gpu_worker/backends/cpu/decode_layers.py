@@ -1,25 +1,28 @@
 """A decode step's decoder layers in one C call (csrc/decode_layers.c), for Llama models on GGUF blocks.
 
-At one stream a step of the embedded model makes ~270 kernel calls, each a module call, a ctypes
-call and an output tensor in Python: a large share of the step around its matmuls (docs/benchmarks.md,
-the one-call decode). When every row
-of a step decodes and every Linear of every layer is a ``QuantLinear`` without bias, the layers run as
-one call that makes the same kernel calls in the same order, so the hidden states equal the modules'
+At one stream a step of the embedded model makes ~270 kernel calls, each a module call, a ctypes call
+and an output tensor in Python: a large share of the step around its matmuls (docs/benchmarks.md, the
+one-call decode). When every row of a step decodes, every layer is of kinds and options the C code
+implements (``C_LAYERS``: a positive list over the layer contract, so a layer kind or option it does not
+know runs the modules) and every Linear of every layer is a ``QuantLinear`` without bias, the layers run
+as one call that makes the same kernel calls in the same order, so the hidden states equal the modules'
 bit for bit (tests/gpu_worker/test_decode_layers.py). A merged Linear whose projections differ in type
 (a Q4_K_M file's q/k in Q4_K beside v in Q6_K) is passed as its parts, each run on its own columns, as
 ``QuantLinear`` runs them. Qwen3's per-head Q/K norms (float32 activations: in bf16 the modules norm
 with torch) and a mixture of experts in place of the MLP (experts on blocks, routed by the
-``QuantRouter`` the modules route with too) run in the one call as well. Any other step, or model,
-runs the modules: prefill chunks and mixed batches, bf16 or fp32 weights, biases, --compile.
+``QuantRouter`` the modules route with too) run in the one call as well. Any other step, or model, runs
+the modules: prefill chunks and mixed batches, bf16 or fp32 weights, biases, --compile.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.backends.cpu.experts import MoeProjection, QuantExperts, QuantRouter
@@ -27,8 +30,10 @@ from gpu_worker.backends.cpu.kernels import DTYPE_CODES, KV_DTYPE_CODES, CpuKern
 from gpu_worker.backends.cpu.layouts import kernel_type
 from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.forward_context import PLAIN, ForwardContext
-from gpu_worker.models.llama import MLP, LlamaForCausalLM
-from gpu_worker.models.moe import SparseMoeBlock
+from gpu_worker.models.contract import Layer
+from gpu_worker.models.layers import Linear, MergedLinear, RMSNorm
+from gpu_worker.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
+from gpu_worker.models.moe import Experts, SparseMoeBlock
 
 logger = logging.getLogger(__name__)
 
@@ -96,53 +101,99 @@ class DecodeDims(ctypes.Structure):
     ]
 
 
-def _linears(layer: Any) -> list[QuantLinear] | None:
+def _any(value: object) -> bool:
+    return True
+
+
+def _off(value: object) -> bool:
+    return not value
+
+
+def _silu(act: object) -> bool:
+    return act is F.silu
+
+
+# What csrc/decode_layers.c computes, as the layer contract (models/contract.py) states it: each layer
+# type it implements, and for each the options it implements, with the values it takes. Exact types:
+# a subclass may compute otherwise. A type or an option not named here (a new one) keeps the model on
+# its modules, which compute everything the model declares.
+C_LAYERS: dict[type[nn.Module], dict[str, Callable[[Any], bool]]] = {
+    DecoderLayer: {"attention": lambda options: options is PLAIN},  # no window, softcap or scale
+    Attention: {"qk_norm": _any, "partial_rotary": _off},
+    MergedLinear: {"bias": _off},
+    Linear: {"bias": _off},
+    RMSNorm: {},
+    MLP: {"act": _silu},
+    SparseMoeBlock: {"top_k": _any, "norm_topk_prob": _any},
+    Experts: {"act": _silu},
+}
+
+
+def not_in_c(layer: nn.Module) -> str | None:
+    """The first part of a decoder layer that csrc/decode_layers.c does not implement (None: all are)."""
+    for name, module in layer.named_modules():
+        known = C_LAYERS.get(type(module))
+        if known is None or not isinstance(module, Layer):
+            return f"{name or 'the layer'}: {type(module).__name__} has no C decode"
+        for option, value in module.options().items():
+            if option not in known or not known[option](value):
+                return f"{name or 'the layer'}: {type(module).__name__}'s {option}={value!r} has no C decode"
+    return None
+
+
+def _linears(layer: DecoderLayer) -> list[QuantLinear] | None:
     """The layer's Linears' QuantLinears (q/k/v, o, and the MLP's gate/up and down where it has an MLP),
     if each is one without bias (of up to MAX_PARTS parts)."""
     modules = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
     if isinstance(layer.mlp, MLP):
         modules += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
-    impls = [getattr(m, "impl", None) for m in modules]
+    impls = [m.impl for m in modules]
     fit = all(
         isinstance(i, QuantLinear) and len(i.weight.parts) <= MAX_PARTS and i.bias is None for i in impls
     )
     return impls if fit else None  # type: ignore[return-value]
 
 
-def _one_call_experts(mlp: Any) -> bool:
+def _one_call_experts(mlp: SparseMoeBlock) -> bool:
     """Whether a sparse block's router and experts run in C (QuantRouter, QuantExperts' one call)."""
     impl = mlp.experts.impl
     return isinstance(mlp.router, QuantRouter) and isinstance(impl, QuantExperts) and impl.one_call
 
 
+def _kernels_missing(layer: DecoderLayer, dtype: torch.dtype) -> str | None:
+    """Why a layer of kinds the C decode implements still cannot run there: its kernels (the slots the
+    backend filled) are not the C decode's."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if isinstance(mlp, SparseMoeBlock):
+        if not _one_call_experts(mlp) or mlp.experts.num_experts < mlp.experts.routed_experts:
+            return "mixture-of-experts layers whose router or experts are not in C"
+    elif isinstance(mlp, MLP) and mlp.fused is None:
+        return "no fused kernels"
+    if attn.qk_norm and (dtype != torch.float32 or attn.q_norm.fused is None):
+        return "Q/K norms on bf16 activations (normed by torch there)"
+    if layer.input_layernorm.fused is None or attn.fused is None:
+        return "no fused kernels"
+    if _linears(layer) is None:
+        return "a Linear not on GGUF blocks"
+    return None
+
+
 def why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
-    """Why the model's decode steps cannot run as one call (None: they can)."""
+    """Why the model's decode steps cannot run as one call (None: they can): every decoder layer must
+    be of the kinds in ``C_LAYERS``, and on the kernels the C decode calls."""
     if not isinstance(model, LlamaForCausalLM):
         return "not a Llama model"
-    if getattr(model, "tensor_parallel", None) is not None:  # tensor_parallel.shard's
+    if model.tensor_parallel is not None:
         return "tensor parallel: o and down sum over the ranks"
-    layers: Any = model.model.layers
-    if any(layer.attention is not PLAIN for layer in layers):
-        return "a sliding window"
     if dtype not in DTYPE_CODES:
         return f"activations in {dtype}"
-    for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if isinstance(mlp, SparseMoeBlock):
-            if not _one_call_experts(mlp) or mlp.experts.num_experts < mlp.experts.routed_experts:
-                return "mixture-of-experts layers whose router or experts are not in C"
-        elif not isinstance(mlp, MLP):
-            return "a feed-forward block of another kind"
-        elif mlp.act is not torch.nn.functional.silu or mlp.fused is None:
-            return "an activation other than SiLU, or no fused kernels"
-        if attn.rotary_dim < attn.head_dim:
-            return "partial rotary"
-        if attn.qk_norm and (dtype != torch.float32 or attn.q_norm.fused is None):
-            return "Q/K norms on bf16 activations (normed by torch there)"
-        if layer.input_layernorm.fused is None or attn.fused is None:
-            return "no fused kernels"
-        if _linears(layer) is None:
-            return "a Linear not on GGUF blocks, or with a bias"
+    for layer in model.decoder_layers():
+        reason = not_in_c(layer)
+        if reason is None:
+            assert isinstance(layer, DecoderLayer)
+            reason = _kernels_missing(layer, dtype)
+        if reason is not None:
+            return reason
     return None
 
 

@@ -1,0 +1,223 @@
+"""The CPU backend's one entry point that readies a loaded model for this CPU: ``prepare_model``.
+
+It works through the layer contract (models/contract.py): it fills the kernel slots each layer
+type declares, with ``Layer.attach``, and sets nothing else on a module. On this rank's shard of the
+model under tensor parallel (``CpuBackend.prepare_model`` runs it inside
+``tensor_parallel.prepare_rank``):
+1. The CPU kind (kind.py): RIVULET_CPU_KIND or the CPU's own; it decides everything below.
+2. The C kernels built for that kind (kernels.py), where the model's dtype and head shapes fit
+   them and they are not turned off (--disable-cpu-kernels).
+3. The matmul slots (``impl``): a Linear or embedding the loader gave a GGUF's blocks gets a
+   ``QuantLinear`` or ``QuantEmbedding`` (quant.py), stacked experts a ``QuantExperts``, and their
+   sparse block a ``QuantRouter`` (experts.py; the runner loads blocks only where the kernels run).
+   Every other Linear gets a ``CpuLinear`` (matmul.py): the weight copies its paths read (packed
+   for oneDNN, plain bf16 for the C kernel, an fp32 copy) and the path per row count from the
+   kind's committed plan; it holds the weight, which the Linear then releases. Not with --compile:
+   a compiled graph cannot read oneDNN's opaque blocked tensors.
+4. The ``fused`` slots (RMSNorm, rotary, silu * up): the kernels, unless --compile fuses those ops
+   itself (a C call would break its graph).
+5. Attributes pinned in each module's instance dict (the model's layout is final after this).
+6. Where every decoder layer is a kind csrc/decode_layers.c computes (decode_layers.py's positive
+   list), a one-call run of all of them for steps whose rows all decode.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from gpu_worker.backends.cpu import kernels as cpu_kernels
+from gpu_worker.backends.cpu.decode_layers import FusedDecode, fused_decode
+from gpu_worker.backends.cpu.experts import QuantExperts, QuantRouter, interleave_experts, relaid_experts
+from gpu_worker.backends.cpu.hugepages import HugePageArena, arena_bytes
+from gpu_worker.backends.cpu.kind import CpuKind, describe, requested_kind
+from gpu_worker.backends.cpu.layouts import interleave_rows, interleaves
+from gpu_worker.backends.cpu.malloc import keep_freed_memory
+from gpu_worker.backends.cpu.matmul import CpuLinear
+from gpu_worker.backends.cpu.quant import QuantEmbedding, QuantLinear
+from gpu_worker.models.contract import Layer
+from gpu_worker.models.layers import Embedding, Linear
+from gpu_worker.models.moe import Experts, SparseMoeBlock
+from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+_CPU_LINEAR = (torch.float32, torch.bfloat16)
+
+
+@runtime_checkable
+class HoldsTensors(Protocol):
+    """A kernel that keeps its own weight copies or layouts (counted in ``weight_bytes``)."""
+
+    def tensors(self) -> list[torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class CpuSetup:
+    """What ``prepare_model`` chose: the kind, the kernels (None: torch paths), and the one-call
+    decode of the decoder layers (None: the modules run every step)."""
+
+    kind: CpuKind
+    kernels: cpu_kernels.CpuKernels | None
+    decode_layers: FusedDecode | None = None
+
+
+def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compiled: bool) -> CpuSetup:
+    """Steps 1-6 of the module docstring, on a model just loaded on the CPU."""
+    kind = requested_kind()
+    shapes = (model.num_heads, model.num_kv_heads, model.head_dim, dtype)
+    fits = use_kernels and cpu_kernels.CpuKernels.supports(*shapes)  # type: ignore[arg-type]
+    kernels = cpu_kernels.load(kind) if fits else None
+    paths: Counter[str] = Counter()
+    _attach_quantized(model, dtype, kernels, paths)
+    routed = _attach_routers(model, dtype, kernels) if kernels is not None and not compiled else set()
+    if not compiled:
+        _attach_dense(model, kind, kernels, routed, paths)
+    fused = kernels if not compiled else None
+    for module in model.modules():
+        if isinstance(module, Layer) and "fused" in module.kernel_slots:
+            module.attach(fused=fused)
+    pin_attributes(model)
+    logger.info(
+        "%s; C kernels: %s; matmul paths (Linears): %s; embedding: %s; other weights: %s; "
+        "weights held: %.1f MB",
+        describe(kind),
+        "none" if kernels is None else f"{kind.value} build",
+        ", ".join(f"{name} {count}" for name, count in sorted(paths.items())) or "torch",
+        _embedding_form(model, dtype),
+        str(dtype).removeprefix("torch."),
+        weight_bytes(model) / 1e6,
+    )
+    decode = fused_decode(model, kernels, dtype) if not compiled else None
+    keep_freed_memory()  # the weights are in place: from here on, steps reuse what they free
+    return CpuSetup(kind=kind, kernels=kernels, decode_layers=decode)
+
+
+def _attach_quantized(
+    model: nn.Module, dtype: torch.dtype, kernels: cpu_kernels.CpuKernels | None, paths: Counter[str]
+) -> None:
+    """QuantLinear / QuantEmbedding for every module the loader gave quantized blocks, the legacy
+    types' rows interleaved by 8 first (csrc/quant_x8.c; a tied head and its embedding share one)."""
+    import gguf
+
+    interleaved: dict[int, tuple[QuantizedWeight, QuantizedWeight]] = {}  # id: (as loaded, interleaved)
+    arena = HugePageArena(arena_bytes([p.data.numel() for p in _relaid_parts(model)]))
+    for module in model.modules():
+        if isinstance(module, Experts) and module.quantized is not None:  # experts.py
+            assert kernels is not None, "quantized weights are loaded only where the kernels run"
+            module.quantized = interleave_experts(module.quantized, arena)
+            module.attach(impl=QuantExperts(module.quantized, kernels, module.act, module.act_mul))
+            paths["gguf experts"] += 1
+            continue
+        if not isinstance(module, Linear | Embedding) or module.quantized is None:
+            continue
+        assert kernels is not None, "quantized weights are loaded only where the kernels run"
+        weight = module.quantized
+        if id(weight) not in interleaved:
+            parts = tuple(
+                interleave_rows(part, arena.take(tuple(part.data.shape)) if interleaves(part) else None)
+                for part in weight.parts
+            )
+            interleaved[id(weight)] = (weight, QuantizedWeight(parts))
+        weight = module.quantized = interleaved[id(weight)][1]
+        types = "+".join(gguf.GGMLQuantizationType(part.type).name for part in weight.parts)
+        if isinstance(module, Linear):
+            module.attach(impl=QuantLinear(weight, module.bias, kernels))
+            paths[f"gguf {types}"] += 1
+        else:
+            module.attach(impl=QuantEmbedding(weight, dtype, kernels))
+
+
+def _attach_dense(
+    model: nn.Module,
+    kind: CpuKind,
+    kernels: cpu_kernels.CpuKernels | None,
+    routed: set[int],
+    paths: Counter[str],
+) -> None:
+    """A ``CpuLinear`` for every Linear still without a matmul, which then holds its weight: the
+    loaded one is released (a tied embedding keeps its own reference)."""
+    for module in model.modules():
+        if id(module) in routed:  # its QuantRouter holds the weight: no matmul copy of it
+            continue
+        if isinstance(module, Linear) and module.impl is None and module.weight.dtype in _CPU_LINEAR:
+            impl = CpuLinear(module.weight, module.bias, kind, kernels)
+            module.attach(impl=impl)
+            module.release_weight()
+            paths.update(name for name, has in impl.paths.items() if has)
+
+
+def _relaid_parts(model: nn.Module) -> list[QuantBlocks]:
+    """Every block tensor ``_attach_quantized`` re-lays (once each, a tied head's with its embedding's)."""
+    seen: dict[int, QuantBlocks] = {}
+    for module in model.modules():
+        found: list[QuantBlocks] = []
+        if isinstance(module, Experts) and module.quantized is not None:
+            found = relaid_experts(module.quantized)
+        elif isinstance(module, Linear | Embedding) and module.quantized is not None:
+            found = [part for part in module.quantized.parts if interleaves(part)]
+        seen |= {id(part): part for part in found}
+    return list(seen.values())
+
+
+def _attach_routers(model: nn.Module, dtype: torch.dtype, kernels: cpu_kernels.CpuKernels) -> set[int]:
+    """A QuantRouter for every sparse block whose experts are on blocks (a GGUF's), so the modules
+    route as the one-call decode does (experts.py); returns the ids of the gate Linears it replaces."""
+    routed = set()
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock) and isinstance(module.experts.impl, QuantExperts):
+            weight = module.gate.weight.to(dtype)
+            module.attach(router=QuantRouter(weight, module.top_k, module.norm_topk_prob, kernels))
+            routed.add(id(module.gate))
+    return routed
+
+
+def _embedding_form(model: nn.Module, dtype: torch.dtype) -> str:
+    """How the embedding table is held: a GGUF block type (looked up by the kernels) or the dtype."""
+    import gguf
+
+    for module in model.modules():
+        if isinstance(module, Embedding):
+            weight = module.quantized
+            if weight is not None:
+                return "gguf " + gguf.GGMLQuantizationType(weight.parts[0].type).name
+            return str(dtype).removeprefix("torch.")
+    return "none"
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weight tensors the model holds: parameters and every copy a backend's impl
+    keeps (each storage counted once: a tied head shares its embedding's)."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        held = list(module.parameters(recurse=False))
+        if isinstance(module, Linear | Embedding | Experts) and isinstance(module.impl, HoldsTensors):
+            held.extend(module.impl.tensors())
+        for tensor in held:
+            if tensor.device.type == "cpu" and tensor.numel() and not tensor.is_mkldnn:
+                storage = tensor.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+            elif tensor.numel():  # oneDNN's blocked tensors have no storage to ask
+                seen[id(tensor)] = tensor.numel() * tensor.element_size()
+    return sum(seen.values())
+
+
+def pin_attributes(model: nn.Module) -> None:
+    """Put every module's submodules, parameters and buffers in its instance ``__dict__``.
+
+    nn.Module keeps them in side tables reached through ``__getattr__``, a Python call per
+    lookup, far slower than an instance-dict hit; a decode step makes ~30 such lookups per layer,
+    a visible share of a one-row step (docs/benchmarks.md, "Numbers behind the code's choices").
+    Reassigning one later stays correct: nn.Module's ``__setattr__`` drops the instance-dict entry
+    before it registers the new value.
+    """
+    for module in model.modules():
+        for table in (module._modules, module._parameters, module._buffers):
+            for name, value in table.items():
+                if value is not None:
+                    module.__dict__[name] = value
