@@ -5,6 +5,7 @@ positive list over it, so a layer option it does not know keeps the model on its
 from __future__ import annotations
 
 import ast
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import Any
@@ -13,12 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from gpu_worker.backends.cpu.decode_layers import C_LAYERS, not_in_c
+from gpu_worker.backends.cpu.decode_layers import C_LAYERS, not_in_c, why_not
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models import model_class
 from gpu_worker.models.contract import AttentionLayer, Layer, Split
-from gpu_worker.models.llama import MLP
+from gpu_worker.models.llama import MLP, LlamaArgs
 from gpu_worker.weights.common import parameters_on_meta
 from gpu_worker.weights.model_files import source_gguf
 from tests.gpu_worker.helpers import GREEDY, MiniScheduler
@@ -151,6 +152,26 @@ def test_the_c_decode_lists_the_llama_layers_and_no_others(models: dict[str, nn.
     assert "GemmaDecoderLayer has no C decode" in (not_in_c(models["gemma3_text"].decoder_layers()[0]) or "")  # type: ignore[operator]
     assert "GPT2Block has no C decode" in (not_in_c(models["gpt2"].decoder_layers()[0]) or "")  # type: ignore[operator]
     assert all(issubclass(t, Layer) for t in C_LAYERS)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgsWithANewOption(LlamaArgs):
+    attention_scale: float = 1.0  # as a change to llama.py would add one
+
+
+def test_a_new_model_argument_keeps_the_c_decode_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A field added to LlamaArgs that the C decode has not placed (C_ARGS) is a reason to run the
+    modules, whatever the layers' options say."""
+    from_hf = LlamaArgs.from_hf.__func__  # type: ignore[attr-defined]
+
+    def with_new_option(cls: type[LlamaArgs], cfg: Any) -> LlamaArgs:
+        return ArgsWithANewOption(**dataclasses.asdict(from_hf(cls, cfg)))
+
+    plain = build("llama", tiny_configs()["llama"])
+    assert "does not know" not in (why_not(plain, torch.float32) or "")
+    monkeypatch.setattr(LlamaArgs, "from_hf", classmethod(with_new_option))
+    model = build("llama", tiny_configs()["llama"])
+    assert why_not(model, torch.float32) == "model arguments the C decode does not know: attention_scale"
 
 
 def add_output_scale(monkeypatch: pytest.MonkeyPatch, scale: float) -> None:

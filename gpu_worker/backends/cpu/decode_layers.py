@@ -17,6 +17,7 @@ the modules: prefill chunks and mixed batches, bf16 or fp32 weights, biases, --c
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -129,6 +130,19 @@ C_LAYERS: dict[type[nn.Module], dict[str, Callable[[Any], bool]]] = {
 }
 
 
+# The model-wide arguments (``LlamaArgs``) the C decode accounts for: shapes it takes (``DecodeDims``),
+# options its layers carry into ``C_LAYERS`` through ``options()``, or what it does not read (the
+# vocabulary, the checkpoint's layout). A new argument keeps the model on its modules until it is
+# placed here, with its C code where it changes what a layer computes.
+C_ARGS = frozenset(
+    {
+        *("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"),
+        *("head_dim", "eps", "act", "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "tie_embeddings"),
+        *("context_len", "sliding_windows", "rotary_dim", "fused_checkpoint"),
+    }
+)
+
+
 def not_in_c(layer: nn.Module) -> str | None:
     """The first part of a decoder layer that csrc/decode_layers.c does not implement (None: all are)."""
     for name, module in layer.named_modules():
@@ -187,6 +201,9 @@ def why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
         return "tensor parallel: o and down sum over the ranks"
     if dtype not in DTYPE_CODES:
         return f"activations in {dtype}"
+    unknown = sorted(f.name for f in dataclasses.fields(model.args) if f.name not in C_ARGS)
+    if unknown:
+        return f"model arguments the C decode does not know: {', '.join(unknown)}"
     for layer in model.decoder_layers():
         reason = not_in_c(layer)
         if reason is None:
