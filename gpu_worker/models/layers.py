@@ -1,4 +1,5 @@
-"""Small building blocks shared by our model files.
+"""The worker's layer types that every model file shares (each a ``contract.Layer``: its
+tensor-parallel split, kernel slots and options declared when it is built), and small functions.
 
 Parameters are created with ``torch.empty`` (no random init: the loader
 overwrites every one of them), and nothing else is: ``load_model`` builds a model
