@@ -49,7 +49,21 @@ class FusedOps(Protocol):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
 
-class Linear(Layer):
+class BlocksOrWeight(Layer):
+    """A layer whose weight slot is ``weight``, or ``quantized``: a GGUF's blocks, which only a
+    backend with kernels for them computes on (gguf_weights.py fills it)."""
+
+    weight: nn.Parameter
+    quantized: QuantizedWeight | None = None
+
+    def hold_blocks(self, weight: QuantizedWeight) -> None:
+        """Loading: the weight is ``weight``'s blocks; the parameter, never written, is emptied
+        (which frees its address space)."""
+        self.quantized = weight
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
+
+class Linear(BlocksOrWeight):
     """``y = x W^T + b`` with HF's [out, in] weight layout, and its tensor-parallel ``split``.
 
     Kernel slot ``impl``: a device backend's matmul in its own weight layouts (on CPU,
@@ -61,7 +75,6 @@ class Linear(Layer):
 
     kernel_slots = ("impl",)
     impl: LinearImpl | None = None
-    quantized: QuantizedWeight | None = None
     vocab_span: tuple[int, int, int] | None = None  # (start, stop, vocab)
 
     def __init__(
@@ -118,12 +131,11 @@ class MergedLinear(Linear):
         self.sizes = sizes
 
 
-class Embedding(Layer):
+class Embedding(BlocksOrWeight):
     """Rows of a [num, dim] table, whole on every rank; ``impl`` and ``quantized`` as in ``Linear``."""
 
     kernel_slots = ("impl",)
     impl: EmbeddingImpl | None = None
-    quantized: QuantizedWeight | None = None
 
     def __init__(self, num: int, dim: int) -> None:
         super().__init__()

@@ -143,6 +143,14 @@ class Experts(Layer):
     def options(self) -> dict[str, Any]:
         return {"act": self.act}
 
+    def hold_blocks(self, weight: QuantizedExperts) -> None:
+        """Loading: the experts' weights are ``weight``'s stacked blocks; the parameters, never
+        written, are emptied (which frees their address space)."""
+        dtype = self.gate_up_proj.dtype
+        self.quantized = weight
+        self.gate_up_proj = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+
     def checkpoint_views(self) -> dict[str, torch.Tensor]:
         """The checkpoint's per-expert names (relative to this module) -> the blocks they fill."""
         views: dict[str, torch.Tensor] = {}

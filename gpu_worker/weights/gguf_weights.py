@@ -322,12 +322,9 @@ def _attach_experts(
             for e in range(module.num_experts):
                 views[f"{e}.{proj}.weight"].copy_(values[e])
         return
-    weight = QuantizedExperts(blocks["gate_proj"], blocks["up_proj"], blocks["down_proj"], module.num_experts)
-    dtype = module.gate_up_proj.dtype
-    module.quantized = weight
-    # Never written (torch.empty): empty parameters free their address space.
-    module.gate_up_proj = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
-    module.down_proj = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+    module.hold_blocks(
+        QuantizedExperts(blocks["gate_proj"], blocks["up_proj"], blocks["down_proj"], module.num_experts)
+    )
 
 
 def _type_name(ggml_type: int) -> str:
@@ -363,8 +360,5 @@ def _attach(module: nn.Module, blocks: dict[str | None, QuantBlocks], dequantize
     parts = [blocks[shard] for shard in order]
     if all(part.type == parts[0].type for part in parts):  # one matmul over the merged rows
         parts = [QuantBlocks(parts[0].type, torch.cat([p.data for p in parts]), parts[0].cols)]
-    weight = QuantizedWeight(tuple(parts))
-    dtype = cast(torch.Tensor, module.weight).dtype
-    module.quantized = weight  # type: ignore[assignment]
-    # The parameter was never written (torch.empty): an empty one frees its address space.
-    module.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+    assert isinstance(module, Linear | Embedding)
+    module.hold_blocks(QuantizedWeight(tuple(parts)))
