@@ -14,7 +14,7 @@ Overlap (``overlap_schedule``): the next batch is built and sent while the worke
 runs the current one, so the worker never waits for the scheduler. A row's
 effects on the request's state (its KV length, one ``PENDING`` output token if
 it samples) apply when it is sent; the result only fills in the token and
-finishes the request. ``Req.flight`` (request.py) holds that state and asserts
+finishes the request. ``Req.flight`` (flight.py) holds that state and asserts
 its invariants at every step. What cannot be known ahead costs little: a request that
 draws a stop token has already been given one more decode row, whose token is
 dropped. Retraction needs every token back, so it waits until nothing is in flight.
