@@ -94,7 +94,7 @@ class ResultHandling:
         request; the KV of the drafts not taken is given back (pages past the request's KV freed)."""
         req, drawn = row.req, [result, *result.more]
         assert req.draft is not None, f"rid {req.rid}: a verify row of a request that does not draft"
-        skips = self.config.overlap_schedule and self.last_batch_rows > 1  # scheduler._decoders
+        skips = self.config.overlap_schedule and self.last_batch_rows > 1  # decode_rows._decoders
         floor = acceptance_floor(
             self.last_batch_rows, self.config.speculative_row_cost, len(row.draft), skips
         )
