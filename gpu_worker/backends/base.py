@@ -47,10 +47,11 @@ class Backend(Protocol):
         ...
 
     def prepare_model(self, model: nn.Module, dtype: torch.dtype, tp: TensorParallel | None) -> None:
-        """Ready a loaded model: under tensor parallel (``tp``) this rank's shard of it and the
-        all-reduce around its row-parallel matmuls (``tensor_parallel.prepare_rank``), weight
-        layouts, per-Linear kernels, fused ops. The one owner of what a loaded model's modules compute
-        with: nothing else shards, wraps or lays them out, before or after this."""
+        """Ready a loaded model: under tensor parallel (``tp``) this rank's shard of it, by each
+        layer's declared ``Split``, and the all-reduce around its row-parallel matmuls
+        (``tensor_parallel.prepare_rank``); then weight layouts and kernels, set only through each
+        layer's declared kernel slots (``Layer.attach``, models/contract.py). The one owner of what a
+        loaded model's modules compute with: nothing else shards, wraps or lays them out."""
         ...
 
     def init_forward_metadata(
