@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from bench import targets
-from bench.lib import llama_cpp, probes
+from bench.lib import llama_cpp, probes, targets_rounds
 from bench.lib.launch import pid_alive
 from bench.lib.metrics import RequestResult
 from bench.lib.records import read_records
@@ -33,13 +33,13 @@ rivulet_prefix_cache_hit_rate NaN
 
 
 def test_parse_prometheus_keeps_unlabelled_samples() -> None:
-    m = targets.parse_prometheus(METRICS_TEXT)
+    m = probes.parse_prometheus(METRICS_TEXT)
     assert m[probes.BUSY_COUNTER] == 12.5 and m[probes.BUSY_CLOCK] == 1234.75
     assert m["rivulet_num_requests_running"] == 32
     assert not any("{" in name or name.startswith("#") for name in m)
 
 
-def _sample(t: float, busy: float, clock: float) -> targets.Sample:
+def _sample(t: float, busy: float, clock: float) -> probes.Sample:
     return t, {probes.BUSY_COUNTER: busy, probes.BUSY_CLOCK: clock}
 
 
@@ -52,9 +52,9 @@ def test_busy_share_uses_worker_reports_inside_the_window_only() -> None:
         _sample(13.0, 3.8, 103.0),
         _sample(14.0, 4.0, 104.0),  # after the window
     ]
-    assert targets.busy_share(samples, (10.2, 13.5)) == pytest.approx(0.9)
-    assert targets.busy_share(samples[:3], (10.2, 13.5)) is None  # one report: no interval
-    assert targets.busy_share([(11.0, {"other": 1.0})], (10.0, 12.0)) is None  # metrics absent: n/a
+    assert probes.busy_share(samples, (10.2, 13.5)) == pytest.approx(0.9)
+    assert probes.busy_share(samples[:3], (10.2, 13.5)) is None  # one report: no interval
+    assert probes.busy_share([(11.0, {"other": 1.0})], (10.0, 12.0)) is None  # metrics absent: n/a
 
 
 def test_steady_window_runs_from_the_last_first_token_to_the_first_finish() -> None:
@@ -63,16 +63,16 @@ def test_steady_window_runs_from_the_last_first_token_to_the_first_finish() -> N
         RequestResult(0.0, [1.5, 2.5, 4.0], finish_s=4.0),
         RequestResult(3.0, [5.0], finish_s=5.0),  # the next wave
     ]
-    assert targets.steady_window_s(results, 2) == (1.5, 3.0)
-    assert targets.steady_window_s(results[:1], 2) is None
+    assert probes.steady_window_s(results, 2) == (1.5, 3.0)
+    assert probes.steady_window_s(results[:1], 2) is None
 
 
 def test_cpu_percent_counts_the_tree_and_new_processes() -> None:
     hz = os.sysconf("SC_CLK_TCK")
     before = {1: (5, 100), 2: (6, 50), 3: (7, 10)}
     after = {1: (5, 100 + hz), 2: (9, hz), 4: (8, hz // 2)}  # pid 2 reused; pid 3 gone; pid 4 new
-    assert targets.cpu_percent(before, after, 10.0) == pytest.approx(25.0, abs=1.0)
-    mine = targets.tree_cpu_ticks(os.getpid())
+    assert probes.cpu_percent(before, after, 10.0) == pytest.approx(25.0, abs=1.0)
+    mine = probes.tree_cpu_ticks(os.getpid())
     assert os.getpid() in mine and mine[os.getpid()][1] >= 0
 
 
@@ -131,11 +131,11 @@ def _rows(table: str) -> dict[str, list[str]]:
 def test_peer_ratios_pair_each_round_with_llama_cpps_round() -> None:
     rivulet = {"http_out32_tps": 900.0, "http_decode1_tps": 100.0, "out32_tps": 1000.0}
     peer = {"out32_tps": 200.0, "decode1_tps": 125.0, "ttft32_ms": 50.0, "decode1_floor_x": 1.3}
-    assert targets.peer_ratios(rivulet, peer) == {
+    assert targets_rounds.peer_ratios(rivulet, peer) == {
         "llama_out32_tps": 200.0, "out32_ratio": 4.5, "llama_decode1_tps": 125.0, "decode1_ratio": 0.8,
         "llama_decode1_floor_x": 1.3,
     }  # fmt: skip
-    missing = targets.peer_ratios({"http_out32_tps": 900.0}, {"out32_tps": 0.0})
+    missing = targets_rounds.peer_ratios({"http_out32_tps": 900.0}, {"out32_tps": 0.0})
     assert missing["out32_ratio"] is None and missing["decode1_ratio"] is None
 
 
@@ -143,9 +143,9 @@ def test_table_rows_with_a_peer_and_fake_numbers() -> None:
     runs: list[dict[str, Any]] = []
     for mine32, theirs32, mine1, theirs1 in ((900.0, 200.0, 100.0, 125.0), (1000.0, 250.0, 90.0, 100.0)):
         run = {"out32_tps": mine32 + 10, "http_out32_tps": mine32, "http_decode1_tps": mine1}
-        runs.append(run | targets.peer_ratios(run, {"out32_tps": theirs32, "decode1_tps": theirs1}))
+        runs.append(run | targets_rounds.peer_ratios(run, {"out32_tps": theirs32, "decode1_tps": theirs1}))
     summary = targets.summarize_runs(runs, (*targets.TARGETS, *targets.PEER_TARGETS))
-    peer = targets.Peer(Path("/cache/llama-server"), Path("/m/x.gguf"), threads=2, parallel=32)
+    peer = llama_cpp.Peer(Path("/cache/llama-server"), Path("/m/x.gguf"), threads=2, parallel=32)
     machine = {"cpu": "Test CPU", "cores": 2, "torch": "9.9"}
     table = targets.format_table({"bfloat16": summary}, machine, 2, "cpu kind avx2; avx2=yes", peer)
     rows = _rows(table)
@@ -175,11 +175,11 @@ def test_main_interleaves_rivulet_and_llama_cpp_rounds(
         return {"startup_s": 3.0, "http_out32_tps": 400.0 + 100 * r, "http_decode1_tps": 50.0,
                 "http_decode1_floor_x": 1.05 + r / 100}  # fmt: skip
 
-    def fake_peer(args: Any, peer: targets.Peer, r: int) -> dict[str, Any]:
+    def fake_peer(args: Any, peer: llama_cpp.Peer, r: int) -> dict[str, Any]:
         calls.append(f"llama.cpp {r} {peer.binary.name} -t {peer.threads}")
         return {"out32_tps": 200.0, "decode1_tps": 100.0, "decode1_floor_x": 1.4}
 
-    def fake_paired(args: Any, peer: targets.Peer, dtype: str, r: int) -> dict[str, Any]:
+    def fake_paired(args: Any, peer: llama_cpp.Peer, dtype: str, r: int) -> dict[str, Any]:
         calls.append(f"paired {dtype} {r}")
         ratio = 1.5 + r / 10
         return {"paired_decode1_tps": 60.0, "llama_paired_decode1_tps": 40.0, "paired_decode1_ratio": ratio}
@@ -271,8 +271,8 @@ def test_a_peer_round_on_a_fake_llama_server(tiny_llama_dir: Path, tmp_path: Pat
             "--single-requests", "2", "--input-len", "8", "--output-len", "4"]  # fmt: skip
     args = targets.build_parser().parse_args(argv)
     args.decode_bytes = 50_000_000  # as main sets it for a GGUF: the floor is measured too
-    peer = targets.Peer(script, Path("/m/x.gguf"), threads=2, parallel=32)
-    run = targets.measure_peer(args, peer, 0)
+    peer = llama_cpp.Peer(script, Path("/m/x.gguf"), threads=2, parallel=32)
+    run = targets_rounds.measure_peer(args, peer, 0)
     for key in ("out32_tps", "ttft32_ms", "decode1_tps", "out1_tps", "startup_s", "read_gbps"):
         assert run[key] > 0, key
     floor_ms = args.decode_bytes / run["read_gbps"] / 1e6
@@ -296,8 +296,8 @@ def test_paired_requests_on_both_servers_at_once(tiny_llama_dir: Path, tmp_path:
     argv = ["--model", str(tiny_llama_dir), "--paired-requests", "3", "--input-len", "8", "--output-len", "6",
             "--engine-flags", "--num-threads 1 --kv-cache-tokens 2048"]  # fmt: skip
     args = targets.build_parser().parse_args(argv)
-    peer = targets.Peer(script, Path("/m/x.gguf"), threads=2, parallel=32)
-    run = targets.measure_paired(args, peer, "float32", 0)
+    peer = llama_cpp.Peer(script, Path("/m/x.gguf"), threads=2, parallel=32)
+    run = targets_rounds.measure_paired(args, peer, "float32", 0)
     assert set(run) == {"paired_decode1_tps", "llama_paired_decode1_tps", "paired_decode1_ratio"}
     assert all(v > 0 for v in run.values())
     assert [pid for pid in targets.launch.descendants(os.getpid()) if pid_alive(pid)] == []
