@@ -27,7 +27,7 @@ FOREIGN_FLAGS = {
     "--no-deps": "pip install",
     "--no-binary": "pip download",
     "--check": "ruff format",
-    "--spec-type": "llama.cpp's llama-server (docs/benchmarks.md compares its speculation)",
+    "--spec-type": "llama.cpp's llama-server (docs/benchmarks-history.md compares its speculation)",
     "--spec-ngram-simple-size-n": "llama.cpp's llama-server",
     "--spec-ngram-simple-size-m": "llama.cpp's llama-server",
     "--spec-draft-n-max": "llama.cpp's llama-server",
