@@ -136,7 +136,8 @@ class Endpoints:
 def freeze_startup_heap() -> None:
     """Move what a process built before serving (modules, the model, tables) out of the cyclic
     collector's sight, once, as it announces itself ready. A full collection otherwise walks all of it
-    (37 ms in the worker of a 1B GGUF, between two decode steps), and the younger ones its survivors;
+    (a visible pause between two decode steps: docs/benchmarks-history.md, "Numbers behind the code's
+    choices"), and the younger ones its survivors;
     what serving allocates is still collected."""
     gc.collect()
     gc.freeze()

@@ -6,7 +6,7 @@ the vocabulary (128k strings for Llama 3) and the merges, which takes seconds, a
 process does it here, while the worker loads the weights. transformers builds it from the metadata
 (``gguf_file=``) with the class its ``AutoTokenizer`` picks for the model type, as it would for the
 file itself; called through ``AutoTokenizer`` that path would also parse every metadata field with
-gguf's slow reader to make a config (far slower still for a Llama 3 vocabulary: docs/benchmarks.md),
+gguf's slow reader to make a config (far slower still for a Llama 3 vocabulary: docs/benchmarks-history.md),
 so the class is called directly. The saved files (tokenizer.json about 10 MB for 128k tokens) make
 every later start an ordinary HF directory load.
 """

@@ -37,7 +37,7 @@ SHUTDOWN_LINGER_MS = 500
 # A ZMQ client with requests in flight is probed this often; an undeliverable probe means it
 # has gone (ROUTER_MANDATORY), and its requests are aborted. Streams learn it on the next token.
 # A quarter second: a small model decodes fast enough that a probe once a second would let an
-# abandoned request run to its end (docs/benchmarks.md); the probe costs one empty reply per busy
+# abandoned request run to its end (docs/benchmarks-history.md); the probe costs one empty reply per busy
 # client.
 PROBE_INTERVAL_S = 0.25
 PROBE = GenerateOutput(rid="")

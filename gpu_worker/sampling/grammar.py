@@ -206,7 +206,8 @@ class ReqPoolGrammars:
         width = logits.shape[-1]
         bitmask = self._bitmask(rows, req_pool_idx, width)
         if self.host_memory and logits.dtype in XGRAMMAR_CPU_DTYPES:
-            # xgrammar's C++ loop, far faster than unpacking the bits in torch (docs/benchmarks.md).
+            # xgrammar's C++ loop, far faster than unpacking the bits in torch
+            # (docs/benchmarks-history.md).
             xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=rows)
             return logits
         # Elsewhere (CUDA, float64): unpack the bits on the logits' device, 32x less to copy there.

@@ -64,7 +64,7 @@ def gumbel_noise(
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
     """The first maximal index of each row of the logits as they are: float32 holds every bf16/fp16
     value exactly, so this picks what the float32 path picks, without the copy and the logsumexp
-    (docs/benchmarks.md has both times). A backend may pick faster (the CPU's C argmax:
+    (docs/benchmarks-history.md has both times). A backend may pick faster (the CPU's C argmax:
     Backend.greedy)."""
     return logits.max(dim=-1).indices
 

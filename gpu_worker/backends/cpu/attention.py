@@ -5,7 +5,7 @@ A short extend row (up to KERNEL_MAX_EXTEND tokens: a speculative verify row, a 
 the kernel too, as one decode row per token, each over the positions up to its own: for a few
 queries over a long prefix that is one pass over the paged KV each, against torch's gather of the
 whole prefix and its SDPA call per layer, which a speculative verify row pays in every layer of
-every step (docs/benchmarks.md, "Numbers behind the code's choices").
+every step (docs/benchmarks-history.md, "Numbers behind the code's choices").
 A batch whose rows all go to the kernel writes its new K/V there (the kernel itself, or first, where
 two of its rows are one request's), and may run as one call (decode_layers.py).
 """

@@ -4,9 +4,9 @@ A one-row decode step streams every weight once, and its tiles run near the memo
 page size shows: on 4 KB pages each 4 KB of a 600 MB model costs a TLB miss and a page walk a step.
 The weights the backend re-lays at load (layouts.py) are written into one anonymous mapping, 2 MB
 aligned and madvised ``MADV_HUGEPAGE``, so the kernel backs it with 2 MB pages where the system's
-transparent huge pages are ``always`` or ``madvise`` (the common defaults): the tiles read 4 layers
-of a 1B model at 45 GB/s where they read the same bytes on 4 KB pages at 41
-(docs/benchmarks.md). Where the call is missing (not Linux) or refused, the same mapping serves on
+transparent huge pages are ``always`` or ``madvise`` (the common defaults): the tiles read a 1B
+model's layers faster than on 4 KB pages (docs/benchmarks-history.md, "Legacy types on 8 bits,
+weights in huge pages"). Where the call is missing (not Linux) or refused, the same mapping serves on
 small pages.
 """
 

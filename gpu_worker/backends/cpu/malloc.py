@@ -4,8 +4,8 @@ A step allocates the same large buffers every time: activations, logits, the C k
 mixture of experts' block gathers ~30 KB per (token, expert) pair: 64 MB for a 256-token chunk of a
 top-8 model). glibc serves a block above its mmap threshold (at most 32 MB, adjusted as blocks are
 freed) with a fresh mapping and gives it back on free, and trims the heap's free top above its trim
-threshold, so each step faults those pages in again: on the machines this was measured on that is
-~0.5 ms a MB, 31 ms for 64 MB against 2 ms from the heap. After the model is loaded (its own
+threshold, so each step faults those pages in again, many times the cost of reusing the heap
+(docs/benchmarks-history.md, "Numbers behind the code's choices"). After the model is loaded (its own
 transient copies are given back as they were), the worker raises both thresholds: blocks up to
 1 GB come from the heap, and the heap keeps what a step frees for the next one. The worker's
 resident memory then holds the largest step's working set on top of the weights and the KV pool.

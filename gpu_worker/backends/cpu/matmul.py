@@ -7,7 +7,7 @@ CPU kinds differ in what they do fast. Three paths exist:
 - ``c``: our C few-row matmul (kernels.py) over the plain [out, in] bf16 weights,
   widened to fp32 in registers on AVX2 (half the bytes of fp32 weights), dot
   products by vdpbf16ps on AVX-512 BF16. It starts at once, where oneDNN's
-  per-call start-up is a large share of a small matrix's time (docs/benchmarks.md).
+  per-call start-up is a large share of a small matrix's time (docs/benchmarks-history.md).
 - ``onednn``: oneDNN's matmul on weights packed once in its blocked layout, in
   the model's dtype. bf16 packing needs AVX-512 BW/VL/DQ (torch refuses it on
   AVX2), so AVX2 never takes it for bf16.

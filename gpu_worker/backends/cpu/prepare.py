@@ -212,7 +212,7 @@ def pin_attributes(model: nn.Module) -> None:
 
     nn.Module keeps them in side tables reached through ``__getattr__``, a Python call per
     lookup, far slower than an instance-dict hit; a decode step makes ~30 such lookups per layer,
-    a visible share of a one-row step (docs/benchmarks.md, "Numbers behind the code's choices").
+    a visible share of a one-row step (docs/benchmarks-history.md, "Numbers behind the code's choices").
     Reassigning one later stays correct: nn.Module's ``__setattr__`` drops the instance-dict entry
     before it registers the new value.
     """

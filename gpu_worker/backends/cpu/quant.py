@@ -32,7 +32,7 @@ from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
 # float32 panel by panel, x not quantized, float32 FMAs) rather than the integer one, per CPU kind,
 # layout and type. Measured by ``python -m bench.quant_matmul`` on each kind and committed here, never
 # timed at start; the integer-vs-dense numbers behind each row and their commands are in
-# docs/benchmarks.md ("Numbers behind the code's choices"). In short:
+# docs/benchmarks-history.md ("Numbers behind the code's choices"). In short:
 # - Rows interleaved by 8 (``X8_``, the layout the worker holds every weight whose rows are a multiple
 #   of 8 in: csrc/quant_x8.c, csrc/quant_kx8.c): on the AVX-512 kinds the integer tile wins at every
 #   row count (avx512_vnni and avx512_bf16 run vpdpwssd, faster than avx512's madd, so alike). On
@@ -71,11 +71,11 @@ X8_DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
 # the AVX-512 builds have those tiles (vpdpbusd with VNNI, maddubs without, where Q8_0 has none);
 # the others never take them. Below the threshold a step streams its weights once and the 16-bit
 # tile, which reads them in place, is the faster; from it, twice the products per instruction win.
-# Measured by ``python -m bench.quant_matmul --paths '.*_x8(_a8)?$'`` (docs/benchmarks.md, "8-bit
-# activations").
+# Measured by ``python -m bench.quant_matmul --paths '.*_x8(_a8)?$'`` (docs/benchmarks-history.md,
+# "8-bit activations").
 A8_BLOCK = 256  # act_block8's values: a Linear's k must be a multiple
 # Q4_K and Q6_K from 5 rows, Q5_K from 4, Q4_0 and Q8_0 from 2: up to 8-16 rows their tiles read the
-# blocks where they lie (csrc/quant_kx8.c's tile8_direct; docs/benchmarks.md, "Few rows on 8 bits").
+# blocks where they lie (csrc/quant_kx8.c's tile8_direct; docs/benchmarks-history.md, "Few rows on 8 bits").
 _A8_ZMM = {_Q.Q4_K: 5, _Q.Q5_K: 4, _Q.Q6_K: 5, _Q.Q4_0: 2}
 # Q4_1 is left on 16 bits: the one Q4_1 file in use is the embedded SmolLM2, whose MLP inputs carry
 # channels far above the rest; on 8 bits its prefill moved the logits by 4.5e-3 of their spread

@@ -4,20 +4,20 @@ On a small shared CPU the best thread count flips with what else runs: with the
 other cores idle more threads are faster at every shape, and with one busy process
 beside the worker (the scheduler, the tokenizer, a client, or another tenant) they
 are slower, because every op waits at a barrier for the thread that lost its core
-(docs/benchmarks.md, "Worker threads"). A fixed choice is wrong half the time,
+(docs/benchmarks-history.md, "Worker threads"). A fixed choice is wrong half the time,
 so the worker keeps the recent step times per (batch shape class, thread count),
 uses the count with the lower median, and re-tries the other for a few steps now
 and then, less and less often while it keeps losing. Medians, not means: a
 neighbour's burst makes single steps slow.
 
 Opt-in (``--tune-threads``): on an idle machine the re-tries and the many
-shape classes of a serving mix cost more than they find (docs/benchmarks.md).
+shape classes of a serving mix cost more than they find (docs/benchmarks-history.md).
 
 By default (neither ``--num-threads`` nor ``--tune-threads``) a ``ContentionGuard`` watches
 how long the worker's thread waited for a core during each step (the kernel's run-queue delay):
 with every core free that is near zero, and libgomp's spinning threads at all cores are the
 fastest choice; once other work takes the cores, a spinning thread holds the core its sibling
-needs to reach the barrier and every parallel region waits a time slice (docs/benchmarks.md,
+needs to reach the barrier and every parallel region waits a time slice (docs/benchmarks-history.md,
 "A shared CPU"), so the guard drops to half the cores and comes back once the waits are gone,
 waiting longer each time the machine sends it back.
 

@@ -158,10 +158,10 @@ def _extend_attention(
     q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, L, D]
     if q.dtype in (torch.float32, torch.float64):
         # As a batch of one: torch's fused CPU attention takes only 4-D inputs (on 3-D ones it runs
-        # its unfused math, 4x slower on a 256-row prefill chunk), 1e-6 from the math in float32.
-        # 16-bit dtypes keep the math's bits: the fused kernel rounds the probabilities to 16 bits,
-        # and even widened to float32 for it the last bit of 1 output in 4000 moves, which turns the
-        # embedded model's near-tied first answer token in bfloat16 (docs/benchmarks.md).
+        # its unfused math, several times slower), 1e-6 from the math in float32. 16-bit dtypes keep
+        # the math's bits: the fused kernel rounds the probabilities to 16 bits, enough to turn the
+        # embedded model's near-tied first answer token in bfloat16 (docs/benchmarks-history.md,
+        # "Q6_K's passes from stored offsets, prefill attention on torch's fused kernel").
         return _sdpa(q[None], k[None], v[None], mask, mask is None, options, gqa)[0].transpose(0, 1)
     return _sdpa(q, k, v, mask, mask is None, options, gqa).transpose(0, 1)
 
