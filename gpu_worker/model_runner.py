@@ -29,7 +29,7 @@ from gpu_worker.sampling.logprobs import ReqPoolTopLogprobs, prompt_logprobs
 from gpu_worker.sampling.penalties import ReqPoolPenalties
 from gpu_worker.sampling.sampler import ReqPoolSamplerParams
 from gpu_worker.sampling.verify import DrawPlan, committed
-from gpu_worker.weights.gguf_weights import GgufError
+from gpu_worker.weights.gguf_names import GgufError
 from gpu_worker.weights.loader import load_model, round_weights
 from protocol.messages import PENDING, ForwardBatch, ForwardResult
 

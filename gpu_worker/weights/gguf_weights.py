@@ -10,17 +10,8 @@ by ``gguf`` one at a time into their parameter: the float32 copy of the whole mo
 The model is built with its parameters on the meta device (common.py): the weights the blocks replace
 are never allocated, the others get their memory just before they are filled.
 
-Per architecture (``LAYER_TENSORS``), llama.cpp's converter names the tensors its own way and changes
-some of them, undone here as transformers' own GGUF loader undoes them:
-- Llama: each head's Q and K rows permuted (rotary dimensions i and i + D/2 paired as neighbours).
-  Quantization blocks run along a row (the input dimension), so undoing the permutation by whole
-  output rows keeps every block intact: the rows end up in HF's order, bit for bit the blocks they were.
-- Gemma 2/3: every RMSNorm weight stored as 1 + w (HF's Gemma norms multiply by 1 + w): 1 is
-  subtracted in float32, as transformers does.
-- Phi-3: q/k/v and gate/up stay fused as HF's checkpoint holds them (``MergedLinear.fused_checkpoint``).
-- GPT-2: the converter transposes HF's Conv1D weights to [out, in], as our Linears hold them; its
-  tensors sit under ``transformer.`` (``transformer.h.N``, ``wte``, ``wpe``, ``ln_f``).
-Qwen2/3 files hold HF's tensors as they are.
+How llama.cpp's converter names and changes each architecture's tensors, and how that is undone:
+gguf_names.py.
 A mixture of experts' file (Qwen3-MoE's ``qwen3moe``; Mixtral's, of llama's architecture) stacks each
 expert projection into one tensor [experts, rows, cols] (``ffn_gate_exps`` ...): kept, its blocks stay
 as they lie (``QuantizedExperts``), else each expert's block is filled from its dequantized values.
@@ -44,103 +35,18 @@ from gpu_worker.models.moe import Experts
 from gpu_worker.weights.common import WeightMismatchError, copy_checked, is_tied, materialize, weight_targets
 from gpu_worker.weights.formats import QuantBlocks, QuantizedExperts, QuantizedWeight, dequantize_blocks
 from gpu_worker.weights.gguf_file import GgufHeader, TensorEntry, read_header
+from gpu_worker.weights.gguf_names import (
+    ARCHITECTURES,
+    LAYER_TENSORS,
+    NORMS_PLUS_ONE,
+    PERMUTED_QK,
+    STACKED,
+    GgufError,
+    hf_name,
+    unpermute_rows,
+)
 
 logger = logging.getLogger(__name__)
-
-_COMMON_LAYER = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-# A sparse layer's router and stacked experts ([experts, rows, cols] each): one tensor per projection,
-# which names no expert (``STACKED``); the checkpoint names one per expert (``experts.{e}.gate_proj``).
-_MOE = {
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.gate_proj",
-    "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
-}
-STACKED = re.compile(r"^(.*\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
-_LLAMA = {**_COMMON_LAYER, "ffn_norm": "post_attention_layernorm", **_MOE}  # Mixtral's files are llama's
-_GEMMA = {
-    **_COMMON_LAYER,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-# Per GGUF architecture: the layer tensors' HF names. Phi-3's file keeps HF's fused projections
-# (attn_qkv, and ffn_up holding gate and up, gate first as HF's gate_up_proj).
-LAYER_TENSORS = {
-    "llama": _LLAMA,
-    "qwen2": _LLAMA,
-    "qwen3": {**_LLAMA, **_QK_NORMS},
-    "qwen3moe": {**_LLAMA, **_QK_NORMS},
-    "gemma2": _GEMMA,
-    "gemma3": {**_GEMMA, **_QK_NORMS},
-    "phi3": {
-        "attn_norm": "input_layernorm",
-        "attn_qkv": "self_attn.qkv_proj",
-        "attn_output": "self_attn.o_proj",
-        "ffn_norm": "post_attention_layernorm",
-        "ffn_up": "mlp.gate_up_proj",
-        "ffn_down": "mlp.down_proj",
-    },
-    "gpt2": {
-        "attn_norm": "ln_1",
-        "attn_qkv": "attn.c_attn",
-        "attn_output": "attn.c_proj",
-        "ffn_norm": "ln_2",
-        "ffn_up": "mlp.c_fc",
-        "ffn_down": "mlp.c_proj",
-    },
-}
-ARCHITECTURES = tuple(LAYER_TENSORS)
-_PERMUTED_QK = ("llama",)  # the converter permutes these architectures' Q/K rows
-_NORMS_PLUS_ONE = ("gemma2", "gemma3")  # the converter stores Gemma's norms as 1 + w
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# Where an architecture's checkpoint puts its layers and global tensors, where not as Llama's.
-_LAYERS_AT = {"gpt2": "transformer.h"}
-_GLOBALS = {
-    "gpt2": {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
-             "output_norm": "transformer.ln_f", "output": "lm_head"},
-}  # fmt: skip
-_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
-# Rope factors: gguf_config.py reads them into the config.
-_IGNORED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
-
-
-class GgufError(ValueError):
-    """The GGUF cannot be loaded in quantized form (its architecture, or its tensors)."""
-
-
-def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
-    """The checkpoint (HF) name of a GGUF tensor of ``arch``; None for tensors we do not load."""
-    if gguf_name in _IGNORED:
-        return None
-    layer_tensors = LAYER_TENSORS[arch]
-    match = _LAYER_NAME.match(gguf_name)
-    if match:
-        layer, tensor, kind = match.groups()
-        if tensor not in layer_tensors:
-            raise GgufError(f"GGUF tensor {gguf_name} has no place in a {arch} model")
-        return f"{_LAYERS_AT.get(arch, 'model.layers')}.{layer}.{layer_tensors[tensor]}.{kind}"
-    stem, _, kind = gguf_name.rpartition(".")
-    global_tensors = _GLOBALS.get(arch, _GLOBAL_TENSORS)
-    if stem not in global_tensors:
-        raise GgufError(f"GGUF tensor {gguf_name} has no place in a {arch} model")
-    return f"{global_tensors[stem]}.{kind}"
-
-
-def unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's per-head rotary permutation of Q/K rows (whole rows move, blocks stay)."""
-    half = rows.shape[0] // heads // 2
-    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
 def _tensor_data(mapped: np.ndarray, entry: TensorEntry) -> np.ndarray:
@@ -178,11 +84,11 @@ def read_tensors(
             continue
         shape = tuple(reversed(entry.shape))
         data = _tensor_data(mapped, entry)
-        if arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch in PERMUTED_QK and name.endswith(("q_proj.weight", "q_proj.bias")):
             data = unpermute_rows(data, num_heads)
-        elif arch in _PERMUTED_QK and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif arch in PERMUTED_QK and name.endswith(("k_proj.weight", "k_proj.bias")):
             data = unpermute_rows(data, num_kv_heads)
-        elif arch in _NORMS_PLUS_ONE and "norm." in name:  # HF's parameter is w; the file holds 1 + w
+        elif arch in NORMS_PLUS_ONE and "norm." in name:  # HF's parameter is w; the file holds 1 + w
             data = data.astype(np.float32) - np.float32(1.0)
         yield name, entry.type, data, shape
 

@@ -24,7 +24,7 @@ from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.layers import Embedding, Linear
 from gpu_worker.weights.formats import QuantizedWeight
-from gpu_worker.weights.gguf_weights import GgufError, hf_name, unpermute_rows
+from gpu_worker.weights.gguf_names import GgufError, hf_name, unpermute_rows
 from gpu_worker.weights.loader import WeightMismatchError, load_model
 from tests.gpu_worker.helpers import GREEDY, MiniScheduler
 
