@@ -172,7 +172,7 @@ class RMSNorm(Layer):
                 return self.fused.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         # torch's one call takes the reference's steps in the same order (equal bit for bit over
         # random SmolLM2-sized rows, float32 and bf16 inputs) in fewer dispatches: 4 ops, not 8,
-        # for bf16, and less time at 1 row in float32 (docs/benchmarks.md).
+        # for bf16, and less time at 1 row in float32 (docs/benchmarks-history.md).
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.to(torch.float32), self.weight.shape, None, self.eps).to(x.dtype)

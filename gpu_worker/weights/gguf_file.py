@@ -2,7 +2,7 @@
 
 ``gguf.GGUFReader`` builds numpy views of every metadata field, a tokenizer's 128k strings and 280k
 merges included, which takes seconds even for the embedded model's 49k-token vocabulary
-(docs/benchmarks.md). This reader walks the header once with ``struct`` and keeps string arrays (the
+(docs/benchmarks-history.md). This reader walks the header once with ``struct`` and keeps string arrays (the
 vocabulary, the merges) only where asked, their count otherwise, so a start reads a Llama 3 header
 quickly and needs no cache. The layout (GGUF v2/v3, little-endian): magic, version, tensor count,
 metadata count; each metadata key, value type and value; each tensor's name, dimensions (innermost

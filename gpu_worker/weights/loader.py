@@ -45,7 +45,7 @@ def load_hf_config(model_path: str | Path) -> Any:
     """The model's HF config: transformers' class for it, or for a GGUF's metadata directory whose
     rope needs none of transformers' tables, the config.json gguf_config.py wrote, as attributes
     (``GgufConfig``: every field the model files read is written there; importing transformers'
-    config classes is a large share of a start's CPU time: docs/benchmarks.md)."""
+    config classes is a large share of a start's CPU time: docs/benchmarks-history.md)."""
     config = json.loads((Path(model_path) / "config.json").read_text())
     if gguf_of(model_path) is not None and _default_rope(config.get("rope_parameters") or {}):
         return GgufConfig(**config)

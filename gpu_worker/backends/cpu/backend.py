@@ -151,7 +151,7 @@ class CpuBackend:
         return self.fused_decode(input_ids, ctx) if self.fused_decode is not None else None
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        """The C argmax (one pass over each row, faster than torch's: docs/benchmarks.md)
+        """The C argmax (one pass over each row, faster than torch's: docs/benchmarks-history.md)
         where the kernels take the logits' dtype; float32 holds every bf16 value exactly, so it picks
         what a float32 argmax picks."""
         if self.kernels is not None and logits.stride(1) == 1 and logits.dtype in cpu_kernels.DTYPE_CODES:
