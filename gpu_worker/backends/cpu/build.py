@@ -31,19 +31,21 @@ SOURCES = (
     "attention.c", "matmul.c", "small_ops.c", "quant.c", "quant_dense.c", "quant_legacy.c", "quant_k.c",
     "quant_x8.c", "quant_kx8.c", "decode_layers.c", "moe.c", "shm_allreduce.c",
 )  # fmt: skip
-HEADERS = ("common.h", "quant.h")
+HEADERS = ("rivulet_kernels.h", "common.h", "quant.h")
 # -std=c11 alone turns FMA contraction off, and trapping math keeps float selects as branches: both
-# leave the inner loops scalar. The kernels read no FP exception flags and no errno.
+# leave the inner loops scalar. The kernels read no FP exception flags and no errno. A function
+# defined without a prototype before it (not declared in rivulet_kernels.h or quant.h) fails the
+# build: each definition is checked against the one declaration the other files and abi.py read.
 CFLAGS = (
     "-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11",
-    "-ffp-contract=fast", "-fno-trapping-math", "-fno-math-errno",
+    "-ffp-contract=fast", "-fno-trapping-math", "-fno-math-errno", "-Werror=missing-prototypes",
 )  # fmt: skip
 # Per kind: the -march it is built with and the ISA code the build must report (csrc/common.h).
 # AVX-512 without BF16 runs the AVX2 code of every kernel (ISA_AVX2) but the GGUF-block ones, which
 # read the compiler's own macros: zmm tiles there, with vpdpwssd where VNNI is (csrc/quant_kx8.c).
 # The bf16 kernels' AVX-512 gain is vdpbf16ps, which those kinds lack. AMX: the avx512_bf16 code
 # (no tile code of our own; oneDNN uses the tiles for bf16 matmuls).
-ISA_PORTABLE, ISA_AVX2, ISA_AVX512_BF16 = 0, 1, 2
+ISA_PORTABLE, ISA_AVX2, ISA_AVX512_BF16 = 0, 1, 2  # csrc/rivulet_kernels.h's (abi.py checks)
 _V4_BF16 = ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16")
 BUILDS: dict[CpuKind, tuple[tuple[str, ...], int]] = {
     CpuKind.PORTABLE: (("-march=x86-64",), ISA_PORTABLE),
@@ -54,7 +56,7 @@ BUILDS: dict[CpuKind, tuple[tuple[str, ...], int]] = {
     CpuKind.AMX: (_V4_BF16, ISA_AVX512_BF16),
 }
 BUILD_TIMEOUT_S = 120
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # csrc/common.h's
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # csrc/rivulet_kernels.h's (abi.py checks)
 KV_DTYPE_CODES = {**DTYPE_CODES, torch.float16: 2}  # a KV cache may also be float16
 
 

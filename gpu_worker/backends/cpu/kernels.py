@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from gpu_worker.backends.cpu import abi
 from gpu_worker.backends.cpu.build import BUILDS, DTYPE_CODES, ISA_PORTABLE, KV_DTYPE_CODES, build
 from gpu_worker.backends.cpu.decode_rows import DecodeRows
 from gpu_worker.backends.cpu.kind import CpuKind, is_x86, weight_prefetch_nta
@@ -35,7 +36,7 @@ from gpu_worker.backends.cpu.quant_kernels import QuantKernels
 
 logger = logging.getLogger(__name__)
 
-MAX_HEADS, MAX_HEAD_DIM = 64, 256  # csrc's limits; larger shapes use torch
+MAX_HEADS, MAX_HEAD_DIM = 64, 256  # csrc/rivulet_kernels.h's limits; larger shapes use torch
 
 
 class CpuKernels(QuantKernels):
@@ -45,7 +46,9 @@ class CpuKernels(QuantKernels):
         lib = ctypes.CDLL(str(path))
         self.path = path
         self.kind = kind
-        self.isa = int(lib.kernel_isa())
+        self._kernel_isa = lib.kernel_isa
+        self._kernel_isa.argtypes, self._kernel_isa.restype = [], ctypes.c_int
+        self.isa = int(self._kernel_isa())
         expected = BUILDS[kind][1] if is_x86() else ISA_PORTABLE
         if self.isa != expected:
             raise RuntimeError(f"kernels for {kind.value} built as ISA {self.isa}, not {expected}")
@@ -73,6 +76,7 @@ class CpuKernels(QuantKernels):
         for fn in (self._rms_norm, self._rotary, self._silu_mul, self._matmul, self._argmax):
             fn.restype = None
         self._bind_quant(lib)
+        abi.check_kernels(self)
 
     @staticmethod
     def supports(num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
@@ -125,7 +129,7 @@ class CpuKernels(QuantKernels):
         if new_kv is not None:
             k, v = new_kv
             k_ptr, v_ptr, k_stride, v_stride = k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0)
-        status = self._attention(
+        status: int = self._attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
             DTYPE_CODES[q.dtype], KV_DTYPE_CODES[k_cache.dtype], rows.q_rows, rows.req_pool_idx, rows.kv_lens,
             rows.page_table, rows.pt_stride,
@@ -133,8 +137,8 @@ class CpuKernels(QuantKernels):
             head_dim**-0.5 if scale is None else scale, k_ptr, k_stride, v_ptr, v_stride, sliding_window,
         )  # fmt: skip
         assert status == 0, (
-            f"paged_decode_attention refused heads {heads}/{k_cache.shape[1]}, head_dim {head_dim}, "
-            f"{q.dtype} over a {k_cache.dtype} KV cache"
+            f"paged_decode_attention refused ({abi.status_text(status)}) heads {heads}/{k_cache.shape[1]}, "
+            f"head_dim {head_dim}, {q.dtype} over a {k_cache.dtype} KV cache"
         )
 
     def decode_attention(
@@ -218,6 +222,6 @@ def load(kind: CpuKind) -> CpuKernels | None:
     """The kernels for ``kind``, built on first use; None (logged once) where they cannot be."""
     try:
         return CpuKernels(build(kind), kind)
-    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:  # not abi.AbiMismatch: a bug
         logger.warning("CPU kernels unavailable, using torch paths: %s", exc)
         return None

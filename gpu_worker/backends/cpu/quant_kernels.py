@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import gguf
 import torch
 
+from gpu_worker.backends.cpu.abi import status_text
 from gpu_worker.backends.cpu.build import DTYPE_CODES
 from gpu_worker.backends.cpu.layouts import A8, X8
 
@@ -45,8 +46,9 @@ class QuantKernels:
         self._quantize_act8 = lib.quantize_act8
         self._quantize_act8.argtypes = [ptr, i64, ptr]
         self._quantize_act8.restype = None
-        lib.quant_act8_block_bytes.restype = i64
-        self.act8_block_bytes = int(lib.quant_act8_block_bytes())  # sizeof(act_block8), csrc/quant.h
+        self._quant_act8_block_bytes = lib.quant_act8_block_bytes
+        self._quant_act8_block_bytes.argtypes, self._quant_act8_block_bytes.restype = [], i64
+        self.act8_block_bytes = int(self._quant_act8_block_bytes())  # sizeof(act_block8), csrc/quant.h
         self._decode_layers = lib.decode_layers
         self._decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64]
         self._decode_layers.restype = i32
@@ -121,7 +123,7 @@ class QuantKernels:
             scratch = self._scratch(m * act_bytes)
             status = self._quant_matmul(*head, scratch.data_ptr(), *y, *res)
         if status != 0:
-            refused = f"type {type}, n={n}, k={k}, dtype {x.dtype}: status {status}"
+            refused = f"type {type}, n={n}, k={k}, dtype {x.dtype}: {status_text(status)}"
             raise ValueError(f"quant_matmul refused {refused}")
         return out
 
@@ -179,7 +181,7 @@ class QuantKernels:
             rows.pt_stride, rows.page_size,
         )  # fmt: skip
         if status != 0:
-            raise RuntimeError(f"decode_layers failed: status {status}")
+            raise RuntimeError(f"decode_layers failed: {status_text(status)}")
 
     def moe_experts(
         self,
@@ -204,7 +206,7 @@ class QuantKernels:
             spans.data_ptr(), spans.shape[0], len(tokens), x.shape[0], out.data_ptr(), DTYPE_CODES[x.dtype],
         )  # fmt: skip
         if status != 0:
-            raise RuntimeError(f"moe_experts failed: status {status}")
+            raise RuntimeError(f"moe_experts failed: {status_text(status)}")
         return out
 
     def moe_route(
@@ -223,7 +225,7 @@ class QuantKernels:
             ids.data_ptr(), weights.data_ptr(), DTYPE_CODES[x.dtype],
         )  # fmt: skip
         if status != 0:
-            raise RuntimeError(f"moe_route failed: status {status}")
+            raise RuntimeError(f"moe_route failed: {status_text(status)}")
         return ids, weights
 
 

@@ -1,5 +1,6 @@
 /* Attention of decode rows over the paged KV pool: one call for all decode rows of a layer. */
 #include "common.h"
+#include "rivulet_kernels.h"
 #include <stdlib.h>
 
 #define SCORE_CHUNK 64 /* KV positions scored before their softmax update (portable path) */
@@ -868,7 +869,7 @@ static int attend_spans(const void *q, int64_t q_row_stride, const void *k_cache
                 q_rows[r] != q_rows[r - 1] + 1;
     const int splits = runs < 2 * omp_get_max_threads() ? kv_heads : 1, per_task = MAX_HEADS / (num_heads / splits);
     int64_t *chunks = malloc((size_t)(2 * rows) * sizeof(int64_t)); /* (first row, positions) */
-    if (chunks == NULL) return -2;
+    if (chunks == NULL) return RV_ERR_NO_MEMORY;
     int64_t count = 0;
     for (int64_t r = 0, end; r < rows; r = end) {
         for (end = r + 1; end < rows && req_pool_idx[end] == req_pool_idx[r] && kv_lens[end] == kv_lens[end - 1] + 1 &&
@@ -908,7 +909,8 @@ static int attend_spans(const void *q, int64_t q_row_stride, const void *k_cache
  * KV row page_table[req_pool_idx[r] * pt_stride + p / page_size] * page_size + p % page_size of
  * k_cache / v_cache ([pool tokens, kv_heads, head_dim], of ``kv_dtype``: float32, bfloat16 or
  * float16, whatever the ``dtype`` of q and out). The num_heads / kv_heads query heads of one KV
- * head share its K/V rows (GQA, HF's repeat_kv order). Returns 0, or -1 on bad sizes or dtypes.
+ * head share its K/V rows (GQA, HF's repeat_kv order). Returns RV_OK, RV_ERR_HEADS, RV_ERR_DTYPE or
+ * RV_ERR_NO_MEMORY.
  *
  * k_new / v_new (or NULL): the rows' new K/V ([*, kv_heads, head_dim], rows k_new_stride /
  * v_new_stride elements apart, read at q_rows[r], of ``dtype``), written first at the row's last
@@ -928,8 +930,8 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
                            int num_heads, int kv_heads, int head_dim, int page_size, float scale,
                            const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride,
                            int64_t window) {
-    if (kv_heads < 1 || num_heads % kv_heads || num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM) return -1;
-    if ((dtype != DTYPE_F32 && dtype != DTYPE_BF16) || kv_dtype < DTYPE_F32 || kv_dtype > DTYPE_F16) return -1;
+    if (kv_heads < 1 || num_heads % kv_heads || num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM) return RV_ERR_HEADS;
+    if ((dtype != DTYPE_F32 && dtype != DTYPE_BF16) || kv_dtype < DTYPE_F32 || kv_dtype > DTYPE_F16) return RV_ERR_DTYPE;
     const int group = num_heads / kv_heads;
     const int64_t kv_row = (int64_t)kv_heads * head_dim; /* elements per pool token */
     int shared = 0; /* adjacent rows of one request: a verify row's positions, each reading the others' K/V */

@@ -17,12 +17,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "rivulet_kernels.h"
+
 /* The instruction set of this build, from the compiler's -march (one per CPU kind):
  * ISA_AVX512_BF16: AVX-512 with vdpbf16ps; ISA_AVX2: AVX2 + FMA (x86-64-v3, also the build for
  * AVX-512 CPUs without BF16); ISA_PORTABLE: plain C the compiler vectorizes as it can. */
-#define ISA_PORTABLE 0
-#define ISA_AVX2 1
-#define ISA_AVX512_BF16 2
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define ISA ISA_AVX512_BF16
@@ -34,12 +33,6 @@
 #endif
 #define HAVE_AVX512 (ISA == ISA_AVX512_BF16)
 #define HAVE_AVX2 (ISA == ISA_AVX2)
-
-#define DTYPE_F32 0
-#define DTYPE_BF16 1
-#define DTYPE_F16 2 /* KV caches only */
-#define MAX_HEADS 64 /* query heads (larger: the caller uses torch) */
-#define MAX_HEAD_DIM 256
 
 /* fmaxf's result (a NaN argument yields the other one), inlined: without -ffinite-math-only gcc
  * calls libm's fmaxf through the PLT, once per element in a loop. */
@@ -178,18 +171,12 @@ static inline void prefetch_kv(const void *k_cache, const void *v_cache, const i
     }
 }
 
-/* Whether the K-quants' 16-bit tiles (one to a few rows) prefetch the weights they stream
- * non-temporally (set once, at load, by kernels.py from kind.weight_prefetch_nta). Such a tile reads
- * each weight block once a step. An ordinary prefetch leaves the line in L2, and AMD's Zen writes
- * every line L2 evicts into its L3 (a victim cache): some 300-700 MB of weights a step pass through
- * L3 there, pushing out what the step does read again (the KV cache, a mixture of experts' float32
- * routers, the activations). prefetchnta fetches the line for one use. On the Zen 5 here, steps
- * alternating the two in one process (docs/benchmarks.md, "Weights prefetched non-temporally"): the
- * Qwen3-MoE shape's one-row step 0.94-0.99 of the time, the 1B Q4_K_M's 0.93-1.02, 2-4 rows
- * 0.96-0.99. The legacy types' tiles (quant_x8.c) keep the ordinary prefetch: the embedded Q4_1
- * model's 4-row step came out 0.93 in one hour and 1.08-1.09 in the next, the 1B Q4_0's 0.99-1.01.
- * Intel's caches take the hint otherwise and were not measured: they keep the ordinary prefetch. */
-extern int weight_prefetch_nta;
+/* weight_prefetch_nta (rivulet_kernels.h; kind.weight_prefetch_nta) says whether the K-quants'
+ * 16-bit tiles, which read each weight block once a step, prefetch it non-temporally: an ordinary
+ * prefetch leaves the line in L2, and a victim-cache L3 (AMD's Zen) then fills with weights and
+ * drops what the step reads again (KV, routers, activations). The legacy types' tiles (quant_x8.c)
+ * and Intel's caches keep the ordinary prefetch. Measured: docs/benchmarks.md, "Weights prefetched
+ * non-temporally". */
 
 /* One line of streamed K-quant weights, prefetched as weight_prefetch_nta says. */
 static inline void prefetch_weights(const void *p) {

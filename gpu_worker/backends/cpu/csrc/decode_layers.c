@@ -20,53 +20,11 @@
  *   weighted sum (moe_experts)
  * the calls the modules make through backends/cpu/experts.py, in their order. */
 #include "quant.h"
+#include "rivulet_kernels.h"
 #include <stdlib.h>
 
-/* What the kernels it calls need, from their files. */
-void rms_norm(const void *x, int64_t x_stride, const void *w, void *out, int64_t rows, int dim, float eps, int dtype);
-void rotary(void *x, int64_t x_stride, int64_t rows, int heads, int head_dim, const void *cos, const void *sin,
-            int dtype);
-void silu_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype);
-int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
-                           void *out, int dtype, int kv_dtype, const int64_t *q_rows, const int64_t *req_pool_idx,
-                           const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t rows,
-                           int num_heads, int kv_heads, int head_dim, int page_size, float scale,
-                           const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride,
-                           int64_t window);
-int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride, int x_dtype,
-                 int64_t rows, void *scratch, void *y, int64_t y_stride, int y_dtype, const void *residual,
-                 int64_t res_stride);
-int quant_matmul_dense(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
-                       int x_dtype, int64_t rows, void *y, int64_t y_stride, int y_dtype, const void *residual,
-                       int64_t res_stride);
-
 enum { QKV, O, GATE_UP, DOWN, LINEARS };
-#define MAX_PARTS 3 /* q, k, v */
-
-typedef struct { /* one Linear: its parts' blocks, each [n[i], row bytes], output columns in order */
-    const uint8_t *w[MAX_PARTS];
-    int64_t type[MAX_PARTS];           /* the C kernels' type codes */
-    int64_t n[MAX_PARTS];              /* output columns; 0: no such part */
-    int64_t dense_min_rows[MAX_PARTS]; /* from how many rows the dense path */
-    int64_t a8_min_rows[MAX_PARTS];    /* from how many rows 8-bit activations (type | QTYPE_A8) */
-} decode_linear;
-
-typedef struct { /* one layer, as gpu_worker/backends/cpu/decode_layers.py fills it (ctypes) */
-    const void *input_norm, *post_norm; /* [hidden], the activations' dtype */
-    decode_linear linear[LINEARS];      /* GATE_UP and DOWN unused (n = 0) where a router is */
-    void *k_cache, *v_cache;            /* [pool tokens, kv_heads, head_dim] */
-    const void *q_norm, *k_norm;        /* [head_dim]: Qwen3's norms per head; NULL: none */
-    const void *router;                 /* [n_experts, hidden]: a mixture of experts; NULL: the MLP */
-    const moe_projection *experts;      /* [3]: the experts' gate, up, down (moe.c) */
-    int64_t n_experts, top_k, norm_topk, expert_inner;
-} decode_layer;
-
-typedef struct { /* the model's sizes */
-    int64_t hidden, heads, kv_heads, head_dim, inner;
-    float eps, scale; /* RMSNorm's epsilon; attention's 1 / sqrt(head_dim) */
-    int64_t dtype;
-    int64_t kv_dtype; /* the KV pool's (--kv-cache-dtype) */
-} decode_dims;
+_Static_assert(LINEARS == DECODE_LINEARS, "decode_layer's Linears (rivulet_kernels.h)");
 
 /* y [rows, n] = (residual +) x W^T of one Linear, part by part, each by the path its row count takes. */
 static int linear(const decode_layer *l, int i, int64_t n, int64_t k, const void *x, int64_t rows, void *scratch,
@@ -85,7 +43,7 @@ static int linear(const decode_layer *l, int i, int64_t n, int64_t k, const void
         if (status != 0) return status;
         col += lin->n[p];
     }
-    return col == n ? 0 : 6; /* 6: the parts do not add up to the Linear's columns */
+    return col == n ? RV_OK : RV_ERR_PARTS;
 }
 
 /* The pairs (row r, its k-th expert ids[r top_k + k]) sorted by expert, stably: tokens[j] the row
@@ -113,7 +71,7 @@ static int64_t group_pairs(const int64_t *ids, const void *w, int64_t pairs, int
 
 /* out [rows, hidden] = the residual stream after every layer, from x [rows, hidden] (the embedding
  * rows; not written). cos / sin: [rows, head_dim] at the rows' positions. The attention arguments
- * are paged_decode_attention's (q_rows: the rows in order). Returns 0, 1 (no memory), or 100 + the
+ * are paged_decode_attention's (q_rows: the rows in order). Returns RV_OK, RV_ERR_NO_MEMORY, or the
  * status of the kernel call that refused. */
 int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dims *dims, const void *x, void *out,
                   int64_t rows, const void *cos, const void *sin, const int64_t *q_rows, const int64_t *req_pool_idx,
@@ -141,7 +99,7 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
     const int64_t pairs_max = rows * top_k, ints_at = moe_at + rows * hidden * elem;
     const int64_t floats_at = ints_at + (2 * pairs_max + 4 * n_experts) * (int64_t)sizeof(int64_t);
     char *arena = malloc((size_t)(floats_at + 2 * pairs_max * elem));
-    if (arena == NULL) return 1;
+    if (arena == NULL) return RV_ERR_NO_MEMORY;
     void *h = arena + at[0], *qkv = arena + at[1], *attn = arena + at[2], *gu = arena + at[3], *act = arena + at[4];
     void *scratch = arena + scratch_at, *moe_y = arena + moe_at;
     int64_t *ids = (int64_t *)(arena + ints_at), *tokens = ids + pairs_max, *next = tokens + pairs_max;
@@ -196,5 +154,5 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
         status = linear(l, DOWN, hidden, inner, act, rows, scratch, out, dtype, out);
     }
     free(arena);
-    return status == 0 ? 0 : 100 + status;
+    return status;
 }

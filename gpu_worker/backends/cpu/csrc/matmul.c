@@ -2,6 +2,7 @@
  * weights. Sums in float32 and one rounding to bfloat16 at the end, bias and residual added before
  * it, as oneDNN's matmul with its add post-op. */
 #include "common.h"
+#include "rivulet_kernels.h"
 #include <stdlib.h>
 
 #if HAVE_AVX512

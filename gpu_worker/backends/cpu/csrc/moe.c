@@ -24,13 +24,8 @@
  * its a8_min_rows rows or more meets 8-bit activations (type | QTYPE_A8, as QuantLinear's call):
  * its expert's rows are quantized in that format. */
 #include "quant.h"
+#include "rivulet_kernels.h"
 #include <stdlib.h>
-
-void silu_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype);
-void silu_mul_row(const void *gate_up, void *out, int inner, int dtype);
-int quant_matmul_dense(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
-                       int x_dtype, int64_t rows, void *y, int64_t y_stride, int y_dtype, const void *residual,
-                       int64_t res_stride);
 
 enum { GATE, UP, DOWN, PROJECTIONS };
 
@@ -90,33 +85,33 @@ static void quantize_row(const qtype_ops *ops, const void *src, int64_t n, int d
 }
 
 /* out [tokens_n, hidden] (written whole) = each token's experts' outputs, weighted and summed; x
- * [tokens_n, hidden] rows contiguous; weights [pairs] in x's dtype; spans [n_spans][3]. Returns 0, 1
- * (no memory), 7 (an expert size that does not match the projections), 8 (projections whose
- * activation formats differ, or unsupported types or sizes), or 100 + the status of a dense matmul
- * that refused. */
+ * [tokens_n, hidden] rows contiguous; weights [pairs] in x's dtype; spans [n_spans][3]. Returns RV_OK,
+ * RV_ERR_NO_MEMORY, RV_ERR_EXPERT_SIZE (an expert size that does not match the projections),
+ * RV_ERR_EXPERT_FORMATS (projections whose activation formats differ, or unsupported types or
+ * sizes), or the status of a dense matmul that refused. */
 int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const void *x, const int64_t *tokens,
                 const void *weights, const int64_t *spans, int64_t n_spans, int64_t pairs, int64_t tokens_n,
                 void *out, int dtype) {
-    if (proj[GATE].n != inner || proj[UP].n != inner || proj[DOWN].n != hidden) return 7;
-    if (proj[GATE].a8_min_rows != proj[UP].a8_min_rows) return 8;
+    if (proj[GATE].n != inner || proj[UP].n != inner || proj[DOWN].n != hidden) return RV_ERR_EXPERT_SIZE;
+    if (proj[GATE].a8_min_rows != proj[UP].a8_min_rows) return RV_ERR_EXPERT_FORMATS;
     const qtype_ops *gate_ops = quant_ops((int)proj[GATE].type), *up_ops = quant_ops((int)proj[UP].type);
     const qtype_ops *down_ops = quant_ops((int)proj[DOWN].type);
-    if (gate_ops == NULL || up_ops == NULL || down_ops == NULL) return 8;
+    if (gate_ops == NULL || up_ops == NULL || down_ops == NULL) return RV_ERR_EXPERT_FORMATS;
     if (gate_ops->quantize_act != up_ops->quantize_act || gate_ops->act_block_bytes != up_ops->act_block_bytes ||
         gate_ops->block != up_ops->block || hidden % gate_ops->block != 0 || inner % down_ops->block != 0)
-        return 8;
-    if (((gate_ops->type | up_ops->type | down_ops->type) & QTYPE_X8) && (inner % 8 != 0 || hidden % 8 != 0)) return 8;
+        return RV_ERR_EXPERT_FORMATS;
+    if (((gate_ops->type | up_ops->type | down_ops->type) & QTYPE_X8) && (inner % 8 != 0 || hidden % 8 != 0)) return RV_ERR_EXPERT_FORMATS;
     /* the 8-bit activations' ops, where some span takes them (NULL: none does) */
     int64_t most = 0;
     for (int64_t s = 0; s < n_spans; s++) most = spans[3 * s + 2] > most ? spans[3 * s + 2] : most;
     const qtype_ops *gate8 = NULL, *up8 = NULL, *down8 = NULL;
     if (proj[GATE].a8_min_rows <= most) {
         gate8 = quant_ops((int)proj[GATE].type | QTYPE_A8), up8 = quant_ops((int)proj[UP].type | QTYPE_A8);
-        if (gate8 == NULL || up8 == NULL || hidden % gate8->block != 0) return 8;
+        if (gate8 == NULL || up8 == NULL || hidden % gate8->block != 0) return RV_ERR_EXPERT_FORMATS;
     }
     if (proj[DOWN].a8_min_rows <= most &&
         ((down8 = quant_ops((int)proj[DOWN].type | QTYPE_A8)) == NULL || inner % down8->block != 0))
-        return 8;
+        return RV_ERR_EXPERT_FORMATS;
     const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4;
     const int64_t nb_h = hidden / gate_ops->block, nb_i = inner / down_ops->block;
     const int64_t xrb = gate8 != NULL ? act_row_bytes_max(hidden) : nb_h * gate_ops->act_block_bytes;
@@ -128,7 +123,7 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
     const int64_t at_aq = at_xq + pairs * xrb, at_sum = (at_aq + pairs * arb + 63) & ~(int64_t)63;
     const int64_t at_skip = at_sum + tokens_n * hidden * (int64_t)sizeof(float);
     char *arena = malloc((size_t)(at_skip + n_spans + pairs));
-    if (arena == NULL) return 1;
+    if (arena == NULL) return RV_ERR_NO_MEMORY;
     char *rows = arena, *gu = arena + at_gu, *act = arena + at_act, *y = arena + at_y;
     uint8_t *xq = (uint8_t *)arena + at_xq, *aq = (uint8_t *)arena + at_aq;
     float *sum = (float *)(arena + at_sum);
@@ -157,7 +152,7 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
     }
     if (status != 0) {
         free(arena);
-        return 100 + status;
+        return status;
     }
     /* panels in the 8-bit tiles' units where some span runs them */
     const int64_t gu_bytes = proj[GATE].row_bytes > proj[UP].row_bytes ? proj[GATE].row_bytes : proj[UP].row_bytes;
@@ -219,7 +214,7 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
         }
     if (status != 0 || failed) {
         free(arena);
-        return status != 0 ? 100 + status : 1;
+        return status != 0 ? status : RV_ERR_NO_MEMORY;
     }
 #pragma omp parallel
     {
@@ -267,16 +262,16 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
  * their sum where norm_topk, rounded to dtype into weights [rows, top_k]. The module path
  * (models/moe.py's route, through backends/cpu/experts.py) and decode_layers.c both route with this
  * call, so the one-call decode picks the modules' experts with the modules' weights, bit for bit.
- * Returns 0, or 1 (no memory), or 2 (top_k outside [1, n_experts]). */
+ * Returns RV_OK, RV_ERR_NO_MEMORY, or RV_ERR_TOP_K. */
 int moe_route(const void *x, int64_t rows, int64_t hidden, const void *w, int64_t n_experts, int64_t top_k,
               int norm_topk, int64_t *ids, void *weights, int dtype) {
-    if (top_k < 1 || top_k > n_experts) return 2;
+    if (top_k < 1 || top_k > n_experts) return RV_ERR_TOP_K;
     float *logits = malloc((size_t)(rows * n_experts) * sizeof(float));
     float *xf = malloc((size_t)(rows * hidden) * sizeof(float)); /* x as float32, once */
     if (logits == NULL || xf == NULL) {
         free(logits);
         free(xf);
-        return 1;
+        return RV_ERR_NO_MEMORY;
     }
     load_vec(x, dtype, 0, (int)(rows * hidden), xf);
     int failed = 0;

@@ -10,6 +10,7 @@
  * once per call at any row count (one row: each thread streams its share of W front to back).
  */
 #include "quant.h"
+#include "rivulet_kernels.h"
 #include <stdlib.h>
 
 #define PANEL_BYTES (48 * 1024) /* of weight rows per panel (L2 holds them and the activation chunk) */
@@ -170,17 +171,17 @@ void quant_panel(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int64_t nb
  * y_dtype; NULL: none) + x W^T, x [rows, k] (x_dtype, rows x_stride elements apart), W [n, k] in
  * blocks of ``type``. (A strided y lets a merged Linear's parts write their columns in place.)
  * Summed in float32, one rounding to y_dtype at the end. scratch: rows * quant_act_row_bytes(type, k)
- * bytes (of the type without QTYPE_A8: that size fits both formats). Returns 0, or nonzero (nothing
- * written) for an unsupported type (1), k not a whole number of blocks (2), an unknown dtype (3), no
- * memory (4), or an interleaved type with n not a multiple of 8 (5). */
+ * bytes (of the type without QTYPE_A8: that size fits both formats). Returns RV_OK, or (nothing
+ * written) RV_ERR_TYPE, RV_ERR_K (k not a whole number of blocks), RV_ERR_DTYPE, RV_ERR_NO_MEMORY, or
+ * RV_ERR_X8_ROWS (an interleaved type with n not a multiple of 8). */
 int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride, int x_dtype,
                  int64_t rows, void *scratch, void *y, int64_t y_stride, int y_dtype, const void *residual,
                  int64_t res_stride) {
     const qtype_ops *ops = quant_ops(type);
-    if (ops == NULL) return 1;
-    if (k <= 0 || k % ops->block != 0) return 2;
-    if ((x_dtype != DTYPE_F32 && x_dtype != DTYPE_BF16) || (y_dtype != DTYPE_F32 && y_dtype != DTYPE_BF16)) return 3;
-    if ((type & QTYPE_X8) && n % 8 != 0) return 5;
+    if (ops == NULL) return RV_ERR_TYPE;
+    if (k <= 0 || k % ops->block != 0) return RV_ERR_K;
+    if ((x_dtype != DTYPE_F32 && x_dtype != DTYPE_BF16) || (y_dtype != DTYPE_F32 && y_dtype != DTYPE_BF16)) return RV_ERR_DTYPE;
+    if ((type & QTYPE_X8) && n % 8 != 0) return RV_ERR_X8_ROWS;
     if (n <= 0 || rows <= 0) return 0;
     const int64_t nb = k / ops->block, wrb = nb * ops->block_bytes, xrb = nb * ops->act_block_bytes;
     const int64_t panel = quant_panel_cols(ops, wrb), unit = col_unit(ops), units = (n + unit - 1) / unit;
@@ -189,7 +190,7 @@ int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x
     if (rows == 1) { /* one row (decode): quantized here, so the region below has no barrier but its end */
         if (x_dtype == DTYPE_BF16) {
             float *xf = malloc((size_t)k * sizeof(float));
-            if (xf == NULL) return 4;
+            if (xf == NULL) return RV_ERR_NO_MEMORY;
             const uint16_t *src = (const uint16_t *)x;
 #pragma omp simd
             for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(src[i]);
@@ -238,7 +239,7 @@ int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x
                             y_dtype, residual, res_stride);
         }
     }
-    return failed ? 4 : 0;
+    return failed ? RV_ERR_NO_MEMORY : RV_OK;
 }
 
 /* out [count, k] (out_dtype, contiguous) = the rows ids[i] of W [?, k] in blocks of ``type``,

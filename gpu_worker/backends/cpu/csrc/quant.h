@@ -13,6 +13,7 @@
 #ifndef RIVULET_QUANT_H
 #define RIVULET_QUANT_H
 #include "common.h"
+#include "rivulet_kernels.h"
 
 #define QTYPE_Q4_0 2
 #define QTYPE_Q4_1 3
@@ -20,16 +21,14 @@
 #define QTYPE_Q4_K 12
 #define QTYPE_Q5_K 13
 #define QTYPE_Q6_K 14
-#define QTYPE_X8 0x100 /* | a type: its rows interleaved by 8 (quant_x8.c, quant_kx8.c), n a multiple of 8 */
-#define QTYPE_A8 0x200 /* | an interleaved type: its activations in act_block8 (quant_kx8.c; k a multiple of 256) */
+/* QTYPE_X8, QTYPE_A8: flags on these, rivulet_kernels.h */
 
 /* Activations, one format for every weight type: per 32 values, 16-bit integers with one float
  * scale (x ~ d * q, d = absmax / 32767, q rounded to nearest even) and the block's sum s = d * sum(q)
  * for the types' min/offset terms. A row of k values is k / 32 of these, in order (a 256-weight
  * K-quant block meets 8 consecutive ones). Why 16 bits, not llama.cpp's 8: SmolLM2's hidden states
  * carry channels 30-80x the others, and 8 bits per block of 32 leave the block's other values a
- * few steps: the embedded model then answers "What is the capital of France?" with "L'Etoile, la
- * Marseillaise, ..." (16 bits: "The capital of France is Paris.", as dequantized weights do).
+ * few steps, enough to change the embedded model's greedy answers (docs/benchmarks.md).
  * _mm256_madd_epi16 multiplies 16 pairs of int16 per instruction, as many products per instruction
  * as int8's maddubs + madd pair, so the precision costs no multiply throughput there. (vpdpbusd does
  * multiply twice vpdpwssd's products: act_block8 below, for many rows, where multiplies bound the
@@ -41,8 +40,8 @@ typedef struct {
     int16_t q[ACT_BLOCK];
 } act_block16; /* 72 bytes */
 
-/* One activation row of k float32 values (k a multiple of 32) -> k / 32 act_block16 at xq. */
-void quantize_act16(const float *x, int64_t k, void *xq);
+/* quantize_act16 (rivulet_kernels.h): one activation row of k float32 values (k a multiple of 32)
+ * -> k / 32 act_block16 at xq. */
 
 /* Activations for many rows on the K-quants (act_block8: 256 values, a K-quant block's): per 32
  * values, 8-bit integers q with one float step (x ~ d q, d = absmax / 127) and, where the 32 need
@@ -62,9 +61,7 @@ typedef struct {
     int32_t pad[3];
     int8_t q[256];
     int8_t r[256];
-} act_block8; /* 720 bytes */
-
-void quantize_act8(const float *x, int64_t k, void *xq);
+} act_block8; /* 720 bytes; quantize_act8 (rivulet_kernels.h) writes a row of them */
 
 /* Bytes of the larger of the two activation formats for a row of k values. */
 static inline int64_t act_row_bytes_max(int64_t k) {
@@ -146,22 +143,6 @@ int64_t quant_panel_cols(const qtype_ops *ops, int64_t row_bytes);
 void quant_panel(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int64_t nb, int64_t c0, int64_t pw,
                  const uint8_t *xq, int64_t xrb, int64_t r0, int64_t r1, void *y, int64_t y_stride, int y_dtype,
                  const void *residual, int64_t res_stride);
-
-/* One projection of every expert of a mixture of experts, stacked (moe.c): expert e's n rows are
- * rows [e n, (e + 1) n). */
-typedef struct {
-    const uint8_t *w;
-    int64_t type;           /* the C kernels' type code */
-    int64_t n, row_bytes;   /* an expert's rows; bytes of one row */
-    int64_t dense_min_rows; /* from how many rows the dense path */
-    int64_t a8_min_rows;    /* from how many rows 8-bit activations (type | QTYPE_A8); gate's and up's alike */
-} moe_projection;
-
-int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const void *x, const int64_t *tokens,
-                const void *weights, const int64_t *spans, int64_t n_spans, int64_t pairs, int64_t tokens_n,
-                void *out, int dtype);
-int moe_route(const void *x, int64_t rows, int64_t hidden, const void *w, int64_t n_experts, int64_t top_k,
-              int norm_topk, int64_t *ids, void *weights, int dtype);
 
 /* The ops of ``type`` if the file implements it, else NULL. */
 const qtype_ops *qtype_legacy(int type);

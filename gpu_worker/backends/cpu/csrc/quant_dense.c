@@ -13,6 +13,7 @@
  * dequantized as gguf-py does (d * q + m, one rounding); products summed in float32, one rounding
  * to the output dtype at the end, the residual added before it. */
 #include "quant.h"
+#include "rivulet_kernels.h"
 #include <stdlib.h>
 
 #define PANEL_BYTES (96 * 1024) /* of float32 weight rows per panel: in L2 beside a group's x rows */
@@ -109,18 +110,15 @@ static void panel_rows(const float *x, int64_t nr, const float *wp, int64_t nc, 
 }
 
 /* quant_matmul's contract (quant.c) without its scratch: y [rows, n] (rows y_stride apart) = residual
- * + x W^T. Returns 0,
- * or nonzero (nothing written) for an unsupported type (1), k not a whole number of blocks (2), an
- * unknown dtype (3), no memory (4: y partly written), or an interleaved type with n not a multiple
- * of 8 (5). */
+ * + x W^T; its statuses too (RV_ERR_NO_MEMORY: y partly written). */
 int quant_matmul_dense(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
                        int x_dtype, int64_t rows, void *y, int64_t y_stride, int y_dtype, const void *residual,
                        int64_t res_stride) {
     const qtype_ops *ops = quant_ops(type);
-    if (ops == NULL) return 1;
-    if (k <= 0 || k % ops->block != 0 || k % ACT_BLOCK != 0) return 2;
-    if ((x_dtype != DTYPE_F32 && x_dtype != DTYPE_BF16) || (y_dtype != DTYPE_F32 && y_dtype != DTYPE_BF16)) return 3;
-    if ((type & QTYPE_X8) && n % 8 != 0) return 5;
+    if (ops == NULL) return RV_ERR_TYPE;
+    if (k <= 0 || k % ops->block != 0 || k % ACT_BLOCK != 0) return RV_ERR_K;
+    if ((x_dtype != DTYPE_F32 && x_dtype != DTYPE_BF16) || (y_dtype != DTYPE_F32 && y_dtype != DTYPE_BF16)) return RV_ERR_DTYPE;
+    if ((type & QTYPE_X8) && n % 8 != 0) return RV_ERR_X8_ROWS;
     if (n <= 0 || rows <= 0) return 0;
     /* interleaved rows: units and panels of whole groups of 8 (24 = 8 groups of TC), dequantized a
      * group at a time */
@@ -129,7 +127,7 @@ int quant_matmul_dense(int type, const uint8_t *w, int64_t n, int64_t k, const v
     int64_t panel = PANEL_BYTES / (k * (int64_t)sizeof(float)) / step * step;
     panel = panel < step ? step : panel;
     float *xf = aligned_alloc(32, (size_t)(rows * k) * sizeof(float));
-    if (xf == NULL) return 4;
+    if (xf == NULL) return RV_ERR_NO_MEMORY;
     const outputs o = {y, y_dtype, residual, res_stride, y_stride};
     int failed = 0;
 #pragma omp parallel

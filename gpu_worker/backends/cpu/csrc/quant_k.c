@@ -35,6 +35,7 @@
  * vector. The activation rows' d_x and s_x are gathered per row group and chunk of blocks into a
  * small array first (act_block16 holds them 72 bytes apart). */
 #include "quant.h"
+#include "rivulet_kernels.h"
 
 #define QK 256
 #define Q4K_BYTES 144

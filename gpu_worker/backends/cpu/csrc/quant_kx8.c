@@ -34,16 +34,17 @@
  * Q4_1; Q8_0 where VNNI is); they are described where they start.
  */
 #include "quant.h"
+#include "rivulet_kernels.h"
 
 #define QK 256
 /* How far ahead, in group blocks, the 16-bit tiles prefetch their group's blocks: about 7 KB
- * (Q4_K 6 x 1152 bytes, Q6_K 4 x 1680). At 1 KB ahead a row's stream fell behind the memory's pace:
- * one to four rows ran 1.1-1.25x slower (docs/benchmarks.md, "Prefetching further ahead"). */
+ * (Q4_K 6 x 1152 bytes, Q6_K 4 x 1680): nearer, a few rows' stream falls behind the memory's pace
+ * (docs/benchmarks.md, "Prefetching further ahead"). */
 #define PF_Q45 6
 #define PF_Q6 4
 #ifndef KX8_PF
 /* How far ahead (bytes) the 8-bit tiles that read blocks in place prefetch their groups' blocks
- * (1 KB: a 1B Q4_K_M step of 6 rows 1.08x slower; 3 KB: 1.03x). */
+ * (nearer or further measured slower: bench.quant_matmul, docs/benchmarks.md). */
 #define KX8_PF 2048
 #endif
 

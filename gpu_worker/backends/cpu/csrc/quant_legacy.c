@@ -43,6 +43,7 @@
  * the rows interleaved by 8).
  */
 #include "quant.h"
+#include "rivulet_kernels.h"
 
 #define QB 32 /* weights per block */
 #define KC 32 /* blocks per chunk (scales precomputed per chunk) */

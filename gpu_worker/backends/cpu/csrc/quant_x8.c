@@ -26,16 +26,16 @@
  * the conversion rounds (relative 2^-24), far below the activations' 16-bit rounding (quant.h).
  */
 #include "quant.h"
+#include "rivulet_kernels.h"
 
 #define QB 32
 #ifndef X8_PF
-#define X8_PF 4096 /* how far ahead (bytes) the tile prefetches its group's blocks (1024: Q4_0's one row 1.1x slower) */
+#define X8_PF 4096 /* how far ahead (bytes) the tile prefetches its group's blocks (nearer: one row slower) */
 #endif
 #define XR 4 /* activation rows per tile */
 #ifndef X8_ROW_PF
-/* x8_row's distance: it takes a block in about 0.7 of x8_tile's time, so the same distance in bytes
- * is less time ahead (1B Q4_0's 4 layers, one row, memory-bound: 4096 1.05x, 8192 1.00-1.03x
- * x8_tile's time; bench.quant_matmul --against) */
+/* x8_row's distance: it takes a block in less time than x8_tile, so the same distance in bytes is
+ * less time ahead; it looks further (bench.quant_matmul --against; docs/benchmarks.md) */
 #define X8_ROW_PF 8192
 #endif
 

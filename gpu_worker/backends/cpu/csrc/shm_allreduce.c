@@ -22,6 +22,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "rivulet_kernels.h"
+
 #define LINE 64
 #define SPINS_BEFORE_YIELD 4096 /* then each wait gives the core away: ranks may share cores */
 #define WAIT_LIMIT_S 300.0      /* a rank that never arrives (it died): fail instead of hanging */
@@ -61,7 +63,7 @@ static int wait_all(void *region, int world, int64_t target) {
 int64_t shm_region_bytes(int world, int64_t piece) { return (int64_t)world * LINE + piece * (1 + world); }
 
 /* Sum ``n`` elements of ``data`` (float32: dtype 0, float64: dtype 2) over the ranks, in place.
- * Returns 0, or -1 when a rank did not arrive within WAIT_LIMIT_S. */
+ * Returns RV_OK, or RV_ERR_TIMEOUT when a rank did not arrive within WAIT_LIMIT_S. */
 int shm_all_reduce(void *region, int rank, int world, int64_t piece, void *data, int64_t n, int dtype) {
     const int64_t elem = dtype == 2 ? 8 : 4, per_piece = piece / elem;
     char *out = (char *)region + (int64_t)world * LINE;
@@ -72,7 +74,7 @@ int shm_all_reduce(void *region, int rank, int world, int64_t piece, void *data,
         const int64_t g = __atomic_load_n(mine, __ATOMIC_RELAXED) / 2;
         memcpy(inputs + rank * piece, (char *)data + at * elem, (size_t)(len * elem));
         __atomic_store_n(mine, 2 * g + 1, __ATOMIC_RELEASE);
-        if (wait_all(region, world, 2 * g + 1)) return -1;
+        if (wait_all(region, world, 2 * g + 1)) return RV_ERR_TIMEOUT;
         const int64_t lo = len * rank / world, hi = len * (rank + 1) / world;
         if (dtype == 2) {
             double *sum = (double *)out;
@@ -90,7 +92,7 @@ int shm_all_reduce(void *region, int rank, int world, int64_t piece, void *data,
             }
         }
         __atomic_store_n(mine, 2 * g + 2, __ATOMIC_RELEASE);
-        if (wait_all(region, world, 2 * g + 2)) return -1;
+        if (wait_all(region, world, 2 * g + 2)) return RV_ERR_TIMEOUT;
         memcpy((char *)data + at * elem, out, (size_t)(len * elem));
     }
     return 0;

@@ -3,6 +3,7 @@
  * Each reproduces its torch expression's roundings (noted per function), so swapping one in keeps
  * the model's numbers. Rows go to threads only when there are enough of them to pay for it. */
 #include "common.h"
+#include "rivulet_kernels.h"
 
 #define PARALLEL_ROWS 16
 #define PIECE 256 /* elements per step: each op converts a piece to float32, computes, stores back */
@@ -202,5 +203,5 @@ void argmax_rows(const void *x, int64_t row_stride, int64_t rows, int n, int dty
 /* The instruction set this build targets (ISA_* in common.h): the loader checks it is the one it asked for. */
 int kernel_isa(void) { return ISA; }
 
-/* common.h's: set by the loader (kernels.py, from kind.weight_prefetch_nta) before any call. */
+/* rivulet_kernels.h's: set by the loader (kernels.py, from kind.weight_prefetch_nta) before any call. */
 int weight_prefetch_nta = 0;

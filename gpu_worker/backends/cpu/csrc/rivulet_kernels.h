@@ -1,0 +1,163 @@
+/* The C ABI of the CPU kernels' library: every function another file calls (Python through ctypes,
+ * or another .c file), every struct passed across, and every constant the Python side mirrors.
+ * Each .c file includes this header, so the compiler checks each definition against its
+ * declaration here; none re-declares another file's function. At load, abi.py parses this file and
+ * checks the ctypes bindings (kernels.py, quant_kernels.py) and the Python mirrors of the structs
+ * and constants against it: a mismatch fails the load with the name.
+ *
+ * abi.py's parser reads this file's own plain style, so keep every declaration in it:
+ *   #define NAME <integer>                                   (a constant; one to a line)
+ *   NAME = <integer>,                                        (a status, inside enum rv_status)
+ *   typedef struct { <type> <name>; <type> <name>[<CONSTANT>]; ... } <name>;  (one field a line)
+ *   <type> <name>(<type> <name>, ...);                       (a function; may span lines)
+ * with types int, int64_t, float, void, uint16_t, uint8_t, a struct named here, and pointers.
+ * The qtype_ops interface of the GGUF-block files (quant.h) is shared between .c files only. */
+#ifndef RIVULET_KERNELS_H
+#define RIVULET_KERNELS_H
+#include <stdint.h>
+
+/* The instruction set a build targets (kernel_isa; build.py's ISA_* per CPU kind). */
+#define ISA_PORTABLE 0
+#define ISA_AVX2 1
+#define ISA_AVX512_BF16 2
+
+/* Tensor dtypes (build.py's DTYPE_CODES, KV_DTYPE_CODES); all math is float32. */
+#define DTYPE_F32 0
+#define DTYPE_BF16 1
+#define DTYPE_F16 2 /* KV caches only */
+
+#define MAX_HEADS 64 /* query heads of paged_decode_attention (larger: the caller uses torch) */
+#define MAX_HEAD_DIM 256
+
+/* Flags on a ggml type id (layouts.py's X8, A8). */
+#define QTYPE_X8 0x100 /* | a type: its rows interleaved by 8 (quant_x8.c, quant_kx8.c), n a multiple of 8 */
+#define QTYPE_A8 0x200 /* | an interleaved type: its activations in act_block8 (quant_kx8.c; k a multiple of 256) */
+
+#define MAX_PARTS 3      /* a decode_linear's parts: q, k, v of three types (decode_layers.py) */
+#define DECODE_LINEARS 4 /* a decode_layer's Linears: qkv, o, gate_up, down (decode_layers.c) */
+
+/* What a kernel returns: 0 or the first thing it refused (abi.py names them in Python's errors).
+ * A refused call writes nothing unless its comment says otherwise. */
+enum rv_status {
+    RV_OK = 0,
+    RV_ERR_TYPE = 1,           /* a weight type no kernel takes */
+    RV_ERR_K = 2,              /* k not a whole number of the type's blocks */
+    RV_ERR_DTYPE = 3,          /* an activation or KV dtype the kernel does not take */
+    RV_ERR_NO_MEMORY = 4,      /* an allocation failed (output may be partly written) */
+    RV_ERR_X8_ROWS = 5,        /* an interleaved type with n not a multiple of 8 */
+    RV_ERR_PARTS = 6,          /* a Linear's parts do not add up to its columns */
+    RV_ERR_EXPERT_SIZE = 7,    /* experts' projections that do not match hidden / inner */
+    RV_ERR_EXPERT_FORMATS = 8, /* experts' projections of differing or unsupported formats or sizes */
+    RV_ERR_TOP_K = 9,          /* top_k outside [1, n_experts] */
+    RV_ERR_HEADS = 10,         /* head counts or head_dim outside the attention's limits */
+    RV_ERR_TIMEOUT = 11,       /* a tensor-parallel rank never reached the all-reduce */
+};
+
+/* One projection of every expert of a mixture of experts, stacked (moe.c): expert e's n rows are
+ * rows [e n, (e + 1) n) (experts.py's MoeProjection). */
+typedef struct {
+    const uint8_t *w;
+    int64_t type;           /* the C kernels' type code */
+    int64_t n;              /* an expert's rows */
+    int64_t row_bytes;      /* bytes of one row */
+    int64_t dense_min_rows; /* from how many rows the dense path */
+    int64_t a8_min_rows;    /* from how many rows 8-bit activations (type | QTYPE_A8); gate's and up's alike */
+} moe_projection;
+
+/* One Linear of the one-call decode: its parts' blocks, each [n[i], row bytes], output columns in
+ * order (decode_layers.py's DecodeLinear). */
+typedef struct {
+    const uint8_t *w[MAX_PARTS];
+    int64_t type[MAX_PARTS];           /* the C kernels' type codes */
+    int64_t n[MAX_PARTS];              /* output columns; 0: no such part */
+    int64_t dense_min_rows[MAX_PARTS]; /* from how many rows the dense path */
+    int64_t a8_min_rows[MAX_PARTS];    /* from how many rows 8-bit activations (type | QTYPE_A8) */
+} decode_linear;
+
+/* One layer, as decode_layers.py's DecodeLayer fills it. */
+typedef struct {
+    const void *input_norm;               /* [hidden], the activations' dtype */
+    const void *post_norm;                /* [hidden] */
+    decode_linear linear[DECODE_LINEARS]; /* GATE_UP and DOWN unused (n = 0) where a router is */
+    void *k_cache;                        /* [pool tokens, kv_heads, head_dim] */
+    void *v_cache;                        /* as k_cache */
+    const void *q_norm;                   /* [head_dim]: Qwen3's norms per head; NULL: none */
+    const void *k_norm;                   /* as q_norm */
+    const void *router;                   /* [n_experts, hidden]: a mixture of experts; NULL: the MLP */
+    const moe_projection *experts;        /* [3]: the experts' gate, up, down (moe.c) */
+    int64_t n_experts;
+    int64_t top_k;
+    int64_t norm_topk;
+    int64_t expert_inner;
+} decode_layer;
+
+/* The model's sizes (decode_layers.py's DecodeDims). */
+typedef struct {
+    int64_t hidden;
+    int64_t heads;
+    int64_t kv_heads;
+    int64_t head_dim;
+    int64_t inner;
+    float eps;   /* RMSNorm's epsilon */
+    float scale; /* attention's 1 / sqrt(head_dim) */
+    int64_t dtype;
+    int64_t kv_dtype; /* the KV pool's (--kv-cache-dtype) */
+} decode_dims;
+
+/* small_ops.c */
+int kernel_isa(void);
+void rms_norm(const void *x, int64_t x_stride, const void *w, void *out, int64_t rows, int dim, float eps, int dtype);
+void rotary(void *x, int64_t x_stride, int64_t rows, int heads, int head_dim, const void *cos, const void *sin,
+            int dtype);
+void silu_mul_row(const void *gate_up, void *out, int inner, int dtype);
+void silu_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype);
+void argmax_rows(const void *x, int64_t row_stride, int64_t rows, int n, int dtype, int64_t *out);
+
+/* matmul.c */
+void matmul_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
+                 const uint16_t *residual, int64_t res_stride, uint16_t *out, int m, int n_out, int k);
+
+/* attention.c: RV_ERR_HEADS, RV_ERR_DTYPE or RV_ERR_NO_MEMORY */
+int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                           void *out, int dtype, int kv_dtype, const int64_t *q_rows, const int64_t *req_pool_idx,
+                           const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t rows,
+                           int num_heads, int kv_heads, int head_dim, int page_size, float scale,
+                           const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride,
+                           int64_t window);
+
+/* quant.c, quant_dense.c */
+int quant_supported(int type);
+int64_t quant_act_row_bytes(int type, int64_t k);
+int64_t quant_act8_block_bytes(void);
+void quantize_act16(const float *x, int64_t k, void *xq);
+void quantize_act8(const float *x, int64_t k, void *xq);
+int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride, int x_dtype,
+                 int64_t rows, void *scratch, void *y, int64_t y_stride, int y_dtype, const void *residual,
+                 int64_t res_stride);
+int quant_matmul_dense(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
+                       int x_dtype, int64_t rows, void *y, int64_t y_stride, int y_dtype, const void *residual,
+                       int64_t res_stride);
+void quant_get_rows(int type, const uint8_t *w, int64_t k, const int64_t *ids, int64_t count, void *out,
+                    int out_dtype);
+
+/* moe.c */
+int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const void *x, const int64_t *tokens,
+                const void *weights, const int64_t *spans, int64_t n_spans, int64_t pairs, int64_t tokens_n,
+                void *out, int dtype);
+int moe_route(const void *x, int64_t rows, int64_t hidden, const void *w, int64_t n_experts, int64_t top_k,
+              int norm_topk, int64_t *ids, void *weights, int dtype);
+
+/* decode_layers.c */
+int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dims *dims, const void *x, void *out,
+                  int64_t rows, const void *cos, const void *sin, const int64_t *q_rows, const int64_t *req_pool_idx,
+                  const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t page_size);
+
+/* shm_allreduce.c (its dtype codes are shm_allreduce.py's: 0 float32, 2 float64) */
+int64_t shm_region_bytes(int world, int64_t piece);
+int shm_all_reduce(void *region, int rank, int world, int64_t piece, void *data, int64_t n, int dtype);
+
+/* Whether the K-quants' tiles prefetch weights non-temporally (common.h's prefetch_weights); set
+ * by kernels.py before any call. */
+extern int weight_prefetch_nta;
+
+#endif
