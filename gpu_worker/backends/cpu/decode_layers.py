@@ -39,11 +39,11 @@ from gpu_worker.models.moe import Experts, SparseMoeBlock
 logger = logging.getLogger(__name__)
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-MAX_PARTS = 3  # csrc/decode_layers.c's: q, k, v of three types
+MAX_PARTS = 3  # csrc/rivulet_kernels.h's (abi.py checks): q, k, v of three types
 
 
 class DecodeLinear(ctypes.Structure):
-    """csrc/decode_layers.c's ``decode_linear``: a Linear's parts (unused ones have n = 0)."""
+    """csrc/rivulet_kernels.h's ``decode_linear``: a Linear's parts (unused ones have n = 0)."""
 
     _fields_ = [
         ("w", ctypes.c_void_p * MAX_PARTS),
@@ -67,7 +67,7 @@ class DecodeLinear(ctypes.Structure):
 
 
 class DecodeLayer(ctypes.Structure):
-    """csrc/decode_layers.c's ``decode_layer``."""
+    """csrc/rivulet_kernels.h's ``decode_layer``."""
 
     _fields_ = [
         ("input_norm", ctypes.c_void_p),
@@ -87,7 +87,7 @@ class DecodeLayer(ctypes.Structure):
 
 
 class DecodeDims(ctypes.Structure):
-    """csrc/decode_layers.c's ``decode_dims``."""
+    """csrc/rivulet_kernels.h's ``decode_dims``."""
 
     _fields_ = [
         ("hidden", ctypes.c_int64),

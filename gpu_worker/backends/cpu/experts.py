@@ -30,7 +30,7 @@ from gpu_worker.weights.formats import QuantBlocks, QuantizedExperts, QuantizedW
 
 
 class MoeProjection(ctypes.Structure):
-    """csrc/moe.c's ``moe_projection``: one projection of every expert, stacked."""
+    """csrc/rivulet_kernels.h's ``moe_projection``: one projection of every expert, stacked."""
 
     _fields_ = [
         ("w", ctypes.c_void_p),
