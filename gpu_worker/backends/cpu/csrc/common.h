@@ -175,8 +175,8 @@ static inline void prefetch_kv(const void *k_cache, const void *v_cache, const i
  * 16-bit tiles, which read each weight block once a step, prefetch it non-temporally: an ordinary
  * prefetch leaves the line in L2, and a victim-cache L3 (AMD's Zen) then fills with weights and
  * drops what the step reads again (KV, routers, activations). The legacy types' tiles (quant_x8.c)
- * and Intel's caches keep the ordinary prefetch. Measured: docs/benchmarks.md, "Weights prefetched
- * non-temporally". */
+ * and Intel's caches keep the ordinary prefetch. Measured: docs/benchmarks-history.md, "Weights
+ * prefetched non-temporally". */
 
 /* One line of streamed K-quant weights, prefetched as weight_prefetch_nta says. */
 static inline void prefetch_weights(const void *p) {

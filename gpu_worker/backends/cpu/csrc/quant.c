@@ -16,9 +16,9 @@
 #define PANEL_BYTES (48 * 1024) /* of weight rows per panel (L2 holds them and the activation chunk) */
 #define COL_UNIT 8              /* columns per unit of the thread split and the panel */
 #define PANEL_MAX 128           /* columns */
-#define ROW_CHUNK 128           /* activation rows per tile call: the 8-bit activations' tiles unpack a slice of
-                                 * weights once per call for every row of it (32 rows: unpacking was a seventh of
-                                 * the tile; docs/benchmarks.md, "Few rows on 8 bits, and the tile's row chunk") */
+/* Activation rows per tile call: the 8-bit activations' tiles unpack a slice of weights once per call
+ * for every row of it (docs/benchmarks-history.md, "Few rows on 8 bits, and the tile's row chunk"). */
+#define ROW_CHUNK 128
 
 void quantize_act16(const float *x, int64_t k, void *xq) {
     act_block16 *out = (act_block16 *)xq;

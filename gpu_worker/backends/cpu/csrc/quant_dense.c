@@ -100,8 +100,8 @@ static void panel_rows(const float *x, int64_t nr, const float *wp, int64_t nc, 
             case 2: tile(x, nr, wp, nc, k, r0, c0, col0, o, 2, TC); break;
             case 3: tile(x, nr, wp, nc, k, r0, c0, col0, o, 3, TC); break;
             /* Every full group. ``default`` is never reached (rows <= TR), but with the full tile under
-             * it alone gcc 12 built that tile much slower (python -m bench.quant_matmul; docs/benchmarks.md,
-             * the dense path's compiler regression). */
+             * it alone gcc 12 built that tile much slower (python -m bench.quant_matmul;
+             * docs/benchmarks-history.md, the dense path's compiler regression). */
             case 4: tile(x, nr, wp, nc, k, r0, c0, col0, o, 4, TC); break;
             default: tile(x, nr, wp, nc, k, r0, c0, col0, o, TR, TC);
             }

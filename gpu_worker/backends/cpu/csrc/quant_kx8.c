@@ -39,7 +39,7 @@
 #define QK 256
 /* How far ahead, in group blocks, the 16-bit tiles prefetch their group's blocks: about 7 KB
  * (Q4_K 6 x 1152 bytes, Q6_K 4 x 1680): nearer, a few rows' stream falls behind the memory's pace
- * (docs/benchmarks.md, "Prefetching further ahead"). */
+ * (docs/benchmarks-history.md, "Prefetching further ahead"). */
 #define PF_Q45 6
 #define PF_Q6 4
 #ifndef KX8_PF
@@ -765,7 +765,7 @@ static inline __attribute__((always_inline)) void tile8_direct(const uint8_t *g0
 }
 
 /* Up to how many rows a call takes a type by tile8_direct: unpacking a slice to memory first pays for
- * itself only over more row groups than these (docs/benchmarks.md, "Few rows on 8 bits"; Q6_K's 6-bit
+ * itself only over more row groups than these (docs/benchmarks-history.md, "Few rows on 8 bits"; Q6_K's 6-bit
  * weights, the most work to assemble per row group, from 13 rows since its passes start from the
  * stored offsets). */
 static inline int64_t direct_rows(const int type) { return type == QTYPE_Q4_K ? 32 : 12; }

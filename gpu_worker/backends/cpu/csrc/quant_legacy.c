@@ -39,7 +39,7 @@
  * activation row is bound by memory: ROW1_W weight rows (streams) at a time, prefetched ahead (row1).
  *
  * The worker holds these types in this layout only where a weight's rows are not a multiple of 8;
- * otherwise interleaved by 8 (quant_x8.c), which is faster at every row count (docs/benchmarks.md,
+ * otherwise interleaved by 8 (quant_x8.c), which is faster at every row count (docs/benchmarks-history.md,
  * the rows interleaved by 8).
  */
 #include "quant.h"
