@@ -36,7 +36,10 @@ FIRST_RETRY_EVERY = 8  # steps of the used count between re-tries, at first
 MAX_RETRY_EVERY = 512  # the interval doubles on every lost re-try up to this
 
 
-CONTENDED_SHARE = 0.2  # a step that waited for a core this share of its time: the cores are shared
+CONTENDED_SHARE = 0.3  # steps that waited for a core this share of their time: the cores are shared
+# Windows in a row above CONTENDED_SHARE before halving: the engine's own tokenizer and scheduler
+# make one-window spikes (a burst of arrivals), other work on the cores a lasting share.
+CONTENDED_WINDOWS = 2
 CALM_SHARE = 0.05  # below this the machine is the worker's again
 WINDOW_S = 0.05  # the guard judges the waits of at least this much stepping at once
 FIRST_CALM_WINDOWS = 4  # calm windows before all cores again, doubled on every return that fails
@@ -48,9 +51,9 @@ class ContentionGuard:
 
     ``record(step_s, waited_s)`` takes a step's wall time and its run-queue delay and returns the
     thread count for the next step. The judgement is per window of ``WINDOW_S`` seconds of steps,
-    so one step's hiccup decides nothing. A return to all cores that meets contention again at
-    once doubles the calm windows the next return needs: a machine with one busy neighbour does
-    not make the worker flip every few steps.
+    and halving takes ``CONTENDED_WINDOWS`` of them in a row, so one burst decides nothing. A
+    return to all cores that meets contention again at once doubles the calm windows the next
+    return needs: a machine with one busy neighbour does not make the worker flip every few steps.
     """
 
     def __init__(self, cores: int) -> None:
@@ -59,6 +62,7 @@ class ContentionGuard:
         self.threads = cores
         self._step_s = self._waited_s = 0.0
         self._calm = 0  # calm windows in a row while reduced
+        self._contended = 0  # contended windows in a row at all cores
         self._calm_needed = FIRST_CALM_WINDOWS
         self._just_returned = False  # the first window after a return to all cores
 
@@ -70,13 +74,15 @@ class ContentionGuard:
         share = self._waited_s / self._step_s
         self._step_s = self._waited_s = 0.0
         if self.threads == self.full:
-            if share > CONTENDED_SHARE:
+            self._contended = self._contended + 1 if share > CONTENDED_SHARE else 0
+            if self._contended >= CONTENDED_WINDOWS:
                 if self._just_returned:
                     self._calm_needed = min(2 * self._calm_needed, MAX_CALM_WINDOWS)
-                self.threads, self._calm = self.reduced, 0
-            elif self._just_returned:
+                self.threads, self._calm, self._contended = self.reduced, 0, 0
+                self._just_returned = False
+            elif self._contended == 0 and self._just_returned:
                 self._calm_needed = FIRST_CALM_WINDOWS  # the return held: the next one is quick again
-            self._just_returned = False
+                self._just_returned = False
             return self.threads
         self._calm = self._calm + 1 if share < CALM_SHARE else 0
         if self._calm >= self._calm_needed:
