@@ -258,6 +258,7 @@ def python_side() -> tuple[dict[str, type[ctypes.Structure]], dict[str, int]]:
         "QTYPE_X8": layouts.X8,
         "QTYPE_A8": layouts.A8,
         "MAX_PARTS": decode_layers.MAX_PARTS,
+        "DECODE_LINEARS": len(decode_layers.LINEARS),
     }
     return structs, constants
 

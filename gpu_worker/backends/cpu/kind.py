@@ -187,7 +187,7 @@ def cpu_vendor() -> str:
 
 def weight_prefetch_nta(vendor: str | None = None) -> bool:
     """Whether the K-quants' few-row tiles prefetch the weights they stream non-temporally
-    (csrc/common.h's weight_prefetch_nta): on AMD, where it was measured faster;
+    (rivulet_kernels.h's weight_prefetch_nta, read in csrc/common.h): on AMD, where it was measured faster;
     ``RIVULET_WEIGHT_PREFETCH=nta`` or ``=t0`` chooses either way (to measure a CPU that was not)."""
     chosen = os.environ.get(PREFETCH_ENV_VAR, "").strip().lower()
     if chosen in ("nta", "t0"):

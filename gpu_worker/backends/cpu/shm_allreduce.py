@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gpu_worker.backends.cpu import abi
 from gpu_worker.backends.cpu import kernels as cpu_kernels
 from gpu_worker.backends.cpu.kind import requested_kind
 from gpu_worker.backends.torch.backend import gloo_all_reduce
@@ -40,13 +41,15 @@ class ShmAllReduce:
     def __init__(self, library: Path, rank: int, world: int) -> None:
         lib = ctypes.CDLL(str(library))  # the kernels' library, already loaded: the same handle
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        lib.shm_region_bytes.restype = i64
-        lib.shm_region_bytes.argtypes = [i32, i64]
+        self._region_bytes = lib.shm_region_bytes
+        self._region_bytes.restype = i64
+        self._region_bytes.argtypes = [i32, i64]
         self._reduce = lib.shm_all_reduce
         self._reduce.restype = i32
         self._reduce.argtypes = [ptr, i32, i32, i64, ptr, i64, i32]
+        abi.check(abi.bound_functions(self), {}, {})
         self.rank, self.world = rank, world
-        size = int(lib.shm_region_bytes(world, PIECE_BYTES))
+        size = int(self._region_bytes(world, PIECE_BYTES))
         names: list[str] = [f"rivulet-tp-{uuid.uuid4().hex}"]
         dist.broadcast_object_list(names, src=0)
         self.path = path = Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()) / names[0]
@@ -71,8 +74,10 @@ class ShmAllReduce:
             t.numel(),
             DTYPE_CODES[t.dtype],
         )
-        if rc != 0:
-            raise RuntimeError("a tensor-parallel rank did not reach the all-reduce in 300 s")
+        if rc != abi.KernelStatus.RV_OK:
+            raise RuntimeError(
+                f"shm_all_reduce: {abi.status_text(rc)}: a tensor-parallel rank did not reach it in 300 s"
+            )
 
 
 def machine_id() -> str:
