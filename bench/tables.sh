@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every table of docs/benchmarks.md from one commit, on a quiet machine, one command after another
 # (nothing else may run meanwhile: on 2 cores any other process skews every number). Each command's
-# output goes to OUT/NAME.txt; the sweep rewrites the generated half of benchmarks.md itself, the
-# sections after its "sections below" marker are pasted from OUT by hand, each naming its commit.
+# output goes to OUT/NAME.txt; the sweep rewrites the first half of benchmarks.md itself, and each
+# other step's output is written between its markers there by `python -m bench.tables_doc OUT STEP`
+# (with the command, commit, date and CPU), the prose around the markers kept.
 #
 #     bash bench/tables.sh /tmp/tables            # everything (hours on a small machine)
 #     bash bench/tables.sh /tmp/tables targets    # only the steps named
@@ -35,4 +36,5 @@ for step in "$@"; do
   echo "== $step: ${STEPS[$step]}" | tee "$OUT/$step.txt"
   (eval "${STEPS[$step]}") >> "$OUT/$step.txt" 2>&1 || echo "!! $step failed" | tee -a "$OUT/$step.txt"
   echo "$(git rev-parse --short HEAD) $(date -u +%FT%TZ) $step done" >> "$OUT/done.txt"
+  [ "$step" = sweep ] || python -m bench.tables_doc "$OUT" "$step"
 done
