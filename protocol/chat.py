@@ -32,15 +32,32 @@ class ToolCall(ClientStruct, kw_only=True):
     function: FunctionCall
 
 
+class TextPart(ClientStruct, kw_only=True, tag_field="type", tag="text"):
+    text: str
+
+
+class ImagePart(ClientStruct, kw_only=True, tag_field="type", tag="image"):
+    """An image in a message: its file's bytes (PNG, JPEG, WebP or GIF's first frame), or the path
+    of a local file, read only under the directory the operator allows (--allowed-local-media-path)."""
+
+    data: bytes | None = None
+    path: str | None = None
+
+
+ContentPart = TextPart | ImagePart
+
+
 class ChatMessage(ClientStruct, kw_only=True):
     """One turn. ``content`` may be None on an assistant turn that only calls tools; a ``tool``
-    turn carries the result of the call ``tool_call_id``."""
+    turn carries the result of the call ``tool_call_id``. ``parts``: a turn with images, its text
+    and images in order (``content`` is then None)."""
 
     role: str
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    parts: list[ContentPart] | None = None
 
 
 class FunctionDef(ClientStruct, kw_only=True):

@@ -34,6 +34,7 @@ from protocol.base import Msg
 from protocol.chat import ChatMessage, Tool, ToolCallDelta, ToolChoice
 from protocol.embedding import Pooling, PromptEmbedding
 from protocol.grammar import Grammar
+from protocol.images import ImageInput
 from protocol.logprobs import PromptLogprobs, TopLogprobs, TopTokens
 from protocol.sampling import WorkerSampling
 from protocol.worker_messages import PENDING as PENDING  # re-exported: every channel is named here
@@ -203,6 +204,8 @@ class TokenizedRequest(Msg):
     # An embedding request (max_new_tokens 0): its prompt pooled so (protocol/embedding.py) comes
     # back in TokenBatch.embeddings, before the row that ends it.
     pooling: Pooling | None = None
+    # The prompt's images (protocol/images.py), in prompt order, their token runs disjoint.
+    images: list[ImageInput] = []
 
 
 class FinishReq(Msg):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from protocol.base import Msg
 from protocol.embedding import Pooling
+from protocol.images import ImageInput
 from protocol.logprobs import TopTokens
 from protocol.sampling import WorkerSampling
 
@@ -78,6 +79,11 @@ class ForwardBatch(Msg):
     copy_dst: list[int] = []
     pool: list[Pooling | None] = []
     draft_lens: list[int] = []
+    # The images whose tokens some row extends over (empty when none): image k belongs to row
+    # ``image_rows[k]``; the worker puts the vision tower's output for the row's positions among
+    # the image's tokens in place of their embeddings (encoding each key once, cached).
+    images: list[ImageInput] = []
+    image_rows: list[int] = []
 
 
 ToWorker = ForwardBatch
