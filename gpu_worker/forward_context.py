@@ -29,6 +29,9 @@ class AttentionOptions:
     scale: float | None = None  # None: 1 / sqrt(head_dim)
     sliding_window: int = 0  # > 0: a query at position p sees only positions > p - sliding_window
     logit_softcap: float = 0.0  # > 0: scores = softcap * tanh(scores / softcap)
+    # [Hq]: a learned logit per query head joining every softmax with no value (gpt-oss's sinks):
+    # the weights of the real positions sum to 1 - its share
+    sinks: torch.Tensor | None = None
 
 
 PLAIN = AttentionOptions()

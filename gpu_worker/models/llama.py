@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -191,13 +191,15 @@ class FeedForward(Protocol):
 
 
 class DecoderLayer(Layer):
+    attention_type: ClassVar[type[Attention]] = Attention  # a family's own attention (gpt-oss's sinks)
+
     def __init__(self, args: LlamaArgs, layer: int, mlp: FeedForward) -> None:
         super().__init__()
         self.layer = layer
         window = args.sliding_windows[layer]
         self.attention = AttentionOptions(sliding_window=window) if window else PLAIN
         self.input_layernorm = RMSNorm(args.hidden_size, args.eps)
-        self.self_attn = Attention(args, layer)
+        self.self_attn = self.attention_type(args, layer)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.eps)
         self.mlp = mlp
 
@@ -214,10 +216,12 @@ class DecoderLayer(Layer):
 
 
 class LlamaBody(nn.Module):
-    def __init__(self, args: LlamaArgs, feed_forward: Callable[[int], FeedForward]) -> None:
+    def __init__(
+        self, args: LlamaArgs, feed_forward: Callable[[int], FeedForward], layer_type: type[DecoderLayer]
+    ) -> None:
         super().__init__()
         self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, feed_forward(i)) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(layer_type(args, i, feed_forward(i)) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.eps)
 
 
@@ -225,6 +229,7 @@ class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM over the paged KV pool."""
 
     tensor_parallel: tuple[int, int] | None = None  # (rank, world): tensor_parallel.shard's
+    decoder_layer: ClassVar[type[DecoderLayer]] = DecoderLayer  # a family's own (gpt-oss's)
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
@@ -233,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers, self.num_kv_heads, self.head_dim = args.num_layers, args.num_kv_heads, args.head_dim
         self.num_heads = args.num_heads
         self.context_len = args.context_len
-        self.model = LlamaBody(args, lambda layer: self.feed_forward(hf_config, layer))
+        self.model = LlamaBody(args, lambda layer: self.feed_forward(hf_config, layer), self.decoder_layer)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, False, Split.VOCAB)
         if args.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

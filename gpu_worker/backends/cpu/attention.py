@@ -115,7 +115,8 @@ def attend(
 ) -> torch.Tensor:
     """Write the batch's new K/V and attend every row; q: [T, Hq, D], k/v: [T, Hkv, D]."""
     paged = meta.paged_decode
-    if paged is None or options.logit_softcap > 0:  # the kernel: a window and a scale, no soft-capping
+    # the kernel: a window and a scale, no soft-capping, no sinks
+    if paged is None or options.logit_softcap > 0 or options.sinks is not None:
         return torch_attention.attend(meta.torch_metadata(), q, k, v, k_cache, v_cache, options)
     window, scale = options.sliding_window, options.scale
     out = torch.empty_like(q)

@@ -16,8 +16,8 @@ all layers; the per-layer work is a write of the new K/V and the calls above.
 A KV pool of another dtype than the activations (``--kv-cache-dtype``) is written
 rounded to its dtype and read back as the activations' (a row with no prefix
 reads its fresh K/V as computed).
-A layer's options (scale, sliding window, soft-capping) are applied by masks and,
-for soft-capping, by the explicit softmax SDPA cannot do.
+A layer's options (scale, sliding window, soft-capping, sinks) are applied by masks and,
+for soft-capping and sinks, by the explicit softmax SDPA cannot do.
 """
 
 from __future__ import annotations
@@ -140,7 +140,8 @@ def _decode_attention(
         grid = torch.arange(group.max_len, device=q.device)[None, :]
         seen = grid > group.kv_lens[:, None] - 1 - options.sliding_window
         mask = seen[:, None, None, :] if mask is None else mask & seen[:, None, None, :]
-    out = _sdpa(q, k, v, mask, False, options)
+    sinks = None if options.sinks is None else options.sinks.view(kv_heads, q_heads // kv_heads, 1)
+    out = _sdpa(q, k, v, mask, False, options, sinks=sinks)
     return out.reshape(rows, q_heads, head_dim)
 
 
@@ -148,14 +149,18 @@ def _extend_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: ExtendRow, options: AttentionOptions
 ) -> torch.Tensor:
     mask = row.mask
-    if options.sliding_window > 0 or (options.logit_softcap > 0 and mask is None):
+    explicit = options.logit_softcap > 0 or options.sinks is not None
+    if options.sliding_window > 0 or (explicit and mask is None):
         kv_pos = torch.arange(row.prefix_len + row.length, device=q.device)
         q_pos = kv_pos[row.prefix_len :]
         mask = kv_pos[None, :] <= q_pos[:, None]
         if options.sliding_window > 0:
             mask &= kv_pos[None, :] > q_pos[:, None] - options.sliding_window
     gqa = q.shape[1] != k.shape[1]
+    sinks = None if options.sinks is None else options.sinks.view(-1, 1, 1)
     q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, L, D]
+    if sinks is not None:
+        return _sdpa(q, k, v, mask, False, options, gqa, sinks).transpose(0, 1)
     if q.dtype in (torch.float32, torch.float64):
         # As a batch of one: torch's fused CPU attention takes only 4-D inputs (on 3-D ones it runs
         # its unfused math, several times slower), 1e-6 from the math in float32. 16-bit dtypes keep
@@ -174,10 +179,12 @@ def _sdpa(
     is_causal: bool,
     options: AttentionOptions,
     gqa: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """softmax(scale q k^T (soft-capped), masked) v over the last two dims; SDPA where no soft cap.
-    ``gqa``: q has a multiple of k's heads (dim -3), each K/V head serving a run of them."""
-    if options.logit_softcap <= 0:
+    """softmax(scale q k^T (soft-capped), masked) v over the last two dims; SDPA where no soft cap
+    and no sinks. ``gqa``: q has a multiple of k's heads (dim -3), each K/V head serving a run of them.
+    ``sinks``: each query head's sink logit, shaped to broadcast against the scores' [..., 1]."""
+    if options.logit_softcap <= 0 and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, scale=options.scale, enable_gqa=gqa
         )
@@ -187,10 +194,17 @@ def _sdpa(
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     scale = options.scale if options.scale is not None else 1 / math.sqrt(q.shape[-1])
     cap = options.logit_softcap
-    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / cap) * cap
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if cap > 0:
+        scores = torch.tanh(scores / cap) * cap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+    if sinks is None:
+        return torch.softmax(scores, dim=-1) @ v
+    # The sink's column joins the softmax and is dropped before the values (it has none).
+    sink_column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat((scores, sink_column), dim=-1), dim=-1)
+    return probs[..., :-1] @ v
 
 
 def build_metadata(
