@@ -185,10 +185,10 @@ def _check_schema(schema: str) -> None:
 def _compile(compiler: xgrammar.GrammarCompiler, grammar: Grammar) -> xgrammar.CompiledGrammar:
     if grammar.kind == "json_schema" and not grammar.spec.strip():
         raise GrammarRejected("json_schema needs a schema")
-    return compiler.compile_grammar(_xgrammar_of(grammar))
+    return compiler.compile_grammar(xgrammar_of(grammar))
 
 
-def _xgrammar_of(grammar: Grammar) -> xgrammar.Grammar:
+def xgrammar_of(grammar: Grammar) -> xgrammar.Grammar:
     """``grammar`` as xgrammar's (not yet compiled for a vocabulary): the one place a kind is read."""
     import xgrammar
 
@@ -252,7 +252,7 @@ def call_or_format_grammar(
 
 def _as_format(grammar: Grammar) -> dict[str, Any]:
     """A structural tag's leaf: xgrammar's own EBNF of the grammar (compact JSON, strictness as set)."""
-    return {"type": "grammar", "grammar": str(_xgrammar_of(grammar))}
+    return {"type": "grammar", "grammar": str(xgrammar_of(grammar))}
 
 
 def _calls(call: dict[str, Any], tool_format: str, parallel: bool) -> dict[str, Any]:
