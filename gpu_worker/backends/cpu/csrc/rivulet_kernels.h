@@ -152,6 +152,22 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
                   int64_t rows, const void *cos, const void *sin, const int64_t *q_rows, const int64_t *req_pool_idx,
                   const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t page_size);
 
+/* gated_delta.c: RV_ERR_DTYPE, or RV_ERR_HEADS (head counts, head dims past MAX_HEAD_DIM, conv taps
+ * past 8); prefill also RV_ERR_NO_MEMORY. States [slots, v_heads, dk, dv] float32, updated in place. */
+int gated_delta_decode(const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
+                       int64_t v_stride, int dtype, const void *g, int64_t g_stride, int g_dtype, const void *beta,
+                       int64_t beta_stride, int beta_dtype, float *state, const int64_t *slots,
+                       const uint8_t *fresh, void *out, int64_t rows, int k_heads, int v_heads, int dk, int dv,
+                       int l2norm, float scale);
+int gated_delta_prefill(const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
+                        int64_t v_stride, int dtype, const void *g, int64_t g_stride, int g_dtype, const void *beta,
+                        int64_t beta_stride, int beta_dtype, float *state, const int64_t *slots,
+                        const uint8_t *fresh, const int64_t *cu_seqlens, int64_t seqs, void *out, int k_heads,
+                        int v_heads, int dk, int dv, int l2norm, float scale);
+int causal_conv1d(const void *x, int64_t x_stride, int dtype, void *out, void *conv_state, int state_dtype,
+                  int64_t state_len, const int64_t *slots, const uint8_t *fresh, const int64_t *cu_seqlens,
+                  int64_t seqs, const void *w, const void *bias, int64_t channels, int kernel, int silu);
+
 /* shm_allreduce.c (its dtype codes are shm_allreduce.py's: 0 float32, 2 float64) */
 int64_t shm_region_bytes(int world, int64_t piece);
 int shm_all_reduce(void *region, int rank, int world, int64_t piece, void *data, int64_t n, int dtype);
