@@ -103,13 +103,13 @@ def test_quant_get_rows_bit_exact(kernels: cpu_kernels.CpuKernels, qtype: Q, dty
 
 
 def test_quant_refuses_unsupported(kernels: cpu_kernels.CpuKernels) -> None:
-    """Types without a kernel (here Q5_0, F16) and k not a whole number of blocks are refused,
+    """Types without a kernel (here IQ2_XXS, F16) and k not a whole number of blocks are refused,
     by the C entry points (status, 0 row bytes) and the bindings (ValueError)."""
     for qtype in LEGACY:
         assert kernels.quant_supported(int(qtype))
         assert kernels._quant_act_row_bytes(int(qtype), 64) == 2 * 72
         assert kernels._quant_act_row_bytes(int(qtype), 48) == 0
-    for qtype in (Q.Q5_0, Q.F16, Q.F32):
+    for qtype in (Q.IQ2_XXS, Q.F16, Q.F32):
         assert not kernels.quant_supported(int(qtype))
         assert kernels._quant_act_row_bytes(int(qtype), 64) == 0
     blocks, _, _ = weights(Q.Q8_0, 7, 96)
@@ -138,13 +138,13 @@ def test_quant_refuses_unsupported(kernels: cpu_kernels.CpuKernels) -> None:
             )
         )
 
-    assert raw(int(Q.Q5_0), 96) == 1
+    assert raw(int(Q.IQ2_XXS), 96) == 1
     assert raw(int(Q.Q8_0), 48) == 2
     assert (y == 7.0).all(), "a refused call writes nothing"
     assert raw(int(Q.Q8_0), 96) == 0
     with pytest.raises(ValueError):
-        kernels.quant_matmul(int(Q.Q5_0), w, 96, x)
+        kernels.quant_matmul(int(Q.IQ2_XXS), w, 96, x)
     with pytest.raises(ValueError):
         kernels.quant_matmul(int(Q.Q8_0), w, 48, x[:, :48])
     with pytest.raises(ValueError):
-        kernels.quant_get_rows(int(Q.Q5_0), w, 96, torch.tensor([0]), torch.float32)
+        kernels.quant_get_rows(int(Q.IQ2_XXS), w, 96, torch.tensor([0]), torch.float32)

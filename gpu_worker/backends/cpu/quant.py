@@ -45,7 +45,11 @@ from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
 # - Portable (plain C both): the dense path from 2 rows (measured for Q4_1, the other types alike).
 _Q = GGMLQuantizationType
 NEVER = 1 << 62
-_X86 = {_Q.Q4_0: 8, _Q.Q4_1: 8, _Q.Q8_0: 8, _Q.Q4_K: 32, _Q.Q5_K: 16, _Q.Q6_K: 16}
+# Q5_0, Q5_1, IQ4_NL, IQ4_XS (csrc/quant_sub32.c, the file's layout only): the legacy types' tile,
+# so their crossing; not yet measured for these (`python -m bench.quant_matmul --types
+# q5_0,q5_1,iq4_nl,iq4_xs --shapes 896x640,...`).
+_SUB32 = {_Q.Q5_0: 8, _Q.Q5_1: 8, _Q.IQ4_NL: 8, _Q.IQ4_XS: 8}
+_X86 = {_Q.Q4_0: 8, _Q.Q4_1: 8, _Q.Q8_0: 8, _Q.Q4_K: 32, _Q.Q5_K: 16, _Q.Q6_K: 16, **_SUB32}
 _X8_AVX512 = dict.fromkeys(_X86, NEVER)
 _X8_AVX2 = {_Q.Q4_0: NEVER, _Q.Q4_1: NEVER, _Q.Q8_0: NEVER, _Q.Q4_K: 64, _Q.Q5_K: 32, _Q.Q6_K: 16}
 DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {

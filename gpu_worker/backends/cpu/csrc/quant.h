@@ -1,5 +1,6 @@
 /* GGUF weights computed in their quantized blocks: what the per-type code (quant_legacy.c: Q4_0,
- * Q4_1, Q8_0; quant_k.c: Q4_K, Q5_K, Q6_K) gives the driver (quant.c).
+ * Q4_1, Q8_0; quant_k.c: Q4_K, Q5_K, Q6_K; quant_sub32.c: Q5_0, Q5_1, IQ4_NL, IQ4_XS) gives the
+ * driver (quant.c).
  *
  * A weight matrix [n, k] is n rows of k / block weights' blocks, exactly as the GGUF file holds
  * them (row j's blocks at w + j * (k / block) * block_bytes), or | QTYPE_X8 the same bytes with
@@ -17,10 +18,14 @@
 
 #define QTYPE_Q4_0 2
 #define QTYPE_Q4_1 3
+#define QTYPE_Q5_0 6
+#define QTYPE_Q5_1 7
 #define QTYPE_Q8_0 8
 #define QTYPE_Q4_K 12
 #define QTYPE_Q5_K 13
 #define QTYPE_Q6_K 14
+#define QTYPE_IQ4_NL 20
+#define QTYPE_IQ4_XS 23
 /* QTYPE_X8, QTYPE_A8: flags on these, rivulet_kernels.h */
 
 /* Activations, one format for every weight type: per 32 values, 16-bit integers with one float
@@ -149,6 +154,7 @@ const qtype_ops *qtype_legacy(int type);
 const qtype_ops *qtype_k(int type);
 const qtype_ops *qtype_x8(int type);
 const qtype_ops *qtype_kx8(int type);
+const qtype_ops *qtype_sub32(int type); /* quant_sub32.c: Q5_0, Q5_1, IQ4_NL, IQ4_XS */
 const qtype_ops *quant_ops(int type); /* any of them */
 
 #endif
