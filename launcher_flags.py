@@ -187,6 +187,7 @@ def scheduler_config(args: argparse.Namespace, ready: WorkerReady, replica: int 
         enable_mixed_chunk=ready.device.startswith("cpu"),
         replica=replica,
         worker_endpoints=tuple(ready.rank_endpoints),
+        state_checkpoints=ready.state_checkpoints,
     )
 
 

@@ -8,9 +8,12 @@ C kernel, Triton) is the business of the backend the runner put in ``ctx``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from gpu_worker.recurrent_state import RecurrentBatch
 
 
 class PagedAttention(Protocol):
@@ -46,6 +49,7 @@ class ForwardContext:
     k_cache: list[torch.Tensor]  # per layer [num_pages * page_size, kv_heads, head_dim]
     v_cache: list[torch.Tensor]
     backend: PagedAttention
+    recurrent: RecurrentBatch | None = None  # a hybrid model's: its rows' recurrent-state slots
 
 
 def paged_attention(

@@ -23,6 +23,7 @@ from gpu_worker.forward_context import ForwardContext
 from gpu_worker.kv_cache import KVPool
 from gpu_worker.models import CausalLM
 from gpu_worker.pooling import final_norm, pooled_rows, why_no_pooling
+from gpu_worker.recurrent_state import begin_batch, end_batch, state_pool_for
 from gpu_worker.sampling.draws import BatchDraws, Drawn
 from gpu_worker.sampling.grammar import ReqPoolGrammars
 from gpu_worker.sampling.logprobs import ReqPoolTopLogprobs, prompt_logprobs
@@ -187,6 +188,8 @@ class ModelRunner:
             bytes_per_token,
         )
 
+        self.states = state_pool_for(model, self.config.max_running_requests, self._dtype, self._device)
+
     def _batch_limits(self) -> BatchLimits:
         max_requests, pages_per_request = self.kv.page_table.shape
         return BatchLimits(
@@ -201,6 +204,11 @@ class ModelRunner:
     @property
     def num_pages(self) -> int:
         return self.kv.num_pages
+
+    @property
+    def state_checkpoints(self) -> int:
+        """A hybrid model's recurrent-state checkpoints for the prefix cache; -1: no recurrent state."""
+        return -1 if self.states is None else 0
 
     @property
     def context_len(self) -> int:
@@ -263,9 +271,9 @@ class ModelRunner:
         positions, meta = self.backend.init_forward_metadata(
             self.kv, batch.req_pool_idx, batch.prefix_lens, batch.extend_lens
         )
-        ctx = ForwardContext(
-            positions=positions, attn=meta, k_cache=self.kv.k, v_cache=self.kv.v, backend=self.backend
-        )
+        recurrent = None if self.states is None else begin_batch(self.states, batch)
+        ctx = ForwardContext(positions=positions, attn=meta, k_cache=self.kv.k, v_cache=self.kv.v,
+                             backend=self.backend, recurrent=recurrent)  # fmt: skip
         input_ids = self._input_ids(batch)
         view, view_ids = committed(batch, input_ids)  # a draft is no input until it is kept
         for state in self.draws.states:
@@ -273,6 +281,8 @@ class ModelRunner:
         hidden = self.backend.forward_decode(input_ids, ctx)
         hidden = self.model(input_ids, ctx) if hidden is None else hidden
         copy_pages(self.kv, batch.copy_src, batch.copy_dst)  # a fork's own copies of prompt pages
+        if self.states is not None:
+            end_batch(self.states, batch)
         return hidden
 
     def _sampled_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

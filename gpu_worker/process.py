@@ -86,4 +86,5 @@ def _ready(runner: ModelRunner, config: WorkerConfig, rank_endpoints: list[str])
         replica=config.replica,
         tp_rank=config.tp_rank,
         rank_endpoints=rank_endpoints if config.tp_rank == 0 else [],
+        state_checkpoints=runner.state_checkpoints,
     )

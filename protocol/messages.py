@@ -302,6 +302,9 @@ class WorkerReady(Msg):
     # Rank 0's, under --tp-size > 1: every rank's batch socket, by rank (ipc on the head node,
     # tcp on a worker node); the scheduler sends each batch to all of them.
     rank_endpoints: list[str] = []
+    # A hybrid model's recurrent-state checkpoints (gpu_worker/recurrent_state.py): how many the
+    # worker holds for the prefix cache; -1: the model keeps no recurrent state.
+    state_checkpoints: int = -1
 
 
 ToLauncher = Ready | WorkerReady

@@ -26,6 +26,11 @@ class SchedulerConfig:
     worker_endpoints: tuple[str, ...] = given(
         (), "the worker's WorkerReady (rank 0's): each tensor-parallel rank's batch socket; () for one rank"
     )
+    state_checkpoints: int = given(
+        -1,
+        "the worker's WorkerReady: a hybrid model's recurrent-state checkpoints for the prefix cache "
+        "(0: none, the prefix cache is off; -1: the model keeps no recurrent state)",
+    )
     max_running_requests: int = max_running_requests_field()
     max_prefill_tokens: int = flag(4096, "prompt tokens one round may prefill (rem_input_tokens)")
     chunked_prefill_size: int = flag(512, "tokens per prefill chunk (rem_chunk_tokens); -1 disables")
@@ -111,6 +116,12 @@ class SchedulerConfig:
     def chunk_tokens(self) -> int | None:
         """The chunk budget, or None when chunked prefill is disabled."""
         return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
+
+    @property
+    def prefix_cache(self) -> bool:
+        """The radix cache is on: not disabled, and where the model keeps a recurrent state, with
+        checkpoints of it (else a page hit would resume another request's state: wrong output)."""
+        return not self.disable_radix_cache and self.state_checkpoints != 0
 
     @property
     def speculative(self) -> bool:

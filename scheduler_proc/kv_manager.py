@@ -35,7 +35,7 @@ class KVManager:
         self.page_size = config.page_size
         self.pages = PageAllocator(config.num_pages)
         self.req_pool = ReqPool(config.max_running_requests)
-        self.cache = None if config.disable_radix_cache else RadixCache(config.page_size, self.pages.free)
+        self.cache = RadixCache(config.page_size, self.pages.free) if config.prefix_cache else None
 
     # ------------------------------------------------------------------ prefix hits
 

@@ -263,7 +263,7 @@ def _why_choices_rejected(msg: TokenizedRequest, config: SchedulerConfig) -> str
         return "n > 1 needs max_new_tokens >= 1"
     if choices > config.max_running_requests:
         return f"n = {choices} choices exceed max_running_requests ({config.max_running_requests})"
-    tail = n if config.disable_radix_cache else n % ps
+    tail = n % ps if config.prefix_cache else n
     pages = pages_for(n + max_new, ps) + (choices - 1) * pages_for(tail + max_new, ps)
     if pages > config.num_pages:
         return (

@@ -106,7 +106,7 @@ class Scheduler(ResultHandling, DecodeRows):
         if why is not None:
             return RequestError(rid=msg.rid, message=why)
         req = Req.from_msg(msg)
-        share = not self.config.disable_radix_cache
+        share = self.config.prefix_cache
         cfg = self.config
         for r in [req, *fork_choices(req, msg.n, cfg.page_size, share_prompt=share)]:
             self.reqs[r.rid] = r

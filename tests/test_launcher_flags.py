@@ -62,6 +62,7 @@ FROM_ELSEWHERE = {
     (WorkerConfig, "node_host"): "the launcher of a worker node: its address toward node 0",
     (SchedulerConfig, "worker_endpoints"): "the worker's WorkerReady: every tensor-parallel rank's socket",
     (SchedulerConfig, "speculative_row_cost"): "a constant: a token row's share of a step's fixed cost",
+    (SchedulerConfig, "state_checkpoints"): "the worker's WorkerReady: its recurrent-state checkpoints",
 }
 # Probe values where default + 3 would break a field's own invariant (min <= max).
 PROBE_VALUES = {"speculative_ngram_min_size": 3}

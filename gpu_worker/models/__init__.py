@@ -34,6 +34,11 @@ _MODELS = {
     "gemma3": ("gemma", "GemmaForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "gpt2": ("gpt2", "GPT2LMHeadModel"),
+    "qwen3_5": ("qwen35", "Qwen35ForCausalLM"),
+    "qwen3_5_text": ("qwen35", "Qwen35ForCausalLM"),
+    "qwen3_5_moe": ("qwen35", "Qwen35MoeForCausalLM"),
+    "qwen3_5_moe_text": ("qwen35", "Qwen35MoeForCausalLM"),
+    "qwen3_next": ("qwen35", "Qwen3NextForCausalLM"),
     "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 SUPPORTED_MODEL_TYPES = tuple(_MODELS)

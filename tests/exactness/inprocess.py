@@ -57,6 +57,7 @@ def generate(
         max_prefill_tokens=max_prefill_tokens,
         chunked_prefill_size=chunked_prefill_size,
         enable_mixed_chunk=enable_mixed_chunk,
+        state_checkpoints=runner.state_checkpoints,
     )
     fields.update(scheduler_overrides or {})
     scheduler = Scheduler(SchedulerConfig(**fields))

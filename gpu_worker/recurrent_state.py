@@ -1,0 +1,136 @@
+"""The recurrent-state pool beside the KV pool: what a hybrid model's linear-attention layers (Gated
+DeltaNet, models/gated_delta.py) keep per running request instead of a growing KV cache.
+
+Layout: per linear layer one conv state ``[slots, conv_channels, conv_kernel - 1]`` (the last inputs
+of its causal conv1d, in the model's dtype) and one recurrent state ``[slots, value_heads, d_k, d_v]``
+(float32 whatever the activations' dtype: it folds in every earlier token, and rounding it each
+step would drift). Slot i is the state of req_pool_idx i: the scheduler owns the slots as it owns
+the rows of the page table (given at admission, taken back at finish or retraction), so the worker
+needs no allocator. A row whose ``prefix_len`` is 0 starts its request: its slot is zeroed before
+the forward (a retracted request is re-admitted so and recomputes). A later chunk of a chunked
+prefill, a decode step and an overlap-scheduled step continue from the slot as the previous batch
+left it (the worker runs batches in order). A fork (n > 1) gets a copy of its parent row's slot after
+the forward that ends the prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from protocol.worker_messages import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StateShape:
+    """A model's recurrent state per request: ``layers`` linear layers, each a conv state
+    [conv_channels, conv_kernel - 1] and a recurrent state [heads, d_k, d_v]."""
+
+    layers: int
+    conv_channels: int
+    conv_kernel: int
+    heads: int
+    d_k: int
+    d_v: int
+
+    def bytes_per_request(self, conv_elem_bytes: int) -> int:
+        """Every linear layer's conv state (in the model's dtype) and float32 recurrent state."""
+        conv = self.conv_channels * (self.conv_kernel - 1) * conv_elem_bytes
+        return self.layers * (conv + self.heads * self.d_k * self.d_v * 4)
+
+
+class StatePool:
+    """Every linear layer's conv and recurrent states of ``slots`` requests (module docstring)."""
+
+    def __init__(self, shape: StateShape, slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.shape = shape
+        conv = (slots, shape.conv_channels, shape.conv_kernel - 1)
+        recurrent = (slots, shape.heads, shape.d_k, shape.d_v)
+        self.conv = [torch.zeros(conv, dtype=dtype, device=device) for _ in range(shape.layers)]
+        self.recurrent = [
+            torch.zeros(recurrent, dtype=torch.float32, device=device) for _ in range(shape.layers)
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.conv, *self.recurrent))
+
+    def reset(self, slots: list[int]) -> None:
+        """Zero the states of ``slots`` (requests starting from their first token)."""
+        if not slots:
+            return
+        index = torch.tensor(slots, dtype=torch.int64, device=self.conv[0].device)
+        for state in (*self.conv, *self.recurrent):
+            state.index_fill_(0, index, 0)
+
+    def copy(self, src: list[int], dst: list[int]) -> None:
+        """Slot ``dst[i]`` becomes a copy of slot ``src[i]`` (a fork of a finished prompt)."""
+        if not src:
+            return
+        device = self.conv[0].device
+        src_index = torch.tensor(src, dtype=torch.int64, device=device)
+        dst_index = torch.tensor(dst, dtype=torch.int64, device=device)
+        for state in (*self.conv, *self.recurrent):
+            state.index_copy_(0, dst_index, state.index_select(0, src_index))
+
+
+@dataclass(frozen=True)
+class RecurrentBatch:
+    """One batch's rows as the linear layers see them: each row's slot and its tokens' span.
+
+    ``decode_rows``: the rows of one token, stepped together; ``prefill_rows`` the others, each a
+    sequence from its slot's state."""
+
+    pool: StatePool
+    slots: list[int]  # per row: its req_pool_idx
+    starts: list[int]  # per row: its first token's index in the batch
+    extend_lens: list[int]
+    decode_rows: list[int]
+    prefill_rows: list[int]
+
+    @classmethod
+    def of(cls, pool: StatePool, req_pool_idx: list[int], extend_lens: list[int]) -> RecurrentBatch:
+        starts = [end - n for end, n in zip(accumulate(extend_lens), extend_lens, strict=True)]
+        decode = [i for i, n in enumerate(extend_lens) if n == 1]
+        prefill = [i for i, n in enumerate(extend_lens) if n > 1]
+        return cls(pool, list(req_pool_idx), starts, list(extend_lens), decode, prefill)
+
+    def decode_slots(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor([self.slots[i] for i in self.decode_rows], dtype=torch.int64, device=device)
+
+    def decode_tokens(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor([self.starts[i] for i in self.decode_rows], dtype=torch.int64, device=device)
+
+
+def begin_batch(pool: StatePool, batch: ForwardBatch) -> RecurrentBatch:
+    """The batch's rows for the linear layers, the slots of the rows that start a request zeroed."""
+    pool.reset(
+        [slot for slot, start in zip(batch.req_pool_idx, batch.prefix_lens, strict=True) if start == 0]
+    )
+    return RecurrentBatch.of(pool, batch.req_pool_idx, batch.extend_lens)
+
+
+def end_batch(pool: StatePool, batch: ForwardBatch) -> None:
+    """Each fork's slot a copy of its parent row's, the state after the whole prompt."""
+    pool.copy([batch.req_pool_idx[row] for row in batch.fork_rows], list(batch.fork_req_pool_idx))
+
+
+def state_pool_for(model: object, slots: int, dtype: torch.dtype, device: torch.device) -> StatePool | None:
+    """A hybrid model's state pool of ``slots`` requests (--max-running-requests), its budget
+    logged; None for a model whose layers are all attention."""
+    shape: StateShape | None = getattr(model, "state_shape", None)
+    if shape is None:
+        return None
+    pool = StatePool(shape, slots, dtype, device)
+    per_request = shape.bytes_per_request(torch.empty((), dtype=dtype).element_size())
+    logger.info(
+        "recurrent-state pool: %d linear layers, %d bytes a request (conv %s, recurrent float32), "
+        "%d requests (--max-running-requests): %.1f MiB",
+        shape.layers, per_request, str(dtype).removeprefix("torch."), slots, pool.nbytes / 2**20,
+    )  # fmt: skip
+    return pool

@@ -1,0 +1,76 @@
+"""Hybrid models (Qwen3.5 dense and MoE, Qwen3-Next: Gated DeltaNet layers beside gated full
+attention) served by the engine equal HF transformers' greedy tokens.
+
+Tiny random float64 models through the real loader and the recurrent-state pool: chunked prefill at
+chunk sizes that are not multiples of the chunked rule's 64 (a prompt's state carried across
+chunks), mixed batches, the overlap schedule, retraction and n > 1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpu_worker.config import WorkerConfig
+from gpu_worker.model_runner import ModelRunner
+from tests.exactness import inprocess
+from tests.hybrid_models import HYBRID_KINDS, hf_greedy, make_prompts, save_hybrid
+
+NEW_TOKENS = 6
+PROMPT_LENS = (1, 5, 70, 23, 140)
+
+
+@pytest.fixture(scope="module", params=HYBRID_KINDS)
+def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    path = tmp_path_factory.mktemp(request.param)
+    return path, save_hybrid(request.param, path)
+
+
+def runner_for(path: Path, **extra: Any) -> ModelRunner:
+    config: dict[str, Any] = dict(model_path=str(path), dtype="float64", page_size=4, kv_cache_tokens=2048,
+                                  num_threads=1, max_running_requests=8)  # fmt: skip
+    return ModelRunner(WorkerConfig(**{**config, **extra}))
+
+
+@pytest.mark.parametrize(("chunk", "mixed", "overlap"), [(37, True, True), (-1, False, False)],
+                         ids=["chunk37-mixed-overlap", "whole"])  # fmt: skip
+def test_greedy_matches_hf(hybrid: tuple[Path, Any], chunk: int, mixed: bool, overlap: bool) -> None:
+    path, hf = hybrid
+    prompts = make_prompts(5, PROMPT_LENS)
+    expected = hf_greedy(hf, prompts, NEW_TOKENS)
+    assert len({t for out in expected for t in out}) > NEW_TOKENS, "the reference must not be degenerate"
+    runner = runner_for(path)
+    assert runner.states is not None and runner.model.num_layers == 1, "one KV layer, three linear ones"
+    got, scheduler = inprocess.generate(runner, prompts, NEW_TOKENS, chunked_prefill_size=chunk,
+                                        enable_mixed_chunk=mixed, overlap=overlap)  # fmt: skip
+    assert got == expected
+    assert scheduler.kv.used_tokens == 0
+
+
+def test_retraction_recomputes_the_state(hybrid: tuple[Path, Any]) -> None:
+    """A pool so small that requests are retracted: each recomputes its prompt and output from a zeroed
+    state (the prefix cache is off: with no state checkpoint a page hit would resume a stale state)."""
+    path, hf = hybrid
+    prompts = make_prompts(9, (30, 41, 25, 36))
+    expected = hf_greedy(hf, prompts, 12)
+    runner = runner_for(path)
+    tiny_pool = {"num_pages": 40, "schedule_conservativeness": 0.2}
+    got, scheduler = inprocess.generate(runner, prompts, 12, chunked_prefill_size=16, enable_mixed_chunk=True,
+                                        scheduler_overrides=tiny_pool, overlap=True)  # fmt: skip
+    assert scheduler.num_retracted > 0, "the tiny pool must force retraction"
+    assert scheduler.kv.cache is None, "no prefix cache without state checkpoints"
+    assert got == expected
+
+
+def test_forks_copy_the_state(hybrid: tuple[Path, Any]) -> None:
+    """n > 1: every choice continues from a copy of the prompt's state (greedy: all choices alike)."""
+    path, hf = hybrid
+    prompts = make_prompts(11, (19, 33))
+    expected = hf_greedy(hf, prompts, NEW_TOKENS)
+    runner = runner_for(path)
+    got, _ = inprocess.generate(
+        runner, prompts, NEW_TOKENS, chunked_prefill_size=8, enable_mixed_chunk=True, n=3
+    )
+    assert got == [out for out in expected for _ in range(3)]
