@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tokenizer_proc.chat.harmony_tokens import harmony_tokens
 from tokenizer_proc.gguf_tokenizer import ensure_tokenizer
 from tokenizer_proc.pooling import EmbeddingSpec, read_embedding_spec
 
@@ -54,7 +55,9 @@ def read_model_info(model_path: str, tokenizer: PreTrainedTokenizerBase, pooling
         raise ValueError(f"{model_path}/config.json names no context length (tried {_CONTEXT_KEYS})")
     vocab_size = int(config.get("vocab_size") or len(tokenizer))
     eos: list[int] = []
-    for source in (generation.get("eos_token_id"), config.get("eos_token_id"), tokenizer.eos_token_id):
+    harmony = harmony_tokens(tokenizer)  # a harmony reply ends at <|return|> or <|call|>, listed or not
+    ends = list(harmony.ends) if harmony is not None else []
+    for source in (generation.get("eos_token_id"), config.get("eos_token_id"), tokenizer.eos_token_id, ends):
         for token_id in _as_id_list(source):
             if token_id not in eos:
                 eos.append(token_id)

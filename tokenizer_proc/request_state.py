@@ -9,7 +9,8 @@ import msgspec
 
 from protocol.logprobs import TopTokens
 from protocol.messages import FinishReason, GenerateOutput, Usage
-from tokenizer_proc.chat.output import ChatOutputParser, ChatPiece, merge_calls
+from tokenizer_proc.chat.output import ChatPiece, merge_calls
+from tokenizer_proc.chat.reply_parser import ReplyParser
 from tokenizer_proc.detokenizer import IncrementalDetokenizer
 from tokenizer_proc.echo import EchoPrompt, to_client
 from tokenizer_proc.stop import StopMatcher
@@ -40,7 +41,7 @@ class RequestState:
     want_top: bool = False  # the client asked for top-N alternatives
     top: list[TopTokens] = field(default_factory=list)  # one per output token when want_top
     echo: EchoPrompt | None = None
-    chat: ChatOutputParser | None = None  # chat replies: reasoning and tool calls parsed out
+    chat: ReplyParser | None = None  # chat replies: reasoning and tool calls parsed out
     index: int = 0  # its choice (n > 1: the choices are rids rid - index .. rid - index + n - 1)
     num_choices: int = 1
     embedding: list[float] | None = None  # an embedding request's vector, normalized, once it came
@@ -77,11 +78,12 @@ class RequestState:
         text = self.text if self.incremental else self.detokenizer.full_text()
         return self._output(text, list(self.output_ids), reason)
 
-    def _chat_piece(self, text: str, final: bool) -> ChatPiece:
-        """The reply text as content, reasoning and tool calls (all content for non-chat requests)."""
+    def _chat_piece(self, text: str, ids: list[int], final: bool) -> ChatPiece:
+        """The reply text (and its tokens ``ids``, for harmony) as content, reasoning and tool calls
+        (all content for non-chat requests)."""
         if self.chat is None:
             return ChatPiece(text)
-        piece = self.chat.feed(text, final=final)
+        piece = self.chat.feed(text, final=final, ids=ids)
         if not self.stream:
             piece.tool_calls = merge_calls(piece.tool_calls)
         return piece
@@ -89,7 +91,7 @@ class RequestState:
     def _output(self, text: str, ids: list[int], reason: FinishReason | None) -> GenerateOutput:
         """A reply with ``ids``, the last tokens so far, and their logprobs where asked."""
         first = len(self.logprobs) - len(ids)
-        piece = self._chat_piece(text, final=reason is not None)
+        piece = self._chat_piece(text, ids, final=reason is not None)
         if reason is FinishReason.STOP and self.chat is not None and self.chat.made_calls:
             reason = FinishReason.TOOL_CALLS
         out = GenerateOutput(

@@ -18,7 +18,7 @@ from protocol.messages import (
     TokenBatch,
     TokenizedRequest,
 )
-from tokenizer_proc.chat.output import ChatOutputParser
+from tokenizer_proc.chat.reply_parser import reply_parser
 from tokenizer_proc.detokenizer import IncrementalDetokenizer, TokenDecoder
 from tokenizer_proc.echo import EchoPrompt
 from tokenizer_proc.metrics import ServingMetrics
@@ -29,14 +29,6 @@ from tokenizer_proc.stop import StopMatcher
 from tokenizer_proc.validation import RequestRejected, ValidRequest
 
 logger = logging.getLogger(__name__)
-
-
-def _chat_parser(valid: ValidRequest) -> ChatOutputParser | None:
-    """A parser for a chat reply with reasoning to split or tools offered; None for plain text."""
-    plan = valid.chat_output
-    if plan is None or not (plan.reasoning or plan.tool_format is not None):
-        return None
-    return ChatOutputParser(plan)
 
 
 class RequestTable:
@@ -85,7 +77,7 @@ class RequestTable:
                 echo=EchoPrompt(valid.input_ids, valid.echo_text) if valid.echo_text is not None else None,
                 index=index,
                 num_choices=valid.n,
-                chat=_chat_parser(valid),
+                chat=reply_parser(valid.chat_output, self._tokenizer),
             )
         self._by_client[(client_id, valid.client_rid)] = list(range(rid, rid + valid.n))
         self.metrics.prompt_tokens += len(valid.input_ids)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from protocol.chat import ToolCallDelta
@@ -43,8 +43,9 @@ class ChatOutputParser:
     def made_calls(self) -> bool:
         return self._tools is not None and self._tools.calls > 0
 
-    def feed(self, text: str, *, final: bool) -> ChatPiece:
-        """The next piece of the reply (``final``: the last; everything held comes out)."""
+    def feed(self, text: str, *, final: bool, ids: Sequence[int] = ()) -> ChatPiece:
+        """The next piece of the reply (``final``: the last; everything held comes out); ``ids``,
+        its tokens, are the harmony parser's input, not this one's."""
         reasoning, content = "", text
         if self._reasoning is not None:
             reasoning, content = self._reasoning.feed(text)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from protocol.chat import ChatMessage, Tool
+from tokenizer_proc.chat.harmony_prompt import harmony_kwargs, harmony_turns
+from tokenizer_proc.chat.harmony_tokens import HarmonyTokens, harmony_tokens
 from tokenizer_proc.chat.reasoning import THINK_CLOSE, THINK_OPEN
 from tokenizer_proc.chat.tool_checks import check_messages, check_template_kwargs, offered_tools
 from tokenizer_proc.chat.tool_parsers import CALL_CLOSE, CALL_OPEN, PYTHON_TAG, ToolFormat
@@ -46,6 +48,7 @@ class ChatTemplateTraits:
     takes_tool_calls: bool  # renders assistant ``tool_calls`` and ``tool`` messages itself
     tool_format: ToolFormat  # how the model writes its calls
     thinks: bool  # the template knows <think> blocks: split reasoning out of replies
+    harmony: HarmonyTokens | None = None  # gpt-oss's harmony format (chat/harmony*.py)
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class ChatOutputPlan:
     reasoning: bool  # split <think>...</think> out of the reply
     starts_in_reasoning: bool  # the prompt ended inside an open think block
     first_call_only: bool = False  # parallel_tool_calls false: calls after the first are dropped
+    harmony: HarmonyTokens | None = None  # the reply is harmony messages, parsed from its token ids
 
 
 def template_traits(tokenizer: PreTrainedTokenizerBase) -> ChatTemplateTraits:
@@ -70,11 +74,13 @@ def template_traits(tokenizer: PreTrainedTokenizerBase) -> ChatTemplateTraits:
     fmt: ToolFormat = "hermes"
     if takes_tools:
         fmt = next((f for marker, f in _FORMAT_MARKERS if marker in template), "hermes")
+    harmony = harmony_tokens(tokenizer)
     return ChatTemplateTraits(
         takes_tools=takes_tools,
         takes_tool_calls="tool_calls" in template,
-        tool_format=fmt,
+        tool_format="harmony" if harmony is not None else fmt,
         thinks=THINK_OPEN in template,
+        harmony=harmony,
     )
 
 
@@ -87,6 +93,8 @@ def render_chat(
     check_messages(req.messages)
     kwargs = check_template_kwargs(req.chat_template_kwargs)
     tools, forced = offered_tools(req.tools, req.tool_choice)
+    if traits.harmony is not None:
+        return _render_harmony(req, tokenizer, traits.harmony, kwargs, tools)
     conversation = _conversation(req.messages, traits)
     tool_dicts = [_tool_dict(t) for t in tools] if tools else None
     if tool_dicts and not traits.takes_tools:
@@ -102,6 +110,30 @@ def render_chat(
         reasoning=traits.thinks and not constrained,
         starts_in_reasoning=traits.thinks and not constrained and _ends_inside_think(text),
         first_call_only=not req.parallel_tool_calls,
+    )
+    return text, plan
+
+
+def _render_harmony(
+    req: GenerateRequest,
+    tokenizer: PreTrainedTokenizerBase,
+    harmony: HarmonyTokens,
+    kwargs: dict[str, Any],
+    tools: list[Tool],
+) -> tuple[str, ChatOutputPlan]:
+    """A harmony model's prompt, through its own template (which takes tools and tool calls), and
+    its reply's plan: the harmony parser, whatever grammar the request has (see harmony_prompt.py)."""
+    assert req.messages is not None, "_render_harmony needs messages"
+    conversation = [_structured(m) for m in harmony_turns(req.messages)]
+    tool_dicts = [_tool_dict(t) for t in tools] if tools else None
+    text = _render(tokenizer, conversation, tool_dicts, harmony_kwargs(kwargs))
+    plan = ChatOutputPlan(
+        tool_format=None,
+        tool_names=frozenset(t.function.name for t in tools),
+        reasoning=True,
+        starts_in_reasoning=False,
+        first_call_only=not req.parallel_tool_calls,
+        harmony=harmony,
     )
     return text, plan
 

@@ -16,6 +16,7 @@ import msgspec
 from protocol.chat import AllowedToolsChoice, ChatMessage, NamedToolChoice, Tool, ToolChoice
 from protocol.grammar import Grammar
 from protocol.messages import GenerateRequest
+from tokenizer_proc.chat.harmony_prompt import harmony_call_grammar, harmony_call_or_format
 from tokenizer_proc.chat.tool_parsers import ToolFormat
 from tokenizer_proc.grammar import CallRejected, FormatRejected, call_or_format_grammar
 from tokenizer_proc.validation_error import RequestRejected
@@ -87,13 +88,21 @@ def parameters_json(i: int, tool: Tool) -> str | None:
         raise RequestRejected(f"tools[{i}].function.parameters", f"is not JSON: {exc}") from None
 
 
-def forced_call_grammar(tools: list[Tool], choice: ToolChoice) -> Grammar | None:
+def forced_call_grammar(
+    tools: list[Tool], choice: ToolChoice, tool_format: ToolFormat = "hermes"
+) -> Grammar | None:
     """The JSON schema of one call object ``{"name": ..., "arguments": {...}}`` of the offered tools,
     for a forced choice (the model then writes the bare object, which the ``json`` parser reads);
-    None when the model may answer freely."""
+    a harmony model's call message instead (chat/harmony_prompt.py); None when the model may
+    answer freely."""
     offered, forced = offered_tools(tools, choice)
     if not forced:
         return None
+    if tool_format == "harmony":
+        try:
+            return harmony_call_grammar(offered)
+        except Exception as exc:  # xgrammar raises RuntimeError (and its own types) on bad input
+            raise RequestRejected("tools", f"a tool's parameters cannot be compiled: {exc}") from None
     calls = [call_schema(t) for t in offered]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     return Grammar(kind="json_schema", spec=json.dumps(schema))
@@ -107,7 +116,7 @@ def with_tool_grammar(req: GenerateRequest, tool_format: ToolFormat = "hermes") 
     A forced call replaces the client's own grammar (``response_format``, ``text.format``): as at
     OpenAI, the format is for text and a forced call writes none. Tools offered freely beside the
     client's grammar make one grammar of both: calls in ``tool_format``, or text in the format."""
-    grammar = tool_grammar(req)
+    grammar = tool_grammar(req, tool_format)
     if grammar is None and req.messages is not None and req.sampling.grammar is not None:
         grammar = _call_or_format(req, tool_format)
     if grammar is None or req.sampling.grammar == grammar:
@@ -122,6 +131,8 @@ def _call_or_format(req: GenerateRequest, tool_format: ToolFormat) -> Grammar | 
     offered, _ = offered_tools(req.tools, req.tool_choice)
     if not offered:
         return None
+    if tool_format == "harmony":
+        return _harmony_call_or_format(req.sampling.grammar, offered)
     index = {t.function.name: i for i, t in enumerate(req.tools or [])}
     calls = tuple((index[t.function.name], json.dumps(call_schema(t))) for t in offered)
     try:
@@ -143,11 +154,18 @@ def forces_call(req: GenerateRequest) -> bool:
     return req.messages is not None and forcing
 
 
-def tool_grammar(req: GenerateRequest) -> Grammar | None:
+def tool_grammar(req: GenerateRequest, tool_format: ToolFormat = "hermes") -> Grammar | None:
     """The grammar ``req``'s tool_choice forces, None when it forces none (or it is no chat)."""
     if req.messages is None:
         return None
-    return forced_call_grammar(req.tools or [], req.tool_choice)
+    return forced_call_grammar(req.tools or [], req.tool_choice, tool_format)
+
+
+def _harmony_call_or_format(text_format: Grammar, offered: list[Tool]) -> Grammar:
+    try:
+        return harmony_call_or_format(text_format, offered)
+    except Exception as exc:  # xgrammar raises RuntimeError (and its own types) on bad input
+        raise RequestRejected("sampling.grammar", f"cannot be compiled beside the tools: {exc}") from None
 
 
 def call_schema(tool: Tool) -> dict[str, Any]:

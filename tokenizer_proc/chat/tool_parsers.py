@@ -22,7 +22,7 @@ from typing import Literal
 from protocol.chat import ToolCallDelta
 from tokenizer_proc.chat.reasoning import partial_tag_len
 
-ToolFormat = Literal["hermes", "json"]
+ToolFormat = Literal["hermes", "json", "harmony"]  # harmony: parsed by chat/harmony.py
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
