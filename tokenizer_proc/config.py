@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.flags import flag, given, seed_field
+from tokenizer_proc.images import ImageLimits
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,22 @@ class TokenizerConfig:
         " Pooling module, else the last token), last or mean (whatever the model's files say)",
         choices=("auto", "last", "mean"),
     )
+    allowed_local_media_path: str | None = flag(
+        None, "image parts may name local files under this directory (default: none may)"
+    )
+    max_images_per_request: int = flag(8, "images one request may carry")
+    max_image_bytes: int = flag(20 * 2**20, "bytes of one image's file (past it: a 413)")
 
     def __post_init__(self) -> None:
         assert self.shutdown_timeout_s >= 0, f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}"
         assert self.http_port is None or 0 <= self.http_port < 65536, f"bad http_port {self.http_port}"
         assert self.dp_size >= 1, f"dp_size must be >= 1, got {self.dp_size}"
         assert self.pooling in ("auto", "last", "mean"), f"bad pooling {self.pooling!r}"
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(
+            max_images=self.max_images_per_request,
+            max_bytes=self.max_image_bytes,
+            local_dir=self.allowed_local_media_path,
+        )

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizer_proc.chat.harmony_tokens import harmony_tokens
 from tokenizer_proc.gguf_tokenizer import ensure_tokenizer
+from tokenizer_proc.images import VisionProcessor
 from tokenizer_proc.pooling import EmbeddingSpec, read_embedding_spec
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ class ModelInfo:
     vocab_size: int  # token ids live in [0, vocab_size)
     eos_token_ids: tuple[int, ...]  # any of these ends a request (unless ignore_eos)
     embedding: EmbeddingSpec = EmbeddingSpec()  # how embed requests pool, and the vector's sizes
+    images: VisionProcessor | None = None  # a vision-language model's processor; None: text only
 
     def __post_init__(self) -> None:
         assert self.context_len > 1, f"context_len {self.context_len} leaves no room for output"

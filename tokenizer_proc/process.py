@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import signal
+from dataclasses import replace
 from typing import cast
 
 import msgspec
@@ -25,6 +26,7 @@ from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http.app import HttpSettings
 from tokenizer_proc.http.bridge import HttpBridge, is_http_client
 from tokenizer_proc.http.server import HttpServer
+from tokenizer_proc.images import VisionProcessor
 from tokenizer_proc.intake import Admitting
 from tokenizer_proc.model_info import load_tokenizer, read_model_info
 from tokenizer_proc.outbox import Outbox
@@ -54,6 +56,7 @@ def run_tokenizer(config: TokenizerConfig, endpoints: Endpoints) -> None:
     """
     tokenizer = load_tokenizer(config.model_path)
     info = read_model_info(config.model_path, tokenizer, config.pooling)
+    info = replace(info, images=VisionProcessor.load(config.model_path, config.image_limits))
     logger.info(
         "tokenizer ready: context %d, vocab %d, eos %s", info.context_len, info.vocab_size, info.eos_token_ids
     )

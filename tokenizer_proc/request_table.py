@@ -91,6 +91,7 @@ class RequestTable:
             prompt_logprobs=valid.prompt_logprobs,
             n=valid.n,
             pooling=valid.pooling,
+            images=valid.images,
         )
 
     def abort(self, client_id: bytes, client_rid: str) -> Outbox:

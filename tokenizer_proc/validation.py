@@ -7,16 +7,18 @@ offending field, so the client learns exactly what to fix.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from protocol.embedding import Pooling
+from protocol.images import ImageInput
 from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.messages import GenerateRequest, SamplingParams
 from protocol.sampling import WorkerGrammar, WorkerSampling
 from tokenizer_proc.chat.template import ChatOutputPlan, ChatTemplateTraits, render_chat, template_traits
 from tokenizer_proc.chat.tool_checks import forces_call
 from tokenizer_proc.grammar import CompiledSpec
+from tokenizer_proc.images import image_parts
 from tokenizer_proc.model_info import ModelInfo
 from tokenizer_proc.penalties import penalty_error, worker_penalties
 from tokenizer_proc.validation_error import RequestRejected as RequestRejected
@@ -53,6 +55,7 @@ class ValidRequest:
     chat_output: ChatOutputPlan | None = None  # chat: how the reply is parsed (tools, reasoning)
     n: int = 1  # choices, forking from one prefill (choice i samples with seed + i)
     pooling: Pooling | None = None  # an embedding request: its prompt pooled so, nothing generated
+    images: list[ImageInput] = field(default_factory=list)  # the prompt's images (tokenizer_proc/images.py)
 
     def __post_init__(self) -> None:
         min_new = 0 if self.echo_text is not None or self.pooling is not None else 1
@@ -89,7 +92,7 @@ def validate_generate(
     _check_logprob_options(req)
     _check_embed(req, info)
     _check_choices(req)
-    input_ids, chat_output = _prompt_ids(req, tokenizer, info, traits)
+    input_ids, chat_output, images = _prompt_ids(req, tokenizer, info, traits)
     assert not forces_call(req) or params.grammar is not None, "a forced tool call comes with its grammar"
     if len(input_ids) >= info.context_len:
         raise RequestRejected(
@@ -136,6 +139,7 @@ def validate_generate(
         chat_output=chat_output,
         n=req.n,
         pooling=info.embedding.pooling if req.embed else None,
+        images=images,
     )
 
 
@@ -253,7 +257,7 @@ def _prompt_ids(
     tokenizer: PreTrainedTokenizerBase,
     info: ModelInfo,
     traits: ChatTemplateTraits | None,
-) -> tuple[list[int], ChatOutputPlan | None]:
+) -> tuple[list[int], ChatOutputPlan | None, list[ImageInput]]:
     given = [name for name in ("prompt", "messages", "input_ids") if getattr(req, name) is not None]
     if len(given) != 1:
         raise RequestRejected(None, f"give exactly one of prompt, messages, input_ids; got {given or 'none'}")
@@ -263,30 +267,37 @@ def _prompt_ids(
         bad = [t for t in req.input_ids if not 0 <= t < info.vocab_size]
         if bad:
             raise RequestRejected("input_ids", f"{bad[:8]} are outside the vocabulary [0, {info.vocab_size})")
-        return list(req.input_ids), None
-    plan = None
+        return list(req.input_ids), None, []
+    plan: ChatOutputPlan | None = None
+    images: list[ImageInput] = []
     if req.prompt is not None:
         if not req.prompt:
             raise RequestRejected("prompt", "must not be empty")
         ids = list(tokenizer.encode(req.prompt))
     else:
-        ids, plan = _chat_ids(req, tokenizer, traits or template_traits(tokenizer))
+        ids, plan, images = _chat_ids(req, tokenizer, info, traits or template_traits(tokenizer))
     if not ids:
         raise RequestRejected("prompt", "tokenizes to no tokens")
-    return ids, plan
+    return ids, plan, images
 
 
 def _chat_ids(
-    req: GenerateRequest, tokenizer: PreTrainedTokenizerBase, traits: ChatTemplateTraits
-) -> tuple[list[int], ChatOutputPlan]:
+    req: GenerateRequest, tokenizer: PreTrainedTokenizerBase, info: ModelInfo, traits: ChatTemplateTraits
+) -> tuple[list[int], ChatOutputPlan, list[ImageInput]]:
     assert req.messages is not None, "_chat_ids needs messages"
     if not req.messages:
         raise RequestRejected("messages", "must not be empty")
+    parts = image_parts(req.messages)
+    if parts and info.images is None:
+        raise RequestRejected(parts[0][0], "is an image, and this model has no vision tower: send text only")
     try:
         text, plan = render_chat(req, tokenizer, traits)
     except RequestRejected:
         raise
     except Exception as exc:  # jinja templates raise arbitrary errors on bad conversations
         raise RequestRejected("messages", f"could not be rendered by the chat template: {exc}") from exc
+    if parts and info.images is not None:
+        ids, images = info.images.prompt(text, req.messages)
+        return ids, plan, images
     # What apply_chat_template(tokenize=True) does: the template writes the special tokens itself.
-    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)], plan
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)], plan, []

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from protocol.chat import ChatMessage, Tool
+from protocol.chat import ChatMessage, TextPart, Tool
 from tokenizer_proc.chat.harmony_prompt import harmony_kwargs, harmony_turns
 from tokenizer_proc.chat.harmony_tokens import HarmonyTokens, harmony_tokens
 from tokenizer_proc.chat.reasoning import THINK_CLOSE, THINK_OPEN
@@ -187,6 +187,8 @@ def _conversation(messages: list[ChatMessage], traits: ChatTemplateTraits) -> li
                 out[-1]["content"] += "\n" + response
             else:
                 out.append({"role": "user", "content": response})
+        elif m.parts is not None:
+            out.append({"role": m.role, "content": _content_parts(m)})
         else:
             calls = [_call_text(c.function.name, c.function.arguments) for c in m.tool_calls or []]
             content = "\n".join([m.content, *calls] if m.content else calls)  # as sent when no calls
@@ -194,8 +196,17 @@ def _conversation(messages: list[ChatMessage], traits: ChatTemplateTraits) -> li
     return out
 
 
+def _content_parts(m: ChatMessage) -> list[dict[str, Any]]:
+    """A turn with images as multimodal templates take it (HF's convention): text and image items."""
+    return [
+        {"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"}
+        for part in m.parts or []
+    ]
+
+
 def _structured(m: ChatMessage) -> dict[str, Any]:
-    d: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+    content: str | list[dict[str, Any]] = _content_parts(m) if m.parts is not None else m.content or ""
+    d: dict[str, Any] = {"role": m.role, "content": content}
     if m.tool_calls:
         d["tool_calls"] = [
             {"id": c.id, "type": "function",

@@ -186,8 +186,10 @@ def check_messages(messages: list[ChatMessage]) -> None:
             raise RequestRejected(f"messages[{i}].tool_call_id", "is required on a tool message")
         if m.tool_calls and m.role != "assistant":
             raise RequestRejected(f"messages[{i}].tool_calls", "only assistant messages have tool calls")
-        if m.content is None and not m.tool_calls:
+        if m.content is None and not m.tool_calls and not m.parts:
             raise RequestRejected(f"messages[{i}].content", "is required unless the message has tool_calls")
+        if m.parts is not None and m.content is not None:
+            raise RequestRejected(f"messages[{i}].parts", "replace content: give one of them")
 
 
 def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:

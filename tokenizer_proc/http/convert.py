@@ -13,18 +13,22 @@ from typing import Any
 
 import msgspec
 
+from protocol.chat import ContentPart, TextPart
 from protocol.grammar import Grammar
 from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.messages import ChatMessage, GenerateRequest, SamplingParams
 from tokenizer_proc.http.chat_fields import check_accepted_fields, legacy_history, template_kwargs, tools_of
 from tokenizer_proc.http.constraints import grammar_of
 from tokenizer_proc.http.errors import ApiError, bad_param, shutting_down
+from tokenizer_proc.http.image_parts import image_part
 from tokenizer_proc.http.schemas import (
     ChatCompletionRequest,
     ChatMessageIn,
     CompletionRequest,
     SamplingFields,
 )
+from tokenizer_proc.http.schemas import ContentPart as ContentPartIn
+from tokenizer_proc.images import IMAGE_TOO_LARGE
 from tokenizer_proc.intake import SHUTTING_DOWN
 from tokenizer_proc.validation import RequestRejected
 
@@ -181,9 +185,15 @@ def _chat_message(i: int, m: ChatMessageIn) -> ChatMessage:
             f"messages[{i}].role", f"unknown role {m.role!r}; expected one of {sorted(CHAT_ROLES)}"
         )
     content: str | None
-    if isinstance(m.content, list):
+    parts: list[ContentPart] | None = None
+    if isinstance(m.content, list) and any(part.type == "image_url" for part in m.content):
+        content, parts = (
+            None,
+            [_content_part(part, f"messages[{i}].content[{j}]") for j, part in enumerate(m.content)],
+        )
+    elif isinstance(m.content, list):
         if any(part.type != "text" or part.text is None for part in m.content):
-            raise bad_param(f"messages[{i}].content", "only text content parts are supported")
+            raise bad_param(f"messages[{i}].content", "only text and image_url content parts are supported")
         content = "".join(part.text or "" for part in m.content)
     elif m.content is None and not (m.role == "assistant" and m.tool_calls):
         raise bad_param(
@@ -193,8 +203,21 @@ def _chat_message(i: int, m: ChatMessageIn) -> ChatMessage:
         content = m.content
     role = "system" if m.role == "developer" else m.role
     return ChatMessage(
-        role=role, content=content, tool_calls=m.tool_calls, tool_call_id=m.tool_call_id, name=m.name
+        role=role,
+        content=content,
+        tool_calls=m.tool_calls,
+        tool_call_id=m.tool_call_id,
+        name=m.name,
+        parts=parts,
     )
+
+
+def _content_part(part: ContentPartIn, param: str) -> ContentPart:
+    if part.type == "text" and part.text is not None:
+        return TextPart(text=part.text)
+    if part.type == "image_url" and part.image_url is not None:
+        return image_part(part.image_url.url, f"{param}.image_url.url")
+    raise bad_param(param, f"a {part.type!r} part needs its {part.type} field; expected text or image_url")
 
 
 def rejection_error(
@@ -216,4 +239,5 @@ def rejection_error(
         elif param == "top_logprobs" and not chat:
             param = "logprobs"  # the legacy API's name for it
     message = f"{param} {exc.detail}" if param else exc.detail
-    return ApiError(400, message, param=param, code=exc.code)  # code: e.g. context_length_exceeded
+    status = 413 if exc.code == IMAGE_TOO_LARGE else 400
+    return ApiError(status, message, param=param, code=exc.code)  # code: e.g. context_length_exceeded

@@ -19,10 +19,12 @@ from protocol.chat import (
     AllowedTools,
     AllowedToolsChoice,
     ChatMessage,
+    ContentPart,
     FunctionCall,
     FunctionDef,
     NamedFunction,
     NamedToolChoice,
+    TextPart,
     Tool,
     ToolCall,
 )
@@ -32,6 +34,7 @@ from protocol.messages import GenerateRequest, SamplingParams
 from tokenizer_proc.http.chat_fields import effort_kwargs
 from tokenizer_proc.http.convert import UNTIL_CONTEXT
 from tokenizer_proc.http.errors import bad_param
+from tokenizer_proc.http.image_parts import image_part
 from tokenizer_proc.http.responses_schema import (
     LOGPROBS_INCLUDE,
     AllowedToolsIn,
@@ -121,8 +124,28 @@ def _message(item: MessageItem, i: int) -> ChatMessage:
         raise bad_param(
             f"input[{i}].role", f"unknown role {item.role!r}; expected one of {sorted(MESSAGE_ROLES)}"
         )
+    role = "system" if item.role == "developer" else item.role
+    if not isinstance(item.content, str) and any(p.get("type") == "input_image" for p in item.content):
+        return ChatMessage(
+            role=role, parts=[_part(p, f"input[{i}].content[{j}]") for j, p in enumerate(item.content)]
+        )
     content = item.content if isinstance(item.content, str) else _text_of(item.content, f"input[{i}].content")
-    return ChatMessage(role="system" if item.role == "developer" else item.role, content=content)
+    return ChatMessage(role=role, content=content)
+
+
+def _part(part: dict[str, Any], param: str) -> ContentPart:
+    """A content part of a message with images: its text, or its image (``image_url``: a data URI)."""
+    if part.get("type") == "input_image":
+        url = part.get("image_url")
+        if not isinstance(url, str):
+            raise bad_param(f"{param}.image_url", "must be a data: URI (file_id is not supported)")
+        return image_part(url, f"{param}.image_url")
+    text = part.get("text")
+    if part.get("type") not in TEXT_PARTS or not isinstance(text, str):
+        raise bad_param(
+            param, f"only text and input_image parts are supported, got type {part.get('type')!r}"
+        )
+    return TextPart(text=text)
 
 
 def _text_of(content: str | list[dict[str, Any]], param: str) -> str:

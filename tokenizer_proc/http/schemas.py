@@ -92,9 +92,15 @@ class CompletionRequest(SamplingFields, kw_only=True):
         return bool(self.echo_sent)
 
 
+class ImageUrl(Body):
+    url: str
+    detail: str | None = None  # accepted; the model's processor decides the resolution
+
+
 class ContentPart(Body):
     type: str
     text: str | None = None
+    image_url: ImageUrl | None = None
 
 
 class ChatMessageIn(Body):
