@@ -26,6 +26,7 @@ from gpu_worker.models.layers import Embedding, Linear
 from gpu_worker.weights.formats import QuantizedWeight
 from gpu_worker.weights.gguf_names import GgufError, hf_name, unpermute_rows
 from gpu_worker.weights.loader import WeightMismatchError, load_model
+from tests.block_quants import quantize
 from tests.gpu_worker.helpers import GREEDY, MiniScheduler
 
 gguf = pytest.importorskip("gguf")
@@ -126,7 +127,7 @@ def write_gguf(
             data = llama_cpp_permute(data, heads)
         kind = gguf_name.split(".")[-2]
         if kind in types:
-            blocks = gguf.quants.quantize(data, types[kind])
+            blocks = quantize(data, types[kind])  # gguf-py's, or ours where it has none (IQ4)
             writer.add_tensor(gguf_name, blocks, raw_dtype=types[kind])
             data = gguf.quants.dequantize(blocks, types[kind])
         else:

@@ -1,0 +1,105 @@
+"""A random Llama whose Linears are Q5_0, Q5_1, IQ4_NL and IQ4_XS (csrc/quant_sub32.c), beside legacy
+parts in the same merged Linear, through the real loader: held as blocks (none dequantized at load),
+answering as its dequantized twin does, and decoding in the one call bit for bit as the modules do."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_worker.backends.cpu.layouts import X8_LAYOUT
+from gpu_worker.backends.cpu.quant import QuantEmbedding, QuantLinear
+from gpu_worker.config import WorkerConfig
+from gpu_worker.model_runner import ModelRunner
+from tests.gpu_worker.helpers import GREEDY, MiniScheduler
+from tests.gpu_worker.test_decode_layers import assert_one_call_equals_the_modules, cpu_backend, runner_of
+from tests.gpu_worker.test_gguf_weights import Q, make_random_llama
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler to build the kernels"
+)
+
+# q/k/v of three types (two of the new ones, v in IQ4_NL), gate/up a legacy Q4_0 (held interleaved)
+# beside Q5_0 (held as the file has it), down in IQ4_XS (its 256 inputs one super-block), the tied
+# embedding IQ4_NL (looked up and the head, one table).
+TYPES = {
+    "attn_q": Q.Q5_0,
+    "attn_k": Q.Q5_1,
+    "attn_v": Q.IQ4_NL,
+    "attn_output": Q.Q5_1,
+    "ffn_gate": Q.Q4_0,
+    "ffn_up": Q.Q5_0,
+    "ffn_down": Q.IQ4_XS,
+    "token_embd": Q.IQ4_NL,
+}
+
+
+@pytest.fixture(scope="module")
+def sub32_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_random_llama(tmp_path_factory.mktemp("sub32-llama"), TYPES)
+
+
+def test_held_as_blocks(sub32_llama: tuple[Path, Path], caplog: pytest.LogCaptureFixture) -> None:
+    """Every Linear and the embedding on their file's blocks, each part of its type; nothing
+    dequantized at load, and the start log's matmul paths name the blocks."""
+    with caplog.at_level(logging.INFO):
+        runner = runner_of(sub32_llama, "float32")
+    assert "dequantized at load" not in caplog.text
+    layer = runner.model.model.layers[0]  # type: ignore[attr-defined]
+    held = {
+        "qkv": layer.self_attn.qkv_proj.impl,
+        "o": layer.self_attn.o_proj.impl,
+        "gate_up": layer.mlp.gate_up_proj.impl,
+        "down": layer.mlp.down_proj.impl,
+    }
+    assert all(isinstance(impl, QuantLinear) for impl in held.values())
+    types = {name: [p.type for p in impl.weight.parts] for name, impl in held.items()}
+    assert types == {
+        "qkv": [Q.Q5_0, Q.Q5_1, Q.IQ4_NL],
+        "o": [Q.Q5_1],
+        "gate_up": [Q.Q4_0, Q.Q5_0],
+        "down": [Q.IQ4_XS],
+    }
+    assert [p.layout == X8_LAYOUT for p in held["gate_up"].weight.parts] == [True, False]
+    embedding = runner.model.model.embed_tokens.impl  # type: ignore[attr-defined]
+    assert isinstance(embedding, QuantEmbedding) and embedding.table.type == Q.IQ4_NL
+    assert "weights held" in caplog.text
+
+
+def _last_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
+    batch = MiniScheduler(runner.num_pages, runner.config.page_size).batch([(0, 0, prompt, True, GREEDY)])
+    return runner.compute_logits(batch)[0].double()
+
+
+@pytest.mark.parametrize("dense_min_rows", [1 << 30, 1], ids=["integer", "dense"])
+def test_answers_as_the_dequantized_twin(sub32_llama: tuple[Path, Path], dense_min_rows: int) -> None:
+    """The prompt's logits within 1.5% of their spread of the float64 model holding the blocks'
+    values (test_gguf_weights.py says why that bound), on the integer and on the dense path."""
+    hf_dir, _ = sub32_llama
+    prompt = list(range(3, 300, 7))
+    runner = runner_of(sub32_llama, "float32")
+    for module in runner.model.modules():  # type: ignore[attr-defined]
+        impl = getattr(module, "impl", None)
+        if isinstance(impl, QuantLinear):
+            impl.dense_min_rows = [dense_min_rows] * len(impl.dense_min_rows)
+    got = _last_logits(runner, prompt)
+    ref = _last_logits(
+        ModelRunner(WorkerConfig(model_path=str(hf_dir), dtype="float64", kv_cache_tokens=512)), prompt
+    )
+    spread = float(ref.max() - ref.min())
+    assert float((got - ref).abs().max()) <= 0.015 * spread, (float((got - ref).abs().max()), spread)
+    assert int(got.argmax()) in set(torch.topk(ref, 2).indices.tolist())
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_one_call_decode_equals_the_modules(
+    sub32_llama: tuple[Path, Path], rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Merged Linears whose parts mix the new types with legacy ones stay in the one-call decode."""
+    runner = runner_of(sub32_llama, "float32")
+    assert cpu_backend(runner).fused_decode is not None
+    assert_one_call_equals_the_modules(runner, rows, monkeypatch)
