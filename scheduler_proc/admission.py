@@ -112,7 +112,7 @@ class Admission:
     def _note_computed(self, tree: RadixCache, req: Req) -> None:
         num_pages = req.seq_len // self.config.page_size
         tree.insert(
-            req.fill_slice(0, num_pages * self.config.page_size), list(range(num_pages)), req.cache_salt
+            req.key_slice(0, num_pages * self.config.page_size), list(range(num_pages)), req.cache_salt
         )
 
     def _shares_with_round(self, tree: RadixCache | None, req: Req) -> bool:
@@ -120,7 +120,7 @@ class Admission:
         (never for one that needs every prompt position: it would not use the cached prefix)."""
         if tree is None or req.needs_every_prompt_position:
             return False
-        match = tree.match_prefix(req.fill_slice(0, req.seq_len - 1), req.cache_salt)
+        match = tree.match_prefix(req.key_slice(0, req.seq_len - 1), req.cache_salt)
         return match.num_pages * self.config.page_size - req.kv_len >= self.share_tokens
 
     def _offer(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from protocol.embedding import Pooling
+from protocol.images import ImageInput
 from protocol.logprobs import TopTokens
 from protocol.messages import ForwardBatch, ForwardResult
 from scheduler_proc.request import Req
@@ -39,6 +40,12 @@ class Row:
         self.prompt_logprob_len = state.row_len(self.start, self.extend_len) if state is not None else 0
         embedding = self.req.embedding
         self.pool = embedding.row_pool(self.start, self.extend_len) if embedding is not None else None
+
+    def images(self) -> list[ImageInput]:
+        """The request's images with tokens among this row's positions (the worker puts their
+        embeddings there)."""
+        end = self.start + self.extend_len
+        return [image for image in self.req.images if image.offset < end and self.start < image.end]
 
     def prompt_logprob_targets(self) -> list[int]:
         """The tokens that follow this row's prompt-logprob positions (prompt tokens, never PENDING)."""
@@ -80,6 +87,7 @@ def build_forward_batch(step: int, rows: list[Row], page_size: int) -> ForwardBa
         input_ids.extend(row.req.fill_slice(row.start, row.start + row.extend_len - len(row.draft)))
         input_ids.extend(row.draft)
         pages.extend(row.new_pages)
+    images = [(i, image) for i, row in enumerate(rows) for image in row.images()]
     forks = [(i, fork) for i, row in enumerate(rows) for fork in row.forks]
     copies = [copy for row in rows if row.forks for copy in row.req.fork_copies(page_size)]
     return ForwardBatch(
@@ -105,6 +113,8 @@ def build_forward_batch(step: int, rows: list[Row], page_size: int) -> ForwardBa
         copy_dst=[dst for _, dst in copies],
         draft_lens=[len(row.draft) for row in rows] if any(row.draft for row in rows) else [],
         pool=[row.pool for row in rows] if any(row.pool is not None for row in rows) else [],
+        images=[image for _, image in images],
+        image_rows=[i for i, _ in images],
     )
 
 

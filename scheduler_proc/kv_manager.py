@@ -44,7 +44,7 @@ class KVManager:
         if self.cache is None or req.seq_len < 2 or req.needs_every_prompt_position:
             return 0
         return (
-            self.cache.match_prefix(req.fill_slice(0, req.seq_len - 1), req.cache_salt).num_pages
+            self.cache.match_prefix(req.key_slice(0, req.seq_len - 1), req.cache_salt).num_pages
             * self.page_size
         )
 
@@ -61,7 +61,7 @@ class KVManager:
         assert not req.page_table and req.kv_len == 0 and req.cache_node is None, f"rid {req.rid} holds KV"
         if self.cache is None or req.seq_len < 2 or req.needs_every_prompt_position:
             return
-        match = self.cache.match_prefix(req.fill_slice(0, req.seq_len - 1), req.cache_salt)
+        match = self.cache.match_prefix(req.key_slice(0, req.seq_len - 1), req.cache_salt)
         req.page_table = list(match.pages)
         req.num_tree_pages = match.num_pages
         req.flight.reset(match.num_pages * self.page_size)
@@ -115,9 +115,7 @@ class KVManager:
         num_shared = pages_for(num_prompt, self.page_size) - len(fork.page_table)
         if num_shared:
             assert self.cache is not None, f"rid {fork.rid}: shares prompt pages without a prefix cache"
-            match = self.cache.match_prefix(
-                leader.fill_slice(0, num_shared * self.page_size), fork.cache_salt
-            )
+            match = self.cache.match_prefix(leader.key_slice(0, num_shared * self.page_size), fork.cache_salt)
             assert match.num_pages == num_shared, f"rid {fork.rid}: the leader's prompt is not cached"
             self.cache.inc_lock_ref(match.node)
             fork.page_table = list(match.pages) + fork.page_table
@@ -157,7 +155,7 @@ class KVManager:
         num_full = req.computed_len // self.page_size
         if self.cache is None or num_full <= req.num_tree_pages:
             return
-        tokens = req.fill_slice(0, num_full * self.page_size)
+        tokens = req.key_slice(0, num_full * self.page_size)
         num_dup = self.cache.insert(tokens, req.page_table[:num_full], req.cache_salt)
         match = self.cache.match_prefix(tokens, req.cache_salt)
         assert match.num_pages == num_full, f"rid {req.rid}: inserted pages do not match back"
@@ -174,7 +172,7 @@ class KVManager:
         own_from = req.num_tree_pages
         num_full = req.computed_len // self.page_size
         if cache and self.cache is not None and num_full > req.num_tree_pages:
-            tokens = req.fill_slice(0, num_full * self.page_size)
+            tokens = req.key_slice(0, num_full * self.page_size)
             num_dup = self.cache.insert(tokens, req.page_table[:num_full], req.cache_salt)
             self.pages.free(req.page_table[req.num_tree_pages : max(num_dup, req.num_tree_pages)])
             own_from = num_full

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from protocol.embedding import Pooling
+from protocol.images import ImageInput
 from protocol.messages import FinishReason, TokenizedRequest
 from protocol.sampling import WorkerSampling
 from scheduler_proc.config import SchedulerConfig
@@ -86,6 +87,7 @@ class Req:
     forks: list[Req] = field(default_factory=list)
     leader: Req | None = None
     fork_tail_tokens: int = 0
+    images: list[ImageInput] = field(default_factory=list)  # the prompt's images, in prompt order
 
     def __post_init__(self) -> None:
         assert len(self.input_ids) >= 1, f"rid {self.rid}: empty prompt"
@@ -108,6 +110,7 @@ class Req:
             cache_salt=msg.cache_salt,
             prompt_logprobs=PromptLogprobState(len(msg.input_ids) - 1) if msg.prompt_logprobs else None,
             embedding=EmbeddingState(msg.pooling, len(msg.input_ids)) if msg.pooling is not None else None,
+            images=list(msg.images),
         )
 
     def fork_pages(self, page_size: int, reserve: int) -> int:
@@ -167,6 +170,16 @@ class Req:
         head = self.input_ids[start:end] if start < n else []
         return head + self.output_ids[max(start - n, 0) : max(end - n, 0)]
 
+    def key_slice(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end] as the prefix cache keys them: an image's tokens by its hash, so two
+        prompts differing only in an image never share KV there."""
+        ids = self.fill_slice(start, end)
+        for image in self.images:
+            lo, hi = max(image.offset, start), min(image.end, end)
+            if lo < hi:
+                ids[lo - start : hi - start] = [image.cache_key()] * (hi - lo)
+        return ids
+
     def reserve_tokens(self, clip_max_new_tokens: int) -> int:
         """Output tokens still to come, capped (SGLang's CLIP_MAX_NEW_TOKENS)."""
         return max(min(self.max_new_tokens - len(self.output_ids), clip_max_new_tokens), 0)
@@ -214,6 +227,7 @@ def fork_choices(leader: Req, n: int, page_size: int, *, share_prompt: bool) -> 
             stop_token_ids=leader.stop_token_ids,
             sampler=msgspec.structs.replace(leader.sampler, seed=leader.sampler.seed + i),
             cache_salt=leader.cache_salt,
+            images=leader.images,
         )
         fork.status, fork.leader, fork.fork_tail_tokens = ReqStatus.FORKING, leader, tail
         forks.append(fork)
