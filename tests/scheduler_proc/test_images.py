@@ -43,7 +43,7 @@ def test_every_chunk_over_an_image_carries_it() -> None:
     prompt = prompt_with_image(5, 16, 6)
     submit(d, 0, prompt, [image(5, 5, 16)])
     d.run()
-    covered = set()
+    covered: set[int] = set()
     for batch in d.batches:
         for row, img in zip(batch.image_rows, batch.images, strict=True):
             first = batch.prefix_lens[row]
