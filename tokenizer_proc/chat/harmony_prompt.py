@@ -11,7 +11,8 @@ tools as TypeScript, past calls and results); what is ours is only what that tem
 
 A forced call (tool_choice "required", a named function) is a grammar of harmony's call message,
 ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`` and the arguments' JSON,
-after which the grammar ends the reply (an end id: ``<|call|>``); no analysis is written first.
+after which the grammar ends the reply (an end id: ``<|call|>``). An analysis message may come
+first, as gpt-oss reasons before it calls (its text without ``<``, so that only ``<|end|>`` ends it).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 from protocol.chat import ChatMessage, Tool
 from protocol.grammar import Grammar
-from tokenizer_proc.chat.harmony_tokens import CHANNEL, CONSTRAIN, FUNCTIONS, MESSAGE
+from tokenizer_proc.chat.harmony_tokens import CHANNEL, CONSTRAIN, END, FUNCTIONS, MESSAGE, START
 
 _EFFORTS = {
     "none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"
@@ -66,8 +67,17 @@ def call_header(name: str) -> str:
 
 
 def harmony_call_grammar(tools: list[Tool]) -> Grammar:
-    """The grammar of one call message to one of ``tools`` (arguments valid against its schema)."""
-    return _structural(_calls_format(tools))
+    """The grammar of one call message to one of ``tools`` (arguments valid against its schema),
+    maybe after an analysis message."""
+    calls = _calls_format(tools)
+    analysis = [
+        {"type": "const_string", "value": f"{CHANNEL}analysis{MESSAGE}"},
+        {"type": "grammar", "grammar": "root ::= [^<]+"},
+        {"type": "const_string", "value": f"{END}{START}assistant"},
+    ]
+    return _structural(
+        {"type": "or", "elements": [{"type": "sequence", "elements": [*analysis, calls]}, calls]}
+    )
 
 
 def harmony_call_or_format(text_format: Grammar, tools: list[Tool]) -> Grammar:

@@ -133,6 +133,9 @@ def test_a_forced_call_is_a_grammar_of_harmonys_call_message(harmony_tok: PreTra
     assert grammar is not None
     header = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
     assert _grammar_accepts(harmony_tok, grammar, header + '{"city": "Paris"}')
+    analysis = "<|channel|>analysis<|message|>I need the weather.<|end|><|start|>assistant"
+    assert _grammar_accepts(harmony_tok, grammar, analysis + header + '{"city": "Paris"}')
+    assert not _grammar_accepts(harmony_tok, grammar, analysis)
     assert not _grammar_accepts(harmony_tok, grammar, header + '{"town": "Paris"}')
     assert not _grammar_accepts(
         harmony_tok, grammar, '{"name": "get_weather", "arguments": {"city": "Paris"}}'
