@@ -8,6 +8,7 @@ from protocol.flags import flag, given, max_running_requests_field, seed_field
 
 WEIGHT_DTYPES = ("auto", "gguf", "bfloat16", "float32")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+LATENT_FORMS = ("auto", "absorbed", "expanded")
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,13 @@ class WorkerConfig:
         "Q8_0, Q4_K, Q5_K, Q6_K) quantized and uses --dtype for the rest; gguf the same, refusing to "
         "start where it cannot; bfloat16/float32 dequantize at load (rounded through that dtype)",
         choices=WEIGHT_DTYPES,
+    )
+    latent_attention: str = flag(
+        "auto",
+        "latent attention's form (DeepSeek-V2/V3, GLM-4.7-Flash): auto (a prompt's rows expand the "
+        "latents to per-head K/V, decode rows attend over the latents with kv_b absorbed into q and "
+        "the output), absorbed or expanded for every row (for benchmarks)",
+        choices=LATENT_FORMS,
     )
     gguf_path: str = given("", "the launcher: the .gguf --model names (the embedded one by default)")
     replica: int = given(0, "the launcher: its data-parallel replica (--dp-size)")

@@ -41,6 +41,18 @@ PLAIN = AttentionOptions()
 
 
 @dataclass(frozen=True)
+class BatchRows:
+    """The batch's rows as the scheduler sent them, and the page table they index: what a layer that
+    reads the pool itself needs (latent attention's expanded form, models/mla.py)."""
+
+    req_pool_idx: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    page_table: torch.Tensor  # [max_requests, pages per request]
+    page_size: int
+
+
+@dataclass(frozen=True)
 class ForwardContext:
     """One batch's positions and attention metadata, the KV pool, and the backend that attends."""
 
@@ -50,6 +62,8 @@ class ForwardContext:
     v_cache: list[torch.Tensor]
     backend: PagedAttention
     recurrent: RecurrentBatch | None = None  # a hybrid model's: its rows' recurrent-state slots
+    rows: BatchRows | None = None
+    latent_form: str = "auto"  # latent attention: auto | absorbed | expanded (--latent-attention)
 
 
 def paged_attention(

@@ -6,6 +6,10 @@ writing a batch's new K/V is a single indexed store and gathering a row's
 history is a single index_select, whatever the page size. The page table is
 ``[max_running_requests, ceil(context_len / page_size)]`` of page numbers; the
 scheduler owns the allocator and only ever tells us which pages a req_pool_idx (a row) got.
+
+A latent pool (``latent=True``, models/mla.py) holds one vector a token a layer, the normed latent and
+the rotated rope key side by side (``kv_heads`` 1): attention reads it as the key and, its leading
+dimensions, as the value, so ``v`` is ``k`` and the pool's memory is half of a K/V pair's.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class KVPool:
         context_len: int,
         dtype: torch.dtype,
         device: torch.device,
+        latent: bool = False,
     ) -> None:
         assert num_pages >= 1, f"the KV pool needs at least one page, got {num_pages}"
         self.num_pages = num_pages
@@ -35,7 +40,7 @@ class KVPool:
         shape = (num_pages * page_size, kv_heads, head_dim)
         # torch.empty: pages are written before they are read, and untouched memory stays unallocated.
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = self.k if latent else [torch.empty(shape, dtype=dtype, device=device) for _ in self.k]
         pages_per_request = -(-context_len // page_size)
         # Zeros, not empty: any entry gathered through is then a real page of the pool.
         self.page_table = torch.zeros((max_requests, pages_per_request), dtype=torch.int64, device=device)

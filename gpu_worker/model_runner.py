@@ -19,7 +19,7 @@ from gpu_worker import tensor_parallel as tp
 from gpu_worker.batch_checks import BatchLimits, check_batch
 from gpu_worker.config import WorkerConfig
 from gpu_worker.forks import copy_pages
-from gpu_worker.forward_context import ForwardContext
+from gpu_worker.forward_context import BatchRows, ForwardContext
 from gpu_worker.kv_cache import KVPool
 from gpu_worker.models import CausalLM
 from gpu_worker.pooling import final_norm, pooled_rows, why_no_pooling
@@ -163,7 +163,9 @@ class ModelRunner:
         name = self.config.kv_cache_dtype
         kv_dtype = self.backend.kv_cache_dtype(self._dtype) if name == "auto" else _DTYPES[name]
         elem_bytes = torch.empty((), dtype=kv_dtype).element_size()
-        bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * elem_bytes
+        latent = bool(getattr(model, "latent_kv", False))  # one vector a token a layer (kv_cache.py)
+        bytes_per_token = (1 if latent else 2) * model.num_layers * model.num_kv_heads * model.head_dim
+        bytes_per_token *= elem_bytes
         tokens = self.backend.kv_pool_tokens(
             self.config.kv_cache_tokens, self.config.kv_mem_fraction, bytes_per_token
         )
@@ -179,13 +181,15 @@ class ModelRunner:
             context_len=self._context_len,
             dtype=kv_dtype,
             device=self._device,
+            latent=latent,
         )
         logger.info(
-            "KV pool: %d pages of %d tokens, %s (%d bytes a token)",
+            "KV pool: %d pages of %d tokens, %s (%d bytes a token%s)",
             self.kv.num_pages,
             self.kv.page_size,
             str(kv_dtype).removeprefix("torch."),
             bytes_per_token,
+            ", latent" if latent else "",
         )
 
         self.states = state_pool_for(model, self.config.max_running_requests, self._dtype, self._device)
@@ -272,8 +276,11 @@ class ModelRunner:
             self.kv, batch.req_pool_idx, batch.prefix_lens, batch.extend_lens
         )
         recurrent = None if self.states is None else begin_batch(self.states, batch)
+        rows = BatchRows(batch.req_pool_idx, batch.prefix_lens, batch.extend_lens, self.kv.page_table,
+                         self.kv.page_size)  # fmt: skip
         ctx = ForwardContext(positions=positions, attn=meta, k_cache=self.kv.k, v_cache=self.kv.v,
-                             backend=self.backend, recurrent=recurrent)  # fmt: skip
+                             backend=self.backend, recurrent=recurrent, rows=rows,
+                             latent_form=self.config.latent_attention)  # fmt: skip
         input_ids = self._input_ids(batch)
         view, view_ids = committed(batch, input_ids)  # a draft is no input until it is kept
         for state in self.draws.states:
