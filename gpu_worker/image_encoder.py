@@ -1,0 +1,111 @@
+"""The worker's images: the vision tower run over a step's new images, batched, before the forward
+that needs them, and its outputs cached by image hash, so a prompt whose chunks cut through an
+image's tokens, or an image sent again, is encoded once.
+
+A ForwardBatch lists, per row, the images with tokens among the row's positions
+(``ForwardBatch.images`` / ``image_rows``); ``splice`` gives the flat token indices of those
+positions and the embeddings that replace theirs (``ForwardContext.images``; the model's forward
+puts them in place after its embedding scale, as HF does).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from itertools import accumulate
+
+import numpy as np
+import torch
+
+from gpu_worker.models.vision import VisionTower
+from protocol.images import ImageInput
+from protocol.messages import ForwardBatch
+
+CACHED_IMAGES = 64  # encoded images kept (least recently used dropped first)
+
+
+@dataclass(frozen=True)
+class ImageSplice:
+    """Which of the batch's tokens are image positions, and their embeddings."""
+
+    index: torch.Tensor  # [N] flat token indices into the batch
+    values: torch.Tensor  # [N, hidden]
+
+
+class ImageEncoder:
+    """The vision tower and its outputs, by image key."""
+
+    def __init__(self, tower: VisionTower, device: torch.device, dtype: torch.dtype) -> None:
+        self.tower = tower
+        self.device, self.dtype = device, dtype
+        self.cache: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.encoded_batches: list[int] = []  # images per tower call, for tests and logs
+
+    def splice(self, batch: ForwardBatch) -> ImageSplice | None:
+        """The batch's image positions and their embeddings (None: it has none); raises ValueError
+        on an image the tower's output does not fit."""
+        if not batch.images:
+            return None
+        self._encode_new(batch.images)
+        starts = list(accumulate(batch.extend_lens, initial=0))
+        index: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for row, image in zip(batch.image_rows, batch.images, strict=True):
+            first, end = batch.prefix_lens[row], batch.prefix_lens[row] + batch.extend_lens[row]
+            lo, hi = max(image.offset, first), min(image.end, end)
+            if lo >= hi:
+                raise ValueError(f"image {image.key} has no tokens in row {row}")
+            flat = starts[row] + lo - first
+            index.append(torch.arange(flat, flat + hi - lo))
+            values.append(self.cache[image.key][lo - image.offset : hi - image.offset])
+        self._evict()
+        return ImageSplice(torch.cat(index).to(self.device), torch.cat(values))
+
+    def _encode_new(self, images: list[ImageInput]) -> None:
+        """Run the tower once per pixel shape over the images not cached yet."""
+        new: dict[int, ImageInput] = {}
+        for image in images:
+            if image.key in self.cache:
+                self.cache.move_to_end(image.key)
+            else:
+                new.setdefault(image.key, image)
+        by_shape: dict[tuple[int, ...], list[ImageInput]] = {}
+        for image in new.values():
+            by_shape.setdefault(tuple(image.shape), []).append(image)
+        for shape, group in by_shape.items():
+            pixels = torch.from_numpy(np.stack([_pixels(image, shape) for image in group]))
+            with torch.inference_mode():
+                out = self.tower(pixels.to(self.device, self.dtype))
+            self.encoded_batches.append(len(group))
+            for image, embeds in zip(group, out, strict=True):
+                if embeds.shape[0] != image.length:
+                    raise ValueError(
+                        f"image {image.key}: {image.length} image tokens, the tower gives {embeds.shape[0]}"
+                    )
+                self.cache[image.key] = embeds
+
+    def _evict(self) -> None:
+        while len(self.cache) > CACHED_IMAGES:
+            self.cache.popitem(last=False)
+
+
+def _pixels(image: ImageInput, shape: tuple[int, ...]) -> np.ndarray:
+    count = int(np.prod(shape))
+    if len(image.pixels) != 4 * count:
+        raise ValueError(f"image {image.key}: {len(image.pixels)} bytes of pixels for shape {list(shape)}")
+    return np.frombuffer(image.pixels, dtype=np.float32).reshape(shape)
+
+
+def image_encoder_for(model_path: str, dtype: torch.dtype, device: torch.device) -> ImageEncoder | None:
+    """The encoder of the model at ``model_path``, or None for a model without a vision tower."""
+    from gpu_worker.models.vision import load_vision_tower
+
+    tower = load_vision_tower(model_path, dtype, device)
+    return None if tower is None else ImageEncoder(tower, device, dtype)
+
+
+def splice_images(x: torch.Tensor, images: ImageSplice | None) -> torch.Tensor:
+    """``x`` [T, hidden] with the image positions' rows replaced by their embeddings."""
+    if images is None:
+        return x
+    return x.index_copy(0, images.index, images.values.to(x.dtype))
