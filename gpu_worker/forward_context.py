@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from gpu_worker.image_encoder import ImageSplice
     from gpu_worker.recurrent_state import RecurrentBatch
 
 
@@ -62,6 +63,7 @@ class ForwardContext:
     v_cache: list[torch.Tensor]
     backend: PagedAttention
     recurrent: RecurrentBatch | None = None  # a hybrid model's: its rows' recurrent-state slots
+    images: ImageSplice | None = None  # the image positions' embeddings (image_encoder.py)
     rows: BatchRows | None = None
     latent_form: str = "auto"  # latent attention: auto | absorbed | expanded (--latent-attention)
 

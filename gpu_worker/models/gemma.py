@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from gpu_worker.forward_context import PLAIN, AttentionOptions, ForwardContext, paged_attention
+from gpu_worker.image_encoder import splice_images
 from gpu_worker.models.contract import AttentionLayer, Layer, Split
 from gpu_worker.models.layers import Embedding, Linear, MergedLinear, activation, apply_rotary
 from gpu_worker.models.rope import rotary_cache
@@ -135,7 +136,7 @@ class GemmaForCausalLM(nn.Module):
     tensor_parallel: tuple[int, int] | None = None  # (rank, world): tensor_parallel.shard's
 
     # A multimodal Gemma 3 checkpoint: its language model under language_model. (or
-    # model.language_model.), beside a vision tower we do not serve.
+    # model.language_model.), beside its vision tower (loaded apart: models/vision.py).
     checkpoint_renames = (
         (r"^language_model\.model\.", "model."),
         (r"^model\.language_model\.", "model."),
@@ -169,7 +170,7 @@ class GemmaForCausalLM(nn.Module):
         """Hidden states [T, hidden] before the final norm."""
         global_cos, global_sin = self.global_rotary(ctx.positions)
         local_cos, local_sin = self.local_rotary(ctx.positions)
-        x = self.model.embed_tokens(input_ids) * self.embed_scale
+        x = splice_images(self.model.embed_tokens(input_ids) * self.embed_scale, ctx.images)
         for layer in self.model.layers:
             if layer.local:
                 x = layer(x, local_cos, local_sin, ctx)
