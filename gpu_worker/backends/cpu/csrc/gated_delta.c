@@ -1,0 +1,335 @@
+/* The gated delta rule of Gated DeltaNet layers (Qwen3.5, Qwen3-Next) over a pool of float32
+ * recurrent states, and the causal depthwise conv1d in front of it with its own state pool.
+ *
+ * Per value head h of a request, the state S [d_k, d_v] follows, token by token,
+ *     S <- a S + k delta^T,  delta = beta (v - a S^T k),  o = S^T q     (a = exp(g), g <= 0)
+ * with q, k the token's key head h / (v_heads / k_heads) (each key head serves consecutive value
+ * heads), L2-normed and q scaled when asked (HF's use_qk_l2norm_in_kernel). The state stays float32
+ * whatever the activations' dtype; q, k, v and the output are float32 or bfloat16, all math float32.
+ *
+ * Decode reads S twice (S^T k with S^T q, then the update), the least a token can: the output comes
+ * from the first read, o = a S^T q + (k . q) delta, not from a third pass over the new state.
+ * Prefill runs the chunked form over blocks of CHUNK tokens: within a block the token-by-token
+ * updates fold into a unit lower-triangular system, so the state is read and written once per
+ * block, and the work is small matrix products (register-tiled below) instead of T passes over S.
+ * Both are the recurrence to float32 rounding (tests/gpu_worker/test_gated_delta_kernels.py). */
+#include "common.h"
+#include "rivulet_kernels.h"
+#include <stdlib.h>
+
+#define CHUNK 64           /* prefill's block of tokens */
+#define L2NORM_EPS 1e-6f   /* HF's l2norm (and fla's) */
+#define MAX_CONV_KERNEL 8  /* taps of causal_conv1d */
+#define CONV_BLOCK 64      /* channels per conv task */
+#define TM 4               /* a gemm tile's rows ... */
+#define TN 16              /* ... and columns: 4 accumulators of 16 lanes */
+
+static inline float load_one(const void *base, int dtype, int64_t at) {
+    return dtype == DTYPE_BF16 ? bf16_to_f32(((const uint16_t *)base)[at]) : ((const float *)base)[at];
+}
+
+/* n elements of q or k as float32, L2-normed (x * rsqrt(sum x^2 + eps), HF's l2norm) when asked,
+ * then times scale (HF scales after the norm: two roundings, as here). */
+static void load_head(const void *src, int dtype, int64_t at, int n, float *dst, int l2norm, float scale) {
+    load_vec(src, dtype, at, n, dst);
+    if (l2norm) {
+        float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+        for (int i = 0; i < n; i++) sq += dst[i] * dst[i];
+        const float inv = 1.0f / sqrtf(sq + L2NORM_EPS);
+        for (int i = 0; i < n; i++) dst[i] *= inv;
+    }
+    if (scale != 1.0f)
+        for (int i = 0; i < n; i++) dst[i] *= scale;
+}
+
+/* The arguments both forms share, checked once. */
+static int check_heads(int dtype, int g_dtype, int beta_dtype, int k_heads, int v_heads, int dk, int dv) {
+    if ((dtype != DTYPE_F32 && dtype != DTYPE_BF16) || (g_dtype != DTYPE_F32 && g_dtype != DTYPE_BF16) ||
+        (beta_dtype != DTYPE_F32 && beta_dtype != DTYPE_BF16))
+        return RV_ERR_DTYPE;
+    if (k_heads < 1 || v_heads < k_heads || v_heads % k_heads != 0 || dk < 1 || dv < 1 || dk > MAX_HEAD_DIM ||
+        dv > MAX_HEAD_DIM)
+        return RV_ERR_HEADS;
+    return RV_OK;
+}
+
+/* One token of one value head: S updated in place, o [dv] written (float32). */
+static void decode_head(float *S, const float *q, const float *k, const float *v, float g, float beta, int dk, int dv,
+                        float *o) {
+    float sk[MAX_HEAD_DIM], sq[MAX_HEAD_DIM], delta[MAX_HEAD_DIM];
+    const float a = expf(g);
+    float kq = 0.0f;
+    for (int j = 0; j < dv; j++) sk[j] = sq[j] = 0.0f;
+    for (int i = 0; i < dk; i++) {
+        const float *s = S + (int64_t)i * dv;
+        const float ki = k[i], qi = q[i];
+        kq += ki * qi;
+#pragma omp simd
+        for (int j = 0; j < dv; j++) {
+            sk[j] += ki * s[j];
+            sq[j] += qi * s[j];
+        }
+    }
+    for (int j = 0; j < dv; j++) {
+        delta[j] = beta * (v[j] - a * sk[j]);
+        o[j] = a * sq[j] + kq * delta[j];
+    }
+    for (int i = 0; i < dk; i++) {
+        float *s = S + (int64_t)i * dv;
+        const float ki = k[i];
+#pragma omp simd
+        for (int j = 0; j < dv; j++) s[j] = a * s[j] + ki * delta[j];
+    }
+}
+
+int gated_delta_decode(const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
+                       int64_t v_stride, int dtype, const void *g, int64_t g_stride, int g_dtype, const void *beta,
+                       int64_t beta_stride, int beta_dtype, float *state, const int64_t *slots,
+                       const uint8_t *fresh, void *out, int64_t rows, int k_heads, int v_heads, int dk, int dv,
+                       int l2norm, float scale) {
+    const int status = check_heads(dtype, g_dtype, beta_dtype, k_heads, v_heads, dk, dv);
+    if (status != RV_OK) return status;
+    const int group = v_heads / k_heads;
+    const int64_t head_state = (int64_t)dk * dv;
+#pragma omp parallel for collapse(2) schedule(static) if (rows * v_heads * head_state >= (1 << 16))
+    for (int64_t r = 0; r < rows; r++) {
+        for (int h = 0; h < v_heads; h++) {
+            float qv[MAX_HEAD_DIM], kv[MAX_HEAD_DIM], vv[MAX_HEAD_DIM], o[MAX_HEAD_DIM];
+            const int hk = h / group;
+            float *S = state + (slots[r] * v_heads + h) * head_state;
+            if (fresh != NULL && fresh[r]) memset(S, 0, (size_t)head_state * sizeof(float));
+            load_head(q, dtype, r * q_stride + (int64_t)hk * dk, dk, qv, l2norm, scale);
+            load_head(k, dtype, r * k_stride + (int64_t)hk * dk, dk, kv, l2norm, 1.0f);
+            load_vec(v, dtype, r * v_stride + (int64_t)h * dv, dv, vv);
+            const float gt = load_one(g, g_dtype, r * g_stride + h);
+            const float bt = load_one(beta, beta_dtype, r * beta_stride + h);
+            decode_head(S, qv, kv, vv, gt, bt, dk, dv, o);
+            store_vec(out, dtype, (r * v_heads + h) * dv, dv, o);
+        }
+    }
+    return RV_OK;
+}
+
+/* c[m, n] = a[m, kk] b[kk, n] (+ c when accumulate): TM x TN tiles of register accumulators. */
+static void gemm(int m, int n, int kk, const float *a, int lda, const float *b, int ldb, float *c, int ldc,
+                 int accumulate) {
+    for (int i0 = 0; i0 < m; i0 += TM) {
+        for (int j0 = 0; j0 < n; j0 += TN) {
+            float acc[TM][TN];
+            float *ct = c + (int64_t)i0 * ldc + j0;
+            const float *at = a + (int64_t)i0 * lda;
+            if (m - i0 >= TM && n - j0 >= TN) {
+                for (int r = 0; r < TM; r++)
+                    for (int jj = 0; jj < TN; jj++) acc[r][jj] = accumulate ? ct[r * ldc + jj] : 0.0f;
+                for (int d = 0; d < kk; d++) {
+                    const float *bd = b + (int64_t)d * ldb + j0;
+                    for (int r = 0; r < TM; r++) {
+                        const float ar = at[r * lda + d];
+#pragma omp simd
+                        for (int jj = 0; jj < TN; jj++) acc[r][jj] += ar * bd[jj];
+                    }
+                }
+                for (int r = 0; r < TM; r++)
+                    for (int jj = 0; jj < TN; jj++) ct[r * ldc + jj] = acc[r][jj];
+                continue;
+            }
+            const int mi = m - i0 < TM ? m - i0 : TM, nj = n - j0 < TN ? n - j0 : TN; /* an edge tile */
+            for (int r = 0; r < mi; r++)
+                for (int jj = 0; jj < nj; jj++) acc[r][jj] = accumulate ? ct[r * ldc + jj] : 0.0f;
+            for (int d = 0; d < kk; d++)
+                for (int r = 0; r < mi; r++)
+                    for (int jj = 0; jj < nj; jj++) acc[r][jj] += at[r * lda + d] * b[(int64_t)d * ldb + j0 + jj];
+            for (int r = 0; r < mi; r++)
+                for (int jj = 0; jj < nj; jj++) ct[r * ldc + jj] = acc[r][jj];
+        }
+    }
+}
+
+/* A thread's scratch for one block of one head (sizes in floats). */
+typedef struct {
+    float *kq;  /* [2 CHUNK, dk]: the block's L k rows, then its L q rows */
+    float *kt;  /* [dk, CHUNK]: k transposed, then weighted for the state update */
+    float *pq;  /* [2 CHUNK, dv]: K S then Q S; Q S becomes the output */
+    float *u;   /* [CHUNK, dv]: v, then the block's deltas */
+    float *gram; /* [2 CHUNK, CHUNK]: K K^T then Q K^T, then the masked, decayed systems */
+    float gc[CHUNK], beta[CHUNK];
+} chunk_scratch;
+
+/* The block of L tokens [t0, t0 + L) of head h (key head hk): out rows written, S advanced by L. */
+static void chunk_block(float *S, const chunk_scratch *w, int L, int dk, int dv) {
+    float *kq = w->kq, *kt = w->kt, *pq = w->pq, *u = w->u, *gram = w->gram;
+    const float *gc = w->gc, *beta = w->beta;
+    for (int i = 0; i < L; i++)
+        for (int d = 0; d < dk; d++) kt[d * CHUNK + i] = kq[i * dk + d];
+    /* pq = [K; Q] S and gram = [K; Q] K^T */
+    gemm(2 * L, dv, dk, kq, dk, S, dv, pq, dv, 0);
+    gemm(2 * L, L, dk, kq, dk, kt, CHUNK, gram, CHUNK, 0);
+    float *ps = pq, *qs = pq + (int64_t)L * dv, *kk = gram, *qk = gram + (int64_t)L * CHUNK;
+    /* right-hand side beta_i (v_i - exp(gc_i) k_i S), then (I + A) U = rhs by forward substitution,
+     * A_ij = beta_i exp(gc_i - gc_j) k_i . k_j for j < i (exponents <= 0: g <= 0) */
+    for (int i = 0; i < L; i++) {
+        const float e = expf(gc[i]);
+        float *ui = u + (int64_t)i * dv;
+        for (int j = 0; j < dv; j++) ui[j] = beta[i] * (ui[j] - e * ps[(int64_t)i * dv + j]);
+        for (int j = 0; j < i; j++) {
+            const float aij = beta[i] * expf(gc[i] - gc[j]) * kk[i * CHUNK + j];
+            const float *uj = u + (int64_t)j * dv;
+#pragma omp simd
+            for (int c = 0; c < dv; c++) ui[c] -= aij * uj[c];
+        }
+    }
+    /* out_i = exp(gc_i) q_i S + sum_{j <= i} exp(gc_i - gc_j) (q_i . k_j) u_j */
+    for (int i = 0; i < L; i++) {
+        const float e = expf(gc[i]);
+        for (int j = 0; j < dv; j++) qs[(int64_t)i * dv + j] *= e;
+        for (int j = 0; j < L; j++) qk[i * CHUNK + j] = j <= i ? qk[i * CHUNK + j] * expf(gc[i] - gc[j]) : 0.0f;
+    }
+    gemm(L, dv, L, qk, CHUNK, u, dv, qs, dv, 1);
+    /* S = exp(gc_last) S + sum_j exp(gc_last - gc_j) k_j u_j^T */
+    const float last = gc[L - 1], e_last = expf(last);
+    for (int j = 0; j < L; j++) {
+        const float wj = expf(last - gc[j]);
+        for (int d = 0; d < dk; d++) kt[d * CHUNK + j] *= wj;
+    }
+    for (int64_t i = 0; i < (int64_t)dk * dv; i++) S[i] *= e_last;
+    gemm(dk, dv, L, kt, CHUNK, u, dv, S, dv, 1);
+}
+
+/* The scratch's floats for dk, dv (one allocation per thread). */
+static int64_t scratch_floats(int dk, int dv) {
+    return 2 * CHUNK * (int64_t)dk + (int64_t)dk * CHUNK + 2 * CHUNK * (int64_t)dv + CHUNK * (int64_t)dv +
+           2 * CHUNK * CHUNK;
+}
+
+/* Tokens [t0, t1) of one row through one value head: S advanced, outputs written. */
+static void prefill_head(float *S, chunk_scratch *w, const void *q, int64_t q_stride, const void *k,
+                         int64_t k_stride, const void *v, int64_t v_stride, int dtype, const void *g,
+                         int64_t g_stride, int g_dtype, const void *beta, int64_t beta_stride, int beta_dtype,
+                         void *out, int64_t t0, int64_t t1, int h, int hk, int v_heads, int dk, int dv, int l2norm,
+                         float scale) {
+    for (int64_t b0 = t0; b0 < t1; b0 += CHUNK) {
+        const int L = (int)(t1 - b0 < CHUNK ? t1 - b0 : CHUNK);
+        float cum = 0.0f;
+        for (int i = 0; i < L; i++) {
+            const int64_t t = b0 + i;
+            load_head(k, dtype, t * k_stride + (int64_t)hk * dk, dk, w->kq + (int64_t)i * dk, l2norm, 1.0f);
+            load_head(q, dtype, t * q_stride + (int64_t)hk * dk, dk, w->kq + (int64_t)(L + i) * dk, l2norm,
+                      scale);
+            load_vec(v, dtype, t * v_stride + (int64_t)h * dv, dv, w->u + (int64_t)i * dv);
+            cum += load_one(g, g_dtype, t * g_stride + h);
+            w->gc[i] = cum;
+            w->beta[i] = load_one(beta, beta_dtype, t * beta_stride + h);
+        }
+        chunk_block(S, w, L, dk, dv);
+        const float *o = w->pq + (int64_t)L * dv;
+        for (int i = 0; i < L; i++) store_vec(out, dtype, ((b0 + i) * v_heads + h) * dv, dv, o + (int64_t)i * dv);
+    }
+}
+
+int gated_delta_prefill(const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
+                        int64_t v_stride, int dtype, const void *g, int64_t g_stride, int g_dtype, const void *beta,
+                        int64_t beta_stride, int beta_dtype, float *state, const int64_t *slots,
+                        const uint8_t *fresh, const int64_t *cu_seqlens, int64_t seqs, void *out, int k_heads,
+                        int v_heads, int dk, int dv, int l2norm, float scale) {
+    int status = check_heads(dtype, g_dtype, beta_dtype, k_heads, v_heads, dk, dv);
+    if (status != RV_OK) return status;
+    const int group = v_heads / k_heads;
+    const int64_t head_state = (int64_t)dk * dv;
+#pragma omp parallel
+    {
+        float *mem = malloc((size_t)scratch_floats(dk, dv) * sizeof(float));
+        chunk_scratch w = {0};
+        if (mem == NULL) {
+#pragma omp atomic write
+            status = RV_ERR_NO_MEMORY;
+        } else {
+            w.kq = mem;
+            w.kt = w.kq + 2 * CHUNK * (int64_t)dk;
+            w.pq = w.kt + (int64_t)dk * CHUNK;
+            w.u = w.pq + 2 * CHUNK * (int64_t)dv;
+            w.gram = w.u + CHUNK * (int64_t)dv;
+        }
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t r = 0; r < seqs; r++) {
+            for (int h = 0; h < v_heads; h++) {
+                if (mem == NULL) continue;
+                float *S = state + (slots[r] * v_heads + h) * head_state;
+                if (fresh != NULL && fresh[r]) memset(S, 0, (size_t)head_state * sizeof(float));
+                prefill_head(S, &w, q, q_stride, k, k_stride, v, v_stride, dtype, g, g_stride, g_dtype, beta,
+                             beta_stride, beta_dtype, out, cu_seqlens[r], cu_seqlens[r + 1], h, h / group, v_heads,
+                             dk, dv, l2norm, scale);
+            }
+        }
+        free(mem);
+    }
+    return status;
+}
+
+/* One block of channels [c0, c0 + n) of one row's tokens [t0, t1): outputs, then the state. */
+static void conv_block(const void *x, int64_t x_stride, int dtype, void *out, void *conv_state, int state_dtype,
+                       int64_t state_len, int64_t slot, int zero, const void *w, const void *bias, int64_t channels,
+                       int kernel, int silu, int64_t t0, int64_t t1, int64_t c0, int n) {
+    float wt[CONV_BLOCK][MAX_CONV_KERNEL], hist[CONV_BLOCK][MAX_CONV_KERNEL], bv[CONV_BLOCK], xv[CONV_BLOCK],
+        o[CONV_BLOCK], row[MAX_CONV_KERNEL + CONV_BLOCK];
+    const int taps = kernel - 1;
+    const int64_t base = slot * channels * state_len;
+    for (int c = 0; c < n; c++) {
+        load_vec(w, dtype, (c0 + c) * kernel, kernel, row);
+        for (int m = 0; m < kernel; m++) wt[c][m] = row[m];
+        bv[c] = bias != NULL ? load_one(bias, dtype, c0 + c) : 0.0f;
+        load_vec(conv_state, state_dtype, base + (c0 + c) * state_len + state_len - taps, taps, row);
+        for (int m = 0; m < taps; m++) hist[c][m] = zero ? 0.0f : row[m];
+    }
+    for (int64_t t = t0; t < t1; t++) {
+        load_vec(x, dtype, t * x_stride + c0, n, xv);
+        for (int c = 0; c < n; c++) {
+            float s = bv[c];
+            for (int m = 0; m < taps; m++) s += wt[c][m] * hist[c][m];
+            o[c] = s + wt[c][taps] * xv[c];
+            for (int m = 0; m + 1 < taps; m++) hist[c][m] = hist[c][m + 1];
+            if (taps > 0) hist[c][taps - 1] = xv[c];
+        }
+        if (silu) { /* torch rounds the conv's output, then silu's, to the dtype */
+            round_vec(dtype, o, n);
+            for (int c = 0; c < n; c++) o[c] = o[c] / (1.0f + expf(-o[c]));
+        }
+        store_vec(out, dtype, t * channels + c0, n, o);
+    }
+    /* the state keeps the last state_len inputs: older ones shifted down, the row's tokens after */
+    const int64_t T = t1 - t0;
+    for (int c = 0; c < n; c++) {
+        const int64_t at = base + (c0 + c) * state_len;
+        load_vec(conv_state, state_dtype, at, (int)state_len, row);
+        for (int64_t m = 0; m < state_len; m++) {
+            const int64_t from = m + T; /* position in [old state, tokens] */
+            if (from < state_len) {
+                row[m] = zero ? 0.0f : row[from];
+            } else {
+                row[m] = load_one(x, dtype, (t0 + from - state_len) * x_stride + c0 + c);
+            }
+        }
+        store_vec(conv_state, state_dtype, at, (int)state_len, row);
+    }
+}
+
+int causal_conv1d(const void *x, int64_t x_stride, int dtype, void *out, void *conv_state, int state_dtype,
+                  int64_t state_len, const int64_t *slots, const uint8_t *fresh, const int64_t *cu_seqlens,
+                  int64_t seqs, const void *w, const void *bias, int64_t channels, int kernel, int silu) {
+    if ((dtype != DTYPE_F32 && dtype != DTYPE_BF16) || (state_dtype != DTYPE_F32 && state_dtype != DTYPE_BF16))
+        return RV_ERR_DTYPE;
+    if (kernel < 1 || kernel > MAX_CONV_KERNEL || state_len < kernel - 1 || state_len > MAX_CONV_KERNEL)
+        return RV_ERR_HEADS;
+    const int64_t blocks = (channels + CONV_BLOCK - 1) / CONV_BLOCK;
+#pragma omp parallel for collapse(2) schedule(static) if (seqs * channels >= (1 << 14))
+    for (int64_t r = 0; r < seqs; r++) {
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t c0 = b * CONV_BLOCK;
+            const int n = (int)(channels - c0 < CONV_BLOCK ? channels - c0 : CONV_BLOCK);
+            conv_block(x, x_stride, dtype, out, conv_state, state_dtype, state_len, slots[r],
+                       fresh != NULL && fresh[r], w, bias, channels, kernel, silu, cu_seqlens[r], cu_seqlens[r + 1],
+                       c0, n);
+        }
+    }
+    return RV_OK;
+}
