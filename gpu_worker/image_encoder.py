@@ -109,3 +109,13 @@ def splice_images(x: torch.Tensor, images: ImageSplice | None) -> torch.Tensor:
     if images is None:
         return x
     return x.index_copy(0, images.index, images.values.to(x.dtype))
+
+
+def batch_images(encoder: ImageEncoder | None, batch: ForwardBatch) -> ImageSplice | None:
+    """``encoder.splice(batch)``; a batch with images for a model without a tower is an error (its
+    image tokens would be read as text)."""
+    if not batch.images:
+        return None
+    if encoder is None:
+        raise ValueError("the batch has images and this model has no vision tower")
+    return encoder.splice(batch)
