@@ -1,7 +1,8 @@
 """Make the bench's bigger GGUFs (bench/lib/gguf_models.py) in the user's cache and print their paths.
 
-python -m bench.gguf_models                      # make every type (skipped when made), print paths
-python -m bench.gguf_models --types q4_k_m,q4_0  # some
+python -m bench.gguf_models                      # the 1B in q4_k_m, q4_0, q4_1, q8_0 (skipped when made)
+python -m bench.gguf_models --types q5_0,q5_1,iq4_nl,iq4_xs,bf16,f16,mixed   # the other types
+python -m bench.gguf_models --shapes gemma3_270m --types q4_k_m  # Gemma 3 270M's shape (Q5_0 mostly)
 python -m bench.gguf_models --shapes qwen3moe30b --types q4_k_m   # the mixture of experts (~3.2 GB)
 python -m bench.targets --model llama1b-q4_k_m --peer-llama-cpp auto   # a made model by name
 """
@@ -13,11 +14,13 @@ import sys
 
 from bench.lib.gguf_models import FILE_TYPES, LLAMA_1B, SHAPES, model_path, write_model
 
+DEFAULT_TYPES = "q4_k_m,q4_0,q4_1,q8_0"
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=LLAMA_1B.name, help=f"comma list of {', '.join(SHAPES)}")
-    ap.add_argument("--types", default=",".join(FILE_TYPES), help=f"comma list of {', '.join(FILE_TYPES)}")
+    ap.add_argument("--types", default=DEFAULT_TYPES, help=f"comma list of {', '.join(FILE_TYPES)}")
     ap.add_argument("--force", action="store_true", help="rewrite files that exist")
     args = ap.parse_args(argv)
     for shape in (SHAPES[name] for name in args.shapes.split(",")):

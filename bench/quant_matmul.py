@@ -38,6 +38,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.lib.floor import read_bandwidth  # noqa: E402
+from bench.lib.gguf_blocks import random_blocks  # noqa: E402
 from gpu_worker.backends.cpu import kernels as cpu_kernels  # noqa: E402
 from gpu_worker.backends.cpu.layouts import A8, X8_TYPES, interleave_rows, kernel_type  # noqa: E402
 from gpu_worker.weights.formats import QuantBlocks  # noqa: E402
@@ -48,7 +49,9 @@ LAYERS = 30
 ROWS = (1, 8, 32, 256)
 TYPES = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
          "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_k": gguf.GGMLQuantizationType.Q4_K,
-         "q5_k": gguf.GGMLQuantizationType.Q5_K, "q6_k": gguf.GGMLQuantizationType.Q6_K}  # fmt: skip
+         "q5_k": gguf.GGMLQuantizationType.Q5_K, "q6_k": gguf.GGMLQuantizationType.Q6_K,
+         "q5_0": gguf.GGMLQuantizationType.Q5_0, "q5_1": gguf.GGMLQuantizationType.Q5_1,
+         "iq4_nl": gguf.GGMLQuantizationType.IQ4_NL, "iq4_xs": gguf.GGMLQuantizationType.IQ4_XS}  # fmt: skip
 K_QUANTS = {gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K}
 
 Pass = Callable[[int], object]
@@ -68,6 +71,8 @@ def quantized(
         for i, off in enumerate(at):
             blocks[:, off : off + 2] = d[:, 2 * i : 2 * i + 2]
         return torch.from_numpy(blocks.reshape(shape[0], -1))
+    if qtype in (gguf.GGMLQuantizationType.IQ4_NL, gguf.GGMLQuantizationType.IQ4_XS):  # none in gguf-py
+        return torch.from_numpy(random_blocks(qtype, shape[0], shape[1], rng, std=0.05))
     w = rng.standard_normal(shape, dtype=np.float32) * 0.05
     return torch.from_numpy(gguf.quants.quantize(w, qtype))
 

@@ -3,6 +3,7 @@ GGUF's tokenizer fields, and bench model names resolved to made files."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import gguf
@@ -55,12 +56,59 @@ def test_tokenizer_fields_are_the_embedded_ggufs(q4_k_m: gguf.GGUFReader) -> Non
     assert q4_k_m.fields["llama.attention.head_count_kv"].contents() == 2
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+RANDOM_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+RANDOM_TYPES += [Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.BF16, Q.F16]
+
+
+@pytest.mark.parametrize("qtype", RANDOM_TYPES, ids=lambda q: q.name)
 def test_random_blocks_have_the_asked_spread(qtype: Q) -> None:
     blocks = gguf_models.random_blocks(qtype, 16, 1024, np.random.default_rng(1), std=0.05)
     w = gguf.quants.dequantize(blocks, qtype)
     # (Q4_0's and Q6_K's quants are centred half a step low: d (q - 8), q in [0, 16))
     assert w.shape == (16, 1024) and abs(float(w.mean())) < 6e-3 and 0.04 < float(w.std()) < 0.06
+
+
+def _types(shape: Shape, file_type: str) -> dict[str, Q]:
+    return {name: qtype for name, qtype, _ in gguf_models._tensors(shape, file_type) if qtype is not None}
+
+
+def test_gemma3_270m_q4_k_m_falls_back_as_llama_quantize() -> None:
+    """640-wide rows are not whole super-blocks: q/k/gate/up Q5_0, v Q5_0 or (more bits) Q8_0, the
+    embedding Q8_0; o (1024 wide) and down (2048) stay K-quants."""
+    types = _types(gguf_models.GEMMA3_270M, "q4_k_m")
+    assert types["token_embd.weight"] == Q.Q8_0
+    for i in range(18):
+        more = gguf_models.more_bits(i, 18)
+        for role in ("attn_q", "attn_k", "ffn_gate", "ffn_up"):
+            assert types[f"blk.{i}.{role}.weight"] == Q.Q5_0
+        assert types[f"blk.{i}.attn_v.weight"] == (Q.Q8_0 if more else Q.Q5_0)
+        assert types[f"blk.{i}.attn_output.weight"] == Q.Q4_K
+        assert types[f"blk.{i}.ffn_down.weight"] == (Q.Q6_K if more else Q.Q4_K)
+
+
+def test_new_file_types_mix() -> None:
+    """``mixed``: q/k/v/o in the fallbacks, the MLP Q4_K_M's; IQ4 files: v (8 query heads a KV head
+    here) and the first eighth's down in Q5_K; BF16 / F16 files: every weight."""
+    mixed = _types(gguf_models.LLAMA_1B, "mixed")
+    assert mixed["blk.0.attn_q.weight"] == Q.Q5_0 and mixed["blk.0.attn_v.weight"] == Q.Q8_0
+    assert mixed["blk.2.attn_v.weight"] == Q.Q5_0 and mixed["blk.2.ffn_gate.weight"] == Q.Q4_K
+    assert mixed["blk.0.ffn_down.weight"] == Q.Q6_K and mixed["token_embd.weight"] == Q.Q6_K
+    iq4 = _types(gguf_models.LLAMA_1B, "iq4_xs")
+    assert iq4["blk.5.attn_v.weight"] == Q.Q5_K and iq4["blk.0.ffn_down.weight"] == Q.Q5_K
+    assert iq4["blk.5.ffn_down.weight"] == iq4["blk.5.attn_q.weight"] == Q.IQ4_XS
+    assert set(_types(gguf_models.LLAMA_1B, "bf16").values()) == {Q.BF16}
+
+
+def test_a_larger_vocabulary_pads_the_tokens(tmp_path: Path) -> None:
+    """A Gemma-shaped file (fewer layers) with more tokens than SmolLM2's: its tokens padded with unused
+    ones to the embedding's rows (llama.cpp checks them), the window in its fields."""
+    shape = dataclasses.replace(gguf_models.GEMMA3_270M, name="g", layers=2, vocab=49160, ffn=256)
+    reader = gguf.GGUFReader(str(gguf_models.write_model(tmp_path / "g.gguf", shape, "q4_k_m")))
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) == 49160 and tokens[-1] == "<unused49159>"
+    assert reader.fields["tokenizer.ggml.token_type"].contents()[-1] == 5
+    assert reader.fields["gemma3.attention.sliding_window"].contents() == 512
+    assert {t.name: Q(t.tensor_type) for t in reader.tensors}["blk.1.ffn_up.weight"] == Q.Q5_0
 
 
 @pytest.mark.parametrize(
