@@ -115,16 +115,18 @@ def attend(
 ) -> torch.Tensor:
     """Write the batch's new K/V and attend every row; q: [T, Hq, D], k/v: [T, Hkv, D]."""
     paged = meta.paged_decode
-    # the kernel: a window and a scale, no soft-capping, no sinks
-    if paged is None or options.logit_softcap > 0 or options.sinks is not None:
+    if paged is None or options.logit_softcap > 0:  # the kernel: a window, a scale, sinks; no soft-capping
         return torch_attention.attend(meta.torch_metadata(), q, k, v, k_cache, v_cache, options)
     window, scale = options.sliding_window, options.scale
+    sinks = None if options.sinks is None else options.sinks.to(torch.float32).contiguous()
     out = torch.empty_like(q)
     if meta.all_decode:  # the kernel writes the rows' K/V itself
-        kernels.attend(q, k_cache, v_cache, out, paged.rows, (k, v), sliding_window=window, scale=scale)
+        kernels.attend(
+            q, k_cache, v_cache, out, paged.rows, (k, v), sliding_window=window, scale=scale, sinks=sinks
+        )
         return out
     tm = meta.torch_meta
     torch_attention.store_kv(k_cache, v_cache, k, v, tm.out_locs)
-    kernels.attend(q, k_cache, v_cache, out, paged.rows, sliding_window=window, scale=scale)
+    kernels.attend(q, k_cache, v_cache, out, paged.rows, sliding_window=window, scale=scale, sinks=sinks)
     torch_attention.attend_into(out, tm, q, k, v, k_cache, v_cache, options)  # its extend rows
     return out

@@ -60,6 +60,7 @@ class CpuKernels(QuantKernels):
             ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
             ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+            ctypes.c_void_p,
         ]  # fmt: skip
 
         i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -117,24 +118,29 @@ class CpuKernels(QuantKernels):
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         sliding_window: int = 0,
         scale: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """out[q_rows[i]] = softmax(q[q_rows[i]] K^T * scale) V for each of ``rows`` (scale 1 / sqrt(D)
         unless given; ``sliding_window`` > 0: each row attends its last ``sliding_window`` positions);
         q, out: [T, Hq, D]; caches [N, Hkv, D] (contiguous; float32, bfloat16 or float16, any q dtype).
         ``new_kv``: k, v [T, Hkv, D] (heads contiguous, q's dtype) of which row i's K/V (row q_rows[i])
-        are first written at its last position, rounded to the caches' dtype."""
+        are first written at its last position, rounded to the caches' dtype. ``sinks``: [Hq] float32
+        logits, one more term in each head's softmax with no value (gpt-oss's)."""
         _, heads, head_dim = q.shape
         assert q.stride(2) == 1 and q.stride(1) == head_dim, "q: heads and head_dim must be contiguous"
         k_ptr = v_ptr = k_stride = v_stride = 0
         if new_kv is not None:
             k, v = new_kv
             k_ptr, v_ptr, k_stride, v_stride = k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0)
+        if sinks is not None:
+            assert sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.shape == (heads,)
         status: int = self._attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
             DTYPE_CODES[q.dtype], KV_DTYPE_CODES[k_cache.dtype], rows.q_rows, rows.req_pool_idx, rows.kv_lens,
             rows.page_table, rows.pt_stride,
             rows.rows, heads, k_cache.shape[1], head_dim, rows.page_size,
             head_dim**-0.5 if scale is None else scale, k_ptr, k_stride, v_ptr, v_stride, sliding_window,
+            0 if sinks is None else sinks.data_ptr(),
         )  # fmt: skip
         assert status == 0, (
             f"paged_decode_attention refused ({abi.status_text(status)}) heads {heads}/{k_cache.shape[1]}, "

@@ -800,6 +800,16 @@ static inline void write_new_kv(void *k_cache, void *v_cache, const int64_t *pag
     store_vec(v_cache, kv_dtype, at, n, row);
 }
 
+/* Each of nq heads' outputs in res ([nq, head_dim], normalized over its positions, whose softmax max
+ * and sum attend left in stats: [nq] maxima, then [nq] sums) renormalized with its sink's logit in the
+ * denominator: out * l / (l + exp(sink - m)). */
+static void add_sinks(float *res, const float *stats, const float *sinks, int nq, int head_dim) {
+    for (int j = 0; j < nq; j++) {
+        const float m = stats[j], l = stats[nq + j], keep = l > 0.0f ? l / (l + expf(sinks[j] - m)) : 0.0f;
+        for (int d = 0; d < head_dim; d++) res[(int64_t)j * head_dim + d] *= keep;
+    }
+}
+
 /* The first position a row of ``len`` positions attends: its last ``window`` ones (0: all). */
 static inline int64_t window_start(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
 
@@ -813,7 +823,8 @@ static void attend_split(const void *q, int64_t q_row_stride, void *k_cache, voi
                          int kv_dtype, const int64_t *q_rows, const int64_t *req_pool_idx, const int64_t *kv_lens,
                          const int64_t *page_table, int64_t pt_stride, int64_t rows, int num_heads, int kv_heads,
                          int head_dim, int page_size, float scale, const void *k_new, int64_t k_new_stride,
-                         const void *v_new, int64_t v_new_stride, int64_t window, int parts, float *part) {
+                         const void *v_new, int64_t v_new_stride, int64_t window, const float *sinks, int parts,
+                         float *part) {
     const int group = num_heads / kv_heads, elem = dtype == DTYPE_BF16 ? 2 : 4;
     const int64_t kv_row = (int64_t)kv_heads * head_dim, width = (int64_t)num_heads * (head_dim + 2);
 #pragma omp parallel
@@ -842,6 +853,7 @@ static void attend_split(const void *q, int64_t q_row_stride, void *k_cache, voi
                 w[c] = l > 0.0f ? l * exp_nonpositive(m - top) : 0.0f;
                 total += w[c];
             }
+            if (sinks != NULL) total += expf(sinks[j] - top); /* the sink's share: a weight, no value */
             for (int c = 0; c < parts; c++) {
                 const float wc = total > 0.0f ? w[c] / total : 0.0f, *rc = first + c * width + j * head_dim;
                 for (int d = 0; d < head_dim; d++) o[d] += wc * rc[d];
@@ -905,7 +917,9 @@ static int attend_spans(const void *q, int64_t q_row_stride, const void *k_cache
  * q: [*, num_heads, head_dim] with row stride q_row_stride (elements); row r of this call
  * reads q row q_rows[r] and writes out row q_rows[r] (out: [*, num_heads, head_dim], contiguous).
  * Row r attends positions [0, kv_lens[r]) of page-table row req_pool_idx[r] (with ``window`` > 0 only the last
- * ``window`` of them: a sliding-window layer, as HF's mask keeps p > last - window): position p lives at
+ * ``window`` of them: a sliding-window layer, as HF's mask keeps p > last - window; ``sinks`` (or NULL):
+ * [num_heads] float32 logits, one more term in each head's softmax with no value: gpt-oss's). Position
+ * p lives at
  * KV row page_table[req_pool_idx[r] * pt_stride + p / page_size] * page_size + p % page_size of
  * k_cache / v_cache ([pool tokens, kv_heads, head_dim], of ``kv_dtype``: float32, bfloat16 or
  * float16, whatever the ``dtype`` of q and out). The num_heads / kv_heads query heads of one KV
@@ -929,7 +943,7 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
                            const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t rows,
                            int num_heads, int kv_heads, int head_dim, int page_size, float scale,
                            const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride,
-                           int64_t window) {
+                           int64_t window, const float *sinks) {
     if (kv_heads < 1 || num_heads % kv_heads || num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM) return RV_ERR_HEADS;
     if ((dtype != DTYPE_F32 && dtype != DTYPE_BF16) || kv_dtype < DTYPE_F32 || kv_dtype > DTYPE_F16) return RV_ERR_DTYPE;
     const int group = num_heads / kv_heads;
@@ -946,7 +960,8 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
         k_new = v_new = NULL;
     }
 #if HAVE_AVX512
-    if (shared && window == 0) /* a verify row's positions read its KV once (no window: they share it) */
+    /* a verify row's positions read its KV once (no window, no sinks: they share it) */
+    if (shared && window == 0 && sinks == NULL)
         return attend_spans(q, q_row_stride, k_cache, v_cache, out, dtype, kv_dtype, q_rows, req_pool_idx, kv_lens,
                             page_table, pt_stride, rows, num_heads, kv_heads, head_dim, page_size, scale);
 #endif
@@ -964,7 +979,7 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
         if (part != NULL) {
             attend_split(q, q_row_stride, (void *)k_cache, (void *)v_cache, out, dtype, kv_dtype, q_rows, req_pool_idx,
                          kv_lens, page_table, pt_stride, rows, num_heads, kv_heads, head_dim, page_size, scale, k_new,
-                         k_new_stride, v_new, v_new_stride, window, parts, part);
+                         k_new_stride, v_new, v_new_stride, window, sinks, parts, part);
             free(part);
             return 0;
         }
@@ -975,7 +990,7 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
         const int64_t r = task / splits;
         const int h0 = (int)(task % splits) * kv_heads / splits, h1 = (int)(task % splits + 1) * kv_heads / splits;
         const int q0 = h0 * group, nq = (h1 - h0) * group;
-        float res[MAX_HEADS * MAX_HEAD_DIM];
+        float res[MAX_HEADS * MAX_HEAD_DIM], stats[2 * MAX_HEADS];
         if (k_new != NULL && kv_lens[r] > 0)
             write_new_kv((void *)k_cache, (void *)v_cache, page_table + req_pool_idx[r] * pt_stride, page_size,
                          kv_lens[r] - 1, kv_row, h0, h1, head_dim, dtype, kv_dtype, k_new, v_new,
@@ -990,7 +1005,8 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
         }
         attend((const char *)q + (q_rows[r] * q_row_stride + (int64_t)q0 * head_dim) * elem, k_cache, v_cache, dtype,
                kv_dtype, page_table + req_pool_idx[r] * pt_stride, window_start(kv_lens[r], window), kv_lens[r],
-               page_size, h0, h1, group, head_dim, kv_row, scale, res, NULL);
+               page_size, h0, h1, group, head_dim, kv_row, scale, res, sinks != NULL ? stats : NULL);
+        if (sinks != NULL) add_sinks(res, stats, sinks + q0, nq, head_dim);
         const int64_t o_off = (q_rows[r] * num_heads + q0) * head_dim;
         if (dtype == DTYPE_BF16) {
             uint16_t *dst = (uint16_t *)out + o_off;

@@ -123,7 +123,7 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
                                         (int)dims->kv_heads, (int)d, (int)page_size, dims->scale,
                                         (const char *)qkv + q_out * elem, qkv_n,
                                         (const char *)qkv + (q_out + kv_out) * elem, qkv_n,
-                                        0 /* full attention: decode_layers.py refuses windowed models */);
+                                        0 /* full attention: decode_layers.py refuses windowed models */, NULL);
         if (status != 0) break;
         /* y = residual + x W^T in place: each output element is read (as the residual) and then
          * written by the same thread, once, and no other output is read after */

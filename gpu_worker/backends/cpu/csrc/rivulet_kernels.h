@@ -123,7 +123,7 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
                            const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t rows,
                            int num_heads, int kv_heads, int head_dim, int page_size, float scale,
                            const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride,
-                           int64_t window);
+                           int64_t window, const float *sinks);
 
 /* quant.c, quant_dense.c */
 int quant_supported(int type);
