@@ -92,6 +92,11 @@ def check_model(args: argparse.Namespace, model_dir: Path) -> None:
     config = json.loads((model_dir / "config.json").read_text())
     heads = config.get("num_attention_heads") or config.get("n_head")  # GPT-2 names it n_head
     kv_heads = config.get("num_key_value_heads") or heads
+    if args.tp_size > 1 and config.get("kv_lora_rank"):
+        raise StartRefused(
+            f"--tp-size {args.tp_size}: {config.get('model_type')}'s latent attention does not split over "
+            "tensor-parallel ranks yet (its latent KV replicated, kv_b split by heads); use --tp-size 1"
+        )
     if not isinstance(heads, int) or not isinstance(kv_heads, int):
         return  # a config that names no heads: the worker's own check decides
     if heads % args.tp_size or kv_heads % args.tp_size:
