@@ -14,7 +14,19 @@ dimensions, as the value, so ``v`` is ``k`` and the pool's memory is half of a K
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
+
+
+def pool_layer_shapes(model: Any) -> list[tuple[int, int]]:
+    """(KV heads, head_dim) of each pool layer: the model's ``kv_layer_shapes`` where its layers
+    differ or some read another's KV (Gemma 4: only the layers that own KV), else every layer alike."""
+    shapes = getattr(model, "kv_layer_shapes", None)
+    if shapes is not None:
+        return list(shapes)
+    return [(int(model.num_kv_heads), int(model.head_dim))] * int(model.num_layers)
 
 
 class KVPool:
@@ -33,14 +45,19 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
         latent: bool = False,
+        layer_shapes: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         assert num_pages >= 1, f"the KV pool needs at least one page, got {num_pages}"
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (num_pages * page_size, kv_heads, head_dim)
+        # layer_shapes: (KV heads, head_dim) per pool layer, where layers differ (pool_layer_shapes).
+        shapes = list(layer_shapes) if layer_shapes is not None else [(kv_heads, head_dim)] * num_layers
+        rows = num_pages * page_size
         # torch.empty: pages are written before they are read, and untouched memory stays unallocated.
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = self.k if latent else [torch.empty(shape, dtype=dtype, device=device) for _ in self.k]
+        self.k = [torch.empty((rows, h, d), dtype=dtype, device=device) for h, d in shapes]
+        self.v = (
+            self.k if latent else [torch.empty((rows, h, d), dtype=dtype, device=device) for h, d in shapes]
+        )
         pages_per_request = -(-context_len // page_size)
         # Zeros, not empty: any entry gathered through is then a real page of the pool.
         self.page_table = torch.zeros((max_requests, pages_per_request), dtype=torch.int64, device=device)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from gpu_worker.forward_context import ForwardContext
 
 # model_type -> (module under gpu_worker.models, class). Mistral runs on Llama's code; "gemma3" is
-# the multimodal config, whose text model we serve (its text_config).
+# the multimodal config, whose text model we serve (its text_config); "gemma4" likewise.
 _MODELS = {
     "llama": ("llama", "LlamaForCausalLM"),
     "mistral": ("llama", "LlamaForCausalLM"),
@@ -32,6 +32,8 @@ _MODELS = {
     "gemma2": ("gemma", "GemmaForCausalLM"),
     "gemma3_text": ("gemma", "GemmaForCausalLM"),
     "gemma3": ("gemma", "GemmaForCausalLM"),
+    "gemma4_text": ("gemma4", "Gemma4ForCausalLM"),
+    "gemma4": ("gemma4", "Gemma4ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "gpt2": ("gpt2", "GPT2LMHeadModel"),
     "deepseek_v2": ("deepseek", "DeepseekV2ForCausalLM"),
