@@ -78,6 +78,12 @@ class WorkerConfig:
         "the output), absorbed or expanded for every row (for benchmarks)",
         choices=LATENT_FORMS,
     )
+    state_checkpoints: int = flag(
+        -1,
+        "a hybrid model's (Qwen3.5, Qwen3-Next) recurrent-state checkpoints for the prefix cache, each "
+        "as large as a request's state (the start log says how large); -1: --max-running-requests of "
+        "them; 0: none, the prefix cache off for such a model",
+    )
     gguf_path: str = given("", "the launcher: the .gguf --model names (the embedded one by default)")
     replica: int = given(0, "the launcher: its data-parallel replica (--dp-size)")
     cpu_ids: tuple[int, ...] = given((), "the launcher: its replica's share of the cores (--dp-size > 1)")

@@ -192,7 +192,10 @@ class ModelRunner:
             ", latent" if latent else "",
         )
 
-        self.states = state_pool_for(model, self.config.max_running_requests, self._dtype, self._device)
+        config = self.config
+        self.states = state_pool_for(
+            model, config.max_running_requests, config.state_checkpoints, self._dtype, self._device
+        )
 
     def _batch_limits(self) -> BatchLimits:
         max_requests, pages_per_request = self.kv.page_table.shape
@@ -212,7 +215,7 @@ class ModelRunner:
     @property
     def state_checkpoints(self) -> int:
         """A hybrid model's recurrent-state checkpoints for the prefix cache; -1: no recurrent state."""
-        return -1 if self.states is None else 0
+        return -1 if self.states is None else self.states.checkpoints
 
     @property
     def context_len(self) -> int:

@@ -11,6 +11,12 @@ the forward (a retracted request is re-admitted so and recomputes). A later chun
 prefill, a decode step and an overlap-scheduled step continue from the slot as the previous batch
 left it (the worker runs batches in order). A fork (n > 1) gets a copy of its parent row's slot after
 the forward that ends the prompt.
+
+Checkpoints (the prefix cache's, scheduler_proc/state_checkpoints.py) are more rows of the same
+tensors, after the slots: checkpoint c is row ``slots + c``. A batch loads a checkpoint into a row's
+slot before the forward (a prefix hit resumes there) and saves a row's state after some of its
+tokens: after the forward where that is the whole row, else inside the linear layers, which run the
+row in two pieces (``RecurrentBatch.pieces``).
 """
 
 from __future__ import annotations
@@ -47,13 +53,18 @@ class StateShape:
 class StatePool:
     """Every linear layer's conv and recurrent states of ``slots`` requests (module docstring)."""
 
-    def __init__(self, shape: StateShape, slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.shape = shape
-        conv = (slots, shape.conv_channels, shape.conv_kernel - 1)
-        recurrent = (slots, shape.heads, shape.d_k, shape.d_v)
-        self.conv = [torch.zeros(conv, dtype=dtype, device=device) for _ in range(shape.layers)]
+    def __init__(
+        self, shape: StateShape, slots: int, checkpoints: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.shape, self.slots, self.checkpoints = shape, slots, checkpoints
+        rows = slots + checkpoints
+        conv = (rows, shape.conv_channels, shape.conv_kernel - 1)
+        recurrent = (rows, shape.heads, shape.d_k, shape.d_v)
+        # torch.empty: a slot is zeroed when its request starts and a checkpoint written before it is
+        # read, so memory the running requests do not use stays unallocated.
+        self.conv = [torch.empty(conv, dtype=dtype, device=device) for _ in range(shape.layers)]
         self.recurrent = [
-            torch.zeros(recurrent, dtype=torch.float32, device=device) for _ in range(shape.layers)
+            torch.empty(recurrent, dtype=torch.float32, device=device) for _ in range(shape.layers)
         ]
 
     @property
@@ -92,13 +103,28 @@ class RecurrentBatch:
     extend_lens: list[int]
     decode_rows: list[int]
     prefill_rows: list[int]
+    inner_saves: dict[int, tuple[int, int]]  # row -> (its tokens before the save, the pool row saved to)
 
     @classmethod
-    def of(cls, pool: StatePool, req_pool_idx: list[int], extend_lens: list[int]) -> RecurrentBatch:
+    def of(
+        cls,
+        pool: StatePool,
+        req_pool_idx: list[int],
+        extend_lens: list[int],
+        inner_saves: dict[int, tuple[int, int]] | None = None,
+    ) -> RecurrentBatch:
         starts = [end - n for end, n in zip(accumulate(extend_lens), extend_lens, strict=True)]
         decode = [i for i, n in enumerate(extend_lens) if n == 1]
         prefill = [i for i, n in enumerate(extend_lens) if n > 1]
-        return cls(pool, list(req_pool_idx), starts, list(extend_lens), decode, prefill)
+        return cls(pool, list(req_pool_idx), starts, list(extend_lens), decode, prefill, inner_saves or {})
+
+    def pieces(self, row: int) -> list[tuple[int, int, int | None]]:
+        """A prefill row's tokens as (first token, count, pool row to save the state to after them)."""
+        start, length = self.starts[row], self.extend_lens[row]
+        if row not in self.inner_saves:
+            return [(start, length, None)]
+        head, target = self.inner_saves[row]
+        return [(start, head, target), (start + head, length - head, None)]
 
     def decode_slots(self, device: torch.device) -> torch.Tensor:
         return torch.tensor([self.slots[i] for i in self.decode_rows], dtype=torch.int64, device=device)
@@ -108,29 +134,54 @@ class RecurrentBatch:
 
 
 def begin_batch(pool: StatePool, batch: ForwardBatch) -> RecurrentBatch:
-    """The batch's rows for the linear layers, the slots of the rows that start a request zeroed."""
-    pool.reset(
-        [slot for slot, start in zip(batch.req_pool_idx, batch.prefix_lens, strict=True) if start == 0]
-    )
-    return RecurrentBatch.of(pool, batch.req_pool_idx, batch.extend_lens)
+    """The batch's rows for the linear layers: the slots of the rows that start a request zeroed,
+    those of a prefix hit loaded from their checkpoints."""
+    check_checkpoints(pool, batch)
+    slots = batch.req_pool_idx
+    pool.copy([pool.slots + c for c in batch.state_load_ids], [slots[row] for row in batch.state_load_rows])
+    pool.reset([slot for slot, prefix_len in zip(slots, batch.prefix_lens, strict=True) if prefix_len == 0])
+    saves = zip(batch.state_save_rows, batch.state_save_lens, batch.state_save_ids, strict=True)
+    inner = {row: (n, pool.slots + c) for row, n, c in saves if n < batch.extend_lens[row]}
+    return RecurrentBatch.of(pool, slots, batch.extend_lens, inner)
 
 
 def end_batch(pool: StatePool, batch: ForwardBatch) -> None:
-    """Each fork's slot a copy of its parent row's, the state after the whole prompt."""
+    """The checkpoints of rows saved after all their tokens; each fork's slot a copy of its parent
+    row's, the state after the whole prompt."""
+    saves = zip(batch.state_save_rows, batch.state_save_lens, batch.state_save_ids, strict=True)
+    whole = [(row, c) for row, n, c in saves if n == batch.extend_lens[row]]
+    pool.copy([batch.req_pool_idx[row] for row, _ in whole], [pool.slots + c for _, c in whole])
     pool.copy([batch.req_pool_idx[row] for row in batch.fork_rows], list(batch.fork_req_pool_idx))
 
 
-def state_pool_for(model: object, slots: int, dtype: torch.dtype, device: torch.device) -> StatePool | None:
-    """A hybrid model's state pool of ``slots`` requests (--max-running-requests), its budget
-    logged; None for a model whose layers are all attention."""
+def check_checkpoints(pool: StatePool, batch: ForwardBatch) -> None:
+    """Every checkpoint load and save names a row, a checkpoint and a token count that exist."""
+    rows = len(batch.req_pool_idx)
+    for row, c in zip(batch.state_load_rows, batch.state_load_ids, strict=True):
+        if not (0 <= row < rows and 0 <= c < pool.checkpoints):
+            raise ValueError(f"state checkpoint load {c} into row {row}: out of range")
+    for row, n, c in zip(batch.state_save_rows, batch.state_save_lens, batch.state_save_ids, strict=True):
+        if not (0 <= row < rows and 0 <= c < pool.checkpoints and 1 <= n <= batch.extend_lens[row]):
+            raise ValueError(f"state checkpoint save {c} of row {row} after {n} tokens: out of range")
+
+
+def state_pool_for(
+    model: object, slots: int, checkpoints: int, dtype: torch.dtype, device: torch.device
+) -> StatePool | None:
+    """A hybrid model's state pool of ``slots`` requests (--max-running-requests) and ``checkpoints``
+    checkpoints (--state-checkpoints; -1: as many as slots), its budget logged; None for a model
+    whose layers are all attention."""
     shape: StateShape | None = getattr(model, "state_shape", None)
     if shape is None:
         return None
-    pool = StatePool(shape, slots, dtype, device)
+    checkpoints = slots if checkpoints < 0 else checkpoints
+    pool = StatePool(shape, slots, checkpoints, dtype, device)
     per_request = shape.bytes_per_request(torch.empty((), dtype=dtype).element_size())
     logger.info(
-        "recurrent-state pool: %d linear layers, %d bytes a request (conv %s, recurrent float32), "
-        "%d requests (--max-running-requests): %.1f MiB",
-        shape.layers, per_request, str(dtype).removeprefix("torch."), slots, pool.nbytes / 2**20,
+        "recurrent-state pool: %d linear layers, %d bytes a request or checkpoint (conv %s, recurrent "
+        "float32); %d requests (--max-running-requests) + %d checkpoints (--state-checkpoints): "
+        "%.1f MiB at most, touched as they are used",
+        shape.layers, per_request, str(dtype).removeprefix("torch."), slots, checkpoints,
+        pool.nbytes / 2**20,
     )  # fmt: skip
     return pool

@@ -77,6 +77,15 @@ class ForwardBatch(Msg):
     fork_samplers: list[WorkerSampling] = []
     copy_src: list[int] = []
     copy_dst: list[int] = []
+    # A hybrid model's recurrent-state checkpoints (scheduler_proc/state_checkpoints.py): before the
+    # forward, row ``state_load_rows[k]``'s state becomes checkpoint ``state_load_ids[k]`` (a prefix
+    # hit); after its first ``state_save_lens[k]`` tokens, row ``state_save_rows[k]``'s state is
+    # copied to checkpoint ``state_save_ids[k]``.
+    state_load_rows: list[int] = []
+    state_load_ids: list[int] = []
+    state_save_rows: list[int] = []
+    state_save_lens: list[int] = []
+    state_save_ids: list[int] = []
     pool: list[Pooling | None] = []
     draft_lens: list[int] = []
     # The images whose tokens some row extends over (empty when none): image k belongs to row

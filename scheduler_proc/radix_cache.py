@@ -9,6 +9,10 @@ Pages in the tree are either *protected* (on the path of a node some live reques
 has locked) or *evictable*; ``evict`` frees unlocked leaves, least recently used
 first, back to the page allocator through the ``free_pages`` callback. The tree
 never allocates: it only takes over pages that requests computed (``insert``).
+
+A hybrid model's node may hold a recurrent-state ``checkpoint`` (scheduler_proc/state_checkpoints.py):
+the state after exactly the tokens up to the node's end. A split keeps it on the lower node (which
+still ends there); evicting the node frees it through ``free_checkpoint``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class TreeNode:
     children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
     lock_ref: int = 0  # live requests whose locked path runs through this node
     last_access: int = 0  # a logical clock: bigger is more recent
+    checkpoint: int | None = None  # a recurrent-state checkpoint taken where this node ends
 
 
 @dataclass(frozen=True)
@@ -45,10 +50,16 @@ class PrefixMatch:
 class RadixCache:
     """Prefix-sharing KV pages, keyed by (namespace, token ids), page-granular."""
 
-    def __init__(self, page_size: int, free_pages: Callable[[list[int]], None]) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        free_pages: Callable[[list[int]], None],
+        free_checkpoint: Callable[[int], None] | None = None,
+    ) -> None:
         assert page_size >= 1, "page_size must be >= 1"
         self.page_size = page_size
         self._free_pages = free_pages
+        self._free_checkpoint = free_checkpoint
         self._roots: dict[str | None, TreeNode] = {}
         self._no_match = TreeNode([], [], None)  # the node of an empty match; locking it is a no-op
         self._clock = 0
@@ -147,6 +158,8 @@ class RadixCache:
             assert parent is not None, "roots are never evicted"
             del parent.children[self._page_key(leaf.key, 0)]
             self._free_pages(leaf.pages)
+            if leaf.checkpoint is not None and self._free_checkpoint is not None:
+                self._free_checkpoint(leaf.checkpoint)
             freed += len(leaf.pages)
             self.evictable_pages -= len(leaf.pages)
             self.num_evicted_pages += len(leaf.pages)
@@ -154,6 +167,30 @@ class RadixCache:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         self._drop_empty_roots()
         return freed
+
+    def drop_lru_checkpoint(self) -> int | None:
+        """Take the checkpoint of the least recently used node no live request holds (its pages stay);
+        None when every checkpoint is held."""
+        held = [n for n in self._nodes() if n.checkpoint is not None and n.lock_ref == 0]
+        if not held:
+            return None
+        node = min(held, key=lambda n: n.last_access)
+        checkpoint, node.checkpoint = node.checkpoint, None
+        return checkpoint
+
+    @staticmethod
+    def deepest_checkpoint(node: TreeNode) -> tuple[TreeNode | None, int]:
+        """The deepest node on ``node``'s path (itself included) holding a checkpoint, and how many
+        tokens end there; (None, 0) for none."""
+        while node.parent is not None and node.checkpoint is None:
+            node = node.parent
+        if node.parent is None:
+            return None, 0
+        found, depth = node, 0
+        while node.parent is not None:
+            depth += len(node.key)
+            node = node.parent
+        return found, depth
 
     def flush(self) -> int:
         """Evict everything no live request holds; returns the pages freed."""

@@ -48,6 +48,7 @@ from scheduler_proc.prefill_adder import Admitted, PrefillAdder
 from scheduler_proc.request import Req, ReqStatus, fork_choices, why_rejected
 from scheduler_proc.results import ResultHandling
 from scheduler_proc.speculative import DraftState, DraftTotals, NgramIndex
+from scheduler_proc.state_checkpoints import HybridKVManager
 from scheduler_proc.token_ratio import NewTokenRatio
 
 
@@ -69,7 +70,8 @@ class Scheduler(ResultHandling, DecodeRows):
         self._log = logging.getLogger("rivulet.scheduler")
 
     def _init_kv(self) -> None:
-        self.kv = KVManager(self.config)
+        # A hybrid model's prefix cache resumes from recurrent-state checkpoints (state_checkpoints.py).
+        self.kv = (HybridKVManager if self.config.state_checkpoints > 0 else KVManager)(self.config)
 
     def _init_queues(self) -> None:
         self.waiting: deque[Req] = deque()
@@ -174,6 +176,8 @@ class Scheduler(ResultHandling, DecodeRows):
         num_decoding = len(self.running) - sum(row.sample for row in prefill)
         self.last_batch = BatchInfo.of(step, prefill, decode, num_decoding)
         batch = build_forward_batch(step, rows, self.config.page_size)
+        if isinstance(self.kv, HybridKVManager):
+            batch = self.kv.plan(batch, rows)
         for row in rows:
             row.req.flight.launch(row, self.config.context_len)
         self._in_flight[step] = rows

@@ -152,10 +152,13 @@ class GatedDeltaNet(Layer):
             out[tokens] = delta_rule.causal_conv(window, weight)[:, :, 0]
             states.index_copy_(0, slots, window[:, :, 1:])
         for row in batch.prefill_rows:
-            slot, start, length = batch.slots[row], batch.starts[row], batch.extend_lens[row]
-            window = torch.cat((states[slot], mixed[start : start + length].t()), dim=-1)
-            out[start : start + length] = delta_rule.causal_conv(window[None], weight)[0].t()
-            states[slot] = window[:, -keep:]
+            slot = batch.slots[row]
+            for start, length, save_to in batch.pieces(row):
+                window = torch.cat((states[slot], mixed[start : start + length].t()), dim=-1)
+                out[start : start + length] = delta_rule.causal_conv(window[None], weight)[0].t()
+                states[slot] = window[:, -keep:]
+                if save_to is not None:  # a checkpoint inside the row (recurrent_state.py)
+                    states[save_to] = states[slot]
         return out
 
     def delta_rule(
@@ -176,12 +179,13 @@ class GatedDeltaNet(Layer):
             states.index_copy_(0, slots, state)  # type: ignore[arg-type]
         chunked = self.chunked_rule or delta_rule.chunk_gated_delta_rule
         for row in batch.prefill_rows:
-            slot, span = (
-                batch.slots[row],
-                slice(batch.starts[row], batch.starts[row] + batch.extend_lens[row]),
-            )
-            seq = [t[span][None] for t in (q, k, v, g, beta)]
-            got, state = chunked(*seq, initial_state=states[slot][None], **rule_kwargs)
-            out[span] = got[0]
-            states[slot] = state[0]  # type: ignore[index]
+            slot = batch.slots[row]
+            for start, length, save_to in batch.pieces(row):
+                span = slice(start, start + length)
+                seq = [t[span][None] for t in (q, k, v, g, beta)]
+                got, state = chunked(*seq, initial_state=states[slot][None], **rule_kwargs)
+                out[span] = got[0]
+                states[slot] = state[0]  # type: ignore[index]
+                if save_to is not None:
+                    states[save_to] = states[slot]
         return out

@@ -49,18 +49,20 @@ def test_greedy_matches_hf(hybrid: tuple[Path, Any], chunk: int, mixed: bool, ov
     assert scheduler.kv.used_tokens == 0
 
 
-def test_retraction_recomputes_the_state(hybrid: tuple[Path, Any]) -> None:
-    """A pool so small that requests are retracted: each recomputes its prompt and output from a zeroed
-    state (the prefix cache is off: with no state checkpoint a page hit would resume a stale state)."""
+@pytest.mark.parametrize("checkpoints", [0, -1], ids=["no-prefix-cache", "checkpoints"])
+def test_retraction_recomputes_the_state(hybrid: tuple[Path, Any], checkpoints: int) -> None:
+    """A pool so small that requests are retracted: each recomputes from a zeroed state, or from a
+    checkpoint of its own where the prefix cache has one; with no checkpoints the prefix cache is off
+    (a page hit would resume a stale state)."""
     path, hf = hybrid
     prompts = make_prompts(9, (30, 41, 25, 36))
     expected = hf_greedy(hf, prompts, 12)
-    runner = runner_for(path)
+    runner = runner_for(path, state_checkpoints=checkpoints)
     tiny_pool = {"num_pages": 40, "schedule_conservativeness": 0.2}
     got, scheduler = inprocess.generate(runner, prompts, 12, chunked_prefill_size=16, enable_mixed_chunk=True,
                                         scheduler_overrides=tiny_pool, overlap=True)  # fmt: skip
     assert scheduler.num_retracted > 0, "the tiny pool must force retraction"
-    assert scheduler.kv.cache is None, "no prefix cache without state checkpoints"
+    assert (scheduler.kv.cache is None) == (checkpoints == 0)
     assert got == expected
 
 
