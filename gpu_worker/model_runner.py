@@ -20,6 +20,7 @@ from gpu_worker.batch_checks import BatchLimits, check_batch
 from gpu_worker.config import WorkerConfig
 from gpu_worker.forks import copy_pages
 from gpu_worker.forward_context import BatchRows, ForwardContext
+from gpu_worker.image_encoder import batch_images, image_encoder_for
 from gpu_worker.kv_cache import KVPool
 from gpu_worker.models import CausalLM
 from gpu_worker.pooling import final_norm, pooled_rows, why_no_pooling
@@ -84,6 +85,7 @@ class ModelRunner:
     def _init_model(self) -> None:
         started = time.perf_counter()
         self.model, self.hf_config = self._load()
+        self.images = image_encoder_for(self.config.model_path, self._dtype, self._device)  # None: text only
         model = self.model
         assert isinstance(model, torch.nn.Module), "our models are nn.Modules"
         config = self.config
@@ -283,12 +285,13 @@ class ModelRunner:
                          self.kv.page_size)  # fmt: skip
         ctx = ForwardContext(positions=positions, attn=meta, k_cache=self.kv.k, v_cache=self.kv.v,
                              backend=self.backend, recurrent=recurrent, rows=rows,
-                             latent_form=self.config.latent_attention)  # fmt: skip
+                             latent_form=self.config.latent_attention,
+                             images=batch_images(self.images, batch))  # fmt: skip
         input_ids = self._input_ids(batch)
         view, view_ids = committed(batch, input_ids)  # a draft is no input until it is kept
         for state in self.draws.states:
             state.on_batch(view, view_ids)
-        hidden = self.backend.forward_decode(input_ids, ctx)
+        hidden = self.backend.forward_decode(input_ids, ctx) if ctx.images is None else None
         hidden = self.model(input_ids, ctx) if hidden is None else hidden
         copy_pages(self.kv, batch.copy_src, batch.copy_dst)  # a fork's own copies of prompt pages
         if self.states is not None:
