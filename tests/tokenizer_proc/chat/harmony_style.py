@@ -9,9 +9,10 @@ and a generation prompt of ``<|start|>assistant``."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tokenizer_proc.chat.harmony_tokens import MARKERS
+from tokenizer_proc.chat.harmony_tokens import CALL, MARKERS, RETURN
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -104,3 +105,48 @@ def harmony_tokenizer(base: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
     tok.add_special_tokens({"additional_special_tokens": list(MARKERS)})
     tok.chat_template = GPT_OSS_STYLE_TEMPLATE
     return tok
+
+
+# What the scripted model's head favours, by how much: harmony's markers above everything (the end
+# ids apart, so the grammar's end is one of them), then the word "analysis".
+_FAVOURED = {"<|call|>": 60.0, "<|return|>": 55.0, "analysis": 20.0}
+_MARKER_LOGIT = 50.0
+
+
+def save_harmony_model(base: PreTrainedTokenizerBase, out: Path) -> Path:
+    """A tiny Llama with the harmony tokenizer and template, scripted so that a grammar decides its
+    reply: wherever a grammar allows one of harmony's markers it writes the marker (never the same
+    text spelled in ordinary tokens), it prefers the word "analysis" to any other ordinary token,
+    and it ties every other token (greedy decoding then takes the lowest id the grammar allows).
+
+    How: hidden dimension 0 of the residual stream is 1 for every token (embedding column 0 set,
+    nothing writes to it), so it stays positive through the final norm; the head reads only that
+    dimension, and only for the favoured tokens."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tok = harmony_tokenizer(base)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0].zero_()
+            layer.mlp.down_proj.weight[0].zero_()
+        model.lm_head.weight.zero_()
+        for marker in MARKERS:
+            model.lm_head.weight[tok.convert_tokens_to_ids(marker), 0] = _MARKER_LOGIT
+        for word, logit in _FAVOURED.items():
+            (token,) = tok.encode(word, add_special_tokens=False)
+            model.lm_head.weight[token, 0] = logit
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tok.convert_tokens_to_ids(m) for m in (RETURN, CALL)]
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
