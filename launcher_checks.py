@@ -97,6 +97,7 @@ def check_model(args: argparse.Namespace, model_dir: Path) -> None:
             f"--tp-size {args.tp_size}: {config.get('model_type')}'s latent attention does not split over "
             "tensor-parallel ranks yet (its latent KV replicated, kv_b split by heads); use --tp-size 1"
         )
+    _check_hybrid(args, config)
     if not isinstance(heads, int) or not isinstance(kv_heads, int):
         return  # a config that names no heads: the worker's own check decides
     if heads % args.tp_size or kv_heads % args.tp_size:
@@ -106,6 +107,27 @@ def check_model(args: argparse.Namespace, model_dir: Path) -> None:
         raise StartRefused(
             f"--tp-size {args.tp_size} does not divide the model's {heads} attention heads and "
             f"{kv_heads} KV heads (tensor parallel splits them evenly: --tp-size {fits})"
+        )
+
+
+def _check_hybrid(args: argparse.Namespace, config: dict[str, object]) -> None:
+    """A hybrid model (linear-attention layers beside attention: Qwen3.5, Qwen3-Next) keeps a
+    recurrent state per request, which n-gram speculation and tensor parallel do not handle yet."""
+    text = config.get("text_config")
+    layer_types = (text if isinstance(text, dict) else config).get("layer_types") or []
+    if "linear_attention" not in layer_types:  # type: ignore[operator]
+        return
+    name = config.get("model_type")
+    if args.speculative_algorithm != "none":
+        raise StartRefused(
+            f"--speculative-algorithm {args.speculative_algorithm}: {name}'s linear-attention layers keep "
+            "a recurrent state that a verify batch cannot roll back to its last kept draft; serve it "
+            "without speculation"
+        )
+    if args.tp_size > 1:
+        raise StartRefused(
+            f"--tp-size {args.tp_size}: {name}'s linear-attention layers (Gated DeltaNet) do not split "
+            "over tensor-parallel ranks yet; use --tp-size 1"
         )
 
 
