@@ -111,13 +111,15 @@ def paged_attention(
     scale: float,
     sliding_window: int = 0,
     logit_softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of every row's queries over its paged KV, written into ``out`` in place.
 
     ``q``/``out``: ``[T, Hq, D]``; ``k_cache``/``v_cache``: ``[pages * page_size, Hkv, D]``; ``page_table``:
     int64 ``[max_requests, pages_per_request]``. Hq is a multiple of Hkv (GQA). ``sliding_window > 0``: a
     query at position p sees KV positions > p - sliding_window; ``logit_softcap > 0``: scores become
-    ``softcap * tanh(scores / softcap)`` after scaling. Math is fp32 whatever the dtypes; the last dim of
+    ``softcap * tanh(scores / softcap)`` after scaling; ``sinks`` ([Hq] logits): one more term in each
+    head's softmax, with no value (gpt-oss's). Math is fp32 whatever the dtypes; the last dim of
     every tensor and the page table's rows must be contiguous, other strides are free.
     """
     _check_args(q, k_cache, v_cache, out, page_table, rows)
@@ -134,9 +136,10 @@ def paged_attention(
         shape = (num_tokens, num_q_heads, segments)
         partials = [torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)]
         partials += [torch.empty(shape, dtype=torch.float32, device=q.device) for _ in range(2)]
+    sink_logits = out if sinks is None else sinks.to(device=q.device, dtype=torch.float32).contiguous()
     _attention_kernel[(num_q_blocks, num_kv_heads, segments)](
         q, k_cache, v_cache, out, page_table,
-        rows.req_pool_idx, rows.q_starts, rows.prefix_lens, *partials,
+        rows.req_pool_idx, rows.q_starts, rows.prefix_lens, *partials, sink_logits,
         rows.num_rows, num_q_heads, scale, logit_softcap,
         sliding_window if sliding_window > 0 else NO_WINDOW,
         tiles_per_segment,
@@ -151,17 +154,19 @@ def paged_attention(
         PAGE_SIZE=page_size,
         NUM_SEGMENTS=segments,
         USE_SOFTCAP=logit_softcap > 0,
+        USE_SINKS=sinks is not None,
         # fp32 must match HF fp32, so no TF32 there; 16-bit values are exact in TF32 (10-bit mantissa).
         DOT_PRECISION="ieee" if fp32 else "tf32",
         num_warps=tiles.num_warps,
     )  # fmt: skip
     if segments > 1:
         _merge_segments_kernel[(num_tokens, num_q_heads)](
-            out, *partials, num_q_heads, *out.stride()[:2],
+            out, *partials, sink_logits, num_q_heads, *out.stride()[:2],
             HEAD_DIM=head_dim,
             BLOCK_D=tiles.block_d,
             NUM_SEGMENTS=segments,
             BLOCK_S=triton.next_power_of_2(segments),
+            USE_SINKS=sinks is not None,
         )  # fmt: skip
 
 

@@ -65,6 +65,7 @@ def _attention_kernel(
     part_out_ptr,  # [T, Hq, NUM_SEGMENTS, HEAD_DIM] fp32, used only when NUM_SEGMENTS > 1
     part_max_ptr,  # [T, Hq, NUM_SEGMENTS] fp32 (log2 domain)
     part_sum_ptr,  # [T, Hq, NUM_SEGMENTS] fp32
+    sinks_ptr,  # [Hq] fp32 sink logits, read only with USE_SINKS
     num_rows,
     num_q_heads,
     scale,
@@ -89,6 +90,7 @@ def _attention_kernel(
     PAGE_SIZE: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -151,6 +153,9 @@ def _attention_kernel(
         row_max = new_max
 
     if NUM_SEGMENTS == 1:
+        if USE_SINKS:  # the sink's term joins the sum: a weight with no value
+            sink = tl.load(sinks_ptr + head, mask=m_valid, other=0.0) * LOG2E
+            row_sum += tl.exp2(sink - row_max)
         # Rows outside the block have a zero sum; they are not stored, the guard only avoids 0/0.
         out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
         out_offs = q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -169,6 +174,7 @@ def _merge_segments_kernel(
     part_out_ptr,
     part_max_ptr,
     part_sum_ptr,
+    sinks_ptr,
     num_q_heads,
     stride_ot,
     stride_oh,
@@ -176,6 +182,7 @@ def _merge_segments_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     # One program per (token, query head): rescale each segment to the common max and normalize once.
     token = tl.program_id(0).to(tl.int64)
@@ -189,7 +196,11 @@ def _merge_segments_kernel(
     seg_sum = tl.load(part_sum_ptr + part, mask=s_valid, other=0.0)
     seg_out_mask = s_valid[:, None] & d_valid[None, :]
     seg_out = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=seg_out_mask, other=0.0)
-    weight = tl.exp2(seg_max - tl.max(seg_max, 0))
-    out = tl.sum(seg_out * weight[:, None], 0) / tl.sum(seg_sum * weight, 0)
+    top = tl.max(seg_max, 0)
+    weight = tl.exp2(seg_max - top)
+    total = tl.sum(seg_sum * weight, 0)
+    if USE_SINKS:  # the sink's term joins the sum once, at the common max
+        total += tl.exp2(tl.load(sinks_ptr + head) * LOG2E - top)
+    out = tl.sum(seg_out * weight[:, None], 0) / total
     out_offs = token * stride_ot + head * stride_oh + offs_d
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=d_valid)

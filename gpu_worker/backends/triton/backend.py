@@ -85,6 +85,6 @@ class TritonBackend(TorchBackend):
         scale = options.scale if options.scale is not None else 1 / math.sqrt(q.shape[-1])
         self._kernels.paged_attention(
             q, k_cache, v_cache, out, meta.page_table, meta.page_size, meta.rows, scale,
-            options.sliding_window, options.logit_softcap,
+            options.sliding_window, options.logit_softcap, options.sinks,
         )  # fmt: skip
         return out
