@@ -21,7 +21,7 @@ from gpu_worker.config import WorkerConfig
 from gpu_worker.forks import copy_pages
 from gpu_worker.forward_context import BatchRows, ForwardContext
 from gpu_worker.image_encoder import batch_images, image_encoder_for
-from gpu_worker.kv_cache import KVPool
+from gpu_worker.kv_cache import KVPool, pool_layer_shapes
 from gpu_worker.models import CausalLM
 from gpu_worker.pooling import final_norm, pooled_rows, why_no_pooling
 from gpu_worker.recurrent_state import begin_batch, end_batch, state_pool_for
@@ -166,8 +166,8 @@ class ModelRunner:
         kv_dtype = self.backend.kv_cache_dtype(self._dtype) if name == "auto" else _DTYPES[name]
         elem_bytes = torch.empty((), dtype=kv_dtype).element_size()
         latent = bool(getattr(model, "latent_kv", False))  # one vector a token a layer (kv_cache.py)
-        bytes_per_token = (1 if latent else 2) * model.num_layers * model.num_kv_heads * model.head_dim
-        bytes_per_token *= elem_bytes
+        shapes = pool_layer_shapes(model)  # the layers that own KV (kv_cache.py)
+        bytes_per_token = (1 if latent else 2) * sum(h * d for h, d in shapes) * elem_bytes
         tokens = self.backend.kv_pool_tokens(
             self.config.kv_cache_tokens, self.config.kv_mem_fraction, bytes_per_token
         )
@@ -184,6 +184,7 @@ class ModelRunner:
             dtype=kv_dtype,
             device=self._device,
             latent=latent,
+            layer_shapes=shapes,
         )
         logger.info(
             "KV pool: %d pages of %d tokens, %s (%d bytes a token%s)",
