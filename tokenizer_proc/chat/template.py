@@ -188,7 +188,7 @@ def _conversation(messages: list[ChatMessage], traits: ChatTemplateTraits) -> li
             else:
                 out.append({"role": "user", "content": response})
         elif m.parts is not None:
-            out.append({"role": m.role, "content": _content_parts(m)})
+            out.append({"role": m.role, "content": _content_of(m)})
         else:
             calls = [_call_text(c.function.name, c.function.arguments) for c in m.tool_calls or []]
             content = "\n".join([m.content, *calls] if m.content else calls)  # as sent when no calls
@@ -196,17 +196,20 @@ def _conversation(messages: list[ChatMessage], traits: ChatTemplateTraits) -> li
     return out
 
 
-def _content_parts(m: ChatMessage) -> list[dict[str, Any]]:
-    """A turn with images as multimodal templates take it (HF's convention): text and image items."""
+def _content_of(m: ChatMessage) -> str | list[dict[str, Any]]:
+    """A turn's content as templates take it: text, or with images text and image items (HF's
+    convention for multimodal templates)."""
+    parts = m.parts
+    if parts is None or all(isinstance(part, TextPart) for part in parts):
+        return "".join(part.text for part in parts or [] if isinstance(part, TextPart)) or m.content or ""
     return [
         {"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"}
-        for part in m.parts or []
+        for part in parts
     ]
 
 
 def _structured(m: ChatMessage) -> dict[str, Any]:
-    content: str | list[dict[str, Any]] = _content_parts(m) if m.parts is not None else m.content or ""
-    d: dict[str, Any] = {"role": m.role, "content": content}
+    d: dict[str, Any] = {"role": m.role, "content": _content_of(m)}
     if m.tool_calls:
         d["tool_calls"] = [
             {"id": c.id, "type": "function",
