@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,8 @@ from tokenizer_proc.validation_error import RequestRejected
 if TYPE_CHECKING:
     import numpy as np
     from PIL.Image import Image
+
+logger = logging.getLogger(__name__)
 
 IMAGE_TOO_LARGE = "image_too_large"  # the HTTP API answers it with a 413
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
@@ -125,7 +128,15 @@ class VisionProcessor:
             return None
         from transformers import AutoProcessor
 
-        return cls(AutoProcessor.from_pretrained(model_path), int(token), limits)
+        try:
+            processor = AutoProcessor.from_pretrained(model_path)
+        except Exception as exc:  # a checkpoint without its processor's files still serves text
+            logger.warning("images off: the processor of %s does not load (%s)", model_path, exc)
+            return None
+        if getattr(processor, "image_processor", None) is None:
+            logger.warning("images off: %s has no image processor", model_path)
+            return None
+        return cls(processor, int(token), limits)
 
     def prompt(self, text: str, messages: list[ChatMessage]) -> tuple[list[int], list[ImageInput]]:
         """Decode the messages' images, run the processor over them and ``text`` (which holds the
