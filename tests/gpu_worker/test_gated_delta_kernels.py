@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import pytest
 import torch
@@ -238,3 +239,21 @@ def test_misfits_are_refused(gd: gated_delta.GatedDeltaKernels) -> None:
     with pytest.raises(ValueError, match="heads must be contiguous"):
         strided_q = torch.randn(4, 2, 32)[:, :, :16]
         gd.decode(strided_q, inputs.k, inputs.v, inputs.g, inputs.beta, pool, slot.repeat(4))
+
+
+@pytest.mark.parametrize("tokens", [1, 37], ids=["decode", "prefill"])
+def test_transformers_signature(gd: gated_delta.GatedDeltaKernels, tokens: int) -> None:
+    """HfDeltaRule, what a GatedDeltaNet's slots hold, returns what transformers' functions do for
+    three rows in one call, and leaves the caller's initial states as they were."""
+    case = RuleCase((tokens,) * 3, 2, 4, 16, 24, F32)
+    inputs = _case(case, seed=13)[0]
+    batched = [t.view(3, tokens, *t.shape[1:]) for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)]
+    initial = inputs.states.clone()
+    reference_rule = hf.torch_chunk_gated_delta_rule if tokens > 1 else hf.torch_recurrent_gated_delta_rule
+    rule = gated_delta.HfDeltaRule(gd, chunked=tokens > 1)
+    kw: dict[str, Any] = dict(initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    out, state = rule(*batched, **kw)
+    want_out, want_state = reference_rule(*batched, **kw)
+    torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)
+    assert torch.equal(initial, inputs.states)

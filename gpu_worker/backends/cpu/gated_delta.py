@@ -144,6 +144,45 @@ class GatedDeltaKernels:
         return out
 
 
+class HfDeltaRule:
+    """The kernels in transformers' signature of the gated delta rule, what the kernel slots of
+    models/gated_delta.py's ``GatedDeltaNet`` take: q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta
+    [B, T, Hv], ``initial_state`` [B, Hv, Dk, Dv] (read, never written) -> (out [B, T, Hv, Dv] in q's
+    dtype, the final float32 states or None). ``chunked``: the chunked prefill (else one token per
+    row, the decode step). The states go through a copy: the signature's callers own theirs."""
+
+    def __init__(self, kernels: GatedDeltaKernels, chunked: bool) -> None:
+        self.kernels, self.chunked = kernels, chunked
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        initial_state: torch.Tensor | None = None,
+        output_final_state: bool = False,
+        use_qk_l2norm_in_kernel: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        rows, tokens = key.shape[:2]
+        q, k, v, g, beta = (t.reshape(rows * tokens, *t.shape[2:]) for t in (query, key, value, g, beta))
+        if initial_state is None:
+            state = torch.zeros((rows, value.shape[2], key.shape[3], value.shape[3]), dtype=torch.float32)
+        else:
+            state = initial_state.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        slots = torch.arange(rows)
+        if self.chunked or tokens != 1:
+            cu_seqlens = torch.arange(rows + 1) * tokens
+            out = self.kernels.prefill(
+                q, k, v, g, beta, state, slots, cu_seqlens, l2norm=use_qk_l2norm_in_kernel
+            )
+        else:
+            out = self.kernels.decode(q, k, v, g, beta, state, slots, l2norm=use_qk_l2norm_in_kernel)
+        return out.view(rows, tokens, *out.shape[1:]), state if output_final_state else None
+
+
 @functools.cache
 def load(path: Path) -> GatedDeltaKernels:
     """The bindings of the library at ``path`` (a CpuKernels' ``path``), bound once."""

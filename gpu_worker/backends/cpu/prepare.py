@@ -16,6 +16,8 @@ model under tensor parallel (``CpuBackend.prepare_model`` runs it inside
    a compiled graph cannot read oneDNN's opaque blocked tensors.
 4. The ``fused`` slots (RMSNorm, rotary, silu * up): the kernels, unless --compile fuses those ops
    itself (a C call would break its graph).
+   The Gated DeltaNet layers' ``recurrent_rule`` and ``chunked_rule`` slots: the gated delta rule's
+   kernels (gated_delta.py), unless --compile (likewise).
 5. Attributes pinned in each module's instance dict (the model's layout is final after this).
 6. Where every decoder layer is a kind csrc/decode_layers.c computes (decode_layers.py's positive
    list), a one-call run of all of them for steps whose rows all decode.
@@ -31,6 +33,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from gpu_worker.backends.cpu import gated_delta
 from gpu_worker.backends.cpu import kernels as cpu_kernels
 from gpu_worker.backends.cpu.decode_layers import FusedDecode, fused_decode
 from gpu_worker.backends.cpu.experts import QuantExperts, QuantRouter, interleave_experts, relaid_experts
@@ -41,6 +44,7 @@ from gpu_worker.backends.cpu.malloc import keep_freed_memory
 from gpu_worker.backends.cpu.matmul import CpuLinear
 from gpu_worker.backends.cpu.quant import QuantEmbedding, QuantLinear
 from gpu_worker.models.contract import Layer
+from gpu_worker.models.gated_delta import GatedDeltaNet
 from gpu_worker.models.layers import Embedding, Linear
 from gpu_worker.models.moe import Experts, SparseMoeBlock
 from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
@@ -82,6 +86,8 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compi
     for module in model.modules():
         if isinstance(module, Layer) and "fused" in module.kernel_slots:
             module.attach(fused=fused)
+    if kernels is not None and not compiled:
+        _attach_delta_rules(model, kernels)
     pin_attributes(model)
     logger.info(
         "%s; C kernels: %s; matmul paths (Linears): %s; embedding: %s; other weights: %s; "
@@ -150,6 +156,17 @@ def _attach_dense(
             module.attach(impl=impl)
             module.release_weight()
             paths.update(name for name, has in impl.paths.items() if has)
+
+
+def _attach_delta_rules(model: nn.Module, kernels: cpu_kernels.CpuKernels) -> None:
+    """The gated delta rule's C kernels in each Gated DeltaNet layer whose head dims they take."""
+    rules = gated_delta.load(kernels.path)
+    for module in model.modules():
+        if isinstance(module, GatedDeltaNet) and max(module.d_k, module.d_v) <= gated_delta.MAX_HEAD_DIM:
+            module.attach(
+                recurrent_rule=gated_delta.HfDeltaRule(rules, chunked=False),
+                chunked_rule=gated_delta.HfDeltaRule(rules, chunked=True),
+            )
 
 
 def _relaid_parts(model: nn.Module) -> list[QuantBlocks]:
