@@ -35,7 +35,7 @@ GPT_OSS_STYLE_TEMPLATE = r"""
 {{- "type " + fn.name + " = " }}
 {%- set params = fn.parameters if fn.parameters is defined and fn.parameters else {} %}
 {%- set props = params.properties if params.properties is defined and params.properties else {} %}
-{%- if props %}
+{%- if params %}
 {{- "(_: {\n" }}
 {%- for name, p in props.items() %}
 {%- if p.description is defined %}{{- "// " + p.description + "\n" }}{%- endif %}
