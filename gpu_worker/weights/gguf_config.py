@@ -233,7 +233,48 @@ def _gpt2(header: GgufHeader) -> dict[str, Any]:
     return config
 
 
+def _deepseek2(header: GgufHeader) -> dict[str, Any]:
+    """DeepSeek-V2/V3 and GLM-4.7-Flash (latent attention). The converter writes the attention as
+    MQA over the latent (key_length = kv_lora_rank + rope dims, one KV head) and, in newer files, the
+    per-head sizes as ``key_length_mla`` / ``value_length_mla``; older ones have those in
+    key_length / value_length. Sigmoid gating (V3, GLM) is DeepSeek-V3's router, softmax (V2's, the
+    default of files that name none) V2's."""
+    key = lambda name, default=None: _key(header, name, default)  # noqa: E731
+    config = _decoder(header, "deepseek_v2") | {"hidden_act": "silu"}
+    config.pop("sliding_window", None)
+    rope, rank = int(key("rope.dimension_count")), int(key("attention.kv_lora_rank"))
+    qk_head = int(key("attention.key_length_mla", key("attention.key_length")))
+    config |= {
+        "num_key_value_heads": config["num_attention_heads"], "head_dim": rope, "kv_lora_rank": rank,
+        "q_lora_rank": key("attention.q_lora_rank"), "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": qk_head - rope,
+        "v_head_dim": int(key("attention.value_length_mla", key("attention.value_length"))),
+        "first_k_dense_replace": int(key("leading_dense_block_count", 0)),
+        # per layer, where its router is (GLM's mlp_layer_types need not be leading dense layers)
+        "mlp_layer_types": [
+            "sparse" if header.tensor(f"blk.{i}.ffn_gate_inp.weight") is not None else "dense"
+            for i in range(config["num_hidden_layers"])
+        ],
+        "n_routed_experts": int(key("expert_count")), "num_experts_per_tok": int(key("expert_used_count")),
+        "n_shared_experts": int(key("expert_shared_count", 0)),
+        "moe_intermediate_size": int(key("expert_feed_forward_length")),
+        "routed_scaling_factor": float(key("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(key("expert_weights_norm", False)),
+        "n_group": int(key("expert_group_count", 1)), "topk_group": int(key("expert_group_used_count", 1)),
+    }  # fmt: skip
+    if int(key("expert_gating_func", 1)) == 2:  # sigmoid
+        config |= {"model_type": "deepseek_v3", "rope_interleave": True}
+    else:
+        config["topk_method"] = "group_limited_greedy" if config["n_group"] > 1 else "greedy"
+    log_mul = key("rope.scaling.yarn_log_multiplier")
+    if log_mul and config["rope_parameters"]["rope_type"] == "yarn":  # 0.1 * mscale_all_dim
+        mscale = round(float(log_mul) / 0.1, 6)  # the file holds it as float32
+        config["rope_parameters"] |= {"mscale": mscale, "mscale_all_dim": mscale}
+    return config
+
+
 _BUILDERS: dict[str, Callable[[GgufHeader], dict[str, Any]]] = {
+    "deepseek2": _deepseek2,
     "llama": _llama,
     "qwen2": _qwen2,
     "qwen3": _qwen3,

@@ -46,6 +46,23 @@ _GEMMA = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Latent attention (DeepSeek-V2/V3, GLM-4.7-Flash). Newer files split kv_b into attn_k_b / attn_v_b,
+# which the loader joins back (gguf_mla.py); a router's score-correction bias is exp_probs_b.bias.
+_DEEPSEEK2 = {
+    **_LLAMA,
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_k_b": "self_attn.k_b_proj",
+    "attn_v_b": "self_attn.v_b_proj",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
 # Per GGUF architecture: the layer tensors' HF names. Phi-3's file keeps HF's fused projections
 # (attn_qkv, and ffn_up holding gate and up, gate first as HF's gate_up_proj).
 LAYER_TENSORS = {
@@ -63,6 +80,7 @@ LAYER_TENSORS = {
         "ffn_up": "mlp.gate_up_proj",
         "ffn_down": "mlp.down_proj",
     },
+    "deepseek2": _DEEPSEEK2,
     "gpt2": {
         "attn_norm": "ln_1",
         "attn_qkv": "attn.c_attn",
@@ -99,6 +117,9 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     match = _LAYER_NAME.match(gguf_name)
     if match:
         layer, tensor, kind = match.groups()
+        whole = layer_tensors.get(f"{tensor}.{kind}")  # a tensor named in full (not name.weight)
+        if whole is not None:
+            return f"{_LAYERS_AT.get(arch, 'model.layers')}.{layer}.{whole}"
         if tensor not in layer_tensors:
             raise GgufError(f"GGUF tensor {gguf_name} has no place in a {arch} model")
         return f"{_LAYERS_AT.get(arch, 'model.layers')}.{layer}.{layer_tensors[tensor]}.{kind}"

@@ -1,0 +1,50 @@
+"""A latent-attention GGUF's (``deepseek2``) split kv_b joined back into HF's ``kv_b_proj``.
+
+Newer llama.cpp converters store each layer's kv_b [H (nope + v), r] as two tensors for their
+absorbed decode: ``attn_k_b``, each head's key rows transposed ([H, r, nope]), and ``attn_v_b``, each
+head's value rows ([H, v, r]); older files keep ``attn_kv_b`` whole. The layer holds kv_b as HF does
+(models/mla.py's ``LatentProjection``, a tensor, never kept in blocks), so the pair is dequantized and
+interleaved back per head: [H, nope + v, r], the key rows first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from gpu_worker.weights.formats import dequantize_blocks
+
+Tensor = tuple[str, int, np.ndarray, tuple[int, ...]]  # (HF name, ggml type, data, HF shape)
+F32 = 0
+_SPLIT = (".self_attn.k_b_proj.weight", ".self_attn.v_b_proj.weight")
+
+
+def joined_kv_b(tensors: Iterable[Tensor]) -> Iterator[Tensor]:
+    """``tensors`` with each layer's k_b / v_b pair replaced by its kv_b_proj (float32), yielded once
+    both are read; every other tensor as it comes."""
+    halves: dict[str, dict[str, Tensor]] = {}
+    for tensor in tensors:
+        name = tensor[0]
+        if not name.endswith(_SPLIT):
+            yield tensor
+            continue
+        layer, _, part = name.rpartition(".self_attn.")
+        pair = halves.setdefault(layer, {})
+        pair[part] = tensor
+        if len(pair) == 2:
+            del halves[layer]
+            yield (
+                f"{layer}.self_attn.kv_b_proj.weight",
+                F32,
+                *_join(pair["k_b_proj.weight"], pair["v_b_proj.weight"]),
+            )
+    assert not halves, f"a k_b without its v_b (or the reverse): {sorted(halves)}"
+
+
+def _join(k_b: Tensor, v_b: Tensor) -> tuple[np.ndarray, tuple[int, ...]]:
+    keys = dequantize_blocks(k_b[1], k_b[2], k_b[3]).transpose(1, 2)  # [H, nope, r]
+    values = dequantize_blocks(v_b[1], v_b[2], v_b[3])  # [H, v, r]
+    joined = np.concatenate((keys.numpy(), values.numpy()), axis=1)
+    heads, rows, rank = joined.shape
+    return np.ascontiguousarray(joined.reshape(heads * rows, rank)), (heads * rows, rank)
