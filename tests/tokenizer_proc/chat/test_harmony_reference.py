@@ -111,9 +111,9 @@ def test_the_template_renders_the_tools_as_openais_renderer(encoding: Any) -> No
         {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": "What time is it?"},
     ]
-    rendered, _ = render_jinja_template(
+    rendered: Any = render_jinja_template(
         [messages], tools=tool_dicts, chat_template=GPT_OSS_STYLE_TEMPLATE, add_generation_prompt=True
     )
-    ours = rendered[0]
+    ours = rendered[0][0]  # (the rendered conversations, their generation indices)
     developer_on = "<|start|>developer<|message|>"
     assert ours[ours.index(developer_on) :] == theirs[theirs.index(developer_on) :]
