@@ -98,6 +98,7 @@ def check_model(args: argparse.Namespace, model_dir: Path) -> None:
             "tensor-parallel ranks yet (its latent KV replicated, kv_b split by heads); use --tp-size 1"
         )
     _check_hybrid(args, config)
+    _check_gemma4(args, config)
     if not isinstance(heads, int) or not isinstance(kv_heads, int):
         return  # a config that names no heads: the worker's own check decides
     if heads % args.tp_size or kv_heads % args.tp_size:
@@ -128,6 +129,16 @@ def _check_hybrid(args: argparse.Namespace, config: dict[str, object]) -> None:
         raise StartRefused(
             f"--tp-size {args.tp_size}: {name}'s linear-attention layers (Gated DeltaNet) do not split "
             "over tensor-parallel ranks yet; use --tp-size 1"
+        )
+
+
+def _check_gemma4(args: argparse.Namespace, config: dict[str, object]) -> None:
+    """Gemma 4's KV pool layers differ in shape (its global layers' own head size and KV heads, often
+    1 or 2) and its last layers read earlier layers' KV: not split over tensor-parallel ranks yet."""
+    if args.tp_size > 1 and config.get("model_type") in ("gemma4", "gemma4_text"):
+        raise StartRefused(
+            f"--tp-size {args.tp_size}: Gemma 4's per-layer KV heads and KV shared across layers do not "
+            "split over tensor-parallel ranks yet; use --tp-size 1"
         )
 
 
