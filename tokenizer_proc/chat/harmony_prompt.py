@@ -17,6 +17,7 @@ first, as gpt-oss reasons before it calls (its text without ``<``, so that only 
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -97,13 +98,26 @@ def _calls_format(tools: list[Tool]) -> dict[str, Any]:
 
 
 def _leaf(grammar: Grammar) -> dict[str, Any]:
+    return {"type": "grammar", "grammar": _ebnf_of(grammar)}
+
+
+# Built as a request begins, on the event loop: the conversions (a millisecond or a few) are cached
+# per distinct schema and per distinct whole grammar, as call_or_format_grammar's are.
+@functools.lru_cache(maxsize=256)
+def _ebnf_of(grammar: Grammar) -> str:
     from tokenizer_proc.grammar import xgrammar_of
 
-    return {"type": "grammar", "grammar": str(xgrammar_of(grammar))}
+    return str(xgrammar_of(grammar))
 
 
 def _structural(format_: dict[str, Any]) -> Grammar:
+    return Grammar(
+        kind="ebnf", spec=_structural_ebnf(json.dumps({"type": "structural_tag", "format": format_}))
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _structural_ebnf(tag: str) -> str:
     import xgrammar
 
-    tag = json.dumps({"type": "structural_tag", "format": format_})
-    return Grammar(kind="ebnf", spec=str(xgrammar.Grammar.from_structural_tag(tag)))
+    return str(xgrammar.Grammar.from_structural_tag(tag))
