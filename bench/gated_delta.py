@@ -68,7 +68,7 @@ def _rule_calls(
     rows: int, tokens: int, dtype: torch.dtype, backend: object, device: str
 ) -> tuple[Callable[[], object], Callable[[], object]]:
     """(kernel, reference) for ``rows`` rows of ``tokens`` tokens (1: the decode step)."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
     q, k, v, g, beta = _inputs(rows * tokens, dtype, device)
     pool = torch.randn(rows, V_HEADS, HEAD_DIM, HEAD_DIM, device=device) * 0.1
@@ -92,7 +92,7 @@ def _conv_calls(
     rows: int, dtype: torch.dtype, kernels: object
 ) -> tuple[Callable[[], object], Callable[[], object]]:
     """(kernel, reference) of the conv1d's decode step over Qwen3.5-4B's 8192 channels."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
     channels = 2 * K_HEADS * HEAD_DIM + V_HEADS * HEAD_DIM
     x = torch.randn(rows, channels).to(dtype)
@@ -103,6 +103,13 @@ def _conv_calls(
         lambda: kernels.conv1d(x, weight, pool, slots, cu),  # type: ignore[attr-defined]
         lambda: hf.causal_conv1d_update(x[:, :, None], ref_state, weight, None, "silu"),
     )
+
+
+def _max_diff(kernel: Callable[[], object], reference: Callable[[], object]) -> float:
+    """The largest difference of the two outputs, from the same states (before any timed call)."""
+    got, want = kernel(), reference()
+    assert isinstance(got, torch.Tensor) and isinstance(want, tuple)
+    return float((got.float() - want[0].float().reshape(got.shape)).abs().max())
 
 
 def _backend(name: str) -> tuple[object, str, str]:
@@ -128,22 +135,20 @@ def main(argv: list[str] | None = None) -> int:
     backend, device, line = _backend(args.backend)
     dtype = getattr(torch, args.dtype)
     print(f"{line}; {args.dtype} activations, {V_HEADS}/{K_HEADS} heads of {HEAD_DIM}, one layer")
-    print("| op | rows | tokens/row | kernel ms | torch ms | speed-up |")
-    print("|---|---|---|---|---|---|")
+    print("| op | rows | tokens/row | kernel ms | torch ms | speed-up | max abs diff |")
+    print("|---|---|---|---|---|---|---|")
     for rows in (int(x) for x in args.rows.split(",")):
         shapes = [("decode", 1), ("prefill", args.prefill_tokens)]
         for op, tokens in shapes:
             calls = _rule_calls(rows, tokens, dtype, backend, device)
+            diff = _max_diff(*calls)
             ms = _median_ms(list(calls), args.repeats, device)
-            print(
-                f"| {op} | {rows} | {tokens} | {ms[0]:.3f} | {ms[1]:.3f} | {ms[1] / ms[0]:.1f}x |", flush=True
-            )
+            cells = f"{ms[0]:.3f} | {ms[1]:.3f} | {ms[1] / ms[0]:.1f}x | {diff:.2e}"
+            print(f"| {op} | {rows} | {tokens} | {cells} |", flush=True)
         if device == "cpu":
             ms = _median_ms(list(_conv_calls(rows, dtype, backend)), args.repeats, device)
-            print(
-                f"| conv1d decode | {rows} | 1 | {ms[0]:.3f} | {ms[1]:.3f} | {ms[1] / ms[0]:.1f}x |",
-                flush=True,
-            )
+            cells = f"{ms[0]:.3f} | {ms[1]:.3f} | {ms[1] / ms[0]:.1f}x | -"
+            print(f"| conv1d decode | {rows} | 1 | {cells} |", flush=True)
     return 0
 
 

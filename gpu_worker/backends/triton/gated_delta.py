@@ -124,8 +124,9 @@ def _prefill_kernel(
         beta = tl.load(beta_ptr + tok64 * stride_beta + h, mask=t_ok, other=0.0).to(tl.float32)
         gc = tl.cumsum(g, 0)
         gc_last = tl.sum(tl.where(offs_t == BT - 1, gc, 0.0), 0)
-        # exponents gc_i - gc_j <= 0 where kept (g <= 0); the others are masked before exp
-        decay = tl.exp(tl.where(offs_t[:, None] >= offs_t[None, :], gc[:, None] - gc[None, :], -float("inf")))
+        # exponents gc_i - gc_j <= 0 where kept (g <= 0); the others are zeroed before exp, then dropped
+        causal = offs_t[:, None] >= offs_t[None, :]
+        decay = tl.where(causal, tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
         kk = tl.dot(k, tl.trans(k), input_precision="ieee")
         a = tl.where(lower, beta[:, None] * decay * kk, 0.0)
         rhs = beta[:, None] * (v.to(tl.float32) - tl.exp(gc)[:, None] * tl.dot(k, s, input_precision="ieee"))
