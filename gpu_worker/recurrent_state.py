@@ -157,6 +157,8 @@ def end_batch(pool: StatePool, batch: ForwardBatch) -> None:
 def check_checkpoints(pool: StatePool, batch: ForwardBatch) -> None:
     """Every checkpoint load and save names a row, a checkpoint and a token count that exist."""
     rows = len(batch.req_pool_idx)
+    if any(batch.draft_lens):  # the launcher refuses speculation for these models
+        raise ValueError("drafted tokens for a model with a recurrent state, which cannot roll back drafts")
     for row, c in zip(batch.state_load_rows, batch.state_load_ids, strict=True):
         if not (0 <= row < rows and 0 <= c < pool.checkpoints):
             raise ValueError(f"state checkpoint load {c} into row {row}: out of range")

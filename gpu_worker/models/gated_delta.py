@@ -7,10 +7,13 @@ and SiLU; beta = sigmoid(b), the log-decay g = -exp(A_log) * softplus(a + dt_bia
 rule (delta_rule.py) reads and updates the state; each value head's output is RMS-normed, scaled
 by w (not 1 + w) and gated by silu(z); ``out_proj`` maps it back to the hidden size.
 
-Two checkpoint layouts: Qwen3.5 holds ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``
-(one merged matmul here, q then k then v over all heads); Qwen3-Next ``in_proj_qkvz`` and
-``in_proj_ba``, grouped per key head (each key head's q, k, then its value heads' v and z; its value
-heads' b, then a), reordered after the matmul.
+Three checkpoint layouts (``layout``): ``split``, Qwen3.5's ``in_proj_qkv``, ``in_proj_z``,
+``in_proj_b``, ``in_proj_a`` (one merged matmul here, q then k then v over all heads); ``grouped``,
+Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``, grouped per key head (each key head's q, k, then its
+value heads' v and z; its value heads' b, then a), reordered after the matmul; ``split_ba``, a
+Qwen3-Next GGUF's: q/k/v and z split as Qwen3.5's, b and a still grouped in ``in_proj_ba``.
+``tiled_values``: value head h reads key head h % H_k, not h // (H_v / H_k) (a Qwen3.5 GGUF, whose
+converter reorders the value heads so; the same model, its heads numbered otherwise).
 
 Kernel slots (a backend fills them in ``prepare_model``, e.g. backends/cpu/prepare.py):
 - ``recurrent_rule``: the one-token state update of the decode rows, all rows in one call;
@@ -82,7 +85,7 @@ class GatedDeltaNet(Layer):
     chunked_rule: DeltaRule | None = None
     split = Split.REPLICATED
 
-    def __init__(self, cfg: Any, index: int, grouped_checkpoint: bool) -> None:
+    def __init__(self, cfg: Any, index: int, layout: str, tiled_values: bool = False) -> None:
         super().__init__()
         self.index = index
         self.key_heads, self.value_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -91,15 +94,18 @@ class GatedDeltaNet(Layer):
         self.conv_channels = 2 * key_dim + value_dim
         self.conv_kernel = cfg.linear_conv_kernel_dim
         hidden = cfg.hidden_size
-        self.grouped_checkpoint = grouped_checkpoint
-        if grouped_checkpoint:  # Qwen3-Next
+        assert layout in ("split", "grouped", "split_ba"), f"linear-attention layout {layout!r}"
+        self.layout, self.tiled_values = layout, tiled_values
+        heads = self.value_heads
+        if layout == "grouped":  # Qwen3-Next
             self.in_proj_qkvz = Linear(hidden, self.conv_channels + value_dim, False)
-            self.in_proj_ba = Linear(hidden, 2 * self.value_heads, False)
         else:
-            heads = self.value_heads
-            shards = {"in_proj_qkv": self.conv_channels, "in_proj_z": value_dim, "in_proj_b": heads,
-                      "in_proj_a": heads}  # fmt: skip
+            shards = {"in_proj_qkv": self.conv_channels, "in_proj_z": value_dim}
+            if layout == "split":
+                shards |= {"in_proj_b": heads, "in_proj_a": heads}
             self.in_proj = MergedLinear(hidden, shards, False)
+        if layout != "split":
+            self.in_proj_ba = Linear(hidden, 2 * heads, False)
         self.conv1d = CausalConv1d(self.conv_channels, self.conv_kernel)
         self.dt_bias = nn.Parameter(torch.empty(self.value_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.value_heads), requires_grad=False)
@@ -111,7 +117,7 @@ class GatedDeltaNet(Layer):
         return StateShape(layers, self.conv_channels, self.conv_kernel, self.value_heads, self.d_k, self.d_v)
 
     def options(self) -> dict[str, Any]:
-        return {"grouped_checkpoint": self.grouped_checkpoint, "conv_kernel": self.conv_kernel}
+        return {"layout": self.layout, "tiled_values": self.tiled_values, "conv_kernel": self.conv_kernel}
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         batch = ctx.recurrent
@@ -123,6 +129,8 @@ class GatedDeltaNet(Layer):
         )
         tokens = x.shape[0]
         q, k = q.view(tokens, self.key_heads, self.d_k), k.view(tokens, self.key_heads, self.d_k)
+        if self.tiled_values and self.key_heads < self.value_heads:  # one key head per value head
+            q, k = (t.repeat(1, self.value_heads // self.key_heads, 1) for t in (q, k))
         v = v.view(tokens, self.value_heads, self.d_v)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
@@ -132,13 +140,16 @@ class GatedDeltaNet(Layer):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """mixed q/k/v [T, conv_channels] (q, k, v each over all heads), z [T, H_v d_v], b, a [T, H_v]."""
-        if not self.grouped_checkpoint:
-            value_dim, heads = self.value_heads * self.d_v, self.value_heads
+        value_dim, heads = self.value_heads * self.d_v, self.value_heads
+        if self.layout == "split":
             return tuple(self.in_proj(x).split([self.conv_channels, value_dim, heads, heads], -1))  # type: ignore[return-value]
         tokens, groups, per = x.shape[0], self.key_heads, self.value_heads // self.key_heads
+        b, a = self.in_proj_ba(x).view(tokens, groups, 2 * per).split([per, per], -1)
+        if self.layout == "split_ba":
+            mixed, z = self.in_proj(x).split([self.conv_channels, value_dim], -1)
+            return mixed, z, b.flatten(1), a.flatten(1)
         qkvz = self.in_proj_qkvz(x).view(tokens, groups, -1)
         q, k, v, z = qkvz.split([self.d_k, self.d_k, per * self.d_v, per * self.d_v], -1)
-        b, a = self.in_proj_ba(x).view(tokens, groups, 2 * per).split([per, per], -1)
         mixed = torch.cat((q.flatten(1), k.flatten(1), v.flatten(1)), dim=-1)
         return mixed, z.flatten(1), b.flatten(1), a.flatten(1)
 

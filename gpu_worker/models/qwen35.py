@@ -133,7 +133,7 @@ class Qwen35ForCausalLM(nn.Module):
     """Qwen3.5 causal LM (dense): KV pool for its full-attention layers, state pool for the rest."""
 
     tensor_parallel: tuple[int, int] | None = None
-    grouped_checkpoint = False  # Qwen3-Next's fused, per-key-head-grouped linear projections
+    linear_layout = "split"  # how the checkpoint holds the linear layers' projections (gated_delta.py)
     checkpoint_renames = ((r"^model\.language_model\.", "model."),)
     checkpoint_skipped = r"^(model\.visual\.|mtp\.)"
 
@@ -165,7 +165,11 @@ class Qwen35ForCausalLM(nn.Module):
 
     def _mixer(self, cfg: Any, kind: str, layer: int, linear_index: int) -> Layer:
         if kind == LINEAR:
-            return GatedDeltaNet(cfg, linear_index, self.grouped_checkpoint)
+            # A GGUF's config says how its converter laid them out (weights/gguf_hybrid.py).
+            layout = getattr(cfg, "gguf_linear_layout", None) or self.linear_layout
+            return GatedDeltaNet(
+                cfg, linear_index, layout, bool(getattr(cfg, "linear_value_heads_tiled", False))
+            )
         return GatedAttention(cfg, layer - linear_index)
 
     def feed_forward(self, cfg: Any, layer: int) -> Layer:
@@ -200,4 +204,4 @@ class Qwen3NextForCausalLM(Qwen35MoeForCausalLM):
     """Qwen3-Next: Qwen3.5-MoE's decoder with the linear layers' projections fused and grouped per
     key head in its checkpoint, and dense layers where ``mlp_only_layers`` says."""
 
-    grouped_checkpoint = True
+    linear_layout = "grouped"

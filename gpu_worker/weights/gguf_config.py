@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpu_worker.weights.gguf_file import GgufHeader
+from gpu_worker.weights.gguf_hybrid import hybrid_config
 
 # Llama 3's frequency factors from a GGUF's rope_freqs tensor (rope.py divides the frequencies by them).
 FREQ_FACTORS_KEY = "rope_freq_factors"
@@ -273,7 +274,18 @@ def _deepseek2(header: GgufHeader) -> dict[str, Any]:
     return config
 
 
+def _hybrid(header: GgufHeader) -> dict[str, Any]:
+    """Qwen3.5 (dense, MoE) and Qwen3-Next: gguf_hybrid.py."""
+    arch = header.architecture
+    dense_size = f"{arch}.feed_forward_length"  # an MoE file may state none: its dense MLPs are the experts'
+    header.metadata.setdefault(dense_size, header.metadata.get(f"{arch}.expert_feed_forward_length"))
+    return hybrid_config(arch, _decoder(header, arch), lambda name, default=None: _key(header, name, default))
+
+
 _BUILDERS: dict[str, Callable[[GgufHeader], dict[str, Any]]] = {
+    "qwen35": _hybrid,
+    "qwen35moe": _hybrid,
+    "qwen3next": _hybrid,
     "deepseek2": _deepseek2,
     "llama": _llama,
     "qwen2": _qwen2,

@@ -19,6 +19,8 @@ import re
 
 import numpy as np
 
+from gpu_worker.weights.gguf_hybrid import HYBRID_ARCHITECTURES, HYBRID_TENSORS, hybrid_whole_name
+
 _COMMON_LAYER = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -90,6 +92,7 @@ LAYER_TENSORS = {
         "ffn_down": "mlp.c_proj",
     },
 }
+LAYER_TENSORS |= {arch: HYBRID_TENSORS for arch in HYBRID_ARCHITECTURES}  # Qwen3.5, Qwen3-Next
 ARCHITECTURES = tuple(LAYER_TENSORS)
 PERMUTED_QK = ("llama",)  # the converter permutes these architectures' Q/K rows
 NORMS_PLUS_ONE = ("gemma2", "gemma3")  # the converter stores Gemma's norms as 1 + w
@@ -114,6 +117,9 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _IGNORED:
         return None
     layer_tensors = LAYER_TENSORS[arch]
+    whole_hybrid = hybrid_whole_name(gguf_name) if arch in HYBRID_ARCHITECTURES else None
+    if whole_hybrid is not None:
+        return whole_hybrid
     match = _LAYER_NAME.match(gguf_name)
     if match:
         layer, tensor, kind = match.groups()

@@ -35,6 +35,7 @@ from gpu_worker.models.moe import Experts
 from gpu_worker.weights.common import WeightMismatchError, copy_checked, is_tied, materialize, weight_targets
 from gpu_worker.weights.formats import QuantBlocks, QuantizedExperts, QuantizedWeight, dequantize_blocks
 from gpu_worker.weights.gguf_file import GgufHeader, TensorEntry, read_header
+from gpu_worker.weights.gguf_hybrid import HYBRID_ARCHITECTURES, hybrid_tensor
 from gpu_worker.weights.gguf_mla import joined_kv_b
 from gpu_worker.weights.gguf_names import (
     ARCHITECTURES,
@@ -91,6 +92,8 @@ def read_tensors(
             data = unpermute_rows(data, num_kv_heads)
         elif arch in NORMS_PLUS_ONE and "norm." in name:  # HF's parameter is w; the file holds 1 + w
             data = data.astype(np.float32) - np.float32(1.0)
+        elif arch in HYBRID_ARCHITECTURES:
+            data, shape = hybrid_tensor(name, data, shape)
         yield name, entry.type, data, shape
 
 

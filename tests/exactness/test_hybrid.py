@@ -15,8 +15,10 @@ import pytest
 
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.weights.model_files import resolve_model
 from tests.exactness import inprocess
-from tests.hybrid_models import HYBRID_KINDS, hf_greedy, make_prompts, save_hybrid
+from tests.hybrid_gguf import write_hybrid_gguf
+from tests.hybrid_models import HYBRID_KINDS, hf_greedy, hf_hybrid_model, make_prompts, save_hybrid
 
 NEW_TOKENS = 6
 PROMPT_LENS = (1, 5, 70, 23, 140)
@@ -76,3 +78,19 @@ def test_forks_copy_the_state(hybrid: tuple[Path, Any]) -> None:
         runner, prompts, NEW_TOKENS, chunked_prefill_size=8, enable_mixed_chunk=True, n=3
     )
     assert got == [out for out in expected for _ in range(3)]
+
+
+@pytest.mark.parametrize("kind", HYBRID_KINDS[1:])
+def test_gguf_matches_hf(kind: str, tmp_path: Path) -> None:
+    """The same weights from a GGUF written as llama.cpp's converter writes qwen35 / qwen35moe /
+    qwen3next (gguf_hybrid.py undoes its changes; Qwen3.5's value heads computed in its tiled order)."""
+    hf = hf_hybrid_model(kind, seed=4)
+    hf.load_state_dict(write_hybrid_gguf(tmp_path / "model.gguf", hf), strict=False)
+    prompts = make_prompts(13, (3, 37, 70))
+    expected = hf_greedy(hf, prompts, NEW_TOKENS)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RIVULET_CACHE_DIR", str(tmp_path / "cache"))
+        meta = resolve_model(str(tmp_path / "model.gguf"))
+    runner = runner_for(meta, gguf_path=str(tmp_path / "model.gguf"))
+    got, _ = inprocess.generate(runner, prompts, NEW_TOKENS, chunked_prefill_size=29, enable_mixed_chunk=True)
+    assert got == expected

@@ -26,6 +26,7 @@
 #define QTYPE_Q6_K 14
 #define QTYPE_IQ4_NL 20
 #define QTYPE_IQ4_XS 23
+#define QTYPE_MXFP4 39
 /* QTYPE_X8, QTYPE_A8: flags on these, rivulet_kernels.h */
 
 /* Activations, one format for every weight type: per 32 values, 16-bit integers with one float
@@ -154,7 +155,7 @@ const qtype_ops *qtype_legacy(int type);
 const qtype_ops *qtype_k(int type);
 const qtype_ops *qtype_x8(int type);
 const qtype_ops *qtype_kx8(int type);
-const qtype_ops *qtype_sub32(int type); /* quant_sub32.c: Q5_0, Q5_1, IQ4_NL, IQ4_XS */
+const qtype_ops *qtype_sub32(int type); /* quant_sub32.c: Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4 */
 const qtype_ops *quant_ops(int type); /* any of them */
 
 #endif

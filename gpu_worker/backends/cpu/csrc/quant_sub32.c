@@ -1,5 +1,6 @@
-/* GGUF blocks met 32 weights at a time, each 32 with one scale: Q5_0, Q5_1, IQ4_NL and IQ4_XS
- * (ggml's layouts, checked against gguf-py's dequantize in tests/gpu_worker/test_quant_sub32.py).
+/* GGUF blocks met 32 weights at a time, each 32 with one scale: Q5_0, Q5_1, IQ4_NL, IQ4_XS and MXFP4
+ * (ggml's layouts, checked against gguf-py's dequantize in tests/gpu_worker/test_quant_sub32.py and
+ * test_mxfp4.py).
  * llama.cpp's quantizer writes Q5_0 / Q5_1 / IQ4_NL for the tensors of a K-quant file whose rows are
  * not a multiple of 256 (hidden 576, 640, 896, ...), and IQ4_XS / IQ4_NL as types of their own.
  *
@@ -10,15 +11,17 @@
  *           bytes of nibbles; 32-weight sub-block i has the 6-bit scale ls_i (low 4 bits: nibble i of
  *           the lows, high 2: bits 2i, 2i + 1 of the highs) and its own 16 bytes of nibbles;
  *           weight j of it = d (ls_i - 32) * V[nibble j]
+ *   MXFP4, 17 bytes: E8M0 exponent e, 16 bytes of nibbles; weight j = 2^(e - 128) * F[nibble j], F the
+ *           E2M1 values doubled (0, 1, 2, 3, 4, 6, 8, 12 and their negatives: gpt-oss's experts)
  * Nibbles as the legacy types' (quant_legacy.c): weight j < 16 the low nibble of byte j, weight
  * j >= 16 the high nibble of byte j - 16. Q5's q_j = nibble j | bit j of qh (little-endian) << 4.
  * V: the IQ4 types' 16 non-linear levels (-127 .. 113), one 16-byte table, so widening a nibble is
- * one byte shuffle.
+ * one byte shuffle; MXFP4's F likewise.
  *
  * The tiles are quant_legacy.c's: activations in act_block16 (quant.h), each sub-block's weights
  * widened to int16 once per tile, _mm256_madd_epi16 against the activation's 16-bit values, one
  * scale per (row, column, sub-block): the product of the sub-block's scale (d; IQ4_XS: d (ls - 32),
- * exact in float32) and the activation block's d. Q5_0's -16 is applied to the widened weights (no
+ * exact in float32; MXFP4: a power of 2) and the activation block's d. Q5_0's -16 is applied to the widened weights (no
  * min term, as Q4_0's -8 in quant_legacy.c); Q5_1 adds m times the activation block's sum.
  * |weight integer| <= 127 here (Q5: 0..31 or -16..15, V: -127..113), within quant_legacy.c's bound
  * of 128: every integer sum is exact in int32 and in its float32 conversion.
@@ -36,6 +39,21 @@
 #define PF_BYTES 512
 
 static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t MXFP4_LEVELS[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* The types whose nibbles index a table of levels, and that table. */
+static inline int has_levels(const int type) {
+    return type == QTYPE_IQ4_NL || type == QTYPE_IQ4_XS || type == QTYPE_MXFP4;
+}
+static inline const int8_t *levels_of(const int type) { return type == QTYPE_MXFP4 ? MXFP4_LEVELS : IQ4_LEVELS; }
+
+/* MXFP4's E8M0 exponent as the scale of its doubled levels, 2^(e - 128), exactly (e < 2: subnormal). */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 static inline float half_at(const uint8_t *p) {
     uint16_t h;
@@ -45,12 +63,19 @@ static inline float half_at(const uint8_t *p) {
 
 /* Bytes of one file block; sub-blocks of 32 in it. */
 static inline int block_bytes(const int type) {
-    return type == QTYPE_Q5_0 ? 22 : type == QTYPE_Q5_1 ? 24 : type == QTYPE_IQ4_NL ? 18 : 136;
+    switch (type) {
+    case QTYPE_Q5_0: return 22;
+    case QTYPE_Q5_1: return 24;
+    case QTYPE_IQ4_NL: return 18;
+    case QTYPE_MXFP4: return 17;
+    default: return 136;
+    }
 }
 static inline int subs(const int type) { return type == QTYPE_IQ4_XS ? 8 : 1; }
 
 /* Sub-block b's scale: d, or IQ4_XS's d (ls - 32) (an fp16 times an integer below 2^6: exact). */
 static inline float sub_scale(const uint8_t *row, int64_t b, const int type) {
+    if (type == QTYPE_MXFP4) return e8m0_half(row[b * 17]);
     if (type != QTYPE_IQ4_XS) return half_at(row + b * block_bytes(type));
     const uint8_t *blk = row + b / 8 * 136;
     const int i = (int)(b % 8);
@@ -66,6 +91,7 @@ static inline const uint8_t *sub_nibbles(const uint8_t *row, int64_t b, const in
     case QTYPE_Q5_0: return row + b * 22 + 6;
     case QTYPE_Q5_1: return row + b * 24 + 8;
     case QTYPE_IQ4_NL: return row + b * 18 + 2;
+    case QTYPE_MXFP4: return row + b * 17 + 1;
     default: return row + b / 8 * 136 + 8 + 16 * (b % 8);
     }
 }
@@ -80,8 +106,9 @@ static inline uint32_t q5_high(const uint8_t *row, int64_t b, const int type) {
 /* The 32 weight integers of sub-block b (the values the tiles multiply: Q5_0 already minus 16). */
 static inline void sub_ints(const uint8_t *row, int64_t b, const int type, int32_t q[QB]) {
     const uint8_t *nib = sub_nibbles(row, b, type);
-    if (type == QTYPE_IQ4_NL || type == QTYPE_IQ4_XS) {
-        for (int j = 0; j < 16; j++) q[j] = IQ4_LEVELS[nib[j] & 0x0f], q[16 + j] = IQ4_LEVELS[nib[j] >> 4];
+    if (has_levels(type)) {
+        const int8_t *lv = levels_of(type);
+        for (int j = 0; j < 16; j++) q[j] = lv[nib[j] & 0x0f], q[16 + j] = lv[nib[j] >> 4];
         return;
     }
     const uint32_t qh = q5_high(row, b, type);
@@ -108,6 +135,7 @@ static void dequant_q5_0(const uint8_t *w, int64_t k, float *out) { dequant_rows
 static void dequant_q5_1(const uint8_t *w, int64_t k, float *out) { dequant_rows(w, k, out, QTYPE_Q5_1); }
 static void dequant_iq4_nl(const uint8_t *w, int64_t k, float *out) { dequant_rows(w, k, out, QTYPE_IQ4_NL); }
 static void dequant_iq4_xs(const uint8_t *w, int64_t k, float *out) { dequant_rows(w, k, out, QTYPE_IQ4_XS); }
+static void dequant_mxfp4(const uint8_t *w, int64_t k, float *out) { dequant_rows(w, k, out, QTYPE_MXFP4); }
 
 #if HAVE_AVX2 || HAVE_AVX512
 
@@ -122,8 +150,8 @@ static void dequant_iq4_xs(const uint8_t *w, int64_t k, float *out) { dequant_ro
  * lane's high bit tested in qh (lane j against bit j) and 16 added where set (Q5_0: minus 16). */
 static inline void widen(const uint8_t *row, int64_t b, const int type, __m256i *lo, __m256i *hi) {
     const __m128i v = _mm_loadu_si128((const __m128i *)sub_nibbles(row, b, type)), low4 = _mm_set1_epi8(0x0f);
-    if (type == QTYPE_IQ4_NL || type == QTYPE_IQ4_XS) {
-        const __m128i levels = _mm_loadu_si128((const __m128i *)IQ4_LEVELS);
+    if (has_levels(type)) {
+        const __m128i levels = _mm_loadu_si128((const __m128i *)levels_of(type));
         *lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(levels, _mm_and_si128(v, low4)));
         *hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(levels, _mm_and_si128(_mm_srli_epi16(v, 4), low4)));
         return;
@@ -289,6 +317,7 @@ SUB32_TILE(tile_q5_0, QTYPE_Q5_0)
 SUB32_TILE(tile_q5_1, QTYPE_Q5_1)
 SUB32_TILE(tile_iq4_nl, QTYPE_IQ4_NL)
 SUB32_TILE(tile_iq4_xs, QTYPE_IQ4_XS)
+SUB32_TILE(tile_mxfp4, QTYPE_MXFP4)
 
 #define ACT_BYTES ((int)sizeof(act_block16))
 static const qtype_ops OPS_Q5_0 = {QTYPE_Q5_0, QB, 22, ACT_BYTES, quantize_act16, tile_q5_0, dequant_q5_0, NULL, NULL};
@@ -298,12 +327,16 @@ static const qtype_ops OPS_IQ4_NL = {QTYPE_IQ4_NL, QB,      18,  ACT_BYTES, quan
 static const qtype_ops OPS_IQ4_XS = {QTYPE_IQ4_XS, 256,     136, 8 * ACT_BYTES, quantize_act16, tile_iq4_xs,
                                      dequant_iq4_xs, NULL, NULL};
 
+static const qtype_ops OPS_MXFP4 = {QTYPE_MXFP4, QB, 17, ACT_BYTES, quantize_act16, tile_mxfp4, dequant_mxfp4,
+                                    NULL, NULL};
+
 const qtype_ops *qtype_sub32(int type) {
     switch (type) {
     case QTYPE_Q5_0: return &OPS_Q5_0;
     case QTYPE_Q5_1: return &OPS_Q5_1;
     case QTYPE_IQ4_NL: return &OPS_IQ4_NL;
     case QTYPE_IQ4_XS: return &OPS_IQ4_XS;
+    case QTYPE_MXFP4: return &OPS_MXFP4;
     default: return NULL;
     }
 }

@@ -1,0 +1,24 @@
+"""An HF checkpoint's MXFP4 weights (gpt-oss's experts: ``*_blocks`` and ``*_scales``) as ggml's MXFP4
+blocks, which the CPU kernels compute on (csrc/quant_sub32.c).
+
+Both hold 32 E2M1 values per block with one E8M0 exponent. HF's ``blocks`` [..., rows, k / 32, 16]
+pack values 2i (low nibble) and 2i + 1 (high nibble) in byte i of a block, ``scales`` [..., rows,
+k / 32] the exponent with bias 127 over the plain E2M1 values; a ggml block is its exponent byte then
+16 bytes, byte j holding value j (low nibble) and value j + 16 (high), over doubled values with bias
+128: the same exponent byte.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def ggml_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """uint8 [rows, k / 32 * 17]: ggml's MXFP4 blocks of HF's ``blocks`` / ``scales`` (leading dims
+    flattened into rows)."""
+    assert blocks.dtype == torch.uint8 and scales.dtype == torch.uint8
+    assert blocks.shape[:-1] == scales.shape and blocks.shape[-1] == 16, "blocks [..., k / 32, 16]"
+    nibbles = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # value order, 32 a block
+    packed = nibbles[..., :16] | (nibbles[..., 16:] << 4)
+    rows = blocks.shape[:-2].numel()
+    return torch.cat((scales.unsqueeze(-1), packed), dim=-1).reshape(rows, -1).contiguous()
