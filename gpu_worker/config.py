@@ -84,6 +84,11 @@ class WorkerConfig:
         "as large as a request's state (the start log says how large); -1: --max-running-requests of "
         "them; 0: none, the prefix cache off for such a model",
     )
+    mmproj: str | None = flag(
+        None,
+        "a vision-language model's tower from llama.cpp's mmproj GGUF (Gemma 3's), in place of the "
+        "HF directory's (the processor still comes from the directory: docs/images.md)",
+    )
     gguf_path: str = given("", "the launcher: the .gguf --model names (the embedded one by default)")
     replica: int = given(0, "the launcher: its data-parallel replica (--dp-size)")
     cpu_ids: tuple[int, ...] = given((), "the launcher: its replica's share of the cores (--dp-size > 1)")

@@ -96,10 +96,16 @@ def _pixels(image: ImageInput, shape: tuple[int, ...]) -> np.ndarray:
     return np.frombuffer(image.pixels, dtype=np.float32).reshape(shape)
 
 
-def image_encoder_for(model_path: str, dtype: torch.dtype, device: torch.device) -> ImageEncoder | None:
-    """The encoder of the model at ``model_path``, or None for a model without a vision tower."""
+def image_encoder_for(
+    model_path: str, dtype: torch.dtype, device: torch.device, mmproj: str | None = None
+) -> ImageEncoder | None:
+    """The encoder of the model at ``model_path`` (its tower from ``mmproj``, an mmproj GGUF, when
+    given), or None for a model without a vision tower."""
     from gpu_worker.models.vision import load_vision_tower
+    from gpu_worker.weights.mmproj import load_mmproj_tower
 
+    if mmproj is not None:
+        return ImageEncoder(load_mmproj_tower(mmproj, dtype, device), device, dtype)
     tower = load_vision_tower(model_path, dtype, device)
     return None if tower is None else ImageEncoder(tower, device, dtype)
 

@@ -85,10 +85,10 @@ class ModelRunner:
     def _init_model(self) -> None:
         started = time.perf_counter()
         self.model, self.hf_config = self._load()
-        self.images = image_encoder_for(self.config.model_path, self._dtype, self._device)  # None: text only
+        config = self.config
+        self.images = image_encoder_for(config.model_path, self._dtype, self._device, config.mmproj)
         model = self.model
         assert isinstance(model, torch.nn.Module), "our models are nn.Modules"
-        config = self.config
         group = (
             tp.TensorParallel(config.tp_rank, config.tp_size, self.backend.all_reduce(config))
             if config.tp_size > 1

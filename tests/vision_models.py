@@ -104,3 +104,81 @@ def hf_greedy(
         out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
     prompt = inputs["input_ids"][0].tolist()
     return prompt, out[0, len(prompt) :].tolist()
+
+
+def write_gemma3_mmproj(model: Any, path: Path) -> None:
+    """The model's vision tower as llama.cpp's converter writes it (convert_hf_to_gguf.py --mmproj
+    --outtype f32): its names, ``clip.*`` metadata, the projection in F16, the soft-emb norm as
+    ``1 + w``, the rest F32. Checked once against the converter of llama-cpp-python 0.3.36's sdist
+    on this very model: the same tensors, types and values."""
+    import gguf
+
+    vision = model.config.vision_config
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_type("mmproj")
+    writer.add_bool("clip.has_vision_encoder", True)
+    for key, value in (
+        ("image_size", vision.image_size),
+        ("patch_size", vision.patch_size),
+        ("embedding_length", vision.hidden_size),
+        ("feed_forward_length", vision.intermediate_size),
+        ("block_count", vision.num_hidden_layers),
+        ("attention.head_count", vision.num_attention_heads),
+        ("projection_dim", model.config.text_config.hidden_size),
+    ):
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.layer_norm_eps)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    writer.add_string("clip.projector_type", "gemma3")
+    writer.add_bool("clip.use_gelu", True)
+    per_side = int(model.config.mm_tokens_per_image**0.5)
+    writer.add_uint32(
+        "clip.vision.projector.scale_factor", vision.image_size // vision.patch_size // per_side
+    )
+    for name, tensor in _mmproj_tensors(model):
+        writer.add_tensor(name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _mmproj_tensors(model: Any) -> list[tuple[str, np.ndarray]]:
+    parts = {
+        "layer_norm1": "ln1",
+        "layer_norm2": "ln2",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.out_proj": "attn_out",
+        "mlp.fc1": "ffn_up",
+        "mlp.fc2": "ffn_down",
+    }
+    out = []
+    projector = model.model.multi_modal_projector
+    out.append(
+        (
+            "mm.input_projection.weight",
+            projector.mm_input_projection_weight.detach().numpy().astype(np.float16),
+        )
+    )
+    norm = projector.mm_soft_emb_norm.weight.detach().numpy().astype(np.float32)
+    out.append(("mm.soft_emb_norm.weight", norm + np.float32(1.0)))  # the converter adds the 1 in float32
+    for name, param in model.model.vision_tower.named_parameters():
+        name = name.removeprefix("vision_model.")
+        if name.startswith("head."):
+            continue
+        gguf_name = {
+            "embeddings.patch_embedding.weight": "v.patch_embd.weight",
+            "embeddings.patch_embedding.bias": "v.patch_embd.bias",
+            "embeddings.position_embedding.weight": "v.position_embd.weight",
+            "post_layernorm.weight": "v.post_ln.weight",
+            "post_layernorm.bias": "v.post_ln.bias",
+        }.get(name)
+        if gguf_name is None:
+            _, _, block, rest = name.split(".", 3)  # encoder.layers.N.<part>.<kind>
+            part, _, kind = rest.rpartition(".")
+            gguf_name = f"v.blk.{block}.{parts[part]}.{kind}"
+        out.append((gguf_name, param.detach().numpy().astype(np.float32)))
+    return out
