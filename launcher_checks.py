@@ -99,6 +99,11 @@ def check_model(args: argparse.Namespace, model_dir: Path) -> None:
         )
     _check_hybrid(args, config)
     _check_gemma4(args, config)
+    if args.tp_size > 1 and config.get("model_type") == "gpt_oss":
+        raise StartRefused(
+            f"--tp-size {args.tp_size}: gpt-oss's attention sinks (one per head) and its experts' biases do "
+            "not split over tensor-parallel ranks yet; use --tp-size 1"
+        )
     if not isinstance(heads, int) or not isinstance(kv_heads, int):
         return  # a config that names no heads: the worker's own check decides
     if heads % args.tp_size or kv_heads % args.tp_size:
