@@ -75,6 +75,7 @@ CPU_KIND_TESTS = (
     "tests/gpu_worker/test_quant_a8.py",
     "tests/gpu_worker/test_quant_sub32.py",
     "tests/gpu_worker/test_gguf_sub32.py",
+    "tests/gpu_worker/test_quant_f16.py",
     "tests/gpu_worker/test_decode_layers.py",
     "tests/gpu_worker/test_sink_attention.py",
     "tests/gpu_worker/test_gguf_weights.py",

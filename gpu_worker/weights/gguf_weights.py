@@ -123,7 +123,7 @@ def load_gguf_weights(model: nn.Module, path: Path, keep: frozenset[int], device
     materialize(model, device, skip=_kept_in_blocks(header, keep, modules, experts))
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = {name for name, p in params.items() if is_tied(model, name, p)}
-    targets = weight_targets(model, params)
+    targets = weight_targets(model, params, gguf=True)
     pending: dict[nn.Module, dict[str | None, QuantBlocks]] = defaultdict(dict)
     loaded: set[str] = set()
     dequantized: Counter[str] = Counter()
@@ -141,9 +141,11 @@ def load_gguf_weights(model: nn.Module, path: Path, keep: frozenset[int], device
             if name not in targets:
                 unexpected.append(name)
                 continue
-            if ggml_type in keep and name in modules:
+            if held_as_blocks(ggml_type, shape[-1], keep) and name in modules:
                 module, shard = modules[name]
-                pending[module][shard] = QuantBlocks(ggml_type, torch.from_numpy(data), shape[-1])
+                pending[module][shard] = QuantBlocks(
+                    ggml_type, torch.from_numpy(data.view(np.uint8)), shape[-1]
+                )
             else:
                 if ggml_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
                     dequantized[_type_name(ggml_type)] += 1
@@ -167,6 +169,17 @@ def load_gguf_weights(model: nn.Module, path: Path, keep: frozenset[int], device
         )
 
 
+# 16-bit float weights (F16, BF16) are kept as they lie where their rows are whole groups of this many
+# (the CPU kernels' unit of k, csrc/quant_f16.c); llama.cpp's quantizer writes F16 for rows it cannot
+# block at all, which are then widened at load.
+SIXTEEN_BIT_GROUP = 32
+
+
+def held_as_blocks(ggml_type: int, cols: int, keep: frozenset[int]) -> bool:
+    """Whether a tensor of ``ggml_type`` with rows of ``cols`` stays in its file's bytes."""
+    return ggml_type in keep and (ggml_type not in (1, 30) or cols % SIXTEEN_BIT_GROUP == 0)  # F16, BF16
+
+
 def _kept_in_blocks(
     header: GgufHeader,
     keep: frozenset[int],
@@ -178,16 +191,16 @@ def _kept_in_blocks(
     and the stacked pair of each Experts whose three projections are (else ``_attach`` and
     ``_attach_experts`` dequantize into the parameter)."""
     arch = _architecture(header)
-    types = {hf_name(e.name, arch): e.type for e in header.tensors}
+    held = {hf_name(e.name, arch) for e in header.tensors if held_as_blocks(e.type, e.shape[0], keep)}
     names: dict[nn.Module, list[str]] = defaultdict(list)
     for name, (module, _) in modules.items():
         names[module].append(name)
-    kept = [cast(nn.Parameter, m.weight) for m, ns in names.items() if all(types.get(n) in keep for n in ns)]
+    blocks = [cast(nn.Parameter, m.weight) for m, ns in names.items() if all(n in held for n in ns)]
     for prefix, module in experts.items():
         stacked = [f"{prefix}.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")]
-        if all(types.get(name) in keep for name in stacked):
-            kept += [module.gate_up_proj, module.down_proj]
-    return kept
+        if all(name in held for name in stacked):
+            blocks += [module.gate_up_proj, module.down_proj]
+    return blocks
 
 
 def _load_stacked(
@@ -208,8 +221,8 @@ def _load_stacked(
     want = (module.num_experts, *targets[names[0]].shape)
     if tuple(shape) != want:
         raise WeightMismatchError(f"{prefix}.{proj}: GGUF shape {tuple(shape)} != {want}")
-    if ggml_type in keep:
-        pending[module][proj] = QuantBlocks(ggml_type, torch.from_numpy(data), shape[-1])
+    if held_as_blocks(ggml_type, shape[-1], keep):
+        pending[module][proj] = QuantBlocks(ggml_type, torch.from_numpy(data.view(np.uint8)), shape[-1])
         return names
     if ggml_type not in (0, 1):  # F32, F16
         dequantized[_type_name(ggml_type)] += 1
@@ -225,7 +238,7 @@ def _attach_experts(
     """Give ``module`` its stacked blocks, or (a projection of a type without kernels beside them)
     dequantize the kept projections into its parameters instead."""
     if set(blocks) != {"gate_proj", "up_proj", "down_proj"}:
-        views = module.checkpoint_views()
+        views = module.gguf_views()
         for proj, part in blocks.items():
             dequantized[f"{_type_name(part.type)} (beside a dense projection)"] += 1
             values = part.dequantize().view(module.num_experts, -1, part.cols)

@@ -1,6 +1,7 @@
-"""A random Llama whose Linears are Q5_0, Q5_1, IQ4_NL and IQ4_XS (csrc/quant_sub32.c), beside legacy
-parts in the same merged Linear, through the real loader: held as blocks (none dequantized at load),
-answering as its dequantized twin does, and decoding in the one call bit for bit as the modules do."""
+"""Random Llamas whose Linears are Q5_0, Q5_1, IQ4_NL and IQ4_XS (csrc/quant_sub32.c), or F16 and BF16
+(csrc/quant_f16.c), beside other types in the same merged Linear, through the real loader: held as
+blocks (none dequantized or widened at load), answering as the dequantized twin does, and decoding in
+the one call bit for bit as the modules do."""
 
 from __future__ import annotations
 
@@ -36,11 +37,25 @@ TYPES = {
     "ffn_down": Q.IQ4_XS,
     "token_embd": Q.IQ4_NL,
 }
+# 16-bit weights beside a Q5_0 v and a Q4_0 up; the tied embedding F16.
+SIXTEEN_BIT = {
+    "attn_q": Q.BF16,
+    "attn_k": Q.F16,
+    "attn_v": Q.Q5_0,
+    "attn_output": Q.BF16,
+    "ffn_gate": Q.F16,
+    "ffn_up": Q.Q4_0,
+    "ffn_down": Q.BF16,
+    "token_embd": Q.F16,
+}
+MAPS = {"sub32": TYPES, "sixteen_bit": SIXTEEN_BIT}
 
 
-@pytest.fixture(scope="module")
-def sub32_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return make_random_llama(tmp_path_factory.mktemp("sub32-llama"), TYPES)
+@pytest.fixture(scope="module", params=list(MAPS))
+def sub32_llama(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    return make_random_llama(tmp_path_factory.mktemp(f"{request.param}-llama"), MAPS[request.param])
 
 
 def test_held_as_blocks(sub32_llama: tuple[Path, Path], caplog: pytest.LogCaptureFixture) -> None:
@@ -58,15 +73,17 @@ def test_held_as_blocks(sub32_llama: tuple[Path, Path], caplog: pytest.LogCaptur
     }
     assert all(isinstance(impl, QuantLinear) for impl in held.values())
     types = {name: [p.type for p in impl.weight.parts] for name, impl in held.items()}
+    want = MAPS["sub32" if types["o"] == [Q.Q5_1] else "sixteen_bit"]
     assert types == {
-        "qkv": [Q.Q5_0, Q.Q5_1, Q.IQ4_NL],
-        "o": [Q.Q5_1],
-        "gate_up": [Q.Q4_0, Q.Q5_0],
-        "down": [Q.IQ4_XS],
+        "qkv": [want["attn_q"], want["attn_k"], want["attn_v"]],
+        "o": [want["attn_output"]],
+        "gate_up": [want["ffn_gate"], want["ffn_up"]],
+        "down": [want["ffn_down"]],
     }
-    assert [p.layout == X8_LAYOUT for p in held["gate_up"].weight.parts] == [True, False]
+    x8 = [p.layout == X8_LAYOUT for p in held["gate_up"].weight.parts]
+    assert x8 == [want["ffn_gate"] == Q.Q4_0, want["ffn_up"] == Q.Q4_0]
     embedding = runner.model.model.embed_tokens.impl  # type: ignore[attr-defined]
-    assert isinstance(embedding, QuantEmbedding) and embedding.table.type == Q.IQ4_NL
+    assert isinstance(embedding, QuantEmbedding) and embedding.table.type == want["token_embd"]
     assert "weights held" in caplog.text
 
 

@@ -1,6 +1,6 @@
 /* GGUF weights computed in their quantized blocks: what the per-type code (quant_legacy.c: Q4_0,
- * Q4_1, Q8_0; quant_k.c: Q4_K, Q5_K, Q6_K; quant_sub32.c: Q5_0, Q5_1, IQ4_NL, IQ4_XS) gives the
- * driver (quant.c).
+ * Q4_1, Q8_0; quant_k.c: Q4_K, Q5_K, Q6_K; quant_sub32.c: Q5_0, Q5_1, IQ4_NL, IQ4_XS; quant_f16.c:
+ * F16, BF16 weights) gives the driver (quant.c).
  *
  * A weight matrix [n, k] is n rows of k / block weights' blocks, exactly as the GGUF file holds
  * them (row j's blocks at w + j * (k / block) * block_bytes), or | QTYPE_X8 the same bytes with
@@ -16,6 +16,7 @@
 #include "common.h"
 #include "rivulet_kernels.h"
 
+#define QTYPE_F16 1
 #define QTYPE_Q4_0 2
 #define QTYPE_Q4_1 3
 #define QTYPE_Q5_0 6
@@ -26,6 +27,7 @@
 #define QTYPE_Q6_K 14
 #define QTYPE_IQ4_NL 20
 #define QTYPE_IQ4_XS 23
+#define QTYPE_BF16 30
 #define QTYPE_MXFP4 39
 /* QTYPE_X8, QTYPE_A8: flags on these, rivulet_kernels.h */
 
@@ -69,10 +71,12 @@ typedef struct {
     int8_t r[256];
 } act_block8; /* 720 bytes; quantize_act8 (rivulet_kernels.h) writes a row of them */
 
-/* Bytes of the larger of the two activation formats for a row of k values. */
+/* Bytes of the largest activation format for a row of k values: act_block16's, act_block8's, or the
+ * 16-bit float weights' float32 row (quant_f16.c). */
 static inline int64_t act_row_bytes_max(int64_t k) {
     const int64_t b16 = k / ACT_BLOCK * (int64_t)sizeof(act_block16), b8 = k / 256 * (int64_t)sizeof(act_block8);
-    return b16 > b8 ? b16 : b8;
+    const int64_t b32 = k / ACT_BLOCK * ACT_BLOCK * (int64_t)sizeof(float), b = b16 > b8 ? b16 : b8;
+    return b > b32 ? b : b32;
 }
 
 /* A GGUF block's fp16 scale as float32, exactly (F16C on x86-64-v3 and up; subnormals included). */
@@ -156,6 +160,7 @@ const qtype_ops *qtype_k(int type);
 const qtype_ops *qtype_x8(int type);
 const qtype_ops *qtype_kx8(int type);
 const qtype_ops *qtype_sub32(int type); /* quant_sub32.c: Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4 */
+const qtype_ops *qtype_f16(int type);   /* quant_f16.c: F16, BF16 (activations as float32) */
 const qtype_ops *quant_ops(int type); /* any of them */
 
 #endif

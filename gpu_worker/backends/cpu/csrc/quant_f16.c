@@ -1,0 +1,136 @@
+/* GGUF weights in 16-bit floats, F16 and BF16, computed as they lie (2 bytes a weight, not widened to
+ * float32 at load): the qtype_ops of quant.h with a "block" of 32 weights (64 bytes), so the driver
+ * (quant.c), the dense path (quant_dense.c), the one-call decode and the experts take them as they
+ * take the quantized types. Type codes: ggml's ids (F16 1, BF16 30).
+ *
+ * Activations are not quantized here: a 16-bit weight is as precise as act_block16's 16-bit
+ * activations, and rounding x would add error where the weights add none. quantize_act copies the
+ * row as float32 (the "activation block": 32 floats), and the tile widens each 8 weights in registers
+ * (F16: one conversion; BF16: a 16-bit shift) and meets them with float32 FMAs, each output a sum of
+ * 8 lanes of k / 8 products, then their sum. Many rows take the dense path (quant.py's tables), which
+ * widens a panel of W at a time into L2 and runs quant_dense.c's float tiles over it.
+ */
+#include "quant.h"
+#include "rivulet_kernels.h"
+
+#define FB 32 /* weights per "block": the driver's unit of k */
+#define TR 2  /* activation rows per register tile */
+#define TC 4  /* weight rows per register tile */
+
+static inline float f16_at(const uint8_t *w, int64_t i) {
+    uint16_t h;
+    memcpy(&h, w + 2 * i, sizeof h);
+    return fp16_to_f32(h);
+}
+
+static inline float bf16_at(const uint8_t *w, int64_t i) {
+    uint16_t h;
+    memcpy(&h, w + 2 * i, sizeof h);
+    return bf16_to_f32(h);
+}
+
+/* The activation row as it is: k float32 (k a multiple of 32). */
+static void copy_act(const float *x, int64_t k, void *xq) { memcpy(xq, x, (size_t)k * sizeof(float)); }
+
+static void dequant_f16(const uint8_t *w, int64_t k, float *out) {
+#pragma omp simd
+    for (int64_t i = 0; i < k; i++) out[i] = f16_at(w, i);
+}
+
+static void dequant_bf16(const uint8_t *w, int64_t k, float *out) {
+#pragma omp simd
+    for (int64_t i = 0; i < k; i++) out[i] = bf16_at(w, i);
+}
+
+#if HAVE_AVX2 || HAVE_AVX512
+
+/* Weights [i, i + 8) of a row as float32. */
+static inline __m256 widen8(const uint8_t *row, int64_t i, const int type) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)(row + 2 * i));
+    if (type == QTYPE_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* Activation rows [0, R) x weight rows [0, C) (rows past nr / nc repeat the last valid one, their
+ * sums not stored): per 8 weights of each row one widening, met by each activation row. */
+static inline __attribute__((always_inline)) void micro(const uint8_t *w, int64_t wrb, int64_t nc, const float *x,
+                                                        int64_t xs, int64_t nr, int64_t k, float *out, int64_t ldo,
+                                                        const int type, const int R, const int C) {
+    const uint8_t *wr[TC];
+    const float *xr[TR];
+    for (int c = 0; c < C; c++) wr[c] = w + (c < nc ? c : nc - 1) * wrb;
+    for (int r = 0; r < R; r++) xr[r] = x + (r < nr ? r : nr - 1) * xs;
+    __m256 acc[TR][TC];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i += 8) {
+        __m256 wv[TC];
+        for (int c = 0; c < C; c++) {
+            _mm_prefetch((const char *)(wr[c] + 2 * i + 1024), _MM_HINT_T0);
+            wv[c] = widen8(wr[c], i, type);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256 xv = _mm256_loadu_ps(xr[r] + i);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(wv[c], xv, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R && r < nr; r++)
+        for (int c = 0; c < C && c < nc; c++) out[r * ldo + c] = hsum8(acc[r][c]);
+}
+
+static inline __attribute__((always_inline)) void tile_loop(const uint8_t *w, int64_t wrb, int64_t nc,
+                                                            const uint8_t *xq, int64_t xrb, int64_t nr, int64_t nb,
+                                                            float *out, int64_t ldo, const int type) {
+    const float *x = (const float *)xq;
+    const int64_t xs = xrb / (int64_t)sizeof(float), k = nb * FB;
+    for (int64_t r0 = 0; r0 < nr; r0 += TR)
+        for (int64_t c0 = 0; c0 < nc; c0 += TC) {
+            const float *xr = x + r0 * xs;
+            float *o = out + r0 * ldo + c0;
+            if (nr - r0 == 1) {
+                micro(w + c0 * wrb, wrb, nc - c0, xr, xs, 1, k, o, ldo, type, 1, TC);
+            } else {
+                micro(w + c0 * wrb, wrb, nc - c0, xr, xs, nr - r0, k, o, ldo, type, TR, TC);
+            }
+        }
+}
+
+#else /* portable: plain C, the compiler vectorizes the k loop as it can */
+
+static inline void tile_loop(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                             int64_t nb, float *out, int64_t ldo, const int type) {
+    const int64_t xs = xrb / (int64_t)sizeof(float), k = nb * FB;
+    for (int64_t c = 0; c < nc; c++) {
+        const uint8_t *row = w + c * wrb;
+        for (int64_t r = 0; r < nr; r++) {
+            const float *x = (const float *)xq + r * xs;
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t i = 0; i < k; i++) s += (type == QTYPE_F16 ? f16_at(row, i) : bf16_at(row, i)) * x[i];
+            out[r * ldo + c] = s;
+        }
+    }
+}
+#endif
+
+static void tile_f16(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                     int64_t nb, float *out, int64_t ldo) {
+    tile_loop(w, wrb, nc, xq, xrb, nr, nb, out, ldo, QTYPE_F16);
+}
+
+static void tile_bf16(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                      int64_t nb, float *out, int64_t ldo) {
+    tile_loop(w, wrb, nc, xq, xrb, nr, nb, out, ldo, QTYPE_BF16);
+}
+
+#define ACT_BYTES (FB * (int)sizeof(float))
+static const qtype_ops OPS_F16 = {QTYPE_F16, FB, 2 * FB, ACT_BYTES, copy_act, tile_f16, dequant_f16, NULL, NULL};
+static const qtype_ops OPS_BF16 = {QTYPE_BF16, FB, 2 * FB, ACT_BYTES, copy_act, tile_bf16, dequant_bf16, NULL, NULL};
+
+const qtype_ops *qtype_f16(int type) {
+    switch (type) {
+    case QTYPE_F16: return &OPS_F16;
+    case QTYPE_BF16: return &OPS_BF16;
+    default: return NULL;
+    }
+}
