@@ -96,3 +96,19 @@ def test_logits_match_hf_over_chunks_and_decode_steps(gemma4_model: tuple[Path, 
         logits = run.compute_logits(batch)[0]
         start += n
         assert torch.allclose(logits, reference[start - 1], rtol=0, atol=1e-12), f"position {start - 1}"
+
+
+def test_float32_on_the_cpu_kernels_with_global_heads_beyond_them(tmp_path: Path) -> None:
+    """Real Gemma 4 global heads are 512 wide, beyond the C attention kernel's 256: float32 on the
+    CPU backend keeps its kernels (block matmuls, small ops, the sliding layers' attention) and
+    attends the global layers in torch, token-exact against HF float64 (a float32 pool)."""
+    model = save_gemma4(tmp_path, head_dim=64, global_head_dim=512)
+    few = prompts()[2:4]
+    expected = hf_greedy(model, few)
+    config = WorkerConfig(model_path=str(tmp_path), dtype="float32", kv_cache_dtype="float32",
+                          page_size=4, kv_cache_tokens=1024, num_threads=1)  # fmt: skip
+    run = ModelRunner(config)
+    assert getattr(run.backend, "kernels", None) is not None, "the kernels serve what fits them"
+    assert [tuple(k.shape[1:]) for k in run.kv.k] == [(2, 64), (1, 512), (2, 64), (1, 512)]
+    got, _ = inprocess.generate(run, few, NEW_TOKENS, chunked_prefill_size=5, enable_mixed_chunk=True)
+    assert got == expected

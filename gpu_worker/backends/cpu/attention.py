@@ -115,7 +115,10 @@ def attend(
 ) -> torch.Tensor:
     """Write the batch's new K/V and attend every row; q: [T, Hq, D], k/v: [T, Hkv, D]."""
     paged = meta.paged_decode
-    if paged is None or options.logit_softcap > 0:  # the kernel: a window, a scale, sinks; no soft-capping
+    # The kernel: a window, a scale, sinks; no soft-capping, and heads within its limits (a model's
+    # layers may differ: Gemma 4's global heads are twice its sliding ones').
+    fits = kernels.supports(q.shape[1], k_cache.shape[1], q.shape[2], q.dtype)
+    if paged is None or options.logit_softcap > 0 or not fits:
         return torch_attention.attend(meta.torch_metadata(), q, k, v, k_cache, v_cache, options)
     window, scale = options.sliding_window, options.scale
     sinks = None if options.sinks is None else options.sinks.to(torch.float32).contiguous()

@@ -201,6 +201,8 @@ def why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
         return "tensor parallel: o and down sum over the ranks"
     if dtype not in DTYPE_CODES:
         return f"activations in {dtype}"
+    if not CpuKernels.supports(model.num_heads, model.num_kv_heads, model.head_dim, dtype):
+        return f"{model.num_heads} heads of {model.head_dim} (KV {model.num_kv_heads}): beyond its attention"
     unknown = sorted(f.name for f in dataclasses.fields(model.args) if f.name not in C_ARGS)
     if unknown:
         return f"model arguments the C decode does not know: {', '.join(unknown)}"

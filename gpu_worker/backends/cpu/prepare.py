@@ -35,6 +35,7 @@ from torch import nn
 
 from gpu_worker.backends.cpu import gated_delta
 from gpu_worker.backends.cpu import kernels as cpu_kernels
+from gpu_worker.backends.cpu.clamped_experts import experts_impl
 from gpu_worker.backends.cpu.decode_layers import FusedDecode, fused_decode
 from gpu_worker.backends.cpu.experts import QuantExperts, QuantRouter, interleave_experts, relaid_experts
 from gpu_worker.backends.cpu.hugepages import HugePageArena, arena_bytes
@@ -74,8 +75,9 @@ class CpuSetup:
 def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compiled: bool) -> CpuSetup:
     """Steps 1-6 of the module docstring, on a model just loaded on the CPU."""
     kind = requested_kind()
-    shapes = (model.num_heads, model.num_kv_heads, model.head_dim, dtype)
-    fits = use_kernels and cpu_kernels.CpuKernels.supports(*shapes)  # type: ignore[arg-type]
+    # Block matmuls and small ops wherever the dtype fits; the attention kernel layer by layer where
+    # the heads fit it (attention.py), the one-call decode where the model's do (decode_layers.py).
+    fits = use_kernels and dtype in cpu_kernels.DTYPE_CODES
     kernels = cpu_kernels.load(kind) if fits else None
     paths: Counter[str] = Counter()
     _attach_quantized(model, dtype, kernels, paths)
@@ -117,7 +119,7 @@ def _attach_quantized(
         if isinstance(module, Experts) and module.quantized is not None:  # experts.py
             assert kernels is not None, "quantized weights are loaded only where the kernels run"
             module.quantized = interleave_experts(module.quantized, arena)
-            module.attach(impl=QuantExperts(module.quantized, kernels, module.act, module.act_mul))
+            module.attach(impl=experts_impl(module, kernels, dtype))
             paths["gguf experts"] += 1
             continue
         if not isinstance(module, Linear | Embedding) or module.quantized is None:
