@@ -73,7 +73,9 @@ def _rule_calls(
     q, k, v, g, beta = _inputs(rows * tokens, dtype, device)
     pool = torch.randn(rows, V_HEADS, HEAD_DIM, HEAD_DIM, device=device) * 0.1
     slots = torch.arange(rows, device=device)
-    batched = [t.view(rows, tokens, *t.shape[1:]) for t in (q, k, v, g, beta)]
+    group = V_HEADS // K_HEADS  # repeated here: older transformers' functions take Hk == Hv only
+    batched = [t.view(rows, tokens, *t.shape[1:]) for t in (q.repeat_interleave(group, 1),
+               k.repeat_interleave(group, 1), v, g, beta)]  # fmt: skip
     initial = pool.clone()
     kw = dict(initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True)
     if tokens == 1:
