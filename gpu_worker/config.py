@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.flags import flag, given, max_running_requests_field, seed_field
+from protocol.flags import flag, given, max_running_requests_field, mmproj_field, seed_field
 
 WEIGHT_DTYPES = ("auto", "gguf", "bfloat16", "float32")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -84,11 +84,7 @@ class WorkerConfig:
         "as large as a request's state (the start log says how large); -1: --max-running-requests of "
         "them; 0: none, the prefix cache off for such a model",
     )
-    mmproj: str | None = flag(
-        None,
-        "a vision-language model's tower from llama.cpp's mmproj GGUF (Gemma 3's), in place of the "
-        "HF directory's (the processor still comes from the directory: docs/images.md)",
-    )
+    mmproj: str | None = mmproj_field()
     gguf_path: str = given("", "the launcher: the .gguf --model names (the embedded one by default)")
     replica: int = given(0, "the launcher: its data-parallel replica (--dp-size)")
     cpu_ids: tuple[int, ...] = given((), "the launcher: its replica's share of the cores (--dp-size > 1)")

@@ -65,3 +65,11 @@ def max_running_requests_field() -> Any:
 
 def seed_field() -> Any:
     return flag(0, "the worker's torch seed; the tokenizer draws per-request sampling seeds from it")
+
+
+def mmproj_field() -> Any:
+    return flag(
+        None,
+        "a vision-language model's tower from llama.cpp's mmproj GGUF (Gemma 3's), in place of the HF "
+        "directory's; a GGUF model's image processor is built from it (docs/images.md)",
+    )

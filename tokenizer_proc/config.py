@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.flags import flag, given, seed_field
+from protocol.flags import flag, given, mmproj_field, seed_field
 from tokenizer_proc.images import ImageLimits
 
 
@@ -43,6 +43,7 @@ class TokenizerConfig:
     )
     max_images_per_request: int = flag(8, "images one request may carry")
     max_image_bytes: int = flag(20 * 2**20, "bytes of one image's file (past it: a 413)")
+    mmproj: str | None = mmproj_field()
 
     def __post_init__(self) -> None:
         assert self.shutdown_timeout_s >= 0, f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}"

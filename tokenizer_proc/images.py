@@ -117,12 +117,20 @@ class VisionProcessor:
         self.limits = limits
 
     @classmethod
-    def load(cls, model_path: str, limits: ImageLimits) -> VisionProcessor | None:
-        """The model's processor, or None for a model without a vision tower we run."""
+    def load(
+        cls, model_path: str, limits: ImageLimits, tokenizer: Any = None, mmproj: str | None = None
+    ) -> VisionProcessor | None:
+        """The model's processor, or None for a model without a vision tower we run. A directory
+        without one (a GGUF's) given an mmproj file gets Gemma 3's built from it (mmproj_processor.py)."""
         config_file = Path(model_path) / "config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         if config.get("model_type") not in VISION_MODEL_TYPES or "vision_config" not in config:
-            return None
+            if mmproj is None:
+                return None
+            from tokenizer_proc.mmproj_processor import mmproj_processor
+
+            processor, image_token = mmproj_processor(mmproj, tokenizer)
+            return cls(processor, image_token, limits)
         token = next((config[k] for k in _IMAGE_TOKEN_KEYS if config.get(k) is not None), None)
         if token is None:
             return None

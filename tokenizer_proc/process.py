@@ -56,7 +56,8 @@ def run_tokenizer(config: TokenizerConfig, endpoints: Endpoints) -> None:
     """
     tokenizer = load_tokenizer(config.model_path)
     info = read_model_info(config.model_path, tokenizer, config.pooling)
-    info = replace(info, images=VisionProcessor.load(config.model_path, config.image_limits))
+    images = VisionProcessor.load(config.model_path, config.image_limits, tokenizer, config.mmproj)
+    info = replace(info, images=images)
     logger.info(
         "tokenizer ready: context %d, vocab %d, eos %s", info.context_len, info.vocab_size, info.eos_token_ids
     )
