@@ -50,7 +50,8 @@ ContentPart = TextPart | ImagePart
 class ChatMessage(ClientStruct, kw_only=True):
     """One turn. ``content`` may be None on an assistant turn that only calls tools; a ``tool``
     turn carries the result of the call ``tool_call_id``. ``parts``: a turn with images, its text
-    and images in order (``content`` is then None)."""
+    and images in order (``content`` is then None). ``reasoning``: an assistant turn's reasoning as
+    the client sent it back (shown to harmony models, which reason across their tool calls)."""
 
     role: str
     content: str | None = None
@@ -58,6 +59,7 @@ class ChatMessage(ClientStruct, kw_only=True):
     tool_call_id: str | None = None
     name: str | None = None
     parts: list[ContentPart] | None = None
+    reasoning: str | None = None
 
 
 class FunctionDef(ClientStruct, kw_only=True):

@@ -46,8 +46,12 @@ def harmony_turns(messages: list[ChatMessage]) -> list[ChatMessage]:
             results.append(messages[i])
             i += 1
         for k, call in enumerate(m.tool_calls):
-            content = m.content if k == 0 else None
-            out.append(ChatMessage(role="assistant", content=content, tool_calls=[call], name=m.name))
+            said = (m.content, m.reasoning) if k == 0 else (None, None)  # the turn's text goes first
+            out.append(
+                ChatMessage(
+                    role="assistant", content=said[0], tool_calls=[call], name=m.name, reasoning=said[1]
+                )
+            )
             out += [r for r in results if r.tool_call_id == call.id]
         answered = {call.id for call in m.tool_calls}
         out += [r for r in results if r.tool_call_id not in answered]

@@ -124,7 +124,7 @@ def _render_harmony(
     """A harmony model's prompt, through its own template (which takes tools and tool calls), and
     its reply's plan: the harmony parser, whatever grammar the request has (see harmony_prompt.py)."""
     assert req.messages is not None, "_render_harmony needs messages"
-    conversation = [_structured(m) for m in harmony_turns(req.messages)]
+    conversation = [_with_thinking(m) for m in harmony_turns(req.messages)]
     tool_dicts = [_tool_dict(t) for t in tools] if tools else None
     text = _render(tokenizer, conversation, tool_dicts, harmony_kwargs(kwargs))
     plan = ChatOutputPlan(
@@ -136,6 +136,17 @@ def _render_harmony(
         harmony=harmony,
     )
     return text, plan
+
+
+def _with_thinking(m: ChatMessage) -> dict[str, Any]:
+    """A harmony turn with its reasoning as gpt-oss's template takes it (``thinking``); a call's turn
+    takes thinking or content, not both, and renders either as analysis: they are joined."""
+    d = _structured(m)
+    if m.reasoning:
+        d["thinking"] = m.reasoning
+        if m.tool_calls and m.content:
+            d["thinking"], d["content"] = f"{m.reasoning}\n\n{m.content}", ""
+    return d
 
 
 def _render(

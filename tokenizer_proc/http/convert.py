@@ -209,6 +209,7 @@ def _chat_message(i: int, m: ChatMessageIn) -> ChatMessage:
         tool_call_id=m.tool_call_id,
         name=m.name,
         parts=parts,
+        reasoning=m.reasoning_content if m.role == "assistant" else None,
     )
 
 

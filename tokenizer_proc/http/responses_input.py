@@ -96,14 +96,17 @@ def responses_param(param: str) -> str:
 
 def input_messages(value: str | list[dict[str, Any]]) -> list[ChatMessage]:
     """``input`` as chat messages: a function_call joins the assistant turn before it (or starts
-    one), a function_call_output is a tool message; reasoning items are not shown to the model."""
+    one), a function_call_output is a tool message; a reasoning item's text goes with the assistant
+    turn after it (``ChatMessage.reasoning``: only harmony models are shown it)."""
     if isinstance(value, str):
         return [ChatMessage(role="user", content=value)]
     if not value:
         raise bad_param("input", "input must not be empty")
     messages: list[ChatMessage] = []
+    reasoning: str | None = None
     for i, item in enumerate(value):
-        match item.get("type", "message"):
+        kind = item.get("type", "message")
+        match kind:
             case "message":
                 messages.append(_message(convert_item(item, MessageItem, f"input[{i}]"), i))
             case "function_call":
@@ -113,10 +116,24 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[ChatMessage]:
                 content = _text_of(out.output, f"input[{i}].output")
                 messages.append(ChatMessage(role="tool", content=content, tool_call_id=out.call_id))
             case "reasoning":
-                convert_item(item, ReasoningItem, f"input[{i}]")
+                reasoning = _reasoning_text(convert_item(item, ReasoningItem, f"input[{i}]"))
             case other:
                 raise bad_param(f"input[{i}].type", f"input items of type {other!r} are not supported")
+        if kind != "reasoning" and reasoning is not None:  # it was this turn's, if an assistant's
+            if messages[-1].role == "assistant":
+                messages[-1] = msgspec.structs.replace(messages[-1], reasoning=reasoning)
+            reasoning = None
     return messages
+
+
+def _reasoning_text(item: ReasoningItem) -> str | None:
+    """A reasoning item's text (its ``reasoning_text`` parts, as rivulet answers them), if any."""
+    texts = [
+        p["text"]
+        for p in item.content or []
+        if p.get("type") == "reasoning_text" and isinstance(p.get("text"), str)
+    ]
+    return "".join(texts) or None
 
 
 def _message(item: MessageItem, i: int) -> ChatMessage:

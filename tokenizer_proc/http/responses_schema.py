@@ -144,8 +144,9 @@ class FunctionCallOutputItem(Body):
 
 
 class ReasoningItem(Body):
-    """A reasoning item sent back in the history: accepted, not shown to the model (as chat's
-    ``reasoning_content``, and as reasoning templates drop past thinking)."""
+    """A reasoning item sent back in the history: its text goes with the assistant turn after it,
+    shown to harmony models only (as chat's ``reasoning_content``; other templates drop past
+    thinking)."""
 
     type: Literal["reasoning"]
     id: str | None = None

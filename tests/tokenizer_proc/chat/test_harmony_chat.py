@@ -32,6 +32,7 @@ from tokenizer_proc.chat.output import merge_calls
 from tokenizer_proc.chat.template import render_chat, template_traits
 from tokenizer_proc.chat.tool_checks import forced_call_grammar
 from tokenizer_proc.frontend import Frontend
+from tokenizer_proc.http.responses_input import input_messages
 from tokenizer_proc.model_info import ModelInfo
 
 if TYPE_CHECKING:
@@ -121,6 +122,30 @@ def test_parallel_calls_are_rendered_one_a_message_each_before_its_result(
         "assistant",
     ]
     assert [m.role for m in harmony_turns(HISTORY)] == ["user", "assistant", "tool", "assistant", "tool"]
+
+
+def test_reasoning_sent_back_is_shown_before_the_call(harmony_tok: PreTrainedTokenizerBase) -> None:
+    """gpt-oss reasons across its calls: a call's reasoning (chat's reasoning_content, a Responses
+    reasoning item) is rendered as its analysis message; a turn's content joins it."""
+    said = msgspec.structs.replace(HISTORY[1], reasoning="I need both.", content="Checking.")
+    text = _render(
+        harmony_tok, GenerateRequest(rid="r", messages=[HISTORY[0], said, *HISTORY[2:]], tools=TOOLS)
+    )
+    analysis = "<|start|>assistant<|channel|>analysis<|message|>I need both.\n\nChecking.<|end|>"
+    assert analysis + "<|start|>assistant to=functions.get_weather" in text
+    assert text.count("<|channel|>analysis") == 1  # only before the first of the turn's calls
+    items: list[dict[str, Any]] = [
+        {"type": "message", "role": "user", "content": "Weather?"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "I need it."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+    ]
+    messages = input_messages(items)
+    assert [(m.role, m.reasoning) for m in messages] == [
+        ("user", None),
+        ("assistant", "I need it."),
+        ("tool", None),
+    ]
 
 
 def _grammar_accepts(tok: PreTrainedTokenizerBase, grammar: Grammar, text: str) -> bool:

@@ -50,7 +50,7 @@ def test_input_items_become_chat_messages() -> None:
     assert input_messages(items) == [
         ChatMessage(role="system", content="Be brief."),
         ChatMessage(role="user", content="Add 2 and 3"),
-        ChatMessage(role="assistant", content="Sure.", tool_calls=calls[:2]),
+        ChatMessage(role="assistant", content="Sure.", tool_calls=calls[:2], reasoning="hm"),
         ChatMessage(role="tool", content="5", tool_call_id="c1"),
         ChatMessage(role="tool", content="6", tool_call_id="c2"),
         ChatMessage(role="assistant", content=None, tool_calls=calls[2:]),
