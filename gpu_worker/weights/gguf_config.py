@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpu_worker.weights.gguf_file import GgufHeader
+from gpu_worker.weights.gguf_gemma4 import gemma4_config
 from gpu_worker.weights.gguf_hybrid import hybrid_config
 
 # Llama 3's frequency factors from a GGUF's rope_freqs tensor (rope.py divides the frequencies by them).
@@ -293,6 +294,7 @@ _BUILDERS: dict[str, Callable[[GgufHeader], dict[str, Any]]] = {
     "qwen3moe": _qwen3moe,
     "gemma2": _gemma2,
     "gemma3": _gemma3,
+    "gemma4": gemma4_config,
     "phi3": _phi3,
     "gpt2": _gpt2,
 }

@@ -10,6 +10,8 @@ some of them, undone by the loader (gguf_weights.py) as transformers' own GGUF l
 - Phi-3: q/k/v and gate/up stay fused as HF's checkpoint holds them (``MergedLinear.fused_checkpoint``).
 - GPT-2: the converter transposes HF's Conv1D weights to [out, in], as our Linears hold them; its
   tensors sit under ``transformer.`` (``transformer.h.N``, ``wte``, ``wpe``, ``ln_f``).
+- Gemma 4: norms as they are (HF's multiply by w); the router's scales, the layer scalar and the
+  stacked experts under whole names of their own (gguf_gemma4.py).
 Qwen2/3 files hold HF's tensors as they are.
 """
 
@@ -19,6 +21,7 @@ import re
 
 import numpy as np
 
+from gpu_worker.weights.gguf_gemma4 import GEMMA4_GLOBALS, GEMMA4_TENSORS
 from gpu_worker.weights.gguf_hybrid import HYBRID_ARCHITECTURES, HYBRID_TENSORS, hybrid_whole_name
 
 _COMMON_LAYER = {
@@ -74,6 +77,7 @@ LAYER_TENSORS = {
     "qwen3moe": {**_LLAMA, **_QK_NORMS},
     "gemma2": _GEMMA,
     "gemma3": {**_GEMMA, **_QK_NORMS},
+    "gemma4": GEMMA4_TENSORS,  # gguf_gemma4.py
     "phi3": {
         "attn_norm": "input_layernorm",
         "attn_qkv": "self_attn.qkv_proj",
@@ -102,8 +106,9 @@ _LAYERS_AT = {"gpt2": "transformer.h"}
 _GLOBALS = {
     "gpt2": {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
              "output_norm": "transformer.ln_f", "output": "lm_head"},
+    "gemma4": GEMMA4_GLOBALS,
 }  # fmt: skip
-_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias|scale)$")
 # Rope factors: gguf_config.py reads them into the config.
 _IGNORED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
