@@ -4,6 +4,7 @@ python -m bench.gguf_models                      # the 1B in q4_k_m, q4_0, q4_1,
 python -m bench.gguf_models --types q5_0,q5_1,iq4_nl,iq4_xs,bf16,f16,mixed   # the other types
 python -m bench.gguf_models --shapes gemma3_270m --types q4_k_m  # Gemma 3 270M's shape (Q5_0 mostly)
 python -m bench.gguf_models --shapes qwen3moe30b --types q4_k_m   # the mixture of experts (~3.2 GB)
+python -m bench.gguf_models --shapes deepseekv2lite --types q4_k_m  # DeepSeek-V2-Lite's, 8 layers (~2.9 GB)
 python -m bench.targets --model llama1b-q4_k_m --peer-llama-cpp auto   # a made model by name
 """
 
@@ -12,18 +13,32 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench.lib.gguf_models import FILE_TYPES, LLAMA_1B, SHAPES, model_path, write_model
+from bench.lib.gguf_models import (
+    FILE_TYPES,
+    LLAMA_1B,
+    MLA_SHAPE,
+    SHAPES,
+    ensure_model,
+    model_path,
+    write_model,
+)
 
 DEFAULT_TYPES = "q4_k_m,q4_0,q4_1,q8_0"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default=LLAMA_1B.name, help=f"comma list of {', '.join(SHAPES)}")
+    ap.add_argument(
+        "--shapes", default=LLAMA_1B.name, help=f"comma list of {', '.join((*SHAPES, MLA_SHAPE))}"
+    )
     ap.add_argument("--types", default=DEFAULT_TYPES, help=f"comma list of {', '.join(FILE_TYPES)}")
     ap.add_argument("--force", action="store_true", help="rewrite files that exist")
     args = ap.parse_args(argv)
-    for shape in (SHAPES[name] for name in args.shapes.split(",")):
+    if MLA_SHAPE in args.shapes.split(","):  # latent attention: its own writer
+        for file_type in args.types.split(","):
+            path = ensure_model(f"{MLA_SHAPE}-{file_type}")
+            print(f"{MLA_SHAPE}-{file_type}: {path} ({path.stat().st_size / 1e6:.0f} MB)")
+    for shape in (SHAPES[name] for name in args.shapes.split(",") if name != MLA_SHAPE):
         for file_type in args.types.split(","):
             path = model_path(shape, file_type)
             if args.force or not path.is_file():

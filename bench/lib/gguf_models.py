@@ -109,6 +109,7 @@ GEMMA3_270M = Shape(
     rope_theta=1e6, eps=1e-6, arch="gemma3", key_length=256, sliding_window=512, local_rope_theta=10000.0,
 )  # fmt: skip
 SHAPES = {shape.name: shape for shape in (LLAMA_1B, QWEN3_MOE_30B, GEMMA3_270M)}
+MLA_SHAPE = "deepseekv2lite"  # DeepSeek-V2-Lite's, latent attention (bench/lib/gguf_mla_model.py)
 FILE_TYPES = {
     "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M,
     "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
@@ -297,6 +298,10 @@ def ensure_model(name: str, root: Path | None = None) -> Path:
     """The path of bench model ``name`` (``llama1b-q4_k_m``, ``qwen3moe30b-q4_k_m``, ...), made
     first if it is not there."""
     shape_name, _, file_type = name.partition("-")
+    if shape_name == MLA_SHAPE:  # latent attention: its own tensors
+        from bench.lib import gguf_mla_model
+
+        return gguf_mla_model.ensure_model(file_type, root)
     if shape_name not in SHAPES or file_type not in FILE_TYPES:
         names = ", ".join(f"{s}-{t}" for s in SHAPES for t in FILE_TYPES)
         raise ValueError(f"no bench model {name!r}; one of {names}")
@@ -307,6 +312,10 @@ def ensure_model(name: str, root: Path | None = None) -> Path:
 
 def resolve(model: str | None) -> str | None:
     """A ``--model`` argument with bench model names (``llama1b-q4_k_m``) replaced by their paths."""
-    if model is None or Path(model).expanduser().exists() or model.partition("-")[0] not in SHAPES:
+    if (
+        model is None
+        or Path(model).expanduser().exists()
+        or model.partition("-")[0] not in (*SHAPES, MLA_SHAPE)
+    ):
         return model
     return str(ensure_model(model))
