@@ -105,7 +105,8 @@ class ContentPart(Body):
 
 class ChatMessageIn(Body):
     """A message of the history. ``refusal``, ``reasoning_content`` and ``annotations`` are accepted
-    (a client may send back an assistant message as it got it) and not shown to the model."""
+    (a client may send back an assistant message as it got it) and not shown to the model, but for
+    an assistant's ``reasoning_content`` to a harmony model (convert.py, chat/template.py)."""
 
     role: str
     content: str | list[ContentPart] | None = None
