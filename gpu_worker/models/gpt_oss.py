@@ -59,6 +59,7 @@ class ClampedSwigluExperts(Experts):
 
     def __init__(self, num_experts: int, hidden: int, inner: int, alpha: float, limit: float) -> None:
         super().__init__(num_experts, hidden, inner, "silu")
+        self.act = self.act_mul  # not silu: no fast path takes these experts for SiLU ones
         self.alpha, self.limit = alpha, limit
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inner), requires_grad=False)
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
@@ -75,6 +76,24 @@ class ClampedSwigluExperts(Experts):
             "down_proj_bias": self.down_proj_bias,
         }
 
+    def gguf_views(self) -> dict[str, torch.Tensor]:
+        """A GGUF's tensors (gate and up apart, [out, in] per expert) -> the rows they fill."""
+        views: dict[str, torch.Tensor] = {
+            "gate_proj.bias": self.gate_up_proj_bias[:, 0::2],
+            "up_proj.bias": self.gate_up_proj_bias[:, 1::2],
+            "down_proj.bias": self.down_proj_bias,
+        }
+        for e in range(self.num_experts):
+            views[f"{e}.gate_proj.weight"] = self.gate_up_proj[e, 0::2]
+            views[f"{e}.up_proj.weight"] = self.gate_up_proj[e, 1::2]
+            views[f"{e}.down_proj.weight"] = self.down_proj[e]
+        return views
+
+    def split_biases(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[E, 2 * inner] gate biases then up biases (the order of blocks held as gate, up), [E, hidden]."""
+        bias = self.gate_up_proj_bias
+        return torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1), self.down_proj_bias
+
     def compute(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         assert self.quantized is None, "stacked blocks are computed by a backend's impl alone"
         rows = x.index_select(0, groups.tokens)
@@ -90,8 +109,12 @@ class ClampedSwigluExperts(Experts):
 
     def act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``(up + 1) * gate * sigmoid(alpha * gate)`` of interleaved [rows, 2 * inner], clamped."""
-        gate = gate_up[..., ::2].clamp(max=self.limit)
-        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        return self.glu(gate_up[..., ::2], gate_up[..., 1::2])
+
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The clamped SwiGLU of ``gate`` and ``up`` ([rows, inner] each)."""
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 

@@ -161,6 +161,11 @@ class Experts(Layer):
             views[f"{e}.down_proj.weight"] = self.down_proj[e]
         return views
 
+    def gguf_views(self) -> dict[str, torch.Tensor]:
+        """The names a GGUF's tensors (its stacked ``ffn_*_exps``, per expert) fill: here the
+        checkpoint's; a family whose checkpoint stacks its experts otherwise gives its own."""
+        return self.checkpoint_views()
+
     def forward(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """[T, hidden]: each token's experts' outputs, weighted and summed (over the experts held)."""
         if self.num_experts < self.routed_experts:

@@ -24,19 +24,23 @@ class WeightMismatchError(ValueError):
     """The checkpoint's weights do not match the model's parameters."""
 
 
-def weight_targets(model: nn.Module, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+def weight_targets(
+    model: nn.Module, params: dict[str, nn.Parameter], gguf: bool = False
+) -> dict[str, torch.Tensor]:
     """Checkpoint name -> the tensor it fills: a parameter, or a row block of a MergedLinear's.
 
     ``model.layers.0.self_attn.qkv_proj.weight`` is not a checkpoint name; its
     blocks are, as ``model.layers.0.self_attn.q_proj.weight`` and so on. Stacked experts' blocks
-    are named per expert: ``model.layers.0.mlp.experts.3.gate_proj.weight``.
+    are named per expert: ``model.layers.0.mlp.experts.3.gate_proj.weight`` (``gguf``: as a GGUF's
+    tensors fill them, ``Experts.gguf_views``).
     """
     targets: dict[str, torch.Tensor] = dict(params)
     for module_name, module in model.named_modules():
         if isinstance(module, Experts):  # stacked experts: each expert's projections by name
             for param_name, _ in module.named_parameters(recurse=False):
                 del targets[f"{module_name}.{param_name}"]
-            targets.update({f"{module_name}.{n}": view for n, view in module.checkpoint_views().items()})
+            views = module.gguf_views() if gguf else module.checkpoint_views()
+            targets.update({f"{module_name}.{n}": view for n, view in views.items()})
             continue
         if not isinstance(module, MergedLinear) or module.fused_checkpoint:
             continue  # (Phi-3's checkpoint holds qkv_proj and gate_up_proj as one tensor each)

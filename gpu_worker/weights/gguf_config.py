@@ -19,6 +19,7 @@ from typing import Any
 
 from gpu_worker.weights.gguf_file import GgufHeader
 from gpu_worker.weights.gguf_gemma4 import gemma4_config
+from gpu_worker.weights.gguf_gpt_oss import gpt_oss_config
 from gpu_worker.weights.gguf_hybrid import hybrid_config
 
 # Llama 3's frequency factors from a GGUF's rope_freqs tensor (rope.py divides the frequencies by them).
@@ -275,6 +276,12 @@ def _deepseek2(header: GgufHeader) -> dict[str, Any]:
     return config
 
 
+def _gpt_oss(header: GgufHeader) -> dict[str, Any]:
+    key = lambda name, default=None: _key(header, name, default)  # noqa: E731
+    header.metadata.setdefault("gpt-oss.feed_forward_length", key("expert_feed_forward_length"))
+    return gpt_oss_config(_decoder(header, "gpt_oss"), key)
+
+
 def _hybrid(header: GgufHeader) -> dict[str, Any]:
     """Qwen3.5 (dense, MoE) and Qwen3-Next: gguf_hybrid.py."""
     arch = header.architecture
@@ -297,6 +304,7 @@ _BUILDERS: dict[str, Callable[[GgufHeader], dict[str, Any]]] = {
     "gemma4": gemma4_config,
     "phi3": _phi3,
     "gpt2": _gpt2,
+    "gpt-oss": _gpt_oss,
 }
 ARCHITECTURES = tuple(_BUILDERS)
 

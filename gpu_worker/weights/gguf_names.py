@@ -22,6 +22,7 @@ import re
 import numpy as np
 
 from gpu_worker.weights.gguf_gemma4 import GEMMA4_GLOBALS, GEMMA4_TENSORS
+from gpu_worker.weights.gguf_gpt_oss import GPT_OSS_TENSORS
 from gpu_worker.weights.gguf_hybrid import HYBRID_ARCHITECTURES, HYBRID_TENSORS, hybrid_whole_name
 
 _COMMON_LAYER = {
@@ -97,6 +98,7 @@ LAYER_TENSORS = {
     },
 }
 LAYER_TENSORS |= {arch: HYBRID_TENSORS for arch in HYBRID_ARCHITECTURES}  # Qwen3.5, Qwen3-Next
+LAYER_TENSORS["gpt-oss"] = GPT_OSS_TENSORS  # gguf_gpt_oss.py
 ARCHITECTURES = tuple(LAYER_TENSORS)
 PERMUTED_QK = ("llama",)  # the converter permutes these architectures' Q/K rows
 NORMS_PLUS_ONE = ("gemma2", "gemma3")  # the converter stores Gemma's norms as 1 + w

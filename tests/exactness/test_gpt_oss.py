@@ -25,8 +25,9 @@ WINDOW = 8
 PROMPT_LENS = (1, 3, 17, 40, 9, 25)
 
 
-def tiny_gpt_oss_config(layers: int = 4) -> Any:
-    """Hidden 64, 4 heads of 16 over 2 KV heads, 8 experts of 32, top 2, window 8, YaRN x4."""
+def tiny_gpt_oss_config(layers: int = 4, swiglu_limit: float = 1.5) -> Any:
+    """Hidden 64, 4 heads of 16 over 2 KV heads, 8 experts of 32, top 2, window 8, YaRN x4; a clamp
+    low enough for random weights to reach."""
     import transformers
 
     rope = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -35,7 +36,7 @@ def tiny_gpt_oss_config(layers: int = 4) -> Any:
         vocab_size=VOCAB, hidden_size=64, intermediate_size=32, head_dim=16, num_attention_heads=4,
         num_key_value_heads=2, num_hidden_layers=layers, num_local_experts=8, num_experts_per_tok=2,
         sliding_window=WINDOW, max_position_embeddings=256, rope_parameters=rope, initializer_range=0.3,
-        bos_token_id=1, eos_token_id=2, swiglu_limit=1.5,
+        bos_token_id=1, eos_token_id=2, swiglu_limit=swiglu_limit,
     )  # fmt: skip
 
 

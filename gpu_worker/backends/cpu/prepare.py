@@ -35,6 +35,7 @@ from torch import nn
 
 from gpu_worker.backends.cpu import gated_delta
 from gpu_worker.backends.cpu import kernels as cpu_kernels
+from gpu_worker.backends.cpu.clamped_experts import experts_impl
 from gpu_worker.backends.cpu.decode_layers import FusedDecode, fused_decode
 from gpu_worker.backends.cpu.experts import QuantExperts, QuantRouter, interleave_experts, relaid_experts
 from gpu_worker.backends.cpu.hugepages import HugePageArena, arena_bytes
@@ -118,7 +119,7 @@ def _attach_quantized(
         if isinstance(module, Experts) and module.quantized is not None:  # experts.py
             assert kernels is not None, "quantized weights are loaded only where the kernels run"
             module.quantized = interleave_experts(module.quantized, arena)
-            module.attach(impl=QuantExperts(module.quantized, kernels, module.act, module.act_mul))
+            module.attach(impl=experts_impl(module, kernels, dtype))
             paths["gguf experts"] += 1
             continue
         if not isinstance(module, Linear | Embedding) or module.quantized is None:

@@ -45,10 +45,10 @@ from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
 # - Portable (plain C both): the dense path from 2 rows (measured for Q4_1, the other types alike).
 _Q = GGMLQuantizationType
 NEVER = 1 << 62
-# Q5_0, Q5_1, IQ4_NL, IQ4_XS (csrc/quant_sub32.c, the file's layout only): the legacy types' tile,
+# Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4 (csrc/quant_sub32.c, the file's layout only): the legacy types' tile,
 # so their crossing; not yet measured for these (`python -m bench.quant_matmul --types
 # q5_0,q5_1,iq4_nl,iq4_xs --shapes 896x640,...`).
-_SUB32 = {_Q.Q5_0: 8, _Q.Q5_1: 8, _Q.IQ4_NL: 8, _Q.IQ4_XS: 8}
+_SUB32 = {_Q.Q5_0: 8, _Q.Q5_1: 8, _Q.IQ4_NL: 8, _Q.IQ4_XS: 8, _Q.MXFP4: 8}
 # F16 and BF16 weights (csrc/quant_f16.c): from 2 rows the dense path, which widens a panel at a time
 # and runs its float tiles over it; the one-row tile widens in registers.
 _SIXTEEN = {_Q.F16: 2, _Q.BF16: 2}
