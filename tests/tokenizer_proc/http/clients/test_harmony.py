@@ -1,6 +1,7 @@
 """A harmony (gpt-oss-format) model behind the HTTP API, driven by the ``openai`` package and the
 Agents SDK: reasoning_content, tool calls and content on chat completions, reasoning, function_call
-and message items on /v1/responses (streamed and whole), multi-turn with tool results.
+and message items on /v1/responses (streamed and whole), multi-turn with tool results; in this
+package so that no client library reaches beyond the loopback (conftest.py).
 
 No gpt-oss tokenizer exists offline: the model is a tiny Llama with SmolLM2's vocabulary plus
 harmony's markers and a gpt-oss-style template (harmony_style.py), scripted so that a grammar
