@@ -88,3 +88,17 @@ def test_decode_steps_are_the_recurrence(case: RuleCase) -> None:
         want_out, state = reference(dataclasses.replace(inputs, states=state))
         _assert_close(out, want_out, case.dtype, "out")
     _assert_close(pool[slots], state, F32, "states after 2 steps")
+
+
+def test_prefill_chunk_sizes_agree() -> None:
+    """The block of tokens (a launch choice) changes only the sums' rounding."""
+    case = RuleCase((40,), 1, 1, 16, 32, F32)
+    inputs = rule_inputs(case, seed=4)
+    want_out, want_state = reference(inputs)
+    for chunk in (32, 64):
+        pool = _on_device(inputs.states.clone())
+        q, k, v, g, beta = (_on_device(t) for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta))
+        slot, cu = _on_device(torch.tensor([0])), _on_device(inputs.cu_seqlens)
+        out = gated_delta.prefill(q, k, v, g, beta, pool, slot, cu, chunk=chunk, num_warps=4)
+        _assert_close(out, want_out, F32, f"out, chunk {chunk}")
+        _assert_close(pool, want_state, F32, f"state, chunk {chunk}")
