@@ -55,6 +55,7 @@ def test_mxfp4_experts_kept_in_blocks_match_their_dequantized_twin(gguf_dir: tup
     twin = runner_for(path, "gguf", dtype="float32", weight_dtype="float32")
     experts: Any = kept.model.model.layers[0].mlp.experts  # type: ignore[attr-defined]
     assert isinstance(experts, ClampedSwigluExperts) and isinstance(experts.impl, ClampedQuantExperts)
+    assert experts.quantized is not None
     assert {p.type for p in experts.quantized.projections} == {int(Q.MXFP4)}
     assert experts.gate_up_proj.numel() == 0, "the experts are not widened"
     assert twin.model.model.layers[0].mlp.experts.quantized is None  # type: ignore[attr-defined]
