@@ -232,3 +232,18 @@ def compose_workload(
         question = f"Write a short story about {topic}, in about two hundred words."
         items.append(WorkItem(_chat(tokenizer_dir, question), None, max_new_tokens, False))
     return items
+
+
+class ChatTurns:
+    """A multi-turn chat as a workload (bench/chat_turns.py): each request is the last one's prompt,
+    the answer the engine gave it, and ``turn_len`` new tokens, so a prefix cache can resume every
+    turn where the last one ended; the first turn is ``first_len`` tokens (a system prompt and the
+    first message). Token ids only: the answers of a random bench model are not text."""
+
+    def __init__(self, pool: WordPool, first_len: int, turn_len: int, seed: int) -> None:
+        self.pool, self.turn_len, self.rng = pool, turn_len, random.Random(seed)
+        self.first = pool.sample(self.rng, first_len)[1]
+
+    def next_prompt(self, prompt: list[int], answer: list[int]) -> list[int]:
+        """The turn after ``prompt`` was answered with ``answer``."""
+        return prompt + answer + self.pool.sample(self.rng, self.turn_len)[1]
