@@ -17,13 +17,21 @@ from tests.gguf_writer import _add_tensor, _join_experts, _split_experts
 
 
 def write_mla_gguf(
-    path: Path, model: Any, split_kv_b: bool = True, types: dict[str, gguf.GGMLQuantizationType] | None = None
+    path: Path,
+    model: Any,
+    split_kv_b: bool = True,
+    types: dict[str, gguf.GGMLQuantizationType] | None = None,
+    mtp: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """``model`` as a deepseek2 GGUF; 2-D weights of a kind in ``types`` quantized. Returns the state
-    dict as the file holds it (load it into ``model`` to make it the file's exact reference)."""
+    """``model`` as a deepseek2 GGUF; 2-D weights of a kind in ``types`` quantized; ``mtp``: one
+    multi-token-prediction layer after the model's, as GLM-4.7-Flash's converter keeps it (random,
+    never read). Returns the state dict as the file holds it (load it into ``model`` to make it the
+    file's exact reference)."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "deepseek2")
-    _metadata(writer, cfg, split_kv_b)
+    _metadata(writer, cfg, split_kv_b, mtp)
+    if mtp:
+        _mtp_layer(writer, cfg)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, cfg.num_hidden_layers)
     held: dict[str, torch.Tensor] = {}
     for key, tensor in _split_experts(model.state_dict()).items():
@@ -56,12 +64,22 @@ def _split_kv_b(writer: gguf.GGUFWriter, names: Any, key: str, data: np.ndarray,
     return torch.from_numpy(data)
 
 
-def _metadata(writer: gguf.GGUFWriter, cfg: Any, split_kv_b: bool) -> None:
+def _mtp_layer(writer: gguf.GGUFWriter, cfg: Any) -> None:
+    """A few of a multi-token-prediction layer's tensors: its own (``nextn.*``) and ordinary ones."""
+    rng, h, i = np.random.default_rng(0), cfg.hidden_size, cfg.num_hidden_layers
+    tensors = {"nextn.eh_proj": (h, 2 * h), "nextn.enorm": (h,), "attn_norm": (h,), "ffn_gate_inp": (8, h)}
+    for name, dims in tensors.items():
+        writer.add_tensor(f"blk.{i}.{name}.weight", rng.normal(size=dims).astype(np.float32))
+
+
+def _metadata(writer: gguf.GGUFWriter, cfg: Any, split_kv_b: bool, mtp: bool) -> None:
     """convert_hf_to_gguf.py's DeepseekV2Model.set_gguf_parameters, for these configs."""
     rank, rope, nope, v = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_block_count(cfg.num_hidden_layers + int(mtp))
+    if mtp:
+        writer.add_nextn_predict_layers(1)
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(1)  # the converter's MQA over the latent

@@ -245,6 +245,8 @@ def _deepseek2(header: GgufHeader) -> dict[str, Any]:
     key = lambda name, default=None: _key(header, name, default)  # noqa: E731
     config = _decoder(header, "deepseek_v2") | {"hidden_act": "silu"}
     config.pop("sliding_window", None)
+    nextn = int(key("nextn_predict_layers", 0))  # multi-token-prediction layers past the model's
+    config["num_hidden_layers"] -= nextn
     rope, rank = int(key("rope.dimension_count")), int(key("attention.kv_lora_rank"))
     qk_head = int(key("attention.key_length_mla", key("attention.key_length")))
     config |= {

@@ -1,4 +1,5 @@
-"""A latent-attention GGUF's (``deepseek2``) split kv_b joined back into HF's ``kv_b_proj``.
+"""A latent-attention GGUF's (``deepseek2``) split kv_b joined back into HF's ``kv_b_proj``, and its
+multi-token-prediction layers dropped.
 
 Newer llama.cpp converters store each layer's kv_b [H (nope + v), r] as two tensors for their
 absorbed decode: ``attn_k_b``, each head's key rows transposed ([H, r, nope]), and ``attn_v_b``, each
@@ -9,6 +10,7 @@ interleaved back per head: [H, nope + v, r], the key rows first.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -18,14 +20,19 @@ from gpu_worker.weights.formats import dequantize_blocks
 Tensor = tuple[str, int, np.ndarray, tuple[int, ...]]  # (HF name, ggml type, data, HF shape)
 F32 = 0
 _SPLIT = (".self_attn.k_b_proj.weight", ".self_attn.v_b_proj.weight")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
-def joined_kv_b(tensors: Iterable[Tensor]) -> Iterator[Tensor]:
+def joined_kv_b(tensors: Iterable[Tensor], num_layers: int) -> Iterator[Tensor]:
     """``tensors`` with each layer's k_b / v_b pair replaced by its kv_b_proj (float32), yielded once
-    both are read; every other tensor as it comes."""
+    both are read; the layers past ``num_layers`` (a file's multi-token-prediction layers, not served)
+    dropped; every other tensor as it comes."""
     halves: dict[str, dict[str, Tensor]] = {}
     for tensor in tensors:
         name = tensor[0]
+        layer_number = _LAYER.match(name)
+        if layer_number is not None and int(layer_number.group(1)) >= num_layers:
+            continue
         if not name.endswith(_SPLIT):
             yield tensor
             continue

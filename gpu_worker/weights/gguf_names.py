@@ -113,6 +113,9 @@ _GLOBALS = {
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias|scale)$")
 # Rope factors: gguf_config.py reads them into the config.
 _IGNORED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# A multi-token-prediction layer's own tensors (GLM-4.7-Flash's files keep it): not served
+# (its ordinary ones the latent loader drops by their layer number: gguf_mla.py).
+_NEXTN = re.compile(r"blk\.\d+\.nextn\.")
 
 
 class GgufError(ValueError):
@@ -121,7 +124,7 @@ class GgufError(ValueError):
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The checkpoint (HF) name of a GGUF tensor of ``arch``; None for tensors we do not load."""
-    if gguf_name in _IGNORED:
+    if gguf_name in _IGNORED or _NEXTN.match(gguf_name):
         return None
     layer_tensors = LAYER_TENSORS[arch]
     whole_hybrid = hybrid_whole_name(gguf_name) if arch in HYBRID_ARCHITECTURES else None

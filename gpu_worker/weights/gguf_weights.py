@@ -129,8 +129,11 @@ def load_gguf_weights(model: nn.Module, path: Path, keep: frozenset[int], device
     dequantized: Counter[str] = Counter()
     unexpected: list[str] = []
     num_heads, num_kv_heads = int(model.num_heads), int(model.num_kv_heads)  # type: ignore[arg-type]
+    layers = int(model.num_layers)  # type: ignore[arg-type]
     with torch.no_grad():
-        for name, ggml_type, data, shape in joined_kv_b(read_tensors(header, num_heads, num_kv_heads)):
+        for name, ggml_type, data, shape in joined_kv_b(
+            read_tensors(header, num_heads, num_kv_heads), layers
+        ):
             if name in tied:
                 continue
             stacked = STACKED.match(name)

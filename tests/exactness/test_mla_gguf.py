@@ -36,10 +36,14 @@ def gguf_runner(path: Path, **extra: Any) -> ModelRunner:
 
 @pytest.mark.parametrize(("kind", "split"), [("v2_lite", False), ("v3", True), ("glm", True)])
 def test_gguf_greedy_matches_hf(kind: str, split: bool, tmp_path: Path) -> None:
+    """GLM's file carries a multi-token-prediction layer too, as its converter keeps it (not served)."""
     hf = hf_mla_model(kind, seed=2)
-    hf.load_state_dict(write_mla_gguf(tmp_path / "model.gguf", hf, split, Q8), strict=False)
+    hf.load_state_dict(
+        write_mla_gguf(tmp_path / "model.gguf", hf, split, Q8, mtp=kind == "glm"), strict=False
+    )
     runner = gguf_runner(tmp_path)
     assert runner.hf_config.model_type == ("deepseek_v2" if kind == "v2_lite" else "deepseek_v3")
+    assert runner.model.num_layers == hf.config.num_hidden_layers
     prompts = make_prompts(5, (1, 3, 17, 40, 9))
     expected = hf_greedy(hf, prompts, NEW_TOKENS)
     got, _ = inprocess.generate(runner, prompts, NEW_TOKENS, chunked_prefill_size=5, enable_mixed_chunk=True)
