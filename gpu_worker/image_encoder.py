@@ -10,6 +10,7 @@ puts them in place after its embedding scale, as HF does).
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import accumulate
@@ -20,6 +21,8 @@ import torch
 from gpu_worker.models.vision import VisionTower
 from protocol.images import ImageInput
 from protocol.messages import ForwardBatch
+
+logger = logging.getLogger(__name__)
 
 CACHED_IMAGES = 64  # encoded images kept (least recently used dropped first)
 
@@ -77,6 +80,7 @@ class ImageEncoder:
             with torch.inference_mode():
                 out = self.tower(pixels.to(self.device, self.dtype))
             self.encoded_batches.append(len(group))
+            logger.info("vision tower: %d image(s) of %s in one call", len(group), list(shape))
             for image, embeds in zip(group, out, strict=True):
                 if embeds.shape[0] != image.length:
                     raise ValueError(
