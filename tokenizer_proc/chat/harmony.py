@@ -119,6 +119,7 @@ class HarmonyParser:
         self._header = _Header()
         self._body: IncrementalDetokenizer | None = None
         self._sink = "content"  # where the open body goes: content, reasoning or call
+        self._prose_header = False  # the reply opened with " to...", no marker yet: maybe prose
         self.calls = 0
 
     @property
@@ -133,6 +134,8 @@ class HarmonyParser:
             self._take(token, piece)
         if final:
             self._close_body(piece)
+            if self._where is _Where.HEADER and self._prose_header:  # it was prose, not a recipient
+                piece.content += self._header.text(self._decoder)
         if self._first_call_only:
             piece.tool_calls = [call for call in piece.tool_calls if call.index == 0]
         return piece
@@ -140,9 +143,12 @@ class HarmonyParser:
     def _take(self, token: int, piece: ChatPiece) -> None:
         marker = self._tokens.get(token)
         if self._where is _Where.FIRST:
-            self._where = _Where.HEADER if marker is not None or self._opens_header(token) else _Where.PLAIN
+            self._prose_header = marker is None and self._opens_header(token)
+            self._where = _Where.HEADER if marker is not None or self._prose_header else _Where.PLAIN
             if self._where is _Where.PLAIN:
                 self._open_body("content")
+        elif marker is not None:  # any marker after the first token: the reply is harmony
+            self._prose_header = False
         if self._where is _Where.PLAIN or (self._where is _Where.BODY and marker is None):
             self._to_body(token, piece)
         elif self._where is _Where.BODY:

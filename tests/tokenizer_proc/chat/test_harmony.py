@@ -178,6 +178,13 @@ def test_a_reply_without_harmony_markup_is_content(
     assert _both(harmony_tok, markers, '{"answer": 42}') == ('{"answer": 42}', "", [])
 
 
+def test_a_reply_that_only_looks_like_a_recipient_is_content(
+    harmony_tok: PreTrainedTokenizerBase, markers: HarmonyTokens
+) -> None:
+    """A reply opening with " to" waits for a marker to tell a header; none came: it was prose."""
+    assert _both(harmony_tok, markers, " to be or not to be") == (" to be or not to be", "", [])
+
+
 def test_header_fields() -> None:
     header = parse_header("assistant<|channel|>commentary to=functions.f <|constrain|>json")
     assert (header.channel, header.recipient, header.constraint) == ("commentary", "functions.f", "json")
