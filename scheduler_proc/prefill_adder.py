@@ -159,6 +159,7 @@ class PrefillAdder:
             self.chunked_in_progress = True
             return 0
         truncated = budget < remaining
+        budget = req.chunk_before_image(budget) if truncated else budget
         self._take(req, budget, 0 if truncated else req.reserve_tokens(self.clip_max_new_tokens))
         self.chunked_in_progress = truncated
         return budget
@@ -195,7 +196,7 @@ class PrefillAdder:
         if trunc_len <= 0:
             return REFUSED_NO_BUDGET
         self.new_chunked_req = req
-        return self._admitted(req, trunc_len, 0)
+        return self._admitted(req, req.chunk_before_image(trunc_len), 0)
 
 
 def running_reservation_tokens(running: list[Req], config: SchedulerConfig, new_token_ratio: float) -> int:

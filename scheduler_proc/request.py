@@ -180,6 +180,16 @@ class Req:
                 ids[lo - start : hi - start] = [image.cache_key()] * (hi - lo)
         return ids
 
+    def chunk_before_image(self, length: int) -> int:
+        """A chunk of ``length`` tokens from kv_len, ended before an image it would cut (an image's
+        tokens attend to each other: they are computed in one forward); unchanged where that would
+        leave none (an image longer than the chunk budget is cut)."""
+        start, end = self.kv_len, self.kv_len + length
+        for image in self.images:
+            if start < image.offset < end < image.end:
+                return image.offset - start
+        return length
+
     def reserve_tokens(self, clip_max_new_tokens: int) -> int:
         """Output tokens still to come, capped (SGLang's CLIP_MAX_NEW_TOKENS)."""
         return max(min(self.max_new_tokens - len(self.output_ids), clip_max_new_tokens), 0)

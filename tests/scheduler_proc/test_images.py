@@ -39,6 +39,7 @@ def test_the_same_image_is_a_hit_and_another_image_is_not() -> None:
 
 
 def test_every_chunk_over_an_image_carries_it() -> None:
+    """An image longer than the chunk budget (16 tokens, chunks of 8) is cut; each chunk carries it."""
     d = Driver(config(page_size=4, num_pages=1024, chunked_prefill_size=8))
     prompt = prompt_with_image(5, 16, 6)
     submit(d, 0, prompt, [image(5, 5, 16)])
@@ -51,4 +52,13 @@ def test_every_chunk_over_an_image_carries_it() -> None:
             assert span, "a row carries only images with tokens among its positions"
             covered.update(span)
     assert covered == set(range(5, 21)), "each image token's row carried the image"
-    assert sum(len(b.images) for b in d.batches) == 3, "chunks [0,8) [8,16) [16,24) each cut the image"
+    assert [b.extend_lens[0] for b in d.batches[:4]] == [5, 8, 8, 6], "the first chunk ends at the image"
+
+
+def test_a_chunk_ends_before_an_image_it_would_cut() -> None:
+    d = Driver(config(page_size=4, num_pages=1024, chunked_prefill_size=8))
+    prompt = prompt_with_image(6, 4, 10)  # the image at [6, 10): a chunk of 8 would cut it
+    submit(d, 0, prompt, [image(9, 6, 4)])
+    d.run()
+    assert [b.extend_lens[0] for b in d.batches[:3]] == [6, 8, 6]
+    assert [len(b.images) for b in d.batches[:3]] == [0, 1, 0], "the image whole in one chunk"
