@@ -110,6 +110,7 @@ GEMMA3_270M = Shape(
 )  # fmt: skip
 SHAPES = {shape.name: shape for shape in (LLAMA_1B, QWEN3_MOE_30B, GEMMA3_270M)}
 MLA_SHAPE = "deepseekv2lite"  # DeepSeek-V2-Lite's, latent attention (bench/lib/gguf_mla_model.py)
+GPT_OSS_SHAPE = "gptoss20b"  # gpt-oss-20b's, MXFP4 experts, 8 of 24 layers (bench/lib/gguf_gpt_oss_model.py)
 GEMMA4_SHAPE = "gemma4_e4b"  # Gemma 4 E4B's, 12 of 42 layers (bench/lib/gguf_gemma4.py)
 FILE_TYPES = {
     "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M,
@@ -307,6 +308,10 @@ def ensure_model(name: str, root: Path | None = None) -> Path:
         from bench.lib import gguf_gemma4
 
         return gguf_gemma4.ensure_model(file_type, root)
+    if shape_name == GPT_OSS_SHAPE:  # gpt-oss: its own tensors and metadata
+        from bench.lib import gguf_gpt_oss_model
+
+        return gguf_gpt_oss_model.ensure_model(file_type, root)
     if shape_name not in SHAPES or file_type not in FILE_TYPES:
         names = ", ".join(f"{s}-{t}" for s in SHAPES for t in FILE_TYPES)
         raise ValueError(f"no bench model {name!r}; one of {names}")
@@ -320,7 +325,7 @@ def resolve(model: str | None) -> str | None:
     if (
         model is None
         or Path(model).expanduser().exists()
-        or model.partition("-")[0] not in (*SHAPES, MLA_SHAPE, GEMMA4_SHAPE)
+        or model.partition("-")[0] not in (*SHAPES, MLA_SHAPE, GPT_OSS_SHAPE, GEMMA4_SHAPE)
     ):
         return model
     return str(ensure_model(model))
