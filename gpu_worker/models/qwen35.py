@@ -12,8 +12,8 @@ Where they differ from Llama, each mirroring HF's op order:
   the routed experts (moe.py's, top-k renormalised).
 A multimodal Qwen3.5 checkpoint serves its language model; its vision tower is skipped.
 
-KV pool: only the full-attention layers have K/V, numbered among themselves (``num_layers`` is
-their count); the linear layers' states live in the recurrent-state pool (``state_shape``).
+KV pool: only the full-attention layers have K/V, numbered among themselves (``kv_layer_shapes``);
+the linear layers' states live in the recurrent-state pool (``state_shape``).
 """
 
 from __future__ import annotations
@@ -148,12 +148,11 @@ class Qwen35ForCausalLM(nn.Module):
             for i, kind in enumerate(kinds)
         ]
         self.model = HybridBody(cfg, layers)
-        self.num_layers = len(kinds) - kinds.count(LINEAR)  # the KV pool's layers
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
+        self.num_layers = len(kinds)
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        # The KV pool holds the full-attention layers alone (kv_cache.py's pool_layer_shapes).
+        self.kv_layer_shapes = [(self.num_kv_heads, self.head_dim)] * (len(kinds) - kinds.count(LINEAR))
         self.context_len = cfg.max_position_embeddings
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, Split.VOCAB)
         if getattr(cfg, "tie_word_embeddings", False) or getattr(hf_config, "tie_word_embeddings", False):
