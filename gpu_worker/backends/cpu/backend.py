@@ -38,8 +38,8 @@ logger = logging.getLogger(__name__)
 
 
 # ggml type ids with kernels in csrc/quant*.c (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; Q5_0, Q5_1,
-# IQ4_NL, IQ4_XS, MXFP4; F16, BF16 weights kept 16-bit), where built.
-QUANT_TYPES = (2, 3, 8, 12, 13, 14, 6, 7, 20, 23, 1, 30, 39)
+# IQ4_NL, IQ4_XS, MXFP4; Q2_K, Q3_K; F16, BF16 weights kept 16-bit), where built.
+QUANT_TYPES = (2, 3, 8, 12, 13, 14, 6, 7, 20, 23, 1, 30, 39, 10, 11)
 # --kv-cache-dtype auto under float32 activations, where the C kernels attend: half the bytes a
 # decode step reads per position (at 2048 positions one stream's KV outweighs the embedded model's
 # weights). float16 over bfloat16: 3 more mantissa bits, and the kernels widen either in one
