@@ -1,12 +1,15 @@
 """Weights to GGUF blocks for the tests' files, where gguf-py cannot quantize the type itself (it
 dequantizes every type but quantizes few): IQ4_NL and IQ4_XS here, nearest level at a scale from
 each block's largest weight, as simple as a test model needs (llama.cpp's quantizer searches the
-scale; a file's bytes decode the same either way)."""
+scale; a file's bytes decode the same either way). Q2_K and Q3_K: random blocks of the weights' spread
+(bench/lib/gguf_blocks.py), so a test's model holds the file's values, not the ones it was given."""
 
 from __future__ import annotations
 
 import gguf
 import numpy as np
+
+from bench.lib.gguf_blocks import random_blocks
 
 Q = gguf.GGMLQuantizationType
 IQ4_LEVELS = np.array(
@@ -21,6 +24,10 @@ def quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
         return _iq4_nl(w.astype(np.float32))
     if qtype == Q.IQ4_XS:
         return _iq4_xs(w.astype(np.float32))
+    if qtype in (Q.Q2_K, Q.Q3_K):  # random blocks of w's spread: the file then holds other weights
+        rows = int(np.prod(w.shape[:-1]))
+        blocks = random_blocks(qtype, rows, w.shape[-1], np.random.default_rng(rows), float(w.std()))
+        return blocks.reshape(*w.shape[:-1], -1)
     return gguf.quants.quantize(w, qtype)
 
 

@@ -54,6 +54,14 @@ def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator, std:
     elif qtype == Q.IQ4_XS:
         _iq4_xs_scales(blocks, rng)
         put_f16(0, std / (IQ4_RMS * 24.0) * jitter * rng.choice([-1.0, 1.0], size=nb))
+    elif qtype == Q.Q2_K:  # d sc q - dmin m, q uniform on [0, 4), sc = m in [8, 15], dmin = 1.5 d
+        sc = rng.integers(8, 16, size=(nb, 16), dtype=np.uint8)
+        blocks[:, :16] = sc | (sc << 4)
+        d = std / (11.5 * 1.118) * jitter
+        put_f16(80, d)
+        put_f16(82, 1.5 * d)
+    elif qtype == Q.Q3_K:  # d (s - 32) q, q uniform on [-4, 4), s uniform on [0, 64): rms ~18.5 x 2.29
+        put_f16(108, std / (18.5 * 2.29) * jitter)
     else:
         raise ValueError(f"no random blocks for {qtype.name}")
     return blocks.reshape(rows, -1)

@@ -57,7 +57,7 @@ def test_tokenizer_fields_are_the_embedded_ggufs(q4_k_m: gguf.GGUFReader) -> Non
 
 
 RANDOM_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
-RANDOM_TYPES += [Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.BF16, Q.F16]
+RANDOM_TYPES += [Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.BF16, Q.F16, Q.Q2_K, Q.Q3_K]
 
 
 @pytest.mark.parametrize("qtype", RANDOM_TYPES, ids=lambda q: q.name)

@@ -48,7 +48,10 @@ SIXTEEN_BIT = {
     "ffn_down": Q.BF16,
     "token_embd": Q.F16,
 }
-MAPS = {"sub32": TYPES, "sixteen_bit": SIXTEEN_BIT}
+# Q3_K's down (its 256 inputs one block; written as random blocks: tests/block_quants.py) beside
+# legacy and sub-32 types.
+K23 = TYPES | {"attn_v": Q.Q8_0, "attn_output": Q.Q4_1, "ffn_down": Q.Q3_K, "token_embd": Q.Q8_0}
+MAPS = {"sub32": TYPES, "sixteen_bit": SIXTEEN_BIT, "k23": K23}
 
 
 @pytest.fixture(scope="module", params=list(MAPS))
@@ -73,15 +76,20 @@ def test_held_as_blocks(sub32_llama: tuple[Path, Path], caplog: pytest.LogCaptur
     }
     assert all(isinstance(impl, QuantLinear) for impl in held.values())
     types = {name: [p.type for p in impl.weight.parts] for name, impl in held.items()}
-    want = MAPS["sub32" if types["o"] == [Q.Q5_1] else "sixteen_bit"]
+    want = next(
+        m for m in MAPS.values() if [m["attn_output"]] == types["o"] and [m["ffn_down"]] == types["down"]
+    )
     assert types == {
         "qkv": [want["attn_q"], want["attn_k"], want["attn_v"]],
         "o": [want["attn_output"]],
         "gate_up": [want["ffn_gate"], want["ffn_up"]],
         "down": [want["ffn_down"]],
     }
-    x8 = [p.layout == X8_LAYOUT for p in held["gate_up"].weight.parts]
-    assert x8 == [want["ffn_gate"] == Q.Q4_0, want["ffn_up"] == Q.Q4_0]
+    interleaved = {Q.Q4_0, Q.Q4_1, Q.Q8_0}  # (the others are held as the file has them)
+    for impl in held.values():
+        assert [p.layout == X8_LAYOUT for p in impl.weight.parts] == [
+            p.type in interleaved for p in impl.weight.parts
+        ]
     embedding = runner.model.model.embed_tokens.impl  # type: ignore[attr-defined]
     assert isinstance(embedding, QuantEmbedding) and embedding.table.type == want["token_embd"]
     assert "weights held" in caplog.text

@@ -103,13 +103,13 @@ def test_quant_get_rows_bit_exact(kernels: cpu_kernels.CpuKernels, qtype: Q, dty
 
 
 def test_quant_refuses_unsupported(kernels: cpu_kernels.CpuKernels) -> None:
-    """Types without a kernel (here IQ2_XXS, F16) and k not a whole number of blocks are refused,
+    """Types without a kernel (here IQ2_XXS, Q8_1, F32) and k not a whole number of blocks are refused,
     by the C entry points (status, 0 row bytes) and the bindings (ValueError)."""
     for qtype in LEGACY:
         assert kernels.quant_supported(int(qtype))
         assert kernels._quant_act_row_bytes(int(qtype), 64) == 2 * 72
         assert kernels._quant_act_row_bytes(int(qtype), 48) == 0
-    for qtype in (Q.IQ2_XXS, Q.F16, Q.F32):
+    for qtype in (Q.IQ2_XXS, Q.Q8_1, Q.F32):
         assert not kernels.quant_supported(int(qtype))
         assert kernels._quant_act_row_bytes(int(qtype), 64) == 0
     blocks, _, _ = weights(Q.Q8_0, 7, 96)

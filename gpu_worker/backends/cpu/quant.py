@@ -49,10 +49,12 @@ NEVER = 1 << 62
 # so their crossing; not yet measured for these (`python -m bench.quant_matmul --types
 # q5_0,q5_1,iq4_nl,iq4_xs --shapes 896x640,...`).
 _SUB32 = {_Q.Q5_0: 8, _Q.Q5_1: 8, _Q.IQ4_NL: 8, _Q.IQ4_XS: 8, _Q.MXFP4: 8}
+_K23 = {_Q.Q2_K: 8, _Q.Q3_K: 8}  # csrc/quant_k23.c: the same tile's shape, so the same crossing
 # F16 and BF16 weights (csrc/quant_f16.c): from 2 rows the dense path, which widens a panel at a time
 # and runs its float tiles over it; the one-row tile widens in registers.
 _SIXTEEN = {_Q.F16: 2, _Q.BF16: 2}
-_X86 = {_Q.Q4_0: 8, _Q.Q4_1: 8, _Q.Q8_0: 8, _Q.Q4_K: 32, _Q.Q5_K: 16, _Q.Q6_K: 16, **_SUB32, **_SIXTEEN}
+_X86 = {_Q.Q4_0: 8, _Q.Q4_1: 8, _Q.Q8_0: 8, _Q.Q4_K: 32, _Q.Q5_K: 16, _Q.Q6_K: 16}
+_X86 |= _SUB32 | _K23 | _SIXTEEN
 _X8_AVX512 = dict.fromkeys(_X86, NEVER)
 _X8_AVX2 = {_Q.Q4_0: NEVER, _Q.Q4_1: NEVER, _Q.Q8_0: NEVER, _Q.Q4_K: 64, _Q.Q5_K: 32, _Q.Q6_K: 16}
 DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {

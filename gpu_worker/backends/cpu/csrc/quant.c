@@ -118,6 +118,7 @@ const qtype_ops *quant_ops(int type) {
     ops = ops != NULL ? ops : qtype_x8(type);
     ops = ops != NULL ? ops : qtype_sub32(type);
     ops = ops != NULL ? ops : qtype_f16(type);
+    ops = ops != NULL ? ops : qtype_k23(type);
     return ops != NULL ? ops : qtype_kx8(type);
 }
 

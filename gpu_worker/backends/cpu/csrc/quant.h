@@ -1,6 +1,6 @@
 /* GGUF weights computed in their quantized blocks: what the per-type code (quant_legacy.c: Q4_0,
- * Q4_1, Q8_0; quant_k.c: Q4_K, Q5_K, Q6_K; quant_sub32.c: Q5_0, Q5_1, IQ4_NL, IQ4_XS; quant_f16.c:
- * F16, BF16 weights) gives the driver (quant.c).
+ * Q4_1, Q8_0; quant_k.c: Q4_K, Q5_K, Q6_K; quant_sub32.c: Q5_0, Q5_1, IQ4_NL, IQ4_XS; quant_k23.c:
+ * Q2_K, Q3_K; quant_f16.c: F16, BF16 weights) gives the driver (quant.c).
  *
  * A weight matrix [n, k] is n rows of k / block weights' blocks, exactly as the GGUF file holds
  * them (row j's blocks at w + j * (k / block) * block_bytes), or | QTYPE_X8 the same bytes with
@@ -22,6 +22,8 @@
 #define QTYPE_Q5_0 6
 #define QTYPE_Q5_1 7
 #define QTYPE_Q8_0 8
+#define QTYPE_Q2_K 10
+#define QTYPE_Q3_K 11
 #define QTYPE_Q4_K 12
 #define QTYPE_Q5_K 13
 #define QTYPE_Q6_K 14
@@ -160,6 +162,7 @@ const qtype_ops *qtype_k(int type);
 const qtype_ops *qtype_x8(int type);
 const qtype_ops *qtype_kx8(int type);
 const qtype_ops *qtype_sub32(int type); /* quant_sub32.c: Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4 */
+const qtype_ops *qtype_k23(int type);   /* quant_k23.c: Q2_K, Q3_K */
 const qtype_ops *qtype_f16(int type);   /* quant_f16.c: F16, BF16 (activations as float32) */
 const qtype_ops *quant_ops(int type); /* any of them */
 
