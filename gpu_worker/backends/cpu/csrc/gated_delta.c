@@ -43,6 +43,17 @@ static void load_head(const void *src, int dtype, int64_t at, int n, float *dst,
         for (int i = 0; i < n; i++) dst[i] *= scale;
 }
 
+/* out[i] = exp(x[i]) for x[i] <= 0: common.h's polynomial (about 2e-7 relative), vectorized. */
+static void exp_nonpositive_vec(const float *x, float *out, int n) {
+    int i = 0;
+#if HAVE_AVX512
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, exp512(_mm512_loadu_ps(x + i)));
+#elif HAVE_AVX2
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, exp256(_mm256_loadu_ps(x + i)));
+#endif
+    for (; i < n; i++) out[i] = exp_nonpositive(x[i]);
+}
+
 /* The arguments both forms share, checked once. */
 static int check_heads(int dtype, int g_dtype, int beta_dtype, int k_heads, int v_heads, int dk, int dv) {
     if ((dtype != DTYPE_F32 && dtype != DTYPE_BF16) || (g_dtype != DTYPE_F32 && g_dtype != DTYPE_BF16) ||
@@ -166,24 +177,25 @@ static void chunk_block(float *S, const chunk_scratch *w, int L, int dk, int dv)
     gemm(2 * L, dv, dk, kq, dk, S, dv, pq, dv, 0);
     gemm(2 * L, L, dk, kq, dk, kt, CHUNK, gram, CHUNK, 0);
     float *ps = pq, *qs = pq + (int64_t)L * dv, *kk = gram, *qk = gram + (int64_t)L * CHUNK;
-    /* right-hand side beta_i (v_i - exp(gc_i) k_i S), then (I + A) U = rhs by forward substitution,
-     * A_ij = beta_i exp(gc_i - gc_j) k_i . k_j for j < i (exponents <= 0: g <= 0) */
+    /* row by row: the decays exp(gc_i - gc_j), j <= i (exponents <= 0: g <= 0); U's row i from the
+     * right-hand side beta_i (v_i - exp(gc_i) k_i S) less sum_{j<i} A_ij u_j (forward substitution
+     * of (I + A) U = rhs, A_ij = beta_i exp(gc_i - gc_j) k_i . k_j); the output's weights
+     * exp(gc_i - gc_j) q_i . k_j and exp(gc_i) on q_i S */
     for (int i = 0; i < L; i++) {
+        float diff[CHUNK], decay[CHUNK];
+        for (int j = 0; j <= i; j++) diff[j] = gc[i] - gc[j];
+        exp_nonpositive_vec(diff, decay, i + 1);
         const float e = expf(gc[i]);
-        float *ui = u + (int64_t)i * dv;
+        float *ui = u + (int64_t)i * dv, *qsi = qs + (int64_t)i * dv;
         for (int j = 0; j < dv; j++) ui[j] = beta[i] * (ui[j] - e * ps[(int64_t)i * dv + j]);
         for (int j = 0; j < i; j++) {
-            const float aij = beta[i] * expf(gc[i] - gc[j]) * kk[i * CHUNK + j];
+            const float aij = beta[i] * decay[j] * kk[i * CHUNK + j];
             const float *uj = u + (int64_t)j * dv;
 #pragma omp simd
             for (int c = 0; c < dv; c++) ui[c] -= aij * uj[c];
         }
-    }
-    /* out_i = exp(gc_i) q_i S + sum_{j <= i} exp(gc_i - gc_j) (q_i . k_j) u_j */
-    for (int i = 0; i < L; i++) {
-        const float e = expf(gc[i]);
-        for (int j = 0; j < dv; j++) qs[(int64_t)i * dv + j] *= e;
-        for (int j = 0; j < L; j++) qk[i * CHUNK + j] = j <= i ? qk[i * CHUNK + j] * expf(gc[i] - gc[j]) : 0.0f;
+        for (int j = 0; j < dv; j++) qsi[j] *= e;
+        for (int j = 0; j < L; j++) qk[i * CHUNK + j] = j <= i ? qk[i * CHUNK + j] * decay[j] : 0.0f;
     }
     gemm(L, dv, L, qk, CHUNK, u, dv, qs, dv, 1);
     /* S = exp(gc_last) S + sum_j exp(gc_last - gc_j) k_j u_j^T */
@@ -266,33 +278,36 @@ int gated_delta_prefill(const void *q, int64_t q_stride, const void *k, int64_t 
     return status;
 }
 
-/* One block of channels [c0, c0 + n) of one row's tokens [t0, t1): outputs, then the state. */
+/* One block of channels [c0, c0 + n) of one row's tokens [t0, t1): outputs, then the state. Taps
+ * are rows (wt[m][c], hist[m][c]) so that every loop runs along the channels. */
 static void conv_block(const void *x, int64_t x_stride, int dtype, void *out, void *conv_state, int state_dtype,
                        int64_t state_len, int64_t slot, int zero, const void *w, const void *bias, int64_t channels,
                        int kernel, int silu, int64_t t0, int64_t t1, int64_t c0, int n) {
-    float wt[CONV_BLOCK][MAX_CONV_KERNEL], hist[CONV_BLOCK][MAX_CONV_KERNEL], bv[CONV_BLOCK], xv[CONV_BLOCK],
-        o[CONV_BLOCK], row[MAX_CONV_KERNEL + CONV_BLOCK];
+    float wt[MAX_CONV_KERNEL][CONV_BLOCK], hist[MAX_CONV_KERNEL][CONV_BLOCK], bv[CONV_BLOCK], xv[CONV_BLOCK],
+        o[2 * CONV_BLOCK], row[MAX_CONV_KERNEL];
     const int taps = kernel - 1;
     const int64_t base = slot * channels * state_len;
     for (int c = 0; c < n; c++) {
         load_vec(w, dtype, (c0 + c) * kernel, kernel, row);
-        for (int m = 0; m < kernel; m++) wt[c][m] = row[m];
+        for (int m = 0; m < kernel; m++) wt[m][c] = row[m];
         bv[c] = bias != NULL ? load_one(bias, dtype, c0 + c) : 0.0f;
         load_vec(conv_state, state_dtype, base + (c0 + c) * state_len + state_len - taps, taps, row);
-        for (int m = 0; m < taps; m++) hist[c][m] = zero ? 0.0f : row[m];
+        for (int m = 0; m < taps; m++) hist[m][c] = zero ? 0.0f : row[m];
     }
     for (int64_t t = t0; t < t1; t++) {
         load_vec(x, dtype, t * x_stride + c0, n, xv);
-        for (int c = 0; c < n; c++) {
-            float s = bv[c];
-            for (int m = 0; m < taps; m++) s += wt[c][m] * hist[c][m];
-            o[c] = s + wt[c][taps] * xv[c];
-            for (int m = 0; m + 1 < taps; m++) hist[c][m] = hist[c][m + 1];
-            if (taps > 0) hist[c][taps - 1] = xv[c];
-        }
+        for (int c = 0; c < n; c++) o[c] = bv[c];
+        for (int m = 0; m < taps; m++)
+#pragma omp simd
+            for (int c = 0; c < n; c++) o[c] += wt[m][c] * hist[m][c];
+#pragma omp simd
+        for (int c = 0; c < n; c++) o[c] += wt[taps][c] * xv[c];
+        for (int m = 0; m + 1 < taps; m++) memcpy(hist[m], hist[m + 1], (size_t)n * sizeof(float));
+        if (taps > 0) memcpy(hist[taps - 1], xv, (size_t)n * sizeof(float));
         if (silu) { /* torch rounds the conv's output, then silu's, to the dtype */
             round_vec(dtype, o, n);
-            for (int c = 0; c < n; c++) o[c] = o[c] / (1.0f + expf(-o[c]));
+            for (int c = 0; c < n; c++) o[n + c] = 1.0f; /* [gate | up] with up = 1 */
+            silu_mul_row(o, o, n, DTYPE_F32);            /* small_ops.c's vectorized silu */
         }
         store_vec(out, dtype, t * channels + c0, n, o);
     }
