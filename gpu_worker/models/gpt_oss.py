@@ -25,6 +25,8 @@ from gpu_worker.models.layers import Linear
 from gpu_worker.models.llama import Attention, DecoderLayer, FeedForward, LlamaArgs, LlamaForCausalLM
 from gpu_worker.models.moe import ExpertGroups, Experts, MoeArgs, SparseMoeBlock
 
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's, where a config states none
+
 
 class SinkAttention(Attention):
     """Llama's attention with a learned sink logit per query head (``sinks``, [Hq]): one more logit
@@ -148,5 +150,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def feed_forward(self, hf_config: Any, layer: int) -> FeedForward:
         moe = MoeArgs.from_hf(hf_config)
-        alpha, limit = float(hf_config.swiglu_alpha), float(hf_config.swiglu_limit)
+        # (transformers before 5.24 states no alpha: gpt-oss's 1.702, as its modeling code had it)
+        alpha = float(getattr(hf_config, "swiglu_alpha", SWIGLU_ALPHA))
+        limit = float(getattr(hf_config, "swiglu_limit", SWIGLU_LIMIT))
         return TopKSoftmaxMoeBlock(self.args.hidden_size, moe, alpha, limit)

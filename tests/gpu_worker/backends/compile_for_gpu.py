@@ -75,17 +75,19 @@ def main(capability: int) -> None:
             PAGE_SIZE=page_size,
             NUM_SEGMENTS=segments,
             USE_SOFTCAP=softcap,
+            USE_SINKS=not softcap,  # each variant with or without gpt-oss's sinks
             DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
         )
         pointers = {name: f"*{dtype}" for name in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
         pointers |= {"page_table_ptr": "*i64", "req_pool_idx_ptr": "*i32", "q_starts_ptr": "*i32"}
         pointers |= {"prefix_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32"}
-        pointers |= {"part_sum_ptr": "*fp32"}
+        pointers |= {"part_sum_ptr": "*fp32", "sinks_ptr": "*fp32"}
         floats = ("scale", "softcap")
         usage = build(attention_kernels._attention_kernel, pointers, floats, consts, tiles.num_warps)
         print(f"attention {dtype} D={head_dim} group={group} {tiles}: {usage}", flush=True)
-    merge = dict(HEAD_DIM=96, BLOCK_D=128, NUM_SEGMENTS=3, BLOCK_S=4)
+    merge = dict(HEAD_DIM=96, BLOCK_D=128, NUM_SEGMENTS=3, BLOCK_S=4, USE_SINKS=True)
     pointers = {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}
+    pointers["sinks_ptr"] = "*fp32"
     print("merge:", build(attention_kernels._merge_segments_kernel, pointers, (), merge, 4))
     pointers = {name: "*fp16" for name in ("k_cache_ptr", "v_cache_ptr", "k_ptr", "v_ptr")}
     pointers["out_locs_ptr"] = "*i64"
