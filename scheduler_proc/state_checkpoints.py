@@ -52,6 +52,7 @@ class HybridKVManager(KVManager):
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
+        self.num_checkpoints = config.state_checkpoints
         self.free_checkpoints = list(range(config.state_checkpoints))[::-1]
         if self.cache is not None:
             self.cache = RadixCache(config.page_size, self.pages.free, self.free_checkpoints.append)
@@ -169,6 +170,13 @@ class HybridKVManager(KVManager):
             return False
         match.node.checkpoint = checkpoint
         return True
+
+    def check_checkpoints(self) -> None:
+        """Every checkpoint is exactly one of: free, in the tree, pending for a live request."""
+        tree = [n.checkpoint for n in self.cache._nodes() if n.checkpoint is not None] if self.cache else []
+        pending = [c for p in self._pending.values() for _, c in p.all()]
+        held = self.free_checkpoints + tree + pending
+        assert sorted(held) == list(range(self.num_checkpoints)), f"checkpoints lost or twice: {sorted(held)}"
 
 
 def _checkpoint(node: object) -> int:

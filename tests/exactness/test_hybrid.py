@@ -16,6 +16,7 @@ import pytest
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.weights.model_files import resolve_model
+from scheduler_proc.state_checkpoints import HybridKVManager
 from tests.exactness import inprocess
 from tests.hybrid_gguf import write_hybrid_gguf
 from tests.hybrid_models import HYBRID_KINDS, hf_greedy, hf_hybrid_model, make_prompts, save_hybrid
@@ -66,6 +67,8 @@ def test_retraction_recomputes_the_state(hybrid: tuple[Path, Any], checkpoints: 
     assert scheduler.num_retracted > 0, "the tiny pool must force retraction"
     assert (scheduler.kv.cache is None) == (checkpoints == 0)
     assert got == expected
+    if isinstance(scheduler.kv, HybridKVManager):
+        scheduler.kv.check_checkpoints()
 
 
 def test_forks_copy_the_state(hybrid: tuple[Path, Any]) -> None:

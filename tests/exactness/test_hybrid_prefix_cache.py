@@ -94,6 +94,7 @@ def test_second_chat_turn_resumes_from_the_first(hybrid: tuple[Path, Any]) -> No
     # The first turn computed its 45 + 5 tokens (its last token never entered the model): the
     # checkpoint at the last page boundary, 48, taken by a decode step.
     assert loads[0].prefix_lens[row] == 48
+    scheduler.kv.check_checkpoints()
 
 
 def test_shared_system_prompt_and_a_clamped_hit(hybrid: tuple[Path, Any]) -> None:
@@ -111,6 +112,8 @@ def test_shared_system_prompt_and_a_clamped_hit(hybrid: tuple[Path, Any]) -> Non
     loads = [(b.prefix_lens[row], b.req_pool_idx[row]) for b in batches for row in b.state_load_rows]
     assert [prefix for prefix, _ in loads] == [64, 64], "both hits clamped from 68 to the checkpoint at 64"
     assert scheduler.kv.available_pages == scheduler.config.num_pages, "pages leaked"
+    assert isinstance(scheduler.kv, HybridKVManager)
+    scheduler.kv.check_checkpoints()
 
 
 def test_eviction_and_retraction_with_few_checkpoints(hybrid: tuple[Path, Any]) -> None:
@@ -126,3 +129,5 @@ def test_eviction_and_retraction_with_few_checkpoints(hybrid: tuple[Path, Any]) 
     assert scheduler.num_retracted > 0, "the tiny pool must force retraction"
     assert any(b.state_load_rows for b in batches), "some hit resumed from a checkpoint"
     assert scheduler.kv.available_pages == scheduler.config.num_pages, "pages leaked"
+    assert isinstance(scheduler.kv, HybridKVManager)
+    scheduler.kv.check_checkpoints()
