@@ -81,8 +81,9 @@ class WorkerConfig:
     state_checkpoints: int = flag(
         -1,
         "a hybrid model's (Qwen3.5, Qwen3-Next) recurrent-state checkpoints for the prefix cache, each "
-        "as large as a request's state (the start log says how large); -1: --max-running-requests of "
-        "them; 0: none, the prefix cache off for such a model",
+        "as large as a request's state (the start log says how large); -1: as many as a quarter of the "
+        "KV pool's bytes holds, from 2 to --max-running-requests; 0: none, the prefix cache off for "
+        "such a model",
     )
     mmproj: str | None = mmproj_field()
     gguf_path: str = given("", "the launcher: the .gguf --model names (the embedded one by default)")

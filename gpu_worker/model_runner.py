@@ -195,9 +195,9 @@ class ModelRunner:
             ", latent" if latent else "",
         )
 
-        config = self.config
+        config, kv_bytes = self.config, self.kv.num_pages * self.kv.page_size * bytes_per_token
         self.states = state_pool_for(
-            model, config.max_running_requests, config.state_checkpoints, self._dtype, self._device
+            model, config.max_running_requests, config.state_checkpoints, self._dtype, self._device, kv_bytes
         )
 
     def _batch_limits(self) -> BatchLimits:

@@ -167,18 +167,30 @@ def check_checkpoints(pool: StatePool, batch: ForwardBatch) -> None:
             raise ValueError(f"state checkpoint save {c} of row {row} after {n} tokens: out of range")
 
 
+def auto_checkpoints(slots: int, per_request: int, kv_bytes: int) -> int:
+    """As many checkpoints as a quarter of the KV pool's bytes hold, between 2 and ``slots``: they
+    keep the prefix cache's hits, so they grow with the pool that holds its pages, and a long chat
+    needs about one a conversation."""
+    return max(2, min(slots, kv_bytes // 4 // max(per_request, 1)))
+
+
 def state_pool_for(
-    model: object, slots: int, checkpoints: int, dtype: torch.dtype, device: torch.device
+    model: object,
+    slots: int,
+    checkpoints: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_bytes: int,
 ) -> StatePool | None:
     """A hybrid model's state pool of ``slots`` requests (--max-running-requests) and ``checkpoints``
-    checkpoints (--state-checkpoints; -1: as many as slots), its budget logged; None for a model
+    checkpoints (--state-checkpoints; -1: ``auto_checkpoints``), its budget logged; None for a model
     whose layers are all attention."""
     shape: StateShape | None = getattr(model, "state_shape", None)
     if shape is None:
         return None
-    checkpoints = slots if checkpoints < 0 else checkpoints
-    pool = StatePool(shape, slots, checkpoints, dtype, device)
     per_request = shape.bytes_per_request(torch.empty((), dtype=dtype).element_size())
+    checkpoints = auto_checkpoints(slots, per_request, kv_bytes) if checkpoints < 0 else checkpoints
+    pool = StatePool(shape, slots, checkpoints, dtype, device)
     logger.info(
         "recurrent-state pool: %d linear layers, %d bytes a request or checkpoint (conv %s, recurrent "
         "float32); %d requests (--max-running-requests) + %d checkpoints (--state-checkpoints): "
