@@ -106,3 +106,16 @@ def gpt_oss_metadata(writer: gguf.GGUFWriter, cfg: Any) -> None:
         writer.add_bos_token_id(cfg.bos_token_id)
     if cfg.eos_token_id is not None:
         writer.add_eos_token_id(cfg.eos_token_id)
+
+
+def hf_mxfp4(values: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """``values`` [E, rows, k] as an HF checkpoint's MXFP4 ``blocks`` [E, rows, k / 32, 16] and
+    ``scales`` [E, rows, k / 32] (gguf-py's quantization, HF's nibble order), and the values they hold."""
+    e, rows, k = values.shape
+    ggml = gguf.quants.quantize(np.ascontiguousarray(values, dtype=np.float32), Q.MXFP4).reshape(
+        e, rows, k // 32, 17
+    )
+    held = np.asarray(gguf.quants.dequantize(ggml.reshape(e * rows, -1), Q.MXFP4)).reshape(e, rows, k)
+    nibbles = np.concatenate((ggml[..., 1:] & 0x0F, ggml[..., 1:] >> 4), axis=-1)  # value order
+    blocks = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    return torch.from_numpy(np.ascontiguousarray(blocks)), torch.from_numpy(ggml[..., 0].copy()), held

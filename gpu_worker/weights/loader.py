@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,6 +37,7 @@ from gpu_worker.weights.common import (
 )
 from gpu_worker.weights.gguf_weights import load_gguf_weights
 from gpu_worker.weights.model_files import gguf_of
+from gpu_worker.weights.mxfp4 import PACKED, unpack_mxfp4
 
 # Buffers some checkpoints carry that are not weights (causal masks, rotary tables).
 _IGNORED = re.compile(r"(\.attn\.(bias|masked_bias)|\.rotary_emb\.inv_freq)$")
@@ -129,10 +131,14 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
     transposed = re.compile(getattr(model, "checkpoint_transposed", "(?!)"))  # "(?!)": none
     loaded: set[str] = set()
     unexpected: list[str] = []
+    packed: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)  # MXFP4 tensors' blocks and scales
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
+                    if (mxfp4 := PACKED.match(key)) is not None:
+                        packed[mxfp4.group(1)][mxfp4.group(2)] = f.get_tensor(key)
+                        continue
                     name = checkpoint_name(model, key, targets)
                     if name is None or _IGNORED.search(name) or name in tied:
                         continue  # a tied head saved anyway is the embedding again
@@ -142,6 +148,14 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
                     tensor = f.get_tensor(key)
                     copy_checked(targets[name], tensor.t() if transposed.search(name) else tensor, name)
                     loaded.add(name)
+        for key, values in unpack_mxfp4(packed):
+            name = checkpoint_name(model, key, targets)
+            if name is None or name not in targets:
+                unexpected.append(f"{key}_blocks")
+                continue
+            # As transformers loads them: stacked experts' blocks [E, rows, k] are its [E, k, rows].
+            copy_checked(targets[name], values.transpose(-1, -2) if values.dim() == 3 else values, name)
+            loaded.add(name)
     missing = sorted(set(targets) - loaded - tied)
     if missing or unexpected:
         raise WeightMismatchError(f"missing weights {missing[:8]}, unexpected weights {unexpected[:8]}")

@@ -6,9 +6,15 @@ pack values 2i (low nibble) and 2i + 1 (high nibble) in byte i of a block, ``sca
 k / 32] the exponent with bias 127 over the plain E2M1 values; a ggml block is its exponent byte then
 16 bytes, byte j holding value j (low nibble) and value j + 16 (high), over doubled values with bias
 128: the same exponent byte.
+
+A checkpoint's MXFP4 tensors load dequantized (``unpack_mxfp4``, loader.py) into the parameter their
+name without ``_blocks`` / ``_scales`` stands for; on CPU, a GGUF's MXFP4 experts are kept as blocks.
 """
 
 from __future__ import annotations
+
+import re
+from collections.abc import Iterator
 
 import torch
 
@@ -22,3 +28,22 @@ def ggml_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     packed = nibbles[..., :16] | (nibbles[..., 16:] << 4)
     rows = blocks.shape[:-2].numel()
     return torch.cat((scales.unsqueeze(-1), packed), dim=-1).reshape(rows, -1).contiguous()
+
+
+PACKED = re.compile(r"^(.*)_(blocks|scales)$")  # an HF checkpoint's MXFP4 tensor: its blocks or scales
+
+
+def unpack_mxfp4(packed: dict[str, dict[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(the tensor's name, its float32 values [..., rows, k]) of each name's ``blocks`` and ``scales``
+    (``packed[name]``), dequantized as gguf-py dequantizes ggml's MXFP4 (exact: every value is a
+    small integer times a power of 2)."""
+    import gguf
+
+    for name, parts in packed.items():
+        if set(parts) != {"blocks", "scales"}:
+            raise ValueError(f"{name}: an MXFP4 tensor needs both _blocks and _scales, not {sorted(parts)}")
+        blocks = parts["blocks"]
+        values = gguf.quants.dequantize(
+            ggml_mxfp4(blocks, parts["scales"]).numpy(), gguf.GGMLQuantizationType.MXFP4
+        )
+        yield name, torch.from_numpy(values).reshape(*blocks.shape[:-2], blocks.shape[-2] * 32)

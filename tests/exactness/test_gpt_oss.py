@@ -114,3 +114,30 @@ def test_prefix_cache_hit_and_n_choices_match_hf(gpt_oss_dir: tuple[Path, Any]) 
                                         enable_mixed_chunk=True, max_prefill_tokens=20, n=2)  # fmt: skip
     assert scheduler.num_cached_prompt_tokens > 0, "no prefix-cache hit"
     assert got == [e for e in expected for _ in range(2)]
+
+
+def test_checkpoint_with_mxfp4_experts_matches_hf(tmp_path: Path) -> None:
+    """An HF directory whose experts are MXFP4 ``*_blocks`` / ``*_scales`` (as gpt-oss ships): loaded
+    dequantized, HF's greedy tokens for the same values."""
+    from safetensors.torch import save_file
+
+    from tests.gpt_oss_gguf import hf_mxfp4
+
+    hf = hf_gpt_oss(tiny_gpt_oss_config(layers=2), seed=6)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    state = {name: t.contiguous() for name, t in hf.state_dict().items()}
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            for proj in ("gate_up_proj", "down_proj"):
+                param = getattr(layer.mlp.experts, proj)
+                blocks, scales, held = hf_mxfp4(param.transpose(1, 2).numpy())  # [E, rows, k]
+                param.copy_(torch.from_numpy(held).transpose(1, 2))
+                key = f"model.layers.{i}.mlp.experts.{proj}"
+                del state[key]
+                state[f"{key}_blocks"], state[f"{key}_scales"] = blocks, scales
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    prompts = make_prompts(seed=9, lens=(4, 23))
+    expected = hf_greedy(hf, prompts, NEW_TOKENS)
+    got, _ = inprocess.generate(runner_for(tmp_path, "hf"), prompts, NEW_TOKENS, chunked_prefill_size=8,
+                                enable_mixed_chunk=True)  # fmt: skip
+    assert got == expected
