@@ -1,7 +1,7 @@
 """Make the bench's bigger GGUFs (bench/lib/gguf_models.py) in the user's cache and print their paths.
 
 python -m bench.gguf_models                      # the 1B in q4_k_m, q4_0, q4_1, q8_0 (skipped when made)
-python -m bench.gguf_models --types q5_0,q5_1,iq4_nl,iq4_xs,bf16,f16,mixed   # the other types
+python -m bench.gguf_models --types q5_0,q5_1,iq4_nl,iq4_xs,q3_k_m,q2_k,bf16,f16,mixed  # the others
 python -m bench.gguf_models --shapes gemma3_270m --types q4_k_m  # Gemma 3 270M's shape (Q5_0 mostly)
 python -m bench.gguf_models --shapes qwen3moe30b --types q4_k_m   # the mixture of experts (~3.2 GB)
 python -m bench.gguf_models --shapes deepseekv2lite --types q4_k_m  # DeepSeek-V2-Lite's, 8 layers (~2.9 GB)

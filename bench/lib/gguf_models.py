@@ -25,6 +25,9 @@ Which type each tensor takes follows llama.cpp's ``llama-quantize`` for the file
 - ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``iq4_nl``, ``iq4_xs``: every layer tensor of that type,
   the output in Q6_K; ``iq4_*`` with llama.cpp's exceptions: ``attn_v`` in Q5_K where 4 or more query
   heads share a KV head, ``ffn_down`` in Q5_K in the first eighth of the layers.
+- ``q3_k_m``, ``q2_k``: Q3_K / Q2_K, with llama.cpp's exceptions: v Q5_K in the first two layers
+  then Q4_K (Q2_K: Q4_K where 4 or more query heads share a KV head), down Q5_K in the first
+  sixteenth then Q4_K (Q2_K: Q3_K), o Q4_K (Q2_K: Q3_K).
 - ``q8_0``: everything Q8_0. ``bf16``, ``f16``: every weight in that type (as the converter writes).
 - ``mixed``: ``q4_k_m`` with q/k/v/o taken as rows not a multiple of 256 (a model of hidden 576,
   640, 896, ... has them so), so they fall back as below: Q5_0, the "more bits" v Q8_0.
@@ -124,10 +127,13 @@ FILE_TYPES = {
     "bf16": gguf.LlamaFileType.MOSTLY_BF16,
     "f16": gguf.LlamaFileType.MOSTLY_F16,
     "mixed": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+    "q3_k_m": gguf.LlamaFileType.MOSTLY_Q3_K_M,
+    "q2_k": gguf.LlamaFileType.MOSTLY_Q2_K,
 }
 _BASE_TYPE = {
     "q4_k_m": Q.Q4_K, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q8_0": Q.Q8_0, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1,
     "iq4_nl": Q.IQ4_NL, "iq4_xs": Q.IQ4_XS, "bf16": Q.BF16, "f16": Q.F16, "mixed": Q.Q4_K,
+    "q3_k_m": Q.Q3_K, "q2_k": Q.Q2_K,
 }  # fmt: skip
 _MORE_BITS_ROLES = ("attn_v", "ffn_down", "ffn_down_exps")
 _F32_ROLES = ("attn_norm", "attn_q_norm", "attn_k_norm", "ffn_norm", "ffn_gate_inp", "post_attention_norm",
@@ -152,6 +158,21 @@ def more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
+def _low_bits_type(base: Q, role: str, layer: int, layers: int, gqa: int) -> Q:
+    """llama-quantize's Q3_K_M and Q2_K mixes (dense models): v Q5_K in the first two layers then Q4_K
+    (Q2_K: Q4_K where 4 or more query heads share a KV head, else Q3_K); down Q5_K in the first
+    sixteenth then Q4_K (Q2_K: Q3_K); o Q4_K (Q2_K: Q3_K); the rest the base type."""
+    if role == "attn_v":
+        if base == Q.Q2_K:
+            return Q.Q4_K if gqa >= 4 else Q.Q3_K
+        return Q.Q5_K if layer < 2 else Q.Q4_K
+    if role in ("ffn_down", "ffn_down_exps"):
+        return Q.Q3_K if base == Q.Q2_K else Q.Q5_K if layer < layers // 16 else Q.Q4_K
+    if role == "attn_output":
+        return Q.Q3_K if base == Q.Q2_K else Q.Q4_K
+    return base
+
+
 def tensor_type(file_type: str, role: str, layer: int, layers: int, cols: int = 256, gqa: int = 1) -> Q:
     """The block type llama-quantize gives tensor ``role`` (attn_q, ffn_down_exps, output, ...) of
     ``cols`` weights a row in a model of ``gqa`` query heads per KV head; a tied embedding takes the
@@ -164,6 +185,8 @@ def tensor_type(file_type: str, role: str, layer: int, layers: int, cols: int = 
         qtype = Q.Q8_0 if base == Q.Q8_0 else Q.Q6_K
     elif base == Q.Q4_K and role in _MORE_BITS_ROLES and more_bits(layer, layers):
         qtype = Q.Q6_K
+    elif base in (Q.Q2_K, Q.Q3_K):
+        qtype = _low_bits_type(base, role, layer, layers, gqa)
     elif base in (Q.IQ4_NL, Q.IQ4_XS) and role == "attn_v" and gqa >= 4:
         qtype = Q.Q5_K
     elif base in (Q.IQ4_NL, Q.IQ4_XS) and role in ("ffn_down", "ffn_down_exps") and layer < layers // 8:

@@ -97,6 +97,14 @@ def test_new_file_types_mix() -> None:
     assert iq4["blk.5.attn_v.weight"] == Q.Q5_K and iq4["blk.0.ffn_down.weight"] == Q.Q5_K
     assert iq4["blk.5.ffn_down.weight"] == iq4["blk.5.attn_q.weight"] == Q.IQ4_XS
     assert set(_types(gguf_models.LLAMA_1B, "bf16").values()) == {Q.BF16}
+    q3 = _types(gguf_models.LLAMA_1B, "q3_k_m")
+    assert [q3[f"blk.{i}.attn_v.weight"] for i in (0, 1, 2)] == [Q.Q5_K, Q.Q5_K, Q.Q4_K]
+    assert q3["blk.0.ffn_down.weight"] == Q.Q5_K and q3["blk.1.ffn_down.weight"] == Q.Q4_K
+    assert q3["blk.3.attn_output.weight"] == Q.Q4_K and q3["blk.3.ffn_up.weight"] == Q.Q3_K
+    q2 = _types(gguf_models.LLAMA_1B, "q2_k")
+    assert q2["blk.3.attn_v.weight"] == Q.Q4_K and q2["blk.3.ffn_down.weight"] == Q.Q3_K
+    assert q2["blk.3.attn_output.weight"] == Q.Q3_K and q2["blk.3.attn_q.weight"] == Q.Q2_K
+    assert q2["token_embd.weight"] == Q.Q6_K
 
 
 def test_a_larger_vocabulary_pads_the_tokens(tmp_path: Path) -> None:
@@ -136,6 +144,6 @@ def test_names_resolve_to_made_files(
     assert made == [(shape, "q4_k_m")]
     assert gguf_models.resolve(name) == path and len(made) == 1  # made once
     assert gguf_models.resolve(None) is None and gguf_models.resolve(str(tmp_path)) == str(tmp_path)
-    bad = name.replace("q4_k_m", "q2_k")
+    bad = name.replace("q4_k_m", "q1_k")
     with pytest.raises(ValueError, match="no bench model"):
         gguf_models.resolve(bad)
