@@ -20,7 +20,8 @@ from gpu_worker.models.contract import Layer, Split
 from gpu_worker.models.deepseek_moe import DeepseekMoe, RouterArgs
 from gpu_worker.models.layers import Embedding, Linear, RMSNorm
 from gpu_worker.models.llama import MLP, FeedForward, LlamaArgs
-from gpu_worker.models.mla import ComplexRotary, LatentAttention, MlaArgs
+from gpu_worker.models.mla import ComplexRotary, LatentAttention, MlaArgs, row_plan
+from gpu_worker.models.mla_rows import RowPlan
 from gpu_worker.models.rope import rope_inv_freq, rotary_cache
 
 
@@ -67,9 +68,9 @@ class DecoderLayer(Layer):
         self.mlp = feed_forward(cfg, layer)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext, plan: RowPlan | None
     ) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, ctx, plan)
         x = self.self_attn.o_proj.add_to(x, attended)
         return self.mlp.add_to(x, self.post_attention_layernorm(x))
 
@@ -116,8 +117,9 @@ class DeepseekForCausalLM(nn.Module):
         """Hidden states [T, hidden] before the final norm."""
         cos, sin = self.rotary(ctx.positions)
         x = self.model.embed_tokens(input_ids)
+        plan = row_plan(ctx)  # once for every layer
         for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
+            x = layer(x, cos, sin, ctx, plan)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ from torch import nn
 from gpu_worker.forward_context import AttentionOptions, ForwardContext, paged_attention
 from gpu_worker.models.contract import AttentionLayer, Layer, Split
 from gpu_worker.models.layers import Linear, RMSNorm, apply_rotary
-from gpu_worker.models.mla_rows import attend_rows
+from gpu_worker.models.mla_rows import RowPlan, attend_rows, plan_rows
 from gpu_worker.models.rope import rope_parameters
 
 LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm and kv_a_layernorm without the config's eps
@@ -205,16 +205,24 @@ class LatentAttention(AttentionLayer):
         return q[..., : a.nope_dim], q_rope, torch.cat((latent[:, None], k_rope), dim=-1)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext, plan: RowPlan | None
     ) -> torch.Tensor:
-        """Attended rows [T, H * v] of the normed hidden states ``x`` (before o_proj)."""
+        """Attended rows [T, H * v] of the normed hidden states ``x`` (before o_proj); ``plan``
+        (``row_plan``'s): the batch's rows attended here, else all absorbed on the backend's kernel."""
         q_nope, q_rope, entry = self.project(x, cos, sin)
-        rows = ctx.rows
-        form = ctx.latent_form
-        if rows is None or form == "absorbed" or (form == "auto" and max(rows.extend_lens) == 1):
+        if plan is None:
             q = torch.cat((self.kv_b_proj.absorb_query(q_nope), q_rope), dim=-1)
             attended = paged_attention(self.layer, q, entry, entry, ctx, self.options_)
             out = self.kv_b_proj.values(attended[..., : self.args.kv_lora_rank])
         else:
-            out = attend_rows(self, q_nope, q_rope, entry, ctx, expand_all=form == "expanded")
+            out = attend_rows(self, q_nope, q_rope, entry, ctx.k_cache[self.layer], plan)
         return out.flatten(1)
+
+
+def row_plan(ctx: ForwardContext) -> RowPlan | None:
+    """How the batch attends (``--latent-attention``): None, every row absorbed on the backend's paged
+    attention (an all-decode batch under auto); else the rows' plan for the torch forms here."""
+    rows, form = ctx.rows, ctx.latent_form
+    if rows is None or form == "absorbed" or (form == "auto" and max(rows.extend_lens) == 1):
+        return None
+    return plan_rows(rows, form == "expanded", ctx.positions.device)

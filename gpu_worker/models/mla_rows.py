@@ -1,29 +1,99 @@
 """Latent attention row by row, in torch, over the latent pool (mla.py's forms, for a batch with
 prompt rows or under ``--latent-attention expanded``).
 
-The batch's pool rows are written first (rounded to the pool's dtype); each row then reads its
-latents: a row without a prefix its own as computed, others from the pool (as the torch backend reads
-K/V). A prompt row, or every row under ``expand_all``, is attended in the expanded form; a decode row
-(one token) in the absorbed one.
+``RowPlan`` is built once a batch (the model's forward) and read by every layer: each token's pool
+row, the rows attended in the expanded form with their latents' pool rows, and the decode rows
+attended together in the absorbed form (their latents gathered padded to the longest, as the torch
+backend's decode groups are). Each layer writes the batch's latent rows first (rounded to the pool's
+dtype); a row without a prefix then reads its own latents as computed, the others from the pool (as
+the torch backend reads K/V).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from gpu_worker.forward_context import BatchRows, ForwardContext
+    from gpu_worker.forward_context import BatchRows
     from gpu_worker.models.mla import LatentAttention
 
 
-def pool_locations(rows: BatchRows, row: int, positions: torch.Tensor) -> torch.Tensor:
-    """Pool rows of row ``row``'s ``positions``: page_table[r, p // ps] * ps + p % ps."""
+@dataclass(frozen=True)
+class ExpandedRow:
+    start: int  # its first token in the batch
+    length: int
+    prefix: int  # positions before its first token
+    kv_locs: torch.Tensor | None  # [prefix + length] pool rows; None: no prefix (its latents as computed)
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    tokens: torch.Tensor  # [B] the decode rows' tokens in the batch
+    kv_locs: torch.Tensor  # [B * longest] pool rows, a short row's padding its own last position
+    mask: torch.Tensor | None  # [B, 1, longest] positions each row sees; None: all of them
+    longest: int
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    out_locs: torch.Tensor  # [T] the pool row each token's latent is written to
+    expanded: tuple[ExpandedRow, ...]
+    decode: DecodeGroup | None
+
+
+def _locations(rows: BatchRows, req_pool_idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     ps = rows.page_size
-    pages = rows.page_table[rows.req_pool_idx[row]].index_select(0, positions // ps)
-    return pages * ps + positions % ps
+    return rows.page_table[req_pool_idx, positions // ps] * ps + positions % ps
+
+
+def plan_rows(rows: BatchRows, expand_all: bool, device: torch.device) -> RowPlan:
+    """The batch's plan: rows of more than one token (every row under ``expand_all``) expanded, the
+    others decoded absorbed."""
+    starts = list(accumulate(rows.extend_lens, initial=0))
+    row_of_token = torch.repeat_interleave(
+        torch.tensor(rows.req_pool_idx, device=device), torch.tensor(rows.extend_lens, device=device)
+    )
+    positions = torch.cat(
+        [
+            torch.arange(p, p + n, device=device)
+            for p, n in zip(rows.prefix_lens, rows.extend_lens, strict=True)
+        ]
+    )
+    expanded, decode = [], []
+    for i, (prefix, n) in enumerate(zip(rows.prefix_lens, rows.extend_lens, strict=True)):
+        if n > 1 or expand_all:
+            every = torch.arange(prefix + n, device=device)
+            locs = (
+                _locations(rows, torch.tensor(rows.req_pool_idx[i], device=device), every) if prefix else None
+            )
+            expanded.append(ExpandedRow(starts[i], n, prefix, locs))
+        else:
+            decode.append(i)
+    return RowPlan(
+        out_locs=_locations(rows, row_of_token, positions),
+        expanded=tuple(expanded),
+        decode=_decode_group(rows, decode, starts, device) if decode else None,
+    )
+
+
+def _decode_group(rows: BatchRows, decode: list[int], starts: list[int], device: torch.device) -> DecodeGroup:
+    lens = torch.tensor([rows.prefix_lens[i] + 1 for i in decode], device=device)
+    longest = int(lens.max())
+    grid = torch.arange(longest, device=device)[None, :]
+    positions = torch.minimum(grid, lens[:, None] - 1)  # padding reads a real row: never NaN * 0
+    req_pool_idx = torch.tensor([rows.req_pool_idx[i] for i in decode], device=device)[:, None]
+    mask = None if int(lens.min()) == longest else (grid < lens[:, None])[:, None, :]
+    return DecodeGroup(
+        tokens=torch.tensor([starts[i] for i in decode], device=device),
+        kv_locs=_locations(rows, req_pool_idx, positions).flatten(),
+        mask=mask,
+        longest=longest,
+    )
 
 
 def attend_rows(
@@ -31,34 +101,22 @@ def attend_rows(
     q_nope: torch.Tensor,
     q_rope: torch.Tensor,
     entry: torch.Tensor,
-    ctx: ForwardContext,
-    expand_all: bool,
+    cache: torch.Tensor,
+    plan: RowPlan,
 ) -> torch.Tensor:
     """Each head's attended values [T, H, v] of the batch's rows (the pool written here)."""
-    rows = ctx.rows
-    assert rows is not None, "the row-by-row forms read the batch's rows"
-    cache = ctx.k_cache[attn.layer]
-    device = q_nope.device
-    starts = [0]
-    for n in rows.extend_lens:
-        starts.append(starts[-1] + n)
-    locs = [
-        pool_locations(rows, i, torch.arange(p, p + n, device=device))
-        for i, (p, n) in enumerate(zip(rows.prefix_lens, rows.extend_lens, strict=True))
-    ]
-    cache.index_copy_(0, torch.cat(locs), entry.to(cache.dtype))
+    cache.index_copy_(0, plan.out_locs, entry.to(cache.dtype))
     out = q_nope.new_empty((q_nope.shape[0], attn.num_heads, attn.args.v_dim))
-    for i, (prefix, n) in enumerate(zip(rows.prefix_lens, rows.extend_lens, strict=True)):
-        span = slice(starts[i], starts[i] + n)
-        if prefix == 0:
+    for row in plan.expanded:
+        span = slice(row.start, row.start + row.length)
+        if row.kv_locs is None:
             latents = entry[span, 0]
         else:
-            every = pool_locations(rows, i, torch.arange(prefix + n, device=device))
-            latents = cache.index_select(0, every)[:, 0].to(q_nope.dtype)
-        if n > 1 or expand_all:
-            out[span] = _expanded(attn, q_nope[span], q_rope[span], latents, prefix)
-        else:
-            out[span] = _absorbed(attn, q_nope[span], q_rope[span], latents)
+            latents = cache.index_select(0, row.kv_locs)[:, 0].to(q_nope.dtype)
+        out[span] = _expanded(attn, q_nope[span], q_rope[span], latents, row.prefix)
+    if plan.decode is not None:
+        group = plan.decode
+        out.index_copy_(0, group.tokens, _absorbed(attn, q_nope, q_rope, cache, group))
     return out
 
 
@@ -83,11 +141,14 @@ def _expanded(
 
 
 def _absorbed(
-    attn: LatentAttention, q_nope: torch.Tensor, q_rope: torch.Tensor, latents: torch.Tensor
+    attn: LatentAttention, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, group: DecodeGroup
 ) -> torch.Tensor:
-    """One query [1, H, *] at the last of ``latents`` [L, r + rope], attended over the latents."""
-    a = attn.args
-    q = torch.cat((attn.kv_b_proj.absorb_query(q_nope), q_rope), dim=-1)  # [1, H, r + rope]
-    scores = torch.einsum("hd,ld->hl", q[0], latents) * a.scale
-    attended = torch.softmax(scores, dim=-1) @ latents[:, : a.kv_lora_rank]
-    return attn.kv_b_proj.values(attended[None])
+    """The decode rows' queries [B, H, *], each over its latents in the pool: [B, H, v]."""
+    a, rows = attn.args, group.tokens.shape[0]
+    q = torch.cat((attn.kv_b_proj.absorb_query(q_nope[group.tokens]), q_rope[group.tokens]), dim=-1)
+    latents = cache.index_select(0, group.kv_locs).view(rows, group.longest, -1).to(q.dtype)
+    scores = torch.einsum("bhd,bld->bhl", q, latents) * a.scale
+    if group.mask is not None:
+        scores = scores.masked_fill(~group.mask, float("-inf"))
+    attended = torch.softmax(scores, dim=-1) @ latents[..., : a.kv_lora_rank]
+    return attn.kv_b_proj.values(attended)
