@@ -3,6 +3,7 @@ with every option of the family on (tests/gemma4_models.py), prompts past its sl
 
 from __future__ import annotations
 
+import copy
 import random
 from pathlib import Path
 from typing import Any
@@ -120,3 +121,24 @@ def test_float32_on_the_cpu_kernels_with_global_heads_beyond_them(tmp_path: Path
     assert [tuple(k.shape[1:]) for k in run.kv.k] == [(2, 64), (1, 512), (2, 64), (1, 512)]
     got, _ = inprocess.generate(run, few, NEW_TOKENS, chunked_prefill_size=5, enable_mixed_chunk=True)
     assert got == expected
+
+
+@pytest.mark.triton_interpreter
+def test_triton_backend_float32_matches_hf(gemma4_model: tuple[Path, Any, list]) -> None:
+    """The Triton backend (interpreted on CPU): per-layer K/V shapes, unscaled scores, windows and
+    KV-shared layers attending over their sources' pages, float32 within HF's top 2 at any
+    difference (tests/gpu_worker/backends/test_triton_engine.py's rule)."""
+    pytest.importorskip("triton")
+    from tests.gpu_worker.backends.test_triton_engine import first_divergence_within_top2
+
+    path, model, _ = gemma4_model
+    reference = copy.deepcopy(model).to(torch.float32)
+    few = prompts()[3:4]  # past the window
+    expected = hf_greedy(reference, few)
+    config = WorkerConfig(model_path=str(path), dtype="float32", device_backend="triton", page_size=4,
+                          kv_cache_tokens=1024, num_threads=1)  # fmt: skip
+    run = ModelRunner(config)
+    assert run.backend.name == "triton"
+    got, _ = inprocess.generate(run, few, NEW_TOKENS, chunked_prefill_size=24, enable_mixed_chunk=True)
+    for prompt, g, e in zip(few, got, expected, strict=True):
+        first_divergence_within_top2(reference, prompt, g, e, f"{len(prompt)} tokens")
