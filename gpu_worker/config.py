@@ -67,7 +67,8 @@ class WorkerConfig:
     weight_dtype: str = flag(
         "auto",
         "a GGUF model's weights: auto keeps the blocks of every type with a CPU kernel (Q4_0, Q4_1, "
-        "Q8_0, Q4_K, Q5_K, Q6_K) quantized and uses --dtype for the rest; gguf the same, refusing to "
+        "Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS, MXFP4; F16 and BF16 as 16-bit) quantized and uses "
+        "--dtype for the rest; gguf the same, refusing to "
         "start where it cannot; bfloat16/float32 dequantize at load (rounded through that dtype)",
         choices=WEIGHT_DTYPES,
     )
