@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import numpy as np
@@ -33,6 +33,9 @@ class ImageSplice:
 
     index: torch.Tensor  # [N] flat token indices into the batch
     values: torch.Tensor  # [N, hidden]
+    # An extend row's flat start -> its images' position ranges, where the model's image tokens
+    # attend to each other both ways (Gemma 3's, as HF's mask does); empty: causal.
+    blocks: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
 
 class ImageEncoder:
@@ -42,6 +45,7 @@ class ImageEncoder:
         self.tower = tower
         self.device, self.dtype = device, dtype
         self.cache: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.bidirectional = bool(getattr(tower, "bidirectional", False))
         self.encoded_batches: list[int] = []  # images per tower call, for tests and logs
 
     def splice(self, batch: ForwardBatch) -> ImageSplice | None:
@@ -53,6 +57,7 @@ class ImageEncoder:
         starts = list(accumulate(batch.extend_lens, initial=0))
         index: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
+        blocks: dict[int, tuple[tuple[int, int], ...]] = {}
         for row, image in zip(batch.image_rows, batch.images, strict=True):
             first, end = batch.prefix_lens[row], batch.prefix_lens[row] + batch.extend_lens[row]
             lo, hi = max(image.offset, first), min(image.end, end)
@@ -61,8 +66,10 @@ class ImageEncoder:
             flat = starts[row] + lo - first
             index.append(torch.arange(flat, flat + hi - lo))
             values.append(self.cache[image.key][lo - image.offset : hi - image.offset])
+            if self.bidirectional:
+                blocks[starts[row]] = (*blocks.get(starts[row], ()), (image.offset, image.end))
         self._evict()
-        return ImageSplice(torch.cat(index).to(self.device), torch.cat(values))
+        return ImageSplice(torch.cat(index).to(self.device), torch.cat(values), blocks)
 
     def _encode_new(self, images: list[ImageInput]) -> None:
         """Run the tower once per pixel shape over the images not cached yet."""

@@ -93,13 +93,12 @@ def encoded(pixels: np.ndarray, fmt: str) -> bytes:
 def hf_greedy(
     model: Any, processor: Any, text: str, files: list[bytes], new_tokens: int
 ) -> tuple[list[int], list[int]]:
-    """(prompt ids, HF's greedy output ids) for the rendered ``text`` and the image files, the image
-    tokens attending causally (token_type_ids not passed: see docs/images.md)."""
+    """(prompt ids, HF's greedy output ids) for the rendered ``text`` and the image files, with the
+    processor's token_type_ids: an image's tokens attend to each other both ways."""
     from PIL import Image
 
     images = [Image.open(io.BytesIO(f)).convert("RGB") for f in files]
     inputs = processor(text=text, images=images or None, return_tensors="pt", add_special_tokens=False)
-    inputs.pop("token_type_ids", None)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
     prompt = inputs["input_ids"][0].tolist()

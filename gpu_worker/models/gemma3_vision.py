@@ -123,6 +123,9 @@ class Gemma3VisionTower(nn.Module):
         (r"^(model\.)?multi_modal_projector\.", "multi_modal_projector."),
     )
     # The language model's tensors (loader.py's), and SigLIP's pooling head, which Gemma 3 leaves unused.
+    # HF's Gemma 3, given the processor's token_type_ids, lets an image's tokens attend to each
+    # other both ways (Gemma3Model's create_masks_for_vision_model).
+    bidirectional = True
     checkpoint_skipped = (
         r"^(?!(model\.)?(vision_tower|multi_modal_projector)\.)"
         r"|^(model\.)?vision_tower\.(vision_model\.)?head\."

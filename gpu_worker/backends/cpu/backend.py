@@ -144,8 +144,12 @@ class CpuBackend:
         options: AttentionOptions,
     ) -> torch.Tensor:
         k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
+        blocks = ctx.images.blocks if ctx.images is not None else None
         if self.kernels is None:
-            return torch_attention.attend(ctx.attn, q, k, v, k_cache, v_cache, options)
+            return torch_attention.attend(ctx.attn, q, k, v, k_cache, v_cache, options, blocks=blocks)
+        if blocks:  # an image's tokens attend both ways: torch's masks, every row (the kernel is causal)
+            meta = ctx.attn.torch_metadata()
+            return torch_attention.attend(meta, q, k, v, k_cache, v_cache, options, blocks=blocks)
         return cpu_attention.attend(self.kernels, ctx.attn, q, k, v, k_cache, v_cache, options)
 
     def forward_decode(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:

@@ -32,6 +32,10 @@ import torch.nn.functional as F
 
 from gpu_worker.forward_context import PLAIN, AttentionOptions
 
+# Extend rows' blocks of mutual attention: an extend row's flat start -> position ranges [lo, hi)
+# whose tokens see each other both ways (an image's, for Gemma 3: image_encoder.py).
+Blocks = dict[int, tuple[tuple[int, int], ...]]
+
 # Padding a decode group by up to this many KV tokens is cheaper than one more attention call per layer.
 PAD_FLOOR_TOKENS = 1024
 
@@ -77,15 +81,17 @@ def attend(
     v_cache: torch.Tensor,
     options: AttentionOptions = PLAIN,
     write_kv: bool = True,
+    blocks: Blocks | None = None,
 ) -> torch.Tensor:
     """Write the batch's new K/V (unless the caller did), then attend every row of ``meta``.
-    q: [T, Hq, D], k/v: [T, Hkv, D]; rows ``meta`` does not list are left as they are in ``out``."""
+    q: [T, Hq, D], k/v: [T, Hkv, D]; rows ``meta`` does not list are left as they are in ``out``.
+    ``blocks``: position ranges whose tokens attend to each other both ways (an image's)."""
     if write_kv:  # index_copy_/index_select, not advanced indexing: several times faster on CPU
         store_kv(k_cache, v_cache, k, v, meta.out_locs)
     if meta.in_order and (options is PLAIN or options == PLAIN):
         return _decode_attention(q, k_cache, v_cache, meta.decode[0], options)
     out = torch.empty_like(q)
-    attend_into(out, meta, q, k, v, k_cache, v_cache, options)
+    attend_into(out, meta, q, k, v, k_cache, v_cache, options, blocks)
     return out
 
 
@@ -106,6 +112,7 @@ def attend_into(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     options: AttentionOptions,
+    blocks: Blocks | None = None,
 ) -> None:
     """``out``'s rows of ``meta``'s decode groups and extend rows, attended (K/V already written)."""
     for group in meta.decode:
@@ -118,7 +125,8 @@ def attend_into(
         else:
             row_k = k_cache.index_select(0, row.kv_locs).to(q.dtype)
             row_v = v_cache.index_select(0, row.kv_locs).to(q.dtype)
-        out[rows] = _extend_attention(q[rows], row_k, row_v, row, options)
+        spans = blocks.get(row.start, ()) if blocks else ()
+        out[rows] = _extend_attention(q[rows], row_k, row_v, row, options, spans)
 
 
 def _decode_attention(
@@ -146,14 +154,21 @@ def _decode_attention(
 
 
 def _extend_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: ExtendRow, options: AttentionOptions
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    row: ExtendRow,
+    options: AttentionOptions,
+    spans: tuple[tuple[int, int], ...] = (),
 ) -> torch.Tensor:
     mask = row.mask
     explicit = options.logit_softcap > 0 or options.sinks is not None
-    if options.sliding_window > 0 or (explicit and mask is None):
+    if options.sliding_window > 0 or (explicit and mask is None) or spans:
         kv_pos = torch.arange(row.prefix_len + row.length, device=q.device)
         q_pos = kv_pos[row.prefix_len :]
         mask = kv_pos[None, :] <= q_pos[:, None]
+        for lo, hi in spans:  # causal OR the block, then the window (HF's order)
+            mask |= ((q_pos >= lo) & (q_pos < hi))[:, None] & ((kv_pos >= lo) & (kv_pos < hi))[None, :]
         if options.sliding_window > 0:
             mask &= kv_pos[None, :] > q_pos[:, None] - options.sliding_window
     gqa = q.shape[1] != k.shape[1]

@@ -73,7 +73,10 @@ class TorchBackend:
         ctx: ForwardContext,
         options: AttentionOptions,
     ) -> torch.Tensor:
-        return attention.attend(ctx.attn, q, k, v, ctx.k_cache[layer], ctx.v_cache[layer], options)
+        blocks = ctx.images.blocks if ctx.images is not None else None
+        return attention.attend(
+            ctx.attn, q, k, v, ctx.k_cache[layer], ctx.v_cache[layer], options, blocks=blocks
+        )
 
     def forward_decode(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
         return None
