@@ -1,9 +1,10 @@
 """A tiny random Gemma 3 vision-language model served end to end (images in chat messages over ZMQ
 and HTTP), token for token against HF transformers in float64 given the same images.
 
-One engine for the module, with chunks of 8 tokens and pages of 4, so a prompt's chunks cut through
-its images' tokens. HF is called without token_type_ids: its image tokens then attend causally, as
-ours do (docs/images.md says where HF, given them, differs).
+One engine for the module, with chunks of 8 tokens and pages of 4 (a chunk ends before an image it
+would cut; a cache hit may end inside one). HF is given the processor's token_type_ids: an image's
+tokens attend to each other both ways, as ours do; on two of the three prompts the causal mask gives
+other tokens.
 """
 
 from __future__ import annotations
