@@ -122,10 +122,18 @@ class ModelRunner:
                 if wanted == "gguf":
                     raise ValueError(f"--weight-dtype gguf: {exc}") from exc
                 logger.info("GGUF weights dequantized: %s", exc)
-        model, hf_config = load_model(path, dtype, device)
+        model, hf_config = load_model(path, dtype, device, keep=self._checkpoint_blocks())
         if wanted == "bfloat16" and dtype != torch.bfloat16:
             round_weights(model, torch.bfloat16)  # type: ignore[arg-type]
         return model, hf_config
+
+    def _checkpoint_blocks(self) -> frozenset[int]:
+        """The block types an HF checkpoint's packed tensors stay in (gpt-oss's MXFP4 experts:
+        weights/mxfp4.py): those the backend computes on, where a GGUF's blocks would stay too."""
+        usable = self.config.weight_dtype in ("auto", "gguf") and not self.config.compile
+        if self.config.gguf_path or not usable or self._dtype not in (torch.float32, torch.bfloat16):
+            return frozenset()
+        return self.backend.quantized_types()
 
     def _quantized_types(self) -> frozenset[int]:
         """The GGUF block types the weights stay in: every type with a CPU kernel under

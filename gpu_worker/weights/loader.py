@@ -26,6 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 from gpu_worker.models import CausalLM, model_class
+from gpu_worker.models.moe import Experts
 from gpu_worker.weights.common import (
     WeightMismatchError,
     check_loaded,
@@ -37,7 +38,7 @@ from gpu_worker.weights.common import (
 )
 from gpu_worker.weights.gguf_weights import load_gguf_weights
 from gpu_worker.weights.model_files import gguf_of
-from gpu_worker.weights.mxfp4 import PACKED, unpack_mxfp4
+from gpu_worker.weights.mxfp4 import PACKED, hold_mxfp4_experts, kept_experts, unpack_mxfp4
 
 # Buffers some checkpoints carry that are not weights (causal masks, rotary tables).
 _IGNORED = re.compile(r"(\.attn\.(bias|masked_bias)|\.rotary_emb\.inv_freq)$")
@@ -91,8 +92,10 @@ def load_model(
     with torch.device(device), _default_dtype(dtype), parameters_on_meta():
         model = cls(hf_config)
     if gguf is None:
-        materialize(model, device)
-        load_weights(model, safetensors_files(Path(model_path)))
+        files = safetensors_files(Path(model_path))
+        held = kept_experts(model, checkpoint_keys(files), keep)
+        materialize(model, device, skip=[p for m in held.values() for p in (m.gate_up_proj, m.down_proj)])
+        load_weights(model, files, held)
     else:
         load_gguf_weights(model, gguf, keep, device)
     check_loaded(model)
@@ -123,8 +126,19 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: nn.Module, files: list[Path]) -> None:
-    """Copy every checkpoint tensor into the parameter (or merged row block) it names; strict both ways."""
+def checkpoint_keys(files: list[Path]) -> set[str]:
+    """The names of every tensor the checkpoint's files hold (their headers alone are read)."""
+    keys: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            keys.update(f.keys())
+    return keys
+
+
+def load_weights(model: nn.Module, files: list[Path], held: dict[str, Experts] | None = None) -> None:
+    """Copy every checkpoint tensor into the parameter (or merged row block) it names; strict both ways.
+    ``held``: experts (by module name) that keep their checkpoint's MXFP4 blocks (mxfp4.py)."""
+    held = held or {}
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = {name for name, p in params.items() if is_tied(model, name, p)}
     targets = weight_targets(model, params)
@@ -148,6 +162,10 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
                     tensor = f.get_tensor(key)
                     copy_checked(targets[name], tensor.t() if transposed.search(name) else tensor, name)
                     loaded.add(name)
+        for prefix, module in held.items():  # blocks kept as blocks
+            parts = {proj: packed.pop(f"{prefix}.{proj}") for proj in ("gate_up_proj", "down_proj")}
+            hold_mxfp4_experts(module, parts)
+            loaded.update(f"{prefix}.{proj}" for proj in parts)
         for key, values in unpack_mxfp4(packed):
             name = checkpoint_name(model, key, targets)
             if name is None or name not in targets:

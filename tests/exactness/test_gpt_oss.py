@@ -117,8 +117,9 @@ def test_prefix_cache_hit_and_n_choices_match_hf(gpt_oss_dir: tuple[Path, Any]) 
 
 
 def test_checkpoint_with_mxfp4_experts_matches_hf(tmp_path: Path) -> None:
-    """An HF directory whose experts are MXFP4 ``*_blocks`` / ``*_scales`` (as gpt-oss ships): loaded
-    dequantized, HF's greedy tokens for the same values."""
+    """An HF directory whose experts are MXFP4 ``*_blocks`` / ``*_scales`` (as gpt-oss ships): in
+    float64, dequantized at load, HF's greedy tokens for the same values; in float32 on the C kernels,
+    kept in their blocks (never widened), the tokens of their dequantized twin (--weight-dtype float32)."""
     from safetensors.torch import save_file
 
     from tests.gpt_oss_gguf import hf_mxfp4
@@ -141,3 +142,11 @@ def test_checkpoint_with_mxfp4_experts_matches_hf(tmp_path: Path) -> None:
     got, _ = inprocess.generate(runner_for(tmp_path, "hf"), prompts, NEW_TOKENS, chunked_prefill_size=8,
                                 enable_mixed_chunk=True)  # fmt: skip
     assert got == expected
+    kept = runner_for(tmp_path, "hf", dtype="float32")
+    twin = runner_for(tmp_path, "hf", dtype="float32", weight_dtype="float32")
+    experts: Any = kept.model.model.layers[1].mlp.experts  # type: ignore[attr-defined]
+    assert experts.quantized is not None and experts.gate_up_proj.numel() == 0, "kept as MXFP4 blocks"
+    assert twin.model.model.layers[1].mlp.experts.quantized is None  # type: ignore[attr-defined]
+    runs = [inprocess.generate(r, prompts, NEW_TOKENS, chunked_prefill_size=8, enable_mixed_chunk=True)[0]
+            for r in (kept, twin)]  # fmt: skip
+    assert runs[0] == runs[1]
