@@ -17,7 +17,9 @@ converter reorders the value heads so; the same model, its heads numbered otherw
 
 Kernel slots (a backend fills them in ``prepare_model``, e.g. backends/cpu/prepare.py):
 - ``recurrent_rule``: the one-token state update of the decode rows, all rows in one call;
-- ``chunked_rule``: the chunked form over one prefill row's tokens.
+- ``chunked_rule``: the chunked form over one prefill row's tokens;
+- ``pooled_rule``: the conv1d and both forms of the rule over the state pool in place, every row at
+  once (gated_delta_pooled.py); used for float32 and bfloat16 activations before the other two.
 Both take and return what transformers' ``torch_recurrent_gated_delta_rule`` /
 ``torch_chunk_gated_delta_rule`` do (``DeltaRule``), called with keywords ``initial_state`` (the
 rows' float32 states [B, H_v, d_k, d_v], gathered from the pool), ``output_final_state=True`` and
@@ -34,13 +36,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.models import delta_rule
+from gpu_worker.models import delta_rule, gated_delta_pooled
 from gpu_worker.models.contract import Layer, Split
 from gpu_worker.models.layers import Linear, MergedLinear
 from gpu_worker.recurrent_state import StateShape
 
 if TYPE_CHECKING:
     from gpu_worker.forward_context import ForwardContext
+    from gpu_worker.models.gated_delta_pooled import PooledRule
     from gpu_worker.recurrent_state import RecurrentBatch
 
 
@@ -80,9 +83,12 @@ class GatedDeltaNet(Layer):
     """One linear-attention layer; ``index`` is its place among the model's linear layers (its
     states in the pool). Kernel slots ``recurrent_rule`` and ``chunked_rule`` (module docstring)."""
 
-    kernel_slots = ("recurrent_rule", "chunked_rule")
+    kernel_slots = ("recurrent_rule", "chunked_rule", "pooled_rule")
     recurrent_rule: DeltaRule | None = None
     chunked_rule: DeltaRule | None = None
+    pooled_rule: PooledRule | None = (
+        None  # the conv1d and the rule in place on the pool (gated_delta_pooled.py)
+    )
     split = Split.REPLICATED
 
     def __init__(self, cfg: Any, index: int, layout: str, tiled_values: bool = False) -> None:
@@ -123,7 +129,15 @@ class GatedDeltaNet(Layer):
         batch = ctx.recurrent
         assert batch is not None, "a linear-attention layer needs the batch's recurrent states"
         mixed, z, b, a = self.project(x)
-        mixed = self.convolve(mixed, batch)
+        pooled = self.pooled_rule if x.dtype in (torch.float32, torch.bfloat16) else None
+        batch_rounds = gated_delta_pooled.rounds(batch) if pooled is not None else []
+        if pooled is not None:
+            conv_states = batch.pool.conv[self.index]
+            mixed = gated_delta_pooled.pooled_conv(
+                pooled, mixed, self.conv1d.weight, conv_states, batch_rounds
+            )
+        else:
+            mixed = self.convolve(mixed, batch)
         q, k, v = mixed.split(
             [self.key_heads * self.d_k, self.key_heads * self.d_k, self.value_heads * self.d_v], -1
         )
@@ -134,7 +148,11 @@ class GatedDeltaNet(Layer):
         v = v.view(tokens, self.value_heads, self.d_v)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        out = self.delta_rule(q, k, v, g, beta, batch).to(x.dtype)
+        if pooled is not None:
+            states = batch.pool.recurrent[self.index]
+            out = gated_delta_pooled.pooled_delta_rule(pooled, (q, k, v, g, beta), states, batch_rounds)
+        else:
+            out = self.delta_rule(q, k, v, g, beta, batch).to(x.dtype)
         out = self.norm(out, z.view(tokens, self.value_heads, self.d_v))
         return self.out_proj(out.flatten(1))
 

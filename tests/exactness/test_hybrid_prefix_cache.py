@@ -97,9 +97,10 @@ def test_second_chat_turn_resumes_from_the_first(hybrid: tuple[Path, Any]) -> No
     scheduler.kv.check_checkpoints()
 
 
-def test_shared_system_prompt_and_a_clamped_hit(hybrid: tuple[Path, Any]) -> None:
+@pytest.mark.parametrize("dtype", ["float64", "float32"])  # float32: the CPU kernels' pooled path
+def test_shared_system_prompt_and_a_clamped_hit(hybrid: tuple[Path, Any], dtype: str) -> None:
     path, hf = hybrid
-    runner = runner_for(path)
+    runner = runner_for(path, dtype=dtype)
     (system,) = make_prompts(5, (70,))
     tails = make_prompts(6, (3, 9, 5))
     # The first turn computes the system prompt in chunks of 16 (checkpoints at 16, 32, 48, 64 and at

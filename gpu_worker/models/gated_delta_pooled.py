@@ -1,0 +1,102 @@
+"""A Gated DeltaNet layer's conv1d and gated delta rule run by a backend's kernels over the state pool
+itself (the ``pooled_rule`` kernel slot): each row's state is read and written in place at its slot,
+where the ``recurrent_rule`` / ``chunked_rule`` slots take gathered copies (a decode step of 32 rows of
+a Qwen3.5-4B layer gathers and scatters 64 MiB of states through them).
+
+A row with a checkpoint inside it (recurrent_state.py) runs in two pieces: every row's first piece in
+one round, the checkpoints copied, then the second pieces in another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from gpu_worker.recurrent_state import RecurrentBatch
+
+
+class PooledRule(Protocol):
+    """A backend's kernels over the state pool (backends/cpu/gated_delta.py's ``GatedDeltaKernels``):
+    q, k [N, H_k, d_k], v [N, H_v, d_v], g and beta [N, H_v], ``state`` [S, H_v, d_k, d_v] float32,
+    ``conv_state`` [S, C, K - 1], ``slots`` int64 [rows], ``cu_seqlens`` int64 [rows + 1] (each row's
+    tokens); q and k L2-normed and q scaled in the kernel; ``state[slots]`` and ``conv_state[slots]``
+    advanced in place; outputs in the activations' dtype."""
+
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor: ...  # fmt: skip
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor, slots: torch.Tensor,
+                cu_seqlens: torch.Tensor) -> torch.Tensor: ...  # fmt: skip
+
+    def conv1d(self, x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
+               cu_seqlens: torch.Tensor) -> torch.Tensor: ...  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Round:
+    """Pieces of rows run together: their tokens' indices, slots, lengths and checkpoint rows."""
+
+    tokens: torch.Tensor  # int64 [tokens of the round], in row order
+    slots: torch.Tensor  # int64 [pieces]
+    lengths: list[int]
+    saves: list[tuple[int, int]]  # (slot, pool row to copy it to) after the round
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        return torch.tensor([0, *self.lengths], dtype=torch.int64).cumsum(0)
+
+
+def rounds(batch: RecurrentBatch) -> list[Round]:
+    """Every row's first piece, then the second pieces of rows with a checkpoint inside them."""
+    firsts: list[tuple[int, int, int, int | None]] = []  # (slot, first token, tokens, save to)
+    seconds: list[tuple[int, int, int, int | None]] = []
+    for row, slot in enumerate(batch.slots):
+        pieces = (
+            batch.pieces(row)
+            if row in batch.inner_saves
+            else [(batch.starts[row], batch.extend_lens[row], None)]
+        )
+        firsts.append((slot, *pieces[0]))
+        seconds.extend((slot, *piece) for piece in pieces[1:])
+    out = []
+    for part in (firsts, seconds):
+        if part:
+            index = [t for _, start, n, _ in part for t in range(start, start + n)]
+            saves = [(slot, target) for slot, _, _, target in part if target is not None]
+            out.append(Round(torch.tensor(index, dtype=torch.int64), torch.tensor([p[0] for p in part]),
+                             [n for _, _, n, _ in part], saves))  # fmt: skip
+    return out
+
+
+def pooled_conv(kernels: PooledRule, mixed: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
+                batch_rounds: list[Round]) -> torch.Tensor:  # fmt: skip
+    """The causal conv1d and SiLU of every row, ``states`` (the layer's conv states) advanced."""
+    out = torch.empty_like(mixed)
+    weight2d = weight.view(weight.shape[0], weight.shape[-1])
+    for r in batch_rounds:
+        got = kernels.conv1d(mixed.index_select(0, r.tokens), weight2d, states, r.slots, r.cu_seqlens)
+        out.index_copy_(0, r.tokens, got)
+        for slot, target in r.saves:
+            states[target] = states[slot]
+    return out
+
+
+def pooled_delta_rule(kernels: PooledRule, qkvgb: tuple[torch.Tensor, ...], states: torch.Tensor,
+                      batch_rounds: list[Round]) -> torch.Tensor:  # fmt: skip
+    """[T, H_v, d_v]: every row's outputs of the gated delta rule, ``states`` advanced in place."""
+    q, v = qkvgb[0], qkvgb[2]
+    out = q.new_empty((q.shape[0], v.shape[1], v.shape[2]))
+    for r in batch_rounds:
+        q_, k_, v_, g_, beta_ = (t.index_select(0, r.tokens) for t in qkvgb)
+        if max(r.lengths) == 1:  # every piece one token: the decode step
+            got = kernels.decode(q_, k_, v_, g_, beta_, states, r.slots)
+        else:
+            got = kernels.prefill(q_, k_, v_, g_, beta_, states, r.slots, r.cu_seqlens)
+        out.index_copy_(0, r.tokens, got)
+        for slot, target in r.saves:
+            states[target] = states[slot]
+    return out
