@@ -98,6 +98,7 @@ def check_model(args: argparse.Namespace, model_dir: Path) -> None:
             "tensor-parallel ranks yet (its latent KV replicated, kv_b split by heads); use --tp-size 1"
         )
     _check_hybrid(args, config)
+    _check_mmproj(args)
     _check_gemma4(args, config)
     if args.tp_size > 1 and config.get("model_type") == "gpt_oss":
         raise StartRefused(
@@ -113,6 +114,25 @@ def check_model(args: argparse.Namespace, model_dir: Path) -> None:
         raise StartRefused(
             f"--tp-size {args.tp_size} does not divide the model's {heads} attention heads and "
             f"{kv_heads} KV heads (tensor parallel splits them evenly: --tp-size {fits})"
+        )
+
+
+def _check_mmproj(args: argparse.Namespace) -> None:
+    """--mmproj: a GGUF whose projector the worker runs (gpu_worker/weights/mmproj.py)."""
+    if args.mmproj is None:
+        return
+    if not Path(args.mmproj).is_file():
+        raise StartRefused(f"--mmproj {args.mmproj}: no such file")
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(args.mmproj).fields.get("clip.projector_type")
+    except Exception as exc:  # gguf-py raises what numpy and its parser raise on a bad file
+        raise StartRefused(f"--mmproj {args.mmproj}: not a GGUF file ({exc})") from None
+    projector = field.contents() if field is not None else None
+    if projector != "gemma3":
+        raise StartRefused(
+            f"--mmproj {args.mmproj}: projector type {projector!r} is not supported (gemma3 is)"
         )
 
 
