@@ -21,13 +21,18 @@ row in two pieces (``RecurrentBatch.pieces``).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 import torch
 
 from protocol.worker_messages import ForwardBatch
+
+if TYPE_CHECKING:
+    from gpu_worker.models.gated_delta_pooled import Round
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +122,13 @@ class RecurrentBatch:
         decode = [i for i, n in enumerate(extend_lens) if n == 1]
         prefill = [i for i, n in enumerate(extend_lens) if n > 1]
         return cls(pool, list(req_pool_idx), starts, list(extend_lens), decode, prefill, inner_saves or {})
+
+    @functools.cached_property
+    def rounds(self) -> list[Round]:
+        """The rows as kernels over the pool run them (models/gated_delta_pooled.py), built once."""
+        from gpu_worker.models.gated_delta_pooled import rounds
+
+        return rounds(self)
 
     def pieces(self, row: int) -> list[tuple[int, int, int | None]]:
         """A prefill row's tokens as (first token, count, pool row to save the state to after them)."""

@@ -178,6 +178,10 @@ class RadixCache:
         checkpoint, node.checkpoint = node.checkpoint, None
         return checkpoint
 
+    def checkpoints(self) -> list[int]:
+        """Every checkpoint the tree holds."""
+        return [n.checkpoint for n in self._nodes() if n.checkpoint is not None]
+
     @staticmethod
     def deepest_checkpoint(node: TreeNode) -> tuple[TreeNode | None, int]:
         """The deepest node on ``node``'s path (itself included) holding a checkpoint, and how many

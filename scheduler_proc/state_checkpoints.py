@@ -173,7 +173,7 @@ class HybridKVManager(KVManager):
 
     def check_checkpoints(self) -> None:
         """Every checkpoint is exactly one of: free, in the tree, pending for a live request."""
-        tree = [n.checkpoint for n in self.cache._nodes() if n.checkpoint is not None] if self.cache else []
+        tree = self.cache.checkpoints() if self.cache is not None else []
         pending = [c for p in self._pending.values() for _, c in p.all()]
         held = self.free_checkpoints + tree + pending
         assert sorted(held) == list(range(self.num_checkpoints)), f"checkpoints lost or twice: {sorted(held)}"

@@ -130,7 +130,7 @@ class GatedDeltaNet(Layer):
         assert batch is not None, "a linear-attention layer needs the batch's recurrent states"
         mixed, z, b, a = self.project(x)
         pooled = self.pooled_rule if x.dtype in (torch.float32, torch.bfloat16) else None
-        batch_rounds = gated_delta_pooled.rounds(batch) if pooled is not None else []
+        batch_rounds = batch.rounds if pooled is not None else []
         if pooled is not None:
             conv_states = batch.pool.conv[self.index]
             mixed = gated_delta_pooled.pooled_conv(
