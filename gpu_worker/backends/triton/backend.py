@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gpu_worker.backends.torch.attention import kv_locations
+from gpu_worker.backends.torch import attention as torch_attention
+from gpu_worker.backends.torch.attention import Blocks, kv_locations
 from gpu_worker.backends.torch.backend import TorchBackend
 
 if TYPE_CHECKING:
@@ -81,6 +82,8 @@ class TritonBackend(TorchBackend):
         meta: TritonMetadata = ctx.attn
         k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
         self._kernels.write_kv(k_cache, v_cache, k, v, meta.out_locs)
+        if ctx.images is not None and ctx.images.blocks:  # an image's tokens attend both ways: torch's masks
+            return _attend_with_blocks(meta, q, k, v, k_cache, v_cache, options, ctx.images.blocks)
         out = torch.empty_like(q)
         scale = options.scale if options.scale is not None else 1 / math.sqrt(q.shape[-1])
         self._kernels.paged_attention(
@@ -88,3 +91,31 @@ class TritonBackend(TorchBackend):
             options.sliding_window, options.logit_softcap, options.sinks,
         )  # fmt: skip
         return out
+
+
+def _attend_with_blocks(
+    meta: TritonMetadata,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    options: AttentionOptions,
+    blocks: Blocks,
+) -> torch.Tensor:
+    """A batch with images whose tokens attend to each other (Gemma 3's): the torch backend's masks
+    over every row (the kernel is causal); its K/V already written."""
+    rows = meta.rows
+    starts = rows.q_starts.tolist()
+    extend_lens = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    _, torch_meta = torch_attention.build_metadata(
+        meta.page_table,
+        meta.page_size,
+        rows.req_pool_idx.tolist(),
+        rows.prefix_lens.tolist(),
+        extend_lens,
+        q.device,
+    )
+    return torch_attention.attend(
+        torch_meta, q, k, v, k_cache, v_cache, options, write_kv=False, blocks=blocks
+    )
