@@ -124,8 +124,8 @@ class TopKSoftmaxMoeBlock(SparseMoeBlock):
     """A sparse block whose router (``gate``, with a bias) softmaxes each token's top-k logits."""
 
     def __init__(self, hidden: int, moe: MoeArgs, alpha: float, limit: float) -> None:
-        Layer.__init__(self)
-        self.top_k, self.norm_topk_prob = moe.top_k, True
+        Layer.__init__(self)  # its own router and experts, not SparseMoeBlock's unbiased SiLU ones
+        self.top_k, self.norm_topk_prob = moe.top_k, True  # the top-k softmax sums to 1 by itself
         self.gate = Linear(hidden, moe.num_experts, bias=True)
         self.experts = ClampedSwigluExperts(moe.num_experts, hidden, moe.inner, alpha, limit)
 
