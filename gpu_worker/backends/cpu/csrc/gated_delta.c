@@ -21,8 +21,13 @@
 #define L2NORM_EPS 1e-6f   /* HF's l2norm (and fla's) */
 #define MAX_CONV_KERNEL 8  /* taps of causal_conv1d */
 #define CONV_BLOCK 64      /* channels per conv task */
-#define TM 4               /* a gemm tile's rows ... */
-#define TN 16              /* ... and columns: 4 accumulators of 16 lanes */
+#ifdef __AVX512F__ /* a gemm tile's rows and columns: 16 of the 32 vector registers accumulate */
+#define TM 8
+#define TN 32
+#else /* 8 of the 16 */
+#define TM 4
+#define TN 16
+#endif
 
 static inline float load_one(const void *base, int dtype, int64_t at) {
     return dtype == DTYPE_BF16 ? bf16_to_f32(((const uint16_t *)base)[at]) : ((const float *)base)[at];
