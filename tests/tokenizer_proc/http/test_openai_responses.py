@@ -277,7 +277,7 @@ def test_get_and_delete(oai: openai.OpenAI) -> None:
         ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
         ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning.summary"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-         "input[0].content[0]"),
+         "input[0].content[0].image_url"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
         ({"input": [{"role": "user", "content": "x", "colour": 1}]}, "input[0].colour"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
