@@ -21,6 +21,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from gpu_worker.backends import NAMES as DEVICE_BACKENDS
 from gpu_worker.weights.model_files import source_gguf
@@ -92,11 +93,6 @@ def check_model(args: argparse.Namespace, model_dir: Path) -> None:
     config = json.loads((model_dir / "config.json").read_text())
     heads = config.get("num_attention_heads") or config.get("n_head")  # GPT-2 names it n_head
     kv_heads = config.get("num_key_value_heads") or heads
-    if args.tp_size > 1 and config.get("kv_lora_rank"):
-        raise StartRefused(
-            f"--tp-size {args.tp_size}: {config.get('model_type')}'s latent attention does not split over "
-            "tensor-parallel ranks yet (its latent KV replicated, kv_b split by heads); use --tp-size 1"
-        )
     _check_hybrid(args, config)
     _check_mmproj(args)
     _check_gemma4(args, config)
@@ -157,13 +153,21 @@ def _check_hybrid(args: argparse.Namespace, config: dict[str, object]) -> None:
         )
 
 
-def _check_gemma4(args: argparse.Namespace, config: dict[str, object]) -> None:
-    """Gemma 4's KV pool layers differ in shape (its global layers' own head size and KV heads, often
-    1 or 2) and its last layers read earlier layers' KV: not split over tensor-parallel ranks yet."""
-    if args.tp_size > 1 and config.get("model_type") in ("gemma4", "gemma4_text"):
+def _check_gemma4(args: argparse.Namespace, config: dict[str, Any]) -> None:
+    """Gemma 4's global layers have their own KV head count (often 1 or 2): tensor parallel splits
+    every layer's heads, so each count must divide by the ranks."""
+    if args.tp_size == 1 or config.get("model_type") not in ("gemma4", "gemma4_text"):
+        return
+    text = config.get("text_config") or config
+    per_layer = (text.get("per_layer_config") or {}).values()
+    named = [text.get("num_attention_heads"), text.get("num_key_value_heads")]
+    named += [layer.get("num_key_value_heads") for layer in per_layer]
+    counts = {n for n in named if isinstance(n, int)}
+    bad = sorted(n for n in counts if n % args.tp_size)
+    if bad:
         raise StartRefused(
-            f"--tp-size {args.tp_size}: Gemma 4's per-layer KV heads and KV shared across layers do not "
-            "split over tensor-parallel ranks yet; use --tp-size 1"
+            f"--tp-size {args.tp_size} does not divide Gemma 4's head counts {bad} (its layers' query, "
+            f"KV and global KV heads: {sorted(counts)}; tensor parallel splits every layer's heads)"
         )
 
 

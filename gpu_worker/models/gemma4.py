@@ -223,8 +223,6 @@ class Gemma4ForCausalLM(nn.Module):
         dims = [layer_dims(cfg, i) for i in range(cfg.num_hidden_layers)]
         self.num_layers, self.num_heads = cfg.num_hidden_layers, cfg.num_attention_heads
         self.head_dim, self.num_kv_heads = max(d for d, _ in dims), max(h for _, h in dims)
-        # The pool's layers: those that own KV (layers 0..n-1, a KV-shared layer's source among them).
-        self.kv_layer_shapes = [(heads, dim) for dim, heads in dims[: max(sources) + 1]]
         self.context_len = cfg.max_position_embeddings
         self.model = Gemma4Body(cfg, sources)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, Split.VOCAB)
@@ -243,6 +241,14 @@ class Gemma4ForCausalLM(nn.Module):
                 for kind in sorted(set(cfg.layer_types))
             }
         )
+
+    @property
+    def kv_layer_shapes(self) -> list[tuple[int, int]]:
+        """(KV heads, head_dim) of each pool layer: the layers that own KV (the first ones, a
+        KV-shared layer's source among them), this rank's heads under tensor parallel."""
+        attention = [layer.self_attn for layer in self.model.layers]
+        owners = [a for a in attention if isinstance(a, Gemma4Attention) and not a.shares_kv]
+        return [(a.num_kv_heads, a.head_dim) for a in owners]
 
     def decoder_layers(self) -> nn.ModuleList:
         return self.model.layers
