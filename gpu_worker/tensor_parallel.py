@@ -55,6 +55,7 @@ from torch import nn
 
 from gpu_worker.models.contract import AttentionLayer, Split
 from gpu_worker.models.layers import Linear, MergedLinear
+from gpu_worker.models.mla import LatentProjection
 from gpu_worker.models.moe import ExpertGroups, Experts
 from gpu_worker.weights.formats import QuantizedWeight
 
@@ -92,7 +93,9 @@ def agree_min(value: int) -> int:
 
 def check_divisible(model: Any, world: int) -> None:
     """Refuse, naming the counts, a model whose heads or KV heads do not split into ``world``."""
-    counts = {"attention heads": model.num_heads, "KV heads": model.num_kv_heads}
+    counts = {"attention heads": model.num_heads}
+    if not getattr(model, "latent_kv", False):  # a latent pool's one row a token is on every rank
+        counts["KV heads"] = model.num_kv_heads
     bad = {name: count for name, count in counts.items() if count % world}
     if bad:
         raise ValueError(f"--tp-size {world} does not divide the model's {bad}")
@@ -109,6 +112,8 @@ def shard(model: Any, rank: int, world: int) -> list[nn.Module]:
             module.split_heads(world)
         if isinstance(module, Experts):
             reduce.append(_experts(module, rank, world))
+        elif isinstance(module, LatentProjection):
+            _latent_heads(module, rank, world)
         elif isinstance(module, Linear):
             match module.split:
                 case Split.COLUMN:
@@ -122,7 +127,8 @@ def shard(model: Any, rank: int, world: int) -> list[nn.Module]:
                 case _:
                     raise AssertionError(f"{name}: a Linear cannot split as {module.split}")
     model.num_heads //= world
-    model.num_kv_heads //= world
+    if not getattr(model, "latent_kv", False):
+        model.num_kv_heads //= world
     model.tensor_parallel = (rank, world)  # a backend's one-call paths read it (no all-reduce there)
     return reduce
 
@@ -141,6 +147,14 @@ def _vocab_rows(head: Linear, rank: int, world: int) -> Linear:
         head.bias = nn.Parameter(head.bias.detach()[start:stop], requires_grad=False)
     head.vocab_span = (start, stop, vocab)
     return head
+
+
+def _latent_heads(projection: LatentProjection, rank: int, world: int) -> None:
+    """Latent attention's kv_b: this rank's heads' key and value rows (each head's rows contiguous)."""
+    heads = projection.num_heads // world
+    rows = heads * (projection.nope_dim + projection.v_dim)
+    _set(projection.weight, projection.weight.detach()[rank * rows : (rank + 1) * rows].clone())
+    projection.num_heads = heads
 
 
 def expert_range(num_experts: int, rank: int, world: int) -> tuple[int, int]:

@@ -175,9 +175,9 @@ class LatentAttention(AttentionLayer):
         if args.q_lora_rank:
             self.q_a_proj = Linear(hidden, args.q_lora_rank, args.bias)
             self.q_a_layernorm = RMSNorm(args.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = Linear(args.q_lora_rank, q_out, False)
+            self.q_b_proj = Linear(args.q_lora_rank, q_out, False, Split.COLUMN)
         else:
-            self.q_proj = Linear(hidden, q_out, False)
+            self.q_proj = Linear(hidden, q_out, False, Split.COLUMN)
         self.kv_a_proj_with_mqa = Linear(hidden, args.latent_dim, args.bias)
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = LatentProjection(args)
@@ -188,7 +188,10 @@ class LatentAttention(AttentionLayer):
         return {"rotary": self.args.rotary, "q_lora": bool(self.args.q_lora_rank), "scale": self.args.scale}
 
     def split_heads(self, world: int) -> None:
-        raise NotImplementedError("latent attention does not split its heads over tensor-parallel ranks")
+        """1/N of the heads (q's rows, kv_b's, o's columns: tensor_parallel.py); the latent and the
+        rope key, one row a token for every head, stay whole on every rank."""
+        assert self.num_heads % world == 0, f"{self.num_heads} heads over {world} ranks"
+        self.num_heads //= world
 
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -197,7 +200,7 @@ class LatentAttention(AttentionLayer):
         (the normed latent, the rotated rope key) of the normed hidden states ``x``."""
         a, tokens = self.args, x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
-        q = q.view(tokens, a.num_heads, a.nope_dim + a.rope_dim)
+        q = q.view(tokens, self.num_heads, a.nope_dim + a.rope_dim)
         kv = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(kv[:, : a.kv_lora_rank])
         k_rope = rotate(kv[:, None, a.kv_lora_rank :], cos, sin, a.rotary)
