@@ -93,14 +93,19 @@ def test_decode_steps_are_the_recurrence(gd: gated_delta.GatedDeltaKernels, case
     assert_rule_close(pool[slots], state, F32, "states after 3 steps")
 
 
-def test_fresh_rows_start_from_zeros(gd: gated_delta.GatedDeltaKernels) -> None:
-    case = RuleCase((5, 9), 2, 4, 32, 32, F32)
+@pytest.mark.parametrize("lens", [(5, 9), (1, 1)], ids=["prefill", "decode"])
+def test_fresh_rows_start_from_zeros(gd: gated_delta.GatedDeltaKernels, lens: tuple[int, ...]) -> None:
+    """A fresh row ignores its slot's old state (NaN here) and starts from zeros."""
+    case = RuleCase(lens, 2, 4, 32, 32, F32)
     inputs = rule_inputs(case, seed=3)
     pool, slots = _pool(inputs.states, [0, 1])
-    out = gd.prefill(
-        inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, pool, slots, inputs.cu_seqlens,
-        fresh=torch.tensor([True, False]),
-    )  # fmt: skip
+    pool[0] = float("nan")
+    fresh = torch.tensor([True, False])
+    ins = (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
+    if lens == (1, 1):
+        out = gd.decode(*ins, pool, slots, fresh=fresh)
+    else:
+        out = gd.prefill(*ins, pool, slots, inputs.cu_seqlens, fresh=fresh)
     inputs.states[0] = 0
     want_out, want_states = reference(inputs)
     assert_rule_close(out, want_out, F32, "out")

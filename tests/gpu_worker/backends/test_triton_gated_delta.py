@@ -68,23 +68,26 @@ def test_prefill_is_the_recurrence(case: RuleCase) -> None:
     "case", [RuleCase((1,) * 3, 2, 6, 32, 40, BF16), RuleCase((1,) * 2, 4, 4, 64, 32, F32)], ids=str
 )
 def test_decode_steps_are_the_recurrence(case: RuleCase) -> None:
-    """Two decode steps of each row; q, k, v as strided views of one projection."""
+    """Two decode steps of each row, row 0 fresh at the first; q, k, v as strided views of one
+    projection."""
     rows = len(case.lens)
     steps = [rule_inputs(case, seed=s) for s in range(2)]
     slots = [2 * r + 1 for r in range(rows)]
     pool = torch.full((2 * rows + 1, *steps[0].states.shape[1:]), float("nan"))
     pool[slots] = steps[0].states
     pool = _on_device(pool)
-    state = steps[0].states
-    for inputs in steps:
+    pool[slots[0]] = float("nan")  # row 0 starts fresh at the first step
+    state = steps[0].states.clone()
+    state[0] = 0
+    fresh = _on_device(torch.arange(rows) == 0)
+    for step, inputs in enumerate(steps):
         mixed = torch.cat([inputs.q.flatten(1), inputs.k.flatten(1), inputs.v.flatten(1)], 1)
         parts = mixed.split([inputs.q[0].numel(), inputs.k[0].numel(), inputs.v[0].numel()], 1)
         q, k, v = (
             _on_device(p).view(t.shape) for p, t in zip(parts, (inputs.q, inputs.k, inputs.v), strict=True)
         )
-        out = gated_delta.decode(
-            q, k, v, _on_device(inputs.g), _on_device(inputs.beta), pool, _on_device(torch.tensor(slots))
-        )
+        g, beta, slot_t = _on_device(inputs.g), _on_device(inputs.beta), _on_device(torch.tensor(slots))
+        out = gated_delta.decode(q, k, v, g, beta, pool, slot_t, fresh=fresh if step == 0 else None)
         want_out, state = reference(dataclasses.replace(inputs, states=state))
         _assert_close(out, want_out, case.dtype, "out")
     _assert_close(pool[slots], state, F32, "states after 2 steps")
