@@ -65,13 +65,17 @@ def make_runner(args: argparse.Namespace, variant: str) -> ModelRunner:
     """``variant``: a dtype, with ``:torch`` appended for torch paths instead of the C kernels,
     ``:gguf`` for a GGUF's weights computed in their blocks (--weight-dtype gguf), or
     ``:gguf-modules`` for those without the one-call decode (every layer through its modules); then
-    ``/kv=DTYPE`` for the KV pool's dtype (--kv-cache-dtype)."""
+    ``/kv=DTYPE`` for the KV pool's dtype (--kv-cache-dtype); last ``/latent=FORM`` for a latent-attention
+    model's form (--latent-attention: absorbed, expanded)."""
+    variant, _, latent = variant.partition("/latent=")
     variant, _, kv = variant.partition("/kv=")
     dtype, _, attention = variant.partition(":")
     rows = max(args.decode_batches)
     extra: dict[str, Any] = {"compile": True} if args.compile else {}  # older configs lack the field
     if kv:
         extra["kv_cache_dtype"] = kv
+    if latent:
+        extra["latent_attention"] = latent
     if attention == "torch":
         extra["cpu_kernels"] = False
     elif attention in ("gguf", "gguf-modules"):
@@ -117,7 +121,8 @@ def main() -> None:
         "--dtype",
         default="auto",
         help="comma-separated: auto,float32,bfloat16; DTYPE:torch = no C kernels, DTYPE:gguf = GGUF blocks, "
-        "DTYPE:gguf-modules = GGUF blocks without the one-call decode",
+        "DTYPE:gguf-modules = GGUF blocks without the one-call decode; a /latent=absorbed or "
+        "/latent=expanded suffix: a latent-attention model's form",
     )
     p.add_argument("--kv-cache-dtypes", default="", help="comma-separated KV pool dtypes, each per --dtype")
     p.add_argument("--decode-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])

@@ -70,3 +70,18 @@ def test_small_shape_serves_with_blocks(tmp_path: Path) -> None:
     )
     assert len(got[0]) == 4 and all(0 <= t < 49152 for t in got[0])
     assert all(torch.isfinite(h).all() for h in logits)
+
+
+def test_worker_step_takes_the_latent_form(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench.worker_step's ``/latent=FORM`` variant suffix sets --latent-attention (the decode bench
+    of the absorbed form against the expanded one)."""
+    import argparse
+
+    from bench.worker_step import make_runner
+
+    path = gguf_mla_model.write_model(tmp_path / "model.gguf", "q4_k_m", SMALL)
+    monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path / "cache"))
+    args = argparse.Namespace(model=str(path), decode_batches=[1], context=32, prefill=0, compile=False,
+                              num_threads=1)  # fmt: skip
+    runner = make_runner(args, "float32:gguf/kv=float32/latent=expanded")
+    assert runner.config.latent_attention == "expanded" and runner.kv_dtype == torch.float32
