@@ -50,7 +50,7 @@ def write_gemma4_gguf(
         gguf_name = _gguf_name(name, names)
         data = tensor.float().numpy().reshape(-1) if name.endswith("layer_scalar") else tensor.float().numpy()
         kind = gguf_name.split(".")[-2]
-        qtype = types.get(kind) if types and data.ndim == 2 else None
+        qtype = types.get(kind) if types and data.ndim in (2, 3) else None  # 3: stacked experts
         written = _add_tensor(writer, gguf_name, data, qtype)
         held[key] = torch.from_numpy(np.ascontiguousarray(written)).reshape(tensor.shape).to(tensor.dtype)
     writer.add_tensor("rope_freqs.weight", _rope_freqs(cfg))

@@ -56,10 +56,14 @@ class Gemma4MLP(Layer):
 
 class StackedExperts(Experts):
     """Experts whose checkpoint holds them stacked, as the parameters are (``experts.gate_up_proj``
-    [E, 2 * inner, hidden], gate rows first; ``experts.down_proj`` [E, hidden, inner])."""
+    [E, 2 * inner, hidden], gate rows first; ``experts.down_proj`` [E, hidden, inner]); a GGUF's
+    fill them per projection as other families' do (gguf_gemma4.py splits its gate_up)."""
 
     def checkpoint_views(self) -> dict[str, torch.Tensor]:
         return {"gate_up_proj": self.gate_up_proj, "down_proj": self.down_proj}
+
+    def gguf_views(self) -> dict[str, torch.Tensor]:
+        return Experts.checkpoint_views(self)
 
 
 class Gemma4Router(Layer):

@@ -12,7 +12,10 @@ The head sizes and KV heads go into ``per_layer_config`` as HF's config holds th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
+
+import numpy as np
 
 from gpu_worker.weights.gguf_file import GgufHeader
 
@@ -116,10 +119,12 @@ def _feed_forward(header: GgufHeader, config: dict[str, Any], key: Any, shared: 
         config["moe_intermediate_size"] = int(key("expert_feed_forward_length"))
 
 
+GATE_UP = "gate_up_proj"
 # The converter's layer tensor names -> HF's (gguf_names.py's table for "gemma4"): Gemma 3's, the
 # per-layer input's, the MoE block's; a name with its kind (``.weight``, ``.scale``) maps to a whole
-# HF name: the router's scales, the layer scalar, the stacked experts (HF's own parameters, stacked:
-# gate_up_proj [E, 2I, H], down_proj [E, H, I]). Norms are stored as they are (Gemma 4 scales by w).
+# HF name: the router's scales, the layer scalar. The stacked experts load as other families' do
+# (per projection, ``experts.{gate,up,down}_proj.weight`` [E, rows, cols]), the file's gate_up
+# split in two first (``split_gate_up``). Norms are stored as they are (Gemma 4 scales by w).
 GEMMA4_TENSORS = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -144,8 +149,8 @@ GEMMA4_TENSORS = {
     "ffn_gate_inp.scale": "router.scale",
     "ffn_down_exps.scale": "router.per_expert_scale",
     "layer_output_scale.weight": "layer_scalar",
-    "ffn_gate_up_exps.weight": "experts.gate_up_proj",
-    "ffn_down_exps.weight": "experts.down_proj",
+    "ffn_gate_up_exps.weight": f"experts.{GATE_UP}.weight",
+    "ffn_down_exps": "experts.down_proj",
 }
 GEMMA4_GLOBALS = {
     "token_embd": "model.embed_tokens",
@@ -155,3 +160,21 @@ GEMMA4_GLOBALS = {
     "per_layer_model_proj": "model.per_layer_model_projection",
     "per_layer_proj_norm": "model.per_layer_projection_norm",
 }
+
+
+Entry = tuple[str, int, np.ndarray, tuple[int, ...]]  # gguf_weights.read_tensors's
+
+
+def split_gate_up(entries: Iterator[Entry]) -> Iterator[Entry]:
+    """The entries, a stacked gate_up [E, 2I, H] (gate rows first, as HF and llama.cpp hold it) as
+    its gate [E, I, H] and up [E, I, H], whole rows of its blocks copied apart."""
+    for name, ggml_type, data, shape in entries:
+        if not name.endswith(f".experts.{GATE_UP}.weight"):
+            yield name, ggml_type, data, shape
+            continue
+        experts, rows, cols = shape
+        halves = data.reshape(experts, 2, rows // 2, data.shape[-1])
+        prefix = name.removesuffix(f"{GATE_UP}.weight")
+        for i, proj in enumerate(("gate_proj", "up_proj")):
+            part = np.ascontiguousarray(halves[:, i]).reshape(experts * rows // 2, data.shape[-1])
+            yield f"{prefix}{proj}.weight", ggml_type, part, (experts, rows // 2, cols)

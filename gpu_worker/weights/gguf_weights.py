@@ -35,6 +35,7 @@ from gpu_worker.models.moe import Experts
 from gpu_worker.weights.common import WeightMismatchError, copy_checked, is_tied, materialize, weight_targets
 from gpu_worker.weights.formats import QuantBlocks, QuantizedExperts, QuantizedWeight, dequantize_blocks
 from gpu_worker.weights.gguf_file import GgufHeader, TensorEntry, read_header
+from gpu_worker.weights.gguf_gemma4 import split_gate_up
 from gpu_worker.weights.gguf_hybrid import HYBRID_ARCHITECTURES, hybrid_tensor
 from gpu_worker.weights.gguf_mla import joined_kv_b
 from gpu_worker.weights.gguf_names import (
@@ -131,9 +132,8 @@ def load_gguf_weights(model: nn.Module, path: Path, keep: frozenset[int], device
     num_heads, num_kv_heads = int(model.num_heads), int(model.num_kv_heads)  # type: ignore[arg-type]
     layers = int(model.num_layers)  # type: ignore[arg-type]
     with torch.no_grad():
-        for name, ggml_type, data, shape in joined_kv_b(
-            read_tensors(header, num_heads, num_kv_heads), layers
-        ):
+        tensors = split_gate_up(joined_kv_b(read_tensors(header, num_heads, num_kv_heads), layers))
+        for name, ggml_type, data, shape in tensors:
             if name in tied:
                 continue
             stacked = STACKED.match(name)

@@ -1,7 +1,8 @@
 """Gemma 4 from a ``gemma4`` GGUF written as llama.cpp's converter writes one (tests/gemma4_gguf.py):
 its config read from the metadata (per-layer arrays, k = v from a missing attn_v, the global layers'
 partial rotation from rope_freqs), its tensors by the converter's names, token-exact against HF
-float64 holding the file's weights; and with Q8_0 blocks kept as blocks on the CPU kernels."""
+float64 holding the file's weights; and with Q8_0 blocks (the stacked experts' too) kept as blocks on
+the CPU kernels."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from tests.gemma4_models import save_gemma4
 Q8 = gguf.GGMLQuantizationType.Q8_0
 BLOCKS = {
     kind: Q8
-    for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "inp_gate")
-}
+    for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "inp_gate",
+                 "ffn_gate_up_exps", "ffn_down_exps")
+}  # fmt: skip
 
 
 def gguf_runner(path: Path, gguf_file: Path, **extra: Any) -> ModelRunner:
@@ -58,5 +60,7 @@ def test_gguf_matches_hf(tmp_path: Path, blocks: bool) -> None:
     if blocks:
         attention: Any = run.model.decoder_layers()[0].self_attn
         assert attention.qkv_proj.quantized is not None, "the Q8_0 projections stay in their blocks"
+        experts: Any = run.model.decoder_layers()[0].experts
+        assert experts.quantized is not None, "so do the stacked experts (the file's gate_up split)"
     got, _ = inprocess.generate(run, few, NEW_TOKENS, chunked_prefill_size=5, enable_mixed_chunk=True)
     assert got == expected
