@@ -83,9 +83,12 @@ def hybrid_config(arch: str, config: dict[str, Any], key: Any) -> dict[str, Any]
     """``config`` (gguf_config's common decoder fields) completed for a hybrid architecture;
     ``key(name, default)`` reads ``<arch>.<name>``."""
     value_heads = int(key("ssm.time_step_rank"))
-    layers, interval = config["num_hidden_layers"], int(key("full_attention_interval", 4))
+    # A converter run with MTP counts its multi-token-prediction layer in block_count: not served (the
+    # loader drops the tensors of layers past num_hidden_layers).
+    layers = config["num_hidden_layers"] - int(key("nextn_predict_layers", 0))
+    interval = int(key("full_attention_interval", 4))
     config |= {
-        "model_type": _MODEL_TYPES[arch], "hidden_act": "silu",
+        "model_type": _MODEL_TYPES[arch], "hidden_act": "silu", "num_hidden_layers": layers,
         "linear_conv_kernel_dim": int(key("ssm.conv_kernel")),
         "linear_key_head_dim": int(key("ssm.state_size")),
         "linear_num_key_heads": int(key("ssm.group_count")), "linear_num_value_heads": value_heads,
