@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import uuid
 from typing import Any, TypedDict
@@ -112,7 +113,9 @@ def make_request(prompt: str | None, stream: bool, options: GenerateOptions) -> 
     return GenerateRequest(
         rid=rid if rid is not None else uuid.uuid4().hex,
         prompt=prompt,
-        messages=msgspec.convert(messages, list[ChatMessage]) if messages is not None else None,
+        messages=msgspec.convert([_with_parts(m) for m in messages], list[ChatMessage])
+        if messages is not None
+        else None,
         input_ids=options.get("input_ids"),
         cache_salt=options.get("cache_salt"),
         sampling=msgspec.convert(sampling, SamplingParams),
@@ -174,3 +177,21 @@ def check_reply(reply: GenerateOutput) -> GenerateOutput:
     if reply.finish_reason is FinishReason.ERROR:
         raise EngineError(reply.error or "the engine failed the request without a reason")
     return reply
+
+
+def _with_parts(message: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI-style message whose content is a list of parts (text, and images as ``image_url``
+    data URIs, or ``{"type": "image", "data": <file bytes>}``) as the engine's ``parts``."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return message
+    parts = []
+    for part in content:
+        url = (part.get("image_url") or {}).get("url", "") if part.get("type") == "image_url" else ""
+        if url.startswith("data:") and "," in url:
+            parts.append({"type": "image", "data": base64.b64decode(url.partition(",")[2])})
+        elif url:
+            parts.append({"type": "image", "path": url.removeprefix("file://")})
+        else:
+            parts.append(part)
+    return {**{k: v for k, v in message.items() if k != "content"}, "parts": parts}
