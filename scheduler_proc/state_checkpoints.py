@@ -7,8 +7,9 @@ state, gpu_worker/recurrent_state.py); this manager decides when one is taken an
 
 - taken (``plan``) where a row crosses a page boundary: at the last boundary inside the row. A
   prefill chunk's checkpoint (a long prompt's chunk boundaries, a short prompt's end) is kept; of a
-  request's decode checkpoints only the newest (the end of its prompt + answer, to the page, is what
-  the next chat turn extends), the older one given back as the newer is taken;
+  request's decode checkpoints the newest two (the end of its prompt + answer, to the page, is what
+  the next chat turn extends; the newest may be a step past its end under the overlap schedule, a
+  row whose result is dropped), older ones given back as newer ones are taken;
 - attached, once the KV up to it is computed and cached, to the tree node ending exactly there
   (``cache_unfinished`` as prefill chunks land, ``release`` at finish or retraction); a node that has
   one already keeps its own;
@@ -38,13 +39,14 @@ from scheduler_proc.request import Req
 
 @dataclass
 class PendingCheckpoints:
-    """A request's checkpoints taken but not yet in the tree: (position, id), and its decode one."""
+    """A request's checkpoints taken but not yet in the tree: (position, id), its prefill chunks' and
+    its newest decode steps'."""
 
     prefill: list[tuple[int, int]] = field(default_factory=list)
-    decode: tuple[int, int] | None = None
+    decode: list[tuple[int, int]] = field(default_factory=list)
 
     def all(self) -> list[tuple[int, int]]:
-        return self.prefill + ([self.decode] if self.decode is not None else [])
+        return self.prefill + self.decode
 
 
 class HybridKVManager(KVManager):
@@ -113,9 +115,8 @@ class HybridKVManager(KVManager):
 
     def _take(self, req: Req, position: int, *, decode: bool) -> int | None:
         pending = self._pending.setdefault(req.rid, PendingCheckpoints())
-        if decode and pending.decode is not None:
-            self.free_checkpoints.append(pending.decode[1])
-            pending.decode = None
+        if decode and len(pending.decode) == 2:
+            self.free_checkpoints.append(pending.decode.pop(0)[1])
         if not self.free_checkpoints:
             assert self.cache is not None
             dropped = self.cache.drop_lru_checkpoint()
@@ -124,7 +125,7 @@ class HybridKVManager(KVManager):
             self.free_checkpoints.append(dropped)
         checkpoint = self.free_checkpoints.pop()
         if decode:
-            pending.decode = (position, checkpoint)
+            pending.decode.append((position, checkpoint))
         else:
             pending.prefill.append((position, checkpoint))
         return checkpoint
@@ -159,8 +160,8 @@ class HybridKVManager(KVManager):
             self.free_checkpoints.extend(c for _, c in kept)
             del self._pending[req.rid]
             return
-        pending.prefill = [k for k in kept if k != pending.decode]
-        pending.decode = pending.decode if pending.decode in kept else None
+        pending.prefill = [k for k in kept if k not in pending.decode]
+        pending.decode = [k for k in pending.decode if k in kept]
 
     def _into_tree(self, tokens: list[int], salt: str | None, checkpoint: int) -> bool:
         if self.cache is None:
