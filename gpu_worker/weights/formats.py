@@ -13,6 +13,10 @@ import numpy as np
 import torch
 
 FILE_LAYOUT = "file"  # the GGUF's own bytes, each row's blocks in order
+# 16-bit float weights (ggml F16, BF16) held as "blocks" of this many values: a row holds whole
+# groups (the loader widens others at load), and a split of the row falls on them.
+SIXTEEN_BIT_GROUP = 32
+SIXTEEN_BIT_TYPES = (1, 30)  # ggml F16, BF16
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,8 @@ class QuantBlocks:
         """(weights, bytes) of one block of this type."""
         import gguf
 
+        if self.type in SIXTEEN_BIT_TYPES:
+            return SIXTEEN_BIT_GROUP, 2 * SIXTEEN_BIT_GROUP
         elements, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(self.type)]
         return int(elements), int(nbytes)
 

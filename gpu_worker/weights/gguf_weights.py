@@ -33,7 +33,14 @@ from torch import nn
 from gpu_worker.models.layers import Embedding, Linear, MergedLinear
 from gpu_worker.models.moe import Experts
 from gpu_worker.weights.common import WeightMismatchError, copy_checked, is_tied, materialize, weight_targets
-from gpu_worker.weights.formats import QuantBlocks, QuantizedExperts, QuantizedWeight, dequantize_blocks
+from gpu_worker.weights.formats import (
+    SIXTEEN_BIT_GROUP,
+    SIXTEEN_BIT_TYPES,
+    QuantBlocks,
+    QuantizedExperts,
+    QuantizedWeight,
+    dequantize_blocks,
+)
 from gpu_worker.weights.gguf_file import GgufHeader, TensorEntry, read_header
 from gpu_worker.weights.gguf_gemma4 import split_gate_up
 from gpu_worker.weights.gguf_hybrid import HYBRID_ARCHITECTURES, hybrid_tensor
@@ -172,15 +179,11 @@ def load_gguf_weights(model: nn.Module, path: Path, keep: frozenset[int], device
         )
 
 
-# 16-bit float weights (F16, BF16) are kept as they lie where their rows are whole groups of this many
-# (the CPU kernels' unit of k, csrc/quant_f16.c); llama.cpp's quantizer writes F16 for rows it cannot
-# block at all, which are then widened at load.
-SIXTEEN_BIT_GROUP = 32
-
-
 def held_as_blocks(ggml_type: int, cols: int, keep: frozenset[int]) -> bool:
-    """Whether a tensor of ``ggml_type`` with rows of ``cols`` stays in its file's bytes."""
-    return ggml_type in keep and (ggml_type not in (1, 30) or cols % SIXTEEN_BIT_GROUP == 0)  # F16, BF16
+    """Whether a tensor of ``ggml_type`` with rows of ``cols`` stays in its file's bytes: a 16-bit
+    float one where its rows are whole groups (formats.py; llama.cpp's quantizer writes F16 for rows
+    it cannot block at all, which are then widened at load)."""
+    return ggml_type in keep and (ggml_type not in SIXTEEN_BIT_TYPES or cols % SIXTEEN_BIT_GROUP == 0)
 
 
 def _kept_in_blocks(

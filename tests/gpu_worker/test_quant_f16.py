@@ -14,6 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from gpu_worker.backends.cpu import kernels as cpu_kernels
+from gpu_worker.weights.formats import QuantBlocks
 from tests.gpu_worker.quant_reference import EPS32, activations
 
 pytestmark = pytest.mark.skipif(
@@ -77,3 +78,14 @@ def test_rows_not_whole_groups_are_refused(kernels: cpu_kernels.CpuKernels) -> N
     """The kernels take k in groups of 32 (the loader widens other 16-bit rows at load)."""
     assert kernels._quant_act_row_bytes(int(Q.F16), 64) == 64 * 4
     assert kernels._quant_act_row_bytes(int(Q.BF16), 48) == 0
+
+
+def test_a_split_of_16_bit_rows_falls_on_whole_groups() -> None:
+    """Tensor parallel's share of a row-parallel F16 / BF16 weight: whole groups of 32 (what the kernels
+    take), else refused at start as a K-quant's partial blocks are."""
+    blocks, _ = weights(Q.BF16, 7, 96)
+    held = QuantBlocks(int(Q.BF16), torch.from_numpy(blocks), 96)
+    share = held.column_span(32, 64)
+    assert share.cols == 64 and torch.equal(share.data, torch.from_numpy(blocks[:, 64:192]))
+    with pytest.raises(ValueError, match="blocks of 32"):
+        held.column_span(0, 48)
