@@ -51,7 +51,11 @@ TYPES = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationTy
          "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_k": gguf.GGMLQuantizationType.Q4_K,
          "q5_k": gguf.GGMLQuantizationType.Q5_K, "q6_k": gguf.GGMLQuantizationType.Q6_K,
          "q5_0": gguf.GGMLQuantizationType.Q5_0, "q5_1": gguf.GGMLQuantizationType.Q5_1,
-         "iq4_nl": gguf.GGMLQuantizationType.IQ4_NL, "iq4_xs": gguf.GGMLQuantizationType.IQ4_XS}  # fmt: skip
+         "iq4_nl": gguf.GGMLQuantizationType.IQ4_NL, "iq4_xs": gguf.GGMLQuantizationType.IQ4_XS,
+         "q2_k": gguf.GGMLQuantizationType.Q2_K, "q3_k": gguf.GGMLQuantizationType.Q3_K,
+         "f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16}  # fmt: skip
+# Types gguf-py cannot quantize (or gives as values, not bytes): random blocks of a sane size.
+RANDOM = {TYPES[name] for name in ("iq4_nl", "iq4_xs", "q2_k", "q3_k", "f16", "bf16")}
 K_QUANTS = {gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K}
 
 Pass = Callable[[int], object]
@@ -71,7 +75,7 @@ def quantized(
         for i, off in enumerate(at):
             blocks[:, off : off + 2] = d[:, 2 * i : 2 * i + 2]
         return torch.from_numpy(blocks.reshape(shape[0], -1))
-    if qtype in (gguf.GGMLQuantizationType.IQ4_NL, gguf.GGMLQuantizationType.IQ4_XS):  # none in gguf-py
+    if qtype in RANDOM:
         return torch.from_numpy(random_blocks(qtype, shape[0], shape[1], rng, std=0.05))
     w = rng.standard_normal(shape, dtype=np.float32) * 0.05
     return torch.from_numpy(gguf.quants.quantize(w, qtype))
