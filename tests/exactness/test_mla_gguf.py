@@ -50,6 +50,7 @@ def test_gguf_greedy_matches_hf(kind: str, split: bool, tmp_path: Path) -> None:
     assert got == expected
 
 
+@pytest.mark.cpu_kinds
 def test_blocks_kept_in_float32(tmp_path: Path) -> None:
     """Q8_0 projections and experts stay in their blocks (the CPU kernels; the absorbed decode on the
     C attention kernel over the latent pool) and give HF's greedy tokens on the file's weights."""
