@@ -18,8 +18,9 @@ converter reorders the value heads so; the same model, its heads numbered otherw
 Kernel slots (a backend fills them in ``prepare_model``, e.g. backends/cpu/prepare.py):
 - ``recurrent_rule``: the one-token state update of the decode rows, all rows in one call;
 - ``chunked_rule``: the chunked form over one prefill row's tokens;
-- ``pooled_rule``: the conv1d and both forms of the rule over the state pool in place, every row at
-  once (gated_delta_pooled.py); used for float32 and bfloat16 activations before the other two.
+- ``pooled_rule``: both forms of the rule over the state pool in place, every row at once, and
+  ``pooled_conv`` the conv1d likewise (gated_delta_pooled.py); used for float32 and bfloat16
+  activations before the other two (the conv1d's torch code runs where ``pooled_conv`` is empty).
 Both take and return what transformers' ``torch_recurrent_gated_delta_rule`` /
 ``torch_chunk_gated_delta_rule`` do (``DeltaRule``), called with keywords ``initial_state`` (the
 rows' float32 states [B, H_v, d_k, d_v], gathered from the pool), ``output_final_state=True`` and
@@ -43,7 +44,7 @@ from gpu_worker.recurrent_state import StateShape
 
 if TYPE_CHECKING:
     from gpu_worker.forward_context import ForwardContext
-    from gpu_worker.models.gated_delta_pooled import PooledRule
+    from gpu_worker.models.gated_delta_pooled import PooledConv, PooledRule
     from gpu_worker.recurrent_state import RecurrentBatch
 
 
@@ -83,12 +84,11 @@ class GatedDeltaNet(Layer):
     """One linear-attention layer; ``index`` is its place among the model's linear layers (its
     states in the pool). Kernel slots ``recurrent_rule`` and ``chunked_rule`` (module docstring)."""
 
-    kernel_slots = ("recurrent_rule", "chunked_rule", "pooled_rule")
+    kernel_slots = ("recurrent_rule", "chunked_rule", "pooled_rule", "pooled_conv")
     recurrent_rule: DeltaRule | None = None
     chunked_rule: DeltaRule | None = None
-    pooled_rule: PooledRule | None = (
-        None  # the conv1d and the rule in place on the pool (gated_delta_pooled.py)
-    )
+    pooled_rule: PooledRule | None = None  # the rule in place on the pool (gated_delta_pooled.py)
+    pooled_conv: PooledConv | None = None  # the conv1d likewise
     split = Split.REPLICATED
 
     def __init__(self, cfg: Any, index: int, layout: str, tiled_values: bool = False) -> None:
@@ -129,13 +129,11 @@ class GatedDeltaNet(Layer):
         batch = ctx.recurrent
         assert batch is not None, "a linear-attention layer needs the batch's recurrent states"
         mixed, z, b, a = self.project(x)
-        pooled = self.pooled_rule if x.dtype in (torch.float32, torch.bfloat16) else None
-        batch_rounds = batch.rounds if pooled is not None else []
-        if pooled is not None:
+        kernels_fit = x.dtype in (torch.float32, torch.bfloat16)
+        pooled, conv = (self.pooled_rule, self.pooled_conv) if kernels_fit else (None, None)
+        if conv is not None:
             conv_states = batch.pool.conv[self.index]
-            mixed = gated_delta_pooled.pooled_conv(
-                pooled, mixed, self.conv1d.weight, conv_states, batch_rounds
-            )
+            mixed = gated_delta_pooled.pooled_conv(conv, mixed, self.conv1d.weight, conv_states, batch.rounds)
         else:
             mixed = self.convolve(mixed, batch)
         q, k, v = mixed.split(
@@ -150,7 +148,7 @@ class GatedDeltaNet(Layer):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if pooled is not None:
             states = batch.pool.recurrent[self.index]
-            out = gated_delta_pooled.pooled_delta_rule(pooled, (q, k, v, g, beta), states, batch_rounds)
+            out = gated_delta_pooled.pooled_delta_rule(pooled, (q, k, v, g, beta), states, batch.rounds)
         else:
             out = self.delta_rule(q, k, v, g, beta, batch).to(x.dtype)
         out = self.norm(out, z.view(tokens, self.value_heads, self.d_v))

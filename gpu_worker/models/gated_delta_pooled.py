@@ -21,9 +21,8 @@ if TYPE_CHECKING:
 class PooledRule(Protocol):
     """A backend's kernels over the state pool (backends/cpu/gated_delta.py's ``GatedDeltaKernels``):
     q, k [N, H_k, d_k], v [N, H_v, d_v], g and beta [N, H_v], ``state`` [S, H_v, d_k, d_v] float32,
-    ``conv_state`` [S, C, K - 1], ``slots`` int64 [rows], ``cu_seqlens`` int64 [rows + 1] (each row's
-    tokens); q and k L2-normed and q scaled in the kernel; ``state[slots]`` and ``conv_state[slots]``
-    advanced in place; outputs in the activations' dtype."""
+    ``slots`` int64 [rows], ``cu_seqlens`` int64 [rows + 1] (each row's tokens); q and k L2-normed and
+    q scaled in the kernel; ``state[slots]`` advanced in place; outputs in the activations' dtype."""
 
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor: ...  # fmt: skip
@@ -31,6 +30,11 @@ class PooledRule(Protocol):
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 state: torch.Tensor, slots: torch.Tensor,
                 cu_seqlens: torch.Tensor) -> torch.Tensor: ...  # fmt: skip
+
+
+class PooledConv(Protocol):
+    """A backend's causal conv1d and SiLU over the conv-state pool: x [N, C], weight [C, K],
+    ``conv_state`` [S, C, K - 1] advanced in place at ``slots`` (each row's tokens by ``cu_seqlens``)."""
 
     def conv1d(self, x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
                cu_seqlens: torch.Tensor) -> torch.Tensor: ...  # fmt: skip
@@ -72,7 +76,7 @@ def rounds(batch: RecurrentBatch) -> list[Round]:
     return out
 
 
-def pooled_conv(kernels: PooledRule, mixed: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
+def pooled_conv(kernels: PooledConv, mixed: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
                 batch_rounds: list[Round]) -> torch.Tensor:  # fmt: skip
     """The causal conv1d and SiLU of every row, ``states`` (the layer's conv states) advanced."""
     out = torch.empty_like(mixed)

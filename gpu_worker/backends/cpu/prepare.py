@@ -16,8 +16,8 @@ model under tensor parallel (``CpuBackend.prepare_model`` runs it inside
    a compiled graph cannot read oneDNN's opaque blocked tensors.
 4. The ``fused`` slots (RMSNorm, rotary, silu * up): the kernels, unless --compile fuses those ops
    itself (a C call would break its graph).
-   The Gated DeltaNet layers' ``recurrent_rule``, ``chunked_rule`` and ``pooled_rule`` slots: the
-   gated delta rule's kernels (gated_delta.py), unless --compile (likewise).
+   The Gated DeltaNet layers' ``recurrent_rule``, ``chunked_rule``, ``pooled_rule`` and ``pooled_conv``
+   slots: the gated delta rule's kernels (gated_delta.py), unless --compile (likewise).
 5. Attributes pinned in each module's instance dict (the model's layout is final after this).
 6. Where every decoder layer is a kind csrc/decode_layers.c computes (decode_layers.py's positive
    list), a one-call run of all of them for steps whose rows all decode.
@@ -168,7 +168,8 @@ def _attach_delta_rules(model: nn.Module, kernels: cpu_kernels.CpuKernels) -> No
             module.attach(
                 recurrent_rule=gated_delta.HfDeltaRule(rules, chunked=False),
                 chunked_rule=gated_delta.HfDeltaRule(rules, chunked=True),
-                pooled_rule=rules,  # the conv1d and the rule on the state pool in place, all rows at once
+                pooled_rule=rules,  # the rule and the conv1d on the state pool in place, all rows at once
+                pooled_conv=rules,
             )
 
 
