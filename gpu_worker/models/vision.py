@@ -17,6 +17,8 @@ from torch import nn
 # model_type -> (module under gpu_worker.models, class); tokenizer_proc/images.py lists the same types.
 _TOWERS = {
     "gemma3": ("gemma3_vision", "Gemma3VisionTower"),
+    "gemma4": ("gemma4_vision", "Gemma4VisionTower"),
+    "qwen3_5": ("qwen35_vision", "Qwen35VisionTower"),
 }
 VISION_MODEL_TYPES = tuple(_TOWERS)
 
