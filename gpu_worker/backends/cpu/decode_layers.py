@@ -10,7 +10,8 @@ bit for bit (tests/gpu_worker/test_decode_layers.py). A merged Linear whose proj
 (a Q4_K_M file's q/k in Q4_K beside v in Q6_K) is passed as its parts, each run on its own columns, as
 ``QuantLinear`` runs them. Qwen3's per-head Q/K norms (float32 activations: in bf16 the modules norm
 with torch) and a mixture of experts in place of the MLP (experts on blocks, routed by the
-``QuantRouter`` the modules route with too) run in the one call as well. Any other step, or model, runs
+``QuantRouter`` the modules route with too) and sliding windows, each layer its own (Mistral's, a
+per-layer pattern's sliding layers), run in the one call as well. Any other step, or model, runs
 the modules: prefill chunks and mixed batches, bf16 or fp32 weights, biases, --compile.
 """
 
@@ -30,7 +31,7 @@ from gpu_worker.backends.cpu.experts import MoeProjection, QuantExperts, QuantRo
 from gpu_worker.backends.cpu.kernels import DTYPE_CODES, KV_DTYPE_CODES, CpuKernels
 from gpu_worker.backends.cpu.layouts import kernel_type
 from gpu_worker.backends.cpu.quant import QuantLinear
-from gpu_worker.forward_context import PLAIN, ForwardContext
+from gpu_worker.forward_context import PLAIN, AttentionOptions, ForwardContext
 from gpu_worker.models.contract import Layer
 from gpu_worker.models.layers import Linear, MergedLinear, RMSNorm
 from gpu_worker.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
@@ -83,6 +84,7 @@ class DecodeLayer(ctypes.Structure):
         ("top_k", ctypes.c_int64),
         ("norm_topk", ctypes.c_int64),
         ("expert_inner", ctypes.c_int64),
+        ("window", ctypes.c_int64),
     ]
 
 
@@ -114,12 +116,18 @@ def _silu(act: object) -> bool:
     return act is F.silu
 
 
+def _window_only(options: AttentionOptions) -> bool:
+    """Plain attention, or with a sliding window (the layer's own): every other option PLAIN's, so a
+    softcap, a scale, sinks or an option added later keeps the layer on its modules."""
+    return options.sinks is None and dataclasses.replace(options, sliding_window=0) == PLAIN
+
+
 # What csrc/decode_layers.c computes, as the layer contract (models/contract.py) states it: each layer
 # type it implements, and for each the options it implements, with the values it takes. Exact types:
 # a subclass may compute otherwise. A type or an option not named here (a new one) keeps the model on
 # its modules, which compute everything the model declares.
 C_LAYERS: dict[type[nn.Module], dict[str, Callable[[Any], bool]]] = {
-    DecoderLayer: {"attention": lambda options: options is PLAIN},  # no window, softcap or scale
+    DecoderLayer: {"attention": _window_only},
     Attention: {"qk_norm": _any, "partial_rotary": _off},
     MergedLinear: {"bias": _off},
     Linear: {"bias": _off},
@@ -256,6 +264,7 @@ class FusedDecode:
                 v_cache=ctx.v_cache[i].data_ptr(),
                 q_norm=attn.q_norm.weight.data_ptr() if attn.qk_norm else None,
                 k_norm=attn.k_norm.weight.data_ptr() if attn.qk_norm else None,
+                window=layer.attention.sliding_window,
             )
             if isinstance(mlp, SparseMoeBlock):
                 experts, router = mlp.experts.impl, mlp.router

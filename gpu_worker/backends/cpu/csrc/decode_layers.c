@@ -13,6 +13,9 @@
  * merged Linear whose projections differ in type (a Q4_K_M file's q, k in Q4_K and v in Q6_K) is
  * up to MAX_PARTS parts, each a matmul writing its own columns of the output, as QuantLinear runs it.
  *
+ * A layer with a window (Mistral's, a per-layer pattern's sliding layers) attends each row's last
+ * ``window`` positions, as the modules' attention call does.
+ *
  * Qwen3's per-head norms (q_norm, k_norm) run on q's and k's heads in place before the rotary. A
  * layer with a router has a mixture of experts in place of the MLP (Qwen3-MoE's, Mixtral's):
  *   h = rms_norm(x); each row's top-k experts and weights (moe_route); the (row, expert) pairs
@@ -123,7 +126,7 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
                                         (int)dims->kv_heads, (int)d, (int)page_size, dims->scale,
                                         (const char *)qkv + q_out * elem, qkv_n,
                                         (const char *)qkv + (q_out + kv_out) * elem, qkv_n,
-                                        0 /* full attention: decode_layers.py refuses windowed models */, NULL);
+                                        l->window, NULL);
         if (status != 0) break;
         /* y = residual + x W^T in place: each output element is read (as the residual) and then
          * written by the same thread, once, and no other output is read after */

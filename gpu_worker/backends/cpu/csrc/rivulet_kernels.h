@@ -89,6 +89,7 @@ typedef struct {
     int64_t top_k;
     int64_t norm_topk;
     int64_t expert_inner;
+    int64_t window; /* > 0: a sliding-window layer, attending each row's last window positions; 0: all */
 } decode_layer;
 
 /* The model's sizes (decode_layers.py's DecodeDims). */
