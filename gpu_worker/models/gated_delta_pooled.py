@@ -44,14 +44,11 @@ class PooledConv(Protocol):
 class Round:
     """Pieces of rows run together: their tokens' indices, slots, lengths and checkpoint rows."""
 
-    tokens: torch.Tensor  # int64 [tokens of the round], in row order
+    tokens: torch.Tensor  # int64 [tokens of the round], in row order, on the pool's device
     slots: torch.Tensor  # int64 [pieces]
+    cu_seqlens: torch.Tensor  # int64 [pieces + 1]: each piece's tokens among the round's
     lengths: list[int]
     saves: list[tuple[int, int]]  # (slot, pool row to copy it to) after the round
-
-    @property
-    def cu_seqlens(self) -> torch.Tensor:
-        return torch.tensor([0, *self.lengths], dtype=torch.int64).cumsum(0)
 
 
 def rounds(batch: RecurrentBatch) -> list[Round]:
@@ -67,12 +64,16 @@ def rounds(batch: RecurrentBatch) -> list[Round]:
         firsts.append((slot, *pieces[0]))
         seconds.extend((slot, *piece) for piece in pieces[1:])
     out = []
+    device = batch.pool.recurrent[0].device
     for part in (firsts, seconds):
         if part:
             index = [t for _, start, n, _ in part for t in range(start, start + n)]
+            lengths = [n for _, _, n, _ in part]
+            ends = [sum(lengths[: i + 1]) for i in range(len(lengths))]
             saves = [(slot, target) for slot, _, _, target in part if target is not None]
-            out.append(Round(torch.tensor(index, dtype=torch.int64), torch.tensor([p[0] for p in part]),
-                             [n for _, _, n, _ in part], saves))  # fmt: skip
+            as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+            slots = as_tensor([p[0] for p in part])
+            out.append(Round(as_tensor(index), slots, as_tensor([0, *ends]), lengths, saves))
     return out
 
 

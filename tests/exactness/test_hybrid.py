@@ -15,6 +15,7 @@ import pytest
 
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.models.gated_delta import GatedDeltaNet
 from gpu_worker.weights.model_files import resolve_model
 from scheduler_proc.state_checkpoints import HybridKVManager
 from tests.exactness import inprocess
@@ -96,4 +97,17 @@ def test_gguf_matches_hf(kind: str, tmp_path: Path) -> None:
         meta = resolve_model(str(tmp_path / "model.gguf"))
     runner = runner_for(meta, gguf_path=str(tmp_path / "model.gguf"))
     got, _ = inprocess.generate(runner, prompts, NEW_TOKENS, chunked_prefill_size=29, enable_mixed_chunk=True)
+    assert got == expected
+
+
+def test_triton_backend_runs_the_pooled_rule(tmp_path: Path) -> None:
+    """The Triton backend's gated delta kernels (under the interpreter without CUDA) in the layers'
+    ``pooled_rule`` slot, a prompt in chunks with checkpoints inside them: HF float64's tokens."""
+    hf = save_hybrid("qwen3_5_text", tmp_path, seed=5)
+    prompts = make_prompts(17, (5, 19))
+    expected = hf_greedy(hf, prompts, 3)
+    runner = runner_for(tmp_path, dtype="float32", device_backend="triton", kv_cache_tokens=256)
+    layer = next(m for m in runner.model.decoder_layers().modules() if isinstance(m, GatedDeltaNet))
+    assert layer.pooled_rule is not None and layer.pooled_conv is None
+    got, _ = inprocess.generate(runner, prompts, 3, chunked_prefill_size=7, enable_mixed_chunk=True)
     assert got == expected

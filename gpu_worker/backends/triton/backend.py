@@ -18,9 +18,12 @@ from gpu_worker.backends.torch.attention import Blocks, kv_locations
 from gpu_worker.backends.torch.backend import TorchBackend
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from gpu_worker.backends.triton.kernels import AttentionRows
     from gpu_worker.forward_context import AttentionOptions, ForwardContext
     from gpu_worker.kv_cache import KVPool
+    from gpu_worker.tensor_parallel import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,17 @@ class TritonBackend(TorchBackend):
 
         super().__init__(device)
         self._kernels = kernels
+
+    def prepare_model(self, model: nn.Module, dtype: torch.dtype, tp: TensorParallel | None) -> None:
+        """The torch backend's, and the Gated DeltaNet layers' ``pooled_rule``: the gated delta rule's
+        Triton kernels over the state pool (gated_delta.py; the conv1d stays torch's)."""
+        super().prepare_model(model, dtype, tp)
+        from gpu_worker.backends.triton import gated_delta
+        from gpu_worker.models.gated_delta import GatedDeltaNet
+
+        for module in model.modules():
+            if isinstance(module, GatedDeltaNet):
+                module.attach(pooled_rule=gated_delta)
 
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """bfloat16 under float32 activations on a GPU: the kernels read a 16-bit pool in place (fp32
