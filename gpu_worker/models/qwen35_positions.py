@@ -8,6 +8,11 @@ max(h, w)``, not at ``start + t * h * w``. A prompt's ``delta`` (its largest pos
 length, HF's ``rope_deltas``) is what every later token's position is off from its index: a decode
 step at sequence index ``i`` is at ``i + delta`` on all three axes.
 
+The language model's rope is interleaved over the three axes (``mrope_section`` [t, h, w]
+frequencies): of the rotated half's frequencies, every third from the second takes the row position
+(the first ``3 * h`` of them), every third from the third the column (the first ``3 * w``), the rest
+the time position.
+
 An image's grid comes from its pixels' shape, ``[t, h, w, patch]`` in patches
 (gpu_worker/models/qwen35_vision.py); the tokens' grid is the patches' over the merge size.
 """
@@ -18,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from gpu_worker.models.layers import RotaryCache
 from protocol.images import ImageInput
 
 
@@ -52,3 +58,25 @@ def decode_positions(indices: torch.Tensor, delta: int) -> torch.Tensor:
     """[3, N]: the positions of tokens at sequence ``indices`` after the prompt (or after its last
     image), which are ``index + delta`` on every axis."""
     return (indices + delta).expand(3, -1)
+
+
+def mrope_axes(rotary_dim: int, sections: Sequence[int]) -> torch.Tensor:
+    """[rotary_dim]: which position (0 time, 1 row, 2 column) each cos/sin column rotates by."""
+    half = torch.arange(rotary_dim // 2)
+    axes = torch.zeros_like(half)
+    for axis in (1, 2):
+        axes[(half % 3 == axis) & (half < 3 * sections[axis])] = axis
+    return torch.cat((axes, axes))
+
+
+def mrope_cos_sin(
+    cache: RotaryCache, positions: torch.Tensor, sections: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, signed sin [T, 1, rotary_dim] of [3, T] positions (a 1D RotaryCache's rows, per column
+    the row of that column's axis): the same numbers HF's multimodal rope gives."""
+    axes = mrope_axes(cache.cos.shape[-1], sections).to(positions.device)
+    flat = positions.reshape(-1)
+    cos = cache.cos.index_select(0, flat).view(3, -1, cache.cos.shape[-1])
+    sin = cache.sin.index_select(0, flat).view(3, -1, cache.sin.shape[-1])
+    pick = axes.view(1, 1, -1).expand(1, cos.shape[1], -1)
+    return cos.gather(0, pick)[0].unsqueeze(1), sin.gather(0, pick)[0].unsqueeze(1)

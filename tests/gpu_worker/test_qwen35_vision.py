@@ -27,7 +27,9 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
                   num_position_embeddings=36, patch_size=PATCH, spatial_merge_size=MERGE)  # fmt: skip
     text = dict(vocab_size=300, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
-                linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)  # fmt: skip
+                linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                     mrope_section=[1, 2, 1], mrope_interleaved=True))  # fmt: skip
     config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
     torch.manual_seed(0)
     model = transformers.Qwen3_5ForConditionalGeneration(config).to(torch.float64).eval()
@@ -106,3 +108,27 @@ def test_positions_equal_hf_rope_index(saved: tuple[Path, Any, Any], layout: lis
     assert torch.equal(got[:, chunk], expected[0:3, 0, chunk])
     step = torch.tensor([len(types), len(types) + 1])
     assert torch.equal(decode_positions(step, delta), (step + deltas[0]).expand(3, -1))
+    _check_mrope(hf_model, got)
+
+
+def _check_mrope(hf_model: Any, positions: torch.Tensor) -> None:
+    """The language model's rotation of ``positions`` equals HF's text rotary embedding's, bit for bit."""
+    from gpu_worker.models.layers import RotaryCache
+    from gpu_worker.models.qwen35_positions import mrope_axes, mrope_cos_sin
+
+    rotary = hf_model.language_model.rotary_emb
+    probe = torch.zeros(1, dtype=torch.float64)
+    with torch.no_grad():
+        cos, sin = rotary(probe, positions[:, None, :])
+    half = cos.shape[-1] // 2
+    torch.set_default_dtype(torch.float64)
+    try:
+        cache = RotaryCache(rotary.inv_freq, rotary.attention_scaling, 256)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    axes = mrope_axes(cos.shape[-1], rotary.mrope_section)
+    assert axes.tolist() == [0, 1, 2, 0] * 2  # each axis rotates some columns
+    got_cos, got_sin = mrope_cos_sin(cache, positions, rotary.mrope_section)
+    assert torch.equal(got_cos[:, 0], cos[0])
+    assert torch.equal(got_sin[:, 0, half:], sin[0, :, half:])
+    assert torch.equal(got_sin[:, 0, :half], -sin[0, :, :half])
