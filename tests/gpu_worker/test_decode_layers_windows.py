@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from gpu_worker.backends.cpu.backend import CpuBackend
+from gpu_worker.backends.cpu.decode_layers import not_in_c
 from gpu_worker.config import WorkerConfig
+from gpu_worker.forward_context import AttentionOptions
 from gpu_worker.model_runner import ModelRunner
 from tests.block_quants import Q
 from tests.exactness import inprocess
@@ -57,9 +59,9 @@ def windowed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return out, model
 
 
-def runner_of(out: Path) -> ModelRunner:
+def runner_of(out: Path, dtype: str = "float32") -> ModelRunner:
     config = WorkerConfig(
-        model_path=str(out), gguf_path=str(out / "model.gguf"), weight_dtype="gguf", dtype="float32",
+        model_path=str(out), gguf_path=str(out / "model.gguf"), weight_dtype="gguf", dtype=dtype,
         kv_cache_tokens=2048, num_threads=1,
     )  # fmt: skip
     return ModelRunner(config)
@@ -78,6 +80,29 @@ def test_windowed_layers_equal_the_modules(
     assert fused is not None and fused._layers is not None
     kind = out.name.rstrip("0123456789")
     assert tuple(layer.window for layer in fused._layers) == WINDOWS[kind]
+    if kind == "mistral_window" and rows == 3:  # bf16 too (Qwen3's Q/K norms keep bf16 on the modules)
+        assert_one_call_equals_the_modules(runner_of(out, "bfloat16"), rows, monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        AttentionOptions(sliding_window=WINDOW, logit_softcap=50.0),
+        AttentionOptions(sliding_window=WINDOW, scale=0.1),
+        AttentionOptions(sinks=torch.zeros(4)),
+    ],
+    ids=["softcap", "scale", "sinks"],
+)
+def test_a_window_with_other_options_keeps_the_modules(
+    windowed: tuple[Path, Any], options: AttentionOptions
+) -> None:
+    """The positive list admits a window and nothing beside it: a soft-cap, a scale or sinks on a
+    layer (Gemma 2's, gpt-oss's) name that layer as the reason to run the modules."""
+    out, _ = windowed
+    layer = cpu_backend(runner_of(out)).fused_decode.model.model.layers[0]  # type: ignore[union-attr]
+    assert not_in_c(layer) is None
+    layer.attention = options
+    assert "DecoderLayer's attention=" in (not_in_c(layer) or "")
 
 
 def test_windowed_greedy_matches_hf_float64(
