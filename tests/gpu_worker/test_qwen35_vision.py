@@ -132,3 +132,59 @@ def _check_mrope(hf_model: Any, positions: torch.Tensor) -> None:
     assert torch.equal(got_cos[:, 0], cos[0])
     assert torch.equal(got_sin[:, 0, half:], sin[0, :, half:])
     assert torch.equal(got_sin[:, 0, :half], -sin[0, :, :half])
+
+
+QWEN_TOKENS = {
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "vision_start_token": "<|vision_start|>",
+    "vision_end_token": "<|vision_end|>",
+}
+
+
+def test_processor_feeds_tower_and_positions(saved: tuple[Path, Any, Any], smollm2_dir: Path) -> None:
+    """tokenizer_proc/qwen_processor.py over a prompt with two images of different grids: each run of
+    image tokens as long as its grid's merged patches, the per-image pixels through the tower equal
+    HF's image features, and the positions of its ids equal get_rope_index."""
+    from PIL import Image
+
+    from gpu_worker.models.qwen35_positions import prompt_positions
+    from gpu_worker.models.vision import load_vision_tower
+    from protocol.images import ImageInput
+    from tokenizer_proc.images import token_runs
+    from tokenizer_proc.qwen_processor import qwen_processor
+
+    path, _, hf_model = saved
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2, min_pixels=32 * 32,
+                             max_pixels=256 * 256).save_pretrained(path)  # fmt: skip
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir, extra_special_tokens=QWEN_TOKENS)
+    processor, token = qwen_processor(path, tokenizer)
+    rng = np.random.default_rng(3)
+    images = [
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in ((64, 96), (128, 128))
+    ]
+    slot = "<|vision_start|><|image_pad|><|vision_end|>"
+    out = processor(text=f"Look{slot} and{slot} twice", images=images)
+    ids = out["input_ids"][0].tolist()
+    runs = token_runs(ids, token)
+    assert [length for _, length in runs] == [6, 16]  # grids 4x6 and 8x8 merged 2x2
+    inputs = [
+        ImageInput(key=i, offset=start, length=length, shape=list(px.shape), pixels=b"")
+        for i, ((start, length), px) in enumerate(zip(runs, out["pixel_values"], strict=True))
+    ]
+    grids = torch.from_numpy(out["image_grid_thw"])
+    flat = torch.cat([torch.from_numpy(px).reshape(-1, px.shape[-1]) for px in out["pixel_values"]]).double()
+    tower = load_vision_tower(path, torch.float64, torch.device("cpu"))
+    assert tower is not None
+    with torch.no_grad():
+        expected = hf_model.get_image_features(flat, grids).pooler_output
+        for px, want in zip(out["pixel_values"], expected, strict=True):
+            torch.testing.assert_close(
+                tower(torch.from_numpy(px)[None].double())[0], want, rtol=1e-12, atol=1e-12
+            )
+    types = torch.tensor([[int(t == token) for t in ids]])
+    want_positions, want_delta = hf_model.get_rope_index(torch.tensor([ids]), types, image_grid_thw=grids)
+    positions, delta = prompt_positions(len(ids), inputs, MERGE)
+    assert torch.equal(positions, want_positions[:, 0]) and delta == int(want_delta[0, 0])
