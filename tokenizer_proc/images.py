@@ -33,7 +33,7 @@ FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 # config.json keys naming the token whose embeddings the vision tower replaces.
 _IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index")
 # Model types whose vision tower the worker runs (gpu_worker/models/vision.py lists the same).
-VISION_MODEL_TYPES = ("gemma3",)
+VISION_MODEL_TYPES = ("gemma3", "gemma4")
 
 
 @dataclass(frozen=True)
@@ -136,15 +136,21 @@ class VisionProcessor:
             return None
         from transformers import AutoProcessor
 
+        from tokenizer_proc.gemma4_processor import gemma4_processor
+
         try:
-            processor = AutoProcessor.from_pretrained(model_path)
+            loaded: Any
+            if config["model_type"] == "gemma4":
+                loaded = gemma4_processor(model_path)
+            else:
+                loaded = AutoProcessor.from_pretrained(model_path)
         except Exception as exc:  # a checkpoint without its processor's files still serves text
             logger.warning("images off: the processor of %s does not load (%s)", model_path, exc)
             return None
-        if getattr(processor, "image_processor", None) is None:
+        if getattr(loaded, "image_processor", None) is None:
             logger.warning("images off: %s has no image processor", model_path)
             return None
-        return cls(processor, int(token), limits)
+        return cls(loaded, int(token), limits)
 
     def prompt(self, text: str, messages: list[ChatMessage]) -> tuple[list[int], list[ImageInput]]:
         """Decode the messages' images, run the processor over them and ``text`` (which holds the
@@ -165,6 +171,8 @@ class VisionProcessor:
 
         ids = [int(t) for t in out["input_ids"][0]]
         pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+        if "image_position_ids" in out:  # Gemma 4's padded patches: each one's (x, y) travels with it
+            pixels = np.concatenate([pixels, out["image_position_ids"].astype(np.float32)], axis=-1)
         runs = token_runs(ids, self.image_token_id)
         if len(runs) != len(pixels):
             raise RequestRejected(

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from gpu_worker.forward_context import AttentionOptions, ForwardContext, paged_attention
+from gpu_worker.image_encoder import splice_images
 from gpu_worker.models.contract import AttentionLayer, Layer, Split
 from gpu_worker.models.gemma import SLIDING, softcap
 from gpu_worker.models.gemma4_blocks import (
@@ -230,7 +231,7 @@ class Gemma4ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.final_softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
         # A multimodal checkpoint's media placeholders: with no media given, HF embeds them as the pad
-        # token (both embeddings); an image's own embedding waits for the vision tower.
+        # token (both embeddings); an image's positions then take the vision tower's embeddings.
         media = [getattr(hf_config, f"{kind}_token_id", None) for kind in ("image", "video", "audio")]
         media = [int(t) for t in media if t is not None] if hf_config is not cfg else []
         self.pad_token_id = int(getattr(cfg, "pad_token_id", None) or 0)
@@ -261,6 +262,9 @@ class Gemma4ForCausalLM(nn.Module):
             placeholder = torch.isin(input_ids, self.media_token_ids)
             input_ids = torch.where(placeholder, self.pad_token_id, input_ids)
         x = body.embed_tokens(input_ids) * body.embed_scale
+        # As HF's: the per-layer table reads an image's positions as the pad token, its projection
+        # the image's embeddings.
+        x = splice_images(x, ctx.images)
         per_layer = body.per_layer_inputs(input_ids, x) if body.per_layer_dim else None
         shared: SharedKV = {}
         for i, layer in enumerate(body.layers):

@@ -1,0 +1,86 @@
+"""A tiny random Gemma 4 vision-language model saved with its processor (SmolLM2's tokenizer with
+Gemma 4's media tokens added, Gemma 4's image processor with 4-pixel patches and a 70-token budget,
+a template writing an image's ``<|image|>``), built on tests/gemma4_models.py's text model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.gemma4_models import gemma4_text_config
+
+PATCH = 4  # pixels a patch side; pooled 3x3, so a 70-token budget is at most 630 patches
+MEDIA_TOKENS = {
+    "image_token": "<|image|>",
+    "boi_token": "<|image>",
+    "eoi_token": "<image|>",
+    "audio_token": "<|audio|>",
+    "boa_token": "<|audio>",
+    "eoa_token": "<audio|>",
+}
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<|image|>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def save_tiny_gemma4_vlm(out: Path, smollm2_dir: Path) -> tuple[Any, Any]:
+    """Save the model (float64, seed 0) and its processor to ``out``; return both."""
+    import transformers
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir, extra_special_tokens=MEDIA_TOKENS)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    image_processor = Gemma4ImageProcessorPil(patch_size=PATCH, max_soft_tokens=70)
+    image_processor.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    processor = hf_processor(image_processor, tokenizer)
+    vocab = len(tokenizer)
+    ids: dict[str, Any] = {
+        f"{kind}_id": tokenizer.convert_tokens_to_ids(t) for kind, t in MEDIA_TOKENS.items()
+    }
+    text = gemma4_text_config(vocab_size=vocab, vocab_size_per_layer_input=vocab).to_dict()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, patch_size=PATCH,
+                  position_embedding_size=64)  # fmt: skip
+    config = transformers.Gemma4Config(
+        text_config=text, vision_config=vision, audio_config=None, video_token_id=vocab - 1,
+        **ids,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model: Any = transformers.Gemma4ForConditionalGeneration(config)
+    model = model.to(torch.float64).eval()
+    model.set_experts_implementation("eager")
+    with torch.no_grad():  # random init leaves norms and scales at 1: perturb so they are tested
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(("scale", "layer_scalar")):
+                param.add_(torch.randn_like(param) * 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.add_(torch.randn_like(buffer) * 0.1)
+        model.get_input_embeddings().weight.mul_(0.03)
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(out, safe_serialization=True)
+    return model, processor
+
+
+def hf_processor(image_processor: Any, tokenizer: Any) -> Any:
+    """HF's Gemma4Processor without its video processor and audio feature extractor, which need
+    torchvision and images do not (its constructor's type check is skipped for them)."""
+    import transformers
+    from transformers.processing_utils import ProcessorMixin
+
+    check = ProcessorMixin.check_argument_for_proper_class
+    ProcessorMixin.check_argument_for_proper_class = lambda *_: None  # type: ignore[method-assign]
+    try:
+        return transformers.Gemma4Processor(
+            feature_extractor=None, image_processor=image_processor, tokenizer=tokenizer,
+            video_processor=None, chat_template=CHAT_TEMPLATE,
+        )  # fmt: skip
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check  # type: ignore[method-assign]
