@@ -43,7 +43,10 @@ def save_tiny_gemma4_vlm(out: Path, smollm2_dir: Path) -> tuple[Any, Any]:
     ids: dict[str, Any] = {
         f"{kind}_id": tokenizer.convert_tokens_to_ids(t) for kind, t in MEDIA_TOKENS.items()
     }
-    text = gemma4_text_config(vocab_size=vocab, vocab_size_per_layer_input=vocab).to_dict()
+    # An image's tokens see each other both ways on the sliding layers (as the released configs ask).
+    text = gemma4_text_config(
+        vocab_size=vocab, vocab_size_per_layer_input=vocab, use_bidirectional_attention="vision"
+    ).to_dict()
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=16, patch_size=PATCH,
                   position_embedding_size=64)  # fmt: skip

@@ -19,6 +19,7 @@ q/k RMS-normed per head) with, each mirroring HF's op order (float64 runs match 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -267,9 +268,13 @@ class Gemma4ForCausalLM(nn.Module):
         x = splice_images(x, ctx.images)
         per_layer = body.per_layer_inputs(input_ids, x) if body.per_layer_dim else None
         shared: SharedKV = {}
+        # Where an image's tokens see each other both ways (the text config's "vision"), HF's mask
+        # does so on sliding layers only: the global layers stay causal.
+        causal = ctx if ctx.images is None else replace(ctx, images=replace(ctx.images, blocks={}))
         for i, layer in enumerate(body.layers):
             layer_input = per_layer[:, i] if per_layer is not None else None
-            x = layer(x, layer_input, rotary[str(layer.layer_type)], ctx, shared)
+            layer_ctx = ctx if layer.layer_type == SLIDING else causal
+            x = layer(x, layer_input, rotary[str(layer.layer_type)], layer_ctx, shared)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -233,9 +233,6 @@ class Gemma4VisionTower(nn.Module):
         (r"^(model\.)?embed_vision\.", "embed_vision."),
     )
     checkpoint_skipped = r"^(?!(model\.)?(vision_tower|embed_vision)\.)"
-    # HF's mask lets an image's tokens see each other both ways only on sliding layers, and only
-    # where the text config asks for it ("vision"); the launcher refuses that config for now.
-    bidirectional = False
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
@@ -243,6 +240,10 @@ class Gemma4VisionTower(nn.Module):
         self.embed_vision = Gemma4MultimodalEmbedder(hf_config.vision_config, hf_config.get_text_config())
         cfg = hf_config.vision_config
         self.tokens_per_image = 0  # an image's count follows its aspect ratio (at most the budget)
+        # HF lets an image's tokens see each other both ways where the text config says "vision"
+        # (on sliding layers only: gemma4.py keeps the global layers causal), else causally.
+        text = hf_config.get_text_config()
+        self.bidirectional = getattr(text, "use_bidirectional_attention", None) == "vision"
         self.patch_values = 3 * cfg.patch_size**2
 
     def forward(self, pixels: torch.Tensor) -> list[torch.Tensor]:

@@ -2,13 +2,16 @@
 end to end (images in chat messages over ZMQ), token for token against HF transformers in float64
 given the same images (random pixels and solid colours, aspect ratios that give different grids).
 
-One engine for the module, chunks of 16 tokens and pages of 4: a chunk ends before an image it would
-cut, so each image's tokens are computed in one forward. The text config leaves
-``use_bidirectional_attention`` unset, so HF's mask is causal over image tokens, as ours is.
+One engine for the module, chunks of 64 tokens and pages of 4: a chunk ends before an image it would
+cut, so each image's tokens (60 or 63 here) are computed in one forward. The text config's
+``use_bidirectional_attention`` is "vision": HF's mask lets an image's tokens see each other both ways
+on the sliding layers (its global layers stay causal), and HF is given the processor's
+mm_token_type_ids; on one prompt at least the causal mask gives other tokens.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from tests.exactness.test_gemma3_vision import Parts, served, user_turn
 from tests.gemma4_vision_models import save_tiny_gemma4_vlm
@@ -34,22 +38,28 @@ def vlm(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> tuple[Pa
 
 @pytest.fixture(scope="module")
 def engine(vlm: tuple[Path, Any, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpEngine]:
-    args = ("--dtype", "float64", "--chunked-prefill-size", "16", "--page-size", "4")
+    args = ("--dtype", "float64", "--chunked-prefill-size", "64", "--page-size", "4")
     with http_engine(vlm[0], tmp_path_factory.mktemp("vlm4-engine"), *args) as e:
         yield e
 
 
-def expected(vlm: tuple[Path, Any, Any], parts: Parts) -> list[int]:
+def expected(vlm: tuple[Path, Any, Any], parts: Parts, causal: bool = False) -> list[int]:
+    """HF's greedy tokens (``causal``: without mm_token_type_ids, so image tokens attend causally)."""
     _, model, processor = vlm
     _, template = user_turn(parts)
     text = processor.apply_chat_template(template, add_generation_prompt=True, tokenize=False)
     files = [v for k, v in parts if k == "image" and isinstance(v, bytes)]
-    return hf_greedy(model, processor, text, files, NEW_TOKENS)[1]
+    if not causal:
+        return hf_greedy(model, processor, text, files, NEW_TOKENS)[1]
+    images = [Image.open(io.BytesIO(f)).convert("RGB") for f in files]
+    inputs = processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
+    inputs.pop("mm_token_type_ids")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def test_tower_equals_hf_image_features(vlm: tuple[Path, Any, Any]) -> None:
-    from PIL import Image
-
     from gpu_worker.models.vision import load_vision_tower
 
     path, model, processor = vlm
@@ -84,6 +94,11 @@ def test_images_match_hf(vlm: tuple[Path, Any, Any], engine: HttpEngine, parts: 
     want = expected(vlm, parts)
     got, _ = served(engine, parts)
     assert got == want
+
+
+def test_the_two_way_mask_changes_an_answer(vlm: tuple[Path, Any, Any]) -> None:
+    parts: Parts = [("image", RED_JPEG), ("text", "and"), ("image", BLUE_GIF), ("text", "which is brighter?")]
+    assert expected(vlm, parts) != expected(vlm, parts, causal=True), "the test needs the masks told apart"
 
 
 @pytest.mark.timeout(600)
