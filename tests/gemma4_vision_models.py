@@ -28,8 +28,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def save_tiny_gemma4_vlm(out: Path, smollm2_dir: Path) -> tuple[Any, Any]:
-    """Save the model (float64, seed 0) and its processor to ``out``; return both."""
+def save_tiny_gemma4_vlm(
+    out: Path, smollm2_dir: Path, vision: dict[str, Any] | None = None, bounds: float = 0.0
+) -> tuple[Any, Any]:
+    """Save the model (float64, seed 0) and its processor to ``out``; return both. ``vision``: more
+    vision config; ``bounds``: clipped linears' bounds at +-(bounds + noise) (0: left infinite)."""
     import transformers
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
@@ -49,7 +52,7 @@ def save_tiny_gemma4_vlm(out: Path, smollm2_dir: Path) -> tuple[Any, Any]:
     ).to_dict()
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=16, patch_size=PATCH,
-                  position_embedding_size=64)  # fmt: skip
+                  position_embedding_size=64, **(vision or {}))  # fmt: skip
     config = transformers.Gemma4Config(
         text_config=text, vision_config=vision, audio_config=None, video_token_id=vocab - 1,
         **ids,
@@ -65,6 +68,11 @@ def save_tiny_gemma4_vlm(out: Path, smollm2_dir: Path) -> tuple[Any, Any]:
         for name, buffer in model.named_buffers():
             if name.endswith("layer_scalar"):
                 buffer.add_(torch.randn_like(buffer) * 0.1)
+            elif name.endswith(("std_bias", "std_scale")):
+                buffer.copy_(torch.randn_like(buffer) * 0.1 + (1.0 if name.endswith("scale") else 0.0))
+            elif bounds and name.endswith(("_min", "_max")):
+                sign = -1.0 if name.endswith("_min") else 1.0
+                buffer.fill_(sign * (bounds + 0.1 * float(torch.rand(()))))
         model.get_input_embeddings().weight.mul_(0.03)
     model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
     model.generation_config.pad_token_id = 0

@@ -109,3 +109,20 @@ def test_another_image_gives_another_answer(vlm: tuple[Path, Any, Any], engine: 
     want_first, want_other = expected(vlm, first), expected(vlm, other)
     assert want_first != want_other, "the test needs images the model tells apart"
     assert (served(engine, first)[0], served(engine, other)[0]) == (want_first, want_other)
+
+
+def test_tower_with_clipped_linears_and_standardization(tmp_path: Path, smollm2_dir: Path) -> None:
+    """The options the tiny model leaves off: each linear's input and output clamped to the
+    checkpoint's bounds, and the pooled tokens standardized by its bias and scale."""
+    from gpu_worker.models.vision import load_vision_tower
+
+    vision = {"use_clipped_linears": True, "standardize": True}
+    model, processor = save_tiny_gemma4_vlm(tmp_path, smollm2_dir, vision=vision, bounds=0.5)
+    tower = load_vision_tower(tmp_path, torch.float64, torch.device("cpu"))
+    assert tower is not None
+    out = processor.image_processor([Image.fromarray(random_image(5, 70, 40))], return_tensors="pt")
+    with torch.no_grad():
+        want = model.model.get_image_features(out["pixel_values"], out["image_position_ids"]).pooler_output
+        pixels = torch.cat([out["pixel_values"].float(), out["image_position_ids"].float()], dim=-1)
+        got = tower(pixels.double())
+    assert torch.equal(got[0], want[0])
