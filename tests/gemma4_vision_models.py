@@ -4,6 +4,7 @@ a template writing an image's ``<|image|>``), built on tests/gemma4_models.py's 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,10 @@ def save_tiny_gemma4_vlm(
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir, extra_special_tokens=MEDIA_TOKENS)
     tokenizer.chat_template = CHAT_TEMPLATE
     image_processor = Gemma4ImageProcessorPil(patch_size=PATCH, max_soft_tokens=70)
-    image_processor.save_pretrained(out)
+    # As transformers 5 saves a processor: its image processor's settings inside processor_config.json.
+    fields = {**image_processor.to_dict(), "image_processor_type": "Gemma4ImageProcessor"}
+    config_file = {"image_processor": fields, "image_seq_length": 70, "processor_class": "Gemma4Processor"}
+    (out / "processor_config.json").write_text(json.dumps(config_file, indent=2))
     tokenizer.save_pretrained(out)
     processor = hf_processor(image_processor, tokenizer)
     vocab = len(tokenizer)
