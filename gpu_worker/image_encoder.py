@@ -14,6 +14,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import accumulate
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -107,16 +108,25 @@ def _pixels(image: ImageInput, shape: tuple[int, ...]) -> np.ndarray:
     return np.frombuffer(image.pixels, dtype=np.float32).reshape(shape)
 
 
+# The towers served: tokenizer_proc/images.py's VISION_MODEL_TYPES. Qwen3.5's is built and tested
+# (models/qwen35_vision.py), but its language model does not take the 3D rope positions yet, so its
+# images are refused and its tower (some 0.5B parameters on a real checkpoint) is not loaded.
+SERVED_TOWERS = ("gemma3", "gemma4")
+
+
 def image_encoder_for(
     model_path: str, dtype: torch.dtype, device: torch.device, mmproj: str | None = None
 ) -> ImageEncoder | None:
     """The encoder of the model at ``model_path`` (its tower from ``mmproj``, an mmproj GGUF, when
-    given), or None for a model without a vision tower."""
+    given), or None for a model without a vision tower we serve."""
     from gpu_worker.models.vision import load_vision_tower
+    from gpu_worker.weights.loader import load_hf_config
     from gpu_worker.weights.mmproj import load_mmproj_tower
 
     if mmproj is not None:
         return ImageEncoder(load_mmproj_tower(mmproj, dtype, device), device, dtype)
+    if not Path(model_path).is_dir() or load_hf_config(model_path).model_type not in SERVED_TOWERS:
+        return None
     tower = load_vision_tower(model_path, dtype, device)
     return None if tower is None else ImageEncoder(tower, device, dtype)
 

@@ -56,6 +56,15 @@ def _pixels(sizes: list[tuple[int, int]], seed: int) -> tuple[torch.Tensor, torc
     return out["pixel_values"].to(torch.float64), out["image_grid_thw"]
 
 
+def test_the_tower_is_not_loaded_to_serve_until_the_language_model_takes_images(
+    saved: tuple[Path, Any, Any],
+) -> None:
+    """Images to Qwen3.5 are refused (tokenizer_proc/images.py), so serving loads no tower."""
+    from gpu_worker.image_encoder import image_encoder_for
+
+    assert image_encoder_for(str(saved[0]), torch.float64, torch.device("cpu")) is None
+
+
 @pytest.mark.parametrize("size", SIZES)
 def test_tower_equals_hf(saved: tuple[Path, Any, Any], size: tuple[int, int]) -> None:
     from gpu_worker.models.vision import load_vision_tower
