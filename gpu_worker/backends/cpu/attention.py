@@ -8,6 +8,8 @@ whole prefix and its SDPA call per layer, which a speculative verify row pays in
 every step (docs/benchmarks-history.md, "Numbers behind the code's choices").
 A batch whose rows all go to the kernel writes its new K/V there (the kernel itself, or first, where
 two of its rows are one request's), and may run as one call (decode_layers.py).
+A latent pool's rows (latent attention's absorbed decode: one KV row a token, K and V alike) go to
+csrc/mla.c instead, which reads each row once for every head.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from itertools import accumulate
 
 import torch
 
+from gpu_worker.backends.cpu.build import DTYPE_CODES, KV_DTYPE_CODES
 from gpu_worker.backends.cpu.decode_rows import DecodeRows
 from gpu_worker.backends.cpu.kernels import CpuKernels
 from gpu_worker.backends.torch import attention as torch_attention
@@ -115,6 +118,8 @@ def attend(
 ) -> torch.Tensor:
     """Write the batch's new K/V and attend every row; q: [T, Hq, D], k/v: [T, Hkv, D]."""
     paged = meta.paged_decode
+    if paged is not None and _latent_fits(q, k, v, k_cache, v_cache, options):
+        return _attend_latent(kernels, meta, q, k, k_cache, options)
     # The kernel: a window, a scale, sinks; no soft-capping, and heads within its limits (a model's
     # layers may differ: Gemma 4's global heads are twice its sliding ones').
     fits = kernels.supports(q.shape[1], k_cache.shape[1], q.shape[2], q.dtype)
@@ -132,4 +137,48 @@ def attend(
     torch_attention.store_kv(k_cache, v_cache, k, v, tm.out_locs)
     kernels.attend(q, k_cache, v_cache, out, paged.rows, sliding_window=window, scale=scale, sinks=sinks)
     torch_attention.attend_into(out, tm, q, k, v, k_cache, v_cache, options)  # its extend rows
+    return out
+
+
+def _latent_fits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    options: AttentionOptions,
+) -> bool:
+    """A latent pool's absorbed decode (models/mla.py: one KV row a token, its own value) that
+    csrc/mla.c takes: every head in one pass over the rows, where the paged kernel reads them once a
+    group of heads, for K and again for V."""
+    plain = options.logit_softcap == 0 and options.sinks is None and options.sliding_window == 0
+    return (
+        plain
+        and k is v
+        and k_cache is v_cache
+        and k.shape[1] == 1
+        and q.dtype in DTYPE_CODES
+        and k_cache.dtype in KV_DTYPE_CODES
+        and k_cache.is_contiguous()
+    )
+
+
+def _attend_latent(
+    kernels: CpuKernels,
+    meta: CpuAttentionMetadata,
+    q: torch.Tensor,
+    entry: torch.Tensor,
+    cache: torch.Tensor,
+    options: AttentionOptions,
+) -> torch.Tensor:
+    """The batch's latent rows written, its decode rows on csrc/mla.c, its extend rows by torch."""
+    paged, tm = meta.paged_decode, meta.torch_meta
+    assert paged is not None
+    cache.index_copy_(0, tm.out_locs, entry.to(cache.dtype))
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    scale = q.shape[2] ** -0.5 if options.scale is None else options.scale
+    kernels.latent_attend(q, cache, out, paged.rows, q.shape[2], scale)
+    if not meta.all_decode:
+        torch_attention.attend_into(out, tm, q, entry, entry, cache, cache, options)
     return out

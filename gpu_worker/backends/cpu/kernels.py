@@ -76,6 +76,11 @@ class CpuKernels(QuantKernels):
         self._argmax.argtypes = [ptr, i64, i64, i32, i32, ptr]
         for fn in (self._rms_norm, self._rotary, self._silu_mul, self._matmul, self._argmax):
             fn.restype = None
+        self._latent = lib.latent_decode_attention
+        self._latent.restype = i32
+        self._latent.argtypes = [
+            ptr, i64, ptr, ptr, i64, i32, i32, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32, i32, f32,
+        ]  # fmt: skip
         self._bind_quant(lib)
         abi.check_kernels(self)
 
@@ -146,6 +151,30 @@ class CpuKernels(QuantKernels):
             f"paged_decode_attention refused ({abi.status_text(status)}) heads {heads}/{k_cache.shape[1]}, "
             f"head_dim {head_dim}, {q.dtype} over a {k_cache.dtype} KV cache"
         )
+
+    def latent_attend(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        out: torch.Tensor,
+        rows: DecodeRows,
+        v_dim: int,
+        scale: float,
+    ) -> None:
+        """Latent attention's absorbed decode (csrc/mla.c): out[q_rows[i], h] = softmax(q[q_rows[i], h]
+        C^T * scale) C[:, :v_dim] for each of ``rows``, C the row's positions of ``cache`` [N, 1, D]
+        (float32, bfloat16 or float16), every head in one pass over them; q [T, H, D] and out [T, H, v_dim]
+        with heads contiguous, of one dtype (float32 or bfloat16)."""
+        _, heads, dim = q.shape
+        assert q.stride(2) == 1 and q.stride(1) == dim, "q: heads and head_dim must be contiguous"
+        assert cache.is_contiguous() and cache.shape[1:] == (1, dim)
+        assert out.dtype == q.dtype and out.stride(2) == 1 and out.stride(1) == v_dim
+        status: int = self._latent(
+            q.data_ptr(), q.stride(0), cache.data_ptr(), out.data_ptr(), out.stride(0), DTYPE_CODES[q.dtype],
+            KV_DTYPE_CODES[cache.dtype], rows.q_rows, rows.req_pool_idx, rows.kv_lens, rows.page_table,
+            rows.pt_stride, rows.rows, heads, dim, v_dim, rows.page_size, scale,
+        )  # fmt: skip
+        assert status == 0, f"latent_decode_attention refused ({abi.status_text(status)}): {heads} x {dim}"
 
     def decode_attention(
         self,

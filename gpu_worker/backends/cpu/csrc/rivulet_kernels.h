@@ -126,6 +126,14 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
                            const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride,
                            int64_t window, const float *sinks);
 
+/* mla.c: latent attention's absorbed decode, every head over one shared KV row a position (the value
+ * its first v_dim values). RV_ERR_HEADS, RV_ERR_DTYPE or RV_ERR_NO_MEMORY */
+int latent_decode_attention(const void *q, int64_t q_row_stride, const void *cache, void *out,
+                            int64_t out_row_stride, int dtype, int kv_dtype, const int64_t *q_rows,
+                            const int64_t *req_pool_idx, const int64_t *kv_lens, const int64_t *page_table,
+                            int64_t pt_stride, int64_t rows, int num_heads, int dim, int v_dim, int page_size,
+                            float scale);
+
 /* quant.c, quant_dense.c */
 int quant_supported(int type);
 int64_t quant_act_row_bytes(int type, int64_t k);

@@ -1,0 +1,152 @@
+/* Latent attention's absorbed decode (models/mla.py): every query head of a decode row against one
+ * shared KV row a position, read in place through the page table, the value the same row's first
+ * v_dim values. paged_decode_attention reads each row once per group of query heads, for K and again
+ * for V; here a block of positions is widened once and every head scores and accumulates from it,
+ * so the pool is read once a row whatever the head count (DeepSeek-V3: 128 heads).
+ *
+ * Tasks are spans of one row's positions: a long row is split so that few rows still keep every
+ * thread busy. Each task leaves per head its running max, its sum of exponentials and its
+ * unnormalised float32 sum of values; a second pass merges a row's spans and writes the output. */
+#include <stdlib.h>
+
+#include "common.h"
+
+#define LATENT_BLOCK 16     /* positions widened to float32 at once, every head reading them */
+#define LATENT_MIN_SPAN 128 /* positions a task takes at least: below it the merge outweighs the split */
+
+/* One task's spans per head: [heads][v_dim + 2], the value sum then the max and the exponentials' sum. */
+static void attend_span(const float *qf, const void *cache, int kv_dtype, const int64_t *pages, int page_size,
+                        int64_t p0, int64_t p1, int heads, int dim, int v_dim, float scale, float *kv,
+                        float *part) {
+    const int64_t stride = v_dim + 2;
+    for (int h = 0; h < heads; h++) {
+        float *acc = part + h * stride;
+        for (int i = 0; i < v_dim; i++) acc[i] = 0.0f;
+        acc[v_dim] = -INFINITY;
+        acc[v_dim + 1] = 0.0f;
+    }
+    for (int64_t b = p0; b < p1; b += LATENT_BLOCK) {
+        const int n = (int)(p1 - b < LATENT_BLOCK ? p1 - b : LATENT_BLOCK);
+        for (int j = 0; j < n; j++) {
+            const int64_t pos = b + j, row = pages[pos / page_size] * page_size + pos % page_size;
+            load_vec(cache, kv_dtype, row * dim, dim, kv + (int64_t)j * dim);
+        }
+        for (int h = 0; h < heads; h++) {
+            const float *qh = qf + (int64_t)h * dim;
+            float *acc = part + h * stride, s[LATENT_BLOCK], top = acc[v_dim];
+            for (int j = 0; j < n; j++) {
+                const float *kj = kv + (int64_t)j * dim;
+                float d = 0.0f;
+#pragma omp simd reduction(+ : d)
+                for (int i = 0; i < dim; i++) d += qh[i] * kj[i];
+                s[j] = d * scale;
+                top = max_f(top, s[j]);
+            }
+            const float corr = exp_nonpositive(acc[v_dim] - top);
+            float sum = acc[v_dim + 1] * corr;
+#pragma omp simd
+            for (int i = 0; i < v_dim; i++) acc[i] *= corr;
+            for (int j = 0; j < n; j++) {
+                const float p = exp_nonpositive(s[j] - top), *vj = kv + (int64_t)j * dim;
+                sum += p;
+#pragma omp simd
+                for (int i = 0; i < v_dim; i++) acc[i] += p * vj[i];
+            }
+            acc[v_dim] = top;
+            acc[v_dim + 1] = sum;
+        }
+    }
+}
+
+/* Row r's output per head from its spans' parts [spans][heads][v_dim + 2]. */
+static void merge_spans(const float *parts, int64_t spans, int heads, int v_dim, float *o, void *out, int dtype,
+                        int64_t offset) {
+    const int64_t stride = v_dim + 2, span_size = heads * stride;
+    for (int h = 0; h < heads; h++) {
+        float top = -INFINITY, total = 0.0f;
+        for (int64_t s = 0; s < spans; s++) top = max_f(top, parts[s * span_size + h * stride + v_dim]);
+        for (int i = 0; i < v_dim; i++) o[i] = 0.0f;
+        for (int64_t s = 0; s < spans; s++) {
+            const float *acc = parts + s * span_size + h * stride;
+            const float w = exp_nonpositive(acc[v_dim] - top);
+            total += w * acc[v_dim + 1];
+#pragma omp simd
+            for (int i = 0; i < v_dim; i++) o[i] += w * acc[i];
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+#pragma omp simd
+        for (int i = 0; i < v_dim; i++) o[i] *= inv;
+        store_vec(out, dtype, offset + (int64_t)h * v_dim, v_dim, o);
+    }
+}
+
+/* Each row's span length: about two tasks a thread over all rows' positions, none under LATENT_MIN_SPAN. */
+static int64_t span_length(const int64_t *kv_lens, int64_t rows) {
+    int64_t total = 0;
+    for (int64_t r = 0; r < rows; r++) total += kv_lens[r] > 0 ? kv_lens[r] : 0;
+    const int64_t tasks = 2 * (int64_t)omp_get_max_threads(), span = (total + tasks - 1) / tasks;
+    return span < LATENT_MIN_SPAN ? LATENT_MIN_SPAN : span;
+}
+
+int latent_decode_attention(const void *q, int64_t q_row_stride, const void *cache, void *out,
+                            int64_t out_row_stride, int dtype, int kv_dtype, const int64_t *q_rows,
+                            const int64_t *req_pool_idx, const int64_t *kv_lens, const int64_t *page_table,
+                            int64_t pt_stride, int64_t rows, int num_heads, int dim, int v_dim, int page_size,
+                            float scale) {
+    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return RV_ERR_DTYPE;
+    if (kv_dtype != DTYPE_F32 && kv_dtype != DTYPE_BF16 && kv_dtype != DTYPE_F16) return RV_ERR_DTYPE;
+    if (num_heads < 1 || dim < 1 || v_dim < 1 || v_dim > dim || page_size < 1) return RV_ERR_HEADS;
+    if (rows < 1) return RV_OK;
+    const int64_t span = span_length(kv_lens, rows);
+    /* row r's tasks: [first[r], first[r + 1]); task t's row: row_of[t] */
+    int64_t *first = malloc((size_t)(rows + 1) * sizeof(int64_t)), tasks = 0;
+    if (first == NULL) return RV_ERR_NO_MEMORY;
+    first[0] = 0;
+    for (int64_t r = 0; r < rows; r++) first[r + 1] = first[r] + (kv_lens[r] > 0 ? (kv_lens[r] + span - 1) / span : 0);
+    tasks = first[rows];
+    const int64_t part_size = (int64_t)num_heads * (v_dim + 2);
+    float *parts = malloc((size_t)(tasks > 0 ? tasks : 1) * (size_t)part_size * sizeof(float));
+    int64_t *row_of = malloc((size_t)(tasks > 0 ? tasks : 1) * sizeof(int64_t));
+    if (parts == NULL || row_of == NULL) {
+        free(parts);
+        free(row_of);
+        free(first);
+        return RV_ERR_NO_MEMORY;
+    }
+    int failed = 0; /* a thread's scratch not allocated */
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t t = first[r]; t < first[r + 1]; t++) row_of[t] = r;
+#pragma omp parallel if (tasks > 1) reduction(| : failed)
+    {
+        float *qf = malloc(((size_t)num_heads + LATENT_BLOCK) * (size_t)dim * sizeof(float));
+        failed |= qf == NULL;
+#pragma omp for schedule(dynamic)
+        for (int64_t t = 0; t < tasks; t++) {
+            if (qf == NULL) continue;
+            const int64_t r = row_of[t], p0 = (t - first[r]) * span, end = p0 + span;
+            load_vec(q, dtype, q_rows[r] * q_row_stride, num_heads * dim, qf);
+            attend_span(qf, cache, kv_dtype, page_table + req_pool_idx[r] * pt_stride, page_size, p0,
+                        end < kv_lens[r] ? end : kv_lens[r], num_heads, dim, v_dim, scale,
+                        qf + (int64_t)num_heads * dim, parts + t * part_size);
+        }
+        free(qf);
+    }
+    if (!failed) {
+#pragma omp parallel if (rows > 1) reduction(| : failed)
+    {
+        float *o = malloc((size_t)v_dim * sizeof(float));
+        failed |= o == NULL;
+#pragma omp for schedule(dynamic)
+        for (int64_t r = 0; r < rows; r++) {
+            if (o == NULL) continue;
+            merge_spans(parts + first[r] * part_size, first[r + 1] - first[r], num_heads, v_dim, o, out, dtype,
+                        q_rows[r] * out_row_stride);
+        }
+        free(o);
+    }
+    }
+    free(row_of);
+    free(parts);
+    free(first);
+    return failed ? RV_ERR_NO_MEMORY : RV_OK;
+}
