@@ -149,8 +149,9 @@ def _latent_fits(
     options: AttentionOptions,
 ) -> bool:
     """A latent pool's absorbed decode (models/mla.py: one KV row a token, its own value) that
-    csrc/mla.c takes: every head in one pass over the rows, where the paged kernel reads them once a
-    group of heads, for K and again for V."""
+    csrc/mla.c takes: every head in one pass over the rows and no bound on heads or row size, where
+    the paged kernel reads them once a group of heads, for K and again for V, and refuses real
+    latent rows (576 values) for torch's gather."""
     plain = options.logit_softcap == 0 and options.sinks is None and options.sliding_window == 0
     return (
         plain

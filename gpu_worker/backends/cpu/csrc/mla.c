@@ -1,8 +1,9 @@
 /* Latent attention's absorbed decode (models/mla.py): every query head of a decode row against one
  * shared KV row a position, read in place through the page table, the value the same row's first
- * v_dim values. paged_decode_attention reads each row once per group of query heads, for K and again
- * for V; here a block of positions is widened once and every head scores and accumulates from it,
- * so the pool is read once a row whatever the head count (DeepSeek-V3: 128 heads).
+ * v_dim values. paged_decode_attention takes heads of up to MAX_HEAD_DIM and MAX_HEADS (a real
+ * latent row, 576 values, is past both) and reads each row once per group of query heads, for K and
+ * again for V; here a block of positions is widened once and every head scores and accumulates from
+ * it, so the pool is read once a row whatever the head count (DeepSeek-V3: 128 heads).
  *
  * Tasks are spans of one row's positions: a long row is split so that few rows still keep every
  * thread busy. Each task leaves per head its running max, its sum of exponentials and its
