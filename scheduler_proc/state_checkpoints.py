@@ -138,7 +138,7 @@ class HybridKVManager(KVManager):
 
     def release(self, req: Req, *, cache: bool) -> None:
         cached = req.computed_len // self.page_size * self.page_size if cache else 0
-        tokens = req.fill_slice(0, cached)
+        tokens = req.key_slice(0, cached)
         super().release(req, cache=cache)
         self._attach(req, cached, keep_rest=False, tokens=tokens)
         self._loads.pop(req.rid, None)
@@ -149,7 +149,7 @@ class HybridKVManager(KVManager):
         pending = self._pending.get(req.rid)
         if pending is None:
             return
-        tokens = req.fill_slice(0, cached) if tokens is None else tokens
+        tokens = req.key_slice(0, cached) if tokens is None else tokens
         kept: list[tuple[int, int]] = []
         for position, checkpoint in pending.all():
             if position > cached:
