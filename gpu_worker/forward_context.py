@@ -64,6 +64,9 @@ class ForwardContext:
     backend: PagedAttention
     recurrent: RecurrentBatch | None = None  # a hybrid model's: its rows' recurrent-state slots
     images: ImageSplice | None = None  # the image positions' embeddings (image_encoder.py)
+    # [3, T] (time, row, column) positions of a multimodal rope (Qwen3.5's, models/qwen35_positions.py)
+    # when the batch has image tokens; None: each token's are its ``positions`` on all three axes.
+    mrope: torch.Tensor | None = None
     rows: BatchRows | None = None
     latent_form: str = "auto"  # latent attention: auto | absorbed | expanded (--latent-attention)
 

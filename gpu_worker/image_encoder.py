@@ -108,10 +108,8 @@ def _pixels(image: ImageInput, shape: tuple[int, ...]) -> np.ndarray:
     return np.frombuffer(image.pixels, dtype=np.float32).reshape(shape)
 
 
-# The towers served: tokenizer_proc/images.py's VISION_MODEL_TYPES. Qwen3.5's is built and tested
-# (models/qwen35_vision.py), but its language model does not take the 3D rope positions yet, so its
-# images are refused and its tower (some 0.5B parameters on a real checkpoint) is not loaded.
-SERVED_TOWERS = ("gemma3", "gemma4")
+# The towers served: tokenizer_proc/images.py's VISION_MODEL_TYPES.
+SERVED_TOWERS = ("gemma3", "gemma4", "qwen3_5")
 
 
 def image_encoder_for(

@@ -23,6 +23,7 @@ from gpu_worker.forward_context import BatchRows, ForwardContext
 from gpu_worker.image_encoder import batch_images, image_encoder_for
 from gpu_worker.kv_cache import KVPool, pool_layer_shapes
 from gpu_worker.models import CausalLM
+from gpu_worker.models.qwen35_positions import batch_positions
 from gpu_worker.pooling import final_norm, pooled_rows, why_no_pooling
 from gpu_worker.recurrent_state import begin_batch, end_batch, state_pool_for
 from gpu_worker.sampling.draws import BatchDraws, Drawn
@@ -87,6 +88,7 @@ class ModelRunner:
         self.model, self.hf_config = self._load()
         config = self.config
         self.images = image_encoder_for(config.model_path, self._dtype, self._device, config.mmproj)
+        self.mrope_merge = int(getattr(self.model, "mrope_merge", 0))  # 0: 1D rope
         model = self.model
         assert isinstance(model, torch.nn.Module), "our models are nn.Modules"
         group = (
@@ -289,13 +291,16 @@ class ModelRunner:
         positions, meta = self.backend.init_forward_metadata(
             self.kv, batch.req_pool_idx, batch.prefix_lens, batch.extend_lens
         )
+        mrope = None
+        if self.mrope_merge:
+            positions, mrope = batch_positions(positions, batch, self.mrope_merge)
         recurrent = None if self.states is None else begin_batch(self.states, batch)
         rows = BatchRows(batch.req_pool_idx, batch.prefix_lens, batch.extend_lens, self.kv.page_table,
                          self.kv.page_size)  # fmt: skip
         ctx = ForwardContext(positions=positions, attn=meta, k_cache=self.kv.k, v_cache=self.kv.v,
                              backend=self.backend, recurrent=recurrent, rows=rows,
                              latent_form=self.config.latent_attention,
-                             images=batch_images(self.images, batch))  # fmt: skip
+                             images=batch_images(self.images, batch), mrope=mrope)  # fmt: skip
         input_ids = self._input_ids(batch)
         view, view_ids = committed(batch, input_ids)  # a draft is no input until it is kept
         for state in self.draws.states:

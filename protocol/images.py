@@ -15,6 +15,8 @@ class ImageInput(Msg):
     length]``) whose embeddings the vision tower gives. ``key``: a hash of the pixels (63 bits); the
     radix cache keys those positions by it, the worker caches the tower's output under it.
     ``pixels``: float32, C order, of ``shape`` (the processor's pixel_values for this image).
+    ``rope_delta``: a multimodal rope's (Qwen's) position span of the image minus its token count,
+    by which every token after it is off its index (HF's ``rope_deltas``); 0 for 1D rope.
     """
 
     key: int
@@ -22,6 +24,7 @@ class ImageInput(Msg):
     length: int
     shape: list[int]
     pixels: bytes
+    rope_delta: int = 0
 
     @property
     def end(self) -> int:

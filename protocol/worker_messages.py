@@ -93,6 +93,9 @@ class ForwardBatch(Msg):
     # the image's tokens in place of their embeddings (encoding each key once, cached).
     images: list[ImageInput] = []
     image_rows: list[int] = []
+    # Per row, the sum of the ``rope_delta`` of its request's images ending at or before the row's
+    # start (what its first token's position is off its index); empty when every row's is 0.
+    rope_offsets: list[int] = []
 
 
 ToWorker = ForwardBatch

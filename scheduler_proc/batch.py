@@ -47,6 +47,10 @@ class Row:
         end = self.start + self.extend_len
         return [image for image in self.req.images if image.offset < end and self.start < image.end]
 
+    def rope_offset(self) -> int:
+        """How far this row's first position is off its index (ForwardBatch.rope_offsets)."""
+        return sum(image.rope_delta for image in self.req.images if image.end <= self.start)
+
     def prompt_logprob_targets(self) -> list[int]:
         """The tokens that follow this row's prompt-logprob positions (prompt tokens, never PENDING)."""
         first = self.start + 1
@@ -115,6 +119,7 @@ def build_forward_batch(step: int, rows: list[Row], page_size: int) -> ForwardBa
         pool=[row.pool for row in rows] if any(row.pool is not None for row in rows) else [],
         images=[image for _, image in images],
         image_rows=[i for i, _ in images],
+        rope_offsets=offsets if any(offsets := [row.rope_offset() for row in rows]) else [],
     )
 
 

@@ -33,7 +33,7 @@ FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 # config.json keys naming the token whose embeddings the vision tower replaces.
 _IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index")
 # Model types whose vision tower the worker runs (gpu_worker/models/vision.py lists the same).
-VISION_MODEL_TYPES = ("gemma3", "gemma4")
+VISION_MODEL_TYPES = ("gemma3", "gemma4", "qwen3_5")
 
 
 @dataclass(frozen=True)
@@ -137,11 +137,14 @@ class VisionProcessor:
         from transformers import AutoProcessor
 
         from tokenizer_proc.gemma4_processor import gemma4_processor
+        from tokenizer_proc.qwen_processor import qwen_processor
 
         try:
             loaded: Any
             if config["model_type"] == "gemma4":
                 loaded = gemma4_processor(model_path)
+            elif config["model_type"] == "qwen3_5":
+                loaded, token = qwen_processor(model_path, tokenizer)
             else:
                 loaded = AutoProcessor.from_pretrained(model_path)
         except Exception as exc:  # a checkpoint without its processor's files still serves text
@@ -170,17 +173,21 @@ class VisionProcessor:
         import numpy as np
 
         ids = [int(t) for t in out["input_ids"][0]]
-        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+        pixels = out["pixel_values"]  # one array of all images, or (Qwen's grids) a list of one each
+        pixels = [np.ascontiguousarray(one, dtype=np.float32) for one in pixels]
         if "image_position_ids" in out:  # Gemma 4's padded patches: each one's (x, y) travels with it
-            pixels = np.concatenate([pixels, out["image_position_ids"].astype(np.float32)], axis=-1)
+            position_ids = out["image_position_ids"].astype(np.float32)
+            pixels = [np.concatenate(pair, axis=-1) for pair in zip(pixels, position_ids, strict=True)]
         runs = token_runs(ids, self.image_token_id)
         if len(runs) != len(pixels):
             raise RequestRejected(
                 "messages",
                 f"hold {len(runs)} runs of image tokens for {len(pixels)} images (image tokens in the text?)",
             )
+        delta = getattr(self.processor, "rope_delta", None)  # a multimodal rope's (Qwen's)
         return ids, [
-            _image_input(start, length, one) for (start, length), one in zip(runs, pixels, strict=True)
+            _image_input(start, length, one, 0 if delta is None else delta(one.shape, length))
+            for (start, length), one in zip(runs, pixels, strict=True)
         ]
 
 
@@ -197,8 +204,10 @@ def token_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
     return runs
 
 
-def _image_input(start: int, length: int, pixels: np.ndarray) -> ImageInput:
+def _image_input(start: int, length: int, pixels: np.ndarray, rope_delta: int) -> ImageInput:
     data = pixels.tobytes()
     digest = hashlib.blake2b(data, digest_size=8, person=str(pixels.shape).encode()[:16]).digest()
     key = int.from_bytes(digest, "little") & (2**63 - 1)
-    return ImageInput(key=key, offset=start, length=length, shape=list(pixels.shape), pixels=data)
+    return ImageInput(
+        key=key, offset=start, length=length, shape=list(pixels.shape), pixels=data, rope_delta=rope_delta
+    )

@@ -11,6 +11,7 @@ for it (in merge-block order) shaped by its grid, which is how the worker's towe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,10 @@ class QwenImageProcessor:
             expanded += IMAGE * (int(grid.prod()) // self.merge**2) + piece
         ids = self.tokenizer.encode(expanded, add_special_tokens=False)
         return {"input_ids": np.asarray([ids]), "pixel_values": pixels, "image_grid_thw": grids}
+
+    def rope_delta(self, shape: Sequence[int], length: int) -> int:
+        """An image's 3D position span (its merged grid's larger side) minus its token count."""
+        return max(shape[1], shape[2]) // self.merge - length
 
 
 def per_image_pixels(pixel_values: np.ndarray, grids: np.ndarray) -> list[np.ndarray]:

@@ -6,11 +6,12 @@ Where they differ from Llama, each mirroring HF's op order:
   gated norm, which scales by w;
 - full attention: ``q_proj`` gives each head its query and an output gate (per head [q | gate]);
   q and k are RMS-normed per head, a quarter of each head rotates (partial rotary; Qwen3.5's
-  multimodal rope gives text the same angle on all three axes, so it is plain rope here) and the
+  multimodal rope gives text the same angle on all three axes, so text is plain rope here) and the
   attended heads are scaled by sigmoid(gate) before ``o_proj``;
 - the MoE models' sparse block adds a shared expert, scaled by sigmoid(``shared_expert_gate``), to
   the routed experts (moe.py's, top-k renormalised).
-A multimodal Qwen3.5 checkpoint serves its language model; its vision tower is skipped.
+A multimodal Qwen3.5 checkpoint's tower is loaded apart (image_encoder.py); its image embeddings
+replace the image tokens' and those tokens rotate by their 3D positions (qwen35_positions.py).
 
 KV pool: only the full-attention layers have K/V, numbered among themselves (``kv_layer_shapes``);
 the linear layers' states live in the recurrent-state pool (``state_shape``).
@@ -25,12 +26,14 @@ import torch
 from torch import nn
 
 from gpu_worker.forward_context import PLAIN, ForwardContext, paged_attention
+from gpu_worker.image_encoder import splice_images
 from gpu_worker.models.contract import AttentionLayer, Layer, Split
 from gpu_worker.models.gated_delta import GatedDeltaNet
 from gpu_worker.models.gemma import GemmaRMSNorm
 from gpu_worker.models.layers import Embedding, Linear, MergedLinear, apply_rotary
 from gpu_worker.models.llama import MLP, LlamaArgs, partial_rotary_factor
 from gpu_worker.models.moe import MoeArgs, SparseMoeBlock
+from gpu_worker.models.qwen35_positions import mrope_cos_sin
 from gpu_worker.models.rope import rotary_cache
 
 LINEAR = "linear_attention"
@@ -158,6 +161,11 @@ class Qwen35ForCausalLM(nn.Module):
         if getattr(cfg, "tie_word_embeddings", False) or getattr(hf_config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = rotary_cache(cfg, int(cfg.head_dim * partial_rotary_factor(cfg)), self.context_len)
+        # A checkpoint with a vision tower: its images' tokens take 3D positions (qwen35_positions.py).
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        self.mrope_sections: list[int] = list(rope.get("mrope_section") or [])
+        vision = getattr(hf_config, "vision_config", None)
+        self.mrope_merge = int(getattr(vision, "spatial_merge_size", 0)) if self.mrope_sections else 0
         mixer = next(layer.linear_attn for layer in layers if layer.linear)
         assert isinstance(mixer, GatedDeltaNet)
         self.state_shape = mixer.state_shape(kinds.count(LINEAR))
@@ -179,8 +187,11 @@ class Qwen35ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [T, hidden] before the final norm."""
-        cos, sin = self.rotary(ctx.positions)
-        x = self.model.embed_tokens(input_ids)
+        if ctx.mrope is None:
+            cos, sin = self.rotary(ctx.positions)
+        else:
+            cos, sin = mrope_cos_sin(self.rotary, ctx.mrope, self.mrope_sections)
+        x = splice_images(self.model.embed_tokens(input_ids), ctx.images)
         for layer in self.model.layers:
             x = layer(x, cos, sin, ctx)
         return x

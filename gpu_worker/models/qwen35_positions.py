@@ -20,11 +20,13 @@ An image's grid comes from its pixels' shape, ``[t, h, w, patch]`` in patches
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 
 from gpu_worker.models.layers import RotaryCache
 from protocol.images import ImageInput
+from protocol.worker_messages import ForwardBatch
 
 
 def image_positions(start: int, shape: Sequence[int], merge: int) -> torch.Tensor:
@@ -80,3 +82,36 @@ def mrope_cos_sin(
     sin = cache.sin.index_select(0, flat).view(3, -1, cache.sin.shape[-1])
     pick = axes.view(1, 1, -1).expand(1, cos.shape[1], -1)
     return cos.gather(0, pick)[0].unsqueeze(1), sin.gather(0, pick)[0].unsqueeze(1)
+
+
+def batch_positions(
+    positions: torch.Tensor, batch: ForwardBatch, merge: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The batch's 1D positions moved by each row's multimodal offset (its ``rope_offsets`` and the
+    ``rope_delta`` of each image ending inside it), which is every text token's position on all
+    three axes; and the [3, T] positions when some row has image tokens (None: none has)."""
+    if not batch.rope_offsets and not batch.images:
+        return positions, None
+    starts = list(accumulate(batch.extend_lens, initial=0))
+    shift = torch.zeros(starts[-1], dtype=torch.int64)
+    for row, offset in enumerate(batch.rope_offsets):
+        shift[starts[row] : starts[row + 1]] = offset
+    # Each image's start position, before its own delta moves the tokens after it.
+    image_starts: list[int] = []
+    for row, image in zip(batch.image_rows, batch.images, strict=True):
+        first = batch.prefix_lens[row]
+        lo = starts[row] + max(image.offset, first) - first
+        image_starts.append(image.offset + int(shift[lo]))
+        if image.end < first + batch.extend_lens[row]:
+            shift[starts[row] + image.end - first : starts[row + 1]] += image.rope_delta
+    moved = positions + shift.to(positions.device, positions.dtype)
+    if not batch.images:
+        return moved, None
+    grid = moved.expand(3, -1).clone()
+    for row, image, start in zip(batch.image_rows, batch.images, image_starts, strict=True):
+        first, end = batch.prefix_lens[row], batch.prefix_lens[row] + batch.extend_lens[row]
+        lo, hi = max(image.offset, first), min(image.end, end)
+        tokens = image_positions(start, image.shape, merge)[:, lo - image.offset : hi - image.offset]
+        flat = starts[row] + lo - first
+        grid[:, flat : flat + hi - lo] = tokens.to(grid.device, grid.dtype)
+    return moved, grid

@@ -12,6 +12,7 @@ from typing import Any
 
 from gpu_worker.model_runner import ModelRunner
 from protocol import FinishReq, ForwardBatch, RequestError, TokenBatch, TokenizedRequest, WorkerSampling
+from protocol.images import ImageInput
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.scheduler import Scheduler
 from tests.models import GREEDY
@@ -34,6 +35,7 @@ def generate(
     on_added: Callable[[Scheduler], None] | None = None,
     logprobs: list[list[float]] | None = None,
     on_tokens: Callable[[TokenBatch], list[FinishReq]] | None = None,
+    images: list[list[ImageInput]] | None = None,
 ) -> tuple[list[list[int]], Scheduler]:
     """Greedy outputs of every prompt, served together; returns the drained scheduler too.
 
@@ -47,7 +49,7 @@ def generate(
     when given, collects each request's token logprobs as the outputs' ([] where it did not ask).
     ``on_tokens`` sees every TokenBatch as the tokenizer process does (e.g. a RequestTable matching
     stop strings) and returns its FinishReqs, which the scheduler takes before the next batch is
-    scheduled, as its process does when they arrive between two batches.
+    scheduled, as its process does when they arrive between two batches. ``images``: each prompt's.
     """
     fields: dict[str, Any] = dict(
         num_pages=runner.num_pages,
@@ -70,6 +72,7 @@ def generate(
             stop_token_ids=list(stop_token_ids),
             sampler=samplers[i],
             n=n,
+            images=images[i] if images is not None else [],
         )
         assert scheduler.add(req) is None, f"request {i} rejected"
     if on_added is not None:

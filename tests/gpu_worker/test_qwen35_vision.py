@@ -56,13 +56,10 @@ def _pixels(sizes: list[tuple[int, int]], seed: int) -> tuple[torch.Tensor, torc
     return out["pixel_values"].to(torch.float64), out["image_grid_thw"]
 
 
-def test_the_tower_is_not_loaded_to_serve_until_the_language_model_takes_images(
-    saved: tuple[Path, Any, Any],
-) -> None:
-    """Images to Qwen3.5 are refused (tokenizer_proc/images.py), so serving loads no tower."""
+def test_the_tower_is_loaded_to_serve(saved: tuple[Path, Any, Any]) -> None:
     from gpu_worker.image_encoder import image_encoder_for
 
-    assert image_encoder_for(str(saved[0]), torch.float64, torch.device("cpu")) is None
+    assert image_encoder_for(str(saved[0]), torch.float64, torch.device("cpu")) is not None
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -160,7 +157,7 @@ def test_processor_feeds_tower_and_positions(saved: tuple[Path, Any, Any], smoll
     from gpu_worker.models.qwen35_positions import prompt_positions
     from gpu_worker.models.vision import load_vision_tower
     from protocol.images import ImageInput
-    from tokenizer_proc.images import token_runs
+    from tokenizer_proc.images import ImageLimits, VisionProcessor, token_runs
     from tokenizer_proc.qwen_processor import qwen_processor
 
     path, _, hf_model = saved
@@ -197,3 +194,6 @@ def test_processor_feeds_tower_and_positions(saved: tuple[Path, Any, Any], smoll
     want_positions, want_delta = hf_model.get_rope_index(torch.tensor([ids]), types, image_grid_thw=grids)
     positions, delta = prompt_positions(len(ids), inputs, MERGE)
     assert torch.equal(positions, want_positions[:, 0]) and delta == int(want_delta[0, 0])
+    assert sum(processor.rope_delta(i.shape, i.length) for i in inputs) == delta
+    vision = VisionProcessor.load(str(path), ImageLimits(), tokenizer)
+    assert vision is not None and vision.image_token_id == token
