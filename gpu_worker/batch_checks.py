@@ -58,6 +58,7 @@ def _lengths(batch: ForwardBatch, limits: BatchLimits) -> None:
         "prompt_logprob_lens": batch.prompt_logprob_lens,
         "pool": batch.pool,
         "draft_lens": batch.draft_lens,
+        "rope_offsets": batch.rope_offsets,
     }
     for name, values in optional.items():
         if values and len(values) != rows:
@@ -73,6 +74,22 @@ def _lengths(batch: ForwardBatch, limits: BatchLimits) -> None:
         raise _fail(batch, f"fork fields must all have {forks} entries")
     if len(batch.copy_dst) != len(batch.copy_src):
         raise _fail(batch, "copy_src and copy_dst must pair up")
+    if len(batch.image_rows) != len(batch.images) or len(batch.state_load_ids) != len(batch.state_load_rows):
+        raise _fail(batch, "image_rows / state_load_ids must pair up with images / state_load_rows")
+    if not len(batch.state_save_rows) == len(batch.state_save_lens) == len(batch.state_save_ids):
+        raise _fail(batch, "state_save_rows, state_save_lens and state_save_ids must pair up")
+
+
+def _row_references(batch: ForwardBatch, limits: BatchLimits) -> None:
+    """Images and state checkpoints name rows of this batch; a checkpoint is saved within its row.
+    (The checkpoint ids' range is the state pool's: recurrent_state.check_checkpoints.)"""
+    rows = len(batch.req_pool_idx)
+    named = [*batch.image_rows, *batch.state_load_rows, *batch.state_save_rows]
+    if any(not 0 <= r < rows for r in named):
+        raise _fail(batch, f"image_rows / state_*_rows must be rows of the batch, in [0, {rows})")
+    lens = zip(batch.state_save_rows, batch.state_save_lens, strict=True)
+    if any(not 1 <= n <= batch.extend_lens[r] for r, n in lens):
+        raise _fail(batch, "state_save_lens must be in [1, the row's extend_len]")
 
 
 def _req_pool_idx(batch: ForwardBatch, limits: BatchLimits) -> None:
@@ -201,6 +218,7 @@ def _pool(batch: ForwardBatch, limits: BatchLimits) -> None:
 _RULES: tuple[Callable[[ForwardBatch, BatchLimits], None], ...] = (
     _lengths,
     _req_pool_idx,
+    _row_references,
     _positions,
     _page_deltas,
     _tokens,

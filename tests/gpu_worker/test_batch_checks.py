@@ -97,6 +97,12 @@ BROKEN: list[tuple[dict[str, Any], str]] = [
     ({"draft_lens": [1, 0]}, "verify row 0 has forks"),
     (no_forks(draft_lens=[1, 0], pool=[Pooling.LAST, None]), "pooling rows [0] have drafts"),
     ({"req_pool_idx": [0, 3], "sampler": [GREEDY, None]}, "req_pool_idx [3] sample without sampler settings"),
+    ({"rope_offsets": [0]}, "rope_offsets has 1 entries for 2 rows"),
+    ({"image_rows": [0]}, "image_rows / state_load_ids must pair up"),
+    ({"state_load_rows": [0]}, "image_rows / state_load_ids must pair up"),
+    ({"state_save_rows": [0], "state_save_lens": [1]}, "state_save_rows, state_save_lens and state_save_ids"),
+    ({"state_load_rows": [2], "state_load_ids": [0]}, "must be rows of the batch, in [0, 2)"),
+    ({"state_save_rows": [1], "state_save_lens": [3], "state_save_ids": [0]}, "state_save_lens must be in"),
 ]  # fmt: skip
 
 
