@@ -1,7 +1,6 @@
 """Bigger GGUFs for the benches: a Llama-3.2-1B-shaped model in the types people download, a
-Gemma-3-270M-shaped one, and a Qwen3-30B-A3B-shaped mixture of experts with fewer layers.
-
-The command is ``python -m bench.gguf_models`` (bench/gguf_models.py).
+Gemma-3-270M-shaped one, and a Qwen3-30B-A3B-shaped mixture of experts with fewer layers
+(``python -m bench.gguf_models``).
 
 ``llama1b`` is Llama 3.2 1B's shape (hidden 2048, 16 layers, 32 query / 8 KV heads of 64, FFN 8192,
 RMSNorm eps 1e-5, rope theta 500000, tied embedding). ``gemma3_270m`` is Gemma 3 270M's (hidden 640,
@@ -19,9 +18,8 @@ layer. The output is noise; the benches ignore EOS.
 
 Which type each tensor takes follows llama.cpp's ``llama-quantize`` for the file type:
 - ``q4_k_m``: Q4_K, except ``attn_v`` and ``ffn_down`` (``ffn_down_exps``) in Q6_K in the "more
-  bits" layers (the first and last eighth, and every third between: 8 of 16, 4 of 8), and the
-  output (a tied embedding) in Q6_K; an untied embedding stays Q4_K. Half the layers' q/k/v
-  projections thus mix Q4_K and Q6_K, and half the layers' experts Q4_K gate/up with Q6_K down.
+  bits" layers (the first and last eighth, and every third between: 8 of 16, 4 of 8), and the output
+  (a tied embedding) in Q6_K; an untied embedding stays Q4_K (so q/k/v and experts mix types).
 - ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``iq4_nl``, ``iq4_xs``: every layer tensor of that type,
   the output in Q6_K; ``iq4_*`` with llama.cpp's exceptions: ``attn_v`` in Q5_K where 4 or more query
   heads share a KV head, ``ffn_down`` in Q5_K in the first eighth of the layers.
@@ -41,6 +39,7 @@ root>/bench-models/`` (``$RIVULET_CACHE_DIR`` or ``~/.cache/rivulet``), named by
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 from dataclasses import dataclass
@@ -115,6 +114,8 @@ SHAPES = {shape.name: shape for shape in (LLAMA_1B, QWEN3_MOE_30B, GEMMA3_270M)}
 MLA_SHAPE = "deepseekv2lite"  # DeepSeek-V2-Lite's, latent attention (bench/lib/gguf_mla_model.py)
 GPT_OSS_SHAPE = "gptoss20b"  # gpt-oss-20b's, MXFP4 experts, 8 of 24 layers (bench/lib/gguf_gpt_oss_model.py)
 GEMMA4_SHAPE = "gemma4_e4b"  # Gemma 4 E4B's, 12 of 42 layers (bench/lib/gguf_gemma4.py)
+# The shapes whose files have their own tensors and metadata: shape -> its maker under bench.lib.
+OWN_MAKERS = {MLA_SHAPE: "gguf_mla_model", GEMMA4_SHAPE: "gguf_gemma4", GPT_OSS_SHAPE: "gguf_gpt_oss_model"}
 FILE_TYPES = {
     "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M,
     "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
@@ -323,18 +324,9 @@ def ensure_model(name: str, root: Path | None = None) -> Path:
     """The path of bench model ``name`` (``llama1b-q4_k_m``, ``qwen3moe30b-q4_k_m``, ...), made
     first if it is not there."""
     shape_name, _, file_type = name.partition("-")
-    if shape_name == MLA_SHAPE:  # latent attention: its own tensors
-        from bench.lib import gguf_mla_model
-
-        return gguf_mla_model.ensure_model(file_type, root)
-    if shape_name == GEMMA4_SHAPE:  # Gemma 4: its own tensors and metadata
-        from bench.lib import gguf_gemma4
-
-        return gguf_gemma4.ensure_model(file_type, root)
-    if shape_name == GPT_OSS_SHAPE:  # gpt-oss: its own tensors and metadata
-        from bench.lib import gguf_gpt_oss_model
-
-        return gguf_gpt_oss_model.ensure_model(file_type, root)
+    if shape_name in OWN_MAKERS:
+        maker = importlib.import_module(f"bench.lib.{OWN_MAKERS[shape_name]}")
+        return Path(maker.ensure_model(file_type, root))
     if shape_name not in SHAPES or file_type not in FILE_TYPES:
         names = ", ".join(f"{s}-{t}" for s in SHAPES for t in FILE_TYPES)
         raise ValueError(f"no bench model {name!r}; one of {names}")
@@ -348,7 +340,7 @@ def resolve(model: str | None) -> str | None:
     if (
         model is None
         or Path(model).expanduser().exists()
-        or model.partition("-")[0] not in (*SHAPES, MLA_SHAPE, GPT_OSS_SHAPE, GEMMA4_SHAPE)
+        or model.partition("-")[0] not in (*SHAPES, *OWN_MAKERS)
     ):
         return model
     return str(ensure_model(model))
