@@ -134,7 +134,7 @@ HTTP_CASES: list[tuple[str, str, Any, int, str | None]] = [
         "chat/completions",
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
         400,
-        "messages[0].content",
+        "messages[0].content[0]",
     ),  # fmt: skip
     (
         "message content is a number",
