@@ -11,6 +11,7 @@
 #include <stdlib.h>
 
 #include "common.h"
+#include "rivulet_kernels.h"
 
 #define LATENT_BLOCK 16     /* positions widened to float32 at once, every head reading them */
 #define LATENT_MIN_SPAN 128 /* positions a task takes at least: below it the merge outweighs the split */
