@@ -5,6 +5,9 @@ random bytes with chosen scales are what the benches need of them (the output is
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import gguf
 import numpy as np
 
@@ -85,3 +88,21 @@ def _sixteen_bit(qtype: Q, w: np.ndarray) -> np.ndarray:
     bits = w.view(np.uint32)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     return rounded.astype(np.uint16).view(np.uint8)
+
+
+def declare_tensors(
+    writer: gguf.GGUFWriter, tensors: Sequence[tuple[str, Q | None, tuple[int, ...]]]
+) -> None:
+    """Declare ``tensors`` (float32 where the type is None, else blocks held as [rows, row bytes])
+    and write the header, the metadata and the tensor infos: their data follow, in this order."""
+    for name, qtype, dims in tensors:
+        if qtype is None:
+            writer.add_tensor_info(name, dims, np.dtype(np.float32), math.prod(dims) * 4)
+        else:
+            size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            row_bytes = dims[-1] // size * block_bytes
+            nbytes = math.prod(dims[:-1]) * row_bytes
+            writer.add_tensor_info(name, (*dims[:-1], row_bytes), np.dtype(np.uint8), nbytes, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()

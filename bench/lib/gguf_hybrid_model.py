@@ -30,7 +30,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from bench.lib.gguf_blocks import random_blocks
+from bench.lib.gguf_blocks import declare_tensors, random_blocks
 from bench.lib.gguf_models import FILE_TYPES, WEIGHT_STD, Q, _copy_tokenizer, tensor_type
 from gpu_worker.weights.model_files import cache_root, embedded_gguf_path
 
@@ -176,17 +176,7 @@ def write_model(path: Path, s: HybridShape, file_type: str, seed: int = 0) -> Pa
     _metadata(writer, s, file_type)
     _copy_tokenizer(writer, embedded_gguf_path(), VOCAB)
     listed = tensors(s, file_type)
-    for name, qtype, dims in listed:
-        if qtype is None:
-            writer.add_tensor_info(name, dims, np.dtype(np.float32), math.prod(dims) * 4)
-        else:
-            size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-            row_bytes = dims[-1] // size * block_bytes
-            writer.add_tensor_info(name, (*dims[:-1], row_bytes), np.dtype(np.uint8),
-                                   math.prod(dims[:-1]) * row_bytes, raw_dtype=qtype)  # fmt: skip
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
+    declare_tensors(writer, listed)
     rng = np.random.default_rng(seed)
     for name, qtype, dims in listed:
         if qtype is not None:

@@ -48,6 +48,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from bench.lib.gguf_blocks import declare_tensors
 from bench.lib.gguf_blocks import random_blocks as random_blocks
 from gpu_worker.weights.model_files import cache_root, embedded_gguf_path
 
@@ -269,17 +270,7 @@ def write_model(
     _add_metadata(writer, shape, file_type)
     _copy_tokenizer(writer, embedded_gguf_path() if tokenizer is None else tokenizer, shape.vocab)
     tensors = _tensors(shape, file_type)
-    for name, qtype, dims in tensors:
-        if qtype is None:
-            writer.add_tensor_info(name, dims, np.dtype(np.float32), math.prod(dims) * 4)
-        else:
-            size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-            row_bytes = dims[-1] // size * block_bytes
-            nbytes = math.prod(dims[:-1]) * row_bytes
-            writer.add_tensor_info(name, (*dims[:-1], row_bytes), np.dtype(np.uint8), nbytes, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
+    declare_tensors(writer, tensors)
     rng = np.random.default_rng(seed)
     for _name, qtype, dims in tensors:
         if qtype is not None:  # written as [rows, row bytes]: the file holds the bytes alone
