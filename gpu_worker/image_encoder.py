@@ -122,7 +122,8 @@ def image_encoder_for(
     from gpu_worker.weights.mmproj import load_mmproj_tower
 
     if mmproj is not None:
-        return ImageEncoder(load_mmproj_tower(mmproj, dtype, device), device, dtype)
+        config = load_hf_config(model_path) if (Path(model_path) / "config.json").is_file() else None
+        return ImageEncoder(load_mmproj_tower(mmproj, dtype, device, config), device, dtype)
     if not Path(model_path).is_dir() or load_hf_config(model_path).model_type not in SERVED_TOWERS:
         return None
     tower = load_vision_tower(model_path, dtype, device)
