@@ -32,6 +32,8 @@ from tokenizer_proc.config import TokenizerConfig
 logger = logging.getLogger("rivulet.launcher")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # gpu_worker/model_runner.py's, and auto
+# The mmproj projectors the worker reads (gpu_worker/weights/mmproj.py's SUPPORTED, kept off torch here).
+MMPROJ_PROJECTORS = ("gemma3", "gemma4v", "qwen3vl_merger")
 CUDA_DEVICE = re.compile(r"cuda(?::(\d+))?")
 PROBE_TIMEOUT_S = 2.0  # a live engine accepts a unix-socket connection at once
 # What this machine's torch can do with CUDA, asked in a child so the launcher itself never loads torch.
@@ -126,9 +128,10 @@ def _check_mmproj(args: argparse.Namespace) -> None:
     except Exception as exc:  # gguf-py raises what numpy and its parser raise on a bad file
         raise StartRefused(f"--mmproj {args.mmproj}: not a GGUF file ({exc})") from None
     projector = field.contents() if field is not None else None
-    if projector != "gemma3":
+    if projector not in MMPROJ_PROJECTORS:
         raise StartRefused(
-            f"--mmproj {args.mmproj}: projector type {projector!r} is not supported (gemma3 is)"
+            f"--mmproj {args.mmproj}: projector type {projector!r} is not supported "
+            f"({', '.join(MMPROJ_PROJECTORS)} are)"
         )
 
 

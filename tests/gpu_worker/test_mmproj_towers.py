@@ -99,3 +99,10 @@ def test_a_file_of_another_projector_is_refused(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ValueError, match="'qwen2vl_merger' is not supported"):
         load_mmproj_tower(tmp_path / "other.gguf", torch.float64, CPU)
+
+
+def test_the_launcher_admits_the_projectors_the_worker_reads() -> None:
+    from gpu_worker.weights.mmproj import SUPPORTED
+    from launcher_checks import MMPROJ_PROJECTORS
+
+    assert MMPROJ_PROJECTORS == SUPPORTED
