@@ -4,7 +4,7 @@ python -m bench.gguf_models                      # the 1B in q4_k_m, q4_0, q4_1,
 python -m bench.gguf_models --types q5_0,q5_1,iq4_nl,iq4_xs,q3_k_m,q2_k,bf16,f16,mixed  # the others
 python -m bench.gguf_models --shapes gemma3_270m --types q4_k_m  # Gemma 3 270M's shape (Q5_0 mostly)
 python -m bench.gguf_models --shapes qwen3moe30b --types q4_k_m   # the mixture of experts (~3.2 GB)
-python -m bench.gguf_models --shapes deepseekv2lite --types q4_k_m  # DeepSeek-V2-Lite's, 8 layers (~2.9 GB)
+python -m bench.gguf_models --shapes deepseekv2lite --types q4_k_m  # DeepSeek-V2-Lite's, 27 layers (~10 GB)
 python -m bench.gguf_models --shapes gemma4_e4b --types q4_k_m  # Gemma 4 E4B's, 12 layers (~1.7 GB)
 python -m bench.gguf_models --shapes gptoss20b --types mxfp4  # gpt-oss-20b's, 8 layers (~6.1 GB)
 python -m bench.targets --model llama1b-q4_k_m --peer-llama-cpp auto   # a made model by name

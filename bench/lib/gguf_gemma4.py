@@ -4,8 +4,8 @@ decoder with 12 of its 42 layers.
 E4B's sizes: hidden 2560, 8 query heads, 2 KV heads of 256 on the sliding layers (a 512-token window)
 and of 512 on the global ones (every 6th; a proportional rope rotating a quarter of each head, theta
 1e6; sliding theta 1e4), FFN 10240, per-layer inputs of 256 (a [262144, layers x 256] table and its
-projection), its last layers reading earlier layers' KV (18 of 42 there: 5 of 12 here, so both layer
-types keep an owner), final logits soft-capped at 30, a tied 262144-token embedding. Written as
+projection), its last layers reading earlier layers' KV (18 of 42 there: 6 of 12 here, so the last
+owner is a global layer and the one before it sliding, as llama.cpp's loader takes them), final logits soft-capped at 30, a tied 262144-token embedding. Written as
 llama.cpp's converter and ``llama-quantize`` lay such a file out (bench/lib/gguf_models.py's types:
 Q4_K, v and down Q6_K in the "more bits" layers, the tied embedding Q6_K; the per-layer table is
 taken as an untied embedding, Q4_K), with random blocks, norms 1, layer scalars 1 and the
@@ -46,7 +46,7 @@ class Gemma4Shape(Shape):
 GEMMA4_E4B = Gemma4Shape(
     "gemma4_e4b", hidden=2560, layers=12, heads=8, kv_heads=2, ffn=10240, vocab=262144, context=32768,
     rope_theta=1e6, eps=1e-6, arch="gemma4", key_length=256, sliding_window=512, local_rope_theta=1e4,
-    shared_kv_layers=5,
+    shared_kv_layers=6,
 )  # fmt: skip
 _F32_ROLES = ("attn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm",
               "post_norm", "layer_output_scale")  # fmt: skip

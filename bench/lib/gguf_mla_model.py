@@ -7,7 +7,8 @@ key of 64 (``attn_kv_a_mqa`` [576, hidden], its norm), keys of 128 + 64 and valu
 kv_b, which newer converters store split (``attn_k_b`` [heads, 512, 128] per head transposed,
 ``attn_v_b`` [heads, 128, 512]); 64 routed experts of 1408 (6 a token, softmax scores, no
 renormalisation) beside 2 shared ones (``ffn_*_shexp`` of 2816); its first layer dense (FFN 10944);
-YaRN (factor 40 over 4096 positions, mscale 0.707). It has 8 of its 27 layers and its 163840-token
+YaRN (factor 40 over 4096 positions, mscale 0.707). It has all 27 of its layers (llama.cpp tells a
+model without q_lora_rank by 26 or 27 layers, so fewer would not load there) and its 163840-token
 context. Types follow bench/lib/gguf_models.py's ``tensor_type`` (Q4_K_M: Q4_K, the down projections
 Q6_K in the "more bits" layers, rows not whole super-blocks falling back); norms and the router F32.
 """
@@ -27,16 +28,16 @@ from bench.lib.gguf_models import FILE_TYPES, WEIGHT_STD, Q, _copy_tokenizer, te
 from gpu_worker.weights.model_files import cache_root, embedded_gguf_path
 
 NAME = "deepseekv2lite"
-VERSION = 1
+VERSION = 2
 Dims = tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class MlaShape:
-    """DeepSeek-V2-Lite's sizes (8 of its 27 layers); a test writes it smaller with replace."""
+    """DeepSeek-V2-Lite's sizes (all 27 layers); a test writes it smaller with replace."""
 
     hidden: int = 2048
-    layers: int = 8
+    layers: int = 27
     heads: int = 16
     vocab: int = 102400
     context: int = 163840  # 40 x 4096: YaRN's factor over the original length

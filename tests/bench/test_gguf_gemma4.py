@@ -29,7 +29,7 @@ def test_full_shape_q4_k_m_mix_and_size() -> None:
     assert tensors["blk.5.attn_q.weight"] == (Q.Q4_K, (8 * 512, 2560))  # a global layer
     assert tensors["blk.5.attn_v.weight"] == (Q.Q4_K, (2 * 512, 2560))
     assert tensors["blk.0.attn_v.weight"] == (Q.Q6_K, (2 * 256, 2560))  # a "more bits" layer
-    assert "blk.7.attn_k.weight" not in tensors and "blk.6.attn_k.weight" in tensors  # 5 of 12 share KV
+    assert "blk.6.attn_k.weight" not in tensors and "blk.5.attn_k.weight" in tensors  # 6 of 12 share KV
     assert tensors["per_layer_token_embd.weight"] == (Q.Q4_K, (262144, 12 * 256))
     assert tensors["token_embd.weight"] == (Q.Q6_K, (262144, 2560))
     nbytes = sum(
@@ -51,9 +51,9 @@ def test_small_shape_serves_with_blocks(tmp_path: Path) -> None:
                      page_size=16, kv_cache_tokens=256, num_threads=1)
     )  # fmt: skip
     config = runner.hf_config
-    assert config.model_type == "gemma4_text" and config.num_kv_shared_layers == 5
+    assert config.model_type == "gemma4_text" and config.num_kv_shared_layers == 6
     assert config.rope_parameters["full_attention"]["partial_rotary_factor"] == 0.25
-    assert len(runner.kv.k) == 7 and runner.kv.k[5].shape[1:] == (2, 512)
+    assert len(runner.kv.k) == 6 and runner.kv.k[5].shape[1:] == (2, 512)
     model: Any = runner.model
     assert model.model.layers[5].self_attn.qkv_proj.quantized is not None
     assert model.model.embed_tokens_per_layer.quantized is not None
