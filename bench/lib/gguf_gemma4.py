@@ -5,11 +5,12 @@ E4B's sizes: hidden 2560, 8 query heads, 2 KV heads of 256 on the sliding layers
 and of 512 on the global ones (every 6th; a proportional rope rotating a quarter of each head, theta
 1e6; sliding theta 1e4), FFN 10240, per-layer inputs of 256 (a [262144, layers x 256] table and its
 projection), its last layers reading earlier layers' KV (18 of 42 there: 6 of 12 here, so the last
-owner is a global layer and the one before it sliding, as llama.cpp's loader takes them), final logits soft-capped at 30, a tied 262144-token embedding. Written as
-llama.cpp's converter and ``llama-quantize`` lay such a file out (bench/lib/gguf_models.py's types:
-Q4_K, v and down Q6_K in the "more bits" layers, the tied embedding Q6_K; the per-layer table is
-taken as an untied embedding, Q4_K), with random blocks, norms 1, layer scalars 1 and the
-``rope_freqs`` tensor the global layers read. SmolLM2's tokenizer, padded to the vocabulary.
+owner is a global layer and the one before it sliding, as llama.cpp's loader takes them), final logits
+soft-capped at 30, a tied 262144-token embedding. Written as llama.cpp's converter and
+``llama-quantize`` lay such a file out (bench/lib/gguf_models.py's types: Q4_K, v and down Q6_K in the
+"more bits" layers, the tied embedding Q6_K; the per-layer table is taken as an untied embedding,
+Q4_K), with random blocks, norms 1, layer scalars 1 and the ``rope_freqs`` tensor the global layers
+read. SmolLM2's tokenizer, padded to the vocabulary.
 """
 
 from __future__ import annotations
