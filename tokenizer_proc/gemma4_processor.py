@@ -15,10 +15,15 @@ from typing import Any
 class Gemma4ImageProcessor:
     """Called as transformers' processors are: text with one image token per image."""
 
-    def __init__(self, image_processor: Any, tokenizer: Any) -> None:
+    def __init__(
+        self, image_processor: Any, tokenizer: Any, tokens: tuple[str, str, str] | None = None
+    ) -> None:
+        """``tokens``: the image, begin and end tokens (default: those the tokenizer names)."""
         self.image_processor = image_processor
         self.tokenizer = tokenizer
-        self.image, self.boi, self.eoi = tokenizer.image_token, tokenizer.boi_token, tokenizer.eoi_token
+        if tokens is None:
+            tokens = (tokenizer.image_token, tokenizer.boi_token, tokenizer.eoi_token)
+        self.image, self.boi, self.eoi = tokens
 
     def __call__(self, *, text: str, images: list[Any], **_: Any) -> dict[str, Any]:
         import numpy as np

@@ -121,7 +121,8 @@ class VisionProcessor:
         cls, model_path: str, limits: ImageLimits, tokenizer: Any = None, mmproj: str | None = None
     ) -> VisionProcessor | None:
         """The model's processor, or None for a model without a vision tower we run. A directory
-        without one (a GGUF's) given an mmproj file gets Gemma 3's built from it (mmproj_processor.py)."""
+        without one (a GGUF's) given an mmproj file gets its tower family's, built from the file
+        (mmproj_processor.py: Gemma 3, Gemma 4, Qwen3.5)."""
         config_file = Path(model_path) / "config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         if config.get("model_type") not in VISION_MODEL_TYPES or "vision_config" not in config:
