@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rounds", type=int, default=3, help="repeats of each measurement (medians reported)")
     add("--flags", default="", help="extra rivulet launcher flags")
     add("--peer-llama-cpp", default=None, help="auto or a llama-server PATH: run it on the same files")
+    add("--peer-ttft-only", action="store_true", help="measure the peer's cold and cache-hit TTFT only")
     add("--workdir", default=None, help="where the servers' logs go (default: a temp dir)")
     return p
 
@@ -82,12 +83,15 @@ async def ttft(client: httpx.AsyncClient, base_url: str, body: dict[str, Any]) -
     return (first if first is not None else end), end
 
 
-async def measure(base_url: str, args: argparse.Namespace, seed_base: int) -> dict[str, Any]:
-    """One round: cold TTFT, the cache hit's, then the concurrent and sequential phases."""
+async def measure(base_url: str, args: argparse.Namespace, seed_base: int, ttft_only: bool) -> dict[str, Any]:
+    """One round: cold TTFT, the cache hit's, then (unless ``ttft_only``) the concurrent and
+    sequential phases."""
     async with httpx.AsyncClient(timeout=1800) as client:
         body = chat_body(image_uri(seed_base, args.size), args.max_tokens)
         cold, _ = await ttft(client, base_url, body)
         hit, _ = await ttft(client, base_url, body)
+        if ttft_only:
+            return {"ttft_s": cold, "hit_ttft_s": hit}
         bodies = [
             chat_body(image_uri(seed_base + 1 + i, args.size), args.max_tokens)
             for i in range(args.concurrency)
@@ -106,11 +110,12 @@ async def measure(base_url: str, args: argparse.Namespace, seed_base: int) -> di
     return {"ttft_s": cold, "hit_ttft_s": hit, "together_s": together, "one_at_a_time_s": alone}
 
 
-def run_rounds(name: str, base_url: str, args: argparse.Namespace) -> dict[str, Any]:
-    rounds = [asyncio.run(measure(base_url, args, 1000 * (r + 1))) for r in range(args.rounds)]
+def run_rounds(name: str, base_url: str, args: argparse.Namespace, ttft_only: bool = False) -> dict[str, Any]:
+    rounds = [asyncio.run(measure(base_url, args, 1000 * (r + 1), ttft_only)) for r in range(args.rounds)]
     out: dict[str, Any] = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     out["hit_over_cold"] = out["hit_ttft_s"] / out["ttft_s"]
-    out["concurrent_speedup"] = out["one_at_a_time_s"] / out["together_s"]
+    if not ttft_only:
+        out["concurrent_speedup"] = out["one_at_a_time_s"] / out["together_s"]
     print(f"{name}: {json.dumps(out)}", flush=True)
     return out
 
@@ -146,7 +151,7 @@ def run_peer(args: argparse.Namespace, model: str, mmproj: str | None, workdir: 
     cmd = [*peer.command(port), *(["--mmproj", mmproj] if mmproj else [])]
     print(f"llama.cpp: {shlex.join(cmd)}", flush=True)
     with launch.openai_server("llama.cpp", cmd, f"http://127.0.0.1:{port}", workdir / "llama-cpp"):
-        run_rounds("llama.cpp", f"http://127.0.0.1:{port}", args)
+        run_rounds("llama.cpp", f"http://127.0.0.1:{port}", args, args.peer_ttft_only)
 
 
 if __name__ == "__main__":
