@@ -19,6 +19,11 @@ takes the absorbed form for an all-decode batch and, in a batch with prompt rows
 attends its decode rows absorbed. The absorbed form adds in another order: equal within float64
 rounding.
 
+Kernel slot ``pooled_attention`` (``PooledLatentAttention``): a backend's attention of every row of
+the batch over the pool, both forms, the rows' pool entries written first (backends/triton/mla.py);
+empty, the absorbed all-decode batch goes to the backend's paged attention (the CPU's csrc/mla.c) and
+the rest to mla_rows.py's torch.
+
 The rope rotates the last ``qk_rope_head_dim`` dimensions of q and the shared key, as HF does by
 model: DeepSeek-V2 rotates interleaved pairs in complex float32 (``complex``), DeepSeek-V3 and GLM
 with ``rope_interleave`` rotate interleaved pairs and lay the result out half-split (``interleave``),
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -164,8 +169,21 @@ class LatentProjection(Layer):
         return torch.bmm(attended.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
+class PooledLatentAttention(Protocol):
+    """Each head's attended values [T, H, v] of the batch's tokens, ``entry`` [T, 1, r + rope] written to
+    the pool first (the ``pooled_attention`` slot)."""
+
+    def __call__(
+        self, attn: LatentAttention, q_nope: torch.Tensor, q_rope: torch.Tensor, entry: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> torch.Tensor: ...  # fmt: skip
+
+
 class LatentAttention(AttentionLayer):
     """One layer's MLA, HF's module names. ``num_kv_heads`` is 1: the pool's one latent row a token."""
+
+    kernel_slots = ("pooled_attention",)
+    pooled_attention: PooledLatentAttention | None = None
 
     def __init__(self, args: MlaArgs, layer: int) -> None:
         super().__init__()
@@ -213,7 +231,9 @@ class LatentAttention(AttentionLayer):
         """Attended rows [T, H * v] of the normed hidden states ``x`` (before o_proj); ``plan``
         (``row_plan``'s): the batch's rows attended here, else all absorbed on the backend's kernel."""
         q_nope, q_rope, entry = self.project(x, cos, sin)
-        if plan is None:
+        if self.pooled_attention is not None:
+            out = self.pooled_attention(self, q_nope, q_rope, entry, ctx)
+        elif plan is None:
             q = torch.cat((self.kv_b_proj.absorb_query(q_nope), q_rope), dim=-1)
             attended = paged_attention(self.layer, q, entry, entry, ctx, self.options_)
             out = self.kv_b_proj.values(attended[..., : self.args.kv_lora_rank])
