@@ -31,6 +31,7 @@ class TritonMetadata:
     """Where the batch's new K/V go, and its rows as the attention kernel reads them."""
 
     out_locs: torch.Tensor  # int64 [T] pool rows of the new tokens
+    token_req_pool_idx: torch.Tensor  # int64 [T] each token's row of the page table
     rows: AttentionRows
     page_table: torch.Tensor
     page_size: int
@@ -50,15 +51,19 @@ class TritonBackend(TorchBackend):
         self._kernels = kernels
 
     def prepare_model(self, model: nn.Module, dtype: torch.dtype, tp: TensorParallel | None) -> None:
-        """The torch backend's, and the Gated DeltaNet layers' ``pooled_rule``: the gated delta rule's
-        Triton kernels over the state pool (gated_delta.py; the conv1d stays torch's)."""
+        """The torch backend's, the Gated DeltaNet layers' ``pooled_rule``: the gated delta rule's
+        Triton kernels over the state pool (gated_delta.py; the conv1d stays torch's), and latent
+        attention's ``pooled_attention``: both its forms on Triton kernels (mla.py)."""
         super().prepare_model(model, dtype, tp)
-        from gpu_worker.backends.triton import gated_delta
+        from gpu_worker.backends.triton import gated_delta, mla
         from gpu_worker.models.gated_delta import GatedDeltaNet
+        from gpu_worker.models.mla import LatentAttention
 
         for module in model.modules():
             if isinstance(module, GatedDeltaNet):
                 module.attach(pooled_rule=gated_delta)
+            elif isinstance(module, LatentAttention):
+                module.attach(pooled_attention=mla.pooled_attention)
 
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """bfloat16 under float32 activations on a GPU: the kernels read a 16-bit pool in place (fp32
@@ -82,7 +87,7 @@ class TritonBackend(TorchBackend):
         )
         pool_rows = rows.req_pool_idx.to(torch.int64)[row_of_token]
         out_locs = kv_locations(kv.page_table, kv.page_size, pool_rows, positions)
-        return positions, TritonMetadata(out_locs, rows, kv.page_table, kv.page_size)
+        return positions, TritonMetadata(out_locs, pool_rows, rows, kv.page_table, kv.page_size)
 
     def attention(
         self,

@@ -10,15 +10,22 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from gpu_worker.config import WorkerConfig
+from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.mla import softmax_scale
-from tests.mla_models import tiny_mla_config
+from protocol import ForwardBatch
+from tests.exactness import inprocess
+from tests.mla_models import hf_greedy, make_prompts, save_mla_model, tiny_mla_config
+from tests.scheduler_proc.harness import batch_kinds
 
 triton = pytest.importorskip("triton")  # a dependency on Linux x86-64 only
-from gpu_worker.backends.triton import mla_decode  # noqa: E402
+from gpu_worker.backends.triton import mla, mla_decode  # noqa: E402
 from gpu_worker.backends.triton.mla_decode import LatentQueries, latent_decode  # noqa: E402
 
 pytestmark = pytest.mark.triton_interpreter
@@ -116,3 +123,40 @@ def test_only_few_long_queries_split_the_context() -> None:
     assert mla_decode._num_segments(300, 1, 4000, tiles.block_n)[0] == 1, (
         "a batch that fills the GPU does not"
     )
+
+
+NEW_TOKENS = 4
+PROMPT_LENS = (1, 6, 21)
+
+
+@pytest.fixture(scope="module")
+def v2_lite(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, list[list[int]], list[list[int]]]:
+    """DeepSeek-V2-Lite's shape: no q_lora_rank, complex rope, V heads of 16 against K heads of 16 + 8
+    (the expanded form pads V). Its prompts, the longest again (a prefix-cache hit), and HF's tokens."""
+    path = tmp_path_factory.mktemp("triton-mla")
+    hf = save_mla_model("v2_lite", path)
+    prompts = make_prompts(5, PROMPT_LENS)
+    prompts.append(prompts[-1])
+    return path, hf, prompts, hf_greedy(hf, prompts, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("form", ["auto", "absorbed", "expanded"])
+def test_deepseek_v2_on_triton_matches_hf(
+    v2_lite: tuple[Path, Any, list[list[int]], list[list[int]]], form: str
+) -> None:
+    """Chunked prefill, mixed batches and a prefix-cache hit on the Triton backend's latent kernels, each
+    form for every row it takes: HF float64's greedy tokens."""
+    path, _, prompts, expected = v2_lite
+    config = WorkerConfig(model_path=str(path), dtype="float32", device_backend="triton", page_size=4,
+                          kv_cache_tokens=256, num_threads=1, latent_attention=form)  # fmt: skip
+    runner = ModelRunner(config)
+    model: Any = runner.model
+    attn = model.model.layers[0].self_attn
+    assert attn.pooled_attention is mla.pooled_attention, "the Triton backend attaches its latent attention"
+    batches: list[ForwardBatch] = []
+    got, sched = inprocess.generate(
+        runner, prompts, NEW_TOKENS, chunked_prefill_size=8, enable_mixed_chunk=True, batches=batches
+    )
+    assert sched.num_cached_prompt_tokens > 0, "no prefix-cache hit"
+    assert "M" in batch_kinds(batches), "no mixed batch (prefill and decode rows together)"
+    assert got == expected
