@@ -25,6 +25,10 @@ ATTENTION_VARIANTS = [
     ("fp32", 32, 8, 1, 3, True, 16),
 ]
 
+# (dtype, kv_lora_rank, qk_rope_head_dim, segments): latent attention's absorbed decode at
+# DeepSeek's 512 + 64 in each dtype (split and unsplit) and at a tiny test shape.
+LATENT_VARIANTS = [("bf16", 512, 64, 1), ("bf16", 512, 64, 4), ("fp32", 512, 64, 1), ("fp16", 32, 8, 2)]
+
 
 def _signature(fn: Any, pointers: dict[str, str], floats: tuple[str, ...], constexprs: dict) -> dict:
     signature = {name: "i32" for name in fn.arg_names}
@@ -54,7 +58,7 @@ def main(capability: int) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from gpu_worker.backends.triton import attention_kernels, kv_write
+    from gpu_worker.backends.triton import attention_kernels, kv_write, mla_decode, mla_kernels
     from gpu_worker.backends.triton.attention import _tiles
 
     target = GPUTarget("cuda", capability, 32)
@@ -93,6 +97,16 @@ def main(capability: int) -> None:
     pointers["out_locs_ptr"] = "*i64"
     write = dict(HEAD_DIM=80, BLOCK_H=8, BLOCK_D=128)
     print("write_kv:", build(kv_write._write_kv_kernel, pointers, (), write, 4))
+    for dtype, rank, rope, segments in LATENT_VARIANTS:
+        t = mla_decode._tiles(rank, rope, fp32=dtype == "fp32")
+        consts = dict(KV_RANK=rank, ROPE_DIM=rope, BLOCK_R=t.block_r, BLOCK_P=t.block_p,
+                      BLOCK_H=mla_decode.BLOCK_H, BLOCK_N=t.block_n, PAGE_SIZE=16, NUM_SEGMENTS=segments,
+                      DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")  # fmt: skip
+        pointers = {name: f"*{dtype}" for name in ("q_lat_ptr", "q_rope_ptr", "cache_ptr", "out_ptr")}
+        pointers |= {"page_table_ptr": "*i64", "pool_idx_ptr": "*i64", "positions_ptr": "*i64"}
+        pointers |= {name: "*fp32" for name in ("part_out_ptr", "part_max_ptr", "part_sum_ptr")}
+        usage = build(mla_kernels._latent_decode_kernel, pointers, ("scale",), consts, t.num_warps)
+        print(f"latent decode {dtype} {rank} + {rope}, {segments} segments, {t}: {usage}", flush=True)
 
 
 if __name__ == "__main__":

@@ -232,3 +232,4 @@ def test_kernels_compile_for_an_h100() -> None:
                           capture_output=True, text=True, timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("attention ") == 6 and "write_kv" in done.stdout, done.stdout
+    assert done.stdout.count("latent decode ") == 4, done.stdout
