@@ -43,10 +43,12 @@ class Case:
     page_size: int
     positions: tuple[int, ...]  # each query's position: it sees 0..position of its own row
     yarn: bool
+    pool_dtype: torch.dtype | None = None  # None: the queries' (a GPU's float32 runs over a bf16 pool)
 
     def __str__(self) -> str:
         name = f"{str(self.dtype).removeprefix('torch.')}-h{self.heads}-r{self.kv_rank}+{self.rope_dim}"
-        return name + f"-p{self.page_size}-{len(self.positions)}q" + ("-yarn" if self.yarn else "")
+        name += f"-p{self.page_size}-{len(self.positions)}q" + ("-yarn" if self.yarn else "")
+        return name + (f"-pool-{str(self.pool_dtype).removeprefix('torch.')}" if self.pool_dtype else "")
 
 
 CASES = [
@@ -54,6 +56,7 @@ CASES = [
     Case(F32, 20, 48, 16, 16, (3, 600), yarn=True),  # two head blocks, a split context (segments)
     Case(BF16, 16, 64, 16, 1, (9, 130, 77), yarn=False),
     Case(F32, 3, 32, 8, 16, (40, 41, 300), yarn=True),
+    Case(F32, 16, 32, 16, 16, (0, 70), yarn=False, pool_dtype=BF16),
 ]
 
 
@@ -74,7 +77,8 @@ def _paged(case: Case, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor
     pool_idx = random.Random(str(case)).sample(range(queries + 2), queries)
     for idx, count in zip(pool_idx, pages, strict=True):
         table[idx, :count] = torch.tensor([free.pop() for _ in range(count)])
-    pool = torch.randn((total * ps, 1, case.kv_rank + case.rope_dim), generator=gen).to(case.dtype)
+    pool = torch.randn((total * ps, 1, case.kv_rank + case.rope_dim), generator=gen)
+    pool = pool.to(case.pool_dtype or case.dtype)
     return pool, table, pool_idx
 
 
@@ -160,3 +164,15 @@ def test_deepseek_v2_on_triton_matches_hf(
     assert sched.num_cached_prompt_tokens > 0, "no prefix-cache hit"
     assert "M" in batch_kinds(batches), "no mixed batch (prefill and decode rows together)"
     assert got == expected
+
+
+def test_deepseek_v3_with_yarn_on_triton_matches_hf(tmp_path: Path) -> None:
+    """DeepSeek-V3's YaRN rope with mscale (the kernels' softmax scale), interleaved rope, sigmoid
+    routing: HF float64's greedy tokens under auto (prompt rows expanded, decode rows absorbed)."""
+    hf = save_mla_model("v3", tmp_path)
+    prompts = make_prompts(6, PROMPT_LENS)
+    config = WorkerConfig(model_path=str(tmp_path), dtype="float32", device_backend="triton", page_size=16,
+                          kv_cache_tokens=256, num_threads=1)  # fmt: skip
+    got, _ = inprocess.generate(ModelRunner(config), prompts, NEW_TOKENS, chunked_prefill_size=8,
+                                enable_mixed_chunk=True)  # fmt: skip
+    assert got == hf_greedy(hf, prompts, NEW_TOKENS)
