@@ -4,12 +4,15 @@
 
 Each engine is started in turn, idle after Ready: the worker logs the bytes of the weight tensors
 it holds (every storage once: parameters and each copy a matmul path keeps), and its RSS is read
-from /proc (RSS includes libtorch and the KV pool, so compare the rows with each other).
+from /proc (RSS includes libtorch and the KV pool, so compare the rows with each other). The KV pool
+(``--kv-cache-tokens 4096``) and a hybrid model's recurrent-state pool are read from the worker's start
+log, and the last column is RSS over the file's tensors plus both pools (issue 53's budget: <= 1.15).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import tempfile
 import time
@@ -19,6 +22,8 @@ from bench.lib.launch import rivulet_server
 
 HELD = re.compile(r"weights held: ([0-9.]+) MB")
 PATHS = re.compile(r"matmul paths \(Linears\): ([^;]+);")
+KV_POOL = re.compile(r"KV pool: (\d+) pages of (\d+) tokens, \S+ \((\d+) bytes a token")
+STATE_POOL = re.compile(r"recurrent-state pool: .*?: ([0-9.]+) MiB at most")
 
 
 def rss_mb(pid: int) -> float:
@@ -42,12 +47,16 @@ def measure(model: str | None, weight_dtype: str, dtype: str, workdir: Path) -> 
         log = server.log_tail(200_000)
         held = HELD.findall(log)
         paths = PATHS.findall(log)
+        kv = KV_POOL.findall(log)
+        state = STATE_POOL.findall(log)
         worker = max(server.alive_pids(), key=rss_mb)  # the worker holds the weights
         return {
             "weight_dtype": weight_dtype,
             "held_mb": float(held[-1]) if held else float("nan"),
             "worker_rss_mb": rss_mb(worker),
             "paths": paths[-1] if paths else "?",
+            "kv_mb": math.prod(int(x) for x in kv[-1]) / 1e6 if kv else float("nan"),
+            "state_mb": float(state[-1]) * 2**20 / 1e6 if state else 0.0,
         }
 
 
@@ -64,14 +73,18 @@ def main() -> None:
         raise SystemExit("--model must be a .gguf file")
     file_mb = gguf_tensor_mb(path)
     print(f"GGUF {path.name}: {file_mb:.1f} MB of tensors; --dtype {args.dtype}")
-    print(f"{'--weight-dtype':<15} {'held MB':>9} {'x file':>7} {'worker RSS MB':>14}  matmul paths")
+    print(
+        f"{'--weight-dtype':<15} {'held MB':>9} {'x file':>7} {'worker RSS MB':>14} {'KV MB':>7} "
+        f"{'state MB':>8} {'RSS / (file + pools)':>20}  matmul paths"
+    )
     with tempfile.TemporaryDirectory(prefix="rivulet-mem-") as tmp:
         for weight_dtype in args.weight_dtypes.split(","):
             row = measure(args.model, weight_dtype, args.dtype, Path(tmp))
-            held = float(row["held_mb"])  # type: ignore[arg-type]
+            held, rss = float(row["held_mb"]), float(row["worker_rss_mb"])  # type: ignore[arg-type]
+            kv, state = float(row["kv_mb"]), float(row["state_mb"])  # type: ignore[arg-type]
             print(
-                f"{weight_dtype:<15} {held:>9.1f} {held / file_mb:>7.2f} "
-                f"{float(row['worker_rss_mb']):>14.0f}  {row['paths']}"  # type: ignore[arg-type]
+                f"{weight_dtype:<15} {held:>9.1f} {held / file_mb:>7.2f} {rss:>14.0f} {kv:>7.1f} "
+                f"{state:>8.1f} {rss / (file_mb + kv + state):>20.3f}  {row['paths']}"
             )
 
 
