@@ -79,6 +79,7 @@ CPU_KIND_TESTS = (
     "tests/gpu_worker/test_quant_k23.py",
     "tests/gpu_worker/test_decode_layers.py",
     "tests/gpu_worker/test_decode_layers_windows.py",
+    "tests/gpu_worker/test_decode_layers_gemma.py",
     "tests/gpu_worker/test_sink_attention.py",
     "tests/gpu_worker/test_mxfp4.py",
     "tests/exactness/test_gpt_oss_gguf.py",

@@ -21,7 +21,15 @@ from torch import nn
 from gpu_worker.forward_context import PLAIN, AttentionOptions, ForwardContext, paged_attention
 from gpu_worker.image_encoder import splice_images
 from gpu_worker.models.contract import AttentionLayer, Layer, Split
-from gpu_worker.models.layers import Embedding, Linear, MergedLinear, activation, apply_rotary
+from gpu_worker.models.layers import (
+    Embedding,
+    FusedOps,
+    Linear,
+    MergedLinear,
+    activation,
+    apply_rotary,
+    gelu_tanh,
+)
 from gpu_worker.models.rope import rotary_cache
 
 SLIDING = "sliding_attention"
@@ -41,11 +49,34 @@ class GemmaRMSNorm(Layer):
         return (normed * (1.0 + self.weight.float())).type_as(x)
 
 
+class GemmaNorm(GemmaRMSNorm):
+    """Gemma 2/3's decoder norms, with a ``fused`` slot: a device backend's RMSNorm kernel, on float32
+    activations, over the weight ``1 + w`` (summed in float32 once, when the kernel attaches, as the
+    torch path sums it each call). In bf16 the torch path runs (it rounds once, after the scale)."""
+
+    kernel_slots = ("fused",)
+    fused: FusedOps | None = None
+    folded: torch.Tensor | None = None  # 1 + w in float32, while a kernel is attached
+
+    def attach(self, **kernels: Any) -> None:
+        super().attach(**kernels)
+        folded = (1.0 + self.weight.float()).contiguous() if self.fused is not None else None
+        object.__setattr__(self, "folded", folded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is None or self.folded is None or x.dtype != torch.float32:
+            return super().forward(x)
+        return self.fused.rms_norm(x.reshape(-1, x.shape[-1]), self.folded, self.eps).view(x.shape)
+
+
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
 class GemmaAttention(AttentionLayer):
+    kernel_slots = ("fused",)
+    fused: FusedOps | None = None  # a device backend's: rotary in place, one call
+
     def __init__(self, cfg: Any, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -59,8 +90,8 @@ class GemmaAttention(AttentionLayer):
         self.o_proj = Linear(q_out, cfg.hidden_size, bias, Split.ROW)
         self.qk_norm = cfg.model_type.startswith("gemma3")
         if self.qk_norm:
-            self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = GemmaNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = GemmaNorm(self.head_dim, cfg.rms_norm_eps)
         sliding = cfg.layer_types[layer] == SLIDING
         scalar = cfg.query_pre_attn_scalar  # head_dim but in the 27B models: then the default scale
         options = AttentionOptions(
@@ -82,12 +113,20 @@ class GemmaAttention(AttentionLayer):
         q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.fused is not None:  # q and k rotate by the same angles: one call over their heads
+            qk = torch.cat((q, k), dim=1)
+            self.fused.rotary_(qk, heads + kv_heads, cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         attended = paged_attention(self.layer, q, k, v, ctx, self.attention)
         return self.o_proj(attended.flatten(1))
 
 
 class GemmaMLP(Layer):
+    kernel_slots = ("fused",)
+    fused: FusedOps | None = None  # a device backend's: gelu_tanh(gate) * up in one call (float32)
+
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         inner = cfg.intermediate_size
@@ -99,7 +138,10 @@ class GemmaMLP(Layer):
         return {"act": self.act}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused is not None and self.act is gelu_tanh and gate_up.dtype == torch.float32:
+            return self.down_proj(self.fused.gelu_tanh_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -108,12 +150,12 @@ class GemmaDecoderLayer(Layer):
         super().__init__()
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.local = cfg.layer_types[layer] == SLIDING
-        self.input_layernorm = GemmaRMSNorm(hidden, eps)
+        self.input_layernorm = GemmaNorm(hidden, eps)
         self.self_attn = GemmaAttention(cfg, layer)
-        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_attention_layernorm = GemmaNorm(hidden, eps)
+        self.pre_feedforward_layernorm = GemmaNorm(hidden, eps)
         self.mlp = GemmaMLP(cfg)
-        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = GemmaNorm(hidden, eps)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext

@@ -48,6 +48,8 @@ class FusedOps(Protocol):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
 
 class BlocksOrWeight(Layer):
     """A layer whose weight slot is ``weight``, or ``quantized``: a GGUF's blocks, which only a

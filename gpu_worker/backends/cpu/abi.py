@@ -238,13 +238,13 @@ def python_side() -> tuple[dict[str, type[ctypes.Structure]], dict[str, int]]:
     import torch
 
     # Imported here: they import kernels.py, which calls check_kernels.
-    from gpu_worker.backends.cpu import build, decode_layers, experts, kernels, layouts
+    from gpu_worker.backends.cpu import build, decode_structs, experts, kernels, layouts
 
     structs: dict[str, type[ctypes.Structure]] = {
         "moe_projection": experts.MoeProjection,
-        "decode_linear": decode_layers.DecodeLinear,
-        "decode_layer": decode_layers.DecodeLayer,
-        "decode_dims": decode_layers.DecodeDims,
+        "decode_linear": decode_structs.DecodeLinear,
+        "decode_layer": decode_structs.DecodeLayer,
+        "decode_dims": decode_structs.DecodeDims,
     }
     constants = {
         "ISA_PORTABLE": build.ISA_PORTABLE,
@@ -257,8 +257,8 @@ def python_side() -> tuple[dict[str, type[ctypes.Structure]], dict[str, int]]:
         "MAX_HEAD_DIM": kernels.MAX_HEAD_DIM,
         "QTYPE_X8": layouts.X8,
         "QTYPE_A8": layouts.A8,
-        "MAX_PARTS": decode_layers.MAX_PARTS,
-        "DECODE_LINEARS": len(decode_layers.LINEARS),
+        "MAX_PARTS": decode_structs.MAX_PARTS,
+        "DECODE_LINEARS": len(decode_structs.LINEARS),
     }
     return structs, constants
 

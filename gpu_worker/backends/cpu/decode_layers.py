@@ -12,7 +12,9 @@ bit for bit (tests/gpu_worker/test_decode_layers.py). A merged Linear whose proj
 with torch) and a mixture of experts in place of the MLP (experts on blocks, routed by the
 ``QuantRouter`` the modules route with too) and sliding windows, each layer its own (Mistral's, a
 per-layer pattern's sliding layers), run in the one call as well. Any other step, or model, runs
-the modules: prefill chunks and mixed batches, bf16 or fp32 weights, biases, --compile.
+the modules: prefill chunks and mixed batches, bf16 or fp32 weights, biases, --compile. Gemma 2
+and 3 run in it too, on float32 activations, with their own norms, GELU and rotary tables
+(decode_gemma.py).
 """
 
 from __future__ import annotations
@@ -21,87 +23,30 @@ import ctypes
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.backends.cpu.decode_gemma import (
+    GEMMA_C_LAYERS,
+    GemmaDecode,
+    gemma_kernels_missing,
+    why_not_gemma,
+)
+from gpu_worker.backends.cpu.decode_structs import DecodeDims, DecodeLayer, DecodeLinear, quant_linears
 from gpu_worker.backends.cpu.experts import MoeProjection, QuantExperts, QuantRouter
 from gpu_worker.backends.cpu.kernels import DTYPE_CODES, KV_DTYPE_CODES, CpuKernels
-from gpu_worker.backends.cpu.layouts import kernel_type
 from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.forward_context import PLAIN, AttentionOptions, ForwardContext
 from gpu_worker.models.contract import Layer
+from gpu_worker.models.gemma import GemmaDecoderLayer, GemmaForCausalLM
 from gpu_worker.models.layers import Linear, MergedLinear, RMSNorm
 from gpu_worker.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 from gpu_worker.models.moe import Experts, SparseMoeBlock
 
 logger = logging.getLogger(__name__)
-
-LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-MAX_PARTS = 3  # csrc/rivulet_kernels.h's (abi.py checks): q, k, v of three types
-
-
-class DecodeLinear(ctypes.Structure):
-    """csrc/rivulet_kernels.h's ``decode_linear``: a Linear's parts (unused ones have n = 0)."""
-
-    _fields_ = [
-        ("w", ctypes.c_void_p * MAX_PARTS),
-        ("type", ctypes.c_int64 * MAX_PARTS),
-        ("n", ctypes.c_int64 * MAX_PARTS),
-        ("dense_min_rows", ctypes.c_int64 * MAX_PARTS),
-        ("a8_min_rows", ctypes.c_int64 * MAX_PARTS),
-    ]
-
-    @classmethod
-    def of(cls, impl: QuantLinear) -> DecodeLinear:
-        parts = impl.weight.parts
-        pad = MAX_PARTS - len(parts)
-        return cls(
-            w=(ctypes.c_void_p * MAX_PARTS)(*(p.data.data_ptr() for p in parts), *[None] * pad),
-            type=(ctypes.c_int64 * MAX_PARTS)(*(kernel_type(p) for p in parts), *[0] * pad),
-            n=(ctypes.c_int64 * MAX_PARTS)(*(p.rows for p in parts), *[0] * pad),
-            dense_min_rows=(ctypes.c_int64 * MAX_PARTS)(*impl.dense_min_rows, *[0] * pad),
-            a8_min_rows=(ctypes.c_int64 * MAX_PARTS)(*impl.a8_min_rows, *[0] * pad),
-        )
-
-
-class DecodeLayer(ctypes.Structure):
-    """csrc/rivulet_kernels.h's ``decode_layer``."""
-
-    _fields_ = [
-        ("input_norm", ctypes.c_void_p),
-        ("post_norm", ctypes.c_void_p),
-        ("linear", DecodeLinear * 4),
-        ("k_cache", ctypes.c_void_p),
-        ("v_cache", ctypes.c_void_p),
-        ("q_norm", ctypes.c_void_p),
-        ("k_norm", ctypes.c_void_p),
-        ("router", ctypes.c_void_p),
-        ("experts", ctypes.POINTER(MoeProjection)),
-        ("n_experts", ctypes.c_int64),
-        ("top_k", ctypes.c_int64),
-        ("norm_topk", ctypes.c_int64),
-        ("expert_inner", ctypes.c_int64),
-        ("window", ctypes.c_int64),
-    ]
-
-
-class DecodeDims(ctypes.Structure):
-    """csrc/rivulet_kernels.h's ``decode_dims``."""
-
-    _fields_ = [
-        ("hidden", ctypes.c_int64),
-        ("heads", ctypes.c_int64),
-        ("kv_heads", ctypes.c_int64),
-        ("head_dim", ctypes.c_int64),
-        ("inner", ctypes.c_int64),
-        ("eps", ctypes.c_float),
-        ("scale", ctypes.c_float),
-        ("dtype", ctypes.c_int64),
-        ("kv_dtype", ctypes.c_int64),
-    ]
 
 
 def _any(value: object) -> bool:
@@ -135,6 +80,7 @@ C_LAYERS: dict[type[nn.Module], dict[str, Callable[[Any], bool]]] = {
     MLP: {"act": _silu},
     SparseMoeBlock: {"top_k": _any, "norm_topk_prob": _any},
     Experts: {"act": _silu},
+    **GEMMA_C_LAYERS,
 }
 
 
@@ -169,11 +115,7 @@ def _linears(layer: DecoderLayer) -> list[QuantLinear] | None:
     modules = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
     if isinstance(layer.mlp, MLP):
         modules += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
-    impls = [m.impl for m in modules]
-    fit = all(
-        isinstance(i, QuantLinear) and len(i.weight.parts) <= MAX_PARTS and i.bias is None for i in impls
-    )
-    return impls if fit else None  # type: ignore[return-value]
+    return quant_linears(modules)
 
 
 def _one_call_experts(mlp: SparseMoeBlock) -> bool:
@@ -203,35 +145,53 @@ def _kernels_missing(layer: DecoderLayer, dtype: torch.dtype) -> str | None:
 def why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
     """Why the model's decode steps cannot run as one call (None: they can): every decoder layer must
     be of the kinds in ``C_LAYERS``, and on the kernels the C decode calls."""
-    if not isinstance(model, LlamaForCausalLM):
-        return "not a Llama model"
+    gemma = isinstance(model, GemmaForCausalLM)
+    if not isinstance(model, LlamaForCausalLM) and not gemma:
+        return "not a Llama or Gemma model"
     if model.tensor_parallel is not None:
         return "tensor parallel: o and down sum over the ranks"
     if dtype not in DTYPE_CODES:
         return f"activations in {dtype}"
     if not CpuKernels.supports(model.num_heads, model.num_kv_heads, model.head_dim, dtype):
         return f"{model.num_heads} heads of {model.head_dim} (KV {model.num_kv_heads}): beyond its attention"
-    unknown = sorted(f.name for f in dataclasses.fields(model.args) if f.name not in C_ARGS)
-    if unknown:
-        return f"model arguments the C decode does not know: {', '.join(unknown)}"
+    if isinstance(model, LlamaForCausalLM):
+        unknown = sorted(f.name for f in dataclasses.fields(model.args) if f.name not in C_ARGS)
+        if unknown:
+            return f"model arguments the C decode does not know: {', '.join(unknown)}"
     for layer in model.decoder_layers():
         reason = not_in_c(layer)
-        if reason is None:
+        if reason is None and isinstance(layer, GemmaDecoderLayer):
+            reason = gemma_kernels_missing(layer)
+        elif reason is None:
             assert isinstance(layer, DecoderLayer)
             reason = _kernels_missing(layer, dtype)
         if reason is not None:
             return reason
-    return None
+    return why_not_gemma(model, dtype) if isinstance(model, GemmaForCausalLM) else None
 
 
-class FusedDecode:
-    """Runs a model's decoder layers for steps whose rows all decode, as one kernel call."""
+class Family(Protocol):
+    """What the one call needs of a model family: its sizes, a layer's struct (without its KV
+    pool's pointers), and a step's embedding rows and rotary tables."""
 
-    def __init__(self, model: LlamaForCausalLM, kernels: CpuKernels, dtype: torch.dtype) -> None:
+    model: Any
+
+    def dims(self) -> DecodeDims: ...
+
+    def layer(self, layer: Any) -> DecodeLayer: ...
+
+    def inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+
+
+class LlamaDecode:
+    """The Llama family's part of the one call."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
         self.model: Any = model  # (its submodules typed as nn.Module's attributes are: Tensor | Module)
-        self.kernels = kernels
-        args = model.args
-        self.dims = DecodeDims(
+
+    def dims(self) -> DecodeDims:
+        args = self.model.args
+        return DecodeDims(
             hidden=args.hidden_size,
             heads=args.num_heads,
             kv_heads=args.num_kv_heads,
@@ -239,9 +199,43 @@ class FusedDecode:
             inner=args.intermediate_size,
             eps=args.eps,
             scale=args.head_dim**-0.5,
-            dtype=DTYPE_CODES[dtype],
-            kv_dtype=DTYPE_CODES[dtype],  # set from the pool the first time a step runs
         )
+
+    def layer(self, layer: DecoderLayer) -> DecodeLayer:
+        impls = _linears(layer)
+        assert impls is not None
+        attn, mlp = layer.self_attn, layer.mlp
+        out = DecodeLayer(
+            input_norm=layer.input_layernorm.weight.data_ptr(),
+            post_norm=layer.post_attention_layernorm.weight.data_ptr(),
+            linear=(DecodeLinear * 4)(*(DecodeLinear.of(impl) for impl in impls)),
+            q_norm=attn.q_norm.weight.data_ptr() if attn.qk_norm else None,
+            k_norm=attn.k_norm.weight.data_ptr() if attn.qk_norm else None,
+            window=layer.attention.sliding_window,
+        )
+        if isinstance(mlp, SparseMoeBlock):
+            experts, router = mlp.experts.impl, mlp.router
+            assert isinstance(experts, QuantExperts) and isinstance(router, QuantRouter)  # why_not's
+            out.router = router.weight.data_ptr()
+            out.experts = ctypes.cast(experts.projections, ctypes.POINTER(MoeProjection))
+            out.n_experts, out.top_k = router.weight.shape[0], router.top_k
+            out.norm_topk, out.expert_inner = int(router.norm_topk), experts.inner
+        return out
+
+    def inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cos, sin = self.model.rotary(positions)
+        return self.model.model.embed_tokens(input_ids), cos, sin
+
+
+class FusedDecode:
+    """Runs a model's decoder layers for steps whose rows all decode, as one kernel call."""
+
+    def __init__(self, family: Family, kernels: CpuKernels, dtype: torch.dtype) -> None:
+        self.family = family
+        self.model: Any = family.model
+        self.kernels = kernels
+        self.dims = family.dims()
+        self.dims.dtype = self.dims.kv_dtype = DTYPE_CODES[dtype]  # kv_dtype: the pool's, at the first step
         self.dtype = dtype
         self._layers: ctypes.Array[DecodeLayer] | None = None
         self._pool: tuple[int, int] = (0, 0)  # the KV pool's pointers _layers was built for
@@ -253,26 +247,8 @@ class FusedDecode:
         layers = self.model.model.layers
         array = (DecodeLayer * len(layers))()
         for i, layer in enumerate(layers):
-            impls = _linears(layer)
-            assert impls is not None
-            attn, mlp = layer.self_attn, layer.mlp
-            array[i] = DecodeLayer(
-                input_norm=layer.input_layernorm.weight.data_ptr(),
-                post_norm=layer.post_attention_layernorm.weight.data_ptr(),
-                linear=(DecodeLinear * 4)(*(DecodeLinear.of(impl) for impl in impls)),
-                k_cache=ctx.k_cache[i].data_ptr(),
-                v_cache=ctx.v_cache[i].data_ptr(),
-                q_norm=attn.q_norm.weight.data_ptr() if attn.qk_norm else None,
-                k_norm=attn.k_norm.weight.data_ptr() if attn.qk_norm else None,
-                window=layer.attention.sliding_window,
-            )
-            if isinstance(mlp, SparseMoeBlock):
-                experts, router = mlp.experts.impl, mlp.router
-                assert isinstance(experts, QuantExperts) and isinstance(router, QuantRouter)  # why_not's
-                array[i].router = router.weight.data_ptr()
-                array[i].experts = ctypes.cast(experts.projections, ctypes.POINTER(MoeProjection))
-                array[i].n_experts, array[i].top_k = router.weight.shape[0], router.top_k
-                array[i].norm_topk, array[i].expert_inner = int(router.norm_topk), experts.inner
+            array[i] = self.family.layer(layer)
+            array[i].k_cache, array[i].v_cache = ctx.k_cache[i].data_ptr(), ctx.v_cache[i].data_ptr()
         self._layers, self._pool = array, pool
         self.dims.kv_dtype = KV_DTYPE_CODES[ctx.k_cache[0].dtype]
         return array
@@ -281,10 +257,9 @@ class FusedDecode:
         """Hidden states [T, hidden] before the final norm, as ``model(input_ids, ctx)`` gives them;
         None when some row of the step does not decode (the caller runs the modules)."""
         paged = ctx.attn.paged_decode
-        if not ctx.attn.in_order or paged is None:
+        if not ctx.attn.in_order or paged is None or ctx.images is not None:
             return None
-        cos, sin = self.model.rotary(ctx.positions)
-        x = self.model.model.embed_tokens(input_ids)
+        x, cos, sin = self.family.inputs(input_ids, ctx.positions)
         out = torch.empty_like(x)
         assert x.is_contiguous() and x.dtype == self.dtype and cos.is_contiguous() and sin.is_contiguous()
         layers = self._layer_array(ctx)
@@ -301,5 +276,7 @@ def fused_decode(model: nn.Module, kernels: CpuKernels | None, dtype: torch.dtyp
         logger.info("decode steps run layer by layer: %s", reason)
         return None
     logger.info("decode steps run every layer in one C call (csrc/decode_layers.c)")
+    if isinstance(model, GemmaForCausalLM):
+        return FusedDecode(GemmaDecode(model), kernels, dtype)
     assert isinstance(model, LlamaForCausalLM)
-    return FusedDecode(model, kernels, dtype)
+    return FusedDecode(LlamaDecode(model), kernels, dtype)

@@ -70,11 +70,20 @@ class CpuKernels(QuantKernels):
         self._rotary.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, i32]
         self._silu_mul = lib.silu_mul
         self._silu_mul.argtypes = [ptr, ptr, i64, i32, i32]
+        self._gelu_tanh_mul = lib.gelu_tanh_mul
+        self._gelu_tanh_mul.argtypes = [ptr, ptr, i64, i32, i32]
         self._matmul = lib.matmul_bf16
         self._matmul.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i32, i32, i32]
         self._argmax = lib.argmax_rows
         self._argmax.argtypes = [ptr, i64, i64, i32, i32, ptr]
-        for fn in (self._rms_norm, self._rotary, self._silu_mul, self._matmul, self._argmax):
+        for fn in (
+            self._rms_norm,
+            self._rotary,
+            self._silu_mul,
+            self._gelu_tanh_mul,
+            self._matmul,
+            self._argmax,
+        ):
             fn.restype = None
         self._latent = lib.latent_decode_attention
         self._latent.restype = i32
@@ -218,6 +227,13 @@ class CpuKernels(QuantKernels):
         rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((rows, inner), dtype=gate_up.dtype)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inner, DTYPE_CODES[gate_up.dtype])
+        return out
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(gate) * up of contiguous gate_up [T, 2 * inner] -> [T, inner] (Gemma's MLP)."""
+        rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((rows, inner), dtype=gate_up.dtype)
+        self._gelu_tanh_mul(gate_up.data_ptr(), out.data_ptr(), rows, inner, DTYPE_CODES[gate_up.dtype])
         return out
 
     def matmul(

@@ -21,7 +21,12 @@
  *   h = rms_norm(x); each row's top-k experts and weights (moe_route); the (row, expert) pairs
  *   grouped by expert, stably (as models/moe.py's ExpertGroups.of sorts them); x = x + the experts'
  *   weighted sum (moe_experts)
- * the calls the modules make through backends/cpu/experts.py, in their order. */
+ * the calls the modules make through backends/cpu/experts.py, in their order.
+ *
+ * Gemma 2 and 3 (models/gemma.py): the norms' weights come as 1 + w (decode_gemma.py folds the 1 in
+ * at load, in float32, as GemmaRMSNorm's own sum); attn_out_norm and mlp_out_norm norm the
+ * attention's and the MLP's outputs before each is added to x (the "sandwich" norms); GELU (tanh)
+ * gates the MLP (dims->gelu); each layer takes its rotary table (Gemma 3's local and global bases). */
 #include "quant.h"
 #include "rivulet_kernels.h"
 #include <stdlib.h>
@@ -49,6 +54,34 @@ static int linear(const decode_layer *l, int i, int64_t n, int64_t k, const void
     return col == n ? RV_OK : RV_ERR_PARTS;
 }
 
+/* x [n] += y [n], each sum rounded to the dtype (torch's add). */
+static void add_into(void *x, const void *y, int64_t n_all, int dtype) {
+    float a[256], b[256];
+    for (int64_t i0 = 0; i0 < n_all; i0 += 256) {
+        const int n = n_all - i0 < 256 ? (int)(n_all - i0) : 256;
+        load_vec(x, dtype, i0, n, a);
+        load_vec(y, dtype, i0, n, b);
+        for (int i = 0; i < n; i++) a[i] += b[i];
+        store_vec(x, dtype, i0, n, a);
+    }
+}
+
+/* Linear i of x into out as a residual add: in place (out + x W^T) where norm is NULL, else
+ * out + rms_norm(x W^T) (Gemma's), y [rows, n] the product's scratch. */
+static int linear_add(const decode_layer *l, int i, const decode_dims *dims, int64_t k, const void *x, int64_t rows,
+                      void *scratch, void *y, void *out, const void *norm) {
+    const int dtype = (int)dims->dtype;
+    const int64_t n = dims->hidden;
+    /* out = out + x W^T in place: each output element is read (as the residual) and then written by
+     * the same thread, once, and no other output is read after */
+    if (norm == NULL) return linear(l, i, n, k, x, rows, scratch, out, dtype, out);
+    const int status = linear(l, i, n, k, x, rows, scratch, y, dtype, NULL);
+    if (status != 0) return status;
+    rms_norm(y, n, norm, y, rows, (int)n, dims->eps, dtype);
+    add_into(out, y, rows * n, dtype);
+    return RV_OK;
+}
+
 /* The pairs (row r, its k-th expert ids[r top_k + k]) sorted by expert, stably: tokens[j] the row
  * and w_sorted[j] the weight of sorted pair j; spans (expert, start, count) per expert with pairs,
  * experts ascending. next: n_experts scratch. Returns the number of spans. */
@@ -73,7 +106,8 @@ static int64_t group_pairs(const int64_t *ids, const void *w, int64_t pairs, int
 }
 
 /* out [rows, hidden] = the residual stream after every layer, from x [rows, hidden] (the embedding
- * rows; not written). cos / sin: [rows, head_dim] at the rows' positions. The attention arguments
+ * rows; not written). cos / sin: [tables, rows, head_dim] at the rows' positions (a layer's rope
+ * picks its table). The attention arguments
  * are paged_decode_attention's (q_rows: the rows in order). Returns RV_OK, RV_ERR_NO_MEMORY, or the
  * status of the kernel call that refused. */
 int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dims *dims, const void *x, void *out,
@@ -120,7 +154,9 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
                 rms_norm(row, d, l->q_norm, row, dims->heads, (int)d, dims->eps, dtype);
                 rms_norm(row + q_out * elem, d, l->k_norm, row + q_out * elem, dims->kv_heads, (int)d, dims->eps, dtype);
             }
-        rotary(qkv, qkv_n, rows, (int)(dims->heads + dims->kv_heads), (int)d, cos, sin, dtype);
+        const int64_t table = l->rope * rows * d * elem;
+        rotary(qkv, qkv_n, rows, (int)(dims->heads + dims->kv_heads), (int)d, (const char *)cos + table,
+               (const char *)sin + table, dtype);
         status = paged_decode_attention(qkv, qkv_n, l->k_cache, l->v_cache, attn, dtype, (int)dims->kv_dtype, q_rows,
                                         req_pool_idx, kv_lens, page_table, pt_stride, rows, (int)dims->heads,
                                         (int)dims->kv_heads, (int)d, (int)page_size, dims->scale,
@@ -128,9 +164,7 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
                                         (const char *)qkv + (q_out + kv_out) * elem, qkv_n,
                                         l->window, NULL);
         if (status != 0) break;
-        /* y = residual + x W^T in place: each output element is read (as the residual) and then
-         * written by the same thread, once, and no other output is read after */
-        if ((status = linear(l, O, hidden, q_out, attn, rows, scratch, out, dtype, out)) != 0) break;
+        if ((status = linear_add(l, O, dims, q_out, attn, rows, scratch, h, out, l->attn_out_norm)) != 0) break;
         rms_norm(out, hidden, l->post_norm, h, rows, (int)hidden, dims->eps, dtype);
         if (l->router != NULL) {
             const int64_t pairs = rows * l->top_k;
@@ -142,19 +176,15 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
             status = moe_experts(l->experts, hidden, l->expert_inner, h, tokens, w_sorted, spans, n_spans, pairs, rows,
                                  moe_y, dtype);
             if (status != 0) break;
-            float a[256], b[256]; /* x = x + y, rounded to the dtype (torch's add) */
-            for (int64_t i0 = 0; i0 < rows * hidden; i0 += 256) {
-                const int n = rows * hidden - i0 < 256 ? (int)(rows * hidden - i0) : 256;
-                load_vec(out, dtype, i0, n, a);
-                load_vec(moe_y, dtype, i0, n, b);
-                for (int i = 0; i < n; i++) a[i] += b[i];
-                store_vec(out, dtype, i0, n, a);
-            }
+            add_into(out, moe_y, rows * hidden, dtype);
             continue;
         }
         if ((status = linear(l, GATE_UP, 2 * inner, hidden, h, rows, scratch, gu, dtype, NULL)) != 0) break;
-        silu_mul(gu, act, rows, (int)inner, dtype);
-        status = linear(l, DOWN, hidden, inner, act, rows, scratch, out, dtype, out);
+        if (dims->gelu)
+            gelu_tanh_mul(gu, act, rows, (int)inner, dtype);
+        else
+            silu_mul(gu, act, rows, (int)inner, dtype);
+        status = linear_add(l, DOWN, dims, inner, act, rows, scratch, h, out, l->mlp_out_norm);
     }
     free(arena);
     return status;

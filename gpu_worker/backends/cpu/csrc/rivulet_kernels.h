@@ -90,6 +90,9 @@ typedef struct {
     int64_t norm_topk;
     int64_t expert_inner;
     int64_t window; /* > 0: a sliding-window layer, attending each row's last window positions; 0: all */
+    const void *attn_out_norm; /* [hidden]: Gemma's norm of the attention's output before its add; NULL: none */
+    const void *mlp_out_norm;  /* [hidden]: Gemma's norm of the MLP's output before its add; NULL: none */
+    int64_t rope;              /* the step's rotary table this layer takes (Gemma 3: global 0, local 1) */
 } decode_layer;
 
 /* The model's sizes (decode_layers.py's DecodeDims). */
@@ -103,6 +106,7 @@ typedef struct {
     float scale; /* attention's 1 / sqrt(head_dim) */
     int64_t dtype;
     int64_t kv_dtype; /* the KV pool's (--kv-cache-dtype) */
+    int64_t gelu;     /* 1: GELU (tanh) gates the MLP (Gemma); 0: SiLU */
 } decode_dims;
 
 /* small_ops.c */
@@ -112,6 +116,7 @@ void rotary(void *x, int64_t x_stride, int64_t rows, int heads, int head_dim, co
             int dtype);
 void silu_mul_row(const void *gate_up, void *out, int inner, int dtype);
 void silu_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype);
+void gelu_tanh_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype);
 void argmax_rows(const void *x, int64_t row_stride, int64_t rows, int n, int dtype, int64_t *out);
 
 /* matmul.c */

@@ -1,0 +1,91 @@
+"""The one-call decode's structs (csrc/rivulet_kernels.h's ``decode_linear``, ``decode_layer``,
+``decode_dims``; abi.py checks them against the header), and the Linears they can carry.
+
+decode_layers.py fills them for the Llama family, decode_gemma.py for Gemma 2 and 3."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+from gpu_worker.backends.cpu.experts import MoeProjection
+from gpu_worker.backends.cpu.layouts import kernel_type
+from gpu_worker.backends.cpu.quant import QuantLinear
+from gpu_worker.models.layers import Linear
+
+LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+MAX_PARTS = 3  # csrc/rivulet_kernels.h's (abi.py checks): q, k, v of three types
+
+
+class DecodeLinear(ctypes.Structure):
+    """csrc/rivulet_kernels.h's ``decode_linear``: a Linear's parts (unused ones have n = 0)."""
+
+    _fields_ = [
+        ("w", ctypes.c_void_p * MAX_PARTS),
+        ("type", ctypes.c_int64 * MAX_PARTS),
+        ("n", ctypes.c_int64 * MAX_PARTS),
+        ("dense_min_rows", ctypes.c_int64 * MAX_PARTS),
+        ("a8_min_rows", ctypes.c_int64 * MAX_PARTS),
+    ]
+
+    @classmethod
+    def of(cls, impl: QuantLinear) -> DecodeLinear:
+        parts = impl.weight.parts
+        pad = MAX_PARTS - len(parts)
+        return cls(
+            w=(ctypes.c_void_p * MAX_PARTS)(*(p.data.data_ptr() for p in parts), *[None] * pad),
+            type=(ctypes.c_int64 * MAX_PARTS)(*(kernel_type(p) for p in parts), *[0] * pad),
+            n=(ctypes.c_int64 * MAX_PARTS)(*(p.rows for p in parts), *[0] * pad),
+            dense_min_rows=(ctypes.c_int64 * MAX_PARTS)(*impl.dense_min_rows, *[0] * pad),
+            a8_min_rows=(ctypes.c_int64 * MAX_PARTS)(*impl.a8_min_rows, *[0] * pad),
+        )
+
+
+class DecodeLayer(ctypes.Structure):
+    """csrc/rivulet_kernels.h's ``decode_layer``."""
+
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("linear", DecodeLinear * 4),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("router", ctypes.c_void_p),
+        ("experts", ctypes.POINTER(MoeProjection)),
+        ("n_experts", ctypes.c_int64),
+        ("top_k", ctypes.c_int64),
+        ("norm_topk", ctypes.c_int64),
+        ("expert_inner", ctypes.c_int64),
+        ("window", ctypes.c_int64),
+        ("attn_out_norm", ctypes.c_void_p),
+        ("mlp_out_norm", ctypes.c_void_p),
+        ("rope", ctypes.c_int64),
+    ]
+
+
+class DecodeDims(ctypes.Structure):
+    """csrc/rivulet_kernels.h's ``decode_dims``."""
+
+    _fields_ = [
+        ("hidden", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("inner", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("dtype", ctypes.c_int64),
+        ("kv_dtype", ctypes.c_int64),
+        ("gelu", ctypes.c_int64),
+    ]
+
+
+def quant_linears(modules: Sequence[Linear]) -> list[QuantLinear] | None:
+    """The Linears' QuantLinears, if each is one without bias (of up to MAX_PARTS parts)."""
+    impls = [m.impl for m in modules]
+    fit = all(
+        isinstance(i, QuantLinear) and len(i.weight.parts) <= MAX_PARTS and i.bias is None for i in impls
+    )
+    return impls if fit else None  # type: ignore[return-value]
