@@ -168,13 +168,15 @@ class RadixCache:
         self._drop_empty_roots()
         return freed
 
-    def drop_lru_checkpoint(self) -> int | None:
-        """Take the checkpoint of the least recently used node no live request holds (its pages stay);
-        None when every checkpoint is held."""
-        held = [n for n in self._nodes() if n.checkpoint is not None and n.lock_ref == 0]
-        if not held:
+    def drop_lru_checkpoint(self, protected: set[int]) -> int | None:
+        """Take a checkpoint that is not ``protected`` (a hit's, still to be loaded) from its node (the
+        pages stay); None when every one is. A checkpoint is only read when a hit loads it, so one on
+        a path a live request holds may go too: first those no request holds, least recently used
+        first, then held ones, shallowest first (a deeper one on the same path serves the next turn)."""
+        nodes = [n for n in self._nodes() if n.checkpoint is not None and n.checkpoint not in protected]
+        if not nodes:
             return None
-        node = min(held, key=lambda n: n.last_access)
+        node = min(nodes, key=lambda n: (n.lock_ref > 0, n.last_access, _depth(n)))
         checkpoint, node.checkpoint = node.checkpoint, None
         return checkpoint
 
@@ -270,3 +272,12 @@ class RadixCache:
             out.append(node)
             stack.extend(node.children.values())
         return out
+
+
+def _depth(node: TreeNode) -> int:
+    """Tokens from the root to the end of ``node``."""
+    depth = 0
+    while node.parent is not None:
+        depth += len(node.key)
+        node = node.parent
+    return depth

@@ -15,9 +15,11 @@ state, gpu_worker/recurrent_state.py); this manager decides when one is taken an
   one already keeps its own;
 - used by a hit clamped to the deepest node on the matched path that holds one (``attach_prefix``):
   the worker copies it into the request's slot before the request's first row;
-- evicted with its node, or alone (least recently used first, its pages kept) when a new one is
-  needed and none is free. None free and none evictable: the checkpoint is not taken (a later hit is
-  shorter, never wrong).
+- evicted with its node, or alone (its pages kept) when a new one is needed and none is free: first
+  those on paths no request holds, least recently used first, then those a running request's path
+  holds, shallowest first (a conversation's newest turn needs its deepest checkpoint, not the ones
+  its earlier turns left on the way), never one a hit has yet to load. None free and none
+  evictable: the checkpoint is not taken (a later hit is shorter, never wrong).
 
 A checkpoint given back while a batch in flight still writes it is safe: the worker runs batches in
 order, so a later batch's write or read of the same id comes after.
@@ -119,7 +121,7 @@ class HybridKVManager(KVManager):
             self.free_checkpoints.append(pending.decode.pop(0)[1])
         if not self.free_checkpoints:
             assert self.cache is not None
-            dropped = self.cache.drop_lru_checkpoint()
+            dropped = self.cache.drop_lru_checkpoint(set(self._loads.values()))
             if dropped is None:
                 return None
             self.free_checkpoints.append(dropped)

@@ -13,7 +13,7 @@ import pytest
 from protocol.messages import PENDING, ForwardBatch, ForwardResult
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.state_checkpoints import HybridKVManager
-from tests.scheduler_proc.harness import Driver, FakeWorker, next_hash, reference_output
+from tests.scheduler_proc.harness import Driver, FakeWorker, next_hash, reference_output, small_config
 
 STOP_IDS = (3, 5)
 
@@ -101,3 +101,26 @@ def test_random_workload_resumes_exact_states(seed: int) -> None:
     d.sched.kv.check_checkpoints()
     d.assert_no_leak()
     assert check.loads > 0 or cfg.state_checkpoints < 16, "some hit must resume from a checkpoint"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_long_chat_resumes_each_turn_from_its_last_answer(overlap: bool) -> None:
+    """Few checkpoints, a chat of many turns: every checkpoint ends up on the conversation's path,
+    which the running turn holds, and the shallow ones must make room for the deepest, so each turn
+    resumes where the last one's answer ended (to the page), not where the budget ran out."""
+    cfg = small_config(state_checkpoints=3, overlap_schedule=overlap, chunked_prefill_size=32)
+    d = Driver(cfg)
+    check = StateCheck(d.worker)
+    d.worker.run = check.run  # type: ignore[method-assign]
+    rng = random.Random(7)
+    prompt = [rng.randrange(10, 1000) for _ in range(40)]
+    for turn in range(10):
+        assert d.submit(turn, prompt, 12) is None
+        d.run()
+        last = prompt + d.tokens[turn]
+        if turn:
+            assert d.cached[turn] >= len(prompt) - cfg.page_size * 4, (turn, d.cached[turn], len(prompt))
+        prompt = last + [rng.randrange(10, 1000) for _ in range(9)]
+    assert isinstance(d.sched.kv, HybridKVManager)
+    d.sched.kv.check_checkpoints()
+    d.assert_no_leak()
