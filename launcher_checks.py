@@ -124,7 +124,9 @@ def _check_mmproj(args: argparse.Namespace) -> None:
     from gguf import GGUFReader
 
     try:
-        field = GGUFReader(args.mmproj).fields.get("clip.projector_type")
+        fields = GGUFReader(args.mmproj).fields
+        # Gemma 4's converter (vision and audio) names the vision projector under clip.vision.
+        field = fields.get("clip.projector_type") or fields.get("clip.vision.projector_type")
     except Exception as exc:  # gguf-py raises what numpy and its parser raise on a bad file
         raise StartRefused(f"--mmproj {args.mmproj}: not a GGUF file ({exc})") from None
     projector = field.contents() if field is not None else None

@@ -5,7 +5,8 @@ sdist), with names from the ``gguf`` package's own HF -> GGUF map (not from the 
 and the converter's changes made as it makes them: Gemma 4's patch embedder as a conv kernel
 [out, channel, row, column] and its scalar bounds as [1]; Qwen's Conv3d patch embedding split into
 its two temporal halves, its merger as ``mm.0`` / ``mm.2`` / ``v.post_ln``. Everything F32, as that
-outtype writes it, so HF's tower holds the file's weights after ``rounded_to_float32``.
+outtype writes it, so HF's tower holds the file's weights after ``rounded_to_float32``. Checked once
+against that converter on the tiny models below: the same metadata, tensor names, types and values.
 
 Also a tiny random Qwen3.5 vision-language model (tests/exactness/test_qwen35_images.py's shape).
 """
@@ -66,7 +67,7 @@ def write_gemma4_mmproj(model: Any, image_processor: Any, path: Path) -> None:
     """A Gemma4ForConditionalGeneration's vision tower and projector as a ``gemma4v`` mmproj."""
     vision = model.config.vision_config
     writer = _writer(path, model, image_processor.to_dict(), 224)  # the converter's "unused" size
-    writer.add_string("clip.projector_type", "gemma4v")
+    writer.add_string("clip.vision.projector_type", "gemma4v")  # its converter, which may add audio
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", getattr(vision, "layer_norm_eps", 1e-6))
     _close(writer, _gemma4_tensors(model))
 

@@ -52,7 +52,7 @@ def mmproj_processor(mmproj: str, tokenizer: PreTrainedTokenizerBase) -> tuple[A
 
     reader = GGUFReader(mmproj)
     fields = {name: field.contents() for name, field in reader.fields.items() if name.startswith("clip.")}
-    projector = fields.get("clip.projector_type")
+    projector = fields.get("clip.projector_type") or fields.get("clip.vision.projector_type")  # Gemma 4's
     if projector == "gemma3":
         return _gemma3(fields, tokenizer)
     if projector == "gemma4v":

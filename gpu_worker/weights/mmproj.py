@@ -120,7 +120,8 @@ def load_mmproj_tower(
     fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
     tensors = {t.name: t for t in reader.tensors}
     shapes = {name: tuple(int(n) for n in t.data.shape) for name, t in tensors.items()}
-    projector = fields.get("clip.projector_type")
+    # A converter that may also write an audio tower names the vision projector under clip.vision.
+    projector = fields.get("clip.projector_type") or fields.get("clip.vision.projector_type")
     if projector not in SUPPORTED:
         raise ValueError(
             f"mmproj projector type {projector!r} is not supported (supported: {', '.join(SUPPORTED)})"

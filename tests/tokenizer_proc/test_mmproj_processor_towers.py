@@ -25,7 +25,10 @@ from tokenizer_proc.mmproj_processor import GEMMA4_TOKENS, QWEN35_PIXELS, mmproj
 def metadata_only(path: Path, projector: str, patch: int, mean: float, std: float, **more: int) -> Path:
     """An mmproj file's ``clip.*`` metadata, as the converter writes it (the processor reads no tensor)."""
     writer = gguf.GGUFWriter(str(path), "clip")
-    writer.add_string("clip.projector_type", projector)
+    # Gemma 4's converter, which may add an audio tower, names the vision projector under clip.vision.
+    writer.add_string(
+        "clip.vision.projector_type" if projector == "gemma4v" else "clip.projector_type", projector
+    )
     writer.add_uint32("clip.vision.patch_size", patch)
     writer.add_array("clip.vision.image_mean", [mean] * 3)
     writer.add_array("clip.vision.image_std", [std] * 3)
