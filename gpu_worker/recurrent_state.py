@@ -130,6 +130,14 @@ class RecurrentBatch:
 
         return rounds(self)
 
+    @functools.cached_property
+    def step_slots(self) -> torch.Tensor | None:
+        """Every row's slot (int64) where each row decodes one token without a checkpoint inside it,
+        the rows in token order (a backend's fused decode step, models/gated_delta.py); else None."""
+        if len(self.decode_rows) != len(self.slots) or self.inner_saves:
+            return None
+        return torch.tensor(self.slots, dtype=torch.int64, device=self.pool.recurrent[0].device)
+
     def pieces(self, row: int) -> list[tuple[int, int, int | None]]:
         """A prefill row's tokens as (first token, count, pool row to save the state to after them)."""
         start, length = self.starts[row], self.extend_lens[row]

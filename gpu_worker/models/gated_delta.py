@@ -20,7 +20,10 @@ Kernel slots (a backend fills them in ``prepare_model``, e.g. backends/cpu/prepa
 - ``chunked_rule``: the chunked form over one prefill row's tokens;
 - ``pooled_rule``: both forms of the rule over the state pool in place, every row at once, and
   ``pooled_conv`` the conv1d likewise (gated_delta_pooled.py); used for float32 and bfloat16
-  activations before the other two (the conv1d's torch code runs where ``pooled_conv`` is empty).
+  activations before the other two (the conv1d's torch code runs where ``pooled_conv`` is empty);
+- ``decode_step``: for float32 steps whose rows all decode one token, everything between the
+  projections (conv1d, gates, rule, gated norm) in one call over both pools: a step of small ops
+  costs a one-row decode more than the rule itself does.
 Both take and return what transformers' ``torch_recurrent_gated_delta_rule`` /
 ``torch_chunk_gated_delta_rule`` do (``DeltaRule``), called with keywords ``initial_state`` (the
 rows' float32 states [B, H_v, d_k, d_v], gathered from the pool), ``output_final_state=True`` and
@@ -44,7 +47,7 @@ from gpu_worker.recurrent_state import StateShape
 
 if TYPE_CHECKING:
     from gpu_worker.forward_context import ForwardContext
-    from gpu_worker.models.gated_delta_pooled import PooledConv, PooledRule
+    from gpu_worker.models.gated_delta_pooled import DecodeStep, PooledConv, PooledRule
     from gpu_worker.recurrent_state import RecurrentBatch
 
 
@@ -84,11 +87,12 @@ class GatedDeltaNet(Layer):
     """One linear-attention layer; ``index`` is its place among the model's linear layers (its
     states in the pool). Kernel slots ``recurrent_rule`` and ``chunked_rule`` (module docstring)."""
 
-    kernel_slots = ("recurrent_rule", "chunked_rule", "pooled_rule", "pooled_conv")
+    kernel_slots = ("recurrent_rule", "chunked_rule", "pooled_rule", "pooled_conv", "decode_step")
     recurrent_rule: DeltaRule | None = None
     chunked_rule: DeltaRule | None = None
     pooled_rule: PooledRule | None = None  # the rule in place on the pool (gated_delta_pooled.py)
     pooled_conv: PooledConv | None = None  # the conv1d likewise
+    decode_step: DecodeStep | None = None  # the whole block between the projections, float32 decode steps
     split = Split.REPLICATED
 
     def __init__(self, cfg: Any, index: int, layout: str, tiled_values: bool = False) -> None:
@@ -129,6 +133,8 @@ class GatedDeltaNet(Layer):
         batch = ctx.recurrent
         assert batch is not None, "a linear-attention layer needs the batch's recurrent states"
         mixed, z, b, a = self.project(x)
+        if self.decode_step is not None and x.dtype == torch.float32 and batch.step_slots is not None:
+            return self.out_proj(self.fused_step((mixed, z, b, a), batch, batch.step_slots))
         kernels_fit = x.dtype in (torch.float32, torch.bfloat16)
         pooled, conv = (self.pooled_rule, self.pooled_conv) if kernels_fit else (None, None)
         if conv is not None:
@@ -153,6 +159,17 @@ class GatedDeltaNet(Layer):
             out = self.delta_rule(q, k, v, g, beta, batch).to(x.dtype)
         out = self.norm(out, z.view(tokens, self.value_heads, self.d_v))
         return self.out_proj(out.flatten(1))
+
+    def fused_step(
+        self, parts: tuple[torch.Tensor, ...], batch: RecurrentBatch, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """A decode step's block between the projections in one call of the ``decode_step`` kernel."""
+        assert self.decode_step is not None
+        weight = self.conv1d.weight.view(self.conv_channels, self.conv_kernel)
+        params = (weight, self.A_log, self.dt_bias, self.norm.weight)
+        pools = (batch.pool.conv[self.index], batch.pool.recurrent[self.index])
+        tiled = self.tiled_values and self.key_heads < self.value_heads
+        return self.decode_step.decode_step(parts, params, pools, slots, self.norm.eps, self.key_heads, tiled)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """mixed q/k/v [T, conv_channels] (q, k, v each over all heads), z [T, H_v d_v], b, a [T, H_v]."""

@@ -40,6 +40,16 @@ class PooledConv(Protocol):
                cu_seqlens: torch.Tensor) -> torch.Tensor: ...  # fmt: skip
 
 
+class DecodeStep(Protocol):
+    """A backend's whole block between the projections for a step whose rows all decode one token,
+    float32 (backends/cpu/gated_delta.py's ``decode_step``): conv1d and SiLU, the L2 norms, gates and
+    rule, the gated RMSNorm; both pools advanced at ``slots`` in place -> [rows, H_v d_v]."""
+
+    def decode_step(self, parts: tuple[torch.Tensor, ...], params: tuple[torch.Tensor, ...],
+                    pools: tuple[torch.Tensor, ...], slots: torch.Tensor, eps: float, k_heads: int,
+                    tiled: bool) -> torch.Tensor: ...  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Round:
     """Pieces of rows run together: their tokens' indices, slots, lengths and checkpoint rows."""

@@ -12,6 +12,9 @@ each key head serving Hv / Hk consecutive value heads; activations float32 or bf
         [cu_seqlens[i], cu_seqlens[i + 1])                                       -> out [N, Hv, Dv]
     conv1d(x, weight, conv_state, slots, cu_seqlens, *, bias=None, silu=True, fresh=None) -> out
         x [N, C]; weight [C, K] (HF's conv1d weight without its middle dim)     -> out [N, C]
+    decode_step(parts, params, pools, slots, eps, k_heads, tiled) -> out [B, Hv Dv]
+        a float32 decode step's whole layer between its projections: the conv1d and SiLU, the
+        gates, the rule and the gated RMSNorm in one call (its docstring)
 
 - ``state`` [S, Hv, Dk, Dv] float32, contiguous: row i's state is ``state[slots[i]]`` (int64 [B]),
   read as the initial state and overwritten with the final one. ``fresh`` (bool [B]): rows that
@@ -61,7 +64,12 @@ class GatedDeltaKernels:
         self._conv1d.argtypes = [
             ptr, i64, i32, ptr, ptr, i32, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i32, i32,
         ]  # fmt: skip
-        for fn in (self._decode, self._prefill, self._conv1d):
+        self._step = lib.gated_delta_decode_step
+        self._step.argtypes = [
+            ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i32, ptr, i64, ptr, i64, ptr, i64, ptr, ptr,
+            ptr, f32, i32, i32, i32, i32, i32, f32, ptr, ptr,
+        ]  # fmt: skip
+        for fn in (self._decode, self._prefill, self._conv1d, self._step):
             fn.restype = ctypes.c_int
         abi.check(abi.bound_functions(self), {}, {})
 
@@ -141,6 +149,48 @@ class GatedDeltaKernels:
             weight.data_ptr(), _ptr(bias), channels, kernel, int(silu),
         )  # fmt: skip
         assert status == 0, f"causal_conv1d refused: {abi.status_text(status)}"
+        return out
+
+    def decode_step(
+        self, parts: tuple[torch.Tensor, ...], params: tuple[torch.Tensor, ...],
+        pools: tuple[torch.Tensor, ...], slots: torch.Tensor, eps: float, k_heads: int, tiled: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        """A decode step's Gated DeltaNet block between its projections, all float32, one token a row:
+        ``parts`` mixed [B, C], z [B, Hv Dv], b, a [B, Hv] (rows strided, each row contiguous);
+        ``params`` the conv weight [C, K], A_log, dt_bias [Hv], the gated norm's weight [Dv];
+        ``pools`` the conv states [S, C, W] and recurrent states [S, Hv, Dk, Dv], advanced at ``slots``
+        (int64 [B]) in place -> out [B, Hv Dv]. ``tiled``: value head h reads key head h % Hk."""
+        mixed, z, b, a = parts
+        weight, a_log, dt_bias, norm_w = params
+        conv_state, state = pools
+        rows, channels = mixed.shape
+        (_, v_heads, dk, dv), kernel = state.shape, weight.shape[1]
+        _check(
+            all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in (*parts, *params, *pools)),
+            "decode_step: float32 tensors, each row contiguous",
+        )
+        _check(all(t.is_contiguous() for t in (*params, *pools)), "decode_step: contiguous weights and pools")
+        _check(
+            z.shape == (rows, v_heads * dv) and b.shape == a.shape == (rows, v_heads)
+            and channels == 2 * k_heads * dk + v_heads * dv and weight.shape[0] == channels
+            and conv_state.shape[:2] == (state.shape[0], channels) and norm_w.shape == (dv,)
+            and a_log.shape == dt_bias.shape == (v_heads,),
+            "decode_step: shapes disagree",
+        )  # fmt: skip
+        _check(
+            slots.dtype == torch.int64 and slots.shape == (rows,) and slots.is_contiguous(),
+            "slots: int64 [B]",
+        )
+        scratch = torch.empty((rows, channels), dtype=torch.float32)
+        out = torch.empty((rows, v_heads * dv), dtype=torch.float32)
+        status = self._step(
+            mixed.data_ptr(), mixed.stride(0), z.data_ptr(), z.stride(0), b.data_ptr(), b.stride(0),
+            a.data_ptr(), a.stride(0), weight.data_ptr(), kernel, conv_state.data_ptr(), conv_state.shape[2],
+            state.data_ptr(), state.shape[0], slots.data_ptr(), rows, a_log.data_ptr(), dt_bias.data_ptr(),
+            norm_w.data_ptr(), eps, k_heads, v_heads, dk, dv, int(tiled), dk**-0.5, scratch.data_ptr(),
+            out.data_ptr(),
+        )  # fmt: skip
+        assert status == 0, f"gated_delta_decode_step refused: {abi.status_text(status)}"
         return out
 
 

@@ -16,8 +16,8 @@ model under tensor parallel (``CpuBackend.prepare_model`` runs it inside
    a compiled graph cannot read oneDNN's opaque blocked tensors.
 4. The ``fused`` slots (RMSNorm, rotary, silu * up): the kernels, unless --compile fuses those ops
    itself (a C call would break its graph).
-   The Gated DeltaNet layers' ``recurrent_rule``, ``chunked_rule``, ``pooled_rule`` and ``pooled_conv``
-   slots: the gated delta rule's kernels (gated_delta.py), unless --compile (likewise).
+   The Gated DeltaNet layers' ``recurrent_rule``, ``chunked_rule``, ``pooled_rule``, ``pooled_conv``
+   and ``decode_step`` slots: the gated delta rule's kernels (gated_delta.py), unless --compile (likewise).
 5. Attributes pinned in each module's instance dict (the model's layout is final after this).
 6. Where every decoder layer is a kind csrc/decode_layers.c computes (decode_layers.py's positive
    list), a one-call run of all of them for steps whose rows all decode.
@@ -33,7 +33,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from gpu_worker.backends.cpu import gated_delta
+from gpu_worker.backends.cpu import gated_delta, latent_heads
 from gpu_worker.backends.cpu import kernels as cpu_kernels
 from gpu_worker.backends.cpu.clamped_experts import experts_impl
 from gpu_worker.backends.cpu.decode_layers import FusedDecode, fused_decode
@@ -90,6 +90,7 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compi
             module.attach(fused=fused)
     if kernels is not None and not compiled:
         _attach_delta_rules(model, kernels)
+        latent_heads.attach(model, kernels, dtype)
     pin_attributes(model)
     logger.info(
         "%s; C kernels: %s; matmul paths (Linears): %s; embedding: %s; other weights: %s; "
@@ -170,6 +171,7 @@ def _attach_delta_rules(model: nn.Module, kernels: cpu_kernels.CpuKernels) -> No
                 chunked_rule=gated_delta.HfDeltaRule(rules, chunked=True),
                 pooled_rule=rules,  # the rule and the conv1d on the state pool in place, all rows at once
                 pooled_conv=rules,
+                decode_step=rules,  # a float32 decode step's whole block between its projections
             )
 
 

@@ -353,3 +353,69 @@ int causal_conv1d(const void *x, int64_t x_stride, int dtype, void *out, void *c
     }
     return RV_OK;
 }
+
+/* softplus as torch's (threshold 20: the input itself above it). */
+static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+/* One value head of one decode row after its conv: q, k L2-normed and q scaled, the gates from a
+ * and b, the rule on S, then the gated RMSNorm w * norm(o) * silu(z) into y [dv]. */
+static void step_head(float *S, const float *conv_row, const float *z, float a, float b, float a_log,
+                      float dt_bias, const float *norm_w, float eps, int hk, int h, int key_dim, int dk, int dv,
+                      float scale, float *y) {
+    float qv[MAX_HEAD_DIM], kv[MAX_HEAD_DIM], o[MAX_HEAD_DIM], gate_up[2 * MAX_HEAD_DIM];
+    load_head(conv_row, DTYPE_F32, (int64_t)hk * dk, dk, qv, 1, scale);
+    load_head(conv_row, DTYPE_F32, key_dim + (int64_t)hk * dk, dk, kv, 1, 1.0f);
+    const float g = -expf(a_log) * softplus(a + dt_bias);
+    const float beta = 1.0f / (1.0f + expf(-b));
+    decode_head(S, qv, kv, conv_row + 2 * (int64_t)key_dim + (int64_t)h * dv, g, beta, dk, dv, o);
+    float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+    for (int j = 0; j < dv; j++) sq += o[j] * o[j];
+    const float inv = 1.0f / sqrtf(sq / (float)dv + eps);
+    for (int j = 0; j < dv; j++) {
+        gate_up[j] = z[j];
+        gate_up[dv + j] = norm_w[j] * (o[j] * inv);
+    }
+    silu_mul_row(gate_up, y, dv, DTYPE_F32);
+}
+
+int gated_delta_decode_step(const float *mixed, int64_t mixed_stride, const float *z, int64_t z_stride,
+                            const float *b, int64_t b_stride, const float *a, int64_t a_stride, const float *conv_w,
+                            int kernel, float *conv_state, int64_t state_len, float *state, int64_t pool_slots,
+                            const int64_t *slots, int64_t rows, const float *a_log, const float *dt_bias,
+                            const float *norm_w, float eps, int k_heads, int v_heads, int dk, int dv, int tiled,
+                            float scale, float *scratch, float *out) {
+    const int status = check_heads(DTYPE_F32, DTYPE_F32, DTYPE_F32, k_heads, v_heads, dk, dv);
+    if (status != RV_OK) return status;
+    if (kernel < 1 || kernel > MAX_CONV_KERNEL || state_len < kernel - 1 || state_len > MAX_CONV_KERNEL)
+        return RV_ERR_HEADS;
+    for (int64_t r = 0; r < rows; r++)
+        if (slots[r] < 0 || slots[r] >= pool_slots) return RV_ERR_HEADS;
+    const int group = v_heads / k_heads, key_dim = k_heads * dk;
+    const int64_t channels = 2 * (int64_t)key_dim + (int64_t)v_heads * dv, head_state = (int64_t)dk * dv;
+    const int64_t blocks = (channels + CONV_BLOCK - 1) / CONV_BLOCK;
+#pragma omp parallel if (rows * v_heads * head_state >= (1 << 16))
+    {
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t blk = 0; blk < blocks; blk++) {
+                const int64_t c0 = blk * CONV_BLOCK;
+                const int n = (int)(channels - c0 < CONV_BLOCK ? channels - c0 : CONV_BLOCK);
+                /* row r's one token is token r of mixed (x) and of scratch (out) */
+                conv_block(mixed, mixed_stride, DTYPE_F32, scratch, conv_state, DTYPE_F32, state_len, slots[r], 0,
+                           conv_w, NULL, channels, kernel, 1, r, r + 1, c0, n);
+            }
+        }
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            for (int h = 0; h < v_heads; h++) {
+                const int hk = tiled ? h % k_heads : h / group;
+                step_head(state + (slots[r] * v_heads + h) * head_state, scratch + r * channels,
+                          z + r * z_stride + (int64_t)h * dv, a[r * a_stride + h], b[r * b_stride + h], a_log[h],
+                          dt_bias[h], norm_w, eps, hk, h, key_dim, dk, dv, scale,
+                          out + (r * v_heads + h) * dv);
+            }
+        }
+    }
+    return RV_OK;
+}

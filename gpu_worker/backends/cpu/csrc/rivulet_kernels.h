@@ -181,6 +181,15 @@ int gated_delta_prefill(const void *q, int64_t q_stride, const void *k, int64_t 
 int causal_conv1d(const void *x, int64_t x_stride, int dtype, void *out, void *conv_state, int state_dtype,
                   int64_t state_len, const int64_t *slots, const uint8_t *fresh, const int64_t *cu_seqlens,
                   int64_t seqs, const void *w, const void *bias, int64_t channels, int kernel, int silu);
+/* A decode step's whole Gated DeltaNet block between its projections, float32, one token a row: the
+ * conv1d and SiLU of mixed (q, k, v), the L2 norms and gates, the rule, the gated RMSNorm; out
+ * [rows, v_heads * dv]; conv and recurrent states [pool_slots, ...] advanced at slots in place. */
+int gated_delta_decode_step(const float *mixed, int64_t mixed_stride, const float *z, int64_t z_stride,
+                            const float *b, int64_t b_stride, const float *a, int64_t a_stride, const float *conv_w,
+                            int kernel, float *conv_state, int64_t state_len, float *state, int64_t pool_slots,
+                            const int64_t *slots, int64_t rows, const float *a_log, const float *dt_bias,
+                            const float *norm_w, float eps, int k_heads, int v_heads, int dk, int dv, int tiled,
+                            float scale, float *scratch, float *out);
 
 /* shm_allreduce.c (its dtype codes are shm_allreduce.py's: 0 float32, 2 float64) */
 int64_t shm_region_bytes(int world, int64_t piece);
