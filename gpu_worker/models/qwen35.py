@@ -30,13 +30,32 @@ from gpu_worker.image_encoder import splice_images
 from gpu_worker.models.contract import AttentionLayer, Layer, Split
 from gpu_worker.models.gated_delta import GatedDeltaNet
 from gpu_worker.models.gemma import GemmaRMSNorm
-from gpu_worker.models.layers import Embedding, Linear, MergedLinear, apply_rotary
+from gpu_worker.models.layers import Embedding, FusedOps, Linear, MergedLinear, apply_rotary
 from gpu_worker.models.llama import MLP, LlamaArgs, partial_rotary_factor
 from gpu_worker.models.moe import MoeArgs, SparseMoeBlock
 from gpu_worker.models.qwen35_positions import mrope_cos_sin
 from gpu_worker.models.rope import rotary_cache
 
 LINEAR = "linear_attention"
+
+
+class HybridNorm(GemmaRMSNorm):
+    """The ``1 + w`` norms with a ``fused`` slot: the backend's RMSNorm kernel on float32 rows over
+    ``1 + w`` summed once, when the kernel attaches (the torch path sums it in float32 each call)."""
+
+    kernel_slots = ("fused",)
+    fused: FusedOps | None = None
+    folded: torch.Tensor | None = None  # 1 + w in float32, while a kernel is attached
+
+    def attach(self, **kernels: Any) -> None:
+        super().attach(**kernels)
+        folded = (1.0 + self.weight.float()).contiguous() if self.fused is not None else None
+        object.__setattr__(self, "folded", folded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is None or self.folded is None or x.dtype != torch.float32:
+            return super().forward(x)
+        return self.fused.rms_norm(x.reshape(-1, x.shape[-1]), self.folded, self.eps).view(x.shape)
 
 
 def mlp_args(cfg: Any) -> LlamaArgs:
@@ -67,8 +86,8 @@ class GatedAttention(AttentionLayer):
             cfg.hidden_size, {"q_proj": 2 * q_out, "k_proj": kv_out, "v_proj": kv_out}, bias
         )
         self.o_proj = Linear(q_out, cfg.hidden_size, bias, Split.ROW)
-        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.q_norm = HybridNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = HybridNorm(self.head_dim, cfg.rms_norm_eps)
 
     def options(self) -> dict[str, Any]:
         return {"output_gate": True, "partial_rotary": self.rotary_dim < self.head_dim}
@@ -106,13 +125,13 @@ class HybridDecoderLayer(Layer):
 
     def __init__(self, cfg: Any, mixer: Layer, mlp: Layer) -> None:
         super().__init__()
-        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = HybridNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.linear = isinstance(mixer, GatedDeltaNet)
         if self.linear:
             self.linear_attn = mixer
         else:
             self.self_attn = mixer
-        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = HybridNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp
 
     def forward(
@@ -129,7 +148,7 @@ class HybridBody(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layers)
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = HybridNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Qwen35ForCausalLM(nn.Module):
