@@ -37,7 +37,7 @@ def write_mla_gguf(
     for key, tensor in _split_experts(model.state_dict()).items():
         data = tensor.float().numpy()
         if key.endswith("kv_b_proj.weight") and split_kv_b:
-            held[key] = _split_kv_b(writer, names, key, data, cfg).to(tensor.dtype)
+            held[key] = _split_kv_b(writer, names, key, data, cfg, types or {}).to(tensor.dtype)
             continue
         stem, _, suffix = key.rpartition(".")
         if suffix == "e_score_correction_bias":
@@ -54,14 +54,20 @@ def write_mla_gguf(
     return held
 
 
-def _split_kv_b(writer: gguf.GGUFWriter, names: Any, key: str, data: np.ndarray, cfg: Any) -> torch.Tensor:
+def _split_kv_b(
+    writer: gguf.GGUFWriter, names: Any, key: str, data: np.ndarray, cfg: Any, types: dict[str, Any]
+) -> torch.Tensor:
+    """kv_b as attn_k_b [H, r, nope] and attn_v_b [H, v, r] (in ``types``' blocks where named); returns
+    kv_b [H (nope + v), r] as the file holds it."""
     heads, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
     kv_b = data.reshape(heads, nope + v, -1)
     k_b, v_b = np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1)), np.ascontiguousarray(kv_b[:, nope:])
     stem = key.removesuffix(".weight")
-    _add_tensor(writer, f"{names.get_name(stem.replace('kv_b_proj', 'k_b_proj'))}.weight", k_b, None)
-    _add_tensor(writer, f"{names.get_name(stem.replace('kv_b_proj', 'v_b_proj'))}.weight", v_b, None)
-    return torch.from_numpy(data)
+    k_name, v_name = (names.get_name(stem.replace("kv_b_proj", part)) for part in ("k_b_proj", "v_b_proj"))
+    k_b = _add_tensor(writer, f"{k_name}.weight", k_b, types.get("attn_k_b")).reshape(k_b.shape)
+    v_b = _add_tensor(writer, f"{v_name}.weight", v_b, types.get("attn_v_b")).reshape(v_b.shape)
+    joined = np.concatenate((k_b.transpose(0, 2, 1), v_b), axis=1).astype(np.float32)
+    return torch.from_numpy(joined.reshape(data.shape))
 
 
 def _mtp_layer(writer: gguf.GGUFWriter, cfg: Any) -> None:

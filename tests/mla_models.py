@@ -18,7 +18,8 @@ KINDS = (
 )
 
 
-def tiny_mla_config(kind: str) -> Any:
+def tiny_mla_config(kind: str, **sizes: int) -> Any:
+    """``sizes``: the head sizes etc. changed from the tiny defaults."""
     import transformers
 
     common: dict[str, Any] = dict(
@@ -27,6 +28,7 @@ def tiny_mla_config(kind: str) -> Any:
         num_experts_per_tok=2, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
         intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
     )  # fmt: skip
+    common.update(sizes)
     match kind:
         case "v2_lite":
             return transformers.DeepseekV2Config(q_lora_rank=None, first_k_dense_replace=1,
@@ -51,14 +53,14 @@ def tiny_mla_config(kind: str) -> Any:
     raise ValueError(kind)
 
 
-def hf_mla_model(kind: str, seed: int = 0) -> Any:
+def hf_mla_model(kind: str, seed: int = 0, **sizes: int) -> Any:
     """A random float64 HF model of ``kind`` (eager experts), norms perturbed from 1 and, where the
     router has one, a random score-correction bias (so that it changes the selection)."""
     import transformers
 
     torch.manual_seed(seed)
     model: Any = transformers.AutoModelForCausalLM.from_config(
-        tiny_mla_config(kind), experts_implementation="eager"
+        tiny_mla_config(kind, **sizes), experts_implementation="eager"
     )
     model = model.to(torch.float64).eval()
     model.generation_config.eos_token_id = None

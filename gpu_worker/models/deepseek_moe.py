@@ -28,7 +28,7 @@ from torch import nn
 
 from gpu_worker.models.contract import Layer
 from gpu_worker.models.llama import MLP
-from gpu_worker.models.moe import ExpertGroups, Experts
+from gpu_worker.models.moe import ExpertGroups, Experts, RouterImpl
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,12 @@ class RouterArgs:
 
 
 class DeepseekRouter(Layer):
-    """``gate``: each token's top-k experts and their weights (module docstring), whole on every rank."""
+    """``gate``: each token's top-k experts and their weights (module docstring), whole on every rank.
+    ``route``: a backend's softmax top-k in one call (moe.py's ``RouterImpl``), for a router that
+    is no more than that (V2's without groups); ``routed_scaling_factor`` is applied here."""
+
+    kernel_slots = ("route",)
+    route: RouterImpl | None = None
 
     def __init__(self, hidden: int, args: RouterArgs) -> None:
         super().__init__()
@@ -78,9 +83,18 @@ class DeepseekRouter(Layer):
     def options(self) -> dict[str, Any]:
         return self.args.options()
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert ids [T, k] and their float32 weights [T, k]."""
+    @property
+    def plain_softmax(self) -> bool:
+        """Whether the router is a softmax top-k alone (what ``route`` may compute)."""
         a = self.args
+        return a.scoring == "softmax" and a.num_groups == 1 and not a.bias and not a.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ids [T, k] and their weights [T, k] (float32; ``route``'s: x's dtype)."""
+        a = self.args
+        if self.route is not None:
+            expert_ids, weights = self.route(x)
+            return expert_ids, weights if a.scaling == 1.0 else weights * a.scaling
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.softmax(dim=-1) if a.scoring == "softmax" else logits.sigmoid()
         choice = scores

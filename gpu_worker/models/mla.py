@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,9 @@ from gpu_worker.models.contract import AttentionLayer, Layer, Split
 from gpu_worker.models.layers import Linear, RMSNorm, apply_rotary
 from gpu_worker.models.mla_rows import RowPlan, attend_rows, plan_rows
 from gpu_worker.models.rope import rope_parameters
+
+if TYPE_CHECKING:
+    from gpu_worker.weights.formats import QuantBlocks
 
 LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm and kv_a_layernorm without the config's eps
 
@@ -135,12 +138,25 @@ class ComplexRotary(nn.Module):
         return self.factors.index_select(0, positions).unsqueeze(1), self.factors.new_empty(0).real
 
 
+class HeadProducts(Protocol):
+    """A backend's absorbed-form products of ``LatentProjection`` (its ``heads`` slot): on a GGUF's
+    k_b / v_b blocks (``quantized``), which the dense weight's bmm reads 6x the bytes of."""
+
+    def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor: ...
+
+    def values(self, attended: torch.Tensor) -> torch.Tensor: ...
+
+
 class LatentProjection(Layer):
     """``kv_b_proj``: each head's key (nope part) and value rows of the latent, [H (nope + v), r] as
     HF holds them. Kept as a tensor (no backend matmul layout): the absorbed form multiplies by
-    its per-head blocks. Tensor parallel would take whole heads' rows (``Split.COLUMN``)."""
+    its per-head blocks, or a backend's ``heads`` by a GGUF's (``quantized``: attn_k_b [H r, nope]
+    and attn_v_b [H v, r], gguf_mla.py). Tensor parallel would take whole heads' rows (``Split.COLUMN``)."""
 
     split = Split.COLUMN
+    kernel_slots = ("heads",)
+    heads: HeadProducts | None = None
+    quantized: tuple[QuantBlocks, QuantBlocks] | None = None
 
     def __init__(self, args: MlaArgs) -> None:
         super().__init__()
@@ -160,11 +176,15 @@ class LatentProjection(Layer):
 
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [T, H, nope] -> q_nope W_uk: [T, H, r]."""
+        if self.heads is not None:
+            return self.heads.absorb_query(q_nope)
         w_uk, _ = self.per_head()
         return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
     def values(self, attended: torch.Tensor) -> torch.Tensor:
         """Attended latents [T, H, r] -> each head's output attended W_uv^T: [T, H, v]."""
+        if self.heads is not None:
+            return self.heads.values(attended)
         _, w_uv = self.per_head()
         return torch.bmm(attended.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 

@@ -4,18 +4,23 @@ multi-token-prediction layers dropped.
 Newer llama.cpp converters store each layer's kv_b [H (nope + v), r] as two tensors for their
 absorbed decode: ``attn_k_b``, each head's key rows transposed ([H, r, nope]), and ``attn_v_b``, each
 head's value rows ([H, v, r]); older files keep ``attn_kv_b`` whole. The layer holds kv_b as HF does
-(models/mla.py's ``LatentProjection``, a tensor, never kept in blocks), so the pair is dequantized and
-interleaved back per head: [H, nope + v, r], the key rows first.
+(models/mla.py's ``LatentProjection``, a tensor), so the pair is dequantized and interleaved back per
+head: [H, nope + v, r], the key rows first. Where the loader keeps the pair's types in blocks, the
+pair's blocks are kept too (``kept``; the layer's ``quantized``), for a backend whose absorbed decode
+reads them (backends/cpu/latent_heads.py): a decode step then reads 1.3 MB a layer, not 8.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
+import torch
+from torch import nn
 
-from gpu_worker.weights.formats import dequantize_blocks
+from gpu_worker.models.mla import LatentProjection
+from gpu_worker.weights.formats import QuantBlocks, dequantize_blocks
 
 Tensor = tuple[str, int, np.ndarray, tuple[int, ...]]  # (HF name, ggml type, data, HF shape)
 F32 = 0
@@ -23,10 +28,13 @@ _SPLIT = (".self_attn.k_b_proj.weight", ".self_attn.v_b_proj.weight")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
-def joined_kv_b(tensors: Iterable[Tensor], num_layers: int) -> Iterator[Tensor]:
+def joined_kv_b(
+    tensors: Iterable[Tensor], num_layers: int, kept: dict[str, tuple[QuantBlocks, QuantBlocks]] | None = None
+) -> Iterator[Tensor]:
     """``tensors`` with each layer's k_b / v_b pair replaced by its kv_b_proj (float32), yielded once
     both are read; the layers past ``num_layers`` (a file's multi-token-prediction layers, not served)
-    dropped; every other tensor as it comes."""
+    dropped; every other tensor as it comes. ``kept`` (given where the loader keeps blocks) gets the
+    kv_b_proj's name -> the pair's blocks (``hold_heads`` gives them to the layers)."""
     halves: dict[str, dict[str, Tensor]] = {}
     for tensor in tensors:
         name = tensor[0]
@@ -41,6 +49,9 @@ def joined_kv_b(tensors: Iterable[Tensor], num_layers: int) -> Iterator[Tensor]:
         pair[part] = tensor
         if len(pair) == 2:
             del halves[layer]
+            k_b, v_b = pair["k_b_proj.weight"], pair["v_b_proj.weight"]
+            if kept is not None:
+                kept[f"{layer}.self_attn.kv_b_proj"] = (_blocks(k_b), _blocks(v_b))
             yield (
                 f"{layer}.self_attn.kv_b_proj.weight",
                 F32,
@@ -55,3 +66,18 @@ def _join(k_b: Tensor, v_b: Tensor) -> tuple[np.ndarray, tuple[int, ...]]:
     joined = np.concatenate((keys.numpy(), values.numpy()), axis=1)
     heads, rows, rank = joined.shape
     return np.ascontiguousarray(joined.reshape(heads * rows, rank)), (heads * rows, rank)
+
+
+def _blocks(tensor: Tensor) -> QuantBlocks:
+    return QuantBlocks(tensor[1], torch.from_numpy(tensor[2].view(np.uint8)), tensor[3][-1])
+
+
+def hold_heads(
+    model: nn.Module, kept: dict[str, tuple[QuantBlocks, QuantBlocks]], holds: Callable[[QuantBlocks], bool]
+) -> None:
+    """Each kv_b_proj in ``kept`` whose pair ``holds`` both halves of given the pair (its ``quantized``)."""
+    for name, pair in kept.items():
+        projection = model.get_submodule(name)
+        assert isinstance(projection, LatentProjection), name
+        if all(holds(half) for half in pair):
+            projection.quantized = pair

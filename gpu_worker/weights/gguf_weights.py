@@ -44,7 +44,7 @@ from gpu_worker.weights.formats import (
 from gpu_worker.weights.gguf_file import GgufHeader, TensorEntry, read_header
 from gpu_worker.weights.gguf_gemma4 import split_gate_up
 from gpu_worker.weights.gguf_hybrid import HYBRID_ARCHITECTURES, hybrid_tensor
-from gpu_worker.weights.gguf_mla import joined_kv_b
+from gpu_worker.weights.gguf_mla import hold_heads, joined_kv_b
 from gpu_worker.weights.gguf_names import (
     ARCHITECTURES,
     LAYER_TENSORS,
@@ -139,7 +139,8 @@ def load_gguf_weights(model: nn.Module, path: Path, keep: frozenset[int], device
     num_heads, num_kv_heads = int(model.num_heads), int(model.num_kv_heads)  # type: ignore[arg-type]
     layers = int(model.num_layers)  # type: ignore[arg-type]
     with torch.no_grad():
-        tensors = split_gate_up(joined_kv_b(read_tensors(header, num_heads, num_kv_heads), layers))
+        heads: dict[str, tuple[QuantBlocks, QuantBlocks]] = {}  # latent attention's k_b / v_b blocks
+        tensors = split_gate_up(joined_kv_b(read_tensors(header, num_heads, num_kv_heads), layers, heads))
         for name, ggml_type, data, shape in tensors:
             if name in tied:
                 continue
@@ -164,6 +165,7 @@ def load_gguf_weights(model: nn.Module, path: Path, keep: frozenset[int], device
         missing = sorted(set(targets) - loaded - tied)
         if missing or unexpected:
             raise WeightMismatchError(f"missing weights {missing[:8]}, unexpected weights {unexpected[:8]}")
+        hold_heads(model, heads, lambda part: held_as_blocks(part.type, part.cols, keep))
         shared = _shared_weights(model)
         for module, kept in pending.items():
             if isinstance(module, Experts):

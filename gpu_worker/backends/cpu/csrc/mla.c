@@ -10,7 +10,7 @@
  * unnormalised float32 sum of values; a second pass merges a row's spans and writes the output. */
 #include <stdlib.h>
 
-#include "common.h"
+#include "quant.h"
 #include "rivulet_kernels.h"
 
 #define LATENT_BLOCK 16     /* positions widened to float32 at once, every head reading them */
@@ -150,5 +150,44 @@ int latent_decode_attention(const void *q, int64_t q_row_stride, const void *cac
     free(row_of);
     free(parts);
     free(first);
+    return failed ? RV_ERR_NO_MEMORY : RV_OK;
+}
+
+/* The absorbed form's per-head products on kv_b's GGUF blocks (a file's attn_k_b: q_nope into latent
+ * space; attn_v_b: the attended latents to each head's values), all heads in one region where a
+ * quant_matmul a head would open one each. Every head's rows are quantized as quant_matmul quantizes
+ * them, then the (head, column panel) units are shared out; each output element is quant_panel's, as
+ * quant_matmul's is. */
+int latent_heads_matmul(int type, const uint8_t *w, int64_t heads, int64_t n, int64_t k, const void *x,
+                        int64_t x_stride, int64_t x_head, int64_t rows, void *scratch, void *y, int64_t y_stride,
+                        int64_t y_head, int dtype) {
+    const qtype_ops *ops = quant_ops(type);
+    if (ops == NULL || (type & (QTYPE_X8 | QTYPE_A8))) return RV_ERR_TYPE;
+    if (k <= 0 || k % ops->block != 0) return RV_ERR_K;
+    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return RV_ERR_DTYPE;
+    if (heads <= 0 || n <= 0 || rows <= 0) return RV_OK;
+    const int64_t nb = k / ops->block, wrb = nb * ops->block_bytes, xrb = nb * ops->act_block_bytes;
+    const int64_t panel = quant_panel_cols(ops, wrb), panels = (n + panel - 1) / panel;
+    const size_t esize = dtype == DTYPE_F32 ? sizeof(float) : sizeof(uint16_t);
+    uint8_t *xq = (uint8_t *)scratch;
+    int failed = 0;
+#pragma omp parallel if (heads * rows * n * k >= 1 << 16) reduction(| : failed)
+    {
+        float *xf = malloc((size_t)k * sizeof(float));
+        failed |= xf == NULL;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < heads * rows; i++) { /* i: head i / rows, row i % rows */
+            if (xf == NULL) continue;
+            load_vec(x, dtype, i % rows * x_stride + i / rows * x_head, (int)k, xf);
+            ops->quantize_act(xf, k, xq + i * xrb);
+        }
+        free(xf);
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < heads * panels; u++) {
+            const int64_t h = u / panels, p0 = u % panels * panel, pw = n - p0 < panel ? n - p0 : panel;
+            quant_panel(ops, w + h * n * wrb, wrb, nb, p0, pw, xq + h * rows * xrb, xrb, 0, rows,
+                        (char *)y + (size_t)(h * y_head) * esize, y_stride, dtype, NULL, 0);
+        }
+    }
     return failed ? RV_ERR_NO_MEMORY : RV_OK;
 }

@@ -138,6 +138,13 @@ int latent_decode_attention(const void *q, int64_t q_row_stride, const void *cac
                             const int64_t *req_pool_idx, const int64_t *kv_lens, const int64_t *page_table,
                             int64_t pt_stride, int64_t rows, int num_heads, int dim, int v_dim, int page_size,
                             float scale);
+/* Per head h < heads: y_h [rows, n] = x_h [rows, k] W_h^T, W_h the rows [h n, (h + 1) n) of w (blocks of
+ * ``type`` in the file's layout); x_h's row r at r * x_stride + h * x_head elements of x, y_h's at
+ * r * y_stride + h * y_head of y, one dtype. scratch: heads * rows * quant_act_row_bytes(type, k) bytes.
+ * RV_ERR_TYPE, RV_ERR_K, RV_ERR_DTYPE or RV_ERR_NO_MEMORY */
+int latent_heads_matmul(int type, const uint8_t *w, int64_t heads, int64_t n, int64_t k, const void *x,
+                        int64_t x_stride, int64_t x_head, int64_t rows, void *scratch, void *y, int64_t y_stride,
+                        int64_t y_head, int dtype);
 
 /* quant.c, quant_dense.c */
 int quant_supported(int type);
