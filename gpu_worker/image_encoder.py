@@ -5,7 +5,8 @@ image's tokens, or an image sent again, is encoded once.
 A ForwardBatch lists, per row, the images with tokens among the row's positions
 (``ForwardBatch.images`` / ``image_rows``); ``splice`` gives the flat token indices of those
 positions and the embeddings that replace theirs (``ForwardContext.images``; the model's forward
-puts them in place after its embedding scale, as HF does).
+puts them in place after its embedding scale, as HF does). The batch's ``prefetch_images``, waiting
+requests' images, are encoded in the same tower calls and cached for the batches that reach them.
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ import torch
 from gpu_worker.models.vision import VisionTower
 from protocol.images import ImageInput
 from protocol.messages import ForwardBatch
+from protocol.worker_messages import PREFETCH_IMAGES
 
 logger = logging.getLogger(__name__)
 
-CACHED_IMAGES = 64  # encoded images kept (least recently used dropped first)
+# Encoded images kept (least recently used dropped first): enough for several batches' prefetched
+# images to wait for their requests.
+CACHED_IMAGES = 8 * PREFETCH_IMAGES
 
 
 @dataclass(frozen=True)
@@ -52,9 +56,10 @@ class ImageEncoder:
     def splice(self, batch: ForwardBatch) -> ImageSplice | None:
         """The batch's image positions and their embeddings (None: it has none); raises ValueError
         on an image the tower's output does not fit."""
+        self._encode_new(batch.images, batch.prefetch_images[:PREFETCH_IMAGES])
         if not batch.images:
+            self._evict()
             return None
-        self._encode_new(batch.images)
         starts = list(accumulate(batch.extend_lens, initial=0))
         index: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
@@ -72,14 +77,16 @@ class ImageEncoder:
         self._evict()
         return ImageSplice(torch.cat(index).to(self.device), torch.cat(values), blocks)
 
-    def _encode_new(self, images: list[ImageInput]) -> None:
-        """Run the tower once per pixel shape over the images not cached yet."""
+    def _encode_new(self, images: list[ImageInput], prefetch: list[ImageInput]) -> None:
+        """Run the tower once per pixel shape over the images not cached yet. A prefetched image
+        that does not fit is skipped, not an error: its own request's batch meets it again."""
         new: dict[int, ImageInput] = {}
-        for image in images:
+        for image in images + [image for image in prefetch if _fits(image)]:
             if image.key in self.cache:
                 self.cache.move_to_end(image.key)
             else:
                 new.setdefault(image.key, image)
+        own = {image.key for image in images}
         by_shape: dict[tuple[int, ...], list[ImageInput]] = {}
         for image in new.values():
             by_shape.setdefault(tuple(image.shape), []).append(image)
@@ -90,6 +97,8 @@ class ImageEncoder:
             self.encoded_batches.append(len(group))
             logger.info("vision tower: %d image(s) of %s in one call", len(group), list(shape))
             for image, embeds in zip(group, out, strict=True):
+                if embeds.shape[0] != image.length and image.key not in own:
+                    continue
                 if embeds.shape[0] != image.length:
                     raise ValueError(
                         f"image {image.key}: {image.length} image tokens, the tower gives {embeds.shape[0]}"
@@ -99,6 +108,10 @@ class ImageEncoder:
     def _evict(self) -> None:
         while len(self.cache) > CACHED_IMAGES:
             self.cache.popitem(last=False)
+
+
+def _fits(image: ImageInput) -> bool:
+    return len(image.pixels) == 4 * int(np.prod(image.shape))
 
 
 def _pixels(image: ImageInput, shape: tuple[int, ...]) -> np.ndarray:
@@ -140,8 +153,8 @@ def splice_images(x: torch.Tensor, images: ImageSplice | None) -> torch.Tensor:
 def batch_images(encoder: ImageEncoder | None, batch: ForwardBatch) -> ImageSplice | None:
     """``encoder.splice(batch)``; a batch with images for a model without a tower is an error (its
     image tokens would be read as text)."""
-    if not batch.images:
-        return None
     if encoder is None:
-        raise ValueError("the batch has images and this model has no vision tower")
-    return encoder.splice(batch)
+        if batch.images:
+            raise ValueError("the batch has images and this model has no vision tower")
+        return None
+    return encoder.splice(batch) if batch.images or batch.prefetch_images else None

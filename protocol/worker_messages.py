@@ -96,7 +96,15 @@ class ForwardBatch(Msg):
     # Per row, the sum of the ``rope_delta`` of its request's images ending at or before the row's
     # start (what its first token's position is off its index); empty when every row's is 0.
     rope_offsets: list[int] = []
+    # Images of requests still waiting (none of this batch's ``images``), at most PREFETCH_IMAGES:
+    # the worker encodes the ones it has not cached in the same tower calls as ``images`` and keeps
+    # them for the batches that reach their tokens, so a step's tower runs over several images.
+    prefetch_images: list[ImageInput] = []
 
+
+# The most waiting requests' images a batch carries (ForwardBatch.prefetch_images); the worker
+# keeps several times more encoded images, so one prefetched is still cached when its request runs.
+PREFETCH_IMAGES = 8
 
 ToWorker = ForwardBatch
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from protocol.embedding import Pooling
 from protocol.images import ImageInput
 from protocol.logprobs import TopTokens
 from protocol.messages import ForwardBatch, ForwardResult
+from protocol.worker_messages import PREFETCH_IMAGES
 from scheduler_proc.request import Req
 
 
@@ -74,7 +77,47 @@ class BatchInfo:
         return cls(step, len(prefill), sum(r.extend_len for r in prefill), cached, len(decode), num_decoding)
 
 
-def build_forward_batch(step: int, rows: list[Row], page_size: int) -> ForwardBatch:
+class ImagePrefetch:
+    """Which waiting requests' images ride along with a batch (ForwardBatch.prefetch_images).
+
+    A prefill batch holds about one image's request, so the tower would see one image a call; a
+    batch that brings an image never sent before (its tower runs anyway) also carries the next
+    waiting requests' unsent images, and the worker encodes them all in one call. Keys sent
+    lately are not sent again: their pixels are large, and the worker has them cached (one it
+    dropped comes again with its own request's batch, only unbatched).
+    """
+
+    def __init__(self, limit: int = PREFETCH_IMAGES) -> None:
+        self.limit = limit
+        self.sent: OrderedDict[int, None] = OrderedDict()  # recent keys, oldest first
+
+    def pick(self, rows: list[Row], waiting: Iterable[Req]) -> list[ImageInput]:
+        own = [image.key for row in rows for image in row.images()]
+        fresh = [key for key in own if key not in self.sent]
+        for key in own:
+            self._remember(key)
+        if not fresh:
+            return []
+        picked: list[ImageInput] = []
+        for req in waiting:
+            for image in req.images:
+                if len(picked) == self.limit:
+                    return picked
+                if image.key not in self.sent:
+                    picked.append(image)
+                    self._remember(image.key)
+        return picked
+
+    def _remember(self, key: int) -> None:
+        self.sent[key] = None
+        self.sent.move_to_end(key)
+        while len(self.sent) > 4 * self.limit:
+            self.sent.popitem(last=False)
+
+
+def build_forward_batch(
+    step: int, rows: list[Row], page_size: int, prefetch_images: list[ImageInput] | None = None
+) -> ForwardBatch:
     """The wire form of ``rows``, built before they launch (``Flight.launch`` moves kv_len on).
 
     A decode row whose input token is still being drawn by a batch in flight sends
@@ -120,6 +163,7 @@ def build_forward_batch(step: int, rows: list[Row], page_size: int) -> ForwardBa
         images=[image for _, image in images],
         image_rows=[i for i, _ in images],
         rope_offsets=offsets if any(offsets := [row.rope_offset() for row in rows]) else [],
+        prefetch_images=prefetch_images or [],
     )
 
 

@@ -39,7 +39,7 @@ from protocol.messages import (
     ToTokenizer,
 )
 from scheduler_proc.admission import Admission
-from scheduler_proc.batch import BatchInfo, Row, build_forward_batch
+from scheduler_proc.batch import BatchInfo, ImagePrefetch, Row, build_forward_batch
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.decode_rows import DecodeRows
 from scheduler_proc.kv_manager import KVManager
@@ -75,6 +75,7 @@ class Scheduler(ResultHandling, DecodeRows):
 
     def _init_queues(self) -> None:
         self.waiting: deque[Req] = deque()
+        self.prefetch = ImagePrefetch()  # waiting requests' images sent ahead to the tower
         self.chunked_req: Req | None = None
         self.running: list[Req] = []
         self.reqs: dict[int, Req] = {}  # every live request by rid
@@ -175,7 +176,8 @@ class Scheduler(ResultHandling, DecodeRows):
         self.num_prefill_tokens += sum(row.extend_len for row in prefill)
         num_decoding = len(self.running) - sum(row.sample for row in prefill)
         self.last_batch = BatchInfo.of(step, prefill, decode, num_decoding)
-        batch = build_forward_batch(step, rows, self.config.page_size)
+        prefetch = self.prefetch.pick(prefill, self.waiting)
+        batch = build_forward_batch(step, rows, self.config.page_size, prefetch)
         if isinstance(self.kv, HybridKVManager):
             batch = self.kv.plan(batch, rows)
         for row in rows:
