@@ -32,3 +32,8 @@ def test_waiting_images_encode_in_one_tower_call(vlm: tuple[Path, Any]) -> None:
     assert len(first.images) == 1 and len(first.prefetch_images) == len(prompts) - 1
     assert runner.images.encoded_batches == [len(prompts)], "one tower call for every image"
     assert scheduler.kv.used_tokens == 0
+    # Again on the same worker: every image, its own or prefetched, is cached and none encoded.
+    again, _ = inprocess.generate(runner, ids, NEW_TOKENS, chunked_prefill_size=7, enable_mixed_chunk=True,
+                                  images=[images for _, images, *_ in prompts])  # fmt: skip
+    assert again == expected
+    assert runner.images.encoded_batches == [len(prompts)]
