@@ -140,7 +140,10 @@ class ComplexRotary(nn.Module):
 
 class HeadProducts(Protocol):
     """A backend's absorbed-form products of ``LatentProjection`` (its ``heads`` slot): on a GGUF's
-    k_b / v_b blocks (``quantized``), which the dense weight's bmm reads 6x the bytes of."""
+    k_b / v_b blocks (``quantized``), which the dense weight's bmm reads 6x the bytes of. Batches of
+    more than ``max_rows`` tokens take the bmm: with many rows the products are compute, not reads."""
+
+    max_rows: int
 
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor: ...
 
@@ -176,14 +179,14 @@ class LatentProjection(Layer):
 
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [T, H, nope] -> q_nope W_uk: [T, H, r]."""
-        if self.heads is not None:
+        if self.heads is not None and q_nope.shape[0] <= self.heads.max_rows:
             return self.heads.absorb_query(q_nope)
         w_uk, _ = self.per_head()
         return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
     def values(self, attended: torch.Tensor) -> torch.Tensor:
         """Attended latents [T, H, r] -> each head's output attended W_uv^T: [T, H, v]."""
-        if self.heads is not None:
+        if self.heads is not None and attended.shape[0] <= self.heads.max_rows:
             return self.heads.values(attended)
         _, w_uv = self.per_head()
         return torch.bmm(attended.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)

@@ -60,7 +60,11 @@ def load(path: Path) -> HeadsMatmul:
 
 
 class LatentHeads:
-    """One layer's ``absorb_query`` and ``values`` (models/mla.py's LatentProjection) on its blocks."""
+    """One layer's ``absorb_query`` and ``values`` (models/mla.py's LatentProjection) on its blocks,
+    for batches of up to ``max_rows`` tokens: past that (32 decode rows) the products cost compute
+    more than reads, and the float32 bmm's is the cheaper."""
+
+    max_rows = 16
 
     def __init__(self, k_b: QuantBlocks, v_b: QuantBlocks, heads: int, kernels: CpuKernels) -> None:
         self.k_b, self.v_b, self.heads = k_b, v_b, heads
