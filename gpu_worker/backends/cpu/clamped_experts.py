@@ -1,8 +1,8 @@
 """gpt-oss's experts (models/gpt_oss.py's ``ClampedSwigluExperts``) computed on a GGUF's stacked blocks
-(MXFP4 in gpt-oss's files): per expert with rows, its gate and up projections as one ``QuantLinear``
-with their biases, the clamped SwiGLU in torch, then its down projection with its bias. csrc/moe.c's
-one call computes SiLU experts without biases, so these run from Python, each expert's weights read
-once per step whatever the number of its rows.
+(MXFP4 in gpt-oss's files) in one C call a layer, as experts.py computes the SiLU ones: csrc/moe.c's
+moe_experts_clamped adds each expert's biases to its projections and applies the clamped SwiGLU, each
+expert's weights read once per step whatever the number of its rows. ``per_expert`` runs each
+expert's two ``QuantLinear`` calls from Python instead, the C call's reference in its test.
 """
 
 from __future__ import annotations
@@ -11,33 +11,37 @@ import torch
 
 from gpu_worker.backends.cpu.experts import QuantExperts
 from gpu_worker.backends.cpu.kernels import CpuKernels
-from gpu_worker.backends.cpu.quant import QuantLinear
+from gpu_worker.backends.cpu.quant_kernels import ClampedAct
 from gpu_worker.models.gpt_oss import ClampedSwigluExperts
 from gpu_worker.models.moe import ExpertGroups, Experts
-from gpu_worker.weights.formats import QuantizedWeight
 
 
-class ClampedQuantExperts:
+class ClampedQuantExperts(QuantExperts):
     """The experts over grouped rows, on blocks, biases added and the clamped SwiGLU applied."""
 
     def __init__(self, module: ClampedSwigluExperts, kernels: CpuKernels, dtype: torch.dtype) -> None:
         weight = module.quantized
         assert weight is not None, "experts on blocks only"
-        self.weight, self.glu, self.inner = weight, module.glu, weight.gate.rows // weight.num_experts
-        gate_up_bias, down_bias = (b.to(dtype) for b in module.split_biases())
-        self.biases = [gate_up_bias, down_bias]
-        self.gate_up: list[QuantLinear] = []
-        self.down: list[QuantLinear] = []
+        super().__init__(weight, kernels, module.act, module.act_mul)
+        self.glu = module.glu
+        gate_up_bias, down_bias = (b.to(dtype).contiguous() for b in module.split_biases())
+        self.clamped = ClampedAct(gate_up_bias, down_bias, module.alpha, module.limit)
         for e in range(weight.num_experts):
-            gate, up, down = weight.expert(e)
-            self.gate_up.append(QuantLinear(QuantizedWeight((gate, up)), gate_up_bias[e], kernels))
-            self.down.append(QuantLinear(QuantizedWeight((down,)), down_bias[e], kernels))
+            self.gate_up[e].bias, self.down[e].bias = gate_up_bias[e], down_bias[e]
 
     def tensors(self) -> list[torch.Tensor]:
         """What the experts hold (for the worker's count of weight bytes)."""
-        return [part.data for part in self.weight.projections] + self.biases
+        return [*super().tensors(), self.clamped.gate_up_bias, self.clamped.down_bias]
 
     def __call__(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        x = x.contiguous()
+        weights = groups.weights.reshape(-1).contiguous()
+        return self.kernels.moe_experts(
+            self.projections, self.hidden, self.inner, x, groups.tokens, weights, groups.spans, self.clamped
+        )
+
+    def per_expert(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        """The same, each expert's two matmuls (with their biases) called from Python."""
         rows = x.index_select(0, groups.tokens)
         out = torch.empty_like(rows)
         for expert, start, count in groups.spans.tolist():

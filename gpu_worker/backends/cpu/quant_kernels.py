@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import gguf
 import torch
@@ -21,6 +21,16 @@ from gpu_worker.backends.cpu.layouts import A8, X8
 
 if TYPE_CHECKING:
     from gpu_worker.backends.cpu.decode_rows import DecodeRows
+
+
+class ClampedAct(NamedTuple):
+    """gpt-oss's experts' extras for ``moe_experts``: the biases ([E, 2 * inner] gate's then up's,
+    [E, hidden], in the activations' dtype) and the clamped SwiGLU's alpha and limit."""
+
+    gate_up_bias: torch.Tensor
+    down_bias: torch.Tensor
+    alpha: float
+    limit: float
 
 
 class QuantKernels:
@@ -55,6 +65,10 @@ class QuantKernels:
         self._moe_experts = lib.moe_experts
         self._moe_experts.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i32]
         self._moe_experts.restype = i32
+        self._moe_experts_clamped = lib.moe_experts_clamped
+        f32 = ctypes.c_float
+        self._moe_experts_clamped.argtypes = [*self._moe_experts.argtypes, ptr, ptr, f32, f32]
+        self._moe_experts_clamped.restype = i32
         self._moe_route = lib.moe_route
         self._moe_route.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, ptr, ptr, i32]
         self._moe_route.restype = i32
@@ -192,19 +206,28 @@ class QuantKernels:
         tokens: torch.Tensor,
         weights: torch.Tensor,
         spans: torch.Tensor,
+        clamped: ClampedAct | None = None,
     ) -> torch.Tensor:
         """A mixture of experts' experts over grouped rows in one call (csrc/moe.c; the structs are
         gpu_worker/backends/cpu/experts.py's): [T, hidden] in x's dtype from x [T, hidden] (contiguous),
         the pairs' ``tokens`` (int64) and ``weights`` (x's dtype) sorted by expert, and ``spans``
-        (int64 [S, 3]: expert, start, count)."""
+        (int64 [S, 3]: expert, start, count). With ``clamped``, gpt-oss's experts: biases on the
+        projections and the clamped SwiGLU (moe_experts_clamped)."""
         assert x.is_contiguous() and x.dim() == 2 and x.shape[1] == hidden, "x: contiguous [T, hidden]"
         assert tokens.dtype == torch.int64 and tokens.is_contiguous() and spans.dtype == torch.int64
         assert weights.dtype == x.dtype and weights.is_contiguous() and len(weights) == len(tokens)
         out = torch.empty_like(x)
-        status = self._moe_experts(
+        args = (
             ctypes.byref(projections), hidden, inner, x.data_ptr(), tokens.data_ptr(), weights.data_ptr(),
             spans.data_ptr(), spans.shape[0], len(tokens), x.shape[0], out.data_ptr(), DTYPE_CODES[x.dtype],
         )  # fmt: skip
+        if clamped is None:
+            status = self._moe_experts(*args)
+        else:
+            for bias in (clamped.gate_up_bias, clamped.down_bias):
+                assert bias.dtype == x.dtype and bias.is_contiguous(), "biases: contiguous, x's dtype"
+            biases = (clamped.gate_up_bias.data_ptr(), clamped.down_bias.data_ptr())
+            status = self._moe_experts_clamped(*args, *biases, clamped.alpha, clamped.limit)
         if status != 0:
             raise RuntimeError(f"moe_experts failed: {status_text(status)}")
         return out

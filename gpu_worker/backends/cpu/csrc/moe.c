@@ -84,14 +84,93 @@ static void quantize_row(const qtype_ops *ops, const void *src, int64_t n, int d
     }
 }
 
-/* out [tokens_n, hidden] (written whole) = each token's experts' outputs, weighted and summed; x
- * [tokens_n, hidden] rows contiguous; weights [pairs] in x's dtype; spans [n_spans][3]. Returns RV_OK,
- * RV_ERR_NO_MEMORY, RV_ERR_EXPERT_SIZE (an expert size that does not match the projections),
- * RV_ERR_EXPERT_FORMATS (projections whose activation formats differ, or unsupported types or
- * sizes), or the status of a dense matmul that refused. */
-int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const void *x, const int64_t *tokens,
-                const void *weights, const int64_t *spans, int64_t n_spans, int64_t pairs, int64_t tokens_n,
-                void *out, int dtype) {
+/* gpt-oss's experts (moe_experts_clamped): biases on the three projections, the clamped SwiGLU. */
+typedef struct {
+    const void *gate_up_bias; /* [experts, 2 inner] (dtype): gate's then up's, as the gu rows */
+    const void *down_bias;    /* [experts, hidden] (dtype) */
+    float alpha, limit;
+} clamped_act;
+
+/* The span that pair i falls in (spans sorted by start, covering [0, pairs)). */
+static int64_t span_of(const int64_t *spans, int64_t n_spans, int64_t i) {
+    int64_t lo = 0, hi = n_spans - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (spans[3 * mid + 1] <= i) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* v[i] = sigmoid(v[i]) = 1 / (1 + exp(-v)), as e / (1 + e) below 0 (e = exp(-|v|), never past 1). */
+static void sigmoid_vec(float *v, int n) {
+#if HAVE_AVX512
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? 0xffffu : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 x = _mm512_maskz_loadu_ps(m, v + i), one = _mm512_set1_ps(1.0f);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+        const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+        const __m512 d = _mm512_add_ps(one, e);
+        _mm512_mask_storeu_ps(v + i, m, _mm512_mask_div_ps(_mm512_div_ps(one, d), neg, e, d));
+    }
+#elif HAVE_AVX2
+    for (int i = 0; i < n; i += 8) {
+        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - i), lanes);
+        const __m256 x = _mm256_maskload_ps(v + i, m), one = _mm256_set1_ps(1.0f);
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)));
+        const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+        const __m256 d = _mm256_add_ps(one, e);
+        _mm256_maskstore_ps(v + i, m, _mm256_blendv_ps(_mm256_div_ps(one, d), _mm256_div_ps(e, d), neg));
+    }
+#else
+    for (int i = 0; i < n; i++) {
+        const float e = exp_nonpositive(-fabsf(v[i]));
+        v[i] = (v[i] < 0.0f ? e : 1.0f) / (1.0f + e);
+    }
+#endif
+}
+
+#define PIECE 256
+
+/* out = (up + 1) * (gate * sigmoid(alpha gate)) of one gu row [gate (inner) | up (inner)] plus its
+ * expert's biases, the gate clamped from above at limit and up from both sides; each torch op of
+ * models/gpt_oss.py's glu (and QuantLinear's bias add) rounded to the dtype in turn. */
+static void clamped_swiglu_row(const void *gate_up, const clamped_act *c, int64_t e, void *out, int64_t inner,
+                               int dtype) {
+    float g[PIECE], u[PIECE], b[PIECE], t[PIECE];
+    const float limit = c->limit;
+    for (int64_t i0 = 0; i0 < inner; i0 += PIECE) {
+        const int n = inner - i0 < PIECE ? (int)(inner - i0) : PIECE;
+        load_vec(gate_up, dtype, i0, n, g);
+        load_vec(gate_up, dtype, inner + i0, n, u);
+        load_vec(c->gate_up_bias, dtype, e * 2 * inner + i0, n, b);
+        for (int i = 0; i < n; i++) g[i] += b[i];
+        load_vec(c->gate_up_bias, dtype, e * 2 * inner + inner + i0, n, b);
+        for (int i = 0; i < n; i++) u[i] += b[i];
+        round_vec(dtype, g, n);
+        round_vec(dtype, u, n);
+        for (int i = 0; i < n; i++) {
+            g[i] = g[i] > limit ? limit : g[i];
+            u[i] = u[i] > limit ? limit : u[i] < -limit ? -limit : u[i];
+            t[i] = g[i] * c->alpha;
+        }
+        round_vec(dtype, t, n);
+        sigmoid_vec(t, n);
+        round_vec(dtype, t, n);
+        for (int i = 0; i < n; i++) t[i] *= g[i];
+        round_vec(dtype, t, n);
+        for (int i = 0; i < n; i++) u[i] += 1.0f;
+        round_vec(dtype, u, n);
+        for (int i = 0; i < n; i++) t[i] *= u[i];
+        store_vec(out, dtype, i0, n, t);
+    }
+}
+
+/* moe_experts (below), silu(gate) * up where clamp is NULL, else moe_experts_clamped's biases and act. */
+static int run_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const void *x,
+                       const int64_t *tokens, const void *weights, const int64_t *spans, int64_t n_spans,
+                       int64_t pairs, int64_t tokens_n, void *out, int dtype, const clamped_act *clamp) {
     if (proj[GATE].n != inner || proj[UP].n != inner || proj[DOWN].n != hidden) return RV_ERR_EXPERT_SIZE;
     if (proj[GATE].a8_min_rows != proj[UP].a8_min_rows) return RV_ERR_EXPERT_FORMATS;
     const qtype_ops *gate_ops = quant_ops((int)proj[GATE].type), *up_ops = quant_ops((int)proj[UP].type);
@@ -200,7 +279,11 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < pairs; i++) {
             if (failed_here) continue;
-            silu_mul_row(gu + i * 2 * inner * elem, act + i * inner * elem, (int)inner, dtype);
+            if (clamp != NULL)
+                clamped_swiglu_row(gu + i * 2 * inner * elem, clamp, spans[3 * span_of(spans, n_spans, i)],
+                                   act + i * inner * elem, inner, dtype);
+            else
+                silu_mul_row(gu + i * 2 * inner * elem, act + i * inner * elem, (int)inner, dtype);
             quantize_row(pair_span[i] & A_DOWN ? down8 : down_ops, act + i * inner * elem, inner, dtype, tmp,
                          aq + i * arb);
         }
@@ -234,15 +317,22 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
          * hidden columns split over threads (each element's order is the pairs') */
         const int64_t h0 = hidden * t / nt / 16 * 16, h1 = t == nt - 1 ? hidden : hidden * (t + 1) / nt / 16 * 16;
         const int hn = (int)(h1 - h0);
-        float term[256];
+        float term[256], bias[256];
         for (int64_t tok = 0; tok < tokens_n; tok++) memset(sum + tok * hidden + h0, 0, (size_t)hn * sizeof(float));
-        for (int64_t i = 0; i < pairs; i++) {
+        for (int64_t i = 0, s = 0; i < pairs; i++) {
+            while (spans[3 * s + 1] + spans[3 * s + 2] <= i) s++;
+            const int64_t expert = spans[3 * s];
             float wt;
             load_vec(weights, dtype, i, 1, &wt);
             float *dst = sum + tokens[i] * hidden + h0;
             for (int j0 = 0; j0 < hn; j0 += 256) {
                 const int n = hn - j0 < 256 ? hn - j0 : 256;
                 load_vec(y, dtype, i * hidden + h0 + j0, n, term);
+                if (clamp != NULL) { /* down's bias, rounded as QuantLinear's add */
+                    load_vec(clamp->down_bias, dtype, expert * hidden + h0 + j0, n, bias);
+                    for (int j = 0; j < n; j++) term[j] += bias[j];
+                    round_vec(dtype, term, n);
+                }
                 for (int j = 0; j < n; j++) term[j] *= wt;
                 round_vec(dtype, term, n);
                 for (int j = 0; j < n; j++) dst[j0 + j] += term[j];
@@ -254,6 +344,29 @@ int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const
     }
     free(arena);
     return 0;
+}
+
+/* out [tokens_n, hidden] (written whole) = each token's experts' outputs, weighted and summed; x
+ * [tokens_n, hidden] rows contiguous; weights [pairs] in x's dtype; spans [n_spans][3]. Returns RV_OK,
+ * RV_ERR_NO_MEMORY, RV_ERR_EXPERT_SIZE (an expert size that does not match the projections),
+ * RV_ERR_EXPERT_FORMATS (projections whose activation formats differ, or unsupported types or
+ * sizes), or the status of a dense matmul that refused. */
+int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const void *x, const int64_t *tokens,
+                const void *weights, const int64_t *spans, int64_t n_spans, int64_t pairs, int64_t tokens_n,
+                void *out, int dtype) {
+    return run_experts(proj, hidden, inner, x, tokens, weights, spans, n_spans, pairs, tokens_n, out, dtype, NULL);
+}
+
+/* moe_experts for gpt-oss's experts: gu = x [Wgate; Wup]^T + gate_up_bias[e] ([experts, 2 inner],
+ * gate's then up's, dtype), a = the clamped SwiGLU of gu (clamped_swiglu_row), y = a Wdown^T +
+ * down_bias[e] ([experts, hidden], dtype), each bias added and rounded as QuantLinear adds it. */
+int moe_experts_clamped(const moe_projection *proj, int64_t hidden, int64_t inner, const void *x,
+                        const int64_t *tokens, const void *weights, const int64_t *spans, int64_t n_spans,
+                        int64_t pairs, int64_t tokens_n, void *out, int dtype, const void *gate_up_bias,
+                        const void *down_bias, float alpha, float limit) {
+    const clamped_act clamp = {gate_up_bias, down_bias, alpha, limit};
+    return run_experts(proj, hidden, inner, x, tokens, weights, spans, n_spans, pairs, tokens_n, out, dtype,
+                       &clamp);
 }
 
 /* The router of rows x [rows, hidden] (dtype): per row the logits against w [n_experts, hidden]

@@ -165,6 +165,10 @@ void quant_get_rows(int type, const uint8_t *w, int64_t k, const int64_t *ids, i
 int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const void *x, const int64_t *tokens,
                 const void *weights, const int64_t *spans, int64_t n_spans, int64_t pairs, int64_t tokens_n,
                 void *out, int dtype);
+int moe_experts_clamped(const moe_projection *proj, int64_t hidden, int64_t inner, const void *x,
+                        const int64_t *tokens, const void *weights, const int64_t *spans, int64_t n_spans,
+                        int64_t pairs, int64_t tokens_n, void *out, int dtype, const void *gate_up_bias,
+                        const void *down_bias, float alpha, float limit);
 int moe_route(const void *x, int64_t rows, int64_t hidden, const void *w, int64_t n_experts, int64_t top_k,
               int norm_topk, int64_t *ids, void *weights, int dtype);
 
