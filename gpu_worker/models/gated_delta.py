@@ -129,12 +129,15 @@ class GatedDeltaNet(Layer):
     def options(self) -> dict[str, Any]:
         return {"layout": self.layout, "tiled_values": self.tiled_values, "conv_kernel": self.conv_kernel}
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, ctx: ForwardContext, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The layer's output, or ``residual`` plus it (the add fused into ``out_proj`` where it can be)."""
         batch = ctx.recurrent
         assert batch is not None, "a linear-attention layer needs the batch's recurrent states"
         mixed, z, b, a = self.project(x)
         if self.decode_step is not None and x.dtype == torch.float32 and batch.step_slots is not None:
-            return self.out_proj(self.fused_step((mixed, z, b, a), batch, batch.step_slots))
+            return self.output(self.fused_step((mixed, z, b, a), batch, batch.step_slots), residual)
         kernels_fit = x.dtype in (torch.float32, torch.bfloat16)
         pooled, conv = (self.pooled_rule, self.pooled_conv) if kernels_fit else (None, None)
         if conv is not None:
@@ -158,7 +161,10 @@ class GatedDeltaNet(Layer):
         else:
             out = self.delta_rule(q, k, v, g, beta, batch).to(x.dtype)
         out = self.norm(out, z.view(tokens, self.value_heads, self.d_v))
-        return self.out_proj(out.flatten(1))
+        return self.output(out.flatten(1), residual)
+
+    def output(self, y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        return self.out_proj(y) if residual is None else self.out_proj.add_to(residual, y)
 
     def fused_step(
         self, parts: tuple[torch.Tensor, ...], batch: RecurrentBatch, slots: torch.Tensor

@@ -93,8 +93,10 @@ class GatedAttention(AttentionLayer):
         return {"output_gate": True, "partial_rotary": self.rotary_dim < self.head_dim}
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The layer's output, or ``residual`` plus it (the add fused into ``o_proj`` where it can be)."""
         tokens, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         q_gate, k, v = self.qkv_proj(x).split([2 * heads * dim, kv_heads * dim, kv_heads * dim], -1)
         q, gate = q_gate.view(tokens, heads, 2 * dim).chunk(2, dim=-1)
@@ -103,7 +105,8 @@ class GatedAttention(AttentionLayer):
         q = torch.cat((apply_rotary(q[..., :rd], cos, sin), q[..., rd:]), dim=-1)
         k = torch.cat((apply_rotary(k[..., :rd], cos, sin), k[..., rd:]), dim=-1)
         attended = paged_attention(self.layer, q, k, v.reshape(tokens, kv_heads, dim), ctx, PLAIN)
-        return self.o_proj(attended.flatten(1) * torch.sigmoid(gate.reshape(tokens, -1)))
+        gated = attended.flatten(1) * torch.sigmoid(gate.reshape(tokens, -1))
+        return self.o_proj(gated) if residual is None else self.o_proj.add_to(residual, gated)
 
 
 class SharedExpertMoe(SparseMoeBlock):
@@ -138,8 +141,10 @@ class HybridDecoderLayer(Layer):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         normed = self.input_layernorm(x)
-        mixed = self.linear_attn(normed, ctx) if self.linear else self.self_attn(normed, cos, sin, ctx)
-        x = x + mixed
+        if self.linear:
+            x = self.linear_attn(normed, ctx, residual=x)
+        else:
+            x = self.self_attn(normed, cos, sin, ctx, residual=x)
         return self.mlp.add_to(x, self.post_attention_layernorm(x))  # type: ignore[operator]
 
 
