@@ -87,7 +87,8 @@ class ModelRunner:
         started = time.perf_counter()
         self.model, self.hf_config = self._load()
         config = self.config
-        self.images = image_encoder_for(config.model_path, self._dtype, self._device, config.mmproj)
+        tower_dtype = self.backend.tower_dtype(self._dtype) if config.dtype == "auto" else self._dtype
+        self.images = image_encoder_for(config.model_path, tower_dtype, self._device, config.mmproj)
         self.mrope_merge = int(getattr(self.model, "mrope_merge", 0))  # 0: 1D rope
         model = self.model
         assert isinstance(model, torch.nn.Module), "our models are nn.Modules"

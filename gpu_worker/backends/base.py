@@ -29,6 +29,12 @@ class Backend(Protocol):
         """``--dtype auto``: the activations' dtype (``gguf_blocks``: weights kept in GGUF blocks)."""
         ...
 
+    def tower_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """A vision tower's dtype under ``--dtype auto`` when the activations are ``dtype``: a tower
+        is dense matmuls and attention over thousands of patches, compute-bound where a decode step
+        is bound by its weight bytes, so it may take a narrower type than the language model."""
+        ...
+
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """``--kv-cache-dtype auto`` under activations of ``dtype`` (asked after ``prepare_model``).
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from gpu_worker.backends.cpu.backend import auto_dtype
+from gpu_worker.backends.cpu.backend import CpuBackend, auto_dtype
 from gpu_worker.backends.cpu.kind import CpuKind, requested_kind
 from gpu_worker.backends.cpu.matmul import PLANS, CpuLinear
 from gpu_worker.backends.torch.backend import TorchBackend
@@ -128,3 +128,11 @@ def test_auto_dtype_follows_the_cpu_kind() -> None:
     assert auto_dtype() == expected
     assert auto_dtype(gguf_blocks=True) == "float32"  # on every kind
     assert TorchBackend(torch.device("cuda")).auto_dtype(gguf_blocks=False) == "bfloat16"
+
+
+def test_tower_dtype_is_bf16_only_where_the_cpu_multiplies_bf16() -> None:
+    backend = CpuBackend(WorkerConfig())
+    native = requested_kind() in (CpuKind.AVX512_BF16, CpuKind.AMX)
+    assert backend.tower_dtype(torch.float32) == (torch.bfloat16 if native else torch.float32)
+    assert backend.tower_dtype(torch.float64) == torch.float64  # the reference stays the reference
+    assert TorchBackend(torch.device("cuda")).tower_dtype(torch.bfloat16) == torch.bfloat16

@@ -43,6 +43,9 @@ class TorchBackend:
     def auto_dtype(self, gguf_blocks: bool) -> str:
         return "float32" if self.host_memory else "bfloat16"
 
+    def tower_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype
+
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The activations': torch gathers a row's KV per read, so a 16-bit pool costs a widening
         copy per layer (--kv-cache-dtype still sets one, for tests and memory)."""
