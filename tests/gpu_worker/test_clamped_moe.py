@@ -73,7 +73,7 @@ def test_clamped_one_call_equals_expert_by_expert(dtype: torch.dtype, tokens: in
     groups = groups_of(tokens, dtype, seed=tokens)
     got = experts(x, groups)
     per_expert = experts.per_expert(x, groups)
-    gu = torch.cat([experts.gate_up[e](x) for e in range(EXPERTS)])
+    gu = torch.cat([experts.blocks.gate_up[e](x) for e in range(EXPERTS)])
     assert float(gu.abs().max()) > LIMIT, "no entry reaches the clamp"
     if dtype == torch.float32:
         torch.testing.assert_close(got, per_expert, rtol=1e-5, atol=1e-5)

@@ -16,38 +16,41 @@ from gpu_worker.models.gpt_oss import ClampedSwigluExperts
 from gpu_worker.models.moe import ExpertGroups, Experts
 
 
-class ClampedQuantExperts(QuantExperts):
-    """The experts over grouped rows, on blocks, biases added and the clamped SwiGLU applied."""
+class ClampedQuantExperts:
+    """The experts over grouped rows, on blocks, biases added and the clamped SwiGLU applied. Not a
+    ``QuantExperts`` (it holds one): a sparse block with those gets moe_route's router, which
+    knows neither gpt-oss's router bias nor its top-k softmax."""
 
     def __init__(self, module: ClampedSwigluExperts, kernels: CpuKernels, dtype: torch.dtype) -> None:
         weight = module.quantized
         assert weight is not None, "experts on blocks only"
-        super().__init__(weight, kernels, module.act, module.act_mul)
+        self.blocks = QuantExperts(weight, kernels, module.act, module.act_mul)  # its structs and plans
         self.glu = module.glu
         gate_up_bias, down_bias = (b.to(dtype).contiguous() for b in module.split_biases())
         self.clamped = ClampedAct(gate_up_bias, down_bias, module.alpha, module.limit)
         for e in range(weight.num_experts):
-            self.gate_up[e].bias, self.down[e].bias = gate_up_bias[e], down_bias[e]
+            self.blocks.gate_up[e].bias, self.blocks.down[e].bias = gate_up_bias[e], down_bias[e]
 
     def tensors(self) -> list[torch.Tensor]:
         """What the experts hold (for the worker's count of weight bytes)."""
-        return [*super().tensors(), self.clamped.gate_up_bias, self.clamped.down_bias]
+        return [*self.blocks.tensors(), self.clamped.gate_up_bias, self.clamped.down_bias]
 
     def __call__(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
-        x = x.contiguous()
+        b, x = self.blocks, x.contiguous()
         weights = groups.weights.reshape(-1).contiguous()
-        return self.kernels.moe_experts(
-            self.projections, self.hidden, self.inner, x, groups.tokens, weights, groups.spans, self.clamped
+        return b.kernels.moe_experts(
+            b.projections, b.hidden, b.inner, x, groups.tokens, weights, groups.spans, self.clamped
         )
 
     def per_expert(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """The same, each expert's two matmuls (with their biases) called from Python."""
         rows = x.index_select(0, groups.tokens)
         out = torch.empty_like(rows)
+        inner = self.blocks.inner
         for expert, start, count in groups.spans.tolist():
-            gate_up = self.gate_up[expert](rows[start : start + count])
-            glu = self.glu(gate_up[:, : self.inner], gate_up[:, self.inner :])
-            out[start : start + count] = self.down[expert](glu)
+            gate_up = self.blocks.gate_up[expert](rows[start : start + count])
+            glu = self.glu(gate_up[:, :inner], gate_up[:, inner:])
+            out[start : start + count] = self.blocks.down[expert](glu)
         return groups.combine(out)
 
 
