@@ -1,10 +1,10 @@
 """The interleaved types (the K-quants; the legacy Q4_0, Q4_1, Q8_0) met by 8-bit activations
-(csrc/quant.h's act_block8, csrc/quant_kx8.c's vpdpbusd tiles: the many-row path of the AVX-512
-builds). The quantization itself (its bound per value, the residual pass where a block's absmax
-stands far above its mean, the sums), the tiles against float64 on gguf-py's dequantization of the
-file's blocks, a row's output whatever rows are beside it, the same bits on every kind that has the
-tiles, and QuantLinear, the one-call decode's plan and the experts taking them from A8_MIN_ROWS
-rows."""
+(csrc/quant.h's act_block8, csrc/quant_kx8.c's vpdpbusd tiles, maddubs + madd without VNNI: the
+many-row path of the AVX-512 and AVX2 builds). The quantization itself (its bound per value, the
+residual pass where a block's absmax stands far above its mean, the sums), the tiles against
+float64 on gguf-py's dequantization of the file's blocks, a row's output whatever rows are beside
+it, the same bits on every kind that has the tiles, and QuantLinear, the one-call decode's plan and
+the experts taking them from A8_MIN_ROWS rows."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def a8_type(kernels: cpu_kernels.CpuKernels, blocks: QuantBlocks) -> int:
     without VNNI: its unsigned q would saturate maddubs)."""
     t = kernel_type(blocks) | A8
     if not kernels.quant_supported(t):
-        assert blocks.type == Q.Q8_0 and kernels.kind == CpuKind.AVX512
+        assert blocks.type == Q.Q8_0 and kernels.kind in (CpuKind.AVX512, CpuKind.AVX2)
         pytest.skip("Q8_0 has no 8-bit tile without VNNI")
     return t
 
@@ -174,7 +174,7 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(
 
 @pytest.mark.parametrize("qtype", A8_TYPES, ids=[t.name for t in A8_TYPES])
 def test_every_kind_with_the_tiles_gives_the_same_bits(qtype: Q) -> None:
-    """vpdpbusd (the VNNI builds) and maddubs + madd (AVX-512 without VNNI) sum the same integers."""
+    """vpdpbusd (the VNNI builds) and maddubs + madd (AVX-512 without VNNI, AVX2) sum the same integers."""
     x8, _, _ = held(qtype, 40, 512)
     libs = [cpu_kernels.CpuKernels(cpu_kernels.build(kind), kind) for kind in kinds_with_tiles()]
     libs = [lib for lib in libs if lib.quant_supported(kernel_type(x8) | A8)]
@@ -204,7 +204,7 @@ def test_quant_linear_takes_8_bits_from_the_tables_rows(kernels: cpu_kernels.Cpu
 
 def test_kinds_without_the_tiles_never_take_them() -> None:
     blocks = held(Q.Q4_K, 16, 256)[0]
-    for kind in (CpuKind.AVX2, CpuKind.PORTABLE):
+    for kind in (CpuKind.PORTABLE,):
         lib = cpu_kernels.CpuKernels(cpu_kernels.build(kind), kind)
         assert not lib.quant_supported(kernel_type(blocks) | A8)
         assert a8_min_rows(lib, blocks) == NEVER

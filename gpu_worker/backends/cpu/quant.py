@@ -34,10 +34,11 @@ from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
 # timed at start; the integer-vs-dense numbers behind each row and their commands are in
 # docs/benchmarks-history.md ("Numbers behind the code's choices"). In short:
 # - Rows interleaved by 8 (``X8_``, the layout the worker holds every weight whose rows are a multiple
-#   of 8 in: csrc/quant_x8.c, csrc/quant_kx8.c): on the AVX-512 kinds the integer tile wins at every
-#   row count (avx512_vnni and avx512_bf16 run vpdpwssd, faster than avx512's madd, so alike). On
-#   avx2 the K-quants cross over to the dense path at 16 to 64 rows by type; the legacy types never
-#   do (16 int16 products per madd against 8 per FMA).
+#   of 8 in: csrc/quant_x8.c, csrc/quant_kx8.c): the integer tile wins at every row count, on the
+#   AVX-512 kinds (avx512_vnni and avx512_bf16 run vpdpwssd, faster than avx512's madd, so alike)
+#   and on avx2, whose K-quants meet 8-bit activations from A8_MIN_ROWS (maddubs: 1.3-1.5x the dense
+#   path's pace at 32 and 128 rows, acting as avx2 on a Zen 5); its legacy types never did (16 int16
+#   products per madd against 8 per FMA).
 # - The file's layout (rows not a multiple of 8), AVX2 code on every x86 kind: the dense path wins
 #   from 8 rows for the legacy types, 16 or 32 for the K-quants.
 # - AMX: the avx512_bf16 code, so its table; not yet measured on an AMX CPU: `python -m
@@ -55,8 +56,7 @@ _K23 = {_Q.Q2_K: 8, _Q.Q3_K: 8}  # csrc/quant_k23.c: the same tile's shape, so t
 _SIXTEEN = {_Q.F16: 2, _Q.BF16: 2}
 _X86 = {_Q.Q4_0: 8, _Q.Q4_1: 8, _Q.Q8_0: 8, _Q.Q4_K: 32, _Q.Q5_K: 16, _Q.Q6_K: 16}
 _X86 |= _SUB32 | _K23 | _SIXTEEN
-_X8_AVX512 = dict.fromkeys(_X86, NEVER)
-_X8_AVX2 = {_Q.Q4_0: NEVER, _Q.Q4_1: NEVER, _Q.Q8_0: NEVER, _Q.Q4_K: 64, _Q.Q5_K: 32, _Q.Q6_K: 16}
+_X8_X86 = dict.fromkeys(_X86, NEVER)
 DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
     CpuKind.AMX: _X86,
     CpuKind.AVX512_BF16: _X86,
@@ -66,20 +66,22 @@ DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
     CpuKind.PORTABLE: dict.fromkeys(_X86, 2),
 }
 X8_DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
-    CpuKind.AMX: _X8_AVX512,
-    CpuKind.AVX512_BF16: _X8_AVX512,
-    CpuKind.AVX512_VNNI: _X8_AVX512,
-    CpuKind.AVX512: _X8_AVX512,
-    CpuKind.AVX2: _X8_AVX2,
+    CpuKind.AMX: _X8_X86,
+    CpuKind.AVX512_BF16: _X8_X86,
+    CpuKind.AVX512_VNNI: _X8_X86,
+    CpuKind.AVX512: _X8_X86,
+    CpuKind.AVX2: _X8_X86,
     CpuKind.PORTABLE: dict.fromkeys(_X86, 2),
 }
 
 
 # From how many rows an interleaved Linear meets 8-bit activations (csrc/quant.h's act_block8,
 # csrc/quant_kx8.c's vpdpbusd tiles; its k a multiple of 256) rather than 16-bit ones, per CPU kind:
-# the AVX-512 builds have those tiles (vpdpbusd with VNNI, maddubs without, where Q8_0 has none);
-# the others never take them. Below the threshold a step streams its weights once and the 16-bit
-# tile, which reads them in place, is the faster; from it, twice the products per instruction win.
+# the AVX-512 builds have those tiles (vpdpbusd with VNNI, maddubs without, where Q8_0 has none),
+# and AVX2 (maddubs on ymm, no Q8_0; the AVX-512 builds' bits), from the same rows, so a row count
+# gets the same activation precision on every kind; portable never takes them. Below the threshold
+# a step streams its weights once and the 16-bit tile, which reads them in place, is the faster;
+# from it, twice the products per instruction win.
 # Measured by ``python -m bench.quant_matmul --paths '.*_x8(_a8)?$'`` (docs/benchmarks-history.md,
 # "8-bit activations").
 A8_BLOCK = 256  # act_block8's values: a Linear's k must be a multiple
@@ -96,7 +98,7 @@ A8_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
     CpuKind.AVX512_BF16: _A8_VNNI,
     CpuKind.AVX512_VNNI: _A8_VNNI,
     CpuKind.AVX512: _A8_ZMM,
-    CpuKind.AVX2: {},
+    CpuKind.AVX2: _A8_ZMM,
     CpuKind.PORTABLE: {},
 }
 

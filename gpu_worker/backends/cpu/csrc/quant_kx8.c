@@ -42,6 +42,11 @@
  * (docs/benchmarks-history.md, "Prefetching further ahead"). */
 #define PF_Q45 6
 #define PF_Q6 4
+/* 256-weight blocks an 8-bit tile sums before adding them to its total (the AVX-512 tiles unpack a slice
+ * at a time: 20-24 KB, L1 holds them and XR8 rows' blocks); every build sums in these slices, so
+ * every kind that has the tiles gives the same bits. */
+#define A8_SLICE 4
+typedef int32_t __attribute__((may_alias, aligned(1))) int32_any;
 #ifndef KX8_PF
 /* How far ahead (bytes) the 8-bit tiles that read blocks in place prefetch their groups' blocks
  * (nearer or further measured slower: bench.quant_matmul, docs/benchmarks.md). */
@@ -94,10 +99,24 @@ static inline __m256i pairs2_256(const int16_t *q) { /* q[0..3] in every 64-bit 
     memcpy(&v, q, sizeof v);
     return _mm256_set1_epi64x(v);
 }
+
+/* Q4_K's 12 scale bytes of the 8 rows as 4 words: lane s of each holds row s's scales 0-3, mins
+ * 0-3, scales 4-7, mins 4-7 in its bytes (scale_min_k4 on words). */
+static inline void q4k_scale_words(const uint8_t *blk, __m256i words[4]) {
+    const __m256i wa = _mm256_loadu_si256((const __m256i *)(blk + 32));
+    const __m256i wb = _mm256_loadu_si256((const __m256i *)(blk + 64));
+    const __m256i wc = _mm256_loadu_si256((const __m256i *)(blk + 96));
+    const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m4 = _mm256_set1_epi32(0x0f0f0f0f), hi2 = _mm256_set1_epi32(0x30303030);
+    words[0] = _mm256_and_si256(wa, m6);
+    words[1] = _mm256_and_si256(wb, m6);
+    words[2] = _mm256_or_si256(_mm256_and_si256(wc, m4), _mm256_and_si256(_mm256_srli_epi32(wa, 2), hi2));
+    words[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(wc, 4), m4), _mm256_and_si256(_mm256_srli_epi32(wb, 2), hi2));
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KX8_ZMM 1
+#define KX8_A8 1 /* the 8-bit activations' tiles */
 #define XR 4 /* activation rows per tile */
 #if defined(__AVX512VNNI__)
 #define DPW(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
@@ -128,19 +147,6 @@ static inline __m512 two8(float u, float v) {
 static inline __m512 fp16x8_twice(const uint8_t *p) {
     const __m256 h = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
     return _mm512_insertf32x8(_mm512_castps256_ps512(h), h, 1);
-}
-
-/* Q4_K's 12 scale bytes of the 8 rows as 4 words: lane s of each holds row s's scales 0-3, mins
- * 0-3, scales 4-7, mins 4-7 in its bytes (scale_min_k4 on words). */
-static inline void q4k_scale_words(const uint8_t *blk, __m256i words[4]) {
-    const __m256i wa = _mm256_loadu_si256((const __m256i *)(blk + 32));
-    const __m256i wb = _mm256_loadu_si256((const __m256i *)(blk + 64));
-    const __m256i wc = _mm256_loadu_si256((const __m256i *)(blk + 96));
-    const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m4 = _mm256_set1_epi32(0x0f0f0f0f), hi2 = _mm256_set1_epi32(0x30303030);
-    words[0] = _mm256_and_si256(wa, m6);
-    words[1] = _mm256_and_si256(wb, m6);
-    words[2] = _mm256_or_si256(_mm256_and_si256(wc, m4), _mm256_and_si256(_mm256_srli_epi32(wa, 2), hi2));
-    words[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(wc, 4), m4), _mm256_and_si256(_mm256_srli_epi32(wb, 2), hi2));
 }
 
 /* Sub-blocks 2sb and 2sb + 1 of the 8 rows: d * scale and dmin * min, [rows of 2sb | rows of 2sb + 1]. */
@@ -266,13 +272,11 @@ static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int6
 #else /* maddubs' int16 pair sums: 2 * 63 * 127 at most, below its saturation */
 #define DPB(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16(_mm512_maddubs_epi16((a), (b)), _mm512_set1_epi16(1)))
 #endif
-#define XR8 8      /* activation rows per 8-bit tile */
-#define A8_SLICE 4 /* 256-weight blocks unpacked at a time (20-24 KB: L1 holds them and XR8 rows' blocks) */
+#define XR8 8 /* activation rows per 8-bit tile */
 #define U45 80     /* zmm per unpacked Q4_K/Q5_K block: per sub-block pair 8 chunks x (low, high), dsc, dm */
 #define U6H 20     /* zmm per (h, 16-value half) of an unpacked Q6_K block: 4 x 4 chunks, then dsc x 4 */
 #define U6 (4 * U6H) /* zmm per unpacked Q6_K block */
 
-typedef int32_t __attribute__((may_alias, aligned(1))) int32_any;
 /* acc + the products of w's bytes (unsigned) and q[0..3] (signed) in every lane, summed by 4. */
 static inline __m512i dpb4(__m512i acc, __m512i w, const int8_t *q) {
 #if defined(__AVX512VNNI__) /* the broadcast as vpdpbusd's {1to16} operand: no instruction of its own (gcc does not fold it) */
@@ -855,6 +859,24 @@ static inline __m256i fold_pairs(__m256i a, __m256i b) {
     return _mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8); /* hadd: rows 0 1 4 5 | 2 3 6 7 */
 }
 
+/* Bytes of a chunk (4 of each of the 8 rows) widened to int16 within 128-bit lanes, *lo: rows 0, 1,
+ * 4, 5 and *hi: rows 2, 3, 6, 7 (each row's 4 weights side by side, as the madd against pairs2_256
+ * needs them): two instructions, no lane crossing, where vpmovzxbw from a register takes three. */
+static inline void widen_rows(__m256i v, __m256i *lo, __m256i *hi) {
+    *lo = _mm256_unpacklo_epi8(v, _mm256_setzero_si256());
+    *hi = _mm256_unpackhi_epi8(v, _mm256_setzero_si256());
+}
+
+/* a: lanes (row s, pair p) for rows 0, 1, 4, 5 (widen_rows' lo), b for rows 2, 3, 6, 7 -> rows
+ * 0-7, pairs summed: the hadd alone leaves them in order. */
+static inline __m256i fold_rows(__m256i a, __m256i b) { return _mm256_hadd_epi32(a, b); }
+
+/* Bit j of each byte of qh at its bit 4 (its other bits: any). The shifts run on 16-bit lanes, so a
+ * left shift of 4 would push the high byte's bits 4-7 out of the lane: each bit moves by 4 - j. */
+static inline __m256i bit_to4(__m256i qh, int j) {
+    return j <= 4 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - j)) : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(j - 4));
+}
+
 static inline __attribute__((always_inline)) void q45_tile(const uint8_t *g, int64_t nb, const act_block16 *const *xa,
                                                            int64_t nr, float *out, int64_t ldo, const int type,
                                                            const int R) {
@@ -885,14 +907,27 @@ static inline __attribute__((always_inline)) void q45_tile(const uint8_t *g, int
                 for (int i = 0; i < 4; i++) ia[r][i] = _mm256_setzero_si256();
             for (int c = 0; c < 8; c++) {
                 const uint8_t *chunk = blk + qs_at + (j / 2 * 8 + c) * 32;
+                if (q5) { /* the fifth bits merged on the bytes (once per chunk, not per half), then widened */
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)chunk), b5 = _mm256_set1_epi8(16);
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c));
+                    const __m256i lob = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(bit_to4(qh, j), b5));
+                    const __m256i hib = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_and_si256(bit_to4(qh, j + 1), b5));
+                    __m256i lo[2], hi[2];
+                    widen_rows(lob, &lo[0], &lo[1]);
+                    widen_rows(hib, &hi[0], &hi[1]);
+                    for (int r = 0; r < R; r++) {
+                        const act_block16 *x = xa[r] + 8 * b + j;
+                        const __m256i p0 = pairs2_256(x[0].q + 4 * c), p1 = pairs2_256(x[1].q + 4 * c);
+                        for (int hf = 0; hf < 2; hf++) {
+                            ia[r][hf] = _mm256_add_epi32(ia[r][hf], _mm256_madd_epi16(lo[hf], p0));
+                            ia[r][2 + hf] = _mm256_add_epi32(ia[r][2 + hf], _mm256_madd_epi16(hi[hf], p1));
+                        }
+                    }
+                    continue;
+                }
                 for (int hf = 0; hf < 2; hf++) {
                     const __m256i v = widen16(chunk + 16 * hf);
-                    __m256i lo = _mm256_and_si256(v, _mm256_set1_epi16(15)), hi = _mm256_srli_epi16(v, 4);
-                    if (q5) {
-                        const __m256i qh4 = _mm256_slli_epi16(widen16(blk + 128 + 32 * c + 16 * hf), 4);
-                        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_srl_epi16(qh4, _mm_cvtsi32_si128(j)), _mm256_set1_epi16(16)));
-                        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srl_epi16(qh4, _mm_cvtsi32_si128(j + 1)), _mm256_set1_epi16(16)));
-                    }
+                    const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi16(15)), hi = _mm256_srli_epi16(v, 4);
                     for (int r = 0; r < R; r++) {
                         const act_block16 *x = xa[r] + 8 * b + j;
                         ia[r][hf] = _mm256_add_epi32(ia[r][hf], _mm256_madd_epi16(lo, pairs2_256(x[0].q + 4 * c)));
@@ -902,8 +937,8 @@ static inline __attribute__((always_inline)) void q45_tile(const uint8_t *g, int
             }
             for (int r = 0; r < R; r++) {
                 const act_block16 *x = xa[r] + 8 * b + j;
-                const __m256 i0 = _mm256_cvtepi32_ps(fold_pairs(ia[r][0], ia[r][1]));
-                const __m256 i1 = _mm256_cvtepi32_ps(fold_pairs(ia[r][2], ia[r][3]));
+                const __m256 i0 = _mm256_cvtepi32_ps(q5 ? fold_rows(ia[r][0], ia[r][1]) : fold_pairs(ia[r][0], ia[r][1]));
+                const __m256 i1 = _mm256_cvtepi32_ps(q5 ? fold_rows(ia[r][2], ia[r][3]) : fold_pairs(ia[r][2], ia[r][3]));
                 acc[r] = _mm256_fmadd_ps(i0, _mm256_mul_ps(dsc0, _mm256_set1_ps(x[0].d)), acc[r]);
                 acc[r] = _mm256_fmadd_ps(i1, _mm256_mul_ps(dsc1, _mm256_set1_ps(x[1].d)), acc[r]);
                 acc[r] = _mm256_fnmadd_ps(dm0, _mm256_set1_ps(x[0].s), acc[r]);
@@ -917,6 +952,7 @@ static inline __attribute__((always_inline)) void q45_tile(const uint8_t *g, int
 static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int64_t nb, const act_block16 *const *xa,
                                                           int64_t nr, float *out, int64_t ldo, const int R) {
     const int gbb = 8 * 210;
+    const __m256i low = _mm256_set1_epi8(0x0f), bits = _mm256_set1_epi8(0x30), off = _mm256_set1_epi16(32);
     __m256 acc[XR];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -926,27 +962,35 @@ static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int6
         for (int h = 0; h < 2; h++)
             for (int half = 0; half < 2; half++)
                 for (int t = 0; t < 2; t++) { /* sub-blocks t (low nibbles) and t + 2 (high) */
-                    __m256i is[XR][4]; /* sub-block t rows 0-3, rows 4-7, sub-block t + 2 rows 0-3, 4-7 */
+                    __m256i is[XR][4]; /* sub-block t (widen_rows' lo, hi), sub-block t + 2 (lo, hi) */
                     for (int r = 0; r < R; r++)
                         for (int i = 0; i < 4; i++) is[r][i] = _mm256_setzero_si256();
-                    for (int c = 4 * half; c < 4 * half + 4; c++)
+                    for (int c = 4 * half; c < 4 * half + 4; c++) {
+                        /* the 6-bit quants of sub-blocks t (low nibbles, qh bits 2t, 2t + 1) and t + 2 (high
+                         * nibbles, bits 2t + 4, 2t + 5) assembled on the chunk's bytes, then widened and
+                         * made signed: half the bit work of assembling them on int16 */
+                        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 1168 + (h * 8 + c) * 32));
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 144 + ((h * 2 + t) * 8 + c) * 32));
+                        const __m256i hb0 = t == 0 ? _mm256_slli_epi16(qh, 4) : _mm256_slli_epi16(qh, 2);
+                        const __m256i hb1 = t == 0 ? qh : _mm256_srli_epi16(qh, 2);
+                        const __m256i q0 = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(hb0, bits));
+                        const __m256i q1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_and_si256(hb1, bits));
+                        __m256i w0[2], w1[2];
+                        widen_rows(q0, &w0[0], &w0[1]);
+                        widen_rows(q1, &w1[0], &w1[1]);
                         for (int hf = 0; hf < 2; hf++) {
-                            const __m256i qh = widen16(blk + 1168 + (h * 8 + c) * 32 + 16 * hf);
-                            const __m256i v = widen16(blk + 144 + ((h * 2 + t) * 8 + c) * 32 + 16 * hf);
-                            const __m256i bits = _mm256_set1_epi16(0x30), off = _mm256_set1_epi16(32);
-                            const __m256i hb0 = t == 0 ? _mm256_slli_epi16(qh, 4) : _mm256_slli_epi16(qh, 2);
-                            const __m256i hb1 = t == 0 ? qh : _mm256_srli_epi16(qh, 2);
-                            const __m256i w0 = _mm256_sub_epi16(
-                                _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi16(15)), _mm256_and_si256(hb0, bits)), off);
-                            const __m256i w1 =
-                                _mm256_sub_epi16(_mm256_or_si256(_mm256_srli_epi16(v, 4), _mm256_and_si256(hb1, bits)), off);
-                            for (int r = 0; r < R; r++) {
-                                const act_block16 *x = xa[r] + 8 * b + 4 * h;
-                                is[r][hf] = _mm256_add_epi32(is[r][hf], _mm256_madd_epi16(w0, pairs2_256(x[t].q + 4 * c)));
-                                is[r][2 + hf] =
-                                    _mm256_add_epi32(is[r][2 + hf], _mm256_madd_epi16(w1, pairs2_256(x[t + 2].q + 4 * c)));
+                            w0[hf] = _mm256_sub_epi16(w0[hf], off);
+                            w1[hf] = _mm256_sub_epi16(w1[hf], off);
+                        }
+                        for (int r = 0; r < R; r++) {
+                            const act_block16 *x = xa[r] + 8 * b + 4 * h;
+                            const __m256i p0 = pairs2_256(x[t].q + 4 * c), p1 = pairs2_256(x[t + 2].q + 4 * c);
+                            for (int hf = 0; hf < 2; hf++) {
+                                is[r][hf] = _mm256_add_epi32(is[r][hf], _mm256_madd_epi16(w0[hf], p0));
+                                is[r][2 + hf] = _mm256_add_epi32(is[r][2 + hf], _mm256_madd_epi16(w1[hf], p1));
                             }
                         }
+                    }
                     /* the scales of sub-block t (pair 0's t-th 8 bytes) and t + 2 (pair 1's) */
                     const uint8_t *s8 = blk + 16 + (h * 2 + half) * 32 + 8 * t;
                     const __m256 sc0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)s8))));
@@ -954,8 +998,8 @@ static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int6
                         _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(s8 + 16)))));
                     for (int r = 0; r < R; r++) {
                         const act_block16 *x = xa[r] + 8 * b + 4 * h;
-                        const __m256 i0 = _mm256_cvtepi32_ps(fold_pairs(is[r][0], is[r][1]));
-                        const __m256 i1 = _mm256_cvtepi32_ps(fold_pairs(is[r][2], is[r][3]));
+                        const __m256 i0 = _mm256_cvtepi32_ps(fold_rows(is[r][0], is[r][1]));
+                        const __m256 i1 = _mm256_cvtepi32_ps(fold_rows(is[r][2], is[r][3]));
                         acc[r] = _mm256_fmadd_ps(i0, _mm256_mul_ps(sc0, _mm256_set1_ps(x[t].d)), acc[r]);
                         acc[r] = _mm256_fmadd_ps(i1, _mm256_mul_ps(sc1, _mm256_set1_ps(x[t + 2].d)), acc[r]);
                     }
@@ -963,6 +1007,273 @@ static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int6
     }
     for (int r = 0; r < R && r < nr; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
 }
+
+/* The 8-bit activations' tiles (act_block8; many rows) on AVX2: the AVX-512 tiles' sums, one group
+ * (8 weight rows) at a time, a ymm holding one chunk (4 weights of each of the 8 rows) as unsigned
+ * bytes, read where it lies (tile8_direct's way: AVX2 has no register room to make unpacking a
+ * slice first pay). Each (chunk, activation row) is one maddubs against the row's 4 bytes
+ * broadcast, its int16 sums added up over a few chunks (dpb16), then a madd by ones into int32
+ * lanes (AVX2 has no vpdpbusd): 32 products in a bit over one multiply, where the 16-bit tiles'
+ * madd takes 16, and the weights need no widening.
+ * Integer sums as the AVX-512 tiles' (maddubs' int16 pair sums at most 2 * 63 * 127: no
+ * saturation; Q8_0, whose unsigned q reach 255, has no tile here), and every float step in the
+ * same order per lane, so each output is the AVX-512 builds' bits. */
+#define KX8_A8 1
+#define XR8 4 /* activation rows per 8-bit tile: 3 vectors each (two sums, one total) in 16 ymm */
+
+/* s16 + the products of w's bytes (unsigned) and q[0..3] (signed) in every lane, summed by 2 into
+ * int16: maddubs alone. Its int16 sums take up to 32767 / (2 * 63 * 127) = 2 (Q6_K's q <= 63), 4
+ * (Q5_K's q <= 31) or 8 (Q4_K's, Q4_0's, Q4_1's q <= 15) such adds before they must be widened
+ * (add16_widen): the multiplier ports, which maddubs and madd share, run half the instructions of a
+ * madd per maddubs. */
+static inline __m256i dpb16(__m256i s16, __m256i w, const int8_t *q) {
+    return _mm256_add_epi16(s16, _mm256_maddubs_epi16(w, _mm256_set1_epi32(*(const int32_any *)q)));
+}
+
+/* acc + s16's pairs summed into int32 lanes. */
+static inline __m256i add16_widen(__m256i acc, __m256i s16) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+}
+
+/* d * (byte at ``shift`` of each lane of words), lane s: row s. */
+static inline __m256 scale_bytes(__m256i words, int shift, __m256 d) {
+    const __m256i byte = _mm256_and_si256(_mm256_srl_epi32(words, _mm_cvtsi32_si128(shift)), _mm256_set1_epi32(0xff));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(byte));
+}
+
+/* acc[r] += the integer sums lo[r], hi[r] (two 32-value blocks) at their scales times row r's steps
+ * d[j0], d[j0 + 1] (q45_scale8's order). */
+static inline __attribute__((always_inline)) void scale8_y(__m256 *acc, const __m256i *lo, const __m256i *hi, __m256 sc_lo,
+                                                           __m256 sc_hi, const act_block8 *const *x, int j0, const int R) {
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[r]), _mm256_mul_ps(sc_lo, _mm256_set1_ps(x[r]->d[j0])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r]), _mm256_mul_ps(sc_hi, _mm256_set1_ps(x[r]->d[j0 + 1])), acc[r]);
+    }
+}
+
+/* acc[r] -= the mins dm_lo, dm_hi times row r's sums s[j0], s[j0 + 1] (q45_mins8's order). */
+static inline __attribute__((always_inline)) void mins8_y(__m256 *acc, __m256 dm_lo, __m256 dm_hi, const act_block8 *const *x,
+                                                          int j0, const int R) {
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_fnmadd_ps(dm_lo, _mm256_set1_ps(x[r]->s[j0]), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(dm_hi, _mm256_set1_ps(x[r]->s[j0 + 1]), acc[r]);
+    }
+}
+
+/* One pass (FIELD) of Q4_K/Q5_K sub-blocks 2sb, 2sb + 1 (Q45_DIRECT_PASS on one group). */
+#define Q45_Y_PASS(FIELD)                                                                                         \
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = l16[r] = h16[r] = _mm256_setzero_si256();                        \
+    for (int c = 0; c < 8; c++) {                                                                                \
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + qs_at + (sb * 8 + c) * 32));                 \
+        __m256i wl = _mm256_and_si256(v, m4), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);                 \
+        if (q5) {                                                                                                \
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c));                        \
+            wl = _mm256_or_si256(wl, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * sb), one), 4));     \
+            wh = _mm256_or_si256(wh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * sb + 1), one), 4)); \
+        }                                                                                                        \
+        for (int r = 0; r < R; r++) {                                                                            \
+            l16[r] = dpb16(l16[r], wl, x[r]->FIELD + 64 * sb + 4 * c);                                           \
+            h16[r] = dpb16(h16[r], wh, x[r]->FIELD + 64 * sb + 32 + 4 * c);                                      \
+            if (c % (q5 ? 4 : 8) == (q5 ? 3 : 7)) { /* (dpb16's limits) */                                        \
+                lo[r] = add16_widen(lo[r], l16[r]);                                                              \
+                hi[r] = add16_widen(hi[r], h16[r]);                                                              \
+                l16[r] = h16[r] = _mm256_setzero_si256();                                                        \
+            }                                                                                                    \
+        }                                                                                                        \
+    }
+
+/* q45_direct8 on one group's block at blk. */
+static inline __attribute__((always_inline)) void q45_direct_y(const uint8_t *blk, const act_block8 *const *x, int two,
+                                                               __m256 *acc, const int type, const int R) {
+    const int q5 = type == QTYPE_Q5_K, qs_at = q5 ? 384 : 128;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    __m256i words[4];
+    q4k_scale_words(blk, words);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+    __m256i lo[XR8], hi[XR8], l16[XR8], h16[XR8];
+    for (int sb = 0; sb < 4; sb++) {
+        const __m256i scw = sb < 2 ? words[0] : words[2], mw = sb < 2 ? words[1] : words[3];
+        const int sh = 16 * (sb & 1);
+        const __m256 dsc_lo = scale_bytes(scw, sh, d), dsc_hi = scale_bytes(scw, sh + 8, d);
+        Q45_Y_PASS(q)
+        scale8_y(acc, lo, hi, dsc_lo, dsc_hi, x, 2 * sb, R);
+        mins8_y(acc, scale_bytes(mw, sh, dmin), scale_bytes(mw, sh + 8, dmin), x, 2 * sb, R);
+        if ((two >> (2 * sb)) & 3) { /* r's products, at a 128th of q's step */
+            Q45_Y_PASS(r)
+            scale8_y(acc, lo, hi, _mm256_mul_ps(dsc_lo, _mm256_set1_ps(1.0f / 128.0f)),
+                     _mm256_mul_ps(dsc_hi, _mm256_set1_ps(1.0f / 128.0f)), x, 2 * sb, R);
+        }
+    }
+}
+
+/* One pass (FIELD) of Q6_K's 16 weights of sub-block sb at (h, HALF) into is (Q6_DIRECT on one group). */
+#define Q6_Y_PASS(FIELD, HALF)                                                                                 \
+    for (int r = 0; r < R; r++) is[r] = _mm256_set1_epi32(x[r]->FIELD##off[2 * j + (HALF)]);                  \
+    for (int ci = 0; ci < 4; ci++) {                                                                          \
+        const int c = 4 * (HALF) + ci;                                                                        \
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 1168 + (h * 8 + c) * 32));              \
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 144 + (h * 16 + 8 * (sb & 1) + c) * 32)); \
+        const __m256i nib = sb < 2 ? ql : _mm256_srli_epi16(ql, 4);                                           \
+        const __m256i hb = sb == 0   ? _mm256_slli_epi16(qh, 4)                                               \
+                           : sb == 1 ? _mm256_slli_epi16(qh, 2)                                               \
+                           : sb == 2 ? qh                                                                     \
+                                     : _mm256_srli_epi16(qh, 2);                                              \
+        const __m256i wq = _mm256_or_si256(_mm256_and_si256(nib, low), _mm256_and_si256(hb, high2));         \
+        for (int r = 0; r < R; r++) {                                                                         \
+            s16[r] = dpb16(ci % 2 ? s16[r] : _mm256_setzero_si256(), wq, x[r]->FIELD + 32 * j + 16 * (HALF) + 4 * ci); \
+            if (ci % 2) is[r] = add16_widen(is[r], s16[r]); /* (dpb16's limits) */                         \
+        }                                                                                                     \
+    }
+
+/* Both halves' passes (FIELD) of the activation's block j at their scales, times STEP (Q6_BLOCK_J's order). */
+#define Q6_Y_BLOCK(FIELD, STEP)                                                                                \
+    Q6_Y_PASS(FIELD, 0)                                                                                       \
+    for (int r = 0; r < R; r++) t[r] = _mm256_mul_ps(_mm256_cvtepi32_ps(is[r]), dsc[0]);                     \
+    Q6_Y_PASS(FIELD, 1)                                                                                       \
+    for (int r = 0; r < R; r++) t[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), dsc[1], t[r]);             \
+    for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(t[r], _mm256_set1_ps(STEP), acc[r]);
+
+/* q6_direct8 on one group's block at blk. */
+static inline __attribute__((always_inline)) void q6_direct_y(const uint8_t *blk, const act_block8 *const *x, int two,
+                                                              __m256 *acc, const int R) {
+    const __m256i low = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+    __m256i is[XR8], s16[XR8];
+    __m256 t[XR8];
+    for (int h = 0; h < 2; h++)
+        for (int sb = 0; sb < 4; sb++) {
+            const int j = 4 * h + sb;
+            __m256 dsc[2]; /* the scales of sub-block sb's halves: 8 bytes of the (h, half) run */
+            for (int half = 0; half < 2; half++) {
+                const uint8_t *s8 = blk + 16 + (h * 2 + half) * 32 + 16 * (sb >> 1) + 8 * (sb & 1);
+                dsc[half] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)s8))));
+            }
+            Q6_Y_BLOCK(q, x[r]->d[j])
+            if ((two >> j) & 1) {
+                Q6_Y_BLOCK(r, x[r]->d[j] * (1.0f / 128.0f))
+            }
+        }
+}
+
+/* Two chunks of the legacy layout (2 bytes of each row, then the next 2) as 4 bytes of each row in
+ * turn: legacy_direct8's word order, on one group. */
+static inline __m256i legacy_rows(const uint8_t *p) {
+    const __m128i a = _mm_loadu_si128((const __m128i *)p), b = _mm_loadu_si128((const __m128i *)(p + 16));
+    return _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));
+}
+
+/* One pass (FIELD) of legacy blocks 2sb, 2sb + 1 (LEGACY_DIRECT_PASS for Q4_0, Q4_1 on one group). */
+#define LEGACY_Y_PASS(FIELD)                                                                               \
+    for (int r = 0; r < R; r++) l16[r] = h16[r] = _mm256_setzero_si256();                                 \
+    for (int c = 0; c < 4; c++) {                                                                          \
+        const __m256i vl = legacy_rows(l[0] + head + 32 * c), vh = legacy_rows(l[1] + head + 32 * c);     \
+        const __m256i wl0 = _mm256_and_si256(vl, m4), wl1 = _mm256_and_si256(_mm256_srli_epi16(vl, 4), m4); \
+        const __m256i wh0 = _mm256_and_si256(vh, m4), wh1 = _mm256_and_si256(_mm256_srli_epi16(vh, 4), m4); \
+        for (int r = 0; r < R; r++) { /* 8 maddubs of q <= 15 per int16 sum: within dpb16's limits */        \
+            l16[r] = dpb16(l16[r], wl0, x[r]->FIELD + 64 * sb + 4 * c);                                    \
+            l16[r] = dpb16(l16[r], wl1, x[r]->FIELD + 64 * sb + 16 + 4 * c);                               \
+            h16[r] = dpb16(h16[r], wh0, x[r]->FIELD + 64 * sb + 32 + 4 * c);                               \
+            h16[r] = dpb16(h16[r], wh1, x[r]->FIELD + 64 * sb + 48 + 4 * c);                               \
+        }                                                                                                  \
+    }                                                                                                      \
+    for (int r = 0; r < R; r++) {                                                                          \
+        lo[r] = add16_widen(_mm256_setzero_si256(), l16[r]);                                               \
+        hi[r] = add16_widen(_mm256_setzero_si256(), h16[r]);                                               \
+    }
+
+/* legacy_direct8 on the 8 legacy blocks of 32 of one group at g that make one 256-weight block. */
+static inline __attribute__((always_inline)) void legacy_direct_y(const uint8_t *g, const act_block8 *const *x, int two,
+                                                                  __m256 *acc, const int type, const int R) {
+    const int bb = qtype_x8(type | QTYPE_X8)->block_bytes, head = type == QTYPE_Q4_1 ? 32 : 16;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256i lo[XR8], hi[XR8], l16[XR8], h16[XR8];
+    for (int sb = 0; sb < 4; sb++) {
+        const uint8_t *l[2] = {g + 2 * sb * 8 * bb, g + (2 * sb + 1) * 8 * bb};
+        __m256 dsc[2], dmin[2];
+        for (int t = 0; t < 2; t++) {
+            dsc[t] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)l[t]));
+            dmin[t] = type == QTYPE_Q4_1 ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(l[t] + 16))))
+                                         : _mm256_mul_ps(dsc[t], _mm256_set1_ps(8.0f));
+        }
+        LEGACY_Y_PASS(q)
+        scale8_y(acc, lo, hi, dsc[0], dsc[1], x, 2 * sb, R);
+        mins8_y(acc, dmin[0], dmin[1], x, 2 * sb, R);
+        if ((two >> (2 * sb)) & 3) { /* r's products, at a 128th of q's step */
+            LEGACY_Y_PASS(r)
+            scale8_y(acc, lo, hi, _mm256_mul_ps(dsc[0], _mm256_set1_ps(1.0f / 128.0f)),
+                     _mm256_mul_ps(dsc[1], _mm256_set1_ps(1.0f / 128.0f)), x, 2 * sb, R);
+        }
+    }
+}
+
+/* out[r * ldo + s] = dot(row s of the group at g, activation row r) for s < 8, r < nr <= R, summed
+ * a slice (A8_SLICE blocks) at a time as the AVX-512 tiles sum. */
+static inline __attribute__((always_inline)) void tile8_y(const uint8_t *g, int64_t nb, const act_block8 *const *xa,
+                                                          int64_t nr, float *out, int64_t ldo, const int type, const int R) {
+    const int legacy = type == QTYPE_Q4_0 || type == QTYPE_Q4_1;
+    const int64_t gbb = legacy ? 64 * qtype_x8(type | QTYPE_X8)->block_bytes : 8 * kx8_block_bytes(type);
+    __m256 acc[XR8], total[XR8];
+    for (int r = 0; r < R; r++) total[r] = _mm256_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += A8_SLICE) {
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = b0; b < nb && b < b0 + A8_SLICE; b++) {
+            const uint8_t *blk = g + b * gbb;
+            for (int64_t at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + KX8_PF + at), _MM_HINT_T0);
+            const act_block8 *x[XR8];
+            int two = 0;
+            for (int r = 0; r < R; r++) {
+                x[r] = xa[r] + b;
+                two |= x[r]->two;
+            }
+            if (type == QTYPE_Q6_K) {
+                q6_direct_y(blk, x, two, acc, R);
+            } else if (legacy) {
+                legacy_direct_y(blk, x, two, acc, type, R);
+            } else {
+                q45_direct_y(blk, x, two, acc, type, R);
+            }
+        }
+        for (int r = 0; r < R; r++) total[r] = _mm256_add_ps(total[r], acc[r]);
+    }
+    for (int r = 0; r < R && r < nr; r++) _mm256_storeu_ps(out + r * ldo, total[r]);
+}
+
+/* Weight rows [0, nc) (whole groups) x activation rows [0, nr) on 8-bit activations: per group,
+ * the activation rows in near-equal groups of at most XR8 (the group's blocks stay in L1/L2 while
+ * they pass). */
+static inline __attribute__((always_inline)) void kx8_loop8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq,
+                                                            int64_t xrb, int64_t nr, int64_t nb, float *out, int64_t ldo,
+                                                            const int type) {
+    const int64_t groups = (nr + XR8 - 1) / XR8;
+    for (int64_t c0 = 0; c0 < nc; c0 += 8) {
+        const uint8_t *g = w + c0 * wrb;
+        for (int64_t ag = 0; ag < groups; ag++) {
+            const int64_t r0 = nr * ag / groups, rows = nr * (ag + 1) / groups - r0;
+            const act_block8 *xa[XR8];
+            for (int r = 0; r < XR8; r++) xa[r] = (const act_block8 *)(xq + (r0 + (r < rows ? r : 0)) * xrb);
+            float *o = out + r0 * ldo + c0;
+            switch (rows) {
+            case 1: tile8_y(g, nb, xa, rows, o, ldo, type, 1); break;
+            case 2: tile8_y(g, nb, xa, rows, o, ldo, type, 2); break;
+            case 3: tile8_y(g, nb, xa, rows, o, ldo, type, 3); break;
+            default: tile8_y(g, nb, xa, rows, o, ldo, type, XR8); break;
+            }
+        }
+    }
+}
+
+/* tile_<type>_a8: kx8_loop8 with the type a constant in each copy */
+#define A8_TILE(NAME, TYPE)                                                                                    \
+    static void NAME(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,  \
+                     int64_t nb, float *out, int64_t ldo) {                                                    \
+        kx8_loop8(w, wrb, nc, xq, xrb, nr, nb, out, ldo, TYPE);                                                \
+    }
+A8_TILE(tile_q4_k_a8, QTYPE_Q4_K)
+A8_TILE(tile_q5_k_a8, QTYPE_Q5_K)
+A8_TILE(tile_q6_k_a8, QTYPE_Q6_K)
+A8_TILE(tile_q4_0_a8, QTYPE_Q4_0)
+A8_TILE(tile_q4_1_a8, QTYPE_Q4_1)
 #endif
 
 #ifdef XR
@@ -1053,7 +1364,7 @@ static const qtype_ops OPS_Q5_K = {QTYPE_Q5_K | QTYPE_X8, QK, 176, ACT_BYTES, qu
 static const qtype_ops OPS_Q6_K = {QTYPE_Q6_K | QTYPE_X8, QK, 210, ACT_BYTES, quantize_act16, tile_q6_k,
                                    NULL, slot_q6_k, group_q6_k};
 
-#ifdef KX8_ZMM
+#ifdef KX8_A8
 #define A8_OPS(NAME, TYPE, BYTES, TILE, SLOT, GROUP)                                                             \
     static const qtype_ops NAME = {TYPE | QTYPE_X8 | QTYPE_A8, QK, BYTES, (int)sizeof(act_block8), quantize_act8, \
                                    TILE, NULL, SLOT, GROUP};
@@ -1078,7 +1389,7 @@ A8_OPS(OPS_Q8_0_A8, QTYPE_Q8_0, 8 * 34, tile_q8_0_a8, slot_q8_0, group_q8_0)
 
 const qtype_ops *qtype_kx8(int type) {
     switch (type) {
-#ifdef KX8_ZMM
+#ifdef KX8_A8
     case QTYPE_Q4_K | QTYPE_X8 | QTYPE_A8: return &OPS_Q4_K_A8;
     case QTYPE_Q5_K | QTYPE_X8 | QTYPE_A8: return &OPS_Q5_K_A8;
     case QTYPE_Q6_K | QTYPE_X8 | QTYPE_A8: return &OPS_Q6_K_A8;
