@@ -166,7 +166,8 @@ def main() -> None:
     report(times, args)
     for d, runner in runners.items():
         kv = runner.kv
-        per_token = 2 * len(kv.k) * kv.k[0].shape[1] * kv.k[0].shape[2] * kv.k[0].element_size()
+        pools = 1 if kv.v is kv.k else 2  # a latent pool's one row a token is its K and V
+        per_token = pools * len(kv.k) * kv.k[0].shape[1] * kv.k[0].shape[2] * kv.k[0].element_size()
         print(
             f"{d}: KV {str(runner.kv_dtype).removeprefix('torch.')}, {per_token} bytes a token, "
             f"{2**30 // per_token} tokens per GiB of pool"
