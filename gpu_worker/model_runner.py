@@ -90,6 +90,9 @@ class ModelRunner:
         tower_dtype = self.backend.tower_dtype(self._dtype) if config.dtype == "auto" else self._dtype
         self.images = image_encoder_for(config.model_path, tower_dtype, self._device, config.mmproj)
         self.mrope_merge = int(getattr(self.model, "mrope_merge", 0))  # 0: 1D rope
+        if not self.mrope_merge and getattr(self.model, "mrope_sections", None) and self.images is not None:
+            # A GGUF's config has no vision section: the mmproj's tower says how its patches merge.
+            self.mrope_merge = int(getattr(self.images.tower, "spatial_merge_size", 0))
         model = self.model
         assert isinstance(model, torch.nn.Module), "our models are nn.Modules"
         group = (

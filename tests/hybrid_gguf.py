@@ -133,7 +133,11 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
     writer.add_ssm_group_count(cfg.linear_num_key_heads)
     writer.add_ssm_time_step_rank(cfg.linear_num_value_heads)
     writer.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
-    writer.add_full_attention_interval(4)
+    kinds = list(getattr(cfg, "layer_types", None) or [])
+    writer.add_full_attention_interval(kinds.index("full_attention") + 1 if "full_attention" in kinds else 4)
+    sections = list(cfg.rope_parameters.get("mrope_section") or [])
+    if sections:  # as llama.cpp's converter writes Qwen's (t, h, w): padded with zeros to four
+        writer.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     if arch != "qwen35":

@@ -170,6 +170,8 @@ class Qwen35VisionTower(nn.Module):
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
         self.visual = Qwen35VisionModel(hf_config.vision_config)
+        # The language model's 3D positions read it when its own config has no vision section.
+        self.spatial_merge_size = int(hf_config.vision_config.spatial_merge_size)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.visual(pixels)

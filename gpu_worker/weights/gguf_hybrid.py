@@ -98,6 +98,10 @@ def hybrid_config(arch: str, config: dict[str, Any], key: Any) -> dict[str, Any]
     config.pop("sliding_window", None)
     rotary = int(key("rope.dimension_count", config["head_dim"]))
     config["rope_parameters"]["partial_rotary_factor"] = rotary / config["head_dim"]
+    sections = [int(s) for s in key("rope.dimension_sections", None) or []]
+    if arch != "qwen3next" and any(sections):
+        # Qwen3.5's 3D rope for image tokens: the converter pads its (t, h, w) sections with zeros.
+        config["rope_parameters"] |= {"mrope_section": sections[:3], "mrope_interleaved": True}
     if arch == "qwen3next":
         config["gguf_linear_layout"] = "split_ba"
     elif config["linear_num_key_heads"] < value_heads:

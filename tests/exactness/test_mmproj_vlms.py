@@ -80,3 +80,29 @@ def test_qwen35_gguf_and_mmproj_match_hf(tmp_path: Path) -> None:
     assert len({t for out in got for t in out}) > 2, "the reference must not be degenerate"
     for lps, (_, want) in zip(logprobs, reference, strict=True):
         assert max(abs(a - b) for a, b in zip(lps, want, strict=True)) < LOGPROB_TOLERANCE
+
+
+@pytest.mark.timeout(600)
+def test_qwen35_gguf_alone_and_mmproj_match_hf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As llama-server users have them: no HF config.json beside the files, the mrope sections from
+    the GGUF's rope.dimension_sections and the merge size from the mmproj's metadata."""
+    from gpu_worker.weights.model_files import resolve_model
+
+    model, image_processor = save_tiny_qwen35_vlm(tmp_path / "hf")
+    files = tmp_path / "gguf"
+    files.mkdir()
+    model.load_state_dict(write_hybrid_gguf(files / "model.gguf", model), strict=False)
+    write_qwen35_mmproj(model, image_processor, files / "mmproj.gguf")
+    rounded_to_float32(model.model.visual)
+    ids, images, pixels, grids = _prompt([(3, (64, 96)), (2, (96, 64))], 1)
+    want, _ = _hf_greedy(model, ids, pixels, grids)
+    monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path / "cache"))
+    meta = resolve_model(str(files / "model.gguf"))
+    assert not (files / "config.json").exists()
+    runner = runner_for(meta, gguf_path=str(files / "model.gguf"), mmproj=str(files / "mmproj.gguf"))
+    assert runner.model.mrope_sections == [1, 2, 1] and runner.mrope_merge == 2  # type: ignore[attr-defined]
+    got, _ = inprocess.generate(
+        runner, [ids], len(want), chunked_prefill_size=7, enable_mixed_chunk=True, images=[images]
+    )
+    assert got == [want]
+    assert len(set(want)) > 2, "the reference must not be degenerate"
