@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 
 @dataclass(eq=False)
@@ -168,15 +169,28 @@ class RadixCache:
         self._drop_empty_roots()
         return freed
 
-    def drop_lru_checkpoint(self, protected: set[int]) -> int | None:
-        """Take a checkpoint that is not ``protected`` (a hit's, still to be loaded) from its node (the
-        pages stay); None when every one is. A checkpoint is only read when a hit loads it, so one on
-        a path a live request holds may go too: first those no request holds, least recently used
-        first, then held ones, shallowest first (a deeper one on the same path serves the next turn)."""
-        nodes = [n for n in self._nodes() if n.checkpoint is not None and n.checkpoint not in protected]
-        if not nodes:
-            return None
-        node = min(nodes, key=lambda n: (n.lock_ref > 0, n.last_access, _depth(n)))
+    def drop_lru_checkpoint(
+        self, protected: set[int], own: TreeNode | None = None, below: int = 0
+    ) -> int | None:
+        """Take a checkpoint that is not ``protected`` from its node (the pages stay); None when none
+        may go. First the least recently used one no live request holds; else the shallowest on the
+        path to ``own`` that ends before ``below`` tokens and no other request holds: the points a
+        conversation's earlier turns ended, which its newest turn (resumed at ``below``) supersedes."""
+        free = [n for n in self._nodes() if n.checkpoint is not None and n.lock_ref == 0]
+        free = [n for n in free if n.checkpoint not in protected]
+        if free:
+            node = min(free, key=lambda n: n.last_access)
+        else:
+            path: list[TreeNode] = []
+            while own is not None and own.parent is not None:
+                path.append(own)
+                own = own.parent
+            ends = accumulate(len(n.key) for n in reversed(path))
+            mine = [n for n, end in zip(reversed(path), ends, strict=True) if end < below and n.lock_ref == 1]
+            mine = [n for n in mine if n.checkpoint is not None and n.checkpoint not in protected]
+            if not mine:
+                return None
+            node = mine[0]
         checkpoint, node.checkpoint = node.checkpoint, None
         return checkpoint
 
@@ -272,12 +286,3 @@ class RadixCache:
             out.append(node)
             stack.extend(node.children.values())
         return out
-
-
-def _depth(node: TreeNode) -> int:
-    """Tokens from the root to the end of ``node``."""
-    depth = 0
-    while node.parent is not None:
-        depth += len(node.key)
-        node = node.parent
-    return depth

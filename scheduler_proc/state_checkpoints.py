@@ -16,10 +16,12 @@ state, gpu_worker/recurrent_state.py); this manager decides when one is taken an
 - used by a hit clamped to the deepest node on the matched path that holds one (``attach_prefix``):
   the worker copies it into the request's slot before the request's first row;
 - evicted with its node, or alone (its pages kept) when a new one is needed and none is free: first
-  those on paths no request holds, least recently used first, then those a running request's path
-  holds, shallowest first (a conversation's newest turn needs its deepest checkpoint, not the ones
-  its earlier turns left on the way), never one a hit has yet to load. None free and none
-  evictable: the checkpoint is not taken (a later hit is shorter, never wrong).
+  those on paths no request holds, least recently used first; else, for the request taking one, the
+  shallowest on its own path before the point its hit resumed from that no other request holds (a
+  long chat's earlier turns: its next turn extends the newest answer, so the checkpoints move with
+  the conversation instead of stopping where the budget ran out); never one a hit has yet to load
+  nor a running request's prompt end (a regenerated answer resumes there). None may go: the
+  checkpoint is not taken (a later hit is shorter, never wrong).
 
 A checkpoint given back while a batch in flight still writes it is safe: the worker runs batches in
 order, so a later batch's write or read of the same id comes after.
@@ -62,6 +64,8 @@ class HybridKVManager(KVManager):
             self.cache = RadixCache(config.page_size, self.pages.free, self.free_checkpoints.append)
         self._pending: dict[int, PendingCheckpoints] = {}  # by rid
         self._loads: dict[int, int] = {}  # rid -> the checkpoint its first row starts from
+        self._prompt_ends: dict[int, int] = {}  # rid -> its newest prefill checkpoint (its prompt's end)
+        self._resumed_at: dict[int, int] = {}  # rid -> the tokens its hit resumed from a checkpoint
 
     # ------------------------------------------------------------------ hits
 
@@ -72,6 +76,7 @@ class HybridKVManager(KVManager):
         if self.cache is None or node is None or node.parent is None:
             return
         found, depth = RadixCache.deepest_checkpoint(node)
+        self._resumed_at[req.rid] = depth
         if found is node:
             self._loads[req.rid] = _checkpoint(found)
             return
@@ -87,6 +92,8 @@ class HybridKVManager(KVManager):
     def detach_prefix(self, req: Req, account: EvictableAccount) -> None:
         super().detach_prefix(req, account)
         self._loads.pop(req.rid, None)
+        self._prompt_ends.pop(req.rid, None)
+        self._resumed_at.pop(req.rid, None)
 
     # ------------------------------------------------------------------ taking checkpoints
 
@@ -121,7 +128,9 @@ class HybridKVManager(KVManager):
             self.free_checkpoints.append(pending.decode.pop(0)[1])
         if not self.free_checkpoints:
             assert self.cache is not None
-            dropped = self.cache.drop_lru_checkpoint(set(self._loads.values()))
+            protected = {*self._loads.values(), *self._prompt_ends.values()}
+            resumed = self._resumed_at.get(req.rid, 0)
+            dropped = self.cache.drop_lru_checkpoint(protected, req.cache_node, resumed)
             if dropped is None:
                 return None
             self.free_checkpoints.append(dropped)
@@ -130,6 +139,7 @@ class HybridKVManager(KVManager):
             pending.decode.append((position, checkpoint))
         else:
             pending.prefill.append((position, checkpoint))
+            self._prompt_ends[req.rid] = checkpoint
         return checkpoint
 
     # ------------------------------------------------------------------ into the tree
@@ -144,6 +154,8 @@ class HybridKVManager(KVManager):
         super().release(req, cache=cache)
         self._attach(req, cached, keep_rest=False, tokens=tokens)
         self._loads.pop(req.rid, None)
+        self._prompt_ends.pop(req.rid, None)
+        self._resumed_at.pop(req.rid, None)
 
     def _attach(self, req: Req, cached: int, *, keep_rest: bool, tokens: list[int] | None = None) -> None:
         """Each pending checkpoint of ``req`` at or before ``cached`` tokens (cached in the tree) onto
