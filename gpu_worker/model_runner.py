@@ -23,6 +23,7 @@ from gpu_worker.forward_context import BatchRows, ForwardContext
 from gpu_worker.image_encoder import batch_images, image_encoder_for
 from gpu_worker.kv_cache import KVPool, pool_layer_shapes
 from gpu_worker.models import CausalLM
+from gpu_worker.models.gemma4 import adopt_media_tokens
 from gpu_worker.models.qwen35_positions import batch_positions
 from gpu_worker.pooling import final_norm, pooled_rows, why_no_pooling
 from gpu_worker.recurrent_state import begin_batch, end_batch, state_pool_for
@@ -89,6 +90,8 @@ class ModelRunner:
         config = self.config
         tower_dtype = self.backend.tower_dtype(self._dtype) if config.dtype == "auto" else self._dtype
         self.images = image_encoder_for(config.model_path, tower_dtype, self._device, config.mmproj)
+        if self.images is not None and config.gguf_path:
+            adopt_media_tokens(self.model, config.gguf_path)  # Gemma 4 from a GGUF alone
         self.mrope_merge = int(getattr(self.model, "mrope_merge", 0))  # 0: 1D rope
         if not self.mrope_merge and getattr(self.model, "mrope_sections", None) and self.images is not None:
             # A GGUF's config has no vision section: the mmproj's tower says how its patches merge.

@@ -31,7 +31,7 @@ _RENAMES = (  # the converter's own names for what gguf's map does not name
 
 def write_gemma4_gguf(
     path: Path, model: Any, types: dict[str, gguf.GGMLQuantizationType] | None = None,
-    tokenizer_from: Path | None = None,
+    tokenizer_from: Path | None = None, token_list: list[str] | None = None,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """``model``'s text model as a ``gemma4`` GGUF at ``path``, 2-D weights of a kind in ``types``
     quantized, the rest F32. Returns the state dict (``model``'s names) as the file holds it."""
@@ -40,6 +40,8 @@ def write_gemma4_gguf(
     _metadata(writer, cfg)
     if tokenizer_from is not None:
         copy_tokenizer(writer, tokenizer_from)
+    if token_list is not None:  # the vocabulary alone, as a multimodal file's media ids need it
+        writer.add_token_list(token_list)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, cfg.num_hidden_layers)
     held: dict[str, torch.Tensor] = {}
     tied = bool(getattr(model.config, "tie_word_embeddings", False))

@@ -20,6 +20,7 @@ q/k RMS-normed per head) with, each mirroring HF's op order (float64 runs match 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -281,3 +282,12 @@ class Gemma4ForCausalLM(nn.Module):
         """Logits of the selected tokens' hidden states (soft-capped where the config says)."""
         logits = self.lm_head(self.model.norm(hidden))
         return softcap(logits, self.final_softcap) if self.final_softcap else logits
+
+
+def adopt_media_tokens(model: object, gguf_path: str) -> None:
+    """Give a Gemma 4 loaded from a GGUF alone (its text config, no media ids) its vocabulary's
+    media placeholders when it serves images, as HF's multimodal model has them."""
+    from gpu_worker.weights.gguf_gemma4 import media_token_ids
+
+    if isinstance(model, Gemma4ForCausalLM) and len(model.media_token_ids) == 0:
+        model.media_token_ids = torch.tensor(media_token_ids(Path(gguf_path)), dtype=torch.int64)

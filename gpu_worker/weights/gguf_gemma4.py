@@ -13,11 +13,12 @@ The head sizes and KV heads go into ``per_layer_config`` as HF's config holds th
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from gpu_worker.weights.gguf_file import GgufHeader
+from gpu_worker.weights.gguf_file import GgufHeader, read_header
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -53,6 +54,11 @@ def gemma4_config(header: GgufHeader) -> dict[str, Any]:
     }
     if key("attention.sliding_window"):
         config["sliding_window"] = int(key("attention.sliding_window"))
+    # Whether an image's tokens see each other both ways is not in the file; llama.cpp's mtmd takes
+    # the released checkpoints' choice by width (E2B's 1536 and E4B's 2560 causal, the rest "vision"),
+    # and so do we (it acts only where images are given, with --mmproj).
+    if config["hidden_size"] not in (1536, 2560):
+        config["use_bidirectional_attention"] = "vision"
     for name in ("bos", "eos", "padding"):
         token = md.get(f"tokenizer.ggml.{name}_token_id")
         if token is not None:
@@ -178,3 +184,15 @@ def split_gate_up(entries: Iterator[Entry]) -> Iterator[Entry]:
         for i, proj in enumerate(("gate_proj", "up_proj")):
             part = np.ascontiguousarray(halves[:, i]).reshape(experts * rows // 2, data.shape[-1])
             yield f"{prefix}{proj}.weight", ggml_type, part, (experts, rows // 2, cols)
+
+
+MEDIA_TOKENS = ("<|image|>", "<|video|>", "<|audio|>")
+
+
+def media_token_ids(path: Path) -> list[int]:
+    """The ids of the media placeholders in a ``gemma4`` file's vocabulary (HF's multimodal model
+    embeds them as the pad token, as a text-only one does not): for a GGUF served with --mmproj and
+    no config.json of the multimodal checkpoint."""
+    tokens = read_header(path, ("tokenizer.ggml.tokens",)).metadata.get("tokenizer.ggml.tokens") or []
+    index = {token: i for i, token in enumerate(tokens)}
+    return [index[token] for token in MEDIA_TOKENS if token in index]

@@ -100,7 +100,7 @@ def file_key(path: Path) -> str:
 
 
 GGUF_MARKER = "gguf.json"
-METADATA_VERSION = 4  # bump when gguf_config.py writes a config differently
+METADATA_VERSION = 5  # bump when gguf_config.py writes a config differently
 
 
 def _gguf_dir(gguf: Path) -> Path:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from gpu_worker.config import WorkerConfig
+from gpu_worker.model_runner import ModelRunner
 from protocol.chat import ChatMessage, ContentPart, ImagePart, TextPart
 from tests.exactness import inprocess
 from tests.exactness.test_gemma3_gguf_mmproj import NEW_TOKENS, PAGE, served
@@ -31,8 +33,6 @@ from tests.vision_models import encoded, hf_greedy, random_image, solid_image
 
 
 def test_gemma4_gguf_and_mmproj_match_hf(tmp_path: Path, smollm2_dir: Path) -> None:
-    from gpu_worker.config import WorkerConfig
-    from gpu_worker.model_runner import ModelRunner
     from tokenizer_proc.images import ImageLimits, VisionProcessor
 
     model, processor = save_tiny_gemma4_vlm(tmp_path, smollm2_dir)
@@ -56,6 +56,46 @@ def test_gemma4_gguf_and_mmproj_match_hf(tmp_path: Path, smollm2_dir: Path) -> N
     ids, images = vision.prompt(text, [ChatMessage(role="user", parts=parts)])
     want_ids, want = hf_greedy(model, processor, text, files, NEW_TOKENS)
     assert ids == want_ids and [i.length for i in images] == [63, 60]
+    assert len(set(want)) > 2, "the reference must not be degenerate"
+    assert served(runner, ids, images) == want
+
+
+def test_gemma4_gguf_alone_and_mmproj_match_hf(
+    tmp_path: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No config.json of the multimodal checkpoint beside the files: the media placeholders from the
+    GGUF's vocabulary (embedded as the pad token, as HF's multimodal model does), the image tokens'
+    two-way attention from the width (llama.cpp's rule: E2B's and E4B's causal, the rest "vision")."""
+    from gpu_worker.weights.model_files import resolve_model
+    from tokenizer_proc.images import ImageLimits, VisionProcessor
+
+    model, processor = save_tiny_gemma4_vlm(tmp_path, smollm2_dir)
+    files = tmp_path / "gguf"
+    files.mkdir()
+    vocab = processor.tokenizer.convert_ids_to_tokens(list(range(len(processor.tokenizer))))
+    model.load_state_dict(write_gemma4_gguf(files / "model.gguf", model, token_list=vocab), strict=False)
+    write_gemma4_mmproj(model, processor.image_processor, files / "mmproj.gguf")
+    rounded_to_float32(model.model.vision_tower)
+    rounded_to_float32(model.model.embed_vision)
+    monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path / "cache"))
+    meta = resolve_model(str(files / "model.gguf"))
+    assert not (files / "config.json").exists()
+    runner = ModelRunner(WorkerConfig(model_path=str(meta), gguf_path=str(files / "model.gguf"),
+                                      mmproj=str(files / "mmproj.gguf"), dtype="float64", page_size=PAGE,
+                                      kv_cache_tokens=512, num_threads=1))  # fmt: skip
+    assert runner.images is not None and runner.images.bidirectional
+    media = [processor.tokenizer.convert_tokens_to_ids(t) for t in ("<|image|>", "<|video|>", "<|audio|>")]
+    assert sorted(runner.model.media_token_ids.tolist()) == sorted(media)  # type: ignore[attr-defined]
+    vision = VisionProcessor.load(str(tmp_path), ImageLimits())  # the prompt as the HF test's
+    assert vision is not None
+    files_ = [encoded(random_image(6, 60, 50), "PNG")]
+    parts: list[ContentPart] = [TextPart(text="What is "), ImagePart(data=files_[0])]
+    template = [{"type": "text", "text": "What is "}, {"type": "image"}]
+    text = processor.apply_chat_template([{"role": "user", "content": template}], add_generation_prompt=True,
+                                         tokenize=False)  # fmt: skip
+    ids, images = vision.prompt(text, [ChatMessage(role="user", parts=parts)])
+    want_ids, want = hf_greedy(model, processor, text, files_, NEW_TOKENS)
+    assert ids == want_ids
     assert len(set(want)) > 2, "the reference must not be degenerate"
     assert served(runner, ids, images) == want
 
