@@ -45,6 +45,13 @@ def model_path(name: str) -> str:
     return str(ensure_model(name)) if name.partition("-")[0] in SHAPES else name
 
 
+def word_pool(model: str) -> WordPool:
+    """The single-token words of ``model``'s tokenizer (made from its GGUF first where needed)."""
+    meta = resolve_model(model)
+    ensure_tokenizer(meta)
+    return WordPool(meta / "tokenizer.json")
+
+
 def ttft(client: Client, prompt: list[int], output_len: int) -> tuple[float, int, list[int]]:
     """(TTFT in ms, cached prompt tokens, the answer's token ids) of one greedy request."""
     start, first, answer, cached = time.perf_counter(), 0.0, [], 0
@@ -79,9 +86,7 @@ def one_round(args: argparse.Namespace, model: str, pool: WordPool, r: int) -> l
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     model = model_path(args.model)
-    meta = resolve_model(model)
-    ensure_tokenizer(meta)
-    pool = WordPool(meta / "tokenizer.json")
+    pool = word_pool(model)
     ratios = []
     for r in range(args.rounds):
         rows = one_round(args, model, pool, r)

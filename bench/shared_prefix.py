@@ -21,12 +21,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench.chat_turns import model_path, ttft
+from bench.chat_turns import model_path, ttft, word_pool
 from bench.lib import launch
 from bench.lib.workloads import WordPool
 from client import Client
-from gpu_worker.weights.model_files import resolve_model
-from tokenizer_proc.gguf_tokenizer import ensure_tokenizer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,9 +66,7 @@ def one_round(args: argparse.Namespace, model: str, pool: WordPool, r: int) -> t
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     model = model_path(args.model)
-    meta = resolve_model(model)
-    ensure_tokenizer(meta)
-    pool = WordPool(meta / "tokenizer.json")
+    pool = word_pool(model)
     ratios = []
     for r in range(args.rounds):
         warm, cold = one_round(args, model, pool, r)

@@ -29,8 +29,8 @@ from gpu_worker.forward_context import PLAIN, ForwardContext, paged_attention
 from gpu_worker.image_encoder import splice_images
 from gpu_worker.models.contract import AttentionLayer, Layer, Split
 from gpu_worker.models.gated_delta import GatedDeltaNet
-from gpu_worker.models.gemma import GemmaRMSNorm
-from gpu_worker.models.layers import Embedding, FusedOps, Linear, MergedLinear, apply_rotary
+from gpu_worker.models.gemma import GemmaNorm
+from gpu_worker.models.layers import Embedding, Linear, MergedLinear, apply_rotary
 from gpu_worker.models.llama import MLP, LlamaArgs, partial_rotary_factor
 from gpu_worker.models.moe import MoeArgs, SparseMoeBlock
 from gpu_worker.models.qwen35_positions import mrope_cos_sin
@@ -39,23 +39,10 @@ from gpu_worker.models.rope import rotary_cache
 LINEAR = "linear_attention"
 
 
-class HybridNorm(GemmaRMSNorm):
-    """The ``1 + w`` norms with a ``fused`` slot: the backend's RMSNorm kernel on float32 rows over
-    ``1 + w`` summed once, when the kernel attaches (the torch path sums it in float32 each call)."""
-
-    kernel_slots = ("fused",)
-    fused: FusedOps | None = None
-    folded: torch.Tensor | None = None  # 1 + w in float32, while a kernel is attached
-
-    def attach(self, **kernels: Any) -> None:
-        super().attach(**kernels)
-        folded = (1.0 + self.weight.float()).contiguous() if self.fused is not None else None
-        object.__setattr__(self, "folded", folded)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is None or self.folded is None or x.dtype != torch.float32:
-            return super().forward(x)
-        return self.fused.rms_norm(x.reshape(-1, x.shape[-1]), self.folded, self.eps).view(x.shape)
+class HybridNorm(GemmaNorm):
+    """Qwen3.5's ``1 + w`` norms: Gemma's (gemma.py), the backend's RMSNorm kernel on float32 rows
+    over ``1 + w`` summed once when it attaches; its own type, so Gemma's one-call decode tables do
+    not take it for theirs."""
 
 
 def mlp_args(cfg: Any) -> LlamaArgs:
