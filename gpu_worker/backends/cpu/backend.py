@@ -105,8 +105,8 @@ class CpuBackend:
 
     def tower_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """bfloat16 for float32 activations where the CPU multiplies bf16 natively (AVX512-BF16, AMX):
-        torch's bf16 matmuls and attention there run a 896x896 image's SigLIP layers ~1.7x faster
-        than float32; elsewhere bf16 is emulated, slower than float32."""
+        a tower is compute-bound, and there bf16 products are twice float32's a cycle (the measured
+        gain: docs/benchmarks-history.md); elsewhere bf16 is emulated, slower than float32."""
         native = requested_kind().rank >= CpuKind.AVX512_BF16.rank
         return torch.bfloat16 if dtype == torch.float32 and native else dtype
 
