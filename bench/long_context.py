@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shlex
 import statistics
 import sys
@@ -50,8 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def measure(args: argparse.Namespace, base_url: str, r: int) -> dict[str, Any]:
-    """Per prompt length: decode tok/s and TTFT p50 of one stream through ``base_url``."""
+def measure(
+    args: argparse.Namespace, base_url: str, r: int, fields: dict[str, object] | None = None
+) -> dict[str, Any]:
+    """Per prompt length: decode tok/s and TTFT p50 of one stream through ``base_url`` (``fields``:
+    more body fields on every request, the peer's own)."""
     out: dict[str, Any] = {}
     model = ["--model", args.model] if args.model else []
     for n in parse_lens(args.input_lens):
@@ -59,7 +63,8 @@ def measure(args: argparse.Namespace, base_url: str, r: int) -> dict[str, Any]:
                 "--num-requests", str(args.requests), "--input-len", str(n),
                 "--output-len", str(args.output_len),
                 "--range-ratio", "1.0", "--max-concurrency", "1", "--warmup-requests", "1",
-                "--seed", str(5000 + 100 * r + n % 97), "--no-progress", "--no-record"]  # fmt: skip
+                "--seed", str(5000 + 100 * r + n % 97), "--sampling", json.dumps(fields or {}),
+                "--no-progress", "--no-record"]  # fmt: skip
         summary, _ = asyncio.run(serving.benchmark(serving.build_parser().parse_args(argv)))
         assert summary.num_failed == 0, f"{summary.num_failed} requests of {n} tokens to {base_url} failed"
         tpot = summary.tpot_ms.p50
@@ -87,7 +92,7 @@ def peer_round(args: argparse.Namespace, peer: Peer, r: int) -> dict[str, Any]:
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="rivulet-long-context-llama-cpp-") as tmp:
         with launch.openai_server("llama.cpp", peer.command(port), url, Path(tmp)):
-            return measure(args, url, r)
+            return measure(args, url, r, peer.fields)
 
 
 def cell(xs: list[float], digits: int = 0) -> str:

@@ -6,6 +6,7 @@ chunk, plus the usage counters on the final one), so every peer is measured by t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -96,7 +97,8 @@ class OpenAIBackend:
     """``POST {base_url}/v1/completions`` with ``stream: true``, read as server-sent events.
 
     A chunk with non-empty text counts as one token (OpenAI chunks do not say how many
-    they carry); the final usage (``stream_options.include_usage``) gives the real count.
+    they carry), unless the chunk says how many the server has decoded (``decoded_count``);
+    the final usage (``stream_options.include_usage``) gives the real count.
     """
 
     name = "openai"
@@ -136,13 +138,18 @@ class OpenAIBackend:
                 answer = (await resp.aread()).decode(errors="replace")[:500]
                 raise BackendError(f"HTTP {resp.status_code}: {answer}")
             finished = False
+            decoded = 0  # the server's own count so far, where it reports one
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue  # blank separators, comments, event names
                 data = line[len("data:") :].strip()
                 if data == "[DONE]":
                     break
-                delta, done = parse_event(json.loads(data))
+                event = json.loads(data)
+                delta, done = parse_event(event)
+                if (n := decoded_count(event)) is not None:
+                    delta = dataclasses.replace(delta, num_tokens=max(0, n - decoded))
+                    decoded = max(decoded, n)
                 finished = finished or done
                 if delta.num_tokens or delta.completion_tokens:
                     yield delta
@@ -170,3 +177,13 @@ def parse_event(event: dict[str, Any]) -> tuple[Delta, bool]:
         cached_tokens=details.get("cached_tokens") or 0,
     )
     return delta, done
+
+
+def decoded_count(event: dict[str, Any]) -> int | None:
+    """The tokens decoded so far where the event says (llama-server's ``timings.predicted_n`` with
+    ``timings_per_token``), else None. A token whose text is empty (a random model's unused or
+    control ids, which llama.cpp renders as nothing) still arrives in a chunk of its own: counted
+    this way, it is timed where it came rather than not at all."""
+    timings = event.get("timings")
+    n = timings.get("predicted_n") if isinstance(timings, dict) else None
+    return n if isinstance(n, int) else None

@@ -26,7 +26,7 @@ import sys
 import tarfile
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpu_worker.backends.cpu.kind import CpuKind, native_kind
@@ -37,6 +37,12 @@ BINARY = "llama-server"
 BUILD_KINDS = ("avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx", "native")
 PARALLEL = 32  # llama-server -np: parallel slots (continuous batching over them)
 CONTEXT = 8192  # llama-server -c: KV cache tokens, shared by the slots
+# Body fields every bench request to llama-server adds (rivulet refuses unknown fields, so only
+# there): each streamed chunk then carries the tokens decoded so far (backends.decoded_count),
+# since llama.cpp renders unused and control tokens as empty text, and a random model's stream
+# can be all such tokens. ``ignore_eos`` (every request sends it) already masks every
+# end-of-generation id of the vocabulary in this server, not only EOS.
+REQUEST_FIELDS: dict[str, object] = {"timings_per_token": True}
 
 COMMON_CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -235,6 +241,7 @@ class Peer:
     threads: int
     parallel: int
     warning: str | None = None
+    fields: dict[str, object] = field(default_factory=lambda: dict(REQUEST_FIELDS))  # on every request
 
     def command(self, port: int) -> list[str]:
         return server_command(self.binary, self.gguf, port, self.threads, self.parallel)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import shlex
 import statistics
 import tempfile
@@ -35,17 +36,30 @@ HTTP_SEED = 3000  # the HTTP runs' prompts differ from the ZMQ runs', so rivulet
 
 
 def _serving_args(
-    args: argparse.Namespace, address: str, n: int, concurrency: int, seed: int, http: bool = False
+    args: argparse.Namespace,
+    address: str,
+    n: int,
+    concurrency: int,
+    seed: int,
+    http: bool = False,
+    fields: dict[str, object] | None = None,
 ) -> Any:
     """``python -m bench.serving``'s arguments for one run: rivulet's ZMQ ``address``, or with ``http``
-    a base URL."""
+    a base URL; ``fields``: more body fields on every request (llama_cpp.REQUEST_FIELDS)."""
     model = ["--model", args.model] if args.model else []
     target = ["--backend", "openai", "--base-url", address] if http else ["--endpoint", address]
+    extra = ["--sampling", json.dumps(fields)] if fields else []
     argv = [*target, *model, "--workload", "random", "--num-requests", str(n),
             "--input-len", str(args.input_len), "--output-len", str(args.output_len),
             "--max-concurrency", str(concurrency), "--warmup-requests", "2", "--seed", str(seed),
-            "--no-progress", "--no-record"]  # fmt: skip
+            *extra, "--no-progress", "--no-record"]  # fmt: skip
     return serving.build_parser().parse_args(argv)
+
+
+def _check_lengths(results: list[RequestResult], want: int, who: str) -> None:
+    """Every request decoded ``want`` tokens (EOS ignored): rates of unequal counts do not compare."""
+    got = sorted({r.completion_tokens for r in results})
+    assert got == [want], f"{who}: completion tokens {got}, not {want} each (did it stop at an EOS?)"
 
 
 async def _streams_with_metrics(
@@ -96,21 +110,25 @@ def measure_single(args: argparse.Namespace, server: launch.Server, r: int) -> d
     return {"decode1_tps": 1e3 / tpot_ms if tpot_ms else None, "out1_tps": summary.output_throughput}
 
 
-def measure_http(args: argparse.Namespace, base_url: str, r: int) -> dict[str, Any]:
+def measure_http(
+    args: argparse.Namespace, base_url: str, r: int, fields: dict[str, object] | None = None
+) -> dict[str, Any]:
     """32 streams then 1 stream through POST /v1/completions (``python -m bench.serving --backend openai``).
 
-    The same code and prompts measure rivulet's HTTP API and llama.cpp's server in round r.
+    The same code and prompts measure rivulet's HTTP API and llama.cpp's server (with its
+    ``fields``) in round r.
     """
     out: dict[str, Any] = {}
     for name, n, concurrency, seed in (
         ("streams", args.stream_requests, args.streams, HTTP_SEED + r),
         ("single", args.single_requests, 1, HTTP_SEED + 1000 + r),
     ):
-        bench_args = _serving_args(args, base_url, n, concurrency, seed, http=True)
+        bench_args = _serving_args(args, base_url, n, concurrency, seed, http=True, fields=fields)
         if name == "single" and args.decode_bytes:  # the memory's pace now, the engine idle
             out["read_gbps"] = read_bandwidth()
-        summary, _ = asyncio.run(serving.benchmark(bench_args))
+        summary, results = asyncio.run(serving.benchmark(bench_args))
         assert summary.num_failed == 0, f"{summary.num_failed} of the {name} requests to {base_url} failed"
+        _check_lengths(results, args.output_len, f"the {name} requests to {base_url}")
         if name == "streams":
             out |= {"out32_tps": summary.output_throughput, "ttft32_ms": summary.ttft_ms.p50}
         else:
@@ -185,7 +203,7 @@ def measure_peer(args: argparse.Namespace, peer: Peer, r: int) -> dict[str, Any]
         url = f"http://127.0.0.1:{port}"
         with launch.openai_server("llama.cpp", peer.command(port), url, Path(tmp)):
             run: dict[str, Any] = {"startup_s": time.perf_counter() - t0}
-            run |= measure_http(args, url, r)
+            run |= measure_http(args, url, r, peer.fields)
     return run
 
 
@@ -204,7 +222,7 @@ def measure_paired(args: argparse.Namespace, peer: Peer, dtype: str, r: int) -> 
         launch.rivulet_server(f"targets-paired-{dtype}", flags, Path(tmp), args.model),
         launch.openai_server("llama.cpp", peer.command(lport), urls["llama.cpp"], Path(tmp)),
     ):
-        tpot = asyncio.run(_paired_tpots(args, urls, HTTP_SEED + 2000 + r))
+        tpot = asyncio.run(_paired_tpots(args, urls, HTTP_SEED + 2000 + r, peer.fields))
     ratios = [theirs / mine for mine, theirs in zip(tpot["rivulet"], tpot["llama.cpp"], strict=True)]
     return {
         "paired_decode1_tps": 1e3 / statistics.median(tpot["rivulet"]),
@@ -213,12 +231,18 @@ def measure_paired(args: argparse.Namespace, peer: Peer, dtype: str, r: int) -> 
     }
 
 
-async def _paired_tpots(args: argparse.Namespace, urls: dict[str, str], seed: int) -> dict[str, list[float]]:
-    """Each engine's TPOT (ms) per request of the paired run, in pair order."""
+async def _paired_tpots(
+    args: argparse.Namespace, urls: dict[str, str], seed: int, fields: dict[str, object]
+) -> dict[str, list[float]]:
+    """Each engine's TPOT (ms) per request of the paired run, in pair order (``fields``: the
+    peer's own body fields)."""
     bench_args = _serving_args(args, urls["rivulet"], args.paired_requests, 1, seed, http=True)
     items = serving.build_workload(bench_args)
+    sampling = {"rivulet": {}, "llama.cpp": fields}
     backends = {
-        name: serving.make_backend(argparse.Namespace(**{**vars(bench_args), "base_url": url}))
+        name: serving.make_backend(
+            argparse.Namespace(**{**vars(bench_args), "base_url": url, "sampling": sampling[name]})
+        )
         for name, url in urls.items()
     }
     tpot: dict[str, list[float]] = {name: [] for name in urls}
@@ -229,6 +253,7 @@ async def _paired_tpots(args: argparse.Namespace, urls: dict[str, str], seed: in
             for name in list(urls)[:: 1 if i % 2 == 0 else -1]:
                 (res,) = await serving.run_requests(backends[name], [item], [0.0], 1, False)
                 assert not res.error, f"a paired request to {name} failed: {res.error}"
+                _check_lengths([res], item.max_new_tokens, f"a paired request to {name}")
                 ms = summarize([res]).tpot_ms.p50
                 assert ms is not None, f"a paired request to {name} streamed fewer than 2 tokens"
                 tpot[name].append(ms)

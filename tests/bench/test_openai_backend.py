@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from bench.lib.backends import OpenAIBackend, parse_event
+from bench.lib.backends import OpenAIBackend, decoded_count, parse_event
+from bench.lib.llama_cpp import REQUEST_FIELDS
 from bench.lib.metrics import RequestResult, summarize
 from bench.lib.serving import run_requests
 from bench.lib.workloads import WorkItem
@@ -48,6 +49,8 @@ class FakeServer:
 
     def events(self, body: dict[str, Any]) -> list[dict[str, Any]]:
         n = body["max_tokens"]
+        if body.get("timings_per_token"):
+            return self.timed_events(n)
         out: list[dict[str, Any]] = [{"choices": [{"text": "", "finish_reason": None}]}]  # a role-only chunk
         out += [{"choices": [{"text": f" w{i}", "finish_reason": None}]} for i in range(n)]
         if body["prompt"].startswith("CUT"):
@@ -57,13 +60,26 @@ class FakeServer:
                  "prompt_tokens_details": {"cached_tokens": 1}}  # fmt: skip
         return [*out, {"choices": [], "usage": usage}]
 
+    @staticmethod
+    def timed_events(n: int) -> list[dict[str, Any]]:
+        """llama-server's stream with ``timings_per_token``: a chunk a token, each with the count
+        decoded so far; the tokens show no text (a random model's unused ids), but the second."""
+        out = [{"choices": [{"text": " x" if i == 1 else "", "finish_reason": None}],
+                "timings": {"predicted_n": i + 1}} for i in range(n)]  # fmt: skip
+        final = {"choices": [{"text": "", "finish_reason": "length"}], "timings": {"predicted_n": n},
+                 "usage": {"prompt_tokens": 2, "completion_tokens": n}}  # fmt: skip
+        return [*out, final]
 
-async def serve_and_run(items: list[WorkItem]) -> tuple[list[RequestResult], FakeServer]:
-    """Start the fake server on a free loopback port, run ``items`` through the openai backend, stop it."""
+
+async def serve_and_run(
+    items: list[WorkItem], fields: dict[str, Any] | None = None
+) -> tuple[list[RequestResult], FakeServer]:
+    """Start the fake server on a free loopback port, run ``items`` through the openai backend
+    (``fields`` added to every body), stop it."""
     fake = FakeServer()
     server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    backend = OpenAIBackend(f"http://127.0.0.1:{port}", "m", temperature=0.0)
+    backend = OpenAIBackend(f"http://127.0.0.1:{port}", "m", temperature=0.0, sampling=fields)
     try:
         results = await run_requests(backend, items, [0.0] * len(items), max_concurrency=2, progress=False)
     finally:
@@ -96,3 +112,14 @@ def test_parse_event_reads_text_finish_and_usage() -> None:
     assert (delta.num_tokens, delta.prompt_tokens, delta.completion_tokens, done) == (0, 4, 2, False)
     with pytest.raises(RuntimeError, match="server error"):
         parse_event({"error": {"message": "overloaded"}})
+
+
+def test_tokens_without_text_counted_from_the_servers_count() -> None:
+    """llama-server renders unused ids as empty text: with llama_cpp.REQUEST_FIELDS every token
+    is still timed where its chunk came, so TPOT exists (it was None: "fewer than 2 tokens")."""
+    (res,), fake = asyncio.run(serve_and_run([WorkItem("a b", None, 6, True)], REQUEST_FIELDS))
+    assert fake.bodies[-1]["timings_per_token"] is True and fake.bodies[-1]["ignore_eos"] is True
+    assert (len(res.token_times_s), res.completion_tokens) == (6, 6) and res.ok
+    assert res.tpot_s is not None and res.tpot_s > 0
+    assert decoded_count({"timings": {"predicted_n": 3}}) == 3
+    assert decoded_count({"choices": [{"text": "a"}]}) is None

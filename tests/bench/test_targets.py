@@ -271,7 +271,7 @@ def test_a_peer_round_on_a_fake_llama_server(tiny_llama_dir: Path, tmp_path: Pat
             "--single-requests", "2", "--input-len", "8", "--output-len", "4"]  # fmt: skip
     args = targets.build_parser().parse_args(argv)
     args.decode_bytes = 50_000_000  # as main sets it for a GGUF: the floor is measured too
-    peer = llama_cpp.Peer(script, Path("/m/x.gguf"), threads=2, parallel=32)
+    peer = llama_cpp.Peer(script, Path("/m/x.gguf"), threads=2, parallel=32, fields={})  # rivulet: no extras
     run = targets_rounds.measure_peer(args, peer, 0)
     for key in ("out32_tps", "ttft32_ms", "decode1_tps", "out1_tps", "startup_s", "read_gbps"):
         assert run[key] > 0, key
@@ -296,7 +296,7 @@ def test_paired_requests_on_both_servers_at_once(tiny_llama_dir: Path, tmp_path:
     argv = ["--model", str(tiny_llama_dir), "--paired-requests", "3", "--input-len", "8", "--output-len", "6",
             "--engine-flags", "--num-threads 1 --kv-cache-tokens 2048"]  # fmt: skip
     args = targets.build_parser().parse_args(argv)
-    peer = llama_cpp.Peer(script, Path("/m/x.gguf"), threads=2, parallel=32)
+    peer = llama_cpp.Peer(script, Path("/m/x.gguf"), threads=2, parallel=32, fields={})  # rivulet: no extras
     run = targets_rounds.measure_paired(args, peer, "float32", 0)
     assert set(run) == {"paired_decode1_tps", "llama_paired_decode1_tps", "paired_decode1_ratio"}
     assert all(v > 0 for v in run.values())
