@@ -116,6 +116,7 @@ const qtype_ops *quant_ops(int type) {
     const qtype_ops *ops = qtype_legacy(type);
     ops = ops != NULL ? ops : qtype_k(type);
     ops = ops != NULL ? ops : qtype_x8(type);
+    ops = ops != NULL ? ops : qtype_sub32x8(type);
     ops = ops != NULL ? ops : qtype_sub32(type);
     ops = ops != NULL ? ops : qtype_f16(type);
     ops = ops != NULL ? ops : qtype_k23(type);

@@ -1,0 +1,602 @@
+/* Q5_0, Q5_1 and IQ4_NL (quant_sub32.c draws the file's blocks) with their weight rows interleaved by 8, the
+ * layout the worker holds them in (backends/cpu/layouts.py makes it at load: the same bytes,
+ * rearranged). Type code: the ggml type | QTYPE_X8; | QTYPE_A8 for the 8-bit activations' tiles.
+ *
+ * Rows 8g .. 8g + 7 form group g, stored where the file's rows were; block b of the 8 rows is one
+ * group block of 8 * block_bytes at b * 8 * block_bytes:
+ *   8 fp16 d (row 0 .. 7) | Q5_1: 8 fp16 m | Q5: qh: byte j (j < 4) of rows 0 .. 7, then byte j + 1
+ *   (32) | quant chunks c < 4: bytes 4c .. 4c + 3 of row 0, of row 1, ..., of row 7 (4 x 32).
+ * A chunk's low nibbles are weights 4c .. 4c + 3 of each row, its high nibbles 16 + 4c .. 19 + 4c;
+ * their fifth bits are bits 4c .. 4c + 3 of qh byte c / 2 (low) and of byte 2 + c / 2 (high), bit
+ * 4 (c % 2) + i for weight i of the four. A chunk is one ymm: 4 bytes (one 32-bit lane) per row.
+ * The tiles assemble a chunk's 5-bit weights as bytes in registers: the row's qh byte spread to its
+ * lane's 4 bytes by one byte shuffle, tested against the 4 weights' bits, 16 added where set.
+ *
+ * IQ4_NL's nibbles index its 16 levels (-127 .. 113): one byte shuffle a chunk, signed bytes.
+ * Q5's weights meet the activations unsigned (q, 0..31): Q5_0's -16 is taken off once per block as
+ * 16 d times the activation block's sum s, and Q5_1 adds m s, as quant_x8.c does for Q4_0 / Q4_1.
+ *   16-bit activations (act_block16; few rows, decode): a chunk widened to int16 (rows 0-3, rows
+ *     4-7), madd against the activation's 4 matching values broadcast per 64 bits: each (row, pair)
+ *     sum in its own lane; per block the pairs folded by one hadd (rows in the order 0 1 4 5 2 3 6 7,
+ *     met by the scales permuted alike), converted once and scaled by the 8 rows' d at once. A lane
+ *     sums 16 products of q <= 31 and |x| <= 32767: below 2^24, exact in float32 too.
+ *   8-bit activations (act8_32 below; many rows): vpdpbusd (maddubs + madd without VNNI) of the
+ *     chunk's unsigned bytes against the activation's 4 bytes broadcast, no widening and no fold;
+ *     two groups side by side in a zmm (16 weight rows) on AVX-512, one group a ymm on AVX2. A lane
+ *     sums 8 products of q <= 31 by |x| <= 127; maddubs' int16 pair sums reach 2 * 31 * 127, four
+ *     of them 31,496, below its saturation: AVX2 adds four before widening. IQ4_NL's signed levels:
+ *     vpdpbusd meets them plus 128 (unsigned) and takes 128 times the activation's integer sum off
+ *     in int32; maddubs meets |level| and the activation with the level's sign (pair sums at most
+ *     2 * 127 * 127), widened at once: the same exact integer sum either way.
+ * Every build that has the 8-bit tiles sums the same integers and runs the same float steps per
+ * (row, column, block), in the same order, so its outputs are the same bits (tested).
+ * Portable: the 16-bit tile rebuilds each row in the file's layout for quant_sub32.c's plain tile;
+ * the 8-bit tile is plain C over the same integers (a reference; quant.py never routes to it).
+ */
+#include "quant.h"
+#include "rivulet_kernels.h"
+
+#define QB 32
+#ifndef S32X8_PF
+#define S32X8_PF 2048 /* how far ahead (bytes) the tiles prefetch their group's blocks */
+#endif
+
+/* The 8-bit activations of these types: per 32 values (not act_block8's 256, so a Linear's k need
+ * only be a multiple of 32: Gemma 3 270M's 640, SmolLM's 576), quantized as quant.h's act_block8
+ * quantizes each 32 of its values: q at step d = absmax / 127, and where the 32's absmax stands
+ * ACT8_SPREAD times above their mean |x| a second pass r of what is left at d / 128 (two = 1). */
+typedef struct {
+    float d;   /* q's step (r's: d / 128) */
+    float s;   /* the 32 values' sum as quantized: d sum(q) + d / 128 sum(r) */
+    int32_t two;
+    int32_t qsum, rsum; /* sum(q), sum(r) */
+    int32_t pad;
+    int8_t q[QB];
+    int8_t r[QB];
+} act8_32; /* 88 bytes */
+
+static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+static void quantize_act8_32(const float *x, int64_t k, void *xq) {
+    act8_32 *out = (act8_32 *)xq;
+    for (int64_t b = 0; b < k / QB; b++) {
+        const float *v = x + b * QB;
+        float amax = 0.0f, asum = 0.0f;
+#pragma omp simd reduction(max : amax) reduction(+ : asum)
+        for (int i = 0; i < QB; i++) {
+            const float a = fabsf(v[i]);
+            amax = a > amax ? a : amax;
+            asum += a;
+        }
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const int two = amax * 32.0f > ACT8_SPREAD * asum;
+        int32_t sq[2] = {0, 0}, sr[2] = {0, 0};
+        for (int h = 0; h < 2; h++) {
+            int32_t a = 0, c = 0;
+#pragma omp simd reduction(+ : a, c)
+            for (int i = 16 * h; i < 16 * h + 16; i++) {
+                const float t = v[i] * inv; /* |t| <= 127 */
+                const float q = rintf(t);
+                const int32_t r = two ? (int32_t)rintf((t - q) * 128.0f) : 0; /* |r| <= 64 */
+                out[b].q[i] = (int8_t)q;
+                out[b].r[i] = (int8_t)r;
+                a += (int32_t)q;
+                c += r;
+            }
+            sq[h] = a, sr[h] = c;
+        }
+        const float d = amax / 127.0f;
+        out[b].d = d;
+        out[b].s = (d * (float)sq[0] + d / 128.0f * (float)sr[0]) + (d * (float)sq[1] + d / 128.0f * (float)sr[1]);
+        out[b].two = two;
+        out[b].qsum = sq[0] + sq[1];
+        out[b].rsum = sr[0] + sr[1];
+        out[b].pad = 0;
+    }
+}
+
+static inline int bb_of(const int type) { return type == QTYPE_Q5_1 ? 24 : type == QTYPE_Q5_0 ? 22 : 18; }
+static inline int head_of(const int type) { return type == QTYPE_Q5_1 ? 32 : 16; } /* d [, m] of a group block */
+static inline int is_q5(const int type) { return type != QTYPE_IQ4_NL; }
+static inline int qs_of(const int type) { return head_of(type) + (is_q5(type) ? 32 : 0); } /* the chunks' start */
+
+/* Slot s's block (of the group block at blk) rebuilt as the file's block. */
+static inline void plain_block(const uint8_t *blk, int s, const int type, uint8_t *plain) {
+    const int head = head_of(type), qh_at = type == QTYPE_Q5_1 ? 4 : 2, qs_at = qh_at + (is_q5(type) ? 4 : 0);
+    memcpy(plain, blk + 2 * s, 2);
+    if (type == QTYPE_Q5_1) memcpy(plain + 2, blk + 16 + 2 * s, 2);
+    for (int j = 0; j < 4 && is_q5(type); j++) plain[qh_at + j] = blk[head + 8 * j + s];
+    for (int c = 0; c < 4; c++) memcpy(plain + qs_at + 4 * c, blk + qs_of(type) + 32 * c + 4 * s, 4);
+}
+
+/* Row s of the group at g (k weights) as float32: each block rebuilt, then quant_sub32.c's own
+ * dequantization, so the values are exactly gguf-py's. */
+static inline void dequant_slot(const uint8_t *g, int s, int64_t k, float *out, const int type) {
+    const int bb = bb_of(type);
+    const qtype_ops *plain_ops = qtype_sub32(type);
+    uint8_t plain[24];
+    for (int64_t b = 0; b < k / QB; b++) {
+        plain_block(g + b * 8 * bb, s, type, plain);
+        plain_ops->dequant_row(plain, QB, out + b * QB);
+    }
+}
+
+#if HAVE_AVX2 || HAVE_AVX512
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPW8(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
+#else
+#define DPW8(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define XR 4 /* activation rows per 16-bit tile (32 ymm registers) */
+#else
+#define XR 2 /* (16 ymm registers) */
+#endif
+
+typedef int32_t __attribute__((may_alias, aligned(1))) i32_any;
+typedef int64_t __attribute__((may_alias, aligned(1))) i64_any;
+
+/* Per 128-bit lane: the byte of row 4h + t (of the 8 bytes broadcast) in the 4 bytes of lane t. */
+static inline __m256i spread_index(void) {
+    return _mm256_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7,
+                            7, 7);
+}
+/* The bits of a chunk's 4 weights in their qh byte: weight i at bit 4 (c % 2) + i. */
+static inline __m256i bit_pattern(const int odd) { return _mm256_set1_epi32(odd ? (int)0x80402010 : 0x08040201); }
+
+/* Chunk c of the group block at blk as bytes, lane s row s: *lo weights 4c .. 4c + 3, *hi 16 + 4c ..
+ * 19 + 4c; Q5's 5-bit unsigned, IQ4_NL's levels (signed). */
+static inline __attribute__((always_inline)) void chunk_bytes(const uint8_t *blk, int c, const int type, __m256i *lo,
+                                                              __m256i *hi) {
+    const uint8_t *qh = blk + head_of(type), *qs = blk + qs_of(type) + 32 * c;
+    const __m256i v = _mm256_loadu_si256((const __m256i *)qs), m4 = _mm256_set1_epi8(0x0f);
+    if (!is_q5(type)) {
+        const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
+        *lo = _mm256_shuffle_epi8(levels, _mm256_and_si256(v, m4));
+        *hi = _mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+        return;
+    }
+    const __m256i bits = bit_pattern(c % 2), sixteen = _mm256_set1_epi8(16);
+    const __m256i hl = _mm256_shuffle_epi8(_mm256_set1_epi64x(*(const i64_any *)(qh + 8 * (c / 2))), spread_index());
+    const __m256i hh = _mm256_shuffle_epi8(_mm256_set1_epi64x(*(const i64_any *)(qh + 16 + 8 * (c / 2))), spread_index());
+    const __m256i nl = _mm256_and_si256(v, m4), nh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    *lo = _mm256_mask_add_epi8(nl, _mm256_test_epi8_mask(hl, bits), nl, sixteen);
+    *hi = _mm256_mask_add_epi8(nh, _mm256_test_epi8_mask(hh, bits), nh, sixteen);
+#else
+    *lo = _mm256_or_si256(nl, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hl, bits), bits), sixteen));
+    *hi = _mm256_or_si256(nh, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hh, bits), bits), sixteen));
+#endif
+}
+
+static inline __m256i widen(__m128i v, const int type) { /* 16 bytes to int16: Q5's unsigned, IQ4_NL's signed */
+    return is_q5(type) ? _mm256_cvtepu8_epi16(v) : _mm256_cvtepi8_epi16(v);
+}
+
+static inline __m256i pairs2(const int16_t *q) { /* q[0..3] in every 64-bit lane */
+    return _mm256_set1_epi64x(*(const i64_any *)q);
+}
+
+/* out[r * ldo + s] = dot(row s of the group at g, activation row r), s < 8, r < nr <= R. */
+static inline __attribute__((always_inline)) void tile16(const uint8_t *g, int64_t nb, const act_block16 *const *xa,
+                                                         int64_t nr, float *out, int64_t ldo, const int type,
+                                                         const int R) {
+    const int gbb = 8 * bb_of(type);
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7); /* hadd's rows; its own inverse */
+    __m256 acc[XR];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * gbb;
+        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + S32X8_PF + at), _MM_HINT_T0);
+        __m256i sa[XR], sb[XR];
+        for (int r = 0; r < R; r++) sa[r] = sb[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i lo, hi;
+            chunk_bytes(blk, c, type, &lo, &hi);
+            const __m256i la = widen(_mm256_castsi256_si128(lo), type), lb = widen(_mm256_extracti128_si256(lo, 1), type);
+            const __m256i ha = widen(_mm256_castsi256_si128(hi), type), hb = widen(_mm256_extracti128_si256(hi, 1), type);
+            for (int r = 0; r < R; r++) {
+                const __m256i xl = pairs2(xa[r][b].q + 4 * c), xh = pairs2(xa[r][b].q + 16 + 4 * c);
+                sa[r] = DPW8(DPW8(sa[r], la, xl), ha, xh);
+                sb[r] = DPW8(DPW8(sb[r], lb, xl), hb, xh);
+            }
+        }
+        const __m256 d = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)), order);
+        const __m256 m = type == QTYPE_Q5_1
+                             ? _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))), order)
+                             : _mm256_mul_ps(d, _mm256_set1_ps(-16.0f));
+        for (int r = 0; r < R; r++) {
+            const __m256 f = _mm256_cvtepi32_ps(_mm256_hadd_epi32(sa[r], sb[r]));
+            acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(xa[r][b].d)), acc[r]);
+            if (is_q5(type)) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xa[r][b].s), acc[r]);
+        }
+    }
+    for (int r = 0; r < R && r < nr; r++) _mm256_storeu_ps(out + r * ldo, _mm256_permutevar8x32_ps(acc[r], order));
+}
+
+/* Every group (8 weight rows) against every activation row, XR rows at a time. */
+static inline __attribute__((always_inline)) void tile16_loop(const uint8_t *w, int64_t wrb, int64_t nc,
+                                                              const uint8_t *xq, int64_t xrb, int64_t nr,
+                                                              int64_t nb, float *out, int64_t ldo, const int type) {
+    for (int64_t r0 = 0; r0 < nr; r0 += XR) {
+        const int64_t rows = nr - r0 < XR ? nr - r0 : XR;
+        const act_block16 *xa[XR];
+        for (int r = 0; r < XR; r++) xa[r] = (const act_block16 *)(xq + (r0 + (r < rows ? r : rows - 1)) * xrb);
+        for (int64_t c0 = 0; c0 < nc; c0 += 8) {
+            const uint8_t *g = w + c0 * wrb;
+            float *o = out + r0 * ldo + c0;
+            switch (rows) {
+            case 1: tile16(g, nb, xa, rows, o, ldo, type, 1); break;
+#if XR > 2
+            case 2: tile16(g, nb, xa, rows, o, ldo, type, 2); break;
+            case 3: tile16(g, nb, xa, rows, o, ldo, type, 3); break;
+#endif
+            default: tile16(g, nb, xa, rows, o, ldo, type, XR); break;
+            }
+        }
+    }
+}
+#define TILE16_LOOP(TYPE) tile16_loop(w, wrb, nc, xq, xrb, nr, nb, out, ldo, TYPE)
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define XR8 8 /* activation rows per 8-bit tile */
+
+/* acc + the products of w's bytes (unsigned) and q[0..3] (signed) in every lane, summed by 4. */
+static inline __m512i dpb4(__m512i acc, __m512i w, const int8_t *q) {
+#if defined(__AVX512VNNI__) /* the broadcast as vpdpbusd's {1to16} operand (gcc does not fold it) */
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const i32_any *)q));
+    return acc;
+#else /* maddubs' pair sums at most 2 * 31 * 127: no saturation */
+    const __m512i p = _mm512_maddubs_epi16(w, _mm512_set1_epi32(*(const i32_any *)q));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+#endif
+}
+
+/* The 8 bytes at a (first group) in both 128-bit lanes of the low half, those at b in the high
+ * half, each lane's row bytes spread to their 4 bytes. */
+static inline __m512i spread2(const uint8_t *a, const uint8_t *b) {
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi64x(*(const i64_any *)a)),
+                                         _mm256_set1_epi64x(*(const i64_any *)b), 1);
+    return _mm512_shuffle_epi8(v, _mm512_broadcast_i64x4(spread_index()));
+}
+
+/* Chunk c of the two groups' blocks (blk0: tile rows 0-7, blk1: 8-15) as 5-bit unsigned bytes. */
+static inline __attribute__((always_inline)) void chunk_bytes2(const uint8_t *blk0, const uint8_t *blk1, int c,
+                                                               const int type, __m512i *lo, __m512i *hi) {
+    const int head = head_of(type), qs = qs_of(type);
+    const __m512i v = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk0 + qs + 32 * c))),
+        _mm256_loadu_si256((const __m256i *)(blk1 + qs + 32 * c)), 1);
+    const __m512i m4 = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
+    if (!is_q5(type)) {
+        const __m512i levels = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
+        *lo = _mm512_shuffle_epi8(levels, _mm512_and_si512(v, m4));
+        *hi = _mm512_shuffle_epi8(levels, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+        return;
+    }
+    const __m512i bits = _mm512_broadcast_i64x4(bit_pattern(c % 2));
+    const __m512i hl = spread2(blk0 + head + 8 * (c / 2), blk1 + head + 8 * (c / 2));
+    const __m512i hh = spread2(blk0 + head + 16 + 8 * (c / 2), blk1 + head + 16 + 8 * (c / 2));
+    const __m512i nl = _mm512_and_si512(v, m4), nh = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    *lo = _mm512_mask_add_epi8(nl, _mm512_test_epi8_mask(hl, bits), nl, sixteen);
+    *hi = _mm512_mask_add_epi8(nh, _mm512_test_epi8_mask(hh, bits), nh, sixteen);
+}
+
+/* acc + the products of |w|'s bytes and q[0..3] with w's signs (neg: w's negative bytes), summed by
+ * 4 (maddubs' pair sums at most 2 * 127 * 127: no saturation). */
+static inline __m512i dps4(__m512i acc, __m512i aw, __mmask64 neg, const int8_t *q) {
+    const __m512i x = _mm512_set1_epi32(*(const i32_any *)q);
+    const __m512i xs = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(aw, xs), _mm512_set1_epi16(1)));
+}
+
+#if defined(__AVX512VNNI__) /* IQ4_NL's levels + 128 (unsigned), 128 sum(x) taken off after */
+#define IQ4_CHUNK(FIELD)                                                                  \
+    lo = _mm512_xor_si512(lo, _mm512_set1_epi8((char)0x80));                              \
+    hi = _mm512_xor_si512(hi, _mm512_set1_epi8((char)0x80));                              \
+    for (int r = 0; r < R; r++) {                                                         \
+        is[r] = dpb4(is[r], lo, xa[r][b].FIELD + 4 * c);                                  \
+        is[r] = dpb4(is[r], hi, xa[r][b].FIELD + 16 + 4 * c);                             \
+    }
+#define IQ4_END(FIELD) \
+    for (int r = 0; r < R; r++) is[r] = _mm512_sub_epi32(is[r], _mm512_set1_epi32(128 * xa[r][b].FIELD##sum));
+#else
+#define IQ4_CHUNK(FIELD)                                                                  \
+    const __mmask64 nl = _mm512_movepi8_mask(lo), nh = _mm512_movepi8_mask(hi);           \
+    lo = _mm512_abs_epi8(lo);                                                             \
+    hi = _mm512_abs_epi8(hi);                                                             \
+    for (int r = 0; r < R; r++) {                                                         \
+        is[r] = dps4(is[r], lo, nl, xa[r][b].FIELD + 4 * c);                              \
+        is[r] = dps4(is[r], hi, nh, xa[r][b].FIELD + 16 + 4 * c);                         \
+    }
+#define IQ4_END(FIELD)
+#endif
+
+/* One pass (q's or r's: FIELD) of a block's 4 chunks against the tile's rows into is. */
+#define A8_PASS(FIELD)                                                          \
+    for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();                 \
+    for (int c = 0; c < 4; c++) {                                               \
+        __m512i lo, hi;                                                         \
+        chunk_bytes2(blk0, blk1, c, type, &lo, &hi);                            \
+        if (is_q5(type)) {                                                      \
+            for (int r = 0; r < R; r++) {                                       \
+                is[r] = dpb4(is[r], lo, xa[r][b].FIELD + 4 * c);                \
+                is[r] = dpb4(is[r], hi, xa[r][b].FIELD + 16 + 4 * c);           \
+            }                                                                   \
+        } else {                                                                \
+            IQ4_CHUNK(FIELD)                                                    \
+        }                                                                       \
+    }                                                                           \
+    if (!is_q5(type)) {                                                         \
+        IQ4_END(FIELD)                                                          \
+    }
+
+/* out[r * ldo + j] = dot(tile row j, activation row r) for j < width (16, or 8: g1 is g0 again and
+ * only its lanes are stored), r < R. */
+static inline __attribute__((always_inline)) void tile8(const uint8_t *g0, const uint8_t *g1, int width, int64_t nb,
+                                                        const act8_32 *const *xa, float *out, int64_t ldo,
+                                                        const int type, const int R) {
+    const int gbb = 8 * bb_of(type);
+    __m512 acc[XR8];
+    __m512i is[XR8];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk0 = g0 + b * gbb, *blk1 = g1 + b * gbb;
+        for (int at = 0; at < gbb; at += 64) {
+            _mm_prefetch((const char *)(blk0 + S32X8_PF + at), _MM_HINT_T0);
+            _mm_prefetch((const char *)(blk1 + S32X8_PF + at), _MM_HINT_T0);
+        }
+        int two = 0;
+        for (int r = 0; r < R; r++) two |= xa[r][b].two;
+        A8_PASS(q)
+        const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk0))),
+                                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk1)), 1);
+        const __m512 m = type == QTYPE_Q5_1
+                             ? _mm512_insertf32x8(
+                                   _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk0 + 16)))),
+                                   _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk1 + 16))), 1)
+                             : _mm512_mul_ps(d, _mm512_set1_ps(-16.0f));
+        __m512 sc[XR8];
+        for (int r = 0; r < R; r++) {
+            sc[r] = _mm512_mul_ps(d, _mm512_set1_ps(xa[r][b].d));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), sc[r], acc[r]);
+            if (is_q5(type)) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xa[r][b].s), acc[r]);
+        }
+        if (two) { /* r's products at a 128th of q's step (zero for the rows without the pass) */
+            A8_PASS(r)
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(sc[r], _mm512_set1_ps(1.0f / 128.0f)), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(out + r * ldo, _mm512_castps512_ps256(acc[r]));
+        if (width == 16) _mm256_storeu_ps(out + r * ldo + 8, _mm512_extractf32x8_ps(acc[r], 1));
+    }
+}
+
+static inline __attribute__((always_inline)) void tile8_loop(const uint8_t *w, int64_t wrb, int64_t nc,
+                                                             const uint8_t *xq, int64_t xrb, int64_t nr, int64_t nb,
+                                                             float *out, int64_t ldo, const int type) {
+    for (int64_t r0 = 0; r0 < nr;) {
+        const int64_t left = nr - r0;
+        const int R = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        const act8_32 *xa[XR8];
+        for (int r = 0; r < R; r++) xa[r] = (const act8_32 *)(xq + (r0 + r) * xrb);
+        for (int64_t c0 = 0; c0 < nc; c0 += 16) {
+            const uint8_t *g0 = w + c0 * wrb;
+            const int width = nc - c0 >= 16 ? 16 : 8;
+            const uint8_t *g1 = width == 16 ? g0 + 8 * wrb : g0;
+            float *o = out + r0 * ldo + c0;
+            switch (R) {
+            case 8: tile8(g0, g1, width, nb, xa, o, ldo, type, 8); break;
+            case 4: tile8(g0, g1, width, nb, xa, o, ldo, type, 4); break;
+            case 2: tile8(g0, g1, width, nb, xa, o, ldo, type, 2); break;
+            default: tile8(g0, g1, width, nb, xa, o, ldo, type, 1); break;
+            }
+        }
+        r0 += R;
+    }
+}
+#define TILE8_LOOP(TYPE) tile8_loop(w, wrb, nc, xq, xrb, nr, nb, out, ldo, TYPE)
+
+#else /* AVX2: one group a ymm, maddubs + madd */
+#define XR8 4
+
+/* One pass (FIELD) of a block's 4 chunks against the tile's rows into is: Q5's maddubs' int16 sums
+ * of a pair of chunks (4 of them, at most 31,496) widened once; IQ4_NL's |level| against the
+ * activation with the level's sign, each widened at once. */
+#define A8_PASS(FIELD)                                                                                             \
+    for (int r = 0; r < R; r++) is[r] = _mm256_setzero_si256();                                                   \
+    for (int c = 0; c < 4 && !is_q5(type); c++) {                                                                  \
+        __m256i lo, hi;                                                                                            \
+        chunk_bytes(blk, c, type, &lo, &hi);                                                                       \
+        const __m256i al = _mm256_abs_epi8(lo), ah = _mm256_abs_epi8(hi), one = _mm256_set1_epi16(1);              \
+        for (int r = 0; r < R; r++) {                                                                              \
+            const int8_t *x = xa[r][b].FIELD;                                                                      \
+            const __m256i xl = _mm256_sign_epi8(_mm256_set1_epi32(*(const i32_any *)(x + 4 * c)), lo);            \
+            const __m256i xh = _mm256_sign_epi8(_mm256_set1_epi32(*(const i32_any *)(x + 16 + 4 * c)), hi);       \
+            is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(_mm256_maddubs_epi16(al, xl), one));               \
+            is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ah, xh), one));               \
+        }                                                                                                          \
+    }                                                                                                              \
+    for (int c2 = 0; c2 < 4 && is_q5(type); c2 += 2) {                                                             \
+        __m256i lo0, hi0, lo1, hi1;                                                                                \
+        chunk_bytes(blk, c2, type, &lo0, &hi0);                                                                    \
+        chunk_bytes(blk, c2 + 1, type, &lo1, &hi1);                                                                \
+        for (int r = 0; r < R; r++) {                                                                              \
+            const int8_t *x = xa[r][b].FIELD;                                                                      \
+            __m256i s = _mm256_maddubs_epi16(lo0, _mm256_set1_epi32(*(const i32_any *)(x + 4 * c2)));             \
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi0, _mm256_set1_epi32(*(const i32_any *)(x + 16 + 4 * c2)))); \
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo1, _mm256_set1_epi32(*(const i32_any *)(x + 4 * c2 + 4)))); \
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi1, _mm256_set1_epi32(*(const i32_any *)(x + 20 + 4 * c2)))); \
+            is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(s, _mm256_set1_epi16(1)));                          \
+        }                                                                                                          \
+    }
+
+static inline __attribute__((always_inline)) void tile8(const uint8_t *g, int64_t nb, const act8_32 *const *xa,
+                                                        float *out, int64_t ldo, const int type, const int R) {
+    const int gbb = 8 * bb_of(type);
+    __m256 acc[XR8];
+    __m256i is[XR8];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * gbb;
+        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + S32X8_PF + at), _MM_HINT_T0);
+        int two = 0;
+        for (int r = 0; r < R; r++) two |= xa[r][b].two;
+        A8_PASS(q)
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 m = type == QTYPE_Q5_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
+                                            : _mm256_mul_ps(d, _mm256_set1_ps(-16.0f));
+        __m256 sc[XR8];
+        for (int r = 0; r < R; r++) {
+            sc[r] = _mm256_mul_ps(d, _mm256_set1_ps(xa[r][b].d));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), sc[r], acc[r]);
+            if (is_q5(type)) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xa[r][b].s), acc[r]);
+        }
+        if (two) {
+            A8_PASS(r)
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(sc[r], _mm256_set1_ps(1.0f / 128.0f)), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
+}
+
+static inline __attribute__((always_inline)) void tile8_loop(const uint8_t *w, int64_t wrb, int64_t nc,
+                                                             const uint8_t *xq, int64_t xrb, int64_t nr, int64_t nb,
+                                                             float *out, int64_t ldo, const int type) {
+    for (int64_t r0 = 0; r0 < nr;) {
+        const int64_t left = nr - r0;
+        const int R = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        const act8_32 *xa[XR8];
+        for (int r = 0; r < R; r++) xa[r] = (const act8_32 *)(xq + (r0 + r) * xrb);
+        for (int64_t c0 = 0; c0 < nc; c0 += 8) {
+            const uint8_t *g = w + c0 * wrb;
+            float *o = out + r0 * ldo + c0;
+            switch (R) {
+            case 4: tile8(g, nb, xa, o, ldo, type, 4); break;
+            case 2: tile8(g, nb, xa, o, ldo, type, 2); break;
+            default: tile8(g, nb, xa, o, ldo, type, 1); break;
+            }
+        }
+        r0 += R;
+    }
+}
+#define TILE8_LOOP(TYPE) tile8_loop(w, wrb, nc, xq, xrb, nr, nb, out, ldo, TYPE)
+#endif
+
+#else /* portable */
+
+/* Each row of a group rebuilt in the file's layout, then quant_sub32.c's plain tile. */
+static inline void tile16_plain(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                                int64_t nb, float *out, int64_t ldo, const int type) {
+    const int bb = bb_of(type);
+    const qtype_ops *plain_ops = qtype_sub32(type);
+    uint8_t row[wrb];
+    for (int64_t c0 = 0; c0 < nc; c0 += 8)
+        for (int s = 0; s < 8; s++) {
+            for (int64_t b = 0; b < nb; b++) plain_block(w + c0 * wrb + b * 8 * bb, s, type, row + b * bb);
+            plain_ops->tile(row, wrb, 1, xq, xrb, nr, nb, out + c0 + s, ldo);
+        }
+}
+#define TILE16_LOOP(TYPE) tile16_plain(w, wrb, nc, xq, xrb, nr, nb, out, ldo, TYPE)
+
+/* Weight i (< 32) of slot s in the group block at blk, unsigned. */
+static inline int32_t weight_at(const uint8_t *blk, int s, int i, const int type) {
+    const uint8_t *qh = blk + head_of(type), byte = blk[qs_of(type) + 32 * (i % 16 / 4) + 4 * s + i % 4];
+    const int32_t nib = i < 16 ? byte & 0x0f : byte >> 4;
+    if (!is_q5(type)) return IQ4_LEVELS[nib];
+    return nib | ((qh[8 * (i / 8) + s] >> (i % 8)) & 1) << 4;
+}
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return fp16_to_f32(h);
+}
+
+/* The 8-bit tiles' integers and float steps, plain C. */
+static inline void tile8_plain(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                               int64_t nb, float *out, int64_t ldo, const int type) {
+    const int gbb = 8 * bb_of(type);
+    for (int64_t c = 0; c < nc; c++) {
+        const uint8_t *g = w + c / 8 * 8 * wrb;
+        const int s = (int)(c % 8);
+        for (int64_t r = 0; r < nr; r++) {
+            const act8_32 *xa = (const act8_32 *)(xq + r * xrb);
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = g + b * gbb;
+                int32_t iq = 0, ir = 0;
+                for (int i = 0; i < QB; i++) {
+                    const int32_t q = weight_at(blk, s, i, type);
+                    iq += q * xa[b].q[i];
+                    ir += q * xa[b].r[i];
+                }
+                const float d = half_at(blk + 2 * s), sc = d * xa[b].d;
+                const float m = type == QTYPE_Q5_1 ? half_at(blk + 16 + 2 * s) : d * -16.0f;
+                acc = fmaf((float)iq, sc, acc);
+                if (is_q5(type)) acc = fmaf(m, xa[b].s, acc);
+                if (xa[b].two) acc = fmaf((float)ir, sc * (1.0f / 128.0f), acc);
+            }
+            out[r * ldo + c] = acc;
+        }
+    }
+}
+#define TILE8_LOOP(TYPE) tile8_plain(w, wrb, nc, xq, xrb, nr, nb, out, ldo, TYPE)
+#endif
+
+#define S32X8_TILES(T16, T8, TYPE)                                                                              \
+    static void T16(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,      \
+                    int64_t nb, float *out, int64_t ldo) {                                                      \
+        TILE16_LOOP(TYPE);                                                                                      \
+    }                                                                                                           \
+    static void T8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,       \
+                   int64_t nb, float *out, int64_t ldo) {                                                       \
+        TILE8_LOOP(TYPE);                                                                                       \
+    }
+S32X8_TILES(tile_q5_0, tile_q5_0_a8, QTYPE_Q5_0)
+S32X8_TILES(tile_q5_1, tile_q5_1_a8, QTYPE_Q5_1)
+S32X8_TILES(tile_iq4_nl, tile_iq4_nl_a8, QTYPE_IQ4_NL)
+
+static void slot_q5_0(const uint8_t *g, int s, int64_t k, float *out) { dequant_slot(g, s, k, out, QTYPE_Q5_0); }
+static void slot_q5_1(const uint8_t *g, int s, int64_t k, float *out) { dequant_slot(g, s, k, out, QTYPE_Q5_1); }
+static void group_q5_0(const uint8_t *g, int64_t k, float *out) {
+    for (int s = 0; s < 8; s++) dequant_slot(g, s, k, out + s * k, QTYPE_Q5_0);
+}
+static void group_q5_1(const uint8_t *g, int64_t k, float *out) {
+    for (int s = 0; s < 8; s++) dequant_slot(g, s, k, out + s * k, QTYPE_Q5_1);
+}
+static void slot_iq4_nl(const uint8_t *g, int s, int64_t k, float *out) { dequant_slot(g, s, k, out, QTYPE_IQ4_NL); }
+static void group_iq4_nl(const uint8_t *g, int64_t k, float *out) {
+    for (int s = 0; s < 8; s++) dequant_slot(g, s, k, out + s * k, QTYPE_IQ4_NL);
+}
+
+#define ACT16 ((int)sizeof(act_block16))
+#define ACT8 ((int)sizeof(act8_32))
+static const qtype_ops OPS_Q5_0 = {QTYPE_Q5_0 | QTYPE_X8, QB, 22, ACT16, quantize_act16, tile_q5_0, NULL,
+                                   slot_q5_0, group_q5_0};
+static const qtype_ops OPS_Q5_1 = {QTYPE_Q5_1 | QTYPE_X8, QB, 24, ACT16, quantize_act16, tile_q5_1, NULL,
+                                   slot_q5_1, group_q5_1};
+static const qtype_ops OPS_Q5_0_A8 = {QTYPE_Q5_0 | QTYPE_X8 | QTYPE_A8, QB, 22, ACT8, quantize_act8_32, tile_q5_0_a8,
+                                      NULL, slot_q5_0, group_q5_0};
+static const qtype_ops OPS_Q5_1_A8 = {QTYPE_Q5_1 | QTYPE_X8 | QTYPE_A8, QB, 24, ACT8, quantize_act8_32, tile_q5_1_a8,
+                                      NULL, slot_q5_1, group_q5_1};
+static const qtype_ops OPS_IQ4_NL = {QTYPE_IQ4_NL | QTYPE_X8, QB, 18, ACT16, quantize_act16, tile_iq4_nl, NULL,
+                                     slot_iq4_nl, group_iq4_nl};
+static const qtype_ops OPS_IQ4_NL_A8 = {QTYPE_IQ4_NL | QTYPE_X8 | QTYPE_A8, QB, 18, ACT8, quantize_act8_32,
+                                        tile_iq4_nl_a8, NULL, slot_iq4_nl, group_iq4_nl};
+
+const qtype_ops *qtype_sub32x8(int type) {
+    switch (type) {
+    case QTYPE_Q5_0 | QTYPE_X8: return &OPS_Q5_0;
+    case QTYPE_Q5_1 | QTYPE_X8: return &OPS_Q5_1;
+    case QTYPE_Q5_0 | QTYPE_X8 | QTYPE_A8: return &OPS_Q5_0_A8;
+    case QTYPE_Q5_1 | QTYPE_X8 | QTYPE_A8: return &OPS_Q5_1_A8;
+    case QTYPE_IQ4_NL | QTYPE_X8: return &OPS_IQ4_NL;
+    case QTYPE_IQ4_NL | QTYPE_X8 | QTYPE_A8: return &OPS_IQ4_NL_A8;
+    default: return NULL;
+    }
+}
