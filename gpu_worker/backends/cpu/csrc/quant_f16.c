@@ -4,11 +4,18 @@
  * take the quantized types. Type codes: ggml's ids (F16 1, BF16 30).
  *
  * Activations are not quantized here: a 16-bit weight is as precise as act_block16's 16-bit
- * activations, and rounding x would add error where the weights add none. quantize_act copies the
- * row as float32 (the "activation block": 32 floats), and the tile widens each 8 weights in registers
- * (F16: one conversion; BF16: a 16-bit shift) and meets them with float32 FMAs, each output a sum of
- * 8 lanes of k / 8 products, then their sum. Many rows take the dense path (quant.py's tables), which
- * widens a panel of W at a time into L2 and runs quant_dense.c's float tiles over it.
+ * activations, and rounding x would add error where the weights add none (so no vdpbf16ps, which
+ * would round x to bf16). quantize_act copies the row as float32 (the "activation block": 32
+ * floats), and the tile widens the weights in registers and meets them with float32 FMAs: each
+ * product exact, each output a float32 sum of them over the vector's lanes, then the lanes' sum.
+ * F16: 8 weights a conversion. BF16 (on the x86 builds): a vector of bf16 holds weight 2i in the
+ * low half of 32-bit lane i and 2i + 1 in the high half, so a shift left by 16 widens the even
+ * weights and a mask of the low half the odd ones; the activation row is copied with each 32's
+ * even values first, then its odd ones (x[2i] at i, x[2i + 1] at 16 + i), so both halves meet their
+ * x without a shuffle: a 64-byte line of weights costs one load, two integer ops and two FMAs on
+ * AVX-512 (the one-row pace is the memory's, not the widening's). Many rows take the dense path
+ * (quant.py's tables), which widens a panel of W at a time into L2 and runs quant_dense.c's float
+ * tiles over it.
  */
 #include "quant.h"
 #include "rivulet_kernels.h"
@@ -31,6 +38,17 @@ static inline float bf16_at(const uint8_t *w, int64_t i) {
 
 /* The activation row as it is: k float32 (k a multiple of 32). */
 static void copy_act(const float *x, int64_t k, void *xq) { memcpy(xq, x, (size_t)k * sizeof(float)); }
+
+#if HAVE_AVX2 || HAVE_AVX512
+/* BF16's activation row: each 32 values' even ones, then their odd ones (the top comment). */
+static void copy_act_eo(const float *x, int64_t k, void *xq) {
+    float *out = (float *)xq;
+    for (int64_t b = 0; b < k; b += FB)
+        for (int i = 0; i < FB / 2; i++) out[b + i] = x[b + 2 * i], out[b + FB / 2 + i] = x[b + 2 * i + 1];
+}
+#else
+#define copy_act_eo copy_act /* the portable tile reads x in order */
+#endif
 
 static void dequant_f16(const uint8_t *w, int64_t k, float *out) {
 #pragma omp simd
@@ -78,6 +96,55 @@ static inline __attribute__((always_inline)) void micro(const uint8_t *w, int64_
         for (int c = 0; c < C && c < nc; c++) out[r * ldo + c] = hsum8(acc[r][c]);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+typedef __m512 vec;
+#define VZERO _mm512_setzero_ps
+#define VSUM _mm512_reduce_add_ps
+#else
+typedef __m256 vec;
+#define VZERO _mm256_setzero_ps
+#define VSUM hsum8
+#endif
+#define BF16_PF 1024 /* bytes ahead of each weight row's read: a prefetch per 64-byte block */
+
+/* *even += the even weights of the 32 at p times xb[0, 16), *odd += the odd ones times xb[16, 32). */
+static inline __attribute__((always_inline)) void bf16_block(const uint8_t *p, const float *xb, vec *even, vec *odd) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __m512i v = _mm512_loadu_si512((const void *)p);
+    *even = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), _mm512_loadu_ps(xb), *even);
+    *odd = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u))),
+                           _mm512_loadu_ps(xb + 16), *odd);
+#else
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * h));
+        *even = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), _mm256_loadu_ps(xb + 8 * h), *even);
+        *odd = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, high)), _mm256_loadu_ps(xb + 16 + 8 * h), *odd);
+    }
+#endif
+}
+
+/* BF16's micro: activation rows [0, R) (each in copy_act_eo's order) x weight rows [0, C), as
+ * micro's, each (row, column) summing its even and odd products apart. */
+static inline __attribute__((always_inline)) void bf16_micro(const uint8_t *w, int64_t wrb, int64_t nc, const float *x,
+                                                             int64_t xs, int64_t nr, int64_t nb, float *out,
+                                                             int64_t ldo, const int R, const int C) {
+    const uint8_t *wr[TC];
+    const float *xr[TR];
+    for (int c = 0; c < C; c++) wr[c] = w + (c < nc ? c : nc - 1) * wrb;
+    for (int r = 0; r < R; r++) xr[r] = x + (r < nr ? r : nr - 1) * xs;
+    vec even[TR][TC], odd[TR][TC];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) even[r][c] = VZERO(), odd[r][c] = VZERO();
+    for (int64_t b = 0; b < nb; b++) {
+        for (int c = 0; c < C; c++) _mm_prefetch((const char *)(wr[c] + 2 * FB * b + BF16_PF), _MM_HINT_T0);
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) bf16_block(wr[c] + 2 * FB * b, xr[r] + FB * b, &even[r][c], &odd[r][c]);
+    }
+    for (int r = 0; r < R && r < nr; r++)
+        for (int c = 0; c < C && c < nc; c++) out[r * ldo + c] = VSUM(even[r][c]) + VSUM(odd[r][c]);
+}
+
 static inline __attribute__((always_inline)) void tile_loop(const uint8_t *w, int64_t wrb, int64_t nc,
                                                             const uint8_t *xq, int64_t xrb, int64_t nr, int64_t nb,
                                                             float *out, int64_t ldo, const int type) {
@@ -87,7 +154,10 @@ static inline __attribute__((always_inline)) void tile_loop(const uint8_t *w, in
         for (int64_t c0 = 0; c0 < nc; c0 += TC) {
             const float *xr = x + r0 * xs;
             float *o = out + r0 * ldo + c0;
-            if (nr - r0 == 1) {
+            if (type == QTYPE_BF16) {
+                if (nr - r0 == 1) bf16_micro(w + c0 * wrb, wrb, nc - c0, xr, xs, 1, nb, o, ldo, 1, TC);
+                else bf16_micro(w + c0 * wrb, wrb, nc - c0, xr, xs, nr - r0, nb, o, ldo, TR, TC);
+            } else if (nr - r0 == 1) {
                 micro(w + c0 * wrb, wrb, nc - c0, xr, xs, 1, k, o, ldo, type, 1, TC);
             } else {
                 micro(w + c0 * wrb, wrb, nc - c0, xr, xs, nr - r0, k, o, ldo, type, TR, TC);
@@ -125,7 +195,8 @@ static void tile_bf16(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *
 
 #define ACT_BYTES (FB * (int)sizeof(float))
 static const qtype_ops OPS_F16 = {QTYPE_F16, FB, 2 * FB, ACT_BYTES, copy_act, tile_f16, dequant_f16, NULL, NULL};
-static const qtype_ops OPS_BF16 = {QTYPE_BF16, FB, 2 * FB, ACT_BYTES, copy_act, tile_bf16, dequant_bf16, NULL, NULL};
+static const qtype_ops OPS_BF16 = {QTYPE_BF16, FB,           2 * FB,      ACT_BYTES, copy_act_eo,
+                                    tile_bf16,  dequant_bf16, NULL, NULL};
 
 const qtype_ops *qtype_f16(int type) {
     switch (type) {
