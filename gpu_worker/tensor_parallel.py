@@ -262,7 +262,11 @@ class ExpertsAllReduced:
 
     def __init__(self, experts: Experts, reduce: AllReduce) -> None:
         self._experts = experts.impl if experts.impl is not None else experts.compute
+        self._group = experts.impl.group if experts.impl is not None else ExpertGroups.of
         self._reduce = reduce
+
+    def group(self, expert_ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> ExpertGroups:
+        return self._group(expert_ids, weights, num_experts)
 
     def __call__(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         if len(groups.tokens):

@@ -28,7 +28,7 @@ from torch import nn
 
 from gpu_worker.models.contract import Layer
 from gpu_worker.models.llama import MLP
-from gpu_worker.models.moe import ExpertGroups, Experts, RouterImpl
+from gpu_worker.models.moe import Experts, RouterImpl
 
 
 @dataclass(frozen=True)
@@ -144,8 +144,7 @@ class DeepseekMoe(Layer):
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``residual + (routed(x) + shared(x))``, HF's order of the adds."""
         expert_ids, weights = self.gate(x)
-        groups = ExpertGroups.of(expert_ids, weights.to(x.dtype), self.experts.routed_experts)
-        routed = self.experts(x, groups)
+        routed = self.experts(x, self.experts.group(expert_ids, weights.to(x.dtype)))
         if self.has_shared:
             routed = self.shared_experts.add_to(routed, x)
         return residual + routed

@@ -115,9 +115,12 @@ class ExpertGroups:
 
 
 class ExpertsImpl(Protocol):
-    """A device backend's computation of the experts over grouped rows (its weight layouts, kernels)."""
+    """A device backend's computation of the experts over grouped rows (its weight layouts, kernels),
+    and its grouping of the rows (``ExpertGroups.of``'s pairs, in the same order)."""
 
     def __call__(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor: ...
+
+    def group(self, expert_ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> ExpertGroups: ...
 
 
 class Experts(Layer):
@@ -165,6 +168,14 @@ class Experts(Layer):
         """The names a GGUF's tensors (its stacked ``ffn_*_exps``, per expert) fill: here the
         checkpoint's; a family whose checkpoint stacks its experts otherwise gives its own."""
         return self.checkpoint_views()
+
+    def group(self, expert_ids: torch.Tensor, weights: torch.Tensor) -> ExpertGroups:
+        """Each row's top-k ``expert_ids`` and their ``weights`` ([T, k], the activations' dtype)
+        grouped by expert, over every routed expert: by ``impl`` where set (one call rather than
+        ExpertGroups.of's dozen torch ops a layer)."""
+        if self.impl is not None:
+            return self.impl.group(expert_ids, weights, self.routed_experts)
+        return ExpertGroups.of(expert_ids, weights, self.routed_experts)
 
     def forward(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """[T, hidden]: each token's experts' outputs, weighted and summed (over the experts held)."""
@@ -220,12 +231,12 @@ class SparseMoeBlock(Layer):
         """Each row's top-k experts and their probabilities, grouped by expert."""
         if self.router is not None:
             expert_ids, weights = self.router(x.contiguous())
-            return ExpertGroups.of(expert_ids, weights, self.experts.routed_experts)
+            return self.experts.group(expert_ids, weights)
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         top, expert_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
-        return ExpertGroups.of(expert_ids, top.to(x.dtype), self.experts.routed_experts)
+        return self.experts.group(expert_ids, top.to(x.dtype))
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``residual + moe(x)``."""

@@ -122,3 +122,30 @@ def test_the_c_router_picks_torchs_experts_with_its_weights(
     torch.testing.assert_close(
         weights.double(), top.to(dtype).double(), rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=0
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 9, 40])
+def test_the_c_grouping_is_expert_groups_of(dtype: torch.dtype, tokens: int) -> None:
+    """csrc/moe.c's moe_group (QuantExperts.group) gives ExpertGroups.of's pairs in its order: the
+    same rows, weights and spans, experts that no row chose left out; an expert id past the last
+    is refused, not written."""
+    kernels = cpu_kernels.load(requested_kind())
+    if kernels is None:
+        pytest.skip("the C kernels did not build")
+    num_experts, top_k = 64, 6
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen).to(dtype)
+    rng = np.random.default_rng(tokens)
+    gate, up = (stacked_blocks(rng, Q.Q8_0, INNER, HIDDEN) for _ in range(2))
+    loaded = QuantizedExperts(gate, up, stacked_blocks(rng, Q.Q8_0, HIDDEN, INNER), EXPERTS)
+    experts = QuantExperts(loaded, kernels, torch.nn.functional.silu, lambda t: t)
+    got, want = experts.group(ids, weights, num_experts), ExpertGroups.of(ids, weights, num_experts)
+    assert got.num_tokens == want.num_tokens == tokens
+    for name in ("tokens", "weights", "spans"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    past = ids.clone()
+    past[-1, -1] = num_experts
+    with pytest.raises(RuntimeError, match="RV_ERR_EXPERT_SIZE"):
+        kernels.moe_group(past, weights, num_experts)

@@ -35,6 +35,9 @@ class ClampedQuantExperts:
         """What the experts hold (for the worker's count of weight bytes)."""
         return [*self.blocks.tensors(), self.clamped.gate_up_bias, self.clamped.down_bias]
 
+    def group(self, expert_ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> ExpertGroups:
+        return self.blocks.group(expert_ids, weights, num_experts)
+
     def __call__(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         b, x = self.blocks, x.contiguous()
         weights = groups.weights.reshape(-1).contiguous()

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from gpu_worker.backends.cpu.build import DTYPE_CODES
 from gpu_worker.backends.cpu.hugepages import HugePageArena
 from gpu_worker.backends.cpu.kernels import CpuKernels
 from gpu_worker.backends.cpu.layouts import interleave_rows, interleaves, kernel_type
@@ -125,6 +126,15 @@ class QuantExperts:
     def tensors(self) -> list[torch.Tensor]:
         """What the experts hold (for the worker's count of weight bytes)."""
         return [part.data for part in self.weight.projections]
+
+    def group(self, expert_ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> ExpertGroups:
+        """``ExpertGroups.of`` in one C call (csrc/moe.c's moe_group): the same pairs, in the same order."""
+        if weights.dtype not in DTYPE_CODES:
+            return ExpertGroups.of(expert_ids, weights, num_experts)
+        tokens, sorted_weights, spans = self.kernels.moe_group(
+            expert_ids.contiguous(), weights.contiguous(), num_experts
+        )
+        return ExpertGroups(tokens, sorted_weights.unsqueeze(1), spans, expert_ids.shape[0])
 
     def __call__(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         if not self.one_call:

@@ -72,6 +72,9 @@ class QuantKernels:
         self._moe_route = lib.moe_route
         self._moe_route.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, ptr, ptr, i32]
         self._moe_route.restype = i32
+        self._moe_group = lib.moe_group
+        self._moe_group.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i32]
+        self._moe_group.restype = i32
         self._local = threading.local()
         self._act_row_bytes = functools.cache(lambda type, k: int(self._quant_act_row_bytes(type, k)))
 
@@ -250,6 +253,29 @@ class QuantKernels:
         if status != 0:
             raise RuntimeError(f"moe_route failed: {status_text(status)}")
         return ids, weights
+
+    def moe_group(
+        self, expert_ids: torch.Tensor, weights: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's top-k ``expert_ids`` (int64 [T, k], each below ``num_experts``) and their
+        ``weights`` ([T, k], float32 or bfloat16) as ``moe_experts`` takes them, in one call
+        (csrc/moe.c): the pairs sorted by expert, stably, as models/moe.py's ``ExpertGroups.of``
+        sorts them. Returns the pairs' rows (int64 [T * k]), their weights ([T * k]) and the spans
+        (int64 [experts with pairs, 3]: expert, start, count)."""
+        assert expert_ids.dtype == torch.int64 and expert_ids.is_contiguous() and weights.is_contiguous()
+        assert expert_ids.shape == weights.shape and expert_ids.dim() == 2
+        rows, top_k = expert_ids.shape
+        tokens = torch.empty(rows * top_k, dtype=torch.int64)
+        w_sorted = torch.empty(rows * top_k, dtype=weights.dtype)
+        spans = torch.empty((min(num_experts, rows * top_k), 3), dtype=torch.int64)
+        n_spans = ctypes.c_int64()
+        status = self._moe_group(
+            expert_ids.data_ptr(), weights.data_ptr(), rows, top_k, num_experts, tokens.data_ptr(),
+            w_sorted.data_ptr(), spans.data_ptr(), ctypes.byref(n_spans), DTYPE_CODES[weights.dtype],
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"moe_group failed: {status_text(status)}")
+        return tokens, w_sorted, spans[: n_spans.value]
 
 
 @functools.cache

@@ -9,20 +9,21 @@
  * Then out[token] += y * weight per pair, pairs in order (experts ascending, as the torch path and
  * HF's eager experts add them), the product rounded to the activations' dtype before the add.
  *
- * Two OpenMP regions run the whole block: the pairs' rows quantized, every expert's gate and up,
- * silu * up and the quantized act rows; then every expert's down and the weighted sum (split by
- * hidden columns). The gate/up and down phases share the (expert, column panel) units out by their
- * cost, rows plus a panel's read, so a thread streams a run of experts' panels whatever the number
- * of experts with rows: two regions a block, where a matmul per expert and projection each had its
- * own (24 regions a layer at one row, some 330 at 32). Each output element
- * is computed by the same tile, with the same rounding, as quant_matmul computes it, and summed in
- * the same order, so the result is quant_matmul's, bit for bit, expert by expert.
+ * One OpenMP region runs the whole block: the pairs' rows quantized, every expert's gate and up,
+ * silu * up and the quantized act rows, every expert's down and the weighted sum (split by hidden
+ * columns). The gate/up and down phases share the (expert, projection, column panel) units out by
+ * their cost, rows plus a panel's read, so a thread streams a run of experts' panels whatever the
+ * number of experts with rows, each projection's panels in turn (the one-row tiles prefetch ahead
+ * within the rows they stream); a matmul per expert and projection had a region each (24 a layer
+ * at one row, some 330 at 32). Each output element is computed by the same tile, with the same
+ * rounding, as quant_matmul computes it, and summed in the same order, so the result is
+ * quant_matmul's, bit for bit, expert by expert.
  *
  * A projection of an expert with its dense_min_rows rows or more (a long prefill) runs as
- * quant_matmul_dense (as QuantLinear runs it), between the regions: gate and up before the first,
- * down between the first (up to the quantized act rows) and the second (down, the sum). One with
- * its a8_min_rows rows or more meets 8-bit activations (type | QTYPE_A8, as QuantLinear's call):
- * its expert's rows are quantized in that format. */
+ * quant_matmul_dense (as QuantLinear runs it), outside the region: gate and up before it; down
+ * after it, the region then ending at the quantized act rows and a second running down and the
+ * sum. One with its a8_min_rows rows or more meets 8-bit activations (type | QTYPE_A8, as
+ * QuantLinear's call): its expert's rows are quantized in that format. */
 #include "quant.h"
 #include "rivulet_kernels.h"
 #include <stdlib.h>
@@ -167,183 +168,242 @@ static void clamped_swiglu_row(const void *gate_up, const clamped_act *c, int64_
     }
 }
 
-/* moe_experts (below), silu(gate) * up where clamp is NULL, else moe_experts_clamped's biases and act. */
-static int run_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const void *x,
-                       const int64_t *tokens, const void *weights, const int64_t *spans, int64_t n_spans,
-                       int64_t pairs, int64_t tokens_n, void *out, int dtype, const clamped_act *clamp) {
-    if (proj[GATE].n != inner || proj[UP].n != inner || proj[DOWN].n != hidden) return RV_ERR_EXPERT_SIZE;
-    if (proj[GATE].a8_min_rows != proj[UP].a8_min_rows) return RV_ERR_EXPERT_FORMATS;
-    const qtype_ops *gate_ops = quant_ops((int)proj[GATE].type), *up_ops = quant_ops((int)proj[UP].type);
-    const qtype_ops *down_ops = quant_ops((int)proj[DOWN].type);
-    if (gate_ops == NULL || up_ops == NULL || down_ops == NULL) return RV_ERR_EXPERT_FORMATS;
-    if (gate_ops->quantize_act != up_ops->quantize_act || gate_ops->act_block_bytes != up_ops->act_block_bytes ||
-        gate_ops->block != up_ops->block || hidden % gate_ops->block != 0 || inner % down_ops->block != 0)
-        return RV_ERR_EXPERT_FORMATS;
-    if (((gate_ops->type | up_ops->type | down_ops->type) & QTYPE_X8) && (inner % 8 != 0 || hidden % 8 != 0)) return RV_ERR_EXPERT_FORMATS;
-    /* the 8-bit activations' ops, where some span takes them (NULL: none does) */
-    int64_t most = 0;
-    for (int64_t s = 0; s < n_spans; s++) most = spans[3 * s + 2] > most ? spans[3 * s + 2] : most;
-    const qtype_ops *gate8 = NULL, *up8 = NULL, *down8 = NULL;
-    if (proj[GATE].a8_min_rows <= most) {
-        gate8 = quant_ops((int)proj[GATE].type | QTYPE_A8), up8 = quant_ops((int)proj[UP].type | QTYPE_A8);
-        if (gate8 == NULL || up8 == NULL || hidden % gate8->block != 0) return RV_ERR_EXPERT_FORMATS;
+enum { D_GATE = 1, D_UP = 2, D_DOWN = 4, A_GU = 8, A_DOWN = 16 }; /* a span's bits: dense paths, 8-bit acts */
+
+/* One call's state, shared by its threads. */
+typedef struct {
+    const moe_projection *proj;
+    const qtype_ops *ops[PROJECTIONS], *ops8[PROJECTIONS]; /* ops8: the 8-bit activations' (NULL: none) */
+    int64_t hidden, inner, elem, xrb, arb;                  /* xrb, arb: a quantized x / act row's bytes */
+    const void *x, *weights;
+    const int64_t *tokens, *spans;
+    int64_t n_spans, pairs, tokens_n;
+    void *out;
+    int dtype;
+    const clamped_act *clamp;
+    int64_t gu_panel, down_panel, gu_units, down_units; /* columns a panel; panels a projection */
+    char *gu, *act, *y, *dense, *pair_span;             /* dense: a span's bits; pair_span: its pair's */
+    uint8_t *xq, *aq;
+    float *sum;
+} moe_run;
+
+/* Thread t of nt's gate and up panels: per span every gate panel, then every up panel, so that a
+ * run of units streams each projection's rows front to back (the tiles' prefetch runs ahead into
+ * the panel that comes next, not into the other projection's). */
+static void gate_up_panels(const moe_run *m, int t, int nt) {
+    int64_t first, last;
+    my_units(m->spans, m->n_spans, m->dense, D_GATE | D_UP, 2 * m->gu_units, t, nt, &first, &last);
+    for (int64_t unit = first; unit < last; unit++) {
+        const int64_t s = unit / (2 * m->gu_units), u = unit % (2 * m->gu_units);
+        const int p = u < m->gu_units ? GATE : UP;
+        if (m->dense[s] & (p == GATE ? D_GATE : D_UP)) continue;
+        const int64_t e = m->spans[3 * s], start = m->spans[3 * s + 1], count = m->spans[3 * s + 2];
+        const int64_t c0 = u % m->gu_units * m->gu_panel, end = c0 + m->gu_panel;
+        const qtype_ops *ops = m->dense[s] & A_GU ? m->ops8[p] : m->ops[p];
+        char *gus = m->gu + (start * 2 * m->inner + (p == UP ? m->inner : 0)) * m->elem;
+        panel_matmul(&m->proj[p], ops, e, m->xq + start * m->xrb, m->xrb, count, c0, end < m->inner ? end : m->inner,
+                     gus, 2 * m->inner, m->dtype);
     }
-    if (proj[DOWN].a8_min_rows <= most &&
-        ((down8 = quant_ops((int)proj[DOWN].type | QTYPE_A8)) == NULL || inner % down8->block != 0))
-        return RV_ERR_EXPERT_FORMATS;
-    const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4;
-    const int64_t nb_h = hidden / gate_ops->block, nb_i = inner / down_ops->block;
-    const int64_t xrb = gate8 != NULL ? act_row_bytes_max(hidden) : nb_h * gate_ops->act_block_bytes;
-    const int64_t arb = down8 != NULL ? act_row_bytes_max(inner) : nb_i * down_ops->act_block_bytes;
-    /* one arena: the pairs' rows of x (copied for dense spans only), gate_up, act, y; the quantized x
-     * and act rows; the sums */
-    const int64_t at_gu = pairs * hidden * elem, at_act = at_gu + pairs * 2 * inner * elem;
-    const int64_t at_y = at_act + pairs * inner * elem, at_xq = (at_y + pairs * hidden * elem + 63) & ~(int64_t)63;
-    const int64_t at_aq = at_xq + pairs * xrb, at_sum = (at_aq + pairs * arb + 63) & ~(int64_t)63;
-    const int64_t at_skip = at_sum + tokens_n * hidden * (int64_t)sizeof(float);
-    char *arena = malloc((size_t)(at_skip + n_spans + pairs));
-    if (arena == NULL) return RV_ERR_NO_MEMORY;
-    char *rows = arena, *gu = arena + at_gu, *act = arena + at_act, *y = arena + at_y;
-    uint8_t *xq = (uint8_t *)arena + at_xq, *aq = (uint8_t *)arena + at_aq;
-    float *sum = (float *)(arena + at_sum);
-    char *dense = arena + at_skip; /* per span: bit p set, projection p on the dense path; A_* on 8 bits */
-    char *pair_span = dense + n_spans; /* per pair: its span's bits */
-    enum { D_GATE = 1, D_UP = 2, D_DOWN = 4, A_GU = 8, A_DOWN = 16 };
-    int status = 0;
-    for (int64_t s = 0; s < n_spans && status == 0; s++) {
-        const int64_t e = spans[3 * s], start = spans[3 * s + 1], count = spans[3 * s + 2];
-        dense[s] = (char)((count >= proj[GATE].dense_min_rows ? D_GATE : 0) |
-                          (count >= proj[UP].dense_min_rows ? D_UP : 0) |
-                          (count >= proj[DOWN].dense_min_rows ? D_DOWN : 0) |
-                          (gate8 != NULL && count >= proj[GATE].a8_min_rows ? A_GU : 0) |
-                          (down8 != NULL && count >= proj[DOWN].a8_min_rows ? A_DOWN : 0));
-        memset(pair_span + start, dense[s], (size_t)count);
-        if (!(dense[s] & (D_GATE | D_UP))) continue;
-        /* the dense path reads its span's rows of x side by side; the integer path quantizes each
-         * pair's row from x where it is */
-        for (int64_t i = start; i < start + count; i++)
-            memcpy(rows + i * hidden * elem, (const char *)x + tokens[i] * hidden * elem, (size_t)(hidden * elem));
-        const char *xs = rows + start * hidden * elem;
-        char *gus = gu + start * 2 * inner * elem;
-        if (dense[s] & D_GATE) status = dense_part(&proj[GATE], e, hidden, xs, count, gus, 2 * inner, dtype);
-        if ((dense[s] & D_UP) && status == 0)
-            status = dense_part(&proj[UP], e, hidden, xs, count, gus + inner * elem, 2 * inner, dtype);
+}
+
+/* Inside a region: thread t of nt's down panels, then (all panels done) out[token] += y * weight,
+ * pairs in order, each product and sum rounded to dtype, the hidden columns split over threads. */
+static void down_and_sum(const moe_run *m, int t, int nt) {
+    const int64_t hidden = m->hidden;
+    int64_t first, last;
+    my_units(m->spans, m->n_spans, m->dense, D_DOWN, m->down_units, t, nt, &first, &last);
+    for (int64_t unit = first; unit < last; unit++) {
+        const int64_t s = unit / m->down_units, u = unit % m->down_units;
+        const int64_t e = m->spans[3 * s], start = m->spans[3 * s + 1], count = m->spans[3 * s + 2];
+        const int64_t c0 = u * m->down_panel, c1 = c0 + m->down_panel < hidden ? c0 + m->down_panel : hidden;
+        if (!(m->dense[s] & D_DOWN))
+            panel_matmul(&m->proj[DOWN], m->dense[s] & A_DOWN ? m->ops8[DOWN] : m->ops[DOWN], e, m->aq + start * m->arb,
+                         m->arb, count, c0, c1, m->y + start * hidden * m->elem, hidden, m->dtype);
     }
-    if (status != 0) {
-        free(arena);
-        return status;
+#pragma omp barrier
+    const int64_t h0 = hidden * t / nt / 16 * 16, h1 = t == nt - 1 ? hidden : hidden * (t + 1) / nt / 16 * 16;
+    const int hn = (int)(h1 - h0);
+    float term[256], bias[256];
+    for (int64_t tok = 0; tok < m->tokens_n; tok++) memset(m->sum + tok * hidden + h0, 0, (size_t)hn * sizeof(float));
+    for (int64_t i = 0, s = 0; i < m->pairs; i++) {
+        while (m->spans[3 * s + 1] + m->spans[3 * s + 2] <= i) s++;
+        const int64_t expert = m->spans[3 * s];
+        float wt;
+        load_vec(m->weights, m->dtype, i, 1, &wt);
+        float *dst = m->sum + m->tokens[i] * hidden + h0;
+        for (int j0 = 0; j0 < hn; j0 += 256) {
+            const int n = hn - j0 < 256 ? hn - j0 : 256;
+            load_vec(m->y, m->dtype, i * hidden + h0 + j0, n, term);
+            if (m->clamp != NULL) { /* down's bias, rounded as QuantLinear's add */
+                load_vec(m->clamp->down_bias, m->dtype, expert * hidden + h0 + j0, n, bias);
+                for (int j = 0; j < n; j++) term[j] += bias[j];
+                round_vec(m->dtype, term, n);
+            }
+            for (int j = 0; j < n; j++) term[j] *= wt;
+            round_vec(m->dtype, term, n);
+            for (int j = 0; j < n; j++) dst[j0 + j] += term[j];
+            round_vec(m->dtype, dst + j0, n);
+        }
     }
-    /* panels in the 8-bit tiles' units where some span runs them */
-    const int64_t gu_bytes = proj[GATE].row_bytes > proj[UP].row_bytes ? proj[GATE].row_bytes : proj[UP].row_bytes;
-    const int64_t gu_panel = quant_panel_cols(gate8 != NULL ? gate8 : gate_ops, gu_bytes);
-    const int64_t down_panel = quant_panel_cols(down8 != NULL ? down8 : down_ops, proj[DOWN].row_bytes);
-    const int64_t gu_units = (inner + gu_panel - 1) / gu_panel, down_units = (hidden + down_panel - 1) / down_panel;
+    for (int64_t tok = 0; tok < m->tokens_n && hn > 0; tok++)
+        store_vec(m->out, m->dtype, tok * hidden + h0, hn, m->sum + tok * hidden + h0);
+}
+
+/* The quantized x rows, gate and up, the act rows quantized (and, where no span's down is dense,
+ * down and the sum, in the same region); 0, or RV_ERR_NO_MEMORY. */
+static int first_region(const moe_run *m, int any_dense_down) {
     int failed = 0;
 #pragma omp parallel
     {
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        float *tmp = malloc((size_t)(hidden > inner ? hidden : inner) * sizeof(float));
+        float *tmp = malloc((size_t)(m->hidden > m->inner ? m->hidden : m->inner) * sizeof(float));
         if (tmp == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
         /* the pairs' rows, quantized from x (rows on the dense path too: cheap, and no branch per pair) */
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < pairs; i++)
+        for (int64_t i = 0; i < m->pairs; i++)
             if (tmp != NULL) {
-                const char *xi = (const char *)x + tokens[i] * hidden * elem;
-                quantize_row(pair_span[i] & A_GU ? gate8 : gate_ops, xi, hidden, dtype, tmp, xq + i * xrb);
+                const char *xi = (const char *)m->x + m->tokens[i] * m->hidden * m->elem;
+                quantize_row(m->pair_span[i] & A_GU ? m->ops8[GATE] : m->ops[GATE], xi, m->hidden, m->dtype, tmp,
+                             m->xq + i * m->xrb);
             }
         int failed_here;
 #pragma omp atomic read
         failed_here = failed;
-        if (!failed_here) {
-            int64_t first, last;
-            my_units(spans, n_spans, dense, D_GATE | D_UP, gu_units, t, nt, &first, &last);
-            for (int64_t unit = first; unit < last; unit++) {
-                const int64_t s = unit / gu_units, u = unit % gu_units;
-                const int64_t e = spans[3 * s], start = spans[3 * s + 1], count = spans[3 * s + 2];
-                const int64_t c0 = u * gu_panel, c1 = c0 + gu_panel < inner ? c0 + gu_panel : inner;
-                char *gus = gu + start * 2 * inner * elem;
-                const int a8 = dense[s] & A_GU;
-                if (!(dense[s] & D_GATE))
-                    panel_matmul(&proj[GATE], a8 ? gate8 : gate_ops, e, xq + start * xrb, xrb, count, c0, c1,
-                                 gus, 2 * inner, dtype);
-                if (!(dense[s] & D_UP))
-                    panel_matmul(&proj[UP], a8 ? up8 : up_ops, e, xq + start * xrb, xrb, count, c0, c1,
-                                 gus + inner * elem, 2 * inner, dtype);
-            }
-        }
+        if (!failed_here) gate_up_panels(m, t, nt);
 #pragma omp barrier
         /* act = silu(gate) * up per pair, then quantized for down */
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < pairs; i++) {
+        for (int64_t i = 0; i < m->pairs; i++) {
             if (failed_here) continue;
-            if (clamp != NULL)
-                clamped_swiglu_row(gu + i * 2 * inner * elem, clamp, spans[3 * span_of(spans, n_spans, i)],
-                                   act + i * inner * elem, inner, dtype);
+            const char *gu = m->gu + i * 2 * m->inner * m->elem;
+            char *act = m->act + i * m->inner * m->elem;
+            if (m->clamp != NULL)
+                clamped_swiglu_row(gu, m->clamp, m->spans[3 * span_of(m->spans, m->n_spans, i)], act, m->inner,
+                                   m->dtype);
             else
-                silu_mul_row(gu + i * 2 * inner * elem, act + i * inner * elem, (int)inner, dtype);
-            quantize_row(pair_span[i] & A_DOWN ? down8 : down_ops, act + i * inner * elem, inner, dtype, tmp,
-                         aq + i * arb);
+                silu_mul_row(gu, act, (int)m->inner, m->dtype);
+            quantize_row(m->pair_span[i] & A_DOWN ? m->ops8[DOWN] : m->ops[DOWN], act, m->inner, m->dtype, tmp,
+                         m->aq + i * m->arb);
         }
         free(tmp);
+        if (!failed_here && !any_dense_down) down_and_sum(m, t, nt);
     }
-    for (int64_t s = 0; s < n_spans && status == 0 && !failed; s++)
-        if (dense[s] & D_DOWN) {
-            const int64_t start = spans[3 * s + 1];
-            status = dense_part(&proj[DOWN], spans[3 * s], inner, act + start * inner * elem, spans[3 * s + 2],
-                                y + start * hidden * elem, hidden, dtype);
-        }
-    if (status != 0 || failed) {
-        free(arena);
-        return status != 0 ? status : RV_ERR_NO_MEMORY;
+    return failed ? RV_ERR_NO_MEMORY : 0;
+}
+
+/* The activation ops of each projection (m->ops, m->ops8), checked against the sizes; 0 or a status. */
+static int expert_ops(moe_run *m) {
+    const moe_projection *proj = m->proj;
+    const int64_t hidden = m->hidden, inner = m->inner;
+    if (proj[GATE].n != inner || proj[UP].n != inner || proj[DOWN].n != hidden) return RV_ERR_EXPERT_SIZE;
+    if (proj[GATE].a8_min_rows != proj[UP].a8_min_rows) return RV_ERR_EXPERT_FORMATS;
+    for (int p = 0; p < PROJECTIONS; p++)
+        if ((m->ops[p] = quant_ops((int)proj[p].type)) == NULL) return RV_ERR_EXPERT_FORMATS;
+    const qtype_ops *gate_ops = m->ops[GATE], *up_ops = m->ops[UP], *down_ops = m->ops[DOWN];
+    if (gate_ops->quantize_act != up_ops->quantize_act || gate_ops->act_block_bytes != up_ops->act_block_bytes ||
+        gate_ops->block != up_ops->block || hidden % gate_ops->block != 0 || inner % down_ops->block != 0)
+        return RV_ERR_EXPERT_FORMATS;
+    if (((gate_ops->type | up_ops->type | down_ops->type) & QTYPE_X8) && (inner % 8 != 0 || hidden % 8 != 0))
+        return RV_ERR_EXPERT_FORMATS;
+    /* the 8-bit activations' ops, where some span takes them (NULL: none does) */
+    int64_t most = 0;
+    for (int64_t s = 0; s < m->n_spans; s++) most = m->spans[3 * s + 2] > most ? m->spans[3 * s + 2] : most;
+    m->ops8[GATE] = m->ops8[UP] = m->ops8[DOWN] = NULL;
+    if (proj[GATE].a8_min_rows <= most) {
+        m->ops8[GATE] = quant_ops((int)proj[GATE].type | QTYPE_A8), m->ops8[UP] = quant_ops((int)proj[UP].type | QTYPE_A8);
+        if (m->ops8[GATE] == NULL || m->ops8[UP] == NULL || hidden % m->ops8[GATE]->block != 0)
+            return RV_ERR_EXPERT_FORMATS;
     }
-#pragma omp parallel
-    {
-        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        int64_t first, last;
-        my_units(spans, n_spans, dense, D_DOWN, down_units, t, nt, &first, &last);
-        for (int64_t unit = first; unit < last; unit++) {
-            const int64_t s = unit / down_units, u = unit % down_units;
-            const int64_t e = spans[3 * s], start = spans[3 * s + 1], count = spans[3 * s + 2];
-            const int64_t c0 = u * down_panel, c1 = c0 + down_panel < hidden ? c0 + down_panel : hidden;
-            if (!(dense[s] & D_DOWN))
-                panel_matmul(&proj[DOWN], dense[s] & A_DOWN ? down8 : down_ops, e, aq + start * arb, arb, count,
-                             c0, c1, y + start * hidden * elem, hidden, dtype);
-        }
-#pragma omp barrier
-        /* out[token] += y * weight, pairs in order, each product and sum rounded to dtype; the
-         * hidden columns split over threads (each element's order is the pairs') */
-        const int64_t h0 = hidden * t / nt / 16 * 16, h1 = t == nt - 1 ? hidden : hidden * (t + 1) / nt / 16 * 16;
-        const int hn = (int)(h1 - h0);
-        float term[256], bias[256];
-        for (int64_t tok = 0; tok < tokens_n; tok++) memset(sum + tok * hidden + h0, 0, (size_t)hn * sizeof(float));
-        for (int64_t i = 0, s = 0; i < pairs; i++) {
-            while (spans[3 * s + 1] + spans[3 * s + 2] <= i) s++;
-            const int64_t expert = spans[3 * s];
-            float wt;
-            load_vec(weights, dtype, i, 1, &wt);
-            float *dst = sum + tokens[i] * hidden + h0;
-            for (int j0 = 0; j0 < hn; j0 += 256) {
-                const int n = hn - j0 < 256 ? hn - j0 : 256;
-                load_vec(y, dtype, i * hidden + h0 + j0, n, term);
-                if (clamp != NULL) { /* down's bias, rounded as QuantLinear's add */
-                    load_vec(clamp->down_bias, dtype, expert * hidden + h0 + j0, n, bias);
-                    for (int j = 0; j < n; j++) term[j] += bias[j];
-                    round_vec(dtype, term, n);
-                }
-                for (int j = 0; j < n; j++) term[j] *= wt;
-                round_vec(dtype, term, n);
-                for (int j = 0; j < n; j++) dst[j0 + j] += term[j];
-                round_vec(dtype, dst + j0, n);
-            }
-        }
-        for (int64_t tok = 0; tok < tokens_n && hn > 0; tok++)
-            store_vec(out, dtype, tok * hidden + h0, hn, sum + tok * hidden + h0);
-    }
-    free(arena);
+    if (proj[DOWN].a8_min_rows <= most &&
+        ((m->ops8[DOWN] = quant_ops((int)proj[DOWN].type | QTYPE_A8)) == NULL || inner % m->ops8[DOWN]->block != 0))
+        return RV_ERR_EXPERT_FORMATS;
+    m->xrb = m->ops8[GATE] != NULL ? act_row_bytes_max(hidden) : hidden / gate_ops->block * gate_ops->act_block_bytes;
+    m->arb = m->ops8[DOWN] != NULL ? act_row_bytes_max(inner) : inner / down_ops->block * down_ops->act_block_bytes;
+    /* panels in the 8-bit tiles' units where some span runs them */
+    const int64_t gu_bytes = proj[GATE].row_bytes > proj[UP].row_bytes ? proj[GATE].row_bytes : proj[UP].row_bytes;
+    m->gu_panel = quant_panel_cols(m->ops8[GATE] != NULL ? m->ops8[GATE] : gate_ops, gu_bytes);
+    m->down_panel = quant_panel_cols(m->ops8[DOWN] != NULL ? m->ops8[DOWN] : down_ops, proj[DOWN].row_bytes);
+    m->gu_units = (inner + m->gu_panel - 1) / m->gu_panel, m->down_units = (hidden + m->down_panel - 1) / m->down_panel;
     return 0;
+}
+
+/* Each span's bits (dense paths, 8-bit activations), and gate and up of the spans whose rows take
+ * the dense path (their rows of x copied side by side into ``rows``); 0 or a dense matmul's status. */
+static int dense_spans(const moe_run *m, char *rows, int *any_dense_down) {
+    const moe_projection *proj = m->proj;
+    const int64_t hidden = m->hidden, inner = m->inner, elem = m->elem;
+    *any_dense_down = 0;
+    for (int64_t s = 0; s < m->n_spans; s++) {
+        const int64_t e = m->spans[3 * s], start = m->spans[3 * s + 1], count = m->spans[3 * s + 2];
+        m->dense[s] = (char)((count >= proj[GATE].dense_min_rows ? D_GATE : 0) |
+                             (count >= proj[UP].dense_min_rows ? D_UP : 0) |
+                             (count >= proj[DOWN].dense_min_rows ? D_DOWN : 0) |
+                             (m->ops8[GATE] != NULL && count >= proj[GATE].a8_min_rows ? A_GU : 0) |
+                             (m->ops8[DOWN] != NULL && count >= proj[DOWN].a8_min_rows ? A_DOWN : 0));
+        memset(m->pair_span + start, m->dense[s], (size_t)count);
+        *any_dense_down |= (m->dense[s] & D_DOWN) != 0;
+        if (!(m->dense[s] & (D_GATE | D_UP))) continue;
+        /* the dense path reads its span's rows of x side by side; the integer path quantizes each
+         * pair's row from x where it is */
+        for (int64_t i = start; i < start + count; i++)
+            memcpy(rows + i * hidden * elem, (const char *)m->x + m->tokens[i] * hidden * elem, (size_t)(hidden * elem));
+        const char *xs = rows + start * hidden * elem;
+        char *gus = m->gu + start * 2 * inner * elem;
+        int status = 0;
+        if (m->dense[s] & D_GATE) status = dense_part(&proj[GATE], e, hidden, xs, count, gus, 2 * inner, m->dtype);
+        if ((m->dense[s] & D_UP) && status == 0)
+            status = dense_part(&proj[UP], e, hidden, xs, count, gus + inner * elem, 2 * inner, m->dtype);
+        if (status != 0) return status;
+    }
+    return 0;
+}
+
+/* Down of the spans whose rows take the dense path, then every other's down and the sum. */
+static int dense_down_then_rest(const moe_run *m) {
+    for (int64_t s = 0; s < m->n_spans; s++)
+        if (m->dense[s] & D_DOWN) {
+            const int64_t start = m->spans[3 * s + 1];
+            const int status = dense_part(&m->proj[DOWN], m->spans[3 * s], m->inner, m->act + start * m->inner * m->elem,
+                                          m->spans[3 * s + 2], m->y + start * m->hidden * m->elem, m->hidden, m->dtype);
+            if (status != 0) return status;
+        }
+#pragma omp parallel
+    down_and_sum(m, omp_get_thread_num(), omp_get_num_threads());
+    return 0;
+}
+
+/* moe_experts (below), silu(gate) * up where clamp is NULL, else moe_experts_clamped's biases and act.
+ * One region runs the whole block where no span's down takes the dense path (few rows a span), two
+ * otherwise, that down between them. */
+static int run_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const void *x,
+                       const int64_t *tokens, const void *weights, const int64_t *spans, int64_t n_spans,
+                       int64_t pairs, int64_t tokens_n, void *out, int dtype, const clamped_act *clamp) {
+    moe_run m = {.proj = proj, .hidden = hidden, .inner = inner, .elem = dtype == DTYPE_BF16 ? 2 : 4, .x = x,
+                 .weights = weights, .tokens = tokens, .spans = spans, .n_spans = n_spans, .pairs = pairs,
+                 .tokens_n = tokens_n, .out = out, .dtype = dtype, .clamp = clamp};
+    int status = expert_ops(&m);
+    if (status != 0) return status;
+    const int64_t elem = m.elem;
+    /* one arena: the pairs' rows of x (copied for dense spans only), gate_up, act, y; the quantized x
+     * and act rows; the sums; the spans' and pairs' bits */
+    const int64_t at_gu = pairs * hidden * elem, at_act = at_gu + pairs * 2 * inner * elem;
+    const int64_t at_y = at_act + pairs * inner * elem, at_xq = (at_y + pairs * hidden * elem + 63) & ~(int64_t)63;
+    const int64_t at_aq = at_xq + pairs * m.xrb, at_sum = (at_aq + pairs * m.arb + 63) & ~(int64_t)63;
+    const int64_t at_bits = at_sum + tokens_n * hidden * (int64_t)sizeof(float);
+    char *arena = malloc((size_t)(at_bits + n_spans + pairs));
+    if (arena == NULL) return RV_ERR_NO_MEMORY;
+    m.gu = arena + at_gu, m.act = arena + at_act, m.y = arena + at_y;
+    m.xq = (uint8_t *)arena + at_xq, m.aq = (uint8_t *)arena + at_aq, m.sum = (float *)(arena + at_sum);
+    m.dense = arena + at_bits, m.pair_span = m.dense + n_spans;
+    int any_dense_down;
+    status = dense_spans(&m, arena, &any_dense_down);
+    if (status == 0) status = first_region(&m, any_dense_down);
+    if (status == 0 && any_dense_down) status = dense_down_then_rest(&m);
+    free(arena);
+    return status;
 }
 
 /* out [tokens_n, hidden] (written whole) = each token's experts' outputs, weighted and summed; x
@@ -458,4 +518,35 @@ int moe_route(const void *x, int64_t rows, int64_t hidden, const void *w, int64_
     }
     free(logits);
     return failed;
+}
+
+/* The pairs of each row's top_k experts ids [rows, top_k] (weights alike, in dtype) sorted by expert
+ * as moe_experts takes them, stably (experts ascending, rows ascending within one; what
+ * models/moe.py's ExpertGroups.of computes in torch): pair i is row tokens[i] with weight
+ * w_sorted[i]; spans [*n_spans][3] (expert, start, count) for each expert with pairs. Returns RV_OK,
+ * RV_ERR_NO_MEMORY, or RV_ERR_EXPERT_SIZE (an id outside [0, n_experts); nothing written). */
+int moe_group(const int64_t *ids, const void *weights, int64_t rows, int64_t top_k, int64_t n_experts,
+              int64_t *tokens, void *w_sorted, int64_t *spans, int64_t *n_spans, int dtype) {
+    const int64_t pairs = rows * top_k, elem = dtype == DTYPE_BF16 ? 2 : 4;
+    for (int64_t i = 0; i < pairs; i++)
+        if (ids[i] < 0 || ids[i] >= n_experts) return RV_ERR_EXPERT_SIZE;
+    int64_t *next = calloc((size_t)n_experts, sizeof(int64_t)); /* per expert: its next pair's slot */
+    if (next == NULL) return RV_ERR_NO_MEMORY;
+    for (int64_t i = 0; i < pairs; i++) next[ids[i]]++;
+    int64_t spans_n = 0, at = 0;
+    for (int64_t e = 0; e < n_experts; e++) {
+        const int64_t count = next[e];
+        next[e] = at;
+        if (count == 0) continue;
+        spans[3 * spans_n] = e, spans[3 * spans_n + 1] = at, spans[3 * spans_n + 2] = count;
+        spans_n++, at += count;
+    }
+    for (int64_t i = 0; i < pairs; i++) {
+        const int64_t j = next[ids[i]]++;
+        tokens[j] = i / top_k;
+        memcpy((char *)w_sorted + j * elem, (const char *)weights + i * elem, (size_t)elem);
+    }
+    free(next);
+    *n_spans = spans_n;
+    return RV_OK;
 }

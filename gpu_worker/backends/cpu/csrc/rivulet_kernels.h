@@ -25,6 +25,7 @@
 #define DTYPE_F32 0
 #define DTYPE_BF16 1
 #define DTYPE_F16 2 /* KV caches only */
+#define DTYPE_F8E4M3 3 /* latent KV caches only (mla.c): torch.float8_e4m3fn, no scale */
 
 #define MAX_HEADS 64 /* query heads of paged_decode_attention (larger: the caller uses torch) */
 #define MAX_HEAD_DIM 256
@@ -132,7 +133,8 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
                            int64_t window, const float *sinks);
 
 /* mla.c: latent attention's absorbed decode, every head over one shared KV row a position (the value
- * its first v_dim values). RV_ERR_HEADS, RV_ERR_DTYPE or RV_ERR_NO_MEMORY */
+ * its first v_dim values; the cache float32, bfloat16, float16 or float8 e4m3). RV_ERR_HEADS, RV_ERR_DTYPE or
+ * RV_ERR_NO_MEMORY */
 int latent_decode_attention(const void *q, int64_t q_row_stride, const void *cache, void *out,
                             int64_t out_row_stride, int dtype, int kv_dtype, const int64_t *q_rows,
                             const int64_t *req_pool_idx, const int64_t *kv_lens, const int64_t *page_table,
@@ -171,6 +173,8 @@ int moe_experts_clamped(const moe_projection *proj, int64_t hidden, int64_t inne
                         const void *down_bias, float alpha, float limit);
 int moe_route(const void *x, int64_t rows, int64_t hidden, const void *w, int64_t n_experts, int64_t top_k,
               int norm_topk, int64_t *ids, void *weights, int dtype);
+int moe_group(const int64_t *ids, const void *weights, int64_t rows, int64_t top_k, int64_t n_experts,
+              int64_t *tokens, void *w_sorted, int64_t *spans, int64_t *n_spans, int dtype);
 
 /* decode_layers.c */
 int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dims *dims, const void *x, void *out,
