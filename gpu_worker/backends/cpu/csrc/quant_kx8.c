@@ -1156,6 +1156,93 @@ static inline __attribute__((always_inline)) void q6_direct_y(const uint8_t *blk
         }
 }
 
+/* One activation row (decode) on a block without the residual pass: the same integer sums and float
+ * steps as q45_direct_y / q6_direct_y at R = 1 (so the same bits), in fewer instructions: each
+ * sub-block's scale bytes picked with constant shifts, the accumulator held in a register, and (Q6_K)
+ * each ql and qh chunk read once for the four sub-blocks it holds, whose sums the float steps then
+ * take in q6_direct_y's order. (With the residual pass the compiler kept a pass's weights for the
+ * other, spilling them.) */
+static inline __m256 byte_at(__m256i words, const int shift, __m256 d) {
+    __m256i b = shift ? _mm256_srli_epi32(words, shift) : words;
+    if (shift < 24) b = _mm256_and_si256(b, _mm256_set1_epi32(0xff));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(b));
+}
+
+static inline __attribute__((always_inline)) __m256 q4k_direct_y1(const uint8_t *blk, const act_block8 *x, __m256 acc) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256i words[4];
+    q4k_scale_words(blk, words);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+#pragma GCC unroll 4
+    for (int sb = 0; sb < 4; sb++) {
+        const __m256i scw = sb < 2 ? words[0] : words[2], mw = sb < 2 ? words[1] : words[3];
+        const int sh = 16 * (sb & 1);
+        const uint8_t *q = blk + 128 + sb * 256;
+        const int8_t *xq = x->q + 64 * sb;
+        __m256i l16 = _mm256_setzero_si256(), h16 = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) { /* 8 maddubs of q <= 15 per int16 sum: within dpb16's limits */
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
+            l16 = dpb16(l16, _mm256_and_si256(v, m4), xq + 4 * c);
+            h16 = dpb16(h16, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), xq + 32 + 4 * c);
+        }
+        const __m256i lo = _mm256_madd_epi16(l16, ones), hi = _mm256_madd_epi16(h16, ones);
+        const float *xd = x->d + 2 * sb, *xs = x->s + 2 * sb;
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(byte_at(scw, sh, d), _mm256_set1_ps(xd[0])), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(byte_at(scw, sh + 8, d), _mm256_set1_ps(xd[1])), acc);
+        acc = _mm256_fnmadd_ps(byte_at(mw, sh, dmin), _mm256_set1_ps(xs[0]), acc);
+        acc = _mm256_fnmadd_ps(byte_at(mw, sh + 8, dmin), _mm256_set1_ps(xs[1]), acc);
+    }
+    return acc;
+}
+
+/* Q6_K's 16-weight sums of the four sub-blocks (32 values each) of one h at half ``half`` of their
+ * chunks: is[sb] = qoff + sum over the 4 chunks, two maddubs per int16 sum (dpb16's limits). */
+static inline __attribute__((always_inline)) void q6_half_y1(const uint8_t *blk, const act_block8 *x, int h, int half,
+                                                             __m256i is[4]) {
+    const __m256i low = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+    for (int sb = 0; sb < 4; sb++) is[sb] = _mm256_set1_epi32(x->qoff[2 * (4 * h + sb) + half]);
+#pragma GCC unroll 2
+    for (int cp = 0; cp < 4; cp += 2) {
+        __m256i s16[4];
+#pragma GCC unroll 2
+        for (int ci = cp; ci < cp + 2; ci++) {
+            const int c = 4 * half + ci;
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 1168 + (h * 8 + c) * 32));
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 144 + (h * 16 + c) * 32));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 144 + (h * 16 + 8 + c) * 32));
+            const __m256i w[4] = {
+                _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_and_si256(_mm256_slli_epi16(qh, 4), high2)),
+                _mm256_or_si256(_mm256_and_si256(ql1, low), _mm256_and_si256(_mm256_slli_epi16(qh, 2), high2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_and_si256(qh, high2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), _mm256_and_si256(_mm256_srli_epi16(qh, 2), high2)),
+            };
+            for (int sb = 0; sb < 4; sb++)
+                s16[sb] = dpb16(ci == cp ? _mm256_setzero_si256() : s16[sb], w[sb], x->q + 32 * (4 * h + sb) + 16 * half + 4 * ci);
+        }
+        for (int sb = 0; sb < 4; sb++) is[sb] = _mm256_add_epi32(is[sb], _mm256_madd_epi16(s16[sb], ones));
+    }
+}
+
+static inline __attribute__((always_inline)) __m256 q6_direct_y1(const uint8_t *blk, const act_block8 *x, __m256 acc) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+    for (int h = 0; h < 2; h++) {
+        __m256i is[4];
+        __m256 t[4];
+        for (int half = 0; half < 2; half++) {
+            q6_half_y1(blk, x, h, half, is);
+            for (int sb = 0; sb < 4; sb++) { /* the scales of sub-block sb's half: 8 bytes of the (h, half) run */
+                const uint8_t *s8 = blk + 16 + (h * 2 + half) * 32 + 16 * (sb >> 1) + 8 * (sb & 1);
+                const __m256 dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)s8))));
+                t[sb] = half ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[sb]), dsc, t[sb]) : _mm256_mul_ps(_mm256_cvtepi32_ps(is[sb]), dsc);
+            }
+        }
+        for (int sb = 0; sb < 4; sb++) acc = _mm256_fmadd_ps(t[sb], _mm256_set1_ps(x->d[4 * h + sb]), acc);
+    }
+    return acc;
+}
+
 /* Two chunks of the legacy layout (2 bytes of each row, then the next 2) as 4 bytes of each row in
  * turn: legacy_direct8's word order, on one group. */
 static inline __m256i legacy_rows(const uint8_t *p) {
@@ -1219,6 +1306,7 @@ static inline __attribute__((always_inline)) void tile8_y(const uint8_t *g, int6
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
         for (int64_t b = b0; b < nb && b < b0 + A8_SLICE; b++) {
             const uint8_t *blk = g + b * gbb;
+#pragma GCC unroll 32
             for (int64_t at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + KX8_PF + at), _MM_HINT_T0);
             const act_block8 *x[XR8];
             int two = 0;
@@ -1226,7 +1314,11 @@ static inline __attribute__((always_inline)) void tile8_y(const uint8_t *g, int6
                 x[r] = xa[r] + b;
                 two |= x[r]->two;
             }
-            if (type == QTYPE_Q6_K) {
+            if (R == 1 && !two && type == QTYPE_Q4_K) {
+                acc[0] = q4k_direct_y1(blk, x[0], acc[0]);
+            } else if (R == 1 && !two && type == QTYPE_Q6_K) {
+                acc[0] = q6_direct_y1(blk, x[0], acc[0]);
+            } else if (type == QTYPE_Q6_K) {
                 q6_direct_y(blk, x, two, acc, R);
             } else if (legacy) {
                 legacy_direct_y(blk, x, two, acc, type, R);
