@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_worker.backends import NAMES as DEVICE_BACKENDS
+from gpu_worker.config import why_no_fp8_pool
 from gpu_worker.weights.model_files import source_gguf
 from launcher_flags import check_endpoint, check_nodes, config_from_args, scheduler_config, worker_config
 from protocol import WorkerReady
@@ -98,6 +99,7 @@ def check_model(args: argparse.Namespace, model_dir: Path) -> None:
     _check_hybrid(args, config)
     _check_mmproj(args)
     _check_gemma4(args, config)
+    _check_kv_dtype(args, config)
     if args.tp_size > 1 and config.get("model_type") == "gpt_oss":
         raise StartRefused(
             f"--tp-size {args.tp_size}: gpt-oss's attention sinks (one per head) and its experts' biases do "
@@ -156,6 +158,20 @@ def _check_hybrid(args: argparse.Namespace, config: dict[str, object]) -> None:
             f"--tp-size {args.tp_size}: {name}'s linear-attention layers (Gated DeltaNet) do not split "
             "over tensor-parallel ranks yet; use --tp-size 1"
         )
+
+
+def _check_kv_dtype(args: argparse.Namespace, config: dict[str, Any]) -> None:
+    """--kv-cache-dtype fp8_e4m3: a latent-attention model on the cpu backend's C kernels (the worker
+    asks the same of the backend it got: a CUDA device under --device auto is the worker's to refuse)."""
+    if args.kv_cache_dtype != "fp8_e4m3":
+        return
+    backend = args.device_backend
+    if backend == "auto":
+        backend = "triton" if args.device.startswith("cuda") else "cpu"
+    latent = "kv_lora_rank" in config  # DeepSeek-V2/V3, GLM-4.7-Flash (a GGUF's config.json too)
+    why_not = why_no_fp8_pool(latent, backend, args.cpu_kernels, args.dtype)
+    if why_not is not None:
+        raise StartRefused(f"--kv-cache-dtype fp8_e4m3: {why_not}")
 
 
 def _check_gemma4(args: argparse.Namespace, config: dict[str, Any]) -> None:

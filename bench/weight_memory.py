@@ -1,12 +1,16 @@
 """The worker's weight bytes and RSS per ``--weight-dtype``, in one run, against the GGUF's tensor bytes.
 
     python -m bench.weight_memory [--model FILE.gguf] [--weight-dtypes auto,float32] [--dtype auto]
+        [--kv-cache-tokens 4096] [--kv-cache-dtype DTYPE] [--kv-budget-gib GIB]
 
 Each engine is started in turn, idle after Ready: the worker logs the bytes of the weight tensors
 it holds (every storage once: parameters and each copy a matmul path keeps), and its RSS is read
 from /proc (RSS includes libtorch and the KV pool, so compare the rows with each other). The KV pool
-(``--kv-cache-tokens 4096``) and a hybrid model's recurrent-state pool are read from the worker's start
-log, and the last column is RSS over the file's tensors plus both pools (issue 53's budget: <= 1.15).
+(``--kv-cache-tokens``, 4096 by default) and a hybrid model's recurrent-state pool are read from the
+worker's start log, and the last column is RSS over the file's tensors plus both pools (issue 53's
+budget: <= 1.15). ``--kv-budget-gib`` adds a line a run: the pool's logged dtype and bytes a token,
+its bytes in all, and whether they fit the budget (issue 56: 32 streams of 4096 tokens of the 27-layer
+DeepSeek-V2-Lite file, ``--kv-cache-tokens 131072 --kv-cache-dtype fp8_e4m3``, in 2 GiB).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from bench.lib.launch import rivulet_server
 
 HELD = re.compile(r"weights held: ([0-9.]+) MB")
 PATHS = re.compile(r"matmul paths \(Linears\): ([^;]+);")
-KV_POOL = re.compile(r"KV pool: (\d+) pages of (\d+) tokens, \S+ \((\d+) bytes a token")
+KV_POOL = re.compile(r"KV pool: (\d+) pages of (\d+) tokens, (\S+) \((\d+) bytes a token")
 STATE_POOL = re.compile(r"recurrent-state pool: .*?: ([0-9.]+) MiB at most")
 
 
@@ -39,8 +43,10 @@ def gguf_tensor_mb(path: Path) -> float:
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors) / 1e6
 
 
-def measure(model: str | None, weight_dtype: str, dtype: str, workdir: Path) -> dict[str, object]:
-    flags = ["--weight-dtype", weight_dtype, "--dtype", dtype, "--kv-cache-tokens", "4096"]
+def measure(
+    model: str | None, weight_dtype: str, dtype: str, workdir: Path, kv_flags: list[str]
+) -> dict[str, object]:
+    flags = ["--weight-dtype", weight_dtype, "--dtype", dtype, *kv_flags]
     with rivulet_server(weight_dtype, flags, workdir / weight_dtype, model=model) as server:
         time.sleep(1.0)  # Ready is sent after the weights are in place; let the worker settle
         server.watch()
@@ -55,7 +61,8 @@ def measure(model: str | None, weight_dtype: str, dtype: str, workdir: Path) -> 
             "held_mb": float(held[-1]) if held else float("nan"),
             "worker_rss_mb": rss_mb(worker),
             "paths": paths[-1] if paths else "?",
-            "kv_mb": math.prod(int(x) for x in kv[-1]) / 1e6 if kv else float("nan"),
+            "kv_mb": math.prod(int(x) for i, x in enumerate(kv[-1]) if i != 2) / 1e6 if kv else float("nan"),
+            "kv_pool": kv[-1] if kv else None,
             "state_mb": float(state[-1]) * 2**20 / 1e6 if state else 0.0,
         }
 
@@ -65,7 +72,13 @@ def main() -> None:
     p.add_argument("--model", default=None, help="a .gguf file (default: the embedded SmolLM2)")
     p.add_argument("--weight-dtypes", default="auto,float32")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-tokens", type=int, default=4096)
+    p.add_argument("--kv-cache-dtype", default=None, help="the engine's --kv-cache-dtype (default: its own)")
+    p.add_argument("--kv-budget-gib", type=float, default=0.0, help="report whether the KV pool fits this")
     args = p.parse_args()
+    kv_flags = ["--kv-cache-tokens", str(args.kv_cache_tokens)]
+    if args.kv_cache_dtype:
+        kv_flags += ["--kv-cache-dtype", args.kv_cache_dtype]
     from gpu_worker.weights.model_files import source_gguf
 
     path = source_gguf(args.model)
@@ -79,13 +92,28 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory(prefix="rivulet-mem-") as tmp:
         for weight_dtype in args.weight_dtypes.split(","):
-            row = measure(args.model, weight_dtype, args.dtype, Path(tmp))
+            row = measure(args.model, weight_dtype, args.dtype, Path(tmp), kv_flags)
             held, rss = float(row["held_mb"]), float(row["worker_rss_mb"])  # type: ignore[arg-type]
             kv, state = float(row["kv_mb"]), float(row["state_mb"])  # type: ignore[arg-type]
             print(
                 f"{weight_dtype:<15} {held:>9.1f} {held / file_mb:>7.2f} {rss:>14.0f} {kv:>7.1f} "
                 f"{state:>8.1f} {rss / (file_mb + kv + state):>20.3f}  {row['paths']}"
             )
+            if args.kv_budget_gib:
+                print(budget_line(row["kv_pool"], args.kv_budget_gib))  # type: ignore[arg-type]
+
+
+def budget_line(pool: tuple[str, str, str, str] | None, budget_gib: float) -> str:
+    """The start log's KV pool (pages, page size, dtype, bytes a token) against a budget in GiB."""
+    if pool is None:
+        return "KV budget: no 'KV pool' line in the worker's log"
+    pages, page_size, dtype, per_token = pool
+    tokens, total = int(pages) * int(page_size), int(pages) * int(page_size) * int(per_token)
+    verdict = "fits" if total <= budget_gib * 2**30 else "does NOT fit"
+    return (
+        f"KV budget: {tokens} tokens x {per_token} bytes a token ({dtype}) = {total} bytes "
+        f"({total / 2**30:.3f} GiB) {verdict} in {budget_gib:g} GiB"
+    )
 
 
 if __name__ == "__main__":

@@ -7,8 +7,22 @@ from dataclasses import dataclass
 from protocol.flags import flag, given, max_running_requests_field, mmproj_field, seed_field
 
 WEIGHT_DTYPES = ("auto", "gguf", "bfloat16", "float32")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3")
 LATENT_FORMS = ("auto", "absorbed", "expanded")
+
+
+def why_no_fp8_pool(latent: bool, backend: str, c_kernels: bool, activations: str) -> str | None:
+    """Why ``--kv-cache-dtype fp8_e4m3`` cannot be served (None: it can): only the CPU's C latent
+    attention (csrc/mla.c) reads a float8 pool; torch's, Triton's and per-head K/V paths do not."""
+    if not latent:
+        return "a float8 pool is latent attention's (DeepSeek-V2/V3, GLM-4.7-Flash), not per-head K/V's"
+    if backend != "cpu":
+        return f"only the cpu backend's C kernels read a float8 latent pool, not the {backend} backend"
+    if not c_kernels:
+        return "only the CPU's C kernels read a float8 latent pool: off (--disable-cpu-kernels) or not built"
+    if activations not in ("auto", "float32", "bfloat16"):
+        return f"the C latent attention takes float32 or bfloat16 activations, not {activations}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -36,7 +50,8 @@ class WorkerConfig:
         "auto",
         "the KV pool's dtype: auto (under float32 activations a 16-bit pool where the backend's "
         "attention reads it in place: float16 for the CPU's C kernels, bfloat16 for Triton on a GPU; "
-        "else the activations' dtype), float32, bfloat16, float16",
+        "else the activations' dtype), float32, bfloat16, float16, fp8_e4m3 (a latent-attention model's "
+        "pool on the cpu backend's C kernels: one byte a value, e4m3 without a scale, saturated at +-448)",
         choices=KV_CACHE_DTYPES,
     )
     page_size: int = flag(16, "tokens per KV page")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.kv_cache import KVPool
+from gpu_worker.kv_cache import KVPool, copy_rows
 from protocol.messages import ForwardBatch
 
 
@@ -26,7 +26,7 @@ def copy_pages(kv: KVPool, src: list[int], dst: list[int]) -> None:
     src_rows = (torch.tensor(src, device=device)[:, None] * kv.page_size + within).flatten()
     dst_rows = (torch.tensor(dst, device=device)[:, None] * kv.page_size + within).flatten()
     for cache in (*kv.k, *kv.v):
-        cache.index_copy_(0, dst_rows, cache.index_select(0, src_rows))
+        copy_rows(cache, src_rows, dst_rows)
 
 
 def with_forks(

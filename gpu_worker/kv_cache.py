@@ -10,14 +10,68 @@ scheduler owns the allocator and only ever tells us which pages a req_pool_idx (
 A latent pool (``latent=True``, models/mla.py) holds one vector a token a layer, the normed latent and
 the rotated rope key side by side (``kv_heads`` 1): attention reads it as the key and, its leading
 dimensions, as the value, so ``v`` is ``k`` and the pool's memory is half of a K/V pair's.
+
+A latent pool may also be float8 e4m3 (``--kv-cache-dtype fp8_e4m3``, no scale): one byte a value,
+half a 16-bit pool. Rows go in through ``store_rows`` (saturated to +-448, where torch's cast may make
+a larger value NaN) and are copied as bytes: torch's CPU index_copy_ has no float8 kernel. A row that
+attends its own new latents reads them ``as_stored`` there: at 3 mantissa bits, reading them as
+computed would make a prompt's tokens depend on how it was chunked (16-bit pools keep that order).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from gpu_worker.config import why_no_fp8_pool
+
+if TYPE_CHECKING:
+    from gpu_worker.backends.base import Backend
+
+KV_DTYPES = {  # --kv-cache-dtype's names but auto (gpu_worker/config.py)
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+FP8_MAX = 448.0  # float8 e4m3fn's largest finite value
+
+
+def pool_dtype(name: str, backend: Backend, dtype: torch.dtype, latent: bool) -> torch.dtype:
+    """--kv-cache-dtype ``name``'s dtype under activations of ``dtype``; ValueError where the backend
+    cannot read a pool of it (a float8 one: config.why_no_fp8_pool)."""
+    if name == "auto":
+        return backend.kv_cache_dtype(dtype)
+    if name == "fp8_e4m3":
+        c_kernels = getattr(backend, "kernels", None) is not None  # the CPU backend's, once they built
+        why_not = why_no_fp8_pool(latent, backend.name, c_kernels, str(dtype).removeprefix("torch."))
+        if why_not is not None:
+            raise ValueError(f"--kv-cache-dtype fp8_e4m3: {why_not}")
+    return KV_DTYPES[name]
+
+
+def store_rows(cache: torch.Tensor, locs: torch.Tensor, rows: torch.Tensor) -> None:
+    """``rows`` rounded to the pool's dtype into pool rows ``locs`` (a float8 pool's saturated)."""
+    if cache.dtype == torch.float8_e4m3fn:
+        rows = rows.clamp(-FP8_MAX, FP8_MAX).to(cache.dtype)
+        cache.view(torch.uint8).index_copy_(0, locs, rows.view(torch.uint8))
+    else:
+        cache.index_copy_(0, locs, rows.to(cache.dtype))
+
+
+def as_stored(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` as a float8 pool of ``dtype`` holds them, in their own dtype; else as they are."""
+    if dtype != torch.float8_e4m3fn:
+        return rows
+    return rows.clamp(-FP8_MAX, FP8_MAX).to(dtype).to(rows.dtype)
+
+
+def copy_rows(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Pool rows ``src`` into rows ``dst``, as they are stored."""
+    raw = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+    raw.index_copy_(0, dst, raw.index_select(0, src))
 
 
 def pool_layer_shapes(model: Any) -> list[tuple[int, int]]:

@@ -21,7 +21,7 @@ from gpu_worker.config import WorkerConfig
 from gpu_worker.forks import copy_pages
 from gpu_worker.forward_context import BatchRows, ForwardContext
 from gpu_worker.image_encoder import batch_images, image_encoder_for
-from gpu_worker.kv_cache import KVPool, pool_layer_shapes
+from gpu_worker.kv_cache import KVPool, pool_dtype, pool_layer_shapes
 from gpu_worker.models import CausalLM
 from gpu_worker.models.gemma4 import adopt_media_tokens
 from gpu_worker.models.qwen35_positions import batch_positions
@@ -179,10 +179,9 @@ class ModelRunner:
 
     def _init_kv_pool(self) -> None:
         model = self.model
-        name = self.config.kv_cache_dtype
-        kv_dtype = self.backend.kv_cache_dtype(self._dtype) if name == "auto" else _DTYPES[name]
-        elem_bytes = torch.empty((), dtype=kv_dtype).element_size()
         latent = bool(getattr(model, "latent_kv", False))  # one vector a token a layer (kv_cache.py)
+        kv_dtype = pool_dtype(self.config.kv_cache_dtype, self.backend, self._dtype, latent)
+        elem_bytes = torch.empty((), dtype=kv_dtype).element_size()
         shapes = pool_layer_shapes(model)  # the layers that own KV (kv_cache.py)
         bytes_per_token = (1 if latent else 2) * sum(h * d for h, d in shapes) * elem_bytes
         tokens = self.backend.kv_pool_tokens(

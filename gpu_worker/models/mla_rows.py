@@ -5,8 +5,8 @@ prompt rows or under ``--latent-attention expanded``).
 row, the rows attended in the expanded form with their latents' pool rows, and the decode rows
 attended together in the absorbed form (their latents gathered padded to the longest, as the torch
 backend's decode groups are). Each layer writes the batch's latent rows first (rounded to the pool's
-dtype); a row without a prefix then reads its own latents as computed, the others from the pool (as
-the torch backend reads K/V).
+dtype); a row without a prefix then reads its own latents as computed (a float8 pool's: rounded as
+stored, kv_cache.py), the others from the pool (as the torch backend reads K/V).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from gpu_worker.kv_cache import as_stored, store_rows
 
 if TYPE_CHECKING:
     from gpu_worker.forward_context import BatchRows
@@ -105,12 +107,13 @@ def attend_rows(
     plan: RowPlan,
 ) -> torch.Tensor:
     """Each head's attended values [T, H, v] of the batch's rows (the pool written here)."""
-    cache.index_copy_(0, plan.out_locs, entry.to(cache.dtype))
+    store_rows(cache, plan.out_locs, entry)
+    own = as_stored(entry, cache.dtype)  # a float8 pool's rounding, as a prefix's latents have it
     out = q_nope.new_empty((q_nope.shape[0], attn.num_heads, attn.args.v_dim))
     for row in plan.expanded:
         span = slice(row.start, row.start + row.length)
         if row.kv_locs is None:
-            latents = entry[span, 0]
+            latents = own[span, 0]
         else:
             latents = cache.index_select(0, row.kv_locs)[:, 0].to(q_nope.dtype)
         out[span] = _expanded(attn, q_nope[span], q_rope[span], latents, row.prefix)

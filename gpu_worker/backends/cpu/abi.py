@@ -253,6 +253,7 @@ def python_side() -> tuple[dict[str, type[ctypes.Structure]], dict[str, int]]:
         "DTYPE_F32": build.DTYPE_CODES[torch.float32],
         "DTYPE_BF16": build.DTYPE_CODES[torch.bfloat16],
         "DTYPE_F16": build.KV_DTYPE_CODES[torch.float16],
+        "DTYPE_F8E4M3": build.LATENT_KV_DTYPE_CODES[torch.float8_e4m3fn],
         "MAX_HEADS": kernels.MAX_HEADS,
         "MAX_HEAD_DIM": kernels.MAX_HEAD_DIM,
         "QTYPE_X8": layouts.X8,

@@ -19,11 +19,12 @@ from itertools import accumulate
 
 import torch
 
-from gpu_worker.backends.cpu.build import DTYPE_CODES, KV_DTYPE_CODES
+from gpu_worker.backends.cpu.build import DTYPE_CODES, LATENT_KV_DTYPE_CODES
 from gpu_worker.backends.cpu.decode_rows import DecodeRows
 from gpu_worker.backends.cpu.kernels import CpuKernels
 from gpu_worker.backends.torch import attention as torch_attention
 from gpu_worker.forward_context import AttentionOptions
+from gpu_worker.kv_cache import as_stored, store_rows
 
 KERNEL_MAX_EXTEND = 16  # tokens of the longest extend row the kernel attends, a decode row per token
 
@@ -118,7 +119,7 @@ def attend(
 ) -> torch.Tensor:
     """Write the batch's new K/V and attend every row; q: [T, Hq, D], k/v: [T, Hkv, D]."""
     paged = meta.paged_decode
-    if paged is not None and _latent_fits(q, k, v, k_cache, v_cache, options):
+    if _latent_fits(q, k, v, k_cache, v_cache, options):
         return _attend_latent(kernels, meta, q, k, k_cache, options)
     # The kernel: a window, a scale, sinks; no soft-capping, and heads within its limits (a model's
     # layers may differ: Gemma 4's global heads are twice its sliding ones').
@@ -159,7 +160,7 @@ def _latent_fits(
         and k_cache is v_cache
         and k.shape[1] == 1
         and q.dtype in DTYPE_CODES
-        and k_cache.dtype in KV_DTYPE_CODES
+        and k_cache.dtype in LATENT_KV_DTYPE_CODES
         and k_cache.is_contiguous()
     )
 
@@ -172,14 +173,16 @@ def _attend_latent(
     cache: torch.Tensor,
     options: AttentionOptions,
 ) -> torch.Tensor:
-    """The batch's latent rows written, its decode rows on csrc/mla.c, its extend rows by torch."""
+    """The batch's latent rows written, its decode rows on csrc/mla.c, its extend rows by torch (which
+    reads a float8 pool widened: torch's CPU ops have no float8 store)."""
     paged, tm = meta.paged_decode, meta.torch_meta
-    assert paged is not None
-    cache.index_copy_(0, tm.out_locs, entry.to(cache.dtype))
+    store_rows(cache, tm.out_locs, entry)
     q = q.contiguous()
     out = torch.empty_like(q)
     scale = q.shape[2] ** -0.5 if options.scale is None else options.scale
-    kernels.latent_attend(q, cache, out, paged.rows, q.shape[2], scale)
+    if paged is not None:
+        kernels.latent_attend(q, cache, out, paged.rows, q.shape[2], scale)
     if not meta.all_decode:
-        torch_attention.attend_into(out, tm, q, entry, entry, cache, cache, options)
+        own = as_stored(entry, cache.dtype)  # a prompt row's own latents, as the pool holds them
+        torch_attention.attend_into(out, tm, q, own, own, cache, cache, options)
     return out

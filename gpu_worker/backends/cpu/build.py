@@ -62,6 +62,7 @@ BUILDS: dict[CpuKind, tuple[tuple[str, ...], int]] = {
 BUILD_TIMEOUT_S = 300
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # csrc/rivulet_kernels.h's (abi.py checks)
 KV_DTYPE_CODES = {**DTYPE_CODES, torch.float16: 2}  # a KV cache may also be float16
+LATENT_KV_DTYPE_CODES = {**KV_DTYPE_CODES, torch.float8_e4m3fn: 3}  # a latent pool also float8 (mla.c)
 
 
 def build(kind: CpuKind) -> Path:

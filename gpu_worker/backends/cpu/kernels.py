@@ -29,7 +29,14 @@ from pathlib import Path
 import torch
 
 from gpu_worker.backends.cpu import abi
-from gpu_worker.backends.cpu.build import BUILDS, DTYPE_CODES, ISA_PORTABLE, KV_DTYPE_CODES, build
+from gpu_worker.backends.cpu.build import (
+    BUILDS,
+    DTYPE_CODES,
+    ISA_PORTABLE,
+    KV_DTYPE_CODES,
+    LATENT_KV_DTYPE_CODES,
+    build,
+)
 from gpu_worker.backends.cpu.decode_rows import DecodeRows
 from gpu_worker.backends.cpu.kind import CpuKind, is_x86, weight_prefetch_nta
 from gpu_worker.backends.cpu.quant_kernels import QuantKernels
@@ -172,15 +179,15 @@ class CpuKernels(QuantKernels):
     ) -> None:
         """Latent attention's absorbed decode (csrc/mla.c): out[q_rows[i], h] = softmax(q[q_rows[i], h]
         C^T * scale) C[:, :v_dim] for each of ``rows``, C the row's positions of ``cache`` [N, 1, D]
-        (float32, bfloat16 or float16), every head in one pass over them; q [T, H, D] and out [T, H, v_dim]
-        with heads contiguous, of one dtype (float32 or bfloat16)."""
+        (float32, bfloat16, float16 or float8_e4m3fn), every head in one pass over them; q [T, H, D] and
+        out [T, H, v_dim] with heads contiguous, of one dtype (float32 or bfloat16)."""
         _, heads, dim = q.shape
         assert q.stride(2) == 1 and q.stride(1) == dim, "q: heads and head_dim must be contiguous"
         assert cache.is_contiguous() and cache.shape[1:] == (1, dim)
         assert out.dtype == q.dtype and out.stride(2) == 1 and out.stride(1) == v_dim
         status: int = self._latent(
             q.data_ptr(), q.stride(0), cache.data_ptr(), out.data_ptr(), out.stride(0), DTYPE_CODES[q.dtype],
-            KV_DTYPE_CODES[cache.dtype], rows.q_rows, rows.req_pool_idx, rows.kv_lens, rows.page_table,
+            LATENT_KV_DTYPE_CODES[cache.dtype], rows.q_rows, rows.req_pool_idx, rows.kv_lens, rows.page_table,
             rows.pt_stride, rows.rows, heads, dim, v_dim, rows.page_size, scale,
         )  # fmt: skip
         assert status == 0, f"latent_decode_attention refused ({abi.status_text(status)}): {heads} x {dim}"

@@ -16,6 +16,63 @@
 #define LATENT_BLOCK 16     /* positions widened to float32 at once, every head reading them */
 #define LATENT_MIN_SPAN 128 /* positions a task takes at least: below it the merge outweighs the split */
 
+/* A float8 e4m3fn pool byte (--kv-cache-dtype fp8_e4m3: sign, 4 exponent bits of bias 7, 3 mantissa
+ * bits; no infinities, 0x7f and 0xff NaN) as float32, exactly as torch's .to(float32) reads it. The
+ * magnitude bits shifted to float32's exponent and mantissa place, plus (127 - 7) in the exponent,
+ * are a normal value's float32 bits; a subnormal (exponent 0) is its mantissa times 2^-9, converted
+ * as an integer so that no float32 subnormal (a microcode assist on some CPUs) is ever formed. */
+#define F8_REBIAS (120u << 23)
+#define F8_SUBNORMAL 0x1p-9f
+
+static inline float f8e4m3_to_f32(uint8_t b) {
+    const uint32_t mag = b & 0x7fu, bits = (mag << 20) + F8_REBIAS;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    f = mag < 8 ? (float)mag * F8_SUBNORMAL : f;
+    f = mag == 0x7f ? NAN : f;
+    return b & 0x80u ? -f : f;
+}
+
+/* n pool bytes from element ``offset`` on, as float32, 16 or 8 lanes at a time where the build has them. */
+static void load_f8(const uint8_t *src, int n, float *dst) {
+    int i = 0;
+#if HAVE_AVX512
+    const __m512i low7 = _mm512_set1_epi32(0x7f), rebias = _mm512_set1_epi32((int)F8_REBIAS);
+    for (; i + 16 <= n; i += 16) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
+        const __m512i mag = _mm512_and_si512(b, low7);
+        __m512 f = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), rebias));
+        const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(F8_SUBNORMAL));
+        f = _mm512_mask_mov_ps(f, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), sub);
+        f = _mm512_mask_mov_ps(f, _mm512_cmpeq_epi32_mask(mag, low7), _mm512_set1_ps(NAN));
+        const __m512i sign = _mm512_slli_epi32(_mm512_srli_epi32(b, 7), 31);
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign)));
+    }
+#elif HAVE_AVX2
+    const __m256i low7 = _mm256_set1_epi32(0x7f), rebias = _mm256_set1_epi32((int)F8_REBIAS);
+    for (; i + 8 <= n; i += 8) {
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + i)));
+        const __m256i mag = _mm256_and_si256(b, low7);
+        __m256 f = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), rebias));
+        const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(F8_SUBNORMAL));
+        f = _mm256_blendv_ps(f, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag)));
+        f = _mm256_blendv_ps(f, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, low7)));
+        const __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(b, 7), 31);
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f), sign)));
+    }
+#endif
+    for (; i < n; i++) dst[i] = f8e4m3_to_f32(src[i]);
+}
+
+/* n values of a pool row from element ``offset`` on, as float32: load_vec's dtypes and float8 e4m3. */
+static inline void load_latent(const void *cache, int kv_dtype, int64_t offset, int n, float *dst) {
+    if (kv_dtype == DTYPE_F8E4M3) {
+        load_f8((const uint8_t *)cache + offset, n, dst);
+    } else {
+        load_vec(cache, kv_dtype, offset, n, dst);
+    }
+}
+
 /* One task's spans per head: [heads][v_dim + 2], the value sum then the max and the exponentials' sum. */
 static void attend_span(const float *qf, const void *cache, int kv_dtype, const int64_t *pages, int page_size,
                         int64_t p0, int64_t p1, int heads, int dim, int v_dim, float scale, float *kv,
@@ -31,7 +88,7 @@ static void attend_span(const float *qf, const void *cache, int kv_dtype, const 
         const int n = (int)(p1 - b < LATENT_BLOCK ? p1 - b : LATENT_BLOCK);
         for (int j = 0; j < n; j++) {
             const int64_t pos = b + j, row = pages[pos / page_size] * page_size + pos % page_size;
-            load_vec(cache, kv_dtype, row * dim, dim, kv + (int64_t)j * dim);
+            load_latent(cache, kv_dtype, row * dim, dim, kv + (int64_t)j * dim);
         }
         for (int h = 0; h < heads; h++) {
             const float *qh = qf + (int64_t)h * dim;
@@ -96,7 +153,8 @@ int latent_decode_attention(const void *q, int64_t q_row_stride, const void *cac
                             int64_t pt_stride, int64_t rows, int num_heads, int dim, int v_dim, int page_size,
                             float scale) {
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return RV_ERR_DTYPE;
-    if (kv_dtype != DTYPE_F32 && kv_dtype != DTYPE_BF16 && kv_dtype != DTYPE_F16) return RV_ERR_DTYPE;
+    if (kv_dtype != DTYPE_F32 && kv_dtype != DTYPE_BF16 && kv_dtype != DTYPE_F16 && kv_dtype != DTYPE_F8E4M3)
+        return RV_ERR_DTYPE;
     if (num_heads < 1 || dim < 1 || v_dim < 1 || v_dim > dim || page_size < 1) return RV_ERR_HEADS;
     if (rows < 1) return RV_OK;
     const int64_t span = span_length(kv_lens, rows);
