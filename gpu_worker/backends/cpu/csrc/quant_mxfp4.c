@@ -1,0 +1,307 @@
+/* MXFP4 blocks (gpt-oss's experts) with their weight rows interleaved by 8, the layout the worker
+ * holds them in (layouts.py's interleave_rows makes it at load; same bytes as the file's). Type
+ * code: QTYPE_MXFP4 | QTYPE_X8. The file's layout and the weights' meaning: quant_sub32.c.
+ *
+ * Rows 8g .. 8g + 7 form group g, stored where the file's rows 8g .. 8g + 7 were. Within a group,
+ * block b of the 8 rows lies at b * 136:
+ *   8 E8M0 exponents (row 0 .. 7), then the rows' nibble bytes in chunks of 2 bytes per row:
+ *   chunk c = bytes 2c, 2c + 1 of row 0, of row 1, ..., of row 7 (16 bytes; 8 chunks).
+ * quant_x8.c's layout for Q4_0 with one exponent byte a row in place of an fp16 d, and its tiles'
+ * shape (its top comment says why): one 16-byte chunk holds 2 weights of each of the 8 rows, so one
+ * madd against the activation's 2 matching values, broadcast, gives each row's partial sum in its
+ * own 32-bit lane, and a block of 8 rows ends as one vector of 8 sums met by one vector of 8 scales
+ * (the 8 exponents widened at once). The file layout's tile (quant_sub32.c) paid a horizontal sum
+ * and a scalar scale per (row, block) of 17 bytes: well below the memory's pace at one row.
+ *
+ * The nibbles are looked up in the doubled E2M1 levels (0, 1, 2, 3, 4, 6, 8, 12 and their negatives)
+ * by a byte shuffle before they are widened to int16, so the integers are the levels themselves and
+ * no offset term is needed. Activations: act_block16 (quant.h), as every one-row tile's.
+ *
+ * Integer sums: a row's 32 products of one block, |level| <= 12 and |qx| <= 32767, are at most
+ * 32 * 12 * 32767 < 2^24 in magnitude: exact in int32 and in their float32 conversion, so each
+ * block's term is the float32 product of that exact sum and its scale 2^(e - 128) * d_x, as the
+ * file layout's tile computes it.
+ */
+#include "quant.h"
+#include "rivulet_kernels.h"
+
+#define QB 32
+#define BB 17         /* bytes of one file block */
+#define GB (8 * BB)   /* bytes of one group block */
+#define MX_PF 4096    /* how far ahead (bytes) the many-row tiles prefetch their group's blocks */
+#define MX_ROW_PF 8192 /* the one-row tile's distance: it takes a block in less time */
+#define XR 4          /* activation rows per 8-row tile */
+
+static const int8_t LEVELS[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* 2^(e - 128) exactly (e < 2: subnormal), quant_sub32.c's scale of the doubled levels. */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Row s of the group at g (k weights) as float32: level * scale, exact (gguf-py's values). */
+static inline void dequant_slot(const uint8_t *g, int s, int64_t k, float *out) {
+    for (int64_t b = 0; b < k / QB; b++) {
+        const uint8_t *blk = g + b * GB, *q = blk + 8;
+        const float d = e8m0_half(blk[s]);
+        for (int c = 0; c < 8; c++)
+            for (int h = 0; h < 2; h++) {
+                const uint8_t byte = q[16 * c + 2 * s + h];
+                out[b * QB + 2 * c + h] = d * (float)LEVELS[byte & 0x0f];
+                out[b * QB + 16 + 2 * c + h] = d * (float)LEVELS[byte >> 4];
+            }
+    }
+}
+
+static void slot_mxfp4(const uint8_t *g, int s, int64_t k, float *out) { dequant_slot(g, s, k, out); }
+
+static void group_mxfp4(const uint8_t *g, int64_t k, float *out) {
+    for (int s = 0; s < 8; s++) dequant_slot(g, s, k, out + s * k);
+}
+
+#if HAVE_AVX2 || HAVE_AVX512
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) /* the same sums, one instruction */
+#define DPW8(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
+#else
+#define DPW8(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
+#endif
+
+static inline __m256i pair(const int16_t *q) { /* q[0], q[1] in every 32-bit lane */
+    int32_t v;
+    memcpy(&v, q, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
+/* The 8 exponents at e as 8 float32 scales 2^(e - 128) (e8m0_half, lane by lane). */
+static inline __m256 scales8(const uint8_t *e) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)e));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(v, _mm256_set1_epi32(1)), 23);
+    const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), v);
+    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), v);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, small));
+}
+
+/* 16 nibble bytes -> their low nibbles' levels (*lo) and high nibbles' (*hi), as int16. */
+static inline void levels16(const uint8_t *p, __m256i *lo, __m256i *hi) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p), low4 = _mm_set1_epi8(0x0f);
+    const __m128i table = _mm_loadu_si128((const __m128i *)LEVELS);
+    *lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(v, low4)));
+    *hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(v, 4), low4)));
+}
+
+/* out[r * ldo + j] = dot(row j of the group at g, activation row r) for j < 8, r < nr <= R. */
+static inline __attribute__((always_inline)) void x8_tile(const uint8_t *g, int64_t nb, const act_block16 *const *xa,
+                                                          int64_t nr, float *out, int64_t ldo, const int R) {
+    __m256 acc[XR];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * GB, *q = blk + 8;
+        for (int at = 0; at < GB; at += 64) _mm_prefetch((const char *)(blk + MX_PF + at), _MM_HINT_T0);
+        __m256i s[XR];
+        for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+        for (int c = 0; c < 8; c++) {
+            __m256i lo, hi;
+            levels16(q + 16 * c, &lo, &hi);
+            for (int r = 0; r < R; r++) s[r] = DPW8(s[r], lo, pair(xa[r][b].q + 2 * c));
+            for (int r = 0; r < R; r++) s[r] = DPW8(s[r], hi, pair(xa[r][b].q + 16 + 2 * c));
+        }
+        const __m256 d = scales8(blk);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(d, _mm256_set1_ps(xa[r][b].d)), acc[r]);
+    }
+    for (int r = 0; r < R && r < nr; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) /* every AVX-512 kind, as quant_x8.c */
+#define ZR 8 /* activation rows per 16-row tile */
+#if defined(__AVX512VNNI__)
+#define DPW(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
+#else
+#define DPW(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16((a), (b)))
+#endif
+
+static inline __m512i pair16(const int16_t *q) { /* q[0], q[1] in every 32-bit lane of a zmm */
+    int32_t v;
+    memcpy(&v, q, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+/* 32 nibble bytes -> levels as int16: *lo the low nibbles' (byte i in lane i), *hi the high ones'. */
+static inline void levels32(const __m256i v, __m512i *lo, __m512i *hi) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)LEVELS));
+    *lo = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(v, low4)));
+    *hi = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4)));
+}
+
+/* x8_tile over two adjacent groups at once (weight rows 0-15 from g, the second group 8 * wrb
+ * further): lane j of a zmm is row j, each activation pair one broadcast for 16 rows, up to ZR
+ * activation rows over the weights' bytes once; each lane's operations are x8_tile's, in its order. */
+static inline __attribute__((always_inline)) void x16_tile(const uint8_t *g, int64_t wrb, int64_t nb,
+                                                           const act_block16 *const *xa, int64_t nr, float *out,
+                                                           int64_t ldo, const int R) {
+    const uint8_t *g2 = g + 8 * wrb;
+    __m512 acc[ZR];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * GB, *blk2 = g2 + b * GB;
+        for (int at = 0; at < GB; at += 64) {
+            _mm_prefetch((const char *)(blk + MX_PF + at), _MM_HINT_T0);
+            _mm_prefetch((const char *)(blk2 + MX_PF + at), _MM_HINT_T0);
+        }
+        __m512i s[ZR];
+        for (int r = 0; r < R; r++) s[r] = _mm512_setzero_si512();
+        for (int c = 0; c < 8; c++) {
+            __m512i lo, hi;
+            const __m128i a = _mm_loadu_si128((const __m128i *)(blk + 8 + 16 * c));
+            const __m128i a2 = _mm_loadu_si128((const __m128i *)(blk2 + 8 + 16 * c));
+            levels32(_mm256_inserti128_si256(_mm256_castsi128_si256(a), a2, 1), &lo, &hi); /* rows 0-7, 8-15 */
+            for (int r = 0; r < R; r++) {
+                s[r] = DPW(s[r], lo, pair16(xa[r][b].q + 2 * c));
+                s[r] = DPW(s[r], hi, pair16(xa[r][b].q + 16 + 2 * c));
+            }
+        }
+        const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(scales8(blk)), scales8(blk2), 1);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(xa[r][b].d)), acc[r]);
+    }
+    for (int r = 0; r < R && r < nr; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+
+/* x8_tile for one activation row, a zmm holding two chunks of the group's block (chunk 2i in lanes
+ * 0-7, 2i + 1 in lanes 8-15, each lane one row's pair of weights), the activation's pairs placed to
+ * match by one permute of its 32 values each (quant_x8.c's x8_row). The halves' integer sums are
+ * added exactly before the float steps: x8_tile's bits. */
+static inline __attribute__((always_inline)) void x8_row(const uint8_t *g, int64_t nb, const act_block16 *x,
+                                                         float *out) {
+    __m512i idx[8]; /* pairs 2i (lanes 0-7) and 2i + 1 (lanes 8-15) of the activation's 16 */
+    for (int i = 0; i < 8; i++)
+        idx[i] = _mm512_inserti64x4(_mm512_set1_epi32(2 * i), _mm256_set1_epi32(2 * i + 1), 1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * GB, *q = blk + 8;
+        for (int at = 0; at < GB; at += 64) _mm_prefetch((const char *)(blk + MX_ROW_PF + at), _MM_HINT_T0);
+        const __m512i xv = _mm512_loadu_si512(x[b].q);
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        for (int i = 0; i < 4; i++) { /* low nibbles: pairs 0-7 of the activation, high: 8-15 */
+            __m512i lo, hi;
+            levels32(_mm256_loadu_si256((const __m256i *)(q + 32 * i)), &lo, &hi);
+            s0 = DPW(s0, lo, _mm512_permutexvar_epi32(idx[i], xv));
+            s1 = DPW(s1, hi, _mm512_permutexvar_epi32(idx[4 + i], xv));
+        }
+        const __m512i sum = _mm512_add_epi32(s0, s1);
+        const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s8), _mm256_mul_ps(scales8(blk), _mm256_set1_ps(x[b].d)), acc);
+    }
+    _mm256_storeu_ps(out, acc);
+}
+
+/* One group of at most ZR activation rows over weight rows [0, nc): one row through x8_row, more
+ * through x16_tile on pairs of groups, a last odd group through x8_tile. */
+static void x16_rows(const uint8_t *w, int64_t wrb, int64_t nc, const act_block16 *const *xa, int64_t rows,
+                     int64_t nb, float *out, int64_t ldo) {
+    int64_t c0 = 0;
+    if (rows == 1) {
+        for (; c0 < nc; c0 += 8) x8_row(w + c0 * wrb, nb, xa[0], out + c0);
+        return;
+    }
+    for (; c0 + 16 <= nc; c0 += 16) {
+        const uint8_t *g = w + c0 * wrb;
+        float *o = out + c0;
+        switch (rows) {
+        case 2: x16_tile(g, wrb, nb, xa, rows, o, ldo, 2); break;
+        case 3: x16_tile(g, wrb, nb, xa, rows, o, ldo, 3); break;
+        case 4: x16_tile(g, wrb, nb, xa, rows, o, ldo, 4); break;
+        case 5: x16_tile(g, wrb, nb, xa, rows, o, ldo, 5); break;
+        case 6: x16_tile(g, wrb, nb, xa, rows, o, ldo, 6); break;
+        case 7: x16_tile(g, wrb, nb, xa, rows, o, ldo, 7); break;
+        default: x16_tile(g, wrb, nb, xa, rows, o, ldo, ZR); break;
+        }
+    }
+    for (; c0 < nc; c0 += 8)
+        for (int64_t r0 = 0; r0 < rows; r0 += XR) {
+            const int64_t n = rows - r0 < XR ? rows - r0 : XR;
+            const act_block16 *xb[XR];
+            for (int r = 0; r < XR; r++) xb[r] = xa[r0 + (r < n ? r : 0)];
+            switch (n) {
+            case 1: x8_tile(w + c0 * wrb, nb, xb, n, out + r0 * ldo + c0, ldo, 1); break;
+            case 2: x8_tile(w + c0 * wrb, nb, xb, n, out + r0 * ldo + c0, ldo, 2); break;
+            case 3: x8_tile(w + c0 * wrb, nb, xb, n, out + r0 * ldo + c0, ldo, 3); break;
+            default: x8_tile(w + c0 * wrb, nb, xb, n, out + r0 * ldo + c0, ldo, XR); break;
+            }
+        }
+}
+
+/* Weight rows [0, nc) (a multiple of 8, from a group's start) x activation rows [0, nr): activation
+ * rows in near-equal groups of at most ZR, each over every weight group in turn. */
+static void tile_mxfp4(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                       int64_t nb, float *out, int64_t ldo) {
+    const int64_t groups = (nr + ZR - 1) / ZR;
+    for (int64_t ag = 0; ag < groups; ag++) {
+        const int64_t r0 = nr * ag / groups, rows = nr * (ag + 1) / groups - r0;
+        const act_block16 *xa[ZR];
+        for (int r = 0; r < ZR; r++) xa[r] = (const act_block16 *)(xq + (r0 + (r < rows ? r : 0)) * xrb);
+        x16_rows(w, wrb, nc, xa, rows, nb, out + r0 * ldo, ldo);
+    }
+}
+
+#else /* AVX2: 8 weight rows a tile, XR activation rows */
+
+static void tile_mxfp4(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                       int64_t nb, float *out, int64_t ldo) {
+    const int64_t groups = (nr + XR - 1) / XR;
+    for (int64_t ag = 0; ag < groups; ag++) {
+        const int64_t r0 = nr * ag / groups, rows = nr * (ag + 1) / groups - r0;
+        const act_block16 *xa[XR];
+        for (int r = 0; r < XR; r++) xa[r] = (const act_block16 *)(xq + (r0 + (r < rows ? r : 0)) * xrb);
+        for (int64_t c0 = 0; c0 < nc; c0 += 8) {
+            const uint8_t *g = w + c0 * wrb;
+            float *o = out + r0 * ldo + c0;
+            switch (rows) {
+            case 1: x8_tile(g, nb, xa, rows, o, ldo, 1); break;
+            case 2: x8_tile(g, nb, xa, rows, o, ldo, 2); break;
+            case 3: x8_tile(g, nb, xa, rows, o, ldo, 3); break;
+            default: x8_tile(g, nb, xa, rows, o, ldo, XR); break;
+            }
+        }
+    }
+}
+#endif /* AVX-512 */
+
+#else /* portable: the same integer sums per (row, block), one row at a time */
+
+static void tile_mxfp4(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                       int64_t nb, float *out, int64_t ldo) {
+    for (int64_t c = 0; c < nc; c++) {
+        const uint8_t *g = w + c / 8 * 8 * wrb;
+        const int s = (int)(c % 8);
+        for (int64_t r = 0; r < nr; r++) out[r * ldo + c] = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = g + b * GB, *q = blk + 8;
+            int32_t lv[QB];
+            for (int i = 0; i < 8; i++)
+                for (int h = 0; h < 2; h++) {
+                    const uint8_t byte = q[16 * i + 2 * s + h];
+                    lv[2 * i + h] = LEVELS[byte & 0x0f], lv[16 + 2 * i + h] = LEVELS[byte >> 4];
+                }
+            const float d = e8m0_half(blk[s]);
+            for (int64_t r = 0; r < nr; r++) {
+                const act_block16 *xb = (const act_block16 *)(xq + r * xrb) + b;
+                int32_t dot = 0; /* exact: see the top of the file */
+                for (int j = 0; j < QB; j++) dot += lv[j] * xb->q[j];
+                out[r * ldo + c] += (float)dot * (d * xb->d);
+            }
+        }
+    }
+}
+#endif
+
+static const qtype_ops OPS_MXFP4_X8 = {QTYPE_MXFP4 | QTYPE_X8, QB, BB, (int)sizeof(act_block16), quantize_act16,
+                                       tile_mxfp4, NULL, slot_mxfp4, group_mxfp4};
+
+const qtype_ops *qtype_mxfp4x8(int type) { return type == (QTYPE_MXFP4 | QTYPE_X8) ? &OPS_MXFP4_X8 : NULL; }
