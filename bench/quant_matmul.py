@@ -53,7 +53,8 @@ TYPES = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationTy
          "q5_0": gguf.GGMLQuantizationType.Q5_0, "q5_1": gguf.GGMLQuantizationType.Q5_1,
          "iq4_nl": gguf.GGMLQuantizationType.IQ4_NL, "iq4_xs": gguf.GGMLQuantizationType.IQ4_XS,
          "q2_k": gguf.GGMLQuantizationType.Q2_K, "q3_k": gguf.GGMLQuantizationType.Q3_K,
-         "f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16}  # fmt: skip
+         "f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16,
+         "mxfp4": gguf.GGMLQuantizationType.MXFP4}  # fmt: skip
 # Types gguf-py cannot quantize (or gives as values, not bytes): random blocks of a sane size.
 RANDOM = {TYPES[name] for name in ("iq4_nl", "iq4_xs", "q2_k", "q3_k", "f16", "bf16")}
 K_QUANTS = {gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K}
@@ -77,6 +78,10 @@ def quantized(
         return torch.from_numpy(blocks.reshape(shape[0], -1))
     if qtype in RANDOM:
         return torch.from_numpy(random_blocks(qtype, shape[0], shape[1], rng, std=0.05))
+    if qtype == gguf.GGMLQuantizationType.MXFP4:  # random nibbles, exponents about gpt-oss's (2^-7 .. 2^-5)
+        blocks = rng.integers(0, 256, (shape[0] * shape[1] // 32, 17), dtype=np.uint8)
+        blocks[:, 0] = rng.integers(120, 123, len(blocks))
+        return torch.from_numpy(blocks.reshape(shape[0], -1))
     w = rng.standard_normal(shape, dtype=np.float32) * 0.05
     return torch.from_numpy(gguf.quants.quantize(w, qtype))
 
