@@ -74,6 +74,7 @@ CPU_KIND_TESTS = (
     "tests/gpu_worker/test_quant_x8.py",
     "tests/gpu_worker/test_quant_a8.py",
     "tests/gpu_worker/test_quant_sub32.py",
+    "tests/gpu_worker/test_quant_sub32x8.py",
     "tests/gpu_worker/test_gguf_sub32.py",
     "tests/gpu_worker/test_quant_f16.py",
     "tests/gpu_worker/test_quant_k23.py",

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler to build the kernels"
 )
 
-# q/k/v of three types (two of the new ones, v in IQ4_NL), gate/up a legacy Q4_0 (held interleaved)
-# beside Q5_0 (held as the file has it), down in IQ4_XS (its 256 inputs one super-block), the tied
+# q/k/v of three types (two of the new ones, v in IQ4_NL), gate/up a legacy Q4_0 beside Q5_0 (both
+# held interleaved), down in IQ4_XS (its 256 inputs one super-block), the tied
 # embedding IQ4_NL (looked up and the head, one table).
 TYPES = {
     "attn_q": Q.Q5_0,
@@ -85,7 +85,7 @@ def test_held_as_blocks(sub32_llama: tuple[Path, Path], caplog: pytest.LogCaptur
         "gate_up": [want["ffn_gate"], want["ffn_up"]],
         "down": [want["ffn_down"]],
     }
-    interleaved = {Q.Q4_0, Q.Q4_1, Q.Q8_0}  # (the others are held as the file has them)
+    interleaved = {Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.IQ4_NL}  # (the others as the file has them)
     for impl in held.values():
         assert [p.layout == X8_LAYOUT for p in impl.weight.parts] == [
             p.type in interleaved for p in impl.weight.parts

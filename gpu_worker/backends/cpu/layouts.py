@@ -67,6 +67,13 @@ K_BLOCK_BYTES = {12: 144, 13: 176, 14: 210}
 X8_TYPES = frozenset(INTERLEAVED_TYPES) | frozenset(K_BLOCK_BYTES)  # the types interleave_rows re-lays
 _BLOCK_BYTES = {2: 18, 3: 20, 8: 34} | K_BLOCK_BYTES  # of one file block, per ggml type
 
+# csrc/quant_sub32x8.c: Q5_0, Q5_1, IQ4_NL (ggml 6, 7, 20 -> bytes of fp16 d [, m] a block starts
+# with; the Q5 types' 4 bytes of fifth bits follow, then 16 of nibbles), rows interleaved by 8 as
+# _sub32_order gives.
+SUB32_HEAD_BYTES = {6: 2, 7: 4, 20: 2}
+X8_TYPES |= frozenset(SUB32_HEAD_BYTES)
+_BLOCK_BYTES |= {6: 22, 7: 24, 20: 18}
+
 
 @functools.cache
 def _group_order(ggml_type: int) -> np.ndarray:
@@ -74,6 +81,8 @@ def _group_order(ggml_type: int) -> np.ndarray:
     blocks [slot, byte] (flattened) it is."""
     if ggml_type in K_BLOCK_BYTES:
         return _k_order(ggml_type)
+    if ggml_type in SUB32_HEAD_BYTES:
+        return _sub32_order(ggml_type)
     head, bb = INTERLEAVED_TYPES[ggml_type], _BLOCK_BYTES[ggml_type]
     at = np.arange(8 * bb).reshape(8, bb)  # the scales 2 bytes per slot in turn, then the quants
     scales = at[:, :head].reshape(8, head // 2, 2).transpose(1, 0, 2)
@@ -101,6 +110,18 @@ def _k_order(ggml_type: int) -> np.ndarray:
     order = np.concatenate([f.reshape(-1) for f in fields])
     assert sorted(order.tolist()) == list(range(8 * bb)), "every byte once"
     return order
+
+
+@functools.cache
+def _sub32_order(ggml_type: int) -> np.ndarray:
+    """Q5_0 / Q5_1 / IQ4_NL's group block (csrc/quant_sub32x8.c's top comment): the 8 rows' d [and m]
+    2 bytes each, the Q5 types' qh by byte (byte j of rows 0-7, then byte j + 1), the quants in chunks
+    of 4 bytes a row."""
+    head = SUB32_HEAD_BYTES[ggml_type]
+    at = np.arange(8 * _BLOCK_BYTES[ggml_type]).reshape(8, -1)
+    scales = at[:, :head].reshape(8, head // 2, 2).transpose(1, 0, 2)
+    quants = at[:, -16:].reshape(8, 4, 4).transpose(1, 0, 2)
+    return np.concatenate([scales.reshape(-1), at[:, head:-16].T.reshape(-1), quants.reshape(-1)])
 
 
 def _permute_groups(

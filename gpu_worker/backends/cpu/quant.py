@@ -46,9 +46,10 @@ from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
 # - Portable (plain C both): the dense path from 2 rows (measured for Q4_1, the other types alike).
 _Q = GGMLQuantizationType
 NEVER = 1 << 62
-# Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4 (csrc/quant_sub32.c, the file's layout only): the legacy types' tile,
-# so their crossing; not yet measured for these (`python -m bench.quant_matmul --types
-# q5_0,q5_1,iq4_nl,iq4_xs --shapes 896x640,...`).
+# Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4 in the file's layout (csrc/quant_sub32.c; Q5_0, Q5_1 and IQ4_NL only
+# where their rows are not a multiple of 8, else interleaved: csrc/quant_sub32x8.c, the X8 tables): the
+# legacy types' tile, so their crossing; not yet measured for these (`python -m bench.quant_matmul
+# --types q5_0,q5_1,iq4_nl,iq4_xs --shapes 896x640,...`).
 _SUB32 = {_Q.Q5_0: 8, _Q.Q5_1: 8, _Q.IQ4_NL: 8, _Q.IQ4_XS: 8, _Q.MXFP4: 8}
 _K23 = {_Q.Q2_K: 8, _Q.Q3_K: 8}  # csrc/quant_k23.c: the same tile's shape, so the same crossing
 # F16 and BF16 weights (csrc/quant_f16.c): from 2 rows the dense path, which widens a panel at a time
@@ -88,6 +89,14 @@ A8_BLOCK = 256  # act_block8's values: a Linear's k must be a multiple
 # Q4_K and Q6_K from 5 rows, Q5_K from 4, Q4_0 and Q8_0 from 2: up to 8-16 rows their tiles read the
 # blocks where they lie (csrc/quant_kx8.c's tile8_direct; docs/benchmarks-history.md, "Few rows on 8 bits").
 _A8_ZMM = {_Q.Q4_K: 5, _Q.Q5_K: 4, _Q.Q6_K: 5, _Q.Q4_0: 2}
+# Q5_0, Q5_1, IQ4_NL interleaved (csrc/quant_sub32x8.c): their 8-bit activations come per 32 values
+# (act8_32), so any k takes them (their odd-width files are why these types are in a K-quant file:
+# Gemma 3 270M's k = 640). Thread CPU time a call, one thread, on Gemma 3 270M's q/k/v/gate/up (k 640;
+# docs/benchmarks-history.md, "Q5_0, Q5_1, IQ4_NL interleaved"): from 2 rows the 8-bit tile is the
+# faster on avx2 and avx512 for all three and on avx512_bf16 for Q5_1 (Q5_0 there: alike at 2-3 rows);
+# IQ4_NL from 4 (avx512_bf16 slower below). One threshold a type for every kind, as the others.
+A8_PER_32 = frozenset({_Q.Q5_0, _Q.Q5_1, _Q.IQ4_NL})
+_A8_ZMM |= {_Q.Q5_0: 2, _Q.Q5_1: 2, _Q.IQ4_NL: 4}
 # Q4_1 is left on 16 bits: the one Q4_1 file in use is the embedded SmolLM2, whose MLP inputs carry
 # channels far above the rest; on 8 bits its prefill moved the logits by 4.5e-3 of their spread
 # (tests/exactness/test_smollm2_gguf.py holds them within 1e-3; 16 bits: 1e-4). Its tiles are built
@@ -107,7 +116,7 @@ def a8_min_rows(kernels: CpuKernels, part: QuantBlocks) -> int:
     """From how many activation rows ``part`` meets 8-bit activations (NEVER: not on this build)."""
     if (
         part.layout != X8_LAYOUT
-        or part.cols % A8_BLOCK
+        or (part.cols % A8_BLOCK and part.type not in A8_PER_32)
         or not kernels.quant_supported(kernel_type(part) | A8)
     ):
         return NEVER

@@ -1,0 +1,154 @@
+"""Q5_0, Q5_1 and IQ4_NL with rows interleaved by 8 (csrc/quant_sub32x8.c): the layout (layouts.py) and its
+dequantization, the 16-bit tile (few rows) and the 8-bit tile (many rows; its activations per 32
+values, so a k of 640 takes it) against float64 products over gguf-py's dequantization, on every CPU
+kind this machine runs; the 8-bit tiles' bits alike on every kind that has them, a row's output
+whatever rows are beside it, and QuantLinear taking them from A8_MIN_ROWS rows."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from gpu_worker.backends.cpu import kernels as cpu_kernels
+from gpu_worker.backends.cpu.kind import CpuKind
+from gpu_worker.backends.cpu.layouts import A8, X8_LAYOUT, dequantize, interleave_rows, kernel_type
+from gpu_worker.backends.cpu.quant import A8_MIN_ROWS, NEVER, QuantLinear, a8_min_rows
+from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
+from tests.gpu_worker.helpers import KINDS
+from tests.gpu_worker.quant_reference import EPS32, HALF_STEP, activations, check_quant_matmul
+from tests.gpu_worker.test_quant_sub32 import weights
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler to build the kernels"
+)
+
+SUB = [Q.Q5_0, Q.Q5_1, Q.IQ4_NL]
+# one group; two groups (one 16-row tile); a lone group after a pair, Gemma 3 270M's k; 34 blocks
+SHAPES = [(8, 32), (16, 96), (24, 640), (40, 1088)]
+CASES = [(t, n, k) for t in SUB for n, k in SHAPES]
+IDS = [f"{t.name}-{n}x{k}" for t, n, k in CASES]
+SPREAD = 6.0  # csrc/quant.h's ACT8_SPREAD
+
+
+def held(qtype: Q, n: int, k: int) -> tuple[QuantBlocks, np.ndarray, np.ndarray]:
+    """(blocks interleaved, float64 dequantization, per-weight bound on the terms the tiles sum)."""
+    blocks, deq, bound = weights(qtype, n, k)
+    x8 = interleave_rows(QuantBlocks(int(qtype), torch.from_numpy(blocks), k))
+    assert x8.layout == X8_LAYOUT
+    return x8, deq, bound
+
+
+def a8_step(x: torch.Tensor) -> np.ndarray:
+    """Per activation value, an upper bound on |x - its 8-bit value| (act8_32: half of absmax / 127,
+    or a 128th of that where the 32 clearly take the residual pass; near the criterion's edge, the
+    larger)."""
+    xb = x.double().numpy().reshape(x.shape[0], -1, 32)
+    amax, asum = np.abs(xb).max(axis=-1), np.abs(xb).sum(axis=-1)
+    half = amax / 127 * (0.5 + 1e-3)
+    two = amax * 32 > SPREAD * asum * (1 + 1e-4)
+    return np.repeat(np.where(two, half / 128 + 128 * EPS32 * amax / 127, half), 32, axis=-1).reshape(x.shape)
+
+
+@pytest.mark.parametrize(("qtype", "n", "k"), CASES, ids=IDS)
+def test_layout_round_trips_and_dequantizes_exactly(
+    kernels: cpu_kernels.CpuKernels, qtype: Q, n: int, k: int
+) -> None:
+    x8, deq, _ = held(qtype, n, k)
+    assert kernel_type(x8) == int(qtype) | 0x100
+    assert np.array_equal(dequantize(x8).numpy(), deq.astype(np.float32))
+    got = kernels.quant_get_rows(kernel_type(x8), x8.data, k, torch.arange(n - 1, -1, -1), torch.float32)
+    assert torch.equal(got, torch.from_numpy(deq.astype(np.float32))[torch.arange(n - 1, -1, -1)])
+
+
+@pytest.mark.parametrize(("qtype", "n", "k"), CASES, ids=IDS)
+@pytest.mark.parametrize("rows", [1, 3, 8, 33])
+def test_16_bit_tile_matches_float64(
+    kernels: cpu_kernels.CpuKernels, qtype: Q, n: int, k: int, rows: int
+) -> None:
+    x8, deq, bound = held(qtype, n, k)
+    x = activations(rows, k, torch.bfloat16, rows * 7 + n)
+    residual = torch.randn(rows, n).bfloat16() if rows % 2 else None
+    y = kernels.quant_matmul(kernel_type(x8), x8.data, k, x, residual)
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    check_quant_matmul(y, x, residual, deq, bound, k // 32, HALF_STEP)
+    dense = kernels.quant_matmul(kernel_type(x8), x8.data, k, x.float(), None, dense=True).double().numpy()
+    ref = x.double().numpy() @ deq.T
+    tol = (k / 8 + 8) * EPS32 * (np.abs(x.double().numpy()) @ np.abs(deq).T) + 1e-30
+    assert (np.abs(dense - ref) <= tol).all()
+
+
+def a8_kinds() -> list[CpuKind]:
+    return [kind for kind in KINDS if kind != CpuKind.PORTABLE]
+
+
+@pytest.mark.parametrize(("qtype", "n", "k"), CASES, ids=IDS)
+@pytest.mark.parametrize("rows", [1, 3, 8, 33])
+def test_8_bit_tile_matches_float64(
+    kernels: cpu_kernels.CpuKernels, qtype: Q, n: int, k: int, rows: int
+) -> None:
+    """Against the unquantized activations: what the 8-bit rounding moved (a8_step per value times
+    |w|), plus float32 roundings of the terms (as test_quant_a8.py's tight bound), plus the output's."""
+    x8, deq, bound = held(qtype, n, k)
+    x = activations(rows, k, torch.float32, rows * 5 + n)
+    x[0, 7] = 400.0  # a block far above the rest: the residual pass
+    residual = torch.randn(rows, n) if rows % 2 else None
+    assert kernels.quant_supported(kernel_type(x8) | A8)
+    y = kernels.quant_matmul(kernel_type(x8) | A8, x8.data, k, x, residual)
+    got = y.double().numpy()
+    x64 = x.double().numpy()
+    res64 = residual.double().numpy() if residual is not None else np.zeros((rows, n))
+    ref = res64 + x64 @ deq.T
+    tol = a8_step(x) @ np.abs(deq).T + (6 * k / 32 + 16) * EPS32 * (1.01 * np.abs(x64) @ bound.T)
+    tol += EPS32 * (np.abs(ref) + np.abs(res64)) + 1e-30
+    assert (np.abs(got - ref) <= tol).all(), f"worst err/tol {np.max(np.abs(got - ref) / tol):.3g}"
+
+
+@pytest.mark.parametrize("qtype", SUB, ids=[t.name for t in SUB])
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(
+    kernels: cpu_kernels.CpuKernels, qtype: Q
+) -> None:
+    x8, _, _ = held(qtype, 24, 640)
+    x = activations(21, 640, torch.float32, 3)
+    x[5, 300] = 5000.0
+    x[9] *= 1e-3
+    t = kernel_type(x8) | A8
+    together = kernels.quant_matmul(t, x8.data, 640, x)
+    for i in (0, 5, 9, 20):
+        assert torch.equal(kernels.quant_matmul(t, x8.data, 640, x[i : i + 1]), together[i : i + 1])
+    order = torch.tensor([9, 5, 0, 11, 3, 20, 1])
+    assert torch.equal(kernels.quant_matmul(t, x8.data, 640, x[order]), together[order])
+
+
+@pytest.mark.parametrize("qtype", SUB, ids=[t.name for t in SUB])
+def test_every_kind_with_the_8_bit_tiles_gives_the_same_bits(qtype: Q) -> None:
+    x8, _, _ = held(qtype, 40, 640)
+    libs = [cpu_kernels.CpuKernels(cpu_kernels.build(kind), kind) for kind in a8_kinds()]
+    if len(libs) < 2:
+        pytest.skip("fewer than two kinds with the 8-bit tiles here")
+    x = activations(19, 640, torch.bfloat16, 11)
+    outs = [lib.quant_matmul(kernel_type(x8) | A8, x8.data, 640, x) for lib in libs]
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+def test_quant_linear_takes_8_bits_from_the_tables_rows(kernels: cpu_kernels.CpuKernels) -> None:
+    """A merged q/k/v of Q5_0, Q5_1, IQ4_NL at k = 640 (not whole blocks of 256): 16-bit below its
+    type's A8_MIN_ROWS, 8-bit from it; never on portable."""
+    parts = [held(qtype, 16, 640)[0] for qtype in SUB]
+    linear = QuantLinear(QuantizedWeight(tuple(parts)), None, kernels)
+    table = A8_MIN_ROWS[kernels.kind]
+    want_at = [table.get(Q(p.type), NEVER) for p in parts]
+    assert linear.a8_min_rows == want_at == [a8_min_rows(kernels, p) for p in parts]
+    if kernels.kind == CpuKind.PORTABLE:
+        assert want_at == [NEVER] * 3
+        return
+    for rows in sorted({at for at in want_at} | {at - 1 for at in want_at}):
+        x = activations(rows, 640, torch.bfloat16, rows)
+        outs = [
+            kernels.quant_matmul(kernel_type(p) | (A8 if rows >= at else 0), p.data, 640, x)
+            for p, at in zip(parts, want_at, strict=True)
+        ]
+        assert torch.equal(linear(x), torch.cat(outs, dim=1))
