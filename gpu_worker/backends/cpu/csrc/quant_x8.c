@@ -418,11 +418,83 @@ static const qtype_ops OPS_Q4_1 = {QTYPE_Q4_1 | QTYPE_X8, QB, 20, ACT_BYTES, qua
 static const qtype_ops OPS_Q8_0 = {QTYPE_Q8_0 | QTYPE_X8, QB, 34, ACT_BYTES, quantize_act16, tile_q8_0,
                                    NULL, slot_q8_0, group_q8_0};
 
+#if HAVE_AVX2 || HAVE_AVX512
+/* The 8-bit activations' tiles of these types (quant_kx8.c, type | QTYPE_A8) take whole 256s of k,
+ * act_block8's; a row of any other multiple of 32 (Gemma 3's 640, most of whose weights a Q4_K_M
+ * file holds as Q5_0 and Q8_0) meets them here: its whole 256s on 8 bits, the rest (fewer than 8
+ * blocks of 32) on the 16-bit tile above, the two sums added. An activation row is then its k / 256
+ * act_block8, followed by the rest as act_block16; A8_ANY_ACT per 32 values leaves room for either.
+ * Where k is whole 256s this is quant_kx8.c's tile alone: the same bits. */
+#define A8_ANY_ACT ((int)sizeof(act_block8) / 8)
+#define A8_REST_COLS 64 /* columns of the rest's partial sums at a time (on the stack) */
+
+static void quantize_act8_any(const float *x, int64_t k, void *xq) {
+    const int64_t whole = k / 256 * 256;
+    quantize_act8(x, whole, xq);
+    if (k > whole) quantize_act16(x + whole, k - whole, (uint8_t *)xq + whole / 256 * (int64_t)sizeof(act_block8));
+}
+
+typedef void (*tile_fn)(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                        int64_t nb, float *out, int64_t ldo);
+
+static inline void a8_any(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                          int64_t nb, float *out, int64_t ldo, const int type, tile_fn rest_tile) {
+    const int64_t whole = nb / 8, rest = nb % 8;
+    if (whole > 0) qtype_kx8(type | QTYPE_X8 | QTYPE_A8)->tile(w, wrb, nc, xq, xrb, nr, whole, out, ldo);
+    if (rest == 0) return;
+    const uint8_t *wr = w + whole * 64 * block_bytes(type), *xr = xq + whole * (int64_t)sizeof(act_block8);
+    float part[8 * A8_REST_COLS];
+    for (int64_t c0 = 0; c0 < nc; c0 += A8_REST_COLS) {
+        const int64_t cw = nc - c0 < A8_REST_COLS ? nc - c0 : A8_REST_COLS;
+        for (int64_t r0 = 0; r0 < nr; r0 += 8) {
+            const int64_t rn = nr - r0 < 8 ? nr - r0 : 8;
+            rest_tile(wr + c0 * wrb, wrb, cw, xr + r0 * xrb, xrb, rn, rest, part, cw);
+            for (int64_t r = 0; r < rn; r++) {
+                float *o = out + (r0 + r) * ldo + c0;
+                const float *p = part + r * cw;
+                if (whole > 0) {
+                    for (int64_t j = 0; j < cw; j++) o[j] += p[j];
+                } else {
+                    memcpy(o, p, (size_t)cw * sizeof(float));
+                }
+            }
+        }
+    }
+}
+
+static void tile_q4_0_a8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                         int64_t nb, float *out, int64_t ldo) {
+    a8_any(w, wrb, nc, xq, xrb, nr, nb, out, ldo, QTYPE_Q4_0, tile_q4_0);
+}
+static void tile_q4_1_a8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                         int64_t nb, float *out, int64_t ldo) {
+    a8_any(w, wrb, nc, xq, xrb, nr, nb, out, ldo, QTYPE_Q4_1, tile_q4_1);
+}
+static void tile_q8_0_a8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                         int64_t nb, float *out, int64_t ldo) {
+    a8_any(w, wrb, nc, xq, xrb, nr, nb, out, ldo, QTYPE_Q8_0, tile_q8_0);
+}
+static const qtype_ops OPS_Q4_0_A8 = {QTYPE_Q4_0 | QTYPE_X8 | QTYPE_A8, QB, 18, A8_ANY_ACT, quantize_act8_any,
+                                      tile_q4_0_a8, NULL, slot_q4_0, group_q4_0};
+static const qtype_ops OPS_Q4_1_A8 = {QTYPE_Q4_1 | QTYPE_X8 | QTYPE_A8, QB, 20, A8_ANY_ACT, quantize_act8_any,
+                                      tile_q4_1_a8, NULL, slot_q4_1, group_q4_1};
+static const qtype_ops OPS_Q8_0_A8 = {QTYPE_Q8_0 | QTYPE_X8 | QTYPE_A8, QB, 34, A8_ANY_ACT, quantize_act8_any,
+                                      tile_q8_0_a8, NULL, slot_q8_0, group_q8_0};
+
+/* ``ops`` where quant_kx8.c has the type's 8-bit tile on this build, else NULL. */
+static const qtype_ops *where_a8(int type, const qtype_ops *ops) { return qtype_kx8(type) != NULL ? ops : NULL; }
+#endif
+
 const qtype_ops *qtype_x8(int type) {
     switch (type) {
     case QTYPE_Q4_0 | QTYPE_X8: return &OPS_Q4_0;
     case QTYPE_Q4_1 | QTYPE_X8: return &OPS_Q4_1;
     case QTYPE_Q8_0 | QTYPE_X8: return &OPS_Q8_0;
+#if HAVE_AVX2 || HAVE_AVX512
+    case QTYPE_Q4_0 | QTYPE_X8 | QTYPE_A8: return where_a8(type, &OPS_Q4_0_A8);
+    case QTYPE_Q4_1 | QTYPE_X8 | QTYPE_A8: return where_a8(type, &OPS_Q4_1_A8);
+    case QTYPE_Q8_0 | QTYPE_X8 | QTYPE_A8: return where_a8(type, &OPS_Q8_0_A8);
+#endif
     default: return NULL;
     }
 }
