@@ -2,8 +2,9 @@
 
 The C kernels read a type code: the ggml id as the file holds the blocks, or that id | ``X8`` for
 the interleaved layout (csrc/quant_x8.c for Q4_0, Q4_1, Q8_0; csrc/quant_kx8.c for Q4_K, Q5_K,
-Q6_K). The loader keeps the file's bytes (weights/formats.py); the backend re-lays them here when
-it prepares the model: the same bytes, rearranged, for every weight whose rows are a multiple of 8.
+Q6_K; csrc/quant_mxfp4.c for MXFP4). The loader keeps the file's bytes (weights/formats.py); the
+backend re-lays them here when it prepares the model: the same bytes, rearranged, for every weight
+whose rows are a multiple of 8.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ X8 = 0x100
 # csrc/quant_kx8.c: an interleaved K-quant met by 8-bit activations (csrc/quant.h's act_block8), the
 # many-row path where the build has it (quant.py's A8_MIN_ROWS): a flag on the type code of a call.
 A8 = 0x200
-INTERLEAVED_TYPES = {2: 2, 3: 4, 8: 2}  # ggml Q4_0, Q4_1, Q8_0 -> bytes of fp16 scales a block starts with
+# ggml Q4_0, Q4_1, Q8_0 -> bytes of fp16 scales a block starts with; MXFP4 (csrc/quant_mxfp4.c, the
+# same chunks of quant bytes) -> its one exponent byte
+INTERLEAVED_TYPES = {2: 2, 3: 4, 8: 2, 39: 1}
 
 
 def interleaves(blocks: QuantBlocks) -> bool:
@@ -65,7 +68,7 @@ def deinterleave_rows(blocks: QuantBlocks) -> torch.Tensor:
 # _k_order gives.
 K_BLOCK_BYTES = {12: 144, 13: 176, 14: 210}
 X8_TYPES = frozenset(INTERLEAVED_TYPES) | frozenset(K_BLOCK_BYTES)  # the types interleave_rows re-lays
-_BLOCK_BYTES = {2: 18, 3: 20, 8: 34} | K_BLOCK_BYTES  # of one file block, per ggml type
+_BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 39: 17} | K_BLOCK_BYTES  # of one file block, per ggml type
 
 # csrc/quant_sub32x8.c: Q5_0, Q5_1, IQ4_NL (ggml 6, 7, 20 -> bytes of fp16 d [, m] a block starts
 # with; the Q5 types' 4 bytes of fifth bits follow, then 16 of nibbles), rows interleaved by 8 as
@@ -84,8 +87,8 @@ def _group_order(ggml_type: int) -> np.ndarray:
     if ggml_type in SUB32_HEAD_BYTES:
         return _sub32_order(ggml_type)
     head, bb = INTERLEAVED_TYPES[ggml_type], _BLOCK_BYTES[ggml_type]
-    at = np.arange(8 * bb).reshape(8, bb)  # the scales 2 bytes per slot in turn, then the quants
-    scales = at[:, :head].reshape(8, head // 2, 2).transpose(1, 0, 2)
+    at = np.arange(8 * bb).reshape(8, bb)  # the scales 2 bytes (MXFP4: 1) per slot in turn, then the quants
+    scales = at[:, :head].reshape(8, -1, min(head, 2)).transpose(1, 0, 2)
     quants = at[:, head:].reshape(8, -1, 2).transpose(1, 0, 2)
     return np.concatenate([scales.reshape(-1), quants.reshape(-1)])
 
