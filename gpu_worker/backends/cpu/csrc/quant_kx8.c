@@ -1300,14 +1300,20 @@ static inline __attribute__((always_inline)) void tile8_y(const uint8_t *g, int6
                                                           int64_t nr, float *out, int64_t ldo, const int type, const int R) {
     const int legacy = type == QTYPE_Q4_0 || type == QTYPE_Q4_1;
     const int64_t gbb = legacy ? 64 * qtype_x8(type | QTYPE_X8)->block_bytes : 8 * kx8_block_bytes(type);
+    const int64_t pf1 = (type == QTYPE_Q6_K ? PF_Q6 : PF_Q45) * gbb;
     __m256 acc[XR8], total[XR8];
     for (int r = 0; r < R; r++) total[r] = _mm256_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += A8_SLICE) {
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
         for (int64_t b = b0; b < nb && b < b0 + A8_SLICE; b++) {
             const uint8_t *blk = g + b * gbb;
+            if (R == 1) { /* one row streams W from memory: the 16-bit tiles' distance and hint */
 #pragma GCC unroll 32
-            for (int64_t at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + KX8_PF + at), _MM_HINT_T0);
+                for (int64_t at = 0; at < gbb; at += 64) prefetch_weights(blk + pf1 + at);
+            } else {
+#pragma GCC unroll 32
+                for (int64_t at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + KX8_PF + at), _MM_HINT_T0);
+            }
             const act_block8 *x[XR8];
             int two = 0;
             for (int r = 0; r < R; r++) {
