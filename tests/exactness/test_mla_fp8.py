@@ -75,6 +75,7 @@ def hf_float8_cache(v2_lite: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch) 
         hook.remove()
 
 
+@pytest.mark.cpu_kinds
 @pytest.mark.parametrize("form", ["auto", "absorbed"])
 def test_float8_pool_against_hf_float64(v2_lite: tuple[Path, Any], hf_float8_cache: Any, form: str) -> None:
     """Each token's logprob within LOGPROB_TOLERANCE of HF float64's over the same float8-rounded latent
