@@ -13,6 +13,8 @@ import pytest
 
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
+from launcher_checks import check_model
+from launcher_flags import build_parser
 from tests.integration.engine import REPO
 from tests.mla_models import save_mla_model, tiny_mla_config
 from tests.models import tiny_config
@@ -63,3 +65,12 @@ def test_worker_refuses_what_it_built(tmp_path: Path) -> None:
                           kv_cache_dtype="fp8_e4m3", device_backend="torch")  # fmt: skip
     with pytest.raises(ValueError, match=WHY + "only the cpu backend's C kernels .* not the torch backend"):
         ModelRunner(config)
+
+
+def test_latent_model_on_the_cpu_backend_passes(tmp_path: Path) -> None:
+    """The launcher's check lets the served case through: a latent model, the cpu backend (auto on a
+    CPU), its C kernels, float32 or bfloat16 activations."""
+    tiny_mla_config("v2_lite").save_pretrained(tmp_path)
+    for flags in ([], ["--device-backend", "cpu", "--dtype", "bfloat16"], ["--device", "cpu"]):
+        args = build_parser().parse_args(["--model", str(tmp_path), "--kv-cache-dtype", "fp8_e4m3", *flags])
+        check_model(args, tmp_path)
