@@ -74,8 +74,8 @@ _BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 39: 17} | K_BLOCK_BYTES  # of one file bloc
 # with; the Q5 types' 4 bytes of fifth bits follow, then 16 of nibbles), rows interleaved by 8 as
 # _sub32_order gives.
 SUB32_HEAD_BYTES = {6: 2, 7: 4, 20: 2}
-X8_TYPES |= frozenset(SUB32_HEAD_BYTES)
-_BLOCK_BYTES |= {6: 22, 7: 24, 20: 18}
+X8_TYPES |= frozenset(SUB32_HEAD_BYTES) | {23}  # and IQ4_XS (ggml 23), as _iq4_xs_order gives
+_BLOCK_BYTES |= {6: 22, 7: 24, 20: 18, 23: 136}
 
 
 @functools.cache
@@ -86,6 +86,8 @@ def _group_order(ggml_type: int) -> np.ndarray:
         return _k_order(ggml_type)
     if ggml_type in SUB32_HEAD_BYTES:
         return _sub32_order(ggml_type)
+    if ggml_type == 23:
+        return _iq4_xs_order()
     head, bb = INTERLEAVED_TYPES[ggml_type], _BLOCK_BYTES[ggml_type]
     at = np.arange(8 * bb).reshape(8, bb)  # the scales 2 bytes (MXFP4: 1) per slot in turn, then the quants
     scales = at[:, :head].reshape(8, -1, min(head, 2)).transpose(1, 0, 2)
@@ -125,6 +127,16 @@ def _sub32_order(ggml_type: int) -> np.ndarray:
     scales = at[:, :head].reshape(8, head // 2, 2).transpose(1, 0, 2)
     quants = at[:, -16:].reshape(8, 4, 4).transpose(1, 0, 2)
     return np.concatenate([scales.reshape(-1), at[:, head:-16].T.reshape(-1), quants.reshape(-1)])
+
+
+@functools.cache
+def _iq4_xs_order() -> np.ndarray:
+    """IQ4_XS's group block (csrc/quant_sub32x8.c's top comment): the 8 rows' d, scale highs (2 bytes
+    each) and lows (4 each), then per 32-weight sub-block its 16 nibble bytes in chunks of 4 a row."""
+    at = np.arange(8 * 136).reshape(8, 136)
+    quants = at[:, 8:].reshape(8, 8, 4, 4).transpose(1, 2, 0, 3)  # [sub-block, chunk, slot, 4]
+    heads = [at[:, 0:2], at[:, 2:4], at[:, 4:8]]  # d, scale highs, scale lows
+    return np.concatenate([*(h.reshape(-1) for h in heads), quants.reshape(-1)])
 
 
 def _permute_groups(

@@ -46,8 +46,8 @@ from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
 # - Portable (plain C both): the dense path from 2 rows (measured for Q4_1, the other types alike).
 _Q = GGMLQuantizationType
 NEVER = 1 << 62
-# Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4 in the file's layout (csrc/quant_sub32.c; Q5_0, Q5_1 and IQ4_NL only
-# where their rows are not a multiple of 8, else interleaved: csrc/quant_sub32x8.c, the X8 tables): the
+# Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4 in the file's layout (csrc/quant_sub32.c: where their rows are not a
+# multiple of 8, else interleaved: csrc/quant_sub32x8.c, quant_mxfp4.c, the X8 tables): the
 # legacy types' tile, so their crossing; not yet measured for these (`python -m bench.quant_matmul
 # --types q5_0,q5_1,iq4_nl,iq4_xs --shapes 896x640,...`).
 _SUB32 = {_Q.Q5_0: 8, _Q.Q5_1: 8, _Q.IQ4_NL: 8, _Q.IQ4_XS: 8, _Q.MXFP4: 8}
@@ -95,8 +95,8 @@ _A8_ZMM = {_Q.Q4_K: 5, _Q.Q5_K: 4, _Q.Q6_K: 5, _Q.Q4_0: 2}
 # docs/benchmarks-history.md, "Q5_0, Q5_1, IQ4_NL interleaved"): from 2 rows the 8-bit tile is the
 # faster on avx2 and avx512 for all three and on avx512_bf16 for Q5_1 (Q5_0 there: alike at 2-3 rows);
 # IQ4_NL from 4 (avx512_bf16 slower below). One threshold a type for every kind, as the others.
-A8_PER_32 = frozenset({_Q.Q5_0, _Q.Q5_1, _Q.IQ4_NL})
-_A8_ZMM |= {_Q.Q5_0: 2, _Q.Q5_1: 2, _Q.IQ4_NL: 4}
+A8_PER_32 = frozenset({_Q.Q5_0, _Q.Q5_1, _Q.IQ4_NL, _Q.IQ4_XS})
+_A8_ZMM |= {_Q.Q5_0: 2, _Q.Q5_1: 2, _Q.IQ4_NL: 4, _Q.IQ4_XS: 4}  # IQ4_XS (k 1280) as IQ4_NL
 # Q4_1 is left on 16 bits: the one Q4_1 file in use is the embedded SmolLM2, whose MLP inputs carry
 # channels far above the rest; on 8 bits its prefill moved the logits by 4.5e-3 of their spread
 # (tests/exactness/test_smollm2_gguf.py holds them within 1e-3; 16 bits: 1e-4). Its tiles are built

@@ -1324,12 +1324,22 @@ static inline __attribute__((always_inline)) void tile8_y(const uint8_t *g, int6
                 acc[0] = q4k_direct_y1(blk, x[0], acc[0]);
             } else if (R == 1 && !two && type == QTYPE_Q6_K) {
                 acc[0] = q6_direct_y1(blk, x[0], acc[0]);
-            } else if (type == QTYPE_Q6_K) {
-                q6_direct_y(blk, x, two, acc, R);
+            } else if (type == QTYPE_Q6_K) { /* each with a copy for blocks without the residual */
+                if (two) {                    /* pass, where no pass's weights are kept for the other */
+                    q6_direct_y(blk, x, two, acc, R);
+                } else {
+                    q6_direct_y(blk, x, 0, acc, R);
+                }
             } else if (legacy) {
-                legacy_direct_y(blk, x, two, acc, type, R);
-            } else {
+                if (two) {
+                    legacy_direct_y(blk, x, two, acc, type, R);
+                } else {
+                    legacy_direct_y(blk, x, 0, acc, type, R);
+                }
+            } else if (two) {
                 q45_direct_y(blk, x, two, acc, type, R);
+            } else {
+                q45_direct_y(blk, x, 0, acc, type, R);
             }
         }
         for (int r = 0; r < R; r++) total[r] = _mm256_add_ps(total[r], acc[r]);
