@@ -771,8 +771,8 @@ static inline __attribute__((always_inline)) void tile8_direct(const uint8_t *g0
 /* Up to how many rows a call takes a type by tile8_direct: unpacking a slice to memory first pays for
  * itself only over more row groups than these (docs/benchmarks-history.md, "Few rows on 8 bits"; Q6_K's 6-bit
  * weights, the most work to assemble per row group, from 13 rows since its passes start from the
- * stored offsets). */
-static inline int64_t direct_rows(const int type) { return type == QTYPE_Q4_K ? 32 : 12; }
+ * stored offsets; Q4_K from 25, where four row groups would assemble each block four times). */
+static inline int64_t direct_rows(const int type) { return type == QTYPE_Q4_K ? 24 : 12; }
 
 /* Weight rows [0, nc) x activation rows [0, nr) on 8-bit activations (rows of act_block8): each pair
  * of groups unpacked a slice of blocks at a time, every activation row over the slice; or, for a few
@@ -1035,10 +1035,12 @@ static inline __m256i add16_widen(__m256i acc, __m256i s16) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
 }
 
-/* d * (byte at ``shift`` of each lane of words), lane s: row s. */
-static inline __m256 scale_bytes(__m256i words, int shift, __m256 d) {
-    const __m256i byte = _mm256_and_si256(_mm256_srl_epi32(words, _mm_cvtsi32_si128(shift)), _mm256_set1_epi32(0xff));
-    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(byte));
+/* d * (byte at ``shift`` of each lane of words), lane s: row s; the shift a constant (no shift for
+ * the low byte, no mask for the high one). */
+static inline __m256 byte_at(__m256i words, const int shift, __m256 d) {
+    __m256i b = shift ? _mm256_srli_epi32(words, shift) : words;
+    if (shift < 24) b = _mm256_and_si256(b, _mm256_set1_epi32(0xff));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(b));
 }
 
 /* acc[r] += the integer sums lo[r], hi[r] (two 32-value blocks) at their scales times row r's steps
@@ -1092,13 +1094,14 @@ static inline __attribute__((always_inline)) void q45_direct_y(const uint8_t *bl
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
     const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
     __m256i lo[XR8], hi[XR8], l16[XR8], h16[XR8];
+#pragma GCC unroll 4
     for (int sb = 0; sb < 4; sb++) {
         const __m256i scw = sb < 2 ? words[0] : words[2], mw = sb < 2 ? words[1] : words[3];
         const int sh = 16 * (sb & 1);
-        const __m256 dsc_lo = scale_bytes(scw, sh, d), dsc_hi = scale_bytes(scw, sh + 8, d);
+        const __m256 dsc_lo = byte_at(scw, sh, d), dsc_hi = byte_at(scw, sh + 8, d);
         Q45_Y_PASS(q)
         scale8_y(acc, lo, hi, dsc_lo, dsc_hi, x, 2 * sb, R);
-        mins8_y(acc, scale_bytes(mw, sh, dmin), scale_bytes(mw, sh + 8, dmin), x, 2 * sb, R);
+        mins8_y(acc, byte_at(mw, sh, dmin), byte_at(mw, sh + 8, dmin), x, 2 * sb, R);
         if ((two >> (2 * sb)) & 3) { /* r's products, at a 128th of q's step */
             Q45_Y_PASS(r)
             scale8_y(acc, lo, hi, _mm256_mul_ps(dsc_lo, _mm256_set1_ps(1.0f / 128.0f)),
@@ -1162,12 +1165,6 @@ static inline __attribute__((always_inline)) void q6_direct_y(const uint8_t *blk
  * each ql and qh chunk read once for the four sub-blocks it holds, whose sums the float steps then
  * take in q6_direct_y's order. (With the residual pass the compiler kept a pass's weights for the
  * other, spilling them.) */
-static inline __m256 byte_at(__m256i words, const int shift, __m256 d) {
-    __m256i b = shift ? _mm256_srli_epi32(words, shift) : words;
-    if (shift < 24) b = _mm256_and_si256(b, _mm256_set1_epi32(0xff));
-    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(b));
-}
-
 static inline __attribute__((always_inline)) __m256 q4k_direct_y1(const uint8_t *blk, const act_block8 *x, __m256 acc) {
     const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     __m256i words[4];
