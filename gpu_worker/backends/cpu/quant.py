@@ -102,6 +102,10 @@ _A8_ZMM |= {_Q.Q5_0: 2, _Q.Q5_1: 2, _Q.IQ4_NL: 4, _Q.IQ4_XS: 4}  # IQ4_XS (k 128
 # (tests/exactness/test_smollm2_gguf.py holds them within 1e-3; 16 bits: 1e-4). Its tiles are built
 # and tested (bench.quant_matmul's q4_1_x8_a8: from 2 rows the faster on avx512_bf16).
 _A8_VNNI = {**_A8_ZMM, _Q.Q8_0: 2}
+# Q8_0 takes them at any k (a multiple of 32; csrc/quant_x8.c: the rest past the last whole 256 on the
+# 16-bit tile, added): Gemma 3's 640-wide head, 262k rows of Q8_0 in a Q4_K_M file, is most of a
+# 32-row step's multiplies.
+A8_ANY_K = frozenset({_Q.Q8_0})
 # AVX2 takes Q4_K and Q6_K on 8 bits from one row: without AVX-512 a one-row step is bound by the
 # core's instructions about as much as by memory, and there the 8-bit tile (csrc/quant_kx8.c's
 # one-row form) runs 1.35-1.4x the 16-bit one's pace (docs/benchmarks-history.md, "AVX2's one row
@@ -122,7 +126,7 @@ def a8_min_rows(kernels: CpuKernels, part: QuantBlocks) -> int:
     """From how many activation rows ``part`` meets 8-bit activations (NEVER: not on this build)."""
     if (
         part.layout != X8_LAYOUT
-        or (part.cols % A8_BLOCK and part.type not in A8_PER_32)
+        or (part.cols % A8_BLOCK and part.type not in A8_ANY_K | A8_PER_32)
         or not kernels.quant_supported(kernel_type(part) | A8)
     ):
         return NEVER
