@@ -85,7 +85,7 @@ def test_held_as_blocks(sub32_llama: tuple[Path, Path], caplog: pytest.LogCaptur
         "gate_up": [want["ffn_gate"], want["ffn_up"]],
         "down": [want["ffn_down"]],
     }
-    interleaved = {Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.IQ4_NL}  # (the others as the file has them)
+    interleaved = {Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS}  # (the rest as in the file)
     for impl in held.values():
         assert [p.layout == X8_LAYOUT for p in impl.weight.parts] == [
             p.type in interleaved for p in impl.weight.parts

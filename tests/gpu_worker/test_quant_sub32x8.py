@@ -1,8 +1,9 @@
-"""Q5_0, Q5_1 and IQ4_NL with rows interleaved by 8 (csrc/quant_sub32x8.c): the layout (layouts.py) and its
-dequantization, the 16-bit tile (few rows) and the 8-bit tile (many rows; its activations per 32
-values, so a k of 640 takes it) against float64 products over gguf-py's dequantization, on every CPU
-kind this machine runs; the 8-bit tiles' bits alike on every kind that has them, a row's output
-whatever rows are beside it, and QuantLinear taking them from A8_MIN_ROWS rows."""
+"""Q5_0, Q5_1, IQ4_NL and IQ4_XS with rows interleaved by 8 (csrc/quant_sub32x8.c): the layout
+(layouts.py) and its dequantization, the 16-bit tile (few rows) and the 8-bit tile (many rows; its
+activations per 32 values, so a k of 640 takes it) against float64 products over gguf-py's
+dequantization, on every CPU kind this machine runs; the 8-bit tiles' bits alike on every kind that
+has them, a row's output whatever rows are beside it, and QuantLinear taking them from A8_MIN_ROWS
+rows."""
 
 from __future__ import annotations
 
@@ -26,12 +27,19 @@ pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler to build the kernels"
 )
 
-SUB = [Q.Q5_0, Q.Q5_1, Q.IQ4_NL]
+SUB = [Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS]
 # one group; two groups (one 16-row tile); a lone group after a pair, Gemma 3 270M's k; 34 blocks
+# (IQ4_XS: k whole blocks of 256)
 SHAPES = [(8, 32), (16, 96), (24, 640), (40, 1088)]
-CASES = [(t, n, k) for t in SUB for n, k in SHAPES]
+XS_SHAPES = [(8, 256), (24, 512), (40, 1280)]
+CASES = [(t, n, k) for t in SUB for n, k in (XS_SHAPES if t == Q.IQ4_XS else SHAPES)]
 IDS = [f"{t.name}-{n}x{k}" for t, n, k in CASES]
 SPREAD = 6.0  # csrc/quant.h's ACT8_SPREAD
+
+
+def k_of(qtype: Q) -> int:
+    """The k the tests below take for ``qtype``: Gemma 3 270M's 640, IQ4_XS's 1024."""
+    return 1024 if qtype == Q.IQ4_XS else 640
 
 
 def held(qtype: Q, n: int, k: int) -> tuple[QuantBlocks, np.ndarray, np.ndarray]:
@@ -111,33 +119,35 @@ def test_8_bit_tile_matches_float64(
 def test_a_rows_output_does_not_depend_on_the_rows_beside_it(
     kernels: cpu_kernels.CpuKernels, qtype: Q
 ) -> None:
-    x8, _, _ = held(qtype, 24, 640)
-    x = activations(21, 640, torch.float32, 3)
+    k = k_of(qtype)
+    x8, _, _ = held(qtype, 24, k)
+    x = activations(21, k, torch.float32, 3)
     x[5, 300] = 5000.0
     x[9] *= 1e-3
     t = kernel_type(x8) | A8
-    together = kernels.quant_matmul(t, x8.data, 640, x)
+    together = kernels.quant_matmul(t, x8.data, k, x)
     for i in (0, 5, 9, 20):
-        assert torch.equal(kernels.quant_matmul(t, x8.data, 640, x[i : i + 1]), together[i : i + 1])
+        assert torch.equal(kernels.quant_matmul(t, x8.data, k, x[i : i + 1]), together[i : i + 1])
     order = torch.tensor([9, 5, 0, 11, 3, 20, 1])
-    assert torch.equal(kernels.quant_matmul(t, x8.data, 640, x[order]), together[order])
+    assert torch.equal(kernels.quant_matmul(t, x8.data, k, x[order]), together[order])
 
 
 @pytest.mark.parametrize("qtype", SUB, ids=[t.name for t in SUB])
 def test_every_kind_with_the_8_bit_tiles_gives_the_same_bits(qtype: Q) -> None:
-    x8, _, _ = held(qtype, 40, 640)
+    k = k_of(qtype)
+    x8, _, _ = held(qtype, 40, k)
     libs = [cpu_kernels.CpuKernels(cpu_kernels.build(kind), kind) for kind in a8_kinds()]
     if len(libs) < 2:
         pytest.skip("fewer than two kinds with the 8-bit tiles here")
-    x = activations(19, 640, torch.bfloat16, 11)
-    outs = [lib.quant_matmul(kernel_type(x8) | A8, x8.data, 640, x) for lib in libs]
+    x = activations(19, k, torch.bfloat16, 11)
+    outs = [lib.quant_matmul(kernel_type(x8) | A8, x8.data, k, x) for lib in libs]
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
 
 
 def test_quant_linear_takes_8_bits_from_the_tables_rows(kernels: cpu_kernels.CpuKernels) -> None:
     """A merged q/k/v of Q5_0, Q5_1, IQ4_NL at k = 640 (not whole blocks of 256): 16-bit below its
     type's A8_MIN_ROWS, 8-bit from it; never on portable."""
-    parts = [held(qtype, 16, 640)[0] for qtype in SUB]
+    parts = [held(qtype, 16, 640)[0] for qtype in SUB[:3]]
     linear = QuantLinear(QuantizedWeight(tuple(parts)), None, kernels)
     table = A8_MIN_ROWS[kernels.kind]
     want_at = [table.get(Q(p.type), NEVER) for p in parts]

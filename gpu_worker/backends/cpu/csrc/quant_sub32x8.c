@@ -1,4 +1,4 @@
-/* Q5_0, Q5_1 and IQ4_NL (quant_sub32.c draws the file's blocks) with their weight rows interleaved by 8, the
+/* Q5_0, Q5_1, IQ4_NL and IQ4_XS (quant_sub32.c draws the file's blocks) with their weight rows interleaved by 8, the
  * layout the worker holds them in (backends/cpu/layouts.py makes it at load: the same bytes,
  * rearranged). Type code: the ggml type | QTYPE_X8; | QTYPE_A8 for the 8-bit activations' tiles.
  *
@@ -6,6 +6,9 @@
  * group block of 8 * block_bytes at b * 8 * block_bytes:
  *   8 fp16 d (row 0 .. 7) | Q5_1: 8 fp16 m | Q5: qh: byte j (j < 4) of rows 0 .. 7, then byte j + 1
  *   (32) | quant chunks c < 4: bytes 4c .. 4c + 3 of row 0, of row 1, ..., of row 7 (4 x 32).
+ *   IQ4_XS (a block of 256, 1088 bytes): 8 fp16 d | 8 x 2 bytes of scale highs | 8 x 4 bytes of scale
+ *   lows | per sub-block i < 8 of 32 weights its 4 chunks as above (8 x 128). Its sub-block's scale
+ *   d (ls - 32) is made for the 8 rows at once (shifts and masks of the rows' words: exact).
  * A chunk's low nibbles are weights 4c .. 4c + 3 of each row, its high nibbles 16 + 4c .. 19 + 4c;
  * their fifth bits are bits 4c .. 4c + 3 of qh byte c / 2 (low) and of byte 2 + c / 2 (high), bit
  * 4 (c % 2) + i for weight i of the four. A chunk is one ymm: 4 bytes (one 32-bit lane) per row.
@@ -95,13 +98,32 @@ static void quantize_act8_32(const float *x, int64_t k, void *xq) {
     }
 }
 
-static inline int bb_of(const int type) { return type == QTYPE_Q5_1 ? 24 : type == QTYPE_Q5_0 ? 22 : 18; }
+static inline int bb_of(const int type) {
+    return type == QTYPE_Q5_1 ? 24 : type == QTYPE_Q5_0 ? 22 : type == QTYPE_IQ4_XS ? 136 : 18;
+}
+static inline int is_xs(const int type) { return type == QTYPE_IQ4_XS; }
+static inline int subs_of(const int type) { return is_xs(type) ? 8 : 1; } /* sub-blocks of 32 a block */
 static inline int head_of(const int type) { return type == QTYPE_Q5_1 ? 32 : 16; } /* d [, m] of a group block */
-static inline int is_q5(const int type) { return type != QTYPE_IQ4_NL; }
+static inline int is_q5(const int type) { return type == QTYPE_Q5_0 || type == QTYPE_Q5_1; }
 static inline int qs_of(const int type) { return head_of(type) + (is_q5(type) ? 32 : 0); } /* the chunks' start */
+/* The group block that holds sub-block b (of 32 weights), and where sub-block b's 4 chunks start in it. */
+static inline const uint8_t *group_block(const uint8_t *g, int64_t b, const int type) {
+    return g + b / subs_of(type) * 8 * bb_of(type);
+}
+static inline const uint8_t *chunks_at(const uint8_t *blk, int64_t b, const int type) {
+    return is_xs(type) ? blk + 64 + b % 8 * 128 : blk + qs_of(type);
+}
 
 /* Slot s's block (of the group block at blk) rebuilt as the file's block. */
 static inline void plain_block(const uint8_t *blk, int s, const int type, uint8_t *plain) {
+    if (is_xs(type)) {
+        memcpy(plain, blk + 2 * s, 2);
+        memcpy(plain + 2, blk + 16 + 2 * s, 2);
+        memcpy(plain + 4, blk + 32 + 4 * s, 4);
+        for (int i = 0; i < 8; i++)
+            for (int c = 0; c < 4; c++) memcpy(plain + 8 + 16 * i + 4 * c, blk + 64 + 128 * i + 32 * c + 4 * s, 4);
+        return;
+    }
     const int head = head_of(type), qh_at = type == QTYPE_Q5_1 ? 4 : 2, qs_at = qh_at + (is_q5(type) ? 4 : 0);
     memcpy(plain, blk + 2 * s, 2);
     if (type == QTYPE_Q5_1) memcpy(plain + 2, blk + 16 + 2 * s, 2);
@@ -112,12 +134,12 @@ static inline void plain_block(const uint8_t *blk, int s, const int type, uint8_
 /* Row s of the group at g (k weights) as float32: each block rebuilt, then quant_sub32.c's own
  * dequantization, so the values are exactly gguf-py's. */
 static inline void dequant_slot(const uint8_t *g, int s, int64_t k, float *out, const int type) {
-    const int bb = bb_of(type);
+    const int bb = bb_of(type), bw = QB * subs_of(type);
     const qtype_ops *plain_ops = qtype_sub32(type);
-    uint8_t plain[24];
-    for (int64_t b = 0; b < k / QB; b++) {
+    uint8_t plain[136];
+    for (int64_t b = 0; b < k / bw; b++) {
         plain_block(g + b * 8 * bb, s, type, plain);
-        plain_ops->dequant_row(plain, QB, out + b * QB);
+        plain_ops->dequant_row(plain, bw, out + b * bw);
     }
 }
 
@@ -147,9 +169,9 @@ static inline __m256i bit_pattern(const int odd) { return _mm256_set1_epi32(odd 
 
 /* Chunk c of the group block at blk as bytes, lane s row s: *lo weights 4c .. 4c + 3, *hi 16 + 4c ..
  * 19 + 4c; Q5's 5-bit unsigned, IQ4_NL's levels (signed). */
-static inline __attribute__((always_inline)) void chunk_bytes(const uint8_t *blk, int c, const int type, __m256i *lo,
-                                                              __m256i *hi) {
-    const uint8_t *qh = blk + head_of(type), *qs = blk + qs_of(type) + 32 * c;
+static inline __attribute__((always_inline)) void chunk_bytes(const uint8_t *blk, const uint8_t *q, int c,
+                                                              const int type, __m256i *lo, __m256i *hi) {
+    const uint8_t *qh = blk + head_of(type), *qs = q + 32 * c;
     const __m256i v = _mm256_loadu_si256((const __m256i *)qs), m4 = _mm256_set1_epi8(0x0f);
     if (!is_q5(type)) {
         const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
@@ -178,6 +200,20 @@ static inline __m256i pairs2(const int16_t *q) { /* q[0..3] in every 64-bit lane
     return _mm256_set1_epi64x(*(const i64_any *)q);
 }
 
+/* The 8 rows' scales of sub-block b in the group block at blk: d, or IQ4_XS's d (ls - 32), ls's low 4
+ * bits nibble b % 8 of the row's lows word, its high 2 bits bits 2 (b % 8) of its highs. */
+static inline __m256 scales8(const uint8_t *blk, int64_t b, const int type) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+    if (!is_xs(type)) return d;
+    const int i = (int)(b % 8);
+    const __m256i lows = _mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)(blk + 32)), _mm_cvtsi32_si128(4 * i));
+    const __m256i highs = _mm256_srl_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 16))),
+                                           _mm_cvtsi32_si128(2 * i));
+    const __m256i ls = _mm256_or_si256(_mm256_and_si256(lows, _mm256_set1_epi32(15)),
+                                       _mm256_slli_epi32(_mm256_and_si256(highs, _mm256_set1_epi32(3)), 4));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
+}
+
 /* out[r * ldo + s] = dot(row s of the group at g, activation row r), s < 8, r < nr <= R. */
 static inline __attribute__((always_inline)) void tile16(const uint8_t *g, int64_t nb, const act_block16 *const *xa,
                                                          int64_t nr, float *out, int64_t ldo, const int type,
@@ -186,14 +222,15 @@ static inline __attribute__((always_inline)) void tile16(const uint8_t *g, int64
     const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7); /* hadd's rows; its own inverse */
     __m256 acc[XR];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = g + b * gbb;
-        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + S32X8_PF + at), _MM_HINT_T0);
+    for (int64_t b = 0; b < nb * subs_of(type); b++) {
+        const uint8_t *blk = group_block(g, b, type), *q = chunks_at(blk, b, type);
+        if (b % subs_of(type) == 0)
+            for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + S32X8_PF + at), _MM_HINT_T0);
         __m256i sa[XR], sb[XR];
         for (int r = 0; r < R; r++) sa[r] = sb[r] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
             __m256i lo, hi;
-            chunk_bytes(blk, c, type, &lo, &hi);
+            chunk_bytes(blk, q, c, type, &lo, &hi);
             const __m256i la = widen(_mm256_castsi256_si128(lo), type), lb = widen(_mm256_extracti128_si256(lo, 1), type);
             const __m256i ha = widen(_mm256_castsi256_si128(hi), type), hb = widen(_mm256_extracti128_si256(hi, 1), type);
             for (int r = 0; r < R; r++) {
@@ -202,7 +239,7 @@ static inline __attribute__((always_inline)) void tile16(const uint8_t *g, int64
                 sb[r] = DPW8(DPW8(sb[r], lb, xl), hb, xh);
             }
         }
-        const __m256 d = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)), order);
+        const __m256 d = _mm256_permutevar8x32_ps(scales8(blk, b, type), order);
         const __m256 m = type == QTYPE_Q5_1
                              ? _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))), order)
                              : _mm256_mul_ps(d, _mm256_set1_ps(-16.0f));
@@ -262,12 +299,12 @@ static inline __m512i spread2(const uint8_t *a, const uint8_t *b) {
 }
 
 /* Chunk c of the two groups' blocks (blk0: tile rows 0-7, blk1: 8-15) as 5-bit unsigned bytes. */
-static inline __attribute__((always_inline)) void chunk_bytes2(const uint8_t *blk0, const uint8_t *blk1, int c,
-                                                               const int type, __m512i *lo, __m512i *hi) {
-    const int head = head_of(type), qs = qs_of(type);
+static inline __attribute__((always_inline)) void chunk_bytes2(const uint8_t *blk0, const uint8_t *blk1, int64_t b,
+                                                               int c, const int type, __m512i *lo, __m512i *hi) {
+    const int head = head_of(type);
     const __m512i v = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk0 + qs + 32 * c))),
-        _mm256_loadu_si256((const __m256i *)(blk1 + qs + 32 * c)), 1);
+        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(chunks_at(blk0, b, type) + 32 * c))),
+        _mm256_loadu_si256((const __m256i *)(chunks_at(blk1, b, type) + 32 * c)), 1);
     const __m512i m4 = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
     if (!is_q5(type)) {
         const __m512i levels = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
@@ -318,7 +355,7 @@ static inline __m512i dps4(__m512i acc, __m512i aw, __mmask64 neg, const int8_t 
     for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();                 \
     for (int c = 0; c < 4; c++) {                                               \
         __m512i lo, hi;                                                         \
-        chunk_bytes2(blk0, blk1, c, type, &lo, &hi);                            \
+        chunk_bytes2(blk0, blk1, b, c, type, &lo, &hi);                         \
         if (is_q5(type)) {                                                      \
             for (int r = 0; r < R; r++) {                                       \
                 is[r] = dpb4(is[r], lo, xa[r][b].FIELD + 4 * c);                \
@@ -341,17 +378,16 @@ static inline __attribute__((always_inline)) void tile8(const uint8_t *g0, const
     __m512 acc[XR8];
     __m512i is[XR8];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk0 = g0 + b * gbb, *blk1 = g1 + b * gbb;
-        for (int at = 0; at < gbb; at += 64) {
+    for (int64_t b = 0; b < nb * subs_of(type); b++) {
+        const uint8_t *blk0 = group_block(g0, b, type), *blk1 = group_block(g1, b, type);
+        for (int at = 0; at < gbb && b % subs_of(type) == 0; at += 64) {
             _mm_prefetch((const char *)(blk0 + S32X8_PF + at), _MM_HINT_T0);
             _mm_prefetch((const char *)(blk1 + S32X8_PF + at), _MM_HINT_T0);
         }
         int two = 0;
         for (int r = 0; r < R; r++) two |= xa[r][b].two;
         A8_PASS(q)
-        const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk0))),
-                                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk1)), 1);
+        const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(scales8(blk0, b, type)), scales8(blk1, b, type), 1);
         const __m512 m = type == QTYPE_Q5_1
                              ? _mm512_insertf32x8(
                                    _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk0 + 16)))),
@@ -410,7 +446,7 @@ static inline __attribute__((always_inline)) void tile8_loop(const uint8_t *w, i
     for (int r = 0; r < R; r++) is[r] = _mm256_setzero_si256();                                                   \
     for (int c = 0; c < 4 && !is_q5(type); c++) {                                                                  \
         __m256i lo, hi;                                                                                            \
-        chunk_bytes(blk, c, type, &lo, &hi);                                                                       \
+        chunk_bytes(blk, q, c, type, &lo, &hi);                                                                    \
         const __m256i al = _mm256_abs_epi8(lo), ah = _mm256_abs_epi8(hi), one = _mm256_set1_epi16(1);              \
         for (int r = 0; r < R; r++) {                                                                              \
             const int8_t *x = xa[r][b].FIELD;                                                                      \
@@ -422,8 +458,8 @@ static inline __attribute__((always_inline)) void tile8_loop(const uint8_t *w, i
     }                                                                                                              \
     for (int c2 = 0; c2 < 4 && is_q5(type); c2 += 2) {                                                             \
         __m256i lo0, hi0, lo1, hi1;                                                                                \
-        chunk_bytes(blk, c2, type, &lo0, &hi0);                                                                    \
-        chunk_bytes(blk, c2 + 1, type, &lo1, &hi1);                                                                \
+        chunk_bytes(blk, q, c2, type, &lo0, &hi0);                                                                 \
+        chunk_bytes(blk, q, c2 + 1, type, &lo1, &hi1);                                                             \
         for (int r = 0; r < R; r++) {                                                                              \
             const int8_t *x = xa[r][b].FIELD;                                                                      \
             __m256i s = _mm256_maddubs_epi16(lo0, _mm256_set1_epi32(*(const i32_any *)(x + 4 * c2)));             \
@@ -440,13 +476,14 @@ static inline __attribute__((always_inline)) void tile8(const uint8_t *g, int64_
     __m256 acc[XR8];
     __m256i is[XR8];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = g + b * gbb;
-        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + S32X8_PF + at), _MM_HINT_T0);
+    for (int64_t b = 0; b < nb * subs_of(type); b++) {
+        const uint8_t *blk = group_block(g, b, type), *q = chunks_at(blk, b, type);
+        for (int at = 0; at < gbb && b % subs_of(type) == 0; at += 64)
+            _mm_prefetch((const char *)(blk + S32X8_PF + at), _MM_HINT_T0);
         int two = 0;
         for (int r = 0; r < R; r++) two |= xa[r][b].two;
         A8_PASS(q)
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 d = scales8(blk, b, type);
         const __m256 m = type == QTYPE_Q5_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
                                             : _mm256_mul_ps(d, _mm256_set1_ps(-16.0f));
         __m256 sc[XR8];
@@ -504,8 +541,8 @@ static inline void tile16_plain(const uint8_t *w, int64_t wrb, int64_t nc, const
 #define TILE16_LOOP(TYPE) tile16_plain(w, wrb, nc, xq, xrb, nr, nb, out, ldo, TYPE)
 
 /* Weight i (< 32) of slot s in the group block at blk, unsigned. */
-static inline int32_t weight_at(const uint8_t *blk, int s, int i, const int type) {
-    const uint8_t *qh = blk + head_of(type), byte = blk[qs_of(type) + 32 * (i % 16 / 4) + 4 * s + i % 4];
+static inline int32_t weight_at(const uint8_t *blk, const uint8_t *q, int s, int i, const int type) {
+    const uint8_t *qh = blk + head_of(type), byte = q[32 * (i % 16 / 4) + 4 * s + i % 4];
     const int32_t nib = i < 16 ? byte & 0x0f : byte >> 4;
     if (!is_q5(type)) return IQ4_LEVELS[nib];
     return nib | ((qh[8 * (i / 8) + s] >> (i % 8)) & 1) << 4;
@@ -517,25 +554,31 @@ static inline float half_at(const uint8_t *p) {
     return fp16_to_f32(h);
 }
 
+/* IQ4_XS's 6-bit scale of slot s's sub-block b % 8. */
+static inline int xs_ls(const uint8_t *blk, int s, int64_t b) {
+    const int i = (int)(b % 8), high = blk[16 + 2 * s + i / 4] >> (2 * (i % 4)) & 3;
+    return (blk[32 + 4 * s + i / 2] >> (4 * (i % 2)) & 15) | high << 4;
+}
+
 /* The 8-bit tiles' integers and float steps, plain C. */
 static inline void tile8_plain(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
                                int64_t nb, float *out, int64_t ldo, const int type) {
-    const int gbb = 8 * bb_of(type);
     for (int64_t c = 0; c < nc; c++) {
         const uint8_t *g = w + c / 8 * 8 * wrb;
         const int s = (int)(c % 8);
         for (int64_t r = 0; r < nr; r++) {
             const act8_32 *xa = (const act8_32 *)(xq + r * xrb);
             float acc = 0.0f;
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = g + b * gbb;
+            for (int64_t b = 0; b < nb * subs_of(type); b++) {
+                const uint8_t *blk = group_block(g, b, type), *qs = chunks_at(blk, b, type);
                 int32_t iq = 0, ir = 0;
                 for (int i = 0; i < QB; i++) {
-                    const int32_t q = weight_at(blk, s, i, type);
+                    const int32_t q = weight_at(blk, qs, s, i, type);
                     iq += q * xa[b].q[i];
                     ir += q * xa[b].r[i];
                 }
-                const float d = half_at(blk + 2 * s), sc = d * xa[b].d;
+                const float d = half_at(blk + 2 * s) * (is_xs(type) ? (float)(xs_ls(blk, s, b) - 32) : 1.0f);
+                const float sc = d * xa[b].d;
                 const float m = type == QTYPE_Q5_1 ? half_at(blk + 16 + 2 * s) : d * -16.0f;
                 acc = fmaf((float)iq, sc, acc);
                 if (is_q5(type)) acc = fmaf(m, xa[b].s, acc);
@@ -560,6 +603,7 @@ static inline void tile8_plain(const uint8_t *w, int64_t wrb, int64_t nc, const 
 S32X8_TILES(tile_q5_0, tile_q5_0_a8, QTYPE_Q5_0)
 S32X8_TILES(tile_q5_1, tile_q5_1_a8, QTYPE_Q5_1)
 S32X8_TILES(tile_iq4_nl, tile_iq4_nl_a8, QTYPE_IQ4_NL)
+S32X8_TILES(tile_iq4_xs, tile_iq4_xs_a8, QTYPE_IQ4_XS)
 
 static void slot_q5_0(const uint8_t *g, int s, int64_t k, float *out) { dequant_slot(g, s, k, out, QTYPE_Q5_0); }
 static void slot_q5_1(const uint8_t *g, int s, int64_t k, float *out) { dequant_slot(g, s, k, out, QTYPE_Q5_1); }
@@ -572,6 +616,10 @@ static void group_q5_1(const uint8_t *g, int64_t k, float *out) {
 static void slot_iq4_nl(const uint8_t *g, int s, int64_t k, float *out) { dequant_slot(g, s, k, out, QTYPE_IQ4_NL); }
 static void group_iq4_nl(const uint8_t *g, int64_t k, float *out) {
     for (int s = 0; s < 8; s++) dequant_slot(g, s, k, out + s * k, QTYPE_IQ4_NL);
+}
+static void slot_iq4_xs(const uint8_t *g, int s, int64_t k, float *out) { dequant_slot(g, s, k, out, QTYPE_IQ4_XS); }
+static void group_iq4_xs(const uint8_t *g, int64_t k, float *out) {
+    for (int s = 0; s < 8; s++) dequant_slot(g, s, k, out + s * k, QTYPE_IQ4_XS);
 }
 
 #define ACT16 ((int)sizeof(act_block16))
@@ -588,6 +636,10 @@ static const qtype_ops OPS_IQ4_NL = {QTYPE_IQ4_NL | QTYPE_X8, QB, 18, ACT16, qua
                                      slot_iq4_nl, group_iq4_nl};
 static const qtype_ops OPS_IQ4_NL_A8 = {QTYPE_IQ4_NL | QTYPE_X8 | QTYPE_A8, QB, 18, ACT8, quantize_act8_32,
                                         tile_iq4_nl_a8, NULL, slot_iq4_nl, group_iq4_nl};
+static const qtype_ops OPS_IQ4_XS = {QTYPE_IQ4_XS | QTYPE_X8, 256, 136, 8 * ACT16, quantize_act16, tile_iq4_xs, NULL,
+                                     slot_iq4_xs, group_iq4_xs};
+static const qtype_ops OPS_IQ4_XS_A8 = {QTYPE_IQ4_XS | QTYPE_X8 | QTYPE_A8, 256, 136, 8 * ACT8, quantize_act8_32,
+                                        tile_iq4_xs_a8, NULL, slot_iq4_xs, group_iq4_xs};
 
 const qtype_ops *qtype_sub32x8(int type) {
     switch (type) {
@@ -597,6 +649,8 @@ const qtype_ops *qtype_sub32x8(int type) {
     case QTYPE_Q5_1 | QTYPE_X8 | QTYPE_A8: return &OPS_Q5_1_A8;
     case QTYPE_IQ4_NL | QTYPE_X8: return &OPS_IQ4_NL;
     case QTYPE_IQ4_NL | QTYPE_X8 | QTYPE_A8: return &OPS_IQ4_NL_A8;
+    case QTYPE_IQ4_XS | QTYPE_X8: return &OPS_IQ4_XS;
+    case QTYPE_IQ4_XS | QTYPE_X8 | QTYPE_A8: return &OPS_IQ4_XS_A8;
     default: return NULL;
     }
 }
