@@ -333,6 +333,31 @@ static void conv_block(const void *x, int64_t x_stride, int dtype, void *out, vo
     }
 }
 
+/* conv_block for one token (t) of channels [c0, c0 + n) of a row whose state holds its last K - 1
+ * inputs (HF's decode; K = CONV_TAPS, Qwen3.5's), no bias: the same sums in the same order and the
+ * same roundings, in one pass over the channels in place of conv_block's per-channel loads. */
+#define CONV_TAPS 4
+static void conv_decode(const void *x, int64_t x_stride, int dtype, void *out, void *conv_state, int state_dtype,
+                        int64_t slot, const void *w, int64_t channels, int64_t t, int64_t c0, int n) {
+    float o[2 * CONV_BLOCK], wt[CONV_TAPS * CONV_BLOCK], hist[(CONV_TAPS - 1) * CONV_BLOCK], xv[CONV_BLOCK];
+    const int64_t at = (slot * channels + c0) * (CONV_TAPS - 1);
+    load_vec(w, dtype, c0 * CONV_TAPS, n * CONV_TAPS, wt);
+    load_vec(conv_state, state_dtype, at, n * (CONV_TAPS - 1), hist);
+    load_vec(x, dtype, t * x_stride + c0, n, xv);
+    for (int c = 0; c < n; c++) {
+        float acc = 0.0f;
+        for (int m = 0; m < CONV_TAPS - 1; m++) acc += wt[c * CONV_TAPS + m] * hist[c * (CONV_TAPS - 1) + m];
+        o[c] = acc + wt[c * CONV_TAPS + CONV_TAPS - 1] * xv[c];
+        o[n + c] = 1.0f; /* [gate | up] with up = 1 */
+        for (int m = 0; m + 1 < CONV_TAPS - 1; m++) hist[c * (CONV_TAPS - 1) + m] = hist[c * (CONV_TAPS - 1) + m + 1];
+        hist[c * (CONV_TAPS - 1) + CONV_TAPS - 2] = xv[c];
+    }
+    store_vec(conv_state, state_dtype, at, n * (CONV_TAPS - 1), hist);
+    round_vec(dtype, o, n); /* torch rounds the conv's output, then silu's, to the dtype */
+    silu_mul_row(o, o, n, DTYPE_F32);
+    store_vec(out, dtype, t * channels + c0, n, o);
+}
+
 int causal_conv1d(const void *x, int64_t x_stride, int dtype, void *out, void *conv_state, int state_dtype,
                   int64_t state_len, const int64_t *slots, const uint8_t *fresh, const int64_t *cu_seqlens,
                   int64_t seqs, const void *w, const void *bias, int64_t channels, int kernel, int silu) {
@@ -346,9 +371,14 @@ int causal_conv1d(const void *x, int64_t x_stride, int dtype, void *out, void *c
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t c0 = b * CONV_BLOCK;
             const int n = (int)(channels - c0 < CONV_BLOCK ? channels - c0 : CONV_BLOCK);
-            conv_block(x, x_stride, dtype, out, conv_state, state_dtype, state_len, slots[r],
-                       fresh != NULL && fresh[r], w, bias, channels, kernel, silu, cu_seqlens[r], cu_seqlens[r + 1],
-                       c0, n);
+            const int zero = fresh != NULL && fresh[r];
+            if (cu_seqlens[r + 1] - cu_seqlens[r] == 1 && kernel == CONV_TAPS && state_len == CONV_TAPS - 1 && !zero &&
+                bias == NULL && silu)
+                conv_decode(x, x_stride, dtype, out, conv_state, state_dtype, slots[r], w, channels, cu_seqlens[r], c0,
+                            n);
+            else
+                conv_block(x, x_stride, dtype, out, conv_state, state_dtype, state_len, slots[r], zero, w, bias,
+                           channels, kernel, silu, cu_seqlens[r], cu_seqlens[r + 1], c0, n);
         }
     }
     return RV_OK;
@@ -402,8 +432,12 @@ int gated_delta_decode_step(const float *mixed, int64_t mixed_stride, const floa
                 const int64_t c0 = blk * CONV_BLOCK;
                 const int n = (int)(channels - c0 < CONV_BLOCK ? channels - c0 : CONV_BLOCK);
                 /* row r's one token is token r of mixed (x) and of scratch (out) */
-                conv_block(mixed, mixed_stride, DTYPE_F32, scratch, conv_state, DTYPE_F32, state_len, slots[r], 0,
-                           conv_w, NULL, channels, kernel, 1, r, r + 1, c0, n);
+                if (kernel == CONV_TAPS && state_len == CONV_TAPS - 1)
+                    conv_decode(mixed, mixed_stride, DTYPE_F32, scratch, conv_state, DTYPE_F32, slots[r], conv_w,
+                                channels, r, c0, n);
+                else
+                    conv_block(mixed, mixed_stride, DTYPE_F32, scratch, conv_state, DTYPE_F32, state_len, slots[r],
+                               0, conv_w, NULL, channels, kernel, 1, r, r + 1, c0, n);
             }
         }
 #pragma omp for collapse(2) schedule(static)
