@@ -79,10 +79,11 @@ X8_DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
 # From how many rows an interleaved Linear meets 8-bit activations (csrc/quant.h's act_block8,
 # csrc/quant_kx8.c's vpdpbusd tiles; its k a multiple of 256) rather than 16-bit ones, per CPU kind:
 # the AVX-512 builds have those tiles (vpdpbusd with VNNI, maddubs without, where Q8_0 has none),
-# and AVX2 (maddubs on ymm, no Q8_0; the AVX-512 builds' bits), from the same rows (but AVX2's Q4_K
-# and Q6_K, below), so a row count gets the same activation precision on every kind; portable never
-# takes them. Below the threshold a step streams its weights once and the 16-bit tile, which reads
-# them in place, is the faster; from it, twice the products per instruction win.
+# and AVX2 (maddubs on ymm, no Q8_0; the AVX-512 builds' bits), from the same rows, so a row count
+# gets the same activation precision on every kind; portable never takes them. Below the threshold
+# a step streams its weights once and the 16-bit tile, which reads them in place, is the faster;
+# from it, twice the products per instruction win (AVX2 at one row too: docs/benchmarks-history.md,
+# "AVX2's one row on 8 bits").
 # Measured by ``python -m bench.quant_matmul --paths '.*_x8(_a8)?$'`` (docs/benchmarks-history.md,
 # "8-bit activations").
 A8_BLOCK = 256  # act_block8's values: a Linear's k must be a multiple
@@ -106,18 +107,12 @@ _A8_VNNI = {**_A8_ZMM, _Q.Q8_0: 2}
 # 16-bit tile, added): Gemma 3's 640-wide head, 262k rows of Q8_0 in a Q4_K_M file, is most of a
 # 32-row step's multiplies.
 A8_ANY_K = frozenset({_Q.Q8_0})
-# AVX2 takes Q4_K and Q6_K on 8 bits from one row: without AVX-512 a one-row step is bound by the
-# core's instructions about as much as by memory, and there the 8-bit tile (csrc/quant_kx8.c's
-# one-row form) runs 1.35-1.4x the 16-bit one's pace (docs/benchmarks-history.md, "AVX2's one row
-# on 8 bits"). The one place a row count's activation precision differs by kind: 8 bits with the
-# residual pass there, 16 elsewhere.
-_A8_AVX2 = {**_A8_ZMM, _Q.Q4_K: 1, _Q.Q6_K: 1}
 A8_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
     CpuKind.AMX: _A8_VNNI,
     CpuKind.AVX512_BF16: _A8_VNNI,
     CpuKind.AVX512_VNNI: _A8_VNNI,
     CpuKind.AVX512: _A8_ZMM,
-    CpuKind.AVX2: _A8_AVX2,
+    CpuKind.AVX2: _A8_ZMM,
     CpuKind.PORTABLE: {},
 }
 
