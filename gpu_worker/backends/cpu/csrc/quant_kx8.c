@@ -771,8 +771,8 @@ static inline __attribute__((always_inline)) void tile8_direct(const uint8_t *g0
 /* Up to how many rows a call takes a type by tile8_direct: unpacking a slice to memory first pays for
  * itself only over more row groups than these (docs/benchmarks-history.md, "Few rows on 8 bits"; Q6_K's 6-bit
  * weights, the most work to assemble per row group, from 13 rows since its passes start from the
- * stored offsets; Q4_K from 25, where four row groups would assemble each block four times). */
-static inline int64_t direct_rows(const int type) { return type == QTYPE_Q4_K ? 24 : 12; }
+ * stored offsets). */
+static inline int64_t direct_rows(const int type) { return type == QTYPE_Q4_K ? 32 : 12; }
 
 /* Weight rows [0, nc) x activation rows [0, nr) on 8-bit activations (rows of act_block8): each pair
  * of groups unpacked a slice of blocks at a time, every activation row over the slice; or, for a few
