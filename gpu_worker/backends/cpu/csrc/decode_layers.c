@@ -82,29 +82,6 @@ static int linear_add(const decode_layer *l, int i, const decode_dims *dims, int
     return RV_OK;
 }
 
-/* The pairs (row r, its k-th expert ids[r top_k + k]) sorted by expert, stably: tokens[j] the row
- * and w_sorted[j] the weight of sorted pair j; spans (expert, start, count) per expert with pairs,
- * experts ascending. next: n_experts scratch. Returns the number of spans. */
-static int64_t group_pairs(const int64_t *ids, const void *w, int64_t pairs, int64_t top_k, int64_t n_experts,
-                           int64_t *next, int64_t *tokens, void *w_sorted, int64_t *spans, int64_t elem) {
-    memset(next, 0, (size_t)n_experts * sizeof(int64_t));
-    for (int64_t i = 0; i < pairs; i++) next[ids[i]]++;
-    int64_t n_spans = 0, at = 0;
-    for (int64_t e = 0; e < n_experts; e++) {
-        const int64_t count = next[e];
-        next[e] = at;
-        if (count == 0) continue;
-        spans[3 * n_spans] = e, spans[3 * n_spans + 1] = at, spans[3 * n_spans + 2] = count;
-        n_spans++, at += count;
-    }
-    for (int64_t i = 0; i < pairs; i++) {
-        const int64_t j = next[ids[i]]++;
-        tokens[j] = i / top_k;
-        memcpy((char *)w_sorted + j * elem, (const char *)w + i * elem, (size_t)elem);
-    }
-    return n_spans;
-}
-
 /* out [rows, hidden] = the residual stream after every layer, from x [rows, hidden] (the embedding
  * rows; not written). cos / sin: [tables, rows, head_dim] at the rows' positions (a layer's rope
  * picks its table). The attention arguments
@@ -124,8 +101,8 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
     int64_t k_max = hidden > q_out ? hidden : q_out; /* the Linears' inputs: hidden, q_out, hidden, inner */
     k_max = k_max > inner ? k_max : inner;
     const int64_t scratch_at = (total + 63) & ~(int64_t)63;
-    /* the mixtures of experts': y [rows, hidden], then ids, the sorted tokens, next and spans
-     * (int64), the weights and the sorted weights (dtype), at the layers' largest sizes */
+    /* the mixtures of experts': y [rows, hidden], then ids, the sorted tokens and spans (int64),
+     * the weights and the sorted weights (dtype), at the layers' largest sizes */
     int64_t top_k = 0, n_experts = 0;
     for (int64_t li = 0; li < n_layers; li++)
         if (layers[li].router != NULL) {
@@ -134,13 +111,12 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
         }
     const int64_t moe_at = scratch_at + rows * act_row_bytes_max(k_max);
     const int64_t pairs_max = rows * top_k, ints_at = moe_at + rows * hidden * elem;
-    const int64_t floats_at = ints_at + (2 * pairs_max + 4 * n_experts) * (int64_t)sizeof(int64_t);
+    const int64_t floats_at = ints_at + (2 * pairs_max + 3 * n_experts) * (int64_t)sizeof(int64_t);
     char *arena = malloc((size_t)(floats_at + 2 * pairs_max * elem));
     if (arena == NULL) return RV_ERR_NO_MEMORY;
     void *h = arena + at[0], *qkv = arena + at[1], *attn = arena + at[2], *gu = arena + at[3], *act = arena + at[4];
     void *scratch = arena + scratch_at, *moe_y = arena + moe_at;
-    int64_t *ids = (int64_t *)(arena + ints_at), *tokens = ids + pairs_max, *next = tokens + pairs_max;
-    int64_t *spans = next + n_experts;
+    int64_t *ids = (int64_t *)(arena + ints_at), *tokens = ids + pairs_max, *spans = tokens + pairs_max;
     void *weights = arena + floats_at, *w_sorted = arena + floats_at + pairs_max * elem;
     memcpy(out, x, (size_t)(rows * hidden * elem));
     int status = 0;
@@ -171,8 +147,9 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
             status = moe_route(h, rows, hidden, l->router, l->n_experts, l->top_k, (int)l->norm_topk, ids, weights,
                                dtype);
             if (status != 0) break;
-            const int64_t n_spans = group_pairs(ids, weights, pairs, l->top_k, l->n_experts, next, tokens, w_sorted,
-                                                spans, elem);
+            int64_t n_spans = 0;
+            status = moe_group(ids, weights, rows, l->top_k, l->n_experts, tokens, w_sorted, spans, &n_spans, dtype);
+            if (status != 0) break;
             status = moe_experts(l->experts, hidden, l->expert_inner, h, tokens, w_sorted, spans, n_spans, pairs, rows,
                                  moe_y, dtype);
             if (status != 0) break;
