@@ -105,8 +105,11 @@ _A8_ZMM |= {_Q.Q5_0: 2, _Q.Q5_1: 2, _Q.IQ4_NL: 4, _Q.IQ4_XS: 4}  # IQ4_XS (k 128
 _A8_VNNI = {**_A8_ZMM, _Q.Q8_0: 2}
 # Q8_0 takes them at any k (a multiple of 32; csrc/quant_x8.c: the rest past the last whole 256 on the
 # 16-bit tile, added): Gemma 3's 640-wide head, 262k rows of Q8_0 in a Q4_K_M file, is most of a
-# 32-row step's multiplies.
+# 32-row step's multiplies. At such widths only from more rows than one request's speculative verify
+# pass (1 + 7 drafts): the embedded SmolLM2's 576-wide Q8_0 head ran 16 bits at every row count, and a
+# lone request's kept drafts keep the logprobs of its plain decode (tests/integration/test_speculative).
 A8_ANY_K = frozenset({_Q.Q8_0})
+A8_ANY_K_MIN_ROWS = 9
 A8_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
     CpuKind.AMX: _A8_VNNI,
     CpuKind.AVX512_BF16: _A8_VNNI,
@@ -125,7 +128,8 @@ def a8_min_rows(kernels: CpuKernels, part: QuantBlocks) -> int:
         or not kernels.quant_supported(kernel_type(part) | A8)
     ):
         return NEVER
-    return A8_MIN_ROWS[kernels.kind].get(GGMLQuantizationType(part.type), NEVER)
+    rows = A8_MIN_ROWS[kernels.kind].get(GGMLQuantizationType(part.type), NEVER)
+    return max(rows, A8_ANY_K_MIN_ROWS) if part.cols % A8_BLOCK and part.type in A8_ANY_K else rows
 
 
 def dense_min_rows(kind: CpuKind, part: QuantBlocks) -> int:
