@@ -34,10 +34,10 @@
 enum { QKV, O, GATE_UP, DOWN, LINEARS };
 _Static_assert(LINEARS == DECODE_LINEARS, "decode_layer's Linears (rivulet_kernels.h)");
 
-/* y [rows, n] = (residual +) x W^T of one Linear, part by part, each by the path its row count takes. */
-static int linear(const decode_layer *l, int i, int64_t n, int64_t k, const void *x, int64_t rows, void *scratch,
-                  void *y, int dtype, const void *residual) {
-    const decode_linear *lin = &l->linear[i];
+/* y [rows, n] = (residual +) x W^T of one Linear, part by part, each by the path its row count takes
+ * (QuantLinear's choice). Other one-call decodes (of other layer kinds) run their Linears by it too. */
+int decode_linear_run(const decode_linear *lin, int64_t n, int64_t k, const void *x, int64_t rows, void *scratch,
+                      void *y, int dtype, const void *residual) {
     const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4;
     int64_t col = 0;
     for (int p = 0; p < MAX_PARTS && lin->n[p] > 0; p++) {
@@ -55,7 +55,7 @@ static int linear(const decode_layer *l, int i, int64_t n, int64_t k, const void
 }
 
 /* x [n] += y [n], each sum rounded to the dtype (torch's add). */
-static void add_into(void *x, const void *y, int64_t n_all, int dtype) {
+void decode_add_into(void *x, const void *y, int64_t n_all, int dtype) {
     float a[256], b[256];
     for (int64_t i0 = 0; i0 < n_all; i0 += 256) {
         const int n = n_all - i0 < 256 ? (int)(n_all - i0) : 256;
@@ -74,11 +74,11 @@ static int linear_add(const decode_layer *l, int i, const decode_dims *dims, int
     const int64_t n = dims->hidden;
     /* out = out + x W^T in place: each output element is read (as the residual) and then written by
      * the same thread, once, and no other output is read after */
-    if (norm == NULL) return linear(l, i, n, k, x, rows, scratch, out, dtype, out);
-    const int status = linear(l, i, n, k, x, rows, scratch, y, dtype, NULL);
+    if (norm == NULL) return decode_linear_run(&l->linear[i], n, k, x, rows, scratch, out, dtype, out);
+    const int status = decode_linear_run(&l->linear[i], n, k, x, rows, scratch, y, dtype, NULL);
     if (status != 0) return status;
     rms_norm(y, n, norm, y, rows, (int)n, dims->eps, dtype);
-    add_into(out, y, rows * n, dtype);
+    decode_add_into(out, y, rows * n, dtype);
     return RV_OK;
 }
 
@@ -123,7 +123,7 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
     for (int64_t li = 0; li < n_layers && status == 0; li++) {
         const decode_layer *l = layers + li;
         rms_norm(out, hidden, l->input_norm, h, rows, (int)hidden, dims->eps, dtype);
-        if ((status = linear(l, QKV, qkv_n, hidden, h, rows, scratch, qkv, dtype, NULL)) != 0) break;
+        if ((status = decode_linear_run(&l->linear[QKV], qkv_n, hidden, h, rows, scratch, qkv, dtype, NULL)) != 0) break;
         if (l->q_norm != NULL) /* each row's q heads, then its k heads, normed in place */
             for (int64_t r = 0; r < rows; r++) {
                 char *row = (char *)qkv + r * qkv_n * elem;
@@ -153,10 +153,10 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
             status = moe_experts(l->experts, hidden, l->expert_inner, h, tokens, w_sorted, spans, n_spans, pairs, rows,
                                  moe_y, dtype);
             if (status != 0) break;
-            add_into(out, moe_y, rows * hidden, dtype);
+            decode_add_into(out, moe_y, rows * hidden, dtype);
             continue;
         }
-        if ((status = linear(l, GATE_UP, 2 * inner, hidden, h, rows, scratch, gu, dtype, NULL)) != 0) break;
+        if ((status = decode_linear_run(&l->linear[GATE_UP], 2 * inner, hidden, h, rows, scratch, gu, dtype, NULL)) != 0) break;
         if (dims->gelu)
             gelu_tanh_mul(gu, act, rows, (int)inner, dtype);
         else

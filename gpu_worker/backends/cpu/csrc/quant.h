@@ -156,6 +156,12 @@ void quant_panel(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int64_t nb
                  const uint8_t *xq, int64_t xrb, int64_t r0, int64_t r1, void *y, int64_t y_stride, int y_dtype,
                  const void *residual, int64_t res_stride);
 
+/* decode_layers.c's steps, for every one-call decode: one Linear (its parts, each by the path its row
+ * count takes) into y, plus residual where not NULL; and x += y rounded to the dtype (torch's add). */
+int decode_linear_run(const decode_linear *lin, int64_t n, int64_t k, const void *x, int64_t rows, void *scratch,
+                      void *y, int dtype, const void *residual);
+void decode_add_into(void *x, const void *y, int64_t n_all, int dtype);
+
 /* The ops of ``type`` if the file implements it, else NULL. */
 const qtype_ops *qtype_legacy(int type);
 const qtype_ops *qtype_k(int type);
