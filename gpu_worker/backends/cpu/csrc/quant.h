@@ -73,6 +73,24 @@ typedef struct {
     int8_t r[256];
 } act_block8; /* 720 bytes; quantize_act8 (rivulet_kernels.h) writes a row of them */
 
+/* The 8-bit activations per 32 values (not act_block8's 256, so a Linear's k need only be a multiple
+ * of 32: Gemma 3 270M's 640, SmolLM's 576, gpt-oss's 2880), of the sub-32 types' 8-bit tiles
+ * (quant_sub32x8.c) and MXFP4's (quant_mxfp4.c), quantized as act_block8 quantizes each 32 of its
+ * values: q at step d = absmax / 127, and where the 32's absmax stands ACT8_SPREAD times above their
+ * mean |x| a second pass r of what is left at d / 128 (two = 1). */
+typedef struct {
+    float d;   /* q's step (r's: d / 128) */
+    float s;   /* the 32 values' sum as quantized: d sum(q) + d / 128 sum(r) */
+    int32_t two;
+    int32_t qsum, rsum; /* sum(q), sum(r) */
+    int32_t pad;
+    int8_t q[ACT_BLOCK];
+    int8_t r[ACT_BLOCK];
+} act8_32; /* 88 bytes */
+
+/* One activation row of k float32 values (k a multiple of 32) -> k / 32 act8_32 at xq. */
+void quantize_act8_32(const float *x, int64_t k, void *xq);
+
 /* Bytes of the largest activation format for a row of k values: act_block16's, act_block8's, or the
  * 16-bit float weights' float32 row (quant_f16.c). */
 static inline int64_t act_row_bytes_max(int64_t k) {

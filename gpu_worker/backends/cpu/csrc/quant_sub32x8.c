@@ -23,7 +23,7 @@
  *     sum in its own lane; per block the pairs folded by one hadd (rows in the order 0 1 4 5 2 3 6 7,
  *     met by the scales permuted alike), converted once and scaled by the 8 rows' d at once. A lane
  *     sums 16 products of q <= 31 and |x| <= 32767: below 2^24, exact in float32 too.
- *   8-bit activations (act8_32 below; many rows): vpdpbusd (maddubs + madd without VNNI) of the
+ *   8-bit activations (act8_32, quant.h; many rows): vpdpbusd (maddubs + madd without VNNI) of the
  *     chunk's unsigned bytes against the activation's 4 bytes broadcast, no widening and no fold;
  *     two groups side by side in a zmm (16 weight rows) on AVX-512, one group a ymm on AVX2. A lane
  *     sums 8 products of q <= 31 by |x| <= 127; maddubs' int16 pair sums reach 2 * 31 * 127, four
@@ -44,23 +44,9 @@
 #define S32X8_PF 2048 /* how far ahead (bytes) the tiles prefetch their group's blocks */
 #endif
 
-/* The 8-bit activations of these types: per 32 values (not act_block8's 256, so a Linear's k need
- * only be a multiple of 32: Gemma 3 270M's 640, SmolLM's 576), quantized as quant.h's act_block8
- * quantizes each 32 of its values: q at step d = absmax / 127, and where the 32's absmax stands
- * ACT8_SPREAD times above their mean |x| a second pass r of what is left at d / 128 (two = 1). */
-typedef struct {
-    float d;   /* q's step (r's: d / 128) */
-    float s;   /* the 32 values' sum as quantized: d sum(q) + d / 128 sum(r) */
-    int32_t two;
-    int32_t qsum, rsum; /* sum(q), sum(r) */
-    int32_t pad;
-    int8_t q[QB];
-    int8_t r[QB];
-} act8_32; /* 88 bytes */
-
 static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-static void quantize_act8_32(const float *x, int64_t k, void *xq) {
+void quantize_act8_32(const float *x, int64_t k, void *xq) {
     act8_32 *out = (act8_32 *)xq;
     for (int64_t b = 0; b < k / QB; b++) {
         const float *v = x + b * QB;
