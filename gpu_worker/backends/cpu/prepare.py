@@ -36,7 +36,8 @@ from torch import nn
 from gpu_worker.backends.cpu import gated_delta, latent_heads
 from gpu_worker.backends.cpu import kernels as cpu_kernels
 from gpu_worker.backends.cpu.clamped_experts import experts_impl
-from gpu_worker.backends.cpu.decode_layers import FusedDecode, fused_decode
+from gpu_worker.backends.cpu.decode_layers import FusedDecode
+from gpu_worker.backends.cpu.decode_mla import MlaDecode, one_call_decode
 from gpu_worker.backends.cpu.experts import QuantExperts, QuantRouter, interleave_experts, relaid_experts
 from gpu_worker.backends.cpu.hugepages import HugePageArena, arena_bytes
 from gpu_worker.backends.cpu.kind import CpuKind, describe, requested_kind
@@ -69,7 +70,7 @@ class CpuSetup:
 
     kind: CpuKind
     kernels: cpu_kernels.CpuKernels | None
-    decode_layers: FusedDecode | None = None
+    decode_layers: FusedDecode | MlaDecode | None = None
 
 
 def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compiled: bool) -> CpuSetup:
@@ -102,7 +103,7 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compi
         str(dtype).removeprefix("torch."),
         weight_bytes(model) / 1e6,
     )
-    decode = fused_decode(model, kernels, dtype) if not compiled else None
+    decode = one_call_decode(model, kernels, dtype) if not compiled else None
     keep_freed_memory()  # the weights are in place: from here on, steps reuse what they free
     return CpuSetup(kind=kind, kernels=kernels, decode_layers=decode)
 
