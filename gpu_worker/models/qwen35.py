@@ -20,7 +20,7 @@ the linear layers' states live in the recurrent-state pool (``state_shape``).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -58,8 +58,23 @@ def mlp_args(cfg: Any) -> LlamaArgs:
     )  # fmt: skip
 
 
+class GateOps(Protocol):
+    """A backend's partial rotary (in place) and output gate (backends/cpu/decode_hybrid.py's), which
+    its one-call decode runs too."""
+
+    def partial_rotary_(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int
+    ) -> None: ...
+
+    def sigmoid_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor: ...
+
+
 class GatedAttention(AttentionLayer):
-    """Full attention with a sigmoid output gate; ``layer`` is its index among the KV layers."""
+    """Full attention with a sigmoid output gate; ``layer`` is its index among the KV layers.
+    Kernel slot ``gate_ops``: a backend's rotary and gate for float32 activations (``GateOps``)."""
+
+    kernel_slots = ("gate_ops",)
+    gate_ops: GateOps | None = None
 
     def __init__(self, cfg: Any, layer: int) -> None:
         super().__init__()
@@ -88,11 +103,18 @@ class GatedAttention(AttentionLayer):
         q_gate, k, v = self.qkv_proj(x).split([2 * heads * dim, kv_heads * dim, kv_heads * dim], -1)
         q, gate = q_gate.view(tokens, heads, 2 * dim).chunk(2, dim=-1)
         q, k = self.q_norm(q), self.k_norm(k.view(tokens, kv_heads, dim))
-        rd = self.rotary_dim
-        q = torch.cat((apply_rotary(q[..., :rd], cos, sin), q[..., rd:]), dim=-1)
-        k = torch.cat((apply_rotary(k[..., :rd], cos, sin), k[..., rd:]), dim=-1)
+        rd, ops = self.rotary_dim, self.gate_ops if q.dtype == torch.float32 else None
+        if ops is not None:  # q and k are the norms' own tensors
+            ops.partial_rotary_(q, cos.contiguous(), sin.contiguous(), rd)
+            ops.partial_rotary_(k, cos.contiguous(), sin.contiguous(), rd)
+        else:
+            q = torch.cat((apply_rotary(q[..., :rd], cos, sin), q[..., rd:]), dim=-1)
+            k = torch.cat((apply_rotary(k[..., :rd], cos, sin), k[..., rd:]), dim=-1)
         attended = paged_attention(self.layer, q, k, v.reshape(tokens, kv_heads, dim), ctx, PLAIN)
-        gated = attended.flatten(1) * torch.sigmoid(gate.reshape(tokens, -1))
+        if ops is not None:
+            gated = ops.sigmoid_gate(attended.contiguous(), gate)
+        else:
+            gated = attended.flatten(1) * torch.sigmoid(gate.reshape(tokens, -1))
         return self.o_proj(gated) if residual is None else self.o_proj.add_to(residual, gated)
 
 

@@ -20,7 +20,8 @@ model under tensor parallel (``CpuBackend.prepare_model`` runs it inside
    and ``decode_step`` slots: the gated delta rule's kernels (gated_delta.py), unless --compile (likewise).
 5. Attributes pinned in each module's instance dict (the model's layout is final after this).
 6. Where every decoder layer is a kind csrc/decode_layers.c computes (decode_layers.py's positive
-   list), a one-call run of all of them for steps whose rows all decode.
+   list), a one-call run of all of them for steps whose rows all decode; a dense Qwen3.5's likewise
+   by csrc/decode_hybrid.c (decode_hybrid.py, which also fills its gated attention's ``gate_ops``).
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from gpu_worker.backends.cpu import gated_delta, latent_heads
+from gpu_worker.backends.cpu import decode_hybrid, gated_delta, latent_heads
 from gpu_worker.backends.cpu import kernels as cpu_kernels
 from gpu_worker.backends.cpu.clamped_experts import experts_impl
-from gpu_worker.backends.cpu.decode_layers import FusedDecode
-from gpu_worker.backends.cpu.decode_mla import MlaDecode, one_call_decode
+from gpu_worker.backends.cpu.decode_hybrid import HybridDecode, hybrid_decode
+from gpu_worker.backends.cpu.decode_layers import FusedDecode, fused_decode
 from gpu_worker.backends.cpu.experts import QuantExperts, QuantRouter, interleave_experts, relaid_experts
 from gpu_worker.backends.cpu.hugepages import HugePageArena, arena_bytes
 from gpu_worker.backends.cpu.kind import CpuKind, describe, requested_kind
@@ -49,6 +50,7 @@ from gpu_worker.models.contract import Layer
 from gpu_worker.models.gated_delta import GatedDeltaNet
 from gpu_worker.models.layers import Embedding, Linear
 from gpu_worker.models.moe import Experts, SparseMoeBlock
+from gpu_worker.models.qwen35 import Qwen35ForCausalLM
 from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -70,7 +72,7 @@ class CpuSetup:
 
     kind: CpuKind
     kernels: cpu_kernels.CpuKernels | None
-    decode_layers: FusedDecode | MlaDecode | None = None
+    decode_layers: FusedDecode | HybridDecode | None = None
 
 
 def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compiled: bool) -> CpuSetup:
@@ -92,6 +94,7 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compi
     if kernels is not None and not compiled:
         _attach_delta_rules(model, kernels)
         latent_heads.attach(model, kernels, dtype)
+        decode_hybrid.attach(model, kernels)
     pin_attributes(model)
     logger.info(
         "%s; C kernels: %s; matmul paths (Linears): %s; embedding: %s; other weights: %s; "
@@ -103,7 +106,11 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compi
         str(dtype).removeprefix("torch."),
         weight_bytes(model) / 1e6,
     )
-    decode = one_call_decode(model, kernels, dtype) if not compiled else None
+    decode: FusedDecode | HybridDecode | None = None
+    if not compiled and isinstance(model, Qwen35ForCausalLM):  # a hybrid model's (csrc/decode_hybrid.c)
+        decode = hybrid_decode(model, kernels, dtype)
+    elif not compiled:
+        decode = fused_decode(model, kernels, dtype)
     keep_freed_memory()  # the weights are in place: from here on, steps reuse what they free
     return CpuSetup(kind=kind, kernels=kernels, decode_layers=decode)
 

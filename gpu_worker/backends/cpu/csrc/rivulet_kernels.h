@@ -36,7 +36,6 @@
 
 #define MAX_PARTS 3      /* a decode_linear's parts: q, k, v of three types (decode_layers.py) */
 #define DECODE_LINEARS 4 /* a decode_layer's Linears: qkv, o, gate_up, down (decode_layers.c) */
-#define MLA_LINEARS 6    /* an mla_layer's Linears: q_a, q, kv_a, o, gate_up, down (decode_mla.c) */
 
 /* What a kernel returns: 0 or the first thing it refused (abi.py names them in Python's errors).
  * A refused call writes nothing unless its comment says otherwise. */
@@ -111,42 +110,51 @@ typedef struct {
     int64_t gelu;     /* 1: GELU (tanh) gates the MLP (Gemma); 0: SiLU */
 } decode_dims;
 
-/* One latent-attention layer of decode_mla.c (decode_mla.py's MlaLayer). */
-typedef struct {
-    const void *input_norm;            /* [hidden], the activations' dtype */
-    const void *post_norm;             /* [hidden] */
-    decode_linear linear[MLA_LINEARS]; /* q_a (n = 0: no q_lora_rank), q (q_b or q_proj), kv_a, o, gate_up, down */
-    const void *q_a_norm;              /* [q_lora_rank]; NULL without it */
-    const void *kv_a_norm;             /* [kv_lora_rank] */
-    const uint8_t *k_b;                /* attn_k_b: [heads rank, nope] blocks */
-    const uint8_t *v_b;                /* attn_v_b: [heads v_dim, rank] blocks */
-    int64_t k_b_type;
-    int64_t v_b_type;
-    void *cache;                   /* the layer's latent pool [pool tokens, 1, rank + rope] */
-    const void *router;            /* [n_experts, hidden]: a mixture of experts; NULL: the dense MLP */
-    const moe_projection *experts; /* [3]: the routed experts' gate, up, down (moe.c) */
-    int64_t n_experts;
-    int64_t top_k;
-    int64_t expert_inner;
-    float route_scale;             /* routed_scaling_factor */
-    int64_t inner;                 /* gate_up / down's inner width: the dense MLP's or the shared experts' (0: none) */
-} mla_layer;
+#define HYBRID_IN_LINEARS 2 /* a hybrid_layer's input projection: its parts over up to two decode_linears */
 
-/* A latent-attention model's sizes (decode_mla.py's MlaDims). */
+/* One layer of a dense Qwen3.5 model for its one-call decode (decode_hybrid.c; decode_hybrid.py's
+ * HybridLayer), float32 throughout. */
+typedef struct {
+    const void *input_norm;                   /* [hidden]: 1 + w, as HybridNorm folds it */
+    const void *post_norm;                    /* [hidden] */
+    decode_linear in_proj[HYBRID_IN_LINEARS]; /* in_proj (mixed | z | b | a) or qkv_proj ([q | gate] a head, k, v) */
+    decode_linear out_proj;                   /* out_proj or o_proj */
+    decode_linear gate_up;
+    decode_linear down;
+    int64_t linear;          /* 1: Gated DeltaNet; 0: gated full attention */
+    void *k_cache;           /* full attention: its layer of the KV pool [pool tokens, kv_heads, head_dim] */
+    void *v_cache;           /* as k_cache */
+    const void *q_norm;      /* [head_dim]: 1 + w */
+    const void *k_norm;      /* as q_norm */
+    const void *conv_w;      /* Gated DeltaNet: [channels, conv_kernel] */
+    void *conv_state;        /* [pool_slots, channels, conv_kernel - 1] */
+    void *state;             /* [pool_slots, v_heads, dk, dv] */
+    const void *a_log;       /* [v_heads] */
+    const void *dt_bias;     /* [v_heads] */
+    const void *norm_w;      /* [dv]: the gated norm's w */
+} hybrid_layer;
+
+/* A dense Qwen3.5 model's sizes for its one-call decode (decode_hybrid.py's HybridDims). */
 typedef struct {
     int64_t hidden;
-    int64_t heads;
-    int64_t q_lora_rank;
-    int64_t kv_lora_rank;
-    int64_t nope_dim;
-    int64_t rope_dim;
-    int64_t v_dim;
-    float eps;        /* the decoder's RMSNorm epsilon */
-    float latent_eps; /* q_a's and kv_a's norms' */
-    float scale;      /* the attention's softmax scale */
-    int64_t dtype;
-    int64_t kv_dtype;
-} mla_dims;
+    int64_t inner;
+    int64_t heads;       /* full attention */
+    int64_t kv_heads;
+    int64_t head_dim;
+    int64_t rotary_dim;  /* the rotated first dims of each head */
+    int64_t kv_dtype;    /* the KV pool's */
+    int64_t k_heads;     /* Gated DeltaNet */
+    int64_t v_heads;
+    int64_t dk;
+    int64_t dv;
+    int64_t conv_kernel;
+    int64_t tiled;       /* 1: value head h reads key head h % k_heads */
+    int64_t linear_in;   /* the linear layers' in_proj columns */
+    int64_t pool_slots;  /* rows of the state pools */
+    float eps;           /* every RMSNorm's, the gated norm's too */
+    float attn_scale;    /* the attention's scale */
+    float delta_scale;   /* q's scale in the gated delta rule */
+} hybrid_dims;
 
 /* small_ops.c */
 int kernel_isa(void);
@@ -219,11 +227,18 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
                   int64_t rows, const void *cos, const void *sin, const int64_t *q_rows, const int64_t *req_pool_idx,
                   const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t page_size);
 
-/* decode_mla.c: RV_ERR_DTYPE, RV_ERR_HEADS (a rope key past 256 values or odd, a pool row past 1024),
- * RV_ERR_NO_MEMORY, or a kernel's refusal */
-int decode_mla(const mla_layer *layers, int64_t n_layers, const mla_dims *dims, const void *x, void *out,
-               int64_t rows, const float *rope, const int64_t *q_rows, const int64_t *req_pool_idx,
-               const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t page_size);
+/* decode_hybrid.c: a dense Qwen3.5 model's decoder layers over float32 decode rows, one token each
+ * (slots: each row's state pool row), as decode_layers; and the small ops its gated attention shares
+ * with the modules: rotary on each head's first rot_dim dims (heads head_stride apart), and out [rows,
+ * heads, dim] = x * sigmoid(gate) (gate's rows gate_stride apart, its heads gate_head_stride). */
+int decode_hybrid(const hybrid_layer *layers, int64_t n_layers, const hybrid_dims *dims, const float *x, float *out,
+                  int64_t rows, const float *cos, const float *sin, const int64_t *slots, const int64_t *q_rows,
+                  const int64_t *req_pool_idx, const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride,
+                  int64_t page_size);
+void partial_rotary(void *x, int64_t x_stride, int64_t rows, int heads, int head_stride, int rot_dim, const void *cos,
+                    const void *sin, int dtype);
+void sigmoid_gate_mul(const void *x, const void *gate, int64_t gate_stride, int64_t gate_head_stride, void *out,
+                      int64_t rows, int heads, int dim, int dtype);
 
 /* gated_delta.c: RV_ERR_DTYPE, or RV_ERR_HEADS (head counts, head dims past MAX_HEAD_DIM, conv taps
  * past 8); prefill also RV_ERR_NO_MEMORY. States [slots, v_heads, dk, dv] float32, updated in place. */

@@ -1,0 +1,109 @@
+"""The one-call decode of a dense Qwen3.5 model (csrc/decode_hybrid.c, backends/cpu/decode_hybrid.py):
+bit for bit the modules' logits and recurrent states, on decode steps only, for the models it fits."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from bench.lib.gguf_hybrid_model import SHAPES, write_model
+from gpu_worker.backends.cpu.backend import CpuBackend
+from gpu_worker.backends.cpu.decode_hybrid import HybridDecode
+from gpu_worker.config import WorkerConfig
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.weights.model_files import resolve_model
+from tests.gpu_worker.helpers import GREEDY, MiniScheduler
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler to build the kernels"
+)
+
+# Qwen3.5-4B's layer pattern (three Gated DeltaNet layers, then gated full attention) in the Q4_K_M
+# mix, small: 2 key heads over 4 value heads, a partial rotary of 16 of 64 dims.
+SMALL = dataclasses.replace(
+    SHAPES["qwen35_4b"], hidden=256, layers=4, heads=2, kv_heads=1, head_dim=64, key_heads=2, value_heads=4,
+    linear_dim=64, ffn=512,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def small_qwen35(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    out = tmp_path_factory.mktemp("qwen35")
+    path = write_model(out / "model.gguf", SMALL, "q4_k_m")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RIVULET_CACHE_DIR", str(out / "cache"))
+        return resolve_model(str(path)), path
+
+
+def runner_of(paths: tuple[Path, Path], dtype: str) -> ModelRunner:
+    hf_dir, gguf_path = paths
+    config = WorkerConfig(
+        model_path=str(hf_dir), gguf_path=str(gguf_path), weight_dtype="gguf", dtype=dtype,
+        kv_cache_tokens=2048, num_threads=1, max_running_requests=16,
+    )  # fmt: skip
+    return ModelRunner(config)
+
+
+def backend(runner: ModelRunner) -> CpuBackend:
+    assert isinstance(runner.backend, CpuBackend)
+    return runner.backend
+
+
+def pools(runner: ModelRunner, rows: int) -> list[torch.Tensor]:
+    """The conv and recurrent states of the first ``rows`` slots (the rest never written)."""
+    assert runner.states is not None
+    return [t[:rows] for t in (*runner.states.conv, *runner.states.recurrent)]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9], ids=["1row", "3rows", "9rows_dense"])
+def test_one_call_equals_the_modules_bit_for_bit(
+    small_qwen35: tuple[Path, Path], rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts of different lengths, then decode steps, each run by the one call and again by the
+    modules from the same states: logits and every state equal. 9 rows take the dense path of every
+    Linear (set from 8 rows here). No prefill runs the one call."""
+    runner = runner_of(small_qwen35, "float32")
+    fused = backend(runner).fused_decode
+    assert isinstance(fused, HybridDecode)
+    if rows == 9:
+        for module in runner.model.modules():  # type: ignore[attr-defined]
+            impl = getattr(module, "impl", None)
+            if impl is not None and hasattr(impl, "dense_min_rows"):
+                impl.dense_min_rows = [8] * len(impl.dense_min_rows)
+    calls: list[int] = []
+    original = fused.kernels.decode
+
+    def counted(*args: Any) -> None:
+        calls.append(1)
+        original(*args)
+
+    monkeypatch.setattr(fused.kernels, "decode", counted)
+    sched = MiniScheduler(runner.num_pages, runner.config.page_size)
+    lens = [5 + 7 * i for i in range(rows)]
+    prefill = sched.batch([(idx, 0, list(range(3, 3 + n)), True, GREEDY) for idx, n in enumerate(lens)])
+    tokens = runner.execute(prefill).token_ids
+    assert not calls, "a prefill step ran the one call"
+    for step in range(12):
+        batch = sched.batch([(idx, lens[idx] + step, [tokens[idx]], True, None) for idx in range(rows)])
+        before = [t.clone() for t in pools(runner, rows)]
+        one_call = runner.compute_logits(batch)
+        after = [t.clone() for t in pools(runner, rows)]
+        for pool, saved in zip(pools(runner, rows), before, strict=True):
+            pool.copy_(saved)
+        backend(runner).fused_decode = None
+        modules = runner.compute_logits(batch)  # the same K/V rewritten, the states stepped again
+        backend(runner).fused_decode = fused
+        assert torch.equal(one_call, modules), (step, float((one_call - modules).abs().max()))
+        assert all(torch.equal(a, b) for a, b in zip(after, pools(runner, rows), strict=True)), step
+        tokens = one_call.argmax(dim=-1).tolist()
+    assert len(calls) == 12
+
+
+def test_bf16_runs_the_modules(small_qwen35: tuple[Path, Path]) -> None:
+    """bf16 activations keep the modules (the Gated DeltaNet step's fused kernel is float32)."""
+    assert backend(runner_of(small_qwen35, "bfloat16")).fused_decode is None
