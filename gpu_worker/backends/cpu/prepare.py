@@ -38,7 +38,8 @@ from gpu_worker.backends.cpu import decode_hybrid, gated_delta, latent_heads
 from gpu_worker.backends.cpu import kernels as cpu_kernels
 from gpu_worker.backends.cpu.clamped_experts import experts_impl
 from gpu_worker.backends.cpu.decode_hybrid import HybridDecode, hybrid_decode
-from gpu_worker.backends.cpu.decode_layers import FusedDecode, fused_decode
+from gpu_worker.backends.cpu.decode_layers import FusedDecode
+from gpu_worker.backends.cpu.decode_mla import MlaDecode, one_call_decode
 from gpu_worker.backends.cpu.experts import QuantExperts, QuantRouter, interleave_experts, relaid_experts
 from gpu_worker.backends.cpu.hugepages import HugePageArena, arena_bytes
 from gpu_worker.backends.cpu.kind import CpuKind, describe, requested_kind
@@ -72,7 +73,7 @@ class CpuSetup:
 
     kind: CpuKind
     kernels: cpu_kernels.CpuKernels | None
-    decode_layers: FusedDecode | HybridDecode | None = None
+    decode_layers: FusedDecode | MlaDecode | HybridDecode | None = None
 
 
 def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compiled: bool) -> CpuSetup:
@@ -106,11 +107,11 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compi
         str(dtype).removeprefix("torch."),
         weight_bytes(model) / 1e6,
     )
-    decode: FusedDecode | HybridDecode | None = None
+    decode: FusedDecode | MlaDecode | HybridDecode | None = None
     if not compiled and isinstance(model, Qwen35ForCausalLM):  # a hybrid model's (csrc/decode_hybrid.c)
         decode = hybrid_decode(model, kernels, dtype)
     elif not compiled:
-        decode = fused_decode(model, kernels, dtype)
+        decode = one_call_decode(model, kernels, dtype)
     keep_freed_memory()  # the weights are in place: from here on, steps reuse what they free
     return CpuSetup(kind=kind, kernels=kernels, decode_layers=decode)
 

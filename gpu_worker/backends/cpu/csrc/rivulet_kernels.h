@@ -36,6 +36,7 @@
 
 #define MAX_PARTS 3      /* a decode_linear's parts: q, k, v of three types (decode_layers.py) */
 #define DECODE_LINEARS 4 /* a decode_layer's Linears: qkv, o, gate_up, down (decode_layers.c) */
+#define MLA_LINEARS 6    /* an mla_layer's Linears: q_a, q, kv_a, o, gate_up, down (decode_mla.c) */
 
 /* What a kernel returns: 0 or the first thing it refused (abi.py names them in Python's errors).
  * A refused call writes nothing unless its comment says otherwise. */
@@ -109,6 +110,43 @@ typedef struct {
     int64_t kv_dtype; /* the KV pool's (--kv-cache-dtype) */
     int64_t gelu;     /* 1: GELU (tanh) gates the MLP (Gemma); 0: SiLU */
 } decode_dims;
+
+/* One latent-attention layer of decode_mla.c (decode_mla.py's MlaLayer). */
+typedef struct {
+    const void *input_norm;            /* [hidden], the activations' dtype */
+    const void *post_norm;             /* [hidden] */
+    decode_linear linear[MLA_LINEARS]; /* q_a (n = 0: no q_lora_rank), q (q_b or q_proj), kv_a, o, gate_up, down */
+    const void *q_a_norm;              /* [q_lora_rank]; NULL without it */
+    const void *kv_a_norm;             /* [kv_lora_rank] */
+    const uint8_t *k_b;                /* attn_k_b: [heads rank, nope] blocks */
+    const uint8_t *v_b;                /* attn_v_b: [heads v_dim, rank] blocks */
+    int64_t k_b_type;
+    int64_t v_b_type;
+    void *cache;                   /* the layer's latent pool [pool tokens, 1, rank + rope] */
+    const void *router;            /* [n_experts, hidden]: a mixture of experts; NULL: the dense MLP */
+    const moe_projection *experts; /* [3]: the routed experts' gate, up, down (moe.c) */
+    int64_t n_experts;
+    int64_t top_k;
+    int64_t expert_inner;
+    float route_scale;             /* routed_scaling_factor */
+    int64_t inner;                 /* gate_up / down's inner width: the dense MLP's or the shared experts' (0: none) */
+} mla_layer;
+
+/* A latent-attention model's sizes (decode_mla.py's MlaDims). */
+typedef struct {
+    int64_t hidden;
+    int64_t heads;
+    int64_t q_lora_rank;
+    int64_t kv_lora_rank;
+    int64_t nope_dim;
+    int64_t rope_dim;
+    int64_t v_dim;
+    float eps;        /* the decoder's RMSNorm epsilon */
+    float latent_eps; /* q_a's and kv_a's norms' */
+    float scale;      /* the attention's softmax scale */
+    int64_t dtype;
+    int64_t kv_dtype;
+} mla_dims;
 
 #define HYBRID_IN_LINEARS 2 /* a hybrid_layer's input projection: its parts over up to two decode_linears */
 
@@ -226,6 +264,12 @@ int moe_group(const int64_t *ids, const void *weights, int64_t rows, int64_t top
 int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dims *dims, const void *x, void *out,
                   int64_t rows, const void *cos, const void *sin, const int64_t *q_rows, const int64_t *req_pool_idx,
                   const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t page_size);
+
+/* decode_mla.c: RV_ERR_DTYPE, RV_ERR_HEADS (a rope key past 256 values or odd, a pool row past 1024),
+ * RV_ERR_NO_MEMORY, or a kernel's refusal */
+int decode_mla(const mla_layer *layers, int64_t n_layers, const mla_dims *dims, const void *x, void *out,
+               int64_t rows, const float *rope, const int64_t *q_rows, const int64_t *req_pool_idx,
+               const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t page_size);
 
 /* decode_hybrid.c: a dense Qwen3.5 model's decoder layers over float32 decode rows, one token each
  * (slots: each row's state pool row), as decode_layers; and the small ops its gated attention shares
