@@ -30,7 +30,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (
     "attention.c", "matmul.c", "small_ops.c", "quant.c", "quant_dense.c", "quant_legacy.c", "quant_k.c",
     "quant_x8.c", "quant_kx8.c", "quant_sub32.c", "quant_f16.c", "quant_k23.c", "decode_layers.c",
-    "quant_sub32x8.c",
+    "quant_sub32x8.c", "quant_k23x8.c",
     "moe.c", "shm_allreduce.c", "gated_delta.c", "mla.c", "quant_mxfp4.c", "decode_hybrid.c",
     "decode_mla.c",
 )  # fmt: skip

@@ -120,6 +120,7 @@ const qtype_ops *quant_ops(int type) {
     ops = ops != NULL ? ops : qtype_sub32(type);
     ops = ops != NULL ? ops : qtype_f16(type);
     ops = ops != NULL ? ops : qtype_k23(type);
+    ops = ops != NULL ? ops : qtype_k23x8(type);
     ops = ops != NULL ? ops : qtype_mxfp4x8(type);
     return ops != NULL ? ops : qtype_kx8(type);
 }

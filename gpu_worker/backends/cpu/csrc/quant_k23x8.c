@@ -1,0 +1,421 @@
+/* Q2_K and Q3_K (quant_k23.c draws the file's blocks) with their weight rows interleaved by 8, the
+ * layout the worker holds them in (backends/cpu/layouts.py makes it at load: the same bytes,
+ * rearranged). Type code: the ggml type | QTYPE_X8; | QTYPE_A8 for the 8-bit activations' tiles.
+ *
+ * Rows 8g .. 8g + 7 form group g, stored where the file's rows were; block b of the 8 rows is one
+ * group block of 8 * block_bytes at b * 8 * block_bytes. Its fields, each of the 8 rows side by
+ * side (a "chunk": bytes 4c .. 4c + 3 of row 0, of row 1, ..., of row 7):
+ *   Q2_K (672 bytes): 8 fp16 d | 8 fp16 dmin | the 16 scale bytes in 4 chunks (128) | the 64
+ *     quant bytes in 16 chunks (512).
+ *   Q3_K (880 bytes): 8 fp16 d | the 12 scale bytes in 3 chunks (96) | the 32 high-bit bytes in 8
+ *     chunks (256) | the 64 quant bytes in 16 chunks (512).
+ * A chunk is one ymm, 4 bytes (one 32-bit lane) per row: a row's scales, shifted and masked on its
+ * lane, are the 8 rows' scales at once, and a quant chunk shifted to a sub-block's 2 bits is 4
+ * weights of each row. Sub-block j (weights 32j .. 32j + 31, one activation block of 32) is quant
+ * chunks 8 (j / 4) + 0..7 at bits 2 (j % 4) (groups 2j: chunks 0-3, 2j + 1: 4-7), Q3_K's high bits
+ * bit j of high-bit chunks 0..7.
+ *
+ *   16-bit activations (act_block16; few rows, decode): a group's 4 chunks as signed weights
+ *     (Q2_K q, Q3_K q + 4h - 4) widened to int16 (rows 0-3, rows 4-7), madd against the
+ *     activation's 4 matching values broadcast per 64 bits, folded by one hadd (rows in the order
+ *     0 1 4 5 2 3 6 7, the scales permuted alike), converted once per group and scaled by d times
+ *     its scale (float); Q2_K's min term dmin m times the activation's 16-value sum. A lane sums 16
+ *     products of |w| <= 4 by |x| <= 32767: exact in float32 too.
+ *   8-bit activations (act_block8, type | QTYPE_A8; many rows): vpdpbusd (maddubs + madd without
+ *     VNNI) of a chunk's unsigned weights (Q2_K q <= 3, Q3_K q + 4h <= 7) against the activation's
+ *     4 bytes broadcast: per (row, group of 16) one int32 lane, no fold. Q3_K's -4 starts the sum at
+ *     -4 sum(x) (act_block8's qoff / 8), so the sum is exact as sum((q + 4h - 4) x); each group's sum
+ *     times its integer scale (Q3_K s - 32, Q2_K sc), the two of a sub-block added (|sum| <= 2 * 16
+ *     * 4 * 127 * 32 < 2^19: exact in int32 and in float), converted, times d and the activation's
+ *     step. Q2_K's min: its mins m times the groups' activation sums (-qoff / 32), the same way at
+ *     dmin. Where a row's 32 values have the residual pass, r meets the weights too at a 128th of
+ *     the step (rows without it add zero products). maddubs' int16 sums of 4 chunks: at most 4 * 2
+ *     * 7 * 127, no saturation.
+ * Every build that has the 8-bit tiles sums the same integers and runs the same float steps per
+ * (row, column, sub-block), in the same order, so its outputs are the same bits (tested).
+ * Portable: the 16-bit tile rebuilds each row in the file's layout for quant_k23.c's plain tile;
+ * the 8-bit tile is plain C over the same integers (a reference; quant.py never routes to it).
+ */
+#include "quant.h"
+#include "rivulet_kernels.h"
+
+#ifndef K23X8_PF
+#define K23X8_PF 2048 /* how far ahead (bytes) the tiles prefetch their group's blocks */
+#endif
+
+/* Where each field lies: per slot s and chunk c < n, unit bytes at file + c unit in the file's block,
+ * at x8 + (8c + s) unit in the group block. */
+typedef struct {
+    int file, x8, unit, n;
+} k23_field;
+static const k23_field Q2_FIELDS[4] = {{80, 0, 2, 1}, {82, 16, 2, 1}, {0, 32, 4, 4}, {16, 160, 4, 16}};
+static const k23_field Q3_FIELDS[4] = {{108, 0, 2, 1}, {96, 16, 4, 3}, {0, 112, 4, 8}, {32, 368, 4, 16}};
+#define Q2_SC 32   /* the scale chunks of a Q2_K group block */
+#define Q2_QS 160  /* its quant chunks */
+#define Q3_SC 16   /* the scale words of a Q3_K group block */
+#define Q3_HM 112  /* its high-bit chunks */
+#define Q3_QS 368  /* its quant chunks */
+
+static inline int bb_of(const int type) { return type == QTYPE_Q2_K ? 84 : 110; }
+static inline int qs_of(const int type) { return type == QTYPE_Q2_K ? Q2_QS : Q3_QS; }
+
+/* Slot s's block (of the group block at blk) rebuilt as the file's block. */
+static inline void plain_block(const uint8_t *blk, int s, const int type, uint8_t *plain) {
+    const k23_field *f = type == QTYPE_Q2_K ? Q2_FIELDS : Q3_FIELDS;
+    for (int i = 0; i < 4; i++)
+        for (int c = 0; c < f[i].n; c++) memcpy(plain + f[i].file + c * f[i].unit, blk + f[i].x8 + (8 * c + s) * f[i].unit, (size_t)f[i].unit);
+}
+
+/* Row s of the group at g (k weights) as float32: each block rebuilt, then quant_k23.c's own
+ * dequantization, so the values are exactly gguf-py's. */
+static void dequant_slot(const uint8_t *g, int s, int64_t k, float *out, const int type) {
+    const int bb = bb_of(type);
+    const qtype_ops *plain_ops = qtype_k23(type);
+    uint8_t plain[110];
+    for (int64_t b = 0; b < k / 256; b++) {
+        plain_block(g + b * 8 * bb, s, type, plain);
+        plain_ops->dequant_row(plain, 256, out + b * 256);
+    }
+}
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return fp16_to_f32(h);
+}
+
+#if HAVE_AVX2 || HAVE_AVX512
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPW8(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
+#else
+#define DPW8(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define XR 4  /* activation rows per 16-bit tile (32 ymm registers) */
+#else
+#define XR 2  /* (16 ymm registers) */
+#endif
+#define XR8 4 /* activation rows per 8-bit tile */
+
+typedef int32_t __attribute__((may_alias, aligned(1))) i32_any;
+typedef int64_t __attribute__((may_alias, aligned(1))) i64_any;
+
+/* Group g's (0..15) scales of the 8 rows as int32 lanes: Q2_K sc (and its mins m in *m), Q3_K s - 32. */
+static inline __m256i group_scales(const uint8_t *blk, int g, const int type, __m256i *m) {
+    const __m256i m4 = _mm256_set1_epi32(15);
+    if (type == QTYPE_Q2_K) {
+        const __m256i w = _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(blk + Q2_SC + 32 * (g / 4))), 8 * (g % 4));
+        *m = _mm256_and_si256(_mm256_srli_epi32(w, 4), m4);
+        return _mm256_and_si256(w, m4);
+    }
+    const __m256i lw = _mm256_loadu_si256((const __m256i *)(blk + Q3_SC + 32 * ((g % 8) / 4)));
+    const __m256i hw = _mm256_loadu_si256((const __m256i *)(blk + Q3_SC + 64));
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi32(lw, 8 * (g % 4) + 4 * (g / 8)), m4);
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi32(hw, 8 * (g % 4) + 2 * (g / 4)), _mm256_set1_epi32(3));
+    *m = _mm256_setzero_si256();
+    return _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
+}
+
+/* Chunk cc (< 8) of sub-block j of the group block at blk: 4 unsigned weights of each row as bytes,
+ * Q2_K q, Q3_K q + 4h. */
+static inline __attribute__((always_inline)) __m256i chunk_u(const uint8_t *blk, int j, int cc, const int type) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + qs_of(type) + 32 * (8 * (j / 4) + cc)));
+    __m256i u = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (j % 4)), _mm256_set1_epi8(3));
+    if (type == QTYPE_Q3_K) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + Q3_HM + 32 * cc));
+        const __m256i hb = j >= 2 ? _mm256_srli_epi16(h, j - 2) : _mm256_slli_epi16(h, 2 - j); /* bit j at 2 */
+        u = _mm256_or_si256(u, _mm256_and_si256(hb, _mm256_set1_epi8(4)));
+    }
+    return u;
+}
+
+static inline __m256i pairs2(const int16_t *q) { /* q[0..3] in every 64-bit lane */
+    return _mm256_set1_epi64x(*(const i64_any *)q);
+}
+
+/* out[r * ldo + s] = dot(row s of the group at g, activation row r), s < 8, r < R; ms[r][2i + h]:
+ * row r's 16-value sums of sub-block i at its step (Q2_K's min terms). */
+static inline __attribute__((always_inline)) void tile16(const uint8_t *g, int64_t nb, const act_block16 *const *xa,
+                                                         const float *const *ms, float *out, int64_t ldo,
+                                                         const int type, const int R) {
+    const int gbb = 8 * bb_of(type);
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7); /* hadd's rows; its own inverse */
+    __m256 acc[XR];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * gbb;
+        for (int at = 0; at < gbb; at += 64) prefetch_weights(blk + K23X8_PF + at);
+        const __m256 d = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)), order);
+        const __m256 dmin = type == QTYPE_Q2_K
+                                ? _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))), order)
+                                : _mm256_setzero_ps();
+        for (int j = 0; j < 8; j++)
+            for (int h = 0; h < 2; h++) { /* group 2j + h */
+                __m256i sa[XR], sb[XR], mv;
+                for (int r = 0; r < R; r++) sa[r] = sb[r] = _mm256_setzero_si256();
+                const __m256i sc = group_scales(blk, 2 * j + h, type, &mv);
+                for (int c = 0; c < 4; c++) {
+                    __m256i u = chunk_u(blk, j, 4 * h + c, type);
+                    if (type == QTYPE_Q3_K) u = _mm256_sub_epi8(u, _mm256_set1_epi8(4));
+                    const __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(u));
+                    const __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(u, 1));
+                    for (int r = 0; r < R; r++) {
+                        const __m256i xp = pairs2(xa[r][8 * b + j].q + 16 * h + 4 * c);
+                        sa[r] = DPW8(sa[r], lo, xp);
+                        sb[r] = DPW8(sb[r], hi, xp);
+                    }
+                }
+                const __m256 dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(sc, order)));
+                const __m256 dm = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(mv, order)));
+                for (int r = 0; r < R; r++) {
+                    const __m256 f = _mm256_cvtepi32_ps(_mm256_hadd_epi32(sa[r], sb[r]));
+                    acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(dsc, _mm256_set1_ps(xa[r][8 * b + j].d)), acc[r]);
+                    if (type == QTYPE_Q2_K)
+                        acc[r] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(ms[r][16 * b + 2 * j + h]), acc[r]);
+                }
+            }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * ldo, _mm256_permutevar8x32_ps(acc[r], order));
+}
+
+/* Every group (8 weight rows) against every activation row, XR rows at a time. */
+static inline __attribute__((always_inline)) void tile16_loop(const uint8_t *w, int64_t wrb, int64_t nc,
+                                                              const uint8_t *xq, int64_t xrb, int64_t nr,
+                                                              int64_t nb, float *out, int64_t ldo, const int type) {
+    float sums[XR][type == QTYPE_Q2_K ? nb * 16 : 1];
+    for (int64_t r0 = 0; r0 < nr; r0 += XR) {
+        const int64_t rows = nr - r0 < XR ? nr - r0 : XR;
+        const act_block16 *xa[XR];
+        const float *ms[XR];
+        for (int r = 0; r < XR; r++) {
+            xa[r] = (const act_block16 *)(xq + (r0 + (r < rows ? r : rows - 1)) * xrb);
+            ms[r] = sums[r];
+            for (int64_t i = 0; i < nb * 16 && type == QTYPE_Q2_K; i++) {
+                const int16_t *q = xa[r][i / 2].q + 16 * (i % 2);
+                int32_t s = 0;
+                for (int t = 0; t < 16; t++) s += q[t];
+                sums[r][i] = xa[r][i / 2].d * (float)s;
+            }
+        }
+        for (int64_t c0 = 0; c0 < nc; c0 += 8) {
+            const uint8_t *g = w + c0 * wrb;
+            float *o = out + r0 * ldo + c0;
+            switch (rows) {
+            case 1: tile16(g, nb, xa, ms, o, ldo, type, 1); break;
+#if XR > 2
+            case 2: tile16(g, nb, xa, ms, o, ldo, type, 2); break;
+            case 3: tile16(g, nb, xa, ms, o, ldo, type, 3); break;
+#endif
+            default: tile16(g, nb, xa, ms, o, ldo, type, XR); break;
+            }
+        }
+    }
+}
+#define TILE16_LOOP(TYPE) tile16_loop(w, wrb, nc, xq, xrb, nr, nb, out, ldo, TYPE)
+
+/* is + the products of a chunk's unsigned weight bytes u and the activation's 4 bytes at q, summed
+ * by 4 per row lane (the maddubs build: one chunk's int16 pair sums, widened at once). */
+static inline __m256i dpb(__m256i is, __m256i u, const int8_t *q) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(is, u, _mm256_set1_epi32(*(const i32_any *)q));
+#else
+    return _mm256_add_epi32(is, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_set1_epi32(*(const i32_any *)q)),
+                                                  _mm256_set1_epi16(1)));
+#endif
+}
+
+/* One pass (FIELD: q's or r's) of sub-block j: row r's sums of the two groups times their scales
+ * into I[r], Q2_K's min sums into M[r]. */
+#define K23_PASS(FIELD)                                                                                            \
+    for (int r = 0; r < R; r++) {                                                                                 \
+        const act_block8 *x = xa[r] + b;                                                                           \
+        __m256i isa = type == QTYPE_Q3_K ? _mm256_set1_epi32(x->FIELD##off[2 * j] / 8) : _mm256_setzero_si256();  \
+        __m256i isb = type == QTYPE_Q3_K ? _mm256_set1_epi32(x->FIELD##off[2 * j + 1] / 8) : _mm256_setzero_si256(); \
+        for (int c = 0; c < 4; c++) {                                                                              \
+            isa = dpb(isa, u[c], x->FIELD + 32 * j + 4 * c);                                                       \
+            isb = dpb(isb, u[4 + c], x->FIELD + 32 * j + 16 + 4 * c);                                              \
+        }                                                                                                          \
+        I[r] = _mm256_add_epi32(_mm256_mullo_epi32(isa, sca), _mm256_mullo_epi32(isb, scb));                       \
+        if (type == QTYPE_Q2_K)                                                                                    \
+            M[r] = _mm256_add_epi32(_mm256_mullo_epi32(ma, _mm256_set1_epi32(-x->FIELD##off[2 * j] / 32)),         \
+                                    _mm256_mullo_epi32(mb, _mm256_set1_epi32(-x->FIELD##off[2 * j + 1] / 32)));    \
+    }
+
+/* acc[r] += I[r] d STEP - M[r] dmin STEP (STEP row r's). */
+#define K23_TERM(STEP)                                                                                             \
+    for (int r = 0; r < R; r++) {                                                                                 \
+        const float step = (STEP);                                                                                 \
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[r]), _mm256_mul_ps(d, _mm256_set1_ps(step)), acc[r]);         \
+        if (type == QTYPE_Q2_K)                                                                                    \
+            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(M[r]), _mm256_mul_ps(dmin, _mm256_set1_ps(step)), acc[r]); \
+    }
+
+/* out[r * ldo + s] = dot(row s of the group at g, activation row r), s < 8, r < R (8-bit). */
+static inline __attribute__((always_inline)) void tile8(const uint8_t *g, int64_t nb, const act_block8 *const *xa,
+                                                        float *out, int64_t ldo, const int type, const int R) {
+    const int gbb = 8 * bb_of(type);
+    __m256 acc[XR8];
+    __m256i I[XR8], M[XR8];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * gbb;
+        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + K23X8_PF + at), _MM_HINT_T0);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 dmin =
+            type == QTYPE_Q2_K ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : _mm256_setzero_ps();
+        int two = 0;
+        for (int r = 0; r < R; r++) two |= xa[r][b].two;
+        for (int j = 0; j < 8; j++) {
+            __m256i ma, mb, u[8];
+            const __m256i sca = group_scales(blk, 2 * j, type, &ma), scb = group_scales(blk, 2 * j + 1, type, &mb);
+            for (int c = 0; c < 8; c++) u[c] = chunk_u(blk, j, c, type);
+            K23_PASS(q)
+            K23_TERM(xa[r][b].d[j])
+            if ((two >> j) & 1) {
+                K23_PASS(r)
+                K23_TERM(xa[r][b].d[j] * (1.0f / 128.0f))
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
+}
+
+static inline __attribute__((always_inline)) void tile8_loop(const uint8_t *w, int64_t wrb, int64_t nc,
+                                                             const uint8_t *xq, int64_t xrb, int64_t nr, int64_t nb,
+                                                             float *out, int64_t ldo, const int type) {
+    for (int64_t r0 = 0; r0 < nr;) {
+        const int64_t left = nr - r0;
+        const int R = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        const act_block8 *xa[XR8];
+        for (int r = 0; r < R; r++) xa[r] = (const act_block8 *)(xq + (r0 + r) * xrb);
+        for (int64_t c0 = 0; c0 < nc; c0 += 8) {
+            const uint8_t *g = w + c0 * wrb;
+            float *o = out + r0 * ldo + c0;
+            switch (R) {
+            case 4: tile8(g, nb, xa, o, ldo, type, 4); break;
+            case 2: tile8(g, nb, xa, o, ldo, type, 2); break;
+            default: tile8(g, nb, xa, o, ldo, type, 1); break;
+            }
+        }
+        r0 += R;
+    }
+}
+#define TILE8_LOOP(TYPE) tile8_loop(w, wrb, nc, xq, xrb, nr, nb, out, ldo, TYPE)
+
+#else /* portable */
+
+/* Each row of a group rebuilt in the file's layout, then quant_k23.c's plain tile. */
+static inline void tile16_plain(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                                int64_t nb, float *out, int64_t ldo, const int type) {
+    const int bb = bb_of(type);
+    const qtype_ops *plain_ops = qtype_k23(type);
+    uint8_t row[wrb];
+    for (int64_t c0 = 0; c0 < nc; c0 += 8)
+        for (int s = 0; s < 8; s++) {
+            for (int64_t b = 0; b < nb; b++) plain_block(w + c0 * wrb + b * 8 * bb, s, type, row + b * bb);
+            plain_ops->tile(row, wrb, 1, xq, xrb, nr, nb, out + c0 + s, ldo);
+        }
+}
+#define TILE16_LOOP(TYPE) tile16_plain(w, wrb, nc, xq, xrb, nr, nb, out, ldo, TYPE)
+
+/* Weight i (< 32) of sub-block j of slot s in the group block at blk, unsigned (Q2_K q, Q3_K q + 4h). */
+static inline int32_t weight_u(const uint8_t *blk, int s, int j, int i, const int type) {
+    const int c = i / 4;
+    const int32_t q = (blk[qs_of(type) + 32 * (8 * (j / 4) + c) + 4 * s + i % 4] >> (2 * (j % 4))) & 3;
+    if (type == QTYPE_Q2_K) return q;
+    return q | ((blk[Q3_HM + 32 * c + 4 * s + i % 4] >> j) & 1) << 2;
+}
+
+/* Group g's integer scale of slot s (Q2_K sc, Q3_K s - 32) and Q2_K's min. */
+static inline int32_t scale_of(const uint8_t *blk, int s, int g, const int type, int32_t *m) {
+    if (type == QTYPE_Q2_K) {
+        const uint8_t byte = blk[Q2_SC + 32 * (g / 4) + 4 * s + g % 4];
+        *m = byte >> 4;
+        return byte & 15;
+    }
+    const uint8_t *sc = blk + Q3_SC + 4 * s; /* byte i of the row's 12 at sc + 32 (i / 4) + i % 4 */
+    const int lo = (sc[32 * ((g % 8) / 4) + g % 4] >> (4 * (g / 8))) & 15, hi = (sc[64 + g % 4] >> (2 * (g / 4))) & 3;
+    *m = 0;
+    return (lo | hi << 4) - 32;
+}
+
+/* The 8-bit tiles' integers and float steps, plain C. */
+static inline void tile8_plain(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                               int64_t nb, float *out, int64_t ldo, const int type) {
+    const int gbb = 8 * bb_of(type);
+    for (int64_t c = 0; c < nc; c++) {
+        const uint8_t *g = w + c / 8 * 8 * wrb;
+        const int s = (int)(c % 8);
+        for (int64_t rr = 0; rr < nr; rr++) {
+            const act_block8 *xa = (const act_block8 *)(xq + rr * xrb);
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = g + b * gbb;
+                const act_block8 *x = xa + b;
+                const float d = half_at(blk + 2 * s), dmin = type == QTYPE_Q2_K ? half_at(blk + 16 + 2 * s) : 0.0f;
+                for (int j = 0; j < 8; j++)
+                    for (int pass = 0; pass < 1 + ((x->two >> j) & 1); pass++) {
+                        const int8_t *xv = pass ? x->r : x->q;
+                        const int32_t *off = pass ? x->roff : x->qoff;
+                        int32_t I = 0, M = 0;
+                        for (int h = 0; h < 2; h++) {
+                            int32_t m, is = type == QTYPE_Q3_K ? off[2 * j + h] / 8 : 0;
+                            const int32_t sc = scale_of(blk, s, 2 * j + h, type, &m);
+                            for (int i = 16 * h; i < 16 * h + 16; i++) is += weight_u(blk, s, j, i, type) * xv[32 * j + i];
+                            I += is * sc;
+                            M += m * (-off[2 * j + h] / 32);
+                        }
+                        const float step = pass ? x->d[j] * (1.0f / 128.0f) : x->d[j];
+                        acc = fmaf((float)I, d * step, acc);
+                        if (type == QTYPE_Q2_K) acc = fmaf(-(float)M, dmin * step, acc);
+                    }
+            }
+            out[rr * ldo + c] = acc;
+        }
+    }
+}
+#define TILE8_LOOP(TYPE) tile8_plain(w, wrb, nc, xq, xrb, nr, nb, out, ldo, TYPE)
+#endif
+
+#define K23X8_TILES(T16, T8, TYPE)                                                                              \
+    static void T16(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,      \
+                    int64_t nb, float *out, int64_t ldo) {                                                      \
+        TILE16_LOOP(TYPE);                                                                                      \
+    }                                                                                                           \
+    static void T8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,       \
+                   int64_t nb, float *out, int64_t ldo) {                                                       \
+        TILE8_LOOP(TYPE);                                                                                       \
+    }
+K23X8_TILES(tile_q2_k, tile_q2_k_a8, QTYPE_Q2_K)
+K23X8_TILES(tile_q3_k, tile_q3_k_a8, QTYPE_Q3_K)
+
+static void slot_q2_k(const uint8_t *g, int s, int64_t k, float *out) { dequant_slot(g, s, k, out, QTYPE_Q2_K); }
+static void slot_q3_k(const uint8_t *g, int s, int64_t k, float *out) { dequant_slot(g, s, k, out, QTYPE_Q3_K); }
+static void group_q2_k(const uint8_t *g, int64_t k, float *out) {
+    for (int s = 0; s < 8; s++) dequant_slot(g, s, k, out + s * k, QTYPE_Q2_K);
+}
+static void group_q3_k(const uint8_t *g, int64_t k, float *out) {
+    for (int s = 0; s < 8; s++) dequant_slot(g, s, k, out + s * k, QTYPE_Q3_K);
+}
+
+#define ACT16 (8 * (int)sizeof(act_block16)) /* per 256 weights */
+#define ACT8 ((int)sizeof(act_block8))
+static const qtype_ops OPS_Q2_K = {QTYPE_Q2_K | QTYPE_X8, 256, 84, ACT16, quantize_act16, tile_q2_k, NULL, slot_q2_k,
+                                   group_q2_k};
+static const qtype_ops OPS_Q3_K = {QTYPE_Q3_K | QTYPE_X8, 256, 110, ACT16, quantize_act16, tile_q3_k, NULL, slot_q3_k,
+                                   group_q3_k};
+static const qtype_ops OPS_Q2_K_A8 = {QTYPE_Q2_K | QTYPE_X8 | QTYPE_A8, 256, 84, ACT8, quantize_act8, tile_q2_k_a8,
+                                      NULL, slot_q2_k, group_q2_k};
+static const qtype_ops OPS_Q3_K_A8 = {QTYPE_Q3_K | QTYPE_X8 | QTYPE_A8, 256, 110, ACT8, quantize_act8, tile_q3_k_a8,
+                                      NULL, slot_q3_k, group_q3_k};
+
+const qtype_ops *qtype_k23x8(int type) {
+    switch (type) {
+    case QTYPE_Q2_K | QTYPE_X8: return &OPS_Q2_K;
+    case QTYPE_Q3_K | QTYPE_X8: return &OPS_Q3_K;
+    case QTYPE_Q2_K | QTYPE_X8 | QTYPE_A8: return &OPS_Q2_K_A8;
+    case QTYPE_Q3_K | QTYPE_X8 | QTYPE_A8: return &OPS_Q3_K_A8;
+    default: return NULL;
+    }
+}
