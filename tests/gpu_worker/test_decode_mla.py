@@ -97,12 +97,13 @@ def test_one_call_equals_the_modules_bit_for_bit(
     assert decode_steps(runner_of(mla_paths, dtype), rows, monkeypatch) == 12
 
 
-def test_routed_scaling_and_a_float16_pool(
-    mla_paths: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("kv_dtype", ["float16", "fp8_e4m3"])
+def test_routed_scaling_and_other_pools(
+    mla_paths: tuple[Path, Path], kv_dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A routed_scaling_factor (the weights scaled after the router, rounded as torch's mul) and a
-    float16 pool (each row rounded as it is written): still the modules' bits."""
-    runner = runner_of(mla_paths, "float32", "float16")
+    float16 or float8 pool (each row rounded as it is written, float8's clamped): the modules' bits."""
+    runner = runner_of(mla_paths, "float32", kv_dtype)
     model: Any = runner.model
     fused = backend(runner).fused_decode
     assert isinstance(fused, MlaDecode)

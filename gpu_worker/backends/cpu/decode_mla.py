@@ -12,7 +12,7 @@ top-k, the experts' one call), the layers run as one call that makes the same ke
 same order, so the hidden states equal the modules' bit for bit (tests/gpu_worker/test_decode_mla.py).
 
 Left to the modules: DeepSeek-V3's and GLM's routers (sigmoid scores, the correction bias, groups)
-and their rotary (interleaved pairs), a float8 pool, tensor parallel, biases, and steps of more rows
+and their rotary (interleaved pairs), tensor parallel, biases, and steps of more rows
 than ``LatentHeads.max_rows`` (where the modules' absorbed products take torch's bmm) or with prompt
 rows (the expanded form).
 """
@@ -32,10 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.backends.cpu import abi
+from gpu_worker.backends.cpu.build import LATENT_KV_DTYPE_CODES
 from gpu_worker.backends.cpu.decode_layers import FusedDecode, fused_decode
 from gpu_worker.backends.cpu.decode_structs import DecodeLinear, quant_linears
 from gpu_worker.backends.cpu.experts import MoeProjection, QuantExperts, QuantRouter
-from gpu_worker.backends.cpu.kernels import DTYPE_CODES, KV_DTYPE_CODES, CpuKernels
+from gpu_worker.backends.cpu.kernels import DTYPE_CODES, CpuKernels
 from gpu_worker.backends.cpu.latent_heads import LatentHeads
 from gpu_worker.forward_context import ForwardContext
 from gpu_worker.models.contract import Layer
@@ -295,7 +296,7 @@ class MlaDecode:
             array[i] = _layer(layer)
             array[i].cache = ctx.k_cache[i].data_ptr()
         self._layers, self._pool = array, pool
-        self.dims.kv_dtype = KV_DTYPE_CODES[ctx.k_cache[0].dtype]
+        self.dims.kv_dtype = LATENT_KV_DTYPE_CODES[ctx.k_cache[0].dtype]
         return array
 
     def __call__(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
@@ -309,8 +310,6 @@ class MlaDecode:
         rows = paged.rows
         if rows.rows != len(input_ids) or rows.rows > self.max_rows:
             return None  # past it the modules' products are torch's bmm
-        if ctx.k_cache[0].dtype not in KV_DTYPE_CODES:
-            return None
         factors, _ = self.model.rotary(ctx.positions)
         rope = torch.view_as_real(factors).reshape(len(input_ids), -1).contiguous()
         x = self.model.model.embed_tokens(input_ids)

@@ -14,8 +14,9 @@
  *   then the dense MLP, x = x + down(silu(gate) * up), or DeepSeek's mixture of experts:
  *   the routed experts' weighted sum y (moe_route, the weights times routed_scaling_factor,
  *   moe_group, moe_experts), y = y + the shared experts' MLP of h, x = x + y
- * (HF's order of the adds). The rotary is DeepSeek-V2's: each (even, odd) pair times a complex
- * factor, in float32 as torch's complex product (each product rounded, then the difference or sum). */
+ * (HF's order of the adds). The pool is float32, bfloat16, float16 or float8 e4m3. The rotary is
+ * DeepSeek-V2's: each (even, odd) pair times a complex factor, in float32 as torch's complex product
+ * (each product rounded, then the difference or sum). */
 #include "quant.h"
 #include "rivulet_kernels.h"
 #include <stdlib.h>
@@ -51,6 +52,32 @@ static void rotate_pairs(void *x, int64_t offset, int64_t head_stride, int64_t h
         }
         store_vec(x, dtype, at, n, v);
     }
+}
+
+/* A float32 value as a float8 e4m3fn pool byte, as kv_cache.py's store_rows writes it: clamped to
+ * +-448 (its largest finite), then rounded to nearest even (torch's cast); NaN stays NaN (0x7f). */
+static uint8_t f32_to_f8e4m3(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint8_t sign = (uint8_t)((bits >> 24) & 0x80u);
+    bits &= 0x7fffffffu;
+    if (bits > 0x7f800000u) return sign | 0x7fu;
+    float a;
+    memcpy(&a, &bits, sizeof a);
+    a = a > 448.0f ? 448.0f : a;
+    if (a < 0x1p-6f) return sign | (uint8_t)(int)nearbyintf(a * 512.0f); /* a multiple of 2^-9 (8: 2^-6) */
+    memcpy(&bits, &a, sizeof bits);
+    bits += 0x7ffffu + ((bits >> 20) & 1u); /* the mantissa's top 3 bits, to nearest even */
+    return sign | (uint8_t)((bits >> 20) - (120u << 3)); /* the exponent's bias 127 -> 7 */
+}
+
+/* n values into the pool from element ``offset`` on, rounded to its dtype (float8 e4m3 as above). */
+static void store_pool(void *cache, int kv_dtype, int64_t offset, int n, const float *v) {
+    if (kv_dtype != DTYPE_F8E4M3) {
+        store_vec(cache, kv_dtype, offset, n, v);
+        return;
+    }
+    for (int i = 0; i < n; i++) ((uint8_t *)cache)[offset + i] = f32_to_f8e4m3(v[i]);
 }
 
 /* One step's buffers, each [rows, its width] in the activations' dtype, and the kernels' scratch. */
@@ -125,7 +152,7 @@ static int project(const mla_layer *l, const mla_dims *d, mla_buffers *b, int64_
         for (int64_t i0 = 0; i0 < kv_n; i0 += 1024) {
             const int n = kv_n - i0 < 1024 ? (int)(kv_n - i0) : 1024;
             load_vec(b->kv, dtype, r * kv_n + i0, n, v);
-            store_vec(l->cache, (int)d->kv_dtype, dst + i0, n, v);
+            store_pool(l->cache, (int)d->kv_dtype, dst + i0, n, v);
         }
         for (int64_t hd = 0; hd < heads; hd++) { /* each head's rotated q_rope after its latent part */
             load_vec(b->q, dtype, r * q_n + hd * qd + d->nope_dim, (int)rd, v);
@@ -198,7 +225,9 @@ int decode_mla(const mla_layer *layers, int64_t n_layers, const mla_dims *dims, 
                int64_t rows, const float *rope, const int64_t *q_rows, const int64_t *req_pool_idx,
                const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t page_size) {
     const int dtype = (int)dims->dtype;
+    const int kv = (int)dims->kv_dtype;
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return RV_ERR_DTYPE;
+    if (kv != DTYPE_F32 && kv != DTYPE_BF16 && kv != DTYPE_F16 && kv != DTYPE_F8E4M3) return RV_ERR_DTYPE;
     if (dims->rope_dim > 256 || dims->rope_dim % 2 != 0 || dims->kv_lora_rank + dims->rope_dim > 1024)
         return RV_ERR_HEADS;
     mla_buffers b;
