@@ -19,9 +19,13 @@ from gpu_worker.model_runner import ModelRunner
 from gpu_worker.weights.model_files import resolve_model
 from tests.gpu_worker.helpers import GREEDY, MiniScheduler
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler to build the kernels"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        shutil.which("cc") is None and shutil.which("gcc") is None,
+        reason="no C compiler to build the kernels",
+    ),
+    pytest.mark.cpu_kinds,  # CI runs it again as an AVX2-only CPU
+]
 
 # Qwen3.5-4B's layer pattern (three Gated DeltaNet layers, then gated full attention) in the Q4_K_M
 # mix, small: 2 key heads over 4 value heads, a partial rotary of 16 of 64 dims.
