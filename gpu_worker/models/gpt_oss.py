@@ -135,7 +135,7 @@ class TopKSoftmaxMoeBlock(SparseMoeBlock):
     def route(self, x: torch.Tensor) -> ExpertGroups:
         if self.router is not None:
             expert_ids, weights = self.router(x.contiguous())
-            return ExpertGroups.of(expert_ids, weights, self.experts.routed_experts)
+            return self.experts.group(expert_ids, weights)
         top, expert_ids = torch.topk(self.gate(x), self.top_k, dim=-1)
         weights = torch.softmax(top, dim=-1)
         return ExpertGroups.of(expert_ids, weights.to(x.dtype), self.experts.routed_experts)

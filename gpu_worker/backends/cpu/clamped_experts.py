@@ -3,17 +3,19 @@
 moe_experts_clamped adds each expert's biases to its projections and applies the clamped SwiGLU, each
 expert's weights read once per step whatever the number of its rows. ``per_expert`` runs each
 expert's two ``QuantLinear`` calls from Python instead, the C call's reference in its test.
+``TopKRouter`` routes the rows in one C call (moe_route_topk: the router's bias, the softmax of the
+top-k logits), the call the one-call decode routes by too (csrc/decode_layers.c).
 """
 
 from __future__ import annotations
 
 import torch
 
-from gpu_worker.backends.cpu.experts import QuantExperts
+from gpu_worker.backends.cpu.experts import QuantExperts, QuantRouter
 from gpu_worker.backends.cpu.kernels import CpuKernels
 from gpu_worker.backends.cpu.quant_kernels import ClampedAct
-from gpu_worker.models.gpt_oss import ClampedSwigluExperts
-from gpu_worker.models.moe import ExpertGroups, Experts
+from gpu_worker.models.gpt_oss import ClampedSwigluExperts, TopKSoftmaxMoeBlock
+from gpu_worker.models.moe import ExpertGroups, Experts, SparseMoeBlock
 
 
 class ClampedQuantExperts:
@@ -66,3 +68,34 @@ def experts_impl(
         return ClampedQuantExperts(module, kernels, dtype)
     assert module.quantized is not None, "experts on blocks only"
     return QuantExperts(module.quantized, kernels, module.act, module.act_mul)
+
+
+class TopKRouter:
+    """gpt-oss's router in one C call (csrc/moe.c's moe_route_topk): the logits plus the bias, each
+    row's top-k of them and their softmax, as ``TopKSoftmaxMoeBlock.route``'s torch code computes
+    them (in float32), and as the one-call decode routes."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, top_k: int, kernels: CpuKernels) -> None:
+        self.weight = weight.detach().contiguous()  # [E, hidden], the activations' dtype
+        self.bias = bias.detach().contiguous()  # [E], alike
+        self.top_k, self.kernels = top_k, kernels
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.moe_route(x, self.weight, self.top_k, True, self.bias)
+
+
+def router_impl(
+    module: SparseMoeBlock, kernels: CpuKernels, dtype: torch.dtype
+) -> QuantRouter | TopKRouter | None:
+    """The C router of a sparse block whose experts are on blocks, by the block's type (None: its
+    torch code routes): gpt-oss's here, moe.py's softmax-then-top-k one in experts.py."""
+    gate, impl = module.gate, module.experts.impl
+    if gate.quantized is not None:  # a router on blocks: its Linear's kernel computes the logits
+        return None
+    weight = gate.weight.to(dtype)
+    if isinstance(module, TopKSoftmaxMoeBlock) and isinstance(impl, ClampedQuantExperts):
+        assert gate.bias is not None, "gpt-oss's router has a bias"
+        return TopKRouter(weight, gate.bias.to(dtype), module.top_k, kernels)
+    if isinstance(impl, QuantExperts):
+        return QuantRouter(weight, module.top_k, module.norm_topk_prob, kernels)
+    return None

@@ -24,7 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpu_worker.backends.cpu.decode_structs import DecodeDims, DecodeLayer, DecodeLinear, quant_linears
+from gpu_worker.backends.cpu.decode_structs import (
+    DecodeDims,
+    DecodeLayer,
+    bias_missing,
+    linear_fields,
+    quant_linears,
+)
 from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.forward_context import PLAIN, AttentionOptions
 from gpu_worker.models.gemma import GemmaAttention, GemmaDecoderLayer, GemmaForCausalLM, GemmaMLP, GemmaNorm
@@ -81,9 +87,10 @@ def gemma_kernels_missing(layer: GemmaDecoderLayer) -> str | None:
     norms = _norms(layer)
     if any(n.folded is None for n in norms) or layer.self_attn.fused is None or layer.mlp.fused is None:
         return "no fused kernels"
-    if _linears(layer) is None:
+    impls = _linears(layer)
+    if impls is None:
         return "a Linear not on GGUF blocks"
-    return None
+    return bias_missing(impls, torch.float32)  # (why_not_gemma: float32 activations alone)
 
 
 def _folded(norm: Any) -> int:
@@ -120,7 +127,7 @@ class GemmaDecode:
             post_norm=_folded(layer.pre_feedforward_layernorm),
             attn_out_norm=_folded(layer.post_attention_layernorm),
             mlp_out_norm=_folded(layer.post_feedforward_layernorm),
-            linear=(DecodeLinear * 4)(*(DecodeLinear.of(impl) for impl in impls)),
+            **linear_fields(impls),
             q_norm=_folded(attn.q_norm) if attn.qk_norm else None,
             k_norm=_folded(attn.k_norm) if attn.qk_norm else None,
             window=attn.attention.sliding_window,

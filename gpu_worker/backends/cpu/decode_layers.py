@@ -4,7 +4,8 @@ At one stream a step of the embedded model makes ~270 kernel calls, each a modul
 and an output tensor in Python: a large share of the step around its matmuls (docs/benchmarks.md, the
 one-call decode). When every row of a step decodes, every layer is of kinds and options the C code
 implements (``C_LAYERS``: a positive list over the layer contract, so a layer kind or option it does not
-know runs the modules) and every Linear of every layer is a ``QuantLinear`` without bias, the layers run
+know runs the modules) and every Linear of every layer is a ``QuantLinear`` (its bias, where it has one,
+added after the matmul as ``QuantLinear`` adds it: Qwen2's q/k/v, gpt-oss's q/k/v and o), the layers run
 as one call that makes the same kernel calls in the same order, so the hidden states equal the modules'
 bit for bit (tests/gpu_worker/test_decode_layers.py). A merged Linear whose projections differ in type
 (a Q4_K_M file's q/k in Q4_K beside v in Q6_K) is passed as its parts, each run on its own columns, as
@@ -12,9 +13,10 @@ bit for bit (tests/gpu_worker/test_decode_layers.py). A merged Linear whose proj
 with torch) and a mixture of experts in place of the MLP (experts on blocks, routed by the
 ``QuantRouter`` the modules route with too) and sliding windows, each layer its own (Mistral's, a
 per-layer pattern's sliding layers), run in the one call as well. Any other step, or model, runs
-the modules: prefill chunks and mixed batches, bf16 or fp32 weights, biases, --compile. Gemma 2
+the modules: prefill chunks and mixed batches, bf16 or fp32 weights, --compile. Gemma 2
 and 3 run in it too, on float32 activations, with their own norms, GELU and rotary tables
-(decode_gemma.py).
+(decode_gemma.py), and gpt-oss with its sinks, biased top-k router and clamped experts
+(decode_gpt_oss.py).
 """
 
 from __future__ import annotations
@@ -35,13 +37,26 @@ from gpu_worker.backends.cpu.decode_gemma import (
     gemma_kernels_missing,
     why_not_gemma,
 )
-from gpu_worker.backends.cpu.decode_structs import DecodeDims, DecodeLayer, DecodeLinear, quant_linears
+from gpu_worker.backends.cpu.decode_gpt_oss import (
+    GPT_OSS_C_LAYERS,
+    fill_gpt_oss_moe,
+    gpt_oss_moe_missing,
+    sinks_field,
+)
+from gpu_worker.backends.cpu.decode_structs import (
+    DecodeDims,
+    DecodeLayer,
+    bias_missing,
+    linear_fields,
+    quant_linears,
+)
 from gpu_worker.backends.cpu.experts import MoeProjection, QuantExperts, QuantRouter
 from gpu_worker.backends.cpu.kernels import DTYPE_CODES, KV_DTYPE_CODES, CpuKernels
 from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.forward_context import PLAIN, AttentionOptions, ForwardContext
 from gpu_worker.models.contract import Layer
 from gpu_worker.models.gemma import GemmaDecoderLayer, GemmaForCausalLM
+from gpu_worker.models.gpt_oss import SinkAttention, SinkDecoderLayer, TopKSoftmaxMoeBlock
 from gpu_worker.models.layers import Linear, MergedLinear, RMSNorm
 from gpu_worker.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 from gpu_worker.models.moe import Experts, SparseMoeBlock
@@ -73,14 +88,16 @@ def _window_only(options: AttentionOptions) -> bool:
 # its modules, which compute everything the model declares.
 C_LAYERS: dict[type[nn.Module], dict[str, Callable[[Any], bool]]] = {
     DecoderLayer: {"attention": _window_only},
+    SinkDecoderLayer: {"attention": _window_only},  # its sinks: SinkAttention's (GPT_OSS_C_LAYERS)
     Attention: {"qk_norm": _any, "partial_rotary": _off},
-    MergedLinear: {"bias": _off},
-    Linear: {"bias": _off},
+    MergedLinear: {"bias": _any},
+    Linear: {"bias": _any},
     RMSNorm: {},
     MLP: {"act": _silu},
     SparseMoeBlock: {"top_k": _any, "norm_topk_prob": _any},
     Experts: {"act": _silu},
     **GEMMA_C_LAYERS,
+    **GPT_OSS_C_LAYERS,
 }
 
 
@@ -111,7 +128,7 @@ def not_in_c(layer: nn.Module) -> str | None:
 
 def _linears(layer: DecoderLayer) -> list[QuantLinear] | None:
     """The layer's Linears' QuantLinears (q/k/v, o, and the MLP's gate/up and down where it has an MLP),
-    if each is one without bias (of up to MAX_PARTS parts)."""
+    if each is one (of up to MAX_PARTS parts)."""
     modules = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
     if isinstance(layer.mlp, MLP):
         modules += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
@@ -128,7 +145,11 @@ def _kernels_missing(layer: DecoderLayer, dtype: torch.dtype) -> str | None:
     """Why a layer of kinds the C decode implements still cannot run there: its kernels (the slots the
     backend filled) are not the C decode's."""
     attn, mlp = layer.self_attn, layer.mlp
-    if isinstance(mlp, SparseMoeBlock):
+    if isinstance(mlp, TopKSoftmaxMoeBlock):
+        reason = gpt_oss_moe_missing(mlp)
+        if reason is not None:
+            return reason
+    elif isinstance(mlp, SparseMoeBlock):
         if not _one_call_experts(mlp) or mlp.experts.num_experts < mlp.experts.routed_experts:
             return "mixture-of-experts layers whose router or experts are not in C"
     elif isinstance(mlp, MLP) and mlp.fused is None:
@@ -137,9 +158,10 @@ def _kernels_missing(layer: DecoderLayer, dtype: torch.dtype) -> str | None:
         return "Q/K norms on bf16 activations (normed by torch there)"
     if layer.input_layernorm.fused is None or attn.fused is None:
         return "no fused kernels"
-    if _linears(layer) is None:
+    impls = _linears(layer)
+    if impls is None:
         return "a Linear not on GGUF blocks"
-    return None
+    return bias_missing(impls, dtype)
 
 
 def why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
@@ -188,6 +210,7 @@ class LlamaDecode:
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model: Any = model  # (its submodules typed as nn.Module's attributes are: Tensor | Module)
+        self.held: list[torch.Tensor] = []  # what the layers' structs point into, beside the model's own
 
     def dims(self) -> DecodeDims:
         args = self.model.args
@@ -208,12 +231,16 @@ class LlamaDecode:
         out = DecodeLayer(
             input_norm=layer.input_layernorm.weight.data_ptr(),
             post_norm=layer.post_attention_layernorm.weight.data_ptr(),
-            linear=(DecodeLinear * 4)(*(DecodeLinear.of(impl) for impl in impls)),
+            **linear_fields(impls),
             q_norm=attn.q_norm.weight.data_ptr() if attn.qk_norm else None,
             k_norm=attn.k_norm.weight.data_ptr() if attn.qk_norm else None,
             window=layer.attention.sliding_window,
         )
-        if isinstance(mlp, SparseMoeBlock):
+        if isinstance(attn, SinkAttention):
+            out.sinks = sinks_field(attn, self.held)
+        if isinstance(mlp, TopKSoftmaxMoeBlock):
+            fill_gpt_oss_moe(out, mlp)
+        elif isinstance(mlp, SparseMoeBlock):
             experts, router = mlp.experts.impl, mlp.router
             assert isinstance(experts, QuantExperts) and isinstance(router, QuantRouter)  # why_not's
             out.router = router.weight.data_ptr()

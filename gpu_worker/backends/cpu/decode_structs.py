@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from typing import Any
+
+import torch
 
 from gpu_worker.backends.cpu.experts import MoeProjection
 from gpu_worker.backends.cpu.layouts import kernel_type
@@ -62,6 +65,13 @@ class DecodeLayer(ctypes.Structure):
         ("attn_out_norm", ctypes.c_void_p),
         ("mlp_out_norm", ctypes.c_void_p),
         ("rope", ctypes.c_int64),
+        ("bias", ctypes.c_void_p * 4),
+        ("sinks", ctypes.c_void_p),
+        ("router_bias", ctypes.c_void_p),
+        ("gate_up_bias", ctypes.c_void_p),
+        ("down_bias", ctypes.c_void_p),
+        ("swiglu_alpha", ctypes.c_float),
+        ("swiglu_limit", ctypes.c_float),
     ]
 
 
@@ -83,9 +93,24 @@ class DecodeDims(ctypes.Structure):
 
 
 def quant_linears(modules: Sequence[Linear]) -> list[QuantLinear] | None:
-    """The Linears' QuantLinears, if each is one without bias (of up to MAX_PARTS parts)."""
+    """The Linears' QuantLinears, if each is one (of up to MAX_PARTS parts) whose bias, where it has
+    one, is a contiguous vector of the activations' dtype (``linear_fields`` passes it)."""
     impls = [m.impl for m in modules]
-    fit = all(
-        isinstance(i, QuantLinear) and len(i.weight.parts) <= MAX_PARTS and i.bias is None for i in impls
-    )
+    fit = all(isinstance(i, QuantLinear) and len(i.weight.parts) <= MAX_PARTS for i in impls)
     return impls if fit else None  # type: ignore[return-value]
+
+
+def bias_missing(impls: Sequence[QuantLinear], dtype: torch.dtype) -> str | None:
+    """Why a Linear's bias cannot be added by the one call (None: each can, or there is none)."""
+    for impl in impls:
+        if impl.bias is not None and (impl.bias.dtype != dtype or not impl.bias.is_contiguous()):
+            return f"a Linear's bias in {impl.bias.dtype}, not the activations' {dtype}"
+    return None
+
+
+def linear_fields(impls: Sequence[QuantLinear]) -> dict[str, ctypes.Array[Any]]:
+    """A layer's ``linear`` and ``bias`` fields from its (up to 4) QuantLinears, in LINEARS' order."""
+    pad = 4 - len(impls)
+    linears = [DecodeLinear.of(impl) for impl in impls] + [DecodeLinear() for _ in range(pad)]
+    biases = [None if impl.bias is None else impl.bias.data_ptr() for impl in impls] + [None] * pad
+    return {"linear": (DecodeLinear * 4)(*linears), "bias": (ctypes.c_void_p * 4)(*biases)}

@@ -36,11 +36,11 @@ from torch import nn
 
 from gpu_worker.backends.cpu import decode_hybrid, gated_delta, latent_heads
 from gpu_worker.backends.cpu import kernels as cpu_kernels
-from gpu_worker.backends.cpu.clamped_experts import experts_impl
+from gpu_worker.backends.cpu.clamped_experts import experts_impl, router_impl
 from gpu_worker.backends.cpu.decode_hybrid import HybridDecode, hybrid_decode
 from gpu_worker.backends.cpu.decode_layers import FusedDecode
 from gpu_worker.backends.cpu.decode_mla import MlaDecode, one_call_decode
-from gpu_worker.backends.cpu.experts import QuantExperts, QuantRouter, interleave_experts, relaid_experts
+from gpu_worker.backends.cpu.experts import interleave_experts, relaid_experts
 from gpu_worker.backends.cpu.hugepages import HugePageArena, arena_bytes
 from gpu_worker.backends.cpu.kind import CpuKind, describe, requested_kind
 from gpu_worker.backends.cpu.layouts import interleave_rows, interleaves
@@ -198,13 +198,14 @@ def _relaid_parts(model: nn.Module) -> list[QuantBlocks]:
 
 
 def _attach_routers(model: nn.Module, dtype: torch.dtype, kernels: cpu_kernels.CpuKernels) -> set[int]:
-    """A QuantRouter for every sparse block whose experts are on blocks (a GGUF's), so the modules
-    route as the one-call decode does (experts.py); returns the ids of the gate Linears it replaces."""
+    """A C router (experts.py's QuantRouter, clamped_experts.py's TopKRouter for gpt-oss) for every
+    sparse block whose experts are on blocks (a GGUF's), so the modules route as the one-call decode
+    does; returns the ids of the gate Linears it replaces."""
     routed = set()
     for module in model.modules():
-        if isinstance(module, SparseMoeBlock) and isinstance(module.experts.impl, QuantExperts):
-            weight = module.gate.weight.to(dtype)
-            module.attach(router=QuantRouter(weight, module.top_k, module.norm_topk_prob, kernels))
+        router = router_impl(module, kernels, dtype) if isinstance(module, SparseMoeBlock) else None
+        if isinstance(module, SparseMoeBlock) and router is not None:
+            module.attach(router=router)
             routed.add(id(module.gate))
     return routed
 

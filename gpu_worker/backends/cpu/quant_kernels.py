@@ -72,6 +72,9 @@ class QuantKernels:
         self._moe_route = lib.moe_route
         self._moe_route.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, ptr, ptr, i32]
         self._moe_route.restype = i32
+        self._moe_route_topk = lib.moe_route_topk
+        self._moe_route_topk.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i32]
+        self._moe_route_topk.restype = i32
         self._moe_group = lib.moe_group
         self._moe_group.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i32]
         self._moe_group.restype = i32
@@ -236,20 +239,34 @@ class QuantKernels:
         return out
 
     def moe_route(
-        self, x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk: bool
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        top_k: int,
+        norm_topk: bool,
+        bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A mixture of experts' router in one call (csrc/moe.c): each row's top_k experts (int64
         [T, top_k], the likelier first) and their softmax probabilities, renormalised to sum to 1
         where ``norm_topk``, in x's dtype; x [T, hidden] and the router's ``weight`` [E, hidden]
-        contiguous, of x's dtype."""
+        contiguous, of x's dtype. With a ``bias`` ([E], x's dtype), gpt-oss's router instead: the
+        biased logits' top_k, and the softmax of those alone (moe_route_topk)."""
         assert x.is_contiguous() and weight.is_contiguous() and weight.dtype == x.dtype
         assert x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1]
         ids = torch.empty((x.shape[0], top_k), dtype=torch.int64)
         weights = torch.empty((x.shape[0], top_k), dtype=x.dtype)
-        status = self._moe_route(
-            x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0], top_k, int(norm_topk),
-            ids.data_ptr(), weights.data_ptr(), DTYPE_CODES[x.dtype],
-        )  # fmt: skip
+        rows, hidden, experts, dtype = x.shape[0], x.shape[1], weight.shape[0], DTYPE_CODES[x.dtype]
+        if bias is None:
+            status = self._moe_route(
+                x.data_ptr(), rows, hidden, weight.data_ptr(), experts, top_k, int(norm_topk), ids.data_ptr(),
+                weights.data_ptr(), dtype,
+            )  # fmt: skip
+        else:
+            assert bias.is_contiguous() and bias.dtype == x.dtype and bias.shape == (experts,)
+            status = self._moe_route_topk(
+                x.data_ptr(), rows, hidden, weight.data_ptr(), bias.data_ptr(), experts, top_k,
+                ids.data_ptr(), weights.data_ptr(), dtype,
+            )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"moe_route failed: {status_text(status)}")
         return ids, weights

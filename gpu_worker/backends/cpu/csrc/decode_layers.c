@@ -1,5 +1,5 @@
 /* Every decoder layer of a Llama model for a step whose rows all decode (one new token each), in one
- * call, where each Linear holds GGUF blocks (no bias) and the attention is the paged C kernel's. It
+ * call, where each Linear holds GGUF blocks and the attention is the paged C kernel's. It
  * calls the kernels the modules call (gpu_worker/models/llama.py through the CPU backend), in their
  * order, on the same inputs, so its output equals theirs bit for bit (a test checks it). What it
  * saves is the ~10 Python-level calls a layer costs around them (module dispatch, ctypes, a tensor
@@ -26,7 +26,13 @@
  * Gemma 2 and 3 (models/gemma.py): the norms' weights come as 1 + w (decode_gemma.py folds the 1 in
  * at load, in float32, as GemmaRMSNorm's own sum); attn_out_norm and mlp_out_norm norm the
  * attention's and the MLP's outputs before each is added to x (the "sandwich" norms); GELU (tanh)
- * gates the MLP (dims->gelu); each layer takes its rotary table (Gemma 3's local and global bases). */
+ * gates the MLP (dims->gelu); each layer takes its rotary table (Gemma 3's local and global bases).
+ *
+ * A Linear with a bias (gpt-oss's q/k/v and o, Qwen2's q/k/v) has it added after its matmul, and the
+ * sum rounded, before the residual add, as QuantLinear adds it. gpt-oss (models/gpt_oss.py): a sink
+ * logit per head in the attention's softmax (paged_decode_attention's sinks), a router with a bias
+ * whose softmax is over each row's top-k logits (moe_route_topk), experts with biases and the clamped
+ * SwiGLU (moe_experts_clamped), YaRN's rotary in the table the caller passes. */
 #include "quant.h"
 #include "rivulet_kernels.h"
 #include <stdlib.h>
@@ -66,18 +72,31 @@ void decode_add_into(void *x, const void *y, int64_t n_all, int dtype) {
     }
 }
 
-/* Linear i of x into out as a residual add: in place (out + x W^T) where norm is NULL, else
- * out + rms_norm(x W^T) (Gemma's), y [rows, n] the product's scratch. */
+/* y [rows, n] = x W^T (+ b) of Linear i: its bias, where it has one, added to the product and rounded
+ * (QuantLinear's out + bias). */
+static int linear(const decode_layer *l, int i, int64_t n, int64_t k, const void *x, int64_t rows, void *scratch,
+                  void *y, int dtype) {
+    const int status = decode_linear_run(&l->linear[i], n, k, x, rows, scratch, y, dtype, NULL);
+    if (status != 0 || l->bias[i] == NULL) return status;
+    const int64_t row_bytes = n * (dtype == DTYPE_BF16 ? 2 : 4);
+    for (int64_t r = 0; r < rows; r++) decode_add_into((char *)y + r * row_bytes, l->bias[i], n, dtype);
+    return RV_OK;
+}
+
+/* Linear i of x into out as a residual add: in place (out + x W^T) where it has neither a bias nor
+ * a norm, else out + (x W^T + b), or out + rms_norm(x W^T) (Gemma's), y [rows, n] the product's
+ * scratch (QuantLinear.add_to: one rounding without a bias, the biased product's then the sum's). */
 static int linear_add(const decode_layer *l, int i, const decode_dims *dims, int64_t k, const void *x, int64_t rows,
                       void *scratch, void *y, void *out, const void *norm) {
     const int dtype = (int)dims->dtype;
     const int64_t n = dims->hidden;
     /* out = out + x W^T in place: each output element is read (as the residual) and then written by
      * the same thread, once, and no other output is read after */
-    if (norm == NULL) return decode_linear_run(&l->linear[i], n, k, x, rows, scratch, out, dtype, out);
-    const int status = decode_linear_run(&l->linear[i], n, k, x, rows, scratch, y, dtype, NULL);
+    if (norm == NULL && l->bias[i] == NULL)
+        return decode_linear_run(&l->linear[i], n, k, x, rows, scratch, out, dtype, out);
+    const int status = linear(l, i, n, k, x, rows, scratch, y, dtype);
     if (status != 0) return status;
-    rms_norm(y, n, norm, y, rows, (int)n, dims->eps, dtype);
+    if (norm != NULL) rms_norm(y, n, norm, y, rows, (int)n, dims->eps, dtype);
     decode_add_into(out, y, rows * n, dtype);
     return RV_OK;
 }
@@ -123,7 +142,7 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
     for (int64_t li = 0; li < n_layers && status == 0; li++) {
         const decode_layer *l = layers + li;
         rms_norm(out, hidden, l->input_norm, h, rows, (int)hidden, dims->eps, dtype);
-        if ((status = decode_linear_run(&l->linear[QKV], qkv_n, hidden, h, rows, scratch, qkv, dtype, NULL)) != 0) break;
+        if ((status = linear(l, QKV, qkv_n, hidden, h, rows, scratch, qkv, dtype)) != 0) break;
         if (l->q_norm != NULL) /* each row's q heads, then its k heads, normed in place */
             for (int64_t r = 0; r < rows; r++) {
                 char *row = (char *)qkv + r * qkv_n * elem;
@@ -138,25 +157,32 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
                                         (int)dims->kv_heads, (int)d, (int)page_size, dims->scale,
                                         (const char *)qkv + q_out * elem, qkv_n,
                                         (const char *)qkv + (q_out + kv_out) * elem, qkv_n,
-                                        l->window, NULL);
+                                        l->window, (const float *)l->sinks);
         if (status != 0) break;
         if ((status = linear_add(l, O, dims, q_out, attn, rows, scratch, h, out, l->attn_out_norm)) != 0) break;
         rms_norm(out, hidden, l->post_norm, h, rows, (int)hidden, dims->eps, dtype);
         if (l->router != NULL) {
             const int64_t pairs = rows * l->top_k;
-            status = moe_route(h, rows, hidden, l->router, l->n_experts, l->top_k, (int)l->norm_topk, ids, weights,
-                               dtype);
+            status = l->router_bias != NULL
+                         ? moe_route_topk(h, rows, hidden, l->router, l->router_bias, l->n_experts, l->top_k, ids,
+                                          weights, dtype)
+                         : moe_route(h, rows, hidden, l->router, l->n_experts, l->top_k, (int)l->norm_topk, ids,
+                                     weights, dtype);
             if (status != 0) break;
             int64_t n_spans = 0;
             status = moe_group(ids, weights, rows, l->top_k, l->n_experts, tokens, w_sorted, spans, &n_spans, dtype);
             if (status != 0) break;
-            status = moe_experts(l->experts, hidden, l->expert_inner, h, tokens, w_sorted, spans, n_spans, pairs, rows,
-                                 moe_y, dtype);
+            status = l->gate_up_bias != NULL
+                         ? moe_experts_clamped(l->experts, hidden, l->expert_inner, h, tokens, w_sorted, spans, n_spans,
+                                               pairs, rows, moe_y, dtype, l->gate_up_bias, l->down_bias,
+                                               l->swiglu_alpha, l->swiglu_limit)
+                         : moe_experts(l->experts, hidden, l->expert_inner, h, tokens, w_sorted, spans, n_spans, pairs,
+                                       rows, moe_y, dtype);
             if (status != 0) break;
             decode_add_into(out, moe_y, rows * hidden, dtype);
             continue;
         }
-        if ((status = decode_linear_run(&l->linear[GATE_UP], 2 * inner, hidden, h, rows, scratch, gu, dtype, NULL)) != 0) break;
+        if ((status = linear(l, GATE_UP, 2 * inner, hidden, h, rows, scratch, gu, dtype)) != 0) break;
         if (dims->gelu)
             gelu_tanh_mul(gu, act, rows, (int)inner, dtype);
         else

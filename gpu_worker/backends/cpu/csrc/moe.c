@@ -429,23 +429,12 @@ int moe_experts_clamped(const moe_projection *proj, int64_t hidden, int64_t inne
                        &clamp);
 }
 
-/* The router of rows x [rows, hidden] (dtype): per row the logits against w [n_experts, hidden]
- * (dtype; summed in float32), their softmax in float32, the top_k experts (the larger probability
- * first, the lower expert on a tie) into ids [rows, top_k], and their probabilities, divided by
- * their sum where norm_topk, rounded to dtype into weights [rows, top_k]. The module path
- * (models/moe.py's route, through backends/cpu/experts.py) and decode_layers.c both route with this
- * call, so the one-call decode picks the modules' experts with the modules' weights, bit for bit.
- * Returns RV_OK, RV_ERR_NO_MEMORY, or RV_ERR_TOP_K. */
-int moe_route(const void *x, int64_t rows, int64_t hidden, const void *w, int64_t n_experts, int64_t top_k,
-              int norm_topk, int64_t *ids, void *weights, int dtype) {
-    if (top_k < 1 || top_k > n_experts) return RV_ERR_TOP_K;
-    float *logits = malloc((size_t)(rows * n_experts) * sizeof(float));
+/* logits [rows, n_experts] (float32) = x [rows, hidden] (dtype) w^T (w [n_experts, hidden], dtype),
+ * each summed in float32. Returns RV_OK or RV_ERR_NO_MEMORY. */
+static int router_logits(const void *x, int64_t rows, int64_t hidden, const void *w, int64_t n_experts,
+                         float *logits, int dtype) {
     float *xf = malloc((size_t)(rows * hidden) * sizeof(float)); /* x as float32, once */
-    if (logits == NULL || xf == NULL) {
-        free(logits);
-        free(xf);
-        return RV_ERR_NO_MEMORY;
-    }
+    if (xf == NULL) return RV_ERR_NO_MEMORY;
     load_vec(x, dtype, 0, (int)(rows * hidden), xf);
     int failed = 0;
 #if HAVE_AVX512
@@ -492,6 +481,40 @@ int moe_route(const void *x, int64_t rows, int64_t hidden, const void *w, int64_
         free(wr);
     }
     free(xf);
+    return failed ? RV_ERR_NO_MEMORY : RV_OK;
+}
+
+/* ids [top_k] = the top_k largest of p [n] (the larger first, the lower index on a tie), top their
+ * values; returns their sum. */
+static float top_k_of(const float *p, int64_t n, int64_t top_k, int64_t *ids, float *top) {
+    float chosen = 0.0f;
+    for (int64_t k = 0; k < top_k; k++) { /* the k-th largest: a pass each (top_k is small) */
+        int64_t best = -1;
+        for (int64_t e = 0; e < n; e++) {
+            int taken = 0;
+            for (int64_t j = 0; j < k; j++) taken |= ids[j] == e;
+            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+        }
+        ids[k] = best;
+        top[k] = p[best];
+        chosen += p[best];
+    }
+    return chosen;
+}
+
+/* The router of rows x [rows, hidden] (dtype): per row the logits against w [n_experts, hidden]
+ * (dtype; summed in float32), their softmax in float32, the top_k experts (the larger probability
+ * first, the lower expert on a tie) into ids [rows, top_k], and their probabilities, divided by
+ * their sum where norm_topk, rounded to dtype into weights [rows, top_k]. The module path
+ * (models/moe.py's route, through backends/cpu/experts.py) and decode_layers.c both route with this
+ * call, so the one-call decode picks the modules' experts with the modules' weights, bit for bit.
+ * Returns RV_OK, RV_ERR_NO_MEMORY, or RV_ERR_TOP_K. */
+int moe_route(const void *x, int64_t rows, int64_t hidden, const void *w, int64_t n_experts, int64_t top_k,
+              int norm_topk, int64_t *ids, void *weights, int dtype) {
+    if (top_k < 1 || top_k > n_experts) return RV_ERR_TOP_K;
+    float *logits = malloc((size_t)(rows * n_experts) * sizeof(float));
+    if (logits == NULL) return RV_ERR_NO_MEMORY;
+    const int failed = router_logits(x, rows, hidden, w, n_experts, logits, dtype);
 #pragma omp parallel for schedule(static) if (rows >= 8 && !failed)
     for (int64_t r = 0; r < rows; r++) {
         if (failed) continue;
@@ -500,20 +523,38 @@ int moe_route(const void *x, int64_t rows, int64_t hidden, const void *w, int64_
         for (int64_t e = 1; e < n_experts; e++) max = p[e] > max ? p[e] : max;
         for (int64_t e = 0; e < n_experts; e++) total += p[e] = expf(p[e] - max);
         for (int64_t e = 0; e < n_experts; e++) p[e] /= total;
-        float chosen = 0.0f;
-        for (int64_t k = 0; k < top_k; k++) { /* the k-th largest: a pass each (top_k is small) */
-            int64_t best = -1;
-            for (int64_t e = 0; e < n_experts; e++) {
-                int taken = 0;
-                for (int64_t j = 0; j < k; j++) taken |= ids[r * top_k + j] == e;
-                if (!taken && (best < 0 || p[e] > p[best])) best = e;
-            }
-            ids[r * top_k + k] = best;
-            top[k] = p[best];
-            chosen += p[best];
-        }
+        const float chosen = top_k_of(p, n_experts, top_k, ids + r * top_k, top);
         if (norm_topk)
             for (int64_t k = 0; k < top_k; k++) top[k] /= chosen;
+        store_vec(weights, dtype, r * top_k, (int)top_k, top);
+    }
+    free(logits);
+    return failed;
+}
+
+/* gpt-oss's router (models/gpt_oss.py's TopKSoftmaxMoeBlock): per row the logits against w (as
+ * moe_route's) plus bias [n_experts] (dtype), the top_k logits (the larger first, the lower expert on
+ * a tie) into ids, and the softmax of those k alone in float32, rounded to dtype into weights. The
+ * modules (backends/cpu/clamped_experts.py's TopKRouter) and decode_layers.c both route by it.
+ * Returns RV_OK, RV_ERR_NO_MEMORY, or RV_ERR_TOP_K. */
+int moe_route_topk(const void *x, int64_t rows, int64_t hidden, const void *w, const void *bias, int64_t n_experts,
+                   int64_t top_k, int64_t *ids, void *weights, int dtype) {
+    if (top_k < 1 || top_k > n_experts) return RV_ERR_TOP_K;
+    float *logits = malloc((size_t)(rows * n_experts + n_experts) * sizeof(float));
+    if (logits == NULL) return RV_ERR_NO_MEMORY;
+    float *b = logits + rows * n_experts;
+    load_vec(bias, dtype, 0, (int)n_experts, b);
+    const int failed = router_logits(x, rows, hidden, w, n_experts, logits, dtype);
+#pragma omp parallel for schedule(static) if (rows >= 8 && !failed)
+    for (int64_t r = 0; r < rows; r++) {
+        if (failed) continue;
+        float *p = logits + r * n_experts, top[top_k];
+        for (int64_t e = 0; e < n_experts; e++) p[e] += b[e];
+        top_k_of(p, n_experts, top_k, ids + r * top_k, top);
+        const float max = top[0];
+        float total = 0.0f;
+        for (int64_t k = 0; k < top_k; k++) total += top[k] = expf(top[k] - max);
+        for (int64_t k = 0; k < top_k; k++) top[k] /= total;
         store_vec(weights, dtype, r * top_k, (int)top_k, top);
     }
     free(logits);

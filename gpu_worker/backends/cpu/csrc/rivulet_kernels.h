@@ -95,6 +95,13 @@ typedef struct {
     const void *attn_out_norm; /* [hidden]: Gemma's norm of the attention's output before its add; NULL: none */
     const void *mlp_out_norm;  /* [hidden]: Gemma's norm of the MLP's output before its add; NULL: none */
     int64_t rope;              /* the step's rotary table this layer takes (Gemma 3: global 0, local 1) */
+    const void *bias[DECODE_LINEARS]; /* [the Linear's n] (dtype): added after its matmul (QuantLinear's); NULL: none */
+    const void *sinks;                /* [heads] float32: gpt-oss's sink logit per head; NULL: none */
+    const void *router_bias;          /* [n_experts] (dtype): gpt-oss's router (moe_route_topk); NULL: moe_route's */
+    const void *gate_up_bias;         /* [n_experts, 2 expert_inner] (dtype): gpt-oss's experts (moe_experts_clamped) */
+    const void *down_bias;            /* [n_experts, hidden] (dtype), with gate_up_bias */
+    float swiglu_alpha;               /* the clamped SwiGLU's, with gate_up_bias */
+    float swiglu_limit;
 } decode_layer;
 
 /* The model's sizes (decode_layers.py's DecodeDims). */
@@ -257,6 +264,8 @@ int moe_experts_clamped(const moe_projection *proj, int64_t hidden, int64_t inne
                         const void *down_bias, float alpha, float limit);
 int moe_route(const void *x, int64_t rows, int64_t hidden, const void *w, int64_t n_experts, int64_t top_k,
               int norm_topk, int64_t *ids, void *weights, int dtype);
+int moe_route_topk(const void *x, int64_t rows, int64_t hidden, const void *w, const void *bias, int64_t n_experts,
+                   int64_t top_k, int64_t *ids, void *weights, int dtype);
 int moe_group(const int64_t *ids, const void *weights, int64_t rows, int64_t top_k, int64_t n_experts,
               int64_t *tokens, void *w_sorted, int64_t *spans, int64_t *n_spans, int dtype);
 
