@@ -13,7 +13,9 @@
 
 ``--toggle NAME`` takes an int the kernels library exports (a C global such as common.h's
 ``weight_prefetch_nta``) and sets it to 0 and 1 on alternate steps (0 1 1 0 ...), for the ratio of
-its two settings in one process, where the machine's pace moves minute to minute.
+its two settings in one process, where the machine's pace moves minute to minute. ``--toggle
+one_call`` does so with the one-call decode (0: the modules), one model held for both, where
+``float32:gguf,float32:gguf-modules`` holds two.
 
 Shapes: decode at batch 1 / 8 / 32 (every row with ``--context`` tokens of KV
 already written) and one prefill chunk of ``--prefill`` tokens. Each shape runs
@@ -142,7 +144,11 @@ def main() -> None:
         help="cpu: this process's CPU time (with --num-threads 1, steadier on a shared machine)",
     )
     p.add_argument("--json", default="", help="also write the results here")
-    p.add_argument("--toggle", default="", help="an int the kernels library exports: 0, 1 on alternate steps")
+    p.add_argument(
+        "--toggle",
+        default="",
+        help="an int the kernels library exports, or one_call (the one-call decode): 0, 1 by turns",
+    )
     args = p.parse_args()
     dtypes = args.dtype.split(",")
     if args.kv_cache_dtypes:
@@ -174,13 +180,40 @@ def main() -> None:
         )
 
 
-def toggled(runner: ModelRunner, dtype: str, args: argparse.Namespace, clock: Callable[[], float]) -> None:
-    """Every shape's steps with the library's int ``args.toggle`` at 0 and 1 in turn (0 1 1 0 ...):
-    the median ms of each setting and their ratio."""
+ONE_CALL = "one_call"  # --toggle's name for the one-call decode
+
+
+class OneCallSwitch:
+    """The runner's one-call decode as --toggle's switch: 1 on, 0 off (the modules run)."""
+
+    def __init__(self, backend: CpuBackend) -> None:
+        self.backend, self.fused = backend, backend.fused_decode
+
+    @property
+    def value(self) -> int:
+        return int(self.backend.fused_decode is not None)
+
+    @value.setter
+    def value(self, value: int) -> None:
+        self.backend.fused_decode = self.fused if value else None
+
+
+def switch_of(runner: ModelRunner, dtype: str, name: str) -> ctypes.c_int | OneCallSwitch:
+    """--toggle's switch: the library's int ``name``, or the one-call decode."""
     kernels = getattr(runner.backend, "kernels", None)
     if kernels is None:
         raise SystemExit(f"--toggle: {dtype} runs without the C kernels")
-    switch = ctypes.c_int.in_dll(ctypes.CDLL(str(kernels.path)), args.toggle)
+    if name != ONE_CALL:
+        return ctypes.c_int.in_dll(ctypes.CDLL(str(kernels.path)), name)
+    if not isinstance(runner.backend, CpuBackend) or runner.backend.fused_decode is None:
+        raise SystemExit(f"--toggle {ONE_CALL}: {dtype} has no one-call decode (its log says why)")
+    return OneCallSwitch(runner.backend)
+
+
+def toggled(runner: ModelRunner, dtype: str, args: argparse.Namespace, clock: Callable[[], float]) -> None:
+    """Every shape's steps with the library's int ``args.toggle`` (or the one-call decode) at 0 and 1
+    in turn (0 1 1 0 ...): the median ms of each setting and their ratio."""
+    switch = switch_of(runner, dtype, args.toggle)
     kept = switch.value
     times: dict[tuple[str, int], list[float]] = {}
     try:
