@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import gguf
 import pytest
 import torch
 
@@ -19,7 +20,10 @@ from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.deepseek_moe import DeepseekMoe
 from gpu_worker.weights.model_files import resolve_model
+from tests.exactness.test_mla_gguf import gguf_runner
 from tests.gpu_worker.helpers import GREEDY, MiniScheduler
+from tests.mla_gguf import write_mla_gguf
+from tests.mla_models import tiny_mla_config
 
 pytestmark = [
     pytest.mark.skipif(
@@ -111,6 +115,33 @@ def test_routed_scaling_and_other_pools(
         if isinstance(module, DeepseekMoe):
             object.__setattr__(module.gate, "args", dataclasses.replace(module.gate.args, scaling=2.5))
     fused._layers = None  # the structs again, with the scale
+    assert decode_steps(runner, 2, monkeypatch, steps=6) == 6
+
+
+# Every Linear, kv_b's halves and the experts in Q8_0 blocks (a tiny model's widths are whole blocks).
+ALL_Q8 = {
+    kind: gguf.GGMLQuantizationType.Q8_0
+    for kind in ("attn_q_a", "attn_q_b", "attn_kv_a_mqa", "attn_k_b", "attn_v_b", "attn_output")
+    + ("ffn_gate", "ffn_up", "ffn_down", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    + ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+}
+
+
+def test_q_lora_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek-V2 with q_lora_rank (q_a, its norm, q_b) and a routed_scaling_factor of 1.5, without
+    group-limited routing, from llama.cpp's form of the file."""
+    import transformers
+
+    cfg = tiny_mla_config(
+        "v2_lite", qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32, kv_lora_rank=64,
+        intermediate_size=128, moe_intermediate_size=64,
+    )  # fmt: skip
+    cfg.q_lora_rank, cfg.routed_scaling_factor = 32, 1.5  # (v2_lite's config: None, 1.0)
+    torch.manual_seed(5)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager").eval()
+    write_mla_gguf(tmp_path / "model.gguf", hf, True, ALL_Q8)
+    runner = gguf_runner(tmp_path, dtype="float32", weight_dtype="gguf", page_size=16)
+    assert runner.hf_config.q_lora_rank == 32
     assert decode_steps(runner, 2, monkeypatch, steps=6) == 6
 
 

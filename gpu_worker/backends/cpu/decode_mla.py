@@ -11,10 +11,9 @@ blocks without bias, kv_b as the file's attn_k_b / attn_v_b blocks, the router c
 top-k, the experts' one call), the layers run as one call that makes the same kernel calls in the
 same order, so the hidden states equal the modules' bit for bit (tests/gpu_worker/test_decode_mla.py).
 
-Left to the modules: DeepSeek-V3's and GLM's routers (sigmoid scores, the correction bias, groups)
-and their rotary (interleaved pairs), tensor parallel, biases, and steps of more rows
-than ``LatentHeads.max_rows`` (where the modules' absorbed products take torch's bmm) or with prompt
-rows (the expanded form).
+Left to the modules: DeepSeek-V3's and GLM's routers (sigmoid, the correction bias, groups) and rotary
+(interleaved pairs), tensor parallel, biases, prompt rows (the expanded form), and more rows than
+``LatentHeads.max_rows`` (where the modules' absorbed products take torch's bmm).
 """
 
 from __future__ import annotations
@@ -194,8 +193,10 @@ def why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
     unknown = sorted(f.name for f in dataclasses.fields(MlaArgs) if f.name not in C_MLA_ARGS)
     if unknown:
         return f"latent-attention arguments the C decode does not know: {', '.join(unknown)}"
-    if args.rope_dim > 256 or args.rope_dim % 2 or args.latent_dim > 1024:
-        return f"a pool row of {args.kv_lora_rank} + {args.rope_dim}: past the C decode's buffers"
+    if args.rope_dim > 256 or args.rope_dim % 32 or args.latent_dim > 1024:
+        # torch's complex product rounds as the C code only on whole runs of 16 pairs (its vector
+        # path; the rest by an FMA it compiled in): V2's keys are 64
+        return f"a pool row of {args.kv_lora_rank} + {args.rope_dim}: outside the C decode's"
     for layer in model.decoder_layers():
         assert isinstance(layer, DecoderLayer)
         reason = not_in_c(layer) or _kernels_missing(layer)
