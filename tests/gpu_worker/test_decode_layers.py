@@ -14,6 +14,7 @@ import torch
 from bench.lib import gguf_models
 from gpu_worker.backends.cpu.attention import KERNEL_MAX_EXTEND
 from gpu_worker.backends.cpu.backend import CpuBackend
+from gpu_worker.backends.cpu.decode_layers import FusedDecode
 from gpu_worker.backends.cpu.experts import QuantRouter
 from gpu_worker.backends.cpu.layouts import X8_LAYOUT
 from gpu_worker.backends.cpu.quant import QuantLinear
@@ -102,7 +103,7 @@ def assert_one_call_equals_the_modules(
 ) -> None:
     """Prefill ``rows`` prompts, then 20 decode steps each run by the one call and by the modules."""
     fused = cpu_backend(runner).fused_decode
-    assert fused is not None
+    assert isinstance(fused, FusedDecode)
     if rows == 9:
         for module in runner.model.modules():  # type: ignore[attr-defined]
             impl = getattr(module, "impl", None)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.backends.cpu import kernels as cpu_kernels
-from gpu_worker.backends.cpu.decode_layers import not_in_c, why_not
+from gpu_worker.backends.cpu.decode_layers import FusedDecode, not_in_c, why_not
 from gpu_worker.backends.cpu.kind import requested_kind
 from gpu_worker.config import WorkerConfig
 from gpu_worker.forward_context import AttentionOptions
@@ -129,7 +129,7 @@ def test_gemma3_greedy_matches_hf_float64(gemma3: tuple[Path, Any], monkeypatch:
     out, model = gemma3
     runner = runner_of(out)
     fused = cpu_backend(runner).fused_decode
-    assert fused is not None
+    assert isinstance(fused, FusedDecode)
     calls: list[int] = []
     original = fused.kernels.decode_layers
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpu_worker.backends.cpu.backend import CpuBackend
-from gpu_worker.backends.cpu.decode_layers import not_in_c
+from gpu_worker.backends.cpu.decode_layers import FusedDecode, not_in_c
 from gpu_worker.config import WorkerConfig
 from gpu_worker.forward_context import AttentionOptions
 from gpu_worker.model_runner import ModelRunner
@@ -113,7 +113,7 @@ def test_windowed_greedy_matches_hf_float64(
     out, model = windowed
     runner = runner_of(out)
     backend = cpu_backend(runner)
-    assert isinstance(backend, CpuBackend) and backend.fused_decode is not None
+    assert isinstance(backend, CpuBackend) and isinstance(backend.fused_decode, FusedDecode)
     calls: list[int] = []
     original = backend.fused_decode.kernels.decode_layers
 
