@@ -78,6 +78,7 @@ CPU_KIND_TESTS = (
     "tests/gpu_worker/test_gguf_sub32.py",
     "tests/gpu_worker/test_quant_f16.py",
     "tests/gpu_worker/test_quant_k23.py",
+    "tests/gpu_worker/test_quant_k23x8.py",
     "tests/gpu_worker/test_decode_layers.py",
     "tests/gpu_worker/test_decode_layers_windows.py",
     "tests/gpu_worker/test_decode_layers_gemma.py",

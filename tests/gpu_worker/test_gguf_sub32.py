@@ -48,8 +48,8 @@ SIXTEEN_BIT = {
     "ffn_down": Q.BF16,
     "token_embd": Q.F16,
 }
-# Q3_K's down (its 256 inputs one block; written as random blocks: tests/block_quants.py) beside
-# legacy and sub-32 types.
+# Q3_K's down (its 256 inputs one block, held interleaved; written as random blocks:
+# tests/block_quants.py) beside legacy and sub-32 types.
 K23 = TYPES | {"attn_v": Q.Q8_0, "attn_output": Q.Q4_1, "ffn_down": Q.Q3_K, "token_embd": Q.Q8_0}
 MAPS = {"sub32": TYPES, "sixteen_bit": SIXTEEN_BIT, "k23": K23}
 
@@ -85,7 +85,8 @@ def test_held_as_blocks(sub32_llama: tuple[Path, Path], caplog: pytest.LogCaptur
         "gate_up": [want["ffn_gate"], want["ffn_up"]],
         "down": [want["ffn_down"]],
     }
-    interleaved = {Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS}  # (the rest as in the file)
+    # (the rest as in the file)
+    interleaved = {Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.Q3_K}
     for impl in held.values():
         assert [p.layout == X8_LAYOUT for p in impl.weight.parts] == [
             p.type in interleaved for p in impl.weight.parts

@@ -2,7 +2,8 @@
 
 The C kernels read a type code: the ggml id as the file holds the blocks, or that id | ``X8`` for
 the interleaved layout (csrc/quant_x8.c for Q4_0, Q4_1, Q8_0; csrc/quant_kx8.c for Q4_K, Q5_K,
-Q6_K; csrc/quant_mxfp4.c for MXFP4). The loader keeps the file's bytes (weights/formats.py); the
+Q6_K; csrc/quant_sub32x8.c for Q5_0, Q5_1, IQ4_NL, IQ4_XS; csrc/quant_k23x8.c for Q2_K, Q3_K;
+csrc/quant_mxfp4.c for MXFP4). The loader keeps the file's bytes (weights/formats.py); the
 backend re-lays them here when it prepares the model: the same bytes, rearranged, for every weight
 whose rows are a multiple of 8.
 """
@@ -76,6 +77,14 @@ _BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 39: 17} | K_BLOCK_BYTES  # of one file bloc
 SUB32_HEAD_BYTES = {6: 2, 7: 4, 20: 2}
 X8_TYPES |= frozenset(SUB32_HEAD_BYTES) | {23}  # and IQ4_XS (ggml 23), as _iq4_xs_order gives
 _BLOCK_BYTES |= {6: 22, 7: 24, 20: 18, 23: 136}
+# csrc/quant_k23x8.c: Q2_K, Q3_K (ggml 10, 11) -> per field (its offset in the file's block, bytes a
+# slot, chunks), in the group block's order: the 8 rows' d [and dmin], then each field in chunks.
+K23_FIELDS = {
+    10: ((80, 2, 1), (82, 2, 1), (0, 4, 4), (16, 4, 16)),  # d, dmin, scales, quants
+    11: ((108, 2, 1), (96, 4, 3), (0, 4, 8), (32, 4, 16)),  # d, scales, high bits, quants
+}
+X8_TYPES |= frozenset(K23_FIELDS)
+_BLOCK_BYTES |= {10: 84, 11: 110}
 
 
 @functools.cache
@@ -88,6 +97,8 @@ def _group_order(ggml_type: int) -> np.ndarray:
         return _sub32_order(ggml_type)
     if ggml_type == 23:
         return _iq4_xs_order()
+    if ggml_type in K23_FIELDS:
+        return _k23_order(ggml_type)
     head, bb = INTERLEAVED_TYPES[ggml_type], _BLOCK_BYTES[ggml_type]
     at = np.arange(8 * bb).reshape(8, bb)  # the scales 2 bytes (MXFP4: 1) per slot in turn, then the quants
     scales = at[:, :head].reshape(8, -1, min(head, 2)).transpose(1, 0, 2)
@@ -137,6 +148,15 @@ def _iq4_xs_order() -> np.ndarray:
     quants = at[:, 8:].reshape(8, 8, 4, 4).transpose(1, 2, 0, 3)  # [sub-block, chunk, slot, 4]
     heads = [at[:, 0:2], at[:, 2:4], at[:, 4:8]]  # d, scale highs, scale lows
     return np.concatenate([*(h.reshape(-1) for h in heads), quants.reshape(-1)])
+
+
+@functools.cache
+def _k23_order(ggml_type: int) -> np.ndarray:
+    """Q2_K / Q3_K's group block (csrc/quant_k23x8.c's top comment): per field, chunk c of slot s at
+    (8c + s) units."""
+    at = np.arange(8 * _BLOCK_BYTES[ggml_type]).reshape(8, -1)
+    fields = [at[:, o : o + u * n].reshape(8, n, u).transpose(1, 0, 2) for o, u, n in K23_FIELDS[ggml_type]]
+    return np.concatenate([f.reshape(-1) for f in fields])
 
 
 def _permute_groups(

@@ -134,6 +134,72 @@ static inline __m256i pairs2(const int16_t *q) { /* q[0..3] in every 64-bit lane
     return _mm256_set1_epi64x(*(const i64_any *)q);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512VNNI__)
+#define DPW(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
+#else
+#define DPW(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16((a), (b)))
+#endif
+
+static inline __m512i two256i(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+
+/* Lanes (row s, pair p) at 2s + p of a and of b -> [a's rows 0-7 | b's rows 0-7], pairs summed. */
+static inline __m512i fold_pairs(__m512i a, __m512i b) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    return _mm512_add_epi32(_mm512_permutex2var_epi32(a, even, b), _mm512_permutex2var_epi32(a, odd, b));
+}
+
+/* The 16-bit tile on zmm: sub-block j's two groups side by side, [group 2j's 8 rows | group 2j + 1's]:
+ * a chunk of each widened to a zmm (lanes: row, pair), madd, one fold per sub-block, one float
+ * scaling of both groups; the halves added at the end. */
+static inline __attribute__((always_inline)) void tile16(const uint8_t *g, int64_t nb, const act_block16 *const *xa,
+                                                         const float *const *ms, float *out, int64_t ldo,
+                                                         const int type, const int R) {
+    const int gbb = 8 * bb_of(type);
+    __m512 acc[XR];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * gbb;
+        for (int at = 0; at < gbb; at += 64) prefetch_weights(blk + K23X8_PF + at);
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(d8), d8, 1);
+        const __m256 dm8 = type == QTYPE_Q2_K ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : d8;
+        const __m512 dmin = _mm512_insertf32x8(_mm512_castps256_ps512(dm8), dm8, 1);
+        for (int j = 0; j < 8; j++) {
+            __m512i sa[XR], sb[XR];
+            __m256i m0, m1;
+            const __m256i s0 = group_scales(blk, 2 * j, type, &m0), s1 = group_scales(blk, 2 * j + 1, type, &m1);
+            for (int r = 0; r < R; r++) sa[r] = sb[r] = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                __m512i u = two256i(chunk_u(blk, j, c, type), chunk_u(blk, j, 4 + c, type));
+                if (type == QTYPE_Q3_K) u = _mm512_sub_epi8(u, _mm512_set1_epi8(4));
+                const __m512i wa = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(u));
+                const __m512i wb = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(u, 1));
+                for (int r = 0; r < R; r++) {
+                    const int16_t *x = xa[r][8 * b + j].q + 4 * c;
+                    sa[r] = DPW(sa[r], wa, _mm512_set1_epi64(*(const i64_any *)x));
+                    sb[r] = DPW(sb[r], wb, _mm512_set1_epi64(*(const i64_any *)(x + 16)));
+                }
+            }
+            const __m512 dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(two256i(s0, s1)));
+            const __m512 dm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(two256i(m0, m1)));
+            for (int r = 0; r < R; r++) {
+                const __m512 f = _mm512_cvtepi32_ps(fold_pairs(sa[r], sb[r]));
+                acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dsc, _mm512_set1_ps(xa[r][8 * b + j].d)), acc[r]);
+                if (type == QTYPE_Q2_K) {
+                    const float *m = ms[r] + 16 * b + 2 * j;
+                    const __m512 mm = _mm512_insertf32x8(_mm512_set1_ps(m[0]), _mm256_set1_ps(m[1]), 1);
+                    acc[r] = _mm512_fnmadd_ps(dm, mm, acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        _mm256_storeu_ps(out + r * ldo, _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1)));
+}
+
+#else /* AVX2: one group a ymm */
 /* out[r * ldo + s] = dot(row s of the group at g, activation row r), s < 8, r < R; ms[r][2i + h]:
  * row r's 16-value sums of sub-block i at its step (Q2_K's min terms). */
 static inline __attribute__((always_inline)) void tile16(const uint8_t *g, int64_t nb, const act_block16 *const *xa,
@@ -179,6 +245,8 @@ static inline __attribute__((always_inline)) void tile16(const uint8_t *g, int64
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * ldo, _mm256_permutevar8x32_ps(acc[r], order));
 }
 
+#endif
+
 /* Every group (8 weight rows) against every activation row, XR rows at a time. */
 static inline __attribute__((always_inline)) void tile16_loop(const uint8_t *w, int64_t wrb, int64_t nc,
                                                               const uint8_t *xq, int64_t xrb, int64_t nr,
@@ -214,6 +282,118 @@ static inline __attribute__((always_inline)) void tile16_loop(const uint8_t *w, 
 }
 #define TILE16_LOOP(TYPE) tile16_loop(w, wrb, nc, xq, xrb, nr, nb, out, ldo, TYPE)
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* The 8-bit tile on zmm: two groups side by side (16 weight rows: g0's in lanes 0-7, g1's in 8-15),
+ * up to 8 activation rows; each lane runs the ymm tile's integer sums and float steps. */
+#undef XR8
+#define XR8 8
+
+static inline __m512i two256(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+static inline __m512 two256f(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
+
+/* acc + the products of u's bytes (unsigned) and q[0..3] (signed) in every lane, summed by 4. */
+static inline __m512i dpb16(__m512i acc, __m512i u, const int8_t *q) {
+#if defined(__AVX512VNNI__) /* the broadcast as vpdpbusd's {1to16} operand (gcc does not fold it) */
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const i32_any *)q));
+    return acc;
+#else
+    const __m512i p = _mm512_maddubs_epi16(u, _mm512_set1_epi32(*(const i32_any *)q));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+#endif
+}
+
+#define K23_PASS16(FIELD)                                                                                          \
+    for (int r = 0; r < R; r++) {                                                                                 \
+        const act_block8 *x = xa[r] + b;                                                                           \
+        __m512i isa = type == QTYPE_Q3_K ? _mm512_set1_epi32(x->FIELD##off[2 * j] / 8) : _mm512_setzero_si512();  \
+        __m512i isb = type == QTYPE_Q3_K ? _mm512_set1_epi32(x->FIELD##off[2 * j + 1] / 8) : _mm512_setzero_si512(); \
+        for (int c = 0; c < 4; c++) {                                                                              \
+            isa = dpb16(isa, u[c], x->FIELD + 32 * j + 4 * c);                                                     \
+            isb = dpb16(isb, u[4 + c], x->FIELD + 32 * j + 16 + 4 * c);                                            \
+        }                                                                                                          \
+        I[r] = _mm512_add_epi32(_mm512_mullo_epi32(isa, sca), _mm512_mullo_epi32(isb, scb));                       \
+        if (type == QTYPE_Q2_K)                                                                                    \
+            M[r] = _mm512_add_epi32(_mm512_mullo_epi32(ma, _mm512_set1_epi32(-x->FIELD##off[2 * j] / 32)),         \
+                                    _mm512_mullo_epi32(mb, _mm512_set1_epi32(-x->FIELD##off[2 * j + 1] / 32)));    \
+    }
+
+#define K23_TERM16(STEP)                                                                                           \
+    for (int r = 0; r < R; r++) {                                                                                 \
+        const float step = (STEP);                                                                                 \
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I[r]), _mm512_mul_ps(d, _mm512_set1_ps(step)), acc[r]);         \
+        if (type == QTYPE_Q2_K)                                                                                    \
+            acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(M[r]), _mm512_mul_ps(dmin, _mm512_set1_ps(step)), acc[r]); \
+    }
+
+/* out[r * ldo + j] = dot(tile row j, activation row r) for j < width (16, or 8: g1 is g0 again and
+ * only its lanes are stored), r < R. */
+static inline __attribute__((always_inline)) void tile8(const uint8_t *g0, const uint8_t *g1, int width, int64_t nb,
+                                                        const act_block8 *const *xa, float *out, int64_t ldo,
+                                                        const int type, const int R) {
+    const int gbb = 8 * bb_of(type);
+    __m512 acc[XR8];
+    __m512i I[XR8], M[XR8];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk0 = g0 + b * gbb, *blk1 = g1 + b * gbb;
+        for (int at = 0; at < gbb; at += 64) {
+            _mm_prefetch((const char *)(blk0 + K23X8_PF + at), _MM_HINT_T0);
+            _mm_prefetch((const char *)(blk1 + K23X8_PF + at), _MM_HINT_T0);
+        }
+        const __m512 d = two256f(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk0)),
+                                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk1)));
+        const __m512 dmin = type == QTYPE_Q2_K ? two256f(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk0 + 16))),
+                                                         _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk1 + 16))))
+                                               : _mm512_setzero_ps();
+        int two = 0;
+        for (int r = 0; r < R; r++) two |= xa[r][b].two;
+        for (int j = 0; j < 8; j++) {
+            __m256i m0, m1;
+            const __m512i sca = two256(group_scales(blk0, 2 * j, type, &m0), group_scales(blk1, 2 * j, type, &m1));
+            const __m512i ma = two256(m0, m1);
+            const __m512i scb = two256(group_scales(blk0, 2 * j + 1, type, &m0), group_scales(blk1, 2 * j + 1, type, &m1));
+            const __m512i mb = two256(m0, m1);
+            __m512i u[8];
+            for (int c = 0; c < 8; c++) u[c] = two256(chunk_u(blk0, j, c, type), chunk_u(blk1, j, c, type));
+            K23_PASS16(q)
+            K23_TERM16(xa[r][b].d[j])
+            if ((two >> j) & 1) {
+                K23_PASS16(r)
+                K23_TERM16(xa[r][b].d[j] * (1.0f / 128.0f))
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(out + r * ldo, _mm512_castps512_ps256(acc[r]));
+        if (width == 16) _mm256_storeu_ps(out + r * ldo + 8, _mm512_extractf32x8_ps(acc[r], 1));
+    }
+}
+
+static inline __attribute__((always_inline)) void tile8_loop(const uint8_t *w, int64_t wrb, int64_t nc,
+                                                             const uint8_t *xq, int64_t xrb, int64_t nr, int64_t nb,
+                                                             float *out, int64_t ldo, const int type) {
+    for (int64_t r0 = 0; r0 < nr;) {
+        const int64_t left = nr - r0;
+        const int R = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        const act_block8 *xa[XR8];
+        for (int r = 0; r < R; r++) xa[r] = (const act_block8 *)(xq + (r0 + r) * xrb);
+        for (int64_t c0 = 0; c0 < nc; c0 += 16) {
+            const uint8_t *g0 = w + c0 * wrb;
+            const int width = nc - c0 >= 16 ? 16 : 8;
+            const uint8_t *g1 = width == 16 ? g0 + 8 * wrb : g0;
+            float *o = out + r0 * ldo + c0;
+            switch (R) {
+            case 8: tile8(g0, g1, width, nb, xa, o, ldo, type, 8); break;
+            case 4: tile8(g0, g1, width, nb, xa, o, ldo, type, 4); break;
+            case 2: tile8(g0, g1, width, nb, xa, o, ldo, type, 2); break;
+            default: tile8(g0, g1, width, nb, xa, o, ldo, type, 1); break;
+            }
+        }
+        r0 += R;
+    }
+}
+
+#else /* AVX2: one group a ymm */
 /* is + the products of a chunk's unsigned weight bytes u and the activation's 4 bytes at q, summed
  * by 4 per row lane (the maddubs build: one chunk's int16 pair sums, widened at once). */
 static inline __m256i dpb(__m256i is, __m256i u, const int8_t *q) {
@@ -301,6 +481,7 @@ static inline __attribute__((always_inline)) void tile8_loop(const uint8_t *w, i
         r0 += R;
     }
 }
+#endif
 #define TILE8_LOOP(TYPE) tile8_loop(w, wrb, nc, xq, xrb, nr, nb, out, ldo, TYPE)
 
 #else /* portable */
