@@ -20,10 +20,11 @@ from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.deepseek_moe import DeepseekMoe
 from gpu_worker.weights.model_files import resolve_model
-from tests.exactness.test_mla_gguf import gguf_runner
+from tests.exactness import inprocess
+from tests.exactness.test_mla_gguf import NEW_TOKENS, gguf_runner
 from tests.gpu_worker.helpers import GREEDY, MiniScheduler
 from tests.mla_gguf import write_mla_gguf
-from tests.mla_models import tiny_mla_config
+from tests.mla_models import hf_greedy, hf_mla_model, make_prompts, tiny_mla_config
 
 pytestmark = [
     pytest.mark.skipif(
@@ -143,6 +144,30 @@ def test_q_lora_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     runner = gguf_runner(tmp_path, dtype="float32", weight_dtype="gguf", page_size=16)
     assert runner.hf_config.q_lora_rank == 32
     assert decode_steps(runner, 2, monkeypatch, steps=6) == 6
+
+
+def test_greedy_tokens_as_hf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Served in float32 through the one call (prompts chunked, mixed with decode rows), the tokens
+    are HF's float64 greedy ones on the file's weights."""
+    hf = hf_mla_model(
+        "v2_lite", seed=4, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32, kv_lora_rank=64
+    )
+    types = {**ALL_Q8, "attn_q": gguf.GGMLQuantizationType.Q8_0}
+    hf.load_state_dict(write_mla_gguf(tmp_path / "model.gguf", hf, True, types), strict=False)
+    runner = gguf_runner(tmp_path, dtype="float32", weight_dtype="gguf", page_size=16)
+    fused = backend(runner).fused_decode
+    assert isinstance(fused, MlaDecode)
+    calls: list[int] = []
+    original = fused.call
+
+    def counted(*args: Any) -> int:
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(fused, "call", counted)
+    prompts = make_prompts(7, (1, 3, 17, 40, 9))
+    got, _ = inprocess.generate(runner, prompts, NEW_TOKENS, chunked_prefill_size=16, enable_mixed_chunk=True)
+    assert calls and got == hf_greedy(hf, prompts, NEW_TOKENS)
 
 
 def test_what_runs_the_modules(mla_paths: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
