@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from gpu_worker.backends.cpu.decode_hybrid import HybridDecode
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.weights.model_files import resolve_model
+from tests.exactness import inprocess
 from tests.gpu_worker.helpers import GREEDY, MiniScheduler
 
 pytestmark = [
@@ -64,6 +66,19 @@ def pools(runner: ModelRunner, rows: int) -> list[torch.Tensor]:
     return [t[:rows] for t in (*runner.states.conv, *runner.states.recurrent)]
 
 
+def counted_calls(fused: HybridDecode, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one each time the one call runs."""
+    calls: list[int] = []
+    original = fused.kernels.decode
+
+    def counted(*args: Any) -> None:
+        calls.append(1)
+        original(*args)
+
+    monkeypatch.setattr(fused.kernels, "decode", counted)
+    return calls
+
+
 @pytest.mark.parametrize("rows", [1, 3, 9], ids=["1row", "3rows", "9rows_dense"])
 def test_one_call_equals_the_modules_bit_for_bit(
     small_qwen35: tuple[Path, Path], rows: int, monkeypatch: pytest.MonkeyPatch
@@ -79,14 +94,7 @@ def test_one_call_equals_the_modules_bit_for_bit(
             impl = getattr(module, "impl", None)
             if impl is not None and hasattr(impl, "dense_min_rows"):
                 impl.dense_min_rows = [8] * len(impl.dense_min_rows)
-    calls: list[int] = []
-    original = fused.kernels.decode
-
-    def counted(*args: Any) -> None:
-        calls.append(1)
-        original(*args)
-
-    monkeypatch.setattr(fused.kernels, "decode", counted)
+    calls = counted_calls(fused, monkeypatch)
     sched = MiniScheduler(runner.num_pages, runner.config.page_size)
     lens = [5 + 7 * i for i in range(rows)]
     prefill = sched.batch([(idx, 0, list(range(3, 3 + n)), True, GREEDY) for idx, n in enumerate(lens)])
@@ -111,3 +119,32 @@ def test_one_call_equals_the_modules_bit_for_bit(
 def test_bf16_runs_the_modules(small_qwen35: tuple[Path, Path]) -> None:
     """bf16 activations keep the modules (the Gated DeltaNet step's fused kernel is float32)."""
     assert backend(runner_of(small_qwen35, "bfloat16")).fused_decode is None
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_served_schedule_equals_the_modules(
+    small_qwen35: tuple[Path, Path], overlap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the scheduler (chunked prefill of a size no prompt is a multiple of, mixed batches, two
+    choices forked from one prompt, the overlap schedule): the tokens and logprobs the one call
+    serves are the modules' own."""
+    outputs: list[tuple[list[list[int]], list[list[float]]]] = []
+    calls: list[int] = []
+    sampler = msgspec.structs.replace(GREEDY, logprobs=True)
+    for one_call in (True, False):
+        runner = runner_of(small_qwen35, "float32")
+        fused = backend(runner).fused_decode
+        assert isinstance(fused, HybridDecode)
+        if one_call:
+            calls = counted_calls(fused, monkeypatch)
+        else:
+            backend(runner).fused_decode = None
+        logprobs: list[list[float]] = []
+        got, _ = inprocess.generate(
+            runner, [[5, 6, 7, 8, 9], list(range(10, 51)), [3] * 20], 8, chunked_prefill_size=13,
+            enable_mixed_chunk=True, overlap=overlap, n=2, logprobs=logprobs, sampler=sampler,
+        )  # fmt: skip
+        outputs.append((got, logprobs))
+    assert calls, "no step ran the one call"
+    assert all(len(lp) == 8 for lp in outputs[0][1])
+    assert outputs[0] == outputs[1]
