@@ -84,6 +84,7 @@ CPU_KIND_TESTS = (
     "tests/gpu_worker/test_decode_layers_gemma.py",
     "tests/gpu_worker/test_sink_attention.py",
     "tests/gpu_worker/test_mxfp4.py",
+    "tests/gpu_worker/test_mxfp4_a8.py",
     "tests/exactness/test_gpt_oss_gguf.py",
     "tests/gpu_worker/test_gguf_weights.py",
     "tests/gpu_worker/test_models.py",

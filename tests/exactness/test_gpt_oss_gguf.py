@@ -47,8 +47,10 @@ def test_gguf_greedy_matches_hf(gguf_dir: tuple[Path, Any], chunk: int, mixed: b
 
 
 def test_mxfp4_experts_kept_in_blocks_match_their_dequantized_twin(gguf_dir: tuple[Path, Any]) -> None:
-    """float32 on the C kernels: the experts held as MXFP4 blocks (computed on them, 16-bit activations)
-    and the same weights dequantized at load: the same greedy tokens, logits within 0.02."""
+    """float32 on the C kernels: the experts held as MXFP4 blocks (computed on them, on 16-bit
+    activations, or 8-bit ones for an expert with quant.py's A8_MIN_ROWS rows: a prefill's) and the
+    same weights dequantized at load: the same greedy tokens, logits within 1% of their spread (8 bits
+    measured 0.4%, 16 bits 0.1%)."""
     path, _ = gguf_dir
     prompts = make_prompts(seed=7, lens=(3, 21, 12))
     kept = runner_for(path, "gguf", dtype="float32")
@@ -64,4 +66,5 @@ def test_mxfp4_experts_kept_in_blocks_match_their_dequantized_twin(gguf_dir: tup
     assert got == want
     logits = [r.compute_logits(MiniScheduler(r.num_pages, 4).batch([(0, 0, prompts[1], True, GREEDY)]))
               for r in (kept, twin)]  # fmt: skip
-    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0.02)
+    spread = float(logits[1].max() - logits[1].min())
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0.01 * spread)

@@ -1,6 +1,7 @@
 /* MXFP4 blocks (gpt-oss's experts) with their weight rows interleaved by 8, the layout the worker
  * holds them in (layouts.py's interleave_rows makes it at load; same bytes as the file's). Type
- * code: QTYPE_MXFP4 | QTYPE_X8. The file's layout and the weights' meaning: quant_sub32.c.
+ * code: QTYPE_MXFP4 | QTYPE_X8, | QTYPE_A8 for the 8-bit activations' tiles (below the 16-bit ones).
+ * The file's layout and the weights' meaning: quant_sub32.c.
  *
  * Rows 8g .. 8g + 7 form group g, stored where the file's rows 8g .. 8g + 7 were. Within a group,
  * block b of the 8 rows lies at b * 136:
@@ -301,7 +302,255 @@ static void tile_mxfp4(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t 
 }
 #endif
 
+/* 8-bit activations (act8_32, quant.h; many rows: quant.py's A8_MIN_ROWS). The nibbles are looked up
+ * in the doubled levels plus 12 (0 .. 24, unsigned: ULEVELS), so vpdpbusd (maddubs + madd without
+ * VNNI) meets them against the activation's signed bytes, and 12 times the activation block's
+ * integer sum is taken off per block: the exact integer dot of the levels themselves. A 32-bit lane
+ * holds 4 weights of one row, 2 from each of two adjacent chunks (their 16-bit words interleaved row
+ * by row), against the activation's 4 matching bytes broadcast; a block of 8 rows ends as 8 sums in
+ * 8 lanes, scaled once by the rows' 2^(e - 128) times the activation's step, and where the block's
+ * activations carry the residual pass (two), its bytes r the same way at a 128th of that step.
+ * Integers: a lane's maddubs pair sums at most 2 * 24 * 127 = 6096, four of them 24,384, below
+ * int16's saturation (AVX2 and AVX-512 without VNNI add four before widening); a block's sum at most
+ * 32 * 24 * 127 < 2^24, exact in its float32 conversion. Every build sums the same integers and runs
+ * the same float steps per (row, column, block) in the same order, so the same bits (tested). */
+static const uint8_t ULEVELS[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+#define LEVEL_OFF 12 /* ULEVELS[i] - LEVELS[i] */
+#define XR8 8         /* activation rows per 8-bit tile */
+
+#if HAVE_AVX2 || HAVE_AVX512
+typedef int32_t __attribute__((may_alias, aligned(1))) i32_any;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* Chunks c, c + 1 of one group's block at a and of another's at b (32 bytes each) -> lane j the 4
+ * nibble bytes of row j (rows 8-15: the second group's). */
+static inline __m512i rows16(const uint8_t *a, const uint8_t *b) {
+    const __m512i order = _mm512_set_epi16(31, 23, 30, 22, 29, 21, 28, 20, 27, 19, 26, 18, 25, 17, 24, 16, 15, 7, 14,
+                                           6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                                         _mm256_loadu_si256((const __m256i *)b), 1);
+    return _mm512_permutexvar_epi16(order, v);
+}
+
+/* One pass (the activation bytes q, or r where resid) of block b of the groups at blk0, blk1 into
+ * is[r]: sum over the block of (level + 12) * x, less 12 sum(x). */
+static inline __attribute__((always_inline)) void pass16(const uint8_t *blk0, const uint8_t *blk1,
+                                                         const act8_32 *const *xa, int64_t b, int resid, __m512i *is,
+                                                         const int R) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)ULEVELS));
+    const int8_t *x[XR8];
+    for (int r = 0; r < R; r++) {
+        x[r] = resid ? xa[r][b].r : xa[r][b].q;
+        is[r] = _mm512_set1_epi32(-LEVEL_OFF * (resid ? xa[r][b].rsum : xa[r][b].qsum));
+    }
+#if defined(__AVX512VNNI__)
+    for (int cp = 0; cp < 4; cp++) {
+        const __m512i v = rows16(blk0 + 8 + 32 * cp, blk1 + 8 + 32 * cp);
+        const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, m4));
+        const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+        for (int r = 0; r < R; r++) { /* the broadcast as vpdpbusd's {1to16} operand (gcc does not fold it) */
+            __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(is[r]) : "v"(lo), "m"(*(const i32_any *)(x[r] + 4 * cp)));
+            __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(is[r]) : "v"(hi), "m"(*(const i32_any *)(x[r] + 16 + 4 * cp)));
+        }
+    }
+#else
+    for (int h = 0; h < 2; h++) {
+        __m512i lo[2], hi[2];
+        for (int i = 0; i < 2; i++) {
+            const __m512i v = rows16(blk0 + 8 + 64 * h + 32 * i, blk1 + 8 + 64 * h + 32 * i);
+            lo[i] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, m4));
+            hi[i] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+        }
+        for (int r = 0; r < R; r++) {
+            __m512i s = _mm512_setzero_si512();
+            for (int i = 0; i < 2; i++) {
+                const int at = 8 * h + 4 * i;
+                s = _mm512_add_epi16(s, _mm512_maddubs_epi16(lo[i], _mm512_set1_epi32(*(const i32_any *)(x[r] + at))));
+                s = _mm512_add_epi16(s, _mm512_maddubs_epi16(hi[i], _mm512_set1_epi32(*(const i32_any *)(x[r] + 16 + at))));
+            }
+            is[r] = _mm512_add_epi32(is[r], _mm512_madd_epi16(s, _mm512_set1_epi16(1)));
+        }
+    }
+#endif
+}
+
+/* out[r * ldo + j] = dot(tile row j, activation row r) for j < width (16, or 8: g1 is g0 again and
+ * only its lanes are stored), r < R. */
+static inline __attribute__((always_inline)) void a8_tile(const uint8_t *g0, const uint8_t *g1, int width, int64_t nb,
+                                                          const act8_32 *const *xa, float *out, int64_t ldo,
+                                                          const int R) {
+    __m512 acc[XR8];
+    __m512i is[XR8];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk0 = g0 + b * GB, *blk1 = g1 + b * GB;
+        for (int at = 0; at < GB; at += 64) {
+            _mm_prefetch((const char *)(blk0 + MX_PF + at), _MM_HINT_T0);
+            _mm_prefetch((const char *)(blk1 + MX_PF + at), _MM_HINT_T0);
+        }
+        int two = 0;
+        for (int r = 0; r < R; r++) two |= xa[r][b].two;
+        pass16(blk0, blk1, xa, b, 0, is, R);
+        const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(scales8(blk0)), scales8(blk1), 1);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(d, _mm512_set1_ps(xa[r][b].d)), acc[r]);
+        if (two) { /* r's products at a 128th of q's step (zero for the rows without the pass) */
+            pass16(blk0, blk1, xa, b, 1, is, R);
+            for (int r = 0; r < R; r++) {
+                const __m512 sc = _mm512_mul_ps(_mm512_mul_ps(d, _mm512_set1_ps(xa[r][b].d)), _mm512_set1_ps(1.0f / 128.0f));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), sc, acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(out + r * ldo, _mm512_castps512_ps256(acc[r]));
+        if (width == 16) _mm256_storeu_ps(out + r * ldo + 8, _mm512_extractf32x8_ps(acc[r], 1));
+    }
+}
+#define A8_COLS 16 /* weight rows a tile */
+#define A8_TILE(G, WIDTH, R) a8_tile((G), (WIDTH) == 16 ? (G) + 8 * wrb : (G), (WIDTH), nb, xa, o, ldo, (R))
+
+#else /* AVX2: one group a ymm, vpdpbusd where AVX-VNNI is, else maddubs + madd */
+
+/* Chunks c, c + 1 of a group's block at p -> lane j the 4 nibble bytes of row j. */
+static inline __m256i rows8(const uint8_t *p) {
+    const __m128i a = _mm_loadu_si128((const __m128i *)p), b = _mm_loadu_si128((const __m128i *)(p + 16));
+    return _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));
+}
+
+/* pass16's sums for the 8 rows of one group's block. */
+static inline __attribute__((always_inline)) void pass8(const uint8_t *blk, const act8_32 *const *xa, int64_t b,
+                                                        int resid, __m256i *is, const int R) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)ULEVELS));
+    const int8_t *x[XR8];
+    for (int r = 0; r < R; r++) {
+        x[r] = resid ? xa[r][b].r : xa[r][b].q;
+        is[r] = _mm256_set1_epi32(-LEVEL_OFF * (resid ? xa[r][b].rsum : xa[r][b].qsum));
+    }
+    for (int h = 0; h < 2; h++) {
+        __m256i lo[2], hi[2];
+        for (int i = 0; i < 2; i++) {
+            const __m256i v = rows8(blk + 8 + 64 * h + 32 * i);
+            lo[i] = _mm256_shuffle_epi8(table, _mm256_and_si256(v, m4));
+            hi[i] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+        }
+        for (int r = 0; r < R; r++) {
+#if defined(__AVXVNNI__)
+            for (int i = 0; i < 2; i++) {
+                const int at = 8 * h + 4 * i;
+                is[r] = _mm256_dpbusd_avx_epi32(is[r], lo[i], _mm256_set1_epi32(*(const i32_any *)(x[r] + at)));
+                is[r] = _mm256_dpbusd_avx_epi32(is[r], hi[i], _mm256_set1_epi32(*(const i32_any *)(x[r] + 16 + at)));
+            }
+#else
+            __m256i s = _mm256_setzero_si256();
+            for (int i = 0; i < 2; i++) {
+                const int at = 8 * h + 4 * i;
+                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[i], _mm256_set1_epi32(*(const i32_any *)(x[r] + at))));
+                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[i], _mm256_set1_epi32(*(const i32_any *)(x[r] + 16 + at))));
+            }
+            is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
+#endif
+        }
+    }
+}
+
+/* a8_tile for one group (8 weight rows). */
+static inline __attribute__((always_inline)) void a8_tile8(const uint8_t *g, int64_t nb, const act8_32 *const *xa,
+                                                           float *out, int64_t ldo, const int R) {
+    __m256 acc[XR8];
+    __m256i is[XR8];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * GB;
+        for (int at = 0; at < GB; at += 64) _mm_prefetch((const char *)(blk + MX_PF + at), _MM_HINT_T0);
+        int two = 0;
+        for (int r = 0; r < R; r++) two |= xa[r][b].two;
+        pass8(blk, xa, b, 0, is, R);
+        const __m256 d = scales8(blk);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(d, _mm256_set1_ps(xa[r][b].d)), acc[r]);
+        if (two) {
+            pass8(blk, xa, b, 1, is, R);
+            for (int r = 0; r < R; r++) {
+                const __m256 sc = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(xa[r][b].d)), _mm256_set1_ps(1.0f / 128.0f));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), sc, acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
+}
+#define A8_COLS 8
+#define A8_TILE(G, WIDTH, R) ((void)(WIDTH), a8_tile8((G), nb, xa, o, ldo, (R)))
+#endif
+
+/* Weight rows [0, nc) x activation rows [0, nr): per tile of A8_COLS weight rows (its blocks streamed
+ * from memory once), the activation rows in near-equal groups of at most XR8 (rows past the first
+ * group meet the tile's blocks again from cache). */
+static void tile_mxfp4_a8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                          int64_t nb, float *out, int64_t ldo) {
+    const int64_t groups = (nr + XR8 - 1) / XR8;
+    for (int64_t c0 = 0; c0 < nc; c0 += A8_COLS) {
+        const uint8_t *g = w + c0 * wrb;
+        const int width = nc - c0 >= A8_COLS ? A8_COLS : 8;
+        for (int64_t ag = 0; ag < groups; ag++) {
+            const int64_t r0 = nr * ag / groups, rows = nr * (ag + 1) / groups - r0;
+            const act8_32 *xa[XR8];
+            for (int r = 0; r < XR8; r++) xa[r] = (const act8_32 *)(xq + (r0 + (r < rows ? r : 0)) * xrb);
+            float *o = out + r0 * ldo + c0;
+            switch (rows) {
+            case 1: A8_TILE(g, width, 1); break;
+            case 2: A8_TILE(g, width, 2); break;
+            case 3: A8_TILE(g, width, 3); break;
+            case 4: A8_TILE(g, width, 4); break;
+            case 5: A8_TILE(g, width, 5); break;
+            case 6: A8_TILE(g, width, 6); break;
+            case 7: A8_TILE(g, width, 7); break;
+            default: A8_TILE(g, width, 8); break;
+            }
+        }
+    }
+}
+
+#else /* portable: the same integers and float steps, plain C (a reference; quant.py never routes here) */
+
+static void tile_mxfp4_a8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                          int64_t nb, float *out, int64_t ldo) {
+    for (int64_t c = 0; c < nc; c++) {
+        const uint8_t *g = w + c / 8 * 8 * wrb;
+        const int s = (int)(c % 8);
+        for (int64_t r = 0; r < nr; r++) {
+            const act8_32 *xa = (const act8_32 *)(xq + r * xrb);
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = g + b * GB, *q = blk + 8;
+                int32_t iq = 0, ir = 0;
+                for (int i = 0; i < QB / 2; i++) {
+                    const uint8_t byte = q[16 * (i / 2) + 2 * s + i % 2];
+                    const int32_t lo = LEVELS[byte & 0x0f], hi = LEVELS[byte >> 4];
+                    iq += lo * xa[b].q[i] + hi * xa[b].q[16 + i];
+                    ir += lo * xa[b].r[i] + hi * xa[b].r[16 + i];
+                }
+                const float sc = e8m0_half(blk[s]) * xa[b].d;
+                acc = fmaf((float)iq, sc, acc);
+                if (xa[b].two) acc = fmaf((float)ir, sc * (1.0f / 128.0f), acc);
+            }
+            out[r * ldo + c] = acc;
+        }
+    }
+}
+#endif
+
 static const qtype_ops OPS_MXFP4_X8 = {QTYPE_MXFP4 | QTYPE_X8, QB, BB, (int)sizeof(act_block16), quantize_act16,
                                        tile_mxfp4, NULL, slot_mxfp4, group_mxfp4};
+static const qtype_ops OPS_MXFP4_X8_A8 = {QTYPE_MXFP4 | QTYPE_X8 | QTYPE_A8, QB, BB, (int)sizeof(act8_32),
+                                          quantize_act8_32, tile_mxfp4_a8, NULL, slot_mxfp4, group_mxfp4};
 
-const qtype_ops *qtype_mxfp4x8(int type) { return type == (QTYPE_MXFP4 | QTYPE_X8) ? &OPS_MXFP4_X8 : NULL; }
+const qtype_ops *qtype_mxfp4x8(int type) {
+    switch (type) {
+    case QTYPE_MXFP4 | QTYPE_X8: return &OPS_MXFP4_X8;
+    case QTYPE_MXFP4 | QTYPE_X8 | QTYPE_A8: return &OPS_MXFP4_X8_A8;
+    default: return NULL;
+    }
+}
