@@ -1014,7 +1014,8 @@ static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int6
  * slice first pay). Each (chunk, activation row) is one maddubs against the row's 4 bytes
  * broadcast, its int16 sums added up over a few chunks (dpb16), then a madd by ones into int32
  * lanes (AVX2 has no vpdpbusd): 32 products in a bit over one multiply, where the 16-bit tiles'
- * madd takes 16, and the weights need no widening.
+ * madd takes 16, and the weights need no widening. Q4_K, Q4_0 and Q4_1 at two rows and more take
+ * two groups a pass (tile8_yg: each broadcast meets 16 weight rows).
  * Integer sums as the AVX-512 tiles' (maddubs' int16 pair sums at most 2 * 63 * 127: no
  * saturation; Q8_0, whose unsigned q reach 255, has no tile here), and every float step in the
  * same order per lane, so each output is the AVX-512 builds' bits. */
@@ -1291,6 +1292,155 @@ static inline __attribute__((always_inline)) void legacy_direct_y(const uint8_t 
     }
 }
 
+/* One row's maddubs of a chunk's weights (both groups') against its broadcast activation bytes b,
+ * added to its int16 sums s0 (group 0), s1 (group 1). In asm: gcc otherwise adds into a new register
+ * and copies it back each chunk, spilling a sum where 8 are live. */
+#define YG_DPB(S0, S1, W0, W1, B)                                                                              \
+    do {                                                                                                      \
+        __m256i t_;                                                                                           \
+        if (G > 1)                                                                                            \
+            __asm__("vpmaddubsw %[b], %[wa], %[t]\n\tvpaddw %[t], %[sa], %[sa]\n\t"                             \
+                    "vpmaddubsw %[b], %[wb], %[t]\n\tvpaddw %[t], %[sb], %[sb]"                                 \
+                    : [sa] "+x"(S0), [sb] "+x"(S1), [t] "=&x"(t_) : [wa] "x"(W0), [wb] "x"(W1), [b] "x"(B));  \
+        else                                                                                                  \
+            __asm__("vpmaddubsw %[b], %[wa], %[t]\n\tvpaddw %[t], %[sa], %[sa]"                                 \
+                    : [sa] "+x"(S0), [t] "=&x"(t_) : [wa] "x"(W0), [b] "x"(B));                                \
+    } while (0)
+
+/* Row r's sums (s0r, s1r) of one chunk: Q4_K one broadcast (its 4 bytes at a), the legacy types two
+ * (a, a + 16: a chunk's low and high nibbles are weights 16 apart). */
+#define YG_ROW(r, a)                                                                                          \
+    if (R > r) {                                                                                              \
+        YG_DPB(s0##r, s1##r, w0, w1, _mm256_set1_epi32(*(const int32_any *)((a) + 4 * c)));                   \
+        if (legacy) YG_DPB(s0##r, s1##r, u0, u1, _mm256_set1_epi32(*(const int32_any *)((a) + 16 + 4 * c)));  \
+    }
+
+/* Blocks without the residual pass (Q4_K, Q4_0, Q4_1) of G (1-2) groups at once against R rows:
+ * each activation broadcast meets both groups' chunks (half the broadcasts a maddubs), and each
+ * 32-weight sub-block's int16 sums are widened and scaled as soon as its chunks are in, in
+ * q45_direct_y's and legacy_direct_y's order (the first sub-block's term, the second's, then both
+ * mins), so no pass keeps its sums: the same bits. blk[g]: group g's 256-weight block. */
+static inline __attribute__((always_inline)) void direct_yg(const uint8_t *const *blk, const act_block8 *const *x,
+                                                            __m256 (*acc)[XR8], const int type, const int G, const int R) {
+    const int legacy = type == QTYPE_Q4_0 || type == QTYPE_Q4_1;
+    const int bb = legacy ? qtype_x8(type | QTYPE_X8)->block_bytes : 0, head = type == QTYPE_Q4_1 ? 32 : 16;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256i words[2][4];
+    __m256 d[2], dmin[2];
+    if (!legacy)
+        for (int g = 0; g < G; g++) {
+            q4k_scale_words(blk[g], words[g]);
+            d[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk[g]));
+            dmin[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk[g] + 16)));
+        }
+#pragma GCC unroll 4
+    for (int sb = 0; sb < 4; sb++) {
+        const int sh = 16 * (sb & 1);
+        __m256 dm[2][2]; /* [g][half]: the mins' steps */
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; half++) { /* sub-block 2 sb + half */
+            __m256i s00 = _mm256_setzero_si256(), s01 = s00, s02 = s00, s03 = s00;
+            __m256i s10 = s00, s11 = s00, s12 = s00, s13 = s00;
+            const uint8_t *q[2];
+            for (int g = 0; g < G; g++)
+                q[g] = legacy ? blk[g] + (2 * sb + half) * 8 * bb + head : blk[g] + 128 + sb * 256;
+            const int at = 64 * sb + 32 * half;
+            const int8_t *a0 = x[0]->q + at, *a1 = x[R > 1 ? 1 : 0]->q + at;
+            const int8_t *a2 = x[R > 2 ? 2 : 0]->q + at, *a3 = x[R > 3 ? 3 : 0]->q + at;
+            const int chunks = legacy ? 4 : 8;
+#pragma GCC unroll 1
+            for (int c = 0; c < chunks; c++) { /* 8 maddubs of q <= 15 per int16 sum: dpb16's limits */
+                __m256i w0, w1 = _mm256_setzero_si256(), u0 = w1, u1 = w1;
+                if (legacy) {
+                    const __m256i v0 = legacy_rows(q[0] + 32 * c);
+                    w0 = _mm256_and_si256(v0, m4);
+                    u0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+                    if (G > 1) {
+                        const __m256i v1 = legacy_rows(q[G - 1] + 32 * c);
+                        w1 = _mm256_and_si256(v1, m4);
+                        u1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+                    }
+                } else {
+                    const __m256i v0 = _mm256_loadu_si256((const __m256i *)(q[0] + 32 * c));
+                    w0 = _mm256_and_si256(half ? _mm256_srli_epi16(v0, 4) : v0, m4);
+                    if (G > 1) {
+                        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(q[G - 1] + 32 * c));
+                        w1 = _mm256_and_si256(half ? _mm256_srli_epi16(v1, 4) : v1, m4);
+                    }
+                }
+                YG_ROW(0, a0)
+                YG_ROW(1, a1)
+                YG_ROW(2, a2)
+                YG_ROW(3, a3)
+            }
+            const __m256i s16[2][XR8] = {{s00, s01, s02, s03}, {s10, s11, s12, s13}};
+            for (int g = 0; g < G; g++) {
+                __m256 dsc;
+                if (legacy) {
+                    const uint8_t *l = blk[g] + (2 * sb + half) * 8 * bb;
+                    dsc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)l));
+                    dm[g][half] = type == QTYPE_Q4_1 ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(l + 16))))
+                                                     : _mm256_mul_ps(dsc, _mm256_set1_ps(8.0f));
+                } else {
+                    dsc = byte_at(sb < 2 ? words[g][0] : words[g][2], sh + 8 * half, d[g]);
+                    dm[g][half] = byte_at(sb < 2 ? words[g][1] : words[g][3], sh + 8 * half, dmin[g]);
+                }
+                for (int r = 0; r < R; r++) {
+                    const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[g][r], ones));
+                    acc[g][r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dsc, _mm256_set1_ps(x[r]->d[2 * sb + half])), acc[g][r]);
+                }
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int r = 0; r < R; r++) {
+                acc[g][r] = _mm256_fnmadd_ps(dm[g][0], _mm256_set1_ps(x[r]->s[2 * sb]), acc[g][r]);
+                acc[g][r] = _mm256_fnmadd_ps(dm[g][1], _mm256_set1_ps(x[r]->s[2 * sb + 1]), acc[g][r]);
+            }
+    }
+}
+#undef YG_ROW
+#undef YG_DPB
+
+/* tile8_y for Q4_K, Q4_0, Q4_1 on the G (1-2) groups at g, g + gstride together: blocks with the
+ * residual pass take q45_direct_y / legacy_direct_y per group, the others direct_yg. */
+static inline __attribute__((always_inline)) void tile8_yg(const uint8_t *g, int64_t gstride, int64_t nb,
+                                                           const act_block8 *const *xa, int64_t nr, float *out,
+                                                           int64_t ldo, const int type, const int G, const int R) {
+    const int legacy = type == QTYPE_Q4_0 || type == QTYPE_Q4_1;
+    const int64_t gbb = legacy ? 64 * qtype_x8(type | QTYPE_X8)->block_bytes : 8 * kx8_block_bytes(type);
+    __m256 acc[2][XR8], total[2][XR8];
+    for (int q = 0; q < G; q++)
+        for (int r = 0; r < R; r++) total[q][r] = _mm256_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += A8_SLICE) {
+        for (int q = 0; q < G; q++)
+            for (int r = 0; r < R; r++) acc[q][r] = _mm256_setzero_ps();
+        for (int64_t b = b0; b < nb && b < b0 + A8_SLICE; b++) {
+            const uint8_t *blk[2] = {g + b * gbb, g + gstride + b * gbb};
+            for (int q = 0; q < G; q++) {
+#pragma GCC unroll 32
+                for (int64_t at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk[q] + KX8_PF + at), _MM_HINT_T0);
+            }
+            const act_block8 *x[XR8];
+            int two = 0;
+            for (int r = 0; r < R; r++) {
+                x[r] = xa[r] + b;
+                two |= x[r]->two;
+            }
+            if (!two) {
+                direct_yg(blk, x, acc, type, G, R);
+            } else if (legacy) {
+                for (int q = 0; q < G; q++) legacy_direct_y(blk[q], x, two, acc[q], type, R);
+            } else {
+                for (int q = 0; q < G; q++) q45_direct_y(blk[q], x, two, acc[q], type, R);
+            }
+        }
+        for (int q = 0; q < G; q++)
+            for (int r = 0; r < R; r++) total[q][r] = _mm256_add_ps(total[q][r], acc[q][r]);
+    }
+    for (int q = 0; q < G; q++)
+        for (int r = 0; r < R && r < nr; r++) _mm256_storeu_ps(out + 8 * q + r * ldo, total[q][r]);
+}
+
 /* out[r * ldo + s] = dot(row s of the group at g, activation row r) for s < 8, r < nr <= R, summed
  * a slice (A8_SLICE blocks) at a time as the AVX-512 tiles sum. */
 static inline __attribute__((always_inline)) void tile8_y(const uint8_t *g, int64_t nb, const act_block8 *const *xa,
@@ -1353,11 +1503,28 @@ static inline __attribute__((always_inline)) void kx8_loop8(const uint8_t *w, in
     const int64_t groups = (nr + XR8 - 1) / XR8;
     for (int64_t c0 = 0; c0 < nc; c0 += 8) {
         const uint8_t *g = w + c0 * wrb;
+        const int yg = type != QTYPE_Q6_K && type != QTYPE_Q5_K && nr > 1, pair = yg && c0 + 16 <= nc; /* two groups a pass */
         for (int64_t ag = 0; ag < groups; ag++) {
             const int64_t r0 = nr * ag / groups, rows = nr * (ag + 1) / groups - r0;
             const act_block8 *xa[XR8];
             for (int r = 0; r < XR8; r++) xa[r] = (const act_block8 *)(xq + (r0 + (r < rows ? r : 0)) * xrb);
             float *o = out + r0 * ldo + c0;
+            if (pair) {
+                switch (rows) {
+                case 2: tile8_yg(g, 8 * wrb, nb, xa, rows, o, ldo, type, 2, 2); break;
+                case 3: tile8_yg(g, 8 * wrb, nb, xa, rows, o, ldo, type, 2, 3); break;
+                default: tile8_yg(g, 8 * wrb, nb, xa, rows, o, ldo, type, 2, XR8); break;
+                }
+                continue;
+            }
+            if (yg && rows > 1) {
+                switch (rows) {
+                case 2: tile8_yg(g, 0, nb, xa, rows, o, ldo, type, 1, 2); break;
+                case 3: tile8_yg(g, 0, nb, xa, rows, o, ldo, type, 1, 3); break;
+                default: tile8_yg(g, 0, nb, xa, rows, o, ldo, type, 1, XR8); break;
+                }
+                continue;
+            }
             switch (rows) {
             case 1: tile8_y(g, nb, xa, rows, o, ldo, type, 1); break;
             case 2: tile8_y(g, nb, xa, rows, o, ldo, type, 2); break;
@@ -1365,6 +1532,7 @@ static inline __attribute__((always_inline)) void kx8_loop8(const uint8_t *w, in
             default: tile8_y(g, nb, xa, rows, o, ldo, type, XR8); break;
             }
         }
+        c0 += pair ? 8 : 0;
     }
 }
 
