@@ -150,6 +150,20 @@ static inline __m512i fold_pairs(__m512i a, __m512i b) {
     return _mm512_add_epi32(_mm512_permutex2var_epi32(a, even, b), _mm512_permutex2var_epi32(a, odd, b));
 }
 
+/* chunk_u for two chunks at once: chunk c0 of the group block at b0 (lanes 0-7) and c1 of b1 (8-15). */
+static inline __attribute__((always_inline)) __m512i chunk_u2(const uint8_t *b0, int c0, const uint8_t *b1, int c1,
+                                                              int j, const int type) {
+    const int qs = qs_of(type) + 32 * 8 * (j / 4);
+    const __m512i v = two256i(_mm256_loadu_si256((const __m256i *)(b0 + qs + 32 * c0)),
+                              _mm256_loadu_si256((const __m256i *)(b1 + qs + 32 * c1)));
+    const __m512i q = _mm512_and_si512(_mm512_srli_epi16(v, 2 * (j % 4)), _mm512_set1_epi8(3));
+    if (type == QTYPE_Q2_K) return q;
+    const __m512i h = two256i(_mm256_loadu_si256((const __m256i *)(b0 + Q3_HM + 32 * c0)),
+                              _mm256_loadu_si256((const __m256i *)(b1 + Q3_HM + 32 * c1)));
+    const __m512i hb = j >= 2 ? _mm512_srli_epi16(h, j - 2) : _mm512_slli_epi16(h, 2 - j); /* bit j at 2 */
+    return _mm512_ternarylogic_epi32(q, hb, _mm512_set1_epi8(4), 0xF8); /* q | (hb & 4) */
+}
+
 /* The 16-bit tile on zmm: sub-block j's two groups side by side, [group 2j's 8 rows | group 2j + 1's]:
  * a chunk of each widened to a zmm (lanes: row, pair), madd, one fold per sub-block, one float
  * scaling of both groups; the halves added at the end. */
@@ -172,7 +186,7 @@ static inline __attribute__((always_inline)) void tile16(const uint8_t *g, int64
             const __m256i s0 = group_scales(blk, 2 * j, type, &m0), s1 = group_scales(blk, 2 * j + 1, type, &m1);
             for (int r = 0; r < R; r++) sa[r] = sb[r] = _mm512_setzero_si512();
             for (int c = 0; c < 4; c++) {
-                __m512i u = two256i(chunk_u(blk, j, c, type), chunk_u(blk, j, 4 + c, type));
+                __m512i u = chunk_u2(blk, c, blk, 4 + c, j, type);
                 if (type == QTYPE_Q3_K) u = _mm512_sub_epi8(u, _mm512_set1_epi8(4));
                 const __m512i wa = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(u));
                 const __m512i wb = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(u, 1));
@@ -354,7 +368,7 @@ static inline __attribute__((always_inline)) void tile8(const uint8_t *g0, const
             const __m512i scb = two256(group_scales(blk0, 2 * j + 1, type, &m0), group_scales(blk1, 2 * j + 1, type, &m1));
             const __m512i mb = two256(m0, m1);
             __m512i u[8];
-            for (int c = 0; c < 8; c++) u[c] = two256(chunk_u(blk0, j, c, type), chunk_u(blk1, j, c, type));
+            for (int c = 0; c < 8; c++) u[c] = chunk_u2(blk0, c, blk1, c, j, type);
             K23_PASS16(q)
             K23_TERM16(xa[r][b].d[j])
             if ((two >> j) & 1) {
