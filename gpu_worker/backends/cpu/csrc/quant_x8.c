@@ -71,6 +71,19 @@ static inline void dequant_slot(const uint8_t *g, int s, int64_t k, float *out, 
 #define DPW8(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
 #endif
 
+#if defined(__AVX512F__)
+#define DPW8_ACC(acc, a, b) DPW8(acc, a, b)
+#else /* in asm: gcc reassociated Q8_0's 16 adds a block, made every product first and spilled them */
+static inline __m256i dpw8_acc(__m256i acc, __m256i a, __m256i b) {
+    __m256i t;
+    __asm__("vpmaddwd %[b], %[a], %[t]\n\tvpaddd %[t], %[acc], %[acc]"
+            : [acc] "+x"(acc), [t] "=&x"(t)
+            : [a] "x"(a), [b] "x"(b));
+    return acc;
+}
+#define DPW8_ACC(acc, a, b) dpw8_acc(acc, a, b)
+#endif
+
 static inline __m256i pair(const int16_t *q) { /* q[0], q[1] in every 32-bit lane */
     int32_t v;
     memcpy(&v, q, sizeof v);
@@ -90,10 +103,13 @@ static inline __attribute__((always_inline)) void x8_tile(const uint8_t *g, int6
         __m256i s[XR];
         for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
         if (type == QTYPE_Q8_0) {
+#if !defined(__AVX512F__)
+#pragma GCC unroll 4
+#endif
             for (int c = 0; c < 16; c++) {
                 const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * c)));
                 for (int r = 0; r < R; r++)
-                    s[r] = DPW8(s[r], v, pair(xa[r][b].q + 2 * c));
+                    s[r] = DPW8_ACC(s[r], v, pair(xa[r][b].q + 2 * c));
             }
         } else {
 #pragma GCC unroll 2 /* fully unrolled, gcc 12 spills the accumulators (docs/benchmarks.md) */
