@@ -19,7 +19,6 @@ import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -27,41 +26,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.backends.cpu import abi
+from gpu_worker.backends.cpu.decode_common import anything, not_listed, off, runs_as_one_call
 from gpu_worker.backends.cpu.decode_rows import DecodeRows
-from gpu_worker.backends.cpu.decode_structs import MAX_PARTS, DecodeLinear, quant_linears
+from gpu_worker.backends.cpu.decode_structs import MAX_PARTS, DecodeLinear, fields, quant_linears
 from gpu_worker.backends.cpu.kernels import DTYPE_CODES, KV_DTYPE_CODES, CpuKernels
 from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.forward_context import ForwardContext
-from gpu_worker.models.contract import Layer
 from gpu_worker.models.gated_delta import CausalConv1d, GatedDeltaNet, GatedRMSNorm
 from gpu_worker.models.layers import Linear, MergedLinear
 from gpu_worker.models.llama import MLP
 from gpu_worker.models.qwen35 import GatedAttention, HybridDecoderLayer, HybridNorm, Qwen35ForCausalLM
-from gpu_worker.weights.formats import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
 IN_LINEARS = 2  # csrc/rivulet_kernels.h's HYBRID_IN_LINEARS
 
 
-def _any(value: object) -> bool:
-    return True
-
-
-def _off(value: object) -> bool:
-    return not value
-
-
 # What csrc/decode_hybrid.c computes, as the layer contract states it (decode_layers.py's C_LAYERS).
 HYBRID_C_LAYERS: dict[type[nn.Module], dict[str, Callable[[Any], bool]]] = {
     HybridDecoderLayer: {},
     HybridNorm: {},
-    GatedDeltaNet: {"layout": lambda v: v == "split", "tiled_values": _any, "conv_kernel": _any},
+    GatedDeltaNet: {"layout": lambda v: v == "split", "tiled_values": anything, "conv_kernel": anything},
     CausalConv1d: {},
     GatedRMSNorm: {},
-    GatedAttention: {"output_gate": lambda v: v is True, "partial_rotary": _any},
-    MergedLinear: {"bias": _off},
-    Linear: {"bias": _off},
+    GatedAttention: {"output_gate": lambda v: v is True, "partial_rotary": anything},
+    MergedLinear: {"bias": off},
+    Linear: {"bias": off},
     MLP: {"act": lambda act: act is F.silu},
 }
 
@@ -70,23 +60,12 @@ class HybridLayer(ctypes.Structure):
     """csrc/rivulet_kernels.h's ``hybrid_layer``."""
 
     _fields_ = [
-        ("input_norm", ctypes.c_void_p),
-        ("post_norm", ctypes.c_void_p),
+        *fields(ctypes.c_void_p, "input_norm", "post_norm"),
         ("in_proj", DecodeLinear * IN_LINEARS),
-        ("out_proj", DecodeLinear),
-        ("gate_up", DecodeLinear),
-        ("down", DecodeLinear),
+        *fields(DecodeLinear, "out_proj", "gate_up", "down"),
         ("linear", ctypes.c_int64),
-        ("k_cache", ctypes.c_void_p),
-        ("v_cache", ctypes.c_void_p),
-        ("q_norm", ctypes.c_void_p),
-        ("k_norm", ctypes.c_void_p),
-        ("conv_w", ctypes.c_void_p),
-        ("conv_state", ctypes.c_void_p),
-        ("state", ctypes.c_void_p),
-        ("a_log", ctypes.c_void_p),
-        ("dt_bias", ctypes.c_void_p),
-        ("norm_w", ctypes.c_void_p),
+        *fields(ctypes.c_void_p, "k_cache", "v_cache", "q_norm", "k_norm", "conv_w", "conv_state", "state"),
+        *fields(ctypes.c_void_p, "a_log", "dt_bias", "norm_w"),
     ]
 
 
@@ -94,10 +73,10 @@ class HybridDims(ctypes.Structure):
     """csrc/rivulet_kernels.h's ``hybrid_dims``."""
 
     _fields_ = [
-        *((name, ctypes.c_int64) for name in ("hidden", "inner", "heads", "kv_heads", "head_dim")),
-        *((name, ctypes.c_int64) for name in ("rotary_dim", "kv_dtype", "k_heads", "v_heads", "dk", "dv")),
-        *((name, ctypes.c_int64) for name in ("conv_kernel", "tiled", "linear_in", "pool_slots")),
-        *((name, ctypes.c_float) for name in ("eps", "attn_scale", "delta_scale")),
+        *fields(ctypes.c_int64, "hidden", "inner", "heads", "kv_heads", "head_dim"),
+        *fields(ctypes.c_int64, "rotary_dim", "kv_dtype", "k_heads", "v_heads", "dk", "dv"),
+        *fields(ctypes.c_int64, "conv_kernel", "tiled", "linear_in", "pool_slots"),
+        *fields(ctypes.c_float, "eps", "attn_scale", "delta_scale"),
     ]
 
 
@@ -171,18 +150,6 @@ def attach(model: nn.Module, kernels: CpuKernels) -> None:
             module.attach(gate_ops=load(kernels.path))
 
 
-def _not_in_c(layer: nn.Module) -> str | None:
-    """The first part of a decoder layer that csrc/decode_hybrid.c does not implement."""
-    for name, module in layer.named_modules():
-        known = HYBRID_C_LAYERS.get(type(module))
-        if known is None or not isinstance(module, Layer):
-            return f"{name or 'the layer'}: {type(module).__name__} has no C decode"
-        for option, value in module.options().items():
-            if option not in known or not known[option](value):
-                return f"{name or 'the layer'}: {type(module).__name__}'s {option}={value!r} has no C decode"
-    return None
-
-
 def _linears(layer: HybridDecoderLayer) -> list[QuantLinear] | None:
     """The layer's input projection's QuantLinear (up to IN_LINEARS * MAX_PARTS parts), then its
     output projection's, gate_up's and down's (up to MAX_PARTS each), each without bias."""
@@ -229,7 +196,7 @@ def why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
         return f"{model.num_heads} heads of {model.head_dim} (KV {model.num_kv_heads}): beyond its attention"
     layers: list[Any] = list(model.decoder_layers())
     for layer in layers:
-        reason = _not_in_c(layer) or _kernels_missing(layer)
+        reason = not_listed(HYBRID_C_LAYERS, layer) or _kernels_missing(layer)
         if reason is not None:
             return reason
     norms = [m for layer in layers for m in layer.modules() if isinstance(m, HybridNorm | GatedRMSNorm)]
@@ -244,12 +211,8 @@ def _decode_linears(impl: QuantLinear, count: int) -> list[DecodeLinear]:
     out = []
     for i in range(count):
         span = slice(i * MAX_PARTS, (i + 1) * MAX_PARTS)
-        piece: Any = SimpleNamespace(
-            weight=QuantizedWeight(parts[span]),
-            dense_min_rows=impl.dense_min_rows[span],
-            a8_min_rows=impl.a8_min_rows[span],
-        )
-        out.append(DecodeLinear.of(piece) if parts[span] else DecodeLinear())
+        piece = DecodeLinear.of_parts(parts[span], impl.dense_min_rows[span], impl.a8_min_rows[span])
+        out.append(piece if parts[span] else DecodeLinear())
     return out
 
 
@@ -337,11 +300,6 @@ def hybrid_decode(
     model: Qwen35ForCausalLM, kernels: CpuKernels | None, dtype: torch.dtype
 ) -> HybridDecode | None:
     """A Qwen3.5 model's one-call decode, or None (logged why) where its modules must run."""
-    if kernels is None:
+    if kernels is None or not runs_as_one_call(logger, why_not(model, dtype), "csrc/decode_hybrid.c"):
         return None
-    reason = why_not(model, dtype)
-    if reason is not None:
-        logger.info("decode steps run layer by layer: %s", reason)
-        return None
-    logger.info("decode steps run every layer in one C call (csrc/decode_hybrid.c)")
     return HybridDecode(model, kernels)

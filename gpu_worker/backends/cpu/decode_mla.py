@@ -32,13 +32,13 @@ from torch import nn
 
 from gpu_worker.backends.cpu import abi
 from gpu_worker.backends.cpu.build import LATENT_KV_DTYPE_CODES
+from gpu_worker.backends.cpu.decode_common import anything, not_listed, off, runs_as_one_call
 from gpu_worker.backends.cpu.decode_layers import FusedDecode, fused_decode
-from gpu_worker.backends.cpu.decode_structs import DecodeLinear, quant_linears
+from gpu_worker.backends.cpu.decode_structs import DecodeLinear, fields, quant_linears
 from gpu_worker.backends.cpu.experts import MoeProjection, QuantExperts, QuantRouter
 from gpu_worker.backends.cpu.kernels import DTYPE_CODES, CpuKernels
 from gpu_worker.backends.cpu.latent_heads import LatentHeads
 from gpu_worker.forward_context import ForwardContext
-from gpu_worker.models.contract import Layer
 from gpu_worker.models.deepseek import DecoderLayer, DeepseekForCausalLM
 from gpu_worker.models.deepseek_moe import DeepseekMoe, DeepseekRouter
 from gpu_worker.models.layers import Linear, MergedLinear, RMSNorm
@@ -51,14 +51,6 @@ logger = logging.getLogger(__name__)
 LINEARS = ("q_a", "q", "kv_a", "o", "gate_up", "down")  # csrc's MLA_LINEARS, in order
 
 
-def _any(value: object) -> bool:
-    return True
-
-
-def _off(value: object) -> bool:
-    return not value
-
-
 def _is(wanted: object) -> Callable[[object], bool]:
     return lambda value: value == wanted
 
@@ -67,16 +59,16 @@ def _is(wanted: object) -> Callable[[object], bool]:
 # type and, for each, the options it implements with the values it takes (exact types).
 C_MLA_LAYERS: dict[type[nn.Module], dict[str, Callable[[Any], bool]]] = {
     DecoderLayer: {},
-    LatentAttention: {"rotary": _is("complex"), "q_lora": _any, "scale": _any},
+    LatentAttention: {"rotary": _is("complex"), "q_lora": anything, "scale": anything},
     LatentProjection: {},
-    Linear: {"bias": _off},
-    MergedLinear: {"bias": _off},
+    Linear: {"bias": off},
+    MergedLinear: {"bias": off},
     RMSNorm: {},
     MLP: {"act": lambda act: act is F.silu},
-    DeepseekMoe: {"shared": _any},
+    DeepseekMoe: {"shared": anything},
     DeepseekRouter: {
-        **{"top_k": _any, "scoring": _is("softmax"), "num_groups": _is(1), "topk_groups": _any},
-        **{"group_score": _any, "bias": _off, "norm_topk_prob": _off, "scaling": _any},
+        **{"top_k": anything, "scoring": _is("softmax"), "num_groups": _is(1), "topk_groups": anything},
+        **{"group_score": anything, "bias": off, "norm_topk_prob": off, "scaling": anything},
     },
     Experts: {"act": lambda act: act is F.silu},
 }
@@ -92,21 +84,13 @@ class MlaLayer(ctypes.Structure):
     """csrc/rivulet_kernels.h's ``mla_layer``."""
 
     _fields_ = [
-        ("input_norm", ctypes.c_void_p),
-        ("post_norm", ctypes.c_void_p),
+        *fields(ctypes.c_void_p, "input_norm", "post_norm"),
         ("linear", DecodeLinear * len(LINEARS)),
-        ("q_a_norm", ctypes.c_void_p),
-        ("kv_a_norm", ctypes.c_void_p),
-        ("k_b", ctypes.c_void_p),
-        ("v_b", ctypes.c_void_p),
-        ("k_b_type", ctypes.c_int64),
-        ("v_b_type", ctypes.c_int64),
-        ("cache", ctypes.c_void_p),
-        ("router", ctypes.c_void_p),
+        *fields(ctypes.c_void_p, "q_a_norm", "kv_a_norm", "k_b", "v_b"),
+        *fields(ctypes.c_int64, "k_b_type", "v_b_type"),
+        *fields(ctypes.c_void_p, "cache", "router"),
         ("experts", ctypes.POINTER(MoeProjection)),
-        ("n_experts", ctypes.c_int64),
-        ("top_k", ctypes.c_int64),
-        ("expert_inner", ctypes.c_int64),
+        *fields(ctypes.c_int64, "n_experts", "top_k", "expert_inner"),
         ("route_scale", ctypes.c_float),
         ("inner", ctypes.c_int64),
     ]
@@ -116,23 +100,11 @@ class MlaDims(ctypes.Structure):
     """csrc/rivulet_kernels.h's ``mla_dims``."""
 
     _fields_ = [
-        *[(name, ctypes.c_int64) for name in ("hidden", "heads", "q_lora_rank", "kv_lora_rank")],
-        *[(name, ctypes.c_int64) for name in ("nope_dim", "rope_dim", "v_dim")],
-        *[(name, ctypes.c_float) for name in ("eps", "latent_eps", "scale")],
-        *[(name, ctypes.c_int64) for name in ("dtype", "kv_dtype")],
+        *fields(ctypes.c_int64, "hidden", "heads", "q_lora_rank", "kv_lora_rank"),
+        *fields(ctypes.c_int64, "nope_dim", "rope_dim", "v_dim"),
+        *fields(ctypes.c_float, "eps", "latent_eps", "scale"),
+        *fields(ctypes.c_int64, "dtype", "kv_dtype"),
     ]
-
-
-def not_in_c(layer: nn.Module) -> str | None:
-    """The first part of a decoder layer that csrc/decode_mla.c does not implement (None: all are)."""
-    for name, module in layer.named_modules():
-        known = C_MLA_LAYERS.get(type(module))
-        if known is None or not isinstance(module, Layer):
-            return f"{name or 'the layer'}: {type(module).__name__} has no C decode"
-        for option, value in module.options().items():
-            if option not in known or not known[option](value):
-                return f"{name or 'the layer'}: {type(module).__name__}'s {option}={value!r} has no C decode"
-    return None
 
 
 def _mlps(layer: DecoderLayer) -> list[MLP]:
@@ -199,7 +171,7 @@ def why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
         return f"a pool row of {args.kv_lora_rank} + {args.rope_dim}: outside the C decode's"
     for layer in model.decoder_layers():
         assert isinstance(layer, DecoderLayer)
-        reason = not_in_c(layer) or _kernels_missing(layer)
+        reason = not_listed(C_MLA_LAYERS, layer) or _kernels_missing(layer)
         if reason is not None:
             return reason
     return None
@@ -329,14 +301,9 @@ class MlaDecode:
 
 def mla_decode(model: nn.Module, kernels: CpuKernels | None, dtype: torch.dtype) -> MlaDecode | None:
     """The latent-attention model's one-call decode, or None (logged why) where its modules must run."""
-    if kernels is None:
-        return None
-    reason = why_not(model, dtype)
-    if reason is not None:
-        logger.info("decode steps run layer by layer: %s", reason)
+    if kernels is None or not runs_as_one_call(logger, why_not(model, dtype), "csrc/decode_mla.c"):
         return None
     assert isinstance(model, DeepseekForCausalLM)
-    logger.info("decode steps run every layer in one C call (csrc/decode_mla.c)")
     return MlaDecode(model, kernels, dtype)
 
 

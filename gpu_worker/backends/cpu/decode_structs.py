@@ -15,9 +15,15 @@ from gpu_worker.backends.cpu.experts import MoeProjection
 from gpu_worker.backends.cpu.layouts import kernel_type
 from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.models.layers import Linear
+from gpu_worker.weights.formats import QuantBlocks
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 MAX_PARTS = 3  # csrc/rivulet_kernels.h's (abi.py checks): q, k, v of three types
+
+
+def fields(ctype: type[Any], *names: str) -> list[tuple[str, type[Any]]]:
+    """A struct's run of fields of one C type, in the header's order."""
+    return [(name, ctype) for name in names]
 
 
 class DecodeLinear(ctypes.Structure):
@@ -33,14 +39,20 @@ class DecodeLinear(ctypes.Structure):
 
     @classmethod
     def of(cls, impl: QuantLinear) -> DecodeLinear:
-        parts = impl.weight.parts
+        return cls.of_parts(impl.weight.parts, impl.dense_min_rows, impl.a8_min_rows)
+
+    @classmethod
+    def of_parts(
+        cls, parts: Sequence[QuantBlocks], dense_min_rows: Sequence[int], a8_min_rows: Sequence[int]
+    ) -> DecodeLinear:
+        """Up to MAX_PARTS parts of a QuantLinear, with their row thresholds."""
         pad = MAX_PARTS - len(parts)
         return cls(
             w=(ctypes.c_void_p * MAX_PARTS)(*(p.data.data_ptr() for p in parts), *[None] * pad),
             type=(ctypes.c_int64 * MAX_PARTS)(*(kernel_type(p) for p in parts), *[0] * pad),
             n=(ctypes.c_int64 * MAX_PARTS)(*(p.rows for p in parts), *[0] * pad),
-            dense_min_rows=(ctypes.c_int64 * MAX_PARTS)(*impl.dense_min_rows, *[0] * pad),
-            a8_min_rows=(ctypes.c_int64 * MAX_PARTS)(*impl.a8_min_rows, *[0] * pad),
+            dense_min_rows=(ctypes.c_int64 * MAX_PARTS)(*dense_min_rows, *[0] * pad),
+            a8_min_rows=(ctypes.c_int64 * MAX_PARTS)(*a8_min_rows, *[0] * pad),
         )
 
 
