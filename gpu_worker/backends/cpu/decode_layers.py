@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.backends.cpu.decode_common import not_listed, runs_as_one_call
 from gpu_worker.backends.cpu.decode_gemma import (
     GEMMA_C_LAYERS,
     GemmaDecode,
@@ -54,7 +55,6 @@ from gpu_worker.backends.cpu.experts import MoeProjection, QuantExperts, QuantRo
 from gpu_worker.backends.cpu.kernels import DTYPE_CODES, KV_DTYPE_CODES, CpuKernels
 from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.forward_context import PLAIN, AttentionOptions, ForwardContext
-from gpu_worker.models.contract import Layer
 from gpu_worker.models.gemma import GemmaDecoderLayer, GemmaForCausalLM
 from gpu_worker.models.gpt_oss import SinkAttention, SinkDecoderLayer, TopKSoftmaxMoeBlock
 from gpu_worker.models.layers import Linear, MergedLinear, RMSNorm
@@ -116,14 +116,7 @@ C_ARGS = frozenset(
 
 def not_in_c(layer: nn.Module) -> str | None:
     """The first part of a decoder layer that csrc/decode_layers.c does not implement (None: all are)."""
-    for name, module in layer.named_modules():
-        known = C_LAYERS.get(type(module))
-        if known is None or not isinstance(module, Layer):
-            return f"{name or 'the layer'}: {type(module).__name__} has no C decode"
-        for option, value in module.options().items():
-            if option not in known or not known[option](value):
-                return f"{name or 'the layer'}: {type(module).__name__}'s {option}={value!r} has no C decode"
-    return None
+    return not_listed(C_LAYERS, layer)
 
 
 def _linears(layer: DecoderLayer) -> list[QuantLinear] | None:
@@ -296,13 +289,8 @@ class FusedDecode:
 
 def fused_decode(model: nn.Module, kernels: CpuKernels | None, dtype: torch.dtype) -> FusedDecode | None:
     """The model's one-call decode, or None (logged why) where its modules must run."""
-    if kernels is None:
+    if kernels is None or not runs_as_one_call(logger, why_not(model, dtype), "csrc/decode_layers.c"):
         return None
-    reason = why_not(model, dtype)
-    if reason is not None:
-        logger.info("decode steps run layer by layer: %s", reason)
-        return None
-    logger.info("decode steps run every layer in one C call (csrc/decode_layers.c)")
     if isinstance(model, GemmaForCausalLM):
         return FusedDecode(GemmaDecode(model), kernels, dtype)
     assert isinstance(model, LlamaForCausalLM)
