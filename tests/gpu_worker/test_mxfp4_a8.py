@@ -22,10 +22,10 @@ from gpu_worker.backends.cpu.layouts import A8, kernel_type
 from gpu_worker.backends.cpu.quant import A8_MIN_ROWS, NEVER, QuantLinear, a8_min_rows
 from gpu_worker.models.moe import ExpertGroups, Experts
 from gpu_worker.weights.formats import QuantBlocks, QuantizedExperts, QuantizedWeight
+from tests.gpu_worker.a8_checks import check_a8_unquantized, check_rows_alone
 from tests.gpu_worker.helpers import KINDS
-from tests.gpu_worker.quant_reference import EPS32, activations
+from tests.gpu_worker.quant_reference import activations
 from tests.gpu_worker.test_mxfp4_x8 import held
-from tests.gpu_worker.test_quant_sub32x8 import a8_step
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler to build the kernels"
@@ -46,26 +46,11 @@ def test_8_bit_tile_matches_float64(kernels: cpu_kernels.CpuKernels, n: int, k: 
     residual = torch.randn(rows, n) if rows % 2 else None
     assert kernels.quant_supported(kernel_type(x8) | A8)
     y = kernels.quant_matmul(kernel_type(x8) | A8, x8.data, k, x, residual)
-    got = y.double().numpy()
-    x64 = x.double().numpy()
-    res64 = residual.double().numpy() if residual is not None else np.zeros((rows, n))
-    ref = res64 + x64 @ deq.T
-    tol = a8_step(x) @ np.abs(deq).T + (6 * k / 32 + 16) * EPS32 * (1.01 * np.abs(x64) @ np.abs(deq).T)
-    tol += EPS32 * (np.abs(ref) + np.abs(res64)) + 1e-30
-    assert (np.abs(got - ref) <= tol).all(), f"worst err/tol {np.max(np.abs(got - ref) / tol):.3g}"
+    check_a8_unquantized(y, x, residual, deq, np.abs(deq))
 
 
 def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kernels: cpu_kernels.CpuKernels) -> None:
-    x8, _ = held(40, 640)
-    x = activations(21, 640, torch.float32, 3)
-    x[5, 300] = 5000.0
-    x[9] *= 1e-3
-    t = kernel_type(x8) | A8
-    together = kernels.quant_matmul(t, x8.data, 640, x)
-    for i in (0, 5, 9, 20):
-        assert torch.equal(kernels.quant_matmul(t, x8.data, 640, x[i : i + 1]), together[i : i + 1])
-    order = torch.tensor([9, 5, 0, 11, 3, 20, 1])
-    assert torch.equal(kernels.quant_matmul(t, x8.data, 640, x[order]), together[order])
+    check_rows_alone(kernels, held(40, 640)[0], 640)
 
 
 @pytest.mark.skipif(len(KINDS) < 2, reason="this CPU runs one kind: nothing to compare")

@@ -15,9 +15,10 @@ from gguf import GGMLQuantizationType as Q
 
 from gpu_worker.backends.cpu import kernels as cpu_kernels
 from gpu_worker.backends.cpu.kind import CpuKind
-from gpu_worker.backends.cpu.layouts import A8, X8_LAYOUT, dequantize, interleave_rows, kernel_type
+from gpu_worker.backends.cpu.layouts import A8, kernel_type
 from gpu_worker.backends.cpu.quant import A8_MIN_ROWS, NEVER, QuantLinear, a8_min_rows
 from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
+from tests.gpu_worker.a8_checks import check_dense, check_layout, check_rows_alone, interleaved
 from tests.gpu_worker.helpers import KINDS
 from tests.gpu_worker.quant_reference import EPS32, HALF_STEP, activations, check_quant_matmul
 from tests.gpu_worker.test_quant_a8 import quantized, values
@@ -37,9 +38,7 @@ IDS = [f"{t.name}-{n}x{k}" for t, n, k in CASES]
 def held(qtype: Q, n: int, k: int) -> tuple[QuantBlocks, np.ndarray, np.ndarray]:
     """(blocks interleaved, float64 dequantization, per-weight bound on the terms the tiles sum)."""
     blocks, deq, bound = weights(qtype, n, k)
-    x8 = interleave_rows(QuantBlocks(int(qtype), torch.from_numpy(blocks), k))
-    assert x8.layout == X8_LAYOUT
-    return x8, deq, bound
+    return interleaved(qtype, blocks, k), deq, bound
 
 
 @pytest.mark.parametrize(("qtype", "n", "k"), CASES, ids=IDS)
@@ -47,10 +46,7 @@ def test_layout_round_trips_and_dequantizes_exactly(
     kernels: cpu_kernels.CpuKernels, qtype: Q, n: int, k: int
 ) -> None:
     x8, deq, _ = held(qtype, n, k)
-    assert kernel_type(x8) == int(qtype) | 0x100
-    assert np.array_equal(dequantize(x8).numpy(), deq.astype(np.float32))
-    got = kernels.quant_get_rows(kernel_type(x8), x8.data, k, torch.arange(n - 1, -1, -1), torch.float32)
-    assert torch.equal(got, torch.from_numpy(deq.astype(np.float32))[torch.arange(n - 1, -1, -1)])
+    check_layout(kernels, x8, deq, qtype)
 
 
 @pytest.mark.parametrize(("qtype", "n", "k"), CASES, ids=IDS)
@@ -64,14 +60,7 @@ def test_16_bit_tile_matches_float64(
     y = kernels.quant_matmul(kernel_type(x8), x8.data, k, x, residual)
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
     check_quant_matmul(y, x, residual, deq, bound, 2 * k // 32, HALF_STEP)
-    dense = kernels.quant_matmul(kernel_type(x8), x8.data, k, x.float(), None, dense=True).double().numpy()
-    ref = x.double().numpy() @ deq.T
-    tol = (k / 8 + 8) * EPS32 * (np.abs(x.double().numpy()) @ np.abs(deq).T) + 1e-30
-    assert (np.abs(dense - ref) <= tol).all()
-
-
-def a8_kinds() -> list[CpuKind]:
-    return [kind for kind in KINDS if kind != CpuKind.PORTABLE]
+    check_dense(kernels, x8, x, deq)
 
 
 @pytest.mark.parametrize(("qtype", "n", "k"), CASES, ids=IDS)
@@ -106,16 +95,7 @@ def test_8_bit_tile_matches_float64(
 def test_a_rows_output_does_not_depend_on_the_rows_beside_it(
     kernels: cpu_kernels.CpuKernels, qtype: Q
 ) -> None:
-    x8, _, _ = held(qtype, 24, 1024)
-    x = activations(21, 1024, torch.float32, 3)
-    x[5, 300] = 5000.0
-    x[9] *= 1e-3
-    t = kernel_type(x8) | A8
-    together = kernels.quant_matmul(t, x8.data, 1024, x)
-    for i in (0, 5, 9, 20):
-        assert torch.equal(kernels.quant_matmul(t, x8.data, 1024, x[i : i + 1]), together[i : i + 1])
-    order = torch.tensor([9, 5, 0, 11, 3, 20, 1])
-    assert torch.equal(kernels.quant_matmul(t, x8.data, 1024, x[order]), together[order])
+    check_rows_alone(kernels, held(qtype, 24, 1024)[0], 1024)
 
 
 @pytest.mark.parametrize("qtype", K23, ids=[t.name for t in K23])

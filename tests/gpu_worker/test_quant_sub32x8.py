@@ -16,11 +16,18 @@ from gguf import GGMLQuantizationType as Q
 
 from gpu_worker.backends.cpu import kernels as cpu_kernels
 from gpu_worker.backends.cpu.kind import CpuKind
-from gpu_worker.backends.cpu.layouts import A8, X8_LAYOUT, dequantize, interleave_rows, kernel_type
+from gpu_worker.backends.cpu.layouts import A8, kernel_type
 from gpu_worker.backends.cpu.quant import A8_MIN_ROWS, NEVER, QuantLinear, a8_min_rows
 from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
-from tests.gpu_worker.helpers import KINDS
-from tests.gpu_worker.quant_reference import EPS32, HALF_STEP, activations, check_quant_matmul
+from tests.gpu_worker.a8_checks import (
+    a8_kinds,
+    check_a8_unquantized,
+    check_dense,
+    check_layout,
+    check_rows_alone,
+    interleaved,
+)
+from tests.gpu_worker.quant_reference import HALF_STEP, activations, check_quant_matmul
 from tests.gpu_worker.test_quant_sub32 import weights
 
 pytestmark = pytest.mark.skipif(
@@ -34,7 +41,6 @@ SHAPES = [(8, 32), (16, 96), (24, 640), (40, 1088)]
 XS_SHAPES = [(8, 256), (24, 512), (40, 1280)]
 CASES = [(t, n, k) for t in SUB for n, k in (XS_SHAPES if t == Q.IQ4_XS else SHAPES)]
 IDS = [f"{t.name}-{n}x{k}" for t, n, k in CASES]
-SPREAD = 6.0  # csrc/quant.h's ACT8_SPREAD
 
 
 def k_of(qtype: Q) -> int:
@@ -45,20 +51,7 @@ def k_of(qtype: Q) -> int:
 def held(qtype: Q, n: int, k: int) -> tuple[QuantBlocks, np.ndarray, np.ndarray]:
     """(blocks interleaved, float64 dequantization, per-weight bound on the terms the tiles sum)."""
     blocks, deq, bound = weights(qtype, n, k)
-    x8 = interleave_rows(QuantBlocks(int(qtype), torch.from_numpy(blocks), k))
-    assert x8.layout == X8_LAYOUT
-    return x8, deq, bound
-
-
-def a8_step(x: torch.Tensor) -> np.ndarray:
-    """Per activation value, an upper bound on |x - its 8-bit value| (act8_32: half of absmax / 127,
-    or a 128th of that where the 32 clearly take the residual pass; near the criterion's edge, the
-    larger)."""
-    xb = x.double().numpy().reshape(x.shape[0], -1, 32)
-    amax, asum = np.abs(xb).max(axis=-1), np.abs(xb).sum(axis=-1)
-    half = amax / 127 * (0.5 + 1e-3)
-    two = amax * 32 > SPREAD * asum * (1 + 1e-4)
-    return np.repeat(np.where(two, half / 128 + 128 * EPS32 * amax / 127, half), 32, axis=-1).reshape(x.shape)
+    return interleaved(qtype, blocks, k), deq, bound
 
 
 @pytest.mark.parametrize(("qtype", "n", "k"), CASES, ids=IDS)
@@ -66,10 +59,7 @@ def test_layout_round_trips_and_dequantizes_exactly(
     kernels: cpu_kernels.CpuKernels, qtype: Q, n: int, k: int
 ) -> None:
     x8, deq, _ = held(qtype, n, k)
-    assert kernel_type(x8) == int(qtype) | 0x100
-    assert np.array_equal(dequantize(x8).numpy(), deq.astype(np.float32))
-    got = kernels.quant_get_rows(kernel_type(x8), x8.data, k, torch.arange(n - 1, -1, -1), torch.float32)
-    assert torch.equal(got, torch.from_numpy(deq.astype(np.float32))[torch.arange(n - 1, -1, -1)])
+    check_layout(kernels, x8, deq, qtype)
 
 
 @pytest.mark.parametrize(("qtype", "n", "k"), CASES, ids=IDS)
@@ -83,14 +73,7 @@ def test_16_bit_tile_matches_float64(
     y = kernels.quant_matmul(kernel_type(x8), x8.data, k, x, residual)
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
     check_quant_matmul(y, x, residual, deq, bound, k // 32, HALF_STEP)
-    dense = kernels.quant_matmul(kernel_type(x8), x8.data, k, x.float(), None, dense=True).double().numpy()
-    ref = x.double().numpy() @ deq.T
-    tol = (k / 8 + 8) * EPS32 * (np.abs(x.double().numpy()) @ np.abs(deq).T) + 1e-30
-    assert (np.abs(dense - ref) <= tol).all()
-
-
-def a8_kinds() -> list[CpuKind]:
-    return [kind for kind in KINDS if kind != CpuKind.PORTABLE]
+    check_dense(kernels, x8, x, deq)
 
 
 @pytest.mark.parametrize(("qtype", "n", "k"), CASES, ids=IDS)
@@ -106,13 +89,7 @@ def test_8_bit_tile_matches_float64(
     residual = torch.randn(rows, n) if rows % 2 else None
     assert kernels.quant_supported(kernel_type(x8) | A8)
     y = kernels.quant_matmul(kernel_type(x8) | A8, x8.data, k, x, residual)
-    got = y.double().numpy()
-    x64 = x.double().numpy()
-    res64 = residual.double().numpy() if residual is not None else np.zeros((rows, n))
-    ref = res64 + x64 @ deq.T
-    tol = a8_step(x) @ np.abs(deq).T + (6 * k / 32 + 16) * EPS32 * (1.01 * np.abs(x64) @ bound.T)
-    tol += EPS32 * (np.abs(ref) + np.abs(res64)) + 1e-30
-    assert (np.abs(got - ref) <= tol).all(), f"worst err/tol {np.max(np.abs(got - ref) / tol):.3g}"
+    check_a8_unquantized(y, x, residual, deq, bound)
 
 
 @pytest.mark.parametrize("qtype", SUB, ids=[t.name for t in SUB])
@@ -120,16 +97,7 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(
     kernels: cpu_kernels.CpuKernels, qtype: Q
 ) -> None:
     k = k_of(qtype)
-    x8, _, _ = held(qtype, 24, k)
-    x = activations(21, k, torch.float32, 3)
-    x[5, 300] = 5000.0
-    x[9] *= 1e-3
-    t = kernel_type(x8) | A8
-    together = kernels.quant_matmul(t, x8.data, k, x)
-    for i in (0, 5, 9, 20):
-        assert torch.equal(kernels.quant_matmul(t, x8.data, k, x[i : i + 1]), together[i : i + 1])
-    order = torch.tensor([9, 5, 0, 11, 3, 20, 1])
-    assert torch.equal(kernels.quant_matmul(t, x8.data, k, x[order]), together[order])
+    check_rows_alone(kernels, held(qtype, 24, k)[0], k)
 
 
 @pytest.mark.parametrize("qtype", SUB, ids=[t.name for t in SUB])
