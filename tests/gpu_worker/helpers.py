@@ -11,6 +11,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+
 from gpu_worker.backends.cpu.kind import CpuKind, requested_kind
 from protocol.messages import ForwardBatch
 from protocol.sampling import WorkerSampling
@@ -18,6 +20,20 @@ from tests.models import GREEDY, VOCAB, save_tiny_model  # noqa: F401  (re-expor
 
 # The CPU kinds this CPU (or the kind it acts as) runs: each kernel test runs once per kind.
 KINDS = [kind for kind in CpuKind if requested_kind().includes(kind)]
+
+
+def count_calls(owner: Any, name: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one each time ``owner.name`` is called (the call still runs): which steps
+    a one-call decode took."""
+    calls: list[int] = []
+    original = getattr(owner, name)
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
 
 
 @dataclass

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import shutil
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
@@ -19,7 +18,7 @@ from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.weights.model_files import resolve_model
 from tests.exactness import inprocess
-from tests.gpu_worker.helpers import GREEDY, MiniScheduler
+from tests.gpu_worker.helpers import GREEDY, MiniScheduler, count_calls
 
 pytestmark = [
     pytest.mark.skipif(
@@ -66,19 +65,6 @@ def pools(runner: ModelRunner, rows: int) -> list[torch.Tensor]:
     return [t[:rows] for t in (*runner.states.conv, *runner.states.recurrent)]
 
 
-def counted_calls(fused: HybridDecode, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A list that grows by one each time the one call runs."""
-    calls: list[int] = []
-    original = fused.kernels.decode
-
-    def counted(*args: Any) -> None:
-        calls.append(1)
-        original(*args)
-
-    monkeypatch.setattr(fused.kernels, "decode", counted)
-    return calls
-
-
 @pytest.mark.parametrize("rows", [1, 3, 9], ids=["1row", "3rows", "9rows_dense"])
 def test_one_call_equals_the_modules_bit_for_bit(
     small_qwen35: tuple[Path, Path], rows: int, monkeypatch: pytest.MonkeyPatch
@@ -94,7 +80,7 @@ def test_one_call_equals_the_modules_bit_for_bit(
             impl = getattr(module, "impl", None)
             if impl is not None and hasattr(impl, "dense_min_rows"):
                 impl.dense_min_rows = [8] * len(impl.dense_min_rows)
-    calls = counted_calls(fused, monkeypatch)
+    calls = count_calls(fused.kernels, "decode", monkeypatch)
     sched = MiniScheduler(runner.num_pages, runner.config.page_size)
     lens = [5 + 7 * i for i in range(rows)]
     prefill = sched.batch([(idx, 0, list(range(3, 3 + n)), True, GREEDY) for idx, n in enumerate(lens)])
@@ -136,7 +122,7 @@ def test_served_schedule_equals_the_modules(
         fused = backend(runner).fused_decode
         assert isinstance(fused, HybridDecode)
         if one_call:
-            calls = counted_calls(fused, monkeypatch)
+            calls = count_calls(fused.kernels, "decode", monkeypatch)
         else:
             backend(runner).fused_decode = None
         logprobs: list[list[float]] = []

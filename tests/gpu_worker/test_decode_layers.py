@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.moe import SparseMoeBlock
 from gpu_worker.weights.model_files import resolve_model
-from tests.gpu_worker.helpers import GREEDY, MiniScheduler
+from tests.gpu_worker.helpers import GREEDY, MiniScheduler, count_calls
 from tests.gpu_worker.test_gguf_weights import Q, make_random_llama
 
 pytestmark = pytest.mark.skipif(
@@ -109,14 +108,7 @@ def assert_one_call_equals_the_modules(
             impl = getattr(module, "impl", None)
             if isinstance(impl, QuantLinear):
                 impl.dense_min_rows = [8] * len(impl.dense_min_rows)
-    calls: list[int] = []
-    original = fused.kernels.decode_layers
-
-    def counted(*args: Any) -> None:
-        calls.append(1)
-        original(*args)
-
-    monkeypatch.setattr(fused.kernels, "decode_layers", counted)
+    calls = count_calls(fused.kernels, "decode_layers", monkeypatch)
     sched = MiniScheduler(runner.num_pages, runner.config.page_size)
     lens = [KERNEL_MAX_EXTEND + 5 + 7 * i for i in range(rows)]  # a shorter row decodes through the kernel
     prefill = sched.batch([(idx, 0, list(range(3, 3 + n)), True, GREEDY) for idx, n in enumerate(lens)])

@@ -26,6 +26,7 @@ from tests.block_quants import Q
 from tests.exactness import inprocess
 from tests.exactness.test_smollm2_bf16 import first_divergence_within_top2
 from tests.gguf_writer import write_gguf
+from tests.gpu_worker.helpers import count_calls
 from tests.gpu_worker.test_decode_layers import assert_one_call_equals_the_modules, cpu_backend
 from tests.models import WINDOW, tiny_config
 
@@ -130,14 +131,7 @@ def test_gemma3_greedy_matches_hf_float64(gemma3: tuple[Path, Any], monkeypatch:
     runner = runner_of(out)
     fused = cpu_backend(runner).fused_decode
     assert isinstance(fused, FusedDecode)
-    calls: list[int] = []
-    original = fused.kernels.decode_layers
-
-    def counted(*args: Any) -> None:
-        calls.append(1)
-        original(*args)
-
-    monkeypatch.setattr(fused.kernels, "decode_layers", counted)
+    calls = count_calls(fused.kernels, "decode_layers", monkeypatch)
     prompts = [
         [(7 * i + 3 * n) % 300 + 3 for i in range(n)] for n in (2 * WINDOW + 3, 3 * WINDOW - 1, WINDOW + 9)
     ]

@@ -22,7 +22,7 @@ from gpu_worker.models.deepseek_moe import DeepseekMoe
 from gpu_worker.weights.model_files import resolve_model
 from tests.exactness import inprocess
 from tests.exactness.test_mla_gguf import NEW_TOKENS, gguf_runner
-from tests.gpu_worker.helpers import GREEDY, MiniScheduler
+from tests.gpu_worker.helpers import GREEDY, MiniScheduler, count_calls
 from tests.mla_gguf import write_mla_gguf
 from tests.mla_models import hf_greedy, hf_mla_model, make_prompts, tiny_mla_config
 
@@ -70,14 +70,7 @@ def decode_steps(runner: ModelRunner, rows: int, monkeypatch: pytest.MonkeyPatch
     count."""
     fused = backend(runner).fused_decode
     assert isinstance(fused, MlaDecode)
-    calls: list[int] = []
-    original = fused.call
-
-    def counted(*args: Any) -> int:
-        calls.append(1)
-        return original(*args)
-
-    monkeypatch.setattr(fused, "call", counted)
+    calls = count_calls(fused, "call", monkeypatch)
     sched = MiniScheduler(runner.num_pages, runner.config.page_size)
     lens = [11 + 7 * i for i in range(rows)]
     prefill = sched.batch([(idx, 0, list(range(3, 3 + n)), True, GREEDY) for idx, n in enumerate(lens)])
@@ -157,14 +150,7 @@ def test_greedy_tokens_as_hf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     runner = gguf_runner(tmp_path, dtype="float32", weight_dtype="gguf", page_size=16)
     fused = backend(runner).fused_decode
     assert isinstance(fused, MlaDecode)
-    calls: list[int] = []
-    original = fused.call
-
-    def counted(*args: Any) -> int:
-        calls.append(1)
-        return original(*args)
-
-    monkeypatch.setattr(fused, "call", counted)
+    calls = count_calls(fused, "call", monkeypatch)
     prompts = make_prompts(7, (1, 3, 17, 40, 9))
     got, _ = inprocess.generate(runner, prompts, NEW_TOKENS, chunked_prefill_size=16, enable_mixed_chunk=True)
     assert calls and got == hf_greedy(hf, prompts, NEW_TOKENS)
