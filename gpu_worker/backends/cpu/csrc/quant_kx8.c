@@ -877,6 +877,16 @@ static inline __m256i bit_to4(__m256i qh, int j) {
     return j <= 4 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - j)) : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(j - 4));
 }
 
+/* acc + the madd of a and b, in asm: gcc reassociates a sub-block's adds, makes the products first and
+ * spills them (16 ymm) */
+static inline __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
+    __m256i t;
+    __asm__("vpmaddwd %[b], %[a], %[t]\n\tvpaddd %[t], %[acc], %[acc]"
+            : [acc] "+x"(acc), [t] "=&x"(t)
+            : [a] "x"(a), [b] "x"(b));
+    return acc;
+}
+
 static inline __attribute__((always_inline)) void q45_tile(const uint8_t *g, int64_t nb, const act_block16 *const *xa,
                                                            int64_t nr, float *out, int64_t ldo, const int type,
                                                            const int R) {
@@ -930,8 +940,8 @@ static inline __attribute__((always_inline)) void q45_tile(const uint8_t *g, int
                     const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi16(15)), hi = _mm256_srli_epi16(v, 4);
                     for (int r = 0; r < R; r++) {
                         const act_block16 *x = xa[r] + 8 * b + j;
-                        ia[r][hf] = _mm256_add_epi32(ia[r][hf], _mm256_madd_epi16(lo, pairs2_256(x[0].q + 4 * c)));
-                        ia[r][2 + hf] = _mm256_add_epi32(ia[r][2 + hf], _mm256_madd_epi16(hi, pairs2_256(x[1].q + 4 * c)));
+                        ia[r][hf] = madd_acc(ia[r][hf], lo, pairs2_256(x[0].q + 4 * c));
+                        ia[r][2 + hf] = madd_acc(ia[r][2 + hf], hi, pairs2_256(x[1].q + 4 * c));
                     }
                 }
             }
@@ -986,8 +996,8 @@ static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int6
                             const act_block16 *x = xa[r] + 8 * b + 4 * h;
                             const __m256i p0 = pairs2_256(x[t].q + 4 * c), p1 = pairs2_256(x[t + 2].q + 4 * c);
                             for (int hf = 0; hf < 2; hf++) {
-                                is[r][hf] = _mm256_add_epi32(is[r][hf], _mm256_madd_epi16(w0[hf], p0));
-                                is[r][2 + hf] = _mm256_add_epi32(is[r][2 + hf], _mm256_madd_epi16(w1[hf], p1));
+                                is[r][hf] = madd_acc(is[r][hf], w0[hf], p0);
+                                is[r][2 + hf] = madd_acc(is[r][2 + hf], w1[hf], p1);
                             }
                         }
                     }
