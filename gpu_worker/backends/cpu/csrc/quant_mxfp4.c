@@ -380,13 +380,18 @@ static inline __attribute__((always_inline)) void pass16(const uint8_t *blk0, co
 static inline __attribute__((always_inline)) void a8_tile(const uint8_t *g0, const uint8_t *g1, int width, int64_t nb,
                                                           const act8_32 *const *xa, float *out, int64_t ldo,
                                                           const int R) {
+    const int64_t group = nb * GB; /* a group's bytes; g1 is the group after g0 */
     __m512 acc[XR8];
     __m512i is[XR8];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk0 = g0 + b * GB, *blk1 = g1 + b * GB;
+        /* past its group's end the first group's prefetch would land in the second (read beside it
+         * now): sent two groups on, to the next tile's second group, which no stream fetches ahead
+         * (the second's lands in the next tile's first) */
+        const uint8_t *pf0 = blk0 + MX_PF + (b * GB + MX_PF >= group ? 2 * group : 0);
         for (int at = 0; at < GB; at += 64) {
-            _mm_prefetch((const char *)(blk0 + MX_PF + at), _MM_HINT_T0);
+            _mm_prefetch((const char *)(pf0 + at), _MM_HINT_T0);
             _mm_prefetch((const char *)(blk1 + MX_PF + at), _MM_HINT_T0);
         }
         int two = 0;
