@@ -121,6 +121,21 @@ static inline float fp16_to_f32(uint16_t h) {
 #endif
 }
 
+/* A GGUF block's fp16 scale at any byte address (blocks lie unaligned) as float32. */
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return fp16_to_f32(h);
+}
+
+/* acc plus the int16 pairs of a and b multiplied and summed into int32 lanes: one vpdpwssd where the
+ * build has AVX-512 VNNI on ymm, madd + add elsewhere (the same sums). */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPW8(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
+#else
+#define DPW8(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
+#endif
+
 typedef struct {
     int type;            /* ggml type id */
     int block;           /* weights per block: 32 or 256 */

@@ -29,12 +29,6 @@
 #define ROW1_W 4
 #define PF_BYTES 512
 
-static inline float half_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-    return fp16_to_f32(h);
-}
-
 static inline int block_bytes(const int type) { return type == QTYPE_Q2_K ? 84 : 110; }
 static inline const uint8_t *block_of(const uint8_t *row, int64_t b, const int type) {
     return row + b / 8 * block_bytes(type);
@@ -83,12 +77,6 @@ static void dequant_q2_k(const uint8_t *w, int64_t k, float *out) { dequant_rows
 static void dequant_q3_k(const uint8_t *w, int64_t k, float *out) { dequant_rows(w, k, out, QTYPE_Q3_K); }
 
 #if HAVE_AVX2 || HAVE_AVX512
-
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define DPW8(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
-#else
-#define DPW8(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
-#endif
 
 /* Sub-block b's folded integers as int16 (*lo weights 0-15, *hi 16-31; a group each), and Q2_K's two
  * group mins in *m0, *m1: the 32 quant bytes shifted to the sub-block's 2 bits, Q3_K's high bits

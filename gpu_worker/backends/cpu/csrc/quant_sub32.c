@@ -55,12 +55,6 @@ static inline float e8m0_half(uint8_t e) {
     return f;
 }
 
-static inline float half_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-    return fp16_to_f32(h);
-}
-
 /* Bytes of one file block; sub-blocks of 32 in it. */
 static inline int block_bytes(const int type) {
     switch (type) {
@@ -138,12 +132,6 @@ static void dequant_iq4_xs(const uint8_t *w, int64_t k, float *out) { dequant_ro
 static void dequant_mxfp4(const uint8_t *w, int64_t k, float *out) { dequant_rows(w, k, out, QTYPE_MXFP4); }
 
 #if HAVE_AVX2 || HAVE_AVX512
-
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) /* the same sums, one instruction */
-#define DPW8(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
-#else
-#define DPW8(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
-#endif
 
 /* Sub-block b's 32 weight integers as int16: *lo weights 0-15, *hi 16-31. IQ4: each nibble looked
  * up in the levels by a byte shuffle, then sign-extended; Q5: the nibbles zero-extended, each

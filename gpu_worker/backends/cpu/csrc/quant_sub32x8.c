@@ -534,12 +534,6 @@ static inline int32_t weight_at(const uint8_t *blk, const uint8_t *q, int s, int
     return nib | ((qh[8 * (i / 8) + s] >> (i % 8)) & 1) << 4;
 }
 
-static inline float half_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-    return fp16_to_f32(h);
-}
-
 /* IQ4_XS's 6-bit scale of slot s's sub-block b % 8. */
 static inline int xs_ls(const uint8_t *blk, int s, int64_t b) {
     const int i = (int)(b % 8), high = blk[16 + 2 * s + i / 4] >> (2 * (i % 4)) & 3;
