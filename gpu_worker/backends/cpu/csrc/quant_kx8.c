@@ -742,14 +742,19 @@ static inline __attribute__((always_inline)) void tile8_direct(const uint8_t *g0
                                                                int64_t ldo, int width, const int type, const int R) {
     const int legacy = type == QTYPE_Q4_0 || type == QTYPE_Q4_1 || type == QTYPE_Q8_0;
     const int64_t gbb = legacy ? 64 * qtype_x8(type | QTYPE_X8)->block_bytes : 8 * kx8_block_bytes(type);
+    const int64_t group = nb * gbb; /* a group's bytes; g1 (width 16) is the group after g0 */
     __m512 acc[XR8], total[XR8];
     for (int r = 0; r < R; r++) total[r] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += A8_SLICE) {
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t b = b0; b < nb && b < b0 + A8_SLICE; b++) {
             const uint8_t *blk0 = g0 + b * gbb, *blk1 = g1 + b * gbb;
+            /* past its group's end g0's prefetch would land in g1, read beside it now: sent two groups
+             * on, to the next tile's second group, which no stream fetches ahead (g1's lands in the
+             * next tile's first); quant_mxfp4.c's a8_tile does the same */
+            const uint8_t *pf0 = blk0 + KX8_PF + (b * gbb + KX8_PF >= group ? 2 * group : 0);
             for (int64_t at = 0; at < gbb; at += 64) {
-                _mm_prefetch((const char *)(blk0 + KX8_PF + at), _MM_HINT_T0);
+                _mm_prefetch((const char *)(pf0 + at), _MM_HINT_T0);
                 _mm_prefetch((const char *)(blk1 + KX8_PF + at), _MM_HINT_T0);
             }
             const act_block8 *x[XR8];
