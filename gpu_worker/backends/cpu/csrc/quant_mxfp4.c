@@ -65,12 +65,6 @@ static void group_mxfp4(const uint8_t *g, int64_t k, float *out) {
 
 #if HAVE_AVX2 || HAVE_AVX512
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) /* the same sums, one instruction */
-#define DPW8(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
-#else
-#define DPW8(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
-#endif
-
 static inline __m256i pair(const int16_t *q) { /* q[0], q[1] in every 32-bit lane */
     int32_t v;
     memcpy(&v, q, sizeof v);

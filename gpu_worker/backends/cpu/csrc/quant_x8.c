@@ -65,12 +65,6 @@ static inline void dequant_slot(const uint8_t *g, int s, int64_t k, float *out, 
 
 #if HAVE_AVX2 || HAVE_AVX512
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) /* the same sums, one instruction */
-#define DPW8(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
-#else
-#define DPW8(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
-#endif
-
 #if defined(__AVX512F__)
 #define DPW8_ACC(acc, a, b) DPW8(acc, a, b)
 #else /* in asm: gcc reassociated Q8_0's 16 adds a block, made every product first and spilled them */
