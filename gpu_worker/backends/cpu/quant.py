@@ -99,13 +99,11 @@ _A8_ZMM = {_Q.Q4_K: 5, _Q.Q5_K: 4, _Q.Q6_K: 5, _Q.Q4_0: 2}
 A8_PER_32 = frozenset({_Q.Q5_0, _Q.Q5_1, _Q.IQ4_NL, _Q.IQ4_XS, _Q.MXFP4})
 _A8_ZMM |= {_Q.Q5_0: 2, _Q.Q5_1: 2, _Q.IQ4_NL: 4, _Q.IQ4_XS: 4}  # IQ4_XS (k 1280) as IQ4_NL
 # MXFP4 interleaved (csrc/quant_mxfp4.c; gpt-oss's experts, k 2880, a few rows each at 32 streams) on
-# the same per-32 activations. Thread CPU time of 2880 x 2880 calls, one thread, 16-bit / 8-bit: at 2
-# rows avx512_bf16 1.04x, avx2 1.25x, avx512 0.98x; at 4 rows 1.12x, 1.38x, 1.51x; at 8 1.38x, 1.49x,
-# 1.30x (avx2 wins at one row too, 1.20x, but one threshold a type for every kind).
+# the same per-32 activations, from 2 rows on every kind (docs/benchmarks-history.md, "Thresholds of
+# the 8-bit tiles for MXFP4, Q2_K and Q3_K"); one threshold a type for every kind.
 _A8_ZMM |= {_Q.MXFP4: 2}
 # Q2_K, Q3_K interleaved (csrc/quant_k23x8.c; act_block8, k whole blocks of 256): from 2 rows the 8-bit
-# tile is the faster (thread CPU time a call, one thread, 8192 x 2048, Q3_K 16-bit -> 8-bit tile:
-# avx512_bf16 2 rows 0.7 -> 0.43 ms, 32 rows 10.8 -> 3.4 ms; avx2 1.05 -> 0.72, 16.3 -> 9.1 ms).
+# tile is the faster (the same section of docs/benchmarks-history.md).
 _A8_ZMM |= {_Q.Q2_K: 2, _Q.Q3_K: 2}
 # Q4_1 is left on 16 bits: the one Q4_1 file in use is the embedded SmolLM2, whose MLP inputs carry
 # channels far above the rest; on 8 bits its prefill moved the logits by 4.5e-3 of their spread
