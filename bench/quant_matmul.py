@@ -12,7 +12,8 @@ streams every weight byte once: GB/s = weight bytes / time, against the machine'
 x is bfloat16 for the quantized and bf16 paths, float32 for torch's. Each quantized type runs its
 integer path (``q4_1``) and its dequantized-panel path (``q4_1_dense``); the legacy types also in the
 worker's layout, rows interleaved by 8 (``q4_1_x8``, ``q4_1_x8_dense``; csrc/quant_x8.c), and the
-K-quants there with 8-bit activations where the build has them (``q4_k_x8_a8``; csrc/quant_kx8.c).
+K-quants there with 8-bit activations where the build has them (``q4_k_x8_a8``; csrc/quant_kx8.c);
+BF16 on vdpbf16ps where the build has it (``bf16_a8``, activations rounded to bf16; csrc/quant_bf16x.c).
 
 ``--against`` takes another build of the kernels library (an older commit's, from
 ~/.cache/rivulet/kernels): its paths run on the same weights, interleaved with this build's
@@ -129,6 +130,8 @@ def paths(
             out[f"{name}_x8_dense"] = quant_pass(kernels, kernel_type(x8[0]), ws8, x_for, dense=True)
             if kernels.quant_supported(kernel_type(x8[0]) | A8):  # 8-bit activations (AVX-512 builds)
                 out[f"{name}_x8_a8"] = quant_pass(kernels, kernel_type(x8[0]) | A8, ws8, x_for, dense=False)
+        elif kernels.quant_supported(int(qtype) | A8):  # BF16 on vdpbf16ps (csrc/quant_bf16x.c)
+            out[f"{name}_a8"] = quant_pass(kernels, int(qtype) | A8, ws, x_for, dense=False)
     bf16 = [torch.randn(s).bfloat16() * 0.05 for s in shapes]
     out["c_bf16"] = lambda m: [kernels.matmul(x_for(m, w.shape[1], torch.bfloat16), w) for w in bf16]
     fp32 = [torch.randn(s) * 0.05 for s in shapes]

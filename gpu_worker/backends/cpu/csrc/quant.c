@@ -122,6 +122,7 @@ const qtype_ops *quant_ops(int type) {
     ops = ops != NULL ? ops : qtype_k23(type);
     ops = ops != NULL ? ops : qtype_k23x8(type);
     ops = ops != NULL ? ops : qtype_mxfp4x8(type);
+    ops = ops != NULL ? ops : qtype_bf16x(type);
     return ops != NULL ? ops : qtype_kx8(type);
 }
 

@@ -206,6 +206,7 @@ const qtype_ops *qtype_k23(int type);   /* quant_k23.c: Q2_K, Q3_K */
 const qtype_ops *qtype_k23x8(int type); /* quant_k23x8.c: Q2_K, Q3_K | X8 (and | A8) */
 const qtype_ops *qtype_f16(int type);   /* quant_f16.c: F16, BF16 (activations as float32) */
 const qtype_ops *qtype_mxfp4x8(int type); /* quant_mxfp4.c: MXFP4 | X8 */
+const qtype_ops *qtype_bf16x(int type);   /* quant_bf16x.c: BF16 | A8 (vdpbf16ps; NULL without it) */
 const qtype_ops *quant_ops(int type); /* any of them */
 
 #endif
