@@ -37,11 +37,12 @@ from gpu_worker.models.gemma4_blocks import (
     StackedExperts,
     hf_scale,
 )
-from gpu_worker.models.layers import Embedding, Linear, MergedLinear, activation, apply_rotary
+from gpu_worker.models.layers import Embedding, FusedOps, Linear, MergedLinear, activation, apply_rotary
 from gpu_worker.models.moe import ExpertGroups
 from gpu_worker.models.rope import rotary_cache
 
 SharedKV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # a forward's K/V by the layer that made them
+FUSED_ROTARY_HEAD_DIM = 256  # the widest head the fused rotary takes (the CPU kernels' MAX_HEAD_DIM)
 
 
 def kv_sources(cfg: Any) -> tuple[int, ...]:
@@ -69,7 +70,12 @@ def layer_dims(cfg: Any, layer: int) -> tuple[int, int]:
 
 class Gemma4Attention(AttentionLayer):
     """Attention over pool layer ``kv_slot``: its own K/V (q, k and v projected, normed, q and k
-    rotated), or, KV-shared, a q projection alone over its source layer's K/V."""
+    rotated), or, KV-shared, a q projection alone over its source layer's K/V. Kernel slot
+    ``fused``: a device backend's rotary in place (the same products and sum as ``apply_rotary``),
+    on heads up to FUSED_ROTARY_HEAD_DIM wide."""
+
+    kernel_slots = ("fused",)
+    fused: FusedOps | None = None
 
     def __init__(self, cfg: Any, layer: int, kv_slot: int) -> None:
         super().__init__()
@@ -108,11 +114,19 @@ class Gemma4Attention(AttentionLayer):
             qkv = self.qkv_proj(x).view(tokens, -1, self.head_dim)
             q, k, *rest = qkv.split([heads, kv_heads, kv_heads][: len(self.qkv_proj.shards)], dim=1)
             v = self.v_norm(rest[0] if rest else k)  # k = v: the k projection before its norm and rope
-            k = apply_rotary(self.k_norm(k), cos, sin)
+            k = self._rotated(self.k_norm(k), cos, sin)
             shared[self.layer] = (k, v)
-        q = apply_rotary(self.q_norm(q), cos, sin)
+        q = self._rotated(self.q_norm(q), cos, sin)
         attended = paged_attention(self.kv_slot, q, k, v, ctx, self.attention)
         return self.o_proj(attended.flatten(1))
+
+    def _rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated: in place by the fused kernel where it takes the heads
+        (x is then a norm's fresh output), else by torch into a new tensor."""
+        if self.fused is None or self.head_dim > FUSED_ROTARY_HEAD_DIM or not x.is_contiguous():
+            return apply_rotary(x, cos, sin)
+        self.fused.rotary_(x, x.shape[1], cos.contiguous(), sin.contiguous())
+        return x
 
 
 class Gemma4DecoderLayer(Layer):

@@ -11,24 +11,44 @@ import torch
 from torch import nn
 
 from gpu_worker.models.contract import Layer, Split
-from gpu_worker.models.layers import Linear, MergedLinear, activation
+from gpu_worker.models.layers import FusedOps, Linear, MergedLinear, activation, gelu_tanh
 from gpu_worker.models.moe import Experts
 
 
 class Gemma4RMSNorm(Layer):
     """``norm(x) * w`` (Gemma 4 scales by w, not Gemma 2/3's 1 + w), or no scale at all
     (``with_scale=False``: the norm on v, the router's); statistics and scale in float32, rounded
-    once to x's dtype, the inverse root as ``pow(., -0.5)`` as HF takes it."""
+    once to x's dtype, the inverse root as ``pow(., -0.5)`` as HF takes it.
+
+    Kernel slot ``fused``: a device backend's RMSNorm, one call on float32 activations (within
+    float32 rounding of the torch ops, which take ~8 passes), over w or, with no scale, ones (a
+    product by 1 is exact). In bf16 the torch path runs (it rounds once, after the scale)."""
+
+    kernel_slots = ("fused",)
+    fused: FusedOps | None = None
+    scale32: torch.Tensor | None = None  # the kernel's weight (w, or ones), while one is attached
 
     def __init__(self, dim: int, eps: float, with_scale: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False) if with_scale else None
-        self.eps = eps
+        self.eps, self.dim = eps, dim
 
     def options(self) -> dict[str, Any]:
         return {"with_scale": self.weight is not None}
 
+    def attach(self, **kernels: Any) -> None:
+        super().attach(**kernels)
+        scale = None
+        if self.fused is not None:
+            scale = torch.ones(self.dim) if self.weight is None else self.weight.detach().float().contiguous()
+        object.__setattr__(self, "scale32", scale)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and self.scale32 is not None and x.dtype == torch.float32:
+            rows = x.reshape(-1, x.shape[-1])
+            if rows.stride(-1) != 1:
+                rows = rows.contiguous()
+            return self.fused.rms_norm(rows, self.scale32, self.eps).view(x.shape)
         x32 = x.float()
         normed = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         if self.weight is not None:
@@ -38,7 +58,11 @@ class Gemma4RMSNorm(Layer):
 
 class Gemma4MLP(Layer):
     """act(gate) * up, down: Gemma 3's MLP, ``inner`` wide (twice the config's on the KV-shared
-    layers of a ``use_double_wide_mlp`` model)."""
+    layers of a ``use_double_wide_mlp`` model). Kernel slot ``fused``: GELU-tanh's gate and product
+    in one call on float32 (GemmaMLP's)."""
+
+    kernel_slots = ("fused",)
+    fused: FusedOps | None = None
 
     def __init__(self, hidden: int, inner: int, act: str) -> None:
         super().__init__()
@@ -50,7 +74,10 @@ class Gemma4MLP(Layer):
         return {"act": self.act}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused is not None and self.act is gelu_tanh and gate_up.dtype == torch.float32:
+            return self.down_proj(self.fused.gelu_tanh_mul(gate_up.reshape(-1, gate_up.shape[-1])))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
