@@ -14,7 +14,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from gpu_worker.backends.cpu import kernels as cpu_kernels
-from gpu_worker.weights.formats import QuantBlocks
+from gpu_worker.backends.cpu.hugepages import HugePageArena, arena_bytes
+from gpu_worker.backends.cpu.layouts import in_arena, place
+from gpu_worker.weights.formats import FILE_LAYOUT, QuantBlocks
 from tests.gpu_worker.quant_reference import EPS32, activations
 
 pytestmark = pytest.mark.skipif(
@@ -89,3 +91,18 @@ def test_a_split_of_16_bit_rows_falls_on_whole_groups() -> None:
     assert share.cols == 64 and torch.equal(share.data, torch.from_numpy(blocks[:, 64:192]))
     with pytest.raises(ValueError, match="blocks of 32"):
         held.column_span(0, 48)
+
+
+@pytest.mark.parametrize("qtype", SIXTEEN, ids=[t.name for t in SIXTEEN])
+def test_sixteen_bit_rows_are_copied_into_the_arena_as_they_are(qtype: Q) -> None:
+    """The backend holds F16 / BF16 rows in its huge-page arena, in the file's layout (the one-row tile
+    streams them there), whatever their row count; the other types only where they re-lay."""
+    blocks = QuantBlocks(int(qtype), torch.from_numpy(weights(qtype, 7, 96)[0]), 96)
+    assert in_arena(blocks)
+    arena = HugePageArena(arena_bytes([blocks.data.numel()]))
+    slot = arena.take(tuple(blocks.data.shape))
+    placed = place(blocks, slot)
+    assert placed.layout == FILE_LAYOUT and placed.type == blocks.type and placed.cols == 96
+    assert placed.data.data_ptr() == slot.data_ptr() and torch.equal(placed.data, blocks.data)
+    seven_q8 = QuantBlocks(int(Q.Q8_0), torch.zeros(7, 34, dtype=torch.uint8), 32)
+    assert not in_arena(seven_q8)

@@ -1,13 +1,13 @@
-"""The interleaved weights' memory: one mapping in transparent huge pages.
+"""The interleaved (and 16-bit) weights' memory: one mapping in transparent huge pages.
 
 A one-row decode step streams every weight once, and its tiles run near the memory's pace, so the
 page size shows: on 4 KB pages each 4 KB of a 600 MB model costs a TLB miss and a page walk a step.
-The weights the backend re-lays at load (layouts.py) are written into one anonymous mapping, 2 MB
-aligned and madvised ``MADV_HUGEPAGE``, so the kernel backs it with 2 MB pages where the system's
-transparent huge pages are ``always`` or ``madvise`` (the common defaults): the tiles read a 1B
-model's layers faster than on 4 KB pages (docs/benchmarks-history.md, "Legacy types on 8 bits,
-weights in huge pages"). Where the call is missing (not Linux) or refused, the same mapping serves on
-small pages.
+The weights the backend re-lays at load, and the F16 / BF16 rows it copies as they are (layouts.py's
+``in_arena``), are written into one anonymous mapping, 2 MB aligned and madvised ``MADV_HUGEPAGE``,
+so the kernel backs it with 2 MB pages where the system's transparent huge pages are ``always`` or
+``madvise`` (the common defaults): the tiles read a 1B model's layers faster than on 4 KB pages
+(docs/benchmarks-history.md, "Legacy types on 8 bits, weights in huge pages"). Where the call is
+missing (not Linux) or refused, the same mapping serves on small pages.
 """
 
 from __future__ import annotations

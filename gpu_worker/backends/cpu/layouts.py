@@ -15,7 +15,7 @@ import functools
 import numpy as np
 import torch
 
-from gpu_worker.weights.formats import FILE_LAYOUT, QuantBlocks, dequantize_blocks
+from gpu_worker.weights.formats import FILE_LAYOUT, SIXTEEN_BIT_TYPES, QuantBlocks, dequantize_blocks
 
 X8_LAYOUT = "x8"
 
@@ -57,6 +57,24 @@ def interleave_rows(blocks: QuantBlocks, out: torch.Tensor | None = None) -> Qua
     return QuantBlocks(
         blocks.type, _permute_groups(blocks, _group_order(blocks.type), out=out), blocks.cols, X8_LAYOUT
     )
+
+
+def in_arena(blocks: QuantBlocks) -> bool:
+    """Whether the backend holds these blocks in its huge-page arena (hugepages.py): those
+    ``interleave_rows`` re-lays, and F16 / BF16 rows as the file holds them, copied there as they are
+    (csrc/quant_f16.c's one-row tile streams them front to back, at the memory's pace on 2 MB pages;
+    on the file's mapping, 4 KB pages, it falls well behind: docs/benchmarks-history.md, "BF16 and
+    F16 one row: a sequential stream on huge pages")."""
+    return interleaves(blocks) or (blocks.layout == FILE_LAYOUT and blocks.type in SIXTEEN_BIT_TYPES)
+
+
+def place(blocks: QuantBlocks, out: torch.Tensor) -> QuantBlocks:
+    """Blocks for which ``in_arena`` holds, written to ``out`` (uint8 of their shape, an arena's) in the
+    layout the backend reads: interleaved where ``interleave_rows`` re-lays them, else as they are."""
+    if interleaves(blocks):
+        return interleave_rows(blocks, out)
+    out.copy_(blocks.data)
+    return QuantBlocks(blocks.type, out, blocks.cols, blocks.layout)
 
 
 def deinterleave_rows(blocks: QuantBlocks) -> torch.Tensor:

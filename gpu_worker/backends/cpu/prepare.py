@@ -43,7 +43,7 @@ from gpu_worker.backends.cpu.decode_mla import MlaDecode, one_call_decode
 from gpu_worker.backends.cpu.experts import interleave_experts, relaid_experts
 from gpu_worker.backends.cpu.hugepages import HugePageArena, arena_bytes
 from gpu_worker.backends.cpu.kind import CpuKind, describe, requested_kind
-from gpu_worker.backends.cpu.layouts import interleave_rows, interleaves
+from gpu_worker.backends.cpu.layouts import in_arena, place
 from gpu_worker.backends.cpu.malloc import keep_freed_memory
 from gpu_worker.backends.cpu.matmul import CpuLinear
 from gpu_worker.backends.cpu.quant import QuantEmbedding, QuantLinear
@@ -119,8 +119,9 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compi
 def _attach_quantized(
     model: nn.Module, dtype: torch.dtype, kernels: cpu_kernels.CpuKernels | None, paths: Counter[str]
 ) -> None:
-    """QuantLinear / QuantEmbedding for every module the loader gave quantized blocks, the legacy
-    types' rows interleaved by 8 first (csrc/quant_x8.c; a tied head and its embedding share one)."""
+    """QuantLinear / QuantEmbedding for every module the loader gave quantized blocks, first placed in
+    the huge-page arena (layouts.py's ``in_arena``): rows interleaved by 8 (csrc/quant_x8.c), 16-bit
+    rows copied as they are (a tied head and its embedding share one)."""
     import gguf
 
     interleaved: dict[int, tuple[QuantizedWeight, QuantizedWeight]] = {}  # id: (as loaded, interleaved)
@@ -138,7 +139,7 @@ def _attach_quantized(
         weight = module.quantized
         if id(weight) not in interleaved:
             parts = tuple(
-                interleave_rows(part, arena.take(tuple(part.data.shape)) if interleaves(part) else None)
+                place(part, arena.take(tuple(part.data.shape))) if in_arena(part) else part
                 for part in weight.parts
             )
             interleaved[id(weight)] = (weight, QuantizedWeight(parts))
@@ -185,14 +186,15 @@ def _attach_delta_rules(model: nn.Module, kernels: cpu_kernels.CpuKernels) -> No
 
 
 def _relaid_parts(model: nn.Module) -> list[QuantBlocks]:
-    """Every block tensor ``_attach_quantized`` re-lays (once each, a tied head's with its embedding's)."""
+    """Every block tensor ``_attach_quantized`` places in the arena (once each, a tied head's with its
+    embedding's)."""
     seen: dict[int, QuantBlocks] = {}
     for module in model.modules():
         found: list[QuantBlocks] = []
         if isinstance(module, Experts) and module.quantized is not None:
             found = relaid_experts(module.quantized)
         elif isinstance(module, Linear | Embedding) and module.quantized is not None:
-            found = [part for part in module.quantized.parts if interleaves(part)]
+            found = [part for part in module.quantized.parts if in_arena(part)]
         seen |= {id(part): part for part in found}
     return list(seen.values())
 

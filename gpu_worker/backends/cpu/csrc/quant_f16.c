@@ -13,9 +13,12 @@
  * weights and a mask of the low half the odd ones; the activation row is copied with each 32's
  * even values first, then its odd ones (x[2i] at i, x[2i + 1] at 16 + i), so both halves meet their
  * x without a shuffle: a 64-byte line of weights costs one load, two integer ops and two FMAs on
- * AVX-512 (the one-row pace is the memory's, not the widening's). Many rows take the dense path
- * (quant.py's tables), which widens a panel of W at a time into L2 and runs quant_dense.c's float
- * tiles over it.
+ * AVX-512. One activation row (decode) reads each weight row front to back, one after another, so a
+ * thread's share of W is one sequential stream; with W on 2 MB pages (the backend copies 16-bit
+ * rows into its huge-page arena, layouts.py's in_arena) that runs at the memory's read pace
+ * (docs/benchmarks-history.md, "BF16 and F16 one row: a sequential stream on huge pages"). Many
+ * rows take the dense path (quant.py's tables), which widens a panel of W at a time into L2 and runs
+ * quant_dense.c's float tiles over it.
  */
 #include "quant.h"
 #include "rivulet_kernels.h"
@@ -100,12 +103,18 @@ static inline __attribute__((always_inline)) void micro(const uint8_t *w, int64_
 typedef __m512 vec;
 #define VZERO _mm512_setzero_ps
 #define VSUM _mm512_reduce_add_ps
+#define VADD _mm512_add_ps
 #else
 typedef __m256 vec;
 #define VZERO _mm256_setzero_ps
 #define VSUM hsum8
+#define VADD _mm256_add_ps
 #endif
 #define BF16_PF 1024 /* bytes ahead of each weight row's read: a prefetch per 64-byte block */
+/* One row's stream: bytes ahead of the block read (on 2 MB pages 4096 and 8192 alike, on 4 KB pages
+ * 8192 the faster), and blocks a step (sums kept apart). */
+#define ROW1_PF 8192
+#define ROW1_U 4
 
 /* *even += the even weights of the 32 at p times xb[0, 16), *odd += the odd ones times xb[16, 32). */
 static inline __attribute__((always_inline)) void bf16_block(const uint8_t *p, const float *xb, vec *even, vec *odd) {
@@ -122,6 +131,46 @@ static inline __attribute__((always_inline)) void bf16_block(const uint8_t *p, c
         *odd = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, high)), _mm256_loadu_ps(xb + 16 + 8 * h), *odd);
     }
 #endif
+}
+
+/* *a += weights [0, 16) of the F16 block at p times xb[0, 16), *b += weights [16, 32) times xb[16, 32). */
+static inline __attribute__((always_inline)) void f16_block(const uint8_t *p, const float *xb, vec *a, vec *b) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    *a = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)), _mm512_loadu_ps(xb), *a);
+    *b = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32))), _mm512_loadu_ps(xb + 16), *b);
+#else
+    for (int h = 0; h < 2; h++) {
+        *a = _mm256_fmadd_ps(widen8(p, 16 * h, QTYPE_F16), _mm256_loadu_ps(xb + 16 * h), *a);
+        *b = _mm256_fmadd_ps(widen8(p, 16 * h + 8, QTYPE_F16), _mm256_loadu_ps(xb + 16 * h + 8), *b);
+    }
+#endif
+}
+
+/* One activation row against weight rows [0, nc) (out[c]), each row read front to back in turn: the
+ * rows lie one after another, so a thread's columns are one sequential stream, the case the hardware
+ * prefetcher follows best (TC rows side by side are TC streams, each a row long). ROW1_U blocks a
+ * step, each into its own pair of sums (an FMA's latency covered). */
+static inline __attribute__((always_inline)) void row1(const uint8_t *w, int64_t wrb, int64_t nc, const float *x,
+                                                       int64_t nb, float *out, const int type) {
+    for (int64_t c = 0; c < nc; c++) {
+        const uint8_t *p = w + c * wrb;
+        vec s0[ROW1_U], s1[ROW1_U];
+        for (int u = 0; u < ROW1_U; u++) s0[u] = VZERO(), s1[u] = VZERO();
+        int64_t b = 0;
+        for (; b + ROW1_U <= nb; b += ROW1_U)
+            for (int u = 0; u < ROW1_U; u++) {
+                const uint8_t *q = p + 2 * FB * (b + u);
+                prefetch_weights(q + ROW1_PF);
+                if (type == QTYPE_BF16) bf16_block(q, x + FB * (b + u), &s0[u], &s1[u]);
+                else f16_block(q, x + FB * (b + u), &s0[u], &s1[u]);
+            }
+        for (; b < nb; b++) {
+            if (type == QTYPE_BF16) bf16_block(p + 2 * FB * b, x + FB * b, &s0[0], &s1[0]);
+            else f16_block(p + 2 * FB * b, x + FB * b, &s0[0], &s1[0]);
+        }
+        for (int u = 1; u < ROW1_U; u++) s0[0] = VADD(s0[0], s0[u]), s1[0] = VADD(s1[0], s1[u]);
+        out[c] = VSUM(VADD(s0[0], s1[0]));
+    }
 }
 
 /* BF16's micro: activation rows [0, R) (each in copy_act_eo's order) x weight rows [0, C), as
@@ -150,6 +199,10 @@ static inline __attribute__((always_inline)) void tile_loop(const uint8_t *w, in
                                                             float *out, int64_t ldo, const int type) {
     const float *x = (const float *)xq;
     const int64_t xs = xrb / (int64_t)sizeof(float), k = nb * FB;
+    if (nr == 1) {
+        row1(w, wrb, nc, x, nb, out, type);
+        return;
+    }
     for (int64_t r0 = 0; r0 < nr; r0 += TR)
         for (int64_t c0 = 0; c0 < nc; c0 += TC) {
             const float *xr = x + r0 * xs;
