@@ -21,6 +21,7 @@ from protocol.messages import (
     TokenizedRequest,
     ToScheduler,
 )
+from protocol.profiling import cprofiled
 from protocol.transport import Codec, Endpoints, freeze_startup_heap, make_socket, replica_name
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.scheduler import Scheduler
@@ -181,6 +182,7 @@ def run_scheduler(config: SchedulerConfig, endpoints: Endpoints) -> None:
         proc = SchedulerProcess(config, endpoints, ctx)
         freeze_startup_heap()
         proc.announce()
-        proc.run_forever()
+        with cprofiled(replica_name("scheduler", config.replica)):
+            proc.run_forever()
     finally:
         ctx.destroy(linger=0)

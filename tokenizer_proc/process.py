@@ -20,6 +20,7 @@ import zmq.asyncio
 from zmq.asyncio import Socket as AsyncSocket
 
 from protocol.messages import GenerateOutput, Ready, ToTokenizer
+from protocol.profiling import cprofiled
 from protocol.transport import HEARTBEAT_SOCKET_OPTIONS, Codec, Endpoints, freeze_startup_heap, make_socket
 from tokenizer_proc.config import TokenizerConfig
 from tokenizer_proc.frontend import Frontend
@@ -62,7 +63,8 @@ def run_tokenizer(config: TokenizerConfig, endpoints: Endpoints) -> None:
         "tokenizer ready: context %d, vocab %d, eos %s", info.context_len, info.vocab_size, info.eos_token_ids
     )
     frontend = Frontend(tokenizer, info, config.seed, Router(config.dp_size, config.dp_routing))
-    uvloop.run(TokenizerServer(frontend, endpoints, config).serve())
+    with cprofiled("tokenizer"):
+        uvloop.run(TokenizerServer(frontend, endpoints, config).serve())
 
 
 def client_socket(ctx: zmq.asyncio.Context, endpoint: str) -> AsyncSocket:

@@ -165,10 +165,14 @@ def rivulet_server(
     workdir: Path,
     model: str | None = None,
     ready_timeout_s: float = READY_TIMEOUT_S,
+    env: dict[str, str] | None = None,
+    repo: Path = REPO,
 ) -> Iterator[Server]:
     """``launcher.py [--model M] --endpoint ipc://WORKDIR/client.sock FLAGS``, stopped on exit.
 
-    Raises FlagNotAvailable before starting anything when the launcher would reject FLAGS.
+    ``env``: more environment for the engine; ``repo``: the checkout whose launcher runs (another
+    worktree, for an old-against-new run). Raises FlagNotAvailable before starting anything when
+    the launcher would reject FLAGS.
     """
     if (why := rejected_flags(flags)) is not None:
         raise FlagNotAvailable(why)
@@ -178,8 +182,8 @@ def rivulet_server(
     cmd = [sys.executable, "launcher.py", *model_args, "--endpoint", endpoint, *flags]
     log_path, stdout_path = workdir / "engine.log", workdir / "engine.stdout"
     with open(log_path, "wb") as log, open(stdout_path, "wb") as out:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=log, env=env)
+        full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(cmd, cwd=repo, stdout=out, stderr=log, env=full_env)
     with _started(Server(name, proc, endpoint, log_path)) as server:
         _wait_ready_line(server, stdout_path, time.monotonic() + ready_timeout_s)
         yield server
