@@ -29,11 +29,12 @@ from torch import nn
 from gpu_worker.forward_context import AttentionOptions, ForwardContext, paged_attention
 from gpu_worker.image_encoder import splice_images
 from gpu_worker.models.contract import AttentionLayer, Layer, Split
-from gpu_worker.models.gemma import SLIDING, softcap
+from gpu_worker.models.gemma import SLIDING
 from gpu_worker.models.gemma4_blocks import (
     Gemma4MLP,
     Gemma4RMSNorm,
     Gemma4Router,
+    LogitSoftcap,
     StackedExperts,
     hf_scale,
 )
@@ -245,7 +246,8 @@ class Gemma4ForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, Split.VOCAB)
         if getattr(hf_config, "tie_word_embeddings", True):
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.final_softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
+        cap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
+        self.final_softcap = LogitSoftcap(cap) if cap else None
         # A multimodal checkpoint's media placeholders: with no media given, HF embeds them as the pad
         # token (both embeddings); an image's positions then take the vision tower's embeddings.
         media = [getattr(hf_config, f"{kind}_token_id", None) for kind in ("image", "video", "audio")]
@@ -295,7 +297,7 @@ class Gemma4ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the selected tokens' hidden states (soft-capped where the config says)."""
         logits = self.lm_head(self.model.norm(hidden))
-        return softcap(logits, self.final_softcap) if self.final_softcap else logits
+        return self.final_softcap(logits) if self.final_softcap is not None else logits
 
 
 def adopt_media_tokens(model: object, gguf_path: str) -> None:

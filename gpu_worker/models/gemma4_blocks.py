@@ -119,6 +119,28 @@ class Gemma4Router(Layer):
         return expert_ids, top * self.per_expert_scale[expert_ids]
 
 
+class LogitSoftcap(Layer):
+    """Final logits soft-capped, ``cap * tanh(x / cap)``, in place (the LM head's fresh output).
+    Kernel slot ``fused``: a device backend's one pass on float32 (within float32 rounding of
+    torch's tanh) for torch's three over the vocabulary."""
+
+    kernel_slots = ("fused",)
+    fused: FusedOps | None = None
+
+    def __init__(self, cap: float) -> None:
+        super().__init__()
+        self.cap = cap
+
+    def options(self) -> dict[str, Any]:
+        return {"cap": self.cap}
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+            self.fused.softcap_(logits, self.cap)
+            return logits
+        return logits.div_(self.cap).tanh_().mul_(self.cap)
+
+
 def hf_scale(value: float) -> torch.Tensor:
     """A scale as HF's embedding buffer holds it: rounded to float32, then to the model's dtype."""
     return torch.tensor(value, dtype=torch.float32).to(torch.get_default_dtype())

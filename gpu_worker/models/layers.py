@@ -50,6 +50,8 @@ class FusedOps(Protocol):
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
+    def softcap_(self, x: torch.Tensor, cap: float) -> None: ...
+
 
 class BlocksOrWeight(Layer):
     """A layer whose weight slot is ``weight``, or ``quantized``: a GGUF's blocks, which only a

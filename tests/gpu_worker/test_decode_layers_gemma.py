@@ -64,6 +64,26 @@ def test_gelu_tanh_mul_is_torchs_within_float_rounding(dtype: torch.dtype) -> No
     assert bool(((got.double() - exact).abs() <= bound).all()), float((got.double() - exact).abs().max())
 
 
+def test_softcap_is_torchs_within_float_rounding() -> None:
+    """The kernel Gemma 4's soft-capped logits take in place: cap * tanh(x / cap) within a few
+    float32 ulps of float64's, over a partial last vector, the small-|y| series and its edge, both
+    saturated tails and signed zeros; a vocabulary-sized row goes to the threads."""
+    kernels = cpu_kernels.load(requested_kind())
+    assert kernels is not None
+    cap = 30.0
+    x = torch.randn(3, 1001) * 40  # 1001: a partial last vector
+    x[0, :10] = torch.tensor([0.0, -0.0, 1e-30, -1e-3, 7.49, -7.51, 600.0, -600.0, 3e38, -3e38])
+    wide = torch.randn(2, 70000) * 20
+    for logits in (x, wide):
+        exact = torch.tanh(logits.double() / cap) * cap
+        got = logits.clone()
+        kernels.softcap_(got, cap)
+        bound = 4 * 2.0**-23 * exact.abs() + 1e-45
+        assert bool(((got.double() - exact).abs() <= bound).all()), float((got.double() - exact).abs().max())
+        if logits is x:
+            assert got[0, :2].tolist() == [0.0, 0.0] and torch.signbit(got[0, :2]).tolist() == [False, True]
+
+
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     """(dir holding the HF checkpoint and its GGUF, HF float64 model of the file's weights)."""

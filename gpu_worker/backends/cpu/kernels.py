@@ -83,6 +83,8 @@ class CpuKernels(QuantKernels):
         self._matmul.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i32, i32, i32]
         self._argmax = lib.argmax_rows
         self._argmax.argtypes = [ptr, i64, i64, i32, i32, ptr]
+        self._softcap = lib.softcap_f32
+        self._softcap.argtypes = [ptr, i64, f32]
         for fn in (
             self._rms_norm,
             self._rotary,
@@ -90,6 +92,7 @@ class CpuKernels(QuantKernels):
             self._gelu_tanh_mul,
             self._matmul,
             self._argmax,
+            self._softcap,
         ):
             fn.restype = None
         self._latent = lib.latent_decode_attention
@@ -235,6 +238,11 @@ class CpuKernels(QuantKernels):
         out = torch.empty((rows, inner), dtype=gate_up.dtype)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inner, DTYPE_CODES[gate_up.dtype])
         return out
+
+    def softcap_(self, x: torch.Tensor, cap: float) -> None:
+        """x = cap * tanh(x / cap) in place, x contiguous float32 (within float32 rounding of torch's)."""
+        assert x.dtype == torch.float32 and x.is_contiguous()
+        self._softcap(x.data_ptr(), x.numel(), cap)
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gelu_tanh(gate) * up of contiguous gate_up [T, 2 * inner] -> [T, inner] (Gemma's MLP)."""

@@ -210,6 +210,7 @@ void silu_mul_row(const void *gate_up, void *out, int inner, int dtype);
 void silu_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype);
 void gelu_tanh_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype);
 void argmax_rows(const void *x, int64_t row_stride, int64_t rows, int n, int dtype, int64_t *out);
+void softcap_f32(float *x, int64_t n, float cap);
 
 /* matmul.c */
 void matmul_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
