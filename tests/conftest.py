@@ -77,6 +77,7 @@ CPU_KIND_TESTS = (
     "tests/gpu_worker/test_quant_sub32x8.py",
     "tests/gpu_worker/test_gguf_sub32.py",
     "tests/gpu_worker/test_quant_f16.py",
+    "tests/gpu_worker/test_quant_bf16x.py",
     "tests/gpu_worker/test_quant_k23.py",
     "tests/gpu_worker/test_quant_k23x8.py",
     "tests/gpu_worker/test_decode_layers.py",

@@ -53,17 +53,23 @@ NEVER = 1 << 62
 _SUB32 = {_Q.Q5_0: 8, _Q.Q5_1: 8, _Q.IQ4_NL: 8, _Q.IQ4_XS: 8, _Q.MXFP4: 8}
 _K23 = {_Q.Q2_K: 8, _Q.Q3_K: 8}  # csrc/quant_k23.c: the same tile's shape, so the same crossing
 # F16 and BF16 weights (csrc/quant_f16.c): from 2 rows the dense path, which widens a panel at a time
-# and runs its float tiles over it; the one-row tile widens in registers.
+# and runs its float tiles over it; the one-row tile widens in registers (BF16 on AVX-512: below).
 _SIXTEEN = {_Q.F16: 2, _Q.BF16: 2}
 _X86 = {_Q.Q4_0: 8, _Q.Q4_1: 8, _Q.Q8_0: 8, _Q.Q4_K: 32, _Q.Q5_K: 16, _Q.Q6_K: 16}
 _X86 |= _SUB32 | _K23 | _SIXTEEN
 _X8_X86 = dict.fromkeys(_X86, NEVER)
+# BF16 never the dense path on the AVX-512 kinds: where the build has vdpbf16ps many rows take its tile
+# (BF16X_MIN_ROWS below); on avx512 and avx512_vnni quant_f16.c's float32 tile (the one-row tile's code,
+# weights widened in registers, x as it is), 1.5-2x the dense path's pace at 2-128 rows
+# (docs/benchmarks-history.md, "BF16 many rows on vdpbf16ps"). avx2: that tile on ymm up to 11 rows,
+# the dense path from 12, where they cross (the same section).
+_X86_BF16 = _X86 | {_Q.BF16: NEVER}
 DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
-    CpuKind.AMX: _X86,
-    CpuKind.AVX512_BF16: _X86,
-    CpuKind.AVX512_VNNI: _X86,
-    CpuKind.AVX512: _X86,
-    CpuKind.AVX2: _X86,
+    CpuKind.AMX: _X86_BF16,
+    CpuKind.AVX512_BF16: _X86_BF16,
+    CpuKind.AVX512_VNNI: _X86_BF16,
+    CpuKind.AVX512: _X86_BF16,
+    CpuKind.AVX2: _X86 | {_Q.BF16: 12},
     CpuKind.PORTABLE: dict.fromkeys(_X86, 2),
 }
 X8_DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
@@ -127,8 +133,19 @@ A8_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
 }
 
 
+# BF16 weights (the file's layout) at many rows on vdpbf16ps where the build has it (the avx512_bf16
+# and amx kinds; csrc/quant_bf16x.c, the type code BF16 | A8): the activations rounded to bf16, as
+# llama.cpp meets BF16 weights, products exact and summed in float32. From 2 rows: there the tile
+# already ran ahead of quant_f16.c's float32 tile and the dense path, thread CPU time a call
+# (docs/benchmarks-history.md, "BF16 many rows on vdpbf16ps").
+BF16X_MIN_ROWS = 2
+
+
 def a8_min_rows(kernels: CpuKernels, part: QuantBlocks) -> int:
-    """From how many activation rows ``part`` meets 8-bit activations (NEVER: not on this build)."""
+    """From how many activation rows ``part`` meets 8-bit activations, or BF16's bf16 ones (NEVER:
+    not on this build)."""
+    if part.type == _Q.BF16:
+        return BF16X_MIN_ROWS if kernels.quant_supported(part.type | A8) else NEVER
     if (
         part.layout != X8_LAYOUT
         or (part.cols % A8_BLOCK and part.type not in A8_ANY_K | A8_PER_32)
