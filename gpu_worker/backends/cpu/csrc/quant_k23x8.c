@@ -30,7 +30,12 @@
  *     step. Q2_K's min: its mins m times the groups' activation sums (-qoff / 32), the same way at
  *     dmin. Where a row's 32 values have the residual pass, r meets the weights too at a 128th of
  *     the step (rows without it add zero products). maddubs' int16 sums of 4 chunks: at most 4 * 2
- *     * 7 * 127, no saturation.
+ *     * 7 * 127, no saturation. On zmm, Q3_K's 16 group scales are made bytes once a block and each
+ *     group's picked by one vpshufb.
+ *   One activation row (decode; quant.py takes Q2_K and Q3_K on 8 bits from one row): the zmm builds
+ *     load each quant chunk pair once a block and mask its four sub-blocks' bits where they lie
+ *     (row1_q2, row1_q3): the integers come out a power of four times tile8's, d is scaled back, and the
+ *     float steps give tile8's bits (tested: a row alone against the rows beside it).
  * Every build that has the 8-bit tiles sums the same integers and runs the same float steps per
  * (row, column, sub-block), in the same order, so its outputs are the same bits (tested).
  * Portable: the 16-bit tile rebuilds each row in the file's layout for quant_k23.c's plain tile;
@@ -42,6 +47,7 @@
 #ifndef K23X8_PF
 #define K23X8_PF 2048 /* how far ahead (bytes) the tiles prefetch their group's blocks */
 #endif
+int k23_row1 = 1; /* 0: one activation row takes tile8 as many rows do (bench.worker_step --toggle k23_row1) */
 
 /* Where each field lies: per slot s and chunk c < n, unit bytes at file + c unit in the file's block,
  * at x8 + (8c + s) unit in the group block. */
@@ -328,6 +334,27 @@ static inline __m512i dpb16(__m512i acc, __m512i u, const int8_t *q) {
             acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(M[r]), _mm512_mul_ps(dmin, _mm512_set1_ps(step)), acc[r]); \
     }
 
+/* Q3_K's 16 group scales of both groups as bytes (group g at byte g % 4 of st[g / 4], 0..63), and
+ * group g's as int32 lanes minus 32 (vpshufb: byte g % 4 of each word, zero-extended). */
+static inline void q3_scale_bytes(const uint8_t *blk0, const uint8_t *blk1, __m512i st[4]) {
+    const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+    const __m512i l0 = two256(_mm256_loadu_si256((const __m256i *)(blk0 + Q3_SC)),
+                              _mm256_loadu_si256((const __m256i *)(blk1 + Q3_SC)));
+    const __m512i l1 = two256(_mm256_loadu_si256((const __m256i *)(blk0 + Q3_SC + 32)),
+                              _mm256_loadu_si256((const __m256i *)(blk1 + Q3_SC + 32)));
+    const __m512i hw = two256(_mm256_loadu_si256((const __m256i *)(blk0 + Q3_SC + 64)),
+                              _mm256_loadu_si256((const __m256i *)(blk1 + Q3_SC + 64)));
+    st[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(l0, m4), _mm512_slli_epi16(hw, 4), m30, 0xF8);
+    st[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(l1, m4), _mm512_slli_epi16(hw, 2), m30, 0xF8);
+    st[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l0, 4), m4), hw, m30, 0xF8);
+    st[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m4), _mm512_srli_epi16(hw, 2), m30, 0xF8);
+}
+static inline __m512i q3_scale_of(const __m512i st[4], int g) {
+    const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32((int)(0x80808000u | (uint32_t)(g % 4))),
+                                          _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12));
+    return _mm512_sub_epi32(_mm512_shuffle_epi8(st[g / 4], pick), _mm512_set1_epi32(32));
+}
+
 /* out[r * ldo + j] = dot(tile row j, activation row r) for j < width (16, or 8: g1 is g0 again and
  * only its lanes are stored), r < R. */
 static inline __attribute__((always_inline)) void tile8(const uint8_t *g0, const uint8_t *g1, int width, int64_t nb,
@@ -350,12 +377,20 @@ static inline __attribute__((always_inline)) void tile8(const uint8_t *g0, const
                                                : _mm512_setzero_ps();
         int two = 0;
         for (int r = 0; r < R; r++) two |= xa[r][b].two;
+        __m512i st[4];
+        if (type == QTYPE_Q3_K) q3_scale_bytes(blk0, blk1, st);
         for (int j = 0; j < 8; j++) {
             __m256i m0, m1;
-            const __m512i sca = two256(group_scales(blk0, 2 * j, type, &m0), group_scales(blk1, 2 * j, type, &m1));
-            const __m512i ma = two256(m0, m1);
-            const __m512i scb = two256(group_scales(blk0, 2 * j + 1, type, &m0), group_scales(blk1, 2 * j + 1, type, &m1));
-            const __m512i mb = two256(m0, m1);
+            __m512i sca, ma, scb, mb;
+            if (type == QTYPE_Q3_K) {
+                sca = q3_scale_of(st, 2 * j), scb = q3_scale_of(st, 2 * j + 1);
+                ma = mb = _mm512_setzero_si512();
+            } else {
+                sca = two256(group_scales(blk0, 2 * j, type, &m0), group_scales(blk1, 2 * j, type, &m1));
+                ma = two256(m0, m1);
+                scb = two256(group_scales(blk0, 2 * j + 1, type, &m0), group_scales(blk1, 2 * j + 1, type, &m1));
+                mb = two256(m0, m1);
+            }
             __m512i u[8];
             for (int c = 0; c < 8; c++) u[c] = chunk_u2(blk0, c, blk1, c, j, type);
             K23_PASS16(q)
@@ -372,6 +407,168 @@ static inline __attribute__((always_inline)) void tile8(const uint8_t *g0, const
     }
 }
 
+/* One activation row (decode) on Q2_K: each quant zmm (a chunk of both groups) is loaded once per
+ * block and its four sub-blocks' bits masked where they lie, so a sub-block k of four meets the
+ * activations at 4^k its weights (vpdpbusd takes up to 192; maddubs' int16 pair sums up to 48, so
+ * without VNNI the top bits are shifted down). Integers times a power of two convert to the same
+ * float times it, and d times 4^-k times the step is d times the step times 4^-k: the same float steps
+ * as tile8's, so the same bits. */
+#if defined(__AVX512VNNI__)
+#define K23_KEEP 3 /* sub-blocks 0..K23_KEEP keep their bits in place */
+#else
+#define K23_KEEP 2
+#endif
+
+static inline __m512i bits_at(__m512i v, int k) {
+    if (k <= K23_KEEP) return _mm512_and_si512(v, _mm512_set1_epi8((char)(3 << (2 * k))));
+    return _mm512_and_si512(_mm512_srli_epi16(v, 2 * k), _mm512_set1_epi8(3));
+}
+
+/* One pass (FIELD: q's or r's) of sub-block j = 4 h + k against the 8 quant zmm of half h in v. */
+#define Q2_ROW1_PASS(FIELD, STEP)                                                                                  \
+    {                                                                                                              \
+        __m512i isa = _mm512_setzero_si512(), isb = _mm512_setzero_si512();                                       \
+        for (int c = 0; c < 4; c++) {                                                                              \
+            isa = dpb16(isa, bits_at(v[c], k), x->FIELD + 32 * j + 4 * c);                                         \
+            isb = dpb16(isb, bits_at(v[4 + c], k), x->FIELD + 32 * j + 16 + 4 * c);                                \
+        }                                                                                                          \
+        const __m512i I = _mm512_add_epi32(_mm512_mullo_epi32(isa, sca), _mm512_mullo_epi32(isb, scb));           \
+        const __m512i M = _mm512_add_epi32(_mm512_mullo_epi32(ma, _mm512_set1_epi32(-x->FIELD##off[2 * j] / 32)),  \
+                                           _mm512_mullo_epi32(mb, _mm512_set1_epi32(-x->FIELD##off[2 * j + 1] / 32))); \
+        const float step = (STEP);                                                                                 \
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(dk[k], _mm512_set1_ps(step)), acc);             \
+        acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(M), _mm512_mul_ps(dmin, _mm512_set1_ps(step)), acc);             \
+    }
+
+static inline __attribute__((always_inline)) void row1_q2(const uint8_t *g0, const uint8_t *g1, int width, int64_t nb,
+                                                          const act_block8 *xa, float *out) {
+    const int gbb = 8 * 84;
+    const __m512i m4 = _mm512_set1_epi8(15);
+    __m512i byte_of[4]; /* vpshufb's picks: byte i of each word, zero-extended */
+    for (int i = 0; i < 4; i++)
+        byte_of[i] = _mm512_add_epi32(_mm512_set1_epi32((int)(0x80808000u | (uint32_t)i)),
+                                      _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12));
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk0 = g0 + b * gbb, *blk1 = g1 + b * gbb;
+        for (int at = 0; at < gbb; at += 64) {
+            _mm_prefetch((const char *)(blk0 + K23X8_PF + at), _MM_HINT_T0);
+            _mm_prefetch((const char *)(blk1 + K23X8_PF + at), _MM_HINT_T0);
+        }
+        const act_block8 *x = xa + b;
+        const __m512 d = two256f(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk0)),
+                                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk1)));
+        const __m512 dmin = two256f(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk0 + 16))),
+                                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk1 + 16))));
+        __m512 dk[4];
+        for (int k = 0; k < 4; k++) dk[k] = k <= K23_KEEP ? _mm512_mul_ps(d, _mm512_set1_ps(1.0f / (float)(1 << (2 * k)))) : d;
+        /* the 16 groups' scales (low nibbles) and mins (high) of both groups, byte g % 4 of word g / 4 */
+        __m512i sl[4], sh[4];
+        for (int t = 0; t < 4; t++) {
+            const __m512i sw = two256(_mm256_loadu_si256((const __m256i *)(blk0 + Q2_SC + 32 * t)),
+                                      _mm256_loadu_si256((const __m256i *)(blk1 + Q2_SC + 32 * t)));
+            sl[t] = _mm512_and_si512(sw, m4);
+            sh[t] = _mm512_and_si512(_mm512_srli_epi32(sw, 4), m4);
+        }
+        for (int h = 0; h < 2; h++) {
+            __m512i v[8];
+            for (int c = 0; c < 8; c++)
+                v[c] = two256(_mm256_loadu_si256((const __m256i *)(blk0 + Q2_QS + 32 * (8 * h + c))),
+                              _mm256_loadu_si256((const __m256i *)(blk1 + Q2_QS + 32 * (8 * h + c))));
+            for (int k = 0; k < 4; k++) {
+                const int j = 4 * h + k;
+                const __m512i pa = byte_of[2 * (j % 2)], pb = byte_of[2 * (j % 2) + 1];
+                const __m512i sca = _mm512_shuffle_epi8(sl[j / 2], pa), ma = _mm512_shuffle_epi8(sh[j / 2], pa);
+                const __m512i scb = _mm512_shuffle_epi8(sl[j / 2], pb), mb = _mm512_shuffle_epi8(sh[j / 2], pb);
+                Q2_ROW1_PASS(q, x->d[j])
+                if ((x->two >> j) & 1) Q2_ROW1_PASS(r, x->d[j] * (1.0f / 128.0f))
+            }
+        }
+    }
+    _mm256_storeu_ps(out, _mm512_castps512_ps256(acc));
+    if (width == 16) _mm256_storeu_ps(out + 8, _mm512_extractf32x8_ps(acc, 1));
+}
+
+/* The same for Q3_K: sub-block k of four keeps its 2 bits in place up to k = 2, the fourth shifted
+ * to the third's place (4^min(k, 2) its weights), and the high bit j moved beside them; at most
+ * 7 * 16 = 112 (maddubs' pair sums take it). The offset -4 sum(x) starts the sums at the same power. */
+static inline __m512i q3_bits_at(__m512i v, __m512i hm, int h, int k) {
+    const int e = k < 2 ? k : 2, at = 2 * e + 2, s = at - (4 * h + k); /* hm's bit j to bit at */
+    const __m512i a = k < 3 ? v : _mm512_srli_epi16(v, 2);
+    const __m512i hb = s > 0 ? _mm512_slli_epi16(hm, s) : s < 0 ? _mm512_srli_epi16(hm, -s) : hm;
+    return _mm512_ternarylogic_epi32(_mm512_and_si512(a, _mm512_set1_epi8((char)(3 << (2 * e)))), hb,
+                                     _mm512_set1_epi8((char)(1 << at)), 0xF8); /* a | (hb & bit) */
+}
+
+#define Q3_ROW1_PASS(FIELD, STEP)                                                                                  \
+    {                                                                                                              \
+        const int e = k < 2 ? k : 2;                                                                               \
+        __m512i isa = _mm512_set1_epi32((x->FIELD##off[2 * j] / 8) * (1 << (2 * e)));                                   \
+        __m512i isb = _mm512_set1_epi32((x->FIELD##off[2 * j + 1] / 8) * (1 << (2 * e)));                               \
+        for (int c = 0; c < 4; c++) {                                                                              \
+            isa = dpb16(isa, u[c], x->FIELD + 32 * j + 4 * c);                                                     \
+            isb = dpb16(isb, u[4 + c], x->FIELD + 32 * j + 16 + 4 * c);                                            \
+        }                                                                                                          \
+        const __m512i I = _mm512_add_epi32(_mm512_mullo_epi32(isa, sca), _mm512_mullo_epi32(isb, scb));           \
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(dk[e], _mm512_set1_ps(STEP)), acc);             \
+    }
+
+static inline __attribute__((always_inline)) void row1_q3(const uint8_t *g0, const uint8_t *g1, int width, int64_t nb,
+                                                          const act_block8 *xa, float *out) {
+    const int gbb = 8 * 110;
+    const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30), s32 = _mm512_set1_epi32(32);
+    __m512i byte_of[4]; /* vpshufb's picks: byte i of each word, zero-extended */
+    for (int i = 0; i < 4; i++)
+        byte_of[i] = _mm512_add_epi32(_mm512_set1_epi32((int)(0x80808000u | (uint32_t)i)),
+                                      _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12));
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk0 = g0 + b * gbb, *blk1 = g1 + b * gbb;
+        for (int at = 0; at < gbb; at += 64) {
+            _mm_prefetch((const char *)(blk0 + K23X8_PF + at), _MM_HINT_T0);
+            _mm_prefetch((const char *)(blk1 + K23X8_PF + at), _MM_HINT_T0);
+        }
+        const act_block8 *x = xa + b;
+        const __m512 d = two256f(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk0)),
+                                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk1)));
+        const __m512 dk[3] = {d, _mm512_mul_ps(d, _mm512_set1_ps(0.25f)), _mm512_mul_ps(d, _mm512_set1_ps(0.0625f))};
+        /* the 16 groups' 6-bit scales as bytes: group g at byte g % 4 of st[g / 4] */
+        const __m512i l0 = two256(_mm256_loadu_si256((const __m256i *)(blk0 + Q3_SC)),
+                                  _mm256_loadu_si256((const __m256i *)(blk1 + Q3_SC)));
+        const __m512i l1 = two256(_mm256_loadu_si256((const __m256i *)(blk0 + Q3_SC + 32)),
+                                  _mm256_loadu_si256((const __m256i *)(blk1 + Q3_SC + 32)));
+        const __m512i hw = two256(_mm256_loadu_si256((const __m256i *)(blk0 + Q3_SC + 64)),
+                                  _mm256_loadu_si256((const __m256i *)(blk1 + Q3_SC + 64)));
+        const __m512i st[4] = {
+            _mm512_ternarylogic_epi32(_mm512_and_si512(l0, m4), _mm512_slli_epi16(hw, 4), m30, 0xF8),
+            _mm512_ternarylogic_epi32(_mm512_and_si512(l1, m4), _mm512_slli_epi16(hw, 2), m30, 0xF8),
+            _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l0, 4), m4), hw, m30, 0xF8),
+            _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m4), _mm512_srli_epi16(hw, 2), m30,
+                                      0xF8)};
+        __m512i hm[8];
+        for (int c = 0; c < 8; c++)
+            hm[c] = two256(_mm256_loadu_si256((const __m256i *)(blk0 + Q3_HM + 32 * c)),
+                           _mm256_loadu_si256((const __m256i *)(blk1 + Q3_HM + 32 * c)));
+        for (int h = 0; h < 2; h++) {
+            __m512i v[8];
+            for (int c = 0; c < 8; c++)
+                v[c] = two256(_mm256_loadu_si256((const __m256i *)(blk0 + Q3_QS + 32 * (8 * h + c))),
+                              _mm256_loadu_si256((const __m256i *)(blk1 + Q3_QS + 32 * (8 * h + c))));
+            for (int k = 0; k < 4; k++) {
+                const int j = 4 * h + k;
+                const __m512i sca = _mm512_sub_epi32(_mm512_shuffle_epi8(st[j / 2], byte_of[2 * (j % 2)]), s32);
+                const __m512i scb = _mm512_sub_epi32(_mm512_shuffle_epi8(st[j / 2], byte_of[2 * (j % 2) + 1]), s32);
+                __m512i u[8];
+                for (int c = 0; c < 8; c++) u[c] = q3_bits_at(v[c], hm[c], h, k);
+                Q3_ROW1_PASS(q, x->d[j])
+                if ((x->two >> j) & 1) Q3_ROW1_PASS(r, x->d[j] * (1.0f / 128.0f))
+            }
+        }
+    }
+    _mm256_storeu_ps(out, _mm512_castps512_ps256(acc));
+    if (width == 16) _mm256_storeu_ps(out + 8, _mm512_extractf32x8_ps(acc, 1));
+}
+
 static inline __attribute__((always_inline)) void tile8_loop(const uint8_t *w, int64_t wrb, int64_t nc,
                                                              const uint8_t *xq, int64_t xrb, int64_t nr, int64_t nb,
                                                              float *out, int64_t ldo, const int type) {
@@ -385,6 +582,11 @@ static inline __attribute__((always_inline)) void tile8_loop(const uint8_t *w, i
             const int width = nc - c0 >= 16 ? 16 : 8;
             const uint8_t *g1 = width == 16 ? g0 + 8 * wrb : g0;
             float *o = out + r0 * ldo + c0;
+            if (R == 1 && k23_row1) {
+                if (type == QTYPE_Q2_K) row1_q2(g0, g1, width, nb, xa[0], o);
+                else row1_q3(g0, g1, width, nb, xa[0], o);
+                continue;
+            }
             switch (R) {
             case 8: tile8(g0, g1, width, nb, xa, o, ldo, type, 8); break;
             case 4: tile8(g0, g1, width, nb, xa, o, ldo, type, 4); break;
