@@ -85,7 +85,8 @@ X8_DENSE_MIN_ROWS: dict[CpuKind, dict[GGMLQuantizationType, int]] = {
 # From how many rows an interleaved Linear meets 8-bit activations (csrc/quant.h's act_block8,
 # csrc/quant_kx8.c's vpdpbusd tiles; its k a multiple of 256) rather than 16-bit ones, per CPU kind:
 # the AVX-512 builds have those tiles (vpdpbusd with VNNI, maddubs without, where Q8_0 has none),
-# and AVX2 (maddubs on ymm, no Q8_0; the AVX-512 builds' bits), from the same rows, so a row count
+# and AVX2 (maddubs on ymm, no Q8_0, slower there than its 16-bit tile: docs/benchmarks-history.md,
+# "Q8_0 on AVX2"; the AVX-512 builds' bits), from the same rows, so a row count
 # gets the same activation precision on every kind; portable never takes them. Below the threshold
 # a step streams its weights once and the 16-bit tile, which reads them in place, is the faster;
 # from it, twice the products per instruction win (AVX2 at one row too: docs/benchmarks-history.md,

@@ -33,9 +33,16 @@
 #define X8_PF 4096 /* how far ahead (bytes) the tile prefetches its group's blocks (nearer: one row slower) */
 #endif
 #define XR 4 /* activation rows per tile */
+#ifndef XR_Q8
+/* Q8_0's rows per tile on AVX2: its weights need no nibble masks, so 6 rows' sums fit the 16 ymm, and
+ * each widened chunk meets 6 rows, not 4 (docs/benchmarks-history.md, "Q8_0 on AVX2") */
+#define XR_Q8 6
+#endif
+#define XR_MAX (XR_Q8 > XR ? XR_Q8 : XR)
 #ifndef X8_ROW_PF
-/* x8_row's distance: it takes a block in less time than x8_tile, so the same distance in bytes is
- * less time ahead; it looks further (bench.quant_matmul --against; docs/benchmarks.md) */
+/* One row's distance (x8_row, AVX2's x8_tile at one row): it takes a block in less time than many
+ * rows do, so the same distance in bytes is less time ahead; it looks further (bench.quant_matmul
+ * --against; docs/benchmarks.md, and docs/benchmarks-history.md, "Q8_0 on AVX2" for AVX2) */
 #define X8_ROW_PF 8192
 #endif
 
@@ -89,12 +96,13 @@ static inline __attribute__((always_inline)) void x8_tile(const uint8_t *g, int6
                                                           int64_t nr, float *out, int64_t ldo, const int type,
                                                           const int R) {
     const int bb = block_bytes(type), head = type == QTYPE_Q4_1 ? 32 : 16;
-    __m256 acc[XR];
+    __m256 acc[XR_MAX];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + b * 8 * bb, *q = blk + head;
-        for (int at = 0; at < 8 * bb; at += 64) _mm_prefetch((const char *)(blk + X8_PF + at), _MM_HINT_T0);
-        __m256i s[XR];
+        const int pf = R == 1 ? X8_ROW_PF : X8_PF;
+        for (int at = 0; at < 8 * bb; at += 64) _mm_prefetch((const char *)(blk + pf + at), _MM_HINT_T0);
+        __m256i s[XR_MAX];
         for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
         if (type == QTYPE_Q8_0) {
 #if !defined(__AVX512F__)
@@ -367,22 +375,26 @@ static inline __attribute__((always_inline)) void x16_rows(const uint8_t *w, int
 
 #else
 /* Weight rows [0, nc) (nc a multiple of 8, the first at a group's start) x activation rows [0, nr):
- * activation rows in near-equal groups of at most XR, each group over every weight group in turn. */
+ * activation rows in near-equal groups of at most XR (Q8_0: XR_Q8), each group over every weight
+ * group in turn. */
 #define X8_LOOP(TYPE)                                                                                         \
     do {                                                                                                      \
-        const int64_t groups = (nr + XR - 1) / XR;                                                            \
+        const int xr = (TYPE) == QTYPE_Q8_0 ? XR_Q8 : XR;                                                     \
+        const int64_t groups = (nr + xr - 1) / xr;                                                            \
         for (int64_t ag = 0; ag < groups; ag++) {                                                             \
             const int64_t r0 = nr * ag / groups, rows = nr * (ag + 1) / groups - r0;                          \
-            const act_block16 *xa[XR];                                                                        \
-            for (int r = 0; r < XR; r++) xa[r] = (const act_block16 *)(xq + (r0 + (r < rows ? r : 0)) * xrb); \
+            const act_block16 *xa[XR_MAX];                                                                    \
+            for (int r = 0; r < xr; r++) xa[r] = (const act_block16 *)(xq + (r0 + (r < rows ? r : 0)) * xrb); \
             for (int64_t c0 = 0; c0 < nc; c0 += 8) {                                                          \
                 const uint8_t *g = w + c0 * wrb;                                                              \
                 float *o = out + r0 * ldo + c0;                                                               \
-                switch (rows) {                                                                               \
+                switch (rows < xr ? rows : xr) {                                                              \
                 case 1: x8_tile(g, nb, xa, rows, o, ldo, TYPE, 1); break;                                     \
                 case 2: x8_tile(g, nb, xa, rows, o, ldo, TYPE, 2); break;                                     \
                 case 3: x8_tile(g, nb, xa, rows, o, ldo, TYPE, 3); break;                                     \
-                default: x8_tile(g, nb, xa, rows, o, ldo, TYPE, XR); break;                                   \
+                case XR: x8_tile(g, nb, xa, rows, o, ldo, TYPE, XR); break;                                   \
+                case XR + 1: x8_tile(g, nb, xa, rows, o, ldo, TYPE, (TYPE) == QTYPE_Q8_0 ? XR + 1 : XR); break; \
+                default: x8_tile(g, nb, xa, rows, o, ldo, TYPE, (TYPE) == QTYPE_Q8_0 ? XR_Q8 : XR); break;    \
                 }                                                                                             \
             }                                                                                                 \
         }                                                                                                     \
