@@ -1,8 +1,10 @@
 """A development aid: ``RIVULET_CPROFILE=DIR`` runs an engine process under cProfile and writes
 ``DIR/NAME-PID.prof`` (``python -m pstats`` reads it) when the process stops.
 
-Off (nothing imported, no handler) unless the variable is set. cProfile slows every Python call:
-the file says where a process's Python time goes, not how long it takes.
+Off (nothing imported, no handler) unless the variable is set. Times are the thread's CPU time
+(``time.thread_time``), not the wall clock: on a shared machine a process waiting for a core, or
+preempted inside a send that woke its peer, would otherwise charge that wait to whatever it was
+doing. cProfile slows every Python call: the file says where a process's CPU goes, not how much.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from collections.abc import Iterator
 
 PROFILE_DIR_ENV = "RIVULET_CPROFILE"
@@ -31,7 +34,7 @@ def cprofiled(name: str) -> Iterator[None]:
 
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    profile = cProfile.Profile()
+    profile = cProfile.Profile(time.thread_time)
     profile.enable()
     try:
         yield

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 # Byte-level BPE decodes an incomplete UTF-8 sequence to this replacement character.
@@ -31,6 +32,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: TokenDecoder) -> None:
         self._tokenizer = tokenizer
+        self._direct = direct_decode(tokenizer)
         self.token_ids: list[int] = []
         # Invariant: 0 <= _prefix_offset <= _read_offset <= len(token_ids); the text of
         # token_ids[:_read_offset] has been emitted, and decoding starts at _prefix_offset.
@@ -67,6 +69,31 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text) :]
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self._direct is not None:
+            return self._direct(token_ids)
         text = self._tokenizer.decode(token_ids, skip_special_tokens=True)
         assert isinstance(text, str), "decoding one sequence gives one string"
         return text
+
+
+def direct_decode(tokenizer: object) -> Callable[[list[int]], str] | None:
+    """``tokenizer.decode(ids, skip_special_tokens=True)`` straight from its Rust ``tokenizers``
+    object, where transformers would only forward to it: a transformers fast tokenizer whose
+    ``decode`` and ``_decode`` are the library's own and which cleans up no spaces. The same text;
+    transformers' argument handling around it cost more than the decode of a few tokens itself
+    (docs/benchmarks-history.md, "The engine's own CPU at 32 streams"). None for anything else."""
+    module = sys.modules.get("transformers.tokenization_utils_tokenizers")  # loaded if it is one
+    backend = getattr(module, "TokenizersBackend", None)
+    base = sys.modules.get("transformers.tokenization_utils_base")
+    if backend is None or base is None or not isinstance(tokenizer, backend):
+        return None
+    cls = type(tokenizer)
+    forwards = cls._decode is backend._decode and cls.decode is base.PreTrainedTokenizerBase.decode
+    if not forwards or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    rust = tokenizer._tokenizer
+
+    def decode(token_ids: list[int]) -> str:
+        return str(rust.decode(token_ids, skip_special_tokens=True))
+
+    return decode

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tokenizer_proc.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from tokenizer_proc.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, direct_decode
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -80,3 +80,22 @@ def test_random_token_soup_still_adds_up(tokenizer: PreTrainedTokenizerBase) -> 
         ]
         for group in (1, 4):
             assert "".join(_stream(tokenizer, ids, group)) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_the_direct_route_gives_transformers_text(tokenizer: PreTrainedTokenizerBase) -> None:
+    direct = direct_decode(tokenizer)
+    assert direct is not None, "the embedded model's fast tokenizer only forwards to its Rust object"
+    ids = [i for text in TEXTS for i in tokenizer.encode(text)] + [tokenizer.eos_token_id]
+    for start in range(0, len(ids), 5):  # short windows, as the detokenizer decodes them
+        for end in range(start + 1, min(start + 6, len(ids)) + 1):
+            assert direct(ids[start:end]) == tokenizer.decode(ids[start:end], skip_special_tokens=True)
+
+
+def test_no_direct_route_where_transformers_would_change_the_text(
+    tokenizer: PreTrainedTokenizerBase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    assert direct_decode(tokenizer) is None
+    detok = IncrementalDetokenizer(tokenizer)  # then the tokenizer's own decode serves
+    assert detok.add(tokenizer.encode("Hello, world")) == tokenizer.decode(tokenizer.encode("Hello, world"))
+    assert direct_decode(object()) is None
