@@ -92,6 +92,7 @@ class CpuSampler:
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> CpuSampler:
+        self.snapshots.append(self.take())  # before the block, however late the thread first runs
         self._thread.start()
         return self
 
