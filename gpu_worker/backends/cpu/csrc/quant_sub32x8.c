@@ -22,15 +22,18 @@
  *     4-7), madd against the activation's 4 matching values broadcast per 64 bits: each (row, pair)
  *     sum in its own lane; per block the pairs folded by one hadd (rows in the order 0 1 4 5 2 3 6 7,
  *     met by the scales permuted alike), converted once and scaled by the 8 rows' d at once. A lane
- *     sums 16 products of q <= 31 and |x| <= 32767: below 2^24, exact in float32 too.
+ *     sums 16 products of q <= 31 and |x| <= 32767: below 2^24, exact in float32 too. AVX-512: the
+ *     chunk widened to one zmm (row s's pairs in lanes 2s, 2s + 1), the pairs added in place of the
+ *     hadd: the same integers and float steps, so the same bits.
  *   8-bit activations (act8_32, quant.h; many rows): vpdpbusd (maddubs + madd without VNNI) of the
  *     chunk's unsigned bytes against the activation's 4 bytes broadcast, no widening and no fold;
- *     two groups side by side in a zmm (16 weight rows) on AVX-512, one group a ymm on AVX2. A lane
- *     sums 8 products of q <= 31 by |x| <= 127; maddubs' int16 pair sums reach 2 * 31 * 127, four
- *     of them 31,496, below its saturation: AVX2 adds four before widening. IQ4_NL's signed levels:
- *     vpdpbusd meets them plus 128 (unsigned) and takes 128 times the activation's integer sum off
- *     in int32; maddubs meets |level| and the activation with the level's sign (pair sums at most
- *     2 * 127 * 127), widened at once: the same exact integer sum either way.
+ *     two groups side by side in a zmm (16 weight rows) on AVX-512, one group a ymm against 8
+ *     activation rows on AVX2. A lane sums 8 products of q <= 31 by |x| <= 127; maddubs' int16 pair
+ *     sums reach 2 * 31 * 127, four of them 31,496, below its saturation: AVX2 adds four before
+ *     widening. IQ4_NL's signed levels: vpdpbusd meets them plus 128 (unsigned, a table of their
+ *     own), its sums starting at -128 times the activation's integer sum; maddubs meets |level| and
+ *     the activation with the level's sign (pair sums at most 2 * 127 * 127), widened at once: the
+ *     same exact integer sum either way.
  * Every build that has the 8-bit tiles sums the same integers and runs the same float steps per
  * (row, column, block), in the same order, so its outputs are the same bits (tested).
  * Portable: the 16-bit tile rebuilds each row in the file's layout for quant_sub32.c's plain tile;
@@ -41,7 +44,10 @@
 
 #define QB 32
 #ifndef S32X8_PF
-#define S32X8_PF 2048 /* how far ahead (bytes) the tiles prefetch their group's blocks */
+#define S32X8_PF 2048 /* how far ahead (bytes) the 8-bit tiles prefetch their group's blocks */
+#endif
+#ifndef S32X8_PF16
+#define S32X8_PF16 8192 /* the 16-bit tile's (few rows, each block streamed once a step: further ahead) */
 #endif
 
 static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -195,6 +201,57 @@ static inline __m256 scales8(const uint8_t *blk, int64_t b, const int type) {
     return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512VNNI__)
+#define DPW16(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
+#else
+#define DPW16(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16((a), (b)))
+#endif
+
+/* out[r * ldo + s] = dot(row s of the group at g, activation row r), s < 8, r < nr <= R. A chunk's 32
+ * bytes widened to one zmm of int16 (lanes 2s, 2s + 1: row s's two pairs), met by the activation's 4
+ * matching values broadcast per 64 bits; per block each row's two pair sums added (lane 2s) and met
+ * by its scale spread to both lanes: the ymm tile's integers and float steps, so its bits. Two sums a
+ * row (low and high nibbles) keep the products' dependency chains short at one row. */
+static inline __attribute__((always_inline)) void tile16(const uint8_t *g, int64_t nb, const act_block16 *const *xa,
+                                                         int64_t nr, float *out, int64_t ldo, const int type,
+                                                         const int R) {
+    const int gbb = 8 * bb_of(type);
+    const __m512i pair = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+    __m512 acc[XR];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb * subs_of(type); b++) {
+        const uint8_t *blk = group_block(g, b, type), *q = chunks_at(blk, b, type);
+        if (b % subs_of(type) == 0)
+            for (int at = 0; at < gbb; at += 64) prefetch_weights(blk + S32X8_PF16 + at);
+        __m512i sl[XR], sh[XR];
+        for (int r = 0; r < R; r++) sl[r] = sh[r] = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++) {
+            __m256i lo, hi;
+            chunk_bytes(blk, q, c, type, &lo, &hi);
+            const __m512i l = is_q5(type) ? _mm512_cvtepu8_epi16(lo) : _mm512_cvtepi8_epi16(lo);
+            const __m512i h = is_q5(type) ? _mm512_cvtepu8_epi16(hi) : _mm512_cvtepi8_epi16(hi);
+            for (int r = 0; r < R; r++) {
+                sl[r] = DPW16(sl[r], l, _mm512_set1_epi64(*(const i64_any *)(xa[r][b].q + 4 * c)));
+                sh[r] = DPW16(sh[r], h, _mm512_set1_epi64(*(const i64_any *)(xa[r][b].q + 16 + 4 * c)));
+            }
+        }
+        const __m512 d = _mm512_permutexvar_ps(pair, _mm512_castps256_ps512(scales8(blk, b, type)));
+        const __m512 m = type == QTYPE_Q5_1 ? _mm512_permutexvar_ps(pair, _mm512_castps256_ps512(_mm256_cvtph_ps(
+                                                                            _mm_loadu_si128((const __m128i *)(blk + 16)))))
+                                            : _mm512_mul_ps(d, _mm512_set1_ps(-16.0f));
+        for (int r = 0; r < R; r++) {
+            const __m512i s = _mm512_add_epi32(sl[r], sh[r]);
+            const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(s, _mm512_shuffle_epi32(s, _MM_PERM_CDAB)));
+            acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(xa[r][b].d)), acc[r]);
+            if (is_q5(type)) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xa[r][b].s), acc[r]);
+        }
+    }
+    for (int r = 0; r < R && r < nr; r++)
+        _mm256_storeu_ps(out + r * ldo, _mm512_castps512_ps256(_mm512_permutexvar_ps(even, acc[r])));
+}
+#else
 /* out[r * ldo + s] = dot(row s of the group at g, activation row r), s < 8, r < nr <= R. */
 static inline __attribute__((always_inline)) void tile16(const uint8_t *g, int64_t nb, const act_block16 *const *xa,
                                                          int64_t nr, float *out, int64_t ldo, const int type,
@@ -206,7 +263,7 @@ static inline __attribute__((always_inline)) void tile16(const uint8_t *g, int64
     for (int64_t b = 0; b < nb * subs_of(type); b++) {
         const uint8_t *blk = group_block(g, b, type), *q = chunks_at(blk, b, type);
         if (b % subs_of(type) == 0)
-            for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + S32X8_PF + at), _MM_HINT_T0);
+            for (int at = 0; at < gbb; at += 64) prefetch_weights(blk + S32X8_PF16 + at);
         __m256i sa[XR], sb[XR];
         for (int r = 0; r < R; r++) sa[r] = sb[r] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
@@ -232,6 +289,7 @@ static inline __attribute__((always_inline)) void tile16(const uint8_t *g, int64
     }
     for (int r = 0; r < R && r < nr; r++) _mm256_storeu_ps(out + r * ldo, _mm256_permutevar8x32_ps(acc[r], order));
 }
+#endif
 
 /* Every group (8 weight rows) against every activation row, XR rows at a time. */
 static inline __attribute__((always_inline)) void tile16_loop(const uint8_t *w, int64_t wrb, int64_t nc,
@@ -279,7 +337,14 @@ static inline __m512i spread2(const uint8_t *a, const uint8_t *b) {
     return _mm512_shuffle_epi8(v, _mm512_broadcast_i64x4(spread_index()));
 }
 
-/* Chunk c of the two groups' blocks (blk0: tile rows 0-7, blk1: 8-15) as 5-bit unsigned bytes. */
+#if defined(__AVX512VNNI__) /* vpdpbusd meets IQ4_NL's levels + 128 (unsigned bytes): one shuffle each */
+static const uint8_t IQ4_ZMM_LEVELS[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+#else
+#define IQ4_ZMM_LEVELS IQ4_LEVELS
+#endif
+
+/* Chunk c of the two groups' blocks (blk0: tile rows 0-7, blk1: 8-15) as 5-bit unsigned bytes, or
+ * IQ4_NL's IQ4_ZMM_LEVELS. */
 static inline __attribute__((always_inline)) void chunk_bytes2(const uint8_t *blk0, const uint8_t *blk1, int64_t b,
                                                                int c, const int type, __m512i *lo, __m512i *hi) {
     const int head = head_of(type);
@@ -288,7 +353,7 @@ static inline __attribute__((always_inline)) void chunk_bytes2(const uint8_t *bl
         _mm256_loadu_si256((const __m256i *)(chunks_at(blk1, b, type) + 32 * c)), 1);
     const __m512i m4 = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
     if (!is_q5(type)) {
-        const __m512i levels = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
+        const __m512i levels = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_ZMM_LEVELS));
         *lo = _mm512_shuffle_epi8(levels, _mm512_and_si512(v, m4));
         *hi = _mm512_shuffle_epi8(levels, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
         return;
@@ -309,16 +374,13 @@ static inline __m512i dps4(__m512i acc, __m512i aw, __mmask64 neg, const int8_t 
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(aw, xs), _mm512_set1_epi16(1)));
 }
 
-#if defined(__AVX512VNNI__) /* IQ4_NL's levels + 128 (unsigned), 128 sum(x) taken off after */
+#if defined(__AVX512VNNI__) /* IQ4_NL's levels + 128 (unsigned): the sums start at -128 sum(x) */
 #define IQ4_CHUNK(FIELD)                                                                  \
-    lo = _mm512_xor_si512(lo, _mm512_set1_epi8((char)0x80));                              \
-    hi = _mm512_xor_si512(hi, _mm512_set1_epi8((char)0x80));                              \
     for (int r = 0; r < R; r++) {                                                         \
         is[r] = dpb4(is[r], lo, xa[r][b].FIELD + 4 * c);                                  \
         is[r] = dpb4(is[r], hi, xa[r][b].FIELD + 16 + 4 * c);                             \
     }
-#define IQ4_END(FIELD) \
-    for (int r = 0; r < R; r++) is[r] = _mm512_sub_epi32(is[r], _mm512_set1_epi32(128 * xa[r][b].FIELD##sum));
+#define IQ4_START(FIELD) _mm512_set1_epi32(is_q5(type) ? 0 : -128 * xa[r][b].FIELD##sum)
 #else
 #define IQ4_CHUNK(FIELD)                                                                  \
     const __mmask64 nl = _mm512_movepi8_mask(lo), nh = _mm512_movepi8_mask(hi);           \
@@ -328,12 +390,12 @@ static inline __m512i dps4(__m512i acc, __m512i aw, __mmask64 neg, const int8_t 
         is[r] = dps4(is[r], lo, nl, xa[r][b].FIELD + 4 * c);                              \
         is[r] = dps4(is[r], hi, nh, xa[r][b].FIELD + 16 + 4 * c);                         \
     }
-#define IQ4_END(FIELD)
+#define IQ4_START(FIELD) _mm512_setzero_si512()
 #endif
 
 /* One pass (q's or r's: FIELD) of a block's 4 chunks against the tile's rows into is. */
 #define A8_PASS(FIELD)                                                          \
-    for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();                 \
+    for (int r = 0; r < R; r++) is[r] = IQ4_START(FIELD);                       \
     for (int c = 0; c < 4; c++) {                                               \
         __m512i lo, hi;                                                         \
         chunk_bytes2(blk0, blk1, b, c, type, &lo, &hi);                         \
@@ -345,9 +407,6 @@ static inline __m512i dps4(__m512i acc, __m512i aw, __mmask64 neg, const int8_t 
         } else {                                                                \
             IQ4_CHUNK(FIELD)                                                    \
         }                                                                       \
-    }                                                                           \
-    if (!is_q5(type)) {                                                         \
-        IQ4_END(FIELD)                                                          \
     }
 
 /* out[r * ldo + j] = dot(tile row j, activation row r) for j < width (16, or 8: g1 is g0 again and
@@ -418,7 +477,7 @@ static inline __attribute__((always_inline)) void tile8_loop(const uint8_t *w, i
 #define TILE8_LOOP(TYPE) tile8_loop(w, wrb, nc, xq, xrb, nr, nb, out, ldo, TYPE)
 
 #else /* AVX2: one group a ymm, maddubs + madd */
-#define XR8 4
+#define XR8 8 /* activation rows a pass: each chunk assembled once for 8 */
 
 /* One pass (FIELD) of a block's 4 chunks against the tile's rows into is: Q5's maddubs' int16 sums
  * of a pair of chunks (4 of them, at most 31,496) widened once; IQ4_NL's |level| against the
@@ -487,13 +546,16 @@ static inline __attribute__((always_inline)) void tile8_loop(const uint8_t *w, i
                                                              float *out, int64_t ldo, const int type) {
     for (int64_t r0 = 0; r0 < nr;) {
         const int64_t left = nr - r0;
-        const int R = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        const int R = left >= XR8 ? XR8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
         const act8_32 *xa[XR8];
         for (int r = 0; r < R; r++) xa[r] = (const act8_32 *)(xq + (r0 + r) * xrb);
         for (int64_t c0 = 0; c0 < nc; c0 += 8) {
             const uint8_t *g = w + c0 * wrb;
             float *o = out + r0 * ldo + c0;
             switch (R) {
+#if XR8 > 4
+            case XR8: tile8(g, nb, xa, o, ldo, type, XR8); break;
+#endif
             case 4: tile8(g, nb, xa, o, ldo, type, 4); break;
             case 2: tile8(g, nb, xa, o, ldo, type, 2); break;
             default: tile8(g, nb, xa, o, ldo, type, 1); break;
