@@ -39,9 +39,12 @@ HEADERS = ("rivulet_kernels.h", "common.h", "quant.h")
 # leave the inner loops scalar. The kernels read no FP exception flags and no errno. A function
 # defined without a prototype before it (not declared in rivulet_kernels.h or quant.h) fails the
 # build: each definition is checked against the one declaration the other files and abi.py read.
+# Loops and functions start on 64-byte lines: unaligned, a tile's pace moved with unrelated code
+# elsewhere in its file (docs/benchmarks-history.md, "Hot loops on 64-byte lines").
 CFLAGS = (
     "-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11",
     "-ffp-contract=fast", "-fno-trapping-math", "-fno-math-errno", "-Werror=missing-prototypes",
+    "-falign-loops=64", "-falign-functions=64",
 )  # fmt: skip
 # Per kind: the -march it is built with and the ISA code the build must report (csrc/common.h).
 # AVX-512 without BF16 runs the AVX2 code of every kernel (ISA_AVX2) but the GGUF-block ones, which
