@@ -110,9 +110,8 @@ _A8_ZMM |= {_Q.Q5_0: 2, _Q.Q5_1: 2, _Q.IQ4_NL: 4, _Q.IQ4_XS: 4}  # IQ4_XS (k 128
 # the 8-bit tiles for MXFP4, Q2_K and Q3_K"); one threshold a type for every kind.
 _A8_ZMM |= {_Q.MXFP4: 2}
 # Q2_K, Q3_K interleaved (csrc/quant_k23x8.c; act_block8, k whole blocks of 256): from 2 rows the 8-bit
-# tile is the faster (the same section of docs/benchmarks-history.md), and at one row too, on every kind
-# (its one-row form: docs/benchmarks-history.md, "Q2_K and Q3_K: one row on 8 bits").
-_A8_ZMM |= {_Q.Q2_K: 1, _Q.Q3_K: 1}
+# tile is the faster (the same section of docs/benchmarks-history.md).
+_A8_ZMM |= {_Q.Q2_K: 2, _Q.Q3_K: 2}
 # Q4_1 is left on 16 bits: the one Q4_1 file in use is the embedded SmolLM2, whose MLP inputs carry
 # channels far above the rest; on 8 bits its prefill moved the logits by 4.5e-3 of their spread
 # (tests/exactness/test_smollm2_gguf.py holds them within 1e-3; 16 bits: 1e-4). Its tiles are built
