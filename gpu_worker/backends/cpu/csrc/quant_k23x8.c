@@ -440,26 +440,40 @@ static inline __m512i bits_at(__m512i v, int k) {
         acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(M), _mm512_mul_ps(dmin, _mm512_set1_ps(step)), acc);             \
     }
 
+/* vpshufb's picks for the one-row forms: byte i of each word, zero-extended to its word. */
+static inline __attribute__((always_inline)) void byte_picks(__m512i byte_of[4]) {
+    for (int i = 0; i < 4; i++)
+        byte_of[i] = _mm512_add_epi32(_mm512_set1_epi32((int)(0x80808000u | (uint32_t)i)),
+                                      _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12));
+}
+
+/* Both 8-row groups' block, K23X8_PF bytes ahead. */
+static inline __attribute__((always_inline)) void prefetch_pair(const uint8_t *blk0, const uint8_t *blk1, int gbb) {
+    for (int at = 0; at < gbb; at += 64) {
+        _mm_prefetch((const char *)(blk0 + K23X8_PF + at), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk1 + K23X8_PF + at), _MM_HINT_T0);
+    }
+}
+
+/* The 8 halves at byte ``at`` of each group's block, as 16 floats (group 0's rows first). */
+static inline __attribute__((always_inline)) __m512 halves_at(const uint8_t *blk0, const uint8_t *blk1, int at) {
+    return two256f(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk0 + at))),
+                   _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk1 + at))));
+}
+
 static inline __attribute__((always_inline)) void row1_q2(const uint8_t *g0, const uint8_t *g1, int width, int64_t nb,
                                                           const act_block8 *xa, float *out) {
     const int gbb = 8 * 84;
     const __m512i m4 = _mm512_set1_epi8(15);
-    __m512i byte_of[4]; /* vpshufb's picks: byte i of each word, zero-extended */
-    for (int i = 0; i < 4; i++)
-        byte_of[i] = _mm512_add_epi32(_mm512_set1_epi32((int)(0x80808000u | (uint32_t)i)),
-                                      _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12));
+    __m512i byte_of[4];
+    byte_picks(byte_of);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk0 = g0 + b * gbb, *blk1 = g1 + b * gbb;
-        for (int at = 0; at < gbb; at += 64) {
-            _mm_prefetch((const char *)(blk0 + K23X8_PF + at), _MM_HINT_T0);
-            _mm_prefetch((const char *)(blk1 + K23X8_PF + at), _MM_HINT_T0);
-        }
+        prefetch_pair(blk0, blk1, gbb);
         const act_block8 *x = xa + b;
-        const __m512 d = two256f(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk0)),
-                                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk1)));
-        const __m512 dmin = two256f(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk0 + 16))),
-                                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk1 + 16))));
+        const __m512 d = halves_at(blk0, blk1, 0);
+        const __m512 dmin = halves_at(blk0, blk1, 16);
         __m512 dk[4];
         for (int k = 0; k < 4; k++) dk[k] = k <= K23_KEEP ? _mm512_mul_ps(d, _mm512_set1_ps(1.0f / (float)(1 << (2 * k)))) : d;
         /* the 16 groups' scales (low nibbles) and mins (high) of both groups, byte g % 4 of word g / 4 */
@@ -517,20 +531,14 @@ static inline __attribute__((always_inline)) void row1_q3(const uint8_t *g0, con
                                                           const act_block8 *xa, float *out) {
     const int gbb = 8 * 110;
     const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30), s32 = _mm512_set1_epi32(32);
-    __m512i byte_of[4]; /* vpshufb's picks: byte i of each word, zero-extended */
-    for (int i = 0; i < 4; i++)
-        byte_of[i] = _mm512_add_epi32(_mm512_set1_epi32((int)(0x80808000u | (uint32_t)i)),
-                                      _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12));
+    __m512i byte_of[4];
+    byte_picks(byte_of);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk0 = g0 + b * gbb, *blk1 = g1 + b * gbb;
-        for (int at = 0; at < gbb; at += 64) {
-            _mm_prefetch((const char *)(blk0 + K23X8_PF + at), _MM_HINT_T0);
-            _mm_prefetch((const char *)(blk1 + K23X8_PF + at), _MM_HINT_T0);
-        }
+        prefetch_pair(blk0, blk1, gbb);
         const act_block8 *x = xa + b;
-        const __m512 d = two256f(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk0)),
-                                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk1)));
+        const __m512 d = halves_at(blk0, blk1, 0);
         const __m512 dk[3] = {d, _mm512_mul_ps(d, _mm512_set1_ps(0.25f)), _mm512_mul_ps(d, _mm512_set1_ps(0.0625f))};
         /* the 16 groups' 6-bit scales as bytes: group g at byte g % 4 of st[g / 4] */
         const __m512i l0 = two256(_mm256_loadu_si256((const __m256i *)(blk0 + Q3_SC)),
