@@ -12,11 +12,13 @@ from pathlib import Path
 
 EMBEDDING = "token_embd.weight"
 HEAD = "output.weight"
+PER_LAYER_EMBEDDING = "per_layer_token_embd.weight"  # Gemma 4's per-layer inputs: a lookup, never a head
 
 
 def decode_bytes(gguf: Path) -> int:
     """The weight bytes a one-row decode step of ``gguf`` reads: every tensor once, but one row of the
-    token embedding when the file has its own head (else the embedding is the head, read whole), and
+    token embedding when the file has its own head (else the embedding is the head, read whole) and
+    of a per-layer token embedding (Gemma 4's, looked up for every layer at once), and
     of a mixture of experts' stacked expert tensors (``*_exps``) the share of the experts a token
     uses (expert_used_count / expert_count)."""
     from gguf import GGUFReader
@@ -36,7 +38,7 @@ def decode_bytes(gguf: Path) -> int:
     total = 0
     for t in reader.tensors:
         n = int(t.n_bytes)
-        if t.name == EMBEDDING and HEAD in names:
+        if (t.name == EMBEDDING and HEAD in names) or t.name == PER_LAYER_EMBEDDING:
             n //= int(t.shape[-1])  # one row of [rows, hidden] (GGUF lists the shape innermost first)
         elif "_exps." in t.name and isinstance(used, int) and isinstance(count, int) and count > 0:
             n = n * used // count

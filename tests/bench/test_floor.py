@@ -41,6 +41,15 @@ def test_a_separate_head_leaves_one_embedding_row(tmp_path: Path) -> None:
     assert decode_bytes(_write(tmp_path / "head.gguf", "llama", tensors)) == 128 + 2048 + 1024
 
 
+def test_a_per_layer_embedding_reads_one_row(tmp_path: Path) -> None:
+    tensors = {
+        "token_embd.weight": np.ones((8, 32), np.float32),  # the tied head: read whole, 1024 bytes
+        "per_layer_token_embd.weight": np.ones((8, 64), np.float32),  # one row: 256 bytes
+        "blk.0.attn_q.weight": np.ones((16, 32), np.float32),
+    }
+    assert decode_bytes(_write(tmp_path / "ple.gguf", "gemma4", tensors)) == 1024 + 256 + 2048
+
+
 def test_experts_count_at_the_share_a_token_uses(tmp_path: Path) -> None:
     tensors = {
         "token_embd.weight": np.ones((8, 32), np.float32),
