@@ -299,6 +299,9 @@ static inline __attribute__((always_inline)) void tile16_loop(const uint8_t *w, 
 
 static inline __m512i two256(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
 static inline __m512 two256f(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
+static inline __m512i chunk_pair(const uint8_t *blk0, const uint8_t *blk1, int at) { /* 32 bytes at at of each */
+    return two256(_mm256_loadu_si256((const __m256i *)(blk0 + at)), _mm256_loadu_si256((const __m256i *)(blk1 + at)));
+}
 
 /* acc + the products of u's bytes (unsigned) and q[0..3] (signed) in every lane, summed by 4. */
 static inline __m512i dpb16(__m512i acc, __m512i u, const int8_t *q) {
@@ -577,9 +580,137 @@ static inline __attribute__((always_inline)) void row1_q3(const uint8_t *g0, con
     if (width == 16) _mm256_storeu_ps(out + 8, _mm512_extractf32x8_ps(acc, 1));
 }
 
+/* Q3_K on many rows, a slice of blocks unpacked once for every row group (tile8 assembles each
+ * chunk again per group of 8 rows): per block and sub-block j, its 8 chunks as 8 (q + 4h) (bits
+ * 3-5), then its two groups' s - 32, all 16 rows; the block's d / 8 last. The weights at 8 times
+ * let a pass start its sums from the activation's qoff itself (-32 sum(x) = 8 times -4 sum(x)), no
+ * division per row: the integers are 8 times tile8's (|8 I| < 2^22, exact in float), and d / 8
+ * times the step is d times the step over 8, so each product, and the sums, are tile8's bits.
+ * maddubs' int16 pair sums: 2 * 56 * 127, below saturation. */
+#define K23_SLICE 4 /* blocks a slice (K23_SLICE * Q3U zmm, 20 KB, stays in L1 across the row groups) */
+#define Q3U 81      /* zmm per unpacked Q3_K block: per sub-block 8 chunks and 2 scales; d / 8 */
+int k23_sliced = 1; /* 0: Q3_K's many rows take tile8 per row group (bench.worker_step --toggle k23_sliced) */
+#define K23_SLICED_ROWS 8 /* from more rows than these: sliced (fewer: one row group, nothing to share) */
+
+/* Blocks [b0, b0 + nb) of the Q3_K groups at g0 and g1 (tile rows 0-7, 8-15) unpacked to u. */
+__attribute__((noinline)) static void q3_unpack8(const uint8_t *g0, const uint8_t *g1, int64_t b0, int64_t nb,
+                                                 __m512i *u) {
+    const int gbb = 8 * 110;
+    const __m512i m18 = _mm512_set1_epi8(0x18), m20 = _mm512_set1_epi8(0x20);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk0 = g0 + (b0 + b) * gbb, *blk1 = g1 + (b0 + b) * gbb;
+        prefetch_pair(blk0, blk1, gbb);
+        __m512i *p = u + b * Q3U, st[4], hm[8];
+        q3_scale_bytes(blk0, blk1, st);
+        for (int c = 0; c < 8; c++) hm[c] = chunk_pair(blk0, blk1, Q3_HM + 32 * c);
+        for (int h = 0; h < 2; h++) {
+            __m512i v[8];
+            for (int c = 0; c < 8; c++) v[c] = chunk_pair(blk0, blk1, Q3_QS + 32 * (8 * h + c));
+            for (int k = 0; k < 4; k++) {
+                const int j = 4 * h + k, sq = 3 - 2 * k, sh = 5 - j; /* q's bits to 3-4, h's bit j to 5 */
+                for (int c = 0; c < 8; c++) {
+                    const __m512i q = sq > 0 ? _mm512_slli_epi16(v[c], sq) : _mm512_srli_epi16(v[c], -sq);
+                    const __m512i hb = sh > 0 ? _mm512_slli_epi16(hm[c], sh) : sh < 0 ? _mm512_srli_epi16(hm[c], -sh) : hm[c];
+                    _mm512_store_si512(p + 10 * j + c, _mm512_ternarylogic_epi32(_mm512_and_si512(q, m18), hb, m20, 0xF8));
+                }
+                _mm512_store_si512(p + 10 * j + 8, q3_scale_of(st, 2 * j));
+                _mm512_store_si512(p + 10 * j + 9, q3_scale_of(st, 2 * j + 1));
+            }
+        }
+        _mm512_store_ps((float *)(p + 80), _mm512_mul_ps(halves_at(blk0, blk1, 0), _mm512_set1_ps(0.125f)));
+    }
+}
+
+/* One pass (FIELD: q's or r's) of sub-block j over the unpacked chunks at p: row r's two groups' sums,
+ * each starting at its offset, a chunk of both groups at a time over every row (2R chains). */
+#define Q3S_PASS(FIELD)                                                                                   \
+    for (int r = 0; r < R; r++) {                                                                         \
+        isa[r] = _mm512_set1_epi32(x[r]->FIELD##off[2 * j]);                                              \
+        isb[r] = _mm512_set1_epi32(x[r]->FIELD##off[2 * j + 1]);                                          \
+    }                                                                                                     \
+    for (int c = 0; c < 4; c++) {                                                                         \
+        const __m512i wa = _mm512_load_si512(p + c), wb = _mm512_load_si512(p + 4 + c);                  \
+        for (int r = 0; r < R; r++) {                                                                     \
+            isa[r] = dpb16(isa[r], wa, x[r]->FIELD + 32 * j + 4 * c);                                     \
+            isb[r] = dpb16(isb[r], wb, x[r]->FIELD + 32 * j + 16 + 4 * c);                                \
+        }                                                                                                 \
+    }
+
+/* acc[r] += (the sums at their scales) times d / 8 times STEP (row r's), as K23_TERM16. */
+#define Q3S_TERM(STEP)                                                                                    \
+    for (int r = 0; r < R; r++) {                                                                         \
+        const __m512i I = _mm512_add_epi32(_mm512_mullo_epi32(isa[r], sca), _mm512_mullo_epi32(isb[r], scb)); \
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(d8, _mm512_set1_ps(STEP)), acc[r]); \
+    }
+
+/* out[r * ldo + j] (r < nr <= R, j < the lanes in keep) = its sums so far (first: none) + the tile's
+ * products over the sl unpacked blocks at u; xa[r]: row r's activation blocks of the slice. */
+static inline __attribute__((always_inline)) void q3_tile_slice(const __m512i *u, int64_t sl, const act_block8 *const *xa,
+                                                                int64_t nr, float *out, int64_t ldo, __mmask16 keep,
+                                                                int first, const int R) {
+    __m512 acc[XR8];
+    __m512i isa[XR8], isb[XR8];
+    for (int r = 0; r < R; r++) acc[r] = first || r >= nr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(keep, out + r * ldo);
+    for (int64_t b = 0; b < sl; b++) {
+        const act_block8 *x[XR8];
+        int two = 0;
+        for (int r = 0; r < R; r++) {
+            x[r] = xa[r] + b;
+            two |= x[r]->two;
+        }
+        const __m512 d8 = _mm512_load_ps((const float *)(u + b * Q3U + 80));
+        for (int j = 0; j < 8; j++) {
+            const __m512i *p = u + b * Q3U + 10 * j;
+            const __m512i sca = _mm512_load_si512(p + 8), scb = _mm512_load_si512(p + 9);
+            Q3S_PASS(q)
+            Q3S_TERM(x[r]->d[j])
+            if ((two >> j) & 1) {
+                Q3S_PASS(r)
+                Q3S_TERM(x[r]->d[j] * (1.0f / 128.0f))
+            }
+        }
+    }
+    for (int r = 0; r < R && r < nr; r++) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
+}
+
+/* Q3_K's weight rows [0, nc) x activation rows [0, nr): each pair of groups a slice at a time, every
+ * row group (balanced, 4 to 8 rows) over the slice, its sums carried in out from slice to slice (the
+ * same order as tile8's, so the same bits). */
+static void q3_sliced(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr, int64_t nb,
+                      float *out, int64_t ldo) {
+    __m512i u[K23_SLICE * Q3U];
+    const int64_t groups = (nr + XR8 - 1) / XR8;
+    for (int64_t c0 = 0; c0 < nc; c0 += 16) {
+        const int width = nc - c0 >= 16 ? 16 : 8;
+        const uint8_t *g0 = w + c0 * wrb, *g1 = width == 16 ? g0 + 8 * wrb : g0;
+        const __mmask16 keep = width == 16 ? 0xffff : 0x00ff;
+        for (int64_t b0 = 0; b0 < nb; b0 += K23_SLICE) {
+            const int64_t sl = nb - b0 < K23_SLICE ? nb - b0 : K23_SLICE;
+            q3_unpack8(g0, g1, b0, sl, u);
+            for (int64_t ag = 0; ag < groups; ag++) {
+                const int64_t r0 = nr * ag / groups, rows = nr * (ag + 1) / groups - r0;
+                const act_block8 *xa[XR8];
+                for (int r = 0; r < XR8; r++) xa[r] = (const act_block8 *)(xq + (r0 + (r < rows ? r : 0)) * xrb) + b0;
+                float *o = out + r0 * ldo + c0;
+                switch (rows) {
+                case 5: q3_tile_slice(u, sl, xa, rows, o, ldo, keep, b0 == 0, 5); break;
+                case 6: q3_tile_slice(u, sl, xa, rows, o, ldo, keep, b0 == 0, 6); break;
+                case 7: q3_tile_slice(u, sl, xa, rows, o, ldo, keep, b0 == 0, 7); break;
+                case 8: q3_tile_slice(u, sl, xa, rows, o, ldo, keep, b0 == 0, 8); break;
+                default: q3_tile_slice(u, sl, xa, rows, o, ldo, keep, b0 == 0, 4); break; /* 4 (nr > 8) */
+                }
+            }
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void tile8_loop(const uint8_t *w, int64_t wrb, int64_t nc,
                                                              const uint8_t *xq, int64_t xrb, int64_t nr, int64_t nb,
                                                              float *out, int64_t ldo, const int type) {
+    if (type == QTYPE_Q3_K && nr > K23_SLICED_ROWS && k23_sliced) {
+        q3_sliced(w, wrb, nc, xq, xrb, nr, nb, out, ldo);
+        return;
+    }
     for (int64_t r0 = 0; r0 < nr;) {
         const int64_t left = nr - r0;
         const int R = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
