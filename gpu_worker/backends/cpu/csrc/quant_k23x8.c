@@ -590,7 +590,10 @@ static inline __attribute__((always_inline)) void row1_q3(const uint8_t *g0, con
 #define K23_SLICE 4 /* blocks a slice (K23_SLICE * Q3U zmm, 20 KB, stays in L1 across the row groups) */
 #define Q3U 81      /* zmm per unpacked Q3_K block: per sub-block 8 chunks and 2 scales; d / 8 */
 int k23_sliced = 1; /* 0: Q3_K's many rows take tile8 per row group (bench.worker_step --toggle k23_sliced) */
-#define K23_SLICED_ROWS 8 /* from more rows than these: sliced (fewer: one row group, nothing to share) */
+#define K23_SLICED_ROWS 8
+#ifndef Q3S_ROWS
+#define Q3S_ROWS 6 /* activation rows per sliced tile at most */
+#endif /* from more rows than these: sliced (fewer: one row group, nothing to share) */
 
 /* Blocks [b0, b0 + nb) of the Q3_K groups at g0 and g1 (tile rows 0-7, 8-15) unpacked to u. */
 __attribute__((noinline)) static void q3_unpack8(const uint8_t *g0, const uint8_t *g1, int64_t b0, int64_t nb,
@@ -679,7 +682,7 @@ static inline __attribute__((always_inline)) void q3_tile_slice(const __m512i *u
 static void q3_sliced(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr, int64_t nb,
                       float *out, int64_t ldo) {
     __m512i u[K23_SLICE * Q3U];
-    const int64_t groups = (nr + XR8 - 1) / XR8;
+    const int64_t groups = (nr + Q3S_ROWS - 1) / Q3S_ROWS;
     for (int64_t c0 = 0; c0 < nc; c0 += 16) {
         const int width = nc - c0 >= 16 ? 16 : 8;
         const uint8_t *g0 = w + c0 * wrb, *g1 = width == 16 ? g0 + 8 * wrb : g0;
@@ -693,11 +696,13 @@ static void q3_sliced(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *
                 for (int r = 0; r < XR8; r++) xa[r] = (const act_block8 *)(xq + (r0 + (r < rows ? r : 0)) * xrb) + b0;
                 float *o = out + r0 * ldo + c0;
                 switch (rows) {
+                case 3: q3_tile_slice(u, sl, xa, rows, o, ldo, keep, b0 == 0, 3); break;
+                case 4: q3_tile_slice(u, sl, xa, rows, o, ldo, keep, b0 == 0, 4); break;
                 case 5: q3_tile_slice(u, sl, xa, rows, o, ldo, keep, b0 == 0, 5); break;
-                case 6: q3_tile_slice(u, sl, xa, rows, o, ldo, keep, b0 == 0, 6); break;
+#if Q3S_ROWS > 6
                 case 7: q3_tile_slice(u, sl, xa, rows, o, ldo, keep, b0 == 0, 7); break;
-                case 8: q3_tile_slice(u, sl, xa, rows, o, ldo, keep, b0 == 0, 8); break;
-                default: q3_tile_slice(u, sl, xa, rows, o, ldo, keep, b0 == 0, 4); break; /* 4 (nr > 8) */
+#endif
+                default: q3_tile_slice(u, sl, xa, rows, o, ldo, keep, b0 == 0, Q3S_ROWS); break;
                 }
             }
         }
