@@ -22,6 +22,7 @@ from protocol.messages import (
     ToScheduler,
 )
 from protocol.profiling import cprofiled
+from protocol.step_trace import StepTrace
 from protocol.transport import Codec, Endpoints, freeze_startup_heap, make_socket, replica_name
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.scheduler import Scheduler
@@ -44,6 +45,7 @@ class SchedulerProcess:
         self._init_sockets(endpoints, ctx)
         self._sent_stats: EngineStats | None = None
         self._sent_stats_s = 0.0
+        self.trace = StepTrace.open(replica_name("scheduler", config.replica))
 
     def _init_sockets(self, endpoints: Endpoints, ctx: zmq.Context) -> None:
         self.from_tokenizer = make_socket(ctx, zmq.PULL, endpoints.to_scheduler, bind=True)
@@ -77,11 +79,26 @@ class SchedulerProcess:
                 for sock in self.to_workers:
                     sock.send(frame)
                 self.stats.on_batch(self.scheduler)
+                if self.trace is not None:
+                    self._trace_batch(self.trace)
             for out in self.scheduler.take_outputs():
                 self.to_tokenizer.send(self.encoder.encode(out))
             idle = batch is None
             if idle and not self.scheduler.has_work:
                 self.stats.on_idle(self.scheduler)
+
+    def _trace_batch(self, trace: StepTrace) -> None:
+        info = self.scheduler.last_batch
+        assert info is not None, "a batch was just scheduled"
+        trace.write(
+            "send",
+            t=time.monotonic(),
+            step=info.step,
+            prefill_rows=info.num_prefill_rows,
+            prefill_tokens=info.num_prefill_tokens,
+            decode_rows=info.num_decode_rows,
+            waiting=len(self.scheduler.waiting),
+        )
 
     def _publish_stats(self) -> None:
         """Throttled while busy; sent on change before blocking idle, so no timer wakes the engine."""
@@ -144,6 +161,8 @@ class SchedulerProcess:
     def _on_tokenizer_msg(self, msg: ToScheduler) -> None:
         match msg:
             case TokenizedRequest():
+                if self.trace is not None:
+                    self.trace.write("add", t=time.monotonic(), rid=msg.rid, prompt=len(msg.input_ids))
                 error = self.scheduler.add(msg)
                 if error is not None:
                     self.log.warning("rejected rid %d: %s", msg.rid, error.message)
@@ -166,6 +185,8 @@ class SchedulerProcess:
         try:
             match msg:
                 case ForwardResult():
+                    if self.trace is not None:
+                        self.trace.write("result", t=time.monotonic(), step=msg.step)
                     self.stats.on_worker_result(msg.busy_s, msg.clock_s)
                     self.scheduler.on_result(msg)
                 case _:
