@@ -75,6 +75,21 @@ def test_matmul_matches_float64(
     check(y, x, residual, deq)
 
 
+@pytest.mark.parametrize("rows", [14, 40, 256])
+def test_long_rows_in_chunks_match_float64(kernels: cpu_kernels.CpuKernels, rows: int) -> None:
+    """k past 2048 (64 blocks): from 14 rows the tile takes k in chunks, each (row, column) pair's lanes
+    kept between them, in row blocks of at most 32 (40 rows: two of 20); n = 23 leaves a short column
+    tile. Summed in the same order as one pass, so the float64 bounds hold as they do above."""
+    if not kernels.quant_supported(BF16X):
+        pytest.skip(f"no vdpbf16ps in the {kernels.kind.value} build")
+    n, k = 23, 4160  # 130 blocks: chunks of 64, 64, 2
+    blocks, deq = weights(Q.BF16, n, k)
+    x = activations(rows, k, torch.float32, rows)
+    residual = torch.randn(rows, n, generator=torch.Generator().manual_seed(rows))
+    y = kernels.quant_matmul(BF16X, torch.from_numpy(blocks), k, x, residual)
+    check(y, x, residual, deq)
+
+
 def test_ties_round_to_even(kernels: cpu_kernels.CpuKernels) -> None:
     """Activations halfway between two bf16 values: rounded to the even one (as torch rounds), not
     truncated nor rounded up; weights of 1.0 make each output one activation."""

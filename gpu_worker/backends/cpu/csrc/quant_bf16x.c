@@ -22,11 +22,23 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
 #define FB 32 /* weights per "block": one zmm of bf16, the driver's unit of k */
-/* The register tile: TR activation rows x TC weight rows, 24 accumulators + 4 weights + 1 activation
- * of the 32 zmm (6 x 4 ran faster than 4 x 4, 5 x 4 and 2 x 8 at 32 and 128 rows:
- * docs/benchmarks-history.md, "BF16 many rows on vdpbf16ps"); TC a multiple of 4 (sum4). */
+/* Register tiles of R activation rows x C weight rows: 24 accumulators + C weights + 1 activation of
+ * the 32 zmm. Few rows: TR x TC = 6 x 4, its group's activations in L1 while the weights stream
+ * (docs/benchmarks-history.md, "BF16 many rows on vdpbf16ps"). Many rows: MR x MC = 4 x 6, the
+ * weights in L1 while the activations pass from L2, which is what bounds the pace there: 4 loads
+ * from L2 per 24 vdpbf16ps, not 6 ("BF16 at many rows: the weights in L1"). C is any count (the
+ * lane sums take 4 accumulators at a time). */
 #define TR 6
 #define TC 4
+#define MR 4
+#define MC 6
+/* Past FEW_ROWS rows k is taken KC blocks at a time (4 KB of a row): a column tile's chunk (24 KB)
+ * stays in L1 while every row group passes, and a row block's activations (at most KB_ROWS rows, all
+ * chunks) stay in L2 across the column tiles. Between chunks each (row, column) pair's 16 lanes wait
+ * in memory, so the sums add in the same order as in one pass over k. */
+#define KC 64
+#define KB_ROWS 32
+#define FEW_ROWS 13 /* up to here each group reads the weights from memory (few_rows; 13: 4 + 4 + 5) */
 
 /* One activation row of k float32 (k a multiple of 32) as k bf16, rounded to nearest even. */
 static void act_bf16(const float *x, int64_t k, void *xq) {
@@ -48,37 +60,57 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-/* Activation rows [0, R) x weight rows [0, C) over nb blocks (R, C constants once inlined; C a
- * multiple of 4). Rows past nr or nc repeat the last valid one (from L1), their sums not stored. */
+/* Activation rows [0, R) x weight rows [0, C) over nb blocks (R, C, P constants once inlined). The
+ * accumulators start from part where load (row r's column c at part + 16 (r C + c)), else zero; they
+ * end in out as lane sums where sums, else back in part. Rows past nr or nc repeat the last valid
+ * one (from L1), their sums not stored. With P the first npf steps each prefetch one line of pf into
+ * L1 (on this AMD core the hint's level made no difference). */
 static inline __attribute__((always_inline)) void micro(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *x,
-                                                        int64_t xrb, int64_t nr, int64_t nb, float *out, int64_t ldo,
-                                                        const int R, const int C) {
-    const uint8_t *wr[TC], *xr[TR];
+                                                        int64_t xrb, int64_t nr, int64_t nb, float *part, int load,
+                                                        int sums, float *out, int64_t ldo, const uint8_t *pf,
+                                                        int64_t npf, const int R, const int C, const int P) {
+    const uint8_t *wr[MC], *xr[TR];
     for (int c = 0; c < C; c++) wr[c] = w + (c < nc ? c : nc - 1) * wrb;
     for (int r = 0; r < R; r++) xr[r] = x + (r < nr ? r : nr - 1) * xrb;
-    __m512 acc[TR][TC];
+    __m512 acc[TR][MC];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m512bh wv[TC];
-        for (int c = 0; c < C; c++) wv[c] = (__m512bh)_mm512_loadu_si512((const void *)(wr[c] + 64 * b));
-        for (int r = 0; r < R; r++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xr[r] + 64 * b));
-            for (int c = 0; c < C; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
-        }
+        for (int c = 0; c < C; c++) acc[r][c] = load ? _mm512_loadu_ps(part + 16 * (r * C + c)) : _mm512_setzero_ps();
+#define STEP(b)                                                                                                  \
+    do {                                                                                                         \
+        __m512bh wv[MC];                                                                                         \
+        for (int c = 0; c < C; c++) wv[c] = (__m512bh)_mm512_loadu_si512((const void *)(wr[c] + 64 * (b)));    \
+        for (int r = 0; r < R; r++) {                                                                            \
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xr[r] + 64 * (b)));                 \
+            for (int c = 0; c < C; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);                     \
+        }                                                                                                        \
+    } while (0)
+    const int64_t np = npf < nb ? npf : nb;
+    int64_t b = 0;
+    for (; P && b < np; b++) {
+        _mm_prefetch((const char *)(pf + 64 * b), _MM_HINT_T0);
+        STEP(b);
+    }
+    for (; b < nb; b++) STEP(b);
+#undef STEP
+    if (!sums) {
+        for (int r = 0; r < R && r < nr; r++)
+            for (int c = 0; c < C; c++) _mm512_storeu_ps(part + 16 * (r * C + c), acc[r][c]);
+        return;
     }
     for (int r = 0; r < R && r < nr; r++)
-        for (int c0 = 0; c0 < C && c0 < nc; c0 += 4) {
-            float s[4];
-            _mm_storeu_ps(s, sum4(acc[r][c0], acc[r][c0 + 1], acc[r][c0 + 2], acc[r][c0 + 3]));
-            for (int c = c0; c < c0 + 4 && c < nc; c++) out[r * ldo + c] = s[c - c0];
+        for (int c0 = 0; c0 < C && c0 < nc; c0 += 4) { /* (past C: the last again, not stored) */
+            const int c1 = c0 + 1 < C ? c0 + 1 : C - 1, c2 = c0 + 2 < C ? c0 + 2 : C - 1;
+            const __m128 s4 = sum4(acc[r][c0], acc[r][c1], acc[r][c2], acc[r][c0 + 3 < C ? c0 + 3 : C - 1]);
+            const int64_t left = (C < nc ? C : nc) - c0;
+            _mm_mask_storeu_ps(out + r * ldo + c0, (__mmask8)(left >= 4 ? 15 : (1 << left) - 1), s4);
         }
 }
 
-/* The rows in near-equal groups of at most TR (8 rows: 4 + 4), each group over all the columns'
- * tiles in turn: its activation rows stay in L1 while the panel's weights (in L2) pass. */
-static void tile_bf16x(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
-                       int64_t nb, float *out, int64_t ldo) {
+/* Few rows (at most FEW_ROWS: a group or two): memory's pace. The rows in near-equal groups of at
+ * most TR, each group over the columns' tiles in turn, its activations in L1 while the weights pass
+ * once from memory (the hardware's stream prefetch keeps up there; more of our own only cost). */
+static void few_rows(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                     int64_t nb, float *out, int64_t ldo) {
     const int64_t groups = (nr + TR - 1) / TR;
     for (int64_t g = 0; g < groups; g++) {
         const int64_t r0 = nr * g / groups, rows = nr * (g + 1) / groups - r0;
@@ -87,15 +119,83 @@ static void tile_bf16x(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t 
             const uint8_t *wc = w + c0 * wrb;
             float *o = out + r0 * ldo + c0;
             switch (rows) { /* each R its own unrolled code */
-            case 1: micro(wc, wrb, nc - c0, x, xrb, rows, nb, o, ldo, 1, TC); break;
-            case 2: micro(wc, wrb, nc - c0, x, xrb, rows, nb, o, ldo, 2, TC); break;
-            case 3: micro(wc, wrb, nc - c0, x, xrb, rows, nb, o, ldo, 3, TC); break;
-            case 4: micro(wc, wrb, nc - c0, x, xrb, rows, nb, o, ldo, 4, TC); break;
-            case 5: micro(wc, wrb, nc - c0, x, xrb, rows, nb, o, ldo, 5, TC); break;
-            default: micro(wc, wrb, nc - c0, x, xrb, rows, nb, o, ldo, TR, TC);
+            case 1: micro(wc, wrb, nc - c0, x, xrb, rows, nb, NULL, 0, 1, o, ldo, NULL, 0, 1, TC, 0); break;
+            case 2: micro(wc, wrb, nc - c0, x, xrb, rows, nb, NULL, 0, 1, o, ldo, NULL, 0, 2, TC, 0); break;
+            case 3: micro(wc, wrb, nc - c0, x, xrb, rows, nb, NULL, 0, 1, o, ldo, NULL, 0, 3, TC, 0); break;
+            case 4: micro(wc, wrb, nc - c0, x, xrb, rows, nb, NULL, 0, 1, o, ldo, NULL, 0, 4, TC, 0); break;
+            case 5: micro(wc, wrb, nc - c0, x, xrb, rows, nb, NULL, 0, 1, o, ldo, NULL, 0, 5, TC, 0); break;
+            default: micro(wc, wrb, nc - c0, x, xrb, rows, nb, NULL, 0, 1, o, ldo, NULL, 0, TR, TC, 0);
             }
         }
     }
+}
+
+/* One chunk of k (kb blocks) of one column tile (C weight rows) against rows [0, nr) (more than
+ * FEW_ROWS) in near-equal groups of 3 or MR rows, each group's partial lanes at part + 16 C (its
+ * first row). Meanwhile the groups prefetch what the tile reads next, C rows' nkb lines at next (wrb
+ * apart): in one chunk (k <= KC blocks) those rows lie end to end and the groups share them out; in
+ * chunks each of the first C groups takes a row. That keeps memory's latency off the next tile's
+ * first group, which the hardware's prefetch alone left waiting. */
+static inline __attribute__((always_inline)) void chunk_rows(const uint8_t *w, int64_t wrb, int64_t nc,
+                                                             const uint8_t *x, int64_t xrb, int64_t nr, int64_t kb,
+                                                             float *part, int first, int last, float *out,
+                                                             int64_t ldo, const uint8_t *next, int64_t nkb,
+                                                             int whole, const int C) {
+    const int64_t groups = (nr + MR - 1) / MR, lines = C * nkb, per = whole ? (lines + groups - 1) / groups : nkb;
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t r0 = nr * g / groups, rows = nr * (g + 1) / groups - r0;
+        const uint8_t *xg = x + r0 * xrb, *pf = whole ? next + 64 * per * g : next + g * wrb;
+        const int64_t npf = whole ? (lines - per * g < per ? lines - per * g : per) : g < C ? nkb : 0;
+        float *pg = part + 16 * C * r0, *o = out + r0 * ldo;
+        if (rows == 3)
+            micro(w, wrb, nc, xg, xrb, rows, kb, pg, !first, last, o, ldo, pf, npf, 3, C, 1);
+        else
+            micro(w, wrb, nc, xg, xrb, rows, kb, pg, !first, last, o, ldo, pf, npf, MR, C, 1);
+    }
+}
+
+/* More than FEW_ROWS rows: column tiles of MC weight rows in turn, each over k in chunks against
+ * every row of a row block. One chunk (k <= KC blocks) takes all nr rows at once (the driver's chunk
+ * of rows fits L2 at that k); more, near-equal row blocks of at most KB_ROWS (13 rows at least).
+ * Apart from few_rows: in one function, with part on its stack, few_rows ran a few percent slower. */
+static __attribute__((noinline)) void many_rows(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq,
+                                                 int64_t xrb, int64_t nr, int64_t nb, float *out, int64_t ldo) {
+    float part[KB_ROWS * MC * 16];
+    const int64_t blocks = nb <= KC ? 1 : (nr + KB_ROWS - 1) / KB_ROWS;
+    for (int64_t q = 0; q < blocks; q++) {
+        const int64_t q0 = nr * q / blocks, qr = nr * (q + 1) / blocks - q0;
+        for (int64_t c0 = 0; c0 < nc; c0 += MC) {
+            const uint8_t *wc = w + c0 * wrb;
+            const int64_t tc = nc - c0 < MC ? nc - c0 : MC;
+            for (int64_t k0 = 0; k0 < nb; k0 += KC) {
+                const int64_t kb = nb - k0 < KC ? nb - k0 : KC;
+                /* what the tile reads next: its next chunk, else the next tile's first (past nc: the
+                 * next panel's, which this thread's next call starts on) */
+                const int64_t nk0 = k0 + KC < nb ? k0 + KC : 0, nkb = nb - nk0 < KC ? nb - nk0 : KC;
+                const uint8_t *next = (k0 + KC < nb ? wc : wc + tc * wrb) + 64 * nk0;
+                const uint8_t *xk = xq + q0 * xrb + 64 * k0;
+                float *o = out + q0 * ldo + c0;
+                if (nb <= KC && tc > 4) /* (each its own code: no partial lanes in one chunk) */
+                    chunk_rows(wc, wrb, tc, xk, xrb, qr, kb, part, 1, 1, o, ldo, next, nkb, 1, MC);
+                else if (nb <= KC)
+                    chunk_rows(wc, wrb, tc, xk, xrb, qr, kb, part, 1, 1, o, ldo, next, nkb, 1, 4);
+                else if (tc > 4)
+                    chunk_rows(wc + 64 * k0, wrb, tc, xk, xrb, qr, kb, part, k0 == 0, k0 + kb == nb, o, ldo, next,
+                               nkb, 0, MC);
+                else
+                    chunk_rows(wc + 64 * k0, wrb, tc, xk, xrb, qr, kb, part, k0 == 0, k0 + kb == nb, o, ldo, next,
+                               nkb, 0, 4);
+            }
+        }
+    }
+}
+
+static void tile_bf16x(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
+                       int64_t nb, float *out, int64_t ldo) {
+    if (nr <= FEW_ROWS)
+        few_rows(w, wrb, nc, xq, xrb, nr, nb, out, ldo);
+    else
+        many_rows(w, wrb, nc, xq, xrb, nr, nb, out, ldo);
 }
 
 static void dequant_bf16x(const uint8_t *w, int64_t k, float *out) {
