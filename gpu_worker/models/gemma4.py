@@ -38,7 +38,15 @@ from gpu_worker.models.gemma4_blocks import (
     StackedExperts,
     hf_scale,
 )
-from gpu_worker.models.layers import Embedding, FusedOps, Linear, MergedLinear, activation, apply_rotary
+from gpu_worker.models.layers import (
+    Embedding,
+    FusedOps,
+    Linear,
+    MergedLinear,
+    activation,
+    apply_rotary,
+    gelu_tanh,
+)
 from gpu_worker.models.moe import ExpertGroups
 from gpu_worker.models.rope import rotary_cache
 
@@ -132,7 +140,12 @@ class Gemma4Attention(AttentionLayer):
 
 class Gemma4DecoderLayer(Layer):
     """Attention and MLP between sandwich norms, the MoE block beside the MLP, the per-layer input
-    gated in, the output times ``layer_scalar``. Parameter names are HF's (the loaders match them)."""
+    gated in, the output times ``layer_scalar``. Parameter names are HF's (the loaders match them).
+    Kernel slot ``fused``: the per-layer input's GELU-tanh gate and product in one call on float32
+    (the MLP's ``gelu_tanh_mul``, so a C decode of the layer computes the gate as the modules do)."""
+
+    kernel_slots = ("fused",)
+    fused: FusedOps | None = None
 
     def __init__(self, cfg: Any, layer: int, kv_slot: int) -> None:
         super().__init__()
@@ -179,9 +192,15 @@ class Gemma4DecoderLayer(Layer):
             out = self.post_feedforward_layernorm_1(out) + self._experts(x)
         x = x + self.post_feedforward_layernorm(out)
         if per_layer_input is not None:
-            gated = self.act(self.per_layer_input_gate(x)) * per_layer_input
-            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(self._gated(x, per_layer_input)))
         return x * self.layer_scalar
+
+    def _gated(self, x: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
+        """act(gate(x)) * the layer's per-layer input [T, dim]."""
+        gate = self.per_layer_input_gate(x)
+        if self.fused is not None and self.act is gelu_tanh and gate.dtype == torch.float32:
+            return self.fused.gelu_tanh_mul(torch.cat((gate, per_layer_input), dim=-1))
+        return self.act(gate) * per_layer_input
 
     def _experts(self, residual: torch.Tensor) -> torch.Tensor:
         """The MoE block: routed from the residual stream, the experts over its second pre-norm."""
