@@ -39,6 +39,7 @@
 #define KC 64
 #define KB_ROWS 32
 #define FEW_ROWS 13 /* up to here each group reads the weights from memory (few_rows; 13: 4 + 4 + 5) */
+#define FEW_SPAN_BYTES (384 * 1024) /* of weights in a span of few_rows' columns (L2 holds them) */
 
 /* One activation row of k float32 (k a multiple of 32) as k bf16, rounded to nearest even. */
 static void act_bf16(const float *x, int64_t k, void *xq) {
@@ -108,23 +109,27 @@ static inline __attribute__((always_inline)) void micro(const uint8_t *w, int64_
 
 /* Few rows (at most FEW_ROWS: a group or two): memory's pace. The rows in near-equal groups of at
  * most TR, each group over the columns' tiles in turn, its activations in L1 while the weights pass
- * once from memory (the hardware's stream prefetch keeps up there; more of our own only cost). */
+ * once from memory (the hardware's stream prefetch keeps up there; more of our own only cost), a
+ * span of columns whose weights L2 holds for the next group at a time. */
 static void few_rows(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr,
                      int64_t nb, float *out, int64_t ldo) {
-    const int64_t groups = (nr + TR - 1) / TR;
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t r0 = nr * g / groups, rows = nr * (g + 1) / groups - r0;
-        const uint8_t *x = xq + r0 * xrb;
-        for (int64_t c0 = 0; c0 < nc; c0 += TC) {
-            const uint8_t *wc = w + c0 * wrb;
-            float *o = out + r0 * ldo + c0;
-            switch (rows) { /* each R its own unrolled code */
-            case 1: micro(wc, wrb, nc - c0, x, xrb, rows, nb, NULL, 0, 1, o, ldo, NULL, 0, 1, TC, 0); break;
-            case 2: micro(wc, wrb, nc - c0, x, xrb, rows, nb, NULL, 0, 1, o, ldo, NULL, 0, 2, TC, 0); break;
-            case 3: micro(wc, wrb, nc - c0, x, xrb, rows, nb, NULL, 0, 1, o, ldo, NULL, 0, 3, TC, 0); break;
-            case 4: micro(wc, wrb, nc - c0, x, xrb, rows, nb, NULL, 0, 1, o, ldo, NULL, 0, 4, TC, 0); break;
-            case 5: micro(wc, wrb, nc - c0, x, xrb, rows, nb, NULL, 0, 1, o, ldo, NULL, 0, 5, TC, 0); break;
-            default: micro(wc, wrb, nc - c0, x, xrb, rows, nb, NULL, 0, 1, o, ldo, NULL, 0, TR, TC, 0);
+    const int64_t groups = (nr + TR - 1) / TR, fit = FEW_SPAN_BYTES / wrb / TC * TC, span = fit > TC ? fit : TC;
+    for (int64_t s0 = 0; s0 < nc; s0 += span) {
+        const int64_t s1 = nc - s0 < span ? nc : s0 + span;
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t r0 = nr * g / groups, rows = nr * (g + 1) / groups - r0;
+            const uint8_t *x = xq + r0 * xrb;
+            for (int64_t c0 = s0; c0 < s1; c0 += TC) {
+                const uint8_t *wc = w + c0 * wrb;
+                float *o = out + r0 * ldo + c0;
+                switch (rows) { /* each R its own unrolled code */
+                case 1: micro(wc, wrb, s1 - c0, x, xrb, rows, nb, NULL, 0, 1, o, ldo, NULL, 0, 1, TC, 0); break;
+                case 2: micro(wc, wrb, s1 - c0, x, xrb, rows, nb, NULL, 0, 1, o, ldo, NULL, 0, 2, TC, 0); break;
+                case 3: micro(wc, wrb, s1 - c0, x, xrb, rows, nb, NULL, 0, 1, o, ldo, NULL, 0, 3, TC, 0); break;
+                case 4: micro(wc, wrb, s1 - c0, x, xrb, rows, nb, NULL, 0, 1, o, ldo, NULL, 0, 4, TC, 0); break;
+                case 5: micro(wc, wrb, s1 - c0, x, xrb, rows, nb, NULL, 0, 1, o, ldo, NULL, 0, 5, TC, 0); break;
+                default: micro(wc, wrb, s1 - c0, x, xrb, rows, nb, NULL, 0, 1, o, ldo, NULL, 0, TR, TC, 0);
+                }
             }
         }
     }
