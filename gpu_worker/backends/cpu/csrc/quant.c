@@ -16,6 +16,7 @@
 #define PANEL_BYTES (48 * 1024) /* of weight rows per panel (L2 holds them and the activation chunk) */
 #define COL_UNIT 8              /* columns per unit of the thread split and the panel */
 #define PANEL_MAX 128           /* columns */
+#define BF16X_PANEL 96          /* columns, BF16 | A8's (quant_panel_cols) */
 /* Activation rows per tile call: the 8-bit activations' tiles unpack a slice of weights once per call
  * for every row of it (docs/benchmarks-history.md, "Few rows on 8 bits, and the tile's row chunk"). */
 #define ROW_CHUNK 128
@@ -145,8 +146,12 @@ int64_t quant_act_row_bytes(int type, int64_t k) {
 static int64_t col_unit(const qtype_ops *ops) { return (ops->type & QTYPE_A8) ? 16 : COL_UNIT; }
 
 /* Columns in a panel of weight rows of row_bytes each for ``ops``' tile: whole units, PANEL_BYTES at
- * most (L2 holds them and a chunk of activation rows), and at most PANEL_MAX. */
+ * most (L2 holds them and a chunk of activation rows), and at most PANEL_MAX. BF16 | A8's tile blocks
+ * its own columns for the caches (a 6-column tile's weights in L1 from 14 rows; spans L2 holds below):
+ * BF16X_PANEL columns, 16 of those tiles, none short, 2-14% faster than 16 columns at 2-256 rows
+ * (docs/benchmarks-history.md, "BF16 at many rows: the weights in L1"). */
 int64_t quant_panel_cols(const qtype_ops *ops, int64_t row_bytes) {
+    if (ops->type == (QTYPE_BF16 | QTYPE_A8)) return BF16X_PANEL;
     const int64_t unit = col_unit(ops), panel = PANEL_BYTES / row_bytes / unit * unit;
     return panel < unit ? unit : panel > PANEL_MAX ? PANEL_MAX : panel;
 }
