@@ -129,7 +129,8 @@ def report(run: dict[str, Any], list_steps: bool) -> str:
         f"  steps: {run['split']}",
         f"  worker: main thread CPU {100 * run['thread_cpu']:.1f}% of its steps' wall, process "
         f"{100 * run['proc_cpu']:.1f}%; steps on fewer threads: {run['reduced']}; main thread waited "
-        f"for a core {_ms(run['waited_in_steps'])} in steps, {_ms(run['waited_between'])} between them",
+        f"for a core {_ms(run['waited_in_steps'])} in steps (to its reply sent), "
+        f"{_ms(run['waited_between'])} between them",
     ]
     if list_steps:
         for s in run["rows"]:
