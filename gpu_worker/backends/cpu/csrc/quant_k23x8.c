@@ -31,7 +31,9 @@
  *     dmin. Where a row's 32 values have the residual pass, r meets the weights too at a 128th of
  *     the step (rows without it add zero products). maddubs' int16 sums of 4 chunks: at most 4 * 2
  *     * 7 * 127, no saturation. On zmm, Q3_K's 16 group scales are made bytes once a block and each
- *     group's picked by one vpshufb.
+ *     group's picked by one vpshufb. Q3_K from 9 rows on zmm (q3_sliced): a slice of blocks unpacked
+ *     once for every row group, as 8 (q + 4h) with the sums starting at qoff (8 times the integers,
+ *     d / 8: the same products, so the same bits).
  *   One activation row (decode; quant.py takes Q2_K and Q3_K on 8 bits from one row): the zmm builds
  *     load each quant chunk pair once a block and mask its four sub-blocks' bits where they lie
  *     (row1_q2, row1_q3): the integers come out a power of four times tile8's, d is scaled back, and the
