@@ -83,7 +83,7 @@ typedef struct {
     float s;   /* the 32 values' sum as quantized: d sum(q) + d / 128 sum(r) */
     int32_t two;
     int32_t qsum, rsum; /* sum(q), sum(r) */
-    int32_t pad;
+    int32_t qoff;       /* -128 sum(q): where IQ4_NL / IQ4_XS's 8-bit sums start (quant_sub32x8.c) */
     int8_t q[ACT_BLOCK];
     int8_t r[ACT_BLOCK];
 } act8_32; /* 88 bytes */
