@@ -261,8 +261,9 @@ static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int6
  * their blocks are unpacked a slice at a time into unsigned bytes, a zmm holding 4 weights of each
  * of the 16 rows (one chunk of each group), with the sub-blocks' float scales beside them; then
  * every activation row of the call meets the slice: one vpdpbusd per (chunk, row) against the 4
- * activation bytes broadcast, no fold, a scale multiply per sub-block and row. Q6_K's weights stay
- * unsigned (q, not q - 32): its offset is -32 d scale times the activation's 16-value sum (h).
+ * activation bytes broadcast, no fold, a scale multiply per sub-block and row. Q6_K's weights read
+ * where they lie stay unsigned (q, not q - 32): their sums start at -32 times the activation's 16-value
+ * sum (qoff); unpacked they are q - 32 against the activations + 128 (q6_unpack8).
  * Where a tile row's 32 values have the residual pass, r meets the weights too, at a 128th of the
  * scale; a row without it adds r's zero products, so a row's output does not depend on the rows
  * beside it. Integer sums: a lane sums at most 32 products of q <= 31 (Q4_K, Q5_K) or 16 of
@@ -274,7 +275,7 @@ static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int6
 #endif
 #define XR8 8 /* activation rows per 8-bit tile */
 #define U45 80     /* zmm per unpacked Q4_K/Q5_K block: per sub-block pair 8 chunks x (low, high), dsc, dm */
-#define U6H 20     /* zmm per (h, 16-value half) of an unpacked Q6_K block: 4 x 4 chunks, then dsc x 4 */
+#define U6H 24     /* zmm per (h, 16-value half) of an unpacked Q6_K block: 4 x 4 chunks, dsc x 4, start x 4 */
 #define U6 (4 * U6H) /* zmm per unpacked Q6_K block */
 
 /* acc + the products of w's bytes (unsigned) and q[0..3] (signed) in every lane, summed by 4. */
@@ -297,11 +298,35 @@ static inline __m512 fp16x8_pair(const uint8_t *a, const uint8_t *b) {
                               _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)), 1);
 }
 
-/* The blocks of the next slice (next bytes on from blk, of bb bytes each) into L1, and further on into L2. */
-static inline void a8_prefetch(const uint8_t *blk, int64_t bb) {
-    for (int64_t at = 0; at < bb; at += 64) {
-        _mm_prefetch((const char *)(blk + A8_SLICE * bb + at), _MM_HINT_T0);
-        _mm_prefetch((const char *)(blk + 4 * A8_SLICE * bb + at), _MM_HINT_T1);
+/* How far ahead (bytes of each group's stream) the unpacking tiles prefetch, into L2: a slice's worth
+ * of lines a step, a few at a time while the tiles run over the slice unpacked, so the lines come in
+ * while the multiplies run; past a group's end its stream goes on into the next tile's same group
+ * (16 rows on). Issued all at once as each slice was unpacked (and into L1), the unpacking waited on
+ * memory: about a quarter of Q6_K's time at 32 rows (docs/benchmarks-history.md, "Prefetching the
+ * 8-bit tiles' slices while they multiply"). */
+#define A8_PF_AHEAD (20 * 1024)
+typedef struct {
+    const uint8_t *p[2]; /* the next line of each group's stream */
+    int64_t left, per;   /* lines left of each, lines per step */
+} a8_pf;
+
+/* The prefetch of the slice [b0, b0 + sl) (group blocks of gbb bytes, nb a group) A8_PF_AHEAD on, over
+ * steps (the tiles' block iterations over the slice). */
+static inline a8_pf a8_pf_start(const uint8_t *g0, const uint8_t *g1, int64_t b0, int64_t sl, int64_t nb,
+                                int64_t gbb, int64_t steps) {
+    const int64_t group = nb * gbb;
+    int64_t at = b0 * gbb + A8_PF_AHEAD, base = 0;
+    for (; at >= group; at -= group) base += 2 * group;
+    const int64_t lines = sl * gbb / 64;
+    return (a8_pf){{g0 + base + at, g1 + base + at}, lines, (lines + steps - 1) / steps};
+}
+
+static inline void a8_pf_step(a8_pf *pf) {
+    for (int64_t i = 0; i < pf->per && pf->left > 0; i++, pf->left--) {
+        _mm_prefetch((const char *)pf->p[0], _MM_HINT_T1);
+        _mm_prefetch((const char *)pf->p[1], _MM_HINT_T1);
+        pf->p[0] += 64;
+        pf->p[1] += 64;
     }
 }
 
@@ -311,8 +336,6 @@ __attribute__((noinline)) static void q45_unpack8(const uint8_t *g0, const uint8
     const __m512i m4 = _mm512_set1_epi8(0x0f), one = _mm512_set1_epi8(1);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk[2] = {g0 + (b0 + b) * gbb, g1 + (b0 + b) * gbb};
-        a8_prefetch(blk[0], gbb);
-        a8_prefetch(blk[1], gbb);
         __m256i words[2][4];
         __m512 d[2], dmin[2];
         for (int g = 0; g < 2; g++) {
@@ -343,20 +366,22 @@ __attribute__((noinline)) static void q45_unpack8(const uint8_t *g0, const uint8
     }
 }
 
-/* Q6_K blocks [b0, b0 + nb) of the groups at g0 and g1, unpacked to u: per (h, half) the 6-bit q of
- * sub-blocks s = 0-3 (weights 32 s + 16 half .. + 15 of the 128 at h), 4 chunks each, then the dsc
- * of each s. */
+/* Q6_K blocks [b0, b0 + nb) of the groups at g0 and g1, unpacked to u: per (h, half) the weights
+ * q - 32 (signed bytes) of sub-blocks s = 0-3 (weights 32 s + 16 half .. + 15 of the 128 at h), 4
+ * chunks each, then the dsc of each s, then each s's start: -128 sum(q - 32) of its 16 weights per
+ * row. The tile meets them with the activations + 128 (unsigned, q6_block8), so a pass's sums start
+ * from the weights' own offset, one load a row group, not from the activation's (a broadcast a row):
+ * the loads bound that tile. The same integers: sum((q - 32)(a + 128)) - 128 sum(q - 32). */
 __attribute__((noinline)) static void q6_unpack8(const uint8_t *g0, const uint8_t *g1, int64_t b0, int64_t nb, __m512i *u) {
     const int gbb = 8 * 210;
-    const __m512i low = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30);
+    const __m512i low = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30), thirty2 = _mm512_set1_epi8(32);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk[2] = {g0 + (b0 + b) * gbb, g1 + (b0 + b) * gbb};
-        a8_prefetch(blk[0], gbb);
-        a8_prefetch(blk[1], gbb);
         const __m512 d = fp16x8_pair(blk[0], blk[1]);
         for (int h = 0; h < 2; h++)
             for (int half = 0; half < 2; half++) {
                 __m512i *p = u + b * U6 + (h * 2 + half) * U6H;
+                __m512i qsum[4];
                 for (int ci = 0; ci < 4; ci++) {
                     const int c = 4 * half + ci;
                     const __m512i qh = two_chunks(blk[0] + 1168 + (h * 8 + c) * 32, blk[1] + 1168 + (h * 8 + c) * 32);
@@ -365,9 +390,15 @@ __attribute__((noinline)) static void q6_unpack8(const uint8_t *g0, const uint8_
                     /* sub-block s: the low (s < 2) or high nibbles of ql_(s % 2), qh bits 2s, 2s + 1 at 4, 5 */
                     const __m512i nib[4] = {ql0, ql1, _mm512_srli_epi16(ql0, 4), _mm512_srli_epi16(ql1, 4)};
                     const __m512i hb[4] = {_mm512_slli_epi16(qh, 4), _mm512_slli_epi16(qh, 2), qh, _mm512_srli_epi16(qh, 2)};
-                    for (int sb = 0; sb < 4; sb++)
-                        _mm512_store_si512(p + 4 * sb + ci,
-                                           _mm512_ternarylogic_epi32(nib[sb], low, _mm512_and_si512(hb[sb], high2), 0xEA));
+                    for (int sb = 0; sb < 4; sb++) {
+                        const __m512i q = _mm512_ternarylogic_epi32(nib[sb], low, _mm512_and_si512(hb[sb], high2), 0xEA);
+                        qsum[sb] = ci ? _mm512_add_epi8(qsum[sb], q) : q; /* 4 q <= 63: below 256 */
+                        _mm512_store_si512(p + 4 * sb + ci, _mm512_sub_epi8(q, thirty2));
+                    }
+                }
+                for (int sb = 0; sb < 4; sb++) { /* -128 sum(q - 32) of the 16 weights of each row */
+                    const __m512i sum = DPB(_mm512_setzero_si512(), qsum[sb], _mm512_set1_epi8(1));
+                    _mm512_store_si512(p + 20 + sb, _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(512), sum), 7));
                 }
                 const __m128i s0 = _mm_loadu_si128((const __m128i *)(blk[0] + 16 + (h * 2 + half) * 32));
                 const __m128i s1 = _mm_loadu_si128((const __m128i *)(blk[1] + 16 + (h * 2 + half) * 32));
@@ -398,8 +429,6 @@ __attribute__((noinline)) static void legacy_unpack8(const uint8_t *g0, const ui
     const __m512i order = _mm512_set_epi16(31, 23, 30, 22, 29, 21, 28, 20, 27, 19, 26, 18, 25, 17, 24, 16,
                                            15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
     for (int64_t b = 0; b < nb; b++) {
-        a8_prefetch(g0 + (b0 + b) * gbb, gbb);
-        a8_prefetch(g1 + (b0 + b) * gbb, gbb);
         for (int j = 0; j < 8; j++) {
             const uint8_t *blk[2] = {g0 + (b0 + b) * gbb + j * 8 * bb, g1 + (b0 + b) * gbb + j * 8 * bb};
             __m512i *p = u + b * U45 + (j / 2) * 20 + (j % 2);
@@ -657,18 +686,28 @@ static inline __attribute__((always_inline)) void q6_direct8(const uint8_t *blk0
     }
 }
 
+/* 4 activation bytes in every lane, each + 128 (unsigned: |a| <= 127, r's <= 64; without VNNI
+ * maddubs' pair sums at most 2 * 255 * 32, below its saturation). */
+static inline __m512i act4_biased(const int8_t *q) {
+    return _mm512_xor_si512(_mm512_set1_epi32(*(const int32_any *)q), _mm512_set1_epi8((char)0x80));
+}
+
 /* Both halves' passes (FIELD) of the unpacked sub-block sb's 32 weights at p: each half into its own
- * sums (is0, is1), so each row keeps two chains of products in flight, not one. */
+ * sums (is0, is1), so each row keeps two chains of products in flight, not one; each sum starts at
+ * the half's stored start (q6_unpack8) and adds the activations + 128 times q - 32: sum((q - 32) a). */
 #define Q6_PASS2(FIELD)                                                                              \
-    for (int r = 0; r < R; r++) {                                                                    \
-        is0[r] = _mm512_set1_epi32(x[r]->FIELD##off[2 * j]);                                         \
-        is1[r] = _mm512_set1_epi32(x[r]->FIELD##off[2 * j + 1]);                                     \
+    {                                                                                                \
+        const __m512i s0 = _mm512_load_si512(p + 20 + sb), s1 = _mm512_load_si512(p + U6H + 20 + sb); \
+        for (int r = 0; r < R; r++) {                                                                \
+            is0[r] = s0;                                                                             \
+            is1[r] = s1;                                                                             \
+        }                                                                                            \
     }                                                                                                \
     for (int ci = 0; ci < 4; ci++) {                                                                 \
         const __m512i w0 = _mm512_load_si512(p + 4 * sb + ci), w1 = _mm512_load_si512(p + U6H + 4 * sb + ci); \
         for (int r = 0; r < R; r++) {                                                                \
-            is0[r] = dpb4(is0[r], w0, x[r]->FIELD + 32 * j + 4 * ci);                                \
-            is1[r] = dpb4(is1[r], w1, x[r]->FIELD + 32 * j + 16 + 4 * ci);                           \
+            is0[r] = DPB(is0[r], act4_biased(x[r]->FIELD + 32 * j + 4 * ci), w0);                     \
+            is1[r] = DPB(is1[r], act4_biased(x[r]->FIELD + 32 * j + 16 + 4 * ci), w1);                \
         }                                                                                            \
     }
 
@@ -716,10 +755,11 @@ static inline __attribute__((always_inline)) int block_rows(const act_block8 *co
  * second group repeats the first); first: store, else add to what out holds. */
 static inline __attribute__((always_inline)) void tile8(const __m512i *u, int64_t nb, const act_block8 *const *xa,
                                                         int64_t nr, float *out, int64_t ldo, int width, int first,
-                                                        const int type, const int R) {
+                                                        a8_pf *pf, const int type, const int R) {
     __m512 acc[XR8];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
+        a8_pf_step(pf);
         const act_block8 *x[XR8];
         const int two = block_rows(xa, b, x, R);
         if (type == QTYPE_Q6_K) {
@@ -775,9 +815,10 @@ static inline __attribute__((always_inline)) void tile8_direct(const uint8_t *g0
 
 /* Up to how many rows a call takes a type by tile8_direct: unpacking a slice to memory first pays for
  * itself only over more row groups than these (docs/benchmarks-history.md, "Few rows on 8 bits"; Q6_K's 6-bit
- * weights, the most work to assemble per row group, from 13 rows since its passes start from the
- * stored offsets). */
-static inline int64_t direct_rows(const int type) { return type == QTYPE_Q4_K ? 32 : 12; }
+ * weights, the most work to assemble per row group, from 9 rows since its unpacked passes start from
+ * the stored starts and its slices are prefetched while it multiplies: "Prefetching the 8-bit tiles'
+ * slices while they multiply"). */
+static inline int64_t direct_rows(const int type) { return type == QTYPE_Q4_K ? 32 : 8; }
 
 /* Weight rows [0, nc) x activation rows [0, nr) on 8-bit activations (rows of act_block8): each pair
  * of groups unpacked a slice of blocks at a time, every activation row over the slice; or, for a few
@@ -785,7 +826,9 @@ static inline int64_t direct_rows(const int type) { return type == QTYPE_Q4_K ? 
 static inline __attribute__((always_inline)) void kx8_loop8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq,
                                                             int64_t xrb, int64_t nr, int64_t nb, float *out, int64_t ldo,
                                                             const int type) {
-    __m512i u[A8_SLICE * U6]; /* the slice unpacked (20 KB; zmm-aligned) */
+    __m512i u[A8_SLICE * U6]; /* the slice unpacked (24 KB; zmm-aligned) */
+    const int legacy = type == QTYPE_Q4_0 || type == QTYPE_Q4_1 || type == QTYPE_Q8_0;
+    const int64_t gbb = legacy ? 64 * qtype_x8(type | QTYPE_X8)->block_bytes : 8 * kx8_block_bytes(type);
     const int64_t groups = (nr + XR8 - 1) / XR8;
     if (nr <= direct_rows(type)) { /* each row group reads the group blocks where they lie */
         for (int64_t c0 = 0; c0 < nc; c0 += 16) {
@@ -817,22 +860,23 @@ static inline __attribute__((always_inline)) void kx8_loop8(const uint8_t *w, in
             const int64_t sl = nb - b0 < A8_SLICE ? nb - b0 : A8_SLICE;
             if (type == QTYPE_Q6_K) {
                 q6_unpack8(g0, g1, b0, sl, u);
-            } else if (type == QTYPE_Q4_0 || type == QTYPE_Q4_1 || type == QTYPE_Q8_0) {
+            } else if (legacy) {
                 legacy_unpack8(g0, g1, b0, sl, u, type);
             } else {
                 q45_unpack8(g0, g1, b0, sl, u, type);
             }
+            a8_pf pf = a8_pf_start(g0, g1, b0, sl, nb, gbb, groups * sl);
             for (int64_t ag = 0; ag < groups; ag++) {
                 const int64_t r0 = nr * ag / groups, rows = nr * (ag + 1) / groups - r0;
                 const act_block8 *xa[XR8];
                 for (int r = 0; r < XR8; r++) xa[r] = (const act_block8 *)(xq + (r0 + (r < rows ? r : 0)) * xrb) + b0;
                 float *o = out + r0 * ldo + c0;
                 switch (rows) {
-                case 1: tile8(u, sl, xa, rows, o, ldo, width, b0 == 0, type, 1); break;
-                case 2: tile8(u, sl, xa, rows, o, ldo, width, b0 == 0, type, 2); break;
-                case 3: tile8(u, sl, xa, rows, o, ldo, width, b0 == 0, type, 3); break;
-                case 4: tile8(u, sl, xa, rows, o, ldo, width, b0 == 0, type, 4); break;
-                default: tile8(u, sl, xa, rows, o, ldo, width, b0 == 0, type, XR8); break;
+                case 1: tile8(u, sl, xa, rows, o, ldo, width, b0 == 0, &pf, type, 1); break;
+                case 2: tile8(u, sl, xa, rows, o, ldo, width, b0 == 0, &pf, type, 2); break;
+                case 3: tile8(u, sl, xa, rows, o, ldo, width, b0 == 0, &pf, type, 3); break;
+                case 4: tile8(u, sl, xa, rows, o, ldo, width, b0 == 0, &pf, type, 4); break;
+                default: tile8(u, sl, xa, rows, o, ldo, width, b0 == 0, &pf, type, XR8); break;
                 }
             }
         }
