@@ -40,6 +40,7 @@ from gpu_worker.backends.cpu.backend import CpuBackend
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.weights.model_files import resolve_model, source_gguf
+from protocol.transport import freeze_startup_heap
 
 
 def shapes(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
@@ -96,6 +97,7 @@ def make_runner(args: argparse.Namespace, variant: str) -> ModelRunner:
     if attention == "gguf-modules":
         assert isinstance(runner.backend, CpuBackend), "gguf-modules: the CPU backend's modules"
         runner.backend.fused_decode = None
+    freeze_startup_heap()  # as the worker does once loaded: no full collection walks the model mid-step
     return runner
 
 
