@@ -33,14 +33,21 @@ class Codec(Generic[T]):
     def decode(self, frame: bytes | memoryview) -> T:
         try:
             return self._decoder.decode(frame)
-        except msgspec.DecodeError:
-            raise
-        except UnicodeDecodeError as exc:  # msgspec's for a string of invalid UTF-8: bare, no path
-            location = invalid_utf8_location(frame)
-            where = f" - at {location}" if location else ""
-            raise msgspec.ValidationError(f"Invalid UTF-8 in a string ({exc.reason}){where}") from None
+        except msgspec.DecodeError as exc:  # msgspec >= 0.23 says invalid UTF-8 this way, without a path
+            if "UTF-8" not in str(exc):
+                raise
+            raise _invalid_utf8(frame, f" ({exc})") from None
+        except UnicodeDecodeError as exc:  # msgspec < 0.23's for a string of invalid UTF-8: bare, no path
+            raise _invalid_utf8(frame, f" ({exc.reason})") from None
         except Exception as exc:  # RecursionError (nesting deeper than msgspec decodes), and the like
             raise msgspec.DecodeError(f"cannot decode the frame: {exc!r}") from None
+
+
+def _invalid_utf8(frame: bytes | memoryview, reason: str) -> msgspec.ValidationError:
+    """The error for a frame whose strings hold invalid UTF-8, naming the first such field."""
+    location = invalid_utf8_location(frame)
+    where = f" - at {location}" if location else ""
+    return msgspec.ValidationError(f"Invalid UTF-8 in a string{reason}{where}")
 
 
 # ZMTP heartbeats on the sockets that may cross machines (the client socket, both ends; a worker
