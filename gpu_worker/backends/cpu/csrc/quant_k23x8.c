@@ -688,7 +688,7 @@ static inline __attribute__((always_inline)) void q3_tile_slice(const __m512i *u
 }
 
 /* Q3_K's weight rows [0, nc) x activation rows [0, nr): each pair of groups a slice at a time, every
- * row group (balanced, 4 to 8 rows) over the slice, its sums carried in out from slice to slice (the
+ * row group (balanced, at most Q3S_ROWS rows) over the slice, its sums carried in out from slice to slice (the
  * same order as tile8's, so the same bits). */
 static void q3_sliced(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t xrb, int64_t nr, int64_t nb,
                       float *out, int64_t ldo) {
