@@ -291,8 +291,11 @@ class Gemma4ForCausalLM(nn.Module):
     def decoder_layers(self) -> nn.ModuleList:
         return self.model.layers
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Hidden states [T, hidden] before the final norm."""
+    def step_inputs(
+        self, input_ids: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """The layers' inputs: the scaled embedding rows (an image's spliced in), the per-layer
+        inputs [T, layers, dim] (None without them), each layer type's rotary (cos, sin)."""
         rotary = {kind: cache(ctx.positions) for kind, cache in self.rotary.items()}
         body = self.model
         if len(self.media_token_ids):
@@ -303,6 +306,12 @@ class Gemma4ForCausalLM(nn.Module):
         # the image's embeddings.
         x = splice_images(x, ctx.images)
         per_layer = body.per_layer_inputs(input_ids, x) if body.per_layer_dim else None
+        return x, per_layer, rotary
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Hidden states [T, hidden] before the final norm."""
+        body = self.model
+        x, per_layer, rotary = self.step_inputs(input_ids, ctx)
         shared: SharedKV = {}
         # Where an image's tokens see each other both ways (the text config's "vision"), HF's mask
         # does so on sliding layers only: the global layers stay causal.

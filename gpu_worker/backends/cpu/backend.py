@@ -16,6 +16,7 @@ from gpu_worker import tensor_parallel
 from gpu_worker.backends.base import ALL_REDUCE
 from gpu_worker.backends.cpu import attention as cpu_attention
 from gpu_worker.backends.cpu import kernels as cpu_kernels
+from gpu_worker.backends.cpu.decode_gemma4 import Gemma4Decode
 from gpu_worker.backends.cpu.decode_hybrid import HybridDecode
 from gpu_worker.backends.cpu.decode_layers import FusedDecode
 from gpu_worker.backends.cpu.decode_mla import MlaDecode
@@ -89,7 +90,7 @@ class CpuBackend:
         self.config = config
         self.kernels: cpu_kernels.CpuKernels | None = None  # set by prepare_model where they fit
         # all decoder layers in one call, on decode steps
-        self.fused_decode: FusedDecode | MlaDecode | HybridDecode | None = None
+        self.fused_decode: FusedDecode | MlaDecode | HybridDecode | Gemma4Decode | None = None
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(config.num_threads or cores)
         self._tuner: ThreadTuner | None = None

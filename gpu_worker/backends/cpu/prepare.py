@@ -37,6 +37,7 @@ from torch import nn
 from gpu_worker.backends.cpu import decode_hybrid, gated_delta, latent_heads
 from gpu_worker.backends.cpu import kernels as cpu_kernels
 from gpu_worker.backends.cpu.clamped_experts import experts_impl, router_impl
+from gpu_worker.backends.cpu.decode_gemma4 import Gemma4Decode, gemma4_decode
 from gpu_worker.backends.cpu.decode_hybrid import HybridDecode, hybrid_decode
 from gpu_worker.backends.cpu.decode_layers import FusedDecode
 from gpu_worker.backends.cpu.decode_mla import MlaDecode, one_call_decode
@@ -49,6 +50,7 @@ from gpu_worker.backends.cpu.matmul import CpuLinear
 from gpu_worker.backends.cpu.quant import QuantEmbedding, QuantLinear
 from gpu_worker.models.contract import Layer
 from gpu_worker.models.gated_delta import GatedDeltaNet
+from gpu_worker.models.gemma4 import Gemma4ForCausalLM
 from gpu_worker.models.layers import Embedding, Linear
 from gpu_worker.models.moe import Experts, SparseMoeBlock
 from gpu_worker.models.qwen35 import Qwen35ForCausalLM
@@ -73,7 +75,7 @@ class CpuSetup:
 
     kind: CpuKind
     kernels: cpu_kernels.CpuKernels | None
-    decode_layers: FusedDecode | MlaDecode | HybridDecode | None = None
+    decode_layers: FusedDecode | MlaDecode | HybridDecode | Gemma4Decode | None = None
 
 
 def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compiled: bool) -> CpuSetup:
@@ -107,9 +109,11 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, use_kernels: bool, compi
         str(dtype).removeprefix("torch."),
         weight_bytes(model) / 1e6,
     )
-    decode: FusedDecode | MlaDecode | HybridDecode | None = None
+    decode: FusedDecode | MlaDecode | HybridDecode | Gemma4Decode | None = None
     if not compiled and isinstance(model, Qwen35ForCausalLM):  # a hybrid model's (csrc/decode_hybrid.c)
         decode = hybrid_decode(model, kernels, dtype)
+    elif not compiled and isinstance(model, Gemma4ForCausalLM):  # runs of its layers (csrc/decode_gemma4.c)
+        decode = gemma4_decode(model, kernels, dtype)
     elif not compiled:
         decode = one_call_decode(model, kernels, dtype)
     keep_freed_memory()  # the weights are in place: from here on, steps reuse what they free

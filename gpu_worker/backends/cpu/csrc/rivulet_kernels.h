@@ -201,6 +201,50 @@ typedef struct {
     float delta_scale;   /* q's scale in the gated delta rule */
 } hybrid_dims;
 
+#define GEMMA4_LINEARS 6 /* a gemma4_layer's Linears: qkv, o, gate_up, down, per-layer gate, per-layer projection */
+
+/* One Gemma 4 layer of decode_gemma4.c (decode_gemma4.py's Gemma4Layer), float32 throughout. */
+typedef struct {
+    const void *input_norm;               /* [hidden]: w (Gemma 4 scales by w) */
+    const void *attn_out_norm;            /* [hidden]: the attention's output's, before its add */
+    const void *post_norm;                /* [hidden]: before the MLP */
+    const void *mlp_out_norm;             /* [hidden]: the MLP's output's, before its add */
+    const void *per_layer_norm;           /* [hidden]: the per-layer input's projection's (with per_layer) */
+    const void *q_norm;                   /* [head_dim] */
+    const void *k_norm;                   /* [head_dim] (with writes_kv) */
+    const void *v_norm;                   /* [head_dim]: ones (v is normed without a scale) */
+    decode_linear linear[GEMMA4_LINEARS]; /* qkv is q alone where the layer shares its source's KV */
+    void *k_cache;                        /* its pool layer (its source's, KV-shared) [pool tokens, kv_heads, head_dim] */
+    void *v_cache;                        /* as k_cache */
+    int64_t heads;
+    int64_t kv_heads;
+    int64_t head_dim;
+    int64_t inner;      /* the MLP's width (twice the config's on a double-wide layer) */
+    int64_t window;     /* > 0: a sliding layer's window; 0: all positions */
+    int64_t rope_at;    /* its rotary table's place: the widths of the step's tables before it */
+    int64_t writes_kv;  /* 1: projects, norms and writes its K/V; 0: KV-shared, q alone over the pool */
+    int64_t k_eq_v;     /* 1: no v projection, v from k's (before k's norm) */
+    int64_t per_layer;  /* its slice of the step's per-layer inputs; -1: none */
+    float scale;        /* the attention's */
+    float layer_scalar; /* the layer's output times it */
+} gemma4_layer;
+
+/* A Gemma 4 model's sizes for decode_gemma4 (decode_gemma4.py's Gemma4Dims). */
+typedef struct {
+    int64_t hidden;
+    int64_t per_layer_dim;    /* the per-layer inputs' width (0: none) */
+    int64_t per_layer_stride; /* elements between rows of the step's per-layer inputs (layers * dim) */
+    int64_t kv_dtype;         /* the KV pool's */
+    float eps;                /* every RMSNorm's */
+} gemma4_dims;
+
+/* decode_gemma4.c: a run of a Gemma 4 model's decoder layers over float32 decode rows, one token each,
+ * as decode_layers (x may be out); per_layer [rows, per_layer_stride] or NULL. */
+int decode_gemma4(const gemma4_layer *layers, int64_t n_layers, const gemma4_dims *dims, const float *x, float *out,
+                  int64_t rows, const float *cos, const float *sin, const float *per_layer, const int64_t *q_rows,
+                  const int64_t *req_pool_idx, const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride,
+                  int64_t page_size);
+
 /* small_ops.c */
 int kernel_isa(void);
 void rms_norm(const void *x, int64_t x_stride, const void *w, void *out, int64_t rows, int dim, float eps, int dtype);
