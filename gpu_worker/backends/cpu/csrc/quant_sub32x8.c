@@ -754,9 +754,75 @@ static inline __attribute__((always_inline)) void tile8(const uint8_t *g, int64_
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
 }
 
+#ifndef XR8_Q5
+#define XR8_Q5 16 /* activation rows a pass of Q5's many-row tile */
+#endif
+#ifndef Q5_MANY_FROM
+/* Q5's rows from which it takes q5_tile8 (and at 3, which tile8 takes as 2 + 1): at 2 and 4 tile8's
+ * sums in registers are the faster (docs/benchmarks-history.md, "Q5_0's AVX2 tile row by row") */
+#define Q5_MANY_FROM 5
+#endif
+
+/* A row's sum of a block's 4 chunks (lo[c], hi[c]: 5-bit bytes) against its 32 bytes x: per pair of
+ * chunks 4 maddubs added in int16 (at most 4 * 2 * 31 * 127 = 31,496), widened once. */
+static inline __attribute__((always_inline)) __m256i q5_sum(const __m256i *lo, const __m256i *hi, const int8_t *x) {
+    __m256i is = _mm256_setzero_si256();
+    for (int c2 = 0; c2 < 4; c2 += 2) {
+        __m256i s = _mm256_maddubs_epi16(lo[c2], _mm256_set1_epi32(*(const i32_any *)(x + 4 * c2)));
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[c2], _mm256_set1_epi32(*(const i32_any *)(x + 16 + 4 * c2))));
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[c2 + 1], _mm256_set1_epi32(*(const i32_any *)(x + 4 * c2 + 4))));
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[c2 + 1], _mm256_set1_epi32(*(const i32_any *)(x + 20 + 4 * c2))));
+        is = _mm256_add_epi32(is, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
+    }
+    return is;
+}
+
+/* Q5_0 / Q5_1 at many rows: a block's 4 chunks assembled once (8 ymm of 5-bit bytes) for up to
+ * XR8_Q5 activation rows (xq, xrb bytes apart), each row's sums then made whole and met by its float
+ * total at once (the totals in memory, touched once a block), so no row's sums wait in registers and
+ * the rows a pass are not bound by the 16 ymm. tile8's integers and float steps per (row, column,
+ * block), in its order: the same bits. */
+static inline __attribute__((always_inline)) void q5_tile8(const uint8_t *g, int64_t nb, const uint8_t *xq, int64_t xrb,
+                                                           int R, float *out, int64_t ldo, const int type) {
+    const int gbb = 8 * bb_of(type);
+    float tot[XR8_Q5 * 8] __attribute__((aligned(32)));
+    for (int r = 0; r < R; r++) _mm256_store_ps(tot + 8 * r, _mm256_setzero_ps());
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * gbb, *q = blk + qs_of(type);
+        for (int at = 0; at < gbb; at += 64) _mm_prefetch((const char *)(blk + S32X8_PF + at), _MM_HINT_T0);
+        int two = 0;
+        for (int r = 0; r < R; r++) two |= ((const act8_32 *)(xq + r * xrb))[b].two;
+        __m256i lo[4], hi[4];
+        for (int c = 0; c < 4; c++) chunk_bytes(blk, q, c, type, &lo[c], &hi[c]);
+        const __m256 d = scales8(blk, b, type);
+        const __m256 m = type == QTYPE_Q5_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
+                                            : _mm256_mul_ps(d, _mm256_set1_ps(-16.0f));
+#pragma GCC unroll 1
+        for (int r = 0; r < R; r++) {
+            const act8_32 *x = (const act8_32 *)(xq + r * xrb) + b;
+            const __m256 sc = _mm256_mul_ps(d, _mm256_set1_ps(x->d));
+            __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q5_sum(lo, hi, x->q)), sc, _mm256_load_ps(tot + 8 * r));
+            t = _mm256_fmadd_ps(m, _mm256_set1_ps(x->s), t);
+            if (two)
+                t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q5_sum(lo, hi, x->r)), _mm256_mul_ps(sc, _mm256_set1_ps(1.0f / 128.0f)), t);
+            _mm256_store_ps(tot + 8 * r, t);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * ldo, _mm256_load_ps(tot + 8 * r));
+}
+
 static inline __attribute__((always_inline)) void tile8_loop(const uint8_t *w, int64_t wrb, int64_t nc,
                                                              const uint8_t *xq, int64_t xrb, int64_t nr, int64_t nb,
                                                              float *out, int64_t ldo, const int type) {
+    if (is_q5(type) && (nr == 3 || nr >= Q5_MANY_FROM)) { /* near-equal passes of at most XR8_Q5 rows */
+        const int64_t passes = (nr + XR8_Q5 - 1) / XR8_Q5;
+        for (int64_t p = 0; p < passes; p++) {
+            const int64_t r0 = nr * p / passes, rows = nr * (p + 1) / passes - r0;
+            for (int64_t c0 = 0; c0 < nc; c0 += 8)
+                q5_tile8(w + c0 * wrb, nb, xq + r0 * xrb, xrb, (int)rows, out + r0 * ldo + c0, ldo, type);
+        }
+        return;
+    }
     for (int64_t r0 = 0; r0 < nr;) {
         const int64_t left = nr - r0;
         const int R = left >= XR8 ? XR8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
