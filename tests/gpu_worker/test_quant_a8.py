@@ -172,6 +172,23 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(
     assert torch.equal(kernels.quant_matmul(t, x8.data, 1024, x[order]), together[order])
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=["Q4_K", "Q6_K"])
+def test_slices_over_a_long_row_give_each_rows_bits_alone(kernels: cpu_kernels.CpuKernels, qtype: Q) -> None:
+    """k of 10 blocks: two whole slices of 4 and a short one, each summed into the output in turn (on
+    avx2 from 5 rows unpacked a slice at a time, csrc/quant_kx8.c's kx8_loop_u), a pair of groups and a
+    lone one, rows with and without the residual pass: each row the bits it has alone (one row reads
+    the blocks where they lie)."""
+    x8, _, _ = held(qtype, 24, 2560)
+    x = activations(9, 2560, 17, torch.float32)
+    x[2, 700] = 5000.0
+    x[6, 2000:2100] *= 40.0
+    t = a8_type(kernels, x8)
+    together = kernels.quant_matmul(t, x8.data, 2560, x)
+    for i in range(9):
+        assert torch.equal(kernels.quant_matmul(t, x8.data, 2560, x[i : i + 1]), together[i : i + 1])
+    assert torch.equal(kernels.quant_matmul(t, x8.data, 2560, x[3:8]), together[3:8])
+
+
 @pytest.mark.parametrize("qtype", A8_TYPES, ids=[t.name for t in A8_TYPES])
 def test_every_kind_with_the_tiles_gives_the_same_bits(qtype: Q) -> None:
     """vpdpbusd (the VNNI builds) and maddubs + madd (AVX-512 without VNNI, AVX2) sum the same integers."""

@@ -1553,12 +1553,305 @@ static inline __attribute__((always_inline)) void tile8_y(const uint8_t *g, int6
     for (int r = 0; r < R && r < nr; r++) _mm256_storeu_ps(out + r * ldo, total[r]);
 }
 
+/* Many rows (UNPACK_ROWS and up) on Q4_K and Q6_K: each group pair's blocks unpacked a slice
+ * (A8_SLICE blocks) at a time to bytes in L1 (Q4_K: the nibbles; Q6_K: the 6-bit q), each with its
+ * sub-blocks' float scales, and every row group of the call passes over the slice before the next:
+ * the nibble masks and shifts (Q6_K: the bit assembly, ~5 instructions a chunk) and the scale bytes'
+ * conversion run once a slice, not once a row group, and a pass's chunk loop is loads, maddubs and
+ * adds. The same integer sums and, per output lane, the same float steps in the same order as
+ * direct_yg and q6_direct_y, summed into out a slice at a time as tile8_yg's totals: the same bits.
+ * Blocks with the residual pass run q45_direct_y / q6_direct_y on the blocks where they lie. */
+#define U_BLOCK 160 /* ymm per unpacked block of a group pair: 8 activation blocks (j) x 20 */
+
+/* Prefetches (into L2) of the next slice's lines of both groups, a few per block pass, so they come in
+ * while the slice multiplies (an unpacking that waits on memory runs no maddubs). */
+typedef struct {
+    const uint8_t *p[2];
+    int64_t left, per;
+} u_pf;
+
+static inline u_pf u_pf_next(const uint8_t *g0, const uint8_t *g1, int64_t b0, int64_t sl, int64_t nb, int64_t gbb,
+                             int64_t steps) {
+    const int64_t group = nb * gbb, next = b0 + sl;
+    /* past the pair's last slice: the next pair's first (its groups two groups on) */
+    const int64_t at = next < nb ? next * gbb : 2 * group, lines = (next < nb ? (nb - next < A8_SLICE ? nb - next : A8_SLICE) : A8_SLICE) * gbb / 64;
+    return (u_pf){{g0 + at, g1 + at}, lines, (lines + steps - 1) / steps};
+}
+
+static inline void u_pf_step(u_pf *pf) {
+    for (int64_t i = 0; i < pf->per && pf->left > 0; i++, pf->left--) {
+        _mm_prefetch((const char *)pf->p[0], _MM_HINT_T1);
+        _mm_prefetch((const char *)pf->p[1], _MM_HINT_T1);
+        pf->p[0] += 64;
+        pf->p[1] += 64;
+    }
+}
+
+/* Q4_K blocks [b0, b0 + sl) of the groups at g0, g1 unpacked to u: per block and activation block j
+ * (sub-block j of the 8 rows), chunk c of group g at 2c + g (its 4 weights of each row as bytes), then
+ * group g's d * scale at 16 + 2g and dmin * min at 17 + 2g (byte_at, as direct_yg takes them). */
+__attribute__((noinline)) static void q4k_unpack_y(const uint8_t *g0, const uint8_t *g1, int64_t b0, int64_t sl, __m256i *u) {
+    const int gbb = 8 * 144;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < sl; b++)
+        for (int g = 0; g < 2; g++) {
+            const uint8_t *blk = (g ? g1 : g0) + (b0 + b) * gbb;
+            __m256i words[4];
+            q4k_scale_words(blk, words);
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+            for (int sb = 0; sb < 4; sb++) {
+                __m256i *lo = u + b * U_BLOCK + (2 * sb) * 20, *hi = lo + 20;
+                for (int c = 0; c < 8; c++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 128 + sb * 256 + 32 * c));
+                    _mm256_store_si256(lo + 2 * c + g, _mm256_and_si256(v, m4));
+                    _mm256_store_si256(hi + 2 * c + g, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+                }
+                const int sh = 16 * (sb & 1);
+                const __m256i scw = sb < 2 ? words[0] : words[2], mw = sb < 2 ? words[1] : words[3];
+                _mm256_store_ps((float *)(lo + 16 + 2 * g), byte_at(scw, sh, d));
+                _mm256_store_ps((float *)(lo + 17 + 2 * g), byte_at(mw, sh, dmin));
+                _mm256_store_ps((float *)(hi + 16 + 2 * g), byte_at(scw, sh + 8, d));
+                _mm256_store_ps((float *)(hi + 17 + 2 * g), byte_at(mw, sh + 8, dmin));
+            }
+        }
+}
+
+/* Q6_K blocks [b0, b0 + sl) of the groups at g0, g1 unpacked to u: per block, activation block j = 4h
+ * + sb and half (its 16 values), chunk ci < 4 of group g at 10 half + 2 ci + g (the 6-bit q as bytes,
+ * q6_direct_y's assembly), then group g's d * scale at 10 half + 8 + g. */
+__attribute__((noinline)) static void q6_unpack_y(const uint8_t *g0, const uint8_t *g1, int64_t b0, int64_t sl, __m256i *u) {
+    const int gbb = 8 * 210;
+    const __m256i low = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30);
+    for (int64_t b = 0; b < sl; b++)
+        for (int g = 0; g < 2; g++) {
+            const uint8_t *blk = (g ? g1 : g0) + (b0 + b) * gbb;
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+            for (int h = 0; h < 2; h++)
+                for (int c = 0; c < 8; c++) {
+                    const int half = c / 4, ci = c % 4;
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 1168 + (h * 8 + c) * 32));
+                    const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 144 + (h * 16 + c) * 32));
+                    const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 144 + (h * 16 + 8 + c) * 32));
+                    const __m256i w[4] = {
+                        _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_and_si256(_mm256_slli_epi16(qh, 4), high2)),
+                        _mm256_or_si256(_mm256_and_si256(ql1, low), _mm256_and_si256(_mm256_slli_epi16(qh, 2), high2)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_and_si256(qh, high2)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), _mm256_and_si256(_mm256_srli_epi16(qh, 2), high2)),
+                    };
+                    for (int sb = 0; sb < 4; sb++)
+                        _mm256_store_si256(u + b * U_BLOCK + (4 * h + sb) * 20 + 10 * half + 2 * ci + g, w[sb]);
+                }
+            for (int j = 0; j < 8; j++)
+                for (int half = 0; half < 2; half++) {
+                    const int h = j / 4, sb = j % 4;
+                    const uint8_t *s8 = blk + 16 + (h * 2 + half) * 32 + 16 * (sb >> 1) + 8 * (sb & 1);
+                    const __m256 dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)s8))));
+                    _mm256_store_ps((float *)(u + b * U_BLOCK + j * 20 + 10 * half + 8 + g), dsc);
+                }
+        }
+}
+
+/* s + the maddubs of w and b, in asm (YG_DPB's reason). */
+#define U_DPB(S, W, B)                                                                              \
+    do {                                                                                            \
+        __m256i t_;                                                                                 \
+        __asm__("vpmaddubsw %[b], %[w], %[t]\n\tvpaddw %[t], %[s], %[s]"                            \
+                : [s] "+x"(S), [t] "=&x"(t_) : [w] "x"(W), [b] "x"(B));                              \
+    } while (0)
+#define U_BCAST(p) _mm256_set1_epi32(*(const int32_any *)(p))
+
+/* Row r's maddubs of chunk c (both groups) */
+#define U4_ROW(r, FIRST)                                                                            \
+    if (R > r) {                                                                                    \
+        const __m256i b_ = U_BCAST(x[r]->q + 32 * j + 4 * c);                                       \
+        if (FIRST) {                                                                                \
+            s0##r = _mm256_maddubs_epi16(w0, b_);                                                   \
+            s1##r = _mm256_maddubs_epi16(w1, b_);                                                   \
+        } else {                                                                                    \
+            U_DPB(s0##r, w0, b_);                                                                   \
+            U_DPB(s1##r, w1, b_);                                                                   \
+        }                                                                                           \
+    }
+#define U4_CHUNK(FIRST)                                                                             \
+    {                                                                                               \
+        const __m256i w0 = _mm256_load_si256(q + 2 * c), w1 = _mm256_load_si256(q + 2 * c + 1);    \
+        U4_ROW(0, FIRST)                                                                            \
+        U4_ROW(1, FIRST)                                                                            \
+        U4_ROW(2, FIRST)                                                                            \
+        U4_ROW(3, FIRST)                                                                            \
+    }
+
+/* One unpacked Q4_K block (p) of a group pair against R rows without the residual pass: direct_yg's
+ * sums and float steps, per lane in its order (each sub-block's term, then after each pair both mins). */
+static inline __attribute__((always_inline)) void q4k_block_u(const __m256i *p, const act_block8 *const *x,
+                                                              __m256 (*acc)[XR8], const int R) {
+    const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 1
+    for (int j = 0; j < 8; j++) {
+        const __m256i *q = p + 20 * j;
+        __m256i s00, s01, s02, s03, s10, s11, s12, s13;
+        s01 = s02 = s03 = s11 = s12 = s13 = _mm256_setzero_si256();
+        {
+            const int c = 0;
+            U4_CHUNK(1)
+        }
+#pragma GCC unroll 1
+        for (int c = 1; c < 8; c++) U4_CHUNK(0) /* 8 maddubs of q <= 15 per int16 sum: dpb16's limits */
+        const __m256 dsc0 = _mm256_load_ps((const float *)(q + 16)), dsc1 = _mm256_load_ps((const float *)(q + 18));
+#define U4_TERM(g, r)                                                                                                   \
+    if (R > r)                                                                                                          \
+        acc[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s##g##r, ones)),                              \
+                                    _mm256_mul_ps(dsc##g, _mm256_set1_ps(x[r]->d[j])), acc[g][r]);
+        U4_TERM(0, 0) U4_TERM(0, 1) U4_TERM(0, 2) U4_TERM(0, 3)
+        U4_TERM(1, 0) U4_TERM(1, 1) U4_TERM(1, 2) U4_TERM(1, 3)
+#undef U4_TERM
+        if (j & 1) { /* both mins of the pair j - 1, j */
+            for (int g = 0; g < 2; g++) {
+                const __m256 dm_lo = _mm256_load_ps((const float *)(q - 20 + 17 + 2 * g));
+                const __m256 dm_hi = _mm256_load_ps((const float *)(q + 17 + 2 * g));
+                for (int r = 0; r < R; r++) {
+                    acc[g][r] = _mm256_fnmadd_ps(dm_lo, _mm256_set1_ps(x[r]->s[j - 1]), acc[g][r]);
+                    acc[g][r] = _mm256_fnmadd_ps(dm_hi, _mm256_set1_ps(x[r]->s[j]), acc[g][r]);
+                }
+            }
+        }
+    }
+}
+#undef U4_CHUNK
+#undef U4_ROW
+
+/* One unpacked Q6_K block (p) of one group (g) against R rows without the residual pass:
+ * q6_direct_y's sums and float steps, per lane in its order. */
+static inline __attribute__((always_inline)) void q6_block_u(const __m256i *p, int g, const act_block8 *const *x,
+                                                             __m256 *acc, const int R) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int j = 0; j < 8; j++) {
+        __m256 t[XR8];
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; half++) {
+            const __m256i *q = p + 20 * j + 10 * half;
+            __m256i is[XR8];
+            for (int r = 0; r < R; r++) is[r] = _mm256_set1_epi32(x[r]->qoff[2 * j + half]);
+#pragma GCC unroll 2
+            for (int cp = 0; cp < 4; cp += 2) { /* two maddubs of q <= 63 per int16 sum: dpb16's limits */
+                const __m256i w0 = _mm256_load_si256(q + 2 * cp + g), w1 = _mm256_load_si256(q + 2 * cp + 2 + g);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *a = x[r]->q + 32 * j + 16 * half + 4 * cp;
+                    __m256i s = _mm256_maddubs_epi16(w0, U_BCAST(a));
+                    U_DPB(s, w1, U_BCAST(a + 4));
+                    is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(s, ones));
+                }
+            }
+            const __m256 dsc = _mm256_load_ps((const float *)(q + 8 + g));
+            for (int r = 0; r < R; r++)
+                t[r] = half ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), dsc, t[r]) : _mm256_mul_ps(_mm256_cvtepi32_ps(is[r]), dsc);
+        }
+        for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(t[r], _mm256_set1_ps(x[r]->d[j]), acc[r]);
+    }
+}
+
+/* out[r * ldo + 8g + s] (+)= the dot products of a slice (sl blocks, unpacked at u; g0, g1: the groups'
+ * blocks where they lie, for blocks with the residual pass) for r < nr <= R, g < G; first: store, else
+ * add to what out holds (tile8_yg's slice totals). */
+static inline __attribute__((always_inline)) void tile8_u(const __m256i *u, const uint8_t *g0, const uint8_t *g1,
+                                                          int64_t b0, int64_t sl, const act_block8 *const *xa,
+                                                          int64_t nr, float *out, int64_t ldo, int first, u_pf *pf,
+                                                          const int type, const int G, const int R) {
+    const int64_t gbb = 8 * kx8_block_bytes(type);
+    __m256 acc[2][XR8];
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < R; r++) acc[g][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < sl; b++) {
+        u_pf_step(pf);
+        const act_block8 *x[XR8];
+        int two = 0;
+        for (int r = 0; r < R; r++) {
+            x[r] = xa[r] + b0 + b;
+            two |= x[r]->two;
+        }
+        if (two) {
+            for (int g = 0; g < G; g++) {
+                const uint8_t *blk = (g ? g1 : g0) + (b0 + b) * gbb;
+                if (type == QTYPE_Q6_K) {
+                    q6_direct_y(blk, x, two, acc[g], R);
+                } else {
+                    q45_direct_y(blk, x, two, acc[g], type, R);
+                }
+            }
+        } else if (type == QTYPE_Q6_K) {
+            for (int g = 0; g < G; g++) q6_block_u(u + b * U_BLOCK, g, x, acc[g], R);
+        } else {
+            q4k_block_u(u + b * U_BLOCK, x, acc, R);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < R && r < nr; r++) {
+            float *o = out + r * ldo + 8 * g;
+            _mm256_storeu_ps(o, _mm256_add_ps(first ? _mm256_setzero_ps() : _mm256_loadu_ps(o), acc[g][r]));
+        }
+}
+#undef U_DPB
+#undef U_BCAST
+
+/* From how many rows Q4_K and Q6_K unpack their slices (below: the blocks read where they lie): from
+ * avx2's A8_MIN_ROWS (quant.py), the fewest rows it takes them on 8 bits, the unpacked slices ran the
+ * faster (docs/benchmarks-history.md, "AVX2's K-quants: slices unpacked once"). */
+#define UNPACK_ROWS 5
+
+/* kx8_loop8 for Q4_K and Q6_K from UNPACK_ROWS rows: per pair of groups (a last lone group: its
+ * unpacked slice holds it twice, G = 1 reads the first), a slice unpacked, then every row group. */
+static inline __attribute__((always_inline)) void kx8_loop_u(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq,
+                                                             int64_t xrb, int64_t nr, int64_t nb, float *out, int64_t ldo,
+                                                             const int type) {
+    __m256i u[A8_SLICE * U_BLOCK]; /* 20 KB */
+    const int64_t gbb = 8 * kx8_block_bytes(type), groups = (nr + XR8 - 1) / XR8;
+    for (int64_t c0 = 0; c0 < nc; c0 += 16) {
+        const int pair = c0 + 16 <= nc;
+        const uint8_t *g0 = w + c0 * wrb, *g1 = pair ? g0 + 8 * wrb : g0;
+        for (int64_t b0 = 0; b0 < nb; b0 += A8_SLICE) {
+            const int64_t sl = nb - b0 < A8_SLICE ? nb - b0 : A8_SLICE;
+            if (type == QTYPE_Q6_K) {
+                q6_unpack_y(g0, g1, b0, sl, u);
+            } else {
+                q4k_unpack_y(g0, g1, b0, sl, u);
+            }
+            u_pf pf = u_pf_next(g0, g1, b0, sl, nb, gbb, groups * sl);
+            for (int64_t ag = 0; ag < groups; ag++) {
+                const int64_t r0 = nr * ag / groups, rows = nr * (ag + 1) / groups - r0;
+                const act_block8 *xa[XR8];
+                for (int r = 0; r < XR8; r++) xa[r] = (const act_block8 *)(xq + (r0 + (r < rows ? r : 0)) * xrb);
+                float *o = out + r0 * ldo + c0;
+                if (pair) {
+                    switch (rows) {
+                    case 1: tile8_u(u, g0, g1, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 2, 1); break;
+                    case 2: tile8_u(u, g0, g1, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 2, 2); break;
+                    case 3: tile8_u(u, g0, g1, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 2, 3); break;
+                    default: tile8_u(u, g0, g1, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 2, XR8); break;
+                    }
+                } else {
+                    switch (rows) {
+                    case 1: tile8_u(u, g0, g1, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 1, 1); break;
+                    case 2: tile8_u(u, g0, g1, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 1, 2); break;
+                    case 3: tile8_u(u, g0, g1, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 1, 3); break;
+                    default: tile8_u(u, g0, g1, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 1, XR8); break;
+                    }
+                }
+            }
+        }
+    }
+}
+
 /* Weight rows [0, nc) (whole groups) x activation rows [0, nr) on 8-bit activations: per group,
  * the activation rows in near-equal groups of at most XR8 (the group's blocks stay in L1/L2 while
  * they pass). */
 static inline __attribute__((always_inline)) void kx8_loop8(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq,
                                                             int64_t xrb, int64_t nr, int64_t nb, float *out, int64_t ldo,
                                                             const int type) {
+    if ((type == QTYPE_Q4_K || type == QTYPE_Q6_K) && nr >= UNPACK_ROWS) {
+        kx8_loop_u(w, wrb, nc, xq, xrb, nr, nb, out, ldo, type);
+        return;
+    }
     const int64_t groups = (nr + XR8 - 1) / XR8;
     for (int64_t c0 = 0; c0 < nc; c0 += 8) {
         const uint8_t *g = w + c0 * wrb;
