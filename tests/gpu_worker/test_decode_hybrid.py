@@ -134,3 +134,24 @@ def test_served_schedule_equals_the_modules(
     assert calls, "no step ran the one call"
     assert all(len(lp) == 8 for lp in outputs[0][1])
     assert outputs[0] == outputs[1]
+
+
+def test_inputs_looked_up_in_the_call(small_qwen35: tuple[Path, Path]) -> None:
+    """The step's embedding and rotary rows, looked up in the C call from the model's tables, equal
+    the modules' lookups: logits with the embedding rows looked up by the modules and passed in (as for
+    a table not in blocks) are the same; a token id past the table fails the call, not reads past it."""
+    runner = runner_of(small_qwen35, "float32")
+    fused = backend(runner).fused_decode
+    assert isinstance(fused, HybridDecode) and fused.inputs.embed != 0
+    sched = MiniScheduler(runner.num_pages, runner.config.page_size)
+    tokens = runner.execute(sched.batch([(0, 0, [3, 4, 5, 6, 7], True, GREEDY)])).token_ids
+    states = [t.clone() for t in pools(runner, 1)]
+    batch = sched.batch([(0, 5, [tokens[0]], True, None)])
+    in_call = runner.compute_logits(batch)
+    for pool, saved in zip(pools(runner, 1), states, strict=True):
+        pool.copy_(saved)
+    fused.inputs = dataclasses.replace(fused.inputs, embed=0)
+    assert torch.equal(runner.compute_logits(batch), in_call)
+    fused.inputs = dataclasses.replace(fused.inputs, embed=1, vocab=0)  # every id out of range
+    with pytest.raises(RuntimeError, match="decode_hybrid failed"):
+        runner.compute_logits(sched.batch([(0, 6, [tokens[0]], True, None)]))

@@ -18,6 +18,7 @@ import ctypes
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,8 @@ from gpu_worker.backends.cpu.decode_common import anything, not_listed, off, run
 from gpu_worker.backends.cpu.decode_rows import DecodeRows
 from gpu_worker.backends.cpu.decode_structs import MAX_PARTS, DecodeLinear, fields, quant_linears
 from gpu_worker.backends.cpu.kernels import DTYPE_CODES, KV_DTYPE_CODES, CpuKernels
-from gpu_worker.backends.cpu.quant import QuantLinear
+from gpu_worker.backends.cpu.layouts import kernel_type
+from gpu_worker.backends.cpu.quant import QuantEmbedding, QuantLinear
 from gpu_worker.forward_context import ForwardContext
 from gpu_worker.models.gated_delta import CausalConv1d, GatedDeltaNet, GatedRMSNorm
 from gpu_worker.models.layers import Linear, MergedLinear
@@ -80,6 +82,20 @@ class HybridDims(ctypes.Structure):
     ]
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """The tables decode_hybrid.c looks a step's inputs up in: the embedding's blocks (``embed`` 0:
+    not blocks, the caller looks the rows up) and the rotary cache's float32 cos / signed sin
+    [table_rows, rotary_dim], pointers into tensors the model holds."""
+
+    embed: int
+    embed_type: int
+    vocab: int
+    cos: int
+    sin: int
+    table_rows: int
+
+
 class HybridKernels:
     """ctypes bindings of decode_hybrid.c in a built kernels library; also the ``gate_ops`` slot of
     models/qwen35.py's ``GatedAttention`` (its partial rotary and output gate)."""
@@ -88,7 +104,10 @@ class HybridKernels:
         lib = ctypes.CDLL(str(path))
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         self._decode = lib.decode_hybrid
-        self._decode.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64]
+        self._decode.argtypes = [
+            ptr, i64, ptr, ptr, ptr, i32, i64, ptr, i64, ptr, ptr,  # layers .. dims, ids, embed .. sin
+            ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64,  # out, rows, slots .. page_size
+        ]  # fmt: skip
         self._decode.restype = i32
         self._rotary = lib.partial_rotary
         self._rotary.argtypes = [ptr, i64, i64, i32, i32, i32, ptr, ptr, i32]
@@ -100,15 +119,20 @@ class HybridKernels:
         abi.check(abi.bound_functions(self), structs, {"HYBRID_IN_LINEARS": IN_LINEARS})
 
     def decode(
-        self, layers: ctypes.Array[HybridLayer], dims: HybridDims, x: torch.Tensor, out: torch.Tensor,
-        cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, rows: DecodeRows,
+        self, layers: ctypes.Array[HybridLayer], dims: HybridDims, inputs: StepInputs, ids: torch.Tensor,
+        positions: torch.Tensor, out: torch.Tensor, slots: torch.Tensor, rows: DecodeRows,
     ) -> None:  # fmt: skip
-        """Every layer over decode rows (csrc/decode_hybrid.c): out [T, hidden] from the embedding
-        rows x, cos / sin [T, 1, rotary_dim], each row's state-pool ``slots`` (int64 [T])."""
-        assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (x.shape[0],)
+        """Every layer over decode rows (csrc/decode_hybrid.c): out [T, hidden] from the rows' token
+        ``ids`` and ``positions`` (int64 [T]), looked up in ``inputs``' tables (where it holds no
+        embedding blocks, out holds the embedding rows already), each row's state-pool ``slots``
+        (int64 [T])."""
+        count = out.shape[0]
+        for t in (ids, positions, slots):
+            assert t.dtype == torch.int64 and t.is_contiguous() and t.shape == (count,)
         status = self._decode(
-            ctypes.byref(layers), len(layers), ctypes.byref(dims), x.data_ptr(), out.data_ptr(), x.shape[0],
-            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), rows.q_rows, rows.req_pool_idx, rows.kv_lens,
+            ctypes.byref(layers), len(layers), ctypes.byref(dims), ids.data_ptr(), inputs.embed,
+            inputs.embed_type, inputs.vocab, positions.data_ptr(), inputs.table_rows, inputs.cos, inputs.sin,
+            out.data_ptr(), count, slots.data_ptr(), rows.q_rows, rows.req_pool_idx, rows.kv_lens,
             rows.page_table, rows.pt_stride, rows.page_size,
         )  # fmt: skip
         if status != 0:
@@ -192,6 +216,9 @@ def why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
         return "tensor parallel"
     if dtype != torch.float32:
         return f"activations in {dtype} (the Gated DeltaNet step's kernel is float32)"
+    tables = (model.rotary.cos, model.rotary.sin)
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tables):
+        return "rotary tables not contiguous float32"
     if not CpuKernels.supports(model.num_heads, model.num_kv_heads, model.head_dim, dtype):
         return f"{model.num_heads} heads of {model.head_dim} (KV {model.num_kv_heads}): beyond its attention"
     layers: list[Any] = list(model.decoder_layers())
@@ -235,7 +262,7 @@ class HybridDecode:
         self.dims = HybridDims(
             hidden=model.args.hidden_size, inner=model.args.intermediate_size, heads=model.num_heads,
             kv_heads=model.num_kv_heads, head_dim=head_dim,
-            rotary_dim=head_dim if attn is None else attn.rotary_dim, k_heads=lin.key_heads,
+            rotary_dim=model.rotary.cos.shape[1], k_heads=lin.key_heads,
             v_heads=lin.value_heads, dk=lin.d_k, dv=lin.d_v, conv_kernel=lin.conv_kernel,
             tiled=int(lin.tiled_values and lin.key_heads < lin.value_heads),
             linear_in=lin.in_proj.impl.out_features, eps=layers[0].input_layernorm.eps,
@@ -243,6 +270,14 @@ class HybridDecode:
         )  # fmt: skip
         self._layers: ctypes.Array[HybridLayer] | None = None
         self._pools: tuple[int, ...] = ()  # the pools' pointers _layers was built for
+        embed, rotary = model.model.embed_tokens.impl, model.rotary
+        assert attn is None or attn.rotary_dim == self.dims.rotary_dim, "the rotary table's width"
+        table = embed.table if isinstance(embed, QuantEmbedding) and embed.dtype == torch.float32 else None
+        self.inputs = StepInputs(
+            embed=0 if table is None else table.data.data_ptr(),
+            embed_type=0 if table is None else kernel_type(table), vocab=0 if table is None else table.rows,
+            cos=rotary.cos.data_ptr(), sin=rotary.sin.data_ptr(), table_rows=rotary.cos.shape[0],
+        )  # fmt: skip
 
     def _layer(self, layer: Any, ctx: ForwardContext) -> HybridLayer:
         impls = _linears(layer)
@@ -287,12 +322,13 @@ class HybridDecode:
             return None
         if ctx.images is not None or ctx.mrope is not None or not ctx.k_cache:
             return None
-        x = self.model.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary(ctx.positions)
-        out = torch.empty_like(x)
-        assert x.is_contiguous() and x.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+        rows = input_ids.shape[0]
+        out = torch.empty((rows, self.dims.hidden), dtype=torch.float32)
+        if not self.inputs.embed:
+            out.copy_(self.model.model.embed_tokens(input_ids))
         layers = self._layer_array(ctx)
-        self.kernels.decode(layers, self.dims, x, out, cos, sin, batch.step_slots, paged.rows)
+        slots = batch.step_slots
+        self.kernels.decode(layers, self.dims, self.inputs, input_ids, ctx.positions, out, slots, paged.rows)
         return out
 
 

@@ -66,9 +66,10 @@ void sigmoid_gate_mul(const void *x, const void *gate, int64_t gate_stride, int6
         }
 }
 
-/* Scratch of a step (float32 buffers, each [rows, its width], and the quantized activations). */
+/* Scratch of a step (float32 buffers, each [rows, its width]: rope holds the rows' cos, then their sin;
+ * and the quantized activations). */
 typedef struct {
-    float *h, *proj, *conv, *y, *q, *k, *attn, *gu, *act;
+    float *h, *proj, *conv, *y, *q, *k, *attn, *gu, *act, *rope;
     void *act_q;
 } hybrid_scratch;
 
@@ -76,16 +77,16 @@ static char *hybrid_arena(const hybrid_dims *d, int64_t rows, int64_t in_n, hybr
     const int64_t q_out = d->heads * d->head_dim, kv_out = d->kv_heads * d->head_dim;
     const int64_t channels = 2 * d->k_heads * d->dk + d->v_heads * d->dv, v_out = d->v_heads * d->dv;
     const int64_t proj = in_n > 2 * q_out + 2 * kv_out ? in_n : 2 * q_out + 2 * kv_out;
-    const int64_t widths[9] = {d->hidden, proj, channels, v_out > q_out ? v_out : q_out, q_out, kv_out, q_out,
-                               2 * d->inner, d->inner};
-    int64_t at[9], total = 0, k_max = d->hidden;
-    for (int i = 0; i < 9; i++) at[i] = total, total += (rows * widths[i] + 15) / 16 * 16;
+    const int64_t widths[10] = {d->hidden, proj, channels, v_out > q_out ? v_out : q_out, q_out, kv_out, q_out,
+                                2 * d->inner, d->inner, 2 * d->rotary_dim};
+    int64_t at[10], total = 0, k_max = d->hidden;
+    for (int i = 0; i < 10; i++) at[i] = total, total += (rows * widths[i] + 15) / 16 * 16;
     const int64_t ks[3] = {v_out, q_out, d->inner};
     for (int i = 0; i < 3; i++) k_max = ks[i] > k_max ? ks[i] : k_max;
     float *arena = malloc((size_t)total * sizeof(float) + (size_t)(rows * act_row_bytes_max(k_max)) + 64);
     if (arena == NULL) return NULL;
-    float **bufs[9] = {&s->h, &s->proj, &s->conv, &s->y, &s->q, &s->k, &s->attn, &s->gu, &s->act};
-    for (int i = 0; i < 9; i++) *bufs[i] = arena + at[i];
+    float **bufs[10] = {&s->h, &s->proj, &s->conv, &s->y, &s->q, &s->k, &s->attn, &s->gu, &s->act, &s->rope};
+    for (int i = 0; i < 10; i++) *bufs[i] = arena + at[i];
     s->act_q = arena + total;
     return (char *)arena;
 }
@@ -130,16 +131,40 @@ static int attention_mixer(const hybrid_layer *l, const hybrid_dims *d, int64_t 
     return decode_linear_run(&l->out_proj, d->hidden, q_out, s->y, rows, s->act_q, out, DTYPE_F32, out);
 }
 
-int decode_hybrid(const hybrid_layer *layers, int64_t n_layers, const hybrid_dims *dims, const float *x, float *out,
-                  int64_t rows, const float *cos, const float *sin, const int64_t *slots, const int64_t *q_rows,
-                  const int64_t *req_pool_idx, const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride,
-                  int64_t page_size) {
+/* The step's inputs, looked up from the tables the model holds (in the step rather than by the modules'
+ * calls before it: after a step has streamed the weights through the caches those few calls ran cold,
+ * ~0.15 ms of Python a step): each row's embedding row into out (ids in [0, vocab) of a table of blocks
+ * of embed_type, dequantized as quant_get_rows does; embed NULL: out holds the rows already), and its
+ * cos / sin rows (positions in [0, table_rows) of the rotary tables [table_rows, rotary_dim]) into
+ * rope [2, rows, rotary_dim]. */
+static int hybrid_inputs(const hybrid_dims *d, const int64_t *ids, const uint8_t *embed, int embed_type,
+                         int64_t vocab, const int64_t *positions, int64_t table_rows, const float *cos_table,
+                         const float *sin_table, int64_t rows, float *out, float *rope) {
+    const int64_t rd = d->rotary_dim;
+    for (int64_t r = 0; r < rows; r++)
+        if ((embed != NULL && (ids[r] < 0 || ids[r] >= vocab)) || positions[r] < 0 || positions[r] >= table_rows)
+            return RV_ERR_HEADS;
+    if (embed != NULL) quant_get_rows(embed_type, embed, d->hidden, ids, rows, out, DTYPE_F32);
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy(rope + r * rd, cos_table + positions[r] * rd, (size_t)rd * sizeof(float));
+        memcpy(rope + (rows + r) * rd, sin_table + positions[r] * rd, (size_t)rd * sizeof(float));
+    }
+    return RV_OK;
+}
+
+int decode_hybrid(const hybrid_layer *layers, int64_t n_layers, const hybrid_dims *dims, const int64_t *ids,
+                  const uint8_t *embed, int embed_type, int64_t vocab, const int64_t *positions, int64_t table_rows,
+                  const float *cos_table, const float *sin_table, float *out, int64_t rows, const int64_t *slots,
+                  const int64_t *q_rows, const int64_t *req_pool_idx, const int64_t *kv_lens,
+                  const int64_t *page_table, int64_t pt_stride, int64_t page_size) {
     const int64_t hidden = dims->hidden, inner = dims->inner, in_n = dims->linear_in;
     hybrid_scratch s;
     char *arena = hybrid_arena(dims, rows, in_n, &s);
     if (arena == NULL) return RV_ERR_NO_MEMORY;
-    memcpy(out, x, (size_t)(rows * hidden) * sizeof(float));
-    int status = 0;
+    float *rope = s.rope;
+    const float *cos = rope, *sin = rope + rows * dims->rotary_dim;
+    int status = hybrid_inputs(dims, ids, embed, embed_type, vocab, positions, table_rows, cos_table, sin_table,
+                               rows, out, rope);
     for (int64_t li = 0; li < n_layers && status == 0; li++) {
         const hybrid_layer *l = layers + li;
         rms_norm(out, hidden, l->input_norm, s.h, rows, (int)hidden, dims->eps, DTYPE_F32);
