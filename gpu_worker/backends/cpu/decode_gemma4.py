@@ -200,6 +200,7 @@ class Gemma4Decode:
 
     def _layer(self, layer: Any, ctx: ForwardContext) -> Gemma4Layer:
         attn, mlp = layer.self_attn, layer.mlp
+        scale = attn.attention.scale  # None: the kernel's 1 / sqrt(head_dim), as the modules pass it
         impls: list[QuantLinear] | None = quant_linears(_linears(layer))
         assert impls is not None  # why_not_layer's
         linears = [DecodeLinear.of(impl) for impl in impls] + [DecodeLinear()] * (LINEARS - len(impls))
@@ -218,7 +219,7 @@ class Gemma4Decode:
             inner=sum(mlp.gate_up_proj.sizes) // 2, window=attn.attention.sliding_window,
             rope_at=self.rope_at[str(layer.layer_type)], writes_kv=int(not attn.shares_kv),
             k_eq_v=int(attn.k_eq_v), per_layer=layer.self_attn.layer if layer.per_layer else -1,
-            scale=attn.attention.scale, layer_scalar=float(layer.layer_scalar),
+            scale=attn.head_dim**-0.5 if scale is None else scale, layer_scalar=float(layer.layer_scalar),
         )  # fmt: skip
 
     def _layer_runs(self, ctx: ForwardContext) -> list[tuple[int, int, ctypes.Array[Gemma4Layer]]]:
