@@ -71,8 +71,9 @@ class ModelRunner:
             self.sampler_params, self.top_logprobs, self.penalties, self.grammars, self.backend.greedy
         )
         # The token each req_pool_idx drew last: a row scheduled before that draw came back (overlap
-        # scheduling) sends PENDING as its input and gets this one.
-        self.last_tokens = torch.zeros(config.max_running_requests, dtype=torch.int64, device=self._device)
+        # scheduling) sends PENDING as its input and gets this one. A list: the draws arrive as ints
+        # (Drawn), and a step's few stores and lookups as list items cost no tensor ops.
+        self.last_drawn = [0] * config.max_running_requests
 
     def _init_device(self) -> None:
         self.backend = backends.create(self.config)
@@ -256,8 +257,8 @@ class ModelRunner:
         """Run one batch; return the drawn tokens of its ``sample`` rows in row order."""
         self.backend.before_batch(len(batch.req_pool_idx), len(batch.input_ids))
         started = time.perf_counter()
-        hidden = self.forward(batch)
-        with torch.inference_mode():
+        with torch.inference_mode():  # once a step: forward's own decorator is for its other callers
+            hidden = self._forward(batch)
             drawn = self._sample(hidden, batch)
             prompt, prompt_top = prompt_logprobs(hidden, batch, self.top_logprobs, self.model.compute_logits)
             pooled = pooled_rows(hidden, batch, final_norm(self.model)) if batch.pool else []
@@ -278,8 +279,8 @@ class ModelRunner:
             index = torch.tensor(plan.hidden_rows, dtype=torch.int64).to(self._device)
             hidden = hidden.index_select(0, index)
         drawn = self.draws.draw(self.model.compute_logits(hidden), plan, batch)
-        last = torch.tensor(drawn.last_tokens, dtype=torch.int64).to(self._device)
-        self.last_tokens[torch.tensor(drawn.last_req_pool_idx, device=self._device)] = last
+        for idx, token in zip(drawn.last_req_pool_idx, drawn.last_tokens, strict=True):
+            self.last_drawn[idx] = token
         return drawn
 
     @torch.inference_mode()
@@ -292,6 +293,10 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Apply the batch's page deltas and sampler settings, run the forward, and return the
         hidden states [tokens of the batch, hidden] (before the final norm)."""
+        return self._forward(batch)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """``forward`` within the caller's inference mode."""
         check_batch(batch, self.batch_limits, self.sampler_params.assigned)  # every rule, before any use
         self.kv.apply_page_deltas(batch.req_pool_idx, batch.page_starts, batch.page_counts, batch.pages)
         positions, meta = self.backend.init_forward_metadata(
@@ -326,13 +331,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, last))
 
     def _input_ids(self, batch: ForwardBatch) -> torch.Tensor:
-        """The batch's token ids, each PENDING replaced by the token its request drew last."""
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self._device)
-        if min(batch.input_ids) >= 0:
-            return input_ids
-        ends = list(accumulate(batch.extend_lens))
-        rows = [i for i, end in enumerate(ends) if batch.input_ids[end - 1] == PENDING]
-        where = torch.tensor([ends[i] - 1 for i in rows], device=self._device)
-        req_pool_idx = torch.tensor([batch.req_pool_idx[i] for i in rows], device=self._device)
-        input_ids[where] = self.last_tokens[req_pool_idx]
-        return input_ids
+        """The batch's token ids, each PENDING replaced by the token its request drew last (PENDING is
+        only ever a row's last token: batch_checks)."""
+        ids = batch.input_ids
+        if min(ids) < 0:
+            ids = list(ids)
+            for i, end in enumerate(accumulate(batch.extend_lens)):
+                if ids[end - 1] == PENDING:
+                    ids[end - 1] = self.last_drawn[batch.req_pool_idx[i]]
+        return torch.tensor(ids, dtype=torch.int64).to(self._device)
