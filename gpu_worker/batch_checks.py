@@ -83,6 +83,8 @@ def _lengths(batch: ForwardBatch, limits: BatchLimits) -> None:
 def _row_references(batch: ForwardBatch, limits: BatchLimits) -> None:
     """Images and state checkpoints name rows of this batch; a checkpoint is saved within its row.
     (The checkpoint ids' range is the state pool's: recurrent_state.check_checkpoints.)"""
+    if not (batch.image_rows or batch.state_load_rows or batch.state_save_rows):
+        return  # (the common batch: each rule on optional fields returns at once when they are empty)
     rows = len(batch.req_pool_idx)
     named = [*batch.image_rows, *batch.state_load_rows, *batch.state_save_rows]
     if any(not 0 <= r < rows for r in named):
@@ -164,6 +166,8 @@ def _samplers(batch: ForwardBatch, limits: BatchLimits) -> None:
 
 def _prompt_logprobs(batch: ForwardBatch, limits: BatchLimits) -> None:
     lens = batch.prompt_logprob_lens
+    if not lens and not batch.prompt_logprob_targets:
+        return
     if any(not 0 <= n <= e for n, e in zip(lens, batch.extend_lens, strict=False)):
         raise _fail(batch, "prompt_logprob_lens must be in [0, extend_lens]")
     if any(not 0 <= t < limits.vocab_size for t in batch.prompt_logprob_targets):
@@ -171,6 +175,8 @@ def _prompt_logprobs(batch: ForwardBatch, limits: BatchLimits) -> None:
 
 
 def _forks(batch: ForwardBatch, limits: BatchLimits) -> None:
+    if not batch.fork_rows and not batch.fork_req_pool_idx:
+        return
     rows = len(batch.req_pool_idx)
     if not all(0 <= i < rows and batch.sample[i] for i in batch.fork_rows):
         raise _fail(batch, "a fork's row must be a sampling row of the batch")
@@ -181,6 +187,8 @@ def _forks(batch: ForwardBatch, limits: BatchLimits) -> None:
 
 def _page_copies(batch: ForwardBatch, limits: BatchLimits) -> None:
     src, dst = batch.copy_src, batch.copy_dst
+    if not src and not dst:
+        return
     if len(set(dst)) != len(dst):
         raise _fail(batch, "a page is copied into twice (each copy_dst once)")
     if set(src) & set(dst):
@@ -192,6 +200,8 @@ def _page_copies(batch: ForwardBatch, limits: BatchLimits) -> None:
 def _drafts(batch: ForwardBatch, limits: BatchLimits) -> None:
     """Per row, 0 <= draft_len < extend_len; a verify row samples, has no PENDING input (its
     request waited for its last token) and no forks."""
+    if not batch.draft_lens:
+        return
     ends = list(accumulate(batch.extend_lens))
     for i, d in enumerate(batch.draft_lens):
         if not 0 <= d < batch.extend_lens[i]:
@@ -206,6 +216,8 @@ def _drafts(batch: ForwardBatch, limits: BatchLimits) -> None:
 
 def _pool(batch: ForwardBatch, limits: BatchLimits) -> None:
     """A pooling row pools prompt positions only (a draft's are void), of a model that can pool."""
+    if not batch.pool:
+        return
     pooling = [i for i, kind in enumerate(batch.pool) if kind is not None]
     if pooling and limits.why_no_pooling is not None:
         raise _fail(batch, f"rows {pooling} pool, but the model cannot: {limits.why_no_pooling}")
