@@ -111,9 +111,16 @@ typedef __m256 vec;
 #define VADD _mm256_add_ps
 #endif
 #define BF16_PF 1024 /* bytes ahead of each weight row's read: a prefetch per 64-byte block */
-/* One row's stream: bytes ahead of the block read (on 2 MB pages 4096 and 8192 alike, on 4 KB pages
- * 8192 the faster), and blocks a step (sums kept apart). */
+/* One row's stream: bytes ahead of the block read, and blocks a step (sums kept apart). AVX-512, on the
+ * arena's 2 MB pages, 4 KB ahead: at k = 8192 x (32 KB of float32) and a row (16 KB) fill L1 alone,
+ * and lines fetched 8 KB ahead pushed x out; at k <= 4096 the two ran alike. The AVX2 loop, with twice
+ * the instructions a block, keeps 8 KB (docs/benchmarks-history.md, "BF16 one row: the prefetch
+ * distance, and the read pace at two threads"). */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define ROW1_PF 4096
+#else
 #define ROW1_PF 8192
+#endif
 #define ROW1_U 4
 
 /* *even += the even weights of the 32 at p times xb[0, 16), *odd += the odd ones times xb[16, 32). */
