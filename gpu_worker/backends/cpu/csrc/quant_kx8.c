@@ -1069,8 +1069,9 @@ static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int6
 
 /* The 8-bit activations' tiles (act_block8; many rows) on AVX2: the AVX-512 tiles' sums, one group
  * (8 weight rows) at a time, a ymm holding one chunk (4 weights of each of the 8 rows) as unsigned
- * bytes, read where it lies (tile8_direct's way: AVX2 has no register room to make unpacking a
- * slice first pay). Each (chunk, activation row) is one maddubs against the row's 4 bytes
+ * bytes, read where it lies (tile8_direct's way), or for Q4_K and Q6_K from UNPACK_ROWS rows
+ * unpacked a slice at a time to memory (kx8_loop_u below). Each (chunk, activation row) is one
+ * maddubs against the row's 4 bytes
  * broadcast, its int16 sums added up over a few chunks (dpb16), then a madd by ones into int32
  * lanes (AVX2 has no vpdpbusd): 32 products in a bit over one multiply, where the 16-bit tiles'
  * madd takes 16, and the weights need no widening. Q4_K, Q4_0 and Q4_1 at two rows and more take
