@@ -9,7 +9,8 @@
  *   IQ4_XS (a block of 256, 1088 bytes): 8 fp16 d | 8 x 2 bytes of scale highs | 8 x 4 bytes of scale
  *   lows | per sub-block i < 8 of 32 weights its 4 chunks as above (8 x 128). Its sub-block's scale
  *   d (ls - 32) is made for the 8 rows at once (shifts and masks of the rows' words: exact); the
- *   8-bit tiles make all 8 sub-blocks' for their 16 rows once a block.
+ *   8-bit tiles make all 8 sub-blocks' for their 16 rows once a block, and on AVX-512 once a panel (the
+ *   first activation rows' tiles store them in a table the others read).
  * A chunk's low nibbles are weights 4c .. 4c + 3 of each row, its high nibbles 16 + 4c .. 19 + 4c;
  * their fifth bits are bits 4c .. 4c + 3 of qh byte c / 2 (low) and of byte 2 + c / 2 (high), bit
  * 4 (c % 2) + i for weight i of the four. A chunk is one ymm: 4 bytes (one 32-bit lane) per row.
@@ -523,20 +524,21 @@ static inline __attribute__((always_inline)) void xs_scales16(const uint8_t *blk
     }
 }
 
-/* The 16 tile rows' d of block b (the blocks at blk0, blk1): IQ4_XS's from ds, made per 256. */
+/* The 16 tile rows' d of block b (the blocks at blk0, blk1): IQ4_XS's from its panel's table. */
 static inline __attribute__((always_inline)) __m512 scales16(const uint8_t *blk0, const uint8_t *blk1, int64_t b,
                                                               const __m512 *ds, const int type) {
-    return is_xs(type) ? ds[b % 8] : _mm512_cvtph_ps(two16(blk0, blk1));
+    return is_xs(type) ? ds[b] : _mm512_cvtph_ps(two16(blk0, blk1));
 }
 
 /* out[r * ldo + j] = dot(tile row j, activation row r) for j < width (16, or 8: g1 is g0 again and
  * only its lanes are stored), r < R. A block's per-row scales are made again for the residual pass
- * (the same products), not kept: R more registers live across it spilled the accumulators. */
+ * (the same products), not kept: R more registers live across it spilled the accumulators. IQ4_XS's
+ * scales d (ls - 32): ds[b] for sub-block b, made there first where make_ds (tile8_loop's table). */
 static inline __attribute__((always_inline)) void tile8(const uint8_t *g0, const uint8_t *g1, int width, int64_t nb,
                                                         const act8_32 *const *xa, float *out, int64_t ldo,
-                                                        const int type, const int R) {
+                                                        __m512 *ds, int make_ds, const int type, const int R) {
     const int gbb = 8 * bb_of(type), subs = subs_of(type);
-    __m512 acc[XR8], ds[8];
+    __m512 acc[XR8];
     __m512i is[XR8];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb * subs; b++) {
@@ -546,7 +548,7 @@ static inline __attribute__((always_inline)) void tile8(const uint8_t *g0, const
                 _mm_prefetch((const char *)(blk0 + S32X8_PF + at), _MM_HINT_T0);
                 _mm_prefetch((const char *)(blk1 + S32X8_PF + at), _MM_HINT_T0);
             }
-            if (is_xs(type)) xs_scales16(blk0, blk1, ds);
+            if (is_xs(type) && make_ds) xs_scales16(blk0, blk1, ds + b);
         }
         int two = 0;
         for (int r = 0; r < R; r++) two |= xa[r][b].two;
@@ -576,8 +578,9 @@ static inline __attribute__((always_inline)) void tile8(const uint8_t *g0, const
 #if defined(__AVX512VNNI__)
 /* IQ4_NL with VNNI, 32 weight rows (four groups, two zmm) a tile against 4 activation rows: each
  * activation's 4 bytes broadcast once into a register for both zmm, not once per zmm as vpdpbusd's
- * {1to16} operand (the 16-row tile's). IQ4_XS (its scales per 256 made twice) ran no faster so; Q5's
- * were not tried. The same integer sums and float steps per (row, column, block): the same bits. */
+ * {1to16} operand (the 16-row tile's). IQ4_XS (its scales per 256 made twice) ran no faster so, nor
+ * with them read from the panel's table (0.99 the 16-row tile's time at 256 rows, 1.02-1.15 at 8-128);
+ * Q5's were not tried. The same integer sums and float steps per (row, column, block): the same bits. */
 #define XR32 4 /* activation rows per 32-row tile */
 /* One pass (FIELD) of block b of the four groups (blk[0..3]) against the tile's rows. */
 #define A8_PASS32(FIELD)                                                                         \
@@ -618,7 +621,7 @@ static inline __attribute__((always_inline)) void tile32(const uint8_t *g, int64
         A8_PASS32(q)
         __m512 d[2], m[2];
         for (int h = 0; h < 2; h++) {
-            d[h] = scales16(blk[2 * h], blk[2 * h + 1], b, ds[h], type);
+            d[h] = scales16(blk[2 * h], blk[2 * h + 1], b % 8, ds[h], type); /* (its own 8 a block) */
             m[h] = type == QTYPE_Q5_1 ? _mm512_cvtph_ps(two16(blk[2 * h] + 16, blk[2 * h + 1] + 16))
                                       : _mm512_mul_ps(d[h], _mm512_set1_ps(-16.0f));
         }
@@ -647,6 +650,13 @@ static inline __attribute__((always_inline)) void tile32(const uint8_t *g, int64
 static inline __attribute__((always_inline)) void tile8_loop(const uint8_t *w, int64_t wrb, int64_t nc,
                                                              const uint8_t *xq, int64_t xrb, int64_t nr, int64_t nb,
                                                              float *out, int64_t ldo, const int type) {
+    /* IQ4_XS: every sub-block's scales of the panel's 16-row tiles, tab[(c0 / 16) nb 8 + b] for sub-block b
+     * of columns c0 .. c0 + 15, made by the first rows' tiles as they pass (behind their prefetches; a
+     * pass of its own before the tiles waited on memory: 8 rows 1.3x the time), read by the rest: the
+     * same floats, 2-3% of a 256-row call. (12 KB at most, or nb / 2 KB in a 16-column panel: quant.c's
+     * PANEL_BYTES; NULL: the other types.) */
+    __m512 xs_tab[is_xs(type) ? (nc + 15) / 16 * nb * 8 : 1], *tab = is_xs(type) ? xs_tab : NULL;
+#define XS_TAB(C0) (tab == NULL ? NULL : tab + (C0) / 16 * nb * 8)
 #if defined(__AVX512VNNI__) /* IQ4_NL: whole 32-row tiles first, the rest by the 16-row tile */
     const int64_t n32 = type == QTYPE_IQ4_NL ? nc / 32 * 32 : 0;
     for (int64_t r0 = 0; r0 < nr && n32 > 0;) {
@@ -664,28 +674,31 @@ static inline __attribute__((always_inline)) void tile8_loop(const uint8_t *w, i
         }
         r0 += R;
     }
-    w += n32 * wrb, out += n32, nc -= n32;
-    if (nc == 0) return;
+    const int64_t c32 = n32;
+#else
+    const int64_t c32 = 0;
 #endif
     for (int64_t r0 = 0; r0 < nr;) {
         const int64_t left = nr - r0;
         const int R = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
         const act8_32 *xa[XR8];
         for (int r = 0; r < R; r++) xa[r] = (const act8_32 *)(xq + (r0 + r) * xrb);
-        for (int64_t c0 = 0; c0 < nc; c0 += 16) {
+        for (int64_t c0 = c32; c0 < nc; c0 += 16) {
             const uint8_t *g0 = w + c0 * wrb;
             const int width = nc - c0 >= 16 ? 16 : 8;
             const uint8_t *g1 = width == 16 ? g0 + 8 * wrb : g0;
             float *o = out + r0 * ldo + c0;
+            __m512 *ds = XS_TAB(c0);
             switch (R) {
-            case 8: tile8(g0, g1, width, nb, xa, o, ldo, type, 8); break;
-            case 4: tile8(g0, g1, width, nb, xa, o, ldo, type, 4); break;
-            case 2: tile8(g0, g1, width, nb, xa, o, ldo, type, 2); break;
-            default: tile8(g0, g1, width, nb, xa, o, ldo, type, 1); break;
+            case 8: tile8(g0, g1, width, nb, xa, o, ldo, ds, r0 == 0, type, 8); break;
+            case 4: tile8(g0, g1, width, nb, xa, o, ldo, ds, r0 == 0, type, 4); break;
+            case 2: tile8(g0, g1, width, nb, xa, o, ldo, ds, r0 == 0, type, 2); break;
+            default: tile8(g0, g1, width, nb, xa, o, ldo, ds, r0 == 0, type, 1); break;
             }
         }
         r0 += R;
     }
+#undef XS_TAB
 }
 #define TILE8_LOOP(TYPE) tile8_loop(w, wrb, nc, xq, xrb, nr, nb, out, ldo, TYPE)
 
