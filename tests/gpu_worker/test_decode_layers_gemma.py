@@ -123,7 +123,7 @@ def test_gemma3_one_call_equals_the_modules(
     assert isinstance(runner.model, GemmaForCausalLM)
     assert_one_call_equals_the_modules(runner, rows, monkeypatch)
     fused = cpu_backend(runner).fused_decode
-    assert fused is not None and fused._layers is not None
+    assert isinstance(fused, FusedDecode) and fused._layers is not None
     assert [layer.window for layer in fused._layers] == [WINDOW, 0, WINDOW]
     assert [layer.rope for layer in fused._layers] == [1, 0, 1]  # local, global, local
     assert all(layer.attn_out_norm and layer.mlp_out_norm and layer.q_norm for layer in fused._layers)

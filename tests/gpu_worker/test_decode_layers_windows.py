@@ -77,7 +77,7 @@ def test_windowed_layers_equal_the_modules(
     runner = runner_of(out)
     assert_one_call_equals_the_modules(runner, rows, monkeypatch)
     fused = cpu_backend(runner).fused_decode
-    assert fused is not None and fused._layers is not None
+    assert isinstance(fused, FusedDecode) and fused._layers is not None
     kind = out.name.rstrip("0123456789")
     assert tuple(layer.window for layer in fused._layers) == WINDOWS[kind]
     if kind == "mistral_window" and rows == 3:  # bf16 too (Qwen3's Q/K norms keep bf16 on the modules)
