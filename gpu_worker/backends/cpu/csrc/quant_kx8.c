@@ -1255,27 +1255,32 @@ static inline __attribute__((always_inline)) __m256 q4k_direct_y1(const uint8_t 
     return acc;
 }
 
+/* Q6_K's chunk c of h as the 6-bit q of its four sub-blocks, bytes (w[sb]: the low (sb < 2) or high
+ * nibbles of ql_(sb % 2), qh's bits 2 sb, 2 sb + 1 at 4, 5). */
+static inline __attribute__((always_inline)) void q6_chunk_y(const uint8_t *blk, int h, int c, __m256i w[4]) {
+    const __m256i low = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30);
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 1168 + (h * 8 + c) * 32));
+    const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 144 + (h * 16 + c) * 32));
+    const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 144 + (h * 16 + 8 + c) * 32));
+    w[0] = _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_and_si256(_mm256_slli_epi16(qh, 4), high2));
+    w[1] = _mm256_or_si256(_mm256_and_si256(ql1, low), _mm256_and_si256(_mm256_slli_epi16(qh, 2), high2));
+    w[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_and_si256(qh, high2));
+    w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), _mm256_and_si256(_mm256_srli_epi16(qh, 2), high2));
+}
+
 /* Q6_K's 16-weight sums of the four sub-blocks (32 values each) of one h at half ``half`` of their
  * chunks: is[sb] = qoff + sum over the 4 chunks, two maddubs per int16 sum (dpb16's limits). */
 static inline __attribute__((always_inline)) void q6_half_y1(const uint8_t *blk, const act_block8 *x, int h, int half,
                                                              __m256i is[4]) {
-    const __m256i low = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int sb = 0; sb < 4; sb++) is[sb] = _mm256_set1_epi32(x->qoff[2 * (4 * h + sb) + half]);
 #pragma GCC unroll 2
     for (int cp = 0; cp < 4; cp += 2) {
         __m256i s16[4];
 #pragma GCC unroll 2
         for (int ci = cp; ci < cp + 2; ci++) {
-            const int c = 4 * half + ci;
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 1168 + (h * 8 + c) * 32));
-            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 144 + (h * 16 + c) * 32));
-            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 144 + (h * 16 + 8 + c) * 32));
-            const __m256i w[4] = {
-                _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_and_si256(_mm256_slli_epi16(qh, 4), high2)),
-                _mm256_or_si256(_mm256_and_si256(ql1, low), _mm256_and_si256(_mm256_slli_epi16(qh, 2), high2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_and_si256(qh, high2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), _mm256_and_si256(_mm256_srli_epi16(qh, 2), high2)),
-            };
+            __m256i w[4];
+            q6_chunk_y(blk, h, 4 * half + ci, w);
             for (int sb = 0; sb < 4; sb++)
                 s16[sb] = dpb16(ci == cp ? _mm256_setzero_si256() : s16[sb], w[sb], x->q + 32 * (4 * h + sb) + 16 * half + 4 * ci);
         }
@@ -1623,7 +1628,6 @@ __attribute__((noinline)) static void q4k_unpack_y(const uint8_t *g0, const uint
  * q6_direct_y's assembly), then group g's d * scale at 10 half + 8 + g. */
 __attribute__((noinline)) static void q6_unpack_y(const uint8_t *g0, const uint8_t *g1, int64_t b0, int64_t sl, __m256i *u) {
     const int gbb = 8 * 210;
-    const __m256i low = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30);
     for (int64_t b = 0; b < sl; b++)
         for (int g = 0; g < 2; g++) {
             const uint8_t *blk = (g ? g1 : g0) + (b0 + b) * gbb;
@@ -1631,15 +1635,8 @@ __attribute__((noinline)) static void q6_unpack_y(const uint8_t *g0, const uint8
             for (int h = 0; h < 2; h++)
                 for (int c = 0; c < 8; c++) {
                     const int half = c / 4, ci = c % 4;
-                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 1168 + (h * 8 + c) * 32));
-                    const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 144 + (h * 16 + c) * 32));
-                    const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 144 + (h * 16 + 8 + c) * 32));
-                    const __m256i w[4] = {
-                        _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_and_si256(_mm256_slli_epi16(qh, 4), high2)),
-                        _mm256_or_si256(_mm256_and_si256(ql1, low), _mm256_and_si256(_mm256_slli_epi16(qh, 2), high2)),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_and_si256(qh, high2)),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), _mm256_and_si256(_mm256_srli_epi16(qh, 2), high2)),
-                    };
+                    __m256i w[4];
+                    q6_chunk_y(blk, h, c, w);
                     for (int sb = 0; sb < 4; sb++)
                         _mm256_store_si256(u + b * U_BLOCK + (4 * h + sb) * 20 + 10 * half + 2 * ci + g, w[sb]);
                 }
