@@ -42,7 +42,9 @@ def test_the_sampler_reads_this_process_and_its_threads() -> None:
     used = cpu_between(snaps, snaps[0].t, snaps[-1].t)
     assert used["client"] >= 0.09  # the main thread's, at schedstat's resolution
     assert used["me"] >= used["client"] - 0.02  # the whole process's, in clock ticks
-    assert used[f"me/{threading.get_native_id()}"] == pytest.approx(used["client"])
+    # the same thread read twice in one take: apart by what the main thread spends between the reads
+    # (its last take runs on it; 0.12 ms seen on a loaded machine)
+    assert used[f"me/{threading.get_native_id()}"] == pytest.approx(used["client"], abs=0.005)
 
 
 @pytest.mark.timeout(300)
