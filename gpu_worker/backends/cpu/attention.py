@@ -44,7 +44,9 @@ class PagedDecodeRows:
 class CpuAttentionMetadata:
     """the torch backend's metadata of the extend rows, and the decode rows for the kernel (None: none)."""
 
-    torch_meta: torch_attention.AttentionMetadata  # its decode groups are empty: the kernel's rows
+    # its decode groups are empty: the kernel's rows. None until first read where every row is a
+    # one-token decode row (a steady decode step): the one-call decodes read none of it.
+    _torch_meta: torch_attention.AttentionMetadata | None
     paged_decode: PagedDecodeRows | None
     all_decode: bool  # every row goes to the kernel: the tokens are arange(T)
     batch: tuple[torch.Tensor, int, list[int], list[int], list[int]]  # build_metadata's arguments
@@ -55,6 +57,16 @@ class CpuAttentionMetadata:
     @property
     def in_order(self) -> bool:
         return self.all_decode
+
+    @property
+    def torch_meta(self) -> torch_attention.AttentionMetadata:
+        """the torch backend's metadata of the extend rows (the K/V locations of every row)."""
+        if self._torch_meta is None:
+            page_table, page_size, rows, prefix_lens, extend_lens = self.batch
+            _, self._torch_meta = torch_attention.build_metadata(
+                page_table, page_size, rows, prefix_lens, extend_lens, page_table.device, KERNEL_MAX_EXTEND
+            )
+        return self._torch_meta
 
     def torch_metadata(self) -> torch_attention.AttentionMetadata:
         """the torch backend's metadata of every row."""
@@ -78,6 +90,8 @@ def build_metadata(
 ) -> tuple[torch.Tensor, CpuAttentionMetadata]:
     """Positions [T] and the batch's metadata: the torch backend's for the extend rows (and, for layers the
     kernel does not take, its decode groups), the kernel's rows for the decode rows."""
+    if max(extend_lens) == 1 == min(extend_lens):
+        return _decode_step_metadata(kernels, page_table, page_size, req_pool_idx, prefix_lens, extend_lens)
     device = page_table.device
     positions, torch_meta = torch_attention.build_metadata(
         page_table, page_size, req_pool_idx, prefix_lens, extend_lens, device, KERNEL_MAX_EXTEND
@@ -99,12 +113,36 @@ def build_metadata(
             rows=kernels.decode_rows(tokens, rows_t, lens, page_table, page_size),
         )
     meta = CpuAttentionMetadata(
-        torch_meta=torch_meta,
+        _torch_meta=torch_meta,
         paged_decode=paged,
         all_decode=len(decode) == len(extend_lens),
         batch=(page_table, page_size, req_pool_idx, prefix_lens, extend_lens),
     )
     return positions, meta
+
+
+def _decode_step_metadata(
+    kernels: CpuKernels,
+    page_table: torch.Tensor,
+    page_size: int,
+    req_pool_idx: list[int],
+    prefix_lens: list[int],
+    extend_lens: list[int],
+) -> tuple[torch.Tensor, CpuAttentionMetadata]:
+    """``build_metadata`` of a batch of one-token rows, every one the kernel's: the positions and the
+    kernel's rows from one tensor, the torch backend's metadata left until a layer reads it (at one
+    row that build is most of the step's Python beyond the C calls: docs/benchmarks-history.md)."""
+    rows = len(req_pool_idx)
+    columns = [prefix_lens, range(rows), req_pool_idx, [p + 1 for p in prefix_lens]]
+    positions, tokens, rows_t, lens = torch.tensor(columns, dtype=torch.int64).unbind(0)
+    paged = PagedDecodeRows(
+        tokens=tokens,
+        req_pool_idx=rows_t,
+        kv_lens=lens,
+        rows=kernels.decode_rows(tokens, rows_t, lens, page_table, page_size),
+    )
+    batch = (page_table, page_size, req_pool_idx, prefix_lens, extend_lens)
+    return positions, CpuAttentionMetadata(_torch_meta=None, paged_decode=paged, all_decode=True, batch=batch)
 
 
 def attend(
