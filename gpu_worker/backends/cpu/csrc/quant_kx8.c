@@ -1067,6 +1067,157 @@ static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int6
     for (int r = 0; r < R && r < nr; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
 }
 
+/* One activation row (decode) on AVX2, Q4_K and Q6_K: the 16-bit activations split once per call
+ * into their bytes, a = 256 hi + lo (lo unsigned, hi signed: exact for every int16), so each chunk's
+ * 4-bit (6-bit) weights, left as bytes, meet them in maddubs: maddubs(lo, q) with q as its signed operand
+ * (q >= 0), maddubs(q, hi) with q unsigned. A maddubs gives 32 byte products where the 16-bit
+ * tile's madd gives 16 word products: the same multiplies per weight, without the weights' widening,
+ * and each (row, pair) int16 lane summed over chunks before one madd widens it (by 1 for lo, by 256
+ * for hi) into row s's own int32 lane: no fold of pairs. int16 adds wrap, so only each final sum
+ * must fit below 32767: pair sums lo * q <= 2 * 255 * 15 (Q4_K; 63 Q6_K), hi * q <= 2 * 128 * 15 (63),
+ * summed over as many chunks as that allows (the tiles say). Q6_K's q - 32: q as bytes, the -32 * sum(a)
+ * of each 16 values added to the int32 sums (act_split's off16). Every sum is the 16-bit tile's
+ * integer, and every float step as there in the same order: the same bits. */
+#define KX8_ROW1 1
+typedef struct {
+    uint8_t lo[32]; /* the 32 values' low bytes */
+    int8_t hi[32];  /* their high bytes (a >> 8) */
+    float d, s;     /* act_block16's */
+    int32_t off16[2]; /* -32 * the sum of values 0-15, of 16-31 (Q6_K's q - 32) */
+} act_split;
+
+static void split_act16(const act_block16 *x, int64_t n, act_split *out) {
+    for (int64_t i = 0; i < n; i++) {
+        int32_t s0 = 0, s1 = 0;
+        for (int v = 0; v < 32; v++) {
+            out[i].lo[v] = (uint8_t)(x[i].q[v] & 0xff);
+            out[i].hi[v] = (int8_t)(x[i].q[v] >> 8);
+            if (v < 16) s0 += x[i].q[v];
+            else s1 += x[i].q[v];
+        }
+        out[i].d = x[i].d;
+        out[i].s = x[i].s;
+        out[i].off16[0] = -32 * s0;
+        out[i].off16[1] = -32 * s1;
+    }
+}
+
+static inline __m256i bcast4(const void *p) { return _mm256_set1_epi32(*(const int32_any *)p); }
+
+/* s16 + maddubs(a, b), in asm so that gcc keeps each chain an add at a time (as madd_acc) */
+static inline __m256i ubs_acc(__m256i s16, __m256i a, __m256i b) {
+    __m256i t;
+    __asm__("vpmaddubsw %[b], %[a], %[t]\n\tvpaddw %[t], %[acc], %[acc]"
+            : [acc] "+x"(s16), [t] "=&x"(t)
+            : [a] "x"(a), [b] "x"(b));
+    return s16;
+}
+
+/* Q4_K: lo's int16 sums take 4 chunks (2 * 255 * 15 * 4), hi's all 8 (2 * 128 * 15 * 8). */
+static inline __attribute__((always_inline)) void q4k_row1(const uint8_t *g, int64_t nb, const act_split *xs, float *out) {
+    const int gbb = 8 * 144;
+    const __m256i m4 = _mm256_set1_epi32(0x0f0f0f0f), ones = _mm256_set1_epi16(1), k256 = _mm256_set1_epi16(256);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * gbb;
+        for (int at = 0; at < gbb; at += 64) prefetch_weights(blk + PF_Q45 * gbb + at);
+        const __m256i wa = _mm256_loadu_si256((const __m256i *)(blk + 32));
+        const __m256i wb = _mm256_loadu_si256((const __m256i *)(blk + 64));
+        const __m256i wc = _mm256_loadu_si256((const __m256i *)(blk + 96));
+        const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), hi2 = _mm256_set1_epi32(0x30303030);
+        const __m256i sc03 = _mm256_and_si256(wa, m6), m03 = _mm256_and_si256(wb, m6);
+        const __m256i sc47 = _mm256_or_si256(_mm256_and_si256(wc, m4), _mm256_and_si256(_mm256_srli_epi32(wa, 2), hi2));
+        const __m256i m47 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(wc, 4), m4), _mm256_and_si256(_mm256_srli_epi32(wb, 2), hi2));
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        for (int j = 0; j < 8; j += 2) { /* sub-blocks j (low nibbles) and j + 1 (high) */
+            const __m256i scw = j < 4 ? sc03 : sc47, mw = j < 4 ? m03 : m47, byte = _mm256_set1_epi32(0xff);
+            const __m128i sh0 = _mm_cvtsi32_si128(8 * (j % 4)), sh1 = _mm_cvtsi32_si128(8 * (j % 4) + 8);
+            const __m256 dsc0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(scw, sh0), byte)));
+            const __m256 dsc1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(scw, sh1), byte)));
+            const __m256 dm0 = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mw, sh0), byte)));
+            const __m256 dm1 = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mw, sh1), byte)));
+            const act_split *x = xs + 8 * b + j;
+            __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
+            __m256i h0 = _mm256_setzero_si256(), h1 = _mm256_setzero_si256();
+            for (int c0 = 0; c0 < 8; c0 += 4) {
+                __m256i l0 = _mm256_setzero_si256(), l1 = _mm256_setzero_si256();
+                for (int c = c0; c < c0 + 4; c++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 128 + (j / 2 * 8 + c) * 32));
+                    const __m256i w0 = _mm256_and_si256(v, m4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    l0 = ubs_acc(l0, bcast4(x[0].lo + 4 * c), w0);
+                    l1 = ubs_acc(l1, bcast4(x[1].lo + 4 * c), w1);
+                    h0 = ubs_acc(h0, w0, bcast4(x[0].hi + 4 * c));
+                    h1 = ubs_acc(h1, w1, bcast4(x[1].hi + 4 * c));
+                }
+                i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(l0, ones));
+                i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(l1, ones));
+            }
+            i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(h0, k256));
+            i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(h1, k256));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(dsc0, _mm256_set1_ps(x[0].d)), acc);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(dsc1, _mm256_set1_ps(x[1].d)), acc);
+            acc = _mm256_fnmadd_ps(dm0, _mm256_set1_ps(x[0].s), acc);
+            acc = _mm256_fnmadd_ps(dm1, _mm256_set1_ps(x[1].s), acc);
+        }
+    }
+    _mm256_storeu_ps(out, acc);
+}
+
+static inline __attribute__((always_inline)) void q6_chunk_y(const uint8_t *blk, int h, int c, __m256i w[4]);
+
+/* Q6_K: sub-block sb's q (0-63) of a chunk as maddubs' signed operand against lo (its pair sums up
+ * to 2 * 255 * 63: widened at once) and as its unsigned one against hi (2 * 63 * 128: two chunks per
+ * int16 sum); the 16 values' -32 * sum(a) start each int32 sum. */
+static inline __attribute__((always_inline)) void q6_row1(const uint8_t *g, int64_t nb, const act_split *xs, float *out) {
+    const int gbb = 8 * 210;
+    const __m256i ones = _mm256_set1_epi16(1), k256 = _mm256_set1_epi16(256);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * gbb;
+        for (int at = 0; at < gbb; at += 64) prefetch_weights(blk + PF_Q6 * gbb + at);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        for (int h = 0; h < 2; h++)
+            for (int half = 0; half < 2; half++) {
+                const act_split *x = xs + 8 * b + 4 * h;
+                __m256i is[4], hs[4];
+                for (int sb = 0; sb < 4; sb++) is[sb] = _mm256_set1_epi32(x[sb].off16[half]);
+                for (int c = 4 * half; c < 4 * half + 4; c++) {
+                    __m256i w[4];
+                    q6_chunk_y(blk, h, c, w);
+                    for (int sb = 0; sb < 4; sb++) {
+                        const __m256i p = _mm256_maddubs_epi16(w[sb], bcast4(x[sb].hi + 4 * c));
+                        hs[sb] = c % 2 ? _mm256_add_epi16(hs[sb], p) : p;
+                        is[sb] = madd_acc(is[sb], _mm256_maddubs_epi16(bcast4(x[sb].lo + 4 * c), w[sb]), ones);
+                        if (c % 2) is[sb] = madd_acc(is[sb], hs[sb], k256);
+                    }
+                }
+                for (int t = 0; t < 2; t++) { /* sub-blocks t and t + 2, as q6_tile */
+                    const uint8_t *s8 = blk + 16 + (h * 2 + half) * 32 + 8 * t;
+                    const __m256 sc0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)s8))));
+                    const __m256 sc1 =
+                        _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(s8 + 16)))));
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[t]), _mm256_mul_ps(sc0, _mm256_set1_ps(x[t].d)), acc);
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[t + 2]), _mm256_mul_ps(sc1, _mm256_set1_ps(x[t + 2].d)), acc);
+                }
+            }
+    }
+    _mm256_storeu_ps(out, acc);
+}
+
+/* Weight rows [0, nc) x the one activation row at xq (Q4_K or Q6_K): its blocks split once
+ * (act_split), then each group in turn. */
+static void kx8_row1(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t nb, float *out, const int type) {
+    act_split xs[8 * nb];
+    split_act16((const act_block16 *)xq, 8 * nb, xs);
+    for (int64_t c0 = 0; c0 < nc; c0 += 8) {
+        if (type == QTYPE_Q6_K)
+            q6_row1(w + c0 * wrb, nb, xs, out + c0);
+        else
+            q4k_row1(w + c0 * wrb, nb, xs, out + c0);
+    }
+}
+
 /* The 8-bit activations' tiles (act_block8; many rows) on AVX2: the AVX-512 tiles' sums, one group
  * (8 weight rows) at a time, a ymm holding one chunk (4 weights of each of the 8 rows) as unsigned
  * bytes, read where it lies (tile8_direct's way), or for Q4_K and Q6_K from UNPACK_ROWS rows
@@ -1905,6 +2056,12 @@ A8_TILE(tile_q4_1_a8, QTYPE_Q4_1)
 static inline __attribute__((always_inline)) void kx8_loop(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq,
                                                            int64_t xrb, int64_t nr, int64_t nb, float *out, int64_t ldo,
                                                            const int type) {
+#ifdef KX8_ROW1 /* (Q5_K stays on the 16-bit tile: its fifth bits' merge leaves the split no gain, measured slower) */
+    if (nr == 1 && type != QTYPE_Q5_K) {
+        kx8_row1(w, wrb, nc, xq, nb, out, type);
+        return;
+    }
+#endif
     const int64_t groups = (nr + XR - 1) / XR;
     for (int64_t ag = 0; ag < groups; ag++) {
         const int64_t r0 = nr * ag / groups, rows = nr * (ag + 1) / groups - r0;
