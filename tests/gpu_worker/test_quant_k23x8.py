@@ -6,6 +6,7 @@ them from A8_MIN_ROWS rows."""
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 
 import numpy as np
@@ -110,6 +111,27 @@ def test_every_kind_gives_the_8_bit_tiles_bits(qtype: Q) -> None:
     x[3, 100] = 900.0
     outs = [lib.quant_matmul(kernel_type(x8) | A8, x8.data, 1024, x) for lib in libs]
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+@pytest.mark.parametrize(("n", "k"), [(8, 256), (16, 512), (24, 1280), (40, 2048)])
+def test_q2_k_one_row_form_gives_the_16_bit_tiles_bits(
+    kernels: cpu_kernels.CpuKernels, n: int, k: int
+) -> None:
+    """One activation row on Q2_K (csrc/quant_k23x8.c's row16_q2: its integers a power of four apart,
+    shifted back; two groups a zmm, an odd last group a ymm) gives tile16's bits: the library's
+    k23_row16 at 0 runs tile16 for that row."""
+    switch = ctypes.c_int.in_dll(ctypes.CDLL(str(kernels.path)), "k23_row16")
+    x8, _, _ = held(Q.Q2_K, n, k)
+    x = activations(1, k, torch.float32, n + k)
+    x[0, 37] = 900.0  # a block far above the rest
+    try:
+        ys = []
+        for on in (0, 1):
+            switch.value = on
+            ys.append(kernels.quant_matmul(kernel_type(x8), x8.data, k, x))
+    finally:
+        switch.value = 1
+    assert torch.equal(ys[0], ys[1])
 
 
 def test_quant_linear_takes_8_bits_from_the_tables_rows(kernels: cpu_kernels.CpuKernels) -> None:

@@ -49,6 +49,10 @@
 #ifndef K23X8_PF
 #define K23X8_PF 2048 /* how far ahead (bytes) the tiles prefetch their group's blocks */
 #endif
+#ifndef ROW16_AHEAD /* how far ahead the one-row 16-bit form prefetches: the same block of the pass after next */
+#define ROW16_AHEAD (16 * wrb)
+#endif
+int k23_row16 = 1; /* 0: one 16-bit activation row on Q2_K takes tile16 as few rows do (--toggle k23_row16) */
 int k23_row1 = 1; /* 0: one activation row takes tile8 as many rows do (bench.worker_step --toggle k23_row1) */
 
 /* Where each field lies: per slot s and chunk c < n, unit bytes at file + c unit in the file's block,
@@ -210,6 +214,93 @@ static inline __attribute__((always_inline)) void tile16(const uint8_t *g, int64
         _mm256_storeu_ps(out + r * ldo, _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1)));
 }
 
+
+/* One activation row on Q2_K, 16 bits (row16_q2): two groups' 16 rows a zmm, one int32 lane a row. Each
+ * quant chunk pair is loaded once a block; its words hold weights 0 and 2 of a row's four in their low
+ * bytes, weights 1 and 3 in their high bytes (shifted down once), and sub-block k of four is the 2 bits
+ * at 2k, masked in place: weights 4^k q against the activation's pairs (x0, x2) and (x1, x3) (xp: the
+ * row's values in that order), summed exactly (|sum| <= 16 * 192 * 32767 < 2^31) and shifted back by
+ * 2k, so each group's integer is tile16's. Then tile16's float steps per lane: even groups in one
+ * chain, odd in another, added at the end: the same bits. */
+#if defined(__AVX512VNNI__) /* the pair as vpdpwssd's {1to16} operand (gcc does not fold the broadcast) */
+static inline __m512i dpw_pair(__m512i acc, __m512i w, const int16_t *x) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const i32_any *)x));
+    return acc;
+}
+#else
+static inline __m512i dpw_pair(__m512i acc, __m512i w, const int16_t *x) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(w, _mm512_set1_epi32(*(const i32_any *)x)));
+}
+#endif
+
+static inline __m512i two_chunks(const uint8_t *blk0, const uint8_t *blk1, int at) {
+    return two256i(_mm256_loadu_si256((const __m256i *)(blk0 + at)), _mm256_loadu_si256((const __m256i *)(blk1 + at)));
+}
+
+static inline __attribute__((always_inline)) void row16_q2(const uint8_t *g0, const uint8_t *g1, int64_t nb,
+                                                           const act_block16 *xa, const int16_t *xp, const float *ms,
+                                                           float *out, int64_t ahead) {
+    const int gbb = 8 * 84;
+    const __m512i m4 = _mm512_set1_epi8(15);
+    __m512i byte_of[4];
+    for (int i = 0; i < 4; i++)
+        byte_of[i] = _mm512_add_epi32(_mm512_set1_epi32((int)(0x80808000u | (uint32_t)i)),
+                                      _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12));
+    __m512 acca = _mm512_setzero_ps(), accb = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk0 = g0 + b * gbb, *blk1 = g1 + b * gbb;
+        for (int at = 0; at < gbb; at += 64) {
+            prefetch_weights(blk0 + ahead + at);
+            prefetch_weights(blk1 + ahead + at);
+        }
+        const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk0))),
+                                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk1)), 1);
+        const __m512 dmin =
+            _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk0 + 16)))),
+                               _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk1 + 16))), 1);
+        __m512i sl[4], sh[4]; /* group g's sc (m) of the 16 rows: byte g % 4 of each word of sl[g / 4] (sh) */
+        for (int t = 0; t < 4; t++) {
+            const __m512i sw = two_chunks(blk0, blk1, Q2_SC + 32 * t);
+            sl[t] = _mm512_and_si512(sw, m4);
+            sh[t] = _mm512_and_si512(_mm512_srli_epi32(sw, 4), m4);
+        }
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m512i v[8], o[8];
+            for (int c = 0; c < 8; c++) {
+                v[c] = two_chunks(blk0, blk1, Q2_QS + 32 * (8 * h + c));
+                o[c] = _mm512_srli_epi16(v[c], 8);
+            }
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const int j = 4 * h + k;
+                const __m512i mk = _mm512_set1_epi16((short)(3 << (2 * k)));
+                const int16_t *x = xp + 32 * (8 * b + j);
+                __m512i isa = _mm512_setzero_si512(), isb = _mm512_setzero_si512();
+                for (int c = 0; c < 4; c++) {
+                    isa = dpw_pair(isa, _mm512_and_si512(v[c], mk), x + 4 * c);
+                    isa = dpw_pair(isa, _mm512_and_si512(o[c], mk), x + 4 * c + 2);
+                    isb = dpw_pair(isb, _mm512_and_si512(v[4 + c], mk), x + 16 + 4 * c);
+                    isb = dpw_pair(isb, _mm512_and_si512(o[4 + c], mk), x + 16 + 4 * c + 2);
+                }
+                isa = _mm512_srai_epi32(isa, 2 * k);
+                isb = _mm512_srai_epi32(isb, 2 * k);
+                const __m512i pa = byte_of[2 * (j % 2)], pb = byte_of[2 * (j % 2) + 1];
+                const __m512 xd = _mm512_set1_ps(xa[8 * b + j].d);
+                const __m512 dsa = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_shuffle_epi8(sl[j / 2], pa)));
+                const __m512 dsb = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_shuffle_epi8(sl[j / 2], pb)));
+                const __m512 dma = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_shuffle_epi8(sh[j / 2], pa)));
+                const __m512 dmb = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_shuffle_epi8(sh[j / 2], pb)));
+                acca = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isa), _mm512_mul_ps(dsa, xd), acca);
+                acca = _mm512_fnmadd_ps(dma, _mm512_set1_ps(ms[16 * b + 2 * j]), acca);
+                accb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isb), _mm512_mul_ps(dsb, xd), accb);
+                accb = _mm512_fnmadd_ps(dmb, _mm512_set1_ps(ms[16 * b + 2 * j + 1]), accb);
+            }
+        }
+    }
+    _mm512_storeu_ps(out, _mm512_add_ps(acca, accb));
+}
+
 #else /* AVX2: one group a ymm */
 /* out[r * ldo + s] = dot(row s of the group at g, activation row r), s < 8, r < R; ms[r][2i + h]:
  * row r's 16-value sums of sub-block i at its step (Q2_K's min terms). */
@@ -258,10 +349,108 @@ static inline __attribute__((always_inline)) void tile16(const uint8_t *g, int64
 
 #endif
 
+/* One activation row on Q2_K, 16 bits, one group's 8 rows a ymm (AVX2; the zmm builds' last group of
+ * an odd count): row16_q2's integers; CHAINS 1: one float chain a row, groups in turn (the ymm
+ * tile16's order), 2: even and odd groups apart, added at the end (the zmm tile16's). */
+static inline __attribute__((always_inline)) void row16_q2_y(const uint8_t *g, int64_t nb, const act_block16 *xa,
+                                                             const int16_t *xp, const float *ms, float *out,
+                                                             int64_t ahead, const int CHAINS) {
+    const int gbb = 8 * 84;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256i byte_of[4];
+    for (int i = 0; i < 4; i++)
+        byte_of[i] = _mm256_add_epi32(_mm256_set1_epi32((int)(0x80808000u | (uint32_t)i)),
+                                      _mm256_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12));
+    __m256 acca = _mm256_setzero_ps(), accb = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * gbb;
+        for (int at = 0; at < gbb; at += 64) prefetch_weights(blk + ahead + at);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            const int k = j % 4;
+            const __m256i mk = _mm256_set1_epi16((short)(3 << (2 * k)));
+            const int16_t *x = xp + 32 * (8 * b + j);
+            const uint8_t *qs = blk + Q2_QS + 32 * 8 * (j / 4);
+            __m256i isa = _mm256_setzero_si256(), isb = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                const __m256i va = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                const __m256i vb = _mm256_loadu_si256((const __m256i *)(qs + 32 * (4 + c)));
+                isa = DPW8(isa, _mm256_and_si256(va, mk), _mm256_set1_epi32(*(const i32_any *)(x + 4 * c)));
+                isa = DPW8(isa, _mm256_and_si256(_mm256_srli_epi16(va, 8), mk),
+                           _mm256_set1_epi32(*(const i32_any *)(x + 4 * c + 2)));
+                isb = DPW8(isb, _mm256_and_si256(vb, mk), _mm256_set1_epi32(*(const i32_any *)(x + 16 + 4 * c)));
+                isb = DPW8(isb, _mm256_and_si256(_mm256_srli_epi16(vb, 8), mk),
+                           _mm256_set1_epi32(*(const i32_any *)(x + 16 + 4 * c + 2)));
+            }
+            isa = _mm256_srai_epi32(isa, 2 * k);
+            isb = _mm256_srai_epi32(isb, 2 * k);
+            const __m256i sw = _mm256_loadu_si256((const __m256i *)(blk + Q2_SC + 32 * (j / 2)));
+            const __m256i sl = _mm256_and_si256(sw, m4), sh = _mm256_and_si256(_mm256_srli_epi32(sw, 4), m4);
+            const __m256i pa = byte_of[2 * (j % 2)], pb = byte_of[2 * (j % 2) + 1];
+            const __m256 xd = _mm256_set1_ps(xa[8 * b + j].d);
+            const __m256 dsa = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(sl, pa)));
+            const __m256 dsb = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(sl, pb)));
+            const __m256 dma = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(sh, pa)));
+            const __m256 dmb = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(sh, pb)));
+            acca = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isa), _mm256_mul_ps(dsa, xd), acca);
+            acca = _mm256_fnmadd_ps(dma, _mm256_set1_ps(ms[16 * b + 2 * j]), acca);
+            if (CHAINS == 1) {
+                acca = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isb), _mm256_mul_ps(dsb, xd), acca);
+                acca = _mm256_fnmadd_ps(dmb, _mm256_set1_ps(ms[16 * b + 2 * j + 1]), acca);
+            } else {
+                accb = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isb), _mm256_mul_ps(dsb, xd), accb);
+                accb = _mm256_fnmadd_ps(dmb, _mm256_set1_ps(ms[16 * b + 2 * j + 1]), accb);
+            }
+        }
+    }
+    _mm256_storeu_ps(out, CHAINS == 1 ? acca : _mm256_add_ps(acca, accb));
+}
+
+/* The row's 16-value sums at its step (ms, nb * 16 floats: tile16_loop's) and its values with each four
+ * in the order row16 reads them (x0, x2, x1, x3). */
+static void row16_prep(const act_block16 *xa, int64_t nb, int16_t *xp, float *ms) {
+    const __m256i order = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15, 0, 1, 4, 5, 2, 3, 6, 7,
+                                           8, 9, 12, 13, 10, 11, 14, 15);
+    for (int64_t i = 0; i < nb * 8; i += 2) { /* two activation blocks: groups 2i .. 2i + 3 */
+        __m256i s[4];
+        for (int t = 0; t < 2; t++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(xa[i + t].q + 16 * h));
+                _mm256_storeu_si256((__m256i *)(xp + 32 * (i + t) + 16 * h), _mm256_shuffle_epi8(q, order));
+                s[2 * t + h] = _mm256_madd_epi16(q, _mm256_set1_epi16(1)); /* exact: any order sums alike */
+            }
+        const __m256i h4 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+        const __m128i g4 = _mm_add_epi32(_mm256_castsi256_si128(h4), _mm256_extracti128_si256(h4, 1));
+        const __m128 dd = _mm_setr_ps(xa[i].d, xa[i].d, xa[i + 1].d, xa[i + 1].d);
+        _mm_storeu_ps(ms + 2 * i, _mm_mul_ps(dd, _mm_cvtepi32_ps(g4)));
+    }
+}
+
+/* One activation row on Q2_K: its sums and pairs once, then every group: two a zmm where the build
+ * has them, else (and an odd last one) one a ymm. */
+static void row16_loop(const uint8_t *w, int64_t wrb, int64_t nc, const act_block16 *xa, int64_t nb, float *out) {
+    int16_t xp[nb * 256];
+    float ms[nb * 16];
+    row16_prep(xa, nb, xp, ms);
+    int64_t c0 = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    for (; c0 + 16 <= nc; c0 += 16) row16_q2(w + c0 * wrb, w + (c0 + 8) * wrb, nb, xa, xp, ms, out + c0, ROW16_AHEAD);
+    if (c0 < nc) row16_q2_y(w + c0 * wrb, nb, xa, xp, ms, out + c0, ROW16_AHEAD, 2);
+#else
+    for (; c0 < nc; c0 += 8) row16_q2_y(w + c0 * wrb, nb, xa, xp, ms, out + c0, ROW16_AHEAD, 1);
+#endif
+}
+
 /* Every group (8 weight rows) against every activation row, XR rows at a time. */
 static inline __attribute__((always_inline)) void tile16_loop(const uint8_t *w, int64_t wrb, int64_t nc,
                                                               const uint8_t *xq, int64_t xrb, int64_t nr,
                                                               int64_t nb, float *out, int64_t ldo, const int type) {
+    if (type == QTYPE_Q2_K && nr == 1 && k23_row16) {
+        row16_loop(w, wrb, nc, (const act_block16 *)xq, nb, out);
+        return;
+    }
     float sums[XR][type == QTYPE_Q2_K ? nb * 16 : 1];
     for (int64_t r0 = 0; r0 < nr; r0 += XR) {
         const int64_t rows = nr - r0 < XR ? nr - r0 : XR;
