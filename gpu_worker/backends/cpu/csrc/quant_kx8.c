@@ -1113,10 +1113,14 @@ static inline __m256i ubs_acc(__m256i s16, __m256i a, __m256i b) {
     return s16;
 }
 
-/* Q4_K: lo's int16 sums take 4 chunks (2 * 255 * 15 * 4), hi's all 8 (2 * 128 * 15 * 8). */
+/* Q4_K: lo's sums over a sub-block's 8 chunks, at most 2 * 255 * 15 * 8 = 61200, fit 16 bits
+ * unsigned: the int16 sum starts at -32768 (so it ends in int16's range) and the madd's -65536 is
+ * given back by hi's, which starts at 128 a lane (256 * (128 + 128)); hi sums 8 chunks too (2 * 128
+ * * 15 * 8 + 128). One madd each per sub-block. */
 static inline __attribute__((always_inline)) void q4k_row1(const uint8_t *g, int64_t nb, const act_split *xs, float *out) {
     const int gbb = 8 * 144;
     const __m256i m4 = _mm256_set1_epi32(0x0f0f0f0f), ones = _mm256_set1_epi16(1), k256 = _mm256_set1_epi16(256);
+    const __m256i lo_start = _mm256_set1_epi16(-32768), hi_start = _mm256_set1_epi16(128);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + b * gbb;
@@ -1138,23 +1142,17 @@ static inline __attribute__((always_inline)) void q4k_row1(const uint8_t *g, int
             const __m256 dm0 = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mw, sh0), byte)));
             const __m256 dm1 = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mw, sh1), byte)));
             const act_split *x = xs + 8 * b + j;
-            __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
-            __m256i h0 = _mm256_setzero_si256(), h1 = _mm256_setzero_si256();
-            for (int c0 = 0; c0 < 8; c0 += 4) {
-                __m256i l0 = _mm256_setzero_si256(), l1 = _mm256_setzero_si256();
-                for (int c = c0; c < c0 + 4; c++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 128 + (j / 2 * 8 + c) * 32));
-                    const __m256i w0 = _mm256_and_si256(v, m4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                    l0 = ubs_acc(l0, bcast4(x[0].lo + 4 * c), w0);
-                    l1 = ubs_acc(l1, bcast4(x[1].lo + 4 * c), w1);
-                    h0 = ubs_acc(h0, w0, bcast4(x[0].hi + 4 * c));
-                    h1 = ubs_acc(h1, w1, bcast4(x[1].hi + 4 * c));
-                }
-                i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(l0, ones));
-                i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(l1, ones));
+            __m256i l0 = lo_start, l1 = lo_start, h0 = hi_start, h1 = hi_start;
+            for (int c = 0; c < 8; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 128 + (j / 2 * 8 + c) * 32));
+                const __m256i w0 = _mm256_and_si256(v, m4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                l0 = ubs_acc(l0, bcast4(x[0].lo + 4 * c), w0);
+                l1 = ubs_acc(l1, bcast4(x[1].lo + 4 * c), w1);
+                h0 = ubs_acc(h0, w0, bcast4(x[0].hi + 4 * c));
+                h1 = ubs_acc(h1, w1, bcast4(x[1].hi + 4 * c));
             }
-            i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(h0, k256));
-            i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(h1, k256));
+            const __m256i i0 = _mm256_add_epi32(_mm256_madd_epi16(l0, ones), _mm256_madd_epi16(h0, k256));
+            const __m256i i1 = _mm256_add_epi32(_mm256_madd_epi16(l1, ones), _mm256_madd_epi16(h1, k256));
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(dsc0, _mm256_set1_ps(x[0].d)), acc);
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(dsc1, _mm256_set1_ps(x[1].d)), acc);
             acc = _mm256_fnmadd_ps(dm0, _mm256_set1_ps(x[0].s), acc);
@@ -1168,7 +1166,8 @@ static inline __attribute__((always_inline)) void q6_chunk_y(const uint8_t *blk,
 
 /* Q6_K: sub-block sb's q (0-63) of a chunk as maddubs' signed operand against lo (its pair sums up
  * to 2 * 255 * 63: widened at once) and as its unsigned one against hi (2 * 63 * 128: two chunks per
- * int16 sum); the 16 values' -32 * sum(a) start each int32 sum. */
+ * int16 sum); the 16 values' -32 * sum(a) start each int32 sum. (Lo summed over two chunks as
+ * q4k_row1's, from -32768, measured 1.09x slower: the two chunks' 8 vectors spill.) */
 static inline __attribute__((always_inline)) void q6_row1(const uint8_t *g, int64_t nb, const act_split *xs, float *out) {
     const int gbb = 8 * 210;
     const __m256i ones = _mm256_set1_epi16(1), k256 = _mm256_set1_epi16(256);
