@@ -156,19 +156,39 @@ int64_t quant_panel_cols(const qtype_ops *ops, int64_t row_bytes) {
     return panel < unit ? unit : panel > PANEL_MAX ? PANEL_MAX : panel;
 }
 
-/* y rows [r0, r1) of columns [c0, c0 + pw) (pw <= PANEL_MAX): W's rows there (wrb bytes each, nb
- * blocks) met by the quantized activation rows xq (xrb bytes apart) in tiles of ROW_CHUNK rows,
- * residual (NULL: none) added, each stored once in y_dtype. One thread's work: the panel's weights
- * stay in L2 while the chunks pass. */
-void quant_panel(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int64_t nb, int64_t c0, int64_t pw,
-                 const uint8_t *xq, int64_t xrb, int64_t r0, int64_t r1, void *y, int64_t y_stride, int y_dtype,
-                 const void *residual, int64_t res_stride) {
+/* Outputs of at least STREAM_BYTES (the vocabulary-wide logits of a many-row head) go to memory by
+ * streaming stores: a panel row's whole 64-byte lines, with no read of the lines first (a store
+ * that misses reads its line before writing it), where the output would not stay in the caches
+ * anyway. quant_y_stream (0: never) for timing both in one process (bench.worker_step --toggle). */
+#define STREAM_BYTES (24 << 20)
+int quant_y_stream = 1;
+
+/* v [n] (n a multiple of 16) to the float32 dst (64-byte aligned) by streaming stores. */
+static inline void stream_row(float *dst, const float *v, int64_t n) {
+#if HAVE_AVX512
+    for (int64_t j = 0; j < n; j += 16) _mm512_stream_ps(dst + j, _mm512_loadu_ps(v + j));
+#elif HAVE_AVX2
+    for (int64_t j = 0; j < n; j += 8) _mm256_stream_ps(dst + j, _mm256_loadu_ps(v + j));
+#else
+    memcpy(dst, v, (size_t)n * sizeof(float));
+#endif
+}
+
+/* quant_panel's work; ``stream``: y float32 without a residual, rows and pw whole lines (see
+ * STREAM_BYTES). */
+static void panel_rows(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int64_t nb, int64_t c0, int64_t pw,
+                       const uint8_t *xq, int64_t xrb, int64_t r0, int64_t r1, void *y, int64_t y_stride,
+                       int y_dtype, const void *residual, int64_t res_stride, int stream) {
     float buf[ROW_CHUNK * PANEL_MAX], res[PANEL_MAX];
     for (int64_t q0 = r0; q0 < r1; q0 += ROW_CHUNK) {
         const int64_t qr = r1 - q0 < ROW_CHUNK ? r1 - q0 : ROW_CHUNK;
         ops->tile(w + c0 * wrb, wrb, pw, xq + q0 * xrb, xrb, qr, nb, buf, pw);
         for (int64_t r = 0; r < qr; r++) {
             float *v = buf + r * pw;
+            if (stream) {
+                stream_row((float *)y + (q0 + r) * y_stride + c0, v, pw);
+                continue;
+            }
             if (residual != NULL) {
                 load_vec(residual, y_dtype, (q0 + r) * res_stride + c0, (int)pw, res);
 #pragma omp simd
@@ -177,6 +197,16 @@ void quant_panel(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int64_t nb
             store_vec(y, y_dtype, (q0 + r) * y_stride + c0, (int)pw, v);
         }
     }
+}
+
+/* y rows [r0, r1) of columns [c0, c0 + pw) (pw <= PANEL_MAX): W's rows there (wrb bytes each, nb
+ * blocks) met by the quantized activation rows xq (xrb bytes apart) in tiles of ROW_CHUNK rows,
+ * residual (NULL: none) added, each stored once in y_dtype. One thread's work: the panel's weights
+ * stay in L2 while the chunks pass. */
+void quant_panel(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int64_t nb, int64_t c0, int64_t pw,
+                 const uint8_t *xq, int64_t xrb, int64_t r0, int64_t r1, void *y, int64_t y_stride, int y_dtype,
+                 const void *residual, int64_t res_stride) {
+    panel_rows(ops, w, wrb, nb, c0, pw, xq, xrb, r0, r1, y, y_stride, y_dtype, residual, res_stride, 0);
 }
 
 /* y [rows, n] (y_dtype, rows y_stride elements apart) = residual (rows res_stride elements apart,
@@ -199,6 +229,10 @@ int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x
     const int64_t panel = quant_panel_cols(ops, wrb), unit = col_unit(ops), units = (n + unit - 1) / unit;
     uint8_t *xq = (uint8_t *)scratch;
     int failed = 0;
+    /* streaming stores take whole 64-byte lines: y aligned, its rows and the panels whole lines */
+    const int stream = quant_y_stream && y_dtype == DTYPE_F32 && residual == NULL && rows * n * 4 >= STREAM_BYTES &&
+                       (uintptr_t)y % 64 == 0 && y_stride % 16 == 0 && n % 16 == 0 && panel % 16 == 0 &&
+                       unit % 16 == 0;
     if (rows == 1) { /* one row (decode): quantized here, so the region below has no barrier but its end */
         if (x_dtype == DTYPE_BF16) {
             float *xf = malloc((size_t)k * sizeof(float));
@@ -247,9 +281,12 @@ int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x
             const int64_t c1 = c1_units < n ? c1_units : n;
             const int64_t r0 = rows * rp / row_parts, r1 = rows * (rp + 1) / row_parts;
             for (int64_t p0 = c0; p0 < c1; p0 += panel)
-                quant_panel(ops, w, wrb, nb, p0, c1 - p0 < panel ? c1 - p0 : panel, xq, xrb, r0, r1, y, y_stride,
-                            y_dtype, residual, res_stride);
+                panel_rows(ops, w, wrb, nb, p0, c1 - p0 < panel ? c1 - p0 : panel, xq, xrb, r0, r1, y, y_stride,
+                           y_dtype, residual, res_stride, stream);
         }
+#if HAVE_AVX512 || HAVE_AVX2
+        if (stream) _mm_sfence(); /* the streamed lines before the region's end, as its other stores */
+#endif
     }
     return failed ? RV_ERR_NO_MEMORY : RV_OK;
 }

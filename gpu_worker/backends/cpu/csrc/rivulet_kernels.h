@@ -375,4 +375,8 @@ int shm_all_reduce(void *region, int rank, int world, int64_t piece, void *data,
  * by kernels.py before any call. */
 extern int weight_prefetch_nta;
 
+/* quant.c: whether quant_matmul's outputs of its STREAM_BYTES or more (a many-row head's logits) go
+ * to memory by streaming stores (1, the default; 0 times the plain stores in the same process). */
+extern int quant_y_stream;
+
 #endif
