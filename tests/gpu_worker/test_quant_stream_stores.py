@@ -54,7 +54,9 @@ def both_ways(kernels: cpu_kernels.CpuKernels, call: object) -> tuple[torch.Tens
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("a8", [False, True], ids=["a16", "a8"])
-def test_a_large_output_has_the_same_bits_streamed(kernels: cpu_kernels.CpuKernels, qtype: Q, a8: bool) -> None:
+def test_a_large_output_has_the_same_bits_streamed(
+    kernels: cpu_kernels.CpuKernels, qtype: Q, a8: bool
+) -> None:
     rows, n = 32, STREAM_BYTES // 4 // 32 + 4096  # past the threshold, a whole number of 16-column units
     blocks = QuantBlocks(int(qtype), torch.from_numpy(random_blocks(qtype, n, K, seed=n + int(qtype))), K)
     t = int(qtype)
@@ -69,4 +71,3 @@ def test_a_large_output_has_the_same_bits_streamed(kernels: cpu_kernels.CpuKerne
     assert torch.equal(off, on)
     # a few rows alone (an output under the threshold, never streamed) are the same rows' bits
     assert torch.equal(kernels.quant_matmul(t, blocks.data, K, x[5:7]), on[5:7])
-
