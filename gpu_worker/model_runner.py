@@ -339,4 +339,4 @@ class ModelRunner:
             for i, end in enumerate(accumulate(batch.extend_lens)):
                 if ids[end - 1] == PENDING:
                     ids[end - 1] = self.last_drawn[batch.req_pool_idx[i]]
-        return torch.tensor(ids, dtype=torch.int64).to(self._device)
+        return torch.tensor(ids, dtype=torch.int64, device=self._device)

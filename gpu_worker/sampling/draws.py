@@ -57,6 +57,11 @@ class BatchDraws:
 
     def draw(self, logits: torch.Tensor, plan: DrawPlan, batch: ForwardBatch) -> Drawn:
         """The batch's draws from ``logits`` (the plan's rows, in its order)."""
+        if not plan.has_drafts and not batch.fork_rows and self._argmax_alone(plan.req_pool_idx):
+            # What the steps below come to for such a batch, without their dozen calls (a one-row
+            # step's Python: docs/benchmarks-history.md): one emitted draw per row, no logprobs.
+            tokens = self.greedy(logits).tolist()
+            return Drawn(token_ids=tokens, last_req_pool_idx=plan.req_pool_idx, last_tokens=tokens)
         logits, req_pool_idx, positions = with_forks(
             logits, plan.req_pool_idx, plan.positions, plan.batch_rows, batch
         )
@@ -99,6 +104,15 @@ class BatchDraws:
             return logits, self.greedy(logits), None
         tokens, token_logprobs = sample(logits, self.params.batch(req_pool_idx, positions, logits.device))
         return logits, tokens, token_logprobs.tolist() if token_logprobs is not None else None
+
+    def _argmax_alone(self, req_pool_idx: list[int]) -> bool:
+        """Every row greedy, with no penalties, grammar, logprobs or top-N: its draw is the argmax."""
+        greedy, logprobs, top_n = self.params.greedy, self.params.logprobs, self.top_logprobs.top_n
+        penalties, matchers = self.penalties.params, self.grammars.matchers
+        return all(
+            greedy[s] and not logprobs[s] and not top_n[s] and penalties[s] is None and matchers[s] is None
+            for s in req_pool_idx
+        )
 
     def _stateful(self, plan: DrawPlan) -> bool:
         """Some verify row's request has penalties or a grammar: its draw at a drafted position depends

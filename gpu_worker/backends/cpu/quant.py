@@ -183,6 +183,14 @@ class QuantLinear:
         return held if self.bias is None else [*held, self.bias]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.bias is None and len(self.weight.parts) == 1 and rows and x.stride(-1) == 1:
+            # One part, nothing added (an LM head, a plain projection): the kernel's own output, no
+            # column views (at one row _matmul's steps cost more than their work: benchmarks-history.md).
+            part = self.weight.parts[0]
+            type = kernel_type(part) | (A8 if rows >= self.a8_min_rows[0] else 0)
+            run = self.kernels.quant_matmul_checked
+            return run(type, part.data, part.cols, x, None, self.act_bytes[0], rows >= self.dense_min_rows[0])
         return self._matmul(x, None)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -190,12 +198,13 @@ class QuantLinear:
         return self._matmul(x, residual)
 
     def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] == 0:  # a batch none of whose rows samples has no logits to compute
+        rows = x.shape[0]
+        if rows == 0:  # a batch none of whose rows samples has no logits to compute
             return x.new_empty((0, self.out_features))
         x = x if x.stride(-1) == 1 else x.contiguous()
         fuse = residual is not None and self.bias is None
         out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
-        col, rows = 0, x.shape[0]
+        col = 0
         plan = zip(self.weight.parts, self.act_bytes, self.dense_min_rows, self.a8_min_rows, strict=True)
         for part, act_bytes, dense_at, a8_at in plan:
             cols = slice(col, col + part.rows)
