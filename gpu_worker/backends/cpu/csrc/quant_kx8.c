@@ -1079,6 +1079,10 @@ static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int6
  * of each 16 values added to the int32 sums (act_split's off16). Every sum is the 16-bit tile's
  * integer, and every float step as there in the same order: the same bits. */
 #define KX8_ROW1 1
+/* Weight rows a call needs for the split to pay: it costs about what one group's pass gains (quant.c's
+ * panels of 48 KB give 8 columns at k = 8192, 32-40 at k = 2048; tiles alone, one row: 1.0x at 8
+ * columns a call, 0.96x (Q4_K) and 0.92x (Q6_K) at 16, 0.92x and 0.89x at 32). */
+#define ROW1_MIN_COLS 16
 typedef struct {
     uint8_t lo[32]; /* the 32 values' low bytes */
     int8_t hi[32];  /* their high bytes (a >> 8) */
@@ -1086,19 +1090,27 @@ typedef struct {
     int32_t off16[2]; /* -32 * the sum of values 0-15, of 16-31 (Q6_K's q - 32) */
 } act_split;
 
-static void split_act16(const act_block16 *x, int64_t n, act_split *out) {
+/* n blocks of x split (off16 only where ``sums``: Q6_K): per block, the even and odd bytes of each
+ * lane gathered by a vpshufb, then the two halves' qwords placed by a permute each. */
+static inline __attribute__((always_inline)) void split_act16(const act_block16 *x, int64_t n, act_split *out, const int sums) {
+    const __m256i even_odd = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10,
+                                              12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     for (int64_t i = 0; i < n; i++) {
-        int32_t s0 = 0, s1 = 0;
-        for (int v = 0; v < 32; v++) {
-            out[i].lo[v] = (uint8_t)(x[i].q[v] & 0xff);
-            out[i].hi[v] = (int8_t)(x[i].q[v] >> 8);
-            if (v < 16) s0 += x[i].q[v];
-            else s1 += x[i].q[v];
-        }
+        const __m256i q0 = _mm256_loadu_si256((const __m256i *)x[i].q), q1 = _mm256_loadu_si256((const __m256i *)(x[i].q + 16));
+        /* lo 0-7, lo 8-15, hi 0-7, hi 8-15 (and 16-31) */
+        const __m256i a = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(q0, even_odd), 0xD8);
+        const __m256i b = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(q1, even_odd), 0xD8);
+        _mm256_storeu_si256((__m256i *)out[i].lo, _mm256_permute2x128_si256(a, b, 0x20));
+        _mm256_storeu_si256((__m256i *)out[i].hi, _mm256_permute2x128_si256(a, b, 0x31));
         out[i].d = x[i].d;
         out[i].s = x[i].s;
-        out[i].off16[0] = -32 * s0;
-        out[i].off16[1] = -32 * s1;
+        if (sums) { /* the sums of values 0-15 and 16-31 at lanes 0 and 1, times -32 */
+            const __m256i ones = _mm256_set1_epi16(1);
+            const __m256i h = _mm256_hadd_epi32(_mm256_madd_epi16(q0, ones), _mm256_madd_epi16(q1, ones));
+            const __m256i h2 = _mm256_hadd_epi32(h, h);
+            const __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(h2), _mm256_extracti128_si256(h2, 1));
+            _mm_storel_epi64((__m128i *)out[i].off16, _mm_sub_epi32(_mm_setzero_si128(), _mm_slli_epi32(s2, 5)));
+        }
     }
 }
 
@@ -1208,7 +1220,7 @@ static inline __attribute__((always_inline)) void q6_row1(const uint8_t *g, int6
  * (act_split), then each group in turn. */
 static void kx8_row1(const uint8_t *w, int64_t wrb, int64_t nc, const uint8_t *xq, int64_t nb, float *out, const int type) {
     act_split xs[8 * nb];
-    split_act16((const act_block16 *)xq, 8 * nb, xs);
+    split_act16((const act_block16 *)xq, 8 * nb, xs, type == QTYPE_Q6_K);
     for (int64_t c0 = 0; c0 < nc; c0 += 8) {
         if (type == QTYPE_Q6_K)
             q6_row1(w + c0 * wrb, nb, xs, out + c0);
@@ -2056,7 +2068,7 @@ static inline __attribute__((always_inline)) void kx8_loop(const uint8_t *w, int
                                                            int64_t xrb, int64_t nr, int64_t nb, float *out, int64_t ldo,
                                                            const int type) {
 #ifdef KX8_ROW1 /* (Q5_K stays on the 16-bit tile: its fifth bits' merge leaves the split no gain, measured slower) */
-    if (nr == 1 && type != QTYPE_Q5_K) {
+    if (nr == 1 && type != QTYPE_Q5_K && nc >= ROW1_MIN_COLS) {
         kx8_row1(w, wrb, nc, xq, nb, out, type);
         return;
     }
