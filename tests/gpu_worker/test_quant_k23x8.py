@@ -113,15 +113,16 @@ def test_every_kind_gives_the_8_bit_tiles_bits(qtype: Q) -> None:
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
 
 
+@pytest.mark.parametrize(("qtype", "switch_name"), [(Q.Q2_K, "k23_row16"), (Q.Q3_K, "k23_row16_q3")])
 @pytest.mark.parametrize(("n", "k"), [(8, 256), (16, 512), (24, 1280), (40, 2048)])
-def test_q2_k_one_row_form_gives_the_16_bit_tiles_bits(
-    kernels: cpu_kernels.CpuKernels, n: int, k: int
+def test_one_row_form_gives_the_16_bit_tiles_bits(
+    kernels: cpu_kernels.CpuKernels, qtype: Q, switch_name: str, n: int, k: int
 ) -> None:
-    """One activation row on Q2_K (csrc/quant_k23x8.c's row16_q2: its integers a power of four apart,
-    shifted back; two groups a zmm, an odd last group a ymm) gives tile16's bits: the library's
-    k23_row16 at 0 runs tile16 for that row."""
-    switch = ctypes.c_int.in_dll(ctypes.CDLL(str(kernels.path)), "k23_row16")
-    x8, _, _ = held(Q.Q2_K, n, k)
+    """One activation row (csrc/quant_k23x8.c's row16_q2, row16_q3: the integers a power of four apart,
+    shifted back; two groups a zmm, Q2_K's odd last group a ymm) gives tile16's bits: the library's
+    switch at 0 runs tile16 for that row."""
+    switch = ctypes.c_int.in_dll(ctypes.CDLL(str(kernels.path)), switch_name)
+    x8, _, _ = held(qtype, n, k)
     x = activations(1, k, torch.float32, n + k)
     x[0, 37] = 900.0  # a block far above the rest
     try:

@@ -34,7 +34,9 @@
  *     group's picked by one vpshufb. Q3_K from 9 rows on zmm (q3_sliced): a slice of blocks unpacked
  *     once for every row group, as 8 (q + 4h) with the sums starting at qoff (8 times the integers,
  *     d / 8: the same products, so the same bits).
- *   One activation row (decode; quant.py takes Q2_K and Q3_K on 8 bits from one row): the zmm builds
+ *   One activation row on 16 bits (decode: quant.py's A8_MIN_ROWS is 2): row16_q2, row16_q3 (their
+ *     comments): tile16's integers and float steps per lane, one lane a row, no widening or fold.
+ *   One activation row on 8 bits (tile8's R = 1; no table routes there now): the zmm builds
  *     load each quant chunk pair once a block and mask its four sub-blocks' bits where they lie
  *     (row1_q2, row1_q3): the integers come out a power of four times tile8's, d is scaled back, and the
  *     float steps give tile8's bits (tested: a row alone against the rows beside it).
@@ -52,6 +54,7 @@
 #ifndef ROW16_AHEAD /* how far ahead the one-row 16-bit form prefetches: the same block of the pass after next */
 #define ROW16_AHEAD (16 * wrb)
 #endif
+int k23_row16_q3 = 1; /* 0: one 16-bit activation row on Q3_K takes tile16 (--toggle k23_row16_q3) */
 int k23_row16 = 1; /* 0: one 16-bit activation row on Q2_K takes tile16 as few rows do (--toggle k23_row16) */
 int k23_row1 = 1; /* 0: one activation row takes tile8 as many rows do (bench.worker_step --toggle k23_row1) */
 
@@ -301,6 +304,68 @@ static inline __attribute__((always_inline)) void row16_q2(const uint8_t *g0, co
     _mm512_storeu_ps(out, _mm512_add_ps(acca, accb));
 }
 
+static inline void q3_scale_bytes(const uint8_t *blk0, const uint8_t *blk1, __m512i st[4]);
+static inline __m512i q3_scale_of(const __m512i st[4], int g);
+
+/* The same for Q3_K (row16_q3): q + 4h of sub-block k at bits 2k .. 2k + 2 of each word (the high bit
+ * j moved there by one shift, merged by one vpternlogd), so the sums are 4^k sum((q + 4h) x) (|sum| <=
+ * 16 * 448 * 32767 < 2^31); shifted back, less 4 times the group's integer sum of x (s4: tile16's
+ * -4 folded in), they are tile16's integers; its float steps per lane as tile16's (no min term). */
+static inline __attribute__((always_inline)) void row16_q3(const uint8_t *g0, const uint8_t *g1, int64_t nb,
+                                                           const act_block16 *xa, const int16_t *xp, const int32_t *s4,
+                                                           float *out, int64_t ahead) {
+    const int gbb = 8 * 110;
+    __m512 acca = _mm512_setzero_ps(), accb = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk0 = g0 + b * gbb, *blk1 = g1 + b * gbb;
+        for (int at = 0; at < gbb; at += 64) {
+            prefetch_weights(blk0 + ahead + at);
+            prefetch_weights(blk1 + ahead + at);
+        }
+        const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk0))),
+                                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk1)), 1);
+        __m512i st[4];
+        q3_scale_bytes(blk0, blk1, st);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m512i v[8], o[8];
+            for (int c = 0; c < 8; c++) {
+                v[c] = two_chunks(blk0, blk1, Q3_QS + 32 * (8 * h + c));
+                o[c] = _mm512_srli_epi16(v[c], 8);
+            }
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const int j = 4 * h + k, se = 2 * k + 2 - j; /* bit j of a word's low byte to 2k + 2 */
+                const __m512i mk = _mm512_set1_epi16((short)(3 << (2 * k))), hbit = _mm512_set1_epi16((short)(1 << (2 * k + 2)));
+                const int16_t *x = xp + 32 * (8 * b + j);
+                __m512i isa = _mm512_setzero_si512(), isb = _mm512_setzero_si512();
+                for (int c = 0; c < 8; c++) {
+                    const __m512i hm = two_chunks(blk0, blk1, Q3_HM + 32 * c);
+                    const __m512i he = se > 0 ? _mm512_slli_epi16(hm, se) : se < 0 ? _mm512_srli_epi16(hm, -se) : hm;
+                    const __m512i ho = _mm512_srli_epi16(hm, 8 - se); /* the high byte's bit j */
+                    const __m512i e = _mm512_ternarylogic_epi32(_mm512_and_si512(v[c], mk), he, hbit, 0xF8);
+                    const __m512i od = _mm512_ternarylogic_epi32(_mm512_and_si512(o[c], mk), ho, hbit, 0xF8);
+                    if (c < 4) {
+                        isa = dpw_pair(isa, e, x + 4 * c);
+                        isa = dpw_pair(isa, od, x + 4 * c + 2);
+                    } else {
+                        isb = dpw_pair(isb, e, x + 4 * c);
+                        isb = dpw_pair(isb, od, x + 4 * c + 2);
+                    }
+                }
+                isa = _mm512_sub_epi32(_mm512_srai_epi32(isa, 2 * k), _mm512_set1_epi32(s4[16 * b + 2 * j]));
+                isb = _mm512_sub_epi32(_mm512_srai_epi32(isb, 2 * k), _mm512_set1_epi32(s4[16 * b + 2 * j + 1]));
+                const __m512 xd = _mm512_set1_ps(xa[8 * b + j].d);
+                const __m512 dsa = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q3_scale_of(st, 2 * j)));
+                const __m512 dsb = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q3_scale_of(st, 2 * j + 1)));
+                acca = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isa), _mm512_mul_ps(dsa, xd), acca);
+                accb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isb), _mm512_mul_ps(dsb, xd), accb);
+            }
+        }
+    }
+    _mm512_storeu_ps(out, _mm512_add_ps(acca, accb));
+}
+
 #else /* AVX2: one group a ymm */
 /* out[r * ldo + s] = dot(row s of the group at g, activation row r), s < 8, r < R; ms[r][2i + h]:
  * row r's 16-value sums of sub-block i at its step (Q2_K's min terms). */
@@ -408,9 +473,9 @@ static inline __attribute__((always_inline)) void row16_q2_y(const uint8_t *g, i
     _mm256_storeu_ps(out, CHAINS == 1 ? acca : _mm256_add_ps(acca, accb));
 }
 
-/* The row's 16-value sums at its step (ms, nb * 16 floats: tile16_loop's) and its values with each four
- * in the order row16 reads them (x0, x2, x1, x3). */
-static void row16_prep(const act_block16 *xa, int64_t nb, int16_t *xp, float *ms) {
+/* The row's 16-value sums at its step (ms, nb * 16 floats: tile16_loop's), 4 times its integer sums (s4:
+ * Q3_K's -4 terms) and its values with each four in the order row16 reads them (x0, x2, x1, x3). */
+static void row16_prep(const act_block16 *xa, int64_t nb, int16_t *xp, float *ms, int32_t *s4) {
     const __m256i order = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15, 0, 1, 4, 5, 2, 3, 6, 7,
                                            8, 9, 12, 13, 10, 11, 14, 15);
     for (int64_t i = 0; i < nb * 8; i += 2) { /* two activation blocks: groups 2i .. 2i + 3 */
@@ -425,20 +490,32 @@ static void row16_prep(const act_block16 *xa, int64_t nb, int16_t *xp, float *ms
         const __m128i g4 = _mm_add_epi32(_mm256_castsi256_si128(h4), _mm256_extracti128_si256(h4, 1));
         const __m128 dd = _mm_setr_ps(xa[i].d, xa[i].d, xa[i + 1].d, xa[i + 1].d);
         _mm_storeu_ps(ms + 2 * i, _mm_mul_ps(dd, _mm_cvtepi32_ps(g4)));
+        _mm_storeu_si128((__m128i *)(s4 + 2 * i), _mm_slli_epi32(g4, 2));
     }
 }
 
-/* One activation row on Q2_K: its sums and pairs once, then every group: two a zmm where the build
- * has them, else (and an odd last one) one a ymm. */
-static void row16_loop(const uint8_t *w, int64_t wrb, int64_t nc, const act_block16 *xa, int64_t nb, float *out) {
+/* One activation row on Q2_K or Q3_K: its sums and pairs once, then every group: two a zmm where the
+ * build has them, else (and Q2_K's odd last one) one a ymm; Q3_K's odd last one tile16's. */
+static void row16_loop(const uint8_t *w, int64_t wrb, int64_t nc, const act_block16 *xa, int64_t nb, float *out,
+                       const int type) {
     int16_t xp[nb * 256];
     float ms[nb * 16];
-    row16_prep(xa, nb, xp, ms);
+    int32_t s4[nb * 16];
+    row16_prep(xa, nb, xp, ms, s4);
     int64_t c0 = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (type == QTYPE_Q3_K) {
+        for (; c0 + 16 <= nc; c0 += 16) row16_q3(w + c0 * wrb, w + (c0 + 8) * wrb, nb, xa, xp, s4, out + c0, ROW16_AHEAD);
+        if (c0 < nc) {
+            const float *no_ms[1] = {ms};
+            tile16(w + c0 * wrb, nb, &xa, no_ms, out + c0, 0, QTYPE_Q3_K, 1);
+        }
+        return;
+    }
     for (; c0 + 16 <= nc; c0 += 16) row16_q2(w + c0 * wrb, w + (c0 + 8) * wrb, nb, xa, xp, ms, out + c0, ROW16_AHEAD);
     if (c0 < nc) row16_q2_y(w + c0 * wrb, nb, xa, xp, ms, out + c0, ROW16_AHEAD, 2);
 #else
+    (void)type;
     for (; c0 < nc; c0 += 8) row16_q2_y(w + c0 * wrb, nb, xa, xp, ms, out + c0, ROW16_AHEAD, 1);
 #endif
 }
@@ -447,8 +524,15 @@ static void row16_loop(const uint8_t *w, int64_t wrb, int64_t nc, const act_bloc
 static inline __attribute__((always_inline)) void tile16_loop(const uint8_t *w, int64_t wrb, int64_t nc,
                                                               const uint8_t *xq, int64_t xrb, int64_t nr,
                                                               int64_t nb, float *out, int64_t ldo, const int type) {
-    if (type == QTYPE_Q2_K && nr == 1 && k23_row16) {
-        row16_loop(w, wrb, nc, (const act_block16 *)xq, nb, out);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    /* Q3_K's form on zmm only, from 16 columns (a panel of 8, as at k = 8192, runs tile16: a ymm form
+     * with the row's sums made per call ran 1.3x tile16's time) */
+    const int row16 = type == QTYPE_Q2_K ? k23_row16 : k23_row16_q3 && nc >= 16;
+#else
+    const int row16 = type == QTYPE_Q2_K && k23_row16;
+#endif
+    if (nr == 1 && row16) {
+        row16_loop(w, wrb, nc, (const act_block16 *)xq, nb, out, type);
         return;
     }
     float sums[XR][type == QTYPE_Q2_K ? nb * 16 : 1];
