@@ -60,8 +60,8 @@ class BatchDraws:
         if not plan.has_drafts and not batch.fork_rows and self._argmax_alone(plan.req_pool_idx):
             # What the steps below come to for such a batch, without their dozen calls (a one-row
             # step's Python: docs/benchmarks-history.md): one emitted draw per row, no logprobs.
-            tokens = self.greedy(logits).tolist()
-            return Drawn(token_ids=tokens, last_req_pool_idx=plan.req_pool_idx, last_tokens=tokens)
+            ids = self.greedy(logits).tolist()
+            return Drawn(token_ids=ids, last_req_pool_idx=plan.req_pool_idx, last_tokens=ids)
         logits, req_pool_idx, positions = with_forks(
             logits, plan.req_pool_idx, plan.positions, plan.batch_rows, batch
         )
