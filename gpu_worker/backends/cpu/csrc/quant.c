@@ -142,8 +142,12 @@ int64_t quant_act_row_bytes(int type, int64_t k) {
 }
 
 /* Columns per unit of the thread split and the panel for ``ops``' tile: COL_UNIT, or 16 for the
- * 8-bit activations' tiles (quant_kx8.c), which take 16 columns at a time. */
-static int64_t col_unit(const qtype_ops *ops) { return (ops->type & QTYPE_A8) ? 16 : COL_UNIT; }
+ * 8-bit activations' tiles (quant_kx8.c) and Q2_K / Q3_K's interleaved 16-bit tile (quant_k23x8.c's
+ * one-row forms), which take 16 columns at a time (Q3_K at k = 8192: a 48 KB panel is 8 columns). */
+static int64_t col_unit(const qtype_ops *ops) {
+    const int t = ops->type;
+    return (t & QTYPE_A8) || t == (QTYPE_Q2_K | QTYPE_X8) || t == (QTYPE_Q3_K | QTYPE_X8) ? 16 : COL_UNIT;
+}
 
 /* Columns in a panel of weight rows of row_bytes each for ``ops``' tile: whole units, PANEL_BYTES at
  * most (L2 holds them and a chunk of activation rows), and at most PANEL_MAX. BF16 | A8's tile blocks
