@@ -20,6 +20,7 @@ from gpu_worker.backends.cpu.layouts import A8, kernel_type
 from gpu_worker.backends.cpu.quant import A8_MIN_ROWS, NEVER, QuantLinear, a8_min_rows
 from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
 from tests.gpu_worker.a8_checks import (
+    SPREAD,
     a8_kinds,
     check_a8_unquantized,
     check_dense,
@@ -100,6 +101,37 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(
     check_rows_alone(kernels, held(qtype, 24, k)[0], k)
 
 
+def half_with_the_residual_pass(rows: int, k: int, seed: int) -> torch.Tensor:
+    """Activations whose 32-value blocks take the residual pass at random, about half of them (as the
+    down projection's input does): one value of such a block far above the rest."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 3
+    blocks = x.view(rows, k // 32, 32)
+    spike = torch.rand(rows, k // 32, generator=g) < 0.5
+    blocks[..., 7] += spike * 40.0 * blocks.abs().mean(dim=-1)
+    a = blocks.bfloat16().float().abs()  # (the tiles' input, as quant_matmul rounds it)
+    two = a.amax(dim=-1) * 32.0 > SPREAD * a.sum(dim=-1)
+    assert torch.equal(two, spike), "the spikes decide which blocks take the pass"
+    return x
+
+
+@pytest.mark.parametrize("qtype", SUB, ids=[t.name for t in SUB])
+def test_rows_with_and_without_the_residual_pass_beside_each_other(
+    kernels: cpu_kernels.CpuKernels, qtype: Q
+) -> None:
+    """29 rows (tiles of 8, 4 and 1 rows), each block's residual pass on for a random half of them:
+    each row's 8-bit output is the bits it has alone (the pass made for the rows that have it only)."""
+    k = k_of(qtype)
+    x8 = held(qtype, 40, k)[0]
+    x = half_with_the_residual_pass(29, k, 17)
+    t = kernel_type(x8) | A8
+    together = kernels.quant_matmul(t, x8.data, k, x)
+    for i in range(29):
+        assert torch.equal(kernels.quant_matmul(t, x8.data, k, x[i : i + 1]), together[i : i + 1]), i
+    order = torch.randperm(29, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(kernels.quant_matmul(t, x8.data, k, x[order]), together[order])
+
+
 @pytest.mark.parametrize("qtype", SUB, ids=[t.name for t in SUB])
 def test_every_kind_with_the_8_bit_tiles_gives_the_same_bits(qtype: Q) -> None:
     k = k_of(qtype)
@@ -107,9 +139,9 @@ def test_every_kind_with_the_8_bit_tiles_gives_the_same_bits(qtype: Q) -> None:
     libs = [cpu_kernels.CpuKernels(cpu_kernels.build(kind), kind) for kind in a8_kinds()]
     if len(libs) < 2:
         pytest.skip("fewer than two kinds with the 8-bit tiles here")
-    x = activations(19, k, torch.bfloat16, 11)
-    outs = [lib.quant_matmul(kernel_type(x8) | A8, x8.data, k, x) for lib in libs]
-    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    for x in (activations(19, k, torch.bfloat16, 11), half_with_the_residual_pass(19, k, 23)):
+        outs = [lib.quant_matmul(kernel_type(x8) | A8, x8.data, k, x) for lib in libs]
+        assert all(torch.equal(out, outs[0]) for out in outs[1:])
 
 
 def test_quant_linear_takes_8_bits_from_the_tables_rows(kernels: cpu_kernels.CpuKernels) -> None:

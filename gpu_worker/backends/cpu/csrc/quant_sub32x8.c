@@ -530,6 +530,47 @@ static inline __attribute__((always_inline)) __m512 scales16(const uint8_t *blk0
     return is_xs(type) ? ds[b] : _mm512_cvtph_ps(two16(blk0, blk1));
 }
 
+/* The residual pass of block b (the blocks at blk0, blk1) for the tile's rows in mask (bit r: row r
+ * has it): the 4 chunks decoded once into 8 zmm, then each such row's 8 products in one chain (Zen 5
+ * passes a vpdpbusd's sum on to the next fast), its sums stored to rs[r]; the other rows get 0, as the
+ * pass over all R rows gave them (their r is all zero). */
+static inline __attribute__((always_inline)) void residual_rows(const uint8_t *blk0, const uint8_t *blk1, int64_t b,
+                                                                const act8_32 *const *xa, unsigned mask,
+                                                                const int type, const int R, __m512i *rs) {
+    const act8_32 *xb[XR8]; /* the rows' block b (the q pass's own pointers: no more registers) */
+    for (int r = 0; r < R; r++) xb[r] = xa[r] + b, rs[r] = _mm512_setzero_si512();
+    __m512i lo[4], hi[4];
+    for (int c = 0; c < 4; c++) chunk_bytes2(blk0, blk1, b, c, type, &lo[c], &hi[c]);
+#if !defined(__AVX512VNNI__)
+    __mmask64 nl[4], nh[4];
+    for (int c = 0; c < 4 && !is_q5(type); c++) {
+        nl[c] = _mm512_movepi8_mask(lo[c]), nh[c] = _mm512_movepi8_mask(hi[c]);
+        lo[c] = _mm512_abs_epi8(lo[c]), hi[c] = _mm512_abs_epi8(hi[c]);
+    }
+#endif
+    for (; mask != 0; mask &= mask - 1) {
+        const int r = __builtin_ctz(mask);
+        const act8_32 *x = xb[r];
+#if defined(__AVX512VNNI__)
+        __m512i is = _mm512_set1_epi32(is_q5(type) ? 0 : -128 * x->rsum); /* IQ4's levels + 128 */
+#else
+        __m512i is = _mm512_setzero_si512();
+#endif
+        for (int c = 0; c < 4; c++) {
+#if !defined(__AVX512VNNI__)
+            if (!is_q5(type)) {
+                is = dps4(is, lo[c], nl[c], x->r + 4 * c);
+                is = dps4(is, hi[c], nh[c], x->r + 16 + 4 * c);
+                continue;
+            }
+#endif
+            is = dpb4(is, lo[c], x->r + 4 * c);
+            is = dpb4(is, hi[c], x->r + 16 + 4 * c);
+        }
+        rs[r] = is;
+    }
+}
+
 /* out[r * ldo + j] = dot(tile row j, activation row r) for j < width (16, or 8: g1 is g0 again and
  * only its lanes are stored), r < R. A block's per-row scales are made again for the residual pass
  * (the same products), not kept: R more registers live across it spilled the accumulators. IQ4_XS's
@@ -550,8 +591,8 @@ static inline __attribute__((always_inline)) void tile8(const uint8_t *g0, const
             }
             if (is_xs(type) && make_ds) xs_scales16(blk0, blk1, ds + b);
         }
-        int two = 0;
-        for (int r = 0; r < R; r++) two |= xa[r][b].two;
+        unsigned two = 0; /* bit r: row r has the residual pass */
+        for (int r = 0; r < R; r++) two |= (unsigned)xa[r][b].two << r;
         A8_PASS(q)
         const __m512 d = scales16(blk0, blk1, b, ds, type);
         const __m512 m = type == QTYPE_Q5_1 ? _mm512_cvtph_ps(two16(blk0 + 16, blk1 + 16))
@@ -561,11 +602,12 @@ static inline __attribute__((always_inline)) void tile8(const uint8_t *g0, const
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), sc, acc[r]);
             if (is_q5(type)) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xa[r][b].s), acc[r]);
         }
-        if (two) { /* r's products at a 128th of q's step (zero for the rows without the pass) */
-            A8_PASS(r)
+        if (two) { /* r's products at a 128th of q's step, made for the rows with the pass only */
+            __m512i rs[XR8];
+            residual_rows(blk0, blk1, b, xa, two, type, R, rs);
             for (int r = 0; r < R; r++) {
                 const __m512 sc = _mm512_mul_ps(d, _mm512_set1_ps(xa[r][b].d)); /* the same product again */
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(sc, _mm512_set1_ps(1.0f / 128.0f)), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rs[r]), _mm512_mul_ps(sc, _mm512_set1_ps(1.0f / 128.0f)), acc[r]);
             }
         }
     }
