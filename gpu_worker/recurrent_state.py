@@ -156,6 +156,15 @@ class RecurrentBatch:
 def begin_batch(pool: StatePool, batch: ForwardBatch) -> RecurrentBatch:
     """The batch's rows for the linear layers: the slots of the rows that start a request zeroed,
     those of a prefix hit loaded from their checkpoints."""
+    checkpoints = (batch.state_load_rows, batch.state_load_ids, batch.state_save_rows, batch.state_save_ids)
+    if (
+        not any(checkpoints)
+        and not batch.state_save_lens
+        and all(batch.prefix_lens)
+        and not any(batch.draft_lens)
+    ):
+        # No checkpoint, no new request (a decode step): nothing to check, load or zero.
+        return RecurrentBatch.of(pool, batch.req_pool_idx, batch.extend_lens)
     check_checkpoints(pool, batch)
     slots = batch.req_pool_idx
     pool.copy([pool.slots + c for c in batch.state_load_ids], [slots[row] for row in batch.state_load_rows])
@@ -168,6 +177,8 @@ def begin_batch(pool: StatePool, batch: ForwardBatch) -> RecurrentBatch:
 def end_batch(pool: StatePool, batch: ForwardBatch) -> None:
     """The checkpoints of rows saved after all their tokens; each fork's slot a copy of its parent
     row's, the state after the whole prompt."""
+    if not (batch.state_save_rows or batch.state_save_lens or batch.state_save_ids or batch.fork_rows):
+        return
     saves = zip(batch.state_save_rows, batch.state_save_lens, batch.state_save_ids, strict=True)
     whole = [(row, c) for row, n, c in saves if n == batch.extend_lens[row]]
     pool.copy([batch.req_pool_idx[row] for row, _ in whole], [pool.slots + c for _, c in whole])
