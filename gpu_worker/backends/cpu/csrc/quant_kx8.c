@@ -1074,8 +1074,9 @@ static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int6
  * tile's madd gives 16 word products: the same multiplies per weight, without the weights' widening,
  * and each (row, pair) int16 lane summed over chunks before one madd widens it (by 1 for lo, by 256
  * for hi) into row s's own int32 lane: no fold of pairs. int16 adds wrap, so only each final sum
- * must fit below 32767: pair sums lo * q <= 2 * 255 * 15 (Q4_K; 63 Q6_K), hi * q <= 2 * 128 * 15 (63),
- * summed over as many chunks as that allows (the tiles say). Q6_K's q - 32: q as bytes, the -32 * sum(a)
+ * must fit 16 bits (signed; lo's unsigned from -32768 in q4k_row1): pair sums lo * q <= 2 * 255 * 15
+ * (Q4_K; 63 Q6_K), hi * q <= 2 * 128 * 15 (63), summed over as many chunks as that allows (the tiles
+ * say). Q6_K's q - 32: q as bytes, the -32 * sum(a)
  * of each 16 values added to the int32 sums (act_split's off16). Every sum is the 16-bit tile's
  * integer, and every float step as there in the same order: the same bits. */
 #define KX8_ROW1 1
