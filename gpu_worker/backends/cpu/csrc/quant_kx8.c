@@ -936,6 +936,17 @@ static inline __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
     return acc;
 }
 
+/* Sub-blocks j and j + 1's scales times d and mins times dmin (lane s: row s), from q4k_scale_words. */
+static inline __attribute__((always_inline)) void q4k_pair_scales_y(const __m256i words[4], __m256 d, __m256 dmin, int j,
+                                                                  __m256 *dsc0, __m256 *dsc1, __m256 *dm0, __m256 *dm1) {
+    const __m256i scw = j < 4 ? words[0] : words[2], mw = j < 4 ? words[1] : words[3], byte = _mm256_set1_epi32(0xff);
+    const __m128i sh0 = _mm_cvtsi32_si128(8 * (j % 4)), sh1 = _mm_cvtsi32_si128(8 * (j % 4) + 8);
+    *dsc0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(scw, sh0), byte)));
+    *dsc1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(scw, sh1), byte)));
+    *dm0 = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mw, sh0), byte)));
+    *dm1 = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mw, sh1), byte)));
+}
+
 static inline __attribute__((always_inline)) void q45_tile(const uint8_t *g, int64_t nb, const act_block16 *const *xa,
                                                            int64_t nr, float *out, int64_t ldo, const int type,
                                                            const int R) {
@@ -945,22 +956,14 @@ static inline __attribute__((always_inline)) void q45_tile(const uint8_t *g, int
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + b * gbb;
         for (int at = 0; at < gbb; at += 64) prefetch_weights(blk + PF_Q45 * gbb + at);
-        const __m256i wa = _mm256_loadu_si256((const __m256i *)(blk + 32));
-        const __m256i wb = _mm256_loadu_si256((const __m256i *)(blk + 64));
-        const __m256i wc = _mm256_loadu_si256((const __m256i *)(blk + 96));
-        const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m4 = _mm256_set1_epi32(0x0f0f0f0f), hi2 = _mm256_set1_epi32(0x30303030);
-        const __m256i sc03 = _mm256_and_si256(wa, m6), m03 = _mm256_and_si256(wb, m6);
-        const __m256i sc47 = _mm256_or_si256(_mm256_and_si256(wc, m4), _mm256_and_si256(_mm256_srli_epi32(wa, 2), hi2));
-        const __m256i m47 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(wc, 4), m4), _mm256_and_si256(_mm256_srli_epi32(wb, 2), hi2));
+        __m256i words[4]; /* scales 0-3, mins 0-3, scales 4-7, mins 4-7 */
+        q4k_scale_words(blk, words);
+        const __m256i m4 = _mm256_set1_epi32(0x0f0f0f0f);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
         for (int j = 0; j < 8; j += 2) { /* sub-blocks j (low nibbles) and j + 1 (high) */
-            const __m256i scw = j < 4 ? sc03 : sc47, mw = j < 4 ? m03 : m47, byte = _mm256_set1_epi32(0xff);
-            const __m128i sh0 = _mm_cvtsi32_si128(8 * (j % 4)), sh1 = _mm_cvtsi32_si128(8 * (j % 4) + 8);
-            const __m256 dsc0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(scw, sh0), byte)));
-            const __m256 dsc1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(scw, sh1), byte)));
-            const __m256 dm0 = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mw, sh0), byte)));
-            const __m256 dm1 = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mw, sh1), byte)));
+            __m256 dsc0, dsc1, dm0, dm1;
+            q4k_pair_scales_y(words, d, dmin, j, &dsc0, &dsc1, &dm0, &dm1);
             __m256i ia[XR][4]; /* low nibbles rows 0-3, rows 4-7, high nibbles rows 0-3, rows 4-7 */
             for (int r = 0; r < R; r++)
                 for (int i = 0; i < 4; i++) ia[r][i] = _mm256_setzero_si256();
@@ -1138,22 +1141,13 @@ static inline __attribute__((always_inline)) void q4k_row1(const uint8_t *g, int
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + b * gbb;
         for (int at = 0; at < gbb; at += 64) prefetch_weights(blk + PF_Q45 * gbb + at);
-        const __m256i wa = _mm256_loadu_si256((const __m256i *)(blk + 32));
-        const __m256i wb = _mm256_loadu_si256((const __m256i *)(blk + 64));
-        const __m256i wc = _mm256_loadu_si256((const __m256i *)(blk + 96));
-        const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), hi2 = _mm256_set1_epi32(0x30303030);
-        const __m256i sc03 = _mm256_and_si256(wa, m6), m03 = _mm256_and_si256(wb, m6);
-        const __m256i sc47 = _mm256_or_si256(_mm256_and_si256(wc, m4), _mm256_and_si256(_mm256_srli_epi32(wa, 2), hi2));
-        const __m256i m47 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(wc, 4), m4), _mm256_and_si256(_mm256_srli_epi32(wb, 2), hi2));
+        __m256i words[4]; /* scales 0-3, mins 0-3, scales 4-7, mins 4-7 */
+        q4k_scale_words(blk, words);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
         for (int j = 0; j < 8; j += 2) { /* sub-blocks j (low nibbles) and j + 1 (high) */
-            const __m256i scw = j < 4 ? sc03 : sc47, mw = j < 4 ? m03 : m47, byte = _mm256_set1_epi32(0xff);
-            const __m128i sh0 = _mm_cvtsi32_si128(8 * (j % 4)), sh1 = _mm_cvtsi32_si128(8 * (j % 4) + 8);
-            const __m256 dsc0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(scw, sh0), byte)));
-            const __m256 dsc1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(scw, sh1), byte)));
-            const __m256 dm0 = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mw, sh0), byte)));
-            const __m256 dm1 = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mw, sh1), byte)));
+            __m256 dsc0, dsc1, dm0, dm1;
+            q4k_pair_scales_y(words, d, dmin, j, &dsc0, &dsc1, &dm0, &dm1);
             const act_split *x = xs + 8 * b + j;
             __m256i l0 = lo_start, l1 = lo_start, h0 = hi_start, h1 = hi_start;
             for (int c = 0; c < 8; c++) {
