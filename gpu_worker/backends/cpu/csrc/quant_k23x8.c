@@ -217,6 +217,19 @@ static inline __attribute__((always_inline)) void tile16(const uint8_t *g, int64
         _mm256_storeu_ps(out + r * ldo, _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1)));
 }
 
+/* Two weight groups' fp16 values at a and b (8 each) as one zmm, a's in the low half. */
+static inline __m512 halves_pair(const uint8_t *a, const uint8_t *b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)a))),
+                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)), 1);
+}
+
+/* Both groups' block, ahead bytes on, toward the caches. */
+static inline void prefetch_pair_at(const uint8_t *blk0, const uint8_t *blk1, int gbb, int64_t ahead) {
+    for (int at = 0; at < gbb; at += 64) {
+        prefetch_weights(blk0 + ahead + at);
+        prefetch_weights(blk1 + ahead + at);
+    }
+}
 
 /* One activation row on Q2_K, 16 bits (row16_q2): two groups' 16 rows a zmm, one int32 lane a row. Each
  * quant chunk pair is loaded once a block; its words hold weights 0 and 2 of a row's four in their low
@@ -252,15 +265,9 @@ static inline __attribute__((always_inline)) void row16_q2(const uint8_t *g0, co
     __m512 acca = _mm512_setzero_ps(), accb = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk0 = g0 + b * gbb, *blk1 = g1 + b * gbb;
-        for (int at = 0; at < gbb; at += 64) {
-            prefetch_weights(blk0 + ahead + at);
-            prefetch_weights(blk1 + ahead + at);
-        }
-        const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk0))),
-                                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk1)), 1);
-        const __m512 dmin =
-            _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk0 + 16)))),
-                               _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk1 + 16))), 1);
+        prefetch_pair_at(blk0, blk1, gbb, ahead);
+        const __m512 d = halves_pair(blk0, blk1);
+        const __m512 dmin = halves_pair(blk0 + 16, blk1 + 16);
         __m512i sl[4], sh[4]; /* group g's sc (m) of the 16 rows: byte g % 4 of each word of sl[g / 4] (sh) */
         for (int t = 0; t < 4; t++) {
             const __m512i sw = two_chunks(blk0, blk1, Q2_SC + 32 * t);
@@ -318,12 +325,8 @@ static inline __attribute__((always_inline)) void row16_q3(const uint8_t *g0, co
     __m512 acca = _mm512_setzero_ps(), accb = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk0 = g0 + b * gbb, *blk1 = g1 + b * gbb;
-        for (int at = 0; at < gbb; at += 64) {
-            prefetch_weights(blk0 + ahead + at);
-            prefetch_weights(blk1 + ahead + at);
-        }
-        const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk0))),
-                                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk1)), 1);
+        prefetch_pair_at(blk0, blk1, gbb, ahead);
+        const __m512 d = halves_pair(blk0, blk1);
         __m512i st[4];
         q3_scale_bytes(blk0, blk1, st);
 #pragma GCC unroll 2
