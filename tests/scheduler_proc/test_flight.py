@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
 from protocol.messages import PENDING, ForwardResult
 from scheduler_proc.batch import build_forward_batch
 from scheduler_proc.config import SchedulerConfig
+from scheduler_proc.flight import Flight
 from scheduler_proc.request import Req
 from scheduler_proc.scheduler import Scheduler
 from tests.scheduler_proc.harness import Driver, FakeWorker, tokenized
@@ -90,3 +92,92 @@ def test_kv_cannot_be_reset_under_rows_in_flight() -> None:
     sched, _, _ = two_batches_in_flight()
     with pytest.raises(AssertionError, match="rows in flight"):
         sched.reqs[0].flight.reset()  # e.g. a retraction that did not wait for the batch out
+
+
+def reference_check(flight: Flight, req: Req) -> None:
+    """Flight.check as it was written before its one-pass form (the invariants, built as lists)."""
+    drafted = sum(len(row.draft) for row in flight.rows)
+    assert 0 <= flight.computed_len <= flight.kv_len <= req.seq_len + drafted
+    assert flight.worker_pages <= len(req.page_table)
+    end = flight.computed_len
+    for row in flight.rows:
+        assert row.start == end
+        end += row.extend_len
+    assert end == flight.kv_len
+    sampling = [row.out_index for row in flight.rows if row.sample]
+    first = len(req.output_ids) - len(sampling)
+    assert sampling == list(range(first, len(req.output_ids)))
+    assert all(t == PENDING for t in req.output_ids[first:])
+    assert first == 0 or req.output_ids[first - 1] != PENDING
+
+
+def raises(check: Callable[[], None], errors: tuple[type[Exception], ...] = (AssertionError,)) -> bool:
+    try:
+        check()
+    except errors:
+        return True
+    return False
+
+
+def corruptions(req: Req) -> list[tuple[Callable[[], None], Callable[[], None]]]:
+    """(break, restore) pairs, each a change to the request's flight or outputs some bug could make."""
+    flight, out = req.flight, req.output_ids
+    saved_out, saved = list(out), (flight.kv_len, flight.computed_len, flight.worker_pages)
+
+    def restore() -> None:
+        out[:] = saved_out
+        flight.kv_len, flight.computed_len, flight.worker_pages = saved
+        for row, (start, index, sample, draft) in zip(flight.rows, rows, strict=True):
+            row.start, row.out_index, row.sample, row.draft = start, index, sample, draft
+
+    rows = [(row.start, row.out_index, row.sample, row.draft) for row in flight.rows]
+    cases: list[Callable[[], None]] = [
+        lambda: out.append(PENDING),
+        lambda: out.append(3),
+        lambda: out.pop() if out else None,
+        lambda: out.__setitem__(-1, 3) if out else None,
+        lambda: out.__setitem__(-1, PENDING) if out else None,
+        lambda: out.__setitem__(0, PENDING) if out else None,
+        lambda: setattr(flight, "kv_len", flight.kv_len + 1),
+        lambda: setattr(flight, "kv_len", flight.kv_len - 1),
+        lambda: setattr(flight, "computed_len", flight.computed_len + 1),
+        lambda: setattr(flight, "computed_len", -1),
+        lambda: setattr(flight, "worker_pages", len(req.page_table) + 1),
+    ]
+    for i, row in enumerate(flight.rows):
+        cases += [
+            lambda row=row: setattr(row, "start", row.start + 1),
+            lambda row=row: setattr(row, "out_index", row.out_index + 1),
+            lambda row=row: setattr(row, "out_index", row.out_index - 1),
+            lambda row=row: setattr(row, "sample", not row.sample),
+            lambda row=row: setattr(row, "draft", [5, 6]),
+        ]
+        if i:
+            cases.append(lambda row=row: setattr(row, "out_index", flight.rows[0].out_index))
+    return [(case, restore) for case in cases]
+
+
+def test_the_one_pass_check_fails_exactly_where_the_invariants_written_out_fail() -> None:
+    d = Driver(config())
+    for rid in range(6):
+        d.submit(rid, prompt(5 + 9 * rid, rid), 6 + rid, stop=[7])
+    seen = {True: 0, False: 0}
+
+    def compare(_: object) -> None:
+        for req in live_reqs(d.sched):
+            req.flight.check(req)
+            for corrupt, restore in corruptions(req):
+                corrupt()
+                # the written-out form indexed past the outputs on a row drawing output -1
+                expected = raises(
+                    lambda req=req: reference_check(req.flight, req), (AssertionError, IndexError)
+                )
+                assert raises(lambda req=req: req.flight.check(req)) == expected
+                seen[expected] += 1
+                restore()
+            req.flight.check(req)
+
+    while d.sched.has_work or d.pending:
+        d.step(in_flight_hook=compare)
+    assert len(d.finished) == 6
+    assert seen[True] > 100 and seen[False] > 10  # both outcomes were met many times
