@@ -197,6 +197,26 @@ class QuantLinear:
         """``residual + x W^T + b``, with one rounding where there is no bias."""
         return self._matmul(x, residual)
 
+    def argmax_fits(self, rows: int, dtype: torch.dtype, cap: float) -> bool:
+        """Whether ``argmax`` takes ``rows`` rows of ``dtype`` with this soft-cap (0: none): one part,
+        no bias (an LM head), float32 or bfloat16 rows, a cap on float32 alone (the model caps others
+        in torch, not by softcap_f32's operations)."""
+        one_part = self.bias is None and len(self.weight.parts) == 1
+        return one_part and rows > 0 and (dtype == torch.float32 or (dtype == torch.bfloat16 and not cap))
+
+    def argmax(self, x: torch.Tensor, cap: float = 0.0) -> torch.Tensor:
+        """The greedy draw from this head's logits, without the logits: int64 [rows], each row's first
+        index of the largest of ``self(x)`` soft-capped as softcap_f32 caps it (``cap`` > 0), the same
+        kernel and path as ``self(x)``, folded panel by panel (csrc/quant.c's quant_matmul_argmax).
+        Only where ``argmax_fits``."""
+        rows = x.shape[0]
+        assert self.argmax_fits(rows, x.dtype, cap), "argmax: a one-part head, float32 or bf16 without a cap"
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        part = self.weight.parts[0]
+        type = kernel_type(part) | (A8 if rows >= self.a8_min_rows[0] else 0)
+        dense = rows >= self.dense_min_rows[0]
+        return self.kernels.quant_matmul_argmax(type, part.data, part.cols, x, self.act_bytes[0], dense, cap)
+
     def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0]
         if rows == 0:  # a batch none of whose rows samples has no logits to compute

@@ -50,6 +50,10 @@ class QuantKernels:
         self._quant_matmul_dense = lib.quant_matmul_dense
         self._quant_matmul_dense.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, i64, i32, ptr, i64]
         self._quant_matmul_dense.restype = i32
+        self._quant_matmul_argmax = lib.quant_matmul_argmax
+        f32 = ctypes.c_float
+        self._quant_matmul_argmax.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, i32, f32, ptr]
+        self._quant_matmul_argmax.restype = i32
         self._quant_get_rows = lib.quant_get_rows
         self._quant_get_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32]
         self._quant_get_rows.restype = None
@@ -66,7 +70,6 @@ class QuantKernels:
         self._moe_experts.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i32]
         self._moe_experts.restype = i32
         self._moe_experts_clamped = lib.moe_experts_clamped
-        f32 = ctypes.c_float
         self._moe_experts_clamped.argtypes = [*self._moe_experts.argtypes, ptr, ptr, f32, f32]
         self._moe_experts_clamped.restype = i32
         self._moe_route = lib.moe_route
@@ -145,6 +148,33 @@ class QuantKernels:
         if status != 0:
             refused = f"type {type}, n={n}, k={k}, dtype {x.dtype}: {status_text(status)}"
             raise ValueError(f"quant_matmul refused {refused}")
+        return out
+
+    def quant_matmul_argmax(
+        self,
+        type: int,
+        w: torch.Tensor,
+        k: int,
+        x: torch.Tensor,
+        act_bytes: int,
+        dense: bool = False,
+        cap: float = 0.0,
+    ) -> torch.Tensor:
+        """The first index of each row's largest value (int64 [M]) of ``quant_matmul_checked``'s
+        output (the same ``type`` and ``dense``), soft-capped as ``softcap_f32`` caps it where
+        ``cap > 0`` (float32 x only), computed panel by panel without writing the output (csrc/quant.c's
+        quant_matmul_argmax): an LM head's greedy draw."""
+        assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1, "x: [M, k], rows contiguous"
+        m, n = x.shape[0], w.shape[0]
+        out = torch.empty(m, dtype=torch.int64)
+        scratch = None if dense else self._scratch(m * act_bytes).data_ptr()
+        status = self._quant_matmul_argmax(
+            type, w.data_ptr(), n, k, x.data_ptr(), x.stride(0), DTYPE_CODES[x.dtype], m, scratch, int(dense),
+            cap, out.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            refused = f"type {type}, n={n}, k={k}, dtype {x.dtype}: {status_text(status)}"
+            raise ValueError(f"quant_matmul_argmax refused {refused}")
         return out
 
     def _scratch(self, nbytes: int) -> torch.Tensor:

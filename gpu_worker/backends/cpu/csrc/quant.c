@@ -178,15 +178,42 @@ static inline void stream_row(float *dst, const float *v, int64_t n) {
 #endif
 }
 
+/* The head's argmax route (quant_matmul_argmax, quant.h's head_argmax): each value as y would hold
+ * it (rounded to the dtype, then soft-capped as softcap_f32 over the whole [rows, n] y), each row's
+ * largest with its first column, kept where strictly larger than the thread's earlier columns'. */
+void argmax_panel(const head_argmax *am, int t, float *v, int64_t ld, int64_t r0, int64_t nr, int64_t c0, int64_t pw) {
+    float *best = am->best + t * am->rows;
+    int64_t *best_at = am->best_at + t * am->rows;
+    for (int64_t r = 0; r < nr; r++) {
+        float *row = v + r * ld;
+        if (am->dtype == DTYPE_BF16)
+            for (int64_t j = 0; j < pw; j++) row[j] = bf16_to_f32(f32_to_bf16(row[j]));
+        if (am->cap > 0.0f) softcap_at(row, pw, (r0 + r) * am->n + c0, am->rows * am->n, am->cap);
+        float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+        for (int64_t j = 0; j < pw; j++) top = row[j] > top ? row[j] : top; /* (a NaN never wins) */
+        if (!(top > best[r0 + r])) continue;
+        int64_t j = 0;
+        while (row[j] != top) j++;
+        best[r0 + r] = top;
+        best_at[r0 + r] = c0 + j;
+    }
+}
+
 /* quant_panel's work; ``stream``: y float32 without a residual, rows and pw whole lines (see
- * STREAM_BYTES). */
+ * STREAM_BYTES); ``am`` (not NULL): folded into thread t's argmax, y not written. */
 static void panel_rows(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int64_t nb, int64_t c0, int64_t pw,
                        const uint8_t *xq, int64_t xrb, int64_t r0, int64_t r1, void *y, int64_t y_stride,
-                       int y_dtype, const void *residual, int64_t res_stride, int stream) {
+                       int y_dtype, const void *residual, int64_t res_stride, int stream, const head_argmax *am,
+                       int t) {
     float buf[ROW_CHUNK * PANEL_MAX], res[PANEL_MAX];
     for (int64_t q0 = r0; q0 < r1; q0 += ROW_CHUNK) {
         const int64_t qr = r1 - q0 < ROW_CHUNK ? r1 - q0 : ROW_CHUNK;
         ops->tile(w + c0 * wrb, wrb, pw, xq + q0 * xrb, xrb, qr, nb, buf, pw);
+        if (am != NULL) {
+            argmax_panel(am, t, buf, pw, q0, qr, c0, pw);
+            continue;
+        }
         for (int64_t r = 0; r < qr; r++) {
             float *v = buf + r * pw;
             if (stream) {
@@ -210,7 +237,7 @@ static void panel_rows(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int6
 void quant_panel(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int64_t nb, int64_t c0, int64_t pw,
                  const uint8_t *xq, int64_t xrb, int64_t r0, int64_t r1, void *y, int64_t y_stride, int y_dtype,
                  const void *residual, int64_t res_stride) {
-    panel_rows(ops, w, wrb, nb, c0, pw, xq, xrb, r0, r1, y, y_stride, y_dtype, residual, res_stride, 0);
+    panel_rows(ops, w, wrb, nb, c0, pw, xq, xrb, r0, r1, y, y_stride, y_dtype, residual, res_stride, 0, NULL, 0);
 }
 
 /* y [rows, n] (y_dtype, rows y_stride elements apart) = residual (rows res_stride elements apart,
@@ -220,9 +247,9 @@ void quant_panel(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int64_t nb
  * bytes (of the type without QTYPE_A8: that size fits both formats). Returns RV_OK, or (nothing
  * written) RV_ERR_TYPE, RV_ERR_K (k not a whole number of blocks), RV_ERR_DTYPE, RV_ERR_NO_MEMORY, or
  * RV_ERR_X8_ROWS (an interleaved type with n not a multiple of 8). */
-int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride, int x_dtype,
-                 int64_t rows, void *scratch, void *y, int64_t y_stride, int y_dtype, const void *residual,
-                 int64_t res_stride) {
+static int matmul_run(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
+                      int x_dtype, int64_t rows, void *scratch, void *y, int64_t y_stride, int y_dtype,
+                      const void *residual, int64_t res_stride, const head_argmax *am) {
     const qtype_ops *ops = quant_ops(type);
     if (ops == NULL) return RV_ERR_TYPE;
     if (k <= 0 || k % ops->block != 0) return RV_ERR_K;
@@ -234,7 +261,7 @@ int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x
     uint8_t *xq = (uint8_t *)scratch;
     int failed = 0;
     /* streaming stores take whole 64-byte lines: y aligned, its rows and the panels whole lines */
-    const int stream = quant_y_stream && y_dtype == DTYPE_F32 && residual == NULL && rows * n * 4 >= STREAM_BYTES &&
+    const int stream = am == NULL && quant_y_stream && y_dtype == DTYPE_F32 && residual == NULL && rows * n * 4 >= STREAM_BYTES &&
                        (uintptr_t)y % 64 == 0 && y_stride % 16 == 0 && n % 16 == 0 && panel % 16 == 0 &&
                        unit % 16 == 0;
     if (rows == 1) { /* one row (decode): quantized here, so the region below has no barrier but its end */
@@ -286,13 +313,51 @@ int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x
             const int64_t r0 = rows * rp / row_parts, r1 = rows * (rp + 1) / row_parts;
             for (int64_t p0 = c0; p0 < c1; p0 += panel)
                 panel_rows(ops, w, wrb, nb, p0, c1 - p0 < panel ? c1 - p0 : panel, xq, xrb, r0, r1, y, y_stride,
-                           y_dtype, residual, res_stride, stream);
+                           y_dtype, residual, res_stride, stream, am, t);
         }
 #if HAVE_AVX512 || HAVE_AVX2
         if (stream) _mm_sfence(); /* the streamed lines before the region's end, as its other stores */
 #endif
     }
     return failed ? RV_ERR_NO_MEMORY : RV_OK;
+}
+
+int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride, int x_dtype,
+                 int64_t rows, void *scratch, void *y, int64_t y_stride, int y_dtype, const void *residual,
+                 int64_t res_stride) {
+    return matmul_run(type, w, n, k, x, x_stride, x_dtype, rows, scratch, y, y_stride, y_dtype, residual, res_stride,
+                      NULL);
+}
+
+/* The LM head's greedy draw without its logits (rivulet_kernels.h): quant_matmul's (or the dense
+ * path's) panels folded into each thread's running best per row as they are computed (in L1/L2,
+ * where the logits, 33.5 MB at 32 rows of a 262144-token vocabulary, would go to memory and be read
+ * back by the soft-cap and the argmax), then the threads' bests merged: the larger value, the lower
+ * column on a tie, so the first index of the largest as argmax_rows picks it (none: 0, as there). */
+int quant_matmul_argmax(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
+                        int x_dtype, int64_t rows, void *scratch, int dense, float cap, int64_t *out) {
+    if (x_dtype == DTYPE_BF16 && cap > 0.0f) return RV_ERR_DTYPE; /* (the model caps bf16 logits in torch) */
+    if (rows <= 0) return RV_OK;
+    const int64_t slots = (int64_t)omp_get_max_threads() * rows;
+    head_argmax am = {malloc((size_t)slots * sizeof(float)), malloc((size_t)slots * sizeof(int64_t)), rows, n,
+                      x_dtype, cap};
+    int status = RV_ERR_NO_MEMORY;
+    if (am.best != NULL && am.best_at != NULL) {
+        for (int64_t i = 0; i < slots; i++) am.best[i] = -INFINITY, am.best_at[i] = -1;
+        status = dense ? quant_dense_run(type, w, n, k, x, x_stride, x_dtype, rows, NULL, 0, x_dtype, NULL, 0, &am)
+                       : matmul_run(type, w, n, k, x, x_stride, x_dtype, rows, scratch, NULL, 0, x_dtype, NULL, 0, &am);
+    }
+    for (int64_t r = 0; status == RV_OK && r < rows; r++) {
+        float top = -INFINITY;
+        int64_t top_at = -1;
+        for (int64_t i = r; i < slots; i += rows)
+            if (am.best_at[i] >= 0 && (am.best[i] > top || (am.best[i] == top && am.best_at[i] < top_at)))
+                top = am.best[i], top_at = am.best_at[i];
+        out[r] = top_at < 0 ? 0 : top_at;
+    }
+    free(am.best);
+    free(am.best_at);
+    return status;
 }
 
 /* out [count, k] (out_dtype, contiguous) = the rows ids[i] of W [?, k] in blocks of ``type``,

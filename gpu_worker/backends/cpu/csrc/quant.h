@@ -189,6 +189,22 @@ void quant_panel(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int64_t nb
                  const uint8_t *xq, int64_t xrb, int64_t r0, int64_t r1, void *y, int64_t y_stride, int y_dtype,
                  const void *residual, int64_t res_stride);
 
+/* quant_matmul_argmax's running best per (thread, row): best[t * rows + r], best_at[...] (-1: none
+ * yet); argmax_panel folds in rows [r0, r0 + nr) of columns [c0, c0 + pw) (v, ld apart, overwritten),
+ * computed by thread t in ascending columns. quant_dense_run: quant_matmul_dense, with am not NULL
+ * folding its panels into am instead of writing y. */
+typedef struct {
+    float *best;
+    int64_t *best_at;
+    int64_t rows, n;
+    int dtype;
+    float cap;
+} head_argmax;
+void argmax_panel(const head_argmax *am, int t, float *v, int64_t ld, int64_t r0, int64_t nr, int64_t c0, int64_t pw);
+int quant_dense_run(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride, int x_dtype,
+                    int64_t rows, void *y, int64_t y_stride, int y_dtype, const void *residual, int64_t res_stride,
+                    const head_argmax *am);
+
 /* decode_layers.c's steps, for every one-call decode: one Linear (its parts, each by the path its row
  * count takes) into y, plus residual where not NULL; and x += y rounded to the dtype (torch's add). */
 int decode_linear_run(const decode_linear *lin, int64_t n, int64_t k, const void *x, int64_t rows, void *scratch,

@@ -114,6 +114,13 @@ static void panel_rows(const float *x, int64_t nr, const float *wp, int64_t nc, 
 int quant_matmul_dense(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
                        int x_dtype, int64_t rows, void *y, int64_t y_stride, int y_dtype, const void *residual,
                        int64_t res_stride) {
+    return quant_dense_run(type, w, n, k, x, x_stride, x_dtype, rows, y, y_stride, y_dtype, residual, res_stride, NULL);
+}
+
+/* (quant.h) am not NULL: each panel's outputs, float32 in a buffer of the thread's, folded into am. */
+int quant_dense_run(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride, int x_dtype,
+                    int64_t rows, void *y, int64_t y_stride, int y_dtype, const void *residual, int64_t res_stride,
+                    const head_argmax *am) {
     const qtype_ops *ops = quant_ops(type);
     if (ops == NULL) return RV_ERR_TYPE;
     if (k <= 0 || k % ops->block != 0 || k % ACT_BLOCK != 0) return RV_ERR_K;
@@ -139,19 +146,27 @@ int quant_matmul_dense(int type, const uint8_t *w, int64_t n, int64_t k, const v
         const int64_t c0 = units * t / nt * unit, c1_units = units * (t + 1) / nt * unit;
         const int64_t c1 = c1_units < n ? c1_units : n;
         float *wp = c0 < c1 ? aligned_alloc(32, (size_t)(panel * k) * sizeof(float)) : NULL;
-        if (c0 < c1 && wp == NULL) {
+        float *part = am != NULL && c0 < c1 ? malloc((size_t)(rows * panel) * sizeof(float)) : NULL;
+        if (c0 < c1 && (wp == NULL || (am != NULL && part == NULL))) {
 #pragma omp atomic write
             failed = 1;
         }
-        for (int64_t p0 = c0; wp != NULL && p0 < c1; p0 += panel) {
+        for (int64_t p0 = c0; wp != NULL && (am == NULL || part != NULL) && p0 < c1; p0 += panel) {
             const int64_t pw = c1 - p0 < panel ? c1 - p0 : panel;
             if (ops->dequant_group != NULL) {
                 for (int64_t j = 0; j < pw; j += 8) ops->dequant_group(w + (p0 + j) * wrb, k, wp + j * k);
             } else {
                 for (int64_t j = 0; j < pw; j++) dequant_row_at(ops, w, wrb, p0 + j, k, wp + j * k);
             }
-            panel_rows(xf, rows, wp, pw, k, p0, &o);
+            if (am == NULL) {
+                panel_rows(xf, rows, wp, pw, k, p0, &o);
+                continue;
+            }
+            const outputs to_part = {part, DTYPE_F32, NULL, 0, pw}; /* y's float32 sums, not yet rounded */
+            panel_rows(xf, rows, wp, pw, k, 0, &to_part);
+            argmax_panel(am, t, part, pw, 0, rows, p0, pw);
         }
+        free(part);
         free(wp);
     }
     free(xf);

@@ -255,6 +255,7 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype
 void gelu_tanh_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype);
 void argmax_rows(const void *x, int64_t row_stride, int64_t rows, int n, int dtype, int64_t *out);
 void softcap_f32(float *x, int64_t n, float cap);
+void softcap_at(float *x, int64_t n, int64_t at, int64_t total, float cap);
 
 /* matmul.c */
 void matmul_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
@@ -298,6 +299,11 @@ int quant_matmul_dense(int type, const uint8_t *w, int64_t n, int64_t k, const v
                        int64_t res_stride);
 void quant_get_rows(int type, const uint8_t *w, int64_t k, const int64_t *ids, int64_t count, void *out,
                     int out_dtype);
+/* out[r] = the first index of the largest value of row r of quant_matmul's (dense: quant_matmul_dense's)
+ * y in x's dtype, soft-capped as softcap_f32 caps it where cap > 0 (float32 only), without writing y
+ * (the LM head's greedy draw). scratch: quant_matmul's (NULL where dense). RV_ERR_DTYPE: bfloat16 with a cap */
+int quant_matmul_argmax(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
+                        int x_dtype, int64_t rows, void *scratch, int dense, float cap, int64_t *out);
 
 /* moe.c */
 int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const void *x, const int64_t *tokens,

@@ -174,6 +174,17 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype
 #define TANH_T9 2.18694885e-2f
 #define TANH_T11 (-8.86323552e-3f)
 
+/* cap * tanh(x / cap) of one value (softcap_f32's scalar form). */
+static inline float softcap1(float x, float cap) {
+    const float y = x / cap, a = fabsf(y), a2 = a * a;
+    const float e = exp_nonpositive(-2.0f * a);
+    float t = (1.0f - e) / (1.0f + e);
+    if (a < SOFTCAP_SMALL)
+        t = a + a * a2 * ((((TANH_T11 * a2 + TANH_T9) * a2 + TANH_T7) * a2 + TANH_T5) * a2 + TANH_T3);
+    t = copysignf(t, y); /* tanh is odd */
+    return t * cap;
+}
+
 #if HAVE_AVX512
 /* cap * tanh(x / cap), lane-wise (softcap_f32's). */
 static inline __m512 softcap512(__m512 x, __m512 cap) {
@@ -224,16 +235,42 @@ void softcap_f32(float *x, int64_t n, float cap) {
 #elif HAVE_AVX2
         for (; i + 8 <= c1; i += 8) _mm256_storeu_ps(x + i, softcap256(_mm256_loadu_ps(x + i), _mm256_set1_ps(cap)));
 #endif
-        for (; i < c1; i++) {
-            const float y = x[i] / cap, a = fabsf(y), a2 = a * a;
-            const float e = exp_nonpositive(-2.0f * a);
-            float t = (1.0f - e) / (1.0f + e);
-            if (a < SOFTCAP_SMALL)
-                t = a + a * a2 * ((((TANH_T11 * a2 + TANH_T9) * a2 + TANH_T7) * a2 + TANH_T5) * a2 + TANH_T3);
-            t = copysignf(t, y); /* tanh is odd */
-            x[i] = t * cap;
-        }
+        for (; i < c1; i++) x[i] = softcap1(x[i], cap);
     }
+}
+
+/* softcap_f32's operations on x[0, n), the values at offsets at .. at + n - 1 of a tensor of
+ * ``total`` values that one softcap_f32 call would cap: each value by the form that call gives it
+ * (the vector form, but the scalar one past total's last whole vector; lanes are independent), so
+ * the same bits. The LM head's argmax route caps each panel it computes so (quant.c). */
+void softcap_at(float *x, int64_t n, int64_t at, int64_t total, float cap) {
+#if HAVE_AVX512
+    const int64_t width = 16;
+#elif HAVE_AVX2
+    const int64_t width = 8;
+#else
+    const int64_t width = 0;
+#endif
+    int64_t vec = width ? total - total % width - at : 0; /* x[0, vec): the vector form */
+    vec = vec < 0 ? 0 : vec > n ? n : vec;
+    int64_t i = 0;
+#if HAVE_AVX512
+    for (; i < vec; i += 16) {
+        const __mmask16 m = vec - i >= 16 ? 0xffffu : (__mmask16)((1u << (vec - i)) - 1);
+        _mm512_mask_storeu_ps(x + i, m, softcap512(_mm512_maskz_loadu_ps(m, x + i), _mm512_set1_ps(cap)));
+    }
+    i = vec; /* (the loop steps past a part-vector's end) */
+#elif HAVE_AVX2
+    for (; i + 8 <= vec; i += 8) _mm256_storeu_ps(x + i, softcap256(_mm256_loadu_ps(x + i), _mm256_set1_ps(cap)));
+    if (i < vec) { /* the last part-vector: its lanes in a zeroed vector */
+        float part[8] = {0};
+        memcpy(part, x + i, (size_t)(vec - i) * sizeof(float));
+        _mm256_storeu_ps(part, softcap256(_mm256_loadu_ps(part), _mm256_set1_ps(cap)));
+        memcpy(x + i, part, (size_t)(vec - i) * sizeof(float));
+        i = vec;
+    }
+#endif
+    for (; i < n; i++) x[i] = softcap1(x[i], cap);
 }
 
 #if HAVE_AVX2
