@@ -778,6 +778,53 @@ static inline __attribute__((always_inline)) void tile8_loop(const uint8_t *w, i
         }                                                                                                          \
     }
 
+/* A row's sum of a block's 4 chunks (lo[c], hi[c]: 5-bit bytes) against its 32 bytes x: per pair of
+ * chunks 4 maddubs added in int16 (at most 4 * 2 * 31 * 127 = 31,496), widened once. */
+static inline __attribute__((always_inline)) __m256i q5_sum(const __m256i *lo, const __m256i *hi, const int8_t *x) {
+    __m256i is = _mm256_setzero_si256();
+    for (int c2 = 0; c2 < 4; c2 += 2) {
+        __m256i s = _mm256_maddubs_epi16(lo[c2], _mm256_set1_epi32(*(const i32_any *)(x + 4 * c2)));
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[c2], _mm256_set1_epi32(*(const i32_any *)(x + 16 + 4 * c2))));
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[c2 + 1], _mm256_set1_epi32(*(const i32_any *)(x + 4 * c2 + 4))));
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[c2 + 1], _mm256_set1_epi32(*(const i32_any *)(x + 20 + 4 * c2))));
+        is = _mm256_add_epi32(is, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
+    }
+    return is;
+}
+
+/* The residual pass of the block at blk (chunks at q) for the tile's rows in mask (bit r: row r has it):
+ * the 4 chunks decoded once, then each such row's sums in turn, stored to rs[r]; the other rows get 0,
+ * as the pass over all R rows gave them (their r is all zero). The same integers: Q5's pairs of chunks
+ * as q5_sum, IQ4's |level| against the activation with the level's sign as A8_PASS. */
+static inline __attribute__((always_inline)) void residual_rows(const uint8_t *blk, const uint8_t *q, int64_t b,
+                                                                const act8_32 *const *xa, unsigned mask,
+                                                                const int type, const int R, __m256i *rs) {
+    const act8_32 *xb[XR8];
+    for (int r = 0; r < R; r++) xb[r] = xa[r] + b, rs[r] = _mm256_setzero_si256();
+    __m256i lo[4], hi[4], al[4], ah[4];
+    for (int c = 0; c < 4; c++) {
+        chunk_bytes(blk, q, c, type, &lo[c], &hi[c]);
+        al[c] = _mm256_abs_epi8(lo[c]), ah[c] = _mm256_abs_epi8(hi[c]);
+    }
+    const __m256i one = _mm256_set1_epi16(1);
+    for (; mask != 0; mask &= mask - 1) {
+        const int r = __builtin_ctz(mask);
+        const int8_t *x = xb[r]->r;
+        if (is_q5(type)) {
+            rs[r] = q5_sum(lo, hi, x);
+            continue;
+        }
+        __m256i is = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i xl = _mm256_sign_epi8(_mm256_set1_epi32(*(const i32_any *)(x + 4 * c)), lo[c]);
+            const __m256i xh = _mm256_sign_epi8(_mm256_set1_epi32(*(const i32_any *)(x + 16 + 4 * c)), hi[c]);
+            is = _mm256_add_epi32(is, _mm256_madd_epi16(_mm256_maddubs_epi16(al[c], xl), one));
+            is = _mm256_add_epi32(is, _mm256_madd_epi16(_mm256_maddubs_epi16(ah[c], xh), one));
+        }
+        rs[r] = is;
+    }
+}
+
 static inline __attribute__((always_inline)) void tile8(const uint8_t *g, int64_t nb, const act8_32 *const *xa,
                                                         float *out, int64_t ldo, const int type, const int R) {
     const int gbb = 8 * bb_of(type);
@@ -788,8 +835,8 @@ static inline __attribute__((always_inline)) void tile8(const uint8_t *g, int64_
         const uint8_t *blk = group_block(g, b, type), *q = chunks_at(blk, b, type);
         for (int at = 0; at < gbb && b % subs_of(type) == 0; at += 64)
             _mm_prefetch((const char *)(blk + S32X8_PF + at), _MM_HINT_T0);
-        int two = 0;
-        for (int r = 0; r < R; r++) two |= xa[r][b].two;
+        unsigned two = 0; /* bit r: row r has the residual pass */
+        for (int r = 0; r < R; r++) two |= (unsigned)xa[r][b].two << r;
         A8_PASS(q)
         const __m256 d = scales8(blk, b, type);
         const __m256 m = type == QTYPE_Q5_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
@@ -800,7 +847,12 @@ static inline __attribute__((always_inline)) void tile8(const uint8_t *g, int64_
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), sc[r], acc[r]);
             if (is_q5(type)) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xa[r][b].s), acc[r]);
         }
-        if (two) {
+        if (two && R == XR8) { /* r's products at a 128th of q's step, made for the rows with the pass only */
+            __m256i rs[XR8];
+            residual_rows(blk, q, b, xa, two, type, R, rs);
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rs[r]), _mm256_mul_ps(sc[r], _mm256_set1_ps(1.0f / 128.0f)), acc[r]);
+        } else if (two) { /* 2 or 4 rows: all of them (rows-only ran no faster: docs/benchmarks-history.md) */
             A8_PASS(r)
             for (int r = 0; r < R; r++)
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(sc[r], _mm256_set1_ps(1.0f / 128.0f)), acc[r]);
@@ -817,20 +869,6 @@ static inline __attribute__((always_inline)) void tile8(const uint8_t *g, int64_
  * sums in registers are the faster (docs/benchmarks-history.md, "Q5_0's AVX2 tile row by row") */
 #define Q5_MANY_FROM 5
 #endif
-
-/* A row's sum of a block's 4 chunks (lo[c], hi[c]: 5-bit bytes) against its 32 bytes x: per pair of
- * chunks 4 maddubs added in int16 (at most 4 * 2 * 31 * 127 = 31,496), widened once. */
-static inline __attribute__((always_inline)) __m256i q5_sum(const __m256i *lo, const __m256i *hi, const int8_t *x) {
-    __m256i is = _mm256_setzero_si256();
-    for (int c2 = 0; c2 < 4; c2 += 2) {
-        __m256i s = _mm256_maddubs_epi16(lo[c2], _mm256_set1_epi32(*(const i32_any *)(x + 4 * c2)));
-        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[c2], _mm256_set1_epi32(*(const i32_any *)(x + 16 + 4 * c2))));
-        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[c2 + 1], _mm256_set1_epi32(*(const i32_any *)(x + 4 * c2 + 4))));
-        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[c2 + 1], _mm256_set1_epi32(*(const i32_any *)(x + 20 + 4 * c2))));
-        is = _mm256_add_epi32(is, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
-    }
-    return is;
-}
 
 /* Q5_0 / Q5_1 at many rows: a block's 4 chunks assembled once (8 ymm of 5-bit bytes) for up to
  * XR8_Q5 activation rows (xq, xrb bytes apart), each row's sums then made whole and met by its float
