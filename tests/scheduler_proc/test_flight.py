@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 
 import pytest
 
 from protocol.messages import PENDING, ForwardResult
-from scheduler_proc.batch import build_forward_batch
+from scheduler_proc.batch import Row, build_forward_batch
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.flight import Flight
 from scheduler_proc.request import Req
@@ -119,7 +120,7 @@ def raises(check: Callable[[], None], errors: tuple[type[Exception], ...] = (Ass
     return False
 
 
-def corruptions(req: Req) -> list[tuple[Callable[[], None], Callable[[], None]]]:
+def corruptions(req: Req) -> list[tuple[Callable[[], object], Callable[[], None]]]:
     """(break, restore) pairs, each a change to the request's flight or outputs some bug could make."""
     flight, out = req.flight, req.output_ids
     saved_out, saved = list(out), (flight.kv_len, flight.computed_len, flight.worker_pages)
@@ -131,7 +132,7 @@ def corruptions(req: Req) -> list[tuple[Callable[[], None], Callable[[], None]]]
             row.start, row.out_index, row.sample, row.draft = start, index, sample, draft
 
     rows = [(row.start, row.out_index, row.sample, row.draft) for row in flight.rows]
-    cases: list[Callable[[], None]] = [
+    cases: list[Callable[[], object]] = [
         lambda: out.append(PENDING),
         lambda: out.append(3),
         lambda: out.pop() if out else None,
@@ -145,16 +146,22 @@ def corruptions(req: Req) -> list[tuple[Callable[[], None], Callable[[], None]]]
         lambda: setattr(flight, "worker_pages", len(req.page_table) + 1),
     ]
     for i, row in enumerate(flight.rows):
-        cases += [
-            lambda row=row: setattr(row, "start", row.start + 1),
-            lambda row=row: setattr(row, "out_index", row.out_index + 1),
-            lambda row=row: setattr(row, "out_index", row.out_index - 1),
-            lambda row=row: setattr(row, "sample", not row.sample),
-            lambda row=row: setattr(row, "draft", [5, 6]),
-        ]
-        if i:
-            cases.append(lambda row=row: setattr(row, "out_index", flight.rows[0].out_index))
+        cases += row_corruptions(row, flight.rows[0].out_index if i else None)
     return [(case, restore) for case in cases]
+
+
+def row_corruptions(row: Row, earlier_out_index: int | None) -> list[Callable[[], object]]:
+    """Changes to one row in flight; ``earlier_out_index``: the first row's, for a later row."""
+    cases: list[Callable[[], object]] = [
+        lambda: setattr(row, "start", row.start + 1),
+        lambda: setattr(row, "out_index", row.out_index + 1),
+        lambda: setattr(row, "out_index", row.out_index - 1),
+        lambda: setattr(row, "sample", not row.sample),
+        lambda: setattr(row, "draft", [5, 6]),
+    ]
+    if earlier_out_index is not None:
+        cases.append(lambda: setattr(row, "out_index", earlier_out_index))
+    return cases
 
 
 def test_the_one_pass_check_fails_exactly_where_the_invariants_written_out_fail() -> None:
@@ -170,9 +177,9 @@ def test_the_one_pass_check_fails_exactly_where_the_invariants_written_out_fail(
                 corrupt()
                 # the written-out form indexed past the outputs on a row drawing output -1
                 expected = raises(
-                    lambda req=req: reference_check(req.flight, req), (AssertionError, IndexError)
+                    functools.partial(reference_check, req.flight, req), (AssertionError, IndexError)
                 )
-                assert raises(lambda req=req: req.flight.check(req)) == expected
+                assert raises(functools.partial(req.flight.check, req)) == expected
                 seen[expected] += 1
                 restore()
             req.flight.check(req)
