@@ -17,11 +17,12 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from protocol.messages import FinishReason, GenerateRequest
 from tokenizer_proc.http.bridge import HttpBridge
 from tokenizer_proc.http.chat_fields import reply_echo
-from tokenizer_proc.http.choices import EventStream, submit_all, whole_replies
+from tokenizer_proc.http.choices import EventStream, submit_all, whole_replies, with_server_send
 from tokenizer_proc.http.completion_bodies import ResponseShape, best_choices, total_usage
 from tokenizer_proc.http.constraints import grammar_field
 from tokenizer_proc.http.convert import chat_request, completion_requests, rejection_error
@@ -179,7 +180,7 @@ class OpenAiApi:
             raise ApiError(404, message, param="model", code="model_not_found")
 
 
-def build_app(bridge: HttpBridge, settings: HttpSettings) -> Starlette:
+def build_app(bridge: HttpBridge, settings: HttpSettings) -> ASGIApp:
     api = OpenAiApi(bridge, settings)
     responses = ResponsesApi(
         api, ResponseStore(settings.responses_store_size, settings.responses_store_ttl_s)
@@ -202,7 +203,7 @@ def build_app(bridge: HttpBridge, settings: HttpSettings) -> Starlette:
         HTTPException: _http_error,
         Exception: _internal_error,  # Starlette answers with it, logs the traceback, and serves on
     }
-    return Starlette(routes=routes, exception_handlers=handlers)
+    return with_server_send(Starlette(routes=routes, exception_handlers=handlers))
 
 
 def _answer(request: Request, error: ApiError) -> Response:

@@ -3,7 +3,8 @@
 An HTTP request gets a private client id (``HTTP_CLIENT_PREFIX`` + a counter),
 so the Frontend's request table, validation, detokenizer and stop strings serve
 HTTP exactly as they serve ZMQ clients. The process loop hands replies for
-those ids to ``deliver``, which puts them on the request's queue. ZMQ routing
+those ids to ``deliver``, which puts them on the choice's queue, or hands them to
+the listener a streamed response set (``RequestHandle.listen``). ZMQ routing
 ids never collide: libzmq's are 5 bytes and user-chosen ones may not start with
 a zero byte.
 """
@@ -34,7 +35,7 @@ class HttpBridge:
     def __init__(self, frontend: Frontend, send: Callable[[Outbox], Awaitable[None]]) -> None:
         self.frontend = frontend
         self._send = send
-        self._queues: dict[bytes, list[asyncio.Queue[GenerateOutput]]] = {}  # one per choice
+        self._choices: dict[bytes, list[_Choice]] = {}  # one per choice
         self._next_id = 0
 
     @property
@@ -55,17 +56,28 @@ class HttpBridge:
         except Exception as exc:  # a bug: end whatever it left in the table; the app answers 500
             await self._send(self.frontend.client_fault(client_id, req.rid, f"internal error: {exc!r}"))
             raise
-        self._queues[client_id] = [asyncio.Queue() for _ in range(req.n)]
+        self._choices[client_id] = [_Choice() for _ in range(req.n)]
         await self._send(out)
         return [RequestHandle(self, client_id, index) for index in range(req.n)]
 
     async def next_reply(self, client_id: bytes, index: int) -> GenerateOutput:
-        return await self._queues[client_id][index].get()
+        return await self._choices[client_id][index].queue.get()
+
+    def listen(self, client_id: bytes, index: int, listener: Listener) -> None:
+        """Hand choice ``index``'s replies to ``listener`` from now on (those queued first)."""
+        choice = self._choices[client_id][index]
+        while not choice.queue.empty():
+            listener(choice.queue.get_nowait())
+        choice.listener = listener
 
     def deliver(self, client_id: bytes, reply: GenerateOutput) -> None:
-        queues = self._queues.get(client_id)
-        if queues is not None and 0 <= reply.index < len(queues):
-            queues[reply.index].put_nowait(reply)
+        choices = self._choices.get(client_id)
+        if choices is not None and 0 <= reply.index < len(choices):
+            choice = choices[reply.index]
+            if choice.listener is None:
+                choice.queue.put_nowait(reply)
+            else:
+                choice.listener(reply)
         # else: the handler is gone already (the reply is the ABORT of its own disconnect)
 
     async def abort(self, client_id: bytes) -> None:
@@ -78,7 +90,23 @@ class HttpBridge:
     async def close(self, client_id: bytes) -> None:
         """The handler is done: abort the request if it still runs, and stop routing to it."""
         await self.abort(client_id)
-        self._queues.pop(client_id, None)
+        self._choices.pop(client_id, None)
+
+
+# Takes a choice's replies as they are delivered, in the process loop's own call: it must not
+# raise (a fault would be the loop's, and the other requests' replies of that step would be lost)
+# nor block.
+Listener = Callable[[GenerateOutput], None]
+
+
+class _Choice:
+    """Where one choice's replies go: its queue (``RequestHandle.next``) until a listener is set."""
+
+    __slots__ = ("listener", "queue")
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[GenerateOutput] = asyncio.Queue()
+        self.listener: Listener | None = None
 
 
 class RequestHandle:
@@ -94,6 +122,13 @@ class RequestHandle:
         reply = await self._bridge.next_reply(self.client_id, self.index)
         self.finished = reply.finish_reason is not None
         return reply
+
+    def listen(self, listener: Listener) -> None:
+        """Have each reply handed to ``listener`` as the process delivers it (the ones waiting
+        first), instead of queued for ``next``: a stream writes without waking its handler's
+        coroutine chain for each token (choices.EventStream). ``finished`` is then the listener's
+        to set."""
+        self._bridge.listen(self.client_id, self.index, listener)
 
     async def final(self) -> GenerateOutput:
         while not self.finished:

@@ -10,11 +10,12 @@ goes away aborts all of them at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from protocol.messages import FinishReason, GenerateOutput, GenerateRequest, Usage
 from tokenizer_proc.http.bridge import HttpBridge, RequestHandle
@@ -61,11 +62,34 @@ async def whole_replies(handles: list[RequestHandle], receive: Receive) -> list[
         await close_all(handles)
 
 
+# The scope key under which ``with_server_send`` leaves the server's own ``send``.
+SERVER_SEND = "rivulet.server_send"
+
+
+def with_server_send(app: ASGIApp) -> ASGIApp:
+    """``app`` behind one more ASGI layer that leaves the server's ``send`` in the scope: a stream
+    writes its body through it, past Starlette's error and exception middleware. Their three
+    wrappers of ``send`` look only at a response's start (to know whether an exception may still
+    become a 500), so a body written past them is the same; no middleware of ours changes a body."""
+
+    async def app_with_server_send(scope: Scope, receive: Receive, send: Send) -> None:
+        scope[SERVER_SEND] = send
+        await app(scope, receive, send)
+
+    return app_with_server_send
+
+
 class EventStream(Response):
     """An SSE response merging the choices' streams as their replies arrive.
 
     It ends with the usage chunk (``include_usage``) and ``[DONE]`` once every choice finished,
     or with an error event as soon as one fails (the others are then aborted).
+
+    The replies are taken as the process delivers them (``RequestHandle.listen``): their events are
+    made there, in arrival order, and a writer task of the stream's own sends what has gathered,
+    one write for all a step brought (several choices, a verify row's tokens). Waiting on a queue
+    instead would resume the handler through uvicorn's and Starlette's ~15 coroutine frames for
+    every token (docs/benchmarks-history.md, "The engine's own CPU at 32 streams").
     """
 
     def __init__(self, handles: list[RequestHandle], shape: ResponseShape) -> None:
@@ -73,51 +97,62 @@ class EventStream(Response):
         self.handles = handles
         self.shape = shape
         self._usages: list[Usage | None] = [None] * len(handles)  # each choice's, as it finishes
+        self._remaining = len(handles)  # choices not finished
+        self._pending: list[bytes] = []  # events made, not written yet
+        self._over = False  # the last event is made: [DONE], an error event, or a fault
+        self._fault: Exception | None = None  # making the events raised: the writer raises it
+        self._wake: asyncio.Future[None] | None = None  # the writer waits on it for events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         tasks = [asyncio.create_task(abort_on_disconnect(self.handles, receive))]
-        if len(self.handles) == 1:  # one choice is read from its own queue: a task switch less a token
-            only = self.handles[0]
-
-            async def next_reply() -> tuple[int, GenerateOutput]:
-                return 0, await only.next()
-        else:
-            merged: asyncio.Queue[tuple[int, GenerateOutput]] = asyncio.Queue()
-            tasks += [asyncio.create_task(_forward(i, h, merged)) for i, h in enumerate(self.handles)]
-            next_reply = merged.get
         try:
-            if await self._send_choices(next_reply, send):
-                usage = self.shape.usage_event(self._usages)
-                for event in ([usage] if usage is not None else []) + [DONE_EVENT]:
-                    await send({"type": "http.response.body", "body": event, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            for index, handle in enumerate(self.handles):
+                handle.listen(functools.partial(self._take, index))
+            writer = asyncio.create_task(self._write(scope.get(SERVER_SEND, send)))
+            tasks.append(writer)
+            await writer
         finally:
             for task in tasks:
                 task.cancel()
             await close_all(self.handles)
 
-    async def _send_choices(
-        self, next_reply: Callable[[], Awaitable[tuple[int, GenerateOutput]]], send: Send
-    ) -> bool:
-        """Relay replies (each with its choice's index) until every choice is done (True) or one
-        failed (False: its error event ends the stream, no [DONE])."""
-        remaining = len(self.handles)
-        while remaining:
-            index, reply = await next_reply()
-            for event in self.shape.events(index, reply):
-                await send({"type": "http.response.body", "body": event, "more_body": True})
+    def _take(self, index: int, reply: GenerateOutput) -> None:
+        """Choice ``index``'s reply, in the process loop: its events join the pending ones, and the
+        writer is woken. Never raises (bridge.Listener): a fault is the writer's to raise."""
+        if self._over:
+            return  # after an error, the other choices' replies until they are aborted
+        try:
+            self._pending += self.shape.events(index, reply)
             if reply.finish_reason is FinishReason.ERROR:
-                return False
-            if reply.finish_reason is not None:
+                self._over = True  # its error event ends the stream, no [DONE]
+            elif reply.finish_reason is not None:
+                self.handles[index].finished = True
                 self._usages[index] = reply.usage
-                remaining -= 1
-        return True
+                self._remaining -= 1
+                if not self._remaining:
+                    usage = self.shape.usage_event(self._usages)
+                    self._pending += ([usage] if usage is not None else []) + [DONE_EVENT]
+                    self._over = True
+        except Exception as exc:  # a bug of ours: the handler raises it, as it would have
+            self._fault, self._over = exc, True
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
 
-
-async def _forward(
-    index: int, handle: RequestHandle, merged: asyncio.Queue[tuple[int, GenerateOutput]]
-) -> None:
-    while not handle.finished:
-        merged.put_nowait((index, await handle.next()))
+    async def _write(self, send: Send) -> None:
+        """Send the events as they gather, the last with the end of the body."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if not (self._pending or self._over):
+                self._wake = loop.create_future()
+                await self._wake
+            body = b"".join(self._pending)
+            self._pending.clear()
+            ends = self._over and self._fault is None
+            if body or ends:
+                await send({"type": "http.response.body", "body": body, "more_body": not ends})
+            if self._fault is not None:
+                raise self._fault
+            if ends:
+                return

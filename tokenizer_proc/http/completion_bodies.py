@@ -7,6 +7,7 @@ choice ``index`` is ``prompt * n + choice``; usage is summed over them, each pro
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,12 +194,20 @@ class ResponseShape:
         return message
 
     def _chunk(self, index: int, content: Any, reason: str | None, logprobs: Any) -> bytes:
+        """One chunk's event: ``data: {head..., "choices": [choice], ("usage": null)}``, the parts
+        that are the same in every chunk of the stream encoded once (``_chunk_frame``)."""
         choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": reason}
         choice["delta" if self.chat else "text"] = content
-        body = {**self._head(self._chunk_object), "choices": [choice]}
-        if self.include_usage:
-            body["usage"] = None
-        return sse(body)
+        before, after = self._chunk_frame
+        return before + _ENCODER.encode(choice) + after
+
+    @functools.cached_property
+    def _chunk_frame(self) -> tuple[bytes, bytes]:
+        """The event of a chunk (``sse`` of its body) is these two around its one choice's JSON."""
+        head = _ENCODER.encode(self._head(self._chunk_object))
+        assert head.endswith(b"}") and len(head) > 2, "the head is a JSON object with fields"
+        usage = b',"usage":null' if self.include_usage else b""
+        return b"data: " + head[:-1] + b',"choices":[', b"]" + usage + b"}\n\n"
 
     def _logprobs(self, index: int, reply: GenerateOutput) -> dict[str, Any] | None:
         if not self.logprobs or reply.logprobs is None:
