@@ -123,6 +123,23 @@ def test_row_lookup_is_bit_exact(kernels: cpu_kernels.CpuKernels, qtype: Q, dtyp
     assert torch.equal(dequantize(x8), expected)
 
 
+@pytest.mark.parametrize("qtype", K_TYPES, ids=[t.name for t in K_TYPES])
+def test_one_row_gives_the_bits_it_has_beside_another(kernels: cpu_kernels.CpuKernels, qtype: Q) -> None:
+    """One row takes a panel of all its thread's columns (csrc/quant.c's ROW1_PANEL; on avx2 Q4_K and
+    Q6_K run the maddubs tile on the row split once, quant_kx8.c's kx8_row1), 400 here against a
+    many-row panel's 128 at most, k 4096 as the ffn's down (k 8192) has 16 and more blocks: the
+    bits the row has in a 2-row call (the 16-bit tile), and a residual added as float32 adds it."""
+    n, k = 400, 16 * QK
+    x8, _, _ = held(qtype, n, k)
+    t = kernel_type(x8)
+    x = activations(2, k, 5, torch.float32)
+    two = kernels.quant_matmul(t, x8.data, k, x)
+    for i in range(2):
+        assert torch.equal(kernels.quant_matmul(t, x8.data, k, x[i : i + 1]), two[i : i + 1])
+    residual = torch.randn(1, n, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(kernels.quant_matmul(t, x8.data, k, x[:1], residual), two[:1] + residual)
+
+
 def test_rows_not_a_multiple_of_8_are_refused(kernels: cpu_kernels.CpuKernels) -> None:
     blocks, _, _ = weights(Q.Q4_K, 7, 256)
     x = torch.randn(2, 256)

@@ -20,6 +20,10 @@
 /* Activation rows per tile call: the 8-bit activations' tiles unpack a slice of weights once per call
  * for every row of it (docs/benchmarks-history.md, "Few rows on 8 bits, and the tile's row chunk"). */
 #define ROW_CHUNK 128
+/* Columns of a one-row panel: the whole of panel_rows' buffer. A row streams its weights through once
+ * whatever the panel, and a tile that prepares the activation row per call (AVX2's K-quant split,
+ * quant_kx8.c; Q2_K / Q3_K's, quant_k23x8.c) then does it once per thread's columns, not per 48 KB. */
+#define ROW1_PANEL (ROW_CHUNK * PANEL_MAX)
 
 void quantize_act16(const float *x, int64_t k, void *xq) {
     act_block16 *out = (act_block16 *)xq;
@@ -220,10 +224,11 @@ static void panel_rows(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int6
                 stream_row((float *)y + (q0 + r) * y_stride + c0, v, pw);
                 continue;
             }
-            if (residual != NULL) {
-                load_vec(residual, y_dtype, (q0 + r) * res_stride + c0, (int)pw, res);
+            for (int64_t j0 = 0; residual != NULL && j0 < pw; j0 += PANEL_MAX) { /* (a one-row panel: wider) */
+                const int64_t m = pw - j0 < PANEL_MAX ? pw - j0 : PANEL_MAX;
+                load_vec(residual, y_dtype, (q0 + r) * res_stride + c0 + j0, (int)m, res);
 #pragma omp simd
-                for (int64_t j = 0; j < pw; j++) v[j] += res[j];
+                for (int64_t j = 0; j < m; j++) v[j0 + j] += res[j];
             }
             store_vec(y, y_dtype, (q0 + r) * y_stride + c0, (int)pw, v);
         }
@@ -257,7 +262,8 @@ static int matmul_run(int type, const uint8_t *w, int64_t n, int64_t k, const vo
     if ((type & QTYPE_X8) && n % 8 != 0) return RV_ERR_X8_ROWS;
     if (n <= 0 || rows <= 0) return 0;
     const int64_t nb = k / ops->block, wrb = nb * ops->block_bytes, xrb = nb * ops->act_block_bytes;
-    const int64_t panel = quant_panel_cols(ops, wrb), unit = col_unit(ops), units = (n + unit - 1) / unit;
+    const int64_t panel = rows == 1 ? ROW1_PANEL : quant_panel_cols(ops, wrb);
+    const int64_t unit = col_unit(ops), units = (n + unit - 1) / unit;
     uint8_t *xq = (uint8_t *)scratch;
     int failed = 0;
     /* streaming stores take whole 64-byte lines: y aligned, its rows and the panels whole lines */
