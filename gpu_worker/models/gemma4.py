@@ -51,7 +51,7 @@ from gpu_worker.models.moe import ExpertGroups
 from gpu_worker.models.rope import rotary_cache
 
 SharedKV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # a forward's K/V by the layer that made them
-FUSED_ROTARY_HEAD_DIM = 256  # the widest head the fused rotary takes (the CPU kernels' MAX_HEAD_DIM)
+FUSED_ROTARY_HEAD_DIM = 512  # the widest head the fused rotary takes (the CPU kernels' MAX_HEAD_DIM)
 
 
 def kv_sources(cfg: Any) -> tuple[int, ...]:
@@ -294,9 +294,15 @@ class Gemma4ForCausalLM(nn.Module):
     def step_inputs(
         self, input_ids: torch.Tensor, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-        """The layers' inputs: the scaled embedding rows (an image's spliced in), the per-layer
-        inputs [T, layers, dim] (None without them), each layer type's rotary (cos, sin)."""
+        """The layers' inputs: ``embedded``'s, and each layer type's rotary (cos, sin)."""
         rotary = {kind: cache(ctx.positions) for kind, cache in self.rotary.items()}
+        return *self.embedded(input_ids, ctx), rotary
+
+    def embedded(
+        self, input_ids: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The scaled embedding rows (an image's spliced in) and the per-layer inputs [T, layers, dim]
+        (None without them)."""
         body = self.model
         if len(self.media_token_ids):
             placeholder = torch.isin(input_ids, self.media_token_ids)
@@ -306,7 +312,7 @@ class Gemma4ForCausalLM(nn.Module):
         # the image's embeddings.
         x = splice_images(x, ctx.images)
         per_layer = body.per_layer_inputs(input_ids, x) if body.per_layer_dim else None
-        return x, per_layer, rotary
+        return x, per_layer
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [T, hidden] before the final norm."""

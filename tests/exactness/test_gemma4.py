@@ -107,10 +107,10 @@ def test_logits_match_hf_over_chunks_and_decode_steps(gemma4_model: tuple[Path, 
         assert torch.allclose(logits, reference[start - 1], rtol=0, atol=1e-12), f"position {start - 1}"
 
 
-def test_float32_on_the_cpu_kernels_with_global_heads_beyond_them(tmp_path: Path) -> None:
-    """Real Gemma 4 global heads are 512 wide, beyond the C attention kernel's 256: float32 on the
-    CPU backend keeps its kernels (block matmuls, small ops, the sliding layers' attention) and
-    attends the global layers in torch, token-exact against HF float64 (a float32 pool)."""
+def test_float32_on_the_cpu_kernels_with_512_wide_global_heads(tmp_path: Path) -> None:
+    """Real Gemma 4 global heads are 512 wide, the C attention kernel's and rotary's MAX_HEAD_DIM:
+    float32 on the CPU backend runs its kernels on every layer (block matmuls, small ops, the
+    attention of sliding and global layers), token-exact against HF float64 (a float32 pool)."""
     model = save_gemma4(tmp_path, head_dim=64, global_head_dim=512)
     few = prompts()[2:4]
     expected = hf_greedy(model, few)

@@ -87,9 +87,14 @@ def assert_rows_attend(
 @pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"),
-    [(9, 3, 64), (8, 2, 64), (4, 4, 16), (6, 2, 80), (4, 1, 128), (4, 2, 128), (8, 4, 256), (20, 1, 64)],
-)  # 256: Gemma's heads, the kernel's MAX_HEAD_DIM; (8, 2, 64) and (4, 2, 128): q and the values' sums held in
-# registers (4 and 2 query heads a KV head); (20, 1, 64): a KV head's 20 query heads met 8, 8, then 4 (held)
+    [
+        (9, 3, 64), (8, 2, 64), (4, 4, 16), (6, 2, 80), (4, 1, 128), (4, 2, 128), (8, 4, 256), (20, 1, 64),
+        (8, 2, 512), (32, 4, 512),
+    ],
+)  # fmt: skip
+# 256: Gemma's heads; 512: Gemma 4's global heads, the kernel's MAX_HEAD_DIM, (32, 4, 512) at MAX_QUERY_WIDTH;
+# (8, 2, 64) and (4, 2, 128): q and the values' sums held in registers (4 and 2 query heads a KV head);
+# (20, 1, 64): a KV head's 20 query heads met 8, 8, then 4 (held)
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_decode_attention_matches_float64(
     kernels: cpu_kernels.CpuKernels,
@@ -133,7 +138,9 @@ def test_decode_attention_matches_float64(
 @pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("lens", [[1000], [2], [40, 333], [17, 1, 260]])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (6, 2, 80), (8, 4, 256)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(9, 3, 64), (6, 2, 80), (8, 4, 256), (8, 2, 512)]
+)
 def test_few_rows_split_their_positions(
     kernels: cpu_kernels.CpuKernels,
     dtype: torch.dtype,
@@ -180,7 +187,8 @@ def test_few_rows_split_their_positions(
 @pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("prefix", [3, 300])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 4, 256)])
+# (32, 4, 512): 4 positions of a verify row a task (their 8 heads' sums fill MAX_QUERY_WIDTH), or 1 (all 32)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 4, 256), (32, 4, 512)])
 def test_a_verify_rows_positions_read_each_others_new_kv(
     kernels: cpu_kernels.CpuKernels,
     dtype: torch.dtype,
@@ -231,7 +239,7 @@ def test_a_verify_rows_positions_read_each_others_new_kv(
 @needs_compiler
 @pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(9, 3, 64), (32, 4, 128), (20, 2, 48), (4, 4, 80)]
+    ("heads", "kv_heads", "head_dim"), [(9, 3, 64), (32, 4, 128), (20, 2, 48), (4, 4, 80), (8, 2, 512)]
 )
 def test_a_row_gives_the_same_bits_alone_and_inside_a_verify_row(
     kernels: cpu_kernels.CpuKernels,
@@ -325,12 +333,13 @@ def test_small_ops_match_the_torch_code_they_replace(
     norm.fused = kernels
     assert same(norm(heads), plain)
 
-    qkv = torch.randn(rows, 15, 64).to(dtype)
-    cos, signed_sin = torch.randn(rows, 1, 64).to(dtype), torch.randn(rows, 1, 64).to(dtype)
-    rotated = qkv.clone()
-    kernels.rotary_(rotated, 12, cos, signed_sin)
-    assert same(rotated[:, :12], apply_rotary(qkv[:, :12], cos, signed_sin))
-    assert torch.equal(rotated[:, 12:], qkv[:, 12:]), "heads past the rotated ones stay as they were"
+    for width in (64, 512):  # 512: Gemma 4's global heads, the kernel's MAX_HEAD_DIM
+        qkv = torch.randn(rows, 15, width).to(dtype)
+        cos, signed_sin = torch.randn(rows, 1, width).to(dtype), torch.randn(rows, 1, width).to(dtype)
+        rotated = qkv.clone()
+        kernels.rotary_(rotated, 12, cos, signed_sin)
+        assert same(rotated[:, :12], apply_rotary(qkv[:, :12], cos, signed_sin))
+        assert torch.equal(rotated[:, 12:], qkv[:, 12:]), "heads past the rotated ones stay as they were"
 
     gate_up = (torch.randn(rows, 2 * 601) * 8).to(dtype)  # 601: a partial last vector
     gate_up[0, :4] = torch.tensor([-80.0, 100.0, 0.0, -0.0])
@@ -380,10 +389,33 @@ def test_argmax_is_torch_max_first_index(
 
 
 def test_kernel_refuses_shapes_beyond_its_buffers() -> None:
-    assert cpu_kernels.CpuKernels.supports(9, 3, 64, torch.bfloat16)
-    assert not cpu_kernels.CpuKernels.supports(9, 3, 64, torch.float64)  # float64 stays on torch
-    assert not cpu_kernels.CpuKernels.supports(128, 8, 64, torch.float32)  # more heads than MAX_HEADS
-    assert not cpu_kernels.CpuKernels.supports(8, 8, 512, torch.float32)  # head_dim beyond MAX_HEAD_DIM
+    supports = cpu_kernels.CpuKernels.supports
+    assert supports(9, 3, 64, torch.bfloat16)
+    assert not supports(9, 3, 64, torch.float64)  # float64 stays on torch
+    assert not supports(128, 8, 64, torch.float32)  # more heads than MAX_HEADS
+    assert supports(64, 8, 256, torch.float32) and supports(32, 8, 512, torch.float32)  # MAX_QUERY_WIDTH
+    assert not supports(8, 8, 1024, torch.float32)  # head_dim beyond MAX_HEAD_DIM
+    assert not supports(40, 8, 512, torch.float32)  # heads times head_dim beyond MAX_QUERY_WIDTH
+    assert not supports(64, 8, 264, torch.float32)  # 264: 288 floats of a head's whole 32-dimension blocks
+
+
+@needs_compiler
+def test_kernel_call_refuses_what_its_buffers_do_not_hold(kernels: cpu_kernels.CpuKernels) -> None:
+    """paged_decode_attention itself refuses a shape past its per-task arrays (RV_ERR_HEADS), writing
+    nothing; the widest it takes attends."""
+    ids, lens = torch.zeros(1, dtype=torch.int64), torch.tensor([3])
+    rows = kernels.decode_rows(ids, ids, lens, torch.zeros(1, 1, dtype=torch.int64), 16)
+    for heads, head_dim in ((34, 512), (8, 1024), (32, 512)):
+        q, cache = torch.randn(1, heads, head_dim), torch.randn(16, 2, head_dim)
+        out = torch.full_like(q, 7.0)
+        if supports_it := cpu_kernels.CpuKernels.supports(heads, 2, head_dim, torch.float32):
+            kernels.attend(q, cache, cache, out, rows)
+            assert_rows_attend(out, q, cache, cache, torch.zeros(1, 1, dtype=torch.int64), 16, [3])
+        else:
+            with pytest.raises(AssertionError, match="refused \\(RV_ERR_HEADS"):
+                kernels.attend(q, cache, cache, out, rows)
+            assert (out == 7.0).all()
+        assert supports_it == ((heads, head_dim) == (32, 512))
 
 
 def attends_in_c(runner: ModelRunner) -> bool:

@@ -5,12 +5,13 @@ MLP width and rotary table; a KV-shared layer projects q alone and attends over 
 layer, written earlier in the step, without writing; v RMS-normed without a scale (from k's
 projection where k = v); the per-layer input gated by ``gelu_tanh_mul`` on a [gate | input] row,
 projected, normed and added; the output times the layer's scalar. The call takes a run of
-consecutive layers: a layer it does not take (the E4B shape's 512-wide global heads, past the
-attention kernel's MAX_HEAD_DIM; a MoE block) keeps its modules between two runs, and so does the
-source of a KV-shared module layer (the modules pass a source's K/V in ``shared``, not through the
-pool). A layer runs in C only where every part of it is on ``GEMMA4_C_LAYERS``' positive list and
-on the kernels the modules call (float32 activations, QuantLinears without a bias), so the hidden
-states equal the modules' bit for bit (tests/gpu_worker/test_decode_gemma4.py).
+consecutive layers (the E4B shape's: all 12, its 512-wide global heads within the attention kernel's
+MAX_HEAD_DIM, one call a step): a layer it does not take (heads past the kernel's limits; a MoE
+block) keeps its modules between two runs, and so does the source of a KV-shared module layer
+(the modules pass a source's K/V in ``shared``, not through the pool). A layer runs in C only where
+every part of it is on ``GEMMA4_C_LAYERS``' positive list and on the kernels the modules call
+(float32 activations, QuantLinears without a bias), so the hidden states equal the modules' bit for
+bit (tests/gpu_worker/test_decode_gemma4.py).
 """
 
 from __future__ import annotations
@@ -195,6 +196,10 @@ class Gemma4Decode:
         kinds = sorted(rotary.keys())  # the tables' order in the flat cos / sin
         widths = [rotary[kind].cos.shape[-1] for kind in kinds]
         self.rope_at = {kind: sum(widths[:i]) for i, kind in enumerate(kinds)}
+        self.rope_width = sum(widths)
+        self.tables = [
+            (kind, rotary[kind], self.rope_at[kind], width) for kind, width in zip(kinds, widths, strict=True)
+        ]
         self._runs: list[tuple[int, int, ctypes.Array[Gemma4Layer]]] | None = None  # [first, end) and structs
         self._pool: tuple[int, int] = (0, 0)
 
@@ -244,15 +249,18 @@ class Gemma4Decode:
         paged = ctx.attn.paged_decode
         if not ctx.attn.in_order or paged is None or ctx.images is not None:
             return None
-        x, per_layer, rotary = self.model.step_inputs(input_ids, ctx)
+        x, per_layer = self.model.embedded(input_ids, ctx)
         x = x.contiguous()
         assert x.dtype == torch.float32 and (per_layer is None or per_layer.is_contiguous())
-        cos = torch.cat([rotary[kind][0].reshape(-1) for kind in self.rope_at])
-        sin = torch.cat([rotary[kind][1].reshape(-1) for kind in self.rope_at])
+        cos, sin, rotary = self._rotary_rows(ctx.positions)
+        runs = self._layer_runs(ctx)
+        if len(runs) == 1 and runs[0][:2] == (0, len(self.in_c)):  # every layer in the call
+            self.c_kernels.decode(runs[0][2], self.dims, x, cos, sin, per_layer, paged.rows)
+            return x
         layers = self.model.model.layers
         shared: SharedKV = {}
         at = 0
-        for first, end, structs in self._layer_runs(ctx):
+        for first, end, structs in runs:
             for i in range(at, first):
                 x = self._module_layer(layers[i], x, per_layer, rotary, ctx, shared)
             x = x.contiguous()
@@ -261,6 +269,23 @@ class Gemma4Decode:
         for i in range(at, len(layers)):
             x = self._module_layer(layers[i], x, per_layer, rotary, ctx, shared)
         return x
+
+    def _rotary_rows(
+        self, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """The step's cos and sin, each table's rows at the positions one table after another (flat),
+        looked up straight into them; and the modules' (cos, sin) [T, 1, D] per layer type, views of
+        the same rows (RotaryCache's lookup)."""
+        rows = positions.shape[0]
+        dtype = self.tables[0][1].cos.dtype
+        cos, sin = (torch.empty(rows * self.rope_width, dtype=dtype) for _ in range(2))
+        rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for kind, cache, at, width in self.tables:
+            c, s = (t[rows * at : rows * (at + width)].view(rows, width) for t in (cos, sin))
+            torch.index_select(cache.cos, 0, positions, out=c)
+            torch.index_select(cache.sin, 0, positions, out=s)
+            rotary[kind] = (c.unsqueeze(1), s.unsqueeze(1))
+        return cos, sin, rotary
 
     @staticmethod
     def _module_layer(

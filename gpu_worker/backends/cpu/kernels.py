@@ -43,7 +43,9 @@ from gpu_worker.backends.cpu.quant_kernels import QuantKernels
 
 logger = logging.getLogger(__name__)
 
-MAX_HEADS, MAX_HEAD_DIM = 64, 256  # csrc/rivulet_kernels.h's limits; larger shapes use torch
+# csrc/rivulet_kernels.h's limits of the attention: heads, head_dim, and heads times head_dim (each head
+# in whole 32-dimension blocks: 64 heads of 256 or 32 of 512); larger shapes use torch.
+MAX_HEADS, MAX_HEAD_DIM, MAX_QUERY_WIDTH = 64, 512, 16384
 
 
 class CpuKernels(QuantKernels):
@@ -102,6 +104,7 @@ class CpuKernels(QuantKernels):
         ]  # fmt: skip
         self._bind_quant(lib)
         abi.check_kernels(self)
+        abi.check([], {}, {"MAX_QUERY_WIDTH": MAX_QUERY_WIDTH})
 
     @staticmethod
     def supports(num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
@@ -111,6 +114,7 @@ class CpuKernels(QuantKernels):
             and num_heads % kv_heads == 0
             and num_heads <= MAX_HEADS
             and head_dim <= MAX_HEAD_DIM
+            and num_heads * -(-head_dim // 32) * 32 <= MAX_QUERY_WIDTH
         )
 
     def decode_rows(
@@ -226,7 +230,9 @@ class CpuKernels(QuantKernels):
         return out
 
     def rotary_(self, x: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
-        """Rotate heads [0, heads) of x [T, H, D] in place; cos / signed_sin [T, 1, D] contiguous."""
+        """Rotate heads [0, heads) of x [T, H, D] in place; cos / signed_sin [T, 1, D] contiguous, D at
+        most MAX_HEAD_DIM (the kernel's per-row arrays)."""
+        assert x.shape[2] <= MAX_HEAD_DIM, f"rotary of {x.shape[2]}-wide heads"
         self._rotary(
             x.data_ptr(), x.stride(0), x.shape[0], heads, x.shape[2], cos.data_ptr(), signed_sin.data_ptr(),
             DTYPE_CODES[x.dtype],

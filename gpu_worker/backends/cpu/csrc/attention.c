@@ -184,9 +184,9 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
     const int q_elem = paired ? 2 : 4;
     const int64_t col = (int64_t)h0 * head_dim;
     const int stride = (head_dim + 31) & ~31; /* of acc per head: whole 32-dimension blocks */
-    float acc[MAX_HEADS * MAX_HEAD_DIM], m[MAX_HEADS], l[MAX_HEADS];
+    float acc[MAX_QUERY_WIDTH], m[MAX_HEADS], l[MAX_HEADS];
     float prob[MAX_HEADS][BLOCK];
-    float qf[MAX_HEADS * MAX_HEAD_DIM]; /* q in float32, when not PAIRED */
+    float qf[MAX_QUERY_WIDTH]; /* q in float32, when not PAIRED */
     uint32_t pairs[MAX_HEADS][BLOCK / 2]; /* bfloat16 probabilities of positions 2i, 2i+1 */
     int64_t at[BLOCK], at_k[BLOCK];        /* element offset of each position's token row; in ORDER16 */
     __m512i vpair[BLOCK / 2][MAX_HEAD_DIM / 16]; /* bfloat16 V rows of a KV head, two positions interleaved */
@@ -318,9 +318,9 @@ static void attend_span_avx512(const char *q, int64_t q_pos_bytes, int npos, con
     const int bytes = (h1 - h0) * head_dim * elem, q_elem = dtype == DTYPE_BF16 ? 2 : 4;
     const int64_t col = (int64_t)h0 * head_dim, len = lens[npos - 1];
     const int stride = (head_dim + 31) & ~31; /* of acc per query: whole 32-dimension blocks */
-    float acc[MAX_HEADS * MAX_HEAD_DIM], m[MAX_HEADS], l[MAX_HEADS];
+    float acc[MAX_QUERY_WIDTH], m[MAX_HEADS], l[MAX_HEADS];
     float prob[MAX_HEADS][BLOCK];
-    float qf[MAX_HEADS * MAX_HEAD_DIM]; /* q in float32, when not PAIRED */
+    float qf[MAX_QUERY_WIDTH]; /* q in float32, when not PAIRED */
     const char *qp[MAX_HEADS];             /* each query's q row */
     uint32_t pairs[MAX_HEADS][BLOCK / 2];  /* bfloat16 probabilities of positions 2i, 2i+1 */
     int64_t at[BLOCK], at_k[BLOCK];        /* element offset of each position's token row; in ORDER16 */
@@ -673,8 +673,8 @@ static void attend_avx2(const char *q, const void *k_cache, const void *v_cache,
                         int head_dim, int64_t kv_row, float scale, float *res, float *stats) {
     const int nq = (h1 - h0) * group;
     const int stride = (head_dim + 15) & ~15; /* of qf and acc per head: whole 16-dimension blocks */
-    float qf[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(32)));
-    float acc[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(32)));
+    float qf[MAX_QUERY_WIDTH] __attribute__((aligned(32)));
+    float acc[MAX_QUERY_WIDTH] __attribute__((aligned(32)));
     float m[MAX_HEADS], lsum[MAX_HEADS][BLOCK] __attribute__((aligned(32)));
     for (int j = 0; j < nq; j++) {
         float row[MAX_HEAD_DIM];
@@ -717,7 +717,7 @@ static void attend_portable(const char *q, const void *k_cache, const void *v_ca
                             int head_dim, int64_t kv_row, float scale, float *res, float *stats) {
     const int elem = kv_dtype == DTYPE_F32 ? 4 : 2, nq = (h1 - h0) * group, width = (h1 - h0) * head_dim;
     const int64_t col = (int64_t)h0 * head_dim;
-    float qf[MAX_HEADS * MAX_HEAD_DIM], acc[MAX_HEADS * MAX_HEAD_DIM], kv[MAX_HEADS * MAX_HEAD_DIM];
+    float qf[MAX_QUERY_WIDTH], acc[MAX_QUERY_WIDTH], kv[MAX_QUERY_WIDTH];
     float scores[MAX_HEADS][SCORE_CHUNK], m[MAX_HEADS], l[MAX_HEADS];
     int64_t at[SCORE_CHUNK];
     load_vec(q, dtype, 0, nq * head_dim, qf);
@@ -793,7 +793,7 @@ static inline void write_new_kv(void *k_cache, void *v_cache, const int64_t *pag
         memcpy((char *)v_cache + at * elem, (const char *)v_new + v_off * elem, (size_t)n * elem);
         return;
     }
-    float row[MAX_HEADS * MAX_HEAD_DIM];
+    float row[MAX_QUERY_WIDTH];
     load_vec(k_new, dtype, k_off, n, row);
     store_vec(k_cache, kv_dtype, at, n, row);
     load_vec(v_new, dtype, v_off, n, row);
@@ -846,7 +846,8 @@ static void attend_split(const void *q, int64_t q_row_stride, void *k_cache, voi
         for (int64_t rh = 0; rh < rows * num_heads; rh++) {
             const int64_t r = rh / num_heads, j = rh % num_heads;
             const float *first = part + r * parts * width, *stats = first + (int64_t)num_heads * head_dim;
-            float top = -INFINITY, w[MAX_SPLIT], total = 0.0f, o[MAX_HEAD_DIM] = {0};
+            float top = -INFINITY, w[MAX_SPLIT], total = 0.0f, o[MAX_HEAD_DIM];
+            memset(o, 0, (size_t)head_dim * sizeof(float));
             for (int c = 0; c < parts; c++) top = max_f(top, stats[c * width + j]);
             for (int c = 0; c < parts; c++) {
                 const float m = stats[c * width + j], l = stats[c * width + num_heads + j];
@@ -865,10 +866,10 @@ static void attend_split(const void *q, int64_t q_row_stride, void *k_cache, voi
 
 #if HAVE_AVX512
 /* The decode rows as runs of adjacent rows of one request at consecutive positions (a verify row's,
- * or a lone decode row), each run in chunks of at most MAX_HEADS queries a task (attend_span_avx512):
- * a task per chunk and KV head where there are few chunks, else per chunk with all its heads (a
- * task reading a third of each token row ran slower once the KV was out of cache, as it is in a
- * forward). The rows' new K/V are already in the pool. */
+ * or a lone decode row), each run in chunks of at most MAX_HEADS queries a task (attend_span_avx512),
+ * their accumulators within MAX_QUERY_WIDTH: a task per chunk and KV head where there are few chunks,
+ * else per chunk with all its heads (a task reading a third of each token row ran slower once the KV
+ * was out of cache, as it is in a forward). The rows' new K/V are already in the pool. */
 static int attend_spans(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, void *out,
                         int dtype, int kv_dtype, const int64_t *q_rows, const int64_t *req_pool_idx,
                         const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t rows,
@@ -879,7 +880,11 @@ static int attend_spans(const void *q, int64_t q_row_stride, const void *k_cache
     for (int64_t r = 0; r < rows; r++)
         runs += r == 0 || req_pool_idx[r] != req_pool_idx[r - 1] || kv_lens[r] != kv_lens[r - 1] + 1 ||
                 q_rows[r] != q_rows[r - 1] + 1;
-    const int splits = runs < 2 * omp_get_max_threads() ? kv_heads : 1, per_task = MAX_HEADS / (num_heads / splits);
+    /* a task's queries: at most MAX_HEADS, and their accumulators (whole 32-dimension blocks each) in
+     * MAX_QUERY_WIDTH floats (fewer than MAX_HEADS only past 256-wide heads) */
+    const int splits = runs < 2 * omp_get_max_threads() ? kv_heads : 1, heads_a_task = num_heads / splits;
+    const int by_width = MAX_QUERY_WIDTH / (heads_a_task * ((head_dim + 31) & ~31));
+    const int per_task = MAX_HEADS / heads_a_task < by_width ? MAX_HEADS / heads_a_task : by_width;
     int64_t *chunks = malloc((size_t)(2 * rows) * sizeof(int64_t)); /* (first row, positions) */
     if (chunks == NULL) return RV_ERR_NO_MEMORY;
     int64_t count = 0;
@@ -898,7 +903,7 @@ static int attend_spans(const void *q, int64_t q_row_stride, const void *k_cache
         const int64_t c0 = chunks[2 * (task / splits)], npos = chunks[2 * (task / splits) + 1];
         const int h0 = (int)(task % splits) * kv_heads / splits, h1 = (int)(task % splits + 1) * kv_heads / splits;
         const int q0 = h0 * group, nq = (h1 - h0) * group;
-        float res[MAX_HEADS * MAX_HEAD_DIM];
+        float res[MAX_QUERY_WIDTH];
         attend_span_avx512((const char *)q + (q_rows[c0] * q_row_stride + (int64_t)q0 * head_dim) * elem,
                            q_row_stride * elem, (int)npos, kv_lens + c0, k_cache, v_cache, dtype, kv_dtype,
                            page_table + req_pool_idx[c0] * pt_stride, page_size, h0, h1, group, head_dim, kv_row, scale,
@@ -944,7 +949,9 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
                            int num_heads, int kv_heads, int head_dim, int page_size, float scale,
                            const void *k_new, int64_t k_new_stride, const void *v_new, int64_t v_new_stride,
                            int64_t window, const float *sinks) {
-    if (kv_heads < 1 || num_heads % kv_heads || num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM) return RV_ERR_HEADS;
+    if (kv_heads < 1 || num_heads % kv_heads || num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM ||
+        num_heads * ((head_dim + 31) & ~31) > MAX_QUERY_WIDTH)
+        return RV_ERR_HEADS;
     if ((dtype != DTYPE_F32 && dtype != DTYPE_BF16) || kv_dtype < DTYPE_F32 || kv_dtype > DTYPE_F16) return RV_ERR_DTYPE;
     const int group = num_heads / kv_heads;
     const int64_t kv_row = (int64_t)kv_heads * head_dim; /* elements per pool token */
@@ -990,7 +997,7 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
         const int64_t r = task / splits;
         const int h0 = (int)(task % splits) * kv_heads / splits, h1 = (int)(task % splits + 1) * kv_heads / splits;
         const int q0 = h0 * group, nq = (h1 - h0) * group;
-        float res[MAX_HEADS * MAX_HEAD_DIM], stats[2 * MAX_HEADS];
+        float res[MAX_QUERY_WIDTH], stats[2 * MAX_HEADS];
         if (k_new != NULL && kv_lens[r] > 0)
             write_new_kv((void *)k_cache, (void *)v_cache, page_table + req_pool_idx[r] * pt_stride, page_size,
                          kv_lens[r] - 1, kv_row, h0, h1, head_dim, dtype, kv_dtype, k_new, v_new,

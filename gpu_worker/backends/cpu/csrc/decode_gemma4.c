@@ -3,8 +3,8 @@
  * calls the kernels the modules call, in their order, on the same inputs, so its output equals
  * theirs bit for bit (tests/gpu_worker/test_decode_gemma4.py checks it); what it saves is the Python
  * around them (docs/benchmarks-history.md, "Gemma 4's decode step: where the time outside the tiles
- * goes"). decode_gemma4.py passes it runs of consecutive layers; a layer it does not take (the
- * 512-wide global heads, past MAX_HEAD_DIM) keeps its modules between two runs.
+ * goes"). decode_gemma4.py passes it runs of consecutive layers; a layer it does not take (a MoE
+ * block, heads past paged_decode_attention's limits) keeps its modules between two runs.
  *
  * Per layer, x the residual stream [rows, hidden], every norm's weight w (ones on v: no scale):
  *   h = rms_norm(x); p = h Wqkv^T (q alone on a KV-shared layer);

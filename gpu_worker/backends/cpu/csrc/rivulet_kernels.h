@@ -28,7 +28,9 @@
 #define DTYPE_F8E4M3 3 /* latent KV caches only (mla.c): torch.float8_e4m3fn, no scale */
 
 #define MAX_HEADS 64 /* query heads of paged_decode_attention (larger: the caller uses torch) */
-#define MAX_HEAD_DIM 256
+#define MAX_HEAD_DIM 512 /* head_dim of paged_decode_attention and rotary (Gemma 4's global heads) */
+#define MAX_QUERY_WIDTH 16384 /* paged_decode_attention's heads times head_dim, each head in whole 32-dimension
+                               * blocks: MAX_HEADS heads of 256, or 32 of 512 (a task's per-head arrays) */
 
 /* Flags on a ggml type id (layouts.py's X8, A8). */
 #define QTYPE_X8 0x100 /* | a type: its rows interleaved by 8 (quant_x8.c, quant_kx8.c), n a multiple of 8 */
