@@ -15,7 +15,8 @@
 ``weight_prefetch_nta``) and sets it to 0 and 1 on alternate steps (0 1 1 0 ...), for the ratio of
 its two settings in one process, where the machine's pace moves minute to minute. ``--toggle
 one_call`` does so with the one-call decode (0: the modules), one model held for both, where
-``float32:gguf,float32:gguf-modules`` holds two.
+``float32:gguf,float32:gguf-modules`` holds two; ``--toggle head_argmax`` with a greedy batch's
+argmax from the head's kernel (0: the logits, then their argmax; sampling/head_argmax.py).
 
 Shapes: decode at batch 1 / 8 / 32 (every row with ``--context`` tokens of KV
 already written) and one prefill chunk of ``--prefill`` tokens. Each shape runs
@@ -149,7 +150,8 @@ def main() -> None:
     p.add_argument(
         "--toggle",
         default="",
-        help="an int the kernels library exports, or one_call (the one-call decode): 0, 1 by turns",
+        help="an int the kernels library exports, one_call (the one-call decode) or head_argmax (the "
+        "greedy draw in the head): 0, 1 by turns",
     )
     args = p.parse_args()
     dtypes = args.dtype.split(",")
@@ -183,6 +185,7 @@ def main() -> None:
 
 
 ONE_CALL = "one_call"  # --toggle's name for the one-call decode
+HEAD_ARGMAX = "head_argmax"  # --toggle's name for the greedy draw in the head (ModelRunner.head_argmax)
 
 
 class OneCallSwitch:
@@ -200,11 +203,30 @@ class OneCallSwitch:
         self.backend.fused_decode = self.fused if value else None
 
 
-def switch_of(runner: ModelRunner, dtype: str, name: str) -> ctypes.c_int | OneCallSwitch:
-    """--toggle's switch: the library's int ``name``, or the one-call decode."""
+class HeadArgmaxSwitch:
+    """The runner's greedy draw in the head as --toggle's switch: 1 on, 0 off (the logits)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    @property
+    def value(self) -> int:
+        return int(self.runner.head_argmax)
+
+    @value.setter
+    def value(self, value: int) -> None:
+        self.runner.head_argmax = bool(value)
+
+
+def switch_of(runner: ModelRunner, dtype: str, name: str) -> ctypes.c_int | OneCallSwitch | HeadArgmaxSwitch:
+    """--toggle's switch: the library's int ``name``, the one-call decode, or the greedy draw in the head."""
     kernels = getattr(runner.backend, "kernels", None)
     if kernels is None:
         raise SystemExit(f"--toggle: {dtype} runs without the C kernels")
+    if name == HEAD_ARGMAX:
+        if not runner.head_argmax:
+            raise SystemExit(f"--toggle {HEAD_ARGMAX}: {dtype}'s model has no compute_argmax")
+        return HeadArgmaxSwitch(runner)
     if name != ONE_CALL:
         return ctypes.c_int.in_dll(ctypes.CDLL(str(kernels.path)), name)
     if not isinstance(runner.backend, CpuBackend) or runner.backend.fused_decode is None:

@@ -29,6 +29,7 @@ from gpu_worker.pooling import final_norm, pooled_rows, why_no_pooling
 from gpu_worker.recurrent_state import begin_batch, end_batch, state_pool_for
 from gpu_worker.sampling.draws import BatchDraws, Drawn
 from gpu_worker.sampling.grammar import ReqPoolGrammars
+from gpu_worker.sampling.head_argmax import GreedyHead
 from gpu_worker.sampling.logprobs import ReqPoolTopLogprobs, prompt_logprobs
 from gpu_worker.sampling.penalties import ReqPoolPenalties
 from gpu_worker.sampling.sampler import ReqPoolSamplerParams
@@ -74,6 +75,10 @@ class ModelRunner:
         # scheduling) sends PENDING as its input and gets this one. A list: the draws arrive as ints
         # (Drawn), and a step's few stores and lookups as list items cost no tensor ops.
         self.last_drawn = [0] * config.max_running_requests
+        # Whether a batch whose draw is the argmax alone takes it from the head's kernel, without the
+        # logits, where the model's head has one (head_argmax.py); bench.worker_step --toggle
+        # head_argmax times both in one process.
+        self.head_argmax = isinstance(self.model, GreedyHead)
 
     def _init_device(self) -> None:
         self.backend = backends.create(self.config)
@@ -278,10 +283,21 @@ class ModelRunner:
         if plan.hidden_rows != list(range(hidden.shape[0])):  # (a decode step: every row, in order)
             index = torch.tensor(plan.hidden_rows, dtype=torch.int64).to(self._device)
             hidden = hidden.index_select(0, index)
-        drawn = self.draws.draw(self.model.compute_logits(hidden), plan, batch)
+        drawn = self._greedy_in_head(hidden, plan, batch)
+        if drawn is None:
+            drawn = self.draws.draw(self.model.compute_logits(hidden), plan, batch)
         for idx, token in zip(drawn.last_req_pool_idx, drawn.last_tokens, strict=True):
             self.last_drawn[idx] = token
         return drawn
+
+    def _greedy_in_head(self, hidden: torch.Tensor, plan: DrawPlan, batch: ForwardBatch) -> Drawn | None:
+        """An ``argmax_alone`` batch's draws from the head's kernel, without the logits (the same
+        tokens); None where the batch or the head does not take that route."""
+        model = self.model
+        if not (self.head_argmax and isinstance(model, GreedyHead) and self.draws.argmax_alone(plan, batch)):
+            return None
+        tokens = model.compute_argmax(hidden)
+        return None if tokens is None else self.draws.argmax_drawn(tokens, plan)
 
     @torch.inference_mode()
     def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:

@@ -31,6 +31,7 @@ from gpu_worker.models.layers import (
     gelu_tanh,
 )
 from gpu_worker.models.rope import rotary_cache
+from gpu_worker.sampling.head_argmax import head_argmax
 
 SLIDING = "sliding_attention"
 
@@ -226,6 +227,11 @@ class GemmaForCausalLM(nn.Module):
         """Logits of the selected tokens' hidden states (soft-capped where the config says)."""
         logits = self.lm_head(self.model.norm(hidden))
         return softcap(logits, self.final_softcap) if self.final_softcap else logits
+
+    def compute_argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """compute_logits' argmax per row, from the head's kernel without the logits (None: it has none,
+        or the logits are soft-capped, which torch's tanh does here, not the kernel's operations)."""
+        return None if self.final_softcap else head_argmax(self.lm_head, self.model.norm, hidden)
 
 
 def _layer_type(cfg: Any, layer_type: str) -> str | None:

@@ -49,6 +49,7 @@ from gpu_worker.models.layers import (
 )
 from gpu_worker.models.moe import ExpertGroups
 from gpu_worker.models.rope import rotary_cache
+from gpu_worker.sampling.head_argmax import head_argmax
 
 SharedKV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # a forward's K/V by the layer that made them
 FUSED_ROTARY_HEAD_DIM = 512  # the widest head the fused rotary takes (the CPU kernels' MAX_HEAD_DIM)
@@ -332,6 +333,14 @@ class Gemma4ForCausalLM(nn.Module):
         """Logits of the selected tokens' hidden states (soft-capped where the config says)."""
         logits = self.lm_head(self.model.norm(hidden))
         return self.final_softcap(logits) if self.final_softcap is not None else logits
+
+    def compute_argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """compute_logits' argmax per row, from the head's kernel without the logits, soft-capped there
+        by the fused soft-cap's operations (None: no such kernel, or the soft-cap runs in torch)."""
+        cap = self.final_softcap
+        if cap is not None and cap.fused is None:
+            return None
+        return head_argmax(self.lm_head, self.model.norm, hidden, cap.cap if cap is not None else 0.0)
 
 
 def adopt_media_tokens(model: object, gguf_path: str) -> None:

@@ -31,6 +31,7 @@ from gpu_worker.models.layers import (
     apply_rotary,
 )
 from gpu_worker.models.rope import rotary_cache
+from gpu_worker.sampling.head_argmax import head_argmax
 
 
 @dataclass(frozen=True)
@@ -262,3 +263,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the selected tokens' hidden states."""
         return self.lm_head(self.model.norm(hidden))
+
+    def compute_argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """compute_logits' argmax per row, from the head's kernel without the logits (None: it has none)."""
+        return head_argmax(self.lm_head, self.model.norm, hidden)

@@ -35,6 +35,7 @@ from gpu_worker.models.llama import MLP, LlamaArgs, partial_rotary_factor
 from gpu_worker.models.moe import MoeArgs, SparseMoeBlock
 from gpu_worker.models.qwen35_positions import mrope_cos_sin
 from gpu_worker.models.rope import rotary_cache
+from gpu_worker.sampling.head_argmax import head_argmax
 
 LINEAR = "linear_attention"
 
@@ -231,6 +232,10 @@ class Qwen35ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden))
+
+    def compute_argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """compute_logits' argmax per row, from the head's kernel without the logits (None: it has none)."""
+        return head_argmax(self.lm_head, self.model.norm, hidden)
 
 
 class Qwen35MoeForCausalLM(Qwen35ForCausalLM):

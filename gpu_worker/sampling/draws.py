@@ -57,11 +57,10 @@ class BatchDraws:
 
     def draw(self, logits: torch.Tensor, plan: DrawPlan, batch: ForwardBatch) -> Drawn:
         """The batch's draws from ``logits`` (the plan's rows, in its order)."""
-        if not plan.has_drafts and not batch.fork_rows and self._argmax_alone(plan.req_pool_idx):
+        if self.argmax_alone(plan, batch):
             # What the steps below come to for such a batch, without their dozen calls (a one-row
             # step's Python: docs/benchmarks-history.md): one emitted draw per row, no logprobs.
-            ids = self.greedy(logits).tolist()
-            return Drawn(token_ids=ids, last_req_pool_idx=plan.req_pool_idx, last_tokens=ids)
+            return self.argmax_drawn(self.greedy(logits), plan)
         logits, req_pool_idx, positions = with_forks(
             logits, plan.req_pool_idx, plan.positions, plan.batch_rows, batch
         )
@@ -104,6 +103,18 @@ class BatchDraws:
             return logits, self.greedy(logits), None
         tokens, token_logprobs = sample(logits, self.params.batch(req_pool_idx, positions, logits.device))
         return logits, tokens, token_logprobs.tolist() if token_logprobs is not None else None
+
+    def argmax_alone(self, plan: DrawPlan, batch: ForwardBatch) -> bool:
+        """The batch's draw is its logits' argmax: no drafts, no forks, every row greedy with no
+        penalties, grammar, logprobs or top-N (the runner may then take the argmax from the head:
+        head_argmax.py)."""
+        return not plan.has_drafts and not batch.fork_rows and self._argmax_alone(plan.req_pool_idx)
+
+    @staticmethod
+    def argmax_drawn(tokens: torch.Tensor, plan: DrawPlan) -> Drawn:
+        """What an ``argmax_alone`` batch draws, given its rows' argmax ``tokens``: one draw per row."""
+        ids = tokens.tolist()
+        return Drawn(token_ids=ids, last_req_pool_idx=plan.req_pool_idx, last_tokens=ids)
 
     def _argmax_alone(self, req_pool_idx: list[int]) -> bool:
         """Every row greedy, with no penalties, grammar, logprobs or top-N: its draw is the argmax."""
