@@ -188,11 +188,22 @@ static inline void stream_row(float *dst, const float *v, int64_t n) {
 void argmax_panel(const head_argmax *am, int t, float *v, int64_t ld, int64_t r0, int64_t nr, int64_t c0, int64_t pw) {
     float *best = am->best + t * am->rows;
     int64_t *best_at = am->best_at + t * am->rows;
+    /* softcap_f32 takes its scalar form only for the values past the logits' last whole vector (of 16
+     * or 8): the rows before the one holding the first of them take the vector form throughout, and
+     * where the panel's rows lie one after another, in one call (a call a row costs more than the
+     * 16-column panels' caps). */
+    const int64_t total = am->rows * am->n, tail_row = (total - total % 16) / am->n;
+    const int64_t bulk = tail_row - r0 < 0 ? 0 : tail_row - r0 > nr ? nr : tail_row - r0;
+    if (am->cap > 0.0f && ld == pw && am->dtype == DTYPE_F32 && bulk > 0) {
+        const int64_t len = bulk * pw;
+        softcap_at(v, len, 0, (len + 15) / 16 * 16, am->cap); /* (every value before the tensor's end: vector) */
+    }
     for (int64_t r = 0; r < nr; r++) {
         float *row = v + r * ld;
         if (am->dtype == DTYPE_BF16)
             for (int64_t j = 0; j < pw; j++) row[j] = bf16_to_f32(f32_to_bf16(row[j]));
-        if (am->cap > 0.0f) softcap_at(row, pw, (r0 + r) * am->n + c0, am->rows * am->n, am->cap);
+        if (am->cap > 0.0f && !(ld == pw && am->dtype == DTYPE_F32 && r < bulk))
+            softcap_at(row, pw, (r0 + r) * am->n + c0, total, am->cap);
         float top = -INFINITY;
 #pragma omp simd reduction(max : top)
         for (int64_t j = 0; j < pw; j++) top = row[j] > top ? row[j] : top; /* (a NaN never wins) */
