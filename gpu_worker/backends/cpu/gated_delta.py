@@ -57,9 +57,9 @@ class GatedDeltaKernels:
         # q, k, v with their strides and dtype, g and beta with theirs, state, slots, fresh
         rule: list[Any] = [ptr, i64, ptr, i64, ptr, i64, i32, ptr, i64, i32, ptr, i64, i32, ptr, ptr, ptr]
         self._decode = lib.gated_delta_decode
-        self._decode.argtypes = [*rule, ptr, i64, i32, i32, i32, i32, i32, f32]
+        self._decode.argtypes = [*rule, ptr, i64, i32, i32, i32, i32, i32, i32, f32]
         self._prefill = lib.gated_delta_prefill
-        self._prefill.argtypes = [*rule, ptr, i64, ptr, i32, i32, i32, i32, i32, f32]
+        self._prefill.argtypes = [*rule, ptr, i64, ptr, i32, i32, i32, i32, i32, i32, f32]
         self._conv1d = lib.causal_conv1d
         self._conv1d.argtypes = [
             ptr, i64, i32, ptr, ptr, i32, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i32, i32,
@@ -86,6 +86,7 @@ class GatedDeltaKernels:
         fresh: torch.Tensor | None = None,
         l2norm: bool = True,
         scale: float | None = None,
+        tiled: bool = False,
     ) -> torch.Tensor:
         """One token per row through the rule (module docstring); state[slots] advanced in place."""
         rows = q.shape[0]
@@ -93,7 +94,7 @@ class GatedDeltaKernels:
         out = torch.empty((rows, v.shape[1], v.shape[2]), dtype=q.dtype)
         status = self._decode(
             *_rule_args(q, k, v, g, beta, state, slots, fresh), out.data_ptr(), rows, k.shape[1], v.shape[1],
-            k.shape[2], v.shape[2], int(l2norm), k.shape[2] ** -0.5 if scale is None else scale,
+            k.shape[2], v.shape[2], int(tiled), int(l2norm), k.shape[2] ** -0.5 if scale is None else scale,
         )  # fmt: skip
         assert status == 0, f"gated_delta_decode refused: {abi.status_text(status)}"
         return out
@@ -112,6 +113,7 @@ class GatedDeltaKernels:
         fresh: torch.Tensor | None = None,
         l2norm: bool = True,
         scale: float | None = None,
+        tiled: bool = False,
     ) -> torch.Tensor:
         """Each row's tokens through the chunked rule (module docstring); state[slots] advanced."""
         seqs = _check_cu_seqlens(cu_seqlens, q.shape[0])
@@ -119,7 +121,7 @@ class GatedDeltaKernels:
         out = torch.empty((q.shape[0], v.shape[1], v.shape[2]), dtype=q.dtype)
         status = self._prefill(
             *_rule_args(q, k, v, g, beta, state, slots, fresh), cu_seqlens.data_ptr(), seqs, out.data_ptr(),
-            k.shape[1], v.shape[1], k.shape[2], v.shape[2], int(l2norm),
+            k.shape[1], v.shape[1], k.shape[2], v.shape[2], int(tiled), int(l2norm),
             k.shape[2] ** -0.5 if scale is None else scale,
         )  # fmt: skip
         assert status == 0, f"gated_delta_prefill refused: {abi.status_text(status)}"

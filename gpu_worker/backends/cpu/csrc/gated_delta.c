@@ -21,6 +21,7 @@
 #define L2NORM_EPS 1e-6f   /* HF's l2norm (and fla's) */
 #define MAX_CONV_KERNEL 8  /* taps of causal_conv1d */
 #define CONV_BLOCK 64      /* channels per conv task */
+#define CONV_WIDE 512      /* channels per conv task of many tokens (conv_block) */
 #ifdef __AVX512F__ /* a gemm tile's rows and columns: 16 of the 32 vector registers accumulate */
 #define TM 8
 #define TN 32
@@ -99,11 +100,13 @@ static void decode_head(float *S, const float *q, const float *k, const float *v
     }
 }
 
+int gd_zero_skip = 1;
+
 int gated_delta_decode(const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
                        int64_t v_stride, int dtype, const void *g, int64_t g_stride, int g_dtype, const void *beta,
                        int64_t beta_stride, int beta_dtype, float *state, const int64_t *slots,
                        const uint8_t *fresh, void *out, int64_t rows, int k_heads, int v_heads, int dk, int dv,
-                       int l2norm, float scale) {
+                       int tiled, int l2norm, float scale) {
     const int status = check_heads(dtype, g_dtype, beta_dtype, k_heads, v_heads, dk, dv);
     if (status != RV_OK) return status;
     const int group = v_heads / k_heads;
@@ -112,7 +115,7 @@ int gated_delta_decode(const void *q, int64_t q_stride, const void *k, int64_t k
     for (int64_t r = 0; r < rows; r++) {
         for (int h = 0; h < v_heads; h++) {
             float qv[MAX_HEAD_DIM], kv[MAX_HEAD_DIM], vv[MAX_HEAD_DIM], o[MAX_HEAD_DIM];
-            const int hk = h / group;
+            const int hk = tiled ? h % k_heads : h / group;
             float *S = state + (slots[r] * v_heads + h) * head_state;
             if (fresh != NULL && fresh[r]) memset(S, 0, (size_t)head_state * sizeof(float));
             load_head(q, dtype, r * q_stride + (int64_t)hk * dk, dk, qv, l2norm, scale);
@@ -172,14 +175,74 @@ typedef struct {
     float gc[CHUNK], beta[CHUNK];
 } chunk_scratch;
 
-/* The block of L tokens [t0, t0 + L) of head h (key head hk): out rows written, S advanced by L. */
-static void chunk_block(float *S, const chunk_scratch *w, int L, int dk, int dv) {
+/* ui[c] -= a[j] u[j][c] for j < i in order (the forward substitution's row i), 64 columns at a time
+ * in registers where the vectors allow: the same fused multiply-subtracts, in the same order, as the
+ * row's read-modify-write per j. */
+#define SUB_W 64
+static void substitute_row(float *ui, const float *u, const float *a, int i, int dv) {
+    int c0 = 0;
+#if HAVE_AVX512
+    for (; c0 + SUB_W <= dv; c0 += SUB_W) {
+        __m512 r0 = _mm512_loadu_ps(ui + c0), r1 = _mm512_loadu_ps(ui + c0 + 16), r2 = _mm512_loadu_ps(ui + c0 + 32),
+               r3 = _mm512_loadu_ps(ui + c0 + 48);
+        for (int j = 0; j < i; j++) {
+            const float *uj = u + (int64_t)j * dv + c0;
+            const __m512 aj = _mm512_set1_ps(a[j]);
+            r0 = _mm512_fnmadd_ps(aj, _mm512_loadu_ps(uj), r0);
+            r1 = _mm512_fnmadd_ps(aj, _mm512_loadu_ps(uj + 16), r1);
+            r2 = _mm512_fnmadd_ps(aj, _mm512_loadu_ps(uj + 32), r2);
+            r3 = _mm512_fnmadd_ps(aj, _mm512_loadu_ps(uj + 48), r3);
+        }
+        _mm512_storeu_ps(ui + c0, r0), _mm512_storeu_ps(ui + c0 + 16, r1);
+        _mm512_storeu_ps(ui + c0 + 32, r2), _mm512_storeu_ps(ui + c0 + 48, r3);
+    }
+#elif HAVE_AVX2
+    for (; c0 + SUB_W <= dv; c0 += SUB_W) {
+        __m256 r[8];
+        for (int v = 0; v < 8; v++) r[v] = _mm256_loadu_ps(ui + c0 + 8 * v);
+        for (int j = 0; j < i; j++) {
+            const float *uj = u + (int64_t)j * dv + c0;
+            const __m256 aj = _mm256_set1_ps(a[j]);
+            for (int v = 0; v < 8; v++) r[v] = _mm256_fnmadd_ps(aj, _mm256_loadu_ps(uj + 8 * v), r[v]);
+        }
+        for (int v = 0; v < 8; v++) _mm256_storeu_ps(ui + c0 + 8 * v, r[v]);
+    }
+#endif
+    for (int j = 0; j < i; j++) {
+        const float *uj = u + (int64_t)j * dv;
+#pragma omp simd
+        for (int c = c0; c < dv; c++) ui[c] -= a[j] * uj[c];
+    }
+}
+
+/* Whether n floats are all +0.0 (a slot the pool zeroed for a request's first tokens), on the bits. */
+static int all_zero(const float *x, int64_t n) {
+    for (int64_t i0 = 0; i0 < n; i0 += 64) {
+        uint32_t any = 0;
+        const int64_t end = n - i0 < 64 ? n : i0 + 64;
+        for (int64_t i = i0; i < end; i++) {
+            uint32_t bits;
+            memcpy(&bits, x + i, sizeof bits);
+            any |= bits;
+        }
+        if (any) return 0;
+    }
+    return 1;
+}
+
+/* The block of L tokens [t0, t0 + L) of head h (key head hk): out rows written, S advanced by L.
+ * zero: S holds zeros (a request's first block), so K S and Q S are zeros and the new S is the
+ * block's own sum alone: the same values as the products over the zeros, without them. */
+static void chunk_block(float *S, const chunk_scratch *w, int L, int dk, int dv, int zero) {
     float *kq = w->kq, *kt = w->kt, *pq = w->pq, *u = w->u, *gram = w->gram;
     const float *gc = w->gc, *beta = w->beta;
     for (int i = 0; i < L; i++)
         for (int d = 0; d < dk; d++) kt[d * CHUNK + i] = kq[i * dk + d];
     /* pq = [K; Q] S and gram = [K; Q] K^T */
-    gemm(2 * L, dv, dk, kq, dk, S, dv, pq, dv, 0);
+    if (zero)
+        memset(pq, 0, (size_t)(2 * L) * (size_t)dv * sizeof(float));
+    else
+        gemm(2 * L, dv, dk, kq, dk, S, dv, pq, dv, 0);
     gemm(2 * L, L, dk, kq, dk, kt, CHUNK, gram, CHUNK, 0);
     float *ps = pq, *qs = pq + (int64_t)L * dv, *kk = gram, *qk = gram + (int64_t)L * CHUNK;
     /* row by row: the decays exp(gc_i - gc_j), j <= i (exponents <= 0: g <= 0); U's row i from the
@@ -187,30 +250,28 @@ static void chunk_block(float *S, const chunk_scratch *w, int L, int dk, int dv)
      * of (I + A) U = rhs, A_ij = beta_i exp(gc_i - gc_j) k_i . k_j); the output's weights
      * exp(gc_i - gc_j) q_i . k_j and exp(gc_i) on q_i S */
     for (int i = 0; i < L; i++) {
-        float diff[CHUNK], decay[CHUNK];
+        float diff[CHUNK], decay[CHUNK], aij[CHUNK];
         for (int j = 0; j <= i; j++) diff[j] = gc[i] - gc[j];
         exp_nonpositive_vec(diff, decay, i + 1);
         const float e = expf(gc[i]);
         float *ui = u + (int64_t)i * dv, *qsi = qs + (int64_t)i * dv;
         for (int j = 0; j < dv; j++) ui[j] = beta[i] * (ui[j] - e * ps[(int64_t)i * dv + j]);
-        for (int j = 0; j < i; j++) {
-            const float aij = beta[i] * decay[j] * kk[i * CHUNK + j];
-            const float *uj = u + (int64_t)j * dv;
-#pragma omp simd
-            for (int c = 0; c < dv; c++) ui[c] -= aij * uj[c];
-        }
+        for (int j = 0; j < i; j++) aij[j] = beta[i] * decay[j] * kk[i * CHUNK + j];
+        substitute_row(ui, u, aij, i, dv);
         for (int j = 0; j < dv; j++) qsi[j] *= e;
         for (int j = 0; j < L; j++) qk[i * CHUNK + j] = j <= i ? qk[i * CHUNK + j] * decay[j] : 0.0f;
     }
     gemm(L, dv, L, qk, CHUNK, u, dv, qs, dv, 1);
     /* S = exp(gc_last) S + sum_j exp(gc_last - gc_j) k_j u_j^T */
     const float last = gc[L - 1], e_last = expf(last);
-    for (int j = 0; j < L; j++) {
-        const float wj = expf(last - gc[j]);
-        for (int d = 0; d < dk; d++) kt[d * CHUNK + j] *= wj;
-    }
-    for (int64_t i = 0; i < (int64_t)dk * dv; i++) S[i] *= e_last;
-    gemm(dk, dv, L, kt, CHUNK, u, dv, S, dv, 1);
+    float wts[CHUNK];
+    for (int j = 0; j < L; j++) wts[j] = expf(last - gc[j]);
+    for (int d = 0; d < dk; d++)
+#pragma omp simd
+        for (int j = 0; j < L; j++) kt[d * CHUNK + j] *= wts[j];
+    if (!zero)
+        for (int64_t i = 0; i < (int64_t)dk * dv; i++) S[i] *= e_last;
+    gemm(dk, dv, L, kt, CHUNK, u, dv, S, dv, !zero);
 }
 
 /* The scratch's floats for dk, dv (one allocation per thread). */
@@ -219,13 +280,15 @@ static int64_t scratch_floats(int dk, int dv) {
            2 * CHUNK * CHUNK;
 }
 
-/* Tokens [t0, t1) of one row through one value head: S advanced, outputs written. */
+/* Tokens [t0, t1) of one row through one value head: S advanced, outputs written; fresh: S starts
+ * from zeros whatever it holds. */
 static void prefill_head(float *S, chunk_scratch *w, const void *q, int64_t q_stride, const void *k,
                          int64_t k_stride, const void *v, int64_t v_stride, int dtype, const void *g,
                          int64_t g_stride, int g_dtype, const void *beta, int64_t beta_stride, int beta_dtype,
                          void *out, int64_t t0, int64_t t1, int h, int hk, int v_heads, int dk, int dv, int l2norm,
-                         float scale) {
-    for (int64_t b0 = t0; b0 < t1; b0 += CHUNK) {
+                         float scale, int fresh) {
+    int zero = fresh || (gd_zero_skip && all_zero(S, (int64_t)dk * dv));
+    for (int64_t b0 = t0; b0 < t1; b0 += CHUNK, zero = 0) {
         const int L = (int)(t1 - b0 < CHUNK ? t1 - b0 : CHUNK);
         float cum = 0.0f;
         for (int i = 0; i < L; i++) {
@@ -238,7 +301,7 @@ static void prefill_head(float *S, chunk_scratch *w, const void *q, int64_t q_st
             w->gc[i] = cum;
             w->beta[i] = load_one(beta, beta_dtype, t * beta_stride + h);
         }
-        chunk_block(S, w, L, dk, dv);
+        chunk_block(S, w, L, dk, dv, zero);
         const float *o = w->pq + (int64_t)L * dv;
         for (int i = 0; i < L; i++) store_vec(out, dtype, ((b0 + i) * v_heads + h) * dv, dv, o + (int64_t)i * dv);
     }
@@ -248,7 +311,7 @@ int gated_delta_prefill(const void *q, int64_t q_stride, const void *k, int64_t 
                         int64_t v_stride, int dtype, const void *g, int64_t g_stride, int g_dtype, const void *beta,
                         int64_t beta_stride, int beta_dtype, float *state, const int64_t *slots,
                         const uint8_t *fresh, const int64_t *cu_seqlens, int64_t seqs, void *out, int k_heads,
-                        int v_heads, int dk, int dv, int l2norm, float scale) {
+                        int v_heads, int dk, int dv, int tiled, int l2norm, float scale) {
     int status = check_heads(dtype, g_dtype, beta_dtype, k_heads, v_heads, dk, dv);
     if (status != RV_OK) return status;
     const int group = v_heads / k_heads;
@@ -272,10 +335,12 @@ int gated_delta_prefill(const void *q, int64_t q_stride, const void *k, int64_t 
             for (int h = 0; h < v_heads; h++) {
                 if (mem == NULL) continue;
                 float *S = state + (slots[r] * v_heads + h) * head_state;
-                if (fresh != NULL && fresh[r]) memset(S, 0, (size_t)head_state * sizeof(float));
+                const int zero = fresh != NULL && fresh[r];
+                if (zero && (!gd_zero_skip || cu_seqlens[r + 1] == cu_seqlens[r]))
+                    memset(S, 0, (size_t)head_state * sizeof(float));
                 prefill_head(S, &w, q, q_stride, k, k_stride, v, v_stride, dtype, g, g_stride, g_dtype, beta,
-                             beta_stride, beta_dtype, out, cu_seqlens[r], cu_seqlens[r + 1], h, h / group, v_heads,
-                             dk, dv, l2norm, scale);
+                             beta_stride, beta_dtype, out, cu_seqlens[r], cu_seqlens[r + 1], h,
+                             tiled ? h % k_heads : h / group, v_heads, dk, dv, l2norm, scale, zero && gd_zero_skip);
             }
         }
         free(mem);
@@ -284,31 +349,40 @@ int gated_delta_prefill(const void *q, int64_t q_stride, const void *k, int64_t 
 }
 
 /* One block of channels [c0, c0 + n) of one row's tokens [t0, t1): outputs, then the state. Taps
- * are rows (wt[m][c], hist[m][c]) so that every loop runs along the channels. */
+ * are rows (wt[m][c], win[.][c]) so that every loop runs along the channels; win is a ring of the
+ * last `kernel` inputs, token t's window (oldest first) in rows p, p + 1, ... (mod kernel), its own
+ * input the last, so no row moves from one token to the next. A task's channels are CONV_WIDE wide:
+ * each token's inputs are rows of x far apart, which the hardware prefetcher does not follow in
+ * short pieces, and the next token's are prefetched. */
 static void conv_block(const void *x, int64_t x_stride, int dtype, void *out, void *conv_state, int state_dtype,
                        int64_t state_len, int64_t slot, int zero, const void *w, const void *bias, int64_t channels,
                        int kernel, int silu, int64_t t0, int64_t t1, int64_t c0, int n) {
-    float wt[MAX_CONV_KERNEL][CONV_BLOCK], hist[MAX_CONV_KERNEL][CONV_BLOCK], bv[CONV_BLOCK], xv[CONV_BLOCK],
-        o[2 * CONV_BLOCK], row[MAX_CONV_KERNEL];
-    const int taps = kernel - 1;
+    float wt[MAX_CONV_KERNEL][CONV_WIDE], win[MAX_CONV_KERNEL][CONV_WIDE], bv[CONV_WIDE], o[2 * CONV_WIDE],
+        row[MAX_CONV_KERNEL];
+    const int taps = kernel - 1, elem = dtype == DTYPE_BF16 ? 2 : 4;
     const int64_t base = slot * channels * state_len;
     for (int c = 0; c < n; c++) {
         load_vec(w, dtype, (c0 + c) * kernel, kernel, row);
         for (int m = 0; m < kernel; m++) wt[m][c] = row[m];
         bv[c] = bias != NULL ? load_one(bias, dtype, c0 + c) : 0.0f;
         load_vec(conv_state, state_dtype, base + (c0 + c) * state_len + state_len - taps, taps, row);
-        for (int m = 0; m < taps; m++) hist[m][c] = zero ? 0.0f : row[m];
+        for (int m = 0; m < taps; m++) win[m][c] = zero ? 0.0f : row[m];
     }
+    int p = 0; /* the ring's oldest row */
     for (int64_t t = t0; t < t1; t++) {
+        float *xv = win[p + taps < kernel ? p + taps : p + taps - kernel];
+        if (t + 1 < t1)
+            for (int at = 0; at < n * elem; at += 64) __builtin_prefetch((const char *)x + ((t + 1) * x_stride + c0) * elem + at);
         load_vec(x, dtype, t * x_stride + c0, n, xv);
         for (int c = 0; c < n; c++) o[c] = bv[c];
-        for (int m = 0; m < taps; m++)
+        for (int m = 0; m < taps; m++) {
+            const float *h = win[p + m < kernel ? p + m : p + m - kernel];
 #pragma omp simd
-            for (int c = 0; c < n; c++) o[c] += wt[m][c] * hist[m][c];
+            for (int c = 0; c < n; c++) o[c] += wt[m][c] * h[c];
+        }
 #pragma omp simd
         for (int c = 0; c < n; c++) o[c] += wt[taps][c] * xv[c];
-        for (int m = 0; m + 1 < taps; m++) memcpy(hist[m], hist[m + 1], (size_t)n * sizeof(float));
-        if (taps > 0) memcpy(hist[taps - 1], xv, (size_t)n * sizeof(float));
+        p = p + 1 < kernel ? p + 1 : 0;
         if (silu) { /* torch rounds the conv's output, then silu's, to the dtype */
             round_vec(dtype, o, n);
             for (int c = 0; c < n; c++) o[n + c] = 1.0f; /* [gate | up] with up = 1 */
@@ -365,17 +439,18 @@ int causal_conv1d(const void *x, int64_t x_stride, int dtype, void *out, void *c
         return RV_ERR_DTYPE;
     if (kernel < 1 || kernel > MAX_CONV_KERNEL || state_len < kernel - 1 || state_len > MAX_CONV_KERNEL)
         return RV_ERR_HEADS;
-    const int64_t blocks = (channels + CONV_BLOCK - 1) / CONV_BLOCK;
+    const int64_t blocks = (channels + CONV_WIDE - 1) / CONV_WIDE;
 #pragma omp parallel for collapse(2) schedule(static) if (seqs * channels >= (1 << 14))
     for (int64_t r = 0; r < seqs; r++) {
         for (int64_t b = 0; b < blocks; b++) {
-            const int64_t c0 = b * CONV_BLOCK;
-            const int n = (int)(channels - c0 < CONV_BLOCK ? channels - c0 : CONV_BLOCK);
+            const int64_t c0 = b * CONV_WIDE;
+            const int n = (int)(channels - c0 < CONV_WIDE ? channels - c0 : CONV_WIDE);
             const int zero = fresh != NULL && fresh[r];
             if (cu_seqlens[r + 1] - cu_seqlens[r] == 1 && kernel == CONV_TAPS && state_len == CONV_TAPS - 1 && !zero &&
                 bias == NULL && silu)
-                conv_decode(x, x_stride, dtype, out, conv_state, state_dtype, slots[r], w, channels, cu_seqlens[r], c0,
-                            n);
+                for (int64_t c = c0; c < c0 + n; c += CONV_BLOCK) /* its own blocks */
+                    conv_decode(x, x_stride, dtype, out, conv_state, state_dtype, slots[r], w, channels, cu_seqlens[r],
+                                c, (int)(c0 + n - c < CONV_BLOCK ? c0 + n - c : CONV_BLOCK));
             else
                 conv_block(x, x_stride, dtype, out, conv_state, state_dtype, state_len, slots[r], zero, w, bias,
                            channels, kernel, silu, cu_seqlens[r], cu_seqlens[r + 1], c0, n);

@@ -351,17 +351,18 @@ void sigmoid_gate_mul(const void *x, const void *gate, int64_t gate_stride, int6
                       int64_t rows, int heads, int dim, int dtype);
 
 /* gated_delta.c: RV_ERR_DTYPE, or RV_ERR_HEADS (head counts, head dims past MAX_HEAD_DIM, conv taps
- * past 8); prefill also RV_ERR_NO_MEMORY. States [slots, v_heads, dk, dv] float32, updated in place. */
+ * past 8); prefill also RV_ERR_NO_MEMORY. States [slots, v_heads, dk, dv] float32, updated in place.
+ * tiled: value head h reads key head h % k_heads (else h / (v_heads / k_heads)). */
 int gated_delta_decode(const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
                        int64_t v_stride, int dtype, const void *g, int64_t g_stride, int g_dtype, const void *beta,
                        int64_t beta_stride, int beta_dtype, float *state, const int64_t *slots,
                        const uint8_t *fresh, void *out, int64_t rows, int k_heads, int v_heads, int dk, int dv,
-                       int l2norm, float scale);
+                       int tiled, int l2norm, float scale);
 int gated_delta_prefill(const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
                         int64_t v_stride, int dtype, const void *g, int64_t g_stride, int g_dtype, const void *beta,
                         int64_t beta_stride, int beta_dtype, float *state, const int64_t *slots,
                         const uint8_t *fresh, const int64_t *cu_seqlens, int64_t seqs, void *out, int k_heads,
-                        int v_heads, int dk, int dv, int l2norm, float scale);
+                        int v_heads, int dk, int dv, int tiled, int l2norm, float scale);
 int causal_conv1d(const void *x, int64_t x_stride, int dtype, void *out, void *conv_state, int state_dtype,
                   int64_t state_len, const int64_t *slots, const uint8_t *fresh, const int64_t *cu_seqlens,
                   int64_t seqs, const void *w, const void *bias, int64_t channels, int kernel, int silu);
