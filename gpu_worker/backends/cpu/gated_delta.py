@@ -44,7 +44,7 @@ import torch
 from gpu_worker.backends.cpu import abi
 from gpu_worker.backends.cpu.build import DTYPE_CODES
 
-MAX_HEAD_DIM = 256  # csrc/rivulet_kernels.h's (abi.py checks it through kernels.py)
+MAX_HEAD_DIM = 256  # the widest head its tests cover (csrc/rivulet_kernels.h bounds the C at 512)
 MAX_CONV_KERNEL = 8  # csrc/gated_delta.c's
 
 

@@ -100,8 +100,6 @@ static void decode_head(float *S, const float *q, const float *k, const float *v
     }
 }
 
-int gd_zero_skip = 1;
-
 int gated_delta_decode(const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
                        int64_t v_stride, int dtype, const void *g, int64_t g_stride, int g_dtype, const void *beta,
                        int64_t beta_stride, int beta_dtype, float *state, const int64_t *slots,
@@ -287,7 +285,7 @@ static void prefill_head(float *S, chunk_scratch *w, const void *q, int64_t q_st
                          int64_t g_stride, int g_dtype, const void *beta, int64_t beta_stride, int beta_dtype,
                          void *out, int64_t t0, int64_t t1, int h, int hk, int v_heads, int dk, int dv, int l2norm,
                          float scale, int fresh) {
-    int zero = fresh || (gd_zero_skip && all_zero(S, (int64_t)dk * dv));
+    int zero = fresh || all_zero(S, (int64_t)dk * dv);
     for (int64_t b0 = t0; b0 < t1; b0 += CHUNK, zero = 0) {
         const int L = (int)(t1 - b0 < CHUNK ? t1 - b0 : CHUNK);
         float cum = 0.0f;
@@ -336,11 +334,11 @@ int gated_delta_prefill(const void *q, int64_t q_stride, const void *k, int64_t 
                 if (mem == NULL) continue;
                 float *S = state + (slots[r] * v_heads + h) * head_state;
                 const int zero = fresh != NULL && fresh[r];
-                if (zero && (!gd_zero_skip || cu_seqlens[r + 1] == cu_seqlens[r]))
+                if (zero && cu_seqlens[r + 1] == cu_seqlens[r])
                     memset(S, 0, (size_t)head_state * sizeof(float));
                 prefill_head(S, &w, q, q_stride, k, k_stride, v, v_stride, dtype, g, g_stride, g_dtype, beta,
                              beta_stride, beta_dtype, out, cu_seqlens[r], cu_seqlens[r + 1], h,
-                             tiled ? h % k_heads : h / group, v_heads, dk, dv, l2norm, scale, zero && gd_zero_skip);
+                             tiled ? h % k_heads : h / group, v_heads, dk, dv, l2norm, scale, zero);
             }
         }
         free(mem);
