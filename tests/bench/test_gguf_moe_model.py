@@ -88,4 +88,9 @@ def test_small_moe_serves_with_experts_in_blocks(tmp_path: Path) -> None:
     got, _ = inprocess.generate(runner, prompts, 4, chunked_prefill_size=16, enable_mixed_chunk=True)
     assert [len(out) for out in got] == [4, 4]
     assert all(0 <= t < SMALL_MOE.vocab for out in got for t in out)
+    # An all-greedy batch draws inside the head's kernel (no logits): the logits route again, for them.
+    assert runner.head_argmax and not logits
+    runner.head_argmax = False
+    again, _ = inprocess.generate(runner, prompts, 4, chunked_prefill_size=16, enable_mixed_chunk=True)
+    assert again == got
     assert logits and all(torch.isfinite(x).all() and float(x.std()) > 0 for x in logits)
