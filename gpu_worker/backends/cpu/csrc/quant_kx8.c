@@ -1083,9 +1083,8 @@ static inline __attribute__((always_inline)) void q6_tile(const uint8_t *g, int6
  * of each 16 values added to the int32 sums (act_split's off16). Every sum is the 16-bit tile's
  * integer, and every float step as there in the same order: the same bits. */
 #define KX8_ROW1 1
-/* Weight rows a call needs for the split to pay: it costs about what one group's pass gains (tiles
- * alone, one row: 1.0x at 8 columns a call, 0.96x (Q4_K) and 0.92x (Q6_K) at 16, 0.92x and 0.89x at
- * 32). At one row quant.c gives a call all of a thread's columns (ROW1_PANEL), so the split is paid
+/* Weight rows a call needs for the split to pay: below 16 it costs about what one group's pass gains
+ * (docs/benchmarks-history.md, "AVX2's one-row Q4_K / Q6_K tiles on maddubs"). At one row quant.c gives a call all of a thread's columns (ROW1_PANEL), so the split is paid
  * once per thread and matmul, and the down projection (k = 8192, 48 KB panels of 8 columns at many
  * rows) takes this tile too. */
 #define ROW1_MIN_COLS 16
