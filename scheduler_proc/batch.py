@@ -6,10 +6,13 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
+import msgspec
+
 from protocol.embedding import Pooling
 from protocol.images import ImageInput
 from protocol.logprobs import TopTokens
 from protocol.messages import ForwardBatch, ForwardResult
+from protocol.sampling import WorkerSampling
 from protocol.worker_messages import PREFETCH_IMAGES
 from scheduler_proc.request import Req
 
@@ -122,32 +125,68 @@ def build_forward_batch(
 
     A decode row whose input token is still being drawn by a batch in flight sends
     ``PENDING`` (-1); the worker substitutes the token it drew last for that req_pool_idx.
+
+    The per-row fields are built in one pass; the fields only some rows need (prompt logprobs,
+    forks, drafts, pooling, images, penalty prefixes) are left empty without a pass of their own
+    when no row of the batch has such a need, as for a step of plain decode rows (the scheduler
+    builds one per step: docs/benchmarks-history.md, "The engine's own CPU at 32 streams, third").
     """
     req_pool_idx: list[int] = []
+    prefix_lens: list[int] = []
+    extend_lens: list[int] = []
     input_ids: list[int] = []
+    page_starts: list[int] = []
+    page_counts: list[int] = []
     pages: list[int] = []
-    prompt_logprobs = any(row.prompt_logprob_len for row in rows)
+    sample: list[bool] = []
+    sampler: list[WorkerSampling | None] = []
+    plain = True  # no row asks for more than the fields above
     for row in rows:
-        assert row.req.req_pool_idx is not None, f"rid {row.req.rid}: row without a req_pool_idx"
-        assert not row.launched and row.start == row.req.kv_len, f"rid {row.req.rid}: built after launch"
-        req_pool_idx.append(row.req.req_pool_idx)
-        input_ids.extend(row.req.fill_slice(row.start, row.start + row.extend_len - len(row.draft)))
-        input_ids.extend(row.draft)
+        req = row.req
+        assert req.req_pool_idx is not None, f"rid {req.rid}: row without a req_pool_idx"
+        assert not row.launched and row.start == req.kv_len, f"rid {req.rid}: built after launch"
+        req_pool_idx.append(req.req_pool_idx)
+        prefix_lens.append(row.start)
+        extend_lens.append(row.extend_len)
+        input_ids.extend(req.fill_slice(row.start, row.start + row.extend_len - len(row.draft)))
+        if row.draft:
+            input_ids.extend(row.draft)
+        page_starts.append(row.page_start)
+        page_counts.append(len(row.new_pages))
         pages.extend(row.new_pages)
+        sample.append(row.sample)
+        if row.new_req_pool_idx:
+            sampler.append(req.sampler)
+            plain = plain and not req.sampler.needs_prefix_ids
+        else:
+            sampler.append(None)
+        if row.draft or row.forks or row.prompt_logprob_len or row.pool is not None or req.images:
+            plain = False
+    batch = ForwardBatch(
+        step=step,
+        req_pool_idx=req_pool_idx,
+        prefix_lens=prefix_lens,
+        extend_lens=extend_lens,
+        input_ids=input_ids,
+        page_starts=page_starts,
+        page_counts=page_counts,
+        pages=pages,
+        sample=sample,
+        sampler=sampler,
+        prefetch_images=prefetch_images or [],
+    )
+    return batch if plain else _with_row_needs(batch, rows, page_size)
+
+
+def _with_row_needs(batch: ForwardBatch, rows: list[Row], page_size: int) -> ForwardBatch:
+    """``batch`` with the fields only some rows need: prompt logprobs, penalty prefixes, forks and
+    their page copies, drafts, pooling, images and their rotary offsets."""
+    prompt_logprobs = any(row.prompt_logprob_len for row in rows)
     images = [(i, image) for i, row in enumerate(rows) for image in row.images()]
     forks = [(i, fork) for i, row in enumerate(rows) for fork in row.forks]
     copies = [copy for row in rows if row.forks for copy in row.req.fork_copies(page_size)]
-    return ForwardBatch(
-        step=step,
-        req_pool_idx=req_pool_idx,
-        prefix_lens=[row.start for row in rows],
-        extend_lens=[row.extend_len for row in rows],
-        input_ids=input_ids,
-        page_starts=[row.page_start for row in rows],
-        page_counts=[len(row.new_pages) for row in rows],
-        pages=pages,
-        sample=[row.sample for row in rows],
-        sampler=[row.req.sampler if row.new_req_pool_idx else None for row in rows],
+    return msgspec.structs.replace(
+        batch,
         prompt_logprob_lens=[row.prompt_logprob_len for row in rows] if prompt_logprobs else [],
         prompt_logprob_targets=[t for row in rows for t in row.prompt_logprob_targets()]
         if prompt_logprobs
@@ -163,7 +202,6 @@ def build_forward_batch(
         images=[image for _, image in images],
         image_rows=[i for i, _ in images],
         rope_offsets=offsets if any(offsets := [row.rope_offset() for row in rows]) else [],
-        prefetch_images=prefetch_images or [],
     )
 
 
@@ -244,6 +282,30 @@ def row_results(rows: list[Row], result: ForwardResult) -> list[RowResult] | str
         if row.pool is not None:
             out[i] = replace(row_result, pooled=next(pooled))
     return out
+
+
+def plain_logprobs(rows: list[Row], result: ForwardResult) -> list[float] | None:
+    """The logprob of each row's token (0.0 where none was asked) when ``result`` is one token for
+    each row and nothing more, and every row is a plain sampling row (no forks, drafts, prompt
+    logprobs or pooling): the rows then take ``result.token_ids`` in order, with none of
+    ``row_results``' splitting (a step of decode rows). None otherwise."""
+    num_rows = len(rows)
+    if (
+        result.error is not None
+        or len(result.token_ids) != num_rows
+        or result.num_tokens
+        or result.top_logprobs
+        or result.prompt_logprobs
+        or result.prompt_top_logprobs
+        or result.pooled
+    ):
+        return None
+    for row in rows:
+        if not row.sample or row.forks or row.draft or row.prompt_logprob_len or row.pool is not None:
+            return None
+    if not result.logprobs:
+        return [0.0] * num_rows
+    return result.logprobs if len(result.logprobs) == num_rows else None
 
 
 def _token_counts(rows: list[Row], result: ForwardResult) -> list[int] | str:

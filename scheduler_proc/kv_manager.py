@@ -89,6 +89,9 @@ class KVManager:
         Returns the page-table delta the worker has not seen: (start index, pages).
         """
         num_new = max(pages_for(req.kv_len + extend_len, self.page_size) - len(req.page_table), 0)
+        flight = req.flight
+        if not num_new and flight.worker_pages == len(req.page_table):  # most decode steps
+            return flight.worker_pages, []
         self._make_free(num_new)
         new_pages = self.pages.alloc(num_new)
         assert new_pages is not None, f"rid {req.rid}: scheduled without free pages"

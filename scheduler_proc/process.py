@@ -101,8 +101,12 @@ class SchedulerProcess:
         )
 
     def _publish_stats(self) -> None:
-        """Throttled while busy; sent on change before blocking idle, so no timer wakes the engine."""
-        sched, drafts = self.scheduler, self.scheduler.draft_totals
+        """Throttled while busy; sent on change before blocking idle, so no timer wakes the engine.
+        Built only when it may be sent (the loop turns two or more times a step)."""
+        sched, now = self.scheduler, time.monotonic()
+        if sched.has_work and now - self._sent_stats_s < STATS_INTERVAL_S:
+            return
+        drafts = sched.draft_totals
         stats = EngineStats(
             num_running=len(sched.running) + (sched.chunked_req is not None),
             num_waiting=len(sched.waiting),
@@ -117,8 +121,7 @@ class SchedulerProcess:
             verify_rows=drafts.verify_rows,
             replica=sched.config.replica,
         )
-        now = time.monotonic()
-        if stats != self._sent_stats and (not sched.has_work or now - self._sent_stats_s >= STATS_INTERVAL_S):
+        if stats != self._sent_stats:
             self.to_tokenizer.send(self.encoder.encode(stats))
             self._sent_stats, self._sent_stats_s = stats, now
 

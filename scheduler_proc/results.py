@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from protocol.logprobs import TopTokens
 from protocol.messages import FinishReason, ForwardResult
-from scheduler_proc.batch import Row, RowResult, row_results
+from scheduler_proc.batch import Row, RowResult, plain_logprobs, row_results
 from scheduler_proc.config import SchedulerConfig
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.outputs import OutputCollector
@@ -43,6 +44,11 @@ class ResultHandling:
         rows = self._in_flight.pop(result.step, None)
         if rows is None:
             self._log.warning("dropped a result for unknown step %d", result.step)
+            return
+        logprobs = plain_logprobs(rows, result)
+        if logprobs is not None:  # one token a plain row: no RowResult made (a decode step)
+            for row, token, logprob in zip(rows, result.token_ids, logprobs, strict=True):
+                self._apply_token_row(row, token, logprob)
             return
         results = row_results(rows, result)
         if isinstance(results, str):
@@ -81,9 +87,26 @@ class ResultHandling:
                 self._finish(req, FinishReason.LENGTH)
                 self._outputs.add_abort(req.rid, FinishReason.LENGTH, req.cached_tokens)
             return
+        self._add_token(req, row, token, result.logprob, result.top)
+
+    def _apply_token_row(self, row: Row, token: int, logprob: float) -> None:
+        """``_apply_row`` for a plain sampling row's token (batch.plain_logprobs), without a
+        RowResult: what ``_apply_row`` does for such a row of a live request that wants no prompt
+        logprobs or embedding; any other goes through it."""
+        req = row.req
+        if req.status is ReqStatus.FINISHED or req.prompt_logprobs is not None or req.embedding is not None:
+            self._apply_row(row, RowResult(token, logprob))
+            return
+        req.flight.land(row, token)
+        if row.is_prefill:  # its prompt pages are shareable from the next round on
+            self.kv.cache_unfinished(req)
+        self._add_token(req, row, token, logprob, None)
+
+    def _add_token(self, req: Req, row: Row, token: int, logprob: float, top: TopTokens | None) -> None:
+        """A sampling row's landed token into the step's output; the request ends if it should."""
         self.num_generated_tokens += 1
         reason = req.finish_reason_at(row.out_index, self.config.context_len)
-        self._outputs.add_token(req.rid, token, result.logprob, reason, req.cached_tokens, result.top)
+        self._outputs.add_token(req.rid, token, logprob, reason, req.cached_tokens, top)
         if reason is not None:
             req.flight.end_at(row)
             self.running.remove(req)
