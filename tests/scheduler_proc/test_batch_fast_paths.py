@@ -17,7 +17,9 @@ from tests.scheduler_proc.harness import Driver, random_prompt, reference_output
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_the_shortcuts_give_what_the_general_code_gives(monkeypatch: pytest.MonkeyPatch, overlap: bool) -> None:
+def test_the_shortcuts_give_what_the_general_code_gives(
+    monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
     build = scheduler_mod.build_forward_batch
     plain = results_mod.plain_logprobs
     seen = {"plain_batches": 0, "other_batches": 0, "plain_results": 0, "other_results": 0}
@@ -27,7 +29,8 @@ def test_the_shortcuts_give_what_the_general_code_gives(monkeypatch: pytest.Monk
         general = _with_row_needs(batch, rows, page_size)
         assert batch == general, f"step {step}: a field the shortcut left empty is not"
         plain_rows = all(
-            not (r.draft or r.forks or r.prompt_logprob_len or r.pool is not None or r.req.images) for r in rows
+            not (r.draft or r.forks or r.prompt_logprob_len or r.pool is not None or r.req.images)
+            for r in rows
         )
         seen["plain_batches" if plain_rows else "other_batches"] += 1
         return batch

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any
 
 from starlette.responses import Response
@@ -102,15 +102,18 @@ class EventStream(Response):
         self._over = False  # the last event is made: [DONE], an error event, or a fault
         self._fault: Exception | None = None  # making the events raised: the writer raises it
         self._wake: asyncio.Future[None] | None = None  # the writer waits on it for events
+        self._send: Send | None = None  # the server's send, once the response started
+        self._unfinished: Awaitable[None] | None = None  # a write begun in _take, for the writer to end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         tasks = [asyncio.create_task(abort_on_disconnect(self.handles, receive))]
         try:
+            self._send = scope.get(SERVER_SEND, send)
             for index, handle in enumerate(self.handles):
                 handle.listen(functools.partial(self._take, index))
-            writer = asyncio.create_task(self._write(scope.get(SERVER_SEND, send)))
+            writer = asyncio.create_task(self._write(self._send))
             tasks.append(writer)
             await writer
         finally:
@@ -137,16 +140,46 @@ class EventStream(Response):
                     self._over = True
         except Exception as exc:  # a bug of ours: the handler raises it, as it would have
             self._fault, self._over = exc, True
-        if self._wake is not None and not self._wake.done():
+        if self._wake is None or self._wake.done():
+            return  # the writer is busy, or not started: it sends these next
+        if self._over:
             self._wake.set_result(None)
+        elif self._pending:
+            self._write_now(self._wake)
+
+    def _write_now(self, wake: asyncio.Future[None]) -> None:
+        """Send the pending events in this call while the writer waits (nothing of this stream is
+        being written), when the server's send completes without waiting, as it does unless flow
+        control paused the connection: the writer is then not woken for them (a task step a token,
+        docs/benchmarks-history.md). A send that waits is the writer's to finish, in order before
+        anything else; a send that raises is the handler's to raise (``_fault``)."""
+        assert self._send is not None, "the writer waits only once the response started"
+        body = b"".join(self._pending)
+        self._pending.clear()
+        write = self._send({"type": "http.response.body", "body": body, "more_body": True})
+        if not isinstance(write, Coroutine):
+            self._unfinished = write  # an awaitable of another kind: the writer awaits it
+        else:
+            try:
+                waiting_on = write.send(None)
+            except StopIteration:
+                return  # written
+            except Exception as exc:
+                self._fault, self._over = exc, True
+            else:
+                self._unfinished = _Resumed(write, waiting_on)
+        wake.set_result(None)
 
     async def _write(self, send: Send) -> None:
         """Send the events as they gather, the last with the end of the body."""
         loop = asyncio.get_running_loop()
         while True:
-            if not (self._pending or self._over):
+            if not (self._pending or self._over or self._unfinished):
                 self._wake = loop.create_future()
                 await self._wake
+            if self._unfinished is not None:
+                unfinished, self._unfinished = self._unfinished, None
+                await unfinished
             body = b"".join(self._pending)
             self._pending.clear()
             ends = self._over and self._fault is None
@@ -156,3 +189,29 @@ class EventStream(Response):
                 raise self._fault
             if ends:
                 return
+
+
+class _Resumed:
+    """Awaiting it runs on a coroutine that was begun by hand (``coro.send(None)``) and yielded
+    ``waiting_on`` (the future it waits for) to the task that awaits this, as ``await coro`` would
+    have from the start: what the task sends or throws in goes on to the coroutine."""
+
+    def __init__(self, coro: Coroutine[Any, Any, None], waiting_on: Any) -> None:
+        self._coro = coro
+        self._waiting_on = waiting_on
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        value = self._waiting_on
+        while True:
+            try:
+                sent = yield value
+            except BaseException as exc:  # a cancel (or other exception) thrown in by the task
+                try:
+                    value = self._coro.throw(exc)
+                except StopIteration:
+                    return
+            else:
+                try:
+                    value = self._coro.send(sent)
+                except StopIteration:
+                    return
