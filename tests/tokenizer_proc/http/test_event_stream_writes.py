@@ -6,6 +6,7 @@ handler's error. Fakes stand in for the handles, the response shape and the serv
 from __future__ import annotations
 
 import asyncio
+from collections.abc import MutableMapping
 from typing import Any, cast
 
 import pytest
@@ -46,11 +47,11 @@ class FakeServer:
     """The server's send: records each message; while ``paused`` is set, a send waits for it."""
 
     def __init__(self, fail_on: bytes | None = None) -> None:
-        self.sent: list[dict[str, Any]] = []
+        self.sent: list[MutableMapping[str, Any]] = []
         self.paused: asyncio.Future[None] | None = None
         self.fail_on = fail_on
 
-    async def send(self, message: dict[str, Any]) -> None:
+    async def send(self, message: MutableMapping[str, Any]) -> None:
         if self.paused is not None:
             await self.paused
         if self.fail_on is not None and message.get("body") == self.fail_on:
