@@ -1723,8 +1723,12 @@ static inline __attribute__((always_inline)) void tile8_y(const uint8_t *g, int6
  * the nibble masks and shifts (Q6_K: the bit assembly, ~5 instructions a chunk) and the scale bytes'
  * conversion run once a slice, not once a row group, and a pass's chunk loop is loads, maddubs and
  * adds. The same integer sums and, per output lane, the same float steps in the same order as
- * direct_yg and q6_direct_y, summed into out a slice at a time as tile8_yg's totals: the same bits.
- * Blocks with the residual pass run q45_direct_y / q6_direct_y on the blocks where they lie. */
+ * direct_yg and q45_direct_y / q6_direct_y, summed into out a slice at a time as tile8_yg's totals:
+ * the same bits. Blocks with the residual pass take it from the slice too (its r bytes against the
+ * same unpacked weights): read where they lie, a row group's pass unpacked the block again and
+ * broadcast each activation word to one maddubs (~30% of the Llama-1B Q4_K_M decode32 step's Q4_K
+ * tile acting as avx2; docs/benchmarks-history.md, "AVX2's many-row K-quant tiles: the residual
+ * pass from the unpacked slice"). */
 #define U_BLOCK 160 /* ymm per unpacked block of a group pair: 8 activation blocks (j) x 20 */
 
 /* Prefetches (into L2) of the next slice's lines of both groups, a few per block pass, so they come in
@@ -1817,10 +1821,11 @@ __attribute__((noinline)) static void q6_unpack_y(const uint8_t *g0, const uint8
     } while (0)
 #define U_BCAST(p) _mm256_set1_epi32(*(const int32_any *)(p))
 
-/* Row r's maddubs of chunk c (both groups) */
-#define U4_ROW(r, FIRST)                                                                            \
+/* Row r's maddubs of chunk c (both groups) against its FIELD (q, or r: the residual pass) bytes of
+ * activation block jj */
+#define U4_ROW(r, FIRST, FIELD)                                                                     \
     if (R > r) {                                                                                    \
-        const __m256i b_ = U_BCAST(x[r]->q + 32 * j + 4 * c);                                       \
+        const __m256i b_ = U_BCAST(x[r]->FIELD + 32 * jj + 4 * c);                                  \
         if (FIRST) {                                                                                \
             s0##r = _mm256_maddubs_epi16(w0, b_);                                                   \
             s1##r = _mm256_maddubs_epi16(w1, b_);                                                   \
@@ -1829,40 +1834,52 @@ __attribute__((noinline)) static void q6_unpack_y(const uint8_t *g0, const uint8
             U_DPB(s1##r, w1, b_);                                                                   \
         }                                                                                           \
     }
-#define U4_CHUNK(FIRST)                                                                             \
+#define U4_CHUNK(FIRST, FIELD)                                                                      \
     {                                                                                               \
         const __m256i w0 = _mm256_load_si256(q + 2 * c), w1 = _mm256_load_si256(q + 2 * c + 1);    \
-        U4_ROW(0, FIRST)                                                                            \
-        U4_ROW(1, FIRST)                                                                            \
-        U4_ROW(2, FIRST)                                                                            \
-        U4_ROW(3, FIRST)                                                                            \
+        U4_ROW(0, FIRST, FIELD)                                                                     \
+        U4_ROW(1, FIRST, FIELD)                                                                     \
+        U4_ROW(2, FIRST, FIELD)                                                                     \
+        U4_ROW(3, FIRST, FIELD)                                                                     \
     }
+/* Sub-block jj's (unpacked at q) int16 sums s<g><r> against FIELD: 8 maddubs of q <= 15 (by |q| <=
+ * 127 or |r| <= 64) per int16 sum, within dpb16's limits; then acc[g][r] += their int32 sums at
+ * SC<g> times row r's step (direct_yg's and q45_direct_y's terms). */
+#define U4_PASS(FIELD, SC0, SC1)                                                                    \
+    {                                                                                               \
+        __m256i s00, s01, s02, s03, s10, s11, s12, s13;                                             \
+        s01 = s02 = s03 = s11 = s12 = s13 = _mm256_setzero_si256();                                 \
+        {                                                                                           \
+            const int c = 0;                                                                        \
+            U4_CHUNK(1, FIELD)                                                                      \
+        }                                                                                           \
+        _Pragma("GCC unroll 1") for (int c = 1; c < 8; c++) U4_CHUNK(0, FIELD)                      \
+        const __m256 sc0_ = (SC0), sc1_ = (SC1);                                                    \
+        U4_TERM(0, 0) U4_TERM(0, 1) U4_TERM(0, 2) U4_TERM(0, 3)                                     \
+        U4_TERM(1, 0) U4_TERM(1, 1) U4_TERM(1, 2) U4_TERM(1, 3)                                     \
+    }
+#define U4_TERM(g, r)                                                                               \
+    if (R > r)                                                                                      \
+        acc[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s##g##r, ones)),          \
+                                    _mm256_mul_ps(sc##g##_, _mm256_set1_ps(x[r]->d[jj])), acc[g][r]);
 
-/* One unpacked Q4_K block (p) of a group pair against R rows without the residual pass: direct_yg's
- * sums and float steps, per lane in its order (each sub-block's term, then after each pair both mins). */
-static inline __attribute__((always_inline)) void q4k_block_u(const __m256i *p, const act_block8 *const *x,
+/* One unpacked Q4_K block (p) of a group pair against R rows: direct_yg's sums and float steps, per
+ * lane in its order (each sub-block's term, then after each pair both mins); where the rows' two
+ * marks the pair (2sb, 2sb + 1), then the residual pass's terms of both at a 128th of q's scale,
+ * q45_direct_y's order: so the blocks with the residual pass are summed from the unpacked slice too,
+ * with q45_direct_y's bits. */
+static inline __attribute__((always_inline)) void q4k_block_u(const __m256i *p, const act_block8 *const *x, int two,
                                                               __m256 (*acc)[XR8], const int R) {
     const __m256i ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 1
     for (int j = 0; j < 8; j++) {
-        const __m256i *q = p + 20 * j;
-        __m256i s00, s01, s02, s03, s10, s11, s12, s13;
-        s01 = s02 = s03 = s11 = s12 = s13 = _mm256_setzero_si256();
         {
-            const int c = 0;
-            U4_CHUNK(1)
+            const int jj = j;
+            const __m256i *q = p + 20 * jj;
+            U4_PASS(q, _mm256_load_ps((const float *)(q + 16)), _mm256_load_ps((const float *)(q + 18)))
         }
-#pragma GCC unroll 1
-        for (int c = 1; c < 8; c++) U4_CHUNK(0) /* 8 maddubs of q <= 15 per int16 sum: dpb16's limits */
-        const __m256 dsc0 = _mm256_load_ps((const float *)(q + 16)), dsc1 = _mm256_load_ps((const float *)(q + 18));
-#define U4_TERM(g, r)                                                                                                   \
-    if (R > r)                                                                                                          \
-        acc[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s##g##r, ones)),                              \
-                                    _mm256_mul_ps(dsc##g, _mm256_set1_ps(x[r]->d[j])), acc[g][r]);
-        U4_TERM(0, 0) U4_TERM(0, 1) U4_TERM(0, 2) U4_TERM(0, 3)
-        U4_TERM(1, 0) U4_TERM(1, 1) U4_TERM(1, 2) U4_TERM(1, 3)
-#undef U4_TERM
         if (j & 1) { /* both mins of the pair j - 1, j */
+            const __m256i *q = p + 20 * j;
             for (int g = 0; g < 2; g++) {
                 const __m256 dm_lo = _mm256_load_ps((const float *)(q - 20 + 17 + 2 * g));
                 const __m256 dm_hi = _mm256_load_ps((const float *)(q + 17 + 2 * g));
@@ -1871,50 +1888,68 @@ static inline __attribute__((always_inline)) void q4k_block_u(const __m256i *p, 
                     acc[g][r] = _mm256_fnmadd_ps(dm_hi, _mm256_set1_ps(x[r]->s[j]), acc[g][r]);
                 }
             }
+            if ((two >> (j - 1)) & 3) { /* r's products, at a 128th of q's step */
+                const __m256 k128 = _mm256_set1_ps(1.0f / 128.0f);
+#pragma GCC unroll 1
+                for (int jj = j - 1; jj <= j; jj++) {
+                    const __m256i *q = p + 20 * jj;
+                    U4_PASS(r, _mm256_mul_ps(_mm256_load_ps((const float *)(q + 16)), k128),
+                            _mm256_mul_ps(_mm256_load_ps((const float *)(q + 18)), k128))
+                }
+            }
         }
     }
 }
+#undef U4_TERM
+#undef U4_PASS
 #undef U4_CHUNK
 #undef U4_ROW
 
-/* One unpacked Q6_K block (p) of one group (g) against R rows without the residual pass:
- * q6_direct_y's sums and float steps, per lane in its order. */
-static inline __attribute__((always_inline)) void q6_block_u(const __m256i *p, int g, const act_block8 *const *x,
-                                                             __m256 *acc, const int R) {
+/* One pass (q, or the residual r: res) of an unpacked Q6_K activation block j of group g against R
+ * rows at row r's step times STEP: q6_direct_y's Q6_Y_BLOCK. */
+static inline __attribute__((always_inline)) void q6_pass_u(const __m256i *p, int g, int j, const act_block8 *const *x,
+                                                            __m256 *acc, const int res, const int R) {
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int j = 0; j < 8; j++) {
-        __m256 t[XR8];
+    __m256 t[XR8];
 #pragma GCC unroll 2
-        for (int half = 0; half < 2; half++) {
-            const __m256i *q = p + 20 * j + 10 * half;
-            __m256i is[XR8];
-            for (int r = 0; r < R; r++) is[r] = _mm256_set1_epi32(x[r]->qoff[2 * j + half]);
+    for (int half = 0; half < 2; half++) {
+        const __m256i *q = p + 20 * j + 10 * half;
+        __m256i is[XR8];
+        for (int r = 0; r < R; r++) is[r] = _mm256_set1_epi32(res ? x[r]->roff[2 * j + half] : x[r]->qoff[2 * j + half]);
 #pragma GCC unroll 2
-            for (int cp = 0; cp < 4; cp += 2) { /* two maddubs of q <= 63 per int16 sum: dpb16's limits */
-                const __m256i w0 = _mm256_load_si256(q + 2 * cp + g), w1 = _mm256_load_si256(q + 2 * cp + 2 + g);
-                for (int r = 0; r < R; r++) {
-                    const int8_t *a = x[r]->q + 32 * j + 16 * half + 4 * cp;
-                    __m256i s = _mm256_maddubs_epi16(w0, U_BCAST(a));
-                    U_DPB(s, w1, U_BCAST(a + 4));
-                    is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(s, ones));
-                }
+        for (int cp = 0; cp < 4; cp += 2) { /* two maddubs of q <= 63 per int16 sum: dpb16's limits */
+            const __m256i w0 = _mm256_load_si256(q + 2 * cp + g), w1 = _mm256_load_si256(q + 2 * cp + 2 + g);
+            for (int r = 0; r < R; r++) {
+                const int8_t *a = (res ? x[r]->r : x[r]->q) + 32 * j + 16 * half + 4 * cp;
+                __m256i s = _mm256_maddubs_epi16(w0, U_BCAST(a));
+                U_DPB(s, w1, U_BCAST(a + 4));
+                is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(s, ones));
             }
-            const __m256 dsc = _mm256_load_ps((const float *)(q + 8 + g));
-            for (int r = 0; r < R; r++)
-                t[r] = half ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), dsc, t[r]) : _mm256_mul_ps(_mm256_cvtepi32_ps(is[r]), dsc);
         }
-        for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(t[r], _mm256_set1_ps(x[r]->d[j]), acc[r]);
+        const __m256 dsc = _mm256_load_ps((const float *)(q + 8 + g));
+        for (int r = 0; r < R; r++)
+            t[r] = half ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), dsc, t[r]) : _mm256_mul_ps(_mm256_cvtepi32_ps(is[r]), dsc);
+    }
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm256_fmadd_ps(t[r], _mm256_set1_ps(res ? x[r]->d[j] * (1.0f / 128.0f) : x[r]->d[j]), acc[r]);
+}
+
+/* One unpacked Q6_K block (p) of one group (g) against R rows: q6_direct_y's sums and float steps,
+ * per lane in its order (each activation block's q pass, then its residual pass where the rows' two
+ * marks it), so the blocks with the residual pass are summed from the unpacked slice too. */
+static inline __attribute__((always_inline)) void q6_block_u(const __m256i *p, int g, const act_block8 *const *x, int two,
+                                                             __m256 *acc, const int R) {
+    for (int j = 0; j < 8; j++) {
+        q6_pass_u(p, g, j, x, acc, 0, R);
+        if ((two >> j) & 1) q6_pass_u(p, g, j, x, acc, 1, R);
     }
 }
 
-/* out[r * ldo + 8g + s] (+)= the dot products of a slice (sl blocks, unpacked at u; g0, g1: the groups'
- * blocks where they lie, for blocks with the residual pass) for r < nr <= R, g < G; first: store, else
- * add to what out holds (tile8_yg's slice totals). */
-static inline __attribute__((always_inline)) void tile8_u(const __m256i *u, const uint8_t *g0, const uint8_t *g1,
-                                                          int64_t b0, int64_t sl, const act_block8 *const *xa,
+/* out[r * ldo + 8g + s] (+)= the dot products of a slice (sl blocks, unpacked at u) for r < nr <= R,
+ * g < G; first: store, else add to what out holds (tile8_yg's slice totals). */
+static inline __attribute__((always_inline)) void tile8_u(const __m256i *u, int64_t b0, int64_t sl, const act_block8 *const *xa,
                                                           int64_t nr, float *out, int64_t ldo, int first, u_pf *pf,
                                                           const int type, const int G, const int R) {
-    const int64_t gbb = 8 * kx8_block_bytes(type);
     __m256 acc[2][XR8];
     for (int g = 0; g < G; g++)
         for (int r = 0; r < R; r++) acc[g][r] = _mm256_setzero_ps();
@@ -1926,19 +1961,16 @@ static inline __attribute__((always_inline)) void tile8_u(const __m256i *u, cons
             x[r] = xa[r] + b0 + b;
             two |= x[r]->two;
         }
-        if (two) {
-            for (int g = 0; g < G; g++) {
-                const uint8_t *blk = (g ? g1 : g0) + (b0 + b) * gbb;
-                if (type == QTYPE_Q6_K) {
-                    q6_direct_y(blk, x, two, acc[g], R);
-                } else {
-                    q45_direct_y(blk, x, two, acc[g], type, R);
-                }
+        if (type == QTYPE_Q6_K) { /* each with a copy for blocks without the residual pass */
+            if (two) {
+                for (int g = 0; g < G; g++) q6_block_u(u + b * U_BLOCK, g, x, two, acc[g], R);
+            } else {
+                for (int g = 0; g < G; g++) q6_block_u(u + b * U_BLOCK, g, x, 0, acc[g], R);
             }
-        } else if (type == QTYPE_Q6_K) {
-            for (int g = 0; g < G; g++) q6_block_u(u + b * U_BLOCK, g, x, acc[g], R);
+        } else if (two) {
+            q4k_block_u(u + b * U_BLOCK, x, two, acc, R);
         } else {
-            q4k_block_u(u + b * U_BLOCK, x, acc, R);
+            q4k_block_u(u + b * U_BLOCK, x, 0, acc, R);
         }
     }
     for (int g = 0; g < G; g++)
@@ -1980,17 +2012,17 @@ static inline __attribute__((always_inline)) void kx8_loop_u(const uint8_t *w, i
                 float *o = out + r0 * ldo + c0;
                 if (pair) {
                     switch (rows) {
-                    case 1: tile8_u(u, g0, g1, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 2, 1); break;
-                    case 2: tile8_u(u, g0, g1, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 2, 2); break;
-                    case 3: tile8_u(u, g0, g1, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 2, 3); break;
-                    default: tile8_u(u, g0, g1, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 2, XR8); break;
+                    case 1: tile8_u(u, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 2, 1); break;
+                    case 2: tile8_u(u, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 2, 2); break;
+                    case 3: tile8_u(u, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 2, 3); break;
+                    default: tile8_u(u, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 2, XR8); break;
                     }
                 } else {
                     switch (rows) {
-                    case 1: tile8_u(u, g0, g1, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 1, 1); break;
-                    case 2: tile8_u(u, g0, g1, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 1, 2); break;
-                    case 3: tile8_u(u, g0, g1, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 1, 3); break;
-                    default: tile8_u(u, g0, g1, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 1, XR8); break;
+                    case 1: tile8_u(u, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 1, 1); break;
+                    case 2: tile8_u(u, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 1, 2); break;
+                    case 3: tile8_u(u, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 1, 3); break;
+                    default: tile8_u(u, b0, sl, xa, rows, o, ldo, b0 == 0, &pf, type, 1, XR8); break;
                     }
                 }
             }
