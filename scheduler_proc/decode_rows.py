@@ -50,8 +50,7 @@ class DecodeRows:
     def _decode_rows(self) -> list[Row]:
         """One decode row per running request (a verify row where it drafts); the ratio decays on a
         step that needed no retraction."""
-        retracted = self._make_room_for_decodes()
-        decoders = self._decoders()
+        retracted, decoders = self._make_room_for_decodes()
         self.last_batch_rows = len(decoders) or self.last_batch_rows
         drafts = self._drafts(decoders) if self.config.speculative else {}
         rows = []
@@ -103,18 +102,21 @@ class DecodeRows:
     def _decode_needs_retraction(self) -> bool:
         return self.kv.decode_pages_needed(self._decoders()) > self.kv.available_pages
 
-    def _make_room_for_decodes(self) -> bool:
-        """Retract running requests until every decode that crosses into a new page gets one."""
+    def _make_room_for_decodes(self) -> tuple[bool, list[Req]]:
+        """Retract running requests until every decode that crosses into a new page gets one; whether
+        any was retracted, and the requests that get a decode row (``_decoders``)."""
         retracted = False
+        decoders = self._decoders()
         while self.running:
-            if not self._decode_needs_retraction():
+            if self.kv.decode_pages_needed(decoders) <= self.kv.available_pages:
                 break
             assert not self._in_flight, "retraction with a batch in flight"
             retract(pick_victim(self.running), self.running, self.waiting, self.kv)
             self.num_retracted += 1
             retracted = True
+            decoders = self._decoders()
         if retracted:
             old = self.new_token_ratio.value
             self.new_token_ratio.on_retract()
             self._log.warning("new_token_ratio raised %.3f -> %.3f", old, self.new_token_ratio.value)
-        return retracted
+        return retracted, decoders
