@@ -155,10 +155,8 @@ class ResponseShape:
         shows = text or reply.reasoning_text or reply.tool_calls
         if shows or final or (self.logprobs and (reply.token_ids or reply.prompt_token_ids)):
             reason = self._finish_reason(reply.finish_reason) if reply.finish_reason is not None else None
-            delta = self._legacy(chat_delta(text, reply, final))
-            events.append(
-                self._chunk(index, delta if self.chat else text, reason, self._logprobs(index, reply))
-            )
+            content = self._legacy(chat_delta(text, reply, final)) if self.chat else text
+            events.append(self._chunk(index, content, reason, self._logprobs(index, reply)))
         return events
 
     def usage_event(self, usages: list[Usage | None]) -> bytes | None:
