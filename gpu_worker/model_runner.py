@@ -79,6 +79,8 @@ class ModelRunner:
         # logits, where the model's head has one (head_argmax.py); bench.worker_step --toggle
         # head_argmax times both in one process.
         self.head_argmax = isinstance(self.model, GreedyHead)
+        # The model as a GreedyHead, checked once (a runtime protocol's isinstance walks its members).
+        self._greedy_head: GreedyHead | None = self.model if isinstance(self.model, GreedyHead) else None
 
     def _init_device(self) -> None:
         self.backend = backends.create(self.config)
@@ -293,8 +295,8 @@ class ModelRunner:
     def _greedy_in_head(self, hidden: torch.Tensor, plan: DrawPlan, batch: ForwardBatch) -> Drawn | None:
         """An ``argmax_alone`` batch's draws from the head's kernel, without the logits (the same
         tokens); None where the batch or the head does not take that route."""
-        model = self.model
-        if not (self.head_argmax and isinstance(model, GreedyHead) and self.draws.argmax_alone(plan, batch)):
+        model = self._greedy_head
+        if not (self.head_argmax and model is not None and self.draws.argmax_alone(plan, batch)):
             return None
         tokens = model.compute_argmax(hidden)
         return None if tokens is None else self.draws.argmax_drawn(tokens, plan)

@@ -45,10 +45,11 @@ def gpt_oss_tensors(state: dict[str, torch.Tensor], layers: int) -> dict[str, np
 
 
 def write_gpt_oss_gguf(
-    path: Path, model: Any, experts: Q = Q.MXFP4, tokenizer_from: Path | None = None
+    path: Path, model: Any, experts: Q = Q.MXFP4, tokenizer_from: Path | None = None, head: Q = Q.F32
 ) -> None:
-    """``model`` as a GGUF at ``path``, its expert weights in ``experts``' blocks, the rest F32; the
-    model's weights are then set to the values the file holds (the file's exact reference)."""
+    """``model`` as a GGUF at ``path``, its expert weights in ``experts``' blocks, the LM head in
+    ``head``'s (the bench file's: BF16), the rest F32; the model's weights are then set to the values
+    the file holds (the file's exact reference)."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "gpt-oss")
     gpt_oss_metadata(writer, cfg)
@@ -60,6 +61,10 @@ def write_gpt_oss_gguf(
             blocks = gguf.quants.quantize(data, experts)
             writer.add_tensor(name, blocks, raw_dtype=experts)
             held[name] = np.asarray(gguf.quants.dequantize(blocks, experts))
+        elif name == "output.weight" and head != Q.F32:
+            blocks = gguf.quants.quantize(data, head)
+            writer.add_tensor(name, blocks, raw_dtype=head)
+            held[name] = np.asarray(gguf.quants.dequantize(blocks, head))
         else:
             writer.add_tensor(name, data)
     writer.write_header_to_file()
@@ -69,6 +74,8 @@ def write_gpt_oss_gguf(
     with torch.no_grad():
         for param in model.parameters():  # F32 in the file
             param.copy_(param.float())
+        if "output.weight" in held:
+            model.lm_head.weight.copy_(torch.from_numpy(held["output.weight"]).to(model.lm_head.weight.dtype))
         for i in range(cfg.num_hidden_layers):
             if f"blk.{i}.ffn_gate_exps.weight" not in held:
                 continue

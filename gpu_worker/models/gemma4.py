@@ -233,11 +233,13 @@ class Gemma4Body(nn.Module):
         """[T, layers, dim]: each token's row of the per-layer table (times sqrt(dim)) averaged
         (times 1/sqrt(2)) with a projection of its scaled embedding (times 1/sqrt(hidden),
         RMS-normed per layer)."""
+        # In place on each op's fresh output (the same roundings as new tensors): a one-row decode
+        # step's allocations cost more than these ops' arithmetic.
         shape = (input_ids.shape[0], len(self.layers), self.per_layer_dim)
-        own = (self.embed_tokens_per_layer(input_ids) * self.per_layer_scale).reshape(shape)
-        projected = self.per_layer_model_projection(embeds) * embeds.shape[-1] ** -0.5
+        own = self.embed_tokens_per_layer(input_ids).mul_(self.per_layer_scale).reshape(shape)
+        projected = self.per_layer_model_projection(embeds).mul_(embeds.shape[-1] ** -0.5)
         projected = self.per_layer_projection_norm(projected.reshape(shape))
-        return (projected + own) * 2.0**-0.5
+        return projected.add_(own).mul_(2.0**-0.5)
 
 
 class Gemma4ForCausalLM(nn.Module):
@@ -308,7 +310,7 @@ class Gemma4ForCausalLM(nn.Module):
         if len(self.media_token_ids):
             placeholder = torch.isin(input_ids, self.media_token_ids)
             input_ids = torch.where(placeholder, self.pad_token_id, input_ids)
-        x = body.embed_tokens(input_ids) * body.embed_scale
+        x = body.embed_tokens(input_ids).mul_(body.embed_scale)  # a fresh lookup
         # As HF's: the per-layer table reads an image's positions as the pad token, its projection
         # the image's embeddings.
         x = splice_images(x, ctx.images)

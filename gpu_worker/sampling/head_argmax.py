@@ -17,7 +17,7 @@ head (its impl the gather of every rank's logits) has none, so it keeps the logi
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -50,7 +50,9 @@ def head_argmax(
 ) -> torch.Tensor | None:
     """The argmax of ``head(norm(hidden))`` soft-capped by softcap_f32's operations (``cap`` > 0),
     from the head's kernel, or None (before the norm runs) where it has none for these rows."""
-    impl = head.impl
-    if not isinstance(impl, ArgmaxLinear) or not impl.argmax_fits(hidden.shape[0], hidden.dtype, cap):
+    # The impl's own method looked up, not isinstance(impl, ArgmaxLinear): a runtime protocol's check
+    # walks its members a call, several times this function's other work on a one-row step.
+    fits = getattr(head.impl, "argmax_fits", None)
+    if fits is None or not fits(hidden.shape[0], hidden.dtype, cap):
         return None
-    return impl.argmax(norm(hidden), cap)
+    return cast("ArgmaxLinear", head.impl).argmax(norm(hidden), cap)

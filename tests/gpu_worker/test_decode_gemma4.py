@@ -39,7 +39,12 @@ KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn
 BLOCKS = dict.fromkeys(KINDS, Q8)
 # No MoE block (the call does not take one); per-layer inputs 32 wide, a whole Q8_0 block.
 OPTIONS: dict[str, Any] = dict(enable_moe_block=False, hidden_size_per_layer_input=32)
-SHAPES: dict[str, dict[str, Any]] = {"every-layer": {}, "wide-globals": {"global_head_dim": 512}}
+SHAPES: dict[str, dict[str, Any]] = {
+    "every-layer": {},
+    "wide-globals": {"global_head_dim": 512},
+    "tables-in-blocks": {},  # the tables and per-layer projection in Q8_0: the step's inputs in C too
+}
+TABLES = dict.fromkeys(("token_embd", "per_layer_token_embd", "per_layer_model_proj"), Q8)
 
 
 @dataclasses.dataclass
@@ -47,6 +52,7 @@ class Tiny:
     path: Path
     hf: Any
     expected: list[list[int]]
+    tables_in_blocks: bool = False
 
 
 @pytest.fixture(scope="module", params=list(SHAPES), ids=list(SHAPES))
@@ -54,9 +60,10 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     """The HF float64 model holding the file's weights, its GGUF, and its greedy tokens."""
     path = tmp_path_factory.mktemp(f"gemma4_{request.param}")
     hf = save_gemma4(path / "hf", **OPTIONS, **SHAPES[request.param])
-    held = write_gemma4_gguf(path / "model.gguf", hf, BLOCKS)
+    tables = request.param == "tables-in-blocks"
+    held = write_gemma4_gguf(path / "model.gguf", hf, BLOCKS | TABLES if tables else BLOCKS)
     hf.load_state_dict(held, strict=False)
-    return Tiny(path, hf, hf_greedy(hf, prompts()[1:4]))
+    return Tiny(path, hf, hf_greedy(hf, prompts()[1:4]), tables)
 
 
 def runner_of(tiny: Tiny, **extra: Any) -> ModelRunner:
@@ -98,7 +105,9 @@ def test_one_call_equals_the_modules(
     if split:
         fused = Gemma4Decode(fused.model, fused.kernels, [True, False] * 3)
         cpu_backend(runner).fused_decode = fused
+    assert (fused.inputs is not None) == tiny.tables_in_blocks, "the step's inputs in C: tables in blocks"
     calls = count_calls(fused.c_kernels, "decode", monkeypatch)
+    inputs = count_calls(fused.c_kernels, "inputs", monkeypatch)
     sched = MiniScheduler(runner.num_pages, runner.config.page_size)
     lens = [KERNEL_MAX_EXTEND + 5 + 7 * i for i in range(rows)]
     prefill = sched.batch([(idx, 0, list(range(3, 3 + n)), True, GREEDY) for idx, n in enumerate(lens)])
@@ -114,6 +123,7 @@ def test_one_call_equals_the_modules(
         tokens = by_call.argmax(dim=-1).tolist()
     runs = 3 if split else 1
     assert len(calls) == 20 * runs
+    assert len(inputs) == (20 if tiny.tables_in_blocks else 0)
 
 
 def test_greedy_matches_hf_float64(tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:

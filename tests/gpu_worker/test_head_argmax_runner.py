@@ -1,8 +1,9 @@
 """The greedy draw in the head, served (model_runner.py's ``head_argmax``, sampling/head_argmax.py):
 a batch whose draw is the argmax alone takes it from the head's kernel, without the logits, and
 draws the tokens the logits route draws, step by step; a batch with a sampled row keeps the logits.
-A random Llama whose tied Q8_0 head is kept in blocks, and a tiny Gemma 4 whose Q8_0 head's logits
-are soft-capped (its one-call decode too), float32 activations."""
+A random Llama whose tied Q8_0 head is kept in blocks, a tiny Gemma 4 whose Q8_0 head's logits are
+soft-capped (its one-call decode too), and a tiny gpt-oss whose untied head is BF16 (the bench file's;
+a Llama subclass, so Llama's ``compute_argmax``), float32 activations."""
 
 from __future__ import annotations
 
@@ -15,10 +16,14 @@ import pytest
 from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.models.gpt_oss import GptOssForCausalLM
 from protocol.sampling import WorkerSampling
 from tests.exactness.test_gemma4_gguf import gguf_runner
+from tests.exactness.test_gpt_oss import hf_gpt_oss, tiny_gpt_oss_config
+from tests.exactness.test_moe import runner_for
 from tests.gemma4_gguf import write_gemma4_gguf
 from tests.gemma4_models import save_gemma4
+from tests.gpt_oss_gguf import write_gpt_oss_gguf
 from tests.gpu_worker.helpers import GREEDY, MiniScheduler, count_calls
 from tests.gpu_worker.test_gguf_weights import make_random_llama
 
@@ -27,6 +32,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
+BF16 = gguf.GGMLQuantizationType.BF16
 GEMMA4_KINDS = (
     "attn_q",
     "attn_k",
@@ -42,7 +48,7 @@ GEMMA4_BLOCKS = dict.fromkeys((*GEMMA4_KINDS, "token_embd"), Q8)  # the tied hea
 SAMPLED = WorkerSampling(temperature=0.8, top_k=-1, top_p=1.0, min_p=0.0, seed=3)
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma4"])
+@pytest.fixture(scope="module", params=["llama", "gemma4", "gpt_oss"])
 def runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
     path = tmp_path_factory.mktemp(f"head_argmax_{request.param}")
     if request.param == "llama":
@@ -50,6 +56,10 @@ def runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         config = WorkerConfig(model_path=str(hf_dir), gguf_path=str(gguf_file), weight_dtype="gguf",
                               dtype="float32", kv_cache_tokens=1024, num_threads=1)  # fmt: skip
         return ModelRunner(config)
+    if request.param == "gpt_oss":
+        model = hf_gpt_oss(tiny_gpt_oss_config(layers=2, swiglu_limit=7.0), seed=4)
+        write_gpt_oss_gguf(path / "model.gguf", model, gguf.GGMLQuantizationType.MXFP4, head=BF16)
+        return runner_for(path, "gguf", dtype="float32", weight_dtype="gguf")
     hf = save_gemma4(path / "hf", enable_moe_block=False, hidden_size_per_layer_input=32)
     write_gemma4_gguf(path / "model.gguf", hf, GEMMA4_BLOCKS)
     return gguf_runner(path, path / "model.gguf", dtype="float32", kv_cache_tokens=1024, weight_dtype="gguf")
@@ -58,7 +68,9 @@ def runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def test_greedy_rows_draw_the_logits_tokens(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     model: Any = runner.model
     impl = model.lm_head.impl
-    assert isinstance(impl, QuantLinear) and runner.head_argmax, "the Q8_0 head is a kernel's, in blocks"
+    assert isinstance(impl, QuantLinear) and runner.head_argmax, "the head is a kernel's, in blocks"
+    if isinstance(model, GptOssForCausalLM):
+        assert impl.weight.parts[0].type == BF16, "gpt-oss's head in BF16 blocks, as the bench file's"
     if hasattr(model, "final_softcap") and model.final_softcap is not None:
         assert model.final_softcap.fused is not None, "Gemma 4's soft-cap: the kernels' operations"
     calls = count_calls(impl, "argmax", monkeypatch)

@@ -11,7 +11,11 @@ block) keeps its modules between two runs, and so does the source of a KV-shared
 (the modules pass a source's K/V in ``shared``, not through the pool). A layer runs in C only where
 every part of it is on ``GEMMA4_C_LAYERS``' positive list and on the kernels the modules call
 (float32 activations, QuantLinears without a bias), so the hidden states equal the modules' bit for
-bit (tests/gpu_worker/test_decode_gemma4.py).
+bit (tests/gpu_worker/test_decode_gemma4.py). The step's inputs (the token and per-layer tables'
+rows, the per-layer projection, its norm and scales: ``Gemma4ForCausalLM.embedded``) come from one
+more C call, decode_gemma4_inputs, where both tables and the projection are in blocks
+(``step_inputs``): some 25 torch ops a step, each costly on caches the weights' stream has just
+emptied (docs/benchmarks-history.md, "Gemma 4's one-row step outside the C calls").
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from gpu_worker.backends.cpu import abi
 from gpu_worker.backends.cpu.decode_common import anything, not_listed, off
 from gpu_worker.backends.cpu.decode_structs import DecodeLinear, fields, quant_linears
 from gpu_worker.backends.cpu.kernels import KV_DTYPE_CODES, CpuKernels
-from gpu_worker.backends.cpu.quant import QuantLinear
+from gpu_worker.backends.cpu.layouts import kernel_type
+from gpu_worker.backends.cpu.quant import QuantEmbedding, QuantLinear
 from gpu_worker.forward_context import PLAIN, AttentionOptions, ForwardContext
 from gpu_worker.models.gemma4 import Gemma4Attention, Gemma4DecoderLayer, Gemma4ForCausalLM, SharedKV
 from gpu_worker.models.gemma4_blocks import Gemma4MLP, Gemma4RMSNorm
@@ -87,6 +92,17 @@ class Gemma4Dims(ctypes.Structure):
     ]
 
 
+class Gemma4Inputs(ctypes.Structure):
+    """csrc/rivulet_kernels.h's ``gemma4_inputs``."""
+
+    _fields_ = [
+        *fields(ctypes.c_void_p, "embed", "per_layer_table", "per_layer_norm"),
+        ("projection", DecodeLinear),
+        *fields(ctypes.c_int64, "embed_type", "per_layer_type"),
+        *fields(ctypes.c_float, "embed_scale", "per_layer_scale", "projection_scale", "mean_scale", "eps"),
+    ]
+
+
 class Gemma4Kernels:
     """ctypes binding of decode_gemma4.c in a built kernels library."""
 
@@ -96,7 +112,11 @@ class Gemma4Kernels:
         self._decode = lib.decode_gemma4
         self._decode.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64]
         self._decode.restype = ctypes.c_int
-        structs = {"decode_linear": DecodeLinear, "gemma4_layer": Gemma4Layer, "gemma4_dims": Gemma4Dims}
+        self._inputs = lib.decode_gemma4_inputs
+        self._inputs.argtypes = [ptr, ptr, ptr, i64, ptr, ptr]
+        self._inputs.restype = ctypes.c_int
+        structs = {"decode_linear": DecodeLinear, "gemma4_layer": Gemma4Layer, "gemma4_dims": Gemma4Dims,
+                   "gemma4_inputs": Gemma4Inputs}  # fmt: skip
         abi.check(abi.bound_functions(self), structs, {"GEMMA4_LINEARS": LINEARS})
 
     def decode(
@@ -112,6 +132,22 @@ class Gemma4Kernels:
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"decode_gemma4 failed: {abi.status_text(status)}")
+
+    def inputs(
+        self, inputs: Gemma4Inputs, dims: Gemma4Dims, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's x [T, hidden] and per-layer inputs [T, layers, dim] from int64 ids [T] (in both
+        tables: the runner's batch checks), as ``Gemma4ForCausalLM.embedded`` computes them."""
+        assert ids.dtype == torch.int64 and ids.dim() == 1 and ids.is_contiguous()
+        rows = ids.shape[0]
+        x = torch.empty((rows, dims.hidden), dtype=torch.float32)
+        per_layer = torch.empty((rows, dims.per_layer_stride // dims.per_layer_dim, dims.per_layer_dim))
+        status = self._inputs(
+            ctypes.byref(inputs), ctypes.byref(dims), ids.data_ptr(), rows, x.data_ptr(), per_layer.data_ptr()
+        )
+        if status != 0:
+            raise RuntimeError(f"decode_gemma4_inputs failed: {abi.status_text(status)}")
+        return x, per_layer
 
 
 @functools.cache
@@ -202,6 +238,7 @@ class Gemma4Decode:
         ]
         self._runs: list[tuple[int, int, ctypes.Array[Gemma4Layer]]] | None = None  # [first, end) and structs
         self._pool: tuple[int, int] = (0, 0)
+        self.inputs = step_inputs(model)
 
     def _layer(self, layer: Any, ctx: ForwardContext) -> Gemma4Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -249,14 +286,18 @@ class Gemma4Decode:
         paged = ctx.attn.paged_decode
         if not ctx.attn.in_order or paged is None or ctx.images is not None:
             return None
-        x, per_layer = self.model.embedded(input_ids, ctx)
+        if self.inputs is not None and not len(self.model.media_token_ids):
+            x, per_layer = self.c_kernels.inputs(self.inputs, self.dims, input_ids)
+        else:
+            x, per_layer = self.model.embedded(input_ids, ctx)
         x = x.contiguous()
         assert x.dtype == torch.float32 and (per_layer is None or per_layer.is_contiguous())
-        cos, sin, rotary = self._rotary_rows(ctx.positions)
+        cos, sin = self._rotary_rows(ctx.positions)
         runs = self._layer_runs(ctx)
         if len(runs) == 1 and runs[0][:2] == (0, len(self.in_c)):  # every layer in the call
             self.c_kernels.decode(runs[0][2], self.dims, x, cos, sin, per_layer, paged.rows)
             return x
+        rotary = self._module_rotary(cos, sin, ctx.positions.shape[0])
         layers = self.model.model.layers
         shared: SharedKV = {}
         at = 0
@@ -270,22 +311,27 @@ class Gemma4Decode:
             x = self._module_layer(layers[i], x, per_layer, rotary, ctx, shared)
         return x
 
-    def _rotary_rows(
-        self, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    def _rotary_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's cos and sin, each table's rows at the positions one table after another (flat),
-        looked up straight into them; and the modules' (cos, sin) [T, 1, D] per layer type, views of
-        the same rows (RotaryCache's lookup)."""
+        looked up straight into them."""
         rows = positions.shape[0]
         dtype = self.tables[0][1].cos.dtype
         cos, sin = (torch.empty(rows * self.rope_width, dtype=dtype) for _ in range(2))
-        rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for kind, cache, at, width in self.tables:
-            c, s = (t[rows * at : rows * (at + width)].view(rows, width) for t in (cos, sin))
-            torch.index_select(cache.cos, 0, positions, out=c)
-            torch.index_select(cache.sin, 0, positions, out=s)
-            rotary[kind] = (c.unsqueeze(1), s.unsqueeze(1))
-        return cos, sin, rotary
+        for _, cache, at, width in self.tables:
+            span = slice(rows * at, rows * (at + width))
+            torch.index_select(cache.cos, 0, positions, out=cos[span].view(rows, width))
+            torch.index_select(cache.sin, 0, positions, out=sin[span].view(rows, width))
+        return cos, sin
+
+    def _module_rotary(
+        self, cos: torch.Tensor, sin: torch.Tensor, rows: int
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The modules' (cos, sin) [T, 1, D] per layer type (RotaryCache's lookup), views of the
+        step's flat rows (only where some layer keeps its modules)."""
+        return {
+            kind: tuple(t[rows * at : rows * (at + width)].view(rows, 1, width) for t in (cos, sin))  # type: ignore[misc]
+            for kind, _, at, width in self.tables
+        }
 
     @staticmethod
     def _module_layer(
@@ -294,6 +340,33 @@ class Gemma4Decode:
     ) -> torch.Tensor:  # fmt: skip
         layer_input = per_layer[:, layer.self_attn.layer] if per_layer is not None else None
         return layer(x, layer_input, rotary[str(layer.layer_type)], ctx, shared)
+
+
+def step_inputs(model: Gemma4ForCausalLM) -> Gemma4Inputs | None:
+    """``embedded``'s operands for csrc/decode_gemma4.c's decode_gemma4_inputs, or None (``embedded``
+    runs) where a table is not a QuantEmbedding, the projection not a QuantLinear without a bias, the
+    norm not the kernels', a scale not float32, or the per-layer table holds fewer rows than the token
+    table (the runner checks ids against the vocabulary)."""
+    body: Any = model.model
+    if not body.per_layer_dim:
+        return None
+    embed, table = body.embed_tokens.impl, body.embed_tokens_per_layer.impl
+    norm: Gemma4RMSNorm = body.per_layer_projection_norm
+    projection = quant_linears([body.per_layer_model_projection])
+    if not (isinstance(embed, QuantEmbedding) and isinstance(table, QuantEmbedding)) or projection is None:
+        return None
+    scales = (body.embed_scale, body.per_layer_scale)
+    if norm.scale32 is None or norm.fused is None or any(s.dtype != torch.float32 for s in scales):
+        return None
+    if table.table.data.shape[0] < embed.table.data.shape[0]:
+        return None
+    return Gemma4Inputs(
+        embed=embed.table.data.data_ptr(), per_layer_table=table.table.data.data_ptr(),
+        per_layer_norm=norm.scale32.data_ptr(), projection=DecodeLinear.of(projection[0]),
+        embed_type=kernel_type(embed.table), per_layer_type=kernel_type(table.table),
+        embed_scale=float(body.embed_scale), per_layer_scale=float(body.per_layer_scale),
+        projection_scale=embed.table.cols**-0.5, mean_scale=2.0**-0.5, eps=norm.eps,
+    )  # fmt: skip
 
 
 def _scale(norm: Any) -> int:

@@ -148,3 +148,33 @@ int decode_gemma4(const gemma4_layer *layers, int64_t n_layers, const gemma4_dim
     free(arena);
     return status;
 }
+
+/* The step's inputs (Gemma4ForCausalLM.embedded without images or media placeholders): x [rows,
+ * hidden] = the token table's rows times embed_scale; per_layer [rows, per_layer_stride] = (rms_norm
+ * per layer of (x Wp^T) times projection_scale + the per-layer table's rows times per_layer_scale)
+ * times mean_scale, each product and sum rounded to float32 as the modules' in-place torch ops round
+ * them, the lookups by quant_get_rows and the projection by decode_linear_run (QuantEmbedding's and
+ * QuantLinear's kernels). ids: in both tables (the runner's batch checks). Returns RV_OK,
+ * RV_ERR_NO_MEMORY or the projection's status. */
+int decode_gemma4_inputs(const gemma4_inputs *in, const gemma4_dims *dims, const int64_t *ids, int64_t rows, float *x,
+                         float *per_layer) {
+    const int64_t hidden = dims->hidden, width = dims->per_layer_stride;
+    quant_get_rows((int)in->embed_type, in->embed, hidden, ids, rows, x, DTYPE_F32);
+    for (int64_t i = 0; i < rows * hidden; i++) x[i] *= in->embed_scale;
+    float *y = malloc((size_t)(rows * width) * sizeof(float));
+    const size_t scratch_bytes = (size_t)((rows * act_row_bytes_max(hidden) + 63) & ~(int64_t)63);
+    void *scratch = aligned_alloc(64, scratch_bytes);
+    int status = y == NULL || scratch == NULL ? RV_ERR_NO_MEMORY : RV_OK;
+    if (status == RV_OK) status = decode_linear_run(&in->projection, width, hidden, x, rows, scratch, y, DTYPE_F32, NULL);
+    if (status == RV_OK) {
+        quant_get_rows((int)in->per_layer_type, in->per_layer_table, width, ids, rows, per_layer, DTYPE_F32);
+        for (int64_t i = 0; i < rows * width; i++) per_layer[i] *= in->per_layer_scale;
+        for (int64_t i = 0; i < rows * width; i++) y[i] *= in->projection_scale;
+        const int64_t dim = dims->per_layer_dim;
+        rms_norm(y, dim, in->per_layer_norm, y, rows * (width / dim), (int)dim, in->eps, DTYPE_F32);
+        for (int64_t i = 0; i < rows * width; i++) per_layer[i] = (y[i] + per_layer[i]) * in->mean_scale;
+    }
+    free(y);
+    free(scratch);
+    return status;
+}

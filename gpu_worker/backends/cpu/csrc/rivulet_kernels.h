@@ -247,6 +247,26 @@ int decode_gemma4(const gemma4_layer *layers, int64_t n_layers, const gemma4_dim
                   const int64_t *req_pool_idx, const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride,
                   int64_t page_size);
 
+/* A Gemma 4 model's input embeddings for decode_gemma4_inputs (decode_gemma4.py's Gemma4Inputs). */
+typedef struct {
+    const uint8_t *embed;           /* the token table's blocks [vocab, hidden] */
+    const uint8_t *per_layer_table; /* the per-layer table's blocks [vocab, per_layer_stride] */
+    const void *per_layer_norm;     /* [per_layer_dim]: the projection's per-layer RMSNorm */
+    decode_linear projection;       /* hidden -> per_layer_stride */
+    int64_t embed_type;             /* the tables' kernel types (layouts.py's kernel_type) */
+    int64_t per_layer_type;
+    float embed_scale;      /* sqrt(hidden), as the model's buffer holds it */
+    float per_layer_scale;  /* sqrt(per_layer_dim), as above */
+    float projection_scale; /* 1 / sqrt(hidden) */
+    float mean_scale;       /* 1 / sqrt(2) */
+    float eps;              /* the per-layer norm's */
+} gemma4_inputs;
+
+/* decode_gemma4.c: Gemma 4's step inputs, x [rows, hidden] and per_layer [rows, per_layer_stride], from
+ * the token ids (decode_gemma4 then takes them). */
+int decode_gemma4_inputs(const gemma4_inputs *in, const gemma4_dims *dims, const int64_t *ids, int64_t rows, float *x,
+                         float *per_layer);
+
 /* small_ops.c */
 int kernel_isa(void);
 void rms_norm(const void *x, int64_t x_stride, const void *w, void *out, int64_t rows, int dim, float eps, int dtype);
