@@ -150,14 +150,17 @@ class GatedDeltaNet(Layer):
         )
         tokens = x.shape[0]
         q, k = q.view(tokens, self.key_heads, self.d_k), k.view(tokens, self.key_heads, self.d_k)
-        if self.tiled_values and self.key_heads < self.value_heads:  # one key head per value head
+        tiled = self.tiled_values and self.key_heads < self.value_heads
+        if tiled and not (pooled is not None and pooled.tiled_heads):  # one key head per value head
             q, k = (t.repeat(1, self.value_heads // self.key_heads, 1) for t in (q, k))
+            tiled = False
         v = v.view(tokens, self.value_heads, self.d_v)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if pooled is not None:
             states = batch.pool.recurrent[self.index]
-            out = gated_delta_pooled.pooled_delta_rule(pooled, (q, k, v, g, beta), states, batch.rounds)
+            qkvgb = (q, k, v, g, beta)
+            out = gated_delta_pooled.pooled_delta_rule(pooled, qkvgb, states, batch.rounds, tiled)
         else:
             out = self.delta_rule(q, k, v, g, beta, batch).to(x.dtype)
         out = self.norm(out, z.view(tokens, self.value_heads, self.d_v))

@@ -5,9 +5,10 @@ conv1d in front of it over a pool of conv states.
 Shapes (N tokens of B rows, rows packed one after another; ``Hk`` key heads, ``Hv`` value heads,
 each key head serving Hv / Hk consecutive value heads; activations float32 or bfloat16, one dtype):
 
-    decode(q, k, v, g, beta, state, slots, *, fresh=None, l2norm=True, scale=None) -> out
+    decode(q, k, v, g, beta, state, slots, *, fresh=None, l2norm=True, scale=None, tiled=False) -> out
         q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv]; one token per row      -> out [B, Hv, Dv]
-    prefill(q, k, v, g, beta, state, slots, cu_seqlens, *, fresh=None, l2norm=True, scale=None) -> out
+    prefill(q, k, v, g, beta, state, slots, cu_seqlens, *, fresh=None, l2norm=True, scale=None,
+            tiled=False) -> out
         q, k [N, Hk, Dk]; v [N, Hv, Dv]; g, beta [N, Hv]; row i's tokens
         [cu_seqlens[i], cu_seqlens[i + 1])                                       -> out [N, Hv, Dv]
     conv1d(x, weight, conv_state, slots, cu_seqlens, *, bias=None, silu=True, fresh=None) -> out
@@ -21,6 +22,8 @@ each key head serving Hv / Hk consecutive value heads; activations float32 or bf
   start from zeros instead (their slot's old contents are ignored and overwritten).
 - q, k, v, x: rows may be strided (views of a projection's output), each row's heads contiguous;
   g, beta: float32 or bfloat16 each (HF: g float32, beta the activations' dtype), rows strided.
+- ``tiled``: value head h reads key head h % Hk (a checkpoint whose value heads are tiled over the key
+  heads) instead of h // (Hv / Hk).
 - ``l2norm``: q and k are L2-normed in float32 first (HF's ``use_qk_l2norm_in_kernel``); then q is
   scaled by ``scale`` (default Dk ** -0.5, as HF always does). ``l2norm=False, scale=1.0`` takes q
   and k as given.
@@ -50,6 +53,8 @@ MAX_CONV_KERNEL = 8  # csrc/gated_delta.c's
 
 class GatedDeltaKernels:
     """ctypes bindings of gated_delta.c in a built kernels library (every method takes CPU tensors)."""
+
+    tiled_heads = True  # decode and prefill take ``tiled`` (models/gated_delta_pooled.py's PooledRule)
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))

@@ -34,6 +34,7 @@ import triton.language as tl  # noqa: E402
 CHUNK = 16
 NUM_WARPS = 4
 BLOCK_V = 32  # state columns a program owns
+tiled_heads = False  # value head h reads key head h // (Hv / Hk) alone (the PooledRule protocol)
 
 
 @triton.jit
