@@ -571,20 +571,36 @@ static inline __attribute__((always_inline)) void residual_rows(const uint8_t *b
     }
 }
 
+/* The next panel's weights (the bytes after this call's columns: a thread's panels lie one after the
+ * other), fetched into L2 by the row groups after the first as they run over this panel, a few lines
+ * a block. Otherwise each panel's first row group waits on memory, S32X8_PF ahead being too near for
+ * lines from DRAM: at 16-64 rows 0.8-0.95 the time (docs/benchmarks-history.md, "IQ4_XS at 32 rows:
+ * the next panel's weights"). */
+typedef struct {
+    const uint8_t *at;
+    int64_t left, per; /* lines left, lines a block */
+} next_panel;
+
 /* out[r * ldo + j] = dot(tile row j, activation row r) for j < width (16, or 8: g1 is g0 again and
  * only its lanes are stored), r < R. A block's per-row scales are made again for the residual pass
  * (the same products), not kept: R more registers live across it spilled the accumulators. IQ4_XS's
  * scales d (ls - 32): ds[b] for sub-block b, made there first where make_ds (tile8_loop's table). */
 static inline __attribute__((always_inline)) void tile8(const uint8_t *g0, const uint8_t *g1, int width, int64_t nb,
                                                         const act8_32 *const *xa, float *out, int64_t ldo,
-                                                        __m512 *ds, int make_ds, const int type, const int R) {
+                                                        __m512 *ds, int make_ds, next_panel *next, const int type,
+                                                        const int R, const int fetch_next) {
     const int gbb = 8 * bb_of(type), subs = subs_of(type);
     __m512 acc[XR8];
     __m512i is[XR8];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const uint8_t *next_at = fetch_next ? next->at : NULL;
+    int64_t next_left = fetch_next ? next->left : 0;
+    const int64_t next_per = fetch_next ? next->per : 0;
     for (int64_t b = 0; b < nb * subs; b++) {
         const uint8_t *blk0 = group_block(g0, b, type), *blk1 = group_block(g1, b, type);
         if (b % subs == 0) {
+            for (int64_t i = 0; fetch_next && i < next_per && next_left > 0; i++, next_left--, next_at += 64)
+                _mm_prefetch((const char *)next_at, _MM_HINT_T1);
             for (int at = 0; at < gbb; at += 64) {
                 _mm_prefetch((const char *)(blk0 + S32X8_PF + at), _MM_HINT_T0);
                 _mm_prefetch((const char *)(blk1 + S32X8_PF + at), _MM_HINT_T0);
@@ -611,6 +627,7 @@ static inline __attribute__((always_inline)) void tile8(const uint8_t *g0, const
             }
         }
     }
+    if (fetch_next) next->at = next_at, next->left = next_left;
     for (int r = 0; r < R; r++) {
         _mm256_storeu_ps(out + r * ldo, _mm512_castps512_ps256(acc[r]));
         if (width == 16) _mm256_storeu_ps(out + r * ldo + 8, _mm512_extractf32x8_ps(acc[r], 1));
@@ -720,6 +737,10 @@ static inline __attribute__((always_inline)) void tile8_loop(const uint8_t *w, i
 #else
     const int64_t c32 = 0;
 #endif
+    /* the row groups after the first: at least `later` (a rest of 4, 2, 1 rows is more, done sooner) */
+    const int64_t first = nr >= 8 ? 8 : nr >= 4 ? 4 : nr >= 2 ? 2 : 1, later = (nr - first + 7) / 8;
+    const int64_t lines = later > 0 ? (nc - c32) * wrb / 64 : 0, steps = later * ((nc - c32 + 15) / 16) * nb;
+    next_panel next = {w + nc * wrb, lines, lines > 0 ? (lines + steps - 1) / steps : 0};
     for (int64_t r0 = 0; r0 < nr;) {
         const int64_t left = nr - r0;
         const int R = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
@@ -731,11 +752,20 @@ static inline __attribute__((always_inline)) void tile8_loop(const uint8_t *w, i
             const uint8_t *g1 = width == 16 ? g0 + 8 * wrb : g0;
             float *o = out + r0 * ldo + c0;
             __m512 *ds = XS_TAB(c0);
+            if (r0 > 0 && next.left > 0) {
+                switch (R) {
+                case 8: tile8(g0, g1, width, nb, xa, o, ldo, ds, 0, &next, type, 8, 1); break;
+                case 4: tile8(g0, g1, width, nb, xa, o, ldo, ds, 0, &next, type, 4, 1); break;
+                case 2: tile8(g0, g1, width, nb, xa, o, ldo, ds, 0, &next, type, 2, 1); break;
+                default: tile8(g0, g1, width, nb, xa, o, ldo, ds, 0, &next, type, 1, 1); break;
+                }
+                continue;
+            }
             switch (R) {
-            case 8: tile8(g0, g1, width, nb, xa, o, ldo, ds, r0 == 0, type, 8); break;
-            case 4: tile8(g0, g1, width, nb, xa, o, ldo, ds, r0 == 0, type, 4); break;
-            case 2: tile8(g0, g1, width, nb, xa, o, ldo, ds, r0 == 0, type, 2); break;
-            default: tile8(g0, g1, width, nb, xa, o, ldo, ds, r0 == 0, type, 1); break;
+            case 8: tile8(g0, g1, width, nb, xa, o, ldo, ds, r0 == 0, &next, type, 8, 0); break;
+            case 4: tile8(g0, g1, width, nb, xa, o, ldo, ds, r0 == 0, &next, type, 4, 0); break;
+            case 2: tile8(g0, g1, width, nb, xa, o, ldo, ds, r0 == 0, &next, type, 2, 0); break;
+            default: tile8(g0, g1, width, nb, xa, o, ldo, ds, r0 == 0, &next, type, 1, 0); break;
             }
         }
         r0 += R;
