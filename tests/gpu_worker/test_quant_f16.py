@@ -106,3 +106,26 @@ def test_sixteen_bit_rows_are_copied_into_the_arena_as_they_are(qtype: Q) -> Non
     assert placed.data.data_ptr() == slot.data_ptr() and torch.equal(placed.data, blocks.data)
     seven_q8 = QuantBlocks(int(Q.Q8_0), torch.zeros(7, 34, dtype=torch.uint8), 32)
     assert not in_arena(seven_q8)
+
+
+@pytest.mark.parametrize("qtype", SIXTEEN, ids=[t.name for t in SIXTEEN])
+@pytest.mark.parametrize(("n", "k"), [(2, 4128), (5, 8192), (37, 4160)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_one_row_past_4096_is_each_row_alone(
+    kernels: cpu_kernels.CpuKernels, qtype: Q, n: int, k: int, threads: int
+) -> None:
+    """Past k = 4096 the AVX-512 one-row tile reads a thread's rows two at a time (quant_f16.c's
+    ROW1_PAIR_K): each output equals its row's in a call of that row alone (one row at a time), bit for
+    bit, and the float64 bound holds, at any split of the rows over threads (odd shares included)."""
+    blocks, deq = weights(qtype, n, k)
+    x = activations(1, k, torch.float32, n + k)
+    w = torch.from_numpy(blocks)
+    kept = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = kernels.quant_matmul(int(qtype), w, k, x)
+        alone = torch.cat([kernels.quant_matmul(int(qtype), w[j : j + 1].contiguous(), k, x) for j in range(n)], 1)
+    finally:
+        torch.set_num_threads(kept)
+    assert torch.equal(y.view(torch.int32), alone.view(torch.int32))
+    check(y, x, None, deq)

@@ -122,6 +122,17 @@ typedef __m256 vec;
 #define ROW1_PF 8192
 #endif
 #define ROW1_U 4
+/* Past ROW1_PAIR_K (k, AVX-512 only) a thread's rows go two at a time, row c beside row c + half of
+ * them: two sequential streams, each x load serving both rows. At k = 8192 x (32 KB of float32) and
+ * a row (16 KB) fill L1, so one row at a time missed x's lines every row; two far-apart streams read
+ * 0.92 of a plain read's pace there against one's 0.85, and 0.94 against 0.95 at k = 2048
+ * (docs/benchmarks-history.md, "BF16 one row at k = 8192: two streams a thread"). Each row's sums
+ * are its own, in row1's order: the same bits. AVX2's 16 registers hold one row's sums, not two. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define ROW1_PAIR_K 4096
+#else
+#define ROW1_PAIR_K 0 /* never */
+#endif
 
 /* *even += the even weights of the 32 at p times xb[0, 16), *odd += the odd ones times xb[16, 32). */
 static inline __attribute__((always_inline)) void bf16_block(const uint8_t *p, const float *xb, vec *even, vec *odd) {
@@ -153,30 +164,65 @@ static inline __attribute__((always_inline)) void f16_block(const uint8_t *p, co
 #endif
 }
 
+/* Weight rows p[0, S) (S 1 or 2) against one activation row, out[i] for p[i]: each read front to
+ * back, ROW1_U blocks a step, each block into its own pair of sums (an FMA's latency covered), then
+ * the pairs added in order. The rows share x's loads; each row's sums are the same whatever S. nta:
+ * weight_prefetch_nta's value as a constant (two rows: with the test in the loop the compiler's pair
+ * loop spilled and ran no faster than one row), or -1: prefetch_weights tests it. */
+static inline __attribute__((always_inline)) void rows_front_to_back(const uint8_t *const *p, const float *x,
+                                                                     int64_t nb, float *const *out, const int type,
+                                                                     const int S, const int nta) {
+    vec s0[2][ROW1_U], s1[2][ROW1_U];
+    for (int i = 0; i < S; i++)
+        for (int u = 0; u < ROW1_U; u++) s0[i][u] = VZERO(), s1[i][u] = VZERO();
+    int64_t b = 0;
+    for (; b + ROW1_U <= nb; b += ROW1_U)
+        for (int u = 0; u < ROW1_U; u++)
+            for (int i = 0; i < S; i++) {
+                const uint8_t *q = p[i] + 2 * FB * (b + u);
+                if (nta < 0)
+                    prefetch_weights(q + ROW1_PF);
+                else if (nta)
+                    __builtin_prefetch(q + ROW1_PF, 0, 0);
+                else
+                    __builtin_prefetch(q + ROW1_PF, 0, 3);
+                if (type == QTYPE_BF16) bf16_block(q, x + FB * (b + u), &s0[i][u], &s1[i][u]);
+                else f16_block(q, x + FB * (b + u), &s0[i][u], &s1[i][u]);
+            }
+    for (; b < nb; b++)
+        for (int i = 0; i < S; i++) {
+            if (type == QTYPE_BF16) bf16_block(p[i] + 2 * FB * b, x + FB * b, &s0[i][0], &s1[i][0]);
+            else f16_block(p[i] + 2 * FB * b, x + FB * b, &s0[i][0], &s1[i][0]);
+        }
+    for (int i = 0; i < S; i++) {
+        for (int u = 1; u < ROW1_U; u++) s0[i][0] = VADD(s0[i][0], s0[i][u]), s1[i][0] = VADD(s1[i][0], s1[i][u]);
+        *out[i] = VSUM(VADD(s0[i][0], s1[i][0]));
+    }
+}
+
 /* One activation row against weight rows [0, nc) (out[c]), each row read front to back in turn: the
  * rows lie one after another, so a thread's columns are one sequential stream, the case the hardware
- * prefetcher follows best (TC rows side by side are TC streams, each a row long). ROW1_U blocks a
- * step, each into its own pair of sums (an FMA's latency covered). */
+ * prefetcher follows best (TC rows side by side are TC streams, each a row long); past ROW1_PAIR_K
+ * two such streams (rows c and c + nc / 2 at once). */
 static inline __attribute__((always_inline)) void row1(const uint8_t *w, int64_t wrb, int64_t nc, const float *x,
                                                        int64_t nb, float *out, const int type) {
-    for (int64_t c = 0; c < nc; c++) {
-        const uint8_t *p = w + c * wrb;
-        vec s0[ROW1_U], s1[ROW1_U];
-        for (int u = 0; u < ROW1_U; u++) s0[u] = VZERO(), s1[u] = VZERO();
-        int64_t b = 0;
-        for (; b + ROW1_U <= nb; b += ROW1_U)
-            for (int u = 0; u < ROW1_U; u++) {
-                const uint8_t *q = p + 2 * FB * (b + u);
-                prefetch_weights(q + ROW1_PF);
-                if (type == QTYPE_BF16) bf16_block(q, x + FB * (b + u), &s0[u], &s1[u]);
-                else f16_block(q, x + FB * (b + u), &s0[u], &s1[u]);
-            }
-        for (; b < nb; b++) {
-            if (type == QTYPE_BF16) bf16_block(p + 2 * FB * b, x + FB * b, &s0[0], &s1[0]);
-            else f16_block(p + 2 * FB * b, x + FB * b, &s0[0], &s1[0]);
+    int64_t c = 0;
+    if (ROW1_PAIR_K > 0 && nb * FB > ROW1_PAIR_K) {
+        const int64_t half = nc / 2;
+        for (; c < half; c++) {
+            const uint8_t *p[2] = {w + c * wrb, w + (c + half) * wrb};
+            float *o[2] = {out + c, out + c + half};
+            if (weight_prefetch_nta)
+                rows_front_to_back(p, x, nb, o, type, 2, 1);
+            else
+                rows_front_to_back(p, x, nb, o, type, 2, 0);
         }
-        for (int u = 1; u < ROW1_U; u++) s0[0] = VADD(s0[0], s0[u]), s1[0] = VADD(s1[0], s1[u]);
-        out[c] = VSUM(VADD(s0[0], s1[0]));
+        c = 2 * half;
+    }
+    for (; c < nc; c++) {
+        const uint8_t *p[1] = {w + c * wrb};
+        float *o[1] = {out + c};
+        rows_front_to_back(p, x, nb, o, type, 1, -1);
     }
 }
 
