@@ -124,7 +124,8 @@ def test_one_row_past_4096_is_each_row_alone(
     torch.set_num_threads(threads)
     try:
         y = kernels.quant_matmul(int(qtype), w, k, x)
-        alone = torch.cat([kernels.quant_matmul(int(qtype), w[j : j + 1].contiguous(), k, x) for j in range(n)], 1)
+        rows = [kernels.quant_matmul(int(qtype), w[j : j + 1].contiguous(), k, x) for j in range(n)]
+        alone = torch.cat(rows, 1)
     finally:
         torch.set_num_threads(kept)
     assert torch.equal(y.view(torch.int32), alone.view(torch.int32))
