@@ -5,6 +5,7 @@ rows at scattered slots, and the slots it does not own untouched."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -101,3 +102,54 @@ def test_decode_step_refuses_a_slot_outside_the_pool(gd: gated_delta.GatedDeltaK
     x = torch.randn(2, HIDDEN)
     with pytest.raises(AssertionError, match="gated_delta_decode_step refused"):
         layer(x, cast(ForwardContext, SimpleNamespace(recurrent=batch)))
+
+
+class _GatheredRoute:
+    """The kernels as a backend without tiled heads sees them: q and k repeated onto the value heads."""
+
+    tiled_heads = False
+
+    def __init__(self, gd: gated_delta.GatedDeltaKernels) -> None:
+        self.decode, self.prefill, self.conv1d = gd.decode, gd.prefill, gd.conv1d
+
+
+def _prefill(layer: GatedDeltaNet, pool: StatePool, x: torch.Tensor, saves: dict[int, tuple[int, int]],
+             gather: bool) -> torch.Tensor:  # fmt: skip
+    batch = RecurrentBatch.of(pool, SLOTS, PREFILL_LENS, saves)
+    if gather:  # every round through index_select / index_copy, as a round of a batch's part is
+        batch.__dict__["rounds"] = [dataclasses.replace(r, whole=False) for r in batch.rounds]
+    else:
+        assert [r.whole for r in batch.rounds] == ([False, False] if saves else [True])
+    return layer(x.to(pool.conv[0].dtype), cast(ForwardContext, SimpleNamespace(recurrent=batch)))
+
+
+PREFILL_LENS = [5, 1, 70]  # a row past the kernels' 64-token block, and a one-token row among them
+
+
+@pytest.mark.parametrize("saves", [{}, {2: (3, 6)}], ids=["whole", "checkpoint"])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_pooled_prefill_reads_the_rows_where_they_lie(
+    gd: gated_delta.GatedDeltaKernels, tiled: bool, saves: dict[int, tuple[int, int]]
+) -> None:
+    """A chunk's rows through the pooled kernels in place (one round, every token in order; tiled key
+    heads by the kernels' flag) give the bits of the gathered route with q and k repeated, and the
+    float64 torch layer's values; a checkpoint inside a row keeps its two gathered rounds."""
+    x = torch.randn(
+        sum(PREFILL_LENS), HIDDEN, generator=torch.Generator().manual_seed(5), dtype=torch.float64
+    )
+    want_layer = _layer(tiled, torch.float64)
+    want_pool = _pool(want_layer, torch.float64)
+    want = _prefill(want_layer, want_pool, x, saves, gather=False)
+    got = {}
+    for gather in (False, True):
+        layer = _layer(tiled, torch.float32)
+        kernels = _GatheredRoute(gd) if gather else gd
+        layer.attach(pooled_rule=kernels, pooled_conv=kernels)
+        pool = _pool(layer, torch.float32)
+        got[gather] = (_prefill(layer, pool, x, saves, gather), pool.conv[0], pool.recurrent[0])
+    for a, b in zip(got[False], got[True], strict=True):
+        assert torch.equal(a, b), "the rows in place differ from the gathered route"
+    out, conv, recurrent = got[False]
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=5e-5)  # float32 over 70 tokens
+    torch.testing.assert_close(conv.double(), want_pool.conv[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(recurrent.double(), want_pool.recurrent[0].double(), rtol=1e-4, atol=1e-5)
