@@ -235,6 +235,13 @@ static void panel_rows(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int6
                 stream_row((float *)y + (q0 + r) * y_stride + c0, v, pw);
                 continue;
             }
+            if (y_dtype == DTYPE_F32 && residual != NULL) { /* the residual read where it lies: one pass */
+                float *dst = (float *)y + (q0 + r) * y_stride + c0;
+                const float *add = (const float *)residual + (q0 + r) * res_stride + c0;
+#pragma omp simd
+                for (int64_t j = 0; j < pw; j++) dst[j] = v[j] + add[j];
+                continue;
+            }
             for (int64_t j0 = 0; residual != NULL && j0 < pw; j0 += PANEL_MAX) { /* (a one-row panel: wider) */
                 const int64_t m = pw - j0 < PANEL_MAX ? pw - j0 : PANEL_MAX;
                 load_vec(residual, y_dtype, (q0 + r) * res_stride + c0 + j0, (int)m, res);
