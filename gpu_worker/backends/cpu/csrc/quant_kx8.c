@@ -776,10 +776,11 @@ static inline __attribute__((always_inline)) void tile8(const __m512i *u, int64_
 }
 
 /* tile8 with the blocks read where they lie (q45_direct8, q6_direct8, legacy_direct8): out[r * ldo + j] = the tile's dot products, summed a slice (A8_SLICE blocks) at a
- * time as tile8 sums them, so the same bits. */
+ * time as tile8 sums them, so the same bits. next (not NULL): a stream it moves on a step a block. */
 static inline __attribute__((always_inline)) void tile8_direct(const uint8_t *g0, const uint8_t *g1, int64_t nb,
                                                                const act_block8 *const *xa, int64_t nr, float *out,
-                                                               int64_t ldo, int width, const int type, const int R) {
+                                                               int64_t ldo, int width, a8_pf *next, const int type,
+                                                               const int R) {
     const int legacy = type == QTYPE_Q4_0 || type == QTYPE_Q4_1 || type == QTYPE_Q8_0;
     const int64_t gbb = legacy ? 64 * qtype_x8(type | QTYPE_X8)->block_bytes : 8 * kx8_block_bytes(type);
     const int64_t group = nb * gbb; /* a group's bytes; g1 (width 16) is the group after g0 */
@@ -789,6 +790,7 @@ static inline __attribute__((always_inline)) void tile8_direct(const uint8_t *g0
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t b = b0; b < nb && b < b0 + A8_SLICE; b++) {
             const uint8_t *blk0 = g0 + b * gbb, *blk1 = g1 + b * gbb;
+            if (next != NULL) a8_pf_step(next);
             /* past its group's end g0's prefetch would land in g1, read beside it now: sent two groups
              * on, to the next tile's second group, which no stream fetches ahead (g1's lands in the
              * next tile's first); quant_mxfp4.c's a8_tile does the same */
@@ -820,6 +822,13 @@ static inline __attribute__((always_inline)) void tile8_direct(const uint8_t *g0
  * slices while they multiply"). */
 static inline int64_t direct_rows(const int type) { return type == QTYPE_Q4_K ? 32 : 8; }
 
+/* Up to how many bytes a tile's weights (16 rows of wrb) are for tile8_direct's later row groups to
+ * fetch the next tile's into L2 while they run (from 3 row groups): the first row group of each tile
+ * otherwise waits on memory (KX8_PF is too near for lines from DRAM). Only where the tile stays in L1
+ * for the later row groups; with one later row group (9-16 rows), or a tile read from L2, measured
+ * slower (docs/benchmarks-history.md, "Q4_K at 24-32 rows: the next tile's weights"). */
+#define KX8_NEXT_MAX (32 * 1024)
+
 /* Weight rows [0, nc) x activation rows [0, nr) on 8-bit activations (rows of act_block8): each pair
  * of groups unpacked a slice of blocks at a time, every activation row over the slice; or, for a few
  * rows (direct_rows), each row group over the blocks as they lie (the same bits either way). */
@@ -834,20 +843,25 @@ static inline __attribute__((always_inline)) void kx8_loop8(const uint8_t *w, in
         for (int64_t c0 = 0; c0 < nc; c0 += 16) {
             const int width = nc - c0 >= 16 ? 16 : 8;
             const uint8_t *g0 = w + c0 * wrb, *g1 = width == 16 ? g0 + 8 * wrb : g0;
+            /* the next tile's two groups (past the call's columns: the thread's next panel), a few lines a block */
+            const int64_t lines = 8 * wrb / 64, steps = groups >= 3 && 16 * wrb <= KX8_NEXT_MAX ? (groups - 1) * nb : 0;
+            a8_pf next = {{g0 + width * wrb, g0 + (width + 8) * wrb}, steps > 0 ? lines : 0,
+                          steps > 0 ? (lines + steps - 1) / steps : 0};
             for (int64_t ag = 0; ag < groups; ag++) {
                 const int64_t r0 = nr * ag / groups, rows = nr * (ag + 1) / groups - r0;
                 const act_block8 *xa[XR8];
                 for (int r = 0; r < XR8; r++) xa[r] = (const act_block8 *)(xq + (r0 + (r < rows ? r : 0)) * xrb);
                 float *o = out + r0 * ldo + c0;
+                a8_pf *nx = ag > 0 && next.left > 0 ? &next : NULL;
                 switch (rows) {
-                case 1: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, type, 1); break;
-                case 2: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, type, 2); break;
-                case 3: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, type, 3); break;
-                case 4: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, type, 4); break;
-                case 5: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, type, 5); break;
-                case 6: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, type, 6); break;
-                case 7: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, type, 7); break;
-                default: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, type, XR8); break;
+                case 1: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, nx, type, 1); break;
+                case 2: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, nx, type, 2); break;
+                case 3: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, nx, type, 3); break;
+                case 4: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, nx, type, 4); break;
+                case 5: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, nx, type, 5); break;
+                case 6: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, nx, type, 6); break;
+                case 7: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, nx, type, 7); break;
+                default: tile8_direct(g0, g1, nb, xa, rows, o, ldo, width, nx, type, XR8); break;
                 }
             }
         }
