@@ -124,9 +124,9 @@ typedef __m256 vec;
 #define ROW1_U 4
 /* Past ROW1_PAIR_K (k, AVX-512 only) a thread's rows go two at a time, row c beside row c + half of
  * them: two sequential streams, each x load serving both rows. At k = 8192 x (32 KB of float32) and
- * a row (16 KB) fill L1, so one row at a time missed x's lines every row; two far-apart streams read
- * 0.92 of a plain read's pace there against one's 0.85, and 0.94 against 0.95 at k = 2048
- * (docs/benchmarks-history.md, "BF16 one row at k = 8192: two streams a thread"). Each row's sums
+ * a row (16 KB) fill L1, so one row at a time missed x's lines every row; two far-apart streams come
+ * nearer a plain read's pace there, and not at k = 2048 (docs/benchmarks-history.md, "BF16 one row
+ * at k = 8192: two streams a thread"). Each row's sums
  * are its own, in row1's order: the same bits. AVX2's 16 registers hold one row's sums, not two. */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define ROW1_PAIR_K 4096

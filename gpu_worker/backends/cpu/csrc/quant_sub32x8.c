@@ -574,8 +574,8 @@ static inline __attribute__((always_inline)) void residual_rows(const uint8_t *b
 /* The next panel's weights (the bytes after this call's columns: a thread's panels lie one after the
  * other), fetched into L2 by the row groups after the first as they run over this panel, a few lines
  * a block. Otherwise each panel's first row group waits on memory, S32X8_PF ahead being too near for
- * lines from DRAM: at 16-64 rows 0.8-0.95 the time (docs/benchmarks-history.md, "IQ4_XS at 32 rows:
- * the next panel's weights"). */
+ * lines from DRAM (measured in docs/benchmarks-history.md, "IQ4_XS at 32 rows: the next panel's
+ * weights"). */
 typedef struct {
     const uint8_t *at;
     int64_t left, per; /* lines left, lines a block */
