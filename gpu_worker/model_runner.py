@@ -77,10 +77,10 @@ class ModelRunner:
         self.last_drawn = [0] * config.max_running_requests
         # Whether a batch whose draw is the argmax alone takes it from the head's kernel, without the
         # logits, where the model's head has one (head_argmax.py); bench.worker_step --toggle
-        # head_argmax times both in one process.
-        self.head_argmax = isinstance(self.model, GreedyHead)
-        # The model as a GreedyHead, checked once (a runtime protocol's isinstance walks its members).
+        # head_argmax times both in one process. The model as a GreedyHead checked once here (a
+        # runtime protocol's isinstance walks its members).
         self._greedy_head: GreedyHead | None = self.model if isinstance(self.model, GreedyHead) else None
+        self.head_argmax = self._greedy_head is not None
 
     def _init_device(self) -> None:
         self.backend = backends.create(self.config)

@@ -135,10 +135,9 @@ def _rule_round(
 ) -> torch.Tensor:
     """One round's tokens (``qkvgb`` holds those alone, in the round's order) through the rule."""
     q, k, v, g, beta = qkvgb
-    heads = {"tiled": True} if tiled else {}  # (a backend without tiled heads is never asked for them)
     if max(r.lengths) == 1:  # every piece one token: the decode step
-        return kernels.decode(q, k, v, g, beta, states, r.slots, **heads)
-    return kernels.prefill(q, k, v, g, beta, states, r.slots, r.cu_seqlens, **heads)
+        return kernels.decode(q, k, v, g, beta, states, r.slots, tiled=tiled)
+    return kernels.prefill(q, k, v, g, beta, states, r.slots, r.cu_seqlens, tiled=tiled)
 
 
 def _save(states: torch.Tensor, r: Round) -> None:

@@ -163,7 +163,9 @@ def _check(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    tiled: bool,
 ) -> None:
+    assert not tiled, "these kernels read key head h // (Hv / Hk) alone (tiled_heads is False)"
     tokens, k_heads, dk = k.shape
     _, v_heads, dv = v.shape
     assert q.shape == k.shape and v.shape[0] == tokens and v_heads % k_heads == 0, (
@@ -200,9 +202,10 @@ def decode(
     fresh: torch.Tensor | None = None,
     l2norm: bool = True,
     scale: float | None = None,
+    tiled: bool = False,
 ) -> torch.Tensor:
     """One token per row through the rule; ``state[slots]`` advanced in place (module docstring)."""
-    _check(q, k, v, g, beta, state)
+    _check(q, k, v, g, beta, state, tiled)
     rows, v_heads, dv = v.shape
     out = torch.empty((rows, v_heads, dv), dtype=q.dtype, device=q.device)
     if rows == 0:
@@ -231,11 +234,12 @@ def prefill(
     scale: float | None = None,
     chunk: int = CHUNK,
     num_warps: int = NUM_WARPS,
+    tiled: bool = False,
 ) -> torch.Tensor:
     """Each row's tokens [cu_seqlens[i], cu_seqlens[i + 1]) through the chunked rule; ``state[slots]``
     advanced in place (module docstring). ``chunk`` (a power of 2, >= 16) and ``num_warps`` tune
     the launch; the chunk changes only the sums' rounding."""
-    _check(q, k, v, g, beta, state)
+    _check(q, k, v, g, beta, state, tiled)
     tokens, v_heads, dv = v.shape
     seqs = len(cu_seqlens) - 1
     out = torch.empty((tokens, v_heads, dv), dtype=q.dtype, device=q.device)
