@@ -328,10 +328,8 @@ class Gemma4Decode:
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """The modules' (cos, sin) [T, 1, D] per layer type (RotaryCache's lookup), views of the
         step's flat rows (only where some layer keeps its modules)."""
-        return {
-            kind: tuple(t[rows * at : rows * (at + width)].view(rows, 1, width) for t in (cos, sin))  # type: ignore[misc]
-            for kind, _, at, width in self.tables
-        }
+        spans = {kind: (slice(rows * at, rows * (at + width)), width) for kind, _, at, width in self.tables}
+        return {kind: (cos[at].view(rows, 1, w), sin[at].view(rows, 1, w)) for kind, (at, w) in spans.items()}
 
     @staticmethod
     def _module_layer(
