@@ -105,7 +105,7 @@ def test_one_call_equals_the_modules(
     if split:
         fused = Gemma4Decode(fused.model, fused.kernels, [True, False] * 3)
         cpu_backend(runner).fused_decode = fused
-    assert (fused.inputs is not None) == tiny.tables_in_blocks, "the step's inputs in C: tables in blocks"
+    assert (fused.inputs.operands is not None) == tiny.tables_in_blocks, "the inputs in C: tables in blocks"
     calls = count_calls(fused.c_kernels, "decode", monkeypatch)
     inputs = count_calls(fused.c_kernels, "inputs", monkeypatch)
     sched = MiniScheduler(runner.num_pages, runner.config.page_size)

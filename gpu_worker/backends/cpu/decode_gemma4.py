@@ -1,4 +1,5 @@
-"""Gemma 4's decode steps through the one C call (csrc/decode_gemma4.c), run by run.
+"""Gemma 4's decode steps through the one C call (csrc/decode_gemma4.c), run by run: which layers
+the call takes, and the step that runs them between the other layers' modules.
 
 What a Gemma 4 layer computes beyond Gemma 3's (decode_gemma.py): its own heads, KV heads, head size,
 MLP width and rotary table; a KV-shared layer projects q alone and attends over its source's pool
@@ -11,41 +12,34 @@ block) keeps its modules between two runs, and so does the source of a KV-shared
 (the modules pass a source's K/V in ``shared``, not through the pool). A layer runs in C only where
 every part of it is on ``GEMMA4_C_LAYERS``' positive list and on the kernels the modules call
 (float32 activations, QuantLinears without a bias), so the hidden states equal the modules' bit for
-bit (tests/gpu_worker/test_decode_gemma4.py). The step's inputs (the token and per-layer tables'
-rows, the per-layer projection, its norm and scales: ``Gemma4ForCausalLM.embedded``) come from one
-more C call, decode_gemma4_inputs, where both tables and the projection are in blocks
-(``step_inputs``): some 25 torch ops a step, each costly on caches the weights' stream has just
-emptied (docs/benchmarks-history.md, "Gemma 4's one-row step outside the C calls").
+bit (tests/gpu_worker/test_decode_gemma4.py). The step's inputs: decode_gemma4_inputs.py; the
+call's structs and binding: decode_gemma4_kernels.py.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
-import functools
 import itertools
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from gpu_worker.backends.cpu import abi
 from gpu_worker.backends.cpu.decode_common import anything, not_listed, off
-from gpu_worker.backends.cpu.decode_structs import DecodeLinear, fields, quant_linears
+from gpu_worker.backends.cpu.decode_gemma4_inputs import StepInputs
+from gpu_worker.backends.cpu.decode_gemma4_kernels import LINEARS, Gemma4Dims, Gemma4Layer, gemma4_kernels
+from gpu_worker.backends.cpu.decode_structs import DecodeLinear, quant_linears
 from gpu_worker.backends.cpu.kernels import KV_DTYPE_CODES, CpuKernels
-from gpu_worker.backends.cpu.layouts import kernel_type
-from gpu_worker.backends.cpu.quant import QuantEmbedding, QuantLinear
+from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.forward_context import PLAIN, AttentionOptions, ForwardContext
 from gpu_worker.models.gemma4 import Gemma4Attention, Gemma4DecoderLayer, Gemma4ForCausalLM, SharedKV
 from gpu_worker.models.gemma4_blocks import Gemma4MLP, Gemma4RMSNorm
 from gpu_worker.models.layers import Linear, MergedLinear, gelu_tanh
 
 logger = logging.getLogger(__name__)
-
-LINEARS = 6  # csrc/rivulet_kernels.h's GEMMA4_LINEARS: qkv, o, gate_up, down, per-layer gate, projection
 
 
 def _plain_or_window(options: AttentionOptions) -> bool:
@@ -67,92 +61,6 @@ GEMMA4_C_LAYERS: dict[type[nn.Module], dict[str, Callable[[Any], bool]]] = {
     MergedLinear: {"bias": off},
     Linear: {"bias": off},
 }
-
-
-class Gemma4Layer(ctypes.Structure):
-    """csrc/rivulet_kernels.h's ``gemma4_layer``."""
-
-    _fields_ = [
-        *fields(ctypes.c_void_p, "input_norm", "attn_out_norm", "post_norm", "mlp_out_norm"),
-        *fields(ctypes.c_void_p, "per_layer_norm", "q_norm", "k_norm", "v_norm"),
-        ("linear", DecodeLinear * LINEARS),
-        *fields(ctypes.c_void_p, "k_cache", "v_cache"),
-        *fields(ctypes.c_int64, "heads", "kv_heads", "head_dim", "inner", "window", "rope_at"),
-        *fields(ctypes.c_int64, "writes_kv", "k_eq_v", "per_layer"),
-        *fields(ctypes.c_float, "scale", "layer_scalar"),
-    ]
-
-
-class Gemma4Dims(ctypes.Structure):
-    """csrc/rivulet_kernels.h's ``gemma4_dims``."""
-
-    _fields_ = [
-        *fields(ctypes.c_int64, "hidden", "per_layer_dim", "per_layer_stride", "kv_dtype"),
-        ("eps", ctypes.c_float),
-    ]
-
-
-class Gemma4Inputs(ctypes.Structure):
-    """csrc/rivulet_kernels.h's ``gemma4_inputs``."""
-
-    _fields_ = [
-        *fields(ctypes.c_void_p, "embed", "per_layer_table", "per_layer_norm"),
-        ("projection", DecodeLinear),
-        *fields(ctypes.c_int64, "embed_type", "per_layer_type"),
-        *fields(ctypes.c_float, "embed_scale", "per_layer_scale", "projection_scale", "mean_scale", "eps"),
-    ]
-
-
-class Gemma4Kernels:
-    """ctypes binding of decode_gemma4.c in a built kernels library."""
-
-    def __init__(self, path: Path) -> None:
-        lib = ctypes.CDLL(str(path))
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._decode = lib.decode_gemma4
-        self._decode.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64]
-        self._decode.restype = ctypes.c_int
-        self._inputs = lib.decode_gemma4_inputs
-        self._inputs.argtypes = [ptr, ptr, ptr, i64, ptr, ptr]
-        self._inputs.restype = ctypes.c_int
-        structs = {"decode_linear": DecodeLinear, "gemma4_layer": Gemma4Layer, "gemma4_dims": Gemma4Dims,
-                   "gemma4_inputs": Gemma4Inputs}  # fmt: skip
-        abi.check(abi.bound_functions(self), structs, {"GEMMA4_LINEARS": LINEARS})
-
-    def decode(
-        self, layers: ctypes.Array[Gemma4Layer], dims: Gemma4Dims, x: torch.Tensor, cos: torch.Tensor,
-        sin: torch.Tensor, per_layer: torch.Tensor | None, rows: Any,
-    ) -> None:  # fmt: skip
-        """A run of layers over decode rows, x [T, hidden] in place; cos / sin the step's tables one
-        after another (flat), per_layer [T, layers, dim] contiguous or None."""
-        status = self._decode(
-            ctypes.byref(layers), len(layers), ctypes.byref(dims), x.data_ptr(), x.data_ptr(), x.shape[0],
-            cos.data_ptr(), sin.data_ptr(), None if per_layer is None else per_layer.data_ptr(), rows.q_rows,
-            rows.req_pool_idx, rows.kv_lens, rows.page_table, rows.pt_stride, rows.page_size,
-        )  # fmt: skip
-        if status != 0:
-            raise RuntimeError(f"decode_gemma4 failed: {abi.status_text(status)}")
-
-    def inputs(
-        self, inputs: Gemma4Inputs, dims: Gemma4Dims, ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's x [T, hidden] and per-layer inputs [T, layers, dim] from int64 ids [T] (in both
-        tables: the runner's batch checks), as ``Gemma4ForCausalLM.embedded`` computes them."""
-        assert ids.dtype == torch.int64 and ids.dim() == 1 and ids.is_contiguous()
-        rows = ids.shape[0]
-        x = torch.empty((rows, dims.hidden), dtype=torch.float32)
-        per_layer = torch.empty((rows, dims.per_layer_stride // dims.per_layer_dim, dims.per_layer_dim))
-        status = self._inputs(
-            ctypes.byref(inputs), ctypes.byref(dims), ids.data_ptr(), rows, x.data_ptr(), per_layer.data_ptr()
-        )
-        if status != 0:
-            raise RuntimeError(f"decode_gemma4_inputs failed: {abi.status_text(status)}")
-        return x, per_layer
-
-
-@functools.cache
-def gemma4_kernels(path: Path) -> Gemma4Kernels:
-    return Gemma4Kernels(path)
 
 
 def _norms(layer: nn.Module) -> list[Gemma4RMSNorm]:
@@ -238,7 +146,7 @@ class Gemma4Decode:
         ]
         self._runs: list[tuple[int, int, ctypes.Array[Gemma4Layer]]] | None = None  # [first, end) and structs
         self._pool: tuple[int, int] = (0, 0)
-        self.inputs = step_inputs(model)
+        self.inputs = StepInputs(model, self.c_kernels, self.dims)
 
     def _layer(self, layer: Any, ctx: ForwardContext) -> Gemma4Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -286,10 +194,7 @@ class Gemma4Decode:
         paged = ctx.attn.paged_decode
         if not ctx.attn.in_order or paged is None or ctx.images is not None:
             return None
-        if self.inputs is not None and not len(self.model.media_token_ids):
-            x, per_layer = self.c_kernels.inputs(self.inputs, self.dims, input_ids)
-        else:
-            x, per_layer = self.model.embedded(input_ids, ctx)
+        x, per_layer = self.inputs(input_ids, ctx)
         x = x.contiguous()
         assert x.dtype == torch.float32 and (per_layer is None or per_layer.is_contiguous())
         cos, sin = self._rotary_rows(ctx.positions)
@@ -338,33 +243,6 @@ class Gemma4Decode:
     ) -> torch.Tensor:  # fmt: skip
         layer_input = per_layer[:, layer.self_attn.layer] if per_layer is not None else None
         return layer(x, layer_input, rotary[str(layer.layer_type)], ctx, shared)
-
-
-def step_inputs(model: Gemma4ForCausalLM) -> Gemma4Inputs | None:
-    """``embedded``'s operands for csrc/decode_gemma4.c's decode_gemma4_inputs, or None (``embedded``
-    runs) where a table is not a QuantEmbedding, the projection not a QuantLinear without a bias, the
-    norm not the kernels', a scale not float32, or the per-layer table holds fewer rows than the token
-    table (the runner checks ids against the vocabulary)."""
-    body: Any = model.model
-    if not body.per_layer_dim:
-        return None
-    embed, table = body.embed_tokens.impl, body.embed_tokens_per_layer.impl
-    norm: Gemma4RMSNorm = body.per_layer_projection_norm
-    projection = quant_linears([body.per_layer_model_projection])
-    if not (isinstance(embed, QuantEmbedding) and isinstance(table, QuantEmbedding)) or projection is None:
-        return None
-    scales = (body.embed_scale, body.per_layer_scale)
-    if norm.scale32 is None or norm.fused is None or any(s.dtype != torch.float32 for s in scales):
-        return None
-    if table.table.data.shape[0] < embed.table.data.shape[0]:
-        return None
-    return Gemma4Inputs(
-        embed=embed.table.data.data_ptr(), per_layer_table=table.table.data.data_ptr(),
-        per_layer_norm=norm.scale32.data_ptr(), projection=DecodeLinear.of(projection[0]),
-        embed_type=kernel_type(embed.table), per_layer_type=kernel_type(table.table),
-        embed_scale=float(body.embed_scale), per_layer_scale=float(body.per_layer_scale),
-        projection_scale=embed.table.cols**-0.5, mean_scale=2.0**-0.5, eps=norm.eps,
-    )  # fmt: skip
 
 
 def _scale(norm: Any) -> int:
