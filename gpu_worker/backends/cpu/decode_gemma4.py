@@ -23,7 +23,7 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -37,7 +37,7 @@ from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.forward_context import PLAIN, AttentionOptions, ForwardContext
 from gpu_worker.models.gemma4 import Gemma4Attention, Gemma4DecoderLayer, Gemma4ForCausalLM, SharedKV
 from gpu_worker.models.gemma4_blocks import Gemma4MLP, Gemma4RMSNorm
-from gpu_worker.models.layers import Linear, MergedLinear, gelu_tanh
+from gpu_worker.models.layers import Linear, MergedLinear, RotaryCache, gelu_tanh
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,29 @@ def c_layers(model: Gemma4ForCausalLM, kernels: CpuKernels) -> list[bool]:
     return in_c
 
 
+class RopeTable(NamedTuple):
+    """A layer type's rotary table and where its rows sit in the step's flat cos / sin."""
+
+    cache: RotaryCache
+    at: int  # the widths of the tables before it (its layers' rope_at)
+    width: int
+
+    def span(self, rows: int) -> slice:
+        """Its rows' span of the flat cos / sin of a step of ``rows`` rows."""
+        return slice(rows * self.at, rows * (self.at + self.width))
+
+
+def rope_tables(model: Gemma4ForCausalLM) -> dict[str, RopeTable]:
+    """Each layer type's table, in their order in the step's flat cos / sin (sorted by type)."""
+    rotary: Any = model.rotary
+    tables, at = {}, 0
+    for kind in sorted(rotary.keys()):
+        width = rotary[kind].cos.shape[-1]
+        tables[kind] = RopeTable(rotary[kind], at, width)
+        at += width
+    return tables
+
+
 class Gemma4Decode:
     """Gemma 4's decode steps: runs of layers in the one call, the other layers' modules between."""
 
@@ -136,14 +159,8 @@ class Gemma4Decode:
             hidden=first.input_layernorm.dim, per_layer_dim=body.per_layer_dim,
             per_layer_stride=len(body.layers) * body.per_layer_dim, eps=first.input_layernorm.eps,
         )  # fmt: skip
-        rotary: Any = model.rotary
-        kinds = sorted(rotary.keys())  # the tables' order in the flat cos / sin
-        widths = [rotary[kind].cos.shape[-1] for kind in kinds]
-        self.rope_at = {kind: sum(widths[:i]) for i, kind in enumerate(kinds)}
-        self.rope_width = sum(widths)
-        self.tables = [
-            (kind, rotary[kind], self.rope_at[kind], width) for kind, width in zip(kinds, widths, strict=True)
-        ]
+        self.tables = rope_tables(model)
+        self.rope_width = sum(table.width for table in self.tables.values())
         self._runs: list[tuple[int, int, ctypes.Array[Gemma4Layer]]] | None = None  # [first, end) and structs
         self._pool: tuple[int, int] = (0, 0)
         self.inputs = StepInputs(model, self.c_kernels, self.dims)
@@ -167,7 +184,7 @@ class Gemma4Decode:
             linear=(DecodeLinear * LINEARS)(*linears), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
             heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             inner=sum(mlp.gate_up_proj.sizes) // 2, window=attn.attention.sliding_window,
-            rope_at=self.rope_at[str(layer.layer_type)], writes_kv=int(not attn.shares_kv),
+            rope_at=self.tables[str(layer.layer_type)].at, writes_kv=int(not attn.shares_kv),
             k_eq_v=int(attn.k_eq_v), per_layer=layer.self_attn.layer if layer.per_layer else -1,
             scale=attn.head_dim**-0.5 if scale is None else scale, layer_scalar=float(layer.layer_scalar),
         )  # fmt: skip
@@ -220,12 +237,12 @@ class Gemma4Decode:
         """The step's cos and sin, each table's rows at the positions one table after another (flat),
         looked up straight into them."""
         rows = positions.shape[0]
-        dtype = self.tables[0][1].cos.dtype
+        dtype = next(iter(self.tables.values())).cache.cos.dtype
         cos, sin = (torch.empty(rows * self.rope_width, dtype=dtype) for _ in range(2))
-        for _, cache, at, width in self.tables:
-            span = slice(rows * at, rows * (at + width))
-            torch.index_select(cache.cos, 0, positions, out=cos[span].view(rows, width))
-            torch.index_select(cache.sin, 0, positions, out=sin[span].view(rows, width))
+        for table in self.tables.values():
+            span, width = table.span(rows), table.width
+            torch.index_select(table.cache.cos, 0, positions, out=cos[span].view(rows, width))
+            torch.index_select(table.cache.sin, 0, positions, out=sin[span].view(rows, width))
         return cos, sin
 
     def _module_rotary(
@@ -233,8 +250,10 @@ class Gemma4Decode:
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """The modules' (cos, sin) [T, 1, D] per layer type (RotaryCache's lookup), views of the
         step's flat rows (only where some layer keeps its modules)."""
-        spans = {kind: (slice(rows * at, rows * (at + width)), width) for kind, _, at, width in self.tables}
-        return {kind: (cos[at].view(rows, 1, w), sin[at].view(rows, 1, w)) for kind, (at, w) in spans.items()}
+        return {
+            kind: (cos[t.span(rows)].view(rows, 1, t.width), sin[t.span(rows)].view(rows, 1, t.width))
+            for kind, t in self.tables.items()
+        }
 
     @staticmethod
     def _module_layer(
