@@ -32,7 +32,7 @@ SOURCES = (
     "quant_x8.c", "quant_kx8.c", "quant_sub32.c", "quant_f16.c", "quant_k23.c", "decode_layers.c",
     "quant_sub32x8.c", "quant_k23x8.c",
     "moe.c", "shm_allreduce.c", "gated_delta.c", "mla.c", "quant_mxfp4.c", "decode_hybrid.c",
-    "decode_mla.c", "quant_bf16x.c", "decode_gemma4.c",
+    "decode_mla.c", "quant_bf16x.c", "decode_gemma4.c", "head_screen.c",
 )  # fmt: skip
 HEADERS = ("rivulet_kernels.h", "common.h", "quant.h")
 # -std=c11 alone turns FMA contraction off, and trapping math keeps float selects as branches: both

@@ -54,6 +54,12 @@ class QuantKernels:
         f32 = ctypes.c_float
         self._quant_matmul_argmax.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, i32, f32, ptr]
         self._quant_matmul_argmax.restype = i32
+        self._head_screen_build = lib.head_screen_build
+        self._head_screen_build.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr]
+        self._head_screen_build.restype = i32
+        self._head_screen_argmax = lib.head_screen_argmax
+        self._head_screen_argmax.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, ptr, i32, i64, ptr, ptr, ptr, ptr]
+        self._head_screen_argmax.restype = i32
         self._quant_get_rows = lib.quant_get_rows
         self._quant_get_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32]
         self._quant_get_rows.restype = None
@@ -176,6 +182,46 @@ class QuantKernels:
             refused = f"type {type}, n={n}, k={k}, dtype {x.dtype}: {status_text(status)}"
             raise ValueError(f"quant_matmul_argmax refused {refused}")
         return out
+
+    def head_screen_build(
+        self, type: int, w: torch.Tensor, k: int, q: torch.Tensor, scale: torch.Tensor, radius: torch.Tensor
+    ) -> bool:
+        """Fill a 16-bit head's screen (csrc/head_screen.c): ``q`` uint8 [n, k] (int8 bits), ``scale``
+        and ``radius`` float32 [n], from its rows ``w`` (uint8 [n, 2 k]). False where a weight is not
+        finite (the head then keeps the full route)."""
+        n = w.shape[0]
+        assert q.dtype == torch.uint8 and q.shape == (n, k) and q.is_contiguous()
+        assert scale.dtype == radius.dtype == torch.float32 and scale.shape == radius.shape == (n,)
+        assert w.shape == (n, 2 * k) and w.is_contiguous()
+        args = (type, w.data_ptr(), n, k, q.data_ptr(), scale.data_ptr(), radius.data_ptr())
+        return self._head_screen_build(*args) == 0
+
+    def head_screen_argmax(
+        self,
+        type: int,
+        w: torch.Tensor,
+        k: int,
+        screen: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        out: torch.Tensor,
+    ) -> None:
+        """``quant_matmul_argmax``'s index for one row ``x`` ([1, k] or [k], float32 or bfloat16, not
+        dense, no cap) by the screen (q, scale, radius: ``head_screen_build``'s) into ``out[0]``, the
+        candidates counted into ``out[1]`` (-1: the full route ran); ``scratch``: approx (float32 [n]),
+        cand (int64 [m]) and exact (float32 [m]) for at most m candidates (their rows and values)."""
+        q, scale, radius = screen
+        approx, cand, exact = scratch
+        n = w.shape[0]
+        assert x.numel() == k and x.is_contiguous() and out.dtype == torch.int64 and out.numel() >= 2
+        assert approx.numel() >= n and cand.numel() == exact.numel()
+        status = self._head_screen_argmax(
+            type, w.data_ptr(), n, k, q.data_ptr(), scale.data_ptr(), radius.data_ptr(), x.data_ptr(),
+            DTYPE_CODES[x.dtype], cand.numel(), approx.data_ptr(), cand.data_ptr(), exact.data_ptr(),
+            out.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"head_screen_argmax refused type {type}, n={n}, k={k}: {status_text(status)}")
 
     def _scratch(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes`` for quantized activations, reused by this thread's calls

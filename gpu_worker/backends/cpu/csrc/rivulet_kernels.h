@@ -327,6 +327,16 @@ void quant_get_rows(int type, const uint8_t *w, int64_t k, const int64_t *ids, i
 int quant_matmul_argmax(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
                         int x_dtype, int64_t rows, void *scratch, int dense, float cap, int64_t *out);
 
+/* head_screen.c: a BF16 / F16 head's one-row greedy draw screened by an int8 copy, exact (the file's
+ * top comment). head_screen_build: q [n, k] int8 (as bytes), scale [n], radius [n] from w; RV_ERR_DTYPE
+ * where a weight is not finite. head_screen_argmax: out[0] = quant_matmul_argmax's index for the one
+ * row x (not dense, no cap), out[1] = the candidates counted (-1: the full route ran), their rows and
+ * exact values in cand / exact [max_cand]; approx: n floats of scratch. */
+int head_screen_build(int type, const uint8_t *w, int64_t n, int64_t k, void *q, float *scale, float *radius);
+int head_screen_argmax(int type, const uint8_t *w, int64_t n, int64_t k, const void *q, const float *scale,
+                       const float *radius, const void *x, int x_dtype, int64_t max_cand, float *approx,
+                       int64_t *cand, float *exact, int64_t *out);
+
 /* moe.c */
 int moe_experts(const moe_projection *proj, int64_t hidden, int64_t inner, const void *x, const int64_t *tokens,
                 const void *weights, const int64_t *spans, int64_t n_spans, int64_t pairs, int64_t tokens_n,
@@ -407,5 +417,9 @@ extern int weight_prefetch_nta;
 /* quant.c: whether quant_matmul's outputs of its STREAM_BYTES or more (a many-row head's logits) go
  * to memory by streaming stores (1, the default; 0 times the plain stores in the same process). */
 extern int quant_y_stream;
+
+/* head_screen.c: whether head_screen_argmax screens (1, the default) or runs the full route (0: the
+ * screen off, or both timed in one process by bench.worker_step --toggle head_screen). */
+extern int head_screen;
 
 #endif
