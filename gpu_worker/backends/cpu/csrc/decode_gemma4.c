@@ -50,15 +50,51 @@ static int add_normed(const gemma4_layer *l, int i, const gemma4_dims *dims, int
     return RV_OK;
 }
 
+/* A step's buffers, each float32 [rows, its width] (the widest layer's), and the integer path's quantized
+ * activations (scratch). */
 typedef struct {
     float *h, *qkv, *v, *attn, *gu, *act;
     void *scratch;
 } buffers;
 
+/* The arena holding a step's buffers for a run of layers (NULL: no memory; the caller frees it). */
+static char *gemma4_arena(const gemma4_layer *layers, int64_t n_layers, const gemma4_dims *dims, int64_t rows,
+                          buffers *b) {
+    const int64_t hidden = dims->hidden;
+    int64_t qkv_max = 0, q_max = 0, kv_max = 0, inner_max = dims->per_layer_dim, k_max = hidden;
+    for (int64_t li = 0; li < n_layers; li++) {
+        const gemma4_layer *l = layers + li;
+        qkv_max = max64(qkv_max, qkv_width(l));
+        q_max = max64(q_max, l->heads * l->head_dim);
+        kv_max = max64(kv_max, l->kv_heads * l->head_dim);
+        inner_max = max64(inner_max, l->inner);
+        k_max = max64(k_max, max64(l->heads * l->head_dim, l->inner));
+    }
+    /* gu: the MLP's gate_up, or the per-layer block's [gate | e] rows */
+    float **bufs[] = {&b->h, &b->qkv, &b->v, &b->attn, &b->gu, &b->act};
+    const int64_t widths[] = {hidden, qkv_max, kv_max, q_max, 2 * inner_max, inner_max};
+    enum { BUFFERS = sizeof(widths) / sizeof(widths[0]) };
+    _Static_assert(sizeof(bufs) / sizeof(bufs[0]) == BUFFERS, "a width for each buffer");
+    int64_t total = 0, at[BUFFERS];
+    for (int i = 0; i < BUFFERS; i++) at[i] = total, total += rows * widths[i] * (int64_t)sizeof(float);
+    const int64_t scratch_at = (total + 63) & ~(int64_t)63;
+    char *arena = malloc((size_t)(scratch_at + rows * act_row_bytes_max(k_max)));
+    if (arena == NULL) return NULL;
+    for (int i = 0; i < BUFFERS; i++) *bufs[i] = (float *)(arena + at[i]);
+    b->scratch = arena + scratch_at;
+    return arena;
+}
+
+/* The step's rows as paged_decode_attention reads them, and their rotary tables (decode_gemma4's). */
+typedef struct {
+    const float *cos, *sin;
+    const int64_t *q_rows, *req_pool_idx, *kv_lens, *page_table;
+    int64_t pt_stride, page_size;
+} step_rows;
+
 /* The attention block of one layer: out += rms_norm(attention(...) Wo^T). */
-static int attention_block(const gemma4_layer *l, const gemma4_dims *dims, const buffers *b, float *out, int64_t rows,
-                           const float *cos, const float *sin, const int64_t *q_rows, const int64_t *req_pool_idx,
-                           const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride, int64_t page_size) {
+static int attention_block(const gemma4_layer *l, const gemma4_dims *dims, const buffers *b, const step_rows *s,
+                           float *out, int64_t rows) {
     const int64_t hidden = dims->hidden, d = l->head_dim, q_out = l->heads * d, kv_out = l->kv_heads * d;
     const int64_t qkv_n = qkv_width(l);
     rms_norm(out, hidden, l->input_norm, b->h, rows, (int)hidden, dims->eps, DTYPE_F32);
@@ -71,14 +107,26 @@ static int attention_block(const gemma4_layer *l, const gemma4_dims *dims, const
     }
     norm_heads(b->qkv, b->qkv, qkv_n, qkv_n, rows, l->heads, d, l->q_norm, dims->eps);
     const int64_t table = rows * l->rope_at;
-    rotary(b->qkv, qkv_n, rows, (int)(l->heads + (l->writes_kv ? l->kv_heads : 0)), (int)d, cos + table, sin + table,
-           DTYPE_F32);
+    rotary(b->qkv, qkv_n, rows, (int)(l->heads + (l->writes_kv ? l->kv_heads : 0)), (int)d, s->cos + table,
+           s->sin + table, DTYPE_F32);
     status = paged_decode_attention(b->qkv, qkv_n, l->k_cache, l->v_cache, b->attn, DTYPE_F32, (int)dims->kv_dtype,
-                                    q_rows, req_pool_idx, kv_lens, page_table, pt_stride, rows, (int)l->heads,
-                                    (int)l->kv_heads, (int)d, (int)page_size, l->scale, l->writes_kv ? k : NULL, qkv_n,
-                                    l->writes_kv ? b->v : NULL, kv_out, l->window, NULL);
+                                    s->q_rows, s->req_pool_idx, s->kv_lens, s->page_table, s->pt_stride, rows,
+                                    (int)l->heads, (int)l->kv_heads, (int)d, (int)s->page_size, l->scale,
+                                    l->writes_kv ? k : NULL, qkv_n, l->writes_kv ? b->v : NULL, kv_out, l->window,
+                                    NULL);
     if (status != 0) return status;
     return add_normed(l, O, dims, q_out, b->attn, rows, b->scratch, b->h, out, l->attn_out_norm);
+}
+
+/* The MLP block of one layer: out += rms_norm((gelu(gate) * up) Wdown^T), gate and up of rms_norm(out). */
+static int mlp_block(const gemma4_layer *l, const gemma4_dims *dims, const buffers *b, float *out, int64_t rows) {
+    const int64_t hidden = dims->hidden;
+    rms_norm(out, hidden, l->post_norm, b->h, rows, (int)hidden, dims->eps, DTYPE_F32);
+    const int status =
+        decode_linear_run(&l->linear[GATE_UP], 2 * l->inner, hidden, b->h, rows, b->scratch, b->gu, DTYPE_F32, NULL);
+    if (status != 0) return status;
+    gelu_tanh_mul(b->gu, b->act, rows, (int)l->inner, DTYPE_F32);
+    return add_normed(l, DOWN, dims, l->inner, b->act, rows, b->scratch, b->h, out, l->mlp_out_norm);
 }
 
 /* The per-layer input's gate: out += rms_norm((gelu(out Wg^T) * e) Wp^T), e row r at per_layer + r *
@@ -107,41 +155,19 @@ int decode_gemma4(const gemma4_layer *layers, int64_t n_layers, const gemma4_dim
                   int64_t rows, const float *cos, const float *sin, const float *per_layer, const int64_t *q_rows,
                   const int64_t *req_pool_idx, const int64_t *kv_lens, const int64_t *page_table, int64_t pt_stride,
                   int64_t page_size) {
-    const int64_t hidden = dims->hidden, dim = dims->per_layer_dim;
-    int64_t qkv_max = 0, q_max = 0, kv_max = 0, inner_max = dim, k_max = hidden;
+    buffers b;
+    char *arena = gemma4_arena(layers, n_layers, dims, rows, &b);
+    if (arena == NULL) return RV_ERR_NO_MEMORY;
+    const step_rows s = {cos, sin, q_rows, req_pool_idx, kv_lens, page_table, pt_stride, page_size};
+    const int64_t hidden = dims->hidden;
+    if (out != x) memcpy(out, x, (size_t)(rows * hidden) * sizeof(float));
+    int status = RV_OK;
     for (int64_t li = 0; li < n_layers; li++) {
         const gemma4_layer *l = layers + li;
-        qkv_max = max64(qkv_max, qkv_width(l));
-        q_max = max64(q_max, l->heads * l->head_dim);
-        kv_max = max64(kv_max, l->kv_heads * l->head_dim);
-        inner_max = max64(inner_max, l->inner);
-        k_max = max64(k_max, max64(l->heads * l->head_dim, l->inner));
-    }
-    /* h, qkv, v, attn, gate_up (or [gate | e]), act; then the integer path's quantized activations */
-    const int64_t widths[6] = {hidden, qkv_max, kv_max, q_max, 2 * inner_max, inner_max};
-    int64_t total = 0, at[6];
-    for (int i = 0; i < 6; i++) at[i] = total, total += rows * widths[i] * (int64_t)sizeof(float);
-    const int64_t scratch_at = (total + 63) & ~(int64_t)63;
-    char *arena = malloc((size_t)(scratch_at + rows * act_row_bytes_max(k_max)));
-    if (arena == NULL) return RV_ERR_NO_MEMORY;
-    const buffers b = {(float *)(arena + at[0]), (float *)(arena + at[1]), (float *)(arena + at[2]),
-                       (float *)(arena + at[3]), (float *)(arena + at[4]), (float *)(arena + at[5]),
-                       arena + scratch_at};
-    if (out != x) memcpy(out, x, (size_t)(rows * hidden) * sizeof(float));
-    int status = 0;
-    for (int64_t li = 0; li < n_layers && status == 0; li++) {
-        const gemma4_layer *l = layers + li;
-        status = attention_block(l, dims, &b, out, rows, cos, sin, q_rows, req_pool_idx, kv_lens, page_table,
-                                 pt_stride, page_size);
-        if (status != 0) break;
-        rms_norm(out, hidden, l->post_norm, b.h, rows, (int)hidden, dims->eps, DTYPE_F32);
-        status = decode_linear_run(&l->linear[GATE_UP], 2 * l->inner, hidden, b.h, rows, b.scratch, b.gu, DTYPE_F32,
-                                   NULL);
-        if (status != 0) break;
-        gelu_tanh_mul(b.gu, b.act, rows, (int)l->inner, DTYPE_F32);
-        if ((status = add_normed(l, DOWN, dims, l->inner, b.act, rows, b.scratch, b.h, out, l->mlp_out_norm)) != 0)
-            break;
-        if (l->per_layer >= 0 && (status = per_layer_block(l, dims, &b, out, rows, per_layer)) != 0) break;
+        status = attention_block(l, dims, &b, &s, out, rows);
+        if (status == RV_OK) status = mlp_block(l, dims, &b, out, rows);
+        if (status == RV_OK && l->per_layer >= 0) status = per_layer_block(l, dims, &b, out, rows, per_layer);
+        if (status != RV_OK) break;
         const float scalar = l->layer_scalar;
         for (int64_t i = 0; i < rows * hidden; i++) out[i] *= scalar;
     }
@@ -165,7 +191,8 @@ int decode_gemma4_inputs(const gemma4_inputs *in, const gemma4_dims *dims, const
     const size_t scratch_bytes = (size_t)((rows * act_row_bytes_max(hidden) + 63) & ~(int64_t)63);
     void *scratch = aligned_alloc(64, scratch_bytes);
     int status = y == NULL || scratch == NULL ? RV_ERR_NO_MEMORY : RV_OK;
-    if (status == RV_OK) status = decode_linear_run(&in->projection, width, hidden, x, rows, scratch, y, DTYPE_F32, NULL);
+    if (status == RV_OK)
+        status = decode_linear_run(&in->projection, width, hidden, x, rows, scratch, y, DTYPE_F32, NULL);
     if (status == RV_OK) {
         quant_get_rows((int)in->per_layer_type, in->per_layer_table, width, ids, rows, per_layer, DTYPE_F32);
         for (int64_t i = 0; i < rows * width; i++) per_layer[i] *= in->per_layer_scale;
