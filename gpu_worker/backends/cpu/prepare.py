@@ -42,6 +42,7 @@ from gpu_worker.backends.cpu.decode_hybrid import HybridDecode, hybrid_decode
 from gpu_worker.backends.cpu.decode_layers import FusedDecode
 from gpu_worker.backends.cpu.decode_mla import MlaDecode, one_call_decode
 from gpu_worker.backends.cpu.experts import interleave_experts, relaid_experts
+from gpu_worker.backends.cpu.head_screen import screen_for
 from gpu_worker.backends.cpu.hugepages import HugePageArena, arena_bytes
 from gpu_worker.backends.cpu.kind import CpuKind, describe, requested_kind
 from gpu_worker.backends.cpu.layouts import in_arena, place
@@ -150,7 +151,11 @@ def _attach_quantized(
         weight = module.quantized = interleaved[id(weight)][1]
         types = "+".join(gguf.GGMLQuantizationType(part.type).name for part in weight.parts)
         if isinstance(module, Linear):
-            module.attach(impl=QuantLinear(weight, module.bias, kernels))
+            screen = screen_for(weight, module.bias, kernels)  # head_screen.py: a 16-bit vocabulary's head
+            module.attach(impl=QuantLinear(weight, module.bias, kernels, screen))
+            if screen is not None:
+                held = sum(t.numel() * t.element_size() for t in screen.tensors())
+                logger.info("head screen: int8 copy of the %s head, %.1f MB", types.lower(), held / 1e6)
             paths[f"gguf {types}"] += 1
         else:
             module.attach(impl=QuantEmbedding(weight, dtype, kernels))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 
+from gpu_worker.backends.cpu.head_screen import HeadScreen
 from gpu_worker.backends.cpu.kernels import CpuKernels
 from gpu_worker.backends.cpu.kind import CpuKind
 from gpu_worker.backends.cpu.layouts import A8, X8_LAYOUT, kernel_type
@@ -166,7 +167,13 @@ def dense_min_rows(kind: CpuKind, part: QuantBlocks) -> int:
 class QuantLinear:
     """``x W^T (+ b)`` for a Linear whose weight is a ``QuantizedWeight``."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, kernels: CpuKernels) -> None:
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None,
+        kernels: CpuKernels,
+        screen: HeadScreen | None = None,
+    ) -> None:
         self.act_bytes = [
             kernels.quant_check(kernel_type(p), p.data, p.cols) for p in weight.parts
         ]  # raises if unfit
@@ -176,10 +183,16 @@ class QuantLinear:
         self.out_features = weight.rows
         self.dense_min_rows = [dense_min_rows(kernels.kind, p) for p in weight.parts]
         self.a8_min_rows = [a8_min_rows(kernels, p) for p in weight.parts]
+        # head_screen.py: a 16-bit head's one-row argmax from its int8 copy, where one row takes the
+        # one-row tile (neither the dense path nor 8-bit activations: the screen's exact values are that
+        # tile's)
+        one_row_tile = screen is not None and self.dense_min_rows[0] > 1 and self.a8_min_rows[0] > 1
+        self.screen = screen if one_row_tile else None
 
     def tensors(self) -> list[torch.Tensor]:
         """What this Linear holds (for the worker's count of weight bytes)."""
         held = [part.data for part in self.weight.parts]
+        held += [] if self.screen is None else self.screen.tensors()
         return held if self.bias is None else [*held, self.bias]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -207,11 +220,14 @@ class QuantLinear:
     def argmax(self, x: torch.Tensor, cap: float = 0.0) -> torch.Tensor:
         """The greedy draw from this head's logits, without the logits: int64 [rows], each row's first
         index of the largest of ``self(x)`` soft-capped as softcap_f32 caps it (``cap`` > 0), the same
-        kernel and path as ``self(x)``, folded panel by panel (csrc/quant.c's quant_matmul_argmax).
+        kernel and path as ``self(x)``, folded panel by panel (csrc/quant.c's quant_matmul_argmax), or
+        at one row without a cap screened by the head's int8 copy (head_screen.py), the same token.
         Only where ``argmax_fits``."""
         rows = x.shape[0]
         assert self.argmax_fits(rows, x.dtype, cap), "argmax: a one-part head, float32 or bf16 without a cap"
         x = x if x.stride(-1) == 1 else x.contiguous()
+        if rows == 1 and not cap and self.screen is not None:
+            return self.screen.argmax(x)
         part = self.weight.parts[0]
         type = kernel_type(part) | (A8 if rows >= self.a8_min_rows[0] else 0)
         dense = rows >= self.dense_min_rows[0]

@@ -12,6 +12,8 @@
  *      |exact_i - w_i.x|     <= gamma_k ||w_i|| ||x||         (the tile's float32 sums, any order)
  *      |approx_i - (s_i q_i).x| <= gamma_(k+1) ||s_i q_i|| ||x|| (this file's sums and the scaling)
  *    so R_i = ||e_i|| + g (||w_i|| + ||s_i q_i||), g = 2 gamma_(k+4) (generous), each rounded up;
+ *    plus, for sums that underflow (a float32 operation's error there is absolute, up to 2^-150),
+ *    8 k 2^-149 whatever the row;
  * 3. keeps the candidates, rows with approx_i + b_i >= T = max_j (approx_j - b_j): the exact argmax
  *    M = max exact_j >= T, and any row with exact_i >= M has approx_i + b_i >= exact_i >= T. (bf16
  *    logits are rounded before the argmax: every row whose value rounds to round(M) is kept by
@@ -163,7 +165,7 @@ int head_screen_argmax(int type, const uint8_t *w, int64_t n, int64_t k, const v
         memcpy(xf, x, (size_t)k * sizeof(float));
     double xx = 0.0;
     for (int64_t j = 0; j < k; j++) xx += (double)xf[j] * xf[j];
-    const double xn = sqrt(xx) * (1.0 + 0x1p-40), inflate = 1.0 + 0x1p-30;
+    const double xn = sqrt(xx) * (1.0 + 0x1p-40), inflate = 1.0 + 0x1p-30, tiny = 8.0 * (double)k * 0x1p-149;
     /* The exact sums' partial sums stay below ||w_i|| ||x|| <= R_i ||x|| / g: far from FLT_MAX here. */
     int fits = isfinite(xn) && xn < 1e30;
     double lo = -INFINITY;
@@ -172,7 +174,7 @@ int head_screen_argmax(int type, const uint8_t *w, int64_t n, int64_t k, const v
         for (int64_t i = 0; i < n; i++) {
             const float a = scale[i] * dot_i8((const int8_t *)q + i * k, xf, k);
             approx[i] = a;
-            const double l = (double)a - (double)radius[i] * xn * inflate;
+            const double l = (double)a - ((double)radius[i] * xn * inflate + tiny);
             lo = l > lo ? l : lo;
         }
         fits = isfinite(lo);
@@ -181,7 +183,7 @@ int head_screen_argmax(int type, const uint8_t *w, int64_t n, int64_t k, const v
     if (fits) {
         const double t = x_dtype == DTYPE_BF16 ? lo - fabs(lo) * 0x1p-6 - 0x1p-120 : lo;
         for (int64_t i = 0; i < n; i++) {
-            if ((double)approx[i] + (double)radius[i] * xn * inflate >= t) {
+            if ((double)approx[i] + ((double)radius[i] * xn * inflate + tiny) >= t) {
                 if (count < max_cand) cand[count] = i;
                 count++;
             }
