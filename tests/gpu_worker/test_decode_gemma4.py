@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from gpu_worker.backends.cpu.attention import KERNEL_MAX_EXTEND
+from gpu_worker.backends.cpu.backend import pin_attributes
 from gpu_worker.backends.cpu.decode_gemma4 import Gemma4Decode, c_layers, why_not, why_not_layer
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.gemma4 import Gemma4ForCausalLM
@@ -108,12 +109,39 @@ def test_one_call_equals_the_modules(
     assert (fused.inputs.operands is not None) == tiny.tables_in_blocks, "the inputs in C: tables in blocks"
     calls = count_calls(fused.c_kernels, "decode", monkeypatch)
     inputs = count_calls(fused.c_kernels, "inputs", monkeypatch)
+    decode_equals_the_modules(runner, fused, rows, 20, calls)
+    runs = 3 if split else 1
+    assert len(calls) == 20 * runs
+    assert len(inputs) == (20 if tiny.tables_in_blocks else 0)
+
+
+def test_media_placeholders_take_embedded(tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model with media placeholders: the step's inputs by ``embedded`` (which reads a placeholder
+    as the pad token), not the inputs call; the layers still in the call, equal to the modules."""
+    if not tiny.tables_in_blocks:
+        pytest.skip("the step's inputs run in C only where the tables are in blocks")
+    runner = runner_of(tiny)
+    fused = one_call(runner)
+    model: Any = runner.model
+    model.media_token_ids = torch.tensor([5], dtype=torch.int64)  # a prompt token: the pad token read
+    pin_attributes(model)  # as adopt_media_tokens sets them: before the backend pins the model's buffers
+    calls = count_calls(fused.c_kernels, "decode", monkeypatch)
+    inputs = count_calls(fused.c_kernels, "inputs", monkeypatch)
+    decode_equals_the_modules(runner, fused, 1, 3, calls)
+    assert len(calls) == 3 and not inputs
+
+
+def decode_equals_the_modules(
+    runner: ModelRunner, fused: Gemma4Decode, rows: int, steps: int, calls: list[int]
+) -> None:
+    """A prefill of ``rows`` prompts past the window (``calls``, the call's, stays empty), then
+    ``steps`` decode steps each by the call and by the modules: equal logits."""
     sched = MiniScheduler(runner.num_pages, runner.config.page_size)
     lens = [KERNEL_MAX_EXTEND + 5 + 7 * i for i in range(rows)]
     prefill = sched.batch([(idx, 0, list(range(3, 3 + n)), True, GREEDY) for idx, n in enumerate(lens)])
     tokens = runner.execute(prefill).token_ids
     assert not calls, "a prefill step ran the call"
-    for step in range(20):
+    for step in range(steps):
         batch = sched.batch([(idx, lens[idx] + step, [tokens[idx]], True, None) for idx in range(rows)])
         by_call = runner.compute_logits(batch)
         cpu_backend(runner).fused_decode = None
@@ -121,9 +149,6 @@ def test_one_call_equals_the_modules(
         cpu_backend(runner).fused_decode = fused
         assert torch.equal(by_call, modules), (step, float((by_call - modules).abs().max()))
         tokens = by_call.argmax(dim=-1).tolist()
-    runs = 3 if split else 1
-    assert len(calls) == 20 * runs
-    assert len(inputs) == (20 if tiny.tables_in_blocks else 0)
 
 
 def test_greedy_matches_hf_float64(tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -144,7 +169,8 @@ def test_declines_what_it_does_not_compute(tiny: Tiny) -> None:
     """bf16 activations, a MoE block, a soft-capped attention: each keeps the modules, named."""
     runner = runner_of(tiny)
     model: Any = runner.model
-    kernels: Any = runner.backend.kernels  # type: ignore[attr-defined]
+    kernels = cpu_backend(runner).kernels
+    assert kernels is not None
     assert isinstance(model, Gemma4ForCausalLM) and why_not(model, torch.float32) is None
     assert "activations" in (why_not(model, torch.bfloat16) or "")
     layer: Any = model.model.layers[0]

@@ -1,9 +1,9 @@
 """A Gemma 4 decode step's inputs (``Gemma4ForCausalLM.embedded``: the token and per-layer tables'
 rows, the per-layer projection, its norm and scales) in one C call, csrc/decode_gemma4.c's
 decode_gemma4_inputs, where both tables and the projection are in blocks; else, and on a step of a
-model with media placeholders, ``embedded`` itself. The call saves some 25 torch ops a step, each
-costly on caches the weights' stream has just emptied (docs/benchmarks-history.md, "Gemma 4's
-one-row step outside the C calls"); its rows equal ``embedded``'s bit for bit
+model with media placeholders, ``embedded`` itself. The call saves ``embedded``'s torch ops, each
+costly on caches the weights' stream has just emptied (what they cost: docs/benchmarks-history.md,
+"Gemma 4's one-row step outside the C calls"); its rows equal ``embedded``'s bit for bit
 (tests/gpu_worker/test_decode_gemma4.py)."""
 
 from __future__ import annotations
