@@ -130,11 +130,17 @@ class RecurrentBatch:
 
         return rounds(self)
 
+    @property
+    def steps_whole(self) -> bool:
+        """Whether each row decodes one token without a checkpoint inside it (``step_slots``' case,
+        without its tensor: a one-call decode passes the rows' req_pool_idx it has already)."""
+        return len(self.decode_rows) == len(self.slots) and not self.inner_saves
+
     @functools.cached_property
     def step_slots(self) -> torch.Tensor | None:
         """Every row's slot (int64) where each row decodes one token without a checkpoint inside it,
         the rows in token order (a backend's fused decode step, models/gated_delta.py); else None."""
-        if len(self.decode_rows) != len(self.slots) or self.inner_saves:
+        if not self.steps_whole:
             return None
         return torch.tensor(self.slots, dtype=torch.int64, device=self.pool.recurrent[0].device)
 

@@ -173,6 +173,10 @@ class Qwen35ForCausalLM(nn.Module):
     linear_layout = "split"  # how the checkpoint holds the linear layers' projections (gated_delta.py)
     checkpoint_renames = ((r"^model\.language_model\.", "model."),)
     checkpoint_skipped = r"^(model\.visual\.|mtp\.)"
+    # The last hidden rows a backend's one-call decode returned and their final norm, computed in that
+    # call (backends/cpu/decode_hybrid.py): compute_logits and compute_argmax of those very rows take
+    # them instead of running the norm again.
+    normed_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
@@ -230,12 +234,20 @@ class Qwen35ForCausalLM(nn.Module):
             x = layer(x, cos, sin, ctx)
         return x
 
+    def normed_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm of ``hidden``: ``normed_rows``' where hidden is the tensor the one-call decode
+        returned (the same kernel on the same rows), else the norm module's."""
+        done = self.normed_rows
+        if done is not None and done[0] is hidden:
+            return done[1]
+        return self.model.norm(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden))
+        return self.lm_head(self.normed_hidden(hidden))
 
     def compute_argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """compute_logits' argmax per row, from the head's kernel without the logits (None: it has none)."""
-        return head_argmax(self.lm_head, self.model.norm, hidden)
+        return head_argmax(self.lm_head, self.normed_hidden, hidden)
 
 
 class Qwen35MoeForCausalLM(Qwen35ForCausalLM):

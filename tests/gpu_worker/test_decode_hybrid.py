@@ -17,7 +17,9 @@ from gpu_worker.backends.cpu.decode_hybrid import HybridDecode
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.weights.model_files import resolve_model
+from protocol import ForwardBatch
 from tests.exactness import inprocess
+from tests.exactness.test_hybrid_prefix_cache import in_turns
 from tests.gpu_worker.helpers import GREEDY, MiniScheduler, count_calls
 
 pytestmark = [
@@ -155,3 +157,62 @@ def test_inputs_looked_up_in_the_call(small_qwen35: tuple[Path, Path]) -> None:
     fused.inputs = dataclasses.replace(fused.inputs, embed=1, vocab=0)  # every id out of range
     with pytest.raises(RuntimeError, match="decode_hybrid failed"):
         runner.compute_logits(sched.batch([(0, 6, [tokens[0]], True, None)]))
+
+
+@pytest.mark.parametrize("rows", [1, 3], ids=["1row", "3rows"])
+def test_final_norm_in_the_call(
+    small_qwen35: tuple[Path, Path], rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The final norm the call computes after the layers (decode_hybrid.py's ``final``) is the norm
+    module's, bit for bit: the logits and the head's argmax of the rows the call returned (which take
+    its normed rows, the module not called) equal those of a copy of them (the module's norm), step
+    after step; a row set the call did not return runs the module."""
+    runner = runner_of(small_qwen35, "float32")
+    fused, model = backend(runner).fused_decode, runner.model
+    assert isinstance(fused, HybridDecode) and fused.final is not None
+    norms = count_calls(model.model.norm, "forward", monkeypatch)  # type: ignore[attr-defined]
+    sched = MiniScheduler(runner.num_pages, runner.config.page_size)
+    lens = [4 + 5 * i for i in range(rows)]
+    prefill = sched.batch([(idx, 0, list(range(3, 3 + n)), True, GREEDY) for idx, n in enumerate(lens)])
+    tokens = runner.execute(prefill).token_ids
+    for step in range(6):
+        batch = sched.batch([(idx, lens[idx] + step, [tokens[idx]], True, None) for idx in range(rows)])
+        hidden = runner.forward(batch)
+        assert model.normed_rows is not None and model.normed_rows[0] is hidden  # type: ignore[attr-defined]
+        del norms[:]
+        with torch.inference_mode():
+            in_call, argmax_in_call = model.compute_logits(hidden), model.compute_argmax(hidden)  # type: ignore[attr-defined]
+            assert not norms, "the rows the call returned ran the norm module"
+            copy = hidden.clone()
+            by_module, argmax_by_module = model.compute_logits(copy), model.compute_argmax(copy)  # type: ignore[attr-defined]
+        assert len(norms) == 2
+        assert torch.equal(in_call, by_module), step
+        assert argmax_in_call is not None and torch.equal(argmax_in_call, argmax_by_module), step
+        tokens = in_call.argmax(dim=-1).tolist()
+
+
+def test_prefix_hits_equal_the_modules(small_qwen35: tuple[Path, Path]) -> None:
+    """Turns served one after another on one scheduler, so later turns hit the prefix cache (a state
+    checkpoint loaded) and the chunked prefill splits prompts: the tokens of the one call with its
+    final norm, the one call without it (the norm module's) and the modules are the same."""
+    hf_dir, gguf_path = small_qwen35
+    system = [(5 * i) % 90 + 3 for i in range(23)]
+    turns = [[system + [7, 8, 9]], [system + [7, 8, 9, 10, 11, 12], system + [40, 41]], [system + [50]]]
+    outputs = []
+    for variant in ("final norm in the call", "norm module", "modules"):
+        config = WorkerConfig(
+            model_path=str(hf_dir), gguf_path=str(gguf_path), weight_dtype="gguf", dtype="float32",
+            page_size=4, kv_cache_tokens=2048, num_threads=1, max_running_requests=8,
+        )  # fmt: skip
+        runner = ModelRunner(config)
+        fused = backend(runner).fused_decode
+        assert isinstance(fused, HybridDecode)
+        if variant == "norm module":
+            fused.final = None
+        elif variant == "modules":
+            backend(runner).fused_decode = None
+        batches: list[ForwardBatch] = []
+        got, _ = in_turns(runner, turns, 7, batches)
+        assert any(b.state_load_rows for b in batches), "no prefix hit loaded a checkpoint"
+        outputs.append(got)
+    assert outputs[0] == outputs[1] == outputs[2]

@@ -96,17 +96,27 @@ class StepInputs:
     table_rows: int
 
 
+@dataclass(frozen=True)
+class FinalNorm:
+    """The model's final norm as decode_hybrid.c runs it after the layers: its folded weight (``1 + w``,
+    float32, a pointer into the tensor the norm holds) and epsilon."""
+
+    weight: int
+    eps: float
+
+
 class HybridKernels:
     """ctypes bindings of decode_hybrid.c in a built kernels library; also the ``gate_ops`` slot of
     models/qwen35.py's ``GatedAttention`` (its partial rotary and output gate)."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
-        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
         self._decode = lib.decode_hybrid
         self._decode.argtypes = [
             ptr, i64, ptr, ptr, ptr, i32, i64, ptr, i64, ptr, ptr,  # layers .. dims, ids, embed .. sin
             ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64,  # out, rows, slots .. page_size
+            ptr, f32, ptr,  # final_norm, final_eps, normed
         ]  # fmt: skip
         self._decode.restype = i32
         self._rotary = lib.partial_rotary
@@ -120,20 +130,26 @@ class HybridKernels:
 
     def decode(
         self, layers: ctypes.Array[HybridLayer], dims: HybridDims, inputs: StepInputs, ids: torch.Tensor,
-        positions: torch.Tensor, out: torch.Tensor, slots: torch.Tensor, rows: DecodeRows,
+        positions: torch.Tensor, out: torch.Tensor, slots: int, rows: DecodeRows,
+        final: FinalNorm | None = None, normed: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         """Every layer over decode rows (csrc/decode_hybrid.c): out [T, hidden] from the rows' token
         ``ids`` and ``positions`` (int64 [T]), looked up in ``inputs``' tables (where it holds no
-        embedding blocks, out holds the embedding rows already), each row's state-pool ``slots``
-        (int64 [T])."""
+        embedding blocks, out holds the embedding rows already), each row's state-pool slot at
+        ``slots`` (a pointer to int64 [T]); then, given ``final``, the final norm of out into ``normed``
+        [T, hidden]."""
         count = out.shape[0]
-        for t in (ids, positions, slots):
+        for t in (ids, positions):
             assert t.dtype == torch.int64 and t.is_contiguous() and t.shape == (count,)
+        assert rows.rows == count, "the attention's rows are the step's"
+        if final is not None:
+            assert normed is not None and normed.shape == out.shape and normed.is_contiguous()
         status = self._decode(
             ctypes.byref(layers), len(layers), ctypes.byref(dims), ids.data_ptr(), inputs.embed,
             inputs.embed_type, inputs.vocab, positions.data_ptr(), inputs.table_rows, inputs.cos, inputs.sin,
-            out.data_ptr(), count, slots.data_ptr(), rows.q_rows, rows.req_pool_idx, rows.kv_lens,
-            rows.page_table, rows.pt_stride, rows.page_size,
+            out.data_ptr(), count, slots, rows.q_rows, rows.req_pool_idx, rows.kv_lens,
+            rows.page_table, rows.pt_stride, rows.page_size, 0 if final is None else final.weight,
+            0.0 if final is None else final.eps, None if normed is None else normed.data_ptr(),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"decode_hybrid failed: {abi.status_text(status)}")
@@ -278,6 +294,12 @@ class HybridDecode:
             embed_type=0 if table is None else kernel_type(table), vocab=0 if table is None else table.rows,
             cos=rotary.cos.data_ptr(), sin=rotary.sin.data_ptr(), table_rows=rotary.cos.shape[0],
         )  # fmt: skip
+        # The final norm in the call where the model's runs the kernels' RMSNorm (float32 rows), so the
+        # model's compute_logits / compute_argmax take its rows (Qwen35ForCausalLM.normed_rows) instead
+        # of running it on caches the next weights' stream has emptied; None: the model runs it.
+        norm = model.model.norm
+        folded = norm.folded if norm.fused is not None else None
+        self.final = None if folded is None else FinalNorm(_ptr(folded), norm.eps)
 
     def _layer(self, layer: Any, ctx: ForwardContext) -> HybridLayer:
         impls = _linears(layer)
@@ -318,17 +340,26 @@ class HybridDecode:
         """Hidden states [T, hidden] before the final norm, as ``model(input_ids, ctx)`` gives them;
         None where some row does not decode one token (the caller runs the modules)."""
         batch, paged = ctx.recurrent, ctx.attn.paged_decode
-        if batch is None or batch.step_slots is None or not ctx.attn.in_order or paged is None:
+        if batch is None or not batch.steps_whole or not ctx.attn.in_order or paged is None:
             return None
         if ctx.images is not None or ctx.mrope is not None or not ctx.k_cache:
             return None
         rows = input_ids.shape[0]
-        out = torch.empty((rows, self.dims.hidden), dtype=torch.float32)
+        final, shape = self.final, (rows, self.dims.hidden)
+        out = torch.empty(shape, dtype=torch.float32)
+        normed = None if final is None else torch.empty(shape, dtype=torch.float32)
         if not self.inputs.embed:
             out.copy_(self.model.model.embed_tokens(input_ids))
         layers = self._layer_array(ctx)
-        slots = batch.step_slots
-        self.kernels.decode(layers, self.dims, self.inputs, input_ids, ctx.positions, out, slots, paged.rows)
+        # Each row's state slot is its req_pool_idx (recurrent_state.py), and the rows are in token
+        # order (in_order): the attention rows' req_pool_idx, where step_slots would build it again.
+        rows_of = paged.rows
+        self.kernels.decode(
+            layers, self.dims, self.inputs, input_ids, ctx.positions, out, rows_of.req_pool_idx, rows_of,
+            final, normed,
+        )  # fmt: skip
+        # (past nn.Module's __setattr__, which checks a tuple against parameters, modules and buffers)
+        object.__setattr__(self.model, "normed_rows", None if normed is None else (out, normed))
         return out
 
 

@@ -42,10 +42,15 @@ static int run_parts(const decode_linear *lins, int count, int64_t n, int64_t k,
     return col == n ? RV_OK : RV_ERR_PARTS;
 }
 
+/* Row by row, head by head: rotary forks from small_ops.c's PARALLEL_ROWS rows, and a head's rot_dim values
+ * of a row cost far less than a fork (Qwen3.5's 16 q heads and 4 k heads: 40 forks a 32-row step). */
 void partial_rotary(void *x, int64_t x_stride, int64_t rows, int heads, int head_stride, int rot_dim, const void *cos,
                     const void *sin, int dtype) {
     const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4;
-    for (int h = 0; h < heads; h++) rotary((char *)x + h * head_stride * elem, x_stride, rows, 1, rot_dim, cos, sin, dtype);
+    for (int64_t r = 0; r < rows; r++)
+        for (int h = 0; h < heads; h++)
+            rotary((char *)x + (r * x_stride + h * head_stride) * elem, x_stride, 1, 1, rot_dim,
+                   (const char *)cos + r * rot_dim * elem, (const char *)sin + r * rot_dim * elem, dtype);
 }
 
 void sigmoid_gate_mul(const void *x, const void *gate, int64_t gate_stride, int64_t gate_head_stride, void *out,
@@ -115,10 +120,15 @@ static int attention_mixer(const hybrid_layer *l, const hybrid_dims *d, int64_t 
     const int64_t q_out = heads * d->head_dim, kv_out = kv_heads * d->head_dim, n = 2 * q_out + 2 * kv_out;
     int status = run_parts(l->in_proj, HYBRID_IN_LINEARS, n, d->hidden, s->h, rows, s->act_q, s->proj);
     if (status != 0) return status;
-    for (int64_t r = 0; r < rows; r++) { /* each row's q heads (strided by [q | gate]), then its k heads */
+    /* each row's q heads (strided by [q | gate]), then its k heads, a head a call: rms_norm forks from
+     * small_ops.c's PARALLEL_ROWS rows, and a head's few hundred values cost less than a fork (16 q heads:
+     * two forks a step at one row, 64 at 32 rows); the same rows, the same bits */
+    for (int64_t r = 0; r < rows; r++) {
         const float *row = s->proj + r * n;
-        rms_norm(row, 2 * hd, l->q_norm, s->q + r * q_out, heads, hd, d->eps, DTYPE_F32);
-        rms_norm(row + 2 * q_out, hd, l->k_norm, s->k + r * kv_out, kv_heads, hd, d->eps, DTYPE_F32);
+        for (int h = 0; h < heads; h++)
+            rms_norm(row + h * 2 * hd, 2 * hd, l->q_norm, s->q + r * q_out + h * hd, 1, hd, d->eps, DTYPE_F32);
+        for (int h = 0; h < kv_heads; h++)
+            rms_norm(row + 2 * q_out + h * hd, hd, l->k_norm, s->k + r * kv_out + h * hd, 1, hd, d->eps, DTYPE_F32);
     }
     partial_rotary(s->q, q_out, rows, heads, hd, (int)d->rotary_dim, cos, sin, DTYPE_F32);
     partial_rotary(s->k, kv_out, rows, kv_heads, hd, (int)d->rotary_dim, cos, sin, DTYPE_F32);
@@ -156,7 +166,8 @@ int decode_hybrid(const hybrid_layer *layers, int64_t n_layers, const hybrid_dim
                   const uint8_t *embed, int embed_type, int64_t vocab, const int64_t *positions, int64_t table_rows,
                   const float *cos_table, const float *sin_table, float *out, int64_t rows, const int64_t *slots,
                   const int64_t *q_rows, const int64_t *req_pool_idx, const int64_t *kv_lens,
-                  const int64_t *page_table, int64_t pt_stride, int64_t page_size) {
+                  const int64_t *page_table, int64_t pt_stride, int64_t page_size, const float *final_norm,
+                  float final_eps, float *normed) {
     const int64_t hidden = dims->hidden, inner = dims->inner, in_n = dims->linear_in;
     hybrid_scratch s;
     char *arena = hybrid_arena(dims, rows, in_n, &s);
@@ -178,6 +189,10 @@ int decode_hybrid(const hybrid_layer *layers, int64_t n_layers, const hybrid_dim
         silu_mul(s.gu, s.act, rows, (int)inner, DTYPE_F32);
         status = decode_linear_run(&l->down, hidden, inner, s.act, rows, s.act_q, out, DTYPE_F32, out);
     }
+    /* the final norm of the rows, while they are in the caches (the model's norm module after the call
+     * ran on cold ones: ~60 us a one-row step), as that module computes it */
+    if (status == 0 && final_norm != NULL)
+        rms_norm(out, hidden, final_norm, normed, rows, (int)hidden, final_eps, DTYPE_F32);
     free(arena);
     return status;
 }

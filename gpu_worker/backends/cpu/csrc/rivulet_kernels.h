@@ -366,15 +366,17 @@ int decode_mla(const mla_layer *layers, int64_t n_layers, const mla_dims *dims, 
 /* decode_hybrid.c: a dense Qwen3.5 model's decoder layers over float32 decode rows, one token each
  * (slots: each row's state pool row), as decode_layers, from each row's token id (its embedding row of
  * the blocks embed; embed NULL: out holds the rows) and position (its rows of the rotary tables
- * [table_rows, rotary_dim]); RV_ERR_HEADS for an id, position or slot out of range, or a kernel's
- * refusal; and the small ops its gated attention shares
+ * [table_rows, rotary_dim]), then where final_norm is not NULL the final RMSNorm of out (weight
+ * final_norm [hidden], 1 + w folded) into normed [rows, hidden]; RV_ERR_HEADS for an id, position or
+ * slot out of range, or a kernel's refusal; and the small ops its gated attention shares
  * with the modules: rotary on each head's first rot_dim dims (heads head_stride apart), and out [rows,
  * heads, dim] = x * sigmoid(gate) (gate's rows gate_stride apart, its heads gate_head_stride). */
 int decode_hybrid(const hybrid_layer *layers, int64_t n_layers, const hybrid_dims *dims, const int64_t *ids,
                   const uint8_t *embed, int embed_type, int64_t vocab, const int64_t *positions, int64_t table_rows,
                   const float *cos_table, const float *sin_table, float *out, int64_t rows, const int64_t *slots,
                   const int64_t *q_rows, const int64_t *req_pool_idx, const int64_t *kv_lens,
-                  const int64_t *page_table, int64_t pt_stride, int64_t page_size);
+                  const int64_t *page_table, int64_t pt_stride, int64_t page_size, const float *final_norm,
+                  float final_eps, float *normed);
 void partial_rotary(void *x, int64_t x_stride, int64_t rows, int heads, int head_stride, int rot_dim, const void *cos,
                     const void *sin, int dtype);
 void sigmoid_gate_mul(const void *x, const void *gate, int64_t gate_stride, int64_t gate_head_stride, void *out,
