@@ -39,23 +39,23 @@ static void norm_heads(const float *x, float *out, int64_t stride, int64_t out_s
     for (int64_t r = 0; r < rows; r++) rms_norm(x + r * stride, d, w, out + r * out_stride, n, (int)d, eps, DTYPE_F32);
 }
 
-/* out [rows, hidden] += rms_norm(Linear i of x): y the product's scratch. */
-static int add_normed(const gemma4_layer *l, int i, const gemma4_dims *dims, int64_t k, const float *x,
-                      int64_t rows, void *scratch, float *y, float *out, const void *norm) {
-    const int64_t n = dims->hidden;
-    const int status = decode_linear_run(&l->linear[i], n, k, x, rows, scratch, y, DTYPE_F32, NULL);
-    if (status != 0) return status;
-    rms_norm(y, n, norm, y, rows, (int)n, dims->eps, DTYPE_F32);
-    decode_add_into(out, y, rows * n, DTYPE_F32);
-    return RV_OK;
-}
-
 /* A step's buffers, each float32 [rows, its width] (the widest layer's), and the integer path's quantized
  * activations (scratch). */
 typedef struct {
     float *h, *qkv, *v, *attn, *gu, *act;
     void *scratch;
 } buffers;
+
+/* out [rows, hidden] += rms_norm(Linear i of x [rows, k]), the product in b->h. */
+static int add_normed(const gemma4_layer *l, int i, const gemma4_dims *dims, const buffers *b, int64_t k,
+                      const float *x, int64_t rows, float *out, const void *norm) {
+    const int64_t n = dims->hidden;
+    const int status = decode_linear_run(&l->linear[i], n, k, x, rows, b->scratch, b->h, DTYPE_F32, NULL);
+    if (status != 0) return status;
+    rms_norm(b->h, n, norm, b->h, rows, (int)n, dims->eps, DTYPE_F32);
+    decode_add_into(out, b->h, rows * n, DTYPE_F32);
+    return RV_OK;
+}
 
 /* The arena holding a step's buffers for a run of layers (NULL: no memory; the caller frees it). */
 static char *gemma4_arena(const gemma4_layer *layers, int64_t n_layers, const gemma4_dims *dims, int64_t rows,
@@ -115,7 +115,7 @@ static int attention_block(const gemma4_layer *l, const gemma4_dims *dims, const
                                     l->writes_kv ? k : NULL, qkv_n, l->writes_kv ? b->v : NULL, kv_out, l->window,
                                     NULL);
     if (status != 0) return status;
-    return add_normed(l, O, dims, q_out, b->attn, rows, b->scratch, b->h, out, l->attn_out_norm);
+    return add_normed(l, O, dims, b, q_out, b->attn, rows, out, l->attn_out_norm);
 }
 
 /* The MLP block of one layer: out += rms_norm((gelu(gate) * up) Wdown^T), gate and up of rms_norm(out). */
@@ -126,7 +126,7 @@ static int mlp_block(const gemma4_layer *l, const gemma4_dims *dims, const buffe
         decode_linear_run(&l->linear[GATE_UP], 2 * l->inner, hidden, b->h, rows, b->scratch, b->gu, DTYPE_F32, NULL);
     if (status != 0) return status;
     gelu_tanh_mul(b->gu, b->act, rows, (int)l->inner, DTYPE_F32);
-    return add_normed(l, DOWN, dims, l->inner, b->act, rows, b->scratch, b->h, out, l->mlp_out_norm);
+    return add_normed(l, DOWN, dims, b, l->inner, b->act, rows, out, l->mlp_out_norm);
 }
 
 /* The per-layer input's gate: out += rms_norm((gelu(out Wg^T) * e) Wp^T), e row r at per_layer + r *
@@ -142,7 +142,7 @@ static int per_layer_block(const gemma4_layer *l, const gemma4_dims *dims, const
                (size_t)dim * sizeof(float));
     }
     gelu_tanh_mul(b->gu, b->act, rows, (int)dim, DTYPE_F32);
-    return add_normed(l, PL_PROJ, dims, dim, b->act, rows, b->scratch, b->h, out, l->per_layer_norm);
+    return add_normed(l, PL_PROJ, dims, b, dim, b->act, rows, out, l->per_layer_norm);
 }
 
 /* out [rows, hidden] = the residual stream after the layers, from x [rows, hidden] (copied first; x may
