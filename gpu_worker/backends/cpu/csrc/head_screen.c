@@ -87,12 +87,16 @@ int head_screen_build(int type, const uint8_t *w, int64_t n, int64_t k, void *q,
     return bad ? RV_ERR_DTYPE : RV_OK;
 }
 
+/* Bytes ahead of the read that the copy's stream prefetches (a row of the next rows). */
+#define SCREEN_PF 4096
+
 /* q_i . x in float32: int8 widened to float32, FMAs, k a multiple of 32. */
 static inline float dot_i8(const int8_t *q, const float *x, int64_t k) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int64_t j = 0;
     for (; j + 64 <= k; j += 64) {
+        _mm_prefetch((const char *)(q + j + SCREEN_PF), _MM_HINT_T0);
         a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + j)))),
                              _mm512_loadu_ps(x + j), a0);
         a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + j + 16)))),
@@ -109,6 +113,7 @@ static inline float dot_i8(const int8_t *q, const float *x, int64_t k) {
 #elif defined(__AVX2__) && defined(__FMA__)
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t j = 0; j < k; j += 32) {
+        _mm_prefetch((const char *)(q + j + SCREEN_PF), _MM_HINT_T0);
         const __m256i v = _mm256_loadu_si256((const __m256i *)(q + j));
         const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
         a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), _mm256_loadu_ps(x + j), a0);
