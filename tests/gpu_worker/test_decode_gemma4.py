@@ -1,4 +1,4 @@
-"""Gemma 4 through the one C call (csrc/decode_gemma4.c, backends/cpu/decode_gemma4.py): a tiny random
+"""Gemma 4 through the one C call (csrc/decode_gemma4.c, backends/cpu/decode_gemma4*.py): a tiny random
 Gemma 4 with every option the call takes on (per-layer inputs, two KV-shared layers with double-wide
 MLPs, k = v on the global layers, per-layer head sizes and KV heads, proportional rope, a window,
 soft-capped logits), Q8_0 blocks through the real GGUF loader, float32 activations, with global heads
