@@ -257,8 +257,10 @@ def pin_attributes(model: nn.Module) -> None:
     nn.Module keeps them in side tables reached through ``__getattr__``, a Python call per
     lookup, far slower than an instance-dict hit; a decode step makes ~30 such lookups per layer,
     a visible share of a one-row step (docs/benchmarks-history.md, "Numbers behind the code's choices").
-    Reassigning one later stays correct: nn.Module's ``__setattr__`` drops the instance-dict entry
-    before it registers the new value.
+    Reassigning a submodule or a parameter later stays correct: nn.Module's ``__setattr__`` drops the
+    instance-dict entry before it registers the new value. A buffer's it does not (it writes
+    ``_buffers`` alone): whatever swaps a buffer does so before the backend prepares the model (as
+    ``adopt_media_tokens`` does) or pins again after.
     """
     for module in model.modules():
         for table in (module._modules, module._parameters, module._buffers):
