@@ -181,7 +181,8 @@ def test_tiny_gpt_oss_draws_the_same_tokens(tmp_path: Any, monkeypatch: pytest.M
     model = hf_gpt_oss(tiny_gpt_oss_config(layers=2, swiglu_limit=7.0), seed=4)
     write_gpt_oss_gguf(tmp_path / "model.gguf", model, gguf.GGMLQuantizationType.MXFP4, head=Q.BF16)
     runner = runner_for(tmp_path, "gguf", dtype="float32", weight_dtype="gguf")
-    impl = runner.model.lm_head.impl  # type: ignore[union-attr]
+    served: Any = runner.model
+    impl = served.lm_head.impl
     assert isinstance(impl, QuantLinear) and impl.screen is not None and runner.head_argmax
     switch = ctypes.c_int.in_dll(ctypes.CDLL(str(impl.kernels.path)), "head_screen")
     sched = MiniScheduler(runner.num_pages, runner.config.page_size)

@@ -58,8 +58,10 @@ class QuantKernels:
         self._head_screen_build.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr]
         self._head_screen_build.restype = i32
         self._head_screen_argmax = lib.head_screen_argmax
-        screen_args = [i32, ptr, i64, i64, ptr, ptr, ptr, ptr, i32, i64, ptr, ptr, ptr, ptr]
-        self._head_screen_argmax.argtypes = screen_args
+        self._head_screen_argmax.argtypes = [
+            *(i32, ptr, i64, i64, ptr, ptr, ptr, ptr, i32, i64),
+            *(ptr, ptr, ptr, ptr),
+        ]
         self._head_screen_argmax.restype = i32
         self._quant_get_rows = lib.quant_get_rows
         self._quant_get_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32]
