@@ -68,10 +68,10 @@ def check(kernels: cpu_kernels.CpuKernels, lin: QuantLinear, x: torch.Tensor) ->
     return count
 
 
-def rows_x(seed: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+def rows_x(seed: int, dtype: torch.dtype, scale: float = 1.0, k: int = K) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, K, generator=g) * scale
-    x[0, seed % K] *= 20.0  # an outlier channel
+    x = torch.randn(1, k, generator=g) * scale
+    x[0, seed % k] *= 20.0  # an outlier channel
     return x.to(dtype)
 
 
@@ -88,6 +88,17 @@ def test_random_heads(kernels: cpu_kernels.CpuKernels, qtype: Q, dtype: torch.dt
         assert all(0 < c < 4099 for c in counts), counts  # the screen decided every one
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_wide_rows(kernels: cpu_kernels.CpuKernels, qtype: Q) -> None:
+    """k past quant_f16.c's ROW1_PAIR_K (4096), where the full route's one-row tile reads two rows at
+    once on AVX-512: the candidates' values (one row at a time) are still its bits."""
+    k = 4608
+    g = torch.Generator().manual_seed(6)
+    lin = screened(kernels, blocks(torch.randn(1030, k, generator=g) * 0.02, qtype))
+    for seed in range(6):
+        assert check(kernels, lin, rows_x(seed, torch.float32, k=k)) > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
