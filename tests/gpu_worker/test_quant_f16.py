@@ -114,9 +114,10 @@ def test_sixteen_bit_rows_are_copied_into_the_arena_as_they_are(qtype: Q) -> Non
 def test_one_row_past_4096_is_each_row_alone(
     kernels: cpu_kernels.CpuKernels, qtype: Q, n: int, k: int, threads: int
 ) -> None:
-    """Past k = 4096 the AVX-512 one-row tile reads a thread's rows two at a time (quant_f16.c's
-    ROW1_PAIR_K): each output equals its row's in a call of that row alone (one row at a time), bit for
-    bit, and the float64 bound holds, at any split of the rows over threads (odd shares included)."""
+    """Past k = 4096 the one-row tile (AVX-512 and AVX2 builds) reads a thread's rows two at a time
+    (quant_f16.c's ROW1_PAIR_K): each output equals its row's in a call of that row alone (one row at a
+    time), bit for bit, and the float64 bound holds, at any split of the rows over threads (odd shares
+    included)."""
     blocks, deq = weights(qtype, n, k)
     x = activations(1, k, torch.float32, n + k)
     w = torch.from_numpy(blocks)

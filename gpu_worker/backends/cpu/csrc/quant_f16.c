@@ -122,17 +122,14 @@ typedef __m256 vec;
 #define ROW1_PF 8192
 #endif
 #define ROW1_U 4
-/* Past ROW1_PAIR_K (k, AVX-512 only) a thread's rows go two at a time, row c beside row c + half of
- * them: two sequential streams, each x load serving both rows. At k = 8192 x (32 KB of float32) and
- * a row (16 KB) fill L1, so one row at a time missed x's lines every row; two far-apart streams come
+/* Past ROW1_PAIR_K (k) a thread's rows go two at a time, row c beside row c + half of them: two
+ * sequential streams, each x load serving both rows. At k = 8192 x (32 KB of float32) and a row
+ * (16 KB) fill L1, so one row at a time missed x's lines every row; two far-apart streams come
  * nearer a plain read's pace there, and not at k = 2048 (docs/benchmarks-history.md, "BF16 one row
- * at k = 8192: two streams a thread"). Each row's sums
- * are its own, in row1's order: the same bits. AVX2's 16 registers hold one row's sums, not two. */
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+ * at k = 8192: two streams a thread"). Each row's sums are its own, in row1's order: the same bits.
+ * The AVX2 loop's two rows' sums outnumber its 16 registers; the spills cost less than the missed x
+ * lines (docs/benchmarks-history.md, "BF16 one row at two threads"). */
 #define ROW1_PAIR_K 4096
-#else
-#define ROW1_PAIR_K 0 /* never */
-#endif
 
 /* *even += the even weights of the 32 at p times xb[0, 16), *odd += the odd ones times xb[16, 32). */
 static inline __attribute__((always_inline)) void bf16_block(const uint8_t *p, const float *xb, vec *even, vec *odd) {
