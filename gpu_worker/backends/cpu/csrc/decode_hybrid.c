@@ -154,7 +154,13 @@ static int hybrid_inputs(const hybrid_dims *d, const int64_t *ids, const uint8_t
     for (int64_t r = 0; r < rows; r++)
         if ((embed != NULL && (ids[r] < 0 || ids[r] >= vocab)) || positions[r] < 0 || positions[r] >= table_rows)
             return RV_ERR_HEADS;
-    if (embed != NULL) quant_get_rows(embed_type, embed, d->hidden, ids, rows, out, DTYPE_F32);
+    if (embed != NULL && rows == 1) { /* quant_get_rows' own dequantization, without its fork for one row */
+        const qtype_ops *ops = quant_ops(embed_type);
+        if (ops == NULL || d->hidden % ops->block != 0) return RV_ERR_TYPE;
+        dequant_row_at(ops, embed, d->hidden / ops->block * ops->block_bytes, ids[0], d->hidden, out);
+    } else if (embed != NULL) {
+        quant_get_rows(embed_type, embed, d->hidden, ids, rows, out, DTYPE_F32);
+    }
     for (int64_t r = 0; r < rows; r++) {
         memcpy(rope + r * rd, cos_table + positions[r] * rd, (size_t)rd * sizeof(float));
         memcpy(rope + (rows + r) * rd, sin_table + positions[r] * rd, (size_t)rd * sizeof(float));
