@@ -33,6 +33,7 @@
 
 #include "common.h"
 #include "quant.h"
+#include "rivulet_kernels.h"
 
 int head_screen = 1;
 
