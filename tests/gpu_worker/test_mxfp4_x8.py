@@ -108,8 +108,9 @@ X86_KINDS = [kind for kind in KINDS if kind != CpuKind.PORTABLE]  # portable: a 
 def test_every_kind_gives_the_same_bits(rows: int) -> None:
     """The AVX-512 kinds' tiles take 16 weight rows and 8 activation rows a pass (one row: two chunks a
     zmm), the AVX2 one 8 and 4; each output lane does the same integer sums and float operations in
-    the same order, so every x86 kind this CPU runs gives the same bits, an odd group included."""
-    n, k = 40, 640
+    the same order, so every x86 kind this CPU runs gives the same bits, an odd group included (one
+    row: 56 rows, a pass of four groups, a pair and the odd group)."""
+    n, k = 56, 640
     x8, _ = held(n, k)
     x = activations(rows, k, torch.float32, rows + 3)
     outs = {

@@ -196,13 +196,91 @@ static inline __attribute__((always_inline)) void x8_row(const uint8_t *g, int64
     _mm256_storeu_ps(out, acc);
 }
 
-/* One group of at most ZR activation rows over weight rows [0, nc): one row through x8_row, more
+/* x8_row over G groups at once (8 G weight rows from g, the groups 8 wrb apart), for more rows a
+ * pass of the activation's loads and permutes (x8_row's, made once a block for all G groups). The
+ * nibbles are widened by one zero extension of the 32 bytes (byte j to word j) and looked up in
+ * place by vpshufb on the complemented nibble: RLEVELS[15 - n] = the level + 12 (unsigned, so the
+ * word's high byte, indexing RLEVELS[0] = 0, is its zero extension), and each block's sum starts
+ * at xoff[b] = -12 sum(q): the same exact integers as x8_row's (int32 wraps; the true sums stay
+ * below 2^24), then its float steps lane by lane. Groups in pairs end in one zmm (lanes 0-7 the
+ * first group's rows, 8-15 the second's). The G groups are G streams 8 wrb apart, which the
+ * hardware's prefetch served worse than one (0.7x the read pace of one stream, a 352 MB test): each
+ * block fetches its share of the next pass's G groups instead, front to back, one stream ahead. */
+static const int8_t RLEVELS[16] = {0, 4, 6, 8, 9, 10, 11, 12, 24, 20, 18, 16, 15, 14, 13, 12};
+#define ROW_GROUPS 4  /* groups a pass of the one-row tile */
+#define ROW_OFF 12    /* RLEVELS[15 - n] - LEVELS[n] */
+#define ROW_BLOCKS 512 /* xoff's room (k <= 16384); longer rows take x8_row alone */
+int mxfp4_row_groups = 1; /* 0: x8_row alone (bench.worker_step --toggle times both in one process) */
+
+/* The 16 scales of two groups' blocks at a, b (scales8's lane by lane, the first group's in 0-7). */
+static inline __m512 scales16(const uint8_t *a, const uint8_t *b) {
+    const __m128i e8 = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
+    const __m512i v = _mm512_cvtepu8_epi32(e8);
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(v, _mm512_set1_epi32(1)), 23);
+    const __mmask16 small = _mm512_cmplt_epi32_mask(v, _mm512_set1_epi32(2));
+    return _mm512_castsi512_ps(_mm512_mask_sllv_epi32(normal, small, _mm512_set1_epi32(0x00200000), v));
+}
+
+static inline __attribute__((always_inline)) void row_groups(const uint8_t *g, int64_t wrb, int64_t nb,
+                                                             const act_block16 *x, const int32_t *xoff, float *out,
+                                                             const int G) {
+    const __m512i low4 = _mm512_set1_epi16(0x0f);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)RLEVELS));
+    __m512 acc[ROW_GROUPS / 2];
+    for (int p = 0; p < G / 2; p++) acc[p] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk[ROW_GROUPS];
+        for (int j = 0; j < G; j++) blk[j] = g + 8 * j * wrb + b * GB;
+        const uint8_t *next = g + 8 * G * wrb + b * G * GB; /* this block's share of the next pass */
+        for (int at = 0; at < G * GB; at += 64) _mm_prefetch((const char *)(next + at), _MM_HINT_T0);
+        const __m512i xv = _mm512_loadu_si512(x[b].q);
+        __m512i s0[ROW_GROUPS], s1[ROW_GROUPS];
+        for (int j = 0; j < G; j++) /* the offset once a row: lanes 0-7 and 8-15 add at the end */
+            s0[j] = _mm512_maskz_set1_epi32(0x00ff, xoff[b]), s1[j] = _mm512_setzero_si512();
+        for (int i = 0; i < 4; i++) { /* low nibbles: pairs 0-7 of the activation, high: 8-15 */
+            const __m512i xlo = _mm512_permutexvar_epi32(
+                _mm512_inserti64x4(_mm512_set1_epi32(2 * i), _mm256_set1_epi32(2 * i + 1), 1), xv);
+            const __m512i xhi = _mm512_permutexvar_epi32(
+                _mm512_inserti64x4(_mm512_set1_epi32(8 + 2 * i), _mm256_set1_epi32(9 + 2 * i), 1), xv);
+            for (int j = 0; j < G; j++) {
+                const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk[j] + 8 + 32 * i)));
+                s0[j] = DPW(s0[j], _mm512_shuffle_epi8(table, _mm512_andnot_si512(w, low4)), xlo);
+                s1[j] = DPW(s1[j], _mm512_shuffle_epi8(table, _mm512_andnot_si512(_mm512_srli_epi16(w, 4), low4)), xhi);
+            }
+        }
+        const __m512 dx = _mm512_set1_ps(x[b].d);
+        for (int p = 0; p < G / 2; p++) {
+            const __m512i a = _mm512_add_epi32(s0[2 * p], s1[2 * p]), c = _mm512_add_epi32(s0[2 * p + 1], s1[2 * p + 1]);
+            const __m512i sum = _mm512_add_epi32(_mm512_shuffle_i64x2(a, c, 0x44), _mm512_shuffle_i64x2(a, c, 0xee));
+            acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scales16(blk[2 * p], blk[2 * p + 1]), dx),
+                                     acc[p]);
+        }
+    }
+    for (int p = 0; p < G / 2; p++) _mm512_storeu_ps(out + 16 * p, acc[p]);
+}
+
+/* Weight rows [0, nc) against one activation row: ROW_GROUPS groups a pass, then a pair, a last
+ * odd group through x8_row (the same bits in every lane). */
+static void x8_rows1(const uint8_t *w, int64_t wrb, int64_t nc, const act_block16 *x, int64_t nb, float *out) {
+    int64_t c0 = 0;
+    if (nb <= ROW_BLOCKS && mxfp4_row_groups) {
+        int32_t xoff[ROW_BLOCKS];
+        for (int64_t b = 0; b < nb; b++)
+            xoff[b] = -ROW_OFF * _mm512_reduce_add_epi32(_mm512_madd_epi16(_mm512_loadu_si512(x[b].q), _mm512_set1_epi16(1)));
+        for (; c0 + 8 * ROW_GROUPS <= nc; c0 += 8 * ROW_GROUPS)
+            row_groups(w + c0 * wrb, wrb, nb, x, xoff, out + c0, ROW_GROUPS);
+        for (; c0 + 16 <= nc; c0 += 16) row_groups(w + c0 * wrb, wrb, nb, x, xoff, out + c0, 2);
+    }
+    for (; c0 < nc; c0 += 8) x8_row(w + c0 * wrb, nb, x, out + c0);
+}
+
+/* One group of at most ZR activation rows over weight rows [0, nc): one row through x8_rows1, more
  * through x16_tile on pairs of groups, a last odd group through x8_tile. */
 static void x16_rows(const uint8_t *w, int64_t wrb, int64_t nc, const act_block16 *const *xa, int64_t rows,
                      int64_t nb, float *out, int64_t ldo) {
     int64_t c0 = 0;
     if (rows == 1) {
-        for (; c0 < nc; c0 += 8) x8_row(w + c0 * wrb, nb, xa[0], out + c0);
+        x8_rows1(w, wrb, nc, xa[0], nb, out);
         return;
     }
     for (; c0 + 16 <= nc; c0 += 16) {
