@@ -212,3 +212,25 @@ def test_tiny_gpt_oss_draws_the_same_tokens(tmp_path: Any, monkeypatch: pytest.M
         assert on == off == runner.backend.greedy(runner.compute_logits(batch)).tolist(), step
         tokens = on
     assert decided > 0, "the screen decided some steps"
+
+
+def test_the_head_alone_is_screened(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """prepare's choice of the Linear that may get a screen: the LM head of a greedy-head model, none
+    where its logits are soft-capped or its rows split over tensor-parallel ranks."""
+    from gpu_worker.backends.cpu.prepare import _screened_head
+    from tests.exactness.test_gpt_oss import hf_gpt_oss, tiny_gpt_oss_config
+    from tests.exactness.test_moe import runner_for
+    from tests.gpt_oss_gguf import write_gpt_oss_gguf
+
+    monkeypatch.setattr(screen_mod, "SCREEN_MIN_ROWS", 1)
+    model = hf_gpt_oss(tiny_gpt_oss_config(layers=1, swiglu_limit=7.0), seed=5)
+    write_gpt_oss_gguf(tmp_path / "model.gguf", model, gguf.GGMLQuantizationType.MXFP4, head=Q.BF16)
+    served: Any = runner_for(tmp_path, "gguf", dtype="float32", weight_dtype="gguf").model
+    assert _screened_head(served) is served.lm_head
+    screened = [m for m in served.modules() if getattr(getattr(m, "impl", None), "screen", None) is not None]
+    assert screened == [served.lm_head]
+    monkeypatch.setattr(served, "tensor_parallel", (0, 2))
+    assert _screened_head(served) is None
+    monkeypatch.setattr(served, "tensor_parallel", None)
+    monkeypatch.setattr(served, "final_softcap", 30.0, raising=False)
+    assert _screened_head(served) is None

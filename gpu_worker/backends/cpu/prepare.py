@@ -55,6 +55,7 @@ from gpu_worker.models.gemma4 import Gemma4ForCausalLM
 from gpu_worker.models.layers import Embedding, Linear
 from gpu_worker.models.moe import Experts, SparseMoeBlock
 from gpu_worker.models.qwen35 import Qwen35ForCausalLM
+from gpu_worker.sampling.head_argmax import GreedyHead
 from gpu_worker.weights.formats import QuantBlocks, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ def _attach_quantized(
     import gguf
 
     interleaved: dict[int, tuple[QuantizedWeight, QuantizedWeight]] = {}  # id: (as loaded, interleaved)
+    head = _screened_head(model)
     arena = HugePageArena(arena_bytes([p.data.numel() for p in _relaid_parts(model)]))
     for module in model.modules():
         if isinstance(module, Experts) and module.quantized is not None:  # experts.py
@@ -151,7 +153,7 @@ def _attach_quantized(
         weight = module.quantized = interleaved[id(weight)][1]
         types = "+".join(gguf.GGMLQuantizationType(part.type).name for part in weight.parts)
         if isinstance(module, Linear):
-            screen = screen_for(weight, module.bias, kernels)  # head_screen.py: a 16-bit vocabulary's head
+            screen = screen_for(weight, module.bias, kernels) if module is head else None
             module.attach(impl=QuantLinear(weight, module.bias, kernels, screen))
             if screen is not None:
                 held = sum(t.numel() * t.element_size() for t in screen.tensors())
@@ -159,6 +161,17 @@ def _attach_quantized(
             paths[f"gguf {types}"] += 1
         else:
             module.attach(impl=QuantEmbedding(weight, dtype, kernels))
+
+
+def _screened_head(model: nn.Module) -> nn.Module | None:
+    """The Linear that may get a screen (head_screen.py): the LM head of a model whose greedy draw its
+    head computes (``GreedyHead``), without a final soft-cap (a capped head keeps the full route), on
+    one rank (a vocab-parallel head gathers logits: head_argmax.py). No other Linear: none reads a
+    screen, whatever its rows."""
+    capped = bool(getattr(model, "final_softcap", None))  # Gemma 2 / 4's (a float, or a module or None)
+    split = getattr(model, "tensor_parallel", None) is not None  # (rank, world) where shard() split it
+    greedy = isinstance(model, GreedyHead) and not capped and not split
+    return getattr(model, "lm_head", None) if greedy else None
 
 
 def _attach_dense(
