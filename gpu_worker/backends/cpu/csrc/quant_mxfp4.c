@@ -259,14 +259,77 @@ static inline __attribute__((always_inline)) void row_groups(const uint8_t *g, i
     for (int p = 0; p < G / 2; p++) _mm512_storeu_ps(out + 16 * p, acc[p]);
 }
 
-/* Weight rows [0, nc) against one activation row: ROW_GROUPS groups a pass, then a pair, a last
- * odd group through x8_row (the same bits in every lane). */
+#if defined(__AVX512VNNI__)
+typedef int32_t __attribute__((may_alias, aligned(1))) i32_row;
+static const uint8_t ROW_ULEVELS[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0}; /* levels + 12 */
+
+/* row_groups on the 8-bit dot, P pairs of groups a pass (16 weight rows a zmm, lane j row j's 4 nibble
+ * bytes of chunks c, c + 1: the 8-bit tile's rows16 layout), the levels + 12 U looked up as unsigned
+ * bytes, never widened. The activation's 16-bit q = 256 h + l (h = q >> 8 signed, l = q & 255
+ * unsigned; hl: per block h[32] then l[32]), so sum U q = 256 sum U h + sum U l: vpdpbusd of U
+ * (unsigned) against h's bytes (signed), and of l's bytes (unsigned) against U as signed bytes
+ * (U <= 24), each activation quad broadcast to the 16 rows. 64 products an instruction against
+ * vpdpwssd's 32, twice the instructions: as many, and no widening, sign or permute of the
+ * activation a block. Each lane's sum 256 sum U h + sum U l - 12 sum(q) is x8_row's exact integer
+ * (int32 wraps; every partial sum stays below 2^31 anyway), then its float steps. */
+static inline __attribute__((always_inline)) void row_pairs(const uint8_t *g, int64_t wrb, int64_t nb,
+                                                            const act_block16 *x, const int8_t *hl,
+                                                            const int32_t *xoff, float *out, const int P) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)ROW_ULEVELS));
+    const __m512i order = _mm512_set_epi16(31, 23, 30, 22, 29, 21, 28, 20, 27, 19, 26, 18, 25, 17, 24, 16, 15, 7, 14,
+                                           6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+    __m512 acc[ROW_GROUPS / 2];
+    for (int p = 0; p < P; p++) acc[p] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *next = g + 16 * P * wrb + b * 2 * P * GB; /* this block's share of the next pass */
+        for (int at = 0; at < 2 * P * GB; at += 64) _mm_prefetch((const char *)(next + at), _MM_HINT_T0);
+        const int8_t *h = hl + 64 * b, *l = h + 32;
+        const __m512 dx = _mm512_set1_ps(x[b].d);
+        for (int p = 0; p < P; p++) {
+            const uint8_t *b0 = g + 16 * p * wrb + b * GB, *b1 = b0 + 8 * wrb;
+            __m512i sh0 = _mm512_setzero_si512(), sh1 = _mm512_setzero_si512();
+            __m512i sl0 = _mm512_setzero_si512(), sl1 = _mm512_setzero_si512();
+            for (int i = 0; i < 4; i++) { /* low nibbles: weights 4i .. 4i + 3, high: 16 on */
+                const __m512i v = _mm512_permutexvar_epi16(
+                    order, _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 8 + 32 * i))),
+                                              _mm256_loadu_si256((const __m256i *)(b1 + 8 + 32 * i)), 1));
+                const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, m4));
+                const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+                sh0 = _mm512_dpbusd_epi32(sh0, lo, _mm512_set1_epi32(*(const i32_row *)(h + 4 * i)));
+                sh1 = _mm512_dpbusd_epi32(sh1, hi, _mm512_set1_epi32(*(const i32_row *)(h + 16 + 4 * i)));
+                sl0 = _mm512_dpbusd_epi32(sl0, _mm512_set1_epi32(*(const i32_row *)(l + 4 * i)), lo);
+                sl1 = _mm512_dpbusd_epi32(sl1, _mm512_set1_epi32(*(const i32_row *)(l + 16 + 4 * i)), hi);
+            }
+            const __m512i sh = _mm512_add_epi32(sh0, sh1), sl = _mm512_add_epi32(sl0, sl1);
+            const __m512i sum =
+                _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl), _mm512_set1_epi32(xoff[b]));
+            acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scales16(b0, b1), dx), acc[p]);
+        }
+    }
+    for (int p = 0; p < P; p++) _mm512_storeu_ps(out + 16 * p, acc[p]);
+}
+#endif
+
+/* Weight rows [0, nc) against one activation row: ROW_GROUPS groups a pass, then a pair (row_pairs
+ * where VNNI is, else row_groups), a last odd group through x8_row (the same bits in every lane). */
 static void x8_rows1(const uint8_t *w, int64_t wrb, int64_t nc, const act_block16 *x, int64_t nb, float *out) {
     int64_t c0 = 0;
     if (nb <= ROW_BLOCKS && mxfp4_row_groups) {
         int32_t xoff[ROW_BLOCKS];
         for (int64_t b = 0; b < nb; b++)
             xoff[b] = -ROW_OFF * _mm512_reduce_add_epi32(_mm512_madd_epi16(_mm512_loadu_si512(x[b].q), _mm512_set1_epi16(1)));
+#if defined(__AVX512VNNI__)
+        int8_t hl[ROW_BLOCKS * 64];
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512i q = _mm512_loadu_si512(x[b].q);
+            _mm256_storeu_si256((__m256i *)(hl + 64 * b), _mm512_cvtepi16_epi8(_mm512_srai_epi16(q, 8)));
+            _mm256_storeu_si256((__m256i *)(hl + 64 * b + 32), _mm512_cvtepi16_epi8(_mm512_and_si512(q, _mm512_set1_epi16(0xff))));
+        }
+        for (; c0 + 8 * ROW_GROUPS <= nc; c0 += 8 * ROW_GROUPS)
+            row_pairs(w + c0 * wrb, wrb, nb, x, hl, xoff, out + c0, ROW_GROUPS / 2);
+        for (; c0 + 16 <= nc; c0 += 16) row_pairs(w + c0 * wrb, wrb, nb, x, hl, xoff, out + c0, 1);
+#endif
         for (; c0 + 8 * ROW_GROUPS <= nc; c0 += 8 * ROW_GROUPS)
             row_groups(w + c0 * wrb, wrb, nb, x, xoff, out + c0, ROW_GROUPS);
         for (; c0 + 16 <= nc; c0 += 16) row_groups(w + c0 * wrb, wrb, nb, x, xoff, out + c0, 2);
