@@ -200,6 +200,7 @@ class GemmaForCausalLM(nn.Module):
         if getattr(hf_config, "tie_word_embeddings", True):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.final_softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
+        self.head_softcap = self.final_softcap  # (head_argmax.py's GreedyHead)
         # sqrt(hidden) as HF's buffer holds it: rounded to float32, then to the model's dtype.
         scale = torch.tensor(cfg.hidden_size**0.5, dtype=torch.float32).to(torch.get_default_dtype())
         self.register_buffer("embed_scale", scale, persistent=False)

@@ -270,6 +270,7 @@ class Gemma4ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         cap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
         self.final_softcap = LogitSoftcap(cap) if cap else None
+        self.head_softcap = cap  # (head_argmax.py's GreedyHead)
         # A multimodal checkpoint's media placeholders: with no media given, HF embeds them as the pad
         # token (both embeddings); an image's positions then take the vision tower's embeddings.
         media = [getattr(hf_config, f"{kind}_token_id", None) for kind in ("image", "video", "audio")]

@@ -230,6 +230,7 @@ class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM over the paged KV pool."""
 
     tensor_parallel: tuple[int, int] | None = None  # (rank, world): tensor_parallel.shard's
+    head_softcap = 0.0  # (head_argmax.py's GreedyHead)
     decoder_layer: ClassVar[type[DecoderLayer]] = DecoderLayer  # a family's own (gpt-oss's)
 
     def __init__(self, hf_config: Any) -> None:

@@ -170,6 +170,7 @@ class Qwen35ForCausalLM(nn.Module):
     """Qwen3.5 causal LM (dense): KV pool for its full-attention layers, state pool for the rest."""
 
     tensor_parallel: tuple[int, int] | None = None
+    head_softcap = 0.0  # (head_argmax.py's GreedyHead)
     linear_layout = "split"  # how the checkpoint holds the linear layers' projections (gated_delta.py)
     checkpoint_renames = ((r"^model\.language_model\.", "model."),)
     checkpoint_skipped = r"^(model\.visual\.|mtp\.)"

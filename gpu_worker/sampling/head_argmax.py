@@ -39,6 +39,8 @@ class ArgmaxLinear(Protocol):
 class GreedyHead(Protocol):
     """A model whose greedy draw its head can compute without the logits."""
 
+    head_softcap: float  # the final soft-cap its logits take (0: none): a capped head's argmax is tanh's
+
     def compute_argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """int64 [N]: the first index of the largest of each row of ``compute_logits(hidden)``, or
         None where the head has no such kernel (the caller then computes the logits)."""

@@ -232,5 +232,5 @@ def test_the_head_alone_is_screened(tmp_path: Any, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(served, "tensor_parallel", (0, 2))
     assert _screened_head(served) is None
     monkeypatch.setattr(served, "tensor_parallel", None)
-    monkeypatch.setattr(served, "final_softcap", 30.0, raising=False)
+    monkeypatch.setattr(served, "head_softcap", 30.0)
     assert _screened_head(served) is None

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
@@ -49,7 +49,8 @@ from gpu_worker.backends.cpu.layouts import in_arena, place
 from gpu_worker.backends.cpu.malloc import keep_freed_memory
 from gpu_worker.backends.cpu.matmul import CpuLinear
 from gpu_worker.backends.cpu.quant import QuantEmbedding, QuantLinear
-from gpu_worker.models.contract import Layer
+from gpu_worker.models import CausalLM
+from gpu_worker.models.contract import Layer, Split
 from gpu_worker.models.gated_delta import GatedDeltaNet
 from gpu_worker.models.gemma4 import Gemma4ForCausalLM
 from gpu_worker.models.layers import Embedding, Linear
@@ -164,14 +165,14 @@ def _attach_quantized(
 
 
 def _screened_head(model: nn.Module) -> nn.Module | None:
-    """The Linear that may get a screen (head_screen.py): the LM head of a model whose greedy draw its
-    head computes (``GreedyHead``), without a final soft-cap (a capped head keeps the full route), on
-    one rank (a vocab-parallel head gathers logits: head_argmax.py). No other Linear: none reads a
-    screen, whatever its rows."""
-    capped = bool(getattr(model, "final_softcap", None))  # Gemma 2 / 4's (a float, or a module or None)
-    split = getattr(model, "tensor_parallel", None) is not None  # (rank, world) where shard() split it
-    greedy = isinstance(model, GreedyHead) and not capped and not split
-    return getattr(model, "lm_head", None) if greedy else None
+    """The Linear that may get a screen (head_screen.py): the LM head (its rows the vocabulary,
+    ``Split.VOCAB``) of a model whose greedy draw its head computes (``GreedyHead``), without a
+    final soft-cap (a capped head keeps the full route), on one rank (a vocab-parallel head gathers
+    logits: head_argmax.py). No other Linear: none reads a screen, whatever its rows."""
+    greedy = isinstance(model, GreedyHead) and not model.head_softcap
+    if not greedy or cast("CausalLM", model).tensor_parallel is not None:
+        return None
+    return next((m for m in model.modules() if isinstance(m, Linear) and m.split is Split.VOCAB), None)
 
 
 def _attach_dense(
