@@ -5,16 +5,17 @@ argmax of its logits (sampling/head_argmax.py); gpt-oss's 201088-row head is 1.1
 step's bytes. The screen, built at load beside such a head, is an int8 copy (one float scale a row)
 and a radius a row: a step reads the copy (half the bytes), bounds each row's distance to the
 head's own value rigorously, and computes exactly, by the head's own tile, only the rows that could
-be the largest (on random weights ~100 of 201088). The token is the full route's, bit for bit, on
-every input (csrc/head_screen.c's top comment has the bound; tests/gpu_worker/test_head_screen.py).
+be the largest (how many: docs/benchmarks-history.md, "The screened greedy head"). The token is the
+full route's, bit for bit, on every input (csrc/head_screen.c's top comment has the bound;
+tests/gpu_worker/test_head_screen.py).
 
-Which heads: 16-bit ones in the file's layout with at least ``SCREEN_MIN_ROWS`` rows (a vocabulary:
-there the copy's bytes are a large share of a step), unless ``RIVULET_HEAD_SCREEN=0`` (no copy built,
-no memory spent). Which rows: one (``QuantLinear.argmax``; two or more rows run the full route: their
-exact values come from other tiles, and many rows are bound by arithmetic, not bytes), without a
-soft-cap (tanh can round distinct logits to one value; a capped head keeps the full route). The C
-global ``head_screen`` (1) turns the screen off at run time (0), for ``bench.worker_step --toggle
-head_screen``.
+Which heads: the LM head alone (prepare.py's ``_screened_head``), 16-bit in the file's layout with at
+least ``SCREEN_MIN_ROWS`` rows (a vocabulary: there the copy's bytes are a large share of a step),
+unless ``RIVULET_HEAD_SCREEN=0`` (no copy built, no memory spent). Which rows: one
+(``QuantLinear.argmax``; two or more rows run the full route: their exact values come from other tiles,
+and many rows are bound by arithmetic, not bytes), without a soft-cap (tanh can round distinct logits to
+one value; a capped head keeps the full route). The C global ``head_screen`` (1) turns the screen off at
+run time (0), for ``bench.worker_step --toggle head_screen``.
 """
 
 from __future__ import annotations

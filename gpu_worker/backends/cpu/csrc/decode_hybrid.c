@@ -196,7 +196,8 @@ int decode_hybrid(const hybrid_layer *layers, int64_t n_layers, const hybrid_dim
         status = decode_linear_run(&l->down, hidden, inner, s.act, rows, s.act_q, out, DTYPE_F32, out);
     }
     /* the final norm of the rows, while they are in the caches (the model's norm module after the call
-     * ran on cold ones: ~60 us a one-row step), as that module computes it */
+     * runs on cold ones: docs/benchmarks-history.md, "Qwen3.5-4B's one-row step outside its C calls"),
+     * as that module computes it */
     if (status == 0 && final_norm != NULL)
         rms_norm(out, hidden, final_norm, normed, rows, (int)hidden, final_eps, DTYPE_F32);
     free(arena);

@@ -25,7 +25,7 @@
  *    x's dtype as argmax_panel does, and takes the largest, the first index on ties.
  * The token is the full route's, bit for bit, on every input. Where x is not finite, its norm
  * could overflow, more than max_cand rows are candidates, or head_screen is 0, the full route runs
- * (quant_matmul_argmax). Random weights (a bench file's) leave ~100 candidates; trained heads fewer.
+ * (quant_matmul_argmax). How many rows are candidates: docs/benchmarks-history.md, "The screened greedy head".
  *
  * One int8 row is read front to back (widened to float32 in registers, float32 FMAs): a thread's
  * rows are one sequential stream, as quant_f16.c's one-row tile reads its rows. */

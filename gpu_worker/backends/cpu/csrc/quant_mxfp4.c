@@ -204,7 +204,7 @@ static inline __attribute__((always_inline)) void x8_row(const uint8_t *g, int64
  * at xoff[b] = -12 sum(q): the same exact integers as x8_row's (int32 wraps; the true sums stay
  * below 2^24), then its float steps lane by lane. Groups in pairs end in one zmm (lanes 0-7 the
  * first group's rows, 8-15 the second's). The G groups are G streams 8 wrb apart, which the
- * hardware's prefetch served worse than one (0.7x the read pace of one stream, a 352 MB test): each
+ * hardware's prefetch served worse than one (docs/benchmarks-history.md, "gpt-oss's one-row layers"): each
  * block fetches its share of the next pass's G groups instead, front to back, one stream ahead. */
 static const int8_t RLEVELS[16] = {0, 4, 6, 8, 9, 10, 11, 12, 24, 20, 18, 16, 15, 14, 13, 12};
 #define ROW_GROUPS 4  /* groups a pass of the one-row tile */
