@@ -58,3 +58,8 @@ def read_bandwidth(mb: int = 256, repeats: int = 10) -> float:
         t.sum()
         best = min(best, time.perf_counter() - started)
     return t.numel() * 4 / best / 1e9
+
+
+def floor_x(tpot_ms: float, decode_bytes: int, gbps: float) -> float:
+    """A token's time over its floor: ``tpot_ms`` against ``decode_bytes`` read at ``gbps`` GB/s."""
+    return tpot_ms / (decode_bytes / gbps / 1e6)

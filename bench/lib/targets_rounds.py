@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from bench.lib import launch, offline, serving
-from bench.lib.floor import read_bandwidth
+from bench.lib.floor import floor_x, read_bandwidth
 from bench.lib.launch import free_port
 from bench.lib.llama_cpp import Peer
 from bench.lib.metrics import RequestResult, Summary, summarize
@@ -135,7 +135,7 @@ def measure_http(
             tpot_ms = summary.tpot_ms.p50
             out |= {"decode1_tps": 1e3 / tpot_ms if tpot_ms else None, "out1_tps": summary.output_throughput}
             if tpot_ms and args.decode_bytes:  # a token's time over its floor: weight bytes / read pace
-                out["decode1_floor_x"] = tpot_ms / (args.decode_bytes / out["read_gbps"] / 1e6)
+                out["decode1_floor_x"] = floor_x(tpot_ms, args.decode_bytes, out["read_gbps"])
     return out
 
 
@@ -213,7 +213,9 @@ def measure_paired(args: argparse.Namespace, peer: Peer, dtype: str, r: int) -> 
     a pair. A pair meets the machine a second apart, where measure_http's one-stream runs of a round
     come 20-30 s apart: on a shared host the memory's read pace can move by half in that time, and
     one engine's run lands on the fast pace while the other's lands on the slow one. Returns the
-    medians of each engine's per-request TPOT as tok/s and the median of the pairs' ratios."""
+    medians of each engine's per-request TPOT as tok/s and the median of the pairs' ratios; for a GGUF
+    (``args.decode_bytes``) also each engine's median of its requests' time a token over the floor,
+    the read pace probed right before and right after each request (both engines idle then)."""
     rport, lport = free_port(), free_port()
     flags = _engine_flags(args, dtype, rport)
     urls = {"rivulet": f"http://127.0.0.1:{rport}", "llama.cpp": f"http://127.0.0.1:{lport}"}
@@ -222,20 +224,26 @@ def measure_paired(args: argparse.Namespace, peer: Peer, dtype: str, r: int) -> 
         launch.rivulet_server(f"targets-paired-{dtype}", flags, Path(tmp), args.model),
         launch.openai_server("llama.cpp", peer.command(lport), urls["llama.cpp"], Path(tmp)),
     ):
-        tpot = asyncio.run(_paired_tpots(args, urls, HTTP_SEED + 2000 + r, peer.fields))
+        tpot, paces = asyncio.run(_paired_tpots(args, urls, HTTP_SEED + 2000 + r, peer.fields))
     ratios = [theirs / mine for mine, theirs in zip(tpot["rivulet"], tpot["llama.cpp"], strict=True)]
-    return {
+    out = {
         "paired_decode1_tps": 1e3 / statistics.median(tpot["rivulet"]),
         "llama_paired_decode1_tps": 1e3 / statistics.median(tpot["llama.cpp"]),
         "paired_decode1_ratio": statistics.median(ratios),
     }
+    for name, key in (("rivulet", "paired_decode1_floor_x"), ("llama.cpp", "llama_paired_decode1_floor_x")):
+        if paces[name]:  # a request's ms a token over its floor: weight bytes / the pace around it
+            pairs = zip(tpot[name], paces[name], strict=True)
+            out[key] = statistics.median(floor_x(ms, args.decode_bytes, gbps) for ms, gbps in pairs)
+    return out
 
 
 async def _paired_tpots(
     args: argparse.Namespace, urls: dict[str, str], seed: int, fields: dict[str, object]
-) -> dict[str, list[float]]:
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Each engine's TPOT (ms) per request of the paired run, in pair order (``fields``: the
-    peer's own body fields)."""
+    peer's own body fields), and with ``args.decode_bytes`` the read pace (GB/s) around each request:
+    the mean of the probes right before and right after it (empty lists without)."""
     bench_args = _serving_args(args, urls["rivulet"], args.paired_requests, 1, seed, http=True)
     items = serving.build_workload(bench_args)
     sampling = {"rivulet": {}, "llama.cpp": fields}
@@ -246,12 +254,17 @@ async def _paired_tpots(
         for name, url in urls.items()
     }
     tpot: dict[str, list[float]] = {name: [] for name in urls}
+    paces: dict[str, list[float]] = {name: [] for name in urls}
     try:
         for backend in backends.values():
             await serving.warm_up(backend, bench_args.warmup_requests)
+        probe = read_bandwidth() if args.decode_bytes else None  # the pace before the first request
         for i, item in enumerate(items):
             for name in list(urls)[:: 1 if i % 2 == 0 else -1]:
                 (res,) = await serving.run_requests(backends[name], [item], [0.0], 1, False)
+                if probe is not None:
+                    before, probe = probe, read_bandwidth()  # after this request: the next one's before
+                    paces[name].append((before + probe) / 2)
                 assert not res.error, f"a paired request to {name} failed: {res.error}"
                 _check_lengths([res], item.max_new_tokens, f"a paired request to {name}")
                 ms = summarize([res]).tpot_ms.p50
@@ -260,7 +273,7 @@ async def _paired_tpots(
     finally:
         for backend in backends.values():
             await backend.close()
-    return tpot
+    return tpot, paces
 
 
 def peer_ratios(rivulet_run: dict[str, Any], peer_run: dict[str, Any]) -> dict[str, Any]:

@@ -60,6 +60,11 @@ PEER_TARGETS = (
     Target("llama_paired_decode1_tps", "1 stream, paired requests: llama.cpp decode tok/s", "-", None),
     Target("paired_decode1_ratio", "1 stream, paired requests: rivulet / llama.cpp (median of pairs)", "-",
            None),
+    Target("paired_decode1_floor_x",
+           "1 stream, paired requests: rivulet ms a token / floor (the read pace probed around each request)",
+           "<= 1.1", lambda x: x <= 1.1),
+    Target("llama_paired_decode1_floor_x", "1 stream, paired requests: llama.cpp ms a token / floor", "-",
+           None),
 )  # fmt: skip
 RATIOS = {  # ratio key -> (rivulet's key, llama.cpp's key in its round)
     "out32_ratio": ("http_out32_tps", "out32_tps"),

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 from gguf import GGUFWriter
 
-from bench.lib.floor import decode_bytes, read_bandwidth
+from bench.lib.floor import decode_bytes, floor_x, read_bandwidth
 
 
 def _write(
@@ -63,3 +64,10 @@ def test_experts_count_at_the_share_a_token_uses(tmp_path: Path) -> None:
 
 def test_read_bandwidth_is_a_pace() -> None:
     assert 0.1 < read_bandwidth(mb=16, repeats=2) < 10_000  # GB/s of any machine that runs the tests
+
+
+def test_floor_x_is_a_tokens_time_over_its_bytes_at_the_pace() -> None:
+    # 100 MB at 50 GB/s is 2 ms: a 10 ms token is 5x its floor, a 2 ms one is at it
+    assert floor_x(10.0, 100_000_000, 50.0) == pytest.approx(5.0)
+    assert floor_x(2.0, 100_000_000, 50.0) == pytest.approx(1.0)
+    assert floor_x(2.0, 100_000_000, 25.0) == pytest.approx(0.5)

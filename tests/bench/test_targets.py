@@ -296,8 +296,10 @@ def test_paired_requests_on_both_servers_at_once(tiny_llama_dir: Path, tmp_path:
     argv = ["--model", str(tiny_llama_dir), "--paired-requests", "3", "--input-len", "8", "--output-len", "6",
             "--engine-flags", "--num-threads 1 --kv-cache-tokens 2048"]  # fmt: skip
     args = targets.build_parser().parse_args(argv)
+    args.decode_bytes = 50_000_000  # as main sets it for a GGUF: the floor is probed around each request
     peer = llama_cpp.Peer(script, Path("/m/x.gguf"), threads=2, parallel=32, fields={})  # rivulet: no extras
     run = targets_rounds.measure_paired(args, peer, "float32", 0)
-    assert set(run) == {"paired_decode1_tps", "llama_paired_decode1_tps", "paired_decode1_ratio"}
+    assert set(run) == {"paired_decode1_tps", "llama_paired_decode1_tps", "paired_decode1_ratio",
+                        "paired_decode1_floor_x", "llama_paired_decode1_floor_x"}  # fmt: skip
     assert all(v > 0 for v in run.values())
     assert [pid for pid in targets.launch.descendants(os.getpid()) if pid_alive(pid)] == []
