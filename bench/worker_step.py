@@ -19,8 +19,9 @@ one_call`` does so with the one-call decode (0: the modules), one model held for
 argmax from the head's kernel (0: the logits, then their argmax; sampling/head_argmax.py).
 
 Shapes: decode at batch 1 / 8 / 32 (every row with ``--context`` tokens of KV
-already written) and one prefill chunk of ``--prefill`` tokens. Each shape runs
-``--iters`` steps after ``--warmup``; the median step time is reported. With
+already written) and one prefill step of ``--prefill-prompts`` fresh prompts (1 unless given) of
+``--prefill`` tokens each (``prefill16x32``: 16 prompts of 32 tokens, as a 32-stream run's first
+steps). Each shape runs ``--iters`` steps after ``--warmup``; the median step time is reported. With
 several dtypes the runners are built once and the shapes run round-robin
 (A B A B ...), so a noisy neighbour hits every configuration alike.
 """
@@ -48,7 +49,9 @@ def shapes(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
     """name -> (rows, tokens per row); decode rows have ``args.context`` tokens of history."""
     out = {f"decode{b}": (b, 1) for b in args.decode_batches}
     if args.prefill > 0:
-        out[f"prefill{args.prefill}"] = (1, args.prefill)
+        prompts = args.prefill_prompts
+        name = f"prefill{args.prefill}" if prompts == 1 else f"prefill{prompts}x{args.prefill}"
+        out[name] = (prompts, args.prefill)
     return out
 
 
@@ -74,7 +77,8 @@ def make_runner(args: argparse.Namespace, variant: str) -> ModelRunner:
     variant, _, latent = variant.partition("/latent=")
     variant, _, kv = variant.partition("/kv=")
     dtype, _, attention = variant.partition(":")
-    rows = max(args.decode_batches)
+    rows, prompts = max(args.decode_batches), args.prefill_prompts
+    kv_tokens = rows * (args.context + 2 * PAGE_SIZE) + prompts * (args.prefill + PAGE_SIZE) + PAGE_SIZE
     extra: dict[str, Any] = {"compile": True} if args.compile else {}  # older configs lack the field
     if kv:
         extra["kv_cache_dtype"] = kv
@@ -89,8 +93,8 @@ def make_runner(args: argparse.Namespace, variant: str) -> ModelRunner:
             model_path=str(resolve_model(args.model)),
             dtype=dtype,
             page_size=PAGE_SIZE,
-            kv_cache_tokens=rows * (args.context + 2 * PAGE_SIZE) + args.prefill + PAGE_SIZE,
-            max_running_requests=max(rows, 1),
+            kv_cache_tokens=kv_tokens,
+            max_running_requests=max(rows, prompts, 1),
             num_threads=args.num_threads,
             **extra,
         )
@@ -105,7 +109,9 @@ def make_runner(args: argparse.Namespace, variant: str) -> ModelRunner:
 def steppers(runner: ModelRunner, args: argparse.Namespace) -> dict[str, Callable[[int], None]]:
     out = {}
     for name, (rows, tokens) in shapes(args).items():
-        out[name] = prepare(runner, rows, args.context) if tokens == 1 else prepare_prefill(runner, tokens)
+        out[name] = (
+            prepare(runner, rows, args.context) if tokens == 1 else prepare_prefill(runner, tokens, rows)
+        )
     return out
 
 
@@ -132,7 +138,13 @@ def main() -> None:
     p.add_argument("--kv-cache-dtypes", default="", help="comma-separated KV pool dtypes, each per --dtype")
     p.add_argument("--decode-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     p.add_argument("--context", type=int, default=96, help="KV tokens per decode row")
-    p.add_argument("--prefill", type=int, default=256, help="prefill chunk tokens; 0: skip")
+    p.add_argument("--prefill", type=int, default=256, help="prefill chunk tokens (of each prompt); 0: skip")
+    p.add_argument(
+        "--prefill-prompts",
+        type=int,
+        default=1,
+        help="prompts of --prefill tokens each in the one prefill step (16: a 32-stream run's first steps)",
+    )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=1, help="round-robin passes over dtypes x shapes")

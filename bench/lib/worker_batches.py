@@ -46,9 +46,10 @@ def prepare(runner: ModelRunner, rows: int, context: int) -> Callable[[int], Non
     return lambda step: _run(runner, batch(step, rows, context, 1, first=False))
 
 
-def prepare_prefill(runner: ModelRunner, tokens: int) -> Callable[[int], None]:
-    runner.execute(batch(0, 1, 0, tokens, first=True))
-    return lambda step: _run(runner, batch(step, 1, 0, tokens, first=False))
+def prepare_prefill(runner: ModelRunner, tokens: int, prompts: int = 1) -> Callable[[int], None]:
+    """A step(step_no) prefilling ``prompts`` fresh prompts of ``tokens`` tokens each, in one batch."""
+    runner.execute(batch(0, prompts, 0, tokens, first=True))
+    return lambda step: _run(runner, batch(step, prompts, 0, tokens, first=False))
 
 
 def _run(runner: ModelRunner, b: ForwardBatch) -> None:

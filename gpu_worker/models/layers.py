@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,13 @@ class LinearImpl(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class GatedImpl(Protocol):
+    """A device backend's ``silu(x W_0^T) * (x W_1^T)`` of a Linear of two equal parts (an MLP's gate
+    and up) in one call, with the bits of the Linear's output and then ``FusedOps.silu_mul``."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class EmbeddingImpl(Protocol):
@@ -77,7 +84,7 @@ class Linear(BlocksOrWeight):
     vocabulary rows this rank holds, where tensor parallel splits an LM head (``Split.VOCAB``).
     """
 
-    kernel_slots = ("impl",)
+    kernel_slots: ClassVar[tuple[str, ...]] = ("impl",)  # (MergedLinear's add one)
     impl: LinearImpl | None = None
     vocab_span: tuple[int, int, int] | None = None  # (start, stop, vocab)
 
@@ -119,7 +126,13 @@ class MergedLinear(Linear):
     order; the loader copies each checkpoint weight into its block. ``fused_checkpoint``: the
     checkpoint holds this merged weight as one tensor under this module's own name (Phi-3, GPT-2);
     the shards then only say where each projection's rows are (tensor parallel splits them).
+
+    Kernel slot ``silu_mul`` (besides ``impl``): where a backend fuses it, ``silu`` of the first of two
+    equal parts times the second, in one call (an MLP's gate and up: llama.py's ``MLP``).
     """
+
+    kernel_slots = ("impl", "silu_mul")
+    silu_mul: GatedImpl | None = None
 
     def __init__(
         self, in_features: int, shards: dict[str, int], bias: bool, fused_checkpoint: bool = False

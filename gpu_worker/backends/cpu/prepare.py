@@ -48,12 +48,12 @@ from gpu_worker.backends.cpu.kind import CpuKind, describe, requested_kind
 from gpu_worker.backends.cpu.layouts import in_arena, place
 from gpu_worker.backends.cpu.malloc import keep_freed_memory
 from gpu_worker.backends.cpu.matmul import CpuLinear
-from gpu_worker.backends.cpu.quant import QuantEmbedding, QuantLinear
+from gpu_worker.backends.cpu.quant import QuantEmbedding, QuantLinear, gated
 from gpu_worker.models import CausalLM
 from gpu_worker.models.contract import Layer, Split
 from gpu_worker.models.gated_delta import GatedDeltaNet
 from gpu_worker.models.gemma4 import Gemma4ForCausalLM
-from gpu_worker.models.layers import Embedding, Linear
+from gpu_worker.models.layers import Embedding, Linear, MergedLinear
 from gpu_worker.models.moe import Experts, SparseMoeBlock
 from gpu_worker.models.qwen35 import Qwen35ForCausalLM
 from gpu_worker.sampling.head_argmax import GreedyHead
@@ -155,7 +155,15 @@ def _attach_quantized(
         types = "+".join(gguf.GGMLQuantizationType(part.type).name for part in weight.parts)
         if isinstance(module, Linear):
             screen = screen_for(weight, module.bias, kernels) if module is head else None
-            module.attach(impl=QuantLinear(weight, module.bias, kernels, screen))
+            impl = QuantLinear(weight, module.bias, kernels, screen)
+            module.attach(impl=impl)
+            halves = (
+                isinstance(module, MergedLinear)
+                and len(module.sizes) == 2
+                and module.sizes[0] == module.sizes[1]
+            )
+            if halves:  # two equal parts (an MLP's gate and up): silu(gate) * up in one call where it fits
+                module.attach(silu_mul=gated(impl))
             if screen is not None:
                 held = sum(t.numel() * t.element_size() for t in screen.tensors())
                 logger.info("head screen: int8 copy of the %s head, %.1f MB", types.lower(), held / 1e6)

@@ -254,6 +254,47 @@ class QuantLinear:
         return out if residual is None or fuse else residual + out
 
 
+class QuantGated:
+    """``silu(x W_gate^T) * (x W_up^T)`` of a gate|up ``QuantLinear`` (two equal halves, no bias) in
+    one call (csrc/quant.c's quant_matmul_gated: the [rows, 2 inner] output never written), where its
+    rows take the integer path; else the Linear's output, then ``silu_mul``. The same bits either way."""
+
+    def __init__(self, linear: QuantLinear, gate: QuantBlocks, up: QuantBlocks, act_bytes: int) -> None:
+        self.linear, self.gate, self.up, self.act_bytes = linear, gate, up, act_bytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows, linear = x.shape[0], self.linear
+        if rows == 0 or rows >= linear.dense_min_rows[0]:
+            return linear.kernels.silu_mul(linear(x))
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        type = kernel_type(self.gate) | (A8 if rows >= linear.a8_min_rows[0] else 0)
+        run = linear.kernels.quant_matmul_gated
+        return run(type, self.gate.data, self.up.data, self.gate.cols, x, self.act_bytes, False)
+
+
+def gated(linear: QuantLinear) -> QuantGated | None:
+    """A ``QuantGated`` of ``linear`` where its two halves are gate and up for it: no bias, one part
+    (its rows split in two) or two parts of one type, size, layout and row-count thresholds."""
+    parts = linear.weight.parts
+    if linear.bias is not None or len(parts) > 2 or linear.out_features % 2:
+        return None
+    inner = linear.out_features // 2
+    if len(parts) == 1:
+        part = parts[0]
+        if part.layout == X8_LAYOUT and inner % 8:
+            return None  # rows interleaved by 8: each half must be whole groups
+        halves = (part.data[:inner], part.data[inner:])
+        gate, up = (QuantBlocks(part.type, half, part.cols, part.layout) for half in halves)
+        return QuantGated(linear, gate, up, linear.act_bytes[0])
+    gate, up = parts
+    same = (gate.type, gate.rows, gate.cols, gate.layout) == (up.type, up.rows, up.cols, up.layout)
+    alike = (
+        linear.dense_min_rows[0] == linear.dense_min_rows[1]
+        and linear.a8_min_rows[0] == linear.a8_min_rows[1]
+    )
+    return QuantGated(linear, gate, up, linear.act_bytes[0]) if same and alike else None
+
+
 class QuantEmbedding:
     """Rows of a quantized embedding table, dequantized on lookup into the model's dtype."""
 

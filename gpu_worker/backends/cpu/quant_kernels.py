@@ -47,6 +47,9 @@ class QuantKernels:
         self._quant_matmul = lib.quant_matmul
         self._quant_matmul.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, ptr, i64, i32, ptr, i64]
         self._quant_matmul.restype = i32
+        self._quant_matmul_gated = lib.quant_matmul_gated
+        self._quant_matmul_gated.argtypes = [i32, ptr, ptr, i64, i64, ptr, i64, i32, i64, ptr, ptr, i32, i32]
+        self._quant_matmul_gated.restype = i32
         self._quant_matmul_dense = lib.quant_matmul_dense
         self._quant_matmul_dense.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, i64, i32, ptr, i64]
         self._quant_matmul_dense.restype = i32
@@ -157,6 +160,37 @@ class QuantKernels:
         if status != 0:
             refused = f"type {type}, n={n}, k={k}, dtype {x.dtype}: {status_text(status)}"
             raise ValueError(f"quant_matmul refused {refused}")
+        return out
+
+    def quant_matmul_gated(
+        self,
+        type: int,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        k: int,
+        x: torch.Tensor,
+        act_bytes: int,
+        gelu: bool,
+    ) -> torch.Tensor:
+        """``silu(x gate^T) * (x up^T)`` (``gelu``: gelu_tanh's) [M, inner] in x's dtype, for blocks
+        ``quant_check`` passed (``act_bytes``), gate and up [inner, row bytes] of one type and layout:
+        ``quant_matmul_checked`` of the two into one [M, 2 inner] output then ``silu_mul`` (or
+        ``gelu_tanh_mul``), the same bits, in one call that never writes that output."""
+        assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1, "x: [M, k], rows contiguous"
+        assert gate.shape == up.shape and gate.dtype == up.dtype == torch.uint8, (
+            "gate, up: one shape of blocks"
+        )
+        m, inner = x.shape[0], gate.shape[0]
+        out = torch.empty((m, inner), dtype=x.dtype)
+        scratch = self._scratch(m * act_bytes)
+        dtype = DTYPE_CODES[x.dtype]
+        status = self._quant_matmul_gated(
+            type, gate.data_ptr(), up.data_ptr(), inner, k, x.data_ptr(), x.stride(0), dtype, m,
+            scratch.data_ptr(), out.data_ptr(), dtype, int(gelu),
+        )  # fmt: skip
+        if status != 0:
+            refused = f"type {type}, inner={inner}, k={k}, dtype {x.dtype}: {status_text(status)}"
+            raise ValueError(f"quant_matmul_gated refused {refused}")
         return out
 
     def quant_matmul_argmax(

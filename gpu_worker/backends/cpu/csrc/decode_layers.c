@@ -9,7 +9,8 @@
  *   h = rms_norm(x); qkv = h Wqkv^T; rotary on q and k heads (in place);
  *   attn = attention(q over the pool, after writing k and v at each row's last position);
  *   x = x + attn Wo^T; h = rms_norm(x); gu = h Wgu^T; a = silu(gate) * up; x = x + a Wdown^T
- * each Linear by quant_matmul or, from dense_min_rows rows, quant_matmul_dense (as QuantLinear). A
+ * each Linear by quant_matmul or, from dense_min_rows rows, quant_matmul_dense (as QuantLinear); gu and
+ * a in one quant_matmul_gated call where it fits (the same bits, gu never written). A
  * merged Linear whose projections differ in type (a Q4_K_M file's q, k in Q4_K and v in Q6_K) is
  * up to MAX_PARTS parts, each a matmul writing its own columns of the output, as QuantLinear runs it.
  *
@@ -81,6 +82,28 @@ static int linear(const decode_layer *l, int i, int64_t n, int64_t k, const void
     const int64_t row_bytes = n * (dtype == DTYPE_BF16 ? 2 : 4);
     for (int64_t r = 0; r < rows; r++) decode_add_into((char *)y + r * row_bytes, l->bias[i], n, dtype);
     return RV_OK;
+}
+
+/* act [rows, inner] = silu(gate) * up (gelu_tanh where ``gelu``) of the gate|up Linear on h, in one
+ * quant_matmul_gated call where that runs the kernels linear() and silu_mul would: no bias, gate and
+ * up of one type taking the integer path at this row count (one part of 2 inner rows, or one part
+ * each). Else -1: the caller runs those two steps. */
+static int gated_mlp(const decode_layer *l, int64_t inner, int64_t hidden, const void *h, int64_t rows, void *scratch,
+                     void *act, int dtype, int gelu) {
+    const decode_linear *lin = &l->linear[GATE_UP];
+    if (l->bias[GATE_UP] != NULL || rows >= lin->dense_min_rows[0]) return -1;
+    const qtype_ops *ops = quant_ops((int)lin->type[0]);
+    if (ops == NULL || hidden % ops->block != 0) return -1;
+    const uint8_t *w_up = NULL;
+    _Static_assert(MAX_PARTS == 3, "gated_mlp reads parts 0-2");
+    if (lin->n[0] == 2 * inner && lin->n[1] == 0)
+        w_up = lin->w[0] + inner * (hidden / ops->block * ops->block_bytes);
+    else if (lin->n[0] == inner && lin->n[1] == inner && lin->n[2] == 0 && lin->type[1] == lin->type[0] && lin->a8_min_rows[1] == lin->a8_min_rows[0] &&
+             lin->dense_min_rows[1] == lin->dense_min_rows[0])
+        w_up = lin->w[1];
+    if (w_up == NULL) return -1;
+    const int type = (int)lin->type[0] | (rows >= lin->a8_min_rows[0] ? QTYPE_A8 : 0);
+    return quant_matmul_gated(type, lin->w[0], w_up, inner, hidden, h, hidden, dtype, rows, scratch, act, dtype, gelu);
 }
 
 /* Linear i of x into out as a residual add: in place (out + x W^T) where it has neither a bias nor
@@ -182,11 +205,14 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
             decode_add_into(out, moe_y, rows * hidden, dtype);
             continue;
         }
-        if ((status = linear(l, GATE_UP, 2 * inner, hidden, h, rows, scratch, gu, dtype)) != 0) break;
-        if (dims->gelu)
-            gelu_tanh_mul(gu, act, rows, (int)inner, dtype);
-        else
-            silu_mul(gu, act, rows, (int)inner, dtype);
+        status = gated_mlp(l, inner, hidden, h, rows, scratch, act, dtype, (int)dims->gelu);
+        if (status == -1 && (status = linear(l, GATE_UP, 2 * inner, hidden, h, rows, scratch, gu, dtype)) == 0) {
+            if (dims->gelu)
+                gelu_tanh_mul(gu, act, rows, (int)inner, dtype);
+            else
+                silu_mul(gu, act, rows, (int)inner, dtype);
+        }
+        if (status != 0) break;
         status = linear_add(l, DOWN, dims, inner, act, rows, scratch, h, out, l->mlp_out_norm);
     }
     free(arena);

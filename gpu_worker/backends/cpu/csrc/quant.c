@@ -215,41 +215,85 @@ void argmax_panel(const head_argmax *am, int t, float *v, int64_t ld, int64_t r0
     }
 }
 
-/* quant_panel's work; ``stream``: y float32 without a residual, rows and pw whole lines (see
- * STREAM_BYTES); ``am`` (not NULL): folded into thread t's argmax, y not written. */
-static void panel_rows(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int64_t nb, int64_t c0, int64_t pw,
-                       const uint8_t *xq, int64_t xrb, int64_t r0, int64_t r1, void *y, int64_t y_stride,
-                       int y_dtype, const void *residual, int64_t res_stride, int stream, const head_argmax *am,
-                       int t) {
-    float buf[ROW_CHUNK * PANEL_MAX], res[PANEL_MAX];
-    for (int64_t q0 = r0; q0 < r1; q0 += ROW_CHUNK) {
-        const int64_t qr = r1 - q0 < ROW_CHUNK ? r1 - q0 : ROW_CHUNK;
-        ops->tile(w + c0 * wrb, wrb, pw, xq + q0 * xrb, xrb, qr, nb, buf, pw);
-        if (am != NULL) {
-            argmax_panel(am, t, buf, pw, q0, qr, c0, pw);
+/* What a call's panels share: W (wrb bytes a row, nb blocks), its quantized activation rows xq (xrb
+ * bytes apart) and where the outputs go. ``stream``: y float32 without a residual, rows and panels whole
+ * lines (see STREAM_BYTES); ``am`` (not NULL): each panel folded into the thread's argmax, y not
+ * written; ``w_up`` (not NULL): a gated call, y = act(x W^T) * (x W_up^T), W_up's rows as W's (see
+ * quant_matmul_gated; ``gelu``: gelu_tanh, else silu). */
+typedef struct {
+    const qtype_ops *ops;
+    const uint8_t *w, *w_up;
+    int64_t wrb, nb;
+    const uint8_t *xq;
+    int64_t xrb;
+    void *y;
+    int64_t y_stride;
+    int y_dtype;
+    const void *residual;
+    int64_t res_stride;
+    int stream, gelu;
+    const head_argmax *am;
+} panel_job;
+
+/* Rows [0, qr) of a tile's output v (pw columns a row) to y's rows from q0 on, columns [c0, c0 + pw):
+ * streamed, or plus the residual, rounded once to y's dtype. */
+static void store_panel(const panel_job *job, float *v_all, int64_t q0, int64_t qr, int64_t c0, int64_t pw) {
+    const void *residual = job->residual;
+    const int64_t y_stride = job->y_stride, res_stride = job->res_stride;
+    float res[PANEL_MAX];
+    for (int64_t r = 0; r < qr; r++) {
+        float *v = v_all + r * pw;
+        if (job->stream) {
+            stream_row((float *)job->y + (q0 + r) * y_stride + c0, v, pw);
             continue;
         }
-        for (int64_t r = 0; r < qr; r++) {
-            float *v = buf + r * pw;
-            if (stream) {
-                stream_row((float *)y + (q0 + r) * y_stride + c0, v, pw);
-                continue;
-            }
-            if (y_dtype == DTYPE_F32 && residual != NULL) { /* the residual read where it lies: one pass */
-                float *dst = (float *)y + (q0 + r) * y_stride + c0;
-                const float *add = (const float *)residual + (q0 + r) * res_stride + c0;
+        if (job->y_dtype == DTYPE_F32 && residual != NULL) { /* the residual read where it lies: one pass */
+            float *dst = (float *)job->y + (q0 + r) * y_stride + c0;
+            const float *add = (const float *)residual + (q0 + r) * res_stride + c0;
 #pragma omp simd
-                for (int64_t j = 0; j < pw; j++) dst[j] = v[j] + add[j];
-                continue;
-            }
-            for (int64_t j0 = 0; residual != NULL && j0 < pw; j0 += PANEL_MAX) { /* (a one-row panel: wider) */
-                const int64_t m = pw - j0 < PANEL_MAX ? pw - j0 : PANEL_MAX;
-                load_vec(residual, y_dtype, (q0 + r) * res_stride + c0 + j0, (int)m, res);
-#pragma omp simd
-                for (int64_t j = 0; j < m; j++) v[j0 + j] += res[j];
-            }
-            store_vec(y, y_dtype, (q0 + r) * y_stride + c0, (int)pw, v);
+            for (int64_t j = 0; j < pw; j++) dst[j] = v[j] + add[j];
+            continue;
         }
+        for (int64_t j0 = 0; residual != NULL && j0 < pw; j0 += PANEL_MAX) { /* (a one-row panel: wider) */
+            const int64_t m = pw - j0 < PANEL_MAX ? pw - j0 : PANEL_MAX;
+            load_vec(residual, job->y_dtype, (q0 + r) * res_stride + c0 + j0, (int)m, res);
+#pragma omp simd
+            for (int64_t j = 0; j < m; j++) v[j0 + j] += res[j];
+        }
+        store_vec(job->y, job->y_dtype, (q0 + r) * y_stride + c0, (int)pw, v);
+    }
+}
+
+/* A gated panel's rows: act(gate) * up on each row of the two tiles' outputs (pw columns a row), each
+ * value first rounded to y's dtype as quant_matmul's gate|up output holds it, then as silu_mul (or
+ * gelu_tanh_mul) computes it (small_ops.c's act_mul_f32), into gate's rows. */
+static void gate_panel(const panel_job *job, float *gate, float *up, int64_t qr, int64_t pw) {
+    for (int64_t r = 0; r < qr; r++) {
+        float *g = gate + r * pw, *u = up + r * pw;
+        round_vec(job->y_dtype, g, (int)pw);
+        round_vec(job->y_dtype, u, (int)pw);
+        act_mul_f32(g, u, (int)pw, job->y_dtype, job->gelu);
+    }
+}
+
+/* quant_panel's work for thread t: y rows [r0, r1) of columns [c0, c0 + pw), a tile of ROW_CHUNK rows
+ * at a time (two where gated: W's and W_up's same columns), then stored (store_panel) or folded into
+ * the argmax. */
+static void panel_rows(const panel_job *job, int64_t c0, int64_t pw, int64_t r0, int64_t r1, int t) {
+    float buf[ROW_CHUNK * PANEL_MAX], up[ROW_CHUNK * PANEL_MAX]; /* (up: where gated) */
+    const qtype_ops *ops = job->ops;
+    const int64_t wrb = job->wrb, nb = job->nb, xrb = job->xrb;
+    for (int64_t q0 = r0; q0 < r1; q0 += ROW_CHUNK) {
+        const int64_t qr = r1 - q0 < ROW_CHUNK ? r1 - q0 : ROW_CHUNK;
+        ops->tile(job->w + c0 * wrb, wrb, pw, job->xq + q0 * xrb, xrb, qr, nb, buf, pw);
+        if (job->w_up != NULL) {
+            ops->tile(job->w_up + c0 * wrb, wrb, pw, job->xq + q0 * xrb, xrb, qr, nb, up, pw);
+            gate_panel(job, buf, up, qr, pw);
+        }
+        if (job->am != NULL)
+            argmax_panel(job->am, t, buf, pw, q0, qr, c0, pw);
+        else
+            store_panel(job, buf, q0, qr, c0, pw);
     }
 }
 
@@ -260,22 +304,24 @@ static void panel_rows(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int6
 void quant_panel(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int64_t nb, int64_t c0, int64_t pw,
                  const uint8_t *xq, int64_t xrb, int64_t r0, int64_t r1, void *y, int64_t y_stride, int y_dtype,
                  const void *residual, int64_t res_stride) {
-    panel_rows(ops, w, wrb, nb, c0, pw, xq, xrb, r0, r1, y, y_stride, y_dtype, residual, res_stride, 0, NULL, 0);
+    const panel_job job = {ops, w, NULL, wrb, nb, xq, xrb, y, y_stride, y_dtype, residual, res_stride, 0, 0, NULL};
+    panel_rows(&job, c0, pw, r0, r1, 0);
 }
 
 /* y [rows, n] (y_dtype, rows y_stride elements apart) = residual (rows res_stride elements apart,
  * y_dtype; NULL: none) + x W^T, x [rows, k] (x_dtype, rows x_stride elements apart), W [n, k] in
  * blocks of ``type``. (A strided y lets a merged Linear's parts write their columns in place.)
  * Summed in float32, one rounding to y_dtype at the end. scratch: rows * quant_act_row_bytes(type, k)
- * bytes (of the type without QTYPE_A8: that size fits both formats). Returns RV_OK, or (nothing
- * written) RV_ERR_TYPE, RV_ERR_K (k not a whole number of blocks), RV_ERR_DTYPE, RV_ERR_NO_MEMORY, or
- * RV_ERR_X8_ROWS (an interleaved type with n not a multiple of 8). */
-static int matmul_run(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
-                      int x_dtype, int64_t rows, void *scratch, void *y, int64_t y_stride, int y_dtype,
-                      const void *residual, int64_t res_stride, const head_argmax *am) {
+ * bytes (of the type without QTYPE_A8: that size fits both formats). ``job``: W, the outputs' fields
+ * (w, w_up, y, y_stride, y_dtype, residual, res_stride, gelu, am); the rest is filled here. Returns
+ * RV_OK, or (nothing written) RV_ERR_TYPE, RV_ERR_K (k not a whole number of blocks), RV_ERR_DTYPE,
+ * RV_ERR_NO_MEMORY, or RV_ERR_X8_ROWS (an interleaved type with n not a multiple of 8). */
+static int matmul_run(int type, int64_t n, int64_t k, const void *x, int64_t x_stride, int x_dtype, int64_t rows,
+                      void *scratch, panel_job *job) {
     const qtype_ops *ops = quant_ops(type);
     if (ops == NULL) return RV_ERR_TYPE;
     if (k <= 0 || k % ops->block != 0) return RV_ERR_K;
+    const int y_dtype = job->y_dtype;
     if ((x_dtype != DTYPE_F32 && x_dtype != DTYPE_BF16) || (y_dtype != DTYPE_F32 && y_dtype != DTYPE_BF16)) return RV_ERR_DTYPE;
     if ((type & QTYPE_X8) && n % 8 != 0) return RV_ERR_X8_ROWS;
     if (n <= 0 || rows <= 0) return 0;
@@ -284,10 +330,11 @@ static int matmul_run(int type, const uint8_t *w, int64_t n, int64_t k, const vo
     const int64_t unit = col_unit(ops), units = (n + unit - 1) / unit;
     uint8_t *xq = (uint8_t *)scratch;
     int failed = 0;
+    job->ops = ops, job->wrb = wrb, job->nb = nb, job->xq = xq, job->xrb = xrb;
     /* streaming stores take whole 64-byte lines: y aligned, its rows and the panels whole lines */
-    const int stream = am == NULL && quant_y_stream && y_dtype == DTYPE_F32 && residual == NULL && rows * n * 4 >= STREAM_BYTES &&
-                       (uintptr_t)y % 64 == 0 && y_stride % 16 == 0 && n % 16 == 0 && panel % 16 == 0 &&
-                       unit % 16 == 0;
+    job->stream = job->am == NULL && quant_y_stream && y_dtype == DTYPE_F32 && job->residual == NULL &&
+                  rows * n * 4 >= STREAM_BYTES && (uintptr_t)job->y % 64 == 0 && job->y_stride % 16 == 0 &&
+                  n % 16 == 0 && panel % 16 == 0 && unit % 16 == 0;
     if (rows == 1) { /* one row (decode): quantized here, so the region below has no barrier but its end */
         if (x_dtype == DTYPE_BF16) {
             float *xf = malloc((size_t)k * sizeof(float));
@@ -336,11 +383,10 @@ static int matmul_run(int type, const uint8_t *w, int64_t n, int64_t k, const vo
             const int64_t c1 = c1_units < n ? c1_units : n;
             const int64_t r0 = rows * rp / row_parts, r1 = rows * (rp + 1) / row_parts;
             for (int64_t p0 = c0; p0 < c1; p0 += panel)
-                panel_rows(ops, w, wrb, nb, p0, c1 - p0 < panel ? c1 - p0 : panel, xq, xrb, r0, r1, y, y_stride,
-                           y_dtype, residual, res_stride, stream, am, t);
+                panel_rows(job, p0, c1 - p0 < panel ? c1 - p0 : panel, r0, r1, t);
         }
 #if HAVE_AVX512 || HAVE_AVX2
-        if (stream) _mm_sfence(); /* the streamed lines before the region's end, as its other stores */
+        if (job->stream) _mm_sfence(); /* the streamed lines before the region's end, as its other stores */
 #endif
     }
     return failed ? RV_ERR_NO_MEMORY : RV_OK;
@@ -349,8 +395,43 @@ static int matmul_run(int type, const uint8_t *w, int64_t n, int64_t k, const vo
 int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride, int x_dtype,
                  int64_t rows, void *scratch, void *y, int64_t y_stride, int y_dtype, const void *residual,
                  int64_t res_stride) {
-    return matmul_run(type, w, n, k, x, x_stride, x_dtype, rows, scratch, y, y_stride, y_dtype, residual, res_stride,
-                      NULL);
+    panel_job job = {.w = w, .y = y, .y_stride = y_stride, .y_dtype = y_dtype, .residual = residual,
+                     .res_stride = res_stride};
+    return matmul_run(type, n, k, x, x_stride, x_dtype, rows, scratch, &job);
+}
+
+/* Whether quant_matmul_gated runs fused (1, the default) or as the unfused calls it stands for (0: both
+ * timed in one process by bench.worker_step --toggle quant_gated). */
+int quant_gated = 1;
+
+/* quant_matmul_gated as the calls it replaces: quant_matmul's gate|up output [rows, 2 inner] (one call
+ * where W_up's rows follow W's, as a merged Linear's one part), then silu_mul's (gelu_tanh_mul's) pass. */
+static int gated_unfused(const qtype_ops *ops, int type, const uint8_t *w_gate, const uint8_t *w_up, int64_t inner,
+                         int64_t k, const void *x, int64_t x_stride, int x_dtype, int64_t rows, void *scratch, void *y,
+                         int y_dtype, int gelu) {
+    const int64_t elem = y_dtype == DTYPE_BF16 ? 2 : 4, wrb = k / ops->block * ops->block_bytes;
+    const int merged = w_up == w_gate + inner * wrb;
+    char *gu = malloc((size_t)(rows * 2 * inner * elem));
+    if (gu == NULL) return RV_ERR_NO_MEMORY;
+    int status = quant_matmul(type, w_gate, merged ? 2 * inner : inner, k, x, x_stride, x_dtype, rows, scratch, gu,
+                              2 * inner, y_dtype, NULL, 0);
+    if (status == RV_OK && !merged)
+        status = quant_matmul(type, w_up, inner, k, x, x_stride, x_dtype, rows, scratch, gu + inner * elem, 2 * inner,
+                              y_dtype, NULL, 0);
+    if (status == RV_OK && gelu) gelu_tanh_mul(gu, y, rows, (int)inner, y_dtype);
+    if (status == RV_OK && !gelu) silu_mul(gu, y, rows, (int)inner, y_dtype);
+    free(gu);
+    return status;
+}
+
+int quant_matmul_gated(int type, const uint8_t *w_gate, const uint8_t *w_up, int64_t inner, int64_t k,
+                       const void *x, int64_t x_stride, int x_dtype, int64_t rows, void *scratch, void *y, int y_dtype,
+                       int gelu) {
+    const qtype_ops *ops = quant_ops(type);
+    if (!quant_gated && ops != NULL && k > 0 && k % ops->block == 0)
+        return gated_unfused(ops, type, w_gate, w_up, inner, k, x, x_stride, x_dtype, rows, scratch, y, y_dtype, gelu);
+    panel_job job = {.w = w_gate, .w_up = w_up, .y = y, .y_stride = inner, .y_dtype = y_dtype, .gelu = gelu};
+    return matmul_run(type, inner, k, x, x_stride, x_dtype, rows, scratch, &job);
 }
 
 /* The LM head's greedy draw without its logits (rivulet_kernels.h): quant_matmul's (or the dense
@@ -368,8 +449,9 @@ int quant_matmul_argmax(int type, const uint8_t *w, int64_t n, int64_t k, const 
     int status = RV_ERR_NO_MEMORY;
     if (am.best != NULL && am.best_at != NULL) {
         for (int64_t i = 0; i < slots; i++) am.best[i] = -INFINITY, am.best_at[i] = -1;
+        panel_job job = {.w = w, .y_dtype = x_dtype, .am = &am};
         status = dense ? quant_dense_run(type, w, n, k, x, x_stride, x_dtype, rows, NULL, 0, x_dtype, NULL, 0, &am)
-                       : matmul_run(type, w, n, k, x, x_stride, x_dtype, rows, scratch, NULL, 0, x_dtype, NULL, 0, &am);
+                       : matmul_run(type, n, k, x, x_stride, x_dtype, rows, scratch, &job);
     }
     for (int64_t r = 0; status == RV_OK && r < rows; r++) {
         float top = -INFINITY;

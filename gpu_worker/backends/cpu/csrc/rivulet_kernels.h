@@ -274,6 +274,7 @@ void rotary(void *x, int64_t x_stride, int64_t rows, int heads, int head_dim, co
             int dtype);
 void silu_mul_row(const void *gate_up, void *out, int inner, int dtype);
 void silu_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype);
+void act_mul_f32(float *g, const float *u, int n, int dtype, int gelu);
 void gelu_tanh_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype);
 void argmax_rows(const void *x, int64_t row_stride, int64_t rows, int n, int dtype, int64_t *out);
 void softcap_f32(float *x, int64_t n, float cap);
@@ -316,6 +317,14 @@ void quantize_act8(const float *x, int64_t k, void *xq);
 int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride, int x_dtype,
                  int64_t rows, void *scratch, void *y, int64_t y_stride, int y_dtype, const void *residual,
                  int64_t res_stride);
+/* y [rows, inner] (contiguous) = act(x W_gate^T) * (x W_up^T), act silu or, where gelu, gelu_tanh:
+ * quant_matmul's gate|up output [rows, 2 inner] in y_dtype and then silu_mul's (gelu_tanh_mul's) pass
+ * over it, the same bits, in one call that never writes the gate|up output (each panel of gate's and
+ * up's columns combined while in L1). W_gate, W_up: inner rows each of ``type`` blocks, laid out alike
+ * (a merged gate|up's one part: W_up = W_gate + inner rows). scratch and statuses: quant_matmul's */
+int quant_matmul_gated(int type, const uint8_t *w_gate, const uint8_t *w_up, int64_t inner, int64_t k,
+                       const void *x, int64_t x_stride, int x_dtype, int64_t rows, void *scratch, void *y, int y_dtype,
+                       int gelu);
 int quant_matmul_dense(int type, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t x_stride,
                        int x_dtype, int64_t rows, void *y, int64_t y_stride, int y_dtype, const void *residual,
                        int64_t res_stride);
@@ -419,6 +428,10 @@ extern int weight_prefetch_nta;
 /* quant.c: whether quant_matmul's outputs of its STREAM_BYTES or more (a many-row head's logits) go
  * to memory by streaming stores (1, the default; 0 times the plain stores in the same process). */
 extern int quant_y_stream;
+
+/* quant.c: whether quant_matmul_gated runs fused (1, the default) or as the quant_matmul and silu_mul
+ * calls it stands for (0: both timed in one process by bench.worker_step --toggle quant_gated). */
+extern int quant_gated;
 
 /* head_screen.c: whether head_screen_argmax screens (1, the default) or runs the full route (0: the
  * screen off, or both timed in one process by bench.worker_step --toggle head_screen). */
