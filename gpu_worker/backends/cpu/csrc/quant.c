@@ -182,6 +182,25 @@ static inline void stream_row(float *dst, const float *v, int64_t n) {
 #endif
 }
 
+/* v [n] to dst (float32) by vector loads and stores: a panel's rows are 32-512 bytes, where a call of
+ * memcpy a row costs about what its copy does. */
+static inline void copy_row(float *dst, const float *v, int64_t n) {
+#if HAVE_AVX512
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) _mm512_storeu_ps(dst + j, _mm512_loadu_ps(v + j));
+    if (j < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - j)) - 1);
+        _mm512_mask_storeu_ps(dst + j, m, _mm512_maskz_loadu_ps(m, v + j));
+    }
+#elif HAVE_AVX2
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(dst + j, _mm256_loadu_ps(v + j));
+    for (; j < n; j++) dst[j] = v[j];
+#else
+    memcpy(dst, v, (size_t)n * sizeof(float));
+#endif
+}
+
 /* The head's argmax route (quant_matmul_argmax, quant.h's head_argmax): each value as y would hold
  * it (rounded to the dtype, then soft-capped as softcap_f32 over the whole [rows, n] y), each row's
  * largest with its first column, kept where strictly larger than the thread's earlier columns'. */
@@ -245,6 +264,10 @@ static void store_panel(const panel_job *job, float *v_all, int64_t q0, int64_t 
         float *v = v_all + r * pw;
         if (job->stream) {
             stream_row((float *)job->y + (q0 + r) * y_stride + c0, v, pw);
+            continue;
+        }
+        if (job->y_dtype == DTYPE_F32 && residual == NULL) {
+            copy_row((float *)job->y + (q0 + r) * y_stride + c0, v, pw);
             continue;
         }
         if (job->y_dtype == DTYPE_F32 && residual != NULL) { /* the residual read where it lies: one pass */
