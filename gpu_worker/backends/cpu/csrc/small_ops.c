@@ -63,58 +63,31 @@ void rotary(void *x, int64_t x_stride, int64_t rows, int heads, int head_dim, co
     }
 }
 
-/* In place, g[i] = silu(g[i]) = g[i] / (1 + exp(-g[i])), n values. */
-static void silu_f32(float *g, int n) {
+/* In place, g[i] = x / (1 + exp(-t)) for x = g[i], n values: silu (t = x) or, where ``gelu``, gelu_tanh
+ * (t = 2 sqrt(2 / pi) (x + 0.044715 x^3), since 0.5 x (1 + tanh(t / 2)) is the same function; within a
+ * few float32 ulps of torch's tanh form). exp(-t) is e = exp(-|t|) for t >= 0, 1 / e below. */
+static void act_f32(float *g, int n, int gelu) {
+    const float c1 = 1.5957691216057308f, c3 = 0.0713548162726f; /* 2 sqrt(2 / pi), times 0.044715 */
 #if HAVE_AVX512 /* gcc leaves the scalar loop below unvectorized */
     for (int i = 0; i < n; i += 16) {
         const __mmask16 m = n - i >= 16 ? 0xffffu : (__mmask16)((1u << (n - i)) - 1);
         const __m512 x = _mm512_maskz_loadu_ps(m, g + i), one = _mm512_set1_ps(1.0f);
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
-        const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-        const __m512 exp_minus_x = _mm512_mask_div_ps(e, neg, one, e);
-        _mm512_mask_storeu_ps(g + i, m, _mm512_div_ps(x, _mm512_add_ps(one, exp_minus_x)));
+        const __m512 t = gelu ? _mm512_mul_ps(x, _mm512_add_ps(_mm512_set1_ps(c1),
+                                                               _mm512_mul_ps(_mm512_set1_ps(c3), _mm512_mul_ps(x, x))))
+                              : x;
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(t)));
+        const __mmask16 neg = _mm512_cmp_ps_mask(t, _mm512_setzero_ps(), _CMP_LT_OQ);
+        const __m512 exp_minus_t = _mm512_mask_div_ps(e, neg, one, e);
+        _mm512_mask_storeu_ps(g + i, m, _mm512_div_ps(x, _mm512_add_ps(one, exp_minus_t)));
     }
 #elif HAVE_AVX2 /* as the AVX-512 path, the last partial vector under a mask */
     for (int i = 0; i < n; i += 8) {
         const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - i), lanes);
         const __m256 x = _mm256_maskload_ps(g + i, m), one = _mm256_set1_ps(1.0f);
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)));
-        const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
-        const __m256 exp_minus_x = _mm256_blendv_ps(e, _mm256_div_ps(one, e), neg);
-        _mm256_maskstore_ps(g + i, m, _mm256_div_ps(x, _mm256_add_ps(one, exp_minus_x)));
-    }
-#else
-    for (int i = 0; i < n; i++) {
-        const float e = exp_nonpositive(-fabsf(g[i])); /* exp(-g) is e for g >= 0, 1 / e below */
-        g[i] = g[i] / (1.0f + (g[i] < 0.0f ? 1.0f / e : e));
-    }
-#endif
-}
-
-/* In place, g[i] = gelu_tanh(g[i]) = 0.5 x (1 + tanh(t / 2)) with t = 2 sqrt(2 / pi) (x + 0.044715 x^3),
- * computed as x / (1 + exp(-t)) (the same function; within a few float32 ulps of torch's tanh form)
- * with silu_f32's exp, n values. */
-static void gelu_tanh_f32(float *g, int n) {
-    const float c1 = 1.5957691216057308f, c3 = 0.0713548162726f; /* 2 sqrt(2 / pi), times 0.044715 */
-#if HAVE_AVX512
-    for (int i = 0; i < n; i += 16) {
-        const __mmask16 m = n - i >= 16 ? 0xffffu : (__mmask16)((1u << (n - i)) - 1);
-        const __m512 x = _mm512_maskz_loadu_ps(m, g + i), one = _mm512_set1_ps(1.0f);
-        const __m512 t = _mm512_mul_ps(x, _mm512_add_ps(_mm512_set1_ps(c1), _mm512_mul_ps(_mm512_set1_ps(c3),
-                                                                                          _mm512_mul_ps(x, x))));
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(t)));
-        const __mmask16 neg = _mm512_cmp_ps_mask(t, _mm512_setzero_ps(), _CMP_LT_OQ);
-        const __m512 exp_minus_t = _mm512_mask_div_ps(e, neg, one, e);
-        _mm512_mask_storeu_ps(g + i, m, _mm512_div_ps(x, _mm512_add_ps(one, exp_minus_t)));
-    }
-#elif HAVE_AVX2
-    for (int i = 0; i < n; i += 8) {
-        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - i), lanes);
-        const __m256 x = _mm256_maskload_ps(g + i, m), one = _mm256_set1_ps(1.0f);
-        const __m256 t = _mm256_mul_ps(x, _mm256_add_ps(_mm256_set1_ps(c1), _mm256_mul_ps(_mm256_set1_ps(c3),
-                                                                                          _mm256_mul_ps(x, x))));
+        const __m256 t = gelu ? _mm256_mul_ps(x, _mm256_add_ps(_mm256_set1_ps(c1),
+                                                               _mm256_mul_ps(_mm256_set1_ps(c3), _mm256_mul_ps(x, x))))
+                              : x;
         const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), t)));
         const __m256 neg = _mm256_cmp_ps(t, _mm256_setzero_ps(), _CMP_LT_OQ);
         const __m256 exp_minus_t = _mm256_blendv_ps(e, _mm256_div_ps(one, e), neg);
@@ -122,7 +95,7 @@ static void gelu_tanh_f32(float *g, int n) {
     }
 #else
     for (int i = 0; i < n; i++) {
-        const float t = g[i] * (c1 + c3 * (g[i] * g[i]));
+        const float t = gelu ? g[i] * (c1 + c3 * (g[i] * g[i])) : g[i];
         const float e = exp_nonpositive(-fabsf(t));
         g[i] = g[i] / (1.0f + (t < 0.0f ? 1.0f / e : e));
     }
@@ -130,58 +103,44 @@ static void gelu_tanh_f32(float *g, int n) {
 }
 
 /* In place, g[i] = act(g[i]) rounded to the dtype, times u[i] (act: silu, or gelu_tanh where ``gelu``),
- * n values as loaded from tensors of that dtype: silu_mul_row's (gelu_tanh_mul_row's) operations, a
+ * n values as loaded from tensors of that dtype: act_mul_row's operations, a
  * lane's result independent of n and of where the pieces start, so the same bits. quant.c's gated
  * matmul runs it on the rows of each panel. */
 void act_mul_f32(float *g, const float *u, int n, int dtype, int gelu) {
-    if (gelu)
-        gelu_tanh_f32(g, n);
-    else
-        silu_f32(g, n);
+    act_f32(g, n, gelu);
     round_vec(dtype, g, n);
     for (int i = 0; i < n; i++) g[i] *= u[i];
 }
 
-/* out[i] = silu(gate[i]) * up[i] of one gate_up row [gate (inner) | up (inner)], silu's result
- * rounded to the dtype before the product, as torch's two ops do. */
-void silu_mul_row(const void *gate_up, void *out, int inner, int dtype) {
+/* out[i] = act(gate[i]) * up[i] of one gate_up row [gate (inner) | up (inner)] (act: silu, or gelu_tanh
+ * where ``gelu``: Gemma's MLP), act's result rounded to the dtype before the product, as torch's two ops do. */
+static void act_mul_row(const void *gate_up, void *out, int inner, int dtype, int gelu) {
     float g[PIECE], u[PIECE];
     for (int i0 = 0; i0 < inner; i0 += PIECE) {
         const int n = inner - i0 < PIECE ? inner - i0 : PIECE;
         load_vec(gate_up, dtype, i0, n, g);
         load_vec(gate_up, dtype, inner + i0, n, u);
-        act_mul_f32(g, u, n, dtype, 0);
+        act_mul_f32(g, u, n, dtype, gelu);
         store_vec(out, dtype, i0, n, g);
     }
 }
 
-/* out[i] = gelu_tanh(gate[i]) * up[i] of one gate_up row (Gemma's MLP), gelu_tanh_f32's. */
-static void gelu_tanh_mul_row(const void *gate_up, void *out, int inner, int dtype) {
-    float g[PIECE], u[PIECE];
-    for (int i0 = 0; i0 < inner; i0 += PIECE) {
-        const int n = inner - i0 < PIECE ? inner - i0 : PIECE;
-        load_vec(gate_up, dtype, i0, n, g);
-        load_vec(gate_up, dtype, inner + i0, n, u);
-        act_mul_f32(g, u, n, dtype, 1);
-        store_vec(out, dtype, i0, n, g);
-    }
+void silu_mul_row(const void *gate_up, void *out, int inner, int dtype) { act_mul_row(gate_up, out, inner, dtype, 0); }
+
+/* act_mul_row over rows [rows, 2 * inner] -> [rows, inner]. */
+static void act_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype, int gelu) {
+    const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4;
+#pragma omp parallel for if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++)
+        act_mul_row((const char *)gate_up + r * 2 * inner * elem, (char *)out + r * inner * elem, inner, dtype, gelu);
 }
 
-/* gelu_tanh_mul_row over rows [rows, 2 * inner] -> [rows, inner]. */
 void gelu_tanh_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype) {
-    const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4;
-#pragma omp parallel for if (rows >= PARALLEL_ROWS)
-    for (int64_t r = 0; r < rows; r++)
-        gelu_tanh_mul_row((const char *)gate_up + r * 2 * inner * elem, (char *)out + r * inner * elem, inner,
-                          dtype);
+    act_mul(gate_up, out, rows, inner, dtype, 1);
 }
 
-/* silu_mul_row over rows [rows, 2 * inner] -> [rows, inner]. */
 void silu_mul(const void *gate_up, void *out, int64_t rows, int inner, int dtype) {
-    const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4;
-#pragma omp parallel for if (rows >= PARALLEL_ROWS)
-    for (int64_t r = 0; r < rows; r++)
-        silu_mul_row((const char *)gate_up + r * 2 * inner * elem, (char *)out + r * inner * elem, inner, dtype);
+    act_mul(gate_up, out, rows, inner, dtype, 0);
 }
 
 /* tanh's odd Taylor terms past y (y^3 .. y^11) for |y| < SOFTCAP_SMALL, where (1 - e) / (1 + e)
