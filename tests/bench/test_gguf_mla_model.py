@@ -81,7 +81,7 @@ def test_worker_step_takes_the_latent_form(tmp_path: Path, monkeypatch: pytest.M
 
     path = gguf_mla_model.write_model(tmp_path / "model.gguf", "q4_k_m", SMALL)
     monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path / "cache"))
-    args = argparse.Namespace(model=str(path), decode_batches=[1], context=32, prefill=0, compile=False,
-                              num_threads=1)  # fmt: skip
+    args = argparse.Namespace(model=str(path), decode_batches=[1], context=32, prefill=0, prefill_prompts=1,
+                              compile=False, num_threads=1)  # fmt: skip
     runner = make_runner(args, "float32:gguf/kv=float32/latent=expanded")
     assert runner.config.latent_attention == "expanded" and runner.kv_dtype == torch.float32
