@@ -140,13 +140,13 @@ def write_gguf(
     return held
 
 
-def make_random_llama(out: Path, types: dict[str, Any] = TYPES) -> tuple[Path, Path]:
+def make_random_llama(out: Path, types: dict[str, Any] = TYPES, intermediate: int = 256) -> tuple[Path, Path]:
     """(HF dir, GGUF file) of one random 2-layer Llama in ``out``: the GGUF written by
     ``write_gguf``, the HF dir holding the GGUF's weights dequantized (as a GGUF's conversion does)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        vocab_size=320, hidden_size=128, intermediate_size=intermediate, num_hidden_layers=2,
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
         tie_word_embeddings=True,
     )  # fmt: skip

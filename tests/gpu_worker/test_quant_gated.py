@@ -151,3 +151,19 @@ def test_a_llama_gives_the_unfused_logits(tmp_path: Path, dtype: str, weights: s
         assert torch.equal(logits[0], logits[1]), (step, float((logits[0] - logits[1]).abs().max()))
         tokens = logits[0].float().argmax(dim=-1).tolist()
         batch = sched.batch([(idx, lens[idx] + step, [tokens[idx]], True, None) for idx in range(3)])
+
+
+def test_a_merged_gate_up_split_inside_a_group_of_8_takes_the_two_calls(tmp_path: Path) -> None:
+    """Gate and up of 36 rows each held as one part interleaved by 8 (72 rows): the halves split a
+    group of 8 rows, which the gated call refuses (RV_ERR_X8_ROWS). The MLP gets no ``silu_mul`` slot
+    and runs the Linear and silu_mul: prompt and decode steps run (the down projection F16, whose 36
+    columns keep the modules, not the one-call decode, which takes block multiples only)."""
+    paths = make_random_llama(tmp_path, ONE_TYPE | {"ffn_down": Q.F16}, intermediate=36)
+    runner = runner_of(paths, "float32")
+    gate_ups = [m for m in runner.model.modules() if isinstance(m, MergedLinear) and len(m.sizes) == 2]  # type: ignore[attr-defined]
+    assert gate_ups and all(m.impl.weight.parts[0].layout == "x8" and m.silu_mul is None for m in gate_ups)  # type: ignore[union-attr]
+    sched = MiniScheduler(runner.num_pages, runner.config.page_size)
+    batch = sched.batch([(idx, 0, list(range(3, 3 + n)), True, GREEDY) for idx, n in enumerate((5, 9))])
+    tokens = runner.compute_logits(batch).argmax(dim=-1).tolist()
+    batch = sched.batch([(idx, n, [tokens[idx]], True, None) for idx, n in enumerate((5, 9))])
+    assert runner.compute_logits(batch).isfinite().all()
