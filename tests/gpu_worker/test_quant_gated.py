@@ -167,3 +167,54 @@ def test_a_merged_gate_up_split_inside_a_group_of_8_takes_the_two_calls(tmp_path
     tokens = runner.compute_logits(batch).argmax(dim=-1).tolist()
     batch = sched.batch([(idx, n, [tokens[idx]], True, None) for idx, n in enumerate((5, 9))])
     assert runner.compute_logits(batch).isfinite().all()
+
+
+def q8_flag(kernels: cpu_kernels.CpuKernels) -> ctypes.c_int:
+    return ctypes.c_int.in_dll(ctypes.CDLL(str(kernels.path)), "quant_gated_q8")  # the loaded library
+
+
+# The down projection's 8-bit activations per 32 values (act8_32: IQ4_XS's 256-value blocks, Q5_0's
+# 32), beside the Q4_K_M mix's per 256 (act_block8: its Q4_K and Q6_K downs)
+DOWN_TYPES = {
+    "iq4_xs": ONE_TYPE | {"ffn_gate": Q.IQ4_NL, "ffn_up": Q.IQ4_NL, "ffn_down": Q.IQ4_XS},
+    "q5_0": ONE_TYPE | {"ffn_gate": Q.Q5_0, "ffn_up": Q.Q5_0, "ffn_down": Q.Q5_0},
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("weights", ["q4_k_m", "iq4_xs", "q5_0"])
+def test_the_down_projection_takes_its_rows_quantized_in_the_gated_panels(
+    tmp_path: Path, dtype: str, weights: str
+) -> None:
+    """The one-call decode at 6 rows, where every layer's down projection meets 8-bit activations (on
+    every kind but portable): the gated call writes the down's quantized rows from its panels
+    (``quant_gated_q8`` 1, csrc/quant.c's quant_matmul_gated_q8) and gives the logits of its output
+    written and quantized by the down's own call (0), the same batch run again, decode after decode."""
+    if weights == "q4_k_m":
+        paths = make_q4_k_m_llama(tmp_path)
+    else:
+        paths = make_random_llama(tmp_path, DOWN_TYPES[weights])
+    runner = runner_of(paths, dtype)
+    backend = runner.backend
+    assert isinstance(backend, CpuBackend) and backend.kernels is not None
+    rows = 6
+    downs = [m.impl for name, m in runner.model.named_modules() if name.endswith("down_proj")]  # type: ignore[attr-defined]
+    taken = [d.a8_min_rows[0] <= rows and d.dense_min_rows[0] > rows for d in downs]
+    assert downs and all(taken) == (backend.kernels.kind != CpuKind.PORTABLE), taken
+    switch = q8_flag(backend.kernels)
+    sched = MiniScheduler(runner.num_pages, runner.config.page_size)
+    lens = [5 + 3 * i for i in range(rows)]
+    prompts = sched.batch([(i, 0, list(range(3, 3 + n)), True, GREEDY) for i, n in enumerate(lens)])
+    logits = runner.compute_logits(prompts)
+    for step in range(3):
+        tokens = logits.float().argmax(dim=-1).tolist()
+        batch = sched.batch([(i, lens[i] + step, [tokens[i]], True, None) for i in range(rows)])
+        both = []
+        for value in (1, 0):  # the same K/V rewritten with the same values
+            switch.value = value
+            try:
+                both.append(runner.compute_logits(batch))
+            finally:
+                switch.value = 1
+        assert torch.equal(both[0], both[1]), (step, float((both[0] - both[1]).abs().max()))
+        logits = both[0]

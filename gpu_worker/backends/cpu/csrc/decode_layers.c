@@ -10,7 +10,9 @@
  *   attn = attention(q over the pool, after writing k and v at each row's last position);
  *   x = x + attn Wo^T; h = rms_norm(x); gu = h Wgu^T; a = silu(gate) * up; x = x + a Wdown^T
  * each Linear by quant_matmul or, from dense_min_rows rows, quant_matmul_dense (as QuantLinear); gu and
- * a in one quant_matmul_gated call where it fits (the same bits, gu never written). A
+ * a in one quant_matmul_gated call where it fits (the same bits, gu never written), and where the down
+ * projection's tile takes 8-bit activations, a never written either: the call writes them quantized
+ * (quant_matmul_gated_q8, the same bits as the down's own quantization of a). A
  * merged Linear whose projections differ in type (a Q4_K_M file's q, k in Q4_K and v in Q6_K) is
  * up to MAX_PARTS parts, each a matmul writing its own columns of the output, as QuantLinear runs it.
  *
@@ -84,12 +86,22 @@ static int linear(const decode_layer *l, int i, int64_t n, int64_t k, const void
     return RV_OK;
 }
 
+/* The down projection's type (with its flags) where quant_matmul_gated_q8 can write its quantized
+ * activation rows: one part, no bias, the integer path on 8-bit activations at this row count. Else -1. */
+static int down_q8_type(const decode_layer *l, int64_t inner, int64_t rows) {
+    const decode_linear *lin = &l->linear[DOWN];
+    if (l->bias[DOWN] != NULL || lin->n[1] != 0 || rows >= lin->dense_min_rows[0]) return -1;
+    const int type = (int)lin->type[0] | (rows >= lin->a8_min_rows[0] ? QTYPE_A8 : 0);
+    return quant_gated_q8_row_bytes(type, inner, rows) > 0 ? type : -1;
+}
+
 /* act [rows, inner] = silu(gate) * up (gelu_tanh where ``gelu``) of the gate|up Linear on h, in one
  * quant_matmul_gated call where that runs the kernels linear() and silu_mul would: no bias, gate and
  * up of one type taking the integer path at this row count (one part of 2 inner rows, or one part
- * each). Else -1: the caller runs those two steps. */
+ * each); act as the down projection's quantized rows at xq_down where down_type is not -1
+ * (quant_matmul_gated_q8). Else -1: the caller runs those two steps. */
 static int gated_mlp(const decode_layer *l, int64_t inner, int64_t hidden, const void *h, int64_t rows, void *scratch,
-                     void *act, int dtype, int gelu) {
+                     void *act, int dtype, int gelu, int down_type, uint8_t *xq_down) {
     const decode_linear *lin = &l->linear[GATE_UP];
     if (l->bias[GATE_UP] != NULL || rows >= lin->dense_min_rows[0]) return -1;
     const qtype_ops *ops = quant_ops((int)lin->type[0]);
@@ -103,21 +115,28 @@ static int gated_mlp(const decode_layer *l, int64_t inner, int64_t hidden, const
         w_up = lin->w[1];
     if (w_up == NULL) return -1;
     const int type = (int)lin->type[0] | (rows >= lin->a8_min_rows[0] ? QTYPE_A8 : 0);
+    if (down_type != -1)
+        return quant_matmul_gated_q8(type, lin->w[0], w_up, inner, hidden, h, hidden, dtype, rows, scratch, dtype,
+                                     gelu, down_type, xq_down);
     return quant_matmul_gated(type, lin->w[0], w_up, inner, hidden, h, hidden, dtype, rows, scratch, act, dtype, gelu);
 }
 
 /* Linear i of x into out as a residual add: in place (out + x W^T) where it has neither a bias nor
  * a norm, else out + (x W^T + b), or out + rms_norm(x W^T) (Gemma's), y [rows, n] the product's
- * scratch (QuantLinear.add_to: one rounding without a bias, the biased product's then the sum's). */
+ * scratch (QuantLinear.add_to: one rounding without a bias, the biased product's then the sum's).
+ * x given as quantized rows xq of q8_type (down_q8_type's; -1: x itself): quant_matmul_q. */
 static int linear_add(const decode_layer *l, int i, const decode_dims *dims, int64_t k, const void *x, int64_t rows,
-                      void *scratch, void *y, void *out, const void *norm) {
+                      void *scratch, void *y, void *out, const void *norm, int q8_type, const uint8_t *xq) {
     const int dtype = (int)dims->dtype;
     const int64_t n = dims->hidden;
     /* out = out + x W^T in place: each output element is read (as the residual) and then written by
      * the same thread, once, and no other output is read after */
+    if (q8_type != -1 && norm == NULL)
+        return quant_matmul_q(q8_type, l->linear[i].w[0], n, k, xq, rows, out, n, dtype, out, n);
     if (norm == NULL && l->bias[i] == NULL)
         return decode_linear_run(&l->linear[i], n, k, x, rows, scratch, out, dtype, out);
-    const int status = linear(l, i, n, k, x, rows, scratch, y, dtype);
+    const int status = q8_type != -1 ? quant_matmul_q(q8_type, l->linear[i].w[0], n, k, xq, rows, y, n, dtype, NULL, 0)
+                                     : linear(l, i, n, k, x, rows, scratch, y, dtype);
     if (status != 0) return status;
     if (norm != NULL) rms_norm(y, n, norm, y, rows, (int)n, dims->eps, dtype);
     decode_add_into(out, y, rows * n, dtype);
@@ -182,7 +201,7 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
                                         (const char *)qkv + (q_out + kv_out) * elem, qkv_n,
                                         l->window, (const float *)l->sinks);
         if (status != 0) break;
-        if ((status = linear_add(l, O, dims, q_out, attn, rows, scratch, h, out, l->attn_out_norm)) != 0) break;
+        if ((status = linear_add(l, O, dims, q_out, attn, rows, scratch, h, out, l->attn_out_norm, -1, NULL)) != 0) break;
         rms_norm(out, hidden, l->post_norm, h, rows, (int)hidden, dims->eps, dtype);
         if (l->router != NULL) {
             const int64_t pairs = rows * l->top_k;
@@ -205,7 +224,11 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
             decode_add_into(out, moe_y, rows * hidden, dtype);
             continue;
         }
-        status = gated_mlp(l, inner, hidden, h, rows, scratch, act, dtype, (int)dims->gelu);
+        /* (the down's quantized rows where gu would be: 2.82 bytes a value at most, gu's 4 or 8) */
+        uint8_t *xq_down = (uint8_t *)arena + ((at[3] + 63) & ~(int64_t)63);
+        int down_type = down_q8_type(l, inner, rows);
+        status = gated_mlp(l, inner, hidden, h, rows, scratch, act, dtype, (int)dims->gelu, down_type, xq_down);
+        if (status == -1) down_type = -1;
         if (status == -1 && (status = linear(l, GATE_UP, 2 * inner, hidden, h, rows, scratch, gu, dtype)) == 0) {
             if (dims->gelu)
                 gelu_tanh_mul(gu, act, rows, (int)inner, dtype);
@@ -213,7 +236,7 @@ int decode_layers(const decode_layer *layers, int64_t n_layers, const decode_dim
                 silu_mul(gu, act, rows, (int)inner, dtype);
         }
         if (status != 0) break;
-        status = linear_add(l, DOWN, dims, inner, act, rows, scratch, h, out, l->mlp_out_norm);
+        status = linear_add(l, DOWN, dims, inner, act, rows, scratch, h, out, l->mlp_out_norm, down_type, xq_down);
     }
     free(arena);
     return status;

@@ -104,6 +104,16 @@ static inline void quantize_block8(const float *v, act_block8 *out, int j) {
     out->two |= two << j;
 }
 
+/* Values 32j .. 32j + 31 of an act_block8 (at v) as quantize_act8 writes them, the block's
+ * flags cleared first where j = 0 (a gated panel's share of a row: quant_matmul_gated_q8). */
+static void quantize_act8_sub(const float *v, act_block8 *out, int j) {
+    if (j == 0) {
+        out->two = 0;
+        memset(out->pad, 0, sizeof out->pad);
+    }
+    quantize_block8(v, out, j);
+}
+
 /* sizeof(act_block8), for the Python side's view of the format (quant_kernels.py). */
 int64_t quant_act8_block_bytes(void) { return (int64_t)sizeof(act_block8); }
 
@@ -238,7 +248,9 @@ void argmax_panel(const head_argmax *am, int t, float *v, int64_t ld, int64_t r0
  * bytes apart) and where the outputs go. ``stream``: y float32 without a residual, rows and panels whole
  * lines (see STREAM_BYTES); ``am`` (not NULL): each panel folded into the thread's argmax, y not
  * written; ``w_up`` (not NULL): a gated call, y = act(x W^T) * (x W_up^T), W_up's rows as W's (see
- * quant_matmul_gated; ``gelu``: gelu_tanh, else silu). */
+ * quant_matmul_gated; ``gelu``: gelu_tanh, else silu); ``xq_out`` (not NULL, gated only): y's rows not
+ * written but quantized as the next matmul's activation rows (xq_rb bytes apart; ``block8``: act_block8,
+ * else act8_32), see quant_matmul_gated_q8; ``xq_in`` (not NULL): x given as quantized rows. */
 typedef struct {
     const qtype_ops *ops;
     const uint8_t *w, *w_up;
@@ -252,6 +264,10 @@ typedef struct {
     int64_t res_stride;
     int stream, gelu;
     const head_argmax *am;
+    uint8_t *xq_out;
+    int64_t xq_rb;
+    int block8;
+    const uint8_t *xq_in;
 } panel_job;
 
 /* Rows [0, qr) of a tile's output v (pw columns a row) to y's rows from q0 on, columns [c0, c0 + pw):
@@ -299,6 +315,24 @@ static void gate_panel(const panel_job *job, float *gate, float *up, int64_t qr,
     }
 }
 
+/* A gated panel's rows [0, qr) (pw columns, from c0 on: whole blocks of 32) as the next matmul's
+ * activation rows q0 on hold them: each value rounded to y's dtype as y would hold it, then each 32
+ * quantized in place in the row by its format's own function (act8_32's quantize_act8_32, or
+ * act_block8's per 32 as quantize_act8). Every block of the formats is its own 32 values'. */
+static void quant_out_rows(const panel_job *job, float *v, int64_t q0, int64_t qr, int64_t c0, int64_t pw) {
+    for (int64_t r = 0; r < qr; r++) {
+        float *row = v + r * pw;
+        uint8_t *dst = job->xq_out + (q0 + r) * job->xq_rb;
+        round_vec(job->y_dtype, row, (int)pw);
+        if (!job->block8) {
+            quantize_act8_32(row, pw, dst + c0 / ACT_BLOCK * (int64_t)sizeof(act8_32));
+            continue;
+        }
+        for (int64_t j = 0; j < pw; j += ACT_BLOCK)
+            quantize_act8_sub(row + j, (act_block8 *)dst + (c0 + j) / 256, (int)((c0 + j) % 256 / ACT_BLOCK));
+    }
+}
+
 /* quant_panel's work for thread t: y rows [r0, r1) of columns [c0, c0 + pw), a tile of ROW_CHUNK rows
  * at a time (two where gated: W's and W_up's same columns), then stored (store_panel) or folded into
  * the argmax. */
@@ -313,7 +347,9 @@ static void panel_rows(const panel_job *job, int64_t c0, int64_t pw, int64_t r0,
             ops->tile(job->w_up + c0 * wrb, wrb, pw, job->xq + q0 * xrb, xrb, qr, nb, up, pw);
             gate_panel(job, buf, up, qr, pw);
         }
-        if (job->am != NULL)
+        if (job->xq_out != NULL)
+            quant_out_rows(job, buf, q0, qr, c0, pw);
+        else if (job->am != NULL)
             argmax_panel(job->am, t, buf, pw, q0, qr, c0, pw);
         else
             store_panel(job, buf, q0, qr, c0, pw);
@@ -349,16 +385,20 @@ static int matmul_run(int type, int64_t n, int64_t k, const void *x, int64_t x_s
     if ((type & QTYPE_X8) && n % 8 != 0) return RV_ERR_X8_ROWS;
     if (n <= 0 || rows <= 0) return 0;
     const int64_t nb = k / ops->block, wrb = nb * ops->block_bytes, xrb = nb * ops->act_block_bytes;
-    const int64_t panel = rows == 1 ? ROW1_PANEL : quant_panel_cols(ops, wrb);
-    const int64_t unit = col_unit(ops), units = (n + unit - 1) / unit;
-    uint8_t *xq = (uint8_t *)scratch;
+    int64_t panel = rows == 1 ? ROW1_PANEL : quant_panel_cols(ops, wrb), unit = col_unit(ops);
+    if (job->xq_out != NULL) { /* whole blocks of 32 a panel, whole act_block8 a thread (see quant_out_rows) */
+        panel = panel < ACT_BLOCK ? ACT_BLOCK : panel / ACT_BLOCK * ACT_BLOCK;
+        unit = job->block8 ? 256 : ACT_BLOCK;
+    }
+    const int64_t units = (n + unit - 1) / unit;
+    uint8_t *xq = job->xq_in != NULL ? (uint8_t *)job->xq_in : (uint8_t *)scratch;
     int failed = 0;
     job->ops = ops, job->wrb = wrb, job->nb = nb, job->xq = xq, job->xrb = xrb;
     /* streaming stores take whole 64-byte lines: y aligned, its rows and the panels whole lines */
-    job->stream = job->am == NULL && quant_y_stream && y_dtype == DTYPE_F32 && job->residual == NULL &&
+    job->stream = job->am == NULL && job->xq_out == NULL && quant_y_stream && y_dtype == DTYPE_F32 && job->residual == NULL &&
                   rows * n * 4 >= STREAM_BYTES && (uintptr_t)job->y % 64 == 0 && job->y_stride % 16 == 0 &&
                   n % 16 == 0 && panel % 16 == 0 && unit % 16 == 0;
-    if (rows == 1) { /* one row (decode): quantized here, so the region below has no barrier but its end */
+    if (rows == 1 && job->xq_in == NULL) { /* one row (decode): quantized here, so the region below has no barrier but its end */
         if (x_dtype == DTYPE_BF16) {
             float *xf = malloc((size_t)k * sizeof(float));
             if (xf == NULL) return RV_ERR_NO_MEMORY;
@@ -373,7 +413,7 @@ static int matmul_run(int type, int64_t n, int64_t k, const void *x, int64_t x_s
     }
 #pragma omp parallel
     {
-        if (rows > 1) {
+        if (rows > 1 && job->xq_in == NULL) {
             float *xf = NULL;
             if (x_dtype == DTYPE_BF16 && (xf = malloc((size_t)k * sizeof(float))) == NULL) {
 #pragma omp atomic write
@@ -455,6 +495,41 @@ int quant_matmul_gated(int type, const uint8_t *w_gate, const uint8_t *w_up, int
         return gated_unfused(ops, type, w_gate, w_up, inner, k, x, x_stride, x_dtype, rows, scratch, y, y_dtype, gelu);
     panel_job job = {.w = w_gate, .w_up = w_up, .y = y, .y_stride = inner, .y_dtype = y_dtype, .gelu = gelu};
     return matmul_run(type, inner, k, x, x_stride, x_dtype, rows, scratch, &job);
+}
+
+/* Whether quant_matmul_gated_q8 runs where it fits (1, the default; 0: the gated call writes y and the
+ * next matmul quantizes it, both timed in one process by bench.worker_step --toggle quant_gated_q8). */
+int quant_gated_q8 = 1;
+
+/* The activation format of ``type``'s tile (type with its flags): 1 act8_32, 2 act_block8 (what
+ * quant_matmul_gated_q8 can write), else 0. */
+static int q8_format(int type) {
+    const qtype_ops *ops = quant_ops(type);
+    if (ops == NULL || !(type & QTYPE_A8)) return 0;
+    return ops->quantize_act == quantize_act8_32 ? 1 : ops->quantize_act == quantize_act8 ? 2 : 0;
+}
+
+int64_t quant_gated_q8_row_bytes(int next_type, int64_t inner, int64_t rows) {
+    const qtype_ops *ops = quant_ops(next_type);
+    if (!quant_gated_q8 || rows < 2 || q8_format(next_type) == 0 || inner <= 0 || inner % ops->block != 0) return 0;
+    return inner / ops->block * ops->act_block_bytes;
+}
+
+int quant_matmul_gated_q8(int type, const uint8_t *w_gate, const uint8_t *w_up, int64_t inner, int64_t k,
+                          const void *x, int64_t x_stride, int x_dtype, int64_t rows, void *scratch, int y_dtype,
+                          int gelu, int next_type, uint8_t *xq_out) {
+    const int64_t xq_rb = quant_gated_q8_row_bytes(next_type, inner, rows);
+    if (xq_rb == 0) return RV_ERR_TYPE;
+    panel_job job = {.w = w_gate, .w_up = w_up, .y_dtype = y_dtype, .gelu = gelu, .xq_out = xq_out,
+                     .xq_rb = xq_rb, .block8 = q8_format(next_type) == 2};
+    return matmul_run(type, inner, k, x, x_stride, x_dtype, rows, scratch, &job);
+}
+
+int quant_matmul_q(int type, const uint8_t *w, int64_t n, int64_t k, const uint8_t *xq, int64_t rows, void *y,
+                   int64_t y_stride, int y_dtype, const void *residual, int64_t res_stride) {
+    panel_job job = {.w = w, .y = y, .y_stride = y_stride, .y_dtype = y_dtype, .residual = residual,
+                     .res_stride = res_stride, .xq_in = xq};
+    return matmul_run(type, n, k, NULL, 0, DTYPE_F32, rows, NULL, &job);
 }
 
 /* The LM head's greedy draw without its logits (rivulet_kernels.h): quant_matmul's (or the dense

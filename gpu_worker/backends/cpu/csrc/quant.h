@@ -189,6 +189,21 @@ void quant_panel(const qtype_ops *ops, const uint8_t *w, int64_t wrb, int64_t nb
                  const uint8_t *xq, int64_t xrb, int64_t r0, int64_t r1, void *y, int64_t y_stride, int y_dtype,
                  const void *residual, int64_t res_stride);
 
+/* The gated MLP's output straight into the next matmul's (the down projection's) quantized activation
+ * rows (quant.c, for decode_layers.c): quant_matmul_gated (rivulet_kernels.h) whose [rows, inner]
+ * output is never written, each panel's rows rounded to y_dtype as y would hold them and quantized
+ * in place by the format of next_type's tile (next_type with its flags), at xq_out, rows
+ * quant_gated_q8_row_bytes apart; quant_matmul_q is then quant_matmul on those rows. The same bits as
+ * the two calls: each 32 values' quantization is theirs alone. quant_gated_q8_row_bytes: 0 where it
+ * does not run (one row; a tile on 16-bit activations or the dense path's; quant_gated_q8 0), and
+ * quant_matmul_gated_q8 then refuses (RV_ERR_TYPE). */
+int64_t quant_gated_q8_row_bytes(int next_type, int64_t inner, int64_t rows);
+int quant_matmul_gated_q8(int type, const uint8_t *w_gate, const uint8_t *w_up, int64_t inner, int64_t k,
+                          const void *x, int64_t x_stride, int x_dtype, int64_t rows, void *scratch, int y_dtype,
+                          int gelu, int next_type, uint8_t *xq_out);
+int quant_matmul_q(int type, const uint8_t *w, int64_t n, int64_t k, const uint8_t *xq, int64_t rows, void *y,
+                   int64_t y_stride, int y_dtype, const void *residual, int64_t res_stride);
+
 /* quant_matmul_argmax's running best per (thread, row): best[t * rows + r], best_at[...] (-1: none
  * yet); argmax_panel folds in rows [r0, r0 + nr) of columns [c0, c0 + pw) (v, ld apart, overwritten),
  * computed by thread t in ascending columns. quant_dense_run: quant_matmul_dense, with am not NULL

@@ -433,6 +433,11 @@ extern int quant_y_stream;
  * calls it stands for (0: both timed in one process by bench.worker_step --toggle quant_gated). */
 extern int quant_gated;
 
+/* quant.c: whether decode_layers.c's gated MLP writes the down projection's quantized rows straight
+ * from its panels (1, the default; 0: its output written and quantized by the down's call; both timed
+ * in one process by bench.worker_step --toggle quant_gated_q8). */
+extern int quant_gated_q8;
+
 /* head_screen.c: whether head_screen_argmax screens (1, the default) or runs the full route (0: the
  * screen off, or both timed in one process by bench.worker_step --toggle head_screen). */
 extern int head_screen;
