@@ -109,15 +109,16 @@ def test_sixteen_bit_rows_are_copied_into_the_arena_as_they_are(qtype: Q) -> Non
 
 
 @pytest.mark.parametrize("qtype", SIXTEEN, ids=[t.name for t in SIXTEEN])
-@pytest.mark.parametrize(("n", "k"), [(2, 4128), (5, 8192), (37, 4160)])
+@pytest.mark.parametrize(("n", "k"), [(2, 4128), (5, 8192), (37, 4160), (4, 4192)])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_one_row_past_4096_is_each_row_alone(
     kernels: cpu_kernels.CpuKernels, qtype: Q, n: int, k: int, threads: int
 ) -> None:
     """Past k = 4096 the one-row tile (AVX-512 and AVX2 builds) reads a thread's rows two at a time
-    (quant_f16.c's ROW1_PAIR_K): each output equals its row's in a call of that row alone (one row at a
-    time), bit for bit, and the float64 bound holds, at any split of the rows over threads (odd shares
-    included)."""
+    (quant_f16.c's ROW1_PAIR_K; the AVX-512 builds' pair on 256-bit halves, rows2_halves): each output
+    equals its row's in a call of that row alone (one row at a time, the zmm loop there), bit for bit,
+    and the float64 bound holds, at any split of the rows over threads (odd shares included), with 1, 2
+    and 3 blocks past the loop's steps of 4 (k = 4128, 4160, 4192)."""
     blocks, deq = weights(qtype, n, k)
     x = activations(1, k, torch.float32, n + k)
     w = torch.from_numpy(blocks)

@@ -128,7 +128,8 @@ typedef __m256 vec;
  * nearer a plain read's pace there, and not at k = 2048 (docs/benchmarks-history.md, "BF16 one row
  * at k = 8192: two streams a thread"). Each row's sums are its own, in row1's order: the same bits.
  * The AVX2 loop's two rows' sums outnumber its 16 registers; the spills cost less than the missed x
- * lines (docs/benchmarks-history.md, "BF16 one row at two threads"). */
+ * lines (docs/benchmarks-history.md, "BF16 one row at two threads"). The AVX-512 builds run the pair
+ * on 256-bit halves (rows2_halves). */
 #define ROW1_PAIR_K 4096
 
 /* *even += the even weights of the 32 at p times xb[0, 16), *odd += the odd ones times xb[16, 32). */
@@ -197,6 +198,62 @@ static inline __attribute__((always_inline)) void rows_front_to_back(const uint8
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* rows_front_to_back's two rows (nta 0 or 1) in the AVX-512 builds, each 16-lane sum held as two 8-lane
+ * halves (its lanes [0, 8) and [8, 16)), each 64-byte block read as two 32-byte ones: every lane meets
+ * the same products in the same order as in the zmm loop, and the halves join into that loop's vectors
+ * before its lane sums, so the bits are the same. At k = 8192 the zmm pair read the down projection at
+ * 0.93-0.96 of a plain read, these halves at 1.0 (docs/benchmarks-history.md, "BF16 one row at k =
+ * 8192: the pair on 256-bit halves"); at k <= 4096 one row on halves ran as the zmm loop, which stays. */
+static inline __attribute__((always_inline)) void rows2_halves(const uint8_t *const *p, const float *x, int64_t nb,
+                                                               float *const *out, const int type, const int nta) {
+    __m256 s[2][2][ROW1_U][2]; /* [row][its even (F16: first 16) or odd (last 16) sums][u][lanes 0-7, 8-15] */
+    for (int i = 0; i < 2; i++)
+        for (int e = 0; e < 2; e++)
+            for (int u = 0; u < ROW1_U; u++) s[i][e][u][0] = _mm256_setzero_ps(), s[i][e][u][1] = _mm256_setzero_ps();
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+/* row i's block at q (x at xb) into its sums u: bf16_block's and f16_block's lanes, 8 at a time */
+#define HALVES(i, q, xb, u)                                                                                        \
+    for (int h = 0; h < 2; h++) {                                                                                  \
+        __m256 lo, hi;                                                                                             \
+        if (type == QTYPE_BF16) {                                                                                  \
+            const __m256i v = _mm256_loadu_si256((const __m256i *)((q) + 32 * h));                                 \
+            lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), hi = _mm256_castsi256_ps(_mm256_and_si256(v, high)); \
+        } else {                                                                                                   \
+            lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((q) + 16 * h)));                                \
+            hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((q) + 32 + 16 * h)));                           \
+        }                                                                                                          \
+        s[i][0][u][h] = _mm256_fmadd_ps(lo, _mm256_loadu_ps((xb) + 8 * h), s[i][0][u][h]);                         \
+        s[i][1][u][h] = _mm256_fmadd_ps(hi, _mm256_loadu_ps((xb) + 16 + 8 * h), s[i][1][u][h]);                    \
+    }
+    int64_t b = 0;
+    for (; b + ROW1_U <= nb; b += ROW1_U)
+        for (int u = 0; u < ROW1_U; u++)
+            for (int i = 0; i < 2; i++) {
+                const uint8_t *q = p[i] + 2 * FB * (b + u);
+                if (nta)
+                    __builtin_prefetch(q + ROW1_PF, 0, 0);
+                else
+                    __builtin_prefetch(q + ROW1_PF, 0, 3);
+                HALVES(i, q, x + FB * (b + u), u)
+            }
+    for (; b < nb; b++)
+        for (int i = 0; i < 2; i++) HALVES(i, p[i] + 2 * FB * b, x + FB * b, 0)
+#undef HALVES
+    for (int i = 0; i < 2; i++) {
+        vec z[2][ROW1_U];
+        for (int e = 0; e < 2; e++)
+            for (int u = 0; u < ROW1_U; u++)
+                z[e][u] = _mm512_insertf32x8(_mm512_castps256_ps512(s[i][e][u][0]), s[i][e][u][1], 1);
+        for (int u = 1; u < ROW1_U; u++) z[0][0] = VADD(z[0][0], z[0][u]), z[1][0] = VADD(z[1][0], z[1][u]);
+        *out[i] = VSUM(VADD(z[0][0], z[1][0]));
+    }
+}
+#define ROWS2 rows2_halves
+#else
+#define ROWS2(p, x, nb, o, type, nta) rows_front_to_back(p, x, nb, o, type, 2, nta)
+#endif
+
 /* One activation row against weight rows [0, nc) (out[c]), each row read front to back in turn: the
  * rows lie one after another, so a thread's columns are one sequential stream, the case the hardware
  * prefetcher follows best (TC rows side by side are TC streams, each a row long); past ROW1_PAIR_K
@@ -210,9 +267,9 @@ static inline __attribute__((always_inline)) void row1(const uint8_t *w, int64_t
             const uint8_t *p[2] = {w + c * wrb, w + (c + half) * wrb};
             float *o[2] = {out + c, out + c + half};
             if (weight_prefetch_nta)
-                rows_front_to_back(p, x, nb, o, type, 2, 1);
+                ROWS2(p, x, nb, o, type, 1);
             else
-                rows_front_to_back(p, x, nb, o, type, 2, 0);
+                ROWS2(p, x, nb, o, type, 0);
         }
         c = 2 * half;
     }
