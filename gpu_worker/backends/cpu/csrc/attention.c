@@ -8,6 +8,15 @@
 #define SPLIT_MIN_LEN 256 /* positions from which few rows split them (shorter: the merge costs more) */
 #define PREFETCH_L2 512 /* positions of a task asked into L2 when it starts, and of the next task */
 
+/* The KV a task's attend asks into L2 for the task after it: positions [p0, p1) of page-table row
+ * ``pages``, ``bytes`` from element ``col`` of each token row. */
+struct kv_ahead {
+    const int64_t *pages;
+    int64_t p0, p1, col;
+    int bytes;
+};
+
+
 #if HAVE_AVX512
 #define BLOCK 16 /* positions per step: one vector of scores */
 #define PAIRED (-1) /* block_scores' mode: bfloat16 q against bfloat16 K (a bfloat16 model's KV) */
@@ -50,17 +59,30 @@ static inline __m512 block_scores(const void *q, const void *kv, const int64_t a
     return sum16(part);
 }
 
+/* Bit t: whether at[t] of a block in ORDER16 order is one of its first n positions (the rest of a
+ * row's last block repeat its last row, and their scores are masked: they need not be computed). */
+static inline unsigned live16(int n) {
+    unsigned live = 0;
+    for (int t = 0; t < 16; t++) live |= (unsigned)(ORDER16[t] < n) << t;
+    return live;
+}
+
 /* group_scores (below) where the GN heads' q fill 16 vectors (head_dim = 16 ND): q held in registers
  * for the block, not loaded again for each position. The same products in the same order per lane,
  * so the same bits. Not inlined (nor group_values_held): in attend_avx512's frame their registers'
  * spills moved its other arrays, and the Qwen3-MoE shape's steps (which take neither) ran 0.6x. */
 static __attribute__((noinline)) void group_scores_held(const float *q, const char *kv, const int64_t at[16],
-                                                        int mode, __m512 *raw, const int GN, const int ND) {
+                                                        unsigned live, int mode, __m512 *raw, const int GN,
+                                                        const int ND) {
     const int elem = mode == DTYPE_F32 ? 4 : 2;
     __m512 qr[16], part[4][16];
     for (int i = 0; i < GN; i++)
         for (int c = 0; c < ND; c++) qr[i * ND + c] = _mm512_loadu_ps(q + (i * ND + c) * 16);
     for (int t = 0; t < 16; t++) {
+        if (!(live >> t & 1)) { /* a masked lane: any value */
+            for (int i = 0; i < GN; i++) part[i][t] = _mm512_setzero_ps();
+            continue;
+        }
         __m512 k[8];
         for (int c = 0; c < ND; c++) k[c] = load16_kv(kv + at[t] * elem, mode, 16 * c, 16 * ND);
         for (int i = 0; i < GN; i++) {
@@ -99,13 +121,18 @@ static __attribute__((noinline)) void group_values_held(float *acc, int stride, 
  * all GN heads, where block_scores per head widens them GN times. Per head, every lane sums the
  * same products in the same order as block_scores (and sum16 reduces them alike): the same bits. */
 static inline __attribute__((always_inline)) void group_scores(const float *q, const char *kv, const int64_t at[16],
-                                                               int mode, int head_dim, __m512 *raw, const int GN) {
-    if (head_dim == 64 && GN == 4) return group_scores_held(q, kv, at, mode, raw, GN, 4);
-    if (head_dim == 128 && GN == 2) return group_scores_held(q, kv, at, mode, raw, GN, 8);
+                                                               unsigned live, int mode, int head_dim, __m512 *raw,
+                                                               const int GN) {
+    if (head_dim == 64 && GN == 4) return group_scores_held(q, kv, at, live, mode, raw, GN, 4);
+    if (head_dim == 128 && GN == 2) return group_scores_held(q, kv, at, live, mode, raw, GN, 8);
     const int elem = mode == DTYPE_F32 ? 4 : 2;
     __m512 part[8][16];
     for (int t = 0; t < 16; t++) {
         __m512 a[8];
+        if (!(live >> t & 1)) { /* a masked lane: any value */
+            for (int i = 0; i < GN; i++) part[i][t] = _mm512_setzero_ps();
+            continue;
+        }
         for (int i = 0; i < GN; i++) a[i] = _mm512_setzero_ps();
         for (int d = 0; d < head_dim; d += 16) {
             const __mmask16 mask = head_dim - d >= 16 ? 0xffffu : (__mmask16)((1u << (head_dim - d)) - 1);
@@ -175,10 +202,17 @@ static inline void add_pairs(float *aj, const uint32_t *pairs, int npairs, __m51
  * instruction, their V rows interleaved, the probabilities rounded to bfloat16 (as torch's own CPU
  * flash attention does for bfloat16). The interleave leaves each 32-dimension accumulator in the
  * order [d 0-3, 8-11, 16-19, 24-27 | d 4-7, 12-15, 20-23, 28-31]; the end undoes it. Any other
- * pair of dtypes computes in float32: q widened once, K and V rows as they are read. */
+ * pair of dtypes computes in float32: q widened once, K and V rows as they are read.
+ *
+ * Its own positions past the first block are asked into L2 at the start when own_l2 (else an earlier
+ * task asked for them); ``ahead`` (or NULL): the KV of the task this thread most likely runs next,
+ * asked into L2 a slice after each KV head of each block. Asked for all at once, that next task's
+ * lines outnumber the misses a core keeps in flight, and the prefetches stalled the thread for about
+ * as long as the reads themselves, where in slices they come in while this task computes. */
 static void attend_avx512(const char *q, const void *k_cache, const void *v_cache, int dtype, int kv_dtype,
                           const int64_t *pages, int64_t p0, int64_t len, int page_size, int h0, int h1, int group,
-                          int head_dim, int64_t kv_row, float scale, float *res, float *stats) {
+                          int head_dim, int64_t kv_row, float scale, float *res, float *stats,
+                          const struct kv_ahead *ahead, int own_l2) {
     const int paired = dtype == DTYPE_BF16 && kv_dtype == DTYPE_BF16;
     const int elem = kv_dtype == DTYPE_F32 ? 4 : 2, nq = (h1 - h0) * group, bytes = (h1 - h0) * head_dim * elem;
     const int q_elem = paired ? 2 : 4;
@@ -190,7 +224,7 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
     uint32_t pairs[MAX_HEADS][BLOCK / 2]; /* bfloat16 probabilities of positions 2i, 2i+1 */
     int64_t at[BLOCK], at_k[BLOCK];        /* element offset of each position's token row; in ORDER16 */
     __m512i vpair[BLOCK / 2][MAX_HEAD_DIM / 16]; /* bfloat16 V rows of a KV head, two positions interleaved */
-    if (!paired) {
+    if (!paired && dtype != DTYPE_F32) { /* a float32 q is read where it lies */
         load_vec(q, dtype, 0, nq * head_dim, qf);
         q = (const char *)qf;
     }
@@ -201,11 +235,16 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
     }
     prefetch_kv(k_cache, v_cache, pages, page_size, p0, len < p0 + BLOCK ? len : p0 + BLOCK, kv_row, col, elem, bytes,
                 0);
-    prefetch_kv(k_cache, v_cache, pages, page_size, p0 + BLOCK, len < p0 + PREFETCH_L2 ? len : p0 + PREFETCH_L2, kv_row,
-                col, elem, bytes, 1);
+    if (own_l2)
+        prefetch_kv(k_cache, v_cache, pages, page_size, p0 + BLOCK, len < p0 + PREFETCH_L2 ? len : p0 + PREFETCH_L2,
+                    kv_row, col, elem, bytes, 1);
+    /* the next task's positions [ahead->p0, ahead->p1) in one slice per KV head and block */
+    const int64_t slices = (len - p0 + BLOCK - 1) / BLOCK * (h1 - h0);
+    int64_t slice = 0;
     for (int64_t start = p0; start < len; start += BLOCK) {
         const int n = (int)(len - start < BLOCK ? len - start : BLOCK);
         const __mmask16 valid = (__mmask16)((1u << n) - 1);
+        const unsigned live = n == BLOCK ? 0xffffu : live16(n);
         for (int t = 0; t < BLOCK; t++) { /* past the end: the last row again, its scores masked */
             const int64_t pos = start + (t < n ? t : n - 1);
             at[t] = (pages[pos / page_size] * page_size + pos % page_size) * kv_row;
@@ -218,7 +257,7 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
             for (int h = h0; h < h1; h++) {
                 const char *kv = (const char *)k_cache + (int64_t)h * head_dim * elem;
                 const float *qh = (const float *)q + (int64_t)(h - h0) * group * head_dim;
-#define SCORES(GN) group_scores(qh + (int64_t)g0 * head_dim, kv, at_k, kv_dtype, head_dim, raws + (h - h0) * group + g0, GN)
+#define SCORES(GN) group_scores(qh + (int64_t)g0 * head_dim, kv, at_k, live, kv_dtype, head_dim, raws + (h - h0) * group + g0, GN)
                 GROUPS_OF_8(SCORES)
 #undef SCORES
             }
@@ -228,21 +267,31 @@ static void attend_avx512(const char *q, const void *k_cache, const void *v_cach
                 paired ? block_scores(q + (int64_t)j * head_dim * q_elem, kv, at_k, PAIRED, head_dim) : raws[j];
             const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),
                                                   _mm512_mul_ps(raw, _mm512_set1_ps(scale)));
-            const float mx = max_f(m[j], _mm512_reduce_max_ps(s));
+            const float mx = max_f(m[j], _mm512_reduce_max_ps(s)), drop = m[j] - mx;
             const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
-            const float corr = _mm512_cvtss_f32(exp512(_mm512_set1_ps(m[j] - mx))); /* first block: 0 */
-            l[j] = l[j] * corr + _mm512_reduce_add_ps(p);
+            const float sum = _mm512_reduce_add_ps(p);
+            if (drop != 0.0f) { /* else the factor is exp512(0) = 1 exactly: nothing to scale */
+                const float corr = _mm512_cvtss_f32(exp512(_mm512_set1_ps(drop))); /* first block: ~0 */
+                l[j] = l[j] * corr + sum;
+                float *aj = acc + (int64_t)j * stride;
+                for (int d = 0; d < stride; d += 16) /* stride: whole vectors */
+                    _mm512_storeu_ps(aj + d, _mm512_mul_ps(_mm512_loadu_ps(aj + d), _mm512_set1_ps(corr)));
+            } else {
+                l[j] = l[j] + sum;
+            }
             m[j] = mx;
-            float *aj = acc + (int64_t)j * stride;
-            for (int d = 0; d < stride; d += 16) /* stride: whole vectors */
-                _mm512_storeu_ps(aj + d, _mm512_mul_ps(_mm512_loadu_ps(aj + d), _mm512_set1_ps(corr)));
             if (paired)
                 _mm256_storeu_si256((__m256i *)pairs[j], (__m256i)_mm512_cvtneps_pbh(p));
             else
                 _mm512_storeu_ps(prob[j], p);
         }
-        for (int h = h0; h < h1; h++) { /* the weighted sum of V, accumulators in registers */
+        for (int h = h0; h < h1; h++, slice++) { /* the weighted sum of V, accumulators in registers */
             const int64_t vcol = (int64_t)h * head_dim;
+            if (ahead != NULL) {
+                const int64_t span = ahead->p1 - ahead->p0;
+                prefetch_kv(k_cache, v_cache, ahead->pages, page_size, ahead->p0 + span * slice / slices,
+                            ahead->p0 + span * (slice + 1) / slices, kv_row, ahead->col, elem, ahead->bytes, 1);
+            }
             const int j0 = (h - h0) * group, npairs = (n + 1) / 2;
             if (paired) {
                 const uint16_t *v16 = (const uint16_t *)v_cache + vcol;
@@ -287,7 +336,7 @@ static inline void attend_run(const char *q, const void *k_cache, const void *v_
                               const int64_t *pages, int64_t p0, int64_t len, int page_size, int h0, int h1, int group,
                               int head_dim, int64_t kv_row, float scale, float *res, float *stats) {
     attend_avx512(q, k_cache, v_cache, dtype, kv_dtype, pages, p0, len, page_size, h0, h1, group, head_dim, kv_row,
-                  scale, res, stats);
+                  scale, res, stats, NULL, 1);
 }
 #define attend attend_run
 #define SPLIT_POSITIONS 1
@@ -778,6 +827,27 @@ static void attend_portable(const char *q, const void *k_cache, const void *v_ca
 #define SPLIT_POSITIONS 1
 #endif
 
+/* store_vec of a new K or V row: a float16 pool's 8 values at a time by vcvtps2ph, which rounds to
+ * nearest even as f32_to_f16 does (the same bits; a NaN, which it would keep its payload of, as
+ * f32_to_f16 writes it). Its scalar conversions were ~5% of a 32-row step's attention. */
+static inline void store_kv_row(void *base, int kv_dtype, int64_t offset, int n, const float *src) {
+#if HAVE_AVX2 || HAVE_AVX512
+    if (kv_dtype == DTYPE_F16) {
+        uint16_t *dst = (uint16_t *)base + offset;
+        int i = 0;
+        for (; i + 8 <= n; i += 8) {
+            const __m256 x = _mm256_loadu_ps(src + i);
+            _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            if (_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)))
+                for (int t = i; t < i + 8; t++) dst[t] = f32_to_f16(src[t]);
+        }
+        for (; i < n; i++) dst[i] = f32_to_f16(src[i]);
+        return;
+    }
+#endif
+    store_vec(base, kv_dtype, offset, n, src);
+}
+
 /* Row r's new K and V (heads [h0, h1)), of ``dtype``, written at its last position in the KV's
  * ``kv_dtype`` (rounded to it), by the task that then reads it. */
 static inline void write_new_kv(void *k_cache, void *v_cache, const int64_t *pages, int page_size, int64_t pos,
@@ -793,11 +863,16 @@ static inline void write_new_kv(void *k_cache, void *v_cache, const int64_t *pag
         memcpy((char *)v_cache + at * elem, (const char *)v_new + v_off * elem, (size_t)n * elem);
         return;
     }
+    if (dtype == DTYPE_F32) { /* rounded from where they lie */
+        store_kv_row(k_cache, kv_dtype, at, n, (const float *)k_new + k_off);
+        store_kv_row(v_cache, kv_dtype, at, n, (const float *)v_new + v_off);
+        return;
+    }
     float row[MAX_QUERY_WIDTH];
     load_vec(k_new, dtype, k_off, n, row);
-    store_vec(k_cache, kv_dtype, at, n, row);
+    store_kv_row(k_cache, kv_dtype, at, n, row);
     load_vec(v_new, dtype, v_off, n, row);
-    store_vec(v_cache, kv_dtype, at, n, row);
+    store_kv_row(v_cache, kv_dtype, at, n, row);
 }
 
 /* Each of nq heads' outputs in res ([nq, head_dim], normalized over its positions, whose softmax max
@@ -992,34 +1067,56 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
         }
     }
     const int splits = rows < 2 * threads ? kv_heads : 1; /* few rows, short or in an AVX-512 build */
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t task = 0; task < rows * splits; task++) {
-        const int64_t r = task / splits;
-        const int h0 = (int)(task % splits) * kv_heads / splits, h1 = (int)(task % splits + 1) * kv_heads / splits;
-        const int q0 = h0 * group, nq = (h1 - h0) * group;
-        float res[MAX_QUERY_WIDTH], stats[2 * MAX_HEADS];
-        if (k_new != NULL && kv_lens[r] > 0)
-            write_new_kv((void *)k_cache, (void *)v_cache, page_table + req_pool_idx[r] * pt_stride, page_size,
-                         kv_lens[r] - 1, kv_row, h0, h1, head_dim, dtype, kv_dtype, k_new, v_new,
-                         q_rows[r] * k_new_stride, q_rows[r] * v_new_stride);
-        const int64_t next = task + omp_get_num_threads(); /* most likely this thread's next task */
-        if (next < rows * splits) {
-            const int64_t r2 = next / splits, from = window_start(kv_lens[r2], window);
-            const int g0 = (int)(next % splits) * kv_heads / splits, g1 = (int)(next % splits + 1) * kv_heads / splits;
-            prefetch_kv(k_cache, v_cache, page_table + req_pool_idx[r2] * pt_stride, page_size, from,
-                        kv_lens[r2] < from + PREFETCH_L2 ? kv_lens[r2] : from + PREFETCH_L2, kv_row,
-                        (int64_t)g0 * head_dim, kv_elem, (g1 - g0) * head_dim * kv_elem, 1);
-        }
-        attend((const char *)q + (q_rows[r] * q_row_stride + (int64_t)q0 * head_dim) * elem, k_cache, v_cache, dtype,
-               kv_dtype, page_table + req_pool_idx[r] * pt_stride, window_start(kv_lens[r], window), kv_lens[r],
-               page_size, h0, h1, group, head_dim, kv_row, scale, res, sinks != NULL ? stats : NULL);
-        if (sinks != NULL) add_sinks(res, stats, sinks + q0, nq, head_dim);
-        const int64_t o_off = (q_rows[r] * num_heads + q0) * head_dim;
-        if (dtype == DTYPE_BF16) {
-            uint16_t *dst = (uint16_t *)out + o_off;
-            for (int i = 0; i < nq * head_dim; i++) dst[i] = f32_to_bf16(res[i]);
-        } else {
-            memcpy((float *)out + o_off, res, (size_t)nq * head_dim * sizeof(float));
+#pragma omp parallel
+    {
+#if HAVE_AVX512
+        int64_t asked = -1; /* the task whose KV this thread's last task asked into L2 */
+#endif
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < rows * splits; task++) {
+            const int64_t r = task / splits;
+            const int h0 = (int)(task % splits) * kv_heads / splits, h1 = (int)(task % splits + 1) * kv_heads / splits;
+            const int q0 = h0 * group, nq = (h1 - h0) * group;
+            float task_res[MAX_QUERY_WIDTH], stats[2 * MAX_HEADS];
+            if (k_new != NULL && kv_lens[r] > 0)
+                write_new_kv((void *)k_cache, (void *)v_cache, page_table + req_pool_idx[r] * pt_stride, page_size,
+                             kv_lens[r] - 1, kv_row, h0, h1, head_dim, dtype, kv_dtype, k_new, v_new,
+                             q_rows[r] * k_new_stride, q_rows[r] * v_new_stride);
+            const int64_t next = task + omp_get_num_threads(); /* most likely this thread's next task */
+            struct kv_ahead ahead = {NULL, 0, 0, 0, 0};
+            if (next < rows * splits) {
+                const int64_t r2 = next / splits, from = window_start(kv_lens[r2], window);
+                const int g0 = (int)(next % splits) * kv_heads / splits;
+                const int g1 = (int)(next % splits + 1) * kv_heads / splits;
+                ahead = (struct kv_ahead){page_table + req_pool_idx[r2] * pt_stride, from,
+                                          kv_lens[r2] < from + PREFETCH_L2 ? kv_lens[r2] : from + PREFETCH_L2,
+                                          (int64_t)g0 * head_dim, (g1 - g0) * head_dim * kv_elem};
+            }
+            const char *qr = (const char *)q + (q_rows[r] * q_row_stride + (int64_t)q0 * head_dim) * elem;
+            const int64_t *pages = page_table + req_pool_idx[r] * pt_stride;
+            const int64_t o_off = (q_rows[r] * num_heads + q0) * head_dim;
+            /* float32 without sinks: the outputs written where they go (attend reads q before it writes) */
+            float *res = dtype == DTYPE_F32 && sinks == NULL ? (float *)out + o_off : task_res;
+            const int64_t from = window_start(kv_lens[r], window);
+#if HAVE_AVX512
+            attend_avx512(qr, k_cache, v_cache, dtype, kv_dtype, pages, from, kv_lens[r], page_size, h0, h1, group,
+                          head_dim, kv_row, scale, res, sinks != NULL ? stats : NULL,
+                          ahead.pages != NULL ? &ahead : NULL, asked != task);
+            asked = ahead.pages != NULL && kv_lens[r] > from ? next : -1; /* (none: no block to ask it in) */
+#else
+            if (ahead.pages != NULL)
+                prefetch_kv(k_cache, v_cache, ahead.pages, page_size, ahead.p0, ahead.p1, kv_row, ahead.col, kv_elem,
+                            ahead.bytes, 1);
+            attend(qr, k_cache, v_cache, dtype, kv_dtype, pages, from, kv_lens[r], page_size, h0, h1, group, head_dim,
+                   kv_row, scale, res, sinks != NULL ? stats : NULL);
+#endif
+            if (sinks != NULL) add_sinks(res, stats, sinks + q0, nq, head_dim);
+            if (dtype == DTYPE_BF16) {
+                uint16_t *dst = (uint16_t *)out + o_off;
+                for (int i = 0; i < nq * head_dim; i++) dst[i] = f32_to_bf16(res[i]);
+            } else if (res != (float *)out + o_off) {
+                memcpy((float *)out + o_off, res, (size_t)nq * head_dim * sizeof(float));
+            }
         }
     }
     return 0;
