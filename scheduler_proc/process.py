@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import cast
 
 import msgspec
 import zmq
@@ -29,6 +30,9 @@ from scheduler_proc.scheduler import Scheduler
 from scheduler_proc.stats import SchedulerStats
 
 STATS_INTERVAL_S = 0.5  # EngineStats at most this often while busy (for /metrics)
+# getsockopt's option and flag as plain ints: pyzmq's are enums, whose ``&`` runs in Python.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 class SchedulerProcess:
@@ -126,7 +130,9 @@ class SchedulerProcess:
             self._sent_stats, self._sent_stats_s = stats, now
 
     def _drain(self, sock: zmq.Socket) -> None:
-        while True:
+        """Every frame waiting on ``sock``. ``EVENTS`` says whether one waits: ending on a recv's
+        EAGAIN instead raised a ZMQError (built in Python) every drain, every step."""
+        while cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
             try:
                 frame = sock.recv(zmq.NOBLOCK)
             except zmq.Again:

@@ -44,6 +44,9 @@ SHUTDOWN_LINGER_MS = 500
 # client.
 PROBE_INTERVAL_S = 0.25
 PROBE = GenerateOutput(rid="")
+# getsockopt's option and flag as plain ints: pyzmq's are enums, whose ``&`` runs in Python.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 def run_tokenizer(config: TokenizerConfig, endpoints: Endpoints) -> None:
@@ -87,10 +90,13 @@ class TokenizerServer:
         self._config = config or TokenizerConfig()
         self._ctx = zmq.asyncio.Context()
         self._client = client_socket(self._ctx, endpoints.client)
-        # make_socket is typed for sync sockets; an asyncio context makes asyncio sockets.
-        self._from_scheduler = cast(
-            AsyncSocket, make_socket(self._ctx, zmq.PULL, endpoints.to_tokenizer, bind=True)
+        # The scheduler's rows: a plain socket on the same context, read when its FD wakes the loop
+        # (_scheduler_loop), not through pyzmq's asyncio futures (their per-message bookkeeping was
+        # a fifth of this process's Python at one stream, docs/benchmarks-history.md).
+        self._from_scheduler = make_socket(
+            zmq.Context.shadow(self._ctx.underlying), zmq.PULL, endpoints.to_tokenizer, bind=True
         )
+        # make_socket is typed for sync sockets; an asyncio context makes asyncio sockets.
         # One per data-parallel replica (--dp-size); the Frontend says which a message goes to.
         self._to_schedulers = [
             cast(AsyncSocket, make_socket(self._ctx, zmq.PUSH, endpoints.replica(i).to_scheduler, bind=False))
@@ -110,6 +116,9 @@ class TokenizerServer:
         self._stop = asyncio.Event()  # SIGTERM: drain, then stop
         self._stop_now = asyncio.Event()  # SIGUSR1 or a second SIGTERM: stop without draining
         self._compiles: set[asyncio.Task[None]] = set()  # ZMQ requests waiting for their grammar
+        # Set by every ZMQ client message: the probe loop sleeps on it while no ZMQ client has a
+        # request in flight (HTTP-only serving), instead of waking four times a second for nothing.
+        self._zmq_client_sent = asyncio.Event()
 
     async def serve(self) -> None:
         """Run the receive loops until a signal (or until one of them fails), then shut down."""
@@ -171,28 +180,58 @@ class TokenizerServer:
         raises); a fault in sending what it made is logged, and the loop goes on."""
         while True:
             frames = await self._client.recv_multipart()
+            self._zmq_client_sent.set()  # a request may start: the probes resume
             try:
                 await self._send(self._frontend.on_client_frames(frames))
             except Exception:
                 logger.exception("sending the answer to a client message failed")
 
     async def _scheduler_loop(self) -> None:
-        while True:
-            frame = await self._from_scheduler.recv()
-            try:
-                msg = self._codec.decode(frame)
-            except msgspec.DecodeError as exc:
-                logger.error("dropping a malformed frame from the scheduler: %s", exc)
-                continue
-            try:  # a fault on one request's row fails that request (RequestTable); this is the rest
-                await self._send(self._frontend.on_scheduler_msg(msg))
-            except Exception:
-                logger.exception("handling a %s from the scheduler failed", type(msg).__name__)
+        """The scheduler's frames in order, each handled (and its sends done) before the next.
+
+        The socket's FD only says its state may have changed: ``EVENTS`` tells whether a frame
+        waits (and clears the FD). The loop sleeps on a future the FD's reader completes, after
+        looking at ``EVENTS`` itself, so a frame that came in meanwhile is never missed."""
+        loop = asyncio.get_running_loop()
+        sock = self._from_scheduler
+        fd = cast(int, sock.getsockopt(zmq.FD))
+        waiter: asyncio.Future[None] | None = None
+
+        def readable() -> None:
+            sock.getsockopt(_EVENTS)  # clears the FD, so the reader is not called again for it
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+        loop.add_reader(fd, readable)
+        try:
+            while True:
+                if not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
+                    waiter = loop.create_future()
+                    await waiter
+                    continue
+                await self._on_scheduler_frame(sock.recv(zmq.NOBLOCK))  # a frame waits: no EAGAIN
+        finally:
+            loop.remove_reader(fd)
+
+    async def _on_scheduler_frame(self, frame: bytes) -> None:
+        try:
+            msg = self._codec.decode(frame)
+        except msgspec.DecodeError as exc:
+            logger.error("dropping a malformed frame from the scheduler: %s", exc)
+            return
+        try:  # a fault on one request's row fails that request (RequestTable); this is the rest
+            await self._send(self._frontend.on_scheduler_msg(msg))
+        except Exception:
+            logger.exception("handling a %s from the scheduler failed", type(msg).__name__)
 
     async def _probe_loop(self) -> None:
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
             zmq_clients = [c for c in self._frontend.requests.client_ids() if not is_http_client(c)]
+            if not zmq_clients:  # none to probe: no timer wakes the process until a ZMQ client sends
+                self._zmq_client_sent.clear()
+                await self._zmq_client_sent.wait()
+                continue
             await self._send(Outbox(replies=[(client_id, PROBE) for client_id in zmq_clients]))
 
     async def _send(self, out: Outbox) -> None:
@@ -221,6 +260,7 @@ class TokenizerServer:
     async def _admit_after_compile(self, pending: Admitting) -> None:
         """Compile a ZMQ request's grammar on the compiler's threads while this loop serves on."""
         out = await self._frontend.admit_after_compile(pending)  # never raises but on cancel
+        self._zmq_client_sent.set()  # it is in flight now: probe it
         try:
             await self._send(out)
         except Exception:
