@@ -198,9 +198,10 @@ class TokenizerServer:
         waiter: asyncio.Future[None] | None = None
 
         def readable() -> None:
-            sock.getsockopt(_EVENTS)  # clears the FD, so the reader is not called again for it
             if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+                waiter.set_result(None)  # the loop's own EVENTS, before the next poll, clears the FD
+            else:
+                sock.getsockopt(_EVENTS)  # clears the FD, so the reader is not called again for it
 
         loop.add_reader(fd, readable)
         try:
