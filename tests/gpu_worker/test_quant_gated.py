@@ -22,8 +22,10 @@ from gpu_worker.backends.cpu.attention import KERNEL_MAX_EXTEND
 from gpu_worker.backends.cpu.backend import CpuBackend
 from gpu_worker.backends.cpu.kind import CpuKind
 from gpu_worker.backends.cpu.layouts import A8, interleave_rows, kernel_type
+from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.layers import MergedLinear
 from gpu_worker.weights.formats import QuantBlocks
+from protocol.messages import ForwardBatch
 from tests.gpu_worker.helpers import GREEDY, KINDS, MiniScheduler
 from tests.gpu_worker.test_decode_layers import MIXED, ONE_TYPE, make_q4_k_m_llama, runner_of
 from tests.gpu_worker.test_gguf_weights import make_random_llama
@@ -120,6 +122,22 @@ def test_gated_matmul_refuses_what_quant_matmul_refuses(kernels: cpu_kernels.Cpu
         kernels.quant_matmul_gated(int(Q.Q4_0), w.data[:8], w.data[8:], 48, x[:, :48], 64, False)
 
 
+def logits_both_ways(
+    runner: ModelRunner, batch: ForwardBatch, switch: ctypes.c_int, step: int
+) -> torch.Tensor:
+    """The batch's logits with the C switch at 1, then the same batch again at 0 (its K/V rewritten with
+    the same values); asserts the two are equal and returns them."""
+    both = []
+    for value in (1, 0):
+        switch.value = value
+        try:
+            both.append(runner.compute_logits(batch))
+        finally:
+            switch.value = 1
+    assert torch.equal(both[0], both[1]), (step, float((both[0] - both[1]).abs().max()))
+    return both[0]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("weights", ["q4_k_m", "one_type", "mixed"])
 def test_a_llama_gives_the_unfused_logits(tmp_path: Path, dtype: str, weights: str) -> None:
@@ -141,15 +159,7 @@ def test_a_llama_gives_the_unfused_logits(tmp_path: Path, dtype: str, weights: s
     lens = [KERNEL_MAX_EXTEND + 5 + 7 * i for i in range(3)]  # every prompt past the kernel: the modules
     batch = sched.batch([(idx, 0, list(range(3, 3 + n)), True, GREEDY) for idx, n in enumerate(lens)])
     for step in range(4):
-        logits = []
-        for value in (1, 0):  # the same K/V rewritten with the same values
-            switch.value = value
-            try:
-                logits.append(runner.compute_logits(batch))
-            finally:
-                switch.value = 1
-        assert torch.equal(logits[0], logits[1]), (step, float((logits[0] - logits[1]).abs().max()))
-        tokens = logits[0].float().argmax(dim=-1).tolist()
+        tokens = logits_both_ways(runner, batch, switch, step).float().argmax(dim=-1).tolist()
         batch = sched.batch([(idx, lens[idx] + step, [tokens[idx]], True, None) for idx in range(3)])
 
 
@@ -209,12 +219,4 @@ def test_the_down_projection_takes_its_rows_quantized_in_the_gated_panels(
     for step in range(3):
         tokens = logits.float().argmax(dim=-1).tolist()
         batch = sched.batch([(i, lens[i] + step, [tokens[i]], True, None) for i in range(rows)])
-        both = []
-        for value in (1, 0):  # the same K/V rewritten with the same values
-            switch.value = value
-            try:
-                both.append(runner.compute_logits(batch))
-            finally:
-                switch.value = 1
-        assert torch.equal(both[0], both[1]), (step, float((both[0] - both[1]).abs().max()))
-        logits = both[0]
+        logits = logits_both_ways(runner, batch, switch, step)
