@@ -91,8 +91,8 @@ class TokenizerServer:
         self._ctx = zmq.asyncio.Context()
         self._client = client_socket(self._ctx, endpoints.client)
         # The scheduler's rows: a plain socket on the same context, read when its FD wakes the loop
-        # (_scheduler_loop), not through pyzmq's asyncio futures (their per-message bookkeeping was
-        # a fifth of this process's Python at one stream, docs/benchmarks-history.md).
+        # (_scheduler_loop), not through pyzmq's asyncio futures, whose per-message bookkeeping was a
+        # large share of this process's Python at one stream (docs/benchmarks-history.md).
         self._from_scheduler = make_socket(
             zmq.Context.shadow(self._ctx.underlying), zmq.PULL, endpoints.to_tokenizer, bind=True
         )

@@ -16,7 +16,6 @@ struct kv_ahead {
     int bytes;
 };
 
-
 #if HAVE_AVX512
 #define BLOCK 16 /* positions per step: one vector of scores */
 #define PAIRED (-1) /* block_scores' mode: bfloat16 q against bfloat16 K (a bfloat16 model's KV) */
@@ -829,7 +828,8 @@ static void attend_portable(const char *q, const void *k_cache, const void *v_ca
 
 /* store_vec of a new K or V row: a float16 pool's 8 values at a time by vcvtps2ph, which rounds to
  * nearest even as f32_to_f16 does (the same bits; a NaN, which it would keep its payload of, as
- * f32_to_f16 writes it). Its scalar conversions were ~5% of a 32-row step's attention. */
+ * f32_to_f16 writes it), where the scalar conversions cost a visible share of a many-row step's
+ * attention (docs/benchmarks-history.md, "The 1B IQ4_XS file's 32-row decode attention"). */
 static inline void store_kv_row(void *base, int kv_dtype, int64_t offset, int n, const float *src) {
 #if HAVE_AVX2 || HAVE_AVX512
     if (kv_dtype == DTYPE_F16) {

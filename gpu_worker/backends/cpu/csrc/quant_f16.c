@@ -202,9 +202,9 @@ static inline __attribute__((always_inline)) void rows_front_to_back(const uint8
 /* rows_front_to_back's two rows (nta 0 or 1) in the AVX-512 builds, each 16-lane sum held as two 8-lane
  * halves (its lanes [0, 8) and [8, 16)), each 64-byte block read as two 32-byte ones: every lane meets
  * the same products in the same order as in the zmm loop, and the halves join into that loop's vectors
- * before its lane sums, so the bits are the same. At k = 8192 the zmm pair read the down projection at
- * 0.93-0.96 of a plain read, these halves at 1.0 (docs/benchmarks-history.md, "BF16 one row at k =
- * 8192: the pair on 256-bit halves"); at k <= 4096 one row on halves ran as the zmm loop, which stays. */
+ * before its lane sums, so the bits are the same. Past ROW1_PAIR_K the zmm pair read the weights below a
+ * plain read's pace and these halves at it (docs/benchmarks-history.md, "BF16 one row at k = 8192: the
+ * pair on 256-bit halves"); one row on halves ran as the zmm loop, which stays. */
 static inline __attribute__((always_inline)) void rows2_halves(const uint8_t *const *p, const float *x, int64_t nb,
                                                                float *const *out, const int type, const int nta) {
     __m256 s[2][2][ROW1_U][2]; /* [row][its even (F16: first 16) or odd (last 16) sums][u][lanes 0-7, 8-15] */
