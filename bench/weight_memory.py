@@ -11,6 +11,11 @@ worker's start log, and the last column is RSS over the file's tensors plus both
 budget: <= 1.15). ``--kv-budget-gib`` adds a line a run: the pool's logged dtype and bytes a token,
 its bytes in all, and whether they fit the budget (issue 56: 32 streams of 4096 tokens of the 27-layer
 DeepSeek-V2-Lite file, ``--kv-cache-tokens 131072 --kv-cache-dtype fp8_e4m3``, in 2 GiB).
+
+Issue 54's budget is a row's last columns: RSS <= held + the pools + 150 MB. Beside it, the runtime's
+floor: the RSS of a process that imports what the worker does (the interpreter, torch, transformers,
+rivulet's worker modules) and loads no model, and what the worker holds beyond that floor and its
+weights (its tables, buffers and the pages of the pools it touched).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +34,7 @@ from bench.lib.launch import rivulet_server
 HELD = re.compile(r"weights held: ([0-9.]+) MB")
 PATHS = re.compile(r"matmul paths \(Linears\): ([^;]+);")
 KV_POOL = re.compile(r"KV pool: (\d+) pages of (\d+) tokens, (\S+) \((\d+) bytes a token")
+WORKER_PID = re.compile(r"pids:.*?\bgpu_worker=(\d+)")
 STATE_POOL = re.compile(r"recurrent-state pool: .*?: ([0-9.]+) MiB at most")
 
 
@@ -35,6 +43,28 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+BUDGET_OVER_POOLS_MB = 150.0  # issue 54: RSS <= held + the pools + this
+
+RUNTIME_PROBE = (
+    "import pathlib, gpu_worker.process, gpu_worker.weights.loader, transformers; "
+    "print(next(l.split()[1] for l in pathlib.Path('/proc/self/status').read_text().splitlines() "
+    "if l.startswith('VmRSS:')))"
+)
+
+
+def runtime_floor_mb() -> float:
+    """The RSS of a process importing what the worker imports, without a model (module docstring)."""
+    out = subprocess.run([sys.executable, "-c", RUNTIME_PROBE], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1]) / 1024
+
+
+def worker_pid(stdout: str) -> int | None:
+    """The worker's pid from the launcher's ready line (``pids: gpu_worker=N ...``): not the largest
+    process, which for a 262k-token vocabulary can be the tokenizer."""
+    found = WORKER_PID.findall(stdout)
+    return int(found[-1]) if found else None
 
 
 def gguf_tensor_mb(path: Path) -> float:
@@ -55,7 +85,8 @@ def measure(
         paths = PATHS.findall(log)
         kv = KV_POOL.findall(log)
         state = STATE_POOL.findall(log)
-        worker = max(server.alive_pids(), key=rss_mb)  # the worker holds the weights
+        ready_line = (workdir / weight_dtype / "engine.stdout").read_text(errors="replace")
+        worker = worker_pid(ready_line) or max(server.alive_pids(), key=rss_mb)
         return {
             "weight_dtype": weight_dtype,
             "held_mb": float(held[-1]) if held else float("nan"),
@@ -85,19 +116,24 @@ def main() -> None:
     if path is None:
         raise SystemExit("--model must be a .gguf file")
     file_mb = gguf_tensor_mb(path)
+    floor = runtime_floor_mb()
     print(f"GGUF {path.name}: {file_mb:.1f} MB of tensors; --dtype {args.dtype}")
+    print(f"runtime floor (the worker's imports, no model): {floor:.0f} MB RSS")
     print(
         f"{'--weight-dtype':<15} {'held MB':>9} {'x file':>7} {'worker RSS MB':>14} {'KV MB':>7} "
-        f"{'state MB':>8} {'RSS / (file + pools)':>20}  matmul paths"
+        f"{'state MB':>8} {'RSS / (file + pools)':>20} {'budget MB':>9} {'met':>4} "
+        f"{'RSS - floor - held':>18}  matmul paths"
     )
     with tempfile.TemporaryDirectory(prefix="rivulet-mem-") as tmp:
         for weight_dtype in args.weight_dtypes.split(","):
             row = measure(args.model, weight_dtype, args.dtype, Path(tmp), kv_flags)
             held, rss = float(row["held_mb"]), float(row["worker_rss_mb"])  # type: ignore[arg-type]
             kv, state = float(row["kv_mb"]), float(row["state_mb"])  # type: ignore[arg-type]
+            budget = held + kv + state + BUDGET_OVER_POOLS_MB
             print(
                 f"{weight_dtype:<15} {held:>9.1f} {held / file_mb:>7.2f} {rss:>14.0f} {kv:>7.1f} "
-                f"{state:>8.1f} {rss / (file_mb + kv + state):>20.3f}  {row['paths']}"
+                f"{state:>8.1f} {rss / (file_mb + kv + state):>20.3f} {budget:>9.0f} "
+                f"{'yes' if rss <= budget else 'no':>4} {rss - floor - held:>18.0f}  {row['paths']}"
             )
             if args.kv_budget_gib:
                 print(budget_line(row["kv_pool"], args.kv_budget_gib))  # type: ignore[arg-type]

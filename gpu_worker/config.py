@@ -55,7 +55,9 @@ class WorkerConfig:
         choices=KV_CACHE_DTYPES,
     )
     page_size: int = flag(16, "tokens per KV page")
-    kv_cache_tokens: int = flag(0, "KV pool size in tokens; 0: use --kv-mem-fraction")
+    kv_cache_tokens: int = flag(
+        0, "KV pool size in tokens; 0: use --kv-mem-fraction (the pool also bounds the context served)"
+    )
     kv_mem_fraction: float = flag(0.2, "KV pool share of free device memory (CPU: available RAM)")
     max_running_requests: int = max_running_requests_field()
     num_threads: int = flag(

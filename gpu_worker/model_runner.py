@@ -6,6 +6,7 @@ chunked and when a token is drawn all arrive in the batch.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from itertools import accumulate
@@ -24,6 +25,7 @@ from gpu_worker.image_encoder import batch_images, image_encoder_for
 from gpu_worker.kv_cache import KVPool, pool_dtype, pool_layer_shapes
 from gpu_worker.models import CausalLM
 from gpu_worker.models.gemma4 import adopt_media_tokens
+from gpu_worker.models.layers import keep_positions
 from gpu_worker.models.qwen35_positions import batch_positions
 from gpu_worker.pooling import final_norm, pooled_rows, why_no_pooling
 from gpu_worker.recurrent_state import begin_batch, end_batch, state_pool_for
@@ -37,6 +39,7 @@ from gpu_worker.sampling.verify import DrawPlan, committed
 from gpu_worker.weights.gguf_names import GgufError
 from gpu_worker.weights.loader import load_model, round_weights
 from protocol.messages import PENDING, ForwardBatch, ForwardResult
+from protocol.transport import trim_heap
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,8 @@ class ModelRunner:
         self.config = config
         self._init_device()
         self._init_model()
+        gc.collect()  # loading's garbage, then its freed pages given back: the pool is not laid on them
+        trim_heap()
         self._init_kv_pool()
         self.batch_limits = self._batch_limits()
         self.sampler_params = ReqPoolSamplerParams(config.max_running_requests)
@@ -111,8 +116,13 @@ class ModelRunner:
             if config.tp_size > 1
             else None
         )
+        # What a sequence can reach: the model's context, bounded by the most tokens the KV pool can
+        # hold (_init_kv_pool bounds it by the pool's own size). The rope's tables are cut to it
+        # before the backend lays out kernels that read them (a 32k-position Gemma 3 keeps 128 MiB).
+        ceiling = self.backend.kv_pool_ceiling(config.kv_cache_tokens)
+        self._context_len = min(int(self.model.context_len), ceiling or int(self.model.context_len))
+        keep_positions(model, self._context_len)
         self.backend.prepare_model(model, self._dtype, group)
-        self._context_len = int(self.model.context_len)
         self.vocab_size = int(self.hf_config.vocab_size)
         logger.info(
             "loaded %s (%s) on %s in %.1fs",
@@ -197,6 +207,9 @@ class ModelRunner:
         )
         if self.config.tp_size > 1:  # every rank holds the same pages (its own heads of them)
             tokens = tp.agree_min(tokens)
+        # The served context: no sequence outgrows the pool (WorkerReady tells the scheduler, which
+        # tells the tokenizer, so a request without a limit is clamped to what can run).
+        self._context_len = min(self._context_len, tokens // self.config.page_size * self.config.page_size)
         self.kv = KVPool(
             num_layers=model.num_layers,
             kv_heads=model.num_kv_heads,

@@ -275,6 +275,8 @@ class EngineStats(Msg):
     accepted_draft_tokens: int = 0
     verify_rows: int = 0
     replica: int = 0  # the data-parallel replica (--dp-size) whose scheduler sends it
+    # The context the engine serves (WorkerReady's: the model's, bounded by the KV pool); 0: unknown.
+    context_len: int = 0
 
 
 ToTokenizer = TokenBatch | RequestError | EngineStats

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
@@ -145,6 +147,24 @@ def freeze_startup_heap() -> None:
     collector's sight, once, as it announces itself ready. A full collection otherwise walks all of it
     (a visible pause between two decode steps: docs/benchmarks-history.md, "Numbers behind the code's
     choices"), and the younger ones its survivors;
-    what serving allocates is still collected."""
+    what serving allocates is still collected.
+
+    Then the heap's free pages go back to the system (glibc's ``malloc_trim``): what loading freed (a
+    GGUF's parsed metadata, a model's transient copies) stays resident otherwise, since the worker
+    keeps freed memory for its steps (gpu_worker/backends/cpu/malloc.py)."""
     gc.collect()
     gc.freeze()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """The heap's free pages given back to the system (glibc's malloc_trim(0)); nothing where the C
+    library has none (musl, macOS). A block later served from a trimmed page is resident only once
+    written: the worker trims before it allocates its KV pool, whose pages stay unresident until
+    used (reusing pages loading had written would make the whole pool resident at start)."""
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)

@@ -67,6 +67,9 @@ class SchedulerProcess:
         self.poller.register(self.from_worker, zmq.POLLIN)
 
     def announce(self) -> None:
+        """The first EngineStats to the tokenizer (the context served, before any client can ask),
+        then Ready to the launcher."""
+        self._publish_stats()
         name = replica_name("scheduler", self.scheduler.config.replica)
         self.to_launcher.send(self.encoder.encode(Ready(proc=name, pid=os.getpid())))
 
@@ -124,6 +127,7 @@ class SchedulerProcess:
             accepted_draft_tokens=drafts.accepted,
             verify_rows=drafts.verify_rows,
             replica=sched.config.replica,
+            context_len=sched.config.context_len,
         )
         if stats != self._sent_stats:
             self.to_tokenizer.send(self.encoder.encode(stats))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -139,9 +140,17 @@ class Frontend:
             case EngineStats():
                 if 0 <= msg.replica < len(self.replica_stats):
                     self.replica_stats[msg.replica] = msg
+                    self._serve_context(msg.context_len)
                 return Outbox()
             case _:
                 raise AssertionError(f"ToTokenizer decoded to unexpected {type(msg).__name__}")
+
+    def _serve_context(self, served: int) -> None:
+        """Validate against the context a replica serves where it is shorter than the model's (its
+        KV pool holds fewer tokens): a request without a limit is clamped to what can run, not sent
+        to be refused."""
+        if 1 < served < self.info.context_len:
+            self.info = self.intake.info = replace(self.info, context_len=served)
 
     @property
     def engine_stats(self) -> EngineStats | None:

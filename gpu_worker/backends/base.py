@@ -52,6 +52,11 @@ class Backend(Protocol):
         """The KV pool's size in tokens: ``configured`` if > 0, else a share of free memory."""
         ...
 
+    def kv_pool_ceiling(self, configured: int) -> int | None:
+        """The most tokens ``kv_pool_tokens`` can give, before the model's shapes are known; None:
+        no bound until then."""
+        ...
+
     def prepare_model(self, model: nn.Module, dtype: torch.dtype, tp: TensorParallel | None) -> None:
         """Ready a loaded model: under tensor parallel (``tp``) this rank's shard of it, by each
         layer's declared ``Split``, and the all-reduce around its row-parallel matmuls

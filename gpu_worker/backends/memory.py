@@ -25,6 +25,14 @@ def kv_pool_tokens(
     return min(tokens, CPU_MAX_KV_TOKENS)
 
 
+def kv_pool_ceiling(kv_cache_tokens: int, device: torch.device) -> int | None:
+    """The most tokens ``kv_pool_tokens`` can give, known before the model's shapes are: the
+    configured count, else the CPU's cap; None on a GPU (its share of free memory is read later)."""
+    if kv_cache_tokens > 0:
+        return kv_cache_tokens
+    return None if device.type == "cuda" else CPU_MAX_KV_TOKENS
+
+
 def available_ram_bytes() -> int:
     """MemAvailable from /proc/meminfo; free physical pages where that file does not exist."""
     try:

@@ -233,7 +233,26 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
             raise NotImplementedError(f"activation {name!r} is not supported")
 
 
-class RotaryCache(nn.Module):
+class PositionTable(nn.Module):
+    """A table with one row per position (a rope's cos/sin), built for the model's whole context.
+    ``keep_positions`` drops the rows past what the engine serves (the KV pool bounds every
+    sequence): the worker calls it once, before any kernel reads the table's storage."""
+
+    def keep_positions(self, rows: int) -> None:
+        """Keep the first ``rows`` rows of every table, in storage of their own."""
+        for name, table in self.named_buffers(recurse=False):
+            if table.shape[0] > rows:
+                setattr(self, name, table[:rows].clone())
+
+
+def keep_positions(model: nn.Module, rows: int) -> None:
+    """Every position table of ``model`` cut to its first ``rows`` positions."""
+    for module in model.modules():
+        if isinstance(module, PositionTable):
+            module.keep_positions(rows)
+
+
+class RotaryCache(PositionTable):
     """cos/sin of every position up to ``context_len``, looked up per token.
 
     Angles are computed in float32 and then cast, as HF does, so every model

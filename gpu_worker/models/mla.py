@@ -42,7 +42,7 @@ from torch import nn
 
 from gpu_worker.forward_context import AttentionOptions, ForwardContext, paged_attention
 from gpu_worker.models.contract import AttentionLayer, Layer, Split
-from gpu_worker.models.layers import Linear, RMSNorm, apply_rotary
+from gpu_worker.models.layers import Linear, PositionTable, RMSNorm, apply_rotary
 from gpu_worker.models.mla_rows import RowPlan, attend_rows, plan_rows
 from gpu_worker.models.rope import rope_parameters
 
@@ -118,7 +118,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, rotary:
     return torch.cat((even * cos_h - odd * sin_h, odd * cos_h + even * sin_h), dim=-1)
 
 
-class ComplexRotary(nn.Module):
+class ComplexRotary(PositionTable):
     """DeepSeek-V2's rotation factors as HF makes them: ``polar(1, angle) * scaling`` in complex
     float32 for every position below ``context_len`` (torch.polar's cos and sin are not the real
     ones' bit for bit)."""

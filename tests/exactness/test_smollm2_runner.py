@@ -34,7 +34,7 @@ def test_smollm2_greedy_answers_paris() -> None:
     runner = ModelRunner(
         WorkerConfig(model_path=str(path), dtype="float32", kv_cache_tokens=256, page_size=16, num_threads=1)
     )
-    assert runner.context_len == 8192
+    assert (runner.context_len, runner.model.context_len) == (256, 8192), "the pool bounds the context served"
     sched = MiniScheduler(runner.num_pages, 16)
     expected_len = len(tokenizer.encode(EXPECTED)) + 1
     out = runner.execute(sched.batch([(0, 0, prompt, True, GREEDY)])).token_ids

@@ -20,7 +20,8 @@ from protocol.sampling import WorkerGrammar, WorkerPenalties
 from tests.gpu_worker.helpers import GREEDY, VOCAB, save_tiny_model
 
 # Two rows (req_pool_idx 0 and 1, one page each) and a fork of row 0 (req_pool_idx 2) that gets its
-# own copy of page 2. The runner below has 4 req_pool_idx, 8 pages of 8 tokens, a context of 256.
+# own copy of page 2. The runner below has 4 req_pool_idx, 8 pages of 8 tokens, a context of 64 (the
+# pool's 64 tokens bound the model's 256).
 BASE = ForwardBatch(
     step=1, req_pool_idx=[0, 1], prefix_lens=[0, 0], extend_lens=[3, 2], input_ids=[3, 4, 5, 6, 7],
     page_starts=[0, 0], page_counts=[1, 1], pages=[2, 3], sample=[True, True], sampler=[GREEDY, GREEDY],
@@ -60,9 +61,9 @@ BROKEN: list[tuple[dict[str, Any], str]] = [
     ({"req_pool_idx": [0, 4]}, "req_pool_idx must be distinct and in [0, 4)"),
     ({"extend_lens": [5, 0]}, "extend_lens must be >= 1 and prefix_lens >= 0"),
     ({"prefix_lens": [-1, 0]}, "extend_lens must be >= 1 and prefix_lens >= 0"),
-    ({"prefix_lens": [0, 255]}, "a row runs past the context length 256"),
-    ({"page_starts": [0, 32]}, "page deltas outside [0, 32)"),
-    ({"page_counts": [2, -1], "pages": [2]}, "page deltas outside [0, 32)"),
+    ({"prefix_lens": [0, 63]}, "a row runs past the context length 64"),
+    ({"page_starts": [0, 8]}, "page deltas outside [0, 8)"),
+    ({"page_counts": [2, -1], "pages": [2]}, "page deltas outside [0, 8)"),
     ({"pages": [2, 8]}, "pages must be in [0, 8)"),
     ({"input_ids": [3, 4, 5, 6, VOCAB]}, f"token ids must be in [0, {VOCAB}) or PENDING"),
     ({"input_ids": [3, PENDING, 5, 6, 7]}, "PENDING may only be a row's last token"),
@@ -128,8 +129,8 @@ def forwards(runner: ModelRunner) -> Iterator[list[int]]:
 
 def test_the_limits_are_the_runners(runner: ModelRunner) -> None:
     limits = runner.batch_limits
-    assert (limits.max_requests, limits.pages_per_request, limits.num_pages) == (4, 32, 8)
-    assert (limits.context_len, limits.vocab_size, limits.why_no_pooling) == (256, VOCAB, None)
+    assert (limits.max_requests, limits.pages_per_request, limits.num_pages) == (4, 8, 8)
+    assert (limits.context_len, limits.vocab_size, limits.why_no_pooling) == (64, VOCAB, None)
 
 
 @pytest.mark.parametrize(("change", "message"), BROKEN, ids=[m for _, m in BROKEN])

@@ -25,6 +25,7 @@ import torch
 from gpu_worker.backends.cpu.quant import QuantLinear
 from gpu_worker.config import WorkerConfig
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.models.layers import PositionTable
 from gpu_worker.weights.model_files import resolve_model
 from tests.gguf_writer import write_gguf
 from tests.gpu_worker.helpers import GREEDY, VOCAB, MiniScheduler, save_tiny_model
@@ -117,6 +118,25 @@ def test_transformers_reads_our_gguf_as_the_hf_model(family: tuple[str, Path, Pa
             torch.testing.assert_close(tensor, ours[name], rtol=0, atol=1e-6, msg=name)
             checked += 1
     assert checked >= 3 * 2 + 2, f"only {checked} tensors in common"
+
+
+def test_a_pool_shorter_than_the_context_serves_the_pools_length(family: tuple[str, Path, Path, Any]) -> None:
+    """--kv-cache-tokens below the model's context (256): the runner serves the pool's length (what
+    WorkerReady tells the scheduler), its rope tables are cut to that many positions, and the
+    scenario still matches HF token for token."""
+    kind, path, _, hf = family
+    runner = _runner(path, None, page_size=4, kv_cache_tokens=192)
+    assert (runner.context_len, runner.model.context_len) == (192, 256)
+    model = runner.model
+    assert isinstance(model, torch.nn.Module)
+    tables = [t for m in model.modules() if isinstance(m, PositionTable) for t in m.buffers(recurse=False)]
+    assert kind == "gpt2" or tables, "every rope family has a position table"
+    assert all(t.shape[0] == 192 for t in tables), [t.shape for t in tables]
+    prompts = make_prompts(seed=len(kind))
+    got = run_scenario(
+        runner, MiniScheduler(runner.num_pages, 4, shuffle_seed=3), prompts, hf, ATOL.get(kind, 1e-9)
+    )
+    assert got == [hf_greedy(hf, prompt) for prompt in prompts]
 
 
 def test_sliding_window_prompt_longer_than_the_window(tmp_path: Path) -> None:

@@ -149,10 +149,11 @@ def test_runner_properties(tiny_models: dict) -> None:
         WorkerConfig(model_path=str(path), dtype="float64", kv_cache_tokens=100, page_size=16, num_threads=1)
     )
     assert runner.num_pages == 100 // 16
-    assert runner.context_len == hf.config.n_positions
+    # The served context: the model's, bounded by what the pool holds (6 pages of 16 tokens).
+    assert runner.context_len == min(hf.config.n_positions, 96) == 96
     assert runner.dtype == torch.float64 and runner.device.type == "cpu"
     assert runner.kv.k[0].shape == (runner.num_pages * 16, 4, 16)
-    assert runner.kv.page_table.shape == (128, -(-hf.config.n_positions // 16))
+    assert runner.kv.page_table.shape == (128, 96 // 16)
 
 
 def test_rope_theta_from_old_and_new_config_spellings() -> None:

@@ -54,3 +54,15 @@ def test_retracted_grammar_requests_keep_their_tokens(tiny_pool: RunningEngine) 
     for out in together:
         assert out.finish_reason is FinishReason.STOP
         assert set(json.loads(out.text)) == set(SCHEMA["properties"])
+
+
+@pytest.mark.timeout(300)
+def test_a_limit_beyond_the_pool_runs_to_the_pools_length(tiny_pool: RunningEngine) -> None:
+    """The pool (256 tokens) is shorter than the model's context (8192): the engine serves the pool's
+    length, so a request whose limit only the context would allow runs until it fills the pool,
+    where before the scheduler refused it whole ("needs more KV than the whole pool")."""
+    with Client(tiny_pool.endpoint, timeout_s=240) as c:
+        out = c.generate("Tell me a long story.", max_new_tokens=100_000, temperature=0, ignore_eos=True)
+    assert out.finish_reason is FinishReason.LENGTH and out.usage is not None
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == 256
+    assert "context 256" in tiny_pool.log()

@@ -86,7 +86,8 @@ def test_scheduler_process_serves_over_zmq(scheduler_child: Any) -> None:
     reports: list[EngineStats] = []
     assert socks["to_tokenizer"].poll(20_000), "no EngineStats at start"
     first = codec.decode(socks["to_tokenizer"].recv())  # tells the tokenizer the scheduler is up
-    assert first == EngineStats(num_running=0, num_waiting=0, num_pages=64, free_pages=64)
+    # ... and the context it serves (WorkerReady's, in its config)
+    assert first == EngineStats(num_running=0, num_waiting=0, num_pages=64, free_pages=64, context_len=128)
     socks["to_scheduler"].send(b"\xc1 not msgpack")  # survived: logged and dropped
     socks["to_scheduler"].send(codec.encode(tokenized(1, [7] * 200, 1)))  # beyond context_len
     prompt = list(range(10, 30))

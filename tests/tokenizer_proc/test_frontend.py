@@ -10,6 +10,7 @@ import pytest
 from protocol.logprobs import PromptLogprobs, TopLogprobs, TopTokens
 from protocol.messages import (
     AbortRequest,
+    EngineStats,
     FinishReason,
     FinishReq,
     GenerateOutput,
@@ -23,6 +24,7 @@ from protocol.messages import (
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.intake import SHUTDOWN_MESSAGE
 from tokenizer_proc.model_info import ModelInfo
+from tokenizer_proc.validation import RequestRejected
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -158,6 +160,24 @@ def test_rejected_request_gets_an_error_reply(frontend: Frontend) -> None:
     out = frontend.on_client_frames([CLIENT, payload])
     ((_, reply),) = out.replies
     assert out.to_scheduler == [] and reply.rid == "bad" and "sampling.top_p" in (reply.error or "")
+
+
+def test_the_served_context_bounds_requests(frontend: Frontend, model_info: ModelInfo) -> None:
+    """A replica whose KV pool holds fewer tokens than the model's context says so in its EngineStats:
+    from then on a request's limit is clamped to that room (a ZMQ client's) or refused over it (an
+    HTTP client's own), not sent to a scheduler that could only refuse it; a longer one changes nothing."""
+    assert model_info.context_len == 8192
+    stats = EngineStats(num_running=0, num_waiting=0, num_pages=4, free_pages=4, context_len=64)
+    frontend.on_scheduler_msg(msgspec.structs.replace(stats, context_len=100_000))
+    assert frontend.info.context_len == 8192
+    frontend.on_scheduler_msg(stats)
+    assert frontend.info.context_len == frontend.intake.info.context_len == 64
+    req = _submit(frontend, sampling={"max_new_tokens": 1000})
+    assert len(req.input_ids) + req.max_new_tokens == 64
+    own_limit = GenerateRequest(rid="h", prompt="Tell me", sampling=SamplingParams(max_new_tokens=1000))
+    rejected = frontend.intake.begin(CLIENT, own_limit, clamp_to_context=False)
+    with pytest.raises(RequestRejected, match="over the context length 64"):
+        frontend.intake.start(rejected)
 
 
 def test_duplicate_rid_is_rejected_per_client(frontend: Frontend) -> None:

@@ -59,7 +59,6 @@ class OpenAiApi:
     def __init__(self, bridge: HttpBridge, settings: HttpSettings) -> None:
         self.bridge = bridge
         self.settings = settings
-        self._context_len = bridge.frontend.info.context_len
         self.texts = TokenTexts(bridge.frontend.tokenizer)
 
     async def completions(self, request: Request) -> Response:
@@ -77,7 +76,7 @@ class OpenAiApi:
     async def models(self, request: Request) -> Response:
         self.authorize(request)
         card = {"id": self.settings.served_model_name, "object": "model", "created": 0,
-                "owned_by": "rivulet", "max_model_len": self._context_len}  # fmt: skip
+                "owned_by": "rivulet", "max_model_len": self.bridge.frontend.info.context_len}  # fmt: skip
         return json_response({"object": "list", "data": [card]})
 
     async def model_info(self, request: Request) -> Response:
@@ -89,7 +88,7 @@ class OpenAiApi:
         frontend = self.bridge.frontend
         return json_response({"model_path": self.settings.served_model_name, "served_model_name":
                               self.settings.served_model_name, "dp_size": frontend.router.dp_size,
-                              "max_model_len": self._context_len, "engine": "rivulet"})  # fmt: skip
+                              "max_model_len": frontend.info.context_len, "engine": "rivulet"})  # fmt: skip
 
     async def health(self, request: Request) -> Response:
         if not self.bridge.ready:

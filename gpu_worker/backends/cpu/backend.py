@@ -27,7 +27,7 @@ from gpu_worker.backends.cpu.prepare import pin_attributes as pin_attributes
 from gpu_worker.backends.cpu.prepare import prepare_model
 from gpu_worker.backends.cpu.prepare import weight_bytes as weight_bytes
 from gpu_worker.backends.cpu.threads import ContentionGuard, ThreadTuner, shape_class
-from gpu_worker.backends.memory import kv_pool_tokens
+from gpu_worker.backends.memory import kv_pool_ceiling, kv_pool_tokens
 from gpu_worker.backends.torch import attention as torch_attention
 
 if TYPE_CHECKING:
@@ -124,6 +124,9 @@ class CpuBackend:
 
     def kv_pool_tokens(self, configured: int, mem_fraction: float, bytes_per_token: int) -> int:
         return kv_pool_tokens(configured, mem_fraction, bytes_per_token, self.device)
+
+    def kv_pool_ceiling(self, configured: int) -> int | None:
+        return kv_pool_ceiling(configured, self.device)
 
     def prepare_model(self, model: nn.Module, dtype: torch.dtype, tp: TensorParallel | None) -> None:
         def prepare() -> None:  # on this rank's shard under tensor parallel

@@ -13,7 +13,7 @@ import torch
 
 from gpu_worker import tensor_parallel
 from gpu_worker.backends.base import ALL_REDUCE
-from gpu_worker.backends.memory import kv_pool_tokens
+from gpu_worker.backends.memory import kv_pool_ceiling, kv_pool_tokens
 from gpu_worker.backends.torch import attention
 
 if TYPE_CHECKING:
@@ -56,6 +56,9 @@ class TorchBackend:
 
     def kv_pool_tokens(self, configured: int, mem_fraction: float, bytes_per_token: int) -> int:
         return kv_pool_tokens(configured, mem_fraction, bytes_per_token, self.device)
+
+    def kv_pool_ceiling(self, configured: int) -> int | None:
+        return kv_pool_ceiling(configured, self.device)
 
     def prepare_model(self, model: nn.Module, dtype: torch.dtype, tp: TensorParallel | None) -> None:
         tensor_parallel.prepare_rank(model, tp, lambda: None)
