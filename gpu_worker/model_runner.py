@@ -118,7 +118,8 @@ class ModelRunner:
         )
         # What a sequence can reach: the model's context, bounded by the most tokens the KV pool can
         # hold (_init_kv_pool bounds it by the pool's own size). The rope's tables are cut to it
-        # before the backend lays out kernels that read them (a 32k-position Gemma 3 keeps 128 MiB).
+        # before the backend lays out kernels that read them (docs/benchmarks-history.md, "The worker's
+        # memory at rest").
         ceiling = self.backend.kv_pool_ceiling(config.kv_cache_tokens)
         self._context_len = min(int(self.model.context_len), ceiling or int(self.model.context_len))
         keep_positions(model, self._context_len)
