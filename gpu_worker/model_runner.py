@@ -121,7 +121,8 @@ class ModelRunner:
         # before the backend lays out kernels that read them (docs/benchmarks-history.md, "The worker's
         # memory at rest").
         ceiling = self.backend.kv_pool_ceiling(config.kv_cache_tokens)
-        self._context_len = min(int(self.model.context_len), ceiling or int(self.model.context_len))
+        context = int(self.model.context_len)
+        self._context_len = context if ceiling is None else min(context, ceiling)
         keep_positions(model, self._context_len)
         self.backend.prepare_model(model, self._dtype, group)
         self.vocab_size = int(self.hf_config.vocab_size)

@@ -162,9 +162,17 @@ def trim_heap() -> None:
     library has none (musl, macOS). A block later served from a trimmed page is resident only once
     written: the worker trims before it allocates its KV pool, whose pages stay unresident until
     used (reusing pages loading had written would make the whole pool resident at start)."""
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
-    except (OSError, AttributeError, TypeError):
+    trim = libc_function("malloc_trim")
+    if trim is None:
         return
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
+
+
+def libc_function(name: str) -> Any:
+    """The C library's function ``name``; None where it has none (glibc's malloc tunables on musl,
+    macOS)."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c")), name)
+    except (OSError, AttributeError, TypeError):
+        return None

@@ -55,7 +55,6 @@ class Frontend:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.tokenizer = tokenizer
-        self.info = info
         self.router = router or Router()
         self.requests = RequestTable(tokenizer, clock, on_drop=self.router.release)
         self.intake = Intake(tokenizer, info, seed, self.requests, self.router)
@@ -65,6 +64,11 @@ class Frontend:
         self.replica_stats: list[EngineStats | None] = [None] * self.router.dp_size
         # ZMQ requests whose grammar compiles, by (client, rid): an abort finds them here.
         self._compiling: dict[tuple[bytes, str], Admitting] = {}
+
+    @property
+    def info(self) -> ModelInfo:
+        """The limits requests are validated against (the intake's: see ``_serve_context``)."""
+        return self.intake.info
 
     @property
     def draining(self) -> bool:
@@ -150,7 +154,7 @@ class Frontend:
         KV pool holds fewer tokens): a request without a limit is clamped to what can run, not sent
         to be refused."""
         if 1 < served < self.info.context_len:
-            self.info = self.intake.info = replace(self.info, context_len=served)
+            self.intake.info = replace(self.intake.info, context_len=served)
 
     @property
     def engine_stats(self) -> EngineStats | None:

@@ -14,8 +14,9 @@ resident memory then holds the largest step's working set on top of the weights 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
+
+from protocol.transport import libc_function
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +33,8 @@ def keep_freed_memory() -> bool:
     global _done
     if _done:
         return True
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
+    mallopt = libc_function("mallopt")
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _done = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
